@@ -1,0 +1,107 @@
+"""Shape, dtype and device checks shared by every KDA op entry point.
+
+They look only at tensor metadata, never at values on the device, so they cost no device->host
+sync and are safe inside the hot path and under CUDA-graph capture. Each error says what was wrong
+and what would be right.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kdaserve.ops.types import KDAWeights, check_conv_layout, conv_state_rows
+
+
+def _expect(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def check_common(
+    qkv: torch.Tensor,
+    g1: torch.Tensor,
+    beta_logits: torch.Tensor,
+    g2: torch.Tensor,
+    weights: KDAWeights,
+    conv_state: torch.Tensor,
+    recurrent_state: torch.Tensor,
+    out: torch.Tensor,
+    conv_layout: str,
+) -> tuple[int, int, int]:
+    """Checks what prefill and decode share; returns (T, H, D)."""
+    check_conv_layout(conv_layout)
+    H, D = weights.num_heads, weights.head_dim
+    P = H * D
+    T = qkv.shape[0]
+    _expect(qkv.dim() == 2 and qkv.shape[1] == 3 * P, f"qkv must be [T, 3P] = [T, {3 * P}], got {tuple(qkv.shape)}")
+    _expect(qkv.stride(1) == 1, f"qkv columns must be contiguous (a column slice of the projection), got strides {qkv.stride()}")
+    for name, t in (("g1", g1), ("g2", g2)):
+        _expect(t.shape[0] == T and t[0].numel() == P, f"{name} must be [T, H, D] or [T, P] with T={T}, P={P}, got {tuple(t.shape)}")
+    _expect(tuple(beta_logits.shape) == (T, H), f"beta_logits must be [T, H] = [{T}, {H}], got {tuple(beta_logits.shape)}")
+    _expect(out.shape[0] == T and out[0].numel() == P, f"out must be [T, H, D] with T={T}, H={H}, D={D}, got {tuple(out.shape)}")
+    _expect(
+        tuple(weights.conv_weight.shape[:1]) == (3 * P,),
+        f"conv_weight must be [3P, W] = [{3 * P}, W], got {tuple(weights.conv_weight.shape)}",
+    )
+    _expect(
+        recurrent_state.dim() == 4 and tuple(recurrent_state.shape[1:]) == (H, D, D),
+        f"recurrent_state must be [num_slots, H, V, K] = [*, {H}, {D}, {D}], got {tuple(recurrent_state.shape)}",
+    )
+    rows = conv_state_rows(conv_state, conv_layout)
+    _expect(
+        rows.dim() == 3 and rows.shape[2] == 3 * P and rows.shape[1] >= weights.conv_width - 1,
+        f"conv_state ({conv_layout}) must be "
+        + ("[num_slots, W-1+S, 3P]" if conv_layout == "SD" else "[num_slots, 3P, W-1+S]")
+        + f" with 3P={3 * P}, W={weights.conv_width}, got {tuple(conv_state.shape)}",
+    )
+    _expect(
+        conv_state.shape[0] == recurrent_state.shape[0],
+        f"conv_state and recurrent_state pools must have the same slot count, got {conv_state.shape[0]} and {recurrent_state.shape[0]}",
+    )
+    devices = {t.device for t in (qkv, g1, beta_logits, g2, conv_state, recurrent_state, out, weights.conv_weight)}
+    _expect(len(devices) == 1, f"all KDA tensors must be on one device, got {sorted(map(str, devices))}")
+    return T, H, D
+
+
+def check_prefill(
+    T: int, cu_seqlens: torch.Tensor, state_indices: torch.Tensor, has_initial_state: torch.Tensor
+) -> int:
+    N = state_indices.shape[0]
+    _expect(cu_seqlens.shape == (N + 1,), f"cu_seqlens must be [N+1] = [{N + 1}] for {N} state_indices, got {tuple(cu_seqlens.shape)}")
+    _expect(has_initial_state.shape == (N,), f"has_initial_state must be [N] = [{N}], got {tuple(has_initial_state.shape)}")
+    _expect(
+        cu_seqlens.dtype in (torch.int32, torch.int64) and state_indices.dtype in (torch.int32, torch.int64),
+        "cu_seqlens and state_indices must be int32 (or int64)",
+    )
+    return N
+
+
+def check_decode(
+    T: int,
+    state_indices: torch.Tensor,
+    spec_state_indices: torch.Tensor | None,
+    num_accepted_tokens: torch.Tensor | None,
+    conv_rows: int,
+    conv_width: int,
+) -> tuple[int, int]:
+    """Returns (N, tokens per sequence)."""
+    N = state_indices.shape[0]
+    if spec_state_indices is None:
+        _expect(T == N, f"decode takes one token per sequence: {T} tokens for {N} state_indices")
+        _expect(num_accepted_tokens is None, "num_accepted_tokens is only meaningful with spec_state_indices")
+        return N, 1
+    _expect(
+        spec_state_indices.dim() == 2 and spec_state_indices.shape[0] == N,
+        f"spec_state_indices must be [N, S+1] with N={N}, got {tuple(spec_state_indices.shape)}",
+    )
+    S1 = spec_state_indices.shape[1]
+    _expect(T == N * S1, f"speculative verify takes S+1 = {S1} tokens per sequence: {T} tokens for {N} sequences")
+    _expect(
+        num_accepted_tokens is not None and num_accepted_tokens.shape == (N,),
+        f"speculative verify needs num_accepted_tokens [N] = [{N}]",
+    )
+    _expect(
+        conv_rows >= conv_width - 1 + S1 - 1,
+        f"a conv state of {conv_rows} rows cannot hold W-1+S = {conv_width - 1 + S1 - 1} rows for S = {S1 - 1} drafts",
+    )
+    return N, S1

@@ -1,0 +1,111 @@
+"""The whole KDA core of one layer, after the projections: conv -> l2norm/gate/beta -> delta rule
+-> gated RMSNorm. These two functions fix the calling convention every prefill and decode backend
+implements (`kdaserve/ops/*`), so backends are interchangeable.
+
+Inputs, for T tokens of a step:
+  qkv          [T, 3P] pre-conv q|k|v (a column slice of the projection output is fine)
+  g1           [T, H, D] or [T, P] forget-gate logits (f_a @ W_fb)
+  beta_logits  [T, H] (a column slice of the projection output is fine)
+  g2           [T, H, D] or [T, P] output-gate logits (g_a @ W_gb)
+  conv_state   the bf16 conv-state pool (SD or DS layout), updated in place
+  recurrent_state  [num_slots, H, V, K] pool (fp32 or bf16), updated in place
+  out          [T, H, D] caller-provided output, written for every sequence whose slot is > 0
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kdaserve.ops.checks import check_common, check_decode, check_prefill
+from kdaserve.ops.reference.chunked import kda_chunked_varlen
+from kdaserve.ops.reference.conv import causal_conv_update, causal_conv_varlen
+from kdaserve.ops.reference.gates import beta_sigmoid, kda_gate, l2norm_qk
+from kdaserve.ops.reference.norm import gated_rms_norm
+from kdaserve.ops.reference.recurrence import kda_recurrent_spec, kda_recurrent_varlen
+from kdaserve.ops.types import KDAWeights, conv_state_rows
+
+
+def kda_qkv_prepare(y: torch.Tensor, H: int, D: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split conv output [T, 3P] into q, k, v [T, H, D]; l2norm q and k, scale folded into q."""
+    T = y.shape[0]
+    q, k, v = y.view(T, 3, H, D).unbind(1)
+    q, k = l2norm_qk(q, k)
+    return q, k, v
+
+
+def _finish(o, g2, weights, out, valid_rows):
+    T, H, D = o.shape
+    y = gated_rms_norm(o, g2.reshape(T, H, D), weights.norm_weight, weights.norm_eps)
+    out_v = out.view(T, H, D)
+    out_v[valid_rows] = y[valid_rows].to(out.dtype)
+
+
+def kda_prefill_reference(
+    qkv: torch.Tensor,
+    g1: torch.Tensor,
+    beta_logits: torch.Tensor,
+    g2: torch.Tensor,
+    weights: KDAWeights,
+    conv_state: torch.Tensor,
+    recurrent_state: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    conv_layout: str = "SD",
+    cu_seqlens_cpu: torch.Tensor | None = None,
+    chunk_size: int | None = None,
+) -> None:
+    """Varlen prefill (any lengths, mixed steps included). chunk_size=None runs the token loop;
+    16/32/64 run the chunked form (same result, much faster for long sequences)."""
+    T, H, D = check_common(qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, out, conv_layout)
+    check_prefill(T, cu_seqlens, state_indices, has_initial_state)
+    y = causal_conv_varlen(qkv, weights.conv_weight, conv_state, cu_seqlens, state_indices, has_initial_state, conv_layout)
+    q, k, v = kda_qkv_prepare(y, H, D)
+    gk = kda_gate(g1.reshape(T, H, D), weights.A_log, weights.dt_bias, weights.lower_bound)
+    beta = beta_sigmoid(beta_logits)
+    args = (q, k, v, gk, beta, recurrent_state, cu_seqlens, state_indices, has_initial_state)
+    o = kda_recurrent_varlen(*args) if chunk_size is None else kda_chunked_varlen(*args, chunk_size=chunk_size)
+    cu = (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens).tolist()
+    valid = torch.zeros(T, dtype=torch.bool)
+    for n, slot in enumerate(state_indices.tolist()):
+        valid[cu[n] : cu[n + 1]] = slot > 0
+    _finish(o, g2, weights, out, valid.to(out.device))
+
+
+def kda_decode_reference(
+    qkv: torch.Tensor,
+    g1: torch.Tensor,
+    beta_logits: torch.Tensor,
+    g2: torch.Tensor,
+    weights: KDAWeights,
+    conv_state: torch.Tensor,
+    recurrent_state: torch.Tensor,
+    state_indices: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    conv_layout: str = "SD",
+    spec_state_indices: torch.Tensor | None = None,
+    num_accepted_tokens: torch.Tensor | None = None,
+) -> None:
+    """One token per sequence, or S+1 per sequence for a speculative verify (`spec_state_indices`
+    [N, S+1] with `num_accepted_tokens` [N]). The conv state lives in slot `state_indices[n]`;
+    the recurrent state in `state_indices[n]`, or per token in `spec_state_indices` when verifying.
+    Rows whose slot is <= 0 are padding: nothing is read or written for them, `out` included."""
+    T, H, D = check_common(qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, out, conv_layout)
+    rows = conv_state_rows(conv_state, conv_layout).shape[1]
+    N, m = check_decode(T, state_indices, spec_state_indices, num_accepted_tokens, rows, weights.conv_width)
+    y = causal_conv_update(qkv, weights.conv_weight, conv_state, state_indices, num_accepted_tokens, conv_layout)
+    q, k, v = kda_qkv_prepare(y, H, D)
+    gk = kda_gate(g1.reshape(T, H, D), weights.A_log, weights.dt_bias, weights.lower_bound)
+    beta = beta_sigmoid(beta_logits)
+    if spec_state_indices is None:
+        cu = torch.arange(N + 1, device=qkv.device, dtype=torch.int32)
+        has_state = torch.ones(N, dtype=torch.bool, device=qkv.device)
+        o = kda_recurrent_varlen(q, k, v, gk, beta, recurrent_state, cu, state_indices, has_state)
+        valid = state_indices > 0
+    else:
+        o = kda_recurrent_spec(q, k, v, gk, beta, recurrent_state, spec_state_indices, num_accepted_tokens)
+        valid = (spec_state_indices[:, :1] > 0).expand(N, m).reshape(T)
+    _finish(o, g2, weights, out, valid)

@@ -1,0 +1,166 @@
+"""Behavioural properties every KDA prefill/decode implementation must have.
+
+Each check takes the implementation under test (functions with the calling convention of
+`kda_prefill_reference` / `kda_decode_reference`) and raises AssertionError on violation, so the
+reference, the Triton backends and external adapters are all held to the same standard.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kdaserve.ops.reference import kda_decode_reference, kda_prefill_reference
+from kdaserve.testing.compare import assert_rel_close, assert_slots_untouched
+from kdaserve.testing.inputs import KDACase, make_kda_case
+from kdaserve.ops.types import conv_state_rows
+
+
+def to_fp64(case: KDACase) -> KDACase:
+    """The same case in fp64 (views kept as views), for ground-truth reference runs."""
+    c = case.clone()
+    c.proj = case.proj.double()
+    P = case.H * case.D
+    c.qkv, c.beta_logits = c.proj[:, : 3 * P], c.proj[:, 3 * P : 3 * P + case.H]
+    c.g1, c.g2 = case.g1.double(), case.g2.double()
+    c.conv_state, c.recurrent_state = case.conv_state.double(), case.recurrent_state.double()
+    return c
+
+
+def run_prefill(fn, case: KDACase, out_dtype=None, **kw) -> torch.Tensor:
+    out = case.new_out(out_dtype)
+    fn(out=out, **case.prefill_args(), **kw)
+    return out
+
+
+def run_decode(fn, case: KDACase, out_dtype=None, **kw) -> torch.Tensor:
+    out = case.new_out(out_dtype)
+    fn(out=out, **case.decode_args(), **kw)
+    return out
+
+
+def valid_rows(case: KDACase) -> torch.Tensor:
+    rows = torch.repeat_interleave(case.state_indices.cpu() > 0, torch.tensor(case.seq_lens))
+    return rows.to(case.qkv.device)
+
+
+def check_prefill_matches_reference(prefill_fn, case: KDACase, tol: float, chunk_size=None) -> None:
+    """Output, final states and conv states against the fp64 reference; other slots bit-exact."""
+    ref = to_fp64(case)
+    kw = {} if chunk_size is None else {"chunk_size": chunk_size}
+    ref_out = run_prefill(kda_prefill_reference, ref, out_dtype=torch.float64, **kw)
+    before_rec, before_conv = case.recurrent_state.clone(), case.conv_state.clone()
+    out = run_prefill(prefill_fn, case)
+    rows = valid_rows(case)
+    assert_rel_close(out[rows], ref_out[rows], tol, "prefill output")
+    used = [s for s in case.state_indices.tolist() if s > 0]
+    assert_rel_close(case.recurrent_state[used], ref.recurrent_state[used], tol, "prefill final state")
+    cs, rs = conv_state_rows(case.conv_state, case.conv_layout), conv_state_rows(ref.conv_state, case.conv_layout)
+    assert torch.equal(cs[used].double(), rs[used].to(cs.dtype).double()), "prefill conv state differs from the reference"
+    assert_slots_untouched(before_rec, case.recurrent_state, used, "recurrent_state")
+    assert_slots_untouched(before_conv, case.conv_state, used, "conv_state")
+    # Output rows of a prefill sequence whose slot is <= 0 are unspecified (only decode pads).
+
+
+def check_decode_matches_reference(decode_fn, case: KDACase, tol: float, **kw) -> None:
+    ref = to_fp64(case)
+    ref_out = run_decode(kda_decode_reference, ref, out_dtype=torch.float64, **kw)
+    before_rec, before_conv = case.recurrent_state.clone(), case.conv_state.clone()
+    out = run_decode(decode_fn, case, **kw)
+    spec = kw.get("spec_state_indices")
+    if spec is None:
+        rows, used_rec = case.state_indices > 0, [s for s in case.state_indices.tolist() if s > 0]
+    else:
+        rows = (spec[:, :1] > 0).expand(spec.shape).reshape(-1)
+        used_rec = [s for row in spec.tolist() if row[0] > 0 for s in row if s > 0]
+    used_conv = [s for s in case.state_indices.tolist() if s > 0]
+    assert_rel_close(out[rows], ref_out[rows], tol, "decode output")
+    assert_rel_close(case.recurrent_state[used_rec], ref.recurrent_state[used_rec], tol, "decode state")
+    cs, rs = conv_state_rows(case.conv_state, case.conv_layout), conv_state_rows(ref.conv_state, case.conv_layout)
+    assert torch.equal(cs[used_conv].double(), rs[used_conv].to(cs.dtype).double()), "decode conv state differs from the reference"
+    assert_slots_untouched(before_rec, case.recurrent_state, used_rec, "recurrent_state")
+    assert_slots_untouched(before_conv, case.conv_state, used_conv, "conv_state")
+    if not rows.all():
+        assert torch.isnan(out[~rows]).all(), "decode wrote output rows of padding (slot <= 0)"
+
+
+def sub_case(case: KDACase, t0: int, t1: int, *, has_initial_state: bool) -> KDACase:
+    """Tokens [t0, t1) of a single-sequence case as a step of its own, sharing the case's pools."""
+    c = case.clone()
+    c.conv_state, c.recurrent_state = case.conv_state, case.recurrent_state
+    c.proj = case.proj[t0:t1]
+    P = case.H * case.D
+    c.qkv, c.beta_logits = c.proj[:, : 3 * P], c.proj[:, 3 * P : 3 * P + case.H]
+    c.g1, c.g2 = case.g1[t0:t1], case.g2[t0:t1]
+    c.seq_lens = [t1 - t0]
+    cu = torch.tensor([0, t1 - t0], dtype=torch.int32)
+    c.cu_seqlens, c.cu_seqlens_cpu = cu.to(case.qkv.device), cu
+    c.has_initial_state = torch.tensor([has_initial_state], device=case.qkv.device)
+    return c
+
+
+def check_split_prefill(prefill_fn, length: int, split: int, tol: float, **case_kw) -> None:
+    """Prefix then the rest (resumed from the written states, conv included) == one prefill."""
+    case = make_kda_case([length], has_initial_state=False, **case_kw)
+    whole = case.clone()
+    out_whole = run_prefill(prefill_fn, whole)
+    out_a = run_prefill(prefill_fn, sub_case(case, 0, split, has_initial_state=False))
+    out_b = run_prefill(prefill_fn, sub_case(case, split, length, has_initial_state=True))
+    assert_rel_close(torch.cat([out_a, out_b]), out_whole, tol, "split prefill output")
+    slot = case.state_indices.tolist()
+    assert_rel_close(case.recurrent_state[slot], whole.recurrent_state[slot], tol, "split prefill final state")
+    assert torch.equal(case.conv_state[slot], whole.conv_state[slot]), "split prefill conv state differs"
+
+
+def check_mixed_equals_alone(prefill_fn, seq_lens: list[int], tol: float, **case_kw) -> None:
+    """A varlen step of several sequences == each sequence in a step of its own."""
+    case = make_kda_case(seq_lens, **case_kw)
+    together = case.clone()
+    out_all = run_prefill(prefill_fn, together)
+    cu = case.cu_seqlens_cpu.tolist()
+    for n in range(case.N):
+        alone = case.clone()
+        alone.conv_state, alone.recurrent_state = case.conv_state, case.recurrent_state
+        one = sub_case(alone, cu[n], cu[n + 1], has_initial_state=bool(case.has_initial_state[n]))
+        one.state_indices = case.state_indices[n : n + 1]
+        out = run_prefill(prefill_fn, one)
+        assert_rel_close(out, out_all[cu[n] : cu[n + 1]], tol, f"sequence {n} alone vs in a mixed step")
+    assert_rel_close(case.recurrent_state, together.recurrent_state, tol, "states alone vs mixed")
+    assert torch.equal(case.conv_state, together.conv_state), "conv states alone vs mixed differ"
+
+
+def check_spec_resume(prefill_fn, decode_fn, accepted: int, tol: float, S: int = 3, **case_kw) -> None:
+    """Verify S+1 drafts, accept `accepted`, verify the next S+1: the second step must equal a run
+    that only ever saw the prompt, the accepted drafts and then the new tokens (conv included)."""
+    prompt = 7
+    total = prompt + 2 * (S + 1)
+    base = make_kda_case([total], has_initial_state=False, spec_tokens=S, **case_kw)
+    dev = base.qkv.device
+    home = int(base.state_indices[0])
+    others = [s for s in range(1, base.recurrent_state.shape[0]) if s != home][:S]
+
+    # Spec run: prefill, verify d (all S+1 taken as "after prefill": resume from the home slot),
+    # then verify e after accepting `accepted` of d.
+    spec = base.clone()
+    run_prefill(prefill_fn, sub_case(spec, 0, prompt, has_initial_state=False))
+    row = torch.tensor([others + [home]], dtype=torch.int32, device=dev)  # resume slot last
+    d = sub_case(spec, prompt, prompt + S + 1, has_initial_state=True)
+    run_decode(decode_fn, d, spec_state_indices=row, num_accepted_tokens=torch.tensor([S + 1], device=dev, dtype=torch.int32))
+    e = sub_case(spec, prompt + S + 1, total, has_initial_state=True)
+    out_spec = run_decode(decode_fn, e, spec_state_indices=row, num_accepted_tokens=torch.tensor([accepted], device=dev, dtype=torch.int32))
+
+    # Plain run over prompt ++ d[:accepted] ++ e.
+    plain = base.clone()
+    keep = torch.cat([torch.arange(prompt + accepted), torch.arange(prompt + S + 1, total)])
+    plain.proj, plain.g1, plain.g2 = base.proj[keep.to(dev)], base.g1[keep.to(dev)], base.g2[keep.to(dev)]
+    P = base.H * base.D
+    plain.qkv, plain.beta_logits = plain.proj[:, : 3 * P], plain.proj[:, 3 * P : 3 * P + base.H]
+    n = prompt + accepted
+    run_prefill(prefill_fn, sub_case(plain, 0, n, has_initial_state=False))
+    out_plain = run_prefill(prefill_fn, sub_case(plain, n, n + S + 1, has_initial_state=True))
+
+    assert_rel_close(out_spec, out_plain, tol, f"verify after accepting {accepted} vs plain run")
+    assert_rel_close(spec.recurrent_state[home], plain.recurrent_state[home], tol, "state after the last draft")
+    W = base.weights.conv_width
+    spec_rows = conv_state_rows(spec.conv_state, spec.conv_layout)[home]
+    plain_rows = conv_state_rows(plain.conv_state, plain.conv_layout)[home]
+    assert torch.equal(spec_rows[-(W - 1) :], plain_rows[-(W - 1) :]), "conv history after verify differs"
