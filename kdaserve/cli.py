@@ -1,0 +1,27 @@
+"""`kdaserve <command>`: each command lives in kdaserve/commands/<name>.py with
+`register(subparsers)` adding its parser (with `set_defaults(func=...)`)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS = ("info", "demo", "parity", "generate", "serve", "bench")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kdaserve", description="Serve hybrid KDA language models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in COMMANDS:
+        importlib.import_module(f"kdaserve.commands.{name}").register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""One module per `kdaserve` subcommand; see kdaserve/cli.py."""
