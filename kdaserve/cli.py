@@ -7,7 +7,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ("info", "demo", "parity", "generate", "serve", "bench")
+COMMANDS = ("info", "demo", "parity", "generate", "serve")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,53 @@
+"""`kdaserve info`: the platform, library versions, the GPU, and which KDA backends can run here."""
+
+from __future__ import annotations
+
+import platform
+import sys
+
+
+def register(sub) -> None:
+    p = sub.add_parser("info", help="platform, versions, GPU, and the KDA backends that can run here")
+    p.set_defaults(func=run)
+
+
+def gpu_description() -> str:
+    import torch
+
+    if not torch.cuda.is_available():
+        return "none"
+    props = torch.cuda.get_device_properties(0)
+    kind = "ROCm" if torch.version.hip else "CUDA"
+    arch = getattr(props, "gcnArchName", None) or f"sm_{props.major}{props.minor}"
+    return f"{props.name} ({kind} {torch.version.hip or torch.version.cuda}, {arch}, {props.total_memory / 2**30:.0f} GiB) x{torch.cuda.device_count()}"
+
+
+def run(args) -> int:
+    import torch
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "not installed"
+    from kdaserve import __version__
+    from kdaserve.backends import describe_backends
+
+    rows = [
+        ("kdaserve", __version__),
+        ("platform", f"{platform.system()} {platform.machine()}"),
+        ("python", sys.version.split()[0]),
+        ("torch", torch.__version__),
+        ("triton", triton_version),
+        ("gpu", gpu_description()),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    print("\nKDA backends (default layer settings for this machine):")
+    print(f"  {'phase':<8} {'backend':<10} {'runs here':<10} why not")
+    for b in describe_backends():
+        why = "; ".join(b["unmet"]) if b["unmet"] else ""
+        print(f"  {b['phase']:<8} {b['name']:<10} {'yes' if b['runnable'] else 'no':<10} {why}")
+    return 0
