@@ -1,0 +1,8 @@
+"""Causal conv (width W, SiLU) over the merged q|k|v channels: varlen prefill and decode update.
+
+Semantics are those of kdaserve.ops.reference.conv; see varlen.py and update.py for the design.
+"""
+
+from kdaserve.ops.conv.varlen import causal_conv_varlen_fwd
+
+__all__ = ["causal_conv_varlen_fwd"]

@@ -1,0 +1,118 @@
+"""Varlen (prefill) causal conv + SiLU over the merged q|k|v channels, conv-state pool in place.
+
+Design (why):
+- x is read where it lies: a column slice of the projection buffer (row stride arbitrary,
+  columns contiguous) is passed by pointer and row stride, never copied.
+- The output and the new states are two launches (see varlen_kernel.py): the state writer runs
+  only after every output program has read the old history, so in-place update cannot race.
+- The token-block table is built on the host from `cu_seqlens_cpu` (no device->host sync): one
+  entry per block of BT tokens of one sequence, so a block never straddles two sequences and
+  long and short sequences share the grid evenly.
+- Math in fp32 (weights are fp32), y stored in `out`'s dtype (x.dtype by default). The new state
+  rows are the pre-conv inputs cast once to the pool's dtype, exactly as the reference does, so
+  conv states match the reference bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from kdaserve.ops.conv.varlen_kernel import conv_varlen_out_kernel, conv_varlen_state_kernel
+from kdaserve.ops.types import conv_state_rows
+
+BLOCK_T = 32
+BLOCK_C = 128
+
+
+def _expect(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def check_conv_inputs(x: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor, out: torch.Tensor | None) -> None:
+    """Metadata-only checks shared by the varlen and update entry points (no device sync)."""
+    C = x.shape[1] if x.dim() == 2 else -1
+    _expect(x.dim() == 2 and x.stride(1) == 1, f"x must be [T, 3P] with contiguous columns, got shape {tuple(x.shape)} strides {x.stride()}")
+    _expect(weight.dim() == 2 and weight.shape[0] == C, f"conv weight must be [3P, W] = [{C}, W], got {tuple(weight.shape)}")
+    _expect(weight.stride(1) == 1, f"conv weight must have contiguous taps (stride(1) == 1), got strides {weight.stride()}")
+    W = weight.shape[1]
+    _expect(
+        rows.dim() == 3 and rows.shape[2] == C and rows.shape[1] >= W - 1,
+        f"conv_state must hold >= W-1 = {W - 1} rows of {C} channels per slot, got a [slots, rows, C] view of {tuple(rows.shape)}",
+    )
+    if out is not None:
+        _expect(
+            out.dim() == 2 and tuple(out.shape) == tuple(x.shape) and out.stride(1) == 1,
+            f"out must be [T, 3P] = {tuple(x.shape)} with contiguous columns, got {tuple(out.shape)} strides {out.stride()}",
+        )
+    devices = {t.device for t in (x, weight, rows)}
+    _expect(len(devices) == 1, f"conv tensors must share one device, got {sorted(map(str, devices))}")
+
+
+def token_block_table(cu_seqlens_cpu: torch.Tensor, block_t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequence index, first token inside the sequence) of every BT-token block, on the host."""
+    cu = cu_seqlens_cpu.to(torch.int64)
+    lens = cu[1:] - cu[:-1]
+    blocks = (lens + block_t - 1) // block_t
+    seq = torch.repeat_interleave(torch.arange(lens.numel()), blocks)
+    first = torch.cumsum(blocks, 0) - blocks
+    t0 = (torch.arange(seq.numel()) - first[seq]) * block_t
+    return seq.to(torch.int32), t0.to(torch.int32)
+
+
+def causal_conv_varlen_fwd(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    conv_layout: str = "SD",
+    *,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """y = silu(causal conv(x)) for varlen sequences; new conv states written in place.
+
+    x [T, 3P] (stride(1) == 1, any row stride); weight [3P, W] fp32; conv_state SD
+    [slots, L, 3P] or DS [slots, 3P, L]. Sequences whose slot is <= 0 are skipped: their y rows
+    are NOT written (contents unspecified) and no state is read or written. Pass `cu_seqlens_cpu`
+    (host copy): without it the table is built from `cu_seqlens.cpu()`, a device->host sync that
+    is fine for tests and tools, not for the serving hot path.
+    """
+    rows = conv_state_rows(conv_state, conv_layout)
+    check_conv_inputs(x, weight, rows, out)
+    N = state_indices.shape[0]
+    _expect(cu_seqlens.shape == (N + 1,), f"cu_seqlens must be [N+1] = [{N + 1}], got {tuple(cu_seqlens.shape)}")
+    _expect(has_initial_state.shape == (N,), f"has_initial_state must be [N] = [{N}], got {tuple(has_initial_state.shape)}")
+    T, C = x.shape
+    L, W = rows.shape[1], weight.shape[1]
+    y = out if out is not None else torch.empty_like(x, memory_format=torch.contiguous_format)
+    if T == 0 or N == 0:
+        return y
+    host_cu = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.cpu()  # sync only off the hot path
+    block_seq, block_t0 = token_block_table(host_cu, BLOCK_T)
+    if block_seq.numel() == 0:
+        return y
+    block_seq = block_seq.to(x.device, non_blocking=True)
+    block_t0 = block_t0.to(x.device, non_blocking=True)
+    s_slot, s_row, s_c = rows.stride()
+    n_cblk = triton.cdiv(C, BLOCK_C)
+    conv_varlen_out_kernel[(block_seq.numel(), n_cblk)](
+        x, x.stride(0), weight, weight.stride(0),
+        rows, s_slot, s_row, s_c,
+        y, y.stride(0),
+        cu_seqlens, state_indices, has_initial_state,
+        block_seq, block_t0,
+        C, L,
+        W=W, BT=BLOCK_T, BC=BLOCK_C,
+    )
+    conv_varlen_state_kernel[(N, n_cblk)](
+        x, x.stride(0),
+        rows, s_slot, s_row, s_c,
+        cu_seqlens, state_indices, has_initial_state,
+        C, L,
+        BL=triton.next_power_of_2(L), BC=BLOCK_C,
+    )
+    return y
