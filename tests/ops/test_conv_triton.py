@@ -11,8 +11,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' import
 
-from kdaserve.ops.conv import causal_conv_varlen_fwd  # noqa: E402
-from kdaserve.ops.reference import causal_conv_varlen  # noqa: E402
+from kdaserve.ops.conv import causal_conv_update_fwd, causal_conv_varlen_fwd  # noqa: E402
+from kdaserve.ops.reference import causal_conv_update, causal_conv_varlen  # noqa: E402
 from kdaserve.ops.types import conv_state_rows  # noqa: E402
 from kdaserve.testing import assert_rel_close, assert_slots_untouched, make_kda_case, nan_poison, tolerance_for  # noqa: E402
 
@@ -104,6 +104,63 @@ def test_varlen_rejects_bad_inputs():
                                case.state_indices, case.has_initial_state, "SDX")
 
 
+def _check_update(case, accepted=None):
+    """Kernel vs reference on one decode/verify step; x rows NaN-poisoned output; slots checked."""
+    ref, before = case.clone(), case.conv_state.clone()
+    out = nan_poison(torch.empty(case.qkv.shape, dtype=case.qkv.dtype, device=case.qkv.device))
+    causal_conv_update_fwd(case.qkv, case.weights.conv_weight, case.conv_state, case.state_indices, accepted,
+                           case.conv_layout, out=out)
+    ref_y = causal_conv_update(ref.qkv, ref.weights.conv_weight, ref.conv_state, ref.state_indices, accepted, ref.conv_layout)
+    m = case.T // case.N
+    rows = (case.state_indices > 0).repeat_interleave(m)
+    assert_rel_close(out[rows], ref_y[rows].to(out.dtype), tolerance_for(out.dtype), "conv update output")
+    assert torch.isnan(out[~rows]).all(), "conv update wrote rows of a null sequence"
+    used = [s for s in case.state_indices.tolist() if s > 0]
+    assert torch.equal(
+        conv_state_rows(case.conv_state, case.conv_layout)[used], conv_state_rows(ref.conv_state, case.conv_layout)[used]
+    ), "conv state differs from the reference"
+    assert_slots_untouched(before, case.conv_state, used, "conv_state")
+
+
+@pytest.mark.parametrize("layout", ["SD", "DS"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_update_decode_matches_reference(layout, dtype):
+    case = make_kda_case([1] * 5, H=2, D=16, dtype=dtype, conv_layout=layout, seed=10, device=DEV)
+    case.state_indices[2] = 0
+    case.state_indices[4] = -1
+    _check_update(case)
+
+
+@pytest.mark.parametrize("layout", ["SD", "DS"])
+def test_update_speculative_every_accept_count(layout):
+    S = 3
+    case = make_kda_case([S + 1] * 5, H=1, D=16, conv_layout=layout, spec_tokens=S, seed=11, device=DEV)
+    case.state_indices[1] = 0
+    accepted = torch.tensor([1, 2, 3, 4, 2], dtype=torch.int32, device=DEV)
+    _check_update(case, accepted)
+
+
+def test_update_decode_with_spec_sized_state():
+    """Plain decode on a pool sized for drafts (L = W-1+S) shifts by one row and keeps L rows."""
+    case = make_kda_case([1] * 3, H=1, D=16, spec_tokens=2, seed=12, device=DEV)
+    _check_update(case)
+
+
+def test_update_strided_equals_contiguous_bit_for_bit():
+    case = make_kda_case([1] * 4, H=2, D=16, strided=True, seed=13, device=DEV)
+    other = case.clone()
+    y1 = causal_conv_update_fwd(case.qkv, case.weights.conv_weight, case.conv_state, case.state_indices)
+    y2 = causal_conv_update_fwd(other.qkv.contiguous(), other.weights.conv_weight, other.conv_state, other.state_indices)
+    assert torch.equal(y1, y2) and torch.equal(case.conv_state, other.conv_state)
+
+
+def test_update_rejects_uneven_rows():
+    case = make_kda_case([1] * 3, H=1, D=16, seed=14)
+    with pytest.raises(ValueError, match="same count per sequence"):
+        causal_conv_update_fwd(case.qkv, case.weights.conv_weight, case.conv_state, case.state_indices[:2])
+
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["SD", "DS"])
 def test_varlen_gpu_bf16_real_shape(layout):
@@ -112,3 +169,15 @@ def test_varlen_gpu_bf16_real_shape(layout):
     case.state_indices[1] = 0
     ref, before = case.clone(), case.conv_state.clone()
     _check_varlen_against_reference(case, _varlen(case), ref, before)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["SD", "DS"])
+@pytest.mark.parametrize("S", [0, 3])
+def test_update_gpu_bf16_many_sequences(layout, S):
+    N = 512
+    case = make_kda_case([S + 1] * N, H=32, D=128, dtype=torch.bfloat16, conv_layout=layout, spec_tokens=S,
+                         seed=15, device="cuda")
+    case.state_indices[::7] = 0
+    accepted = torch.randint(1, S + 2, (N,), dtype=torch.int32, device="cuda") if S else None
+    _check_update(case, accepted)

@@ -3,6 +3,7 @@
 Semantics are those of kdaserve.ops.reference.conv; see varlen.py and update.py for the design.
 """
 
+from kdaserve.ops.conv.update import causal_conv_update_fwd
 from kdaserve.ops.conv.varlen import causal_conv_varlen_fwd
 
-__all__ = ["causal_conv_varlen_fwd"]
+__all__ = ["causal_conv_update_fwd", "causal_conv_varlen_fwd"]
