@@ -51,7 +51,7 @@ def _expect(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
-def _as_heads(t: torch.Tensor, T: int, H: int, D: int, name: str) -> torch.Tensor:
+def as_head_view(t: torch.Tensor, T: int, H: int, D: int, name: str) -> torch.Tensor:
     """A [T, H, D] view of a [T, H, D] or [T, P] tensor (no copy); last dim must be contiguous."""
     if t.dim() == 2:
         _expect(tuple(t.shape) == (T, H * D) and t.stride(1) == 1, f"{name} must be [T, P] = [{T}, {H * D}] with contiguous columns, got {tuple(t.shape)} strides {t.stride()}")
@@ -76,9 +76,9 @@ def gated_rms_norm_fwd(
     """
     _expect(o.dim() == 3, f"o must be [T, H, D], got {tuple(o.shape)}")
     T, H, D = o.shape
-    o = _as_heads(o, T, H, D, "o")
-    g = _as_heads(g2, T, H, D, "g2")
-    y = _as_heads(out, T, H, D, "out")
+    o = as_head_view(o, T, H, D, "o")
+    g = as_head_view(g2, T, H, D, "g2")
+    y = as_head_view(out, T, H, D, "out")
     _expect(weight.shape == (D,) and weight.stride(0) == 1, f"weight must be a contiguous [D] = [{D}], got {tuple(weight.shape)}")
     if row_state_indices is not None:
         _expect(row_state_indices.dim() == 1 and row_state_indices.shape[0] * tokens_per_index == T,
