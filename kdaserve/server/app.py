@@ -1,0 +1,116 @@
+"""The FastAPI application: routes of the OpenAI-compatible API around one engine."""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from kdaserve.server.chat import ChatHandler
+from kdaserve.server.chat_template import render_chat
+from kdaserve.server.completions import CompletionHandler
+from kdaserve.server.engine_loop import EngineLoop
+from kdaserve.server.errors import APIError, bad_request, install_error_handlers
+from kdaserve.server.metrics import ServerMetrics
+from kdaserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from kdaserve.server.serving import ServerState, check_model, parse_body
+
+
+def build_app(
+    engine,
+    *,
+    served_model_name: str | None = None,
+    model_root: str | None = None,
+    max_queued_requests: int = 1024,
+) -> FastAPI:
+    """An app serving `engine` (an `LLMEngine`); its engine thread runs while the app is up."""
+    name = served_model_name or engine.model_name
+    metrics = ServerMetrics(name)
+    engine_loop = EngineLoop(engine, max_queued_requests=max_queued_requests, metrics=metrics)
+    state = ServerState(
+        engine_loop=engine_loop,
+        tokenizer=engine.tokenizer,
+        model_name=name,
+        model_root=model_root or engine.model_name,
+        max_model_len=int(engine.max_model_len),
+    )
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        engine_loop.start()
+        try:
+            yield
+        finally:
+            engine_loop.shutdown()
+
+    app = FastAPI(title="kdaserve", lifespan=lifespan)
+    app.state.server = state
+    install_error_handlers(app)
+    completions = CompletionHandler(state)
+    chat = ChatHandler(state)
+
+    def model_card() -> dict:
+        return {
+            "id": state.model_name,
+            "object": "model",
+            "created": state.created,
+            "owned_by": "kdaserve",
+            "root": state.model_root,
+            "parent": None,
+            "max_model_len": state.max_model_len,
+        }
+
+    @app.get("/health")
+    async def health():
+        if not engine_loop.is_alive:
+            raise APIError(503, "the engine thread is not running", code="engine_unavailable")
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def list_models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str):
+        check_model(state, model_id)
+        return model_card()
+
+    @app.post("/v1/completions")
+    async def create_completion(request: Request):
+        return await completions(request, await parse_body(request, CompletionRequest))
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(request: Request):
+        return await chat(request, await parse_body(request, ChatCompletionRequest))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        req = await parse_body(request, TokenizeRequest)
+        check_model(state, req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("give exactly one of `prompt` and `messages`")
+        text = req.prompt if req.prompt is not None else render_chat(state.tokenizer, req.messages, req.add_generation_prompt)
+        tokens = list(state.tokenizer.encode(text))
+        return {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        req = await parse_body(request, DetokenizeRequest)
+        check_model(state, req.model)
+        try:
+            return {"prompt": state.tokenizer.decode(req.tokens)}
+        except (ValueError, IndexError, OverflowError, TypeError) as exc:
+            raise bad_request(f"cannot decode these tokens: {exc}", param="tokens") from None
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    @app.get("/version")
+    async def version():
+        from kdaserve import __version__
+
+        return JSONResponse({"version": __version__})
+
+    return app

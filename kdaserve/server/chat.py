@@ -1,0 +1,158 @@
+"""`POST /v1/chat/completions`: messages through a chat template, then generation as for completions."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import Request
+
+from kdaserve.server.chat_template import render_chat
+from kdaserve.server.completions import new_logprob_entries, usage
+from kdaserve.server.errors import bad_request
+from kdaserve.server.protocol import ChatCompletionRequest
+from kdaserve.server.serving import (
+    ClientGone,
+    EventStreamResponse,
+    ServerState,
+    check_model,
+    collect_finals,
+    first_outputs,
+    gone_response,
+    new_id,
+    replay_then_rest,
+    resolve_max_tokens,
+    sampling_params,
+    sse,
+    sse_error,
+    unless_disconnected,
+)
+
+
+def chat_logprob_entry(state: ServerState, token_id: int, entry: dict | None) -> dict:
+    text = state.token_text(token_id)
+    top = [
+        {"token": (t := state.token_text(tid)), "logprob": lp, "bytes": list(t.encode("utf-8"))}
+        for tid, lp in ((entry or {}).get("top") or ())
+    ]
+    return {
+        "token": text,
+        "logprob": None if entry is None else entry["logprob"],
+        "bytes": list(text.encode("utf-8")),
+        "top_logprobs": top,
+    }
+
+
+class ChatHandler:
+    def __init__(self, state: ServerState):
+        self.state = state
+
+    def prompt_token_ids(self, req) -> list[int]:
+        text = render_chat(self.state.tokenizer, req.messages, req.add_generation_prompt)
+        return list(self.state.tokenizer.encode(text))
+
+    async def __call__(self, request: Request, req: ChatCompletionRequest):
+        state = self.state
+        check_model(state, req.model)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
+        prompt_ids = self.prompt_token_ids(req)
+        budget = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_tokens = resolve_max_tokens(state, len(prompt_ids), budget)
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        request_id = new_id("chatcmpl")
+        engine_requests = [
+            (
+                f"{request_id}-{j}",
+                prompt_ids,
+                sampling_params(req, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=None, choice=j),
+            )
+            for j in range(req.n)
+        ]
+        group = state.engine_loop.open_group(engine_requests)
+        try:
+            if req.stream:
+                buffered = await first_outputs(group, len(engine_requests))
+        except BaseException:
+            group.close()
+            raise
+        if req.stream:
+            return EventStreamResponse(self._stream(req, request_id, len(prompt_ids), group, buffered), on_close=group.close)
+        try:
+            finals = await unless_disconnected(request, collect_finals(group, len(engine_requests)))
+        except ClientGone:
+            return gone_response()
+        finally:
+            group.close()
+        return self._response(req, request_id, len(prompt_ids), finals)
+
+    def _logprobs(self, token_ids, entries) -> dict:
+        return {"content": [chat_logprob_entry(self.state, t, e) for t, e in zip(token_ids, entries)]}
+
+    def _response(self, req, request_id: str, num_prompt_tokens: int, finals) -> dict:
+        choices = []
+        for index, out in enumerate(finals):
+            logprobs = None
+            if req.logprobs:
+                logprobs = self._logprobs(out.output_token_ids, out.logprobs or [None] * len(out.output_token_ids))
+            choice = {
+                "index": index,
+                "message": {"role": "assistant", "content": out.text},
+                "logprobs": logprobs,
+                "finish_reason": out.finish_reason,
+            }
+            if req.return_token_ids:
+                choice["prompt_token_ids"] = list(out.prompt_token_ids)
+                choice["token_ids"] = list(out.output_token_ids)
+            choices.append(choice)
+        completion_tokens = sum(len(out.output_token_ids) for out in finals)
+        return {
+            "id": request_id,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.state.model_name,
+            "choices": choices,
+            "usage": usage(num_prompt_tokens, completion_tokens),
+        }
+
+    async def _stream(self, req, request_id: str, num_prompt_tokens: int, group, buffered):
+        created = int(time.time())
+        size = len(group.request_ids)
+        sent_chars = [0] * size
+        sent_tokens = [0] * size
+        started = [False] * size
+        completion_tokens = 0
+
+        def chunk(choices: list, usage_: dict | None = None) -> str:
+            body = {
+                "id": request_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": self.state.model_name,
+                "choices": choices,
+            }
+            if req.include_usage:
+                body["usage"] = usage_
+            return sse(body)
+
+        try:
+            async for index, out in replay_then_rest(group, buffered):
+                delta = {"content": out.text[sent_chars[index] :]}
+                if not started[index]:
+                    started[index] = True
+                    delta = {"role": "assistant", **delta}  # the role rides on the first token
+                sent_chars[index] = len(out.text)
+                logprobs = None
+                if req.logprobs:
+                    logprobs = self._logprobs(out.new_token_ids, new_logprob_entries(out, sent_tokens[index]))
+                sent_tokens[index] += len(out.new_token_ids)
+                completion_tokens += len(out.new_token_ids)
+                finish = out.finish_reason if out.finished else None
+                choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+                if req.return_token_ids:
+                    choice["token_ids"] = list(out.new_token_ids)
+                yield chunk([choice])
+            if req.include_usage:
+                yield chunk([], usage(num_prompt_tokens, completion_tokens))
+        except Exception as exc:  # noqa: BLE001 - the status line is gone; report in-band
+            yield sse_error(exc)
+        yield sse("[DONE]")

@@ -1,0 +1,259 @@
+"""`POST /v1/completions`: prompts as text or token ids, echo, log-probs, stop strings, streaming."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from kdaserve.server.errors import bad_request
+from kdaserve.server.protocol import CompletionRequest
+from kdaserve.server.serving import (
+    ClientGone,
+    EventStreamResponse,
+    ServerState,
+    check_model,
+    collect_finals,
+    first_outputs,
+    gone_response,
+    new_id,
+    replay_then_rest,
+    resolve_max_tokens,
+    sampling_params,
+    sse,
+    sse_error,
+    unless_disconnected,
+)
+
+
+@dataclass
+class Prompt:
+    token_ids: list[int]
+    text: str | None  # the caller's text, or None for token ids (decoded only if echoed)
+
+
+def normalize_prompts(state: ServerState, prompt) -> list[Prompt]:
+    """A string, a list of strings, a list of token ids, or a list of token-id lists."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    elif prompt and isinstance(prompt[0], int):
+        prompt = [prompt]
+    if not prompt:
+        raise bad_request("prompt must not be empty", param="prompt")
+    prompts = []
+    for item in prompt:
+        if isinstance(item, str):
+            prompts.append(Prompt(list(state.tokenizer.encode(item)), item))
+        else:
+            prompts.append(Prompt(list(item), None))
+    return prompts
+
+
+class ChoiceLogprobs:
+    """OpenAI's completion log-probs: parallel lists tokens / token_logprobs / top_logprobs /
+    text_offset, where offsets count characters from the start of the choice's text."""
+
+    def __init__(self, state: ServerState, offset: int = 0):
+        self.state = state
+        self.offset = offset
+        self.tokens: list[str] = []
+        self.token_logprobs: list[float | None] = []
+        self.top_logprobs: list[dict[str, float] | None] = []
+        self.text_offset: list[int] = []
+
+    def add(self, token_id: int, entry: dict | None) -> None:
+        text = self.state.token_text(token_id)
+        self.tokens.append(text)
+        self.text_offset.append(self.offset)
+        self.offset += len(text)
+        if entry is None:  # the first prompt token has no log-prob
+            self.token_logprobs.append(None)
+            self.top_logprobs.append(None)
+            return
+        self.token_logprobs.append(entry["logprob"])
+        top = {self.state.token_text(tid): lp for tid, lp in entry.get("top") or ()}
+        # Like vLLM: the chosen token is always listed, even when outside the top n.
+        top.setdefault(text, entry["logprob"])
+        self.top_logprobs.append(top)
+
+    def as_dict(self) -> dict:
+        return {
+            "tokens": self.tokens,
+            "token_logprobs": self.token_logprobs,
+            "top_logprobs": self.top_logprobs,
+            "text_offset": self.text_offset,
+        }
+
+
+def prompt_logprobs_into(lp: ChoiceLogprobs, token_ids: list[int], entries) -> None:
+    entries = entries or [None] * len(token_ids)
+    for token_id, entry in zip(token_ids, entries):
+        lp.add(token_id, entry)
+
+
+def new_logprob_entries(out, num_sent: int) -> list:
+    """The log-prob entries of this output's new tokens (the engine reports all so far)."""
+    if out.logprobs is None:
+        return [None] * len(out.new_token_ids)
+    if len(out.logprobs) == len(out.output_token_ids):
+        return out.logprobs[num_sent : num_sent + len(out.new_token_ids)]
+    return list(out.logprobs)[-len(out.new_token_ids) :] if out.new_token_ids else []
+
+
+@dataclass
+class Choice:
+    """One engine request of a completion: which prompt it answers, and whether it only scores
+    the prompt (`max_tokens: 0` with echo: the engine still samples one token, which is hidden)."""
+
+    prompt: Prompt
+    echo_text: str
+    score_only: bool
+
+
+class CompletionHandler:
+    def __init__(self, state: ServerState):
+        self.state = state
+
+    async def __call__(self, request: Request, req: CompletionRequest):
+        state = self.state
+        check_model(state, req.model)
+        prompts = normalize_prompts(state, req.prompt)
+        wants_prompt_logprobs = req.echo and req.logprobs is not None
+        request_id = new_id("cmpl")
+        choices: list[Choice] = []
+        engine_requests = []
+        for i, prompt in enumerate(prompts):
+            max_tokens = resolve_max_tokens(state, len(prompt.token_ids), req.max_tokens, allow_zero=req.echo)
+            echo_text = self._echo_text(prompt) if req.echo else ""
+            for j in range(req.n):
+                params = sampling_params(
+                    req,
+                    max_tokens=max(max_tokens, 1),
+                    logprobs=req.logprobs,
+                    prompt_logprobs=req.logprobs if wants_prompt_logprobs else None,
+                    choice=j,
+                )
+                choices.append(Choice(prompt, echo_text, score_only=max_tokens == 0))
+                engine_requests.append((f"{request_id}-{i}-{j}", prompt.token_ids, params))
+
+        group = state.engine_loop.open_group(engine_requests)
+        try:
+            if req.stream:
+                buffered = await first_outputs(group, len(engine_requests))
+        except BaseException:
+            group.close()
+            raise
+        if req.stream:
+            return EventStreamResponse(self._stream(req, request_id, prompts, choices, group, buffered), on_close=group.close)
+        try:
+            finals = await unless_disconnected(request, collect_finals(group, len(engine_requests)))
+        except ClientGone:
+            return gone_response()
+        finally:
+            group.close()
+        return self._response(req, request_id, prompts, choices, finals)
+
+    def _echo_text(self, prompt: Prompt) -> str:
+        return prompt.text if prompt.text is not None else self.state.tokenizer.decode(prompt.token_ids)
+
+    def _response(self, req, request_id, prompts, choices: list[Choice], finals) -> dict:
+        body_choices = []
+        completion_tokens = 0
+        for index, (choice, out) in enumerate(zip(choices, finals)):
+            output_ids = [] if choice.score_only else list(out.output_token_ids)
+            text = "" if choice.score_only else out.text
+            logprobs = None
+            if req.logprobs is not None:
+                lp = ChoiceLogprobs(self.state)
+                if req.echo:
+                    prompt_logprobs_into(lp, choice.prompt.token_ids, out.prompt_logprobs)
+                for token_id, entry in zip(output_ids, all_logprob_entries(out)):
+                    lp.add(token_id, entry)
+                logprobs = lp.as_dict()
+            completion_tokens += len(output_ids)
+            body = {
+                "index": index,
+                "text": choice.echo_text + text,
+                "logprobs": logprobs,
+                "finish_reason": "length" if choice.score_only else out.finish_reason,
+            }
+            if req.return_token_ids:
+                body["prompt_token_ids"] = choice.prompt.token_ids
+                body["token_ids"] = output_ids
+            body_choices.append(body)
+        return {
+            "id": request_id,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.state.model_name,
+            "choices": body_choices,
+            "usage": usage(sum(len(p.token_ids) for p in prompts), completion_tokens),
+        }
+
+    async def _stream(self, req, request_id, prompts, choices: list[Choice], group, buffered):
+        created = int(time.time())
+        size = len(choices)
+        started = [False] * size
+        sent_chars = [0] * size
+        sent_tokens = [0] * size
+        offsets = [0] * size
+        completion_tokens = 0
+
+        def chunk(body_choices: list, usage_: dict | None = None) -> str:
+            body = {
+                "id": request_id,
+                "object": "text_completion",
+                "created": created,
+                "model": self.state.model_name,
+                "choices": body_choices,
+            }
+            if req.include_usage:
+                body["usage"] = usage_
+            return sse(body)
+
+        try:
+            async for index, out in replay_then_rest(group, buffered):
+                choice = choices[index]
+                if choice.score_only:
+                    text, new_ids, entries = "", [], []
+                else:
+                    text = out.text[sent_chars[index] :]
+                    new_ids = list(out.new_token_ids)
+                    entries = new_logprob_entries(out, sent_tokens[index])
+                sent_chars[index] = len(out.text)
+                lp = ChoiceLogprobs(self.state, offsets[index]) if req.logprobs is not None else None
+                if not started[index]:
+                    started[index] = True
+                    if req.echo:
+                        text = choice.echo_text + text
+                        if lp is not None:
+                            prompt_logprobs_into(lp, choice.prompt.token_ids, out.prompt_logprobs)
+                if lp is not None:
+                    for token_id, entry in zip(new_ids, entries):
+                        lp.add(token_id, entry)
+                    offsets[index] = lp.offset
+                sent_tokens[index] += len(out.new_token_ids)
+                completion_tokens += len(new_ids)
+                finish = None
+                if out.finished:
+                    finish = "length" if choice.score_only else out.finish_reason
+                body = {"index": index, "text": text, "logprobs": lp.as_dict() if lp is not None else None, "finish_reason": finish}
+                if req.return_token_ids:
+                    body["token_ids"] = new_ids
+                yield chunk([body])
+            if req.include_usage:
+                yield chunk([], usage(sum(len(p.token_ids) for p in prompts), completion_tokens))
+        except Exception as exc:  # noqa: BLE001 - the status line is gone; report in-band
+            yield sse_error(exc)
+        yield sse("[DONE]")
+
+
+def all_logprob_entries(out) -> list:
+    if out.logprobs is None:
+        return [None] * len(out.output_token_ids)
+    return list(out.logprobs)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}

@@ -1,0 +1,269 @@
+"""The engine's own thread, and the asyncio side that HTTP handlers talk to.
+
+`LLMEngine` is single-threaded, so one dedicated thread owns every call to `add_request`,
+`abort_request` and `step`. Handlers never touch the engine: they post commands to a thread-safe
+inbox and wake the thread; the thread delivers each request's outputs to that request's asyncio
+queue with `loop.call_soon_threadsafe`. With nothing to do the thread sleeps on an event, so an idle
+server burns no CPU. torch releases the GIL inside its kernels, so HTTP keeps flowing while the
+engine computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kdaserve.server.errors import APIError
+from kdaserve.server.metrics import ServerMetrics
+
+logger = logging.getLogger("kdaserve.server")
+
+
+@dataclass
+class _Timing:
+    arrival: float
+    first_token: float | None = None
+
+
+class RequestGroup:
+    """The engine requests behind one HTTP request (prompts x `n`), seen from the event loop.
+
+    Iterating yields `(index, RequestOutput)` in the order the engine produced them, until every
+    member finished; an error for a member (bad input -> APIError 400) is raised from the iteration.
+    Use it as an async context manager: leaving the block while members still run (client
+    disconnect, an error, cancellation) aborts them in the engine, freeing their slots.
+    """
+
+    def __init__(self, engine_loop: EngineLoop, request_ids: list[str], loop: asyncio.AbstractEventLoop):
+        self.request_ids = request_ids
+        self._unfinished = set(range(len(request_ids)))
+        self._engine_loop = engine_loop
+        self._loop = loop
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._closed = False
+
+    @property
+    def finished(self) -> bool:
+        return not self._unfinished
+
+    # Called from the engine thread.
+    def deliver(self, index: int, item: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, (index, item))
+        except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
+            pass
+
+    async def next(self) -> tuple[int, Any]:
+        if not self._unfinished:
+            raise StopAsyncIteration
+        index, item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self._unfinished.discard(index)  # the engine thread already dropped it
+            raise item
+        if item.finished:
+            self._unfinished.discard(index)
+        return index, item
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        return await self.next()
+
+    def close(self) -> None:
+        """Abort the members still running; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._engine_loop._release(len(self.request_ids))
+        for index in sorted(self._unfinished):
+            self._engine_loop._post(("abort", self.request_ids[index]))
+        self._unfinished.clear()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        self.close()
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: Any
+    group: RequestGroup
+    index: int
+    arrival: float = field(default_factory=time.monotonic)
+
+
+class EngineLoop:
+    """Runs an `LLMEngine` in its own thread and admits requests up to a queue limit."""
+
+    def __init__(self, engine, *, max_queued_requests: int = 1024, metrics: ServerMetrics | None = None):
+        self.engine = engine
+        # Requests in flight beyond the engine's batch: past this, new ones get 503.
+        self.max_in_flight = int(getattr(engine, "max_num_seqs", 0) or 0) + max_queued_requests
+        self.metrics = metrics
+        self.num_in_flight = 0  # touched only on the event loop
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._members: dict[str, tuple[RequestGroup, int]] = {}  # engine thread only
+        self._timings: dict[str, _Timing] = {}  # engine thread only
+        self._thread = threading.Thread(target=self._run, name="kdaserve-engine", daemon=True)
+        self.last_error: str | None = None
+
+    # ---- event-loop side -------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    def open_group(self, requests: list[tuple[str, list[int], Any]]) -> RequestGroup:
+        """Submit `(request_id, prompt_token_ids, params)`s together, or raise 503 when the queue
+        is full (all or none: a request with several prompts is never half admitted)."""
+        if not self.is_alive:
+            raise APIError(503, "the engine is not running", code="engine_unavailable")
+        if self.num_in_flight + len(requests) > self.max_in_flight:
+            raise APIError(
+                503,
+                f"server is busy: {self.num_in_flight} requests in flight, limit {self.max_in_flight}; retry later",
+                code="queue_full",
+            )
+        self.num_in_flight += len(requests)
+        group = RequestGroup(self, [rid for rid, _, _ in requests], asyncio.get_running_loop())
+        for index, (request_id, prompt_token_ids, params) in enumerate(requests):
+            self._post(_Add(request_id, list(prompt_token_ids), params, group, index))
+        return group
+
+    def _release(self, count: int) -> None:
+        self.num_in_flight -= count
+
+    def _post(self, command) -> None:
+        self._inbox.put(command)
+        self._wake.set()
+
+    # ---- engine thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stopping:
+            # Clear before draining: a command posted after the drain sets the event again,
+            # so the wait below returns at once instead of missing it.
+            self._wake.clear()
+            self._drain_inbox()
+            if self._stopping:
+                break
+            if self.engine.has_unfinished_requests():
+                self._step()
+            else:
+                self._wake.wait()
+        self._fail_all(APIError(503, "the server is shutting down", code="shutting_down"))
+
+    def _drain_inbox(self) -> None:
+        changed = False
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            changed = True
+            if isinstance(command, _Add):
+                self._add(command)
+            else:
+                self._abort(command[1])
+        if changed:
+            self._refresh_gauges()
+
+    def _add(self, command: _Add) -> None:
+        try:
+            self.engine.add_request(command.request_id, command.prompt_token_ids, command.params)
+        except ValueError as exc:
+            command.group.deliver(command.index, APIError(400, str(exc)))
+            return
+        except Exception as exc:  # noqa: BLE001 - report, keep serving
+            logger.exception("add_request failed")
+            command.group.deliver(command.index, APIError(500, f"engine failed to add the request: {exc}"))
+            return
+        self._members[command.request_id] = (command.group, command.index)
+        self._timings[command.request_id] = _Timing(command.arrival)
+        if self.metrics:
+            self.metrics.prompt_tokens.inc(len(command.prompt_token_ids))
+
+    def _abort(self, request_id: str) -> None:
+        if self._members.pop(request_id, None) is None:
+            return  # finished meanwhile
+        self._timings.pop(request_id, None)
+        try:
+            self.engine.abort_request(request_id)
+        except Exception:  # noqa: BLE001
+            logger.exception("abort_request(%s) failed", request_id)
+        if self.metrics:
+            self.metrics.finished_requests.labels(finish_reason="abort").inc()
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # noqa: BLE001 - one bad step must not take the server down
+            logger.exception("engine step failed; failing the requests in flight")
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            self._fail_all(APIError(500, f"engine step failed: {self.last_error}", code="engine_error"))
+            return
+        now = time.monotonic()
+        for out in outputs:
+            member = self._members.get(out.request_id)
+            if member is None:
+                continue  # aborted while the step ran
+            self._observe(out, now)
+            if out.finished:
+                del self._members[out.request_id]
+            member[0].deliver(member[1], out)
+        self._refresh_gauges()
+
+    def _observe(self, out, now: float) -> None:
+        timing = self._timings.get(out.request_id)
+        if self.metrics is None or timing is None:
+            return
+        new_tokens = len(out.new_token_ids or ())
+        self.metrics.generation_tokens.inc(new_tokens)
+        if timing.first_token is None and new_tokens:
+            timing.first_token = now
+            self.metrics.time_to_first_token.observe(now - timing.arrival)
+        if out.finished:
+            self._timings.pop(out.request_id, None)
+            self.metrics.finished_requests.labels(finish_reason=out.finish_reason or "unknown").inc()
+            self.metrics.e2e_latency.observe(now - timing.arrival)
+            n_out = len(out.output_token_ids)
+            if timing.first_token is not None and n_out > 1:
+                self.metrics.time_per_output_token.observe((now - timing.first_token) / (n_out - 1))
+
+    def _fail_all(self, error: APIError) -> None:
+        for request_id, (group, index) in list(self._members.items()):
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:  # noqa: BLE001
+                pass
+            group.deliver(index, error)
+        self._members.clear()
+        self._timings.clear()
+        self._refresh_gauges()
+
+    def _refresh_gauges(self) -> None:
+        if self.metrics is None:
+            return
+        try:
+            self.metrics.update_from_stats(self.engine.stats())
+        except Exception:  # noqa: BLE001 - metrics must never break serving
+            logger.debug("engine.stats() failed", exc_info=True)

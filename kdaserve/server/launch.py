@@ -1,0 +1,60 @@
+"""Running the app under uvicorn: in the foreground (`kdaserve serve`) or in a background thread
+(tests, benchmarks), on a real socket either way."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import uvicorn
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def uvicorn_config(app, host: str, port: int, log_level: str = "info") -> uvicorn.Config:
+    # timeout_graceful_shutdown: open streams must not hold a shutdown forever.
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+
+
+def serve_forever(app, host: str, port: int, log_level: str = "info") -> None:
+    uvicorn.Server(uvicorn_config(app, host, port, log_level)).run()
+
+
+class BackgroundServer:
+    """`with BackgroundServer(app) as srv: ... srv.url ...`: uvicorn in a thread, stopped on exit."""
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int | None = None, log_level: str = "warning"):
+        self.host = host
+        self.port = port or free_port(host)
+        self.server = uvicorn.Server(uvicorn_config(app, self.host, self.port, log_level))
+        self.thread = threading.Thread(target=self.server.run, name="kdaserve-uvicorn", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 60.0) -> BackgroundServer:
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive():
+                raise RuntimeError("the server thread exited during startup")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the server did not start within {timeout} s")
+            time.sleep(0.02)
+        return self
+
+    def stop(self, timeout: float = 15.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+
+    def __enter__(self) -> BackgroundServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,91 @@
+"""Request bodies of the OpenAI-compatible API, as pydantic models.
+
+Unknown fields are ignored (clients and harnesses send many we do not use: `user`,
+`presence_penalty`, `logit_bias`, ...). Responses are plain dicts built in completions.py / chat.py:
+their shape is OpenAI's and the `openai` client parses them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# vLLM's cap on top log-probs per token; OpenAI's is 5 for completions, 20 for chat.
+MAX_TOP_LOGPROBS = 20
+MAX_N = 16
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Lenient):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    # OpenAI's default temperature is 1.0; clients that want greedy decoding send 0.
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    echo: bool = False
+    # vLLM's extension: each choice also carries `prompt_token_ids` and `token_ids`.
+    return_token_ids: bool = False
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class CompletionRequest(_SamplingFields):
+    # A string, a list of strings, a list of token ids, or a list of token-id lists.
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+
+class ChatMessage(_Lenient):
+    role: str
+    # A string, or OpenAI's list of content parts ([{"type": "text", "text": ...}]).
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    add_generation_prompt: bool = True
+
+
+class TokenizeRequest(_Lenient):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Lenient):
+    model: str | None = None
+    tokens: list[int]
+
+
+ObjectKind = Literal["text_completion", "chat.completion", "chat.completion.chunk"]

@@ -1,0 +1,224 @@
+"""What completions and chat completions share: parsing a body, checking the model, building
+`SamplingParams`, admitting a request group, collecting or streaming its outputs as server-sent
+events, and aborting when the client goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+from starlette.responses import Response, StreamingResponse
+
+from kdaserve.server.engine_loop import EngineLoop, RequestGroup
+from kdaserve.server.errors import APIError, bad_request, error_body, validation_message
+
+Model = TypeVar("Model", bound=BaseModel)
+
+
+@dataclass
+class ServerState:
+    """Everything a handler needs, hung on `app.state.server`."""
+
+    engine_loop: EngineLoop
+    tokenizer: Any
+    model_name: str
+    model_root: str
+    max_model_len: int
+    created: int = field(default_factory=lambda: int(time.time()))
+    _token_text: dict[int, str] = field(default_factory=dict)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text, as shown in log-probs (cached: the vocabulary is fixed)."""
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id])
+            if len(self._token_text) < 1 << 20:
+                self._token_text[token_id] = text
+        return text
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+async def parse_body(request: Request, model: type[Model]) -> Model:
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise bad_request(f"request body must be a JSON object, got {type(body).__name__}")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        message, param = validation_message(exc.errors())
+        raise bad_request(message, param=param) from None
+
+
+def check_model(state: ServerState, name: str | None) -> None:
+    if name is not None and name not in (state.model_name, state.model_root):
+        raise APIError(
+            404,
+            f"the model `{name}` does not exist; this server serves `{state.model_name}`",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def resolve_max_tokens(state: ServerState, prompt_len: int, max_tokens: int | None, *, allow_zero: bool = False) -> int:
+    """The request's budget of new tokens; 400 when the prompt (plus it) passes max_model_len.
+    0 (score the prompt, generate nothing) only where `allow_zero` (completions with echo)."""
+    limit = state.max_model_len
+    if prompt_len == 0:
+        raise bad_request("the prompt is empty", param="prompt")
+    if prompt_len > limit:
+        raise bad_request(
+            f"this model's maximum context length is {limit} tokens, but the prompt has {prompt_len} tokens",
+            param="prompt",
+            code="context_length_exceeded",
+        )
+    if max_tokens is None:
+        max_tokens = limit - prompt_len
+        if max_tokens == 0 and not allow_zero:
+            raise bad_request(
+                f"the prompt fills this model's maximum context length ({limit} tokens): no room for a completion",
+                param="prompt",
+                code="context_length_exceeded",
+            )
+        return max_tokens
+    lowest = 0 if allow_zero else 1
+    if max_tokens < lowest:
+        hint = "" if allow_zero else " (0 only with echo, to score the prompt)"
+        raise bad_request(f"max_tokens must be >= {lowest}{hint}, got {max_tokens}", param="max_tokens")
+    if prompt_len + max_tokens > limit:
+        raise bad_request(
+            f"this model's maximum context length is {limit} tokens, but {prompt_len + max_tokens} were requested "
+            f"({prompt_len} in the prompt, {max_tokens} for the completion); lower max_tokens or the prompt",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return max_tokens
+
+
+def sampling_params(req, *, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None, choice: int):
+    from kdaserve.engine.sampling_params import SamplingParams
+
+    # With n > 1 and a seed, each choice gets its own seed so the choices differ, reproducibly.
+    seed = None if req.seed is None else req.seed + choice
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k is None else req.top_k,
+            seed=seed,
+            stop=req.stop_list(),
+            stop_token_ids=list(req.stop_token_ids or []),
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
+    except (ValueError, TypeError) as exc:
+        raise bad_request(f"invalid sampling parameters: {exc}") from None
+
+
+def has_progress(out) -> bool:
+    return bool(out.new_token_ids) or out.finished
+
+
+async def first_outputs(group: RequestGroup, size: int) -> list[tuple[int, Any]]:
+    """Wait until every member produced a token or finished, so errors in admitting any of them
+    (bad token ids...) still become an HTTP status; returns what arrived, in order, to replay."""
+    seen: set[int] = set()
+    buffered = []
+    while len(seen) < size:
+        index, out = await group.next()
+        if has_progress(out):
+            seen.add(index)
+            buffered.append((index, out))
+    return buffered
+
+
+async def replay_then_rest(group: RequestGroup, buffered) -> AsyncIterator[tuple[int, Any]]:
+    for item in buffered:
+        yield item
+    async for index, out in group:
+        if has_progress(out):
+            yield index, out
+
+
+async def collect_finals(group: RequestGroup, size: int) -> list[Any]:
+    finals: list[Any] = [None] * size
+    async for index, out in group:
+        finals[index] = out
+    return finals
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """Run `work`, cancelling it (and so aborting its engine requests) if the client hangs up.
+    Raises `ClientGone` in that case."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+        watcher.cancel()
+    if task.cancelled():
+        raise ClientGone
+    return task.result()
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+def sse(data: dict | str) -> str:
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {payload}\n\n"
+
+
+def sse_error(exc: Exception) -> str:
+    if isinstance(exc, APIError):
+        return sse(error_body(exc.status, exc.message, param=exc.param, code=exc.code))
+    return sse(error_body(500, f"internal error: {type(exc).__name__}: {exc}"))
+
+
+class EventStreamResponse(StreamingResponse):
+    """Server-sent events whose `on_close` runs however the response ends: finished, client gone
+    mid-stream (Starlette cancels the body), or never started. That is what frees the slots."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
+        super().__init__(
+            content,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def gone_response() -> Response:
+    # Nobody reads it; 499 is nginx's "client closed request", useful in access logs.
+    return Response(status_code=499)
