@@ -61,7 +61,7 @@ def causal_conv_update_fwd(
         y, y.stride(0),
         state_indices, num_accepted_tokens if num_accepted_tokens is not None else state_indices,
         C, L, m,
-        W=W, BM=triton.next_power_of_2(m), BL=triton.next_power_of_2(L), BC=BLOCK_C,
+        W=W, BM=max(2, triton.next_power_of_2(m)), BL=triton.next_power_of_2(L), BC=BLOCK_C,
         HAS_ACCEPTED=num_accepted_tokens is not None,
     )
     return y

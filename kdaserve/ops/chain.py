@@ -1,0 +1,53 @@
+"""The `chain` decode backend: conv update -> recurrence -> gated RMSNorm, three Triton launches.
+
+Same contract as `kda_decode_reference` (plain decode and speculative verify). Design (why):
+- Three simple kernels, each at its own best grid (channels for the conv, (sequence, head,
+  V-tile) for the recurrence, rows for the norm): the baseline the single-launch `fused` backend
+  must beat, and the fallback where it does not apply.
+- Intermediates (conv output, pre-norm o) are fp32 workspaces: at decode they are ~1-2% of the
+  state traffic, and keeping them in fp32 spends none of the bf16 error budget between launches.
+- No host reads of device values and only shape-derived launch parameters: capturable by CUDA
+  graphs (the workspaces come from the graph's private pool when captured).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kdaserve.ops.checks import check_common, check_decode
+from kdaserve.ops.conv import causal_conv_update_fwd
+from kdaserve.ops.norm import gated_rms_norm_fwd
+from kdaserve.ops.recurrent import kda_recurrent_fwd
+from kdaserve.ops.types import KDAWeights, conv_state_rows
+
+
+def kda_decode_chain(
+    qkv: torch.Tensor,
+    g1: torch.Tensor,
+    beta_logits: torch.Tensor,
+    g2: torch.Tensor,
+    weights: KDAWeights,
+    conv_state: torch.Tensor,
+    recurrent_state: torch.Tensor,
+    state_indices: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    conv_layout: str = "SD",
+    spec_state_indices: torch.Tensor | None = None,
+    num_accepted_tokens: torch.Tensor | None = None,
+) -> None:
+    T, H, D = check_common(qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, out, conv_layout)
+    rows = conv_state_rows(conv_state, conv_layout).shape[1]
+    N, m = check_decode(T, state_indices, spec_state_indices, num_accepted_tokens, rows, weights.conv_width)
+    if N == 0:
+        return
+    y = torch.empty(qkv.shape, dtype=torch.float32, device=qkv.device)
+    causal_conv_update_fwd(qkv, weights.conv_weight, conv_state, state_indices, num_accepted_tokens, conv_layout, out=y)
+    o = torch.empty(T, H, D, dtype=torch.float32, device=qkv.device)
+    kda_recurrent_fwd(
+        y, g1, beta_logits, recurrent_state, weights, o,
+        state_indices=state_indices, spec_state_indices=spec_state_indices, num_accepted_tokens=num_accepted_tokens,
+    )
+    row_index = state_indices if spec_state_indices is None else spec_state_indices[:, 0]
+    gated_rms_norm_fwd(o, g2, weights.norm_weight, weights.norm_eps, out,
+                       row_state_indices=row_index, tokens_per_index=m)
