@@ -1,0 +1,49 @@
+"""KDA backends: names -> implementations, each stating its requirements; the resolver.
+
+Prefill: auto, reference, chunk, flash, fla, flashkda, aiter.
+Decode:  auto, reference, chain, fused, fla, aiter.
+"""
+
+from kdaserve.backends.registry import (
+    AUTO_ORDER,
+    DECODE_BACKENDS,
+    PREFILL_BACKENDS,
+    BackendSpec,
+    backend_names,
+    register_backend,
+    unregister_backend,
+)
+from kdaserve.backends.requirements import LayerSettings, Machine, Requirement
+from kdaserve.backends.resolver import (
+    BackendError,
+    BackendUnavailableError,
+    ResolvedBackend,
+    UnknownBackendError,
+    check_backend,
+    choose_auto,
+    describe_backends,
+    resolve_backend,
+    valid_names,
+)
+
+__all__ = [
+    "AUTO_ORDER",
+    "BackendError",
+    "BackendSpec",
+    "BackendUnavailableError",
+    "DECODE_BACKENDS",
+    "LayerSettings",
+    "Machine",
+    "PREFILL_BACKENDS",
+    "Requirement",
+    "ResolvedBackend",
+    "UnknownBackendError",
+    "backend_names",
+    "check_backend",
+    "choose_auto",
+    "describe_backends",
+    "register_backend",
+    "resolve_backend",
+    "unregister_backend",
+    "valid_names",
+]

@@ -1,0 +1,218 @@
+"""Every KDA backend by name: what it needs, and how to load it (only when selected).
+
+Implementations are imported inside `load`, so this table works before a backend's module lands
+and on machines without Triton, a GPU or the external packages.
+
+Our Triton backends may refine their own requirements without editing this file: a module
+`kdaserve/ops/<op>/requirements.py` defining `REQUIREMENTS` (a list built with the builders of
+kdaserve.backends.requirements, importing nothing heavier than torch) replaces the defaults below
+of the same kinds (dtype, head_dim, gate, ...). It is read from its file, so the op package (and
+Triton) is not imported just to evaluate requirements.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from kdaserve.backends import requirements as rq
+from kdaserve.backends.requirements import Requirement
+
+PHASES = ("prefill", "decode")
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """A named implementation of one phase of the KDA core (calling convention of
+    kdaserve.ops.reference.kda)."""
+
+    name: str
+    phase: str
+    summary: str
+    load: Callable[[], Callable]                       # imports and returns the entry point
+    requirements: Callable[[], tuple[Requirement, ...]]  # evaluated lazily, every one of them
+    # Loader of a derived conv-weight layout `fn(conv_weight, out=None)` the layer must own and
+    # refresh (passed to the kernel as KDAWeights.conv_weight_decode); None when not needed.
+    conv_weight_decode_layout: Callable[[], Callable] | None = None
+    graph_capturable: bool = True                      # decode: safe to capture in a CUDA graph
+    extra: dict = field(default_factory=dict)
+
+
+def _fixed(*reqs: Requirement) -> Callable[[], tuple[Requirement, ...]]:
+    return lambda: tuple(reqs)
+
+
+OPS_DIR = Path(__file__).resolve().parent.parent / "ops"
+
+
+def _declared(
+    op: str, base: list[Requirement], defaults: list[Requirement], ops_dir: Path | None = None
+) -> Callable[[], tuple[Requirement, ...]]:
+    """`base` always applies; `defaults` are replaced, kind by kind, by kdaserve/ops/<op>/requirements.py."""
+
+    @functools.cache
+    def reqs() -> tuple[Requirement, ...]:
+        path = (ops_dir or OPS_DIR) / op / "requirements.py"
+        if not path.is_file():
+            return tuple(base + defaults)
+        try:
+            spec = importlib.util.spec_from_file_location(f"_kdaserve_requirements_{op}", path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            declared = list(module.REQUIREMENTS)
+            if not all(isinstance(r, Requirement) for r in declared):
+                raise TypeError("REQUIREMENTS must hold kdaserve.backends.requirements.Requirement objects")
+        except Exception as err:  # a broken declaration makes the backend ineligible, loudly
+            broken = Requirement("implementation", f"a loadable {path.name} for `{op}`", lambda m, s, e=err: f"it fails: {e!r}")
+            return tuple(base + defaults + [broken])
+        kinds = {r.kind for r in declared}
+        return tuple(base + [r for r in defaults if r.kind not in kinds] + declared)
+
+    return reqs
+
+
+def _attr(module: str, name: str) -> Callable[[], Callable]:
+    def load() -> Callable:
+        return getattr(importlib.import_module(module), name)
+
+    return load
+
+
+def _reference_prefill() -> Callable:
+    from kdaserve.ops.reference import kda_prefill_reference
+
+    # The chunk-64 form equals the token loop (tests/ops/test_reference_kda.py) and is ~50x faster
+    # on long prompts, which matters on the CPU.
+    return functools.partial(kda_prefill_reference, chunk_size=64)
+
+
+TRITON = [rq.platform("cuda", "rocm", triton_interpreter=True), rq.package("triton", "3.4")]
+GPU_TRITON = [rq.platform("cuda", "rocm"), rq.package("triton", "3.4")]
+ANY_GATE = rq.gates("bounded", "unbounded")
+BOTH_LAYOUTS = rq.conv_layouts("SD", "DS")
+FLA = [
+    rq.package("fla", "0.6.0", hint="pip install fla-core==0.6.0"),
+    rq.package("einops"),
+    rq.implementation("kdaserve.ops.conv"),  # our Triton conv: FLA's cannot read a paged conv pool
+]
+OUR_CONV = [rq.implementation("kdaserve.ops.conv")]
+
+_SPECS: list[BackendSpec] = [
+    # ---- prefill -------------------------------------------------------------------------------
+    BackendSpec("reference", "prefill", "torch reference (chunk-64 form), any device", _reference_prefill, _fixed(),
+                graph_capturable=False),
+    BackendSpec(
+        "chunk", "prefill", "Triton, chunk-64 multi-kernel", _attr("kdaserve.ops.chunk", "kda_prefill_chunk"),
+        _declared("chunk", TRITON + [rq.implementation("kdaserve.ops.chunk")], [
+            rq.input_dtypes(F32, F16, BF16), rq.no_bf16_in_interpreter(), rq.head_dim_power_of_two(16, 256),
+            ANY_GATE, rq.state_dtypes(F32, BF16), BOTH_LAYOUTS, rq.speculative(True),
+        ]),
+    ),
+    BackendSpec(
+        "flash", "prefill", "Triton, fused few-kernel chunked prefill", _attr("kdaserve.ops.flash", "kda_prefill_flash"),
+        _declared("flash", TRITON + [rq.implementation("kdaserve.ops.flash")], [
+            rq.input_dtypes(BF16, F16), rq.no_bf16_in_interpreter(), rq.head_dim_power_of_two(16, 256),
+            ANY_GATE, rq.state_dtypes(F32, BF16), BOTH_LAYOUTS, rq.speculative(True),
+        ]),
+    ),
+    BackendSpec(
+        "fla", "prefill", "flash-linear-attention chunk_kda (+ our Triton conv, FLA's gated norm)",
+        _attr("kdaserve.backends.adapters.fla", "kda_prefill_fla"),
+        _fixed(*GPU_TRITON, *FLA, rq.input_dtypes(BF16, F16, F32), rq.head_dim_power_of_two(16, 256), ANY_GATE,
+               rq.state_dtypes(F32, BF16), BOTH_LAYOUTS, rq.speculative(True)),
+    ),
+    BackendSpec(
+        "flashkda", "prefill", "Moonshot AI FlashKDA (CUTLASS) + our Triton conv",
+        _attr("kdaserve.backends.adapters.flashkda", "kda_prefill_flashkda"),
+        _fixed(rq.platform("cuda"), rq.min_cuda_capability(9, 0), rq.package("flash_kda", hint="github.com/MoonshotAI/FlashKDA"),
+               rq.package("triton", "3.4"), *OUR_CONV, rq.input_dtypes(BF16), rq.head_dims(128), rq.gates("bounded"),
+               rq.lower_bound_range(-5.0, 0.0), rq.state_dtypes(F32, BF16), BOTH_LAYOUTS, rq.speculative(True)),
+    ),
+    BackendSpec(
+        "aiter", "prefill", "AMD AITER chunk_kda (Gluon, gfx950) + our Triton conv",
+        _attr("kdaserve.backends.adapters.aiter", "kda_prefill_aiter"),
+        _fixed(rq.platform("rocm"), rq.rocm_arch("gfx950"), rq.package("aiter"),
+               rq.entry_points("aiter.ops.triton.attention.chunk_kda", hint="an AITER release with KDA prefill"),
+               rq.package("triton", "3.4"), *OUR_CONV, rq.input_dtypes(BF16), rq.head_dims(128), rq.gates("bounded"),
+               rq.lower_bound_range(-5.0, 0.0), rq.state_dtypes(F32), BOTH_LAYOUTS, rq.speculative(True)),
+    ),
+    # ---- decode --------------------------------------------------------------------------------
+    BackendSpec("reference", "decode", "torch reference (token loop), any device",
+                _attr("kdaserve.ops.reference", "kda_decode_reference"), _fixed(), graph_capturable=False),
+    BackendSpec(
+        "chain", "decode", "Triton, conv update -> recurrence -> gated norm (three launches)",
+        _attr("kdaserve.ops.chain", "kda_decode_chain"),
+        _declared("chain", TRITON + [rq.implementation("kdaserve.ops.chain")], [
+            rq.input_dtypes(F32, F16, BF16), rq.head_dim_power_of_two(16, 256), ANY_GATE,
+            rq.state_dtypes(F32, BF16), BOTH_LAYOUTS, rq.speculative(True),
+        ]),
+    ),
+    BackendSpec(
+        "fused", "decode", "Triton, the whole decode step in one launch",
+        _attr("kdaserve.ops.fused", "kda_decode_fused"),
+        _declared("fused", TRITON + [rq.implementation("kdaserve.ops.fused")], [
+            rq.input_dtypes(F32, F16, BF16), rq.head_dim_power_of_two(16, 128), ANY_GATE,
+            rq.state_dtypes(F32, BF16), BOTH_LAYOUTS, rq.speculative(True),
+        ]),
+        conv_weight_decode_layout=_attr("kdaserve.ops.fused", "fused_conv_weight_layout"),
+    ),
+    BackendSpec(
+        "fla", "decode", "flash-linear-attention fused_recurrent_kda (+ our Triton conv, FLA's gated norm)",
+        _attr("kdaserve.backends.adapters.fla", "kda_decode_fla"),
+        _fixed(*GPU_TRITON, *FLA, rq.input_dtypes(BF16, F16, F32), rq.head_dim_power_of_two(16, 256), ANY_GATE,
+               rq.state_dtypes(F32, BF16), BOTH_LAYOUTS, rq.speculative(True)),
+    ),
+    BackendSpec(
+        "aiter", "decode", "AMD AITER fused_recurrent_kda (Gluon, gfx950) + our Triton conv",
+        _attr("kdaserve.backends.adapters.aiter", "kda_decode_aiter"),
+        _fixed(rq.platform("rocm"), rq.rocm_arch("gfx950"), rq.package("aiter"),
+               rq.entry_points("aiter.ops.triton.attention.kda", hint="an AITER release with KDA decode"),
+               rq.package("triton", "3.4"), *OUR_CONV, rq.input_dtypes(BF16), rq.head_dims(128), ANY_GATE,
+               rq.state_dtypes(F32), BOTH_LAYOUTS, rq.speculative(True)),
+    ),
+]
+
+# Fastest first, per platform; `auto` takes the first eligible one. FLA is the baseline we beat;
+# the reference always qualifies, so `auto` never fails.
+AUTO_ORDER: dict[str, dict[str, tuple[str, ...]]] = {
+    "cuda": {"prefill": ("flash", "chunk", "fla", "reference"), "decode": ("fused", "chain", "fla", "reference")},
+    "rocm": {"prefill": ("aiter", "flash", "chunk", "fla", "reference"), "decode": ("aiter", "fused", "chain", "fla", "reference")},
+    # On the CPU even with TRITON_INTERPRET=1: the interpreter is far slower than torch.
+    "cpu": {"prefill": ("reference",), "decode": ("reference",)},
+}
+
+_REGISTRY: dict[str, dict[str, BackendSpec]] = {p: {} for p in PHASES}
+
+
+def register_backend(spec: BackendSpec) -> None:
+    """Add (or replace) a backend: how tests and plugins add one without editing this table."""
+    if spec.phase not in PHASES:
+        raise ValueError(f"phase must be one of {PHASES}, got {spec.phase!r}")
+    _REGISTRY[spec.phase][spec.name] = spec
+
+
+def unregister_backend(phase: str, name: str) -> None:
+    _REGISTRY[phase].pop(name, None)
+
+
+def backend_names(phase: str) -> tuple[str, ...]:
+    if phase not in PHASES:
+        raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
+    return tuple(_REGISTRY[phase])
+
+
+def get_spec(phase: str, name: str) -> BackendSpec | None:
+    return _REGISTRY[phase].get(name)
+
+
+for _spec in _SPECS:
+    register_backend(_spec)
+
+PREFILL_BACKENDS = ("auto", "reference", "chunk", "flash", "fla", "flashkda", "aiter")
+DECODE_BACKENDS = ("auto", "reference", "chain", "fused", "fla", "aiter")

@@ -1,0 +1,208 @@
+"""The resolver: unknown names, every unmet requirement listed, `auto` per platform, `info`'s table.
+
+Machines are described, not detected, so every platform is tested here on the CPU.
+"""
+
+import logging
+
+import pytest
+import torch
+
+from kdaserve.backends import (
+    AUTO_ORDER,
+    BackendSpec,
+    BackendUnavailableError,
+    LayerSettings,
+    Machine,
+    UnknownBackendError,
+    backend_names,
+    check_backend,
+    choose_auto,
+    describe_backends,
+    register_backend,
+    resolve_backend,
+    unregister_backend,
+)
+from kdaserve.backends import requirements as rq
+from kdaserve.backends.registry import _declared
+
+OURS = {"kdaserve.ops.chunk": "", "kdaserve.ops.flash": "", "kdaserve.ops.chain": "", "kdaserve.ops.fused": "", "kdaserve.ops.conv": ""}
+H200 = Machine("cuda", cuda_capability=(9, 0), modules={"triton": "3.6.0", "fla": "0.6.0", "einops": "0.8.1", **OURS})
+H200_ALL = Machine("cuda", cuda_capability=(9, 0), modules={**H200.modules, "flash_kda": "0.1.0"})
+MI355 = Machine("rocm", rocm_arch="gfx950", modules={
+    "triton": "3.6.0", "aiter": "0.1.9", "aiter.ops.triton.attention.kda": "", "aiter.ops.triton.attention.chunk_kda": "", **OURS,
+})
+MI300 = Machine("rocm", rocm_arch="gfx942", modules={"triton": "3.6.0", **OURS})
+CPU = Machine("cpu", modules={"triton": "3.6.0", **OURS})
+CPU_INTERP = Machine("cpu", triton_interpret=True, modules={"triton": "3.6.0", **OURS})
+GPU_LAYER = LayerSettings()  # bf16, head 128, bounded, fp32 state, SD, no speculation
+CPU_LAYER = LayerSettings(input_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+def test_unknown_name_lists_the_valid_names(phase):
+    with pytest.raises(UnknownBackendError) as err:
+        resolve_backend(phase, "flashh", GPU_LAYER, H200)
+    msg = str(err.value)
+    assert "'flashh'" in msg
+    for name in ("auto",) + backend_names(phase):
+        assert name in msg
+
+
+def test_backend_names_are_the_issue_lists():
+    assert backend_names("prefill") == ("reference", "chunk", "flash", "fla", "flashkda", "aiter")
+    assert backend_names("decode") == ("reference", "chain", "fused", "fla", "aiter")
+
+
+def test_explicit_backend_lists_every_unmet_requirement():
+    """flashkda on a CPU with fp32 inputs, head 64, unbounded gate, bf16-free machine: all of it, at once."""
+    settings = LayerSettings(input_dtype=torch.float32, head_dim=64, lower_bound=None, state_dtype=torch.float16)
+    with pytest.raises(BackendUnavailableError) as err:
+        resolve_backend("prefill", "flashkda", settings, CPU)
+    msg, unmet = str(err.value), err.value.unmet
+    expected = ["platform CUDA", "compute capability >= 9.0", "package `flash_kda`", "input dtype bfloat16",
+                "head size 128", "bounded (lower_bound) gate", "recurrent-state dtype float32 or bfloat16"]
+    assert len(unmet) == len(expected), unmet
+    for needle, line in zip(expected, unmet):
+        assert needle in line
+        assert line in msg
+    assert "7 unmet requirements" in msg
+
+
+def test_explicit_backend_that_can_run_is_loaded():
+    r = resolve_backend("decode", "reference", CPU_LAYER, CPU)
+    from kdaserve.ops.reference import kda_decode_reference
+
+    assert r.name == "reference" and r.requested == "reference" and r.fn is kda_decode_reference
+    assert not r.graph_capturable
+
+
+def test_triton_backends_need_a_gpu_or_the_interpreter():
+    with pytest.raises(BackendUnavailableError, match="TRITON_INTERPRET=1"):
+        resolve_backend("decode", "chain", CPU_LAYER, CPU)
+    name, _ = choose_auto("decode", CPU_LAYER, CPU_INTERP)
+    assert name == "reference"  # auto prefers the reference on the CPU even with the interpreter on
+    assert check_backend("decode", "chain", CPU_LAYER, CPU_INTERP) == []  # but it can run there
+
+
+def test_interpreter_refuses_bf16_for_tl_dot_backends():
+    settings = LayerSettings(input_dtype=torch.bfloat16)
+    with pytest.raises(BackendUnavailableError, match="interpreter"):
+        resolve_backend("prefill", "chunk", settings, CPU_INTERP)
+
+
+@pytest.mark.parametrize(
+    "machine, settings, prefill, decode",
+    [
+        (H200, GPU_LAYER, "flash", "fused"),
+        (H200_ALL, GPU_LAYER, "flash", "fused"),
+        (MI355, GPU_LAYER, "aiter", "aiter"),
+        (MI300, GPU_LAYER, "flash", "fused"),
+        (CPU, CPU_LAYER, "reference", "reference"),
+        (CPU_INTERP, CPU_LAYER, "reference", "reference"),
+        # flash needs 16-bit inputs: fp32 on a GPU falls to chunk.
+        (H200, LayerSettings(input_dtype=torch.float32), "chunk", "fused"),
+        # head size 256: fused keeps the state in registers (<= 128), chain does not.
+        (H200, LayerSettings(head_dim=256), "flash", "chain"),
+        # fp16 state: only the reference takes it.
+        (H200, LayerSettings(state_dtype=torch.float16), "reference", "reference"),
+        # bf16 state on ROCm: aiter is fp32-state only.
+        (MI355, LayerSettings(state_dtype=torch.bfloat16), "flash", "fused"),
+    ],
+)
+def test_auto_picks_the_fastest_eligible_backend_per_platform(machine, settings, prefill, decode):
+    assert choose_auto("prefill", settings, machine)[0] == prefill
+    assert choose_auto("decode", settings, machine)[0] == decode
+
+
+def test_auto_without_our_kernels_falls_to_fla_then_reference():
+    no_ours = Machine("cuda", cuda_capability=(9, 0), modules={"triton": "3.6.0", "fla": "0.6.0", "einops": "0.8", "kdaserve.ops.conv": ""})
+    name, skipped = choose_auto("prefill", GPU_LAYER, no_ours)
+    assert name == "fla"
+    assert [s.split(":")[0] for s in skipped] == ["flash", "chunk"]
+    old_fla = Machine("cuda", cuda_capability=(9, 0), modules={"triton": "3.6.0", "fla": "0.5.1", "einops": "0.8"})
+    name, skipped = choose_auto("decode", GPU_LAYER, old_fla)
+    assert name == "reference"
+    assert any("version 0.5.1 is installed" in s for s in skipped)
+
+
+def test_auto_orders_match_the_issue():
+    assert AUTO_ORDER["cuda"] == {"prefill": ("flash", "chunk", "fla", "reference"), "decode": ("fused", "chain", "fla", "reference")}
+    assert AUTO_ORDER["cpu"] == {"prefill": ("reference",), "decode": ("reference",)}
+    assert AUTO_ORDER["rocm"]["prefill"][0] == "aiter" and AUTO_ORDER["rocm"]["decode"][0] == "aiter"
+
+
+def test_auto_logs_its_choice_once_per_layer_type(caplog):
+    settings = LayerSettings(input_dtype=torch.float32, head_dim=48)  # a layer type no other test uses
+    with caplog.at_level(logging.INFO, logger="kdaserve.backends"):
+        for _ in range(3):
+            r = resolve_backend("decode", "auto", settings, CPU)
+    assert r.name == "reference" and r.requested == "auto"
+    lines = [rec.getMessage() for rec in caplog.records if "auto -> reference" in rec.getMessage()]
+    assert len(lines) == 1 and "decode" in lines[0]
+
+
+def test_describe_backends_covers_every_backend_of_both_phases():
+    rows = describe_backends(CPU)
+    assert [(r["phase"], r["name"]) for r in rows] == [("prefill", n) for n in backend_names("prefill")] + [
+        ("decode", n) for n in backend_names("decode")
+    ]
+    for r in rows:
+        assert set(r) == {"phase", "name", "runnable", "unmet"}
+        assert r["runnable"] == (not r["unmet"])
+    runnable = {(r["phase"], r["name"]) for r in rows if r["runnable"]}
+    assert runnable == {("prefill", "reference"), ("decode", "reference")}
+    on_h200 = {(r["phase"], r["name"]) for r in describe_backends(H200) if r["runnable"]}
+    assert ("prefill", "flash") in on_h200 and ("decode", "fused") in on_h200 and ("prefill", "flashkda") not in on_h200
+
+
+def test_describe_backends_default_settings_per_platform():
+    assert LayerSettings.defaults_for(CPU).input_dtype == torch.float32
+    assert LayerSettings.defaults_for(H200) == LayerSettings(torch.bfloat16, 128, -5.0, torch.float32, "SD", 0)
+
+
+def test_registered_backend_resolves_and_unregisters():
+    spec = BackendSpec("toy", "decode", "test", lambda: "toy-fn", lambda: (rq.head_dims(64),))
+    register_backend(spec)
+    try:
+        assert resolve_backend("decode", "toy", LayerSettings(head_dim=64), CPU).fn == "toy-fn"
+        with pytest.raises(BackendUnavailableError, match="head size 64"):
+            resolve_backend("decode", "toy", LayerSettings(head_dim=32), CPU)
+    finally:
+        unregister_backend("decode", "toy")
+    with pytest.raises(UnknownBackendError):
+        resolve_backend("decode", "toy", LayerSettings(head_dim=64), CPU)
+
+
+def test_import_failure_of_an_eligible_backend_is_an_error_not_a_fallback():
+    def broken():
+        raise ImportError("no module named kdaserve.ops.toy")
+
+    register_backend(BackendSpec("toy", "prefill", "test", broken, lambda: ()))
+    try:
+        with pytest.raises(BackendUnavailableError, match="failed to import"):
+            resolve_backend("prefill", "toy", CPU_LAYER, CPU)
+    finally:
+        unregister_backend("prefill", "toy")
+
+
+def test_an_op_can_declare_its_own_requirements(tmp_path):
+    """kdaserve/ops/<op>/requirements.py replaces the defaults of the same kinds, keeps the base."""
+    (tmp_path / "toy").mkdir()
+    (tmp_path / "toy" / "requirements.py").write_text(
+        "import torch\nfrom kdaserve.backends import requirements as rq\n"
+        "REQUIREMENTS = [rq.head_dims(128), rq.input_dtypes(torch.float16)]\n"
+    )
+    reqs = _declared("toy", [rq.platform("cuda")], [rq.head_dim_power_of_two(16, 256), rq.gates("bounded")], ops_dir=tmp_path)()
+    unmet = rq.unmet_requirements(reqs, CPU, LayerSettings(input_dtype=torch.float32, head_dim=64, lower_bound=None))
+    assert len(unmet) == 4
+    assert "platform CUDA" in unmet[0] and "bounded" in unmet[1] and "head size 128" in unmet[2] and "float16" in unmet[3]
+    assert not any("power of two" in u for u in unmet)
+
+
+def test_a_broken_requirements_declaration_makes_the_backend_ineligible(tmp_path):
+    (tmp_path / "toy").mkdir()
+    (tmp_path / "toy" / "requirements.py").write_text("REQUIREMENTS = [1/0]\n")
+    reqs = _declared("toy", [], [rq.gates("bounded")], ops_dir=tmp_path)()
+    unmet = rq.unmet_requirements(reqs, H200, GPU_LAYER)
+    assert len(unmet) == 1 and "ZeroDivisionError" in unmet[0]
