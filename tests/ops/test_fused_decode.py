@@ -1,0 +1,264 @@
+"""`fused` decode (one launch) against the torch reference, and against `chain` on the GPU.
+
+On CPU the kernel runs in Triton's interpreter (fp32/fp16 inputs, tiny heads); bf16 inputs, real
+head sizes, CUDA graphs and the 65,535-program grid limit are GPU tests.
+"""
+
+import functools
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' import
+
+from kdaserve.ops.fused import FusedDecodeConfig, fused_conv_weight_layout, kda_decode_fused, launch_fused_decode  # noqa: E402
+from kdaserve.ops.reference import kda_decode_reference, kda_prefill_reference  # noqa: E402
+from kdaserve.testing import assert_rel_close, make_kda_case, tolerance_for  # noqa: E402
+from kdaserve.testing.inputs import make_kda_weights  # noqa: E402
+from kdaserve.testing.properties import check_decode_matches_reference, check_spec_resume, run_decode  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+SMALL = dict(H=2, D=16, device=DEV)
+BLOCKED = functools.partial(launch_fused_decode, FusedDecodeConfig(block_v=4, num_warps=4, num_stages=2))
+
+
+def _with_decode_layout(case):
+    case.weights.conv_weight_decode = fused_conv_weight_layout(case.weights.conv_weight)
+    return case
+
+
+def _pad_rows(case, *rows):
+    for r, s in zip(rows, (0, -1, 0)):
+        case.state_indices[r] = s
+    return case
+
+
+def _spec_case(N, S, seed, **kw):
+    """N sequences verifying S+1 tokens; each owns a conv slot and S+1 distinct state slots."""
+    case = make_kda_case([S + 1] * N, spec_tokens=S, extra_slots=N * (S + 1) + 2, seed=seed, **kw)
+    free = [s for s in range(1, case.recurrent_state.shape[0]) if s not in set(case.state_indices.tolist())]
+    spec = torch.tensor(free[: N * (S + 1)], dtype=torch.int32).view(N, S + 1)
+    accepted = torch.arange(N, dtype=torch.int32) % (S + 1) + 1
+    return case, spec.to(case.qkv.device), accepted.to(case.qkv.device)
+
+
+# ---------------------------------------------------------------- CPU (interpreter) and GPU
+
+
+@pytest.mark.parametrize("layout", ["SD", "DS"])
+@pytest.mark.parametrize("gate", ["bounded", "unbounded"])
+def test_matches_reference_with_padding_rows(layout, gate):
+    """Strided q|k|v and beta views of the projection, slow-decay heads, rows with slot 0 and -1:
+    output, state and conv state match; other slots bit-for-bit; padding rows stay NaN."""
+    case = make_kda_case([1] * 6, conv_layout=layout, gate=gate, slow_decay_heads=1, seed=1, **SMALL)
+    check_decode_matches_reference(kda_decode_fused, _with_decode_layout(_pad_rows(case, 1, 4)), 1e-5)
+
+
+@pytest.mark.parametrize("layout", ["SD", "DS"])
+def test_streamed_state_blocks(layout):
+    """The [block_v, K]-streaming path (plain decode) equals the reference."""
+    case = make_kda_case([1] * 5, conv_layout=layout, gate="unbounded", seed=2, **SMALL)
+    check_decode_matches_reference(BLOCKED, _pad_rows(case, 2), 1e-5)
+
+
+def test_fp16_inputs_and_contiguous_inputs_without_decode_layout():
+    """fp16 inputs (fp32 state), contiguous q|k|v, g1/g2/out as [T, P]; conv weight derived per call."""
+    case = make_kda_case([1] * 4, dtype=torch.float16, strided=False, seed=3, **SMALL)
+    T, P = case.T, case.H * case.D
+    case.g1, case.g2 = case.g1.reshape(T, P), case.g2.reshape(T, P)
+
+    def fused_flat_out(out, **kw):
+        flat = out.view(T, P)
+        kda_decode_fused(out=flat, **kw)
+
+    check_decode_matches_reference(fused_flat_out, case, tolerance_for(torch.float16))
+
+
+def test_bf16_state_pool():
+    case = make_kda_case([1] * 4, state_dtype=torch.bfloat16, seed=4, **SMALL)
+    check_decode_matches_reference(kda_decode_fused, case, tolerance_for(torch.float32, torch.bfloat16))
+
+
+def test_plain_decode_on_a_pool_sized_for_drafts():
+    """A conv state of W-1+S rows in a plain decode step: the window is the newest W-1 rows and
+    all rows shift by one."""
+    for layout in ("SD", "DS"):
+        case = make_kda_case([1] * 3, spec_tokens=2, conv_layout=layout, seed=5, **SMALL)
+        check_decode_matches_reference(kda_decode_fused, case, 1e-5)
+
+
+@pytest.mark.parametrize("layout", ["SD", "DS"])
+def test_spec_verify_matches_reference(layout):
+    """S+1 tokens per sequence: start from spec[n, accepted-1], state after token t into spec[n, t];
+    a padding row (first slot 0) and a draft slot of -1 (not stored) included."""
+    case, spec, accepted = _spec_case(5, 2, seed=6, conv_layout=layout, **SMALL)
+    spec[1, 0] = 0  # padding row: recurrence and output skipped
+    case.state_indices[1] = 0
+    spec[2, 2] = -1  # this draft's state is not kept
+    accepted[2] = 2
+    spec[3, 0] = 0  # recurrence skipped, conv still updated (its conv slot is > 0), as the reference does
+    check_decode_matches_reference(
+        kda_decode_fused, _with_decode_layout(case), 1e-5, spec_state_indices=spec, num_accepted_tokens=accepted
+    )
+
+
+@pytest.mark.parametrize("accepted", [1, 2, 3, 4])
+def test_spec_verify_then_resume_equals_accepted_only_run(accepted):
+    check_spec_resume(kda_prefill_reference, kda_decode_fused, accepted, 1e-5, S=3, **SMALL)
+
+
+def test_spec_resume_ds_layout():
+    check_spec_resume(kda_prefill_reference, kda_decode_fused, 2, 1e-5, S=2, conv_layout="DS", **SMALL)
+
+
+def test_reads_the_derived_conv_weight_when_set():
+    """weights.conv_weight_decode is what the kernel reads: a stale copy gives stale results, and
+    refreshing it in place (same address) restores agreement with the reference."""
+    case = make_kda_case([1] * 3, seed=7, **SMALL)
+    buf = fused_conv_weight_layout(case.weights.conv_weight)
+    addr = buf.data_ptr()
+    case.weights.conv_weight_decode = buf
+    case.weights.conv_weight = case.weights.conv_weight * 1.5  # a weight write the layer must follow
+    stale = case.clone()
+    with pytest.raises(AssertionError, match="decode output"):
+        check_decode_matches_reference(kda_decode_fused, stale, 1e-5)
+    assert fused_conv_weight_layout(case.weights.conv_weight, out=buf).data_ptr() == addr
+    check_decode_matches_reference(kda_decode_fused, case, 1e-5)
+
+
+def test_conv_weight_layout_values():
+    w = torch.randn(3 * 8, 4)
+    d = fused_conv_weight_layout(w)
+    assert d.shape == (3, 4, 8) and d.is_contiguous()
+    for g in range(3):
+        assert torch.equal(d[g], w[g * 8 : (g + 1) * 8].T)
+    with pytest.raises(ValueError, match=r"\[3, W, P\]"):
+        fused_conv_weight_layout(w, out=torch.empty(3, 8, 4))
+
+
+def test_bad_inputs_raise_clear_errors():
+    case = make_kda_case([1] * 2, seed=8, **SMALL)
+    args = case.decode_args()
+    out = case.new_out()
+    w3 = make_kda_weights(2, 16, conv_width=3, device=DEV)
+    with pytest.raises(ValueError, match="width-4"):
+        kda_decode_fused(out=out, **{**args, "weights": w3,
+                                     "conv_state": case.conv_state[:, :2].contiguous()})
+    bad = make_kda_weights(2, 16, device=DEV)
+    bad.conv_weight_decode = torch.zeros(3, 4, 31, device=DEV)
+    with pytest.raises(ValueError, match="conv_weight_decode"):
+        kda_decode_fused(out=out, **{**args, "weights": bad})
+    with pytest.raises(ValueError, match="K contiguous"):
+        kda_decode_fused(out=out, **{**args, "recurrent_state": case.recurrent_state.transpose(2, 3)})
+    with pytest.raises(ValueError, match="out must be viewable"):
+        kda_decode_fused(out=out.transpose(1, 2).contiguous().transpose(1, 2), **args)
+    case3, spec, acc = _spec_case(2, 1, seed=9, **SMALL)
+    with pytest.raises(ValueError, match="whole state in registers"):
+        BLOCKED(out=case3.new_out(), **case3.decode_args(), spec_state_indices=spec, num_accepted_tokens=acc)
+    with pytest.raises(ValueError, match="one token per sequence"):
+        kda_decode_fused(out=case3.new_out(), **case3.decode_args())
+
+
+# ---------------------------------------------------------------- GPU only
+
+GPU_SHAPE = dict(H=16, D=128, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["SD", "DS"])
+@pytest.mark.parametrize("gate", ["bounded", "unbounded"])
+@pytest.mark.parametrize("config", [None, FusedDecodeConfig(block_v=32, num_warps=4, num_stages=2)])
+def test_gpu_bf16_matches_reference(layout, gate, config):
+    case = make_kda_case([1] * 37, dtype=torch.bfloat16, conv_layout=layout, gate=gate, slow_decay_heads=2,
+                         seed=20, **GPU_SHAPE)
+    fn = functools.partial(launch_fused_decode, config)
+    check_decode_matches_reference(fn, _with_decode_layout(_pad_rows(case, 3, 17, 30)), tolerance_for(torch.bfloat16))
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_state_matches_reference():
+    case = make_kda_case([1] * 33, dtype=torch.bfloat16, state_dtype=torch.bfloat16, seed=21, **GPU_SHAPE)
+    check_decode_matches_reference(kda_decode_fused, _with_decode_layout(case), tolerance_for(torch.bfloat16, torch.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["SD", "DS"])
+def test_gpu_spec_verify(layout):
+    case, spec, accepted = _spec_case(9, 3, seed=22, dtype=torch.bfloat16, conv_layout=layout, **GPU_SHAPE)
+    spec[4, 0] = 0
+    check_decode_matches_reference(kda_decode_fused, _with_decode_layout(case), tolerance_for(torch.bfloat16),
+                                   spec_state_indices=spec, num_accepted_tokens=accepted)
+    check_spec_resume(kda_prefill_reference, kda_decode_fused, 2, tolerance_for(torch.bfloat16), S=3,
+                      dtype=torch.bfloat16, **GPU_SHAPE)
+
+
+@pytest.mark.gpu
+def test_gpu_matches_chain():
+    chain = pytest.importorskip("kdaserve.ops.chain").kda_decode_chain
+    case = make_kda_case([1] * 64, dtype=torch.bfloat16, seed=23, **GPU_SHAPE)
+    _pad_rows(case, 5)
+    other = case.clone()
+    out_f, out_c = run_decode(kda_decode_fused, _with_decode_layout(case)), run_decode(chain, other)
+    rows = case.state_indices > 0
+    assert_rel_close(out_f[rows].float(), out_c[rows].float(), tolerance_for(torch.bfloat16), "fused vs chain output")
+    assert_rel_close(case.recurrent_state, other.recurrent_state, tolerance_for(torch.bfloat16), "fused vs chain state")
+    assert torch.equal(case.conv_state, other.conv_state), "fused vs chain conv state"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec_tokens", [0, 2])
+def test_gpu_cuda_graph_replay_equals_eager(spec_tokens):
+    """Capture one step, then replay it on fresh inputs copied into the captured buffers: the same
+    result as an eager call on a copy of the pools."""
+    N, S1 = 24, spec_tokens + 1
+    if spec_tokens:
+        case, spec, accepted = _spec_case(N, spec_tokens, seed=24, dtype=torch.bfloat16, **GPU_SHAPE)
+        kw = dict(spec_state_indices=spec, num_accepted_tokens=accepted)
+    else:
+        case, kw = make_kda_case([1] * N, dtype=torch.bfloat16, seed=24, **GPU_SHAPE), {}
+    _with_decode_layout(case)
+    out = case.new_out()
+    args = dict(out=out, **case.decode_args(), **kw)
+    kda_decode_fused(**args)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kda_decode_fused(**args)
+    for step in range(3):
+        fresh = make_kda_case([S1] * N, dtype=torch.bfloat16, seed=100 + step, **GPU_SHAPE)
+        case.proj.copy_(fresh.proj)
+        case.g1.copy_(fresh.g1)
+        case.g2.copy_(fresh.g2)
+        case.state_indices.copy_(case.state_indices.flip(0))  # new slot order
+        case.state_indices[step] = 0  # and a padding row
+        if spec_tokens:
+            kw["num_accepted_tokens"].copy_(torch.randint(1, S1 + 1, (N,), device="cuda", dtype=torch.int32))
+        eager = case.clone()
+        out_e = run_decode(kda_decode_fused, eager, **kw)
+        out.fill_(float("nan"))
+        graph.replay()
+        assert torch.equal(out.isnan(), out_e.isnan()), f"step {step}: padding rows differ"
+        assert torch.equal(out.nan_to_num(), out_e.nan_to_num()), f"step {step}: graph output differs from eager"
+        assert torch.equal(case.recurrent_state, eager.recurrent_state), f"step {step}: graph state differs"
+        assert torch.equal(case.conv_state, eager.conv_state), f"step {step}: graph conv state differs"
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_gpu_grid_beyond_65535_programs():
+    """1100 sequences x 64 heads = 70,400 programs: more than grid axis z could hold."""
+    N, H = 1100, 64
+    case = make_kda_case([1] * N, H=H, D=32, dtype=torch.bfloat16, extra_slots=0, seed=25, device="cuda")
+    ref = case.clone()
+    out = run_decode(kda_decode_fused, case)
+    last = slice(N - 10, N)  # the last programs of the grid
+    sub = ref.clone()
+    sub.proj, sub.g1, sub.g2 = ref.proj[last], ref.g1[last], ref.g2[last]
+    P = H * 32
+    sub.qkv, sub.beta_logits = sub.proj[:, : 3 * P], sub.proj[:, 3 * P : 3 * P + H]
+    sub.state_indices, sub.seq_lens = ref.state_indices[last], [1] * 10
+    ref_out = run_decode(kda_decode_reference, sub)
+    assert_rel_close(out[last].float(), ref_out.float(), tolerance_for(torch.bfloat16), "last programs of a huge grid")
+    slots = sub.state_indices.long()
+    assert_rel_close(case.recurrent_state[slots], sub.recurrent_state[slots], tolerance_for(torch.bfloat16), "their states")
