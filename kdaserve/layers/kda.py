@@ -1,0 +1,244 @@
+"""The KDA layer: weights of kda-semantics.md section 4, backends resolved once at construction,
+cache slots bound by the engine, and one `_forward` that routes every kind of step.
+
+Why it is built this way:
+- The merged conv weight `conv_weight` [3P, W] is ONE registered buffer and `q_conv1d.weight`,
+  `k_conv1d.weight`, `v_conv1d.weight` are views of it: any write lands in the merged tensor, whose
+  address never moves (CUDA graphs captured on it stay valid).
+- Derived copies (the decode backend's conv-weight layout, e.g. `[3, W, P]` for `fused`) are
+  rebuilt in place after every write path: the conv weight loaders (initial load, reload, a refit
+  through `load_weights` or a direct `weight_loader` call) and device moves. A copy built once and
+  never refreshed serves stale weights after a refit.
+- `forward` allocates the core output buffer and calls `_forward`, which reads the step metadata
+  from the context and runs decode / speculative / prefill / mixed / nothing. A CUDA graph captured
+  on a decode batch replays the whole forward; prefill and mixed steps run `_forward` eagerly.
+- Projections are plain GEMMs in the activation dtype. With tp_size > 1 the weights are this rank's
+  shard and the returned o_proj output is this rank's partial sum (the caller all-reduces).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kdaserve.backends import LayerSettings, Machine, resolve_backend
+from kdaserve.layers.context import get_context
+from kdaserve.layers.kda_routing import run_kda_step
+from kdaserve.layers.kda_weights import CHECKPOINT_NAMES, CONV_NAMES, KDAShard
+from kdaserve.ops.types import KDAWeights, check_conv_layout
+
+
+def _param(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
+
+
+class _Holder(nn.Module):
+    """Holds one `weight` so parameter names read like the checkpoint's (`o_norm.weight`)."""
+
+    def __init__(self, weight: nn.Parameter):
+        super().__init__()
+        self.weight = weight
+
+
+class _Linear(nn.Module):
+    """Bias-free linear layer in the activation dtype (no init work: weights come from a loader)."""
+
+    def __init__(self, in_features: int, out_features: int, *, dtype, device):
+        super().__init__()
+        self.weight = _param(torch.empty(out_features, in_features, dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class KDALayer(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        head_dim: int,
+        *,
+        conv_kernel_size: int = 4,
+        lower_bound: float | None = -5.0,
+        norm_eps: float = 1e-5,
+        layer_idx: int = 0,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        prefill_backend: str = "auto",
+        decode_backend: str = "auto",
+        state_dtype: torch.dtype = torch.float32,
+        conv_layout: str = "SD",
+        num_spec_tokens: int = 0,
+        params_dtype: torch.dtype | None = None,
+        device=None,
+    ):
+        super().__init__()
+        check_conv_layout(conv_layout)
+        if lower_bound is not None and not -5.0 <= lower_bound < 0.0:
+            raise ValueError(f"lower_bound must lie in [-5, 0) (or be None for the unbounded gate), got {lower_bound}")
+        if num_spec_tokens < 0:
+            raise ValueError(f"num_spec_tokens must be >= 0, got {num_spec_tokens}")
+        device = torch.device(device) if device is not None else torch.empty(0).device
+        act = params_dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        self.shard = KDAShard(hidden_size, num_heads, head_dim, conv_kernel_size, tp_rank, tp_size)
+        H, D, P, W = self.shard.heads, head_dim, self.shard.P, conv_kernel_size
+        self.hidden_size, self.num_heads, self.head_dim, self.conv_width = hidden_size, H, D, W
+        self.layer_idx, self.lower_bound, self.norm_eps = layer_idx, lower_bound, norm_eps
+        self.state_dtype, self.conv_layout, self.num_spec_tokens = state_dtype, conv_layout, num_spec_tokens
+        self.act_dtype = act
+
+        # Backends: resolved once, at startup; an impossible explicit choice raises here.
+        self.settings = LayerSettings(
+            input_dtype=act, head_dim=D, lower_bound=lower_bound, state_dtype=state_dtype,
+            conv_layout=conv_layout, num_spec_tokens=num_spec_tokens, conv_width=W,
+        )
+        machine = Machine.detect(device)
+        self.prefill_backend = resolve_backend("prefill", prefill_backend, self.settings, machine)
+        self.decode_backend = resolve_backend("decode", decode_backend, self.settings, machine)
+
+        kw = dict(dtype=act, device=device)
+        f32 = dict(dtype=torch.float32, device=device)
+        self.in_proj_qkvbfg_a = _Linear(hidden_size, self.shard.in_proj_rows, **kw)
+        self.f_b_proj = _Linear(D, P, **kw)
+        self.g_b_proj = _Linear(D, P, **kw)
+        self.o_proj = _Linear(P, hidden_size, **kw)
+        self.register_buffer("conv_weight", torch.zeros(3 * P, W, **f32), persistent=False)
+        self.q_conv1d, self.k_conv1d, self.v_conv1d = (_Holder(_param(v)) for v in self._conv_views())
+        self.A_log = _param(torch.zeros(H, **f32))
+        self.dt_bias = _param(torch.zeros(P, **f32))
+        self.o_norm = _Holder(_param(torch.ones(D, **f32)))
+        for name in CHECKPOINT_NAMES:
+            self.get_parameter(name).weight_loader = functools.partial(self._load_one, name)
+
+        self._conv_layout_fn = self.decode_backend.conv_weight_decode_layout()
+        self.conv_weight_decode: torch.Tensor | None
+        if self._conv_layout_fn is not None:
+            self.register_buffer("conv_weight_decode", self._conv_layout_fn(self.conv_weight).clone(), persistent=False)
+        else:
+            self.conv_weight_decode = None
+
+        self.conv_state: torch.Tensor | None = None
+        self.recurrent_state: torch.Tensor | None = None
+
+    # ---- weights --------------------------------------------------------------------------------
+
+    def _conv_views(self) -> list[torch.Tensor]:
+        P, W = self.shard.P, self.conv_width
+        return [self.conv_weight[i * P : (i + 1) * P].view(P, 1, W) for i in range(3)]
+
+    def _apply(self, fn, recurse=True):
+        """Device moves convert parameters and buffers one by one: re-alias the conv views to the
+        moved merged buffer and rebuild the derived copies (new addresses: capture graphs after)."""
+        super()._apply(fn, recurse)
+        for holder, view in zip((self.q_conv1d, self.k_conv1d, self.v_conv1d), self._conv_views()):
+            holder.weight.data = view
+        self.refresh_derived_weights()
+        return self
+
+    @torch.no_grad()
+    def refresh_derived_weights(self) -> None:
+        """Rebuild every derived copy from its source, in place (its address is kept)."""
+        if self._conv_layout_fn is None:
+            return
+        res = self._conv_layout_fn(self.conv_weight, out=self.conv_weight_decode)
+        if res is not None and res.data_ptr() != self.conv_weight_decode.data_ptr():
+            self.conv_weight_decode.copy_(res)
+
+    @torch.no_grad()
+    def _load_one(self, name: str, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """weight_loader of parameter `name`: takes the full checkpoint tensor, keeps this rank's shard."""
+        param.data.copy_(self.shard.shard(name, loaded).reshape(param.shape))
+        if name in CONV_NAMES:
+            self.refresh_derived_weights()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load full checkpoint tensors by name relative to the layer (initial load, reload or an
+        in-place refit); every derived copy is refreshed. Returns the names loaded."""
+        loaded = set()
+        for name, tensor in weights:
+            if name not in CHECKPOINT_NAMES:
+                raise KeyError(f"unknown KDA checkpoint tensor {name!r}; valid names: {', '.join(CHECKPOINT_NAMES)}")
+            param = self.get_parameter(name)
+            param.weight_loader(param, tensor)
+            loaded.add(name)
+        self.refresh_derived_weights()
+        return loaded
+
+    @property
+    def kda_weights(self) -> KDAWeights:
+        """The tensors the kernels read, as views of the layer's own (address-stable) tensors."""
+        return KDAWeights(
+            conv_weight=self.conv_weight, A_log=self.A_log, dt_bias=self.dt_bias.view(self.num_heads, self.head_dim),
+            norm_weight=self.o_norm.weight, lower_bound=self.lower_bound, norm_eps=self.norm_eps,
+            conv_weight_decode=self.conv_weight_decode,
+        )
+
+    # ---- cache ----------------------------------------------------------------------------------
+
+    def cache_spec(self) -> dict:
+        """Per-slot shapes and dtypes of the two pools (the engine adds the leading slot dim)."""
+        rows, C = self.conv_width - 1 + self.num_spec_tokens, 3 * self.shard.P
+        conv_shape = (rows, C) if self.conv_layout == "SD" else (C, rows)
+        H, D = self.num_heads, self.head_dim
+        return {"conv": (conv_shape, self.act_dtype), "recurrent": ((H, D, D), self.state_dtype)}
+
+    def bind_cache(self, conv_state: torch.Tensor, recurrent_state: torch.Tensor) -> None:
+        spec = self.cache_spec()
+        for what, pool, (shape, dtype) in (("conv", conv_state, spec["conv"]), ("recurrent", recurrent_state, spec["recurrent"])):
+            if pool.dim() != len(shape) + 1 or tuple(pool.shape[1:]) != shape or pool.dtype != dtype:
+                raise ValueError(
+                    f"{what} pool must be [num_slots, {', '.join(map(str, shape))}] {dtype} "
+                    f"(layer {self.layer_idx}, {self.conv_layout} layout), got {list(pool.shape)} {pool.dtype}"
+                )
+        if conv_state.shape[0] != recurrent_state.shape[0]:
+            raise ValueError(f"conv and recurrent pools must have the same slot count, got {conv_state.shape[0]} and {recurrent_state.shape[0]}")
+        if conv_state.device != self.conv_weight.device or recurrent_state.device != self.conv_weight.device:
+            raise ValueError(f"pools must live on the layer's device {self.conv_weight.device}")
+        self.conv_state, self.recurrent_state = conv_state, recurrent_state
+
+    @property
+    def decode_graph_capturable(self) -> bool:
+        """Whether a decode step of this layer may be captured in a CUDA graph (the reference syncs)."""
+        return self.decode_backend.graph_capturable
+
+    # ---- forward --------------------------------------------------------------------------------
+
+    def project(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden [T, hidden] -> (qkv [T, 3P] view, beta logits [T, H] view, g1 [T, P], g2 [T, P])."""
+        H, D, P = self.num_heads, self.head_dim, self.shard.P
+        proj = self.in_proj_qkvbfg_a(hidden_states)
+        qkv, beta_logits = proj[:, : 3 * P], proj[:, 3 * P : 3 * P + H]
+        f_a, g_a = proj[:, 3 * P + H : 3 * P + H + D], proj[:, 3 * P + H + D :]
+        return qkv, beta_logits, self.f_b_proj(f_a), self.g_b_proj(g_a)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        T = hidden_states.shape[0]
+        qkv, beta_logits, g1, g2 = self.project(hidden_states)
+        core = torch.empty(T, self.num_heads, self.head_dim, dtype=self.act_dtype, device=hidden_states.device)
+        self._forward(qkv, g1, beta_logits, g2, core)
+        return self.o_proj(core.view(T, self.shard.P))
+
+    def _forward(self, qkv, g1, beta_logits, g2, out: torch.Tensor) -> str:
+        """The KDA core of one step into `out` [T, H, D], routed by the context's metadata; returns
+        the route ("none", "decode", "speculative", "prefill" or "mixed"). Without metadata (profiling
+        and dummy runs) no state is touched and `out` is zeroed."""
+        meta = get_context().kda
+        route = run_kda_step(
+            meta, qkv, g1, beta_logits, g2, out, self.kda_weights, self.conv_state, self.recurrent_state,
+            prefill=self.prefill_backend.fn, decode=self.decode_backend.fn, conv_layout=self.conv_layout,
+        )
+        if route == "none":
+            out.zero_()
+        return route
+
+    def extra_repr(self) -> str:
+        return (
+            f"layer={self.layer_idx}, heads={self.num_heads}x{self.head_dim} (rank {self.shard.tp_rank}/{self.shard.tp_size}), "
+            f"gate={self.settings.gate}, prefill={self.prefill_backend.name}, decode={self.decode_backend.name}, "
+            f"state={self.state_dtype}, conv_layout={self.conv_layout}, spec={self.num_spec_tokens}"
+        )

@@ -1,0 +1,146 @@
+"""The KDA layer's checkpoint tensors (kda-semantics.md section 4): names, tensor-parallel shards,
+and random-but-realistic weights for tests, benchmarks and `kdaserve parity`.
+
+Under tensor parallelism the heads are split across ranks: rank r owns heads [r*H, (r+1)*H) of
+q, k, v, b, the forget/output gate up-projections, the conv channels, A_log, dt_bias and the
+o_proj input columns; the low-rank inputs f_a and g_a (D rows each) are replicated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+CHECKPOINT_NAMES = (
+    "in_proj_qkvbfg_a.weight", "f_b_proj.weight", "g_b_proj.weight",
+    "q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight",
+    "A_log", "dt_bias", "o_norm.weight", "o_proj.weight",
+)
+CONV_NAMES = ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight")
+
+
+@dataclass(frozen=True)
+class KDAShard:
+    """One rank's share of a layer of `total_heads` heads of size D."""
+
+    hidden_size: int
+    total_heads: int
+    head_dim: int
+    conv_width: int
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank must lie in [0, tp_size), got rank {self.tp_rank} of {self.tp_size}")
+        if self.total_heads % self.tp_size:
+            raise ValueError(f"{self.total_heads} KDA heads cannot be split evenly over tp_size={self.tp_size} ranks")
+
+    @property
+    def heads(self) -> int:
+        return self.total_heads // self.tp_size
+
+    @property
+    def P(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def total_P(self) -> int:
+        return self.total_heads * self.head_dim
+
+    @property
+    def in_proj_rows(self) -> int:
+        return 3 * self.P + self.heads + 2 * self.head_dim
+
+    def head_slice(self, per_head: int = 1) -> slice:
+        n = self.heads * per_head
+        return slice(self.tp_rank * n, (self.tp_rank + 1) * n)
+
+    # ---- full checkpoint tensor -> this rank's tensor (views where possible) ---------------------
+
+    def _expect(self, name: str, t: torch.Tensor, shape: tuple[int, ...], what: str) -> None:
+        if tuple(t.shape) != shape:
+            raise ValueError(
+                f"{name} must be {what} = {list(shape)} for {self.total_heads} heads of {self.head_dim} "
+                f"(all ranks, hidden {self.hidden_size}, conv width {self.conv_width}), got {list(t.shape)}"
+            )
+
+    def shard(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the full checkpoint tensor `name`, shaped like the layer's parameter."""
+        D, Pt, Ht = self.head_dim, self.total_P, self.total_heads
+        if name == "in_proj_qkvbfg_a.weight":
+            self._expect(name, t, (3 * Pt + Ht + 2 * D, self.hidden_size), "[3P+H+2D, hidden]")
+            q, k, v, b, fa, ga = t.split([Pt, Pt, Pt, Ht, D, D])
+            hp = self.head_slice(D)
+            return torch.cat([q[hp], k[hp], v[hp], b[self.head_slice()], fa, ga])
+        if name in ("f_b_proj.weight", "g_b_proj.weight"):
+            self._expect(name, t, (Pt, D), "[P, D]")
+            return t[self.head_slice(D)]
+        if name in CONV_NAMES:
+            if t.dim() == 2:
+                t = t.unsqueeze(1)
+            self._expect(name, t, (Pt, 1, self.conv_width), "[P, 1, W]")
+            return t[self.head_slice(D)]
+        if name == "A_log":
+            if t.numel() != Ht:  # 1-D [H] (GLM) or [1, 1, H, 1] (Kimi-Linear) are both fine
+                raise ValueError(f"A_log must hold {Ht} values (one per head, any shape such as [H] or [1, 1, H, 1]), got {list(t.shape)}")
+            return t.reshape(Ht)[self.head_slice()]
+        if name == "dt_bias":
+            if t.numel() != Pt:
+                raise ValueError(f"dt_bias must hold P = {Pt} values ([P] or [H, D]), got {list(t.shape)}")
+            return t.reshape(Pt)[self.head_slice(D)]
+        if name == "o_norm.weight":
+            self._expect(name, t, (D,), "[D]")
+            return t
+        if name == "o_proj.weight":
+            self._expect(name, t, (self.hidden_size, Pt), "[hidden, P]")
+            return t[:, self.head_slice(D)]
+        raise KeyError(f"unknown KDA checkpoint tensor {name!r}; valid names: {', '.join(CHECKPOINT_NAMES)}")
+
+
+def random_kda_checkpoint(
+    hidden_size: int,
+    num_heads: int,
+    head_dim: int,
+    *,
+    conv_width: int = 4,
+    gate: str = "bounded",
+    slow_decay_heads: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
+    device="cpu",
+    seed: int = 0,
+) -> dict[str, torch.Tensor]:
+    """Full (unsharded) checkpoint tensors of one layer, scaled like a trained model: unit-variance
+    q|k|v, beta and gate logits for unit-variance hidden states, exp(A_log) in [1, 16].
+    `slow_decay_heads` of the last heads get gates near 0 (the hard case at long context)."""
+    if gate not in ("bounded", "unbounded"):
+        raise ValueError(f"gate must be 'bounded' or 'unbounded', got {gate!r}")
+    g = torch.Generator().manual_seed(seed)
+    H, D, P, W = num_heads, head_dim, num_heads * head_dim, conv_width
+
+    def randn(*shape, scale=1.0):
+        return torch.randn(*shape, generator=g) * scale
+
+    in_proj = randn(3 * P + H + 2 * D, hidden_size, scale=hidden_size**-0.5)
+    in_proj[3 * P : 3 * P + H] *= 2.0  # beta logits: spread beta over (0, 1)
+    A_log = torch.rand(H, generator=g).mul(15).add(1).log()
+    dt_bias = randn(H, D, scale=0.5)
+    if slow_decay_heads:
+        s = slice(H - slow_decay_heads, H)
+        if gate == "bounded":
+            A_log[s], dt_bias[s] = 0.0, -12.0  # sigmoid(~-12): gk ~ -3e-5
+        else:
+            A_log[s], dt_bias[s] = -9.0, -3.0  # exp(-9) * softplus(~-3): gk ~ -6e-6
+    ckpt = {
+        "in_proj_qkvbfg_a.weight": in_proj.to(dtype),
+        "f_b_proj.weight": randn(P, D, scale=D**-0.5).to(dtype),
+        "g_b_proj.weight": randn(P, D, scale=D**-0.5).to(dtype),
+        "A_log": A_log,
+        "dt_bias": dt_bias.reshape(P),
+        "o_norm.weight": 1.0 + 0.1 * randn(D),
+        "o_proj.weight": randn(hidden_size, P, scale=P**-0.5).to(dtype),
+    }
+    for name in CONV_NAMES:
+        ckpt[name] = randn(P, 1, W, scale=W**-0.5)
+    return {k: v.to(device) for k, v in ckpt.items()}
