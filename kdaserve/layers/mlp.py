@@ -1,0 +1,24 @@
+"""Dense SwiGLU MLP with gate and up projections merged into one GEMM."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kdaserve.layers.linear import MergedLinear
+
+
+class SwiGLUMLP(nn.Module):
+    # Checkpoint names -> shard of the merged parameter.
+    packed_modules = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, dtype=None, device=None):
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], dtype=dtype, device=device)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, dtype=dtype, device=device)
+        self.down_proj.weight.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
