@@ -1,0 +1,122 @@
+"""The hybrid causal LM: pre-norm decoder layers whose token mixer is either a KDA layer
+("linear_attention") or grouped-query full attention ("full_attention"), each followed by a dense
+SwiGLU MLP. Checkpoint names follow HF conventions (`model.layers.{i}.linear_attn.*`,
+`model.layers.{i}.self_attn.*`, `model.layers.{i}.mlp.*`, `model.embed_tokens`, `model.norm`,
+`lm_head`); `load_weights` maps them onto the merged parameters."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from kdaserve.layers.attention import FullAttention
+from kdaserve.layers.embed_head import LMHead, VocabEmbedding
+from kdaserve.layers.mlp import SwiGLUMLP
+from kdaserve.layers.norm import RMSNorm
+from kdaserve.models.config import HybridConfig
+
+# The checkpoint names of one KDA layer (kda-semantics.md section 4), relative to the layer.
+KDA_CHECKPOINT_NAMES = (
+    "in_proj_qkvbfg_a.weight", "f_b_proj.weight", "g_b_proj.weight",
+    "q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight",
+    "A_log", "dt_bias", "o_norm.weight", "o_proj.weight",
+)
+
+
+def _kda_layer_class():
+    from kdaserve.layers.kda import KDALayer
+
+    return KDALayer
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: HybridConfig, layer_idx: int, *, kda_options: dict, dtype, device):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.is_kda = config.layer_types[layer_idx] == "linear_attention"
+        h = config.hidden_size
+        self.input_layernorm = RMSNorm(h, config.rms_norm_eps, dtype=dtype, device=device)
+        if self.is_kda:
+            self.linear_attn = _kda_layer_class()(
+                h, config.linear_num_heads, config.linear_head_dim,
+                conv_kernel_size=config.linear_conv_kernel_dim, lower_bound=config.linear_lower_bound,
+                layer_idx=layer_idx, params_dtype=dtype, device=device, **kda_options,
+            )
+        else:
+            self.self_attn = FullAttention(
+                h, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
+                rope_theta=config.rope_theta, max_position=config.max_position_embeddings,
+                rotary_dim=config.rotary_dim, bias=config.attention_bias, layer_idx=layer_idx,
+                dtype=dtype, device=device,
+            )
+        self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps, dtype=dtype, device=device)
+        self.mlp = SwiGLUMLP(h, config.intermediate_size, dtype=dtype, device=device)
+
+    @property
+    def mixer(self) -> nn.Module:
+        return self.linear_attn if self.is_kda else self.self_attn
+
+    def forward(self, positions, hidden, residual):
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.linear_attn(hidden) if self.is_kda else self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class HybridModel(nn.Module):
+    def __init__(self, config: HybridConfig, *, kda_options: dict, dtype, device):
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, kda_options=kda_options, dtype=dtype, device=device)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class HybridForCausalLM(nn.Module):
+    """`forward(input_ids [T], positions [T]) -> hidden [T, hidden]`, then
+    `compute_logits(hidden rows) -> fp32 logits`; per-step metadata comes from the context."""
+
+    def __init__(self, config: HybridConfig, *, kda_options: dict | None = None, dtype=None, device=None):
+        super().__init__()
+        self.config = config
+        dtype = dtype or torch.get_default_dtype()
+        self.model = HybridModel(config, kda_options=kda_options or {}, dtype=dtype, device=device)
+        tied = self.model.embed_tokens if config.tie_word_embeddings else None
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied, dtype=dtype, device=device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    @property
+    def kda_layers(self) -> list[nn.Module]:
+        return [l.linear_attn for l in self.model.layers if l.is_kda]
+
+    @property
+    def attention_layers(self) -> list[FullAttention]:
+        return [l.self_attn for l in self.model.layers if not l.is_kda]
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load checkpoint tensors by name; returns the names used. KDA layers get their tensors
+        in one call each (they refresh derived buffers after a write). Names of layers past
+        num_hidden_layers (e.g. multi-token-prediction heads) and rotary tables are skipped."""
+        from kdaserve.models.weight_names import route_weights
+
+        return route_weights(self, weights)

@@ -1,0 +1,129 @@
+"""Tokenizers: a byte-level one for the built-in models (no files needed) and a wrapper around a
+checkpoint's `tokenizer.json` (the `tokenizers` library). Both expose what the engine and the
+server use: encode, decode, eos_token_id, vocab_size, apply_chat_template."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def _simple_chat_template(messages: list[dict], add_generation_prompt: bool = True) -> str:
+    """A template for models that ship none: role markers from the byte tokenizer's specials."""
+    text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
+    return text + ("<|assistant|>\n" if add_generation_prompt else "")
+
+
+class ByteTokenizer:
+    """Token i < 256 is byte i; then a few special tokens. Text round-trips exactly (UTF-8)."""
+
+    SPECIALS = ("<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>")
+
+    def __init__(self):
+        self.special_ids = {s: 256 + i for i, s in enumerate(self.SPECIALS)}
+        self.eos_token_id = self.special_ids["<|endoftext|>"]
+        self.bos_token_id = None
+        self.vocab_size = 256 + len(self.SPECIALS)
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = []
+        i = 0
+        while i < len(text):
+            j = text.find("<|", i)
+            if j < 0:
+                j = len(text)
+            ids.extend(text[i:j].encode("utf-8"))
+            if j == len(text):
+                break
+            for s, sid in self.special_ids.items():
+                if text.startswith(s, j):
+                    ids.append(sid)
+                    i = j + len(s)
+                    break
+            else:
+                ids.extend(b"<|")
+                i = j + 2
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        out, buf = [], bytearray()
+        for t in ids:
+            if 0 <= t < 256:
+                buf.append(t)
+            elif not skip_special_tokens and t < self.vocab_size:
+                out.append(buf.decode("utf-8", errors="replace"))
+                buf = bytearray()
+                out.append(self.SPECIALS[t - 256])
+            # ids past the tokenizer (a model's padded vocab) have no text
+        out.append(buf.decode("utf-8", errors="replace"))
+        return "".join(out)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **_) -> str:
+        return _simple_chat_template(messages, add_generation_prompt)
+
+    def to_tokenizers_json(self) -> str:
+        """The same tokenizer as a `tokenizer.json` (byte-level BPE without merges, ids = bytes),
+        so a saved built-in model loads back through the checkpoint path unchanged."""
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+        byte_chars = pre_tokenizers.ByteLevel.alphabet()
+        vocab = {_bytes_to_unicode()[b]: b for b in range(256)}
+        assert set(vocab) == set(byte_chars)
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens(list(self.SPECIALS))
+        return tok.to_str()
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table, which byte-level BPE vocabularies are written in."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+class HFTokenizer:
+    """A checkpoint's tokenizer.json; eos from config.json or tokenizer_config.json; the chat
+    template from tokenizer_config.json (rendered with jinja2), else the simple one."""
+
+    def __init__(self, path: str | Path, eos_token_id: int | list[int] | None = None):
+        from tokenizers import Tokenizer
+
+        path = Path(path)
+        self._tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+        cfg_path = path / "tokenizer_config.json"
+        self._cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        if isinstance(eos_token_id, list):
+            eos_token_id = eos_token_id[0] if eos_token_id else None
+        if eos_token_id is None:
+            eos = self._cfg.get("eos_token")
+            eos = eos.get("content") if isinstance(eos, dict) else eos
+            eos_token_id = self._tok.token_to_id(eos) if eos else None
+        self.eos_token_id = eos_token_id
+        self.bos_token_id = None
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.chat_template = self._cfg.get("chat_template")
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode([i for i in ids if 0 <= i < self.vocab_size], skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        if not isinstance(self.chat_template, str):
+            return _simple_chat_template(messages, add_generation_prompt)
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        specials = {k: (v.get("content") if isinstance(v, dict) else v) for k, v in self._cfg.items() if k.endswith("_token")}
+        return env.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **specials, **kwargs
+        )
