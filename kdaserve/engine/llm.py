@@ -1,0 +1,84 @@
+"""Offline batch generation on top of LLMEngine."""
+
+from __future__ import annotations
+
+import time
+
+from kdaserve.engine.llm_engine import LLMEngine
+from kdaserve.engine.outputs import RequestOutput
+from kdaserve.engine.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str = "tiny", **engine_kwargs):
+        self.engine = LLMEngine(model, **engine_kwargs)
+        self.tokenizer = self.engine.tokenizer
+        self.last_run_stats: dict = {}
+
+    def generate(
+        self,
+        prompts: str | list[str] | list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in prompt order. `last_run_stats` then holds
+        the prefill and decode token counts and throughput of this call."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params if params is not None else SamplingParams()
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; expected one or one per prompt")
+        token_lists = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        for toks, sp in zip(token_lists, params_list):   # all or nothing: check every request first
+            self.engine.validate_request(toks, sp)
+        for rid, toks, sp in zip(ids, token_lists, params_list):
+            self.engine.add_request(rid, toks, sp)
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        wanted = set(ids)
+        final: dict[str, RequestOutput] = {}
+        bar = _progress(len(ids)) if use_tqdm else None
+        prefill_tokens = decode_tokens = 0
+        prefill_time = decode_time = 0.0
+        while len(final) < len(ids):
+            before = dict(self.engine.counters)
+            t0 = time.perf_counter()
+            outs = self.engine.step()
+            dt = time.perf_counter() - t0
+            p = self.engine.counters["prompt_tokens"] - before["prompt_tokens"]
+            g = self.engine.counters["generation_tokens"] - before["generation_tokens"]
+            # A step with prompt tokens counts as prefill time (mixed steps included), else decode.
+            if p:
+                prefill_tokens, prefill_time = prefill_tokens + p, prefill_time + dt
+            else:
+                decode_tokens, decode_time = decode_tokens + g, decode_time + dt
+            for o in outs:
+                if o.finished and o.request_id in wanted:
+                    final[o.request_id] = o
+                    if bar is not None:
+                        bar.update(1)
+            if bar is not None:
+                bar.set_postfix_str(
+                    f"prefill {prefill_tokens / max(prefill_time, 1e-9):.0f} tok/s, decode {decode_tokens / max(decode_time, 1e-9):.0f} tok/s",
+                    refresh=False,
+                )
+        if bar is not None:
+            bar.close()
+        self.last_run_stats = {
+            "prefill_tokens": prefill_tokens, "prefill_time_s": prefill_time,
+            "decode_tokens": decode_tokens, "decode_time_s": decode_time,
+            "prefill_tokens_per_s": prefill_tokens / prefill_time if prefill_time else 0.0,
+            "decode_tokens_per_s": decode_tokens / decode_time if decode_time else 0.0,
+        }
+        return [final[i] for i in ids]
+
+
+def _progress(total: int):
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:   # the GPU machine may lack tqdm: no bar then
+        return None
+    return tqdm(total=total, desc="generate", unit="req", dynamic_ncols=True)

@@ -1,0 +1,158 @@
+"""The engine: requests in, one scheduler step at a time, outputs out.
+
+Thread-compatible in the simple sense: one thread at a time calls add_request / abort_request /
+step (a server serializes them with a lock)."""
+
+from __future__ import annotations
+
+import time
+
+from kdaserve.engine.block_manager import BlockManager
+from kdaserve.engine.config import EngineConfig
+from kdaserve.engine.detokenizer import IncrementalDetokenizer
+from kdaserve.engine.model_runner import ModelRunner, StepResult
+from kdaserve.engine.outputs import RequestOutput
+from kdaserve.engine.sampling_params import SamplingParams
+from kdaserve.engine.scheduler import Scheduler
+from kdaserve.engine.sequence import Sequence, SequenceStatus
+from kdaserve.engine.state_pool import StateSlotPool
+
+
+class LLMEngine:
+    def __init__(self, model: str = "tiny", **kwargs):
+        self.config = EngineConfig(model=model, **kwargs)
+        self.runner = ModelRunner(self.config)
+        self.tokenizer = self.runner.tokenizer
+        self.model_name: str = self.runner.model_name
+        self.max_model_len: int = self.runner.max_model_len
+        self.vocab_size: int = self.runner.model_config.vocab_size
+        self.eos_token_id = self.tokenizer.eos_token_id
+        self.slots = StateSlotPool(self.runner.num_slots)
+        self.blocks = BlockManager(self.runner.num_kv_blocks, self.config.block_size)
+        self.scheduler = Scheduler(self.config.max_num_seqs, self.config.max_num_batched_tokens, self.slots, self.blocks)
+        self.requests: dict[str, Sequence] = {}
+        self._pending: list[RequestOutput] = []    # outputs of aborted requests, sent by the next step
+        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0, "steps": 0}
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None) -> None:
+        """Queue a request. Raises ValueError on bad input, leaving the engine untouched."""
+        params = params if params is not None else SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use; expected a new id")
+        ids = self.validate_request(prompt_token_ids, params)
+        seq = Sequence(request_id, ids, params, IncrementalDetokenizer(self.tokenizer, params.stop))
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+        """Raise ValueError saying what is wrong with a request; returns its token ids."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"invalid params: got {type(params).__name__}; expected a SamplingParams")
+        ids = list(prompt_token_ids) if prompt_token_ids is not None else []
+        if not ids:
+            raise ValueError("invalid prompt: got an empty prompt; expected at least one token")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in ids):
+            bad = next(t for t in ids if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size))
+            raise ValueError(f"invalid prompt token {bad!r}; expected integers in [0, {self.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt too long: got {len(ids)} tokens; expected at most {self.max_model_len - 1} "
+                f"(max_model_len={self.max_model_len} includes at least one output token)"
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(params, name)
+            if n is not None and n > self.config.max_logprobs:
+                raise ValueError(f"invalid {name}: got {n}; expected at most max_logprobs={self.config.max_logprobs}")
+        return ids
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now: its slot and blocks go back to the pools. The next step() reports
+        it with finish_reason "abort". Unknown (or finished) ids are ignored."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return
+        self.scheduler.finish(seq, "abort")
+        self._pending.append(self._output(seq, []))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    def stats(self) -> dict:
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "state_slots_used": self.slots.num_used,
+            "state_slots_total": self.slots.capacity,
+            "kv_blocks_used": self.blocks.num_used,
+            "kv_blocks_total": self.blocks.capacity,
+            **self.counters,
+        }
+
+    # -- stepping -----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduler step; returns outputs of the requests that progressed (new tokens,
+        prompt log-probs, finished or aborted)."""
+        outputs, self._pending = self._pending, []
+        batch = self.scheduler.schedule()
+        self.counters["preemptions"] += len(batch.preempted)
+        if batch.is_empty:
+            return outputs
+        result = self.runner.execute(batch)
+        self.counters["steps"] += 1
+        for seq in batch.decodes:
+            seq.num_computed_tokens += 1
+        for seq, n in zip(batch.prefills, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            self.counters["prompt_tokens"] += n
+        for seq, index, entry in result.prompt_logprobs:
+            if index == len(seq.prompt_logprobs):
+                seq.prompt_logprobs.append(entry)
+        touched = {s.seq_id: s for s, _, _ in result.prompt_logprobs}
+        now = time.monotonic()
+        for i, (seq, token) in enumerate(zip(result.sample_seqs, result.sampled.token_ids)):
+            self._append_token(seq, token, result.sampled.logprobs[i], now)
+            touched[seq.seq_id] = seq
+        for seq in touched.values():
+            outputs.append(self._output(seq, seq.new_token_ids))
+            seq.new_token_ids = []
+        return outputs
+
+    def _append_token(self, seq: Sequence, token: int, logprob, now: float) -> None:
+        seq.token_ids.append(token)
+        seq.new_token_ids.append(token)
+        self.counters["generation_tokens"] += 1
+        seq.metrics.setdefault("first_token_time", now)
+        if seq.logprobs is not None and logprob is not None:
+            seq.logprobs.append({"token_id": token, "logprob": logprob[0], "top": logprob[1]})
+        p = seq.params
+        stop_token = token in p.stop_token_ids or (not p.ignore_eos and token == self.eos_token_id)
+        reason = "stop" if stop_token else None
+        text_ids = seq.output_token_ids[:-1] if stop_token else seq.output_token_ids
+        done = stop_token or seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len
+        if seq.detokenizer.add(text_ids, final=done) is not None:
+            reason = "stop"
+        elif reason is None and done:
+            reason = "length"
+        if reason is not None:
+            seq.metrics["finish_time"] = now
+            self.scheduler.finish(seq, reason)
+            self.requests.pop(seq.request_id, None)
+
+    def _output(self, seq: Sequence, new_ids: list[int]) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            output_token_ids=seq.output_token_ids,
+            new_token_ids=list(new_ids),
+            text=seq.detokenizer.text,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+            prompt_logprobs=list(seq.prompt_logprobs) if seq.prompt_logprobs is not None else None,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            metrics=dict(seq.metrics, num_preemptions=seq.num_preemptions),
+        )

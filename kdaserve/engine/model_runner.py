@@ -1,0 +1,140 @@
+"""Runs one scheduled step on the model: host metadata -> device, forward (eager, or a CUDA-graph
+replay for pure decode steps), logits for the rows that need them, sampling and log-probs."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from kdaserve.engine.caches import StepCaches, kv_bytes_per_block, state_bytes_per_slot
+from kdaserve.engine.config import EngineConfig
+from kdaserve.engine.cuda_graphs import DecodeGraphs
+from kdaserve.engine.sampler import Sampler, SampleResult, logprob_rows
+from kdaserve.engine.scheduler import ScheduledBatch
+from kdaserve.engine.sequence import Sequence
+from kdaserve.engine.step_inputs import build_host_step, to_device_context
+from kdaserve.layers.context import Context, reset_context, set_context
+from kdaserve.models.loader import load_model
+
+log = logging.getLogger("kdaserve.engine")
+
+_CPU_KV_BYTES = 1 << 30   # default KV-cache budget on the CPU
+
+
+@dataclass
+class StepResult:
+    sampled: SampleResult
+    sample_seqs: list[Sequence]
+    # (sequence, prompt token index, {"token_id", "logprob", "top"}) in prompt order
+    prompt_logprobs: list[tuple[Sequence, int, dict]]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = config.device
+        torch.manual_seed(config.seed)
+        loaded = load_model(config.model, dtype=config.dtype, device=self.device, kda_options=config.kda_options, seed=config.seed)
+        self.model = loaded.model.eval()
+        self.tokenizer, self.model_config, self.model_name = loaded.tokenizer, loaded.config, loaded.name
+        self.block_size = config.block_size
+        self.max_model_len = min(config.max_model_len, self.model_config.max_position_embeddings)
+        if self.max_model_len < config.max_model_len:
+            log.warning("max_model_len %d exceeds the model's max_position_embeddings; using %d",
+                        config.max_model_len, self.max_model_len)
+        self.blocks_per_seq = -(-self.max_model_len // self.block_size)
+        self.num_slots = config.max_num_seqs + 1
+        self.num_kv_blocks = self._decide_num_kv_blocks()
+        self.caches = StepCaches(self.model, self.num_slots, self.num_kv_blocks, self.block_size, config.dtype, self.device)
+        self.sampler = Sampler(self.device, config.seed)
+        self.graphs = None
+        not_capturable = sorted({l.decode_backend.name for l in self.model.kda_layers if not l.decode_graph_capturable})
+        if config.use_cuda_graphs and not_capturable:
+            log.warning("CUDA graphs off: KDA decode backend %s cannot be captured", ", ".join(not_capturable))
+        elif config.use_cuda_graphs:
+            self.graphs = DecodeGraphs(
+                self.model, max_batch_size=config.cuda_graph_max_batch_size or config.max_num_seqs,
+                block_table_width=self.blocks_per_seq, trash_row=self.caches.trash_row,
+                hidden_size=self.model_config.hidden_size, dtype=config.dtype, device=self.device,
+            )
+
+    # -- memory -------------------------------------------------------------------------------
+
+    def _decide_num_kv_blocks(self) -> int:
+        """Blocks for the KV pool (null block included): what the user asked, else what fits in
+        memory, capped at what max_num_seqs sequences of max_model_len can use."""
+        cfg = self.config
+        enough = cfg.max_num_seqs * self.blocks_per_seq + 1
+        if cfg.num_kv_blocks is not None:
+            if cfg.num_kv_blocks < self.blocks_per_seq + 1:
+                raise ValueError(
+                    f"num_kv_blocks={cfg.num_kv_blocks} cannot hold one sequence of max_model_len={self.max_model_len} "
+                    f"({self.blocks_per_seq} blocks of {self.block_size} + the null block); expected >= {self.blocks_per_seq + 1}"
+                )
+            return cfg.num_kv_blocks
+        per_block = kv_bytes_per_block(self.model, self.block_size, cfg.dtype)
+        if per_block == 0:   # no full-attention layers: blocks are bookkeeping only
+            return enough
+        if self.device.type != "cuda":
+            return max(self.blocks_per_seq + 1, min(enough, _CPU_KV_BYTES // per_block))
+        budget = self._free_gpu_bytes() - self.num_slots * state_bytes_per_slot(self.model)
+        blocks = min(enough, budget // per_block)
+        if blocks < self.blocks_per_seq + 1:
+            raise RuntimeError(
+                f"GPU memory left for the KV cache ({budget / 2**30:.2f} GiB) holds {max(blocks, 0)} blocks; one "
+                f"sequence of max_model_len={self.max_model_len} needs {self.blocks_per_seq + 1}: lower max_model_len "
+                f"or max_num_seqs, or raise gpu_memory_utilization"
+            )
+        return int(blocks)
+
+    @torch.inference_mode()
+    def _free_gpu_bytes(self) -> int:
+        """GPU bytes the caches may take: the utilization target minus what is in use and the
+        peak of a dummy forward of a full token budget (activations)."""
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        T = min(self.config.max_num_batched_tokens, self.max_model_len)
+        set_context(Context())   # no metadata: KDA layers touch no state
+        ids = torch.zeros(T, dtype=torch.int64, device=self.device)
+        self.model.compute_logits(self.model(ids, torch.arange(T, device=self.device)))
+        reset_context()
+        torch.cuda.synchronize()
+        activations = torch.cuda.max_memory_allocated() - before
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        # The KDA prefill kernels' workspaces are not all exercised by a no-metadata run: keep a margin.
+        margin = 2 * activations + (1 << 30)
+        return int(free - (1 - self.config.gpu_memory_utilization) * total - margin)
+
+    # -- one step -----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> StepResult:
+        width = self.blocks_per_seq if self.graphs is not None and not batch.prefills else None
+        step = build_host_step(batch, self.block_size, decode_width=width)
+        if self.graphs is not None and self.graphs.can_run(step):
+            hidden = self.graphs.run(step)
+        else:
+            input_ids, positions, ctx = to_device_context(step, self.device)
+            set_context(ctx)
+            try:
+                hidden = self.model(input_ids, positions)
+            finally:
+                reset_context()
+        want = step.logits
+        rows = want.sample_rows + [r for _, r, _ in want.prompt_rows]
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device, dtype=torch.int64)]) if rows else None
+        ns = len(want.sample_rows)
+        sampled = self.sampler.sample(logits[:ns], want.sample_seqs) if ns else SampleResult([], [])
+        prompt_lps = []
+        if want.prompt_rows:
+            seqs = [s for s, _, _ in want.prompt_rows]
+            targets = torch.tensor([s.token_ids[t] for s, _, t in want.prompt_rows], device=self.device)
+            res = logprob_rows(logits[ns:], targets, [s.params.prompt_logprobs for s in seqs])
+            for (seq, _, t), (lp, top) in zip(want.prompt_rows, res):
+                prompt_lps.append((seq, t, {"token_id": seq.token_ids[t], "logprob": lp, "top": top}))
+        return StepResult(sampled, want.sample_seqs, prompt_lps)

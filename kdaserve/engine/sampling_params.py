@@ -1,0 +1,66 @@
+"""How to sample one request. Every field is checked when the object is built, so a bad request
+fails before it reaches the engine."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+def _fail(name: str, got, expected: str):
+    raise ValueError(f"invalid {name}: got {got!r}; expected {expected}")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0          # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0                    # 0 or -1 = off
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None       # top-n alternatives per output token; 0 = the sampled token only
+    prompt_logprobs: int | None = None
+
+    def __post_init__(self):
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            _fail("max_tokens", self.max_tokens, "an integer >= 1")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
+                or not math.isfinite(self.temperature) or self.temperature < 0:
+            _fail("temperature", self.temperature, "a finite number >= 0 (0 = greedy)")
+        self.temperature = float(self.temperature)
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            _fail("top_p", self.top_p, "a number in (0, 1]")
+        self.top_p = float(self.top_p)
+        if not _is_int(self.top_k) or self.top_k < -1:
+            _fail("top_k", self.top_k, "an integer >= 1, or 0 / -1 for no top-k")
+        if self.seed is not None and not _is_int(self.seed):
+            _fail("seed", self.seed, "an integer or None")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop is None:
+            self.stop = []
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
+            _fail("stop", self.stop, "a non-empty string or a list of non-empty strings")
+        self.stop = list(self.stop)
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            _fail("stop_token_ids", self.stop_token_ids, "a list of token ids (integers >= 0)")
+        self.stop_token_ids = list(self.stop_token_ids)
+        if not isinstance(self.ignore_eos, bool):
+            _fail("ignore_eos", self.ignore_eos, "True or False")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or v < 0):
+                _fail(name, v, "None or an integer >= 0 (the number of top alternatives)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1

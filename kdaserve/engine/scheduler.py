@@ -1,0 +1,124 @@
+"""Continuous batching with chunked prefill under a token budget.
+
+Every running request asks for its uncomputed tokens: one for a decode, a chunk for a prefill.
+Running requests go first (oldest first), then waiting ones are admitted while the budget, a free
+state slot and KV blocks allow. A step may mix decodes and prefills. When KV blocks run out, the
+newest running request is preempted by recompute: its slot and blocks return to the pools and it
+re-enters the front of the queue to prefill its prompt and outputs again (the state is rebuilt
+from scratch, so nothing stale can leak in)."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kdaserve.engine.block_manager import BlockManager
+from kdaserve.engine.sequence import Sequence, SequenceStatus
+from kdaserve.engine.state_pool import StateSlotPool
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work. Decodes (one token each, with history) come first in the step, then
+    prefill chunks; `num_new_tokens[i]` goes with `prefills[i]`."""
+
+    decodes: list[Sequence] = field(default_factory=list)
+    prefills: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(self.num_new_tokens)
+
+    @property
+    def sequences(self) -> list[Sequence]:
+        return self.decodes + self.prefills
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+
+class Scheduler:
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, slots: StateSlotPool, blocks: BlockManager):
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.slots, self.blocks = slots, blocks
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not self.blocks.can_grow(seq, seq.num_computed_tokens + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                self.blocks.grow(seq, seq.num_computed_tokens + n)
+                self._add_to_batch(batch, seq, n)
+                budget -= n
+                i += 1
+                continue
+            break
+        # Admit waiting requests, oldest first, unless memory just ran short.
+        while self.waiting and budget > 0 and not batch.preempted and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_uncomputed_tokens, budget)
+            if self.slots.num_free == 0 or not self.blocks.can_grow(seq, n):
+                break
+            self.waiting.popleft()
+            seq.state_slot = self.slots.allocate()
+            self.blocks.grow(seq, n)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self._add_to_batch(batch, seq, n)
+            budget -= n
+        return batch
+
+    @staticmethod
+    def _add_to_batch(batch: ScheduledBatch, seq: Sequence, n: int) -> None:
+        # One token with history is a decode for the KDA layers (conv update + recurrence),
+        # whether it was sampled or is the last token of a prompt chunked to its end.
+        if n == 1 and seq.num_computed_tokens > 0:
+            batch.decodes.append(seq)
+        else:
+            batch.prefills.append(seq)
+            batch.num_new_tokens.append(n)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.state_slot:
+            self.slots.free(seq.state_slot)
+            seq.state_slot = 0
+        self.blocks.free(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Remove a request (finished or aborted) and return its slot and blocks to the pools."""
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self._release(seq)
+        elif seq.status == SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

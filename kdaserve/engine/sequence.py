@@ -1,0 +1,72 @@
+"""A request as the engine tracks it: its tokens, how many of them the caches hold, where its
+state lives (one state slot for all KDA layers, KV blocks for the full-attention layers)."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+
+from kdaserve.engine.detokenizer import IncrementalDetokenizer
+from kdaserve.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    _ids = itertools.count()
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, detokenizer: IncrementalDetokenizer):
+        self.seq_id = next(Sequence._ids)
+        self.request_id = request_id
+        self.params = params
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.status = SequenceStatus.WAITING
+        # Tokens whose effect the caches hold (KV rows written, recurrent state advanced past them).
+        self.num_computed_tokens = 0
+        self.state_slot = 0                 # 0 = none (the null slot)
+        self.block_table: list[int] = []
+        self.num_preemptions = 0
+        self.finish_reason: str | None = None
+        self.detokenizer = detokenizer
+        self.generator = None               # per-request torch.Generator when params.seed is set
+        self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: list[dict | None] | None = [None] if params.prompt_logprobs is not None else None
+        self.new_token_ids: list[int] = []
+        self.metrics = {"arrival_time": time.monotonic()}
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens

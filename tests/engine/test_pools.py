@@ -1,0 +1,40 @@
+import pytest
+
+from kdaserve.engine.block_manager import BlockManager
+from kdaserve.engine.detokenizer import IncrementalDetokenizer
+from kdaserve.engine.sampling_params import SamplingParams
+from kdaserve.engine.sequence import Sequence
+from kdaserve.engine.state_pool import StateSlotPool
+from kdaserve.models.tokenizer import ByteTokenizer
+
+
+def _seq(n: int) -> Sequence:
+    return Sequence("r", list(range(n)), SamplingParams(), IncrementalDetokenizer(ByteTokenizer(), []))
+
+
+def test_state_slots_never_hand_out_the_null_slot():
+    pool = StateSlotPool(4)
+    got = [pool.allocate() for _ in range(3)]
+    assert sorted(got) == [1, 2, 3] and pool.num_free == 0 and pool.capacity == 3
+    with pytest.raises(RuntimeError, match="exhausted"):
+        pool.allocate()
+    pool.free(got[0])
+    with pytest.raises(RuntimeError, match="freed twice"):
+        pool.free(got[0])
+    with pytest.raises(RuntimeError):
+        pool.free(0)
+
+
+def test_blocks_grow_with_the_context_and_return_whole():
+    bm = BlockManager(num_blocks=6, block_size=4)
+    s = _seq(5)
+    assert bm.extra_blocks_for(s, 5) == 2
+    bm.grow(s, 5)
+    assert len(s.block_table) == 2 and 0 not in s.block_table
+    bm.grow(s, 8)           # still fits in 2 blocks
+    assert len(s.block_table) == 2
+    bm.grow(s, 9)
+    assert len(s.block_table) == 3 and bm.num_used == 3
+    assert bm.can_grow(s, 20) and not bm.can_grow(s, 21)   # 5 real blocks in all
+    bm.free(s)
+    assert bm.num_used == 0 and bm.num_free == 5 and s.block_table == []
