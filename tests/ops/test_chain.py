@@ -10,8 +10,8 @@ if not torch.cuda.is_available():
 
 from kdaserve.ops.chain import kda_decode_chain  # noqa: E402
 from kdaserve.ops.reference import kda_decode_reference, kda_prefill_reference  # noqa: E402
-from kdaserve.testing import make_kda_case, tolerance_for  # noqa: E402
-from kdaserve.testing.properties import check_decode_matches_reference, check_spec_resume, run_decode  # noqa: E402
+from kdaserve.testing import assert_rel_close, make_kda_case, tolerance_for  # noqa: E402
+from kdaserve.testing.properties import check_decode_matches_reference, check_spec_resume, run_decode, to_fp64  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -127,3 +127,94 @@ def test_gpu_cuda_graph_replay_equals_eager():
     assert torch.isnan(out[~rows]).all()
     assert torch.equal(case.recurrent_state, eager.recurrent_state)
     assert torch.equal(case.conv_state, eager.conv_state)
+
+
+
+def _long_decode(case, steps, tol):
+    """`steps` decode steps in a row on fresh inputs (errors compound through the state): every
+    step's output and the final states stay within `tol` of an fp64 reference run."""
+    dev = case.qkv.device
+    ref_conv, ref_rec = case.conv_state.double(), case.recurrent_state.double()
+    gen = torch.Generator(device=dev).manual_seed(41)
+    P = case.H * case.D
+    for step in range(steps):
+        case.proj.copy_(torch.randn(case.proj.shape, generator=gen, device=dev))
+        case.proj[:, 3 * P : 3 * P + case.H] *= 2.0
+        case.g1.copy_(torch.randn(case.g1.shape, generator=gen, device=dev))
+        case.g2.copy_(torch.randn(case.g2.shape, generator=gen, device=dev))
+        ref = to_fp64(case)
+        ref.conv_state, ref.recurrent_state = ref_conv, ref_rec
+        ref_out = run_decode(kda_decode_reference, ref, out_dtype=torch.float64)
+        out = run_decode(kda_decode_chain, case)
+        assert_rel_close(out, ref_out, tol, f"decode output at step {step}")
+    slots = case.state_indices.tolist()
+    assert_rel_close(case.recurrent_state[slots], ref_rec[slots], tol, f"state after {steps} steps")
+    assert torch.equal(case.conv_state.double(), ref_conv), "conv states drifted from the reference"
+
+
+def test_consecutive_decode_steps_track_reference():
+    case = make_kda_case([1] * 2, H=1, D=16, slow_decay_heads=1, seed=39, device=DEV)
+    _long_decode(case, 4, tolerance_for(torch.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_gpu_long_decode_slow_decay_heads(state_dtype):
+    _long_decode(_gpu_case(8, state_dtype, seed=40, extra_slots=1), 512, tolerance_for(torch.bfloat16, state_dtype))
+
+
+# ---------------------------------------------------------------- CPU: compiled mode, not just the interpreter
+
+_COMPILE_ALL = r'''
+import inspect, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kdaserve.ops.conv.update_kernel import conv_update_kernel
+from kdaserve.ops.conv.varlen_kernel import conv_varlen_out_kernel, conv_varlen_state_kernel
+from kdaserve.ops.norm.gated_rms_norm import gated_rms_norm_kernel
+from kdaserve.ops.recurrent.kernel import kda_recurrent_kernel
+
+def compile_for_sm90(fn, types, constexprs):
+    params = list(inspect.signature(fn.fn).parameters)
+    sig = {p: "constexpr" if p in constexprs else types.get(p, "i32") for p in params}
+    # What the launcher specializes at run time: 16-aligned pointers and strides divisible by 16.
+    div16 = [p for p in params if p not in constexprs and (types.get(p, "").startswith("*") or p.startswith("stride"))]
+    src = ASTSource(fn, sig, constexprs={(params.index(k),): v for k, v in constexprs.items()},
+                    attrs={(params.index(p),): [["tt.divisibility", 16]] for p in div16})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+
+bf, f32, i32 = "*bf16", "*fp32", "*i32"
+compile_for_sm90(conv_varlen_out_kernel, dict(x_ptr=bf, w_ptr=f32, state_ptr=bf, y_ptr=bf, cu_ptr=i32, idx_ptr=i32,
+                 his_ptr="*i1", block_seq_ptr=i32, block_t0_ptr=i32), dict(W=4, BT=32, BC=128))
+compile_for_sm90(conv_varlen_state_kernel, dict(x_ptr=bf, state_ptr=bf, cu_ptr=i32, idx_ptr=i32, his_ptr="*i1"), dict(BL=8, BC=128))
+for acc in (False, True):
+    compile_for_sm90(conv_update_kernel, dict(x_ptr=bf, w_ptr=f32, state_ptr=bf, y_ptr=f32, idx_ptr=i32, acc_ptr=i32),
+                     dict(W=4, BM=4 if acc else 2, BL=8, BC=256, HAS_ACCEPTED=acc))
+for has_index in (False, True):
+    compile_for_sm90(gated_rms_norm_kernel, dict(o_ptr=f32, g_ptr=bf, w_ptr=f32, y_ptr=bf, idx_ptr=i32, eps="fp32"),
+                     dict(HAS_INDEX=has_index, BR=16, BD=128))
+for spec, bounded, state in ((False, True, f32), (True, False, bf)):
+    ptx = compile_for_sm90(kda_recurrent_kernel, dict(y_ptr=f32, g_ptr=bf, b_ptr=bf, s_ptr=state, o_ptr=f32, a_log_ptr=f32,
+                           dt_bias_ptr=f32, idx_ptr=i32, spec_ptr=i32, acc_ptr=i32, lower_bound="fp32", scale="fp32"),
+                           dict(M=4 if spec else 1, K=128, V=128, BV=32, IS_SPEC=spec, BOUNDED=bounded))
+    # The state tile must move in 16-byte accesses (the kernel is bound by state traffic).
+    assert re.search(r"ld\.global[^\n]*\.v4", ptx) and re.search(r"st\.global[^\n]*\.v4", ptx), "state not vectorized"
+print("ok")
+'''
+
+
+def test_kernels_compile_for_sm90_without_a_gpu():
+    """Triton's compiled mode (not the interpreter) accepts every kernel, ptxas included, and the
+    recurrent state moves in 16-byte vectors: catches compile-only errors before a GPU run."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-c", _COMPILE_ALL], capture_output=True, text=True, env=env, timeout=300)
+    if "No module named" in r.stderr and "nvidia" in r.stderr:
+        pytest.skip("this triton build has no NVIDIA backend")
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
