@@ -181,3 +181,16 @@ def test_update_gpu_bf16_many_sequences(layout, S):
     case.state_indices[::7] = 0
     accepted = torch.randint(1, S + 2, (N,), dtype=torch.int32, device="cuda") if S else None
     _check_update(case, accepted)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["SD", "DS"])
+def test_varlen_gpu_many_short_sequences_shift_history_in_place(layout):
+    """Sequences shorter than the 6-row state move history rows within their slot: the state
+    kernel's barrier must order every read before any write (a race shows up only on a GPU)."""
+    g = torch.Generator().manual_seed(16)
+    lens = torch.randint(1, 6, (256,), generator=g).tolist()
+    case = make_kda_case(lens, H=32, D=128, dtype=torch.bfloat16, conv_layout=layout, spec_tokens=3,
+                         has_initial_state=True, seed=17, device="cuda")
+    ref, before = case.clone(), case.conv_state.clone()
+    _check_varlen_against_reference(case, _varlen(case), ref, before)
