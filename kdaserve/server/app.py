@@ -13,7 +13,12 @@ from kdaserve.server.completions import CompletionHandler
 from kdaserve.server.engine_loop import EngineLoop
 from kdaserve.server.errors import APIError, bad_request, install_error_handlers
 from kdaserve.server.metrics import ServerMetrics
-from kdaserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from kdaserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from kdaserve.server.serving import ServerState, check_model, parse_body
 
 

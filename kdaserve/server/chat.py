@@ -11,20 +11,17 @@ from kdaserve.server.completions import new_logprob_entries, usage
 from kdaserve.server.errors import bad_request
 from kdaserve.server.protocol import ChatCompletionRequest
 from kdaserve.server.serving import (
-    ClientGone,
-    EventStreamResponse,
     ServerState,
     check_model,
-    collect_finals,
-    first_outputs,
-    gone_response,
     new_id,
     replay_then_rest,
     resolve_max_tokens,
+    run_group,
     sampling_params,
     sse,
     sse_error,
-    unless_disconnected,
+    stop_holdback,
+    streamable_text,
 )
 
 
@@ -68,22 +65,14 @@ class ChatHandler:
             )
             for j in range(req.n)
         ]
-        group = state.engine_loop.open_group(engine_requests)
-        try:
-            if req.stream:
-                buffered = await first_outputs(group, len(engine_requests))
-        except BaseException:
-            group.close()
-            raise
-        if req.stream:
-            return EventStreamResponse(self._stream(req, request_id, len(prompt_ids), group, buffered), on_close=group.close)
-        try:
-            finals = await unless_disconnected(request, collect_finals(group, len(engine_requests)))
-        except ClientGone:
-            return gone_response()
-        finally:
-            group.close()
-        return self._response(req, request_id, len(prompt_ids), finals)
+        return await run_group(
+            request,
+            state,
+            engine_requests,
+            stream=req.stream,
+            events=lambda group, buffered: self._stream(req, request_id, len(prompt_ids), group, buffered),
+            answer=lambda finals: self._response(req, request_id, len(prompt_ids), finals),
+        )
 
     def _logprobs(self, token_ids, entries) -> dict:
         return {"content": [chat_logprob_entry(self.state, t, e) for t, e in zip(token_ids, entries)]}
@@ -121,6 +110,7 @@ class ChatHandler:
         sent_tokens = [0] * size
         started = [False] * size
         completion_tokens = 0
+        holdback = stop_holdback(req.stop_list())
 
         def chunk(choices: list, usage_: dict | None = None) -> str:
             body = {
@@ -136,11 +126,12 @@ class ChatHandler:
 
         try:
             async for index, out in replay_then_rest(group, buffered):
-                delta = {"content": out.text[sent_chars[index] :]}
+                visible = streamable_text(out, holdback)
+                delta = {"content": visible[sent_chars[index] :]}
                 if not started[index]:
                     started[index] = True
                     delta = {"role": "assistant", **delta}  # the role rides on the first token
-                sent_chars[index] = len(out.text)
+                sent_chars[index] = max(sent_chars[index], len(visible))
                 logprobs = None
                 if req.logprobs:
                     logprobs = self._logprobs(out.new_token_ids, new_logprob_entries(out, sent_tokens[index]))

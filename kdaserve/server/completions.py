@@ -10,20 +10,17 @@ from fastapi import Request
 from kdaserve.server.errors import bad_request
 from kdaserve.server.protocol import CompletionRequest
 from kdaserve.server.serving import (
-    ClientGone,
-    EventStreamResponse,
     ServerState,
     check_model,
-    collect_finals,
-    first_outputs,
-    gone_response,
     new_id,
     replay_then_rest,
     resolve_max_tokens,
+    run_group,
     sampling_params,
     sse,
     sse_error,
-    unless_disconnected,
+    stop_holdback,
+    streamable_text,
 )
 
 
@@ -137,22 +134,14 @@ class CompletionHandler:
                 choices.append(Choice(prompt, echo_text, score_only=max_tokens == 0))
                 engine_requests.append((f"{request_id}-{i}-{j}", prompt.token_ids, params))
 
-        group = state.engine_loop.open_group(engine_requests)
-        try:
-            if req.stream:
-                buffered = await first_outputs(group, len(engine_requests))
-        except BaseException:
-            group.close()
-            raise
-        if req.stream:
-            return EventStreamResponse(self._stream(req, request_id, prompts, choices, group, buffered), on_close=group.close)
-        try:
-            finals = await unless_disconnected(request, collect_finals(group, len(engine_requests)))
-        except ClientGone:
-            return gone_response()
-        finally:
-            group.close()
-        return self._response(req, request_id, prompts, choices, finals)
+        return await run_group(
+            request,
+            state,
+            engine_requests,
+            stream=req.stream,
+            events=lambda group, buffered: self._stream(req, request_id, prompts, choices, group, buffered),
+            answer=lambda finals: self._response(req, request_id, prompts, choices, finals),
+        )
 
     def _echo_text(self, prompt: Prompt) -> str:
         return prompt.text if prompt.text is not None else self.state.tokenizer.decode(prompt.token_ids)
@@ -199,6 +188,7 @@ class CompletionHandler:
         sent_tokens = [0] * size
         offsets = [0] * size
         completion_tokens = 0
+        holdback = stop_holdback(req.stop_list())
 
         def chunk(body_choices: list, usage_: dict | None = None) -> str:
             body = {
@@ -218,10 +208,11 @@ class CompletionHandler:
                 if choice.score_only:
                     text, new_ids, entries = "", [], []
                 else:
-                    text = out.text[sent_chars[index] :]
+                    visible = streamable_text(out, holdback)
+                    text = visible[sent_chars[index] :]
+                    sent_chars[index] = max(sent_chars[index], len(visible))
                     new_ids = list(out.new_token_ids)
                     entries = new_logprob_entries(out, sent_tokens[index])
-                sent_chars[index] = len(out.text)
                 lp = ChoiceLogprobs(self.state, offsets[index]) if req.logprobs is not None else None
                 if not started[index]:
                     started[index] = True

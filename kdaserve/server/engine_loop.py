@@ -108,7 +108,8 @@ class EngineLoop:
     def __init__(self, engine, *, max_queued_requests: int = 1024, metrics: ServerMetrics | None = None):
         self.engine = engine
         # Requests in flight beyond the engine's batch: past this, new ones get 503.
-        self.max_in_flight = int(getattr(engine, "max_num_seqs", 0) or 0) + max_queued_requests
+        max_num_seqs = getattr(engine, "max_num_seqs", None) or getattr(getattr(engine, "config", None), "max_num_seqs", 0)
+        self.max_in_flight = int(max_num_seqs or 0) + max_queued_requests
         self.metrics = metrics
         self.num_in_flight = 0  # touched only on the event loop
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()

@@ -22,7 +22,12 @@ def uvicorn_config(app, host: str, port: int, log_level: str = "info") -> uvicor
 
 
 def serve_forever(app, host: str, port: int, log_level: str = "info") -> None:
-    uvicorn.Server(uvicorn_config(app, host, port, log_level)).run()
+    """Serve until Ctrl-C / SIGTERM; uvicorn drains in-flight requests, then re-raises the
+    signal, which ends here quietly instead of in a KeyboardInterrupt traceback."""
+    try:
+        uvicorn.Server(uvicorn_config(app, host, port, log_level)).run()
+    except KeyboardInterrupt:
+        pass
 
 
 class BackgroundServer:

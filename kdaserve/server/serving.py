@@ -79,21 +79,16 @@ def resolve_max_tokens(state: ServerState, prompt_len: int, max_tokens: int | No
     limit = state.max_model_len
     if prompt_len == 0:
         raise bad_request("the prompt is empty", param="prompt")
-    if prompt_len > limit:
+    if prompt_len >= limit:
+        # The engine samples at least one token (even to only score a prompt), so it needs room.
         raise bad_request(
-            f"this model's maximum context length is {limit} tokens, but the prompt has {prompt_len} tokens",
+            f"this model's maximum context length is {limit} tokens, but the prompt has {prompt_len} tokens; "
+            f"a prompt may have at most {limit - 1}, leaving room for one output token",
             param="prompt",
             code="context_length_exceeded",
         )
     if max_tokens is None:
-        max_tokens = limit - prompt_len
-        if max_tokens == 0 and not allow_zero:
-            raise bad_request(
-                f"the prompt fills this model's maximum context length ({limit} tokens): no room for a completion",
-                param="prompt",
-                code="context_length_exceeded",
-            )
-        return max_tokens
+        return limit - prompt_len
     lowest = 0 if allow_zero else 1
     if max_tokens < lowest:
         hint = "" if allow_zero else " (0 only with echo, to score the prompt)"
@@ -130,6 +125,18 @@ def sampling_params(req, *, max_tokens: int, logprobs: int | None, prompt_logpro
         raise bad_request(f"invalid sampling parameters: {exc}") from None
 
 
+def stop_holdback(stop: list[str]) -> int:
+    """Characters of text to hold back while streaming: the end of the text may be the start of a
+    stop string, which the engine trims from `text` only once the string is complete."""
+    return max((len(s) for s in stop), default=1) - 1
+
+
+def streamable_text(out, holdback: int) -> str:
+    if out.finished or holdback == 0:
+        return out.text
+    return out.text[: max(0, len(out.text) - holdback)]
+
+
 def has_progress(out) -> bool:
     return bool(out.new_token_ids) or out.finished
 
@@ -160,6 +167,34 @@ async def collect_finals(group: RequestGroup, size: int) -> list[Any]:
     async for index, out in group:
         finals[index] = out
     return finals
+
+
+async def run_group(
+    request: Request,
+    state: ServerState,
+    engine_requests: list,
+    *,
+    stream: bool,
+    events: Callable[[RequestGroup, list], AsyncIterator[str]],
+    answer: Callable[[list], dict],
+):
+    """Admit the engine requests of one HTTP request and answer: an SSE stream (`events`), once
+    every member has its first token, or the JSON `answer(finals)` once all finished. The group is
+    aborted whenever the answer cannot complete (error, disconnect)."""
+    group = state.engine_loop.open_group(engine_requests)
+    try:
+        if stream:
+            buffered = await unless_disconnected(request, first_outputs(group, len(engine_requests)))
+            return EventStreamResponse(events(group, buffered), on_close=group.close)
+        finals = await unless_disconnected(request, collect_finals(group, len(engine_requests)))
+    except ClientGone:
+        group.close()
+        return gone_response()
+    except BaseException:
+        group.close()
+        raise
+    group.close()
+    return answer(finals)
 
 
 async def _wait_for_disconnect(request: Request) -> None:

@@ -1,0 +1,144 @@
+"""/v1/completions over real HTTP: answers, streaming, usage, echo + log-probs, stop strings, prompt forms."""
+
+from __future__ import annotations
+
+import math
+
+from server_helpers import MAX_MODEL_LEN, greedy, sse_events
+
+PROMPT = "The quick brown fox"
+
+
+def complete(client, **body) -> dict:
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_models_and_health(client):
+    assert client.get("/health").status_code == 200
+    data = client.get("/v1/models").json()["data"]
+    assert [m["id"] for m in data] == ["tiny"]
+    assert data[0]["root"] == "tiny" and data[0]["max_model_len"] == MAX_MODEL_LEN
+    assert client.get("/v1/models/tiny").json()["id"] == "tiny"
+
+
+def test_completion_answer_and_usage(client):
+    tokens = client.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    out = complete(client, **greedy(prompt=PROMPT, max_tokens=5))
+    assert out["object"] == "text_completion" and out["model"] == "tiny"
+    (choice,) = out["choices"]
+    assert choice["index"] == 0 and choice["finish_reason"] == "length" and choice["logprobs"] is None
+    assert out["usage"] == {"prompt_tokens": len(tokens), "completion_tokens": 5, "total_tokens": len(tokens) + 5}
+    # Greedy is deterministic, and the text is what the tokens decode to.
+    again = complete(client, **greedy(prompt=PROMPT, max_tokens=5))
+    assert again["choices"][0]["text"] == choice["text"]
+
+
+def test_streaming_equals_non_streaming(client):
+    body = greedy(prompt=PROMPT, max_tokens=5)
+    whole = complete(client, **body)["choices"][0]["text"]
+    events = sse_events(client, "/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert events[-1] == "[DONE]"
+    usage_event = events[-2]
+    assert usage_event["choices"] == [] and usage_event["usage"]["completion_tokens"] == 5
+    token_events = events[:-2]
+    # One message per generated token; finish_reason only on the last.
+    assert len(token_events) == 5
+    assert [e["choices"][0]["finish_reason"] for e in token_events] == [None] * 4 + ["length"]
+    assert "".join(e["choices"][0]["text"] for e in token_events) == whole
+    # Without include_usage: no usage message at all.
+    plain = sse_events(client, "/v1/completions", {**body, "stream": True})
+    assert plain[-1] == "[DONE]" and all(e == "[DONE]" or e["choices"] for e in plain)
+    assert all("usage" not in e for e in plain[:-1])
+
+
+def test_echo_with_logprobs_agrees_with_generation(client):
+    """Generate greedily with log-probs, then score prompt + generation with echo: the echoed
+    log-probs of the generated tokens must equal the ones reported while generating."""
+    prompt_ids = client.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    gen = complete(client, **greedy(prompt=prompt_ids, max_tokens=4, logprobs=2, return_token_ids=True))
+    lp = gen["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == 4 and all(v <= 0 for v in lp["token_logprobs"])
+    for chosen, top in zip(lp["token_logprobs"], lp["top_logprobs"]):
+        assert 1 <= len(top) <= 3  # top 2, plus the chosen token when outside them
+        assert math.isclose(chosen, max(top.values()), abs_tol=1e-5)  # greedy picks the most likely
+    generated_ids = gen["choices"][0]["token_ids"]
+    assert gen["choices"][0]["prompt_token_ids"] == prompt_ids and len(generated_ids) == 4
+
+    scored = complete(client, **greedy(prompt=prompt_ids + generated_ids, max_tokens=1, logprobs=1, echo=True))
+    slp = scored["choices"][0]["logprobs"]
+    n_prompt = len(prompt_ids) + len(generated_ids)
+    assert len(slp["tokens"]) == n_prompt + 1
+    assert slp["token_logprobs"][0] is None and slp["top_logprobs"][0] is None
+    assert all(v is not None and v <= 0 for v in slp["token_logprobs"][1:])
+    echoed = slp["token_logprobs"][len(prompt_ids) : n_prompt]
+    assert all(math.isclose(a, b, rel_tol=1e-3, abs_tol=1e-3) for a, b in zip(echoed, lp["token_logprobs"])), (echoed, lp)
+    assert scored["choices"][0]["text"].startswith(PROMPT + gen["choices"][0]["text"])
+    assert scored["usage"]["prompt_tokens"] == n_prompt
+    offsets = slp["text_offset"]
+    assert offsets[0] == 0 and offsets == sorted(offsets)
+
+
+def test_echo_streams_prompt_first(client):
+    events = sse_events(client, "/v1/completions", {**greedy(prompt=PROMPT, max_tokens=2), "echo": True, "stream": True})
+    texts = [e["choices"][0]["text"] for e in events[:-1]]
+    assert texts[0].startswith(PROMPT) and len(texts) == 2
+
+
+def test_stop_string(client):
+    text = complete(client, **greedy(prompt=PROMPT, max_tokens=12))["choices"][0]["text"]
+    stop = text[5:7]
+    expected = text[: text.index(stop)]
+    out = complete(client, **greedy(prompt=PROMPT, max_tokens=12, stop=[stop, "never-generated"]))
+    assert out["choices"][0]["text"] == expected and out["choices"][0]["finish_reason"] == "stop"
+    events = sse_events(client, "/v1/completions", {**greedy(prompt=PROMPT, max_tokens=12, stop=stop), "stream": True})
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == expected
+    assert events[-2]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_prompt_forms(client):
+    ids = client.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    by_text = complete(client, **greedy(prompt=PROMPT, max_tokens=3))["choices"][0]["text"]
+    assert complete(client, **greedy(prompt=ids, max_tokens=3))["choices"][0]["text"] == by_text
+    many = complete(client, **greedy(prompt=[ids, ids[:3]], max_tokens=3))
+    assert [c["index"] for c in many["choices"]] == [0, 1]
+    assert many["choices"][0]["text"] == by_text
+    assert many["usage"]["prompt_tokens"] == len(ids) + 3 and many["usage"]["completion_tokens"] == 6
+    strings = complete(client, **greedy(prompt=[PROMPT, "Hi"], max_tokens=2))
+    assert len(strings["choices"]) == 2 and strings["choices"][0]["text"] == by_text[: len(strings["choices"][0]["text"])]
+
+
+def test_sampling_is_seeded_and_unknown_fields_are_ignored(client):
+    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 1.0, "top_p": 0.9, "top_k": 20, "seed": 7,
+            "ignore_eos": True, "user": "someone", "presence_penalty": 0.0, "not_a_field": {"x": 1}}
+    first, second = complete(client, **body), complete(client, **body)
+    assert first["choices"][0]["text"] == second["choices"][0]["text"]
+    assert first["usage"]["completion_tokens"] == 6
+
+
+def test_tokenize_detokenize(client):
+    ids = client.post("/tokenize", json={"prompt": PROMPT}).json()
+    assert ids["count"] == len(ids["tokens"]) and ids["max_model_len"] == MAX_MODEL_LEN
+    assert client.post("/detokenize", json={"tokens": ids["tokens"]}).json()["prompt"] == PROMPT
+    chat = client.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["count"] > 2
+
+
+def test_scoring_only_with_max_tokens_zero(client):
+    """Evaluation harnesses score a text with echo + logprobs and no generation."""
+    ids = client.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    out = complete(client, **greedy(prompt=PROMPT, max_tokens=0, echo=True, logprobs=0))
+    choice = out["choices"][0]
+    assert choice["text"] == PROMPT and choice["finish_reason"] == "length"
+    assert out["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
+    assert len(choice["logprobs"]["tokens"]) == len(ids) and choice["logprobs"]["token_logprobs"][0] is None
+    events = sse_events(client, "/v1/completions", {**greedy(prompt=PROMPT, max_tokens=0, echo=True), "stream": True})
+    assert [e["choices"][0]["text"] for e in events[:-1]] == [PROMPT]
+
+
+def test_n_choices_per_prompt(client):
+    out = complete(client, prompt=PROMPT, max_tokens=3, n=2, temperature=1.0, seed=3, ignore_eos=True)
+    assert [c["index"] for c in out["choices"]] == [0, 1]
+    prompt_tokens = client.post("/tokenize", json={"prompt": PROMPT}).json()["count"]
+    assert out["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 6, "total_tokens": prompt_tokens + 6}

@@ -1,0 +1,46 @@
+"""`kdaserve serve` as a person runs it: a subprocess that listens, answers, and stops on Ctrl-C."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+
+from kdaserve.server.launch import free_port
+
+
+def test_serve_command_answers_and_stops_on_sigint():
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "kdaserve.cli", "serve", "--model", "tiny", "--host", "127.0.0.1", "--port", str(port),
+        "--kda-prefill-backend", "reference", "--kda-decode-backend", "reference", "--max-num-seqs", "4",
+        "--max-model-len", "128", "--device", "cpu", "--enforce-eager", "--log-level", "warning",
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.2)
+        model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]
+        assert (model["id"], model["max_model_len"]) == ("tiny", 128)
+        body = {"prompt": "Hi", "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+        out = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+        assert out["usage"]["completion_tokens"] == 2
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+        assert "Traceback" not in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
