@@ -12,6 +12,7 @@ from kdaserve.engine.sampling_params import SamplingParams
 class LLM:
     def __init__(self, model: str = "tiny", **engine_kwargs):
         self.engine = LLMEngine(model, **engine_kwargs)
+        self.engine.incremental_text = False   # only final outputs are returned
         self.tokenizer = self.engine.tokenizer
         self.last_run_stats: dict = {}
 

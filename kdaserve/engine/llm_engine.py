@@ -32,6 +32,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config.max_num_seqs, self.config.max_num_batched_tokens, self.slots, self.blocks)
         self.requests: dict[str, Sequence] = {}
         self._pending: list[RequestOutput] = []    # outputs of aborted requests, sent by the next step
+        # Text of every output as it streams. Offline generation (LLM) turns it off: text is then
+        # decoded when a request finishes (or as needed for stop strings), saving host time per token.
+        self.incremental_text = True
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0, "steps": 0}
 
     # -- requests -----------------------------------------------------------------------------
@@ -132,7 +135,8 @@ class LLMEngine:
         reason = "stop" if stop_token else None
         text_ids = seq.output_token_ids[:-1] if stop_token else seq.output_token_ids
         done = stop_token or seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len
-        if seq.detokenizer.add(text_ids, final=done) is not None:
+        needs_text = done or self.incremental_text or bool(p.stop)
+        if needs_text and seq.detokenizer.add(text_ids, final=done) is not None:
             reason = "stop"
         elif reason is None and done:
             reason = "length"

@@ -100,7 +100,8 @@ class ModelRunner:
         T = min(self.config.max_num_batched_tokens, self.max_model_len)
         set_context(Context())   # no metadata: KDA layers touch no state
         ids = torch.zeros(T, dtype=torch.int64, device=self.device)
-        self.model.compute_logits(self.model(ids, torch.arange(T, device=self.device)))
+        hidden = self.model(ids, torch.arange(T, device=self.device))
+        self.model.compute_logits(hidden[: self.config.max_num_seqs])   # a step samples at most max_num_seqs rows
         reset_context()
         torch.cuda.synchronize()
         activations = torch.cuda.max_memory_allocated() - before

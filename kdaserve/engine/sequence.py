@@ -26,6 +26,7 @@ class Sequence:
         self.params = params
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
+        self._prompt = list(prompt_token_ids)   # shared by every output of this request: no copy per step
         self.status = SequenceStatus.WAITING
         # Tokens whose effect the caches hold (KV rows written, recurrent state advanced past them).
         self.num_computed_tokens = 0
@@ -53,7 +54,7 @@ class Sequence:
 
     @property
     def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[: self.num_prompt_tokens]
+        return self._prompt
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -1,0 +1,202 @@
+"""Offline serving throughput of the `bench` model per KDA backend pair, and the decode step time
+at a fixed batch against its memory floor.
+
+    python benchmarks/bench_throughput.py                       # chunk+chain, flash+fused, fla+fla
+    python benchmarks/bench_throughput.py --pairs chunk+chain,auto+auto --num-requests 64
+
+For each pair (prefill+decode backend): build the engine (CUDA graphs captured), warm up, run
+`--num-requests` requests of `--input-len` random prompt tokens and exactly `--output-len` output
+tokens, then hold `--decode-batch` sequences in decode and time one decode step as a CUDA-graph
+replay (device time, median) and as a whole engine step (host work and sampling included).
+
+Memory floor of a decode step = (weight bytes + state bytes read and written) / copy bandwidth,
+the bandwidth measured here by a device-to-device copy; "+KV" adds the K/V rows the full-attention
+layers must read. A pair whose backends cannot run here is listed with the reason and skipped.
+Prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kdaserve.backends import BackendError  # noqa: E402
+from kdaserve.engine import LLM, SamplingParams  # noqa: E402
+from kdaserve.engine.caches import kv_bytes_per_block, state_bytes_per_slot  # noqa: E402
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a large device-to-device copy (read + write counted)."""
+    from triton.testing import do_bench
+
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), return_mode="median")
+    del src, dst
+    return 2 * n / (ms * 1e-3)
+
+
+def weight_bytes(model) -> int:
+    """Bytes a decode step reads of the model: every parameter and buffer, except the embedding
+    and rotary tables, of which only a few rows are read."""
+    total = 0
+    seen = set()
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.data_ptr() in seen or "embed_tokens" in name or "cos_sin_cache" in name:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
+
+
+def random_prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n, length), generator=g).tolist()
+
+
+def run_pair(pair: str, args) -> dict:
+    prefill, decode = pair.split("+")
+    row = {"pair": pair}
+    t0 = time.perf_counter()
+    try:
+        llm = LLM(
+            args.model, kda_prefill_backend=prefill, kda_decode_backend=decode, max_num_seqs=args.max_num_seqs,
+            max_model_len=args.input_len + args.output_len + 64, max_num_batched_tokens=args.max_num_batched_tokens,
+            enforce_eager=args.enforce_eager,
+        )
+    except (BackendError, ValueError) as exc:
+        row["skipped"] = str(exc).splitlines()[0] + " " + " ".join(l.strip() for l in str(exc).splitlines()[1:])
+        return row
+    torch.cuda.synchronize()
+    row["build_s"] = time.perf_counter() - t0
+    eng = llm.engine
+    layer = eng.runner.model.kda_layers[0]
+    row["resolved"] = f"{layer.prefill_backend.name}+{layer.decode_backend.name}"
+    row["graphs"] = eng.runner.graphs is not None
+
+    # Warm-up: kernel compilation and autotuning for the shapes of the run.
+    warm = random_prompts(min(16, args.num_requests), args.input_len, seed=1)
+    llm.generate(warm, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+
+    prompts = random_prompts(args.num_requests, args.input_len, seed=0)
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    n_out = sum(o.num_output_tokens for o in outs)
+    assert n_out == args.num_requests * args.output_len, n_out
+    s = llm.last_run_stats
+    row.update(
+        wall_s=wall, req_per_s=args.num_requests / wall, out_tok_per_s=n_out / wall,
+        total_tok_per_s=(n_out + args.num_requests * args.input_len) / wall,
+        prefill_tok_per_s=s["prefill_tokens_per_s"], decode_tok_per_s=s["decode_tokens_per_s"],
+    )
+    row.update(decode_step(llm, args))
+    del llm, eng, layer, outs
+    gc.collect()
+    torch.cuda.empty_cache()
+    return row
+
+
+def decode_step(llm: LLM, args) -> dict:
+    """Hold `decode_batch` sequences in decode; time a decode step."""
+    from triton.testing import do_bench
+
+    eng = llm.engine
+    B = args.decode_batch
+    ids = [f"decode-{i}" for i in range(B)]
+    for rid, p in zip(ids, random_prompts(B, args.input_len, seed=2)):
+        eng.add_request(rid, p, SamplingParams(max_tokens=args.output_len + 32, ignore_eos=True))
+    started: set[str] = set()
+    while len(started) < B:                        # prefill everything (mixed steps included)
+        started |= {o.request_id for o in eng.step() if o.new_token_ids}
+    host_ms = []
+    for _ in range(12):                            # pure decode steps of B sequences
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        eng.step()
+        torch.cuda.synchronize()
+        host_ms.append((time.perf_counter() - t0) * 1e3)
+    out = {"engine_step_us": statistics.median(host_ms[2:]) * 1e3}
+    runner = eng.runner
+    if runner.graphs is not None and B in runner.graphs.graphs:
+        graph = runner.graphs.graphs[B]             # its buffers hold the last step's B real rows
+        out["graph_step_us"] = do_bench(graph.replay, return_mode="median") * 1e3
+    model = runner.model
+    context = args.input_len + 16
+    out["weight_MB"] = weight_bytes(model) / 1e6
+    out["state_MB"] = 2 * B * state_bytes_per_slot(model) / 1e6
+    out["kv_MB"] = B * context * kv_bytes_per_block(model, 1, runner.config.dtype) / 1e6
+    for rid in ids:
+        eng.abort_request(rid)
+    eng.step()
+    assert eng.stats()["state_slots_used"] == 0 and eng.stats()["kv_blocks_used"] == 0
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pairs", default="chunk+chain,flash+fused,fla+fla",
+                    help="comma-separated prefill+decode backend pairs (auto+auto allowed)")
+    ap.add_argument("--model", default="bench", help="built-in model or checkpoint directory")
+    ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--input-len", type=int, default=1024)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--decode-batch", type=int, default=64)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (decode step time then host-bound)")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_throughput.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import triton
+
+    bw = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
+          f"copy bandwidth {bw / 1e12:.2f} TB/s")
+    print(f"{args.model} model, {args.num_requests} requests x {args.input_len} in / {args.output_len} out, "
+          f"max_num_seqs {args.max_num_seqs}, token budget {args.max_num_batched_tokens}; decode step at batch {args.decode_batch}")
+    rows = []
+    for pair in [p.strip() for p in args.pairs.split(",") if p.strip()]:
+        t0 = time.perf_counter()
+        row = run_pair(pair, args)
+        print(f"  {pair}: {'skipped: ' + row['skipped'] if 'skipped' in row else 'done'} ({time.perf_counter() - t0:.0f} s)", flush=True)
+        rows.append(row)
+
+    hdr = (f"{'pair':<14}{'ran as':<14}{'req/s':>7}{'out tok/s':>11}{'tot tok/s':>11}{'prefill t/s':>12}"
+           f"{'decode t/s':>11}{'step us':>9}{'eng us':>9}{'floor us':>9}{'+KV us':>8}{'% floor':>8}")
+    print("\n" + hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        if "skipped" in r:
+            print(f"{r['pair']:<14}skipped: {r['skipped'][:150]}")
+            continue
+        floor = (r["weight_MB"] + r["state_MB"]) * 1e6 / bw * 1e6
+        floor_kv = floor + r["kv_MB"] * 1e6 / bw * 1e6
+        step = r.get("graph_step_us")
+        print(f"{r['pair']:<14}{r['resolved']:<14}{r['req_per_s']:>7.2f}{r['out_tok_per_s']:>11.0f}{r['total_tok_per_s']:>11.0f}"
+              f"{r['prefill_tok_per_s']:>12.0f}{r['decode_tok_per_s']:>11.0f}"
+              f"{(f'{step:.0f}' if step else '-'):>9}{r['engine_step_us']:>9.0f}{floor:>9.0f}{floor_kv:>8.0f}"
+              f"{(f'{100 * floor_kv / step:.0f}%' if step else '-'):>8}")
+    r0 = next((r for r in rows if "skipped" not in r), None)
+    if r0:
+        print(f"\nfloor = (weights {r0['weight_MB']:.0f} MB + state read+write {r0['state_MB']:.0f} MB) / {bw / 1e12:.2f} TB/s; "
+              f"+KV adds {r0['kv_MB']:.0f} MB of K/V reads; % floor = (floor+KV) / graph step time. "
+              f"'eng us' is a whole engine step (host metadata, replay, sampling).")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,29 @@
+import argparse
+
+from kdaserve.commands import generate
+
+
+def _run(argv):
+    parser = argparse.ArgumentParser()
+    generate.register(parser.add_subparsers())
+    args = parser.parse_args(["generate", *argv])
+    return args.func(args)
+
+
+REF = ["--kda-prefill-backend", "reference", "--kda-decode-backend", "reference", "--no-progress", "--max-model-len", "128"]
+
+
+def test_generate_prints_completions_and_throughput(tmp_path, capsys):
+    f = tmp_path / "prompts.txt"
+    f.write_text("from a file\n\nsecond line\n")
+    assert _run(["--model", "tiny", "--prompt", "Hello", "--prompts-file", str(f), "--max-tokens", "5", *REF]) == 0
+    out = capsys.readouterr().out
+    assert out.count("--- prompt:") == 3 and "'from a file'" in out and "'second line'" in out
+    assert "prefill: 27 tokens" in out and "decode:  12 tokens" in out and "tok/s" in out
+
+
+def test_generate_reports_bad_input_without_a_traceback(capsys):
+    assert _run(["--model", "tiny", "--prompt", "x", "--temperature", "-1", *REF]) == 2
+    assert "temperature: got -1.0" in capsys.readouterr().err
+    assert _run(["--model", "tiny", *REF]) == 2
+    assert "no prompts" in capsys.readouterr().err
