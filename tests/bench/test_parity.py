@@ -1,0 +1,136 @@
+"""`kdaserve parity`: the table, the exit codes, and that it catches a backend that is off, that
+touches slots outside the batch, or that corrupts conv states."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from kdaserve.backends import BackendSpec, register_backend, unregister_backend
+from kdaserve.bench.parity import ParityConfig, parse_lengths, run_parity
+from kdaserve.cli import main
+from kdaserve.ops.reference import kda_decode_reference, kda_prefill_reference
+from kdaserve.ops.types import conv_state_rows
+
+SMALL = dict(heads=1, head_dim=8, hidden=16, lengths=[9, 3], decode_steps=2, mixed_chunk=5)
+
+
+def off_by(rel):
+    def decode(*args, **kw):
+        kda_decode_reference(*args, **kw)
+        out = args[8]
+        out.mul_(1 + rel)
+
+    return decode
+
+
+def touches_last_slot(*args, **kw):
+    kda_decode_reference(*args, **kw)
+    rec = args[6]
+    rec[-1].add_(1.0)  # the last slot is never in a batch
+
+
+def corrupts_conv(*args, **kw):
+    kda_prefill_reference(*args, **kw)
+    rows = conv_state_rows(args[5], kw.get("conv_layout", "SD"))
+    rows[args[8].long()] += 1e-3
+
+
+@pytest.fixture
+def toys():
+    specs = [BackendSpec("off_1e-3", "decode", "test", lambda: off_by(1e-3), lambda: ()),
+             BackendSpec("off_1e-7", "decode", "test", lambda: off_by(1e-7), lambda: ()),
+             BackendSpec("toucher", "decode", "test", lambda: touches_last_slot, lambda: ()),
+             BackendSpec("conv_bug", "prefill", "test", lambda: corrupts_conv, lambda: ())]
+    for s in specs:
+        register_backend(s)
+    yield
+    for s in specs:
+        unregister_backend(s.phase, s.name)
+
+
+def test_parse_lengths():
+    assert parse_lengths("8192,1024x3") == [8192, 1024, 1024, 1024]
+    assert parse_lengths("5") == [5]
+    with pytest.raises(ValueError, match="positive token counts"):
+        parse_lengths("0x2")
+
+
+def test_reference_passes_and_the_table_comes_last(capsys):
+    cfg = ParityConfig(["reference"], ["reference"], spec_tokens=1, **SMALL)
+    assert run_parity(cfg) == 0
+    out = capsys.readouterr().out
+    table = out[out.index("phase "):]
+    rows = [line for line in table.splitlines() if line.split(" ")[0] in ("prefill", "decode", "mixed", "speculative")]
+    assert [r.split()[0] for r in rows] == ["prefill", "decode", "mixed", "speculative"]
+    assert all(r.rstrip().endswith("ok") for r in rows)
+    assert out.rstrip().endswith("4/4 comparisons within limits")
+
+
+def test_a_backend_off_by_1e_3_fails_and_1e_7_passes(toys, capsys):
+    cfg = ParityConfig(["reference"], ["off_1e-7", "off_1e-3"], **SMALL)
+    assert run_parity(cfg) == 1
+    out = capsys.readouterr().out
+    row = lambda name, vs: next(l for l in out.splitlines() if l.startswith("decode") and l.split()[2] == name and l.split()[3] == vs)  # noqa: E731
+    assert row("off_1e-7", "reference(fp64)").endswith("ok")
+    assert row("off_1e-3", "reference(fp64)").endswith("FAIL")
+    assert row("off_1e-7", "off_1e-3").endswith("FAIL")  # pairs are judged too
+
+
+def test_touching_a_slot_outside_the_batch_fails(toys, capsys):
+    assert run_parity(ParityConfig(["reference"], ["toucher"], **SMALL)) == 1
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("decode") and "toucher" in l)
+    assert "TOUCHED" in line and line.endswith("FAIL")
+
+
+def test_a_wrong_conv_state_fails(toys, capsys):
+    assert run_parity(ParityConfig(["conv_bug"], ["reference"], **SMALL)) == 1
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("prefill") and "conv_bug" in l)
+    assert "DIFF" in line and line.endswith("FAIL")
+
+
+def test_cli_defaults_on_the_cpu_finish_and_pass(capsys):
+    assert main(["parity", "--device", "cpu", "--lengths", "12,5x2", "--decode-steps", "2"]) == 0
+    assert "comparisons within limits" in capsys.readouterr().out
+
+
+def test_cli_reports_an_unusable_backend_with_exit_2(capsys):
+    assert main(["parity", "--device", "cpu", "--decode-backends", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown KDA decode backend 'nope'" in err and "fused" in err
+    assert main(["parity", "--device", "cpu", "--prefill-backends", "flashkda"]) == 2
+    assert "unmet requirement" in capsys.readouterr().err
+
+
+GPU_PREFILL = "reference,chunk,flash,fla"
+GPU_DECODE = "reference,chain,fused,fla"
+
+
+def _gpu_names(csv, phase):
+    from kdaserve.backends import LayerSettings, Machine, check_backend
+
+    return ",".join(n for n in csv.split(",") if not check_backend(phase, n, LayerSettings(), Machine.detect("cuda")))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("state", ["fp32", "bf16"])
+def test_gpu_parity_of_every_gpu_backend(state, capsys):
+    """bf16 inputs, H=8 x 128, mixed lengths, 32 decode steps, speculative verify: every runnable
+    GPU backend within kda-semantics.md's tolerances of the fp64 reference and of each other."""
+    args = ["parity", "--device", "cuda", "--prefill-backends", _gpu_names(GPU_PREFILL, "prefill"),
+            "--decode-backends", _gpu_names(GPU_DECODE, "decode"), "--heads", "8", "--lengths", "3000,700,64x4,1",
+            "--decode-steps", "32", "--spec-tokens", "2", "--state-dtype", state, "--slow-decay-heads", "2"]
+    rc = main(args)
+    print(capsys.readouterr().out)
+    assert rc == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_gpu_parity_at_128k_tokens(capsys):
+    args = ["parity", "--device", "cuda", "--prefill-backends", _gpu_names(GPU_PREFILL, "prefill"),
+            "--decode-backends", _gpu_names(GPU_DECODE, "decode"), "--heads", "16", "--lengths", "131072",
+            "--decode-steps", "16", "--slow-decay-heads", "4"]
+    rc = main(args)
+    print(capsys.readouterr().out)
+    assert rc == 0
