@@ -53,10 +53,11 @@ class RequestGroup:
 
     # Called from the engine thread.
     def deliver(self, index: int, item: Any) -> None:
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, (index, item))
-        except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
-            pass
+        _call_in_loop(self._loop, self._queue.put_nowait, (index, item))
+
+    # Called on the event loop.
+    def _put(self, index: int, item: Any) -> None:
+        self._queue.put_nowait((index, item))
 
     async def next(self) -> tuple[int, Any]:
         if not self._unfinished:
@@ -90,6 +91,18 @@ class RequestGroup:
 
     async def __aexit__(self, *exc):
         self.close()
+
+
+def _call_in_loop(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
+        pass
+
+
+def _deliver_all(deliveries: list) -> None:
+    for group, index, out in deliveries:
+        group._put(index, out)
 
 
 @dataclass
@@ -160,18 +173,35 @@ class EngineLoop:
 
     # ---- engine thread ---------------------------------------------------------------------
     def _run(self) -> None:
-        while not self._stopping:
-            # Clear before draining: a command posted after the drain sets the event again,
-            # so the wait below returns at once instead of missing it.
-            self._wake.clear()
-            self._drain_inbox()
-            if self._stopping:
-                break
-            if self.engine.has_unfinished_requests():
-                self._step()
-            else:
-                self._wake.wait()
-        self._fail_all(APIError(503, "the server is shutting down", code="shutting_down"))
+        reason = APIError(503, "the server is shutting down", code="shutting_down")
+        try:
+            while not self._stopping:
+                # Clear before draining: a command posted after the drain sets the event again,
+                # so the wait below returns at once instead of missing it.
+                self._wake.clear()
+                self._drain_inbox()
+                if self._stopping:
+                    break
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                else:
+                    self._wake.wait()
+        except BaseException as exc:
+            logger.exception("the engine thread died; /health now answers 503")
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            reason = APIError(503, f"the engine stopped: {self.last_error}", code="engine_unavailable")
+            raise
+        finally:
+            self._stopping = True
+            self._fail_all(reason)
+            # Requests posted while the thread was ending must not wait forever either.
+            while True:
+                try:
+                    command = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(command, _Add):
+                    command.group.deliver(command.index, reason)
 
     def _drain_inbox(self) -> None:
         changed = False
@@ -223,6 +253,7 @@ class EngineLoop:
             self._fail_all(APIError(500, f"engine step failed: {self.last_error}", code="engine_error"))
             return
         now = time.monotonic()
+        deliveries = []
         for out in outputs:
             member = self._members.get(out.request_id)
             if member is None:
@@ -230,7 +261,10 @@ class EngineLoop:
             self._observe(out, now)
             if out.finished:
                 del self._members[out.request_id]
-            member[0].deliver(member[1], out)
+            deliveries.append((*member, out))
+        if deliveries:
+            # One wake-up of the event loop per step, not one per request.
+            _call_in_loop(deliveries[0][0]._loop, _deliver_all, deliveries)
         self._refresh_gauges()
 
     def _observe(self, out, now: float) -> None:

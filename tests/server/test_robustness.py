@@ -175,3 +175,44 @@ def test_metrics_count_tokens_and_latencies(client):
     for name in ("kdaserve:time_to_first_token_seconds_count", "kdaserve:time_per_output_token_seconds_count"):
         assert metric(after, name) >= metric(before, name) + 1, name
     assert metric(after, "kdaserve:state_slots_total") > 0
+
+
+class FailNextStep:
+    """Make the engine's next step raise (once), as a bug or a device error would."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def __enter__(self):
+        def failing_step():
+            del self.engine.step  # back to the real method for the steps after this one
+            raise RuntimeError("injected step failure")
+
+        self.engine.step = failing_step
+        return self
+
+    def __exit__(self, *exc):
+        self.engine.__dict__.pop("step", None)
+
+
+def test_a_failing_step_fails_its_requests_and_the_server_goes_on(server, client):
+    engine = server.app.state.server.engine_loop.engine
+    with FailNextStep(engine):
+        response = client.post("/v1/completions", json=OK_BODY)
+    assert response.status_code == 500 and "injected step failure" in response.json()["error"]["message"]
+    wait_for_metrics(client, idle)
+    assert_still_serving(client)
+
+    body = {**greedy(prompt="A long one", max_tokens=MAX_MODEL_LEN - 32), "stream": True}
+    events = []
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        lines = response.iter_lines()
+        for line in lines:
+            if line.startswith("data: "):
+                break  # streaming has begun: the status line is sent, errors now travel in-band
+        with FailNextStep(engine):
+            events = [line[6:] for line in lines if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert "injected step failure" in json.loads(events[-2])["error"]["message"]
+    wait_for_metrics(client, idle)
+    assert_still_serving(client)
