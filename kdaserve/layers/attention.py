@@ -46,7 +46,21 @@ def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
 ) -> torch.Tensor:
-    """One query per row, q [B, Hq, D], over the first context_lens[b] cached tokens of its blocks."""
+    """One query per row, q [B, Hq, D], over the first context_lens[b] cached tokens of its
+    blocks: the Triton kernel on GPUs (cost follows the real context), else plain torch."""
+    D = q.shape[-1]
+    if q.is_cuda and D >= 16 and D & (D - 1) == 0:
+        from kdaserve.layers.paged_decode_attention import paged_decode_attention_triton
+
+        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale)
+    return decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def decode_attention_torch(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """The torch form: gathers the whole block-table width (fixed shapes), masks past the context."""
     B, Hq, D = q.shape
     Hkv = k_cache.shape[2]
     G = Hq // Hkv
