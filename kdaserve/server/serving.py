@@ -210,14 +210,16 @@ async def unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not task.done():
-            task.cancel()
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this handler itself was cancelled
+        task.cancel()
         watcher.cancel()
-    if task.cancelled():
-        raise ClientGone
-    return task.result()
+        raise
+    watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    raise ClientGone
 
 
 class ClientGone(Exception):

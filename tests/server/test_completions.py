@@ -88,7 +88,8 @@ def test_echo_streams_prompt_first(client):
 
 def test_stop_string(client):
     text = complete(client, **greedy(prompt=PROMPT, max_tokens=12))["choices"][0]["text"]
-    stop = text[5:7]
+    assert len(text) >= 4, repr(text)
+    stop = text[len(text) // 2 : len(text) // 2 + 2]  # two characters from the middle
     expected = text[: text.index(stop)]
     out = complete(client, **greedy(prompt=PROMPT, max_tokens=12, stop=[stop, "never-generated"]))
     assert out["choices"][0]["text"] == expected and out["choices"][0]["finish_reason"] == "stop"
