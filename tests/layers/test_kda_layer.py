@@ -196,7 +196,9 @@ def test_cache_spec_and_bind_cache(layout, spec_tokens):
 
 def test_impossible_backends_fail_at_construction():
     with pytest.raises(BackendUnavailableError, match="unmet requirement"):
-        KDALayer(HID, H, D, decode_backend="fused", params_dtype=torch.bfloat16, device="cpu")
+        KDALayer(HID, H, D, decode_backend="aiter", device="cpu")
+    with pytest.raises(BackendUnavailableError, match="unmet requirement"):
+        KDALayer(HID, H, D, prefill_backend="flashkda", device="cpu")
     with pytest.raises(ValueError, match="lower_bound"):
         KDALayer(HID, H, D, lower_bound=-7.0)
 

@@ -109,6 +109,6 @@ def kda_decode_fla(
     scatter_states(recurrent_state, slots, scratch, (real_row.view(N, 1) & (slots > 0)).reshape(-1))
     y = rms_norm_gated(o.reshape(T * H, D), g2.reshape(T * H, D), weights.norm_weight, None, activation="sigmoid",
                        eps=weights.norm_eps).view(T, H, D)
-    rows_real = real_row.repeat_interleave(m).view(T, 1, 1)
+    rows_real = real_row.view(N, 1).expand(N, m).reshape(T, 1, 1)
     o_view = out.view(T, H, D)
     o_view.copy_(torch.where(rows_real, y.to(out.dtype), o_view))  # padding rows keep what they held
