@@ -169,7 +169,7 @@ GPU_SHAPE = dict(H=16, D=128, device="cuda")
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["SD", "DS"])
 @pytest.mark.parametrize("gate", ["bounded", "unbounded"])
-@pytest.mark.parametrize("config", [None, FusedDecodeConfig(block_v=32, num_warps=4, num_stages=2)])
+@pytest.mark.parametrize("config", [None, FusedDecodeConfig(None, 8), FusedDecodeConfig(64, 8, 2)], ids=["default", "regs", "bv64"])
 def test_gpu_bf16_matches_reference(layout, gate, config):
     case = make_kda_case([1] * 37, dtype=torch.bfloat16, conv_layout=layout, gate=gate, slow_decay_heads=2,
                          seed=20, **GPU_SHAPE)

@@ -22,6 +22,10 @@ from kdaserve.ops.fused.decode_kernel import kda_fused_decode_kernel
 from kdaserve.ops.types import KDAWeights, conv_state_rows
 
 STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+IO_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Up to about one program per SM of an H100/H200 (132 SMs) the whole-state-in-registers shape wins
+# on latency; above it the streamed shape wins on bandwidth (benchmarks/bench_decode.py sweeps both).
+SMALL_BATCH_PROGRAMS = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,10 +38,16 @@ class FusedDecodeConfig:
     num_stages: int = 1
 
 
-def default_config(head_dim: int, tokens_per_seq: int, state_dtype: torch.dtype) -> FusedDecodeConfig:
-    """Whole state in registers: 64 fp32 state values per thread at D=128 with 8 warps, every load
-    of the state issued before the first use (maximum bytes in flight per SM)."""
-    return FusedDecodeConfig(block_v=None, num_warps=8 if head_dim >= 64 else 4)
+def default_config(head_dim: int, tokens_per_seq: int, programs: int) -> FusedDecodeConfig:
+    """Launch shape by batch size (N*H programs). Register counts from sm_90 builds at D=128, fp32
+    state (docs/fused-decode.md): whole state in registers with 8 warps needs ~192 registers a
+    thread, one program per SM, but issues every state load at once (one DRAM round trip: best
+    when latency-bound, fewer programs than SMs); [32, K] blocks with 4 warps need ~80, six
+    programs per SM, and pipeline the blocks (best when bandwidth-bound). Speculative verify keeps
+    the state in registers across its tokens."""
+    if tokens_per_seq > 1 or programs <= SMALL_BATCH_PROGRAMS or head_dim <= 32:
+        return FusedDecodeConfig(block_v=None, num_warps=8 if head_dim >= 64 else 4)
+    return FusedDecodeConfig(block_v=32, num_warps=4, num_stages=2)
 
 
 def _fail(msg: str) -> None:
@@ -99,11 +109,14 @@ def launch_fused_decode(
         _fail(f"head_dim must be a power of two >= 4, got {D}")
     if recurrent_state.dtype not in STATE_DTYPES:
         _fail(f"recurrent_state must be one of {STATE_DTYPES}, got {recurrent_state.dtype}")
+    for name, t in (("out", out), ("conv_state", conv_state)):
+        if t.dtype not in IO_DTYPES:
+            _fail(f"{name} must be one of {IO_DTYPES}, got {t.dtype}")
     if recurrent_state.stride(3) != 1:
         _fail(f"recurrent_state must have K contiguous (stride 1 on the last dim), got strides {recurrent_state.stride()}")
     if weights.lower_bound is not None and not -5.0 <= weights.lower_bound < 0.0:
         _fail(f"lower_bound must lie in [-5, 0) or be None (unbounded gate), got {weights.lower_bound}")
-    cfg = config or default_config(D, tokens, recurrent_state.dtype)
+    cfg = config or default_config(D, tokens, N * H)
     block_v = cfg.block_v or D
     if block_v & (block_v - 1) or not 1 <= block_v <= D:
         _fail(f"block_v must be a power of two in [1, {D}], got {block_v}")
