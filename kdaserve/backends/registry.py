@@ -4,7 +4,8 @@ Implementations are imported inside `load`, so this table works before a backend
 and on machines without Triton, a GPU or the external packages.
 
 Our Triton backends may refine their own requirements without editing this file: a module
-`kdaserve/ops/<op>/requirements.py` defining `REQUIREMENTS` (a list built with the builders of
+`kdaserve/ops/<op>/requirements.py` (or `kdaserve/ops/<op>_requirements.py` when the op is a single
+module, like chain.py) defining `REQUIREMENTS` (a list built with the builders of
 kdaserve.backends.requirements, importing nothing heavier than torch) replaces the defaults below
 of the same kinds (dtype, head_dim, gate, ...). It is read from its file, so the op package (and
 Triton) is not imported just to evaluate requirements.
@@ -58,8 +59,10 @@ def _declared(
 
     @functools.cache
     def reqs() -> tuple[Requirement, ...]:
-        path = (ops_dir or OPS_DIR) / op / "requirements.py"
-        if not path.is_file():
+        root = ops_dir or OPS_DIR
+        # kdaserve/ops/<op>/requirements.py for a package, kdaserve/ops/<op>_requirements.py for a module
+        path = next((p for p in (root / op / "requirements.py", root / f"{op}_requirements.py") if p.is_file()), None)
+        if path is None:
             return tuple(base + defaults)
         try:
             spec = importlib.util.spec_from_file_location(f"_kdaserve_requirements_{op}", path)

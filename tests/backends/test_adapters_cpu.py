@@ -45,7 +45,7 @@ def spec_decode_case(N, S, *, pad_row=None, seed=0, **kw):
     accepted = torch.randint(1, S + 2, (N,), generator=g, dtype=torch.int32)
     if pad_row is not None:
         case.state_indices[pad_row] = 0
-        spec[pad_row] = 0
+        spec[pad_row, 0] = 0  # a padding row: its first slot <= 0; the rest must not be written either
         accepted[pad_row] = 0  # padding may carry anything
     return case, dict(spec_state_indices=spec.to(case.qkv.device), num_accepted_tokens=accepted.to(case.qkv.device))
 

@@ -36,7 +36,7 @@ def spec_case(N, S, pad_row, seed, **kw):
     spec = torch.cat([case.state_indices.view(N, 1).cpu(), torch.tensor(free, dtype=torch.int32).view(N, S)], 1)
     accepted = torch.randint(1, S + 2, (N,), generator=torch.Generator().manual_seed(seed), dtype=torch.int32)
     case.state_indices[pad_row] = 0
-    spec[pad_row], accepted[pad_row] = 0, 0
+    spec[pad_row, 0], accepted[pad_row] = 0, 0  # padding: first slot <= 0 (its other slots stay untouched)
     return case, dict(spec_state_indices=spec.cuda(), num_accepted_tokens=accepted.cuda())
 
 

@@ -194,10 +194,17 @@ def test_an_op_can_declare_its_own_requirements(tmp_path):
         "REQUIREMENTS = [rq.head_dims(128), rq.input_dtypes(torch.float16)]\n"
     )
     reqs = _declared("toy", [rq.platform("cuda")], [rq.head_dim_power_of_two(16, 256), rq.gates("bounded")], ops_dir=tmp_path)()
-    unmet = rq.unmet_requirements(reqs, CPU, LayerSettings(input_dtype=torch.float32, head_dim=64, lower_bound=None))
+    # head 96 is not a power of two: the replaced default would have said so.
+    unmet = rq.unmet_requirements(reqs, CPU, LayerSettings(input_dtype=torch.float32, head_dim=96, lower_bound=None))
     assert len(unmet) == 4
     assert "platform CUDA" in unmet[0] and "bounded" in unmet[1] and "head size 128" in unmet[2] and "float16" in unmet[3]
     assert not any("power of two" in u for u in unmet)
+
+
+def test_a_single_module_op_declares_beside_itself(tmp_path):
+    (tmp_path / "toy_requirements.py").write_text("from kdaserve.backends import requirements as rq\nREQUIREMENTS = [rq.head_dims(64)]\n")
+    reqs = _declared("toy", [], [rq.head_dims(128)], ops_dir=tmp_path)()
+    assert rq.unmet_requirements(reqs, CPU, LayerSettings(head_dim=64)) == []
 
 
 def test_a_broken_requirements_declaration_makes_the_backend_ineligible(tmp_path):

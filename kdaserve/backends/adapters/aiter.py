@@ -101,7 +101,9 @@ def kda_decode_aiter(
     if spec_state_indices is None:
         slots, accepted = state_indices, None
     else:
-        slots, accepted = spec_state_indices.contiguous(), num_accepted_tokens.clamp(1, m).to(torch.int32).contiguous()
+        # A padding row (first slot <= 0) gets all-zero slots, so the pad guard skips every write of it.
+        slots = torch.where(spec_state_indices[:, :1] > 0, spec_state_indices, 0).to(spec_state_indices.dtype).contiguous()
+        accepted = num_accepted_tokens.clamp(1, m).to(torch.int32).contiguous()
     fused_recurrent_kda(
         q, k, v, g1.reshape(N, m, H, D).contiguous(), beta_logits.reshape(N, m, H).contiguous(), A_log=weights.A_log.float().contiguous(),
         dt_bias=weights.dt_bias.float().reshape(H, D).contiguous(), initial_state=recurrent_state, scale=D**-0.5,
