@@ -107,20 +107,35 @@ def resolve_backend(
         spec = registry.get_spec(phase, requested)
         return ResolvedBackend(phase, requested, requested, _load(spec), spec)
 
-    name, skipped = choose_auto(phase, settings, machine)
-    if name is None:
-        raise BackendUnavailableError(f"no KDA {phase} backend can run here ({where}): " + " | ".join(skipped), skipped)
-    key = (phase, name, settings, machine.platform, context)
-    if key not in _LOGGED:
-        _LOGGED.add(key)
-        why = f" (skipped {' | '.join(skipped)})" if skipped else ""
-        logger.info("KDA %s backend%s: auto -> %s for %s%s", phase, f" [{context}]" if context else "", name, where, why)
-    spec = registry.get_spec(phase, name)
-    return ResolvedBackend(phase, name, "auto", _load(spec), spec)
+    # auto: the fastest eligible backend. One that meets its requirements but fails to import (a
+    # kernel still being written, a broken install) is passed over with a warning, never silently.
+    skipped = []
+    for name in registry.AUTO_ORDER[machine.platform][phase]:
+        spec = registry.get_spec(phase, name)
+        if spec is None:
+            continue
+        unmet = check_backend(phase, name, settings, machine)
+        if unmet:
+            skipped.append(f"{name}: {'; '.join(unmet)}")
+            continue
+        try:
+            fn = _load(spec)
+        except BackendUnavailableError as err:
+            logger.warning("KDA %s backend %r skipped by auto: %s", phase, name, err)
+            skipped.append(f"{name}: failed to import ({err.unmet[0]})")
+            continue
+        key = (phase, name, settings, machine.platform, context)
+        if key not in _LOGGED:
+            _LOGGED.add(key)
+            why = f" (skipped {' | '.join(skipped)})" if skipped else ""
+            logger.info("KDA %s backend%s: auto -> %s for %s%s", phase, f" [{context}]" if context else "", name, where, why)
+        return ResolvedBackend(phase, name, "auto", fn, spec)
+    raise BackendUnavailableError(f"no KDA {phase} backend can run here ({where}): " + " | ".join(skipped), skipped)
 
 
 def choose_auto(phase: str, settings: LayerSettings, machine: Machine) -> tuple[str | None, list[str]]:
-    """The first eligible backend of the platform's order (None if none), and why faster ones were skipped."""
+    """By requirements alone (nothing imported): the backend `auto` would take (None if none), and
+    why faster ones were skipped."""
     skipped = []
     for name in registry.AUTO_ORDER[machine.platform][phase]:
         if registry.get_spec(phase, name) is None:

@@ -186,6 +186,25 @@ def test_import_failure_of_an_eligible_backend_is_an_error_not_a_fallback():
         unregister_backend("prefill", "toy")
 
 
+def test_auto_passes_over_a_backend_that_fails_to_import_with_a_warning(caplog, monkeypatch):
+    from kdaserve.backends import registry
+
+    def broken():
+        raise ImportError("kdaserve.ops.toy is half written")
+
+    register_backend(BackendSpec("toy", "decode", "test", broken, lambda: ()))
+    monkeypatch.setitem(registry.AUTO_ORDER, "cpu", {"prefill": ("reference",), "decode": ("toy", "reference")})
+    try:
+        with caplog.at_level(logging.INFO, logger="kdaserve.backends"):
+            r = resolve_backend("decode", "auto", LayerSettings(input_dtype=torch.float32, head_dim=40), CPU)
+    finally:
+        unregister_backend("decode", "toy")
+    assert r.name == "reference"
+    warnings = [rec for rec in caplog.records if rec.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "half written" in warnings[0].getMessage()
+    assert any("toy: failed to import" in rec.getMessage() for rec in caplog.records if rec.levelno == logging.INFO)
+
+
 def test_an_op_can_declare_its_own_requirements(tmp_path):
     """kdaserve/ops/<op>/requirements.py replaces the defaults of the same kinds, keeps the base."""
     (tmp_path / "toy").mkdir()
