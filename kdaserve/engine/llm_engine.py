@@ -102,6 +102,13 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         self.counters["preemptions"] += len(batch.preempted)
         if batch.is_empty:
+            if self.scheduler.waiting and not self.scheduler.running:
+                head = self.scheduler.waiting[0]
+                raise RuntimeError(
+                    f"engine stalled: request {head.request_id!r} ({head.num_tokens} tokens) cannot be admitted with "
+                    f"nothing running ({self.slots.num_free} free state slots, {self.blocks.num_free} free KV blocks); "
+                    f"resources were lost or the pools are too small"
+                )
             return outputs
         result = self.runner.execute(batch)
         self.counters["steps"] += 1

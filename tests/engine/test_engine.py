@@ -6,6 +6,7 @@ from kdaserve.engine import LLM, LLMEngine, SamplingParams
 
 PROMPTS = [
     "Hello",
+    "H",                    # one token, no history: a prefill, never a decode
     "The quick brown fox jumps over the lazy dog",
     "KDA",
     "A longer prompt, so that chunked prefill has several chunks to work through.",
@@ -65,16 +66,21 @@ def test_preempted_requests_resume_with_the_same_tokens(llm):
 
 
 def test_decode_path_agrees_with_prefill_path(llm, alone):
-    """Teacher forcing: prompt log-probs over prompt + generated tokens pick the same tokens."""
+    """Teacher forcing: prompt log-probs over prompt + generated tokens pick the same tokens, with
+    the same log-probs as the decode steps reported (positions, caches and states all agree)."""
     tok = llm.tokenizer
-    for prompt, gen in zip(PROMPTS[:2], alone[:2]):
-        ids = tok.encode(prompt) + gen[:-1]
+    for prompt in (PROMPTS[1], PROMPTS[4]):
+        gen = llm.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True, logprobs=0), use_tqdm=False)[0]
+        ids = tok.encode(prompt) + gen.output_token_ids[:-1]
         out = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
         lp = out.prompt_logprobs
         assert lp[0] is None and len(lp) == len(ids)
         n = len(tok.encode(prompt))
         forced = [lp[i]["top"][0][0] for i in range(n, len(ids))] + out.output_token_ids
-        assert forced == gen
+        assert forced == gen.output_token_ids
+        decoded = [x["logprob"] for x in gen.logprobs[:-1]]
+        prefilled = [lp[i]["logprob"] for i in range(n, len(ids))]
+        assert decoded == pytest.approx(prefilled, rel=1e-4, abs=1e-5)
 
 
 def test_bad_requests_fail_clearly_and_disturb_nothing(llm, alone):
