@@ -25,6 +25,7 @@ import torch
 from kdaserve.ops.types import CONV_LAYOUTS
 
 PLATFORMS = ("cuda", "rocm", "cpu")
+_SHORT = {"cuda": "CUDA", "rocm": "ROCm", "cpu": "CPU"}
 GATES = ("bounded", "unbounded")
 
 # Distribution names to ask importlib.metadata for a module's version (module name otherwise).
@@ -184,7 +185,7 @@ def platform(*allowed: str, triton_interpreter: bool = False) -> Requirement:
 def min_cuda_capability(major: int, minor: int = 0) -> Requirement:
     def check(m: Machine, s: LayerSettings) -> str | None:
         if m.platform != "cuda":
-            return f"not a CUDA GPU ({m.describe_platform()})"
+            return f"the layer does not run on a CUDA GPU ({_SHORT[m.platform]})"
         if m.cuda_capability is None or m.cuda_capability < (major, minor):
             return f"this GPU is {m.describe_platform()}"
         return None
@@ -195,7 +196,7 @@ def min_cuda_capability(major: int, minor: int = 0) -> Requirement:
 def rocm_arch(*archs: str) -> Requirement:
     def check(m: Machine, s: LayerSettings) -> str | None:
         if m.platform != "rocm":
-            return f"not a ROCm GPU ({m.describe_platform()})"
+            return f"the layer does not run on a ROCm GPU ({_SHORT[m.platform]})"
         return None if m.rocm_arch in archs else f"this GPU is {m.rocm_arch or 'of unknown arch'}"
 
     return Requirement("arch", f"an AMD GPU of architecture {' or '.join(archs)}", check)

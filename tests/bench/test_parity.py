@@ -89,9 +89,23 @@ def test_a_wrong_conv_state_fails(toys, capsys):
     assert "DIFF" in line and line.endswith("FAIL")
 
 
-def test_cli_defaults_on_the_cpu_finish_and_pass(capsys):
-    assert main(["parity", "--device", "cpu", "--lengths", "12,5x2", "--decode-steps", "2"]) == 0
+def test_cli_on_the_cpu_finishes_and_passes(capsys):
+    assert main(["parity", "--device", "cpu", "--prefill-backends", "reference", "--decode-backends", "reference",
+                 "--lengths", "12,5x2", "--decode-steps", "2"]) == 0
     assert "comparisons within limits" in capsys.readouterr().out
+
+
+def test_cli_defaults_take_every_backend_that_runs_here(monkeypatch):
+    from kdaserve.cli import build_parser
+    from kdaserve.commands.parity import build_config
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    cfg = build_config(build_parser().parse_args(["parity", "--device", "cpu"]))
+    assert (cfg.prefill_backends, cfg.decode_backends) == (["reference"], ["reference"])
+    assert (cfg.heads, cfg.head_dim, cfg.dtype, cfg.lengths, cfg.decode_steps) == (2, 32, torch.float32, [40, 7, 7, 7], 4)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cfg = build_config(build_parser().parse_args(["parity", "--device", "cpu"]))
+    assert "chain" in cfg.decode_backends or "fused" in cfg.decode_backends
 
 
 def test_cli_reports_an_unusable_backend_with_exit_2(capsys):
