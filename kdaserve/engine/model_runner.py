@@ -35,7 +35,6 @@ class ModelRunner:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = config.device
-        torch.manual_seed(config.seed)
         loaded = load_model(config.model, dtype=config.dtype, device=self.device, kda_options=config.kda_options, seed=config.seed)
         self.model = loaded.model.eval()
         self.tokenizer, self.model_config, self.model_name = loaded.tokenizer, loaded.config, loaded.name
