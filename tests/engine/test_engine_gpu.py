@@ -54,8 +54,11 @@ def test_chunked_prefill_and_preemption_on_gpu():
     base = _ids(_tiny("chunk", "chain").generate(PROMPTS, GREEDY, use_tqdm=False))
     chunked = _tiny("chunk", "chain", max_num_batched_tokens=24)
     assert _ids(chunked.generate(PROMPTS, GREEDY, use_tqdm=False)) == base
-    tight = _tiny("chunk", "chain", num_kv_blocks=10, max_model_len=144)
-    assert _ids(tight.generate(PROMPTS, GREEDY, use_tqdm=False)) == base
+    # Four 15-token prompts growing to 39 tokens need 12 blocks of 16; the pool has 6.
+    prompts = [f"Req {i} is here." for i in range(4)]
+    want = [_ids(_tiny("chunk", "chain").generate([p], GREEDY, use_tqdm=False))[0] for p in prompts]
+    tight = _tiny("chunk", "chain", num_kv_blocks=7, max_model_len=96)
+    assert _ids(tight.generate(prompts, GREEDY, use_tqdm=False)) == want
     assert tight.engine.counters["preemptions"] > 0
     _no_leaks(tight)
 
