@@ -7,6 +7,8 @@ and what would be right.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from kdaserve.ops.types import KDAWeights, check_conv_layout, conv_state_rows
@@ -36,9 +38,9 @@ def check_common(
     _expect(qkv.dim() == 2 and qkv.shape[1] == 3 * P, f"qkv must be [T, 3P] = [T, {3 * P}], got {tuple(qkv.shape)}")
     _expect(qkv.stride(1) == 1, f"qkv columns must be contiguous (a column slice of the projection), got strides {qkv.stride()}")
     for name, t in (("g1", g1), ("g2", g2)):
-        _expect(t.shape[0] == T and t[0].numel() == P, f"{name} must be [T, H, D] or [T, P] with T={T}, P={P}, got {tuple(t.shape)}")
+        _expect(t.shape[0] == T and math.prod(t.shape[1:]) == P, f"{name} must be [T, H, D] or [T, P] with T={T}, P={P}, got {tuple(t.shape)}")
     _expect(tuple(beta_logits.shape) == (T, H), f"beta_logits must be [T, H] = [{T}, {H}], got {tuple(beta_logits.shape)}")
-    _expect(out.shape[0] == T and out[0].numel() == P, f"out must be [T, H, D] with T={T}, H={H}, D={D}, got {tuple(out.shape)}")
+    _expect(out.shape[0] == T and math.prod(out.shape[1:]) == P, f"out must be [T, H, D] with T={T}, H={H}, D={D}, got {tuple(out.shape)}")
     _expect(
         tuple(weights.conv_weight.shape[:1]) == (3 * P,),
         f"conv_weight must be [3P, W] = [{3 * P}, W], got {tuple(weights.conv_weight.shape)}",

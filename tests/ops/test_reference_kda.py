@@ -132,3 +132,12 @@ def test_bad_shapes_raise_clear_errors():
         kda_prefill_reference(out=case.new_out(), **{**args, "conv_layout": "DSD"})
     with pytest.raises(ValueError, match="one token per sequence"):
         kda_decode_reference(out=case.new_out(), **case.decode_args())
+
+
+def test_empty_step_is_a_no_op():
+    """T = 0 (a step with no sequences of this kind) passes the checks and touches nothing."""
+    case = make_kda_case([], H=2, D=8)
+    before = case.recurrent_state.clone()
+    run_prefill(kda_prefill_reference, case)
+    run_decode(kda_decode_reference, case)
+    assert torch.equal(before, case.recurrent_state)
