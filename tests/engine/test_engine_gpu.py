@@ -14,8 +14,8 @@ GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 
 def _tiny(prefill, decode, **kw):
     # fp32 keeps greedy comparisons free of bf16 rounding flips.
-    return LLM("tiny", device="cuda", dtype="float32", max_num_seqs=8, max_model_len=512,
-               kda_prefill_backend=prefill, kda_decode_backend=decode, **kw)
+    kw = {"max_num_seqs": 8, "max_model_len": 512, **kw}
+    return LLM("tiny", device="cuda", dtype="float32", kda_prefill_backend=prefill, kda_decode_backend=decode, **kw)
 
 
 def _ids(outs):
