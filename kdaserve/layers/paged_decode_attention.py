@@ -41,7 +41,7 @@ def _paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, scale,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_tb,
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, PREC: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = pid // HKV
@@ -64,13 +64,13 @@ def _paged_decode_kernel(
         rows = (blk.to(tl.int64) * BLOCK_SIZE + t % BLOCK_SIZE) * row_stride + h * D
         k = tl.load(k_ptr + rows[:, None] + offs_d[None, :], mask=t_ok[:, None], other=0.0).to(tl.float32)
         v = tl.load(v_ptr + rows[:, None] + offs_d[None, :], mask=t_ok[:, None], other=0.0).to(tl.float32)
-        s = tl.dot(q, tl.trans(k)) * scale
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
         s = tl.where(t_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m - m_new)
         l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p, v)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PREC)
         m = m_new
     out = acc / tl.maximum(l, 1e-30)[:, None]
     o_rows = out_ptr + b * stride_ob + (h * G + offs_g)[:, None] * stride_oh + offs_d[None, :]
@@ -99,6 +99,8 @@ def paged_decode_attention_triton(
         q, k_cache, v_cache, block_tables, context_lens, out, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         HKV=Hkv, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BLOCK_SIZE=block_size, TILE=64,
+        # fp32 models get exact fp32 dots; for 16-bit caches tf32 loses nothing the cache kept.
+        PREC="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=4,
     )
     return out
