@@ -5,6 +5,9 @@ import json
 import pytest
 import torch
 
+pytest.importorskip("safetensors")   # the GPU machine may run without the checkpoint packages
+pytest.importorskip("tokenizers")
+
 from kdaserve.engine import LLM, SamplingParams
 from kdaserve.models.builtin import builtin_config
 from kdaserve.models.config import HybridConfig
