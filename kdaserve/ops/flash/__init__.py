@@ -1,0 +1,37 @@
+"""`flash`: the fast KDA prefill backend (Triton), built to beat FlashKDA. Design: docs/flash-prefill.md.
+
+Two kernels do the work: a token-parallel prepare pass over 16-token chunks (conv + SiLU, l2norm,
+gate, beta and the chunk's WY factors on tensor cores, written to a compact fp16 workspace) and a
+recurrence per (sequence, head) holding the fp32 state in registers, with the gated RMSNorm fused
+into its output. When sequences x heads are too few to fill the GPU, long sequences are cut into
+segments whose affine maps are computed in parallel and combined by an exact scan.
+
+FLASH_REQUIREMENTS (for the backend registry):
+- platform: CUDA (developed for and tuned on H100/H200, sm_90); any CUDA GPU Triton supports
+  should work. ROCm: untested (IEEE fp32 dots replace tf32/tf32x3 there).
+- inputs: bf16 or fp16 (fast path, fp16 workspace); fp32 works (IEEE dots, slow; for tests).
+- head size: K = V = D in {16, 32, 64, 128}.
+- gate: bounded ("safe", lower_bound in [-5, 0)) uses tensor cores for the in-chunk decay
+  matrices; the unbounded gate is supported through an exact (slower) column loop.
+- recurrent state pool: fp32 or bf16, K contiguous; conv-state pool: SD or DS layout, any dtype.
+- conv width W: any (4 in the supported models).
+- varlen without a host sync; `cu_seqlens_cpu` only sharpens the grid sizes.
+"""
+
+from kdaserve.ops.flash import interpreter_compat
+from kdaserve.ops.flash.prefill import HEAD_DIMS, INPUT_DTYPES, kda_prefill_flash
+
+interpreter_compat.install()
+
+FLASH_REQUIREMENTS = {
+    "platforms": ("cuda",),
+    "untested_platforms": ("rocm",),
+    "input_dtypes": ("bfloat16", "float16", "float32"),
+    "fast_input_dtypes": ("bfloat16", "float16"),
+    "head_dims": HEAD_DIMS,
+    "gates": ("bounded", "unbounded"),
+    "state_dtypes": ("float32", "bfloat16"),
+    "conv_layouts": ("SD", "DS"),
+}
+
+__all__ = ["FLASH_REQUIREMENTS", "INPUT_DTYPES", "kda_prefill_flash"]

@@ -1,0 +1,33 @@
+"""Launch parameters of the flash prefill, in one place so a tuning run can change them.
+
+Fixed configurations instead of autotuning: the recurrence updates the state pool in place, so
+timing it repeatedly inside an autotuner would corrupt the cache (and first-call autotuning cost
+70-90 s per shape elsewhere). `python -m kdaserve.ops.flash.tune` times alternatives on a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class FlashConfig:
+    chunk: int = 16               # tokens per chunk (16 or 32): the serial step of the recurrence
+    prepare_warps: int = 4        # K1, one program per (chunk, head)
+    recur_warps: int = 8          # K2, one program per (sequence, head), the whole [V, K] state
+    recur_stages: int = 2         # software-pipelined loads of the next chunk's workspace
+    seg_block_v: int = 64         # rows of the state per program in the segment-map pass
+    seg_warps: int = 4
+    seg_stages: int = 2
+    scan_block_v: int = 32        # rows per program in the scan of segment maps
+    scan_warps: int = 4
+    correct_chunks: int = 8       # chunks per program in the correction (output) pass
+    correct_warps: int = 4
+    # Segmenting long sequences pays when few (sequence, head) pairs leave SMs idle.
+    seg_max_pairs: int = 96       # segment only when sequences x heads <= this
+    seg_min_len: int = 1024       # ... and the longest sequence has at least this many tokens
+    seg_min_tokens: int = 512     # never cut segments shorter than this
+    seg_target_programs: int = 264  # aim the segment-map pass at about this many programs
+
+
+CONFIG = FlashConfig()

@@ -1,0 +1,173 @@
+"""K1, the token-parallel prepare pass: one program per (chunk, head), no serial dependence.
+
+From the pre-conv q|k|v rows of one C-token chunk it computes, all in fp32 registers:
+conv + SiLU (history from the conv-state pool), l2norm (scale folded into q), the forget gate and
+its in-chunk cumsum g, beta; then the chunk's WY factors (see reference/chunked.py):
+
+    A[t,i]   = beta_t sum_c k_t k_i e^(g_t - g_i)   (i < t)      Aqk[t,i] = sum_c q_t k_i e^(g_t - g_i)   (i <= t)
+    T        = (I + A)^-1                                        W  = T diag(beta) (K * e^g)
+    U~       = T diag(beta) V                                    Qg = Q * e^g,   Kd = K * e^(g_C - g),   gam = e^(g_C)
+
+and writes W, U~, Qg, Kd, Aqk (workspace dtype: fp16 for 16-bit inputs) and gam (fp32): all the
+recurrence needs, ~1 KB per token-head. The numerics of each step are argued in
+docs/flash-prefill.md; in short:
+- A and Aqk come from one tensor-core dot each: e^(g_t - g_i) = e^(g_t - a) e^(a - g_i) with the
+  anchor a = g_C / 2 in the middle of the chunk, so every factor stays within e^(+-40) at LB = -5
+  (fp32/tf32 range; fp16 could not hold it). The unbounded gate has no such bound: it takes the
+  exact column loop (`BOUNDED=False`).
+- T by recursive blocking: T_2b = T_b - T_b A_off T_b doubles the solved diagonal blocks; every
+  product is of bounded entries of the final inverse, unlike a Neumann/doubling product whose
+  powers of A grow when decay is slow. The dots use tf32x3 (fp32-accurate; they are tiny).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _log1p(z):
+    # log(1 + z), accurate for tiny z (no log1p in every backend, nor in the interpreter).
+    w = 1.0 + z
+    return tl.where(w == 1.0, z, tl.log(w) * z / (w - 1.0))
+
+
+@triton.jit
+def _conv_silu(
+    x_ptr, stride_x, w_ptr, stride_w_c, stride_w_j, hist_ptr, stride_h_row, stride_h_ch,
+    ch, tok, valid, seq_start, init, L, W: tl.constexpr,
+):
+    """silu(sum_j w[c, j] x[t - (W-1) + j, c]) for a [C, D] tile; rows before the sequence's start
+    come from the history (conv-state rows L-(W-1) .. L-1) when it has one, else are zero."""
+    acc = tl.zeros([tok.shape[0], ch.shape[0]], dtype=tl.float32)
+    for jj in tl.static_range(W):
+        r = tok - (W - 1) + jj
+        in_seq = r >= seq_start
+        x = tl.load(x_ptr + r.to(tl.int64)[:, None] * stride_x + ch[None, :],
+                    mask=(valid & in_seq)[:, None], other=0.0).to(tl.float32)
+        hrow = L + (r - seq_start)
+        hx = tl.load(hist_ptr + hrow[:, None] * stride_h_row + ch[None, :] * stride_h_ch,
+                     mask=(valid & (r < seq_start) & init)[:, None], other=0.0).to(tl.float32)
+        wj = tl.load(w_ptr + ch * stride_w_c + jj * stride_w_j).to(tl.float32)
+        acc += (x + hx) * wj[None, :]
+    return acc * tl.sigmoid(acc)
+
+
+@triton.jit
+def _intra_exact(q, k, g, rows, C: tl.constexpr):
+    """A_kk[t,i] = sum_c k_t k_i e^(g_t - g_i), A_qk likewise, column by column with the exact
+    exponent (any decay, no anchor); zero above the diagonal."""
+    cols = rows[None, :]
+    akk = tl.zeros([C, C], dtype=tl.float32)
+    aqk = tl.zeros([C, C], dtype=tl.float32)
+    for i in tl.static_range(C):
+        sel = rows[:, None] == i
+        k_i = tl.sum(tl.where(sel, k, 0.0), axis=0)
+        g_i = tl.sum(tl.where(sel, g, 0.0), axis=0)
+        e = tl.exp(tl.where(rows[:, None] >= i, g - g_i[None, :], -float("inf")))
+        kk = k_i[None, :] * e
+        akk = tl.where(cols == i, tl.sum(k * kk, axis=1)[:, None], akk)
+        aqk = tl.where(cols == i, tl.sum(q * kk, axis=1)[:, None], aqk)
+    return akk, aqk
+
+
+@triton.jit
+def _unit_lower_inverse(A, rows, LOG2C: tl.constexpr, PREC: tl.constexpr):
+    """(I + A)^-1 for strictly lower A [C, C] by recursive 2x2 blocking: with T_b the inverse of the
+    b-diagonal blocks, T_2b = T_b - T_b A_off T_b where A_off is A's lower-left b-blocks inside
+    each 2b-block ((T_b A_off)^2 = 0 makes this exact)."""
+    ri = rows[:, None]
+    ci = rows[None, :]
+    T = tl.where(ri == ci, 1.0, 0.0) - tl.where(ri // 2 == ci // 2, A, 0.0)  # b = 1
+    for lvl in tl.static_range(1, LOG2C):
+        b = 1 << lvl
+        off = tl.where((ri // (2 * b) == ci // (2 * b)) & (ri // b != ci // b), A, 0.0)
+        T = T - tl.dot(tl.dot(T, off, input_precision=PREC), T, input_precision=PREC)
+    return T
+
+
+@triton.jit
+def flash_prepare_kernel(
+    qkv_ptr, stride_qkv,
+    g1_ptr, stride_g1_t, stride_g1_h, stride_g1_d,
+    b_ptr, stride_b_t, stride_b_h,
+    cw_ptr, stride_cw_c, stride_cw_j,
+    cs_ptr, stride_cs_slot, stride_cs_row, stride_cs_ch,
+    a_log_ptr, dt_bias_ptr,
+    cu_ptr, idx_ptr, init_ptr,
+    chunk_seq_ptr, chunk_tok_ptr,
+    w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, gam_ptr,
+    lower_bound, q_scale, L,
+    H: tl.constexpr, D: tl.constexpr, C: tl.constexpr, LOG2C: tl.constexpr, W: tl.constexpr,
+    BOUNDED: tl.constexpr, PREC_TC: tl.constexpr, PREC_EXACT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    j = pid // H
+    h = pid % H
+    n = tl.load(chunk_seq_ptr + j)
+    if n < 0:
+        return
+    slot = tl.load(idx_ptr + n).to(tl.int64)
+    if slot <= 0:
+        return
+    t0 = tl.load(chunk_tok_ptr + j)
+    seq_start = tl.load(cu_ptr + n)
+    seq_end = tl.load(cu_ptr + n + 1)
+    init = tl.load(init_ptr + n) != 0
+    rows = tl.arange(0, C)
+    cols = tl.arange(0, D)
+    tok = t0 + rows
+    valid = tok < seq_end
+    P = H * D
+
+    hist = cs_ptr + slot * stride_cs_slot
+    q = _conv_silu(qkv_ptr, stride_qkv, cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch,
+                   h * D + cols, tok, valid, seq_start, init, L, W)
+    k = _conv_silu(qkv_ptr, stride_qkv, cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch,
+                   P + h * D + cols, tok, valid, seq_start, init, L, W)
+    v = _conv_silu(qkv_ptr, stride_qkv, cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch,
+                   2 * P + h * D + cols, tok, valid, seq_start, init, L, W)
+    q = q * (tl.rsqrt(tl.sum(q * q, axis=1) + 1e-6) * q_scale)[:, None]
+    k = k * tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
+
+    x = tl.load(g1_ptr + tok.to(tl.int64)[:, None] * stride_g1_t + h * stride_g1_h + cols[None, :] * stride_g1_d,
+                mask=valid[:, None], other=0.0).to(tl.float32)
+    x += tl.load(dt_bias_ptr + h * D + cols).to(tl.float32)[None, :]
+    a = tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
+    if BOUNDED:
+        gk = lower_bound * tl.sigmoid(a * x)
+    else:
+        gk = -a * tl.where(x > 20.0, x, tl.maximum(x, 0.0) + _log1p(tl.exp(-tl.abs(x))))
+    gk = tl.where(valid[:, None], gk, 0.0)
+    g = tl.cumsum(gk, axis=0)
+    g_last = tl.sum(tl.where(rows[:, None] == C - 1, g, 0.0), axis=0)
+    bl = tl.load(b_ptr + tok.to(tl.int64) * stride_b_t + h * stride_b_h, mask=valid, other=0.0).to(tl.float32)
+    beta = tl.where(valid, tl.sigmoid(bl), 0.0)
+
+    eg = tl.exp(g)
+    if BOUNDED:
+        anchor = 0.5 * g_last[None, :]
+        e_up = tl.exp(g - anchor)
+        kb = k * tl.exp(anchor - g)
+        akk = tl.dot(k * e_up, tl.trans(kb), input_precision=PREC_TC)
+        aqk = tl.dot(q * e_up, tl.trans(kb), input_precision=PREC_TC)
+    else:
+        akk, aqk = _intra_exact(q, k, g, rows, C)
+    ri = rows[:, None]
+    ci = rows[None, :]
+    A = tl.where(ri > ci, beta[:, None] * akk, 0.0)
+    aqk = tl.where(ri >= ci, aqk, 0.0)
+    Tinv = _unit_lower_inverse(A, rows, LOG2C, PREC_EXACT)
+    w = tl.dot(Tinv, (beta[:, None] * k) * eg, input_precision=PREC_TC)
+    u = tl.dot(Tinv, beta[:, None] * v, input_precision=PREC_TC)
+
+    blk = j.to(tl.int64) * H + h
+    tile = blk * (C * D) + rows[:, None] * D + cols[None, :]
+    dt = w_ptr.dtype.element_ty
+    tl.store(w_ptr + tile, w.to(dt))
+    tl.store(u_ptr + tile, u.to(dt))
+    tl.store(qg_ptr + tile, (q * eg).to(dt))
+    tl.store(kd_ptr + tile, (k * tl.exp(g_last[None, :] - g)).to(dt))
+    tl.store(aqk_ptr + blk * (C * C) + ri * C + ci, aqk.to(dt))
+    tl.store(gam_ptr + blk * D + cols, tl.exp(g_last))

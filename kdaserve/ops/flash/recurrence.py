@@ -1,0 +1,156 @@
+"""K2, the serial pass over chunks: the fp32 state lives in registers for a whole segment.
+
+Per chunk of C tokens (state S [BV, K], V-major like the pool; rows of W, Qg, Kd per token):
+
+    U^T = U~^T - S W^T            the corrected values u_t, one [BV, K] x [K, C] dot
+    O^T = S Qg^T + U^T Aqk^T      outputs of the chunk's tokens
+    S   = S * gam + U^T Kd        state at the chunk's end
+
+The rows of S are the M side of every dot (BV = 64..128 rows feed Hopper's warpgroup MMA), S is
+rounded to the workspace dtype (fp16) only as a dot operand while the state itself accumulates in
+fp32, and the chunk decay gam is applied in fp32.
+
+Two uses:
+- SEGMENTED=False: one program per (segment = whole sequence, head) with BV = V, the gated
+  RMSNorm fused into the output (it needs all of V), final state into the pool, and the sequence's
+  conv-state rows rewritten (safe here: K1, which read the old rows, has finished).
+- SEGMENTED=True (the map pass of sequence parallelism): programs per (segment, head, part,
+  V-slice). part 0 runs the segment from zero (from the pool for a sequence's first segment) and
+  writes unnormalized outputs o_loc and its end state B; part 1 runs the same chunks from the
+  identity with v = 0, which yields the segment's transition M (S_end = S_start M + B) and
+  q~_t = M_t q_t (o_t = o_loc_t + S_start q~_t). Both go to fp32 workspaces for scan.py and
+  correct.py.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def write_conv_state(
+    qkv_ptr, stride_qkv, cs_ptr, stride_cs_row, stride_cs_ch,
+    ch0, seq_start, seq_len, init, L,
+    D: tl.constexpr, L_PAD: tl.constexpr,
+):
+    """New conv-state rows of D channels starting at ch0 (for q, k and v): the last L rows of
+    history ++ new tokens. All old rows are read before any is written (a barrier between), since
+    a short sequence shifts its history inside the same rows."""
+    r = tl.arange(0, L_PAD)
+    cols = tl.arange(0, D)
+    idx = seq_len - L + r
+    from_x = idx >= 0
+    rmask = (r < L)[:, None]
+    P3 = ch0 + cols  # q channels; k and v are +P, +2P away (passed through ch0 by the caller)
+    x_rows = (seq_start + idx).to(tl.int64)[:, None] * stride_qkv
+    h_rows = (L + idx)[:, None] * stride_cs_row
+    m_x = rmask & from_x[:, None]
+    m_h = rmask & (idx < 0)[:, None] & init
+    xq = tl.load(qkv_ptr + x_rows + P3[None, :], mask=m_x, other=0.0)
+    hq = tl.load(cs_ptr + h_rows + P3[None, :] * stride_cs_ch, mask=m_h, other=0.0)
+    tl.debug_barrier()
+    new = tl.where(from_x[:, None], xq.to(cs_ptr.dtype.element_ty), hq)
+    tl.store(cs_ptr + r[:, None] * stride_cs_row + P3[None, :] * stride_cs_ch, new, mask=rmask)
+
+
+@triton.jit
+def flash_recurrence_kernel(
+    w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, gam_ptr,
+    s_ptr, stride_s_slot, stride_s_h, stride_s_v,
+    o_ptr, stride_o_t, stride_o_h, stride_o_d,
+    g2_ptr, stride_g2_t, stride_g2_h, stride_g2_d,
+    nw_ptr, eps,
+    oq_ptr, bm_ptr,
+    cu_ptr, idx_ptr, init_ptr,
+    seg_seq_ptr, seg_tok_ptr, seg_end_ptr, seg_chunk_ptr,
+    qkv_ptr, stride_qkv, cs_ptr, stride_cs_slot, stride_cs_row, stride_cs_ch, L, q_off,
+    H: tl.constexpr, D: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
+    SEGMENTED: tl.constexpr, L_PAD: tl.constexpr, PREC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    NV: tl.constexpr = D // BV
+    if SEGMENTED:
+        vs = pid % NV
+        part = (pid // NV) % 2
+        h = (pid // (2 * NV)) % H
+        s = pid // (2 * NV * H)
+    else:
+        vs = 0
+        part = pid * 0  # a tensor, so the masks below read the same in both modes
+        h = pid % H
+        s = pid // H
+    n = tl.load(seg_seq_ptr + s)
+    if n < 0:
+        return
+    slot = tl.load(idx_ptr + n).to(tl.int64)
+    if slot <= 0:
+        return
+    seq_start = tl.load(cu_ptr + n)
+    seq_end = tl.load(cu_ptr + n + 1)
+    tok0 = tl.load(seg_tok_ptr + s)
+    tok1 = tl.load(seg_end_ptr + s)
+    first = tok0 == seq_start
+    last = tok1 == seq_end
+    if (part == 1) & first:
+        return  # a sequence's first segment starts from the known state: no map needed
+    init = tl.load(init_ptr + n) != 0
+
+    rows = vs * BV + tl.arange(0, BV)
+    kcols = tl.arange(0, D)
+    crow = tl.arange(0, C)
+    state_tile = s_ptr + slot * stride_s_slot + h * stride_s_h + rows[:, None] * stride_s_v + kcols[None, :]
+    S = tl.load(state_tile, mask=first & init & (part == 0), other=0.0).to(tl.float32)
+    S = tl.where((rows[:, None] == kcols[None, :]) & (part == 1), 1.0, S)
+    dt = w_ptr.dtype.element_ty
+    if not SEGMENTED:
+        nw = tl.load(nw_ptr + rows).to(tl.float32)
+
+    chunk0 = tl.load(seg_chunk_ptr + s).to(tl.int64)
+    n_chunks = (tok1 - tok0 + C - 1) // C
+    for c in range(n_chunks):
+        blk = (chunk0 + c) * H + h
+        base = blk * (C * D)
+        wT = tl.load(w_ptr + base + crow[None, :] * D + kcols[:, None])                  # [K, C]
+        uT = tl.load(u_ptr + base + crow[None, :] * D + rows[:, None], mask=part == 0, other=0.0)  # [BV, C]
+        qT = tl.load(qg_ptr + base + crow[None, :] * D + kcols[:, None])                 # [K, C]
+        aT = tl.load(aqk_ptr + blk * (C * C) + crow[None, :] * C + crow[:, None])       # [C(i), C(t)]
+        kd = tl.load(kd_ptr + base + crow[:, None] * D + kcols[None, :])                 # [C, K]
+        gam = tl.load(gam_ptr + blk * D + kcols)
+
+        Sh = S.to(dt)
+        Ut = uT.to(tl.float32) - tl.dot(Sh, wT, input_precision=PREC)
+        Uh = Ut.to(dt)
+        Ot = tl.dot(Sh, qT, input_precision=PREC)
+        Ot = tl.dot(Uh, aT, acc=Ot, input_precision=PREC)
+        S = S * gam[None, :]
+        S = tl.dot(Uh, kd, acc=S, input_precision=PREC)
+
+        toks = tok0 + c * C + crow
+        tmask = (toks < tok1)[None, :]
+        trow = toks.to(tl.int64)[None, :]
+        if SEGMENTED:
+            oq = oq_ptr + part * q_off + trow * (H * D) + h * D + rows[:, None]
+            tl.store(oq, Ot, mask=tmask)
+        else:
+            g2 = tl.load(g2_ptr + trow * stride_g2_t + h * stride_g2_h + rows[:, None] * stride_g2_d,
+                         mask=tmask, other=0.0).to(tl.float32)
+            rstd = tl.rsqrt(tl.sum(Ot * Ot, axis=0) / D + eps)
+            y = Ot * rstd[None, :] * nw[:, None] * tl.sigmoid(g2)
+            tl.store(o_ptr + trow * stride_o_t + h * stride_o_h + rows[:, None] * stride_o_d,
+                     y.to(o_ptr.dtype.element_ty), mask=tmask)
+
+    if SEGMENTED:
+        if last & first:
+            tl.store(state_tile, S.to(s_ptr.dtype.element_ty))
+        else:
+            bm = bm_ptr + ((s.to(tl.int64) * 2 + part) * H + h) * (D * D) + rows[:, None] * D + kcols[None, :]
+            tl.store(bm, S)
+    else:
+        tl.store(state_tile, S.to(s_ptr.dtype.element_ty))
+    if last & (part == 0) & (vs == 0):
+        hist = cs_ptr + slot * stride_cs_slot
+        P = H * D
+        for part_qkv in tl.static_range(3):
+            write_conv_state(qkv_ptr, stride_qkv, hist, stride_cs_row, stride_cs_ch, part_qkv * P + h * D,
+                             seq_start, seq_end - seq_start, init, L, D, L_PAD)

@@ -1,0 +1,248 @@
+"""The `flash` prefill backend against the fp64 reference, and the properties of the contract.
+
+CPU: Triton's interpreter, fp32 (tolerance 1e-5) and fp16 (the 16-bit workspace path), tiny
+shapes; the segmented (sequence-parallel) path is forced on with `segment_len`. GPU (marked): bf16
+at real sizes, a 128K-token sequence with slow-decay heads (also marked slow), no host syncs.
+"""
+
+import functools
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' import
+
+import triton  # noqa: E402
+
+from kdaserve.ops.flash import kda_prefill_flash  # noqa: E402
+from kdaserve.ops.flash.plan import build_plan, choose_segment_len  # noqa: E402
+from kdaserve.ops.flash.config import CONFIG  # noqa: E402
+from kdaserve.testing import assert_rel_close, make_kda_case, tolerance_for  # noqa: E402
+from kdaserve.testing.properties import (  # noqa: E402
+    check_mixed_equals_alone,
+    check_prefill_matches_reference,
+    check_split_prefill,
+    run_prefill,
+)
+
+INTERPRET = bool(triton.knobs.runtime.interpret)
+cpu_only = pytest.mark.skipif(not INTERPRET, reason="CPU tests run in Triton's interpreter (TRITON_INTERPRET=1)")
+gpu = pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="needs a GPU without the interpreter")
+
+UNSEGMENTED = functools.partial(kda_prefill_flash, segment_len=0)
+SEGMENTED = functools.partial(kda_prefill_flash, segment_len=16)  # 16-token segments: every chunk its own
+
+
+def flash(segment_len):
+    return functools.partial(kda_prefill_flash, segment_len=segment_len)
+
+
+# ------------------------------------------------------------------------------------------ CPU
+
+
+@cpu_only
+@pytest.mark.parametrize("gate, layout, segment_len",
+                         [("bounded", "SD", 0), ("bounded", "SD", 16), ("unbounded", "DS", 0), ("unbounded", "DS", 32)])
+def test_matches_reference_fp32(gate, layout, segment_len):
+    # Lengths: partial chunks, exactly one chunk, 1 token, several segments; a null slot.
+    case = make_kda_case([5, 40, 1, 16, 37], H=2, D=16, gate=gate, conv_layout=layout, spec_tokens=1,
+                         has_initial_state=[True, False, True, True, False], slow_decay_heads=1, seed=1)
+    case.state_indices[3] = 0
+    check_prefill_matches_reference(flash(segment_len), case, 1e-5)
+
+
+@cpu_only
+@pytest.mark.parametrize("segment_len", [0, 16])
+def test_matches_reference_fp16_workspace(segment_len):
+    """fp16 inputs take the GPU's path: 16-bit workspace and dot operands, fp32 state."""
+    case = make_kda_case([33, 20], H=2, D=32, dtype=torch.float16, conv_dtype=torch.float16,
+                         has_initial_state=[True, False], seed=2)
+    check_prefill_matches_reference(flash(segment_len), case, tolerance_for(torch.float16))
+
+
+@cpu_only
+def test_bf16_state_pool():
+    tol = tolerance_for(torch.float32, torch.bfloat16)
+    for fn in (UNSEGMENTED, SEGMENTED):
+        case = make_kda_case([21, 9], H=2, D=16, state_dtype=torch.bfloat16, has_initial_state=True, seed=3)
+        check_prefill_matches_reference(fn, case, tol)
+
+
+@cpu_only
+def test_strong_decay_at_the_lower_bound():
+    """Every gate at LB = -5: |g| reaches 80 inside a chunk, the edge of the anchored factors."""
+    case = make_kda_case([40], H=1, D=16, has_initial_state=True, seed=4)
+    case.g1.fill_(30.0)
+    check_prefill_matches_reference(UNSEGMENTED, case, 1e-5)
+
+
+@cpu_only
+def test_unbounded_gate_with_huge_decay():
+    """Unbounded gates far beyond fp32's exp range inside one chunk (the exact column path).
+    Cumulative log-decays of hundreds cost fp32 cumsums ~1e-5 of relative precision in
+    e^(g_t - g_i): the fp32 chunked reference (chunked.py) errs 1.1e-5 here, hence 3e-5."""
+    case = make_kda_case([20], H=1, D=16, gate="unbounded", has_initial_state=True, seed=5)
+    case.g1.mul_(10.0)
+    check_prefill_matches_reference(SEGMENTED, case, 3e-5)
+
+
+@cpu_only
+@pytest.mark.parametrize("fn", [UNSEGMENTED, SEGMENTED], ids=["unsegmented", "segmented"])
+def test_split_prefill_equals_whole(fn):
+    check_split_prefill(fn, 45, 19, 1e-5, H=2, D=16, seed=6)
+
+
+@cpu_only
+def test_mixed_batch_equals_each_sequence_alone():
+    check_mixed_equals_alone(SEGMENTED, [17, 1, 34, 3], 1e-5, H=2, D=16, seed=7)
+
+
+@cpu_only
+def test_segmented_equals_unsegmented_and_chunk_32():
+    case = make_kda_case([50, 12], H=2, D=16, has_initial_state=[True, False], slow_decay_heads=1, seed=8)
+    a, b, c = case.clone(), case.clone(), case.clone()
+    out_a = run_prefill(UNSEGMENTED, a)
+    out_b = run_prefill(flash(32), b)
+    old = CONFIG.chunk
+    CONFIG.chunk = 32
+    try:
+        out_c = run_prefill(flash(32), c)
+    finally:
+        CONFIG.chunk = old
+    for out, x, what in ((out_b, b, "segments of 32"), (out_c, c, "chunk 32")):
+        assert_rel_close(out, out_a, 1e-5, f"{what}: output")
+        assert_rel_close(x.recurrent_state, a.recurrent_state, 1e-5, f"{what}: states")
+        assert torch.equal(x.conv_state, a.conv_state)
+
+
+@cpu_only
+def test_plan_tables_without_host_copy():
+    lens = [5, 0, 40, 16, 1]
+    cu_cpu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    T, N = int(cu_cpu[-1]), len(lens)
+    exact = build_plan(cu_cpu, T, N, 16, 32, cu_cpu)
+    bound = build_plan(cu_cpu, T, N, 16, 32, None)
+    starts = cu_cpu.tolist()
+    chunks = [(n, starts[n] + c) for n, ln in enumerate(lens) for c in range(0, ln, 16)]
+    chunks_before = [sum(triton.cdiv(x, 16) for x in lens[:n]) for n in range(N)]
+    segs = [(n, starts[n] + c, min(starts[n] + c + 32, starts[n] + ln), chunks_before[n] + c // 16)
+            for n, ln in enumerate(lens) for c in (range(0, ln, 32) if ln else [0])]
+    for plan in (exact, bound):
+        assert plan.chunk_seq[: len(chunks)].tolist() == [n for n, _ in chunks]
+        assert plan.chunk_tok[: len(chunks)].tolist() == [t for _, t in chunks]
+        assert (plan.chunk_seq[len(chunks):] == -1).all()
+        assert plan.seg_seq[: len(segs)].tolist() == [x[0] for x in segs]
+        assert plan.seg_tok[: len(segs)].tolist() == [x[1] for x in segs]
+        assert plan.seg_end[: len(segs)].tolist() == [x[2] for x in segs]
+        assert plan.seg_chunk[: len(segs)].tolist() == [x[3] for x in segs]
+        assert (plan.seg_seq[len(segs):] == -1).all()
+        assert plan.seq_seg0.tolist() == [0, 1, 2, 4, 5, 6]
+    assert exact.n_chunk_ids == len(chunks) and exact.n_seg_ids == len(segs)
+
+
+def test_segment_choice():
+    cfg = CONFIG
+    assert choose_segment_len(8192 * 8, 8, 64, 128, 16, None, 132, cfg) is None  # enough pairs
+    assert choose_segment_len(512, 1, 16, 128, 16, None, 132, cfg) is None      # too short
+    seg = choose_segment_len(32768, 1, 16, 128, 16, None, 132, cfg)
+    assert seg is not None and seg % 16 == 0 and 1 < triton.cdiv(32768, seg) <= 16
+
+
+@cpu_only
+def test_bad_inputs_raise_clear_errors():
+    case = make_kda_case([4], H=1, D=16)
+    with pytest.raises(ValueError, match="segment_len"):
+        run_prefill(flash(-1), case)
+    case = make_kda_case([4], H=1, D=8)
+    with pytest.raises(ValueError, match="head sizes"):
+        run_prefill(UNSEGMENTED, case)
+
+
+@pytest.mark.skipif(os.environ.get("KDASERVE_COMPILE_CHECK") != "1", reason="minutes of CPU: set KDASERVE_COMPILE_CHECK=1")
+def test_kernels_compile_for_sm90_without_a_gpu():
+    """Compiled mode (not the interpreter) accepts every kernel, ptxas included."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-m", "kdaserve.ops.flash.compile_check"], capture_output=True, text=True,
+                       env=env, timeout=600)
+    if "No module named" in r.stderr and "nvidia" in r.stderr:
+        pytest.skip("this triton build has no NVIDIA backend")
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+# ------------------------------------------------------------------------------------------ GPU
+
+BF16 = tolerance_for(torch.bfloat16)
+
+
+def _gpu_case(seq_lens, H, **kw):
+    kw.setdefault("dtype", torch.bfloat16)
+    kw.setdefault("conv_dtype", torch.bfloat16)
+    return make_kda_case(seq_lens, H=H, D=128, device="cuda", **kw)
+
+
+def _ref_chunk(seq_lens):
+    # The fp64 token loop is slow for long sequences on the GPU; the chunked reference is the
+    # same math (tested equal to the loop to 1e-10 in test_reference_kda.py).
+    return 64 if max(seq_lens) > 2048 else None
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("segment_len", [None, 0, 256])
+@pytest.mark.parametrize("gate, layout", [("bounded", "SD"), ("unbounded", "DS")])
+def test_gpu_matches_reference(gate, layout, segment_len):
+    lens = [1000, 1, 77, 2048, 16, 300]
+    case = _gpu_case(lens, 4, gate=gate, conv_layout=layout, slow_decay_heads=1, seed=11,
+                     has_initial_state=[True, False, True, False, True, True])
+    case.state_indices[4] = 0
+    check_prefill_matches_reference(flash(segment_len), case, BF16, chunk_size=_ref_chunk(lens))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("segment_len", [0, 1024])
+def test_gpu_single_long_sequence_and_fp32_pool_bf16_pool(segment_len):
+    for state_dtype in (torch.float32, torch.bfloat16):
+        case = _gpu_case([8192], 2, state_dtype=state_dtype, slow_decay_heads=1, has_initial_state=True, seed=12)
+        check_prefill_matches_reference(flash(segment_len), case, tolerance_for(torch.bfloat16, state_dtype), chunk_size=64)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("segment_len", [0, 512])
+def test_gpu_split_prefill_and_mixed_batch(segment_len):
+    fn = flash(segment_len)
+    check_split_prefill(fn, 3000, 1234, BF16, H=2, D=128, device="cuda", dtype=torch.bfloat16, seed=13)
+    check_mixed_equals_alone(fn, [700, 1, 2100, 33], BF16, H=2, D=128, device="cuda", dtype=torch.bfloat16, seed=14)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_no_host_sync_without_host_cu_seqlens():
+    case = _gpu_case([3000, 500, 64], 4, seed=15)
+    out = case.new_out()
+    args = {**case.prefill_args(), "cu_seqlens_cpu": None}
+    for seg in (0, 512):
+        kda_prefill_flash(out=out, **args, segment_len=seg)  # compile first
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            kda_prefill_flash(out=out, **args, segment_len=seg)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@gpu
+@pytest.mark.parametrize("segment_len", [None, 0])
+def test_gpu_128k_sequence_slow_decay_heads(segment_len):
+    """One 128K-token sequence, half the heads slow-decaying: precision must hold at full length."""
+    case = _gpu_case([131072], 2, slow_decay_heads=1, has_initial_state=True, seed=16)
+    check_prefill_matches_reference(flash(segment_len), case, BF16, chunk_size=64)
