@@ -1,0 +1,60 @@
+"""`chunk`: the chunk-64 multi-kernel Triton prefill backend. Design and numerics: docs/chunk-prefill.md.
+
+    conv (kdaserve.ops.conv, varlen, conv pool in place)
+    -> gate + chunk cumsum (gate.py) -> intra-chunk matrices, inverse, w/u (intra.py)
+    -> serial state pass on the pool in place (state.py) -> output + gated RMSNorm (output.py)
+
+Same calling convention as kdaserve.ops.reference.kda_prefill_reference (minus chunk_size).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kdaserve.ops.checks import check_common, check_prefill
+from kdaserve.ops.chunk import interpreter_compat
+from kdaserve.ops.chunk.core import CHUNK, SUPPORTED_DTYPES, kda_chunk_core, workspace_dtype
+from kdaserve.ops.conv import causal_conv_varlen_fwd
+from kdaserve.ops.types import KDAWeights
+
+interpreter_compat.install()
+
+
+def kda_prefill_chunk(
+    qkv: torch.Tensor,
+    g1: torch.Tensor,
+    beta_logits: torch.Tensor,
+    g2: torch.Tensor,
+    weights: KDAWeights,
+    conv_state: torch.Tensor,
+    recurrent_state: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    conv_layout: str = "SD",
+    cu_seqlens_cpu: torch.Tensor | None = None,
+) -> None:
+    """Varlen prefill (mixed steps included): conv, chunked KDA core, gated RMSNorm into `out`.
+
+    Pass `cu_seqlens_cpu` (the host copy the engine already has): chunk tables are built from it
+    without a device->host sync. Without it a device `cu_seqlens` is copied to the host (a sync:
+    fine for tests and tools, not for serving). Sequences whose slot is <= 0 are skipped entirely
+    (their output rows are not written, no state is read or written).
+    """
+    T, H, D = check_common(qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, out, conv_layout)
+    check_prefill(T, cu_seqlens, state_indices, has_initial_state)
+    if qkv.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"chunk prefill takes bf16, fp16 or fp32 inputs, got qkv in {qkv.dtype}")
+    if cu_seqlens_cpu is None:
+        cu_seqlens_cpu = cu_seqlens if cu_seqlens.device.type == "cpu" else cu_seqlens.cpu()
+    # The conv writes its output straight in the workspace dtype (fp16 for bf16 inputs: core.py).
+    y = torch.empty(qkv.shape, dtype=workspace_dtype(qkv.dtype), device=qkv.device)
+    causal_conv_varlen_fwd(qkv, weights.conv_weight, conv_state, cu_seqlens, state_indices, has_initial_state,
+                           conv_layout, cu_seqlens_cpu=cu_seqlens_cpu, out=y)
+    kda_chunk_core(y, g1, beta_logits, g2, weights, recurrent_state, cu_seqlens, state_indices, has_initial_state, out,
+                   cu_seqlens_cpu=cu_seqlens_cpu)
+
+
+__all__ = ["CHUNK", "kda_chunk_core", "kda_prefill_chunk"]

@@ -1,0 +1,186 @@
+"""`chunk` prefill backend (kdaserve.ops.chunk) against the reference and the shared properties.
+
+CPU: Triton's interpreter, fp32/fp16, tiny shapes (H = 2, D = 16, a few chunks: the interpreter
+spends ~0.5 s per (chunk, head) program). GPU (marked): bf16, 32 heads x 128, the serving shapes,
+a 128K-token sequence (slow), fp64/fp32 ground truth from the reference's chunked form.
+"""
+
+import functools
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' import
+
+from kdaserve.ops.chunk import kda_prefill_chunk  # noqa: E402
+from kdaserve.ops.chunk.tables import ChunkTableCache, host_chunk_tables  # noqa: E402
+from kdaserve.ops.reference import kda_prefill_reference  # noqa: E402
+from kdaserve.testing import assert_rel_close, make_kda_case, rel_rms, tolerance_for  # noqa: E402
+from kdaserve.testing.properties import (  # noqa: E402
+    check_mixed_equals_alone,
+    check_prefill_matches_reference,
+    check_split_prefill,
+    run_prefill,
+    valid_rows,
+)
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+SMALL = dict(H=2, D=16, device=DEV)
+
+
+# ---- host-side chunk tables (no kernels) ----------------------------------------------------------
+
+
+def test_chunk_tables_cover_every_token_once_and_never_straddle_sequences():
+    cu = torch.tensor([0, 5, 5, 133, 134, 198], dtype=torch.int32)  # includes a 0-token sequence
+    chunks, first = host_chunk_tables(cu, 64)
+    assert chunks.tolist() == [[0, 0, 5], [2, 5, 69], [2, 69, 133], [3, 133, 134], [4, 134, 198]]
+    assert first.tolist() == [0, 1, 1, 3, 4]
+
+
+def test_chunk_table_cache_keys_on_content_not_address():
+    cache = ChunkTableCache()
+    cu = torch.tensor([0, 70, 71], dtype=torch.int32)
+    a = cache.get(cu, 64, torch.device("cpu"))
+    assert cache.get(cu.clone(), 64, torch.device("cpu")) is a  # same lengths: reused
+    cu[1] = 10  # the caller refills its buffer in place with new lengths
+    b = cache.get(cu, 64, torch.device("cpu"))
+    assert b is not a and b.chunks.tolist() == [[0, 0, 10], [1, 10, 71]]
+
+
+# ---- against the reference (interpreter on CPU) -----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "layout,gate",
+    [("SD", "bounded"), ("DS", "unbounded")],
+)
+def test_matches_reference_with_null_rows_mixed_lengths_and_slow_heads(layout, gate):
+    # 1-token sequences next to a two-chunk one with a partial last chunk; a null slot in the middle.
+    case = make_kda_case([1, 70, 3, 1], conv_layout=layout, gate=gate, slow_decay_heads=1, seed=1, **SMALL)
+    case.state_indices[2] = 0
+    check_prefill_matches_reference(kda_prefill_chunk, case, tolerance_for(torch.float32), chunk_size=64)
+
+
+def test_null_rows_leave_output_untouched():
+    case = make_kda_case([4, 9], seed=2, **SMALL)
+    case.state_indices[0] = -1
+    out = run_prefill(kda_prefill_chunk, case)
+    assert torch.isnan(out[:4]).all(), "rows of a slot <= 0 were written"
+    assert not torch.isnan(out[4:]).any()
+
+
+def test_fp16_inputs_and_bf16_state_pool():
+    case = make_kda_case([33, 2], dtype=torch.float16, state_dtype=torch.bfloat16, seed=4, **SMALL)
+    check_prefill_matches_reference(kda_prefill_chunk, case, tolerance_for(torch.float16, torch.bfloat16), chunk_size=64)
+
+
+@pytest.mark.parametrize("split", [64, 67])
+def test_split_prefill_equals_unsplit(split):
+    # 64: the second part starts on a chunk boundary; 67: the first part ends mid-chunk.
+    check_split_prefill(kda_prefill_chunk, 80, split, tolerance_for(torch.float32), seed=5, **SMALL)
+
+
+def test_mixed_step_equals_each_sequence_alone():
+    check_mixed_equals_alone(kda_prefill_chunk, [1, 20, 66], tolerance_for(torch.float32), seed=6, **SMALL)
+
+
+def test_strided_inputs_equal_contiguous_bit_for_bit():
+    strided = make_kda_case([9, 40], strided=True, seed=7, **SMALL)
+    contiguous = make_kda_case([9, 40], strided=False, seed=7, **SMALL)
+    assert not strided.qkv.is_contiguous() and contiguous.qkv.is_contiguous()
+    out_s, out_c = run_prefill(kda_prefill_chunk, strided), run_prefill(kda_prefill_chunk, contiguous)
+    assert torch.equal(out_s, out_c)
+    assert torch.equal(strided.recurrent_state, contiguous.recurrent_state)
+    assert torch.equal(strided.conv_state, contiguous.conv_state)
+
+
+@pytest.mark.parametrize("gate", ["bounded", "unbounded"])
+def test_steepest_gates_stay_finite_and_exact(gate):
+    """Every gate at its steepest: LB = -5 on every token (a 64-token chunk spans ~462 in log2
+    units; 40 tokens already reach ~288 > 127, fp32's exp2 limit), or an unbounded gate of ~-480 per
+    token. Exponents taken over unanchored cumsums would overflow."""
+    case = make_kda_case([40], has_initial_state=True, gate=gate, seed=8, **SMALL)
+    case.g1.fill_(30.0)
+    check_prefill_matches_reference(kda_prefill_chunk, case, tolerance_for(torch.float32), chunk_size=64)
+
+
+def test_bad_inputs_raise_clear_errors():
+    case = make_kda_case([3], dtype=torch.float64, **SMALL)
+    with pytest.raises(ValueError, match="bf16, fp16 or fp32"):
+        run_prefill(kda_prefill_chunk, case)
+    case = make_kda_case([3], H=1, D=24, device=DEV)
+    with pytest.raises(ValueError, match="power-of-two head size"):
+        run_prefill(kda_prefill_chunk, case)
+
+
+# ---- GPU: bf16, serving shapes ------------------------------------------------------------------------
+
+GPU_TOL = tolerance_for(torch.bfloat16)  # 5e-3: bf16 inputs, fp32 state
+SHAPES = {"1x8K": [8192], "16x1K": [1024] * 16, "64x512": [512] * 64}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("gate", ["bounded", "unbounded"])
+def test_gpu_bf16_serving_shapes_match_fp64_reference(shape, gate):
+    case = make_kda_case(SHAPES[shape], H=32, D=128, dtype=torch.bfloat16, gate=gate, slow_decay_heads=4,
+                         conv_dtype=torch.bfloat16, device="cuda", seed=11)
+    check_prefill_matches_reference(kda_prefill_chunk, case, GPU_TOL, chunk_size=64)
+
+
+@pytest.mark.gpu
+def test_gpu_mixed_lengths_null_rows_and_split():
+    case = make_kda_case([1, 700, 1, 64, 130, 2], H=32, D=128, dtype=torch.bfloat16, slow_decay_heads=4,
+                         conv_dtype=torch.bfloat16, conv_layout="DS", device="cuda", seed=12)
+    case.state_indices[3] = 0
+    check_prefill_matches_reference(kda_prefill_chunk, case, GPU_TOL, chunk_size=64)
+    check_split_prefill(kda_prefill_chunk, 1000, 333, GPU_TOL, H=32, D=128, dtype=torch.bfloat16,
+                        conv_dtype=torch.bfloat16, device="cuda", seed=13)
+
+
+@pytest.mark.gpu
+def test_gpu_strided_equals_contiguous_and_no_host_sync():
+    kw = dict(H=32, D=128, dtype=torch.bfloat16, conv_dtype=torch.bfloat16, device="cuda", seed=14)
+    strided, contiguous = make_kda_case([300, 5, 77], strided=True, **kw), make_kda_case([300, 5, 77], strided=False, **kw)
+    run_prefill(kda_prefill_chunk, strided.clone())  # compile outside the sync check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any device->host sync inside the call raises
+    try:
+        out_s = run_prefill(kda_prefill_chunk, strided)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    out_c = run_prefill(kda_prefill_chunk, contiguous)
+    assert torch.equal(out_s, out_c) and torch.equal(strided.recurrent_state, contiguous.recurrent_state)
+
+
+def _fp32_ground_truth(case):
+    """The reference's chunk-64 form in fp32 on the GPU (fp64 tensors of a 128K case would not fit)."""
+    ref = case.clone()
+    P = case.H * case.D
+    ref.proj = case.proj.float()
+    ref.qkv, ref.beta_logits = ref.proj[:, : 3 * P], ref.proj[:, 3 * P : 3 * P + case.H]
+    ref.g1, ref.g2 = case.g1.float(), case.g2.float()
+    ref.conv_state, ref.recurrent_state = case.conv_state.float(), case.recurrent_state.float()
+    out = run_prefill(functools.partial(kda_prefill_reference, chunk_size=64), ref, out_dtype=torch.float32)
+    return ref, out
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("gate", ["bounded", "unbounded"])
+def test_gpu_128k_token_sequence(gate):
+    case = make_kda_case([131072], H=32, D=128, dtype=torch.bfloat16, gate=gate, slow_decay_heads=4,
+                         conv_dtype=torch.bfloat16, has_initial_state=True, device="cuda", seed=15)
+    ref, ref_out = _fp32_ground_truth(case)
+    out = run_prefill(kda_prefill_chunk, case)
+    rows = valid_rows(case)
+    assert_rel_close(out[rows], ref_out[rows], GPU_TOL, "128K output")
+    slot = case.state_indices.tolist()
+    assert_rel_close(case.recurrent_state[slot], ref.recurrent_state[slot], GPU_TOL, "128K final state")
+    # The slow-decay heads carry the whole context: hold them to the same bound on their own.
+    slow = slice(case.H - 4, case.H)
+    assert rel_rms(out[:, slow], ref_out[:, slow]) < GPU_TOL
+    assert rel_rms(case.recurrent_state[slot][:, slow], ref.recurrent_state[slot][:, slow]) < GPU_TOL
