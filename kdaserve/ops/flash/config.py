@@ -13,14 +13,15 @@ from dataclasses import dataclass
 @dataclass(slots=True)
 class FlashConfig:
     chunk: int = 16               # tokens per chunk (16 or 32): the serial step of the recurrence
-    prepare_warps: int = 4        # K1, one program per (chunk, head)
+    prepare_warps: int = 8        # K1, one program per (chunk, head): 146 regs at 8 warps, 255 at 4
     recur_warps: int = 8          # K2, one program per (sequence, head), the whole [V, K] state
     recur_stages: int = 2         # software-pipelined loads of the next chunk's workspace
     seg_block_v: int = 64         # rows of the state per program in the segment-map pass
     seg_warps: int = 4
     seg_stages: int = 2
     scan_block_v: int = 32        # rows per program in the scan of segment maps
-    scan_warps: int = 4
+    scan_warps: int = 8
+    scan_stages: int = 1          # the [K, K] fp32 map is 64 KB of shared memory per stage
     correct_chunks: int = 8       # chunks per program in the correction (output) pass
     correct_warps: int = 4
     # Segmenting long sequences pays when few (sequence, head) pairs leave SMs idle.

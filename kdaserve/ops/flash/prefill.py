@@ -176,10 +176,11 @@ def kda_prefill_flash(
     sbv = min(cfg.scan_block_v, D)
     flash_scan_kernel[(N * H * (D // sbv),)](
         bm, start, st, st.stride(0), st.stride(1), st.stride(2), state_indices, plan.seq_seg0,
-        H=H, D=D, BV=sbv, PREC=prec_exact, num_warps=cfg.scan_warps,
+        H=H, D=D, BV=sbv, PREC=prec_exact, num_warps=cfg.scan_warps, num_stages=cfg.scan_stages,
     )
     cpg = cfg.correct_chunks
-    ng = triton.cdiv(plan.segment_len, cpg * C)
+    longest = int((cu_seqlens_cpu[1:] - cu_seqlens_cpu[:-1]).max()) if cu_seqlens_cpu is not None else T
+    ng = max(triton.cdiv(min(plan.segment_len, longest), cpg * C), 1)
     flash_correct_kernel[(ns * H * ng,)](
         oq, start, outv, *outv.stride(), g2v, *g2v.stride(), nw, float(weights.norm_eps),
         cu, state_indices, plan.seg_seq, plan.seg_tok, plan.seg_end, T * H * D,

@@ -1,0 +1,111 @@
+"""Time flash prefill variants side by side on a GPU (the launch parameters of config.py).
+
+    python -m kdaserve.ops.flash.tune [--quick]
+
+One table per shape (heads x sequences, bf16, fp32 state, D = 128, bounded gate): median ms of
+each variant, tokens/s, and which one wins. Use it to set the defaults in config.py and the
+segmenting thresholds. Runs in well under 2 minutes on an H200.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+
+import torch
+
+from kdaserve.ops.flash import kda_prefill_flash
+from kdaserve.ops.flash.config import CONFIG
+from kdaserve.testing.inputs import make_kda_weights
+
+SHAPES = [  # (heads, sequence lengths): the issue's goal shapes
+    (16, [32768]), (16, [131072]), (16, [8192]), (16, [1024] * 16),
+    (32, [8192]), (32, [1024] * 16), (32, [32768]),
+    (64, [8192]), (64, [1024] * 8), (64, [1024] * 16),
+    (96, [8192]), (96, [1024] * 8),
+]
+
+
+def gpu_inputs(H: int, lens: list[int], D: int = 128, seed: int = 0) -> dict:
+    """A prefill step built on the GPU (CPU-side randn of 10^9 values would dominate the run)."""
+    dev = "cuda"
+    g = torch.Generator(dev).manual_seed(seed)
+    T, N, P = sum(lens), len(lens), H * D
+    bf = torch.bfloat16
+    proj = torch.randn(T, 3 * P + H, device=dev, dtype=bf, generator=g)
+    weights = make_kda_weights(H, D, device=dev, generator=torch.Generator().manual_seed(seed))
+    cu = torch.zeros(N + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(lens).cumsum(0)
+    return dict(
+        qkv=proj[:, : 3 * P], beta_logits=proj[:, 3 * P :],
+        g1=torch.randn(T, H, D, device=dev, dtype=bf, generator=g),
+        g2=torch.randn(T, H, D, device=dev, dtype=bf, generator=g),
+        weights=weights,
+        conv_state=torch.randn(N + 1, 3, 3 * P, device=dev, dtype=bf, generator=g),
+        recurrent_state=torch.randn(N + 1, H, D, D, device=dev, generator=g) * 0.2,
+        cu_seqlens=cu.to(dev), cu_seqlens_cpu=cu,
+        state_indices=torch.arange(1, N + 1, dtype=torch.int32, device=dev),
+        has_initial_state=torch.ones(N, dtype=torch.bool, device=dev),
+        out=torch.empty(T, H, D, device=dev, dtype=bf),
+    )
+
+
+@contextlib.contextmanager
+def config(**changes):
+    old = dataclasses.asdict(CONFIG)
+    for k, v in changes.items():
+        setattr(CONFIG, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(CONFIG, k, v)
+
+
+def variants(lens: list[int]) -> list[tuple[str, dict, int | None]]:
+    longest = max(lens)
+    v = [("auto", {}, None), ("no-seg", {}, 0),
+         ("k1-4warps", {"prepare_warps": 4}, 0), ("k2-3stages", {"recur_stages": 3}, 0),
+         ("chunk32", {"chunk": 32, "prepare_warps": 16}, 0),
+         # One segment per sequence through the segmented kernels: V split over 2 programs (no
+         # fused norm: o_loc in fp32, then the correction pass only normalizes).
+         ("split-v", {}, 1 << 24), ("split-v-c32", {"chunk": 32, "prepare_warps": 16}, 1 << 24)]
+    for seg in (1024, 2048, 4096, 8192):
+        if seg < longest and longest // seg <= 64:
+            v.append((f"seg{seg}", {}, seg))
+    if longest >= 4096:
+        v.append(("seg2048-bv128", {"seg_block_v": 128, "seg_warps": 8}, 2048))
+    return v
+
+
+def main() -> None:
+    import triton
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="auto and no-seg only")
+    args = ap.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    rows = []
+    for H, lens in SHAPES:
+        inp = gpu_inputs(H, lens)
+        T = sum(lens)
+        best = None
+        for name, cfg, seg in variants(lens)[: 2 if args.quick else None]:
+            with config(**cfg):
+                fn = lambda: kda_prefill_flash(**inp, segment_len=seg)  # noqa: E731
+                fn()
+                torch.cuda.synchronize()
+                ms = triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+            rows.append((H, f"{len(lens)}x{lens[0] // 1024}K", name, ms, T / ms / 1e3))
+            best = min(best or (ms, name), (ms, name))
+        print(f"H={H} {len(lens)}x{lens[0]}: best {best[1]} {best[0]:.3f} ms", flush=True)
+        del inp
+        torch.cuda.empty_cache()
+    print(f"\n{'heads':>5} {'shape':>8} {'variant':>14} {'ms':>8} {'M tok/s':>8}")
+    for H, shape, name, ms, mtps in rows:
+        print(f"{H:>5} {shape:>8} {name:>14} {ms:>8.3f} {mtps:>8.1f}")
+
+
+if __name__ == "__main__":
+    main()
