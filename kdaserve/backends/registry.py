@@ -119,9 +119,10 @@ _SPECS: list[BackendSpec] = [
     ),
     BackendSpec(
         "flash", "prefill", "Triton, fused few-kernel chunked prefill", _attr("kdaserve.ops.flash", "kda_prefill_flash"),
+        # From kdaserve/ops/flash/__init__.py (FLASH_REQUIREMENTS): fp32 works but only for tests.
         _declared("flash", TRITON + [rq.implementation("kdaserve.ops.flash")], [
-            rq.input_dtypes(BF16, F16), rq.no_bf16_in_interpreter(), rq.head_dim_power_of_two(16, 256),
-            ANY_GATE, rq.state_dtypes(F32, BF16), BOTH_LAYOUTS, rq.speculative(True),
+            rq.input_dtypes(BF16, F16, F32), rq.no_bf16_in_interpreter(), rq.head_dims(16, 32, 64, 128),
+            ANY_GATE, rq.lower_bound_range(-5.0, 0.0), rq.state_dtypes(F32, BF16), BOTH_LAYOUTS, rq.speculative(True),
         ]),
     ),
     BackendSpec(

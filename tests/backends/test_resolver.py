@@ -100,10 +100,10 @@ def test_interpreter_refuses_bf16_for_tl_dot_backends():
         (MI300, GPU_LAYER, "flash", "fused"),
         (CPU, CPU_LAYER, "reference", "reference"),
         (CPU_INTERP, CPU_LAYER, "reference", "reference"),
-        # flash needs 16-bit inputs: fp32 on a GPU falls to chunk.
-        (H200, LayerSettings(input_dtype=torch.float32), "chunk", "fused"),
-        # head size 256: fused keeps the state in registers (<= 128), chain does not.
-        (H200, LayerSettings(head_dim=256), "flash", "chain"),
+        # head size 256: flash, chunk (their declarations) and fused (state in registers) stop at 128.
+        (H200, LayerSettings(head_dim=256), "fla", "chain"),
+        # head size 48 (not a power of two): only the reference.
+        (H200, LayerSettings(head_dim=48), "reference", "reference"),
         # fp16 state: only the reference takes it.
         (H200, LayerSettings(state_dtype=torch.float16), "reference", "reference"),
         # bf16 state on ROCm: aiter is fp32-state only.
