@@ -16,7 +16,14 @@ How it is timed, and why:
 - Effective bandwidth counts the state traffic only: 2 * N * H * D * D * bytes (read + write).
   The copy ceiling of the H200 is ~4.27 TB/s.
 
-Run (H200, < 2 min):  PYTHONPATH=$PWD python benchmarks/bench_decode.py
+Sections (each row is printed as soon as it is measured, so a cut-off run still tells something):
+  sweep   fused launch shapes at H=32 next to chain (fp32 and bf16 state): what default_config's
+          rule is derived from
+  table   default fused vs chain vs FLA at 16/32/64 heads, N = 1..512, fp32 and bf16 state
+  verify  speculative verify (S=3) at H=32, fused shapes vs chain
+  goals   issue 4's goals, each PASS/MISS
+
+Run (H200, < 2.5 min):  PYTHONPATH=$PWD python benchmarks/bench_decode.py
 """
 
 from __future__ import annotations
@@ -35,23 +42,31 @@ from kdaserve.testing.inputs import make_kda_weights
 
 D = 128
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-SWEEP = {  # fused launch shapes; default_config picks "regs w8" for N*H <= 128, else "bv32 w4 s2"
-    "regs w8": FusedDecodeConfig(None, 8),
-    "regs w16": FusedDecodeConfig(None, 16),
-    "bv32 w4 s2": FusedDecodeConfig(32, 4, 2),
-    "bv32 w4 s3": FusedDecodeConfig(32, 4, 3),
-    "bv16 w4 s3": FusedDecodeConfig(16, 4, 3),
-    "bv64 w8 s2": FusedDecodeConfig(64, 8, 2),
+SWEEP = {  # fused launch shapes: "whole" = one program per head; "bvX" = D/X programs per head
+    "whole w8": FusedDecodeConfig(None, 8),
+    "bv64 w8": FusedDecodeConfig(64, 8),
+    "bv64 w4": FusedDecodeConfig(64, 4),
+    "bv32 w4": FusedDecodeConfig(32, 4),
+    "bv16 w4": FusedDecodeConfig(16, 4),
+    "bv8 w2": FusedDecodeConfig(8, 2),
+    "bv8 w1": FusedDecodeConfig(8, 1),
+    "bv4 w1": FusedDecodeConfig(4, 1),
 }
+SWEEP_BATCHES = {torch.float32: (1, 2, 4, 8, 16, 32, 64, 128, 512), torch.bfloat16: (1, 8, 64, 512)}
+VERIFY = {"whole w8": FusedDecodeConfig(None, 8), "bv32 w4": FusedDecodeConfig(32, 4),
+          "bv16 w4": FusedDecodeConfig(16, 4), "bv8 w2": FusedDecodeConfig(8, 2)}
 
 
 class Step:
     """One decode step's inputs for N sequences and pools holding R disjoint slot sets."""
 
-    def __init__(self, H: int, N: int, R: int, state_dtype: torch.dtype, seed: int = 0, dev: str = "cuda"):
+    def __init__(self, H: int, N: int, R: int, state_dtype: torch.dtype, seed: int = 0, dev: str = "cuda",
+                 spec: int = 0):
+        """spec = S > 0: a speculative verify step of S+1 tokens per sequence, S+1 state slots each."""
         g = torch.Generator(device=dev).manual_seed(seed)
         P = H * D
-        self.H, self.N, self.R = H, N, R
+        self.H, self.N, self.R, self.S1 = H, N, R, spec + 1
+        N, T = N * self.S1, N * self.S1  # slots per replica, tokens
         self.weights = make_kda_weights(H, D, device=dev, generator=torch.Generator().manual_seed(seed))
         self.weights.conv_weight_decode = fused_conv_weight_layout(self.weights.conv_weight)
         self.proj = torch.randn(N, 3 * P + H + 2 * D, device=dev, generator=g).to(torch.bfloat16)
@@ -59,18 +74,23 @@ class Step:
         self.g1 = torch.randn(N, H, D, device=dev, generator=g).to(torch.bfloat16)
         self.g2 = torch.randn(N, H, D, device=dev, generator=g).to(torch.bfloat16)
         slots = 1 + R * N
-        self.conv_state = torch.randn(slots, 3, 3 * P, device=dev, generator=g).to(torch.bfloat16)
+        self.conv_state = torch.randn(slots, 3 + spec, 3 * P, device=dev, generator=g).to(torch.bfloat16)
         self.state = (torch.randn(slots, H, D, D, device=dev, generator=g) * 0.2).to(state_dtype)
         perm = (torch.randperm(R * N, device=dev, generator=g) + 1).to(torch.int32)
-        self.indices = list(perm.view(R, N))
-        self.out = torch.empty(N, H, D, device=dev, dtype=torch.bfloat16)
+        self.spec = list(perm.view(R, self.N, self.S1))  # verify: each sequence's S+1 slots
+        self.indices = [x[:, -1].contiguous() for x in self.spec] if spec else list(perm.view(R, N))
+        self.accepted = torch.randint(1, self.S1 + 1, (self.N,), device=dev, generator=g, dtype=torch.int32)
+        self.out = torch.empty(T, H, D, device=dev, dtype=torch.bfloat16)
 
     def args(self, r: int) -> dict:
+        kw = dict(spec_state_indices=self.spec[r], num_accepted_tokens=self.accepted) if self.S1 > 1 else {}
         return dict(qkv=self.qkv, g1=self.g1, beta_logits=self.beta, g2=self.g2, weights=self.weights,
-                    conv_state=self.conv_state, recurrent_state=self.state, state_indices=self.indices[r], out=self.out)
+                    conv_state=self.conv_state, recurrent_state=self.state, state_indices=self.indices[r],
+                    out=self.out, **kw)
 
     def state_bytes(self) -> int:
-        return 2 * self.N * self.H * D * D * self.state.element_size()
+        """Bytes that must move: each state read once, written once per token slot."""
+        return (1 + self.S1) * self.N * self.H * D * D * self.state.element_size()
 
 
 def fused_impl(config=None):
@@ -143,92 +163,142 @@ def replicas(N: int, H: int, state_dtype: torch.dtype) -> int:
 
 
 def agreement(impls: dict, H: int, N: int = 8, dev: str = "cuda") -> str:
-    """The columns compute the same step: outputs and states vs fused on identical pools."""
+    """The columns compute the same step: outputs and states vs chain (else the first column) on
+    identical pools; every fused launch shape of the sweep is included."""
     res = {}
     for name, impl in impls.items():
         s = Step(H, N, 1, torch.float32, seed=1, dev=dev)
         impl(s, 0)
         res[name] = s
-    f = res.pop("fused")
-    parts = [f"{n}: out {rel_rms(s.out.float(), f.out.float()):.1e}, state {rel_rms(s.state, f.state):.1e}"
+    base = "chain" if "chain" in res else next(iter(res))
+    b = res.pop(base)
+    parts = [f"{n}: out {rel_rms(s.out.float(), b.out.float()):.1e}, state {rel_rms(s.state, b.state):.1e}"
              for n, s in res.items()]
-    return f"agreement with fused at H={H}, N={N} (rel RMS): " + ("; ".join(parts) or "no other column")
+    return f"agreement with {base} at H={H}, N={N} (rel RMS): " + "; ".join(parts)
+
+
+def cell(us: float, nbytes: int) -> str:
+    return f"{us:.1f} ({nbytes / us / 1e6:.2f})"
+
+
+def run_sweep(chain, t0: float) -> list:
+    """Fused launch shapes next to chain at H=32; rows printed as measured."""
+    names = list(SWEEP) + (["chain"] if chain else [])
+    print("\nfused launch shapes, H=32: us per call (TB/s); best marked *", flush=True)
+    print("| state | N | " + " | ".join(names) + " |\n|---|---|" + "---|" * len(names), flush=True)
+    rows = []
+    for state_dtype, batches in SWEEP_BATCHES.items():
+        for N in batches:
+            step = Step(32, N, replicas(N, 32, state_dtype), state_dtype)
+            t = {k: time_per_call(fused_impl(c), step) for k, c in SWEEP.items()}
+            if chain:
+                t["chain"] = time_per_call(chain, step)
+            best = min(SWEEP, key=lambda k: t[k] if t[k] == t[k] else math.inf)
+            cells = [cell(t[k], step.state_bytes()) + ("*" if k == best else "") for k in names]
+            print(f"| {str(state_dtype)[6:]} | {N} | " + " | ".join(cells) + " |", flush=True)
+            rows.append((state_dtype, N, t, step.state_bytes()))
+            del step
+            torch.cuda.empty_cache()
+    print(f"  sweep done ({time.time() - t0:.0f} s)", flush=True)
+    return rows
+
+
+def run_verify(chain, t0: float, S: int = 3) -> None:
+    """Speculative verify (S+1 tokens per sequence) at H=32, fp32 state: fused shapes vs chain.
+    TB/s counts one state read and S+1 state writes."""
+    names = list(VERIFY) + (["chain"] if chain else [])
+    print(f"\nspeculative verify S={S}, H=32, fp32 state: us per call (TB/s)", flush=True)
+    print("| N | " + " | ".join(names) + " |\n|---|" + "---|" * len(names), flush=True)
+    for N in (1, 8, 64):
+        step = Step(32, N, replicas(N * (S + 1), 32, torch.float32), torch.float32, spec=S)
+        t = {k: time_per_call(fused_impl(c), step) for k, c in VERIFY.items()}
+        if chain:
+            t["chain"] = time_per_call(chain, step)
+        print(f"| {N} | " + " | ".join(cell(t[k], step.state_bytes()) for k in names) + " |", flush=True)
+        del step
+        torch.cuda.empty_cache()
+    print(f"  verify done ({time.time() - t0:.0f} s)", flush=True)
+
+
+def run_table(impls: dict, heads, batches, t0: float) -> list:
+    names = list(impls)
+    head = "| state | H | N | " + " | ".join(names) + (" | fused vs chain |" if "chain" in impls else " |")
+    print(f"\ndecode step per layer under CUDA-graph replay, D={D}: us per call (TB/s of state traffic)", flush=True)
+    print(head + "\n|" + "---|" * (head.count("|") - 1), flush=True)
+    rows = []  # (state dtype, H, N, {impl: us}, bytes)
+    for state_dtype in (torch.float32, torch.bfloat16):
+        for H in heads:
+            for N in batches:
+                step = Step(H, N, replicas(N, H, state_dtype), state_dtype)
+                t = {name: time_per_call(impl, step) for name, impl in impls.items()}
+                rows.append((state_dtype, H, N, t, step.state_bytes()))
+                print(table_row(rows[-1], names, "chain" in impls), flush=True)
+                del step
+                torch.cuda.empty_cache()
+    print(f"  table done ({time.time() - t0:.0f} s)", flush=True)
+    return rows
+
+
+def table_row(row, names, have_chain: bool) -> str:
+    sd, H, N, t, b = row
+    ratio = [f"{t['chain'] / t['fused']:.2f}x"] if have_chain else []
+    return f"| {str(sd)[6:]} | {H} | {N} | " + " | ".join([cell(t[k], b) for k in names] + ratio) + " |"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--heads", type=int, nargs="+", default=[32, 16, 64])
     ap.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
-    ap.add_argument("--no-sweep", action="store_true", help="skip the fused launch-shape sweep")
+    ap.add_argument("--sections", nargs="+", default=["sweep", "table", "verify"], choices=["sweep", "table", "verify"])
     args = ap.parse_args()
     t0 = time.time()
     impls = {"fused": fused_impl(), "chain": chain_impl(), "fla": fla_impl()}
     impls = {k: v for k, v in impls.items() if v is not None}
     print(torch.cuda.get_device_name(), "| columns:", ", ".join(impls), flush=True)
     try:
-        print(agreement(impls, 32), flush=True)
+        shapes = {f"fused {k}": fused_impl(c) for k, c in SWEEP.items()}
+        print(agreement({**impls, **shapes}, 32), flush=True)
     except Exception as e:  # noqa: BLE001
         print(f"agreement check FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
 
-    rows = []  # (state dtype, H, N, {impl: us})
-    for state_dtype in (torch.float32, torch.bfloat16):
-        for H in args.heads:
-            for N in args.batches:
-                step = Step(H, N, replicas(N, H, state_dtype), state_dtype)
-                times = {name: time_per_call(impl, step) for name, impl in impls.items()}
-                rows.append((state_dtype, H, N, times, step.state_bytes()))
-                del step
-                torch.cuda.empty_cache()
-            print(f"  done {state_dtype} H={H} ({time.time() - t0:.0f} s)", flush=True)
-
-    sweep = []
-    if not args.no_sweep:
-        for state_dtype in (torch.float32, torch.bfloat16):
-            for N in (1, 4, 16, 64, 512):
-                step = Step(32, N, replicas(N, 32, state_dtype), state_dtype)
-                sweep.append((state_dtype, N, {k: time_per_call(fused_impl(c), step) for k, c in SWEEP.items()},
-                              step.state_bytes()))
-                del step
-                torch.cuda.empty_cache()
-        print(f"  sweep done ({time.time() - t0:.0f} s)", flush=True)
-
-    if sweep:
-        print("\nfused launch shapes, H=32: us per call (TB/s)")
-        print("| state | N | " + " | ".join(SWEEP) + " |")
-        print("|---|---|" + "---|" * len(SWEEP))
-        for sd, N, t, b in sweep:
-            cells = [f"{t[k]:.1f} ({b / t[k] / 1e6:.2f})" for k in SWEEP]
-            print(f"| {str(sd)[6:]} | {N} | " + " | ".join(cells) + " |")
-
-    print(f"\ndecode step per layer under CUDA-graph replay, D={D}: us per call (TB/s of state traffic); "
-          f"total {time.time() - t0:.0f} s")
-    names = list(impls)
-    head = "| state | H | N | " + " | ".join(names) + (" | fused vs chain |" if "chain" in impls else " |")
-    print(head)
-    print("|" + "---|" * (head.count("|") - 1))
-    for sd, H, N, t, b in rows:
-        cells = [f"{t[k]:.1f} ({b / t[k] / 1e6:.2f})" for k in names]
-        ratio = [f"{t['chain'] / t['fused']:.2f}x"] if "chain" in impls else []
-        print(f"| {str(sd)[6:]} | {H} | {N} | " + " | ".join(cells + ratio) + " |")
-    goals(rows, "chain" in impls)
+    if "sweep" in args.sections:
+        run_sweep(impls.get("chain"), t0)
+    rows = run_table(impls, args.heads, args.batches, t0) if "table" in args.sections else []
+    if "verify" in args.sections:
+        run_verify(impls.get("chain"), t0)
+    if rows:  # the table again, whole, last
+        names = list(impls)
+        print(f"\ndecode step per layer under CUDA-graph replay, D={D}: us per call (TB/s of state traffic); "
+              f"{torch.cuda.get_device_name()}; total {time.time() - t0:.0f} s")
+        head = "| state | H | N | " + " | ".join(names) + (" | fused vs chain |" if "chain" in impls else " |")
+        print(head + "\n|" + "---|" * (head.count("|") - 1))
+        for r in rows:
+            print(table_row(r, names, "chain" in impls))
+        goals(rows, "chain" in impls)
 
 
 def goals(rows, have_chain: bool) -> None:
     fp32 = [r for r in rows if r[0] == torch.float32]
     bw = [(H, N, b / t["fused"] / 1e6) for _, H, N, t, b in fp32 if N * H >= 2048]
-    lat = [(N, t["fused"]) for _, H, N, t, _ in fp32 if H == 32 and N <= 8]
+
     def verdict(ok: list) -> str:
         return "n/a" if not ok else ("PASS" if all(ok) else "MISS")
 
-    print("\ngoals (fp32 state):")
+    print("\ngoals (fp32 state unless said):")
     print("  >= 3.2 TB/s where N*H >= 2048:", verdict([x >= 3.2 for *_, x in bw]),
           " ".join(f"H{H}/N{N}={x:.2f}" for H, N, x in bw if x < 3.2))
-    print("  <= 6 us at N <= 8, 32 heads:", verdict([t <= 6 for _, t in lat]),
-          " ".join(f"N{N}={t:.1f}us" for N, t in lat if t > 6))
+    for sd in (torch.float32, torch.bfloat16):  # floor: the state bytes at the 4.27 TB/s copy ceiling
+        lat = [(N, t["fused"], b / 4.27e6) for d, H, N, t, b in rows if d == sd and H == 32 and N <= 8]
+        print(f"  <= 6 us at N <= 8, 32 heads, {str(sd)[6:]} state (judged where the floor allows):",
+              verdict([t <= 6 for _, t, f in lat if f <= 6]),
+              " ".join(f"N{N}={t:.1f}us(floor {f:.1f})" for N, t, f in lat))
     if have_chain:
         sp = [(H, N, t["chain"] / t["fused"]) for _, H, N, t, _ in fp32 if N <= 32]
         print("  >= 1.5x vs chain at N <= 32:", verdict([x >= 1.5 for *_, x in sp]),
               " ".join(f"H{H}/N{N}={x:.2f}x" for H, N, x in sp if x < 1.5))
+        slower = [(sd, H, N) for sd, H, N, t, _ in rows if min(t.values()) < t["fused"]]
+        print("  fused the fastest column everywhere (both state dtypes):", verdict([not slower]),
+              " ".join(f"{str(sd)[6:]}/H{H}/N{N}" for sd, H, N in slower))
 
 
 if __name__ == "__main__":

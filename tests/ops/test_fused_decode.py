@@ -1,7 +1,9 @@
 """`fused` decode (one launch) against the torch reference, and against `chain` on the GPU.
 
-On CPU the kernel runs in Triton's interpreter (fp32/fp16 inputs, tiny heads); bf16 inputs, real
-head sizes, CUDA graphs and the 65,535-program grid limit are GPU tests.
+On CPU the kernel runs in Triton's interpreter (fp32/fp16 inputs, tiny heads; programs run one
+after the other, so the split path's last-arriving program is the last in grid order); bf16 inputs,
+real head sizes, truly concurrent split programs, CUDA graphs and the 65,535-program grid limit are
+GPU tests.
 """
 
 import functools
@@ -14,6 +16,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' import
 
 from kdaserve.ops.fused import FusedDecodeConfig, fused_conv_weight_layout, kda_decode_fused, launch_fused_decode  # noqa: E402
+from kdaserve.ops.fused.decode import default_config, split_workspace  # noqa: E402
 from kdaserve.ops.reference import kda_decode_reference, kda_prefill_reference  # noqa: E402
 from kdaserve.testing import assert_rel_close, make_kda_case, tolerance_for  # noqa: E402
 from kdaserve.testing.inputs import make_kda_weights  # noqa: E402
@@ -21,7 +24,8 @@ from kdaserve.testing.properties import check_decode_matches_reference, check_sp
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = dict(H=2, D=16, device=DEV)
-BLOCKED = functools.partial(launch_fused_decode, FusedDecodeConfig(block_v=4, num_warps=4, num_stages=2))
+WHOLE_HEAD = functools.partial(launch_fused_decode, FusedDecodeConfig(block_v=None, num_warps=4))
+SPLIT4 = functools.partial(launch_fused_decode, FusedDecodeConfig(block_v=4, num_warps=2))  # 4 programs per head
 
 
 def _with_decode_layout(case):
@@ -57,10 +61,40 @@ def test_matches_reference_with_padding_rows(layout, gate):
 
 
 @pytest.mark.parametrize("layout", ["SD", "DS"])
-def test_streamed_state_blocks(layout):
-    """The [block_v, K]-streaming path (plain decode) equals the reference."""
+@pytest.mark.parametrize("fn", [WHOLE_HEAD, SPLIT4], ids=["whole_head", "split4"])
+def test_launch_shapes_match_reference(layout, fn):
+    """One program per head, and a head split over 4 programs (workspace + last-arriving program
+    normalizes and rewrites the q/k conv window), equal the reference."""
     case = make_kda_case([1] * 5, conv_layout=layout, gate="unbounded", seed=2, **SMALL)
-    check_decode_matches_reference(BLOCKED, _pad_rows(case, 2), 1e-5)
+    check_decode_matches_reference(fn, _pad_rows(case, 2), 1e-5)
+
+
+def test_split_leaves_every_counter_at_zero():
+    """The split workspace's counters are 0 after every launch (no memset launch, CUDA graphs
+    replay on them); a second step on the same pools still matches the reference."""
+    for step in range(2):
+        case = make_kda_case([1] * 4, seed=30 + step, **SMALL)
+        check_decode_matches_reference(SPLIT4, _pad_rows(case, 1), 1e-5)
+        counters, _ = split_workspace(case.qkv.device, 1, 1)
+        assert int(counters.abs().sum()) == 0, "a split launch left a head counter non-zero"
+
+
+def test_split_workspace_grows_and_keeps_outgrown_buffers():
+    dev = torch.device(DEV)
+    c0, o0 = split_workspace(dev, 1, 1)
+    c1, o1 = split_workspace(dev, c0.numel() + 1, o0.numel() + 1)
+    assert c1.numel() > c0.numel() and o1.numel() > o0.numel() and not int(c1.abs().sum())
+    from kdaserve.ops.fused import decode as mod
+    assert any(t is c0 for t in mod._RETIRED), "an outgrown buffer must stay alive for captured graphs"
+    assert split_workspace(dev, 1, 1)[0] is c1
+
+
+def test_default_config_by_batch():
+    """Speculative verify keeps a whole head per program; plain decode splits heads, more finely
+    when there are few of them."""
+    assert default_config(128, 4, 4096).block_v is None
+    shapes = [default_config(128, 1, nh).block_v for nh in (32, 256, 2048, 65536)]
+    assert all(b is not None and b < 128 for b in shapes) and shapes == sorted(shapes), shapes
 
 
 def test_fp16_inputs_and_contiguous_inputs_without_decode_layout():
@@ -90,7 +124,8 @@ def test_plain_decode_on_a_pool_sized_for_drafts():
 
 
 @pytest.mark.parametrize("layout", ["SD", "DS"])
-def test_spec_verify_matches_reference(layout):
+@pytest.mark.parametrize("fn", [kda_decode_fused, SPLIT4], ids=["default", "split4"])
+def test_spec_verify_matches_reference(layout, fn):
     """S+1 tokens per sequence: start from spec[n, accepted-1], state after token t into spec[n, t];
     a padding row (first slot 0) and a draft slot of -1 (not stored) included."""
     case, spec, accepted = _spec_case(5, 2, seed=6, conv_layout=layout, **SMALL)
@@ -100,7 +135,7 @@ def test_spec_verify_matches_reference(layout):
     accepted[2] = 2
     spec[3, 0] = 0  # recurrence skipped, conv still updated (its conv slot is > 0), as the reference does
     check_decode_matches_reference(
-        kda_decode_fused, _with_decode_layout(case), 1e-5, spec_state_indices=spec, num_accepted_tokens=accepted
+        fn, _with_decode_layout(case), 1e-5, spec_state_indices=spec, num_accepted_tokens=accepted
     )
 
 
@@ -109,8 +144,8 @@ def test_spec_verify_then_resume_equals_accepted_only_run(accepted):
     check_spec_resume(kda_prefill_reference, kda_decode_fused, accepted, 1e-5, S=3, **SMALL)
 
 
-def test_spec_resume_ds_layout():
-    check_spec_resume(kda_prefill_reference, kda_decode_fused, 2, 1e-5, S=2, conv_layout="DS", **SMALL)
+def test_spec_resume_ds_layout_split():
+    check_spec_resume(kda_prefill_reference, SPLIT4, 2, 1e-5, S=2, conv_layout="DS", **SMALL)
 
 
 def test_reads_the_derived_conv_weight_when_set():
@@ -154,9 +189,9 @@ def test_bad_inputs_raise_clear_errors():
         kda_decode_fused(out=out, **{**args, "recurrent_state": case.recurrent_state.transpose(2, 3)})
     with pytest.raises(ValueError, match="out must be viewable"):
         kda_decode_fused(out=out.transpose(1, 2).contiguous().transpose(1, 2), **args)
+    with pytest.raises(ValueError, match="block_v must be a power of two"):
+        launch_fused_decode(FusedDecodeConfig(block_v=12), out=out, **args)
     case3, spec, acc = _spec_case(2, 1, seed=9, **SMALL)
-    with pytest.raises(ValueError, match="whole state in registers"):
-        BLOCKED(out=case3.new_out(), **case3.decode_args(), spec_state_indices=spec, num_accepted_tokens=acc)
     with pytest.raises(ValueError, match="one token per sequence"):
         kda_decode_fused(out=case3.new_out(), **case3.decode_args())
 
@@ -166,15 +201,36 @@ def test_bad_inputs_raise_clear_errors():
 GPU_SHAPE = dict(H=16, D=128, device="cuda")
 
 
+GPU_SHAPES = {  # every launch shape the default rule or the benchmark sweep can pick
+    "whole_w8": FusedDecodeConfig(None, 8), "bv4_w1": FusedDecodeConfig(4, 1), "bv8_w2": FusedDecodeConfig(8, 2),
+    "bv16_w4": FusedDecodeConfig(16, 4), "bv32_w4": FusedDecodeConfig(32, 4), "bv64_w8": FusedDecodeConfig(64, 8),
+}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["SD", "DS"])
 @pytest.mark.parametrize("gate", ["bounded", "unbounded"])
-@pytest.mark.parametrize("config", [None, FusedDecodeConfig(None, 8), FusedDecodeConfig(64, 8, 2)], ids=["default", "regs", "bv64"])
-def test_gpu_bf16_matches_reference(layout, gate, config):
+def test_gpu_bf16_matches_reference(layout, gate):
     case = make_kda_case([1] * 37, dtype=torch.bfloat16, conv_layout=layout, gate=gate, slow_decay_heads=2,
                          seed=20, **GPU_SHAPE)
-    fn = functools.partial(launch_fused_decode, config)
-    check_decode_matches_reference(fn, _with_decode_layout(_pad_rows(case, 3, 17, 30)), tolerance_for(torch.bfloat16))
+    check_decode_matches_reference(kda_decode_fused, _with_decode_layout(_pad_rows(case, 3, 17, 30)),
+                                   tolerance_for(torch.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(GPU_SHAPES))
+def test_gpu_launch_shapes_over_consecutive_steps(name):
+    """Each launch shape, three steps in a row on the same pools (fresh tokens each step): a split
+    head whose counter were not reset, or whose q/k window were shifted before a sibling read it,
+    gives NaN rows or a wrong output/conv state in a later step."""
+    fn = functools.partial(launch_fused_decode, GPU_SHAPES[name])
+    case = _with_decode_layout(_pad_rows(make_kda_case([1] * 45, dtype=torch.bfloat16, seed=26, **GPU_SHAPE), 3, 17))
+    for step in range(3):
+        fresh = make_kda_case([1] * 45, dtype=torch.bfloat16, seed=60 + step, **GPU_SHAPE)
+        case.proj.copy_(fresh.proj)
+        case.g1.copy_(fresh.g1)
+        case.g2.copy_(fresh.g2)
+        check_decode_matches_reference(fn, case, tolerance_for(torch.bfloat16))
 
 
 @pytest.mark.gpu
@@ -185,12 +241,14 @@ def test_gpu_bf16_state_matches_reference():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["SD", "DS"])
-def test_gpu_spec_verify(layout):
+@pytest.mark.parametrize("config", [None, FusedDecodeConfig(32, 4)], ids=["default", "bv32"])
+def test_gpu_spec_verify(layout, config):
+    fn = functools.partial(launch_fused_decode, config)
     case, spec, accepted = _spec_case(9, 3, seed=22, dtype=torch.bfloat16, conv_layout=layout, **GPU_SHAPE)
     spec[4, 0] = 0
-    check_decode_matches_reference(kda_decode_fused, _with_decode_layout(case), tolerance_for(torch.bfloat16),
+    check_decode_matches_reference(fn, _with_decode_layout(case), tolerance_for(torch.bfloat16),
                                    spec_state_indices=spec, num_accepted_tokens=accepted)
-    check_spec_resume(kda_prefill_reference, kda_decode_fused, 2, tolerance_for(torch.bfloat16), S=3,
+    check_spec_resume(kda_prefill_reference, fn, 2, tolerance_for(torch.bfloat16), S=3,
                       dtype=torch.bfloat16, **GPU_SHAPE)
 
 
@@ -208,10 +266,13 @@ def test_gpu_matches_chain():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("spec_tokens", [0, 2])
-def test_gpu_cuda_graph_replay_equals_eager(spec_tokens):
+@pytest.mark.parametrize("spec_tokens, config", [(0, None), (2, None), (2, FusedDecodeConfig(32, 4))],
+                         ids=["decode", "verify", "verify_bv32"])
+def test_gpu_cuda_graph_replay_equals_eager(spec_tokens, config):
     """Capture one step, then replay it on fresh inputs copied into the captured buffers: the same
-    result as an eager call on a copy of the pools."""
+    result as an eager call on a copy of the pools (plain decode at N*H = 384 takes the split path:
+    the workspace counters must be back at 0 after every replay)."""
+    fn = functools.partial(launch_fused_decode, config)
     N, S1 = 24, spec_tokens + 1
     if spec_tokens:
         case, spec, accepted = _spec_case(N, spec_tokens, seed=24, dtype=torch.bfloat16, **GPU_SHAPE)
@@ -221,10 +282,10 @@ def test_gpu_cuda_graph_replay_equals_eager(spec_tokens):
     _with_decode_layout(case)
     out = case.new_out()
     args = dict(out=out, **case.decode_args(), **kw)
-    kda_decode_fused(**args)  # compile outside the capture
+    fn(**args)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        kda_decode_fused(**args)
+        fn(**args)
     for step in range(3):
         fresh = make_kda_case([S1] * N, dtype=torch.bfloat16, seed=100 + step, **GPU_SHAPE)
         case.proj.copy_(fresh.proj)
@@ -235,7 +296,7 @@ def test_gpu_cuda_graph_replay_equals_eager(spec_tokens):
         if spec_tokens:
             kw["num_accepted_tokens"].copy_(torch.randint(1, S1 + 1, (N,), device="cuda", dtype=torch.int32))
         eager = case.clone()
-        out_e = run_decode(kda_decode_fused, eager, **kw)
+        out_e = run_decode(fn, eager, **kw)
         out.fill_(float("nan"))
         graph.replay()
         assert torch.equal(out.isnan(), out_e.isnan()), f"step {step}: padding rows differ"

@@ -23,31 +23,66 @@ from kdaserve.ops.types import KDAWeights, conv_state_rows
 
 STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 IO_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Up to about one program per SM of an H100/H200 (132 SMs) the whole-state-in-registers shape wins
-# on latency; above it the streamed shape wins on bandwidth (benchmarks/bench_decode.py sweeps both).
-SMALL_BATCH_PROGRAMS = 128
 
 
 @dataclass(frozen=True, slots=True)
 class FusedDecodeConfig:
-    """Launch shape. block_v=None keeps the whole [V, K] state of a head in registers (required for
-    speculative verify); a smaller power of two streams it in [block_v, K] blocks."""
+    """Launch shape. Each program owns `block_v` V rows of one head's state (None = all D rows:
+    one program per head, no workspace); D // block_v programs share a head through the split
+    workspace (split_workspace)."""
 
     block_v: int | None = None
-    num_warps: int = 8
-    num_stages: int = 1
+    num_warps: int = 4
 
 
 def default_config(head_dim: int, tokens_per_seq: int, programs: int) -> FusedDecodeConfig:
-    """Launch shape by batch size (N*H programs). Register counts from sm_90 builds at D=128, fp32
-    state (docs/fused-decode.md): whole state in registers with 8 warps needs ~192 registers a
-    thread, one program per SM, but issues every state load at once (one DRAM round trip: best
-    when latency-bound, fewer programs than SMs); [32, K] blocks with 4 warps need ~80, six
-    programs per SM, and pipeline the blocks (best when bandwidth-bound). Speculative verify keeps
-    the state in registers across its tokens."""
-    if tokens_per_seq > 1 or programs <= SMALL_BATCH_PROGRAMS or head_dim <= 32:
+    """Launch shape by the number of heads in the step (`programs` = N*H), from the H200 sweep in
+    benchmarks/bench_decode.py (docs/fused-decode.md, "Performance"):
+    few heads are latency-bound, so their rows are spread over many small programs; many heads are
+    bandwidth-bound, and [32, K] tiles (as chain's recurrence uses) keep enough loads in flight
+    with less redundant q/k work. Speculative verify keeps a whole head per program (its tested,
+    register-resident path)."""
+    if tokens_per_seq > 1:
         return FusedDecodeConfig(block_v=None, num_warps=8 if head_dim >= 64 else 4)
-    return FusedDecodeConfig(block_v=32, num_warps=4, num_stages=2)
+    if programs <= 128:
+        return FusedDecodeConfig(block_v=min(head_dim, 8), num_warps=2)
+    if programs < 1024:
+        return FusedDecodeConfig(block_v=min(head_dim, 16), num_warps=4)
+    return FusedDecodeConfig(block_v=min(head_dim, 32), num_warps=4)
+
+
+# ---- split workspace -------------------------------------------------------------------------
+# When D // block_v > 1 programs share a head, each writes its fp32 o-tile into `o` and bumps the
+# head's int32 counter; the last one normalizes and resets the counter to 0. Rules:
+# - Between launches every counter is 0 (each launch leaves them so), so no memset launch is needed
+#   and the buffers stay valid inside CUDA graphs.
+# - Buffers are per device, grown (geometrically) only outside CUDA-graph capture, and never freed:
+#   a captured graph keeps the addresses it recorded, and an outgrown buffer (all counters 0) stays
+#   alive for it. Warm up once eagerly at the largest batch before capturing (the engine does).
+# - Launches on one device must not run concurrently on two streams (they would share counters);
+#   KDA layers of a step run one after the other on one stream.
+_WORKSPACES: dict[torch.device, list[torch.Tensor]] = {}  # device -> [counters, o]; outgrown ones in _RETIRED
+_RETIRED: list[torch.Tensor] = []
+
+
+def split_workspace(device: torch.device, heads: int, o_elems: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(counters int32 [>= heads], o fp32 [>= o_elems]) for one launch on `device`."""
+    bufs = _WORKSPACES.get(device)
+    if bufs is None or bufs[0].numel() < heads or bufs[1].numel() < o_elems:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"fused decode: the split workspace must grow to {heads} heads x {o_elems // max(heads, 1)} "
+                "values, which cannot happen during CUDA-graph capture: run the step once eagerly at this "
+                "batch size (or larger) before capturing"
+            )
+        n_heads = max(4096, heads, bufs[0].numel() if bufs else 0)
+        n_o = max(4096 * 128, o_elems, bufs[1].numel() if bufs else 0)
+        new = [torch.zeros(1 << (n_heads - 1).bit_length(), dtype=torch.int32, device=device),
+               torch.empty(1 << (n_o - 1).bit_length(), dtype=torch.float32, device=device)]
+        if bufs is not None:
+            _RETIRED.extend(bufs)
+        _WORKSPACES[device] = bufs = new
+    return bufs[0], bufs[1]
 
 
 def _fail(msg: str) -> None:
@@ -120,8 +155,6 @@ def launch_fused_decode(
     block_v = cfg.block_v or D
     if block_v & (block_v - 1) or not 1 <= block_v <= D:
         _fail(f"block_v must be a power of two in [1, {D}], got {block_v}")
-    if tokens > 1 and block_v != D:
-        _fail("speculative verify needs the whole state in registers (block_v=None)")
     try:
         out_v = out.view(T, H, D)
     except RuntimeError:
@@ -144,10 +177,16 @@ def launch_fused_decode(
     accepted = num_accepted_tokens if num_accepted_tokens is not None else state_indices
     lb = weights.lower_bound
 
-    kda_fused_decode_kernel[(N * H,)](
+    split = D // block_v
+    if split > 1:
+        ws_count, ws_o = split_workspace(qkv.device, N * H, N * H * tokens * D)
+    else:
+        ws_count = ws_o = out_v  # unused (SPLIT == 1 compiles the workspace away)
+
+    kda_fused_decode_kernel[(N * H * split,)](
         qkv, g1_v, beta_logits, g2_v, conv_w,
         weights.A_log.contiguous(), weights.dt_bias.contiguous(), weights.norm_weight.contiguous(),
-        conv_state, recurrent_state, state_indices, spec, accepted, out_v,
+        conv_state, recurrent_state, state_indices, spec, accepted, out_v, ws_o, ws_count,
         qkv.stride(0), g1_v.stride(0), g1_v.stride(1), beta_logits.stride(0), beta_logits.stride(1),
         g2_v.stride(0), g2_v.stride(1),
         rows.stride(0), rows.stride(1), rows.stride(2),
@@ -156,6 +195,6 @@ def launch_fused_decode(
         0.0 if lb is None else float(lb), float(weights.norm_eps),
         H=H, D=D, L=rows.shape[1], TOKENS=tokens, SCALE=D**-0.5,
         IS_SPEC=spec_state_indices is not None, BOUNDED_GATE=lb is not None,
-        BV=block_v, NUM_STAGES=cfg.num_stages,
+        BV=block_v,
         num_warps=cfg.num_warps,
     )

@@ -1,21 +1,26 @@
 """The single-launch KDA decode kernel: conv update + SiLU, l2norm, gate, beta, delta rule on the
-paged state, gated RMSNorm, all in one program per (sequence, head).
+paged state, gated RMSNorm, all in one launch.
 
-Why one program owns a whole head: the gated RMSNorm needs every V row of the head's output, and
-the conv channels of a head (its q, k and v columns) are read and rewritten by nobody else, so no
-program ever shifts a conv window that another program is still reading (the race of prior-art.md
-section 4). Sequences x heads sit on grid axis x (axis z is capped at 65,535).
+Grid axis x = N * H * SPLIT programs (sequences x heads x V-slices; axis z caps at 65,535). Each
+program owns BV = D / SPLIT rows (V) of its head's [V, K] state: it loads that [BV, K] tile once
+into registers (16-byte loads along the contiguous K), runs every token of the step on it and
+stores it once. Rows of the delta rule are independent (row v of S needs only v[v]), so the tiles
+need nothing from each other; what they share is:
+- q and k: every program recomputes the head's conv + SiLU + l2norm of q and k and the gate (a few
+  KB of L1/L2 reads against the 2 * BV * K * 4 bytes of state it moves) instead of a second launch;
+- the gated RMSNorm, which needs all V outputs of the head. With SPLIT == 1 the program has them.
+  With SPLIT > 1 each program writes its fp32 o-tile into a workspace row of the head, then
+  increments the head's arrival counter (acq_rel, after a CTA barrier so every thread's stores are
+  ordered before it); the program that arrives last reads the whole row and writes the normalized
+  output, then resets the counter to 0, so the counters are all 0 between launches (no memset
+  launch; CUDA-graph safe). decode.py owns the workspace and its rules.
+- the conv window of the head's q and k channels: all SPLIT programs read it, so only the
+  last-arriving program rewrites it (by then every program has read it: their reads precede their
+  release). Each program rewrites its own v channels' window.
 
 Why one pass over the state suffices: with S' = S * exp(gk) (decay along K),
     u = beta * (v - S' k),   S'' = S' + u k^T,   o = S'' q = S' q + u (k . q),
 so S' k and S' q are two reductions of the same loaded rows, and k . q is a scalar per token.
-
-Two state paths, chosen by the constexpr BV (V rows per block):
-- BV == D: the whole [V, K] state sits in registers; any number of tokens per sequence
-  (speculative verify: TOKENS = S+1, state stored after every token into its spec slot).
-- BV < D: the state streams through in [BV, K] blocks, software-pipelined by `tl.range`; one token
-  per sequence. Rows of the delta rule are independent, so each block is final once visited; the
-  block outputs are gathered into a [D/BV, BV] tile for the norm.
 """
 
 from __future__ import annotations
@@ -71,24 +76,100 @@ def _l2norm(x, scale):
 
 
 @triton.jit
+def _gated_norm_store(o, gate_w, out_ptr, mask, norm_eps, D: tl.constexpr):
+    """out = o * rsqrt(mean(o^2) + eps) * (w * sigmoid(g2)) over the head's D outputs."""
+    rstd = tl.rsqrt(tl.sum(o * o, 0) / D + norm_eps)
+    tl.store(out_ptr, (o * rstd * gate_w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gate_w(g2_ptr, w_norm):
+    return tl.sigmoid(tl.load(g2_ptr).to(tl.float32)) * w_norm
+
+
+@triton.jit
+def _conv_row_src(cs_slot, stride_cs_row, stride_cs_chan, qkv, stride_qkv_t, ch, mask, i_n, offset, i,
+                  TOKENS: tl.constexpr):
+    """Row i of history[: offset+3] ++ the step's tokens, for channels `ch`, in fp32."""
+    from_hist = i < offset + 3
+    t_src = (i_n * TOKENS + (i - offset - 3)).to(tl.int64)
+    h = tl.load(cs_slot + i * stride_cs_row + ch * stride_cs_chan, mask=mask & from_hist, other=0.0)
+    x = tl.load(qkv + t_src * stride_qkv_t + ch, mask=mask & (~from_hist), other=0.0)
+    return tl.where(from_hist, h.to(tl.float32), x.to(tl.float32))
+
+
+@triton.jit
+def _rewrite_conv(cs_slot, stride_cs_row, stride_cs_chan, qkv, stride_qkv_t, ch, mask, i_n, offset,
+                  h0, h1, h2, L: tl.constexpr, TOKENS: tl.constexpr, FROM_REGS: tl.constexpr):
+    """The slot's new rows for channels `ch`: the last L rows of history[: offset+3] ++ the step's
+    tokens. The newest 3 are the final window (h0, h1, h2): stored from registers when FROM_REGS
+    (fewest round trips: latency-bound launch shapes), else re-read from the slot and qkv (L1/L2
+    hits; frees the window's registers for occupancy). Older rows (a pool sized for drafts) are
+    re-read. A barrier precedes each store, so every thread of the program has read every row it
+    needs (windows earlier, shift sources here) before any is overwritten (threads of a program can
+    hold the same element, so program order alone is not enough)."""
+    kept0 = offset + 3 + TOKENS - L  # first surviving row of history ++ tokens
+    dt = cs_slot.dtype.element_ty
+    if FROM_REGS or L > 3:
+        for rr in tl.static_range(L - 3):
+            val = _conv_row_src(cs_slot, stride_cs_row, stride_cs_chan, qkv, stride_qkv_t, ch, mask, i_n, offset,
+                                kept0 + rr, TOKENS)
+            tl.debug_barrier()
+            tl.store(cs_slot + rr * stride_cs_row + ch * stride_cs_chan, val.to(dt), mask=mask)
+    if not FROM_REGS:
+        h0 = _conv_row_src(cs_slot, stride_cs_row, stride_cs_chan, qkv, stride_qkv_t, ch, mask, i_n, offset,
+                           kept0 + L - 3, TOKENS)
+        h1 = _conv_row_src(cs_slot, stride_cs_row, stride_cs_chan, qkv, stride_qkv_t, ch, mask, i_n, offset,
+                           kept0 + L - 2, TOKENS)
+        h2 = _conv_row_src(cs_slot, stride_cs_row, stride_cs_chan, qkv, stride_qkv_t, ch, mask, i_n, offset,
+                           kept0 + L - 1, TOKENS)
+    tl.debug_barrier()
+    new = cs_slot + (L - 3) * stride_cs_row + ch * stride_cs_chan
+    tl.store(new, h0.to(dt), mask=mask)
+    tl.store(new + stride_cs_row, h1.to(dt), mask=mask)
+    tl.store(new + 2 * stride_cs_row, h2.to(dt), mask=mask)
+
+
+@triton.jit
 def kda_fused_decode_kernel(
     qkv, g1, beta_logits, g2, conv_w, A_log, dt_bias, norm_w,
-    conv_state, state, state_indices, spec_indices, num_accepted, out,
+    conv_state, state, state_indices, spec_indices, num_accepted, out, ws_o, ws_count,
     stride_qkv_t, stride_g1_t, stride_g1_h, stride_b_t, stride_b_h, stride_g2_t, stride_g2_h,
     stride_cs_slot, stride_cs_row, stride_cs_chan,
     stride_s_slot, stride_s_h, stride_s_v,
     stride_spec_n, stride_spec_t, stride_o_t, stride_o_h,
     lower_bound, norm_eps,
     H: tl.constexpr, D: tl.constexpr, L: tl.constexpr, TOKENS: tl.constexpr, SCALE: tl.constexpr,
-    IS_SPEC: tl.constexpr, BOUNDED_GATE: tl.constexpr, BV: tl.constexpr, NUM_STAGES: tl.constexpr,
+    IS_SPEC: tl.constexpr, BOUNDED_GATE: tl.constexpr, BV: tl.constexpr,
 ):
     P: tl.constexpr = H * D
+    SPLIT: tl.constexpr = D // BV
+    # Small tiles (latency-bound launch shapes) keep the conv windows in registers for the rewrite;
+    # larger ones re-read them there and spend the registers on occupancy.
+    WIN_REGS: tl.constexpr = BV <= 16
     pid = tl.program_id(0)
-    i_n = pid // H
-    i_h = pid % H
+    i_v = pid % SPLIT  # V-slices of one head are neighbours: they share q/k reads in L2
+    head = pid // SPLIT  # = i_n * H + i_h: the head's workspace row and counter
+    i_n = head // H
+    i_h = head % H
+    d = tl.arange(0, D)
+    c = i_h * D + d  # the head's channels within each of the q, k, v groups
+    rv = i_v * BV + tl.arange(0, BV)  # this program's V rows
+    cv = 2 * P + i_h * D + rv  # ... and their v channels
+
+    # Loads that do not depend on the slot first, so they are in flight while the slot arrives
+    # (hence masks, not an early return, for padding rows).
+    wq0, wq1, wq2, wq3 = _taps(conv_w + c, P)
+    wk0, wk1, wk2, wk3 = _taps(conv_w + 4 * P + c, P)
+    wv0, wv1, wv2, wv3 = _taps(conv_w + 8 * P + i_h * D + rv, P)
+    a_log = tl.load(A_log + i_h).to(tl.float32)
+    w_norm = tl.load(norm_w + d).to(tl.float32)
+    if TOKENS == 1:
+        gate_w = _gate_w(g2 + i_n * stride_g2_t + i_h * stride_g2_h + d, w_norm)
 
     # Slots. The conv window lives in state_indices[n]; the recurrence reads state_indices[n], or
-    # when verifying spec_state_indices[n, accepted-1]. Index <= 0 = padding (CUDA-graph rows).
+    # when verifying spec_state_indices[n, accepted-1]. Index <= 0 = padding (CUDA-graph rows):
+    # nothing is read or written. Every condition depends on n only: a head's programs agree.
     conv_slot = tl.load(state_indices + i_n).to(tl.int64)
     conv_on = conv_slot > 0
     if IS_SPEC:
@@ -98,119 +179,79 @@ def kda_fused_decode_kernel(
         accepted = tl.minimum(tl.maximum(tl.load(num_accepted + i_n).to(tl.int32), 1), TOKENS)
         read_slot = tl.load(spec_row + (accepted - 1) * stride_spec_t).to(tl.int64)
         offset = accepted - 1  # history rows after the accepted drafts of the previous verify
-        if (conv_slot <= 0) & (~rec_on):
-            return
     else:
         rec_on = conv_on
         read_slot = conv_slot
         offset = L - 3  # the newest W-1 rows
-        if conv_slot <= 0:
-            return
 
-    d = tl.arange(0, D)
-    c = i_h * D + d  # this head's channels within each of the q, k, v groups
-    cs_slot = conv_state + conv_slot * stride_cs_slot
+    cs_slot = conv_state + tl.maximum(conv_slot, 0) * stride_cs_slot
     win = cs_slot + offset * stride_cs_row
-    a_log = tl.load(A_log + i_h).to(tl.float32)
     s_head = state + i_h * stride_s_h  # + slot * stride_s_slot
-
-    wq0, wq1, wq2, wq3 = _taps(conv_w + c, P)
-    wk0, wk1, wk2, wk3 = _taps(conv_w + 4 * P + c, P)
+    s_tile = rv[:, None] * stride_s_v + d[None, :]  # [BV, K], K contiguous: 16-byte loads along K
+    S = tl.load(s_head + read_slot * stride_s_slot + s_tile, mask=rec_on, other=0.0).to(tl.float32)
     hq0, hq1, hq2 = _window(win + c * stride_cs_chan, stride_cs_row, conv_on)
     hk0, hk1, hk2 = _window(win + (P + c) * stride_cs_chan, stride_cs_row, conv_on)
-    w_norm = tl.load(norm_w + d).to(tl.float32)
+    hv0, hv1, hv2 = _window(win + cv * stride_cs_chan, stride_cs_row, conv_on)
 
-    if BV == D:
-        # ---- whole state in registers; TOKENS >= 1 ----
-        wv0, wv1, wv2, wv3 = _taps(conv_w + 8 * P + c, P)
-        hv0, hv1, hv2 = _window(win + (2 * P + c) * stride_cs_chan, stride_cs_row, conv_on)
-        s_tile = d[:, None] * stride_s_v + d[None, :]  # [V, K], K contiguous: 16-byte loads along K
-        S = tl.load(s_head + read_slot * stride_s_slot + s_tile, mask=rec_on, other=0.0).to(tl.float32)
-        for j in tl.static_range(TOKENS):
-            t = i_n * TOKENS + j
-            x_row = qkv + t.to(tl.int64) * stride_qkv_t
-            xq = tl.load(x_row + c, mask=conv_on, other=0.0).to(tl.float32)
-            xk = tl.load(x_row + P + c, mask=conv_on, other=0.0).to(tl.float32)
-            xv = tl.load(x_row + 2 * P + c, mask=conv_on, other=0.0).to(tl.float32)
-            q = _l2norm(_silu_conv4(wq0, wq1, wq2, wq3, hq0, hq1, hq2, xq), SCALE)
-            k = _l2norm(_silu_conv4(wk0, wk1, wk2, wk3, hk0, hk1, hk2, xk), 1.0)
-            v = _silu_conv4(wv0, wv1, wv2, wv3, hv0, hv1, hv2, xv)
-            hq0, hq1, hq2 = hq1, hq2, xq  # slide the windows (registers only: nothing shared)
-            hk0, hk1, hk2 = hk1, hk2, xk
-            hv0, hv1, hv2 = hv1, hv2, xv
-            gk = _log_decay(g1 + t * stride_g1_t + i_h * stride_g1_h + d, dt_bias + i_h * D + d, a_log,
-                            lower_bound, BOUNDED_GATE)
-            beta = tl.sigmoid(tl.load(beta_logits + t * stride_b_t + i_h * stride_b_h).to(tl.float32))
-
-            S = S * tl.exp(gk)[None, :]
-            Sk = tl.sum(S * k[None, :], 1)
-            Sq = tl.sum(S * q[None, :], 1)
-            u = beta * (v - Sk)
-            S = S + u[:, None] * k[None, :]
-            o = Sq + u * tl.sum(k * q, 0)  # = S'' q, without a second pass over the state
-            if IS_SPEC:
-                dst = tl.load(spec_row + j * stride_spec_t).to(tl.int64)
-                tl.store(s_head + dst * stride_s_slot + s_tile, S.to(state.dtype.element_ty),
-                         mask=rec_on & (dst > 0))
-
-            rstd = tl.rsqrt(tl.sum(o * o, 0) / D + norm_eps)
-            gate = tl.sigmoid(tl.load(g2 + t * stride_g2_t + i_h * stride_g2_h + d).to(tl.float32))
-            y = o * rstd * w_norm * gate
-            tl.store(out + t * stride_o_t + i_h * stride_o_h + d, y.to(out.dtype.element_ty), mask=rec_on & (d < D))
-        if not IS_SPEC:
-            tl.store(s_head + read_slot * stride_s_slot + s_tile, S.to(state.dtype.element_ty), mask=rec_on)
-    else:
-        # ---- state streamed in [BV, K] blocks; one token per sequence ----
-        t = i_n
+    for j in tl.static_range(TOKENS):
+        t = i_n * TOKENS + j
         x_row = qkv + t.to(tl.int64) * stride_qkv_t
-        xq = tl.load(x_row + c).to(tl.float32)
-        xk = tl.load(x_row + P + c).to(tl.float32)
-        q = _l2norm(_silu_conv4(wq0, wq1, wq2, wq3, hq0, hq1, hq2, xq), SCALE)
-        k = _l2norm(_silu_conv4(wk0, wk1, wk2, wk3, hk0, hk1, hk2, xk), 1.0)
+        xq = tl.load(x_row + c, mask=conv_on, other=0.0).to(tl.float32)
+        xk = tl.load(x_row + P + c, mask=conv_on, other=0.0).to(tl.float32)
+        xv = tl.load(x_row + cv, mask=conv_on, other=0.0).to(tl.float32)
         gk = _log_decay(g1 + t * stride_g1_t + i_h * stride_g1_h + d, dt_bias + i_h * D + d, a_log,
                         lower_bound, BOUNDED_GATE)
-        decay = tl.exp(gk)
         beta = tl.sigmoid(tl.load(beta_logits + t * stride_b_t + i_h * stride_b_h).to(tl.float32))
-        kq = tl.sum(k * q, 0)
+        q = _l2norm(_silu_conv4(wq0, wq1, wq2, wq3, hq0, hq1, hq2, xq), SCALE)
+        k = _l2norm(_silu_conv4(wk0, wk1, wk2, wk3, hk0, hk1, hk2, xk), 1.0)
+        v = _silu_conv4(wv0, wv1, wv2, wv3, hv0, hv1, hv2, xv)
+        hq0, hq1, hq2 = hq1, hq2, xq  # slide the windows (registers only)
+        hk0, hk1, hk2 = hk1, hk2, xk
+        hv0, hv1, hv2 = hv1, hv2, xv
 
-        NV: tl.constexpr = D // BV
-        blk = tl.arange(0, NV)
-        r = tl.arange(0, BV)
-        s_rows = s_head + read_slot * stride_s_slot
-        o_tile = tl.zeros([NV, BV], dtype=tl.float32)
-        for iv in tl.range(0, NV, num_stages=NUM_STAGES):
-            rows = iv * BV + r
-            vc = 2 * P + i_h * D + rows  # this block's v channels
-            wv0, wv1, wv2, wv3 = _taps(conv_w + 8 * P + i_h * D + rows, P)
-            hv0, hv1, hv2 = _window(win + vc * stride_cs_chan, stride_cs_row, conv_on)
-            v = _silu_conv4(wv0, wv1, wv2, wv3, hv0, hv1, hv2, tl.load(x_row + vc).to(tl.float32))
-            p_s = s_rows + rows[:, None] * stride_s_v + d[None, :]
-            S = tl.load(p_s).to(tl.float32) * decay[None, :]
-            Sk = tl.sum(S * k[None, :], 1)
-            Sq = tl.sum(S * q[None, :], 1)
-            u = beta * (v - Sk)
-            tl.store(p_s, (S + u[:, None] * k[None, :]).to(state.dtype.element_ty))
-            o_tile = tl.where(blk[:, None] == iv, (Sq + u * kq)[None, :], o_tile)
-        o_cols = blk[:, None] * BV + r[None, :]  # [NV, BV] -> V index
-        rstd = tl.rsqrt(tl.sum(tl.sum(o_tile * o_tile, 1), 0) / D + norm_eps)
-        gate = tl.sigmoid(tl.load(g2 + t * stride_g2_t + i_h * stride_g2_h + o_cols).to(tl.float32))
-        y = o_tile * rstd * tl.load(norm_w + o_cols).to(tl.float32) * gate
-        tl.store(out + t * stride_o_t + i_h * stride_o_h + o_cols, y.to(out.dtype.element_ty))
+        S = S * tl.exp(gk)[None, :]
+        Sk = tl.sum(S * k[None, :], 1)
+        Sq = tl.sum(S * q[None, :], 1)
+        u = beta * (v - Sk)
+        S = S + u[:, None] * k[None, :]
+        o = Sq + u * tl.sum(k * q, 0)  # = S'' q, without a second pass over the state
+        if IS_SPEC:
+            dst = tl.load(spec_row + j * stride_spec_t).to(tl.int64)
+            tl.store(s_head + dst * stride_s_slot + s_tile, S.to(state.dtype.element_ty), mask=rec_on & (dst > 0))
+        if SPLIT == 1:
+            if TOKENS > 1:
+                gate_w = _gate_w(g2 + t * stride_g2_t + i_h * stride_g2_h + d, w_norm)
+            _gated_norm_store(o, gate_w, out + t * stride_o_t + i_h * stride_o_h + d, rec_on, norm_eps, D)
+        else:
+            tl.store(ws_o + (head.to(tl.int64) * TOKENS + j) * D + rv, o, mask=rec_on)
 
-    # ---- conv state: the last L rows of (history[: offset+3] ++ the step's tokens) ----
-    # Rewritten last, each row after a barrier, so every thread has read all the rows it needs
-    # (windows above, shift sources here) before any row of this head's channels is overwritten.
-    grp = tl.arange(0, 4)[:, None]  # q, k, v (+1 padding row: arange needs a power of two)
-    ch = grp * P + c[None, :]
-    gmask = (grp < 3) & conv_on
-    kept0 = offset + 3 + TOKENS - L  # first surviving row of history ++ tokens
-    for rr in tl.static_range(L):
-        i = kept0 + rr
-        from_hist = i < offset + 3
-        from_x = i >= offset + 3
-        t_src = (i_n * TOKENS + (i - offset - 3)).to(tl.int64)
-        h = tl.load(cs_slot + i * stride_cs_row + ch * stride_cs_chan, mask=gmask & from_hist, other=0.0)
-        x = tl.load(qkv + t_src * stride_qkv_t + ch, mask=gmask & from_x, other=0.0)
-        val = tl.where(from_hist, h.to(tl.float32), x.to(tl.float32))
+    if SPLIT > 1:
+        # Arrive: every thread's workspace stores (and window reads) precede thread 0's release.
+        # The state and conv stores come after it, so the release does not wait for them.
         tl.debug_barrier()
-        tl.store(cs_slot + rr * stride_cs_row + ch * stride_cs_chan, val.to(conv_state.dtype.element_ty), mask=gmask)
+        arrived = tl.atomic_add(ws_count + head, 1, sem="acq_rel", scope="gpu", mask=conv_on | rec_on)
+    if not IS_SPEC:
+        tl.store(s_head + read_slot * stride_s_slot + s_tile, S.to(state.dtype.element_ty), mask=rec_on)
+
+    # ---- conv state: this program's v channels; the q and k channels once nobody reads them ----
+    _rewrite_conv(cs_slot, stride_cs_row, stride_cs_chan, qkv, stride_qkv_t, cv, conv_on, i_n, offset,
+                  hv0, hv1, hv2, L, TOKENS, WIN_REGS)
+    qk = tl.arange(0, 2)[:, None] * P + c[None, :]  # [2, D]: the head's q and k channels
+    hqk0 = tl.where(qk < P, hq0[None, :], hk0[None, :])
+    hqk1 = tl.where(qk < P, hq1[None, :], hk1[None, :])
+    hqk2 = tl.where(qk < P, hq2[None, :], hk2[None, :])
+    if SPLIT == 1:
+        _rewrite_conv(cs_slot, stride_cs_row, stride_cs_chan, qkv, stride_qkv_t, qk, conv_on, i_n, offset,
+                      hqk0, hqk1, hqk2, L, TOKENS, WIN_REGS)
+    else:
+        if (arrived == SPLIT - 1) & (conv_on | rec_on):  # last of the head: all o-tiles in, all windows read
+            for j in tl.static_range(TOKENS):
+                tn = i_n * TOKENS + j
+                if TOKENS > 1:
+                    gate_w = _gate_w(g2 + tn * stride_g2_t + i_h * stride_g2_h + d, w_norm)
+                # .cg: from L2, never from this SM's L1 (other SMs wrote the row)
+                o_head = tl.load(ws_o + (head.to(tl.int64) * TOKENS + j) * D + d, cache_modifier=".cg")
+                _gated_norm_store(o_head, gate_w, out + tn * stride_o_t + i_h * stride_o_h + d, rec_on, norm_eps, D)
+            _rewrite_conv(cs_slot, stride_cs_row, stride_cs_chan, qkv, stride_qkv_t, qk, conv_on, i_n, offset,
+                          hqk0, hqk1, hqk2, L, TOKENS, WIN_REGS)
+            tl.store(ws_count + head, 0)  # all SPLIT arrivals are in: ready for the next launch
