@@ -3,11 +3,13 @@
 Input is the post-conv y [T, 3P] (q|k|v, any row stride, columns contiguous), the gate logits g1,
 the beta logits and the output-gate logits g2 as the layer produces them; l2norm, gate and beta
 sigmoid happen inside the kernels. Final states go into the pool in place; the normalized output
-goes into the caller's `out`. Intermediates live in per-call buffers in the input dtype (fp32 for
-the gate cumsum).
+goes into the caller's `out`. Intermediates live in per-call buffers in the workspace dtype (see
+workspace_dtype; fp32 for the gate cumsum and the diagonal blocks).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -44,16 +46,100 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def state_pass_tile(num_seqs: int, H: int, D: int) -> int:
-    """V-tile of the serial pass: narrow tiles give more programs when few (sequence, head)
+@dataclass(frozen=True)
+class ChunkConfig:
+    """Launch shapes (benchmarks/bench_prefill.py --sweep times the alternatives).
+
+    state_bv None picks by occupancy: narrow V-tiles give more programs when few (sequence, head)
     pairs run (one long prompt), wide tiles re-read w/kg less when the GPU is full anyway."""
-    if D <= 32:
-        return D
-    return 32 if num_seqs * H < 256 else 64
+
+    intra_warps: int = 8      # 8: no register spills in the intra kernel (4: ~200 B/thread)
+    state_bv: int | None = None
+    state_warps: int = 4
+    state_stages: int = 2     # software pipelining of the next chunk's w/u/kg loads
+    output_warps: int = 4
+
+    def bv(self, num_seqs: int, H: int, D: int) -> int:
+        if self.state_bv is not None:
+            return min(self.state_bv, D)
+        if D <= 32:
+            return D
+        return 32 if num_seqs * H < 256 else 64
+
+
+DEFAULT_CONFIG = ChunkConfig()
 
 
 def chunk_tables(cu_seqlens_cpu: torch.Tensor, device: torch.device) -> ChunkTables:
     return _tables.get(cu_seqlens_cpu, CHUNK, device)
+
+
+class ChunkPlan:
+    """One call's tables, workspace and the four stage launches (separable for benchmarking).
+
+    Workspace per token-head at D = 128 and a 16-bit input: gcum 512 B (fp32), Aqk 128 B,
+    diagonal blocks 64 B (fp32), w/u/kg/qg/v_new 5 x 256 B, chunk states 512 B: ~2.5 KB."""
+
+    def __init__(self, y, g1, beta_logits, g2, weights: KDAWeights, recurrent_state, cu_seqlens, state_indices,
+                 has_initial_state, out, cu_seqlens_cpu, config: ChunkConfig = DEFAULT_CONFIG):
+        T = y.shape[0]
+        H, D = weights.num_heads, weights.head_dim
+        dev, dt = y.device, y.dtype
+        self.args = (y, g1, beta_logits, g2, weights, recurrent_state, cu_seqlens, state_indices, has_initial_state, out)
+        self.config = config
+        self.tables = chunk_tables(cu_seqlens_cpu, dev)
+        self.prec = _dot_precision(dt)
+        self.gcum = torch.empty(T, H, D, device=dev, dtype=torch.float32)
+        self.Aqk = torch.empty(T, H, CHUNK, device=dev, dtype=dt)
+        self.akk_diag = torch.empty(T, H, BC, device=dev, dtype=torch.float32)
+        self.w, self.u, self.kg, self.qg, self.v_new = (torch.empty(T, H, D, device=dev, dtype=dt) for _ in range(5))
+        self.h_states = torch.empty(self.tables.num_chunks, H, D, D, device=dev, dtype=dt)
+
+    def gate(self) -> None:
+        y, g1, _, _, weights, _, _, state_indices, _, _ = self.args
+        if self.tables.num_chunks:
+            launch_gate_cumsum(g1, weights, self.gcum, self.tables, state_indices, CHUNK)
+
+    def intra(self) -> None:
+        y, _, beta_logits, _, weights, _, _, state_indices, _, _ = self.args
+        if self.tables.num_chunks:
+            launch_intra(y, beta_logits, self.gcum, self.tables, state_indices, self.Aqk, self.akk_diag, self.w, self.u,
+                         self.kg, self.qg, exact_diag=weights.lower_bound is None, precision=self.prec, BT=CHUNK,
+                         num_warps=self.config.intra_warps)
+
+    def state(self) -> None:
+        # Runs even without chunks: a 0-token sequence still stores its (initial or zero) state.
+        _, _, _, _, weights, pool, cu_seqlens, state_indices, has_initial_state, _ = self.args
+        c = self.config
+        launch_state_pass(self.w, self.u, self.kg, self.gcum, self.v_new, self.h_states, pool, cu_seqlens, self.tables,
+                          state_indices, has_initial_state, BT=CHUNK,
+                          BV=c.bv(state_indices.shape[0], weights.num_heads, weights.head_dim), precision=self.prec,
+                          num_warps=c.state_warps, num_stages=c.state_stages)
+
+    def output(self) -> None:
+        _, _, _, g2, weights, _, _, state_indices, _, out = self.args
+        if self.tables.num_chunks:
+            launch_output_norm(self.qg, self.h_states, self.Aqk, self.v_new, g2, weights.norm_weight, weights.norm_eps,
+                               out, self.tables, state_indices, BT=CHUNK, precision=self.prec,
+                               num_warps=self.config.output_warps)
+
+    def run(self) -> None:
+        self.gate()
+        self.intra()
+        self.state()
+        self.output()
+
+
+def check_core_inputs(y: torch.Tensor, weights: KDAWeights) -> None:
+    D = weights.head_dim
+    if y.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"chunk prefill takes bf16, fp16 or fp32 inputs, got {y.dtype}")
+    if D < 16 or D & (D - 1):
+        raise ValueError(f"chunk prefill needs a power-of-two head size >= 16, got D = {D}")
+    if weights.lower_bound is not None and not -5.0 <= weights.lower_bound < 0.0:
+        raise ValueError(f"the bounded gate needs lower_bound in [-5, 0) (its anchoring relies on it), got {weights.lower_bound}")
+    if not (weights.dt_bias.is_contiguous() and weights.norm_weight.is_contiguous()):
+        raise ValueError("dt_bias and norm_weight must be contiguous")
 
 
 def kda_chunk_core(
@@ -69,38 +155,12 @@ def kda_chunk_core(
     out: torch.Tensor,
     *,
     cu_seqlens_cpu: torch.Tensor,
+    config: ChunkConfig = DEFAULT_CONFIG,
 ) -> None:
-    T = y.shape[0]
-    H, D = weights.num_heads, weights.head_dim
-    if y.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"chunk prefill takes bf16, fp16 or fp32 inputs, got {y.dtype}")
-    # y is normally already in the workspace dtype (the glue asks the conv for it); a bf16 y
-    # (a caller's own conv) keeps bf16 for the workspace, which costs precision, not correctness.
-    if D < 16 or D & (D - 1):
-        raise ValueError(f"chunk prefill needs a power-of-two head size >= 16, got D = {D}")
-    if weights.lower_bound is not None and not -5.0 <= weights.lower_bound < 0.0:
-        raise ValueError(f"the bounded gate needs lower_bound in [-5, 0) (its anchoring relies on it), got {weights.lower_bound}")
-    if not (weights.dt_bias.is_contiguous() and weights.norm_weight.is_contiguous()):
-        raise ValueError("dt_bias and norm_weight must be contiguous")
-    if T == 0 and state_indices.shape[0] == 0:
+    """The core after the conv. y is normally in the workspace dtype already (the glue asks the
+    conv for it); a bf16 y (a caller's own conv) keeps bf16 for the workspace: less precise."""
+    check_core_inputs(y, weights)
+    if y.shape[0] == 0 and state_indices.shape[0] == 0:
         return
-    dev, dt = y.device, y.dtype
-    tables = chunk_tables(cu_seqlens_cpu, dev)
-    prec = _dot_precision(dt)
-
-    gcum = torch.empty(T, H, D, device=dev, dtype=torch.float32)
-    Aqk = torch.empty(T, H, CHUNK, device=dev, dtype=dt)
-    akk_diag = torch.empty(T, H, BC, device=dev, dtype=torch.float32)
-    w, u, kg, qg, v_new = (torch.empty(T, H, D, device=dev, dtype=dt) for _ in range(5))
-    h_states = torch.empty(tables.num_chunks, H, D, D, device=dev, dtype=dt)
-
-    if tables.num_chunks:
-        launch_gate_cumsum(g1, weights, gcum, tables, state_indices, CHUNK)
-        launch_intra(y, beta_logits, gcum, tables, state_indices, Aqk, akk_diag, w, u, kg, qg,
-                     exact_diag=weights.lower_bound is None, precision=prec, BT=CHUNK)
-    # Runs even without chunks: a 0-token sequence still stores its (initial or zero) state.
-    launch_state_pass(w, u, kg, gcum, v_new, h_states, recurrent_state, cu_seqlens, tables, state_indices,
-                      has_initial_state, BT=CHUNK, BV=state_pass_tile(state_indices.shape[0], H, D), precision=prec)
-    if tables.num_chunks:
-        launch_output_norm(qg, h_states, Aqk, v_new, g2, weights.norm_weight, weights.norm_eps, out, tables,
-                           state_indices, BT=CHUNK, precision=prec)
+    ChunkPlan(y, g1, beta_logits, g2, weights, recurrent_state, cu_seqlens, state_indices, has_initial_state, out,
+              cu_seqlens_cpu, config).run()

@@ -73,7 +73,8 @@ def chunk_state_pass_kernel(
 
 
 def launch_state_pass(w, u, kg, gcum, v_new, h_states, pool, cu_seqlens, tables, state_indices,
-                      has_initial_state, *, BT: int, BV: int, precision: str, num_warps: int = 4) -> None:
+                      has_initial_state, *, BT: int, BV: int, precision: str, num_warps: int = 4,
+                      num_stages: int = 2) -> None:
     T, H, K = gcum.shape
     N = state_indices.shape[0]
     if N == 0:
@@ -82,5 +83,5 @@ def launch_state_pass(w, u, kg, gcum, v_new, h_states, pool, cu_seqlens, tables,
         w, u, kg, gcum, v_new, h_states,
         pool, *pool.stride(),
         cu_seqlens, tables.seq_first_chunk, state_indices, has_initial_state,
-        H=H, K=K, BT=BT, BV=BV, PREC=precision, num_warps=num_warps,
+        H=H, K=K, BT=BT, BV=BV, PREC=precision, num_warps=num_warps, num_stages=num_stages,
     )

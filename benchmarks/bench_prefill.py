@@ -1,0 +1,245 @@
+"""Prefill of one KDA layer (varlen conv -> chunked core -> gated RMSNorm): ms, tokens/s, ratios.
+
+Columns, side by side in one run on the same inputs (bf16 q|k|v, fp32 state pool, D = 128,
+lower_bound -5, every sequence resuming from its slot's state):
+  chunk  kdaserve.ops.chunk.kda_prefill_chunk
+  flash  kdaserve.ops.flash.kda_prefill_flash (only when that module exists)
+  fla    FLA 0.6.0 `chunk_kda` as a serving engine must call it, through
+         kdaserve.backends.adapters.fla.kda_prefill_fla: our Triton varlen conv, chunk_kda with the
+         gate, l2norm and beta sigmoid in the kernel (what FLA supports), initial states gathered
+         from the pool and final states scattered back, FLA's gated RMSNorm.
+The conv and the gated RMSNorm are INCLUDED in every column (each column is a whole backend).
+
+Also printed: agreement of every column with the fp64 reference on a small mixed step, a per-stage
+breakdown of `chunk` at 32 heads (conv, gate, intra, state, output), and with --sweep the launch
+shapes of `chunk` (kdaserve.ops.chunk.core.ChunkConfig).
+
+Run (H200, < 2 min; FLA's first-call autotuning is most of it):
+    PYTHONPATH=$PWD python benchmarks/bench_prefill.py [--heads 16 32 64] [--shapes 1x8K 16x1K 64x512 1x64K]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+
+import torch
+import triton.testing
+
+from kdaserve.testing.compare import rel_rms
+from kdaserve.testing.inputs import KDACase, make_kda_case, make_kda_weights
+
+D = 128
+DEFAULT_SHAPES = ("1x8K", "16x1K", "64x512", "1x64K")
+
+
+def parse_shape(text: str) -> list[int]:
+    """'16x1K' -> sixteen sequences of 1024 tokens."""
+    n, length = text.lower().split("x")
+    mult = 1024 if length.endswith("k") else 1
+    return [int(length.rstrip("k")) * mult] * int(n)
+
+
+def gpu_case(seq_lens: list[int], H: int, seed: int = 0, gate: str = "bounded") -> KDACase:
+    """A make_kda_case-like step generated on the GPU (CPU generation of a 64K x 64-head step takes
+    longer than the whole benchmark). q|k|v and beta logits are column views of one projection."""
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(seed)
+    P, T, N = H * D, sum(seq_lens), len(seq_lens)
+    weights = make_kda_weights(H, D, gate=gate, device=dev, generator=torch.Generator().manual_seed(seed))
+    proj = torch.randn(T, 3 * P + H + 2 * D, device=dev, generator=g).to(torch.bfloat16)
+    g1 = torch.randn(T, H, D, device=dev, generator=g).to(torch.bfloat16)
+    g2 = torch.randn(T, H, D, device=dev, generator=g).to(torch.bfloat16)
+    slots = N + 1
+    conv_state = torch.randn(slots, 3, 3 * P, device=dev, generator=g).to(torch.bfloat16)
+    state = torch.randn(slots, H, D, D, device=dev, generator=g) * 0.2
+    cu = torch.zeros(N + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(seq_lens, dtype=torch.int32).cumsum(0)
+    return KDACase(
+        H=H, D=D, seq_lens=list(seq_lens), proj=proj, qkv=proj[:, : 3 * P], beta_logits=proj[:, 3 * P : 3 * P + H],
+        g1=g1, g2=g2, weights=weights, conv_state=conv_state, recurrent_state=state, conv_layout="SD",
+        cu_seqlens=cu.to(dev), cu_seqlens_cpu=cu, state_indices=torch.randperm(N, device=dev).add(1).to(torch.int32),
+        has_initial_state=torch.ones(N, dtype=torch.bool, device=dev),
+    )
+
+
+def load_columns() -> dict:
+    cols = {}
+    from kdaserve.ops.chunk import kda_prefill_chunk
+
+    cols["chunk"] = kda_prefill_chunk
+    try:
+        from kdaserve.ops.flash import kda_prefill_flash
+
+        cols["flash"] = kda_prefill_flash
+    except ImportError:
+        pass
+    try:
+        import fla.ops.kda  # noqa: F401  (fail here, not inside the timing loop)
+
+        from kdaserve.backends.adapters.fla import kda_prefill_fla
+
+        cols["fla"] = kda_prefill_fla
+    except ImportError as e:
+        print(f"fla column skipped: {e}")
+    return cols
+
+
+def bench_ms(fn, case: KDACase) -> float:
+    """Median ms per call (NaN if the column fails: one broken column must not lose the run)."""
+    out = case.new_out()
+    args = case.prefill_args()
+    try:
+        fn(out=out, **args)  # compile / autotune outside the timing
+        torch.cuda.synchronize()
+        return triton.testing.do_bench(lambda: fn(out=out, **args), warmup=10, rep=40, return_mode="median")
+    except Exception as e:  # noqa: BLE001 - reported, then the table goes on
+        print(f"  FAILED {getattr(fn, '__name__', fn)} at H={case.H} lens={case.seq_lens[:3]}...: "
+              f"{type(e).__name__}: {str(e)[:300]}", flush=True)
+        torch.cuda.synchronize()
+        return float("nan")
+
+
+def agreement(cols: dict) -> None:
+    """Every column against the fp64 reference (chunk-64 form) on one small mixed step, both gates."""
+    from kdaserve.ops.reference import kda_prefill_reference
+    from kdaserve.testing.properties import run_prefill, to_fp64, valid_rows
+
+    for gate in ("bounded", "unbounded"):
+        base = make_kda_case([700, 1, 64, 300], H=32, D=D, dtype=torch.bfloat16, conv_dtype=torch.bfloat16, gate=gate,
+                             slow_decay_heads=4, device="cuda", seed=1)
+        ref = to_fp64(base)
+        ref_out = run_prefill(functools.partial(kda_prefill_reference, chunk_size=64), ref, out_dtype=torch.float64)
+        rows, used = valid_rows(base), base.state_indices.tolist()
+        parts = []
+        for name, fn in cols.items():
+            c = base.clone()
+            try:
+                out = run_prefill(fn, c)
+                parts.append(f"{name}: out {rel_rms(out[rows], ref_out[rows]):.1e}, "
+                             f"state {rel_rms(c.recurrent_state[used], ref.recurrent_state[used]):.1e}")
+            except Exception as e:  # noqa: BLE001
+                parts.append(f"{name}: FAILED {type(e).__name__}: {str(e)[:200]}")
+        print(f"vs fp64 reference, {gate} gate, H=32, lens [700, 1, 64, 300] (rel RMS): " + "; ".join(parts), flush=True)
+
+
+def stage_breakdown(case: KDACase, config=None) -> dict:
+    """ms of each launch of `chunk` (conv, then the four core stages), each timed on its own."""
+    from kdaserve.ops.chunk.core import DEFAULT_CONFIG, ChunkPlan, workspace_dtype
+    from kdaserve.ops.conv import causal_conv_varlen_fwd
+
+    a = case.prefill_args()
+    y = torch.empty(case.qkv.shape, dtype=workspace_dtype(case.qkv.dtype), device="cuda")
+
+    def conv():
+        causal_conv_varlen_fwd(a["qkv"], a["weights"].conv_weight, a["conv_state"], a["cu_seqlens"], a["state_indices"],
+                               a["has_initial_state"], "SD", cu_seqlens_cpu=a["cu_seqlens_cpu"], out=y)
+
+    conv()
+    plan = ChunkPlan(y, a["g1"], a["beta_logits"], a["g2"], a["weights"], a["recurrent_state"], a["cu_seqlens"],
+                     a["state_indices"], a["has_initial_state"], case.new_out(), a["cu_seqlens_cpu"],
+                     config or DEFAULT_CONFIG)
+    plan.run()
+    torch.cuda.synchronize()
+    stages = {"conv": conv, "gate": plan.gate, "intra": plan.intra, "state": plan.state, "output": plan.output}
+    return {k: triton.testing.do_bench(f, warmup=5, rep=25, return_mode="median") for k, f in stages.items()}
+
+
+def sweep_configs() -> dict:
+    from kdaserve.ops.chunk.core import ChunkConfig
+
+    return {
+        "default": ChunkConfig(),
+        "bv32 w4 s2": ChunkConfig(state_bv=32, state_warps=4, state_stages=2),
+        "bv32 w4 s3": ChunkConfig(state_bv=32, state_warps=4, state_stages=3),
+        "bv32 w8 s2": ChunkConfig(state_bv=32, state_warps=8, state_stages=2),
+        "bv64 w4 s2": ChunkConfig(state_bv=64, state_warps=4, state_stages=2),
+        "bv64 w8 s2": ChunkConfig(state_bv=64, state_warps=8, state_stages=2),
+        "bv16 w4 s2": ChunkConfig(state_bv=16, state_warps=4, state_stages=2),
+        "intra w4": ChunkConfig(intra_warps=4),
+        "output w8": ChunkConfig(output_warps=8),
+    }
+
+
+def run_sweep(shapes: list[str]) -> None:
+    from kdaserve.ops.chunk import kda_prefill_chunk  # noqa: F401  (the glue's conv is not swept)
+    from kdaserve.ops.chunk.core import kda_chunk_core, workspace_dtype
+    from kdaserve.ops.conv import causal_conv_varlen_fwd
+
+    configs = sweep_configs()
+    print("\nchunk launch shapes, H=32: ms per call (conv included)")
+    print("| shape | " + " | ".join(configs) + " |")
+    print("|---|" + "---|" * len(configs))
+    for shape in shapes:
+        case = gpu_case(parse_shape(shape), 32)
+        cells = []
+        for cfg in configs.values():
+            def fn(out, qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, cu_seqlens, state_indices,
+                   has_initial_state, conv_layout, cu_seqlens_cpu, _cfg=cfg):
+                y = torch.empty(qkv.shape, dtype=workspace_dtype(qkv.dtype), device=qkv.device)
+                causal_conv_varlen_fwd(qkv, weights.conv_weight, conv_state, cu_seqlens, state_indices, has_initial_state,
+                                       conv_layout, cu_seqlens_cpu=cu_seqlens_cpu, out=y)
+                kda_chunk_core(y, g1, beta_logits, g2, weights, recurrent_state, cu_seqlens, state_indices,
+                               has_initial_state, out, cu_seqlens_cpu=cu_seqlens_cpu, config=_cfg)
+            cells.append(f"{bench_ms(fn, case):.3f}")
+        print(f"| {shape} | " + " | ".join(cells) + " |", flush=True)
+        del case
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--heads", type=int, nargs="+", default=[32, 16, 64])
+    ap.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), help="NxL, e.g. 1x8K 16x1K 64x512")
+    ap.add_argument("--no-agreement", action="store_true")
+    ap.add_argument("--no-stages", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="also time ChunkConfig launch shapes at H=32")
+    args = ap.parse_args()
+    t0 = time.time()
+    cols = load_columns()
+    print(torch.cuda.get_device_name(), "| columns:", ", ".join(cols), "| conv + gated norm included in every column",
+          flush=True)
+    if not args.no_agreement:
+        agreement(cols)
+        print(f"  agreement done ({time.time() - t0:.0f} s)", flush=True)
+
+    rows, stages = [], []
+    for H in args.heads:
+        for shape in args.shapes:
+            case = gpu_case(parse_shape(shape), H)
+            T = sum(case.seq_lens)
+            times = {name: bench_ms(fn, case) for name, fn in cols.items()}
+            rows.append((H, shape, T, times))
+            if H == 32 and not args.no_stages:
+                stages.append((shape, stage_breakdown(case)))
+            del case
+            torch.cuda.empty_cache()
+            print(f"  done H={H} {shape}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in times.items())
+                  + f" ({time.time() - t0:.0f} s)", flush=True)
+
+    if args.sweep:
+        run_sweep([s for s in args.shapes if s != "1x64K"] or args.shapes)
+
+    if stages:
+        names = list(stages[0][1])
+        print("\nchunk stages at H=32: ms (each launch timed alone)")
+        print("| shape | " + " | ".join(names) + " | sum |")
+        print("|---|" + "---|" * (len(names) + 1))
+        for shape, st in stages:
+            print(f"| {shape} | " + " | ".join(f"{st[k]:.3f}" for k in names) + f" | {sum(st.values()):.3f} |")
+
+    names = list(cols)
+    ratio_cols = [n for n in names if n != "fla"] if "fla" in cols else []
+    print(f"\nprefill, bf16 inputs, fp32 state, D={D}: ms per call (M tokens/s); ratio = fla ms / column ms "
+          f"(> 1: faster than FLA) [{time.time() - t0:.0f} s total]")
+    print("| heads | shape | tokens | " + " | ".join(names + [f"{n} vs fla" for n in ratio_cols]) + " |")
+    print("|---|---|---|" + "---|" * (len(names) + len(ratio_cols)))
+    for H, shape, T, t in rows:
+        cells = [f"{t[n]:.3f} ({T / t[n] / 1e3:.1f})" for n in names]
+        ratios = [f"{t['fla'] / t[n]:.2f}x" for n in ratio_cols]
+        print(f"| {H} | {shape} | {T} | " + " | ".join(cells + ratios) + " |")
+
+
+if __name__ == "__main__":
+    main()
