@@ -59,9 +59,34 @@ def test_chunk_table_cache_keys_on_content_not_address():
 )
 def test_matches_reference_with_null_rows_mixed_lengths_and_slow_heads(layout, gate):
     # 1-token sequences next to a two-chunk one with a partial last chunk; a null slot in the middle.
-    case = make_kda_case([1, 70, 3, 1], conv_layout=layout, gate=gate, slow_decay_heads=1, seed=1, **SMALL)
+    # The long one resumes from its slot, so its full chunk's w (multiplied by the state) matters.
+    case = make_kda_case([1, 70, 3, 1], conv_layout=layout, gate=gate, slow_decay_heads=1, seed=1,
+                         has_initial_state=[False, True, True, True], **SMALL)
     case.state_indices[2] = 0
     check_prefill_matches_reference(kda_prefill_chunk, case, tolerance_for(torch.float32), chunk_size=64)
+
+
+@pytest.mark.parametrize("gate", ["bounded", "unbounded"])
+def test_gate_kernel_matches_reference_gate_elementwise(gate):
+    """Gate logits over [-40, 40], one token per sequence so gcum holds each gate alone: every
+    element within 2e-5 relative (what fp32 allows for sigmoid(z) = 1/(1 + e^-z) at |z| ~ 100),
+    softplus's linear branch above 20 and its log1p far below 0 included: a plain log(1 + e^x)
+    would be 100% off where e^x < 6e-8."""
+    from kdaserve.ops.chunk.core import chunk_tables
+    from kdaserve.ops.chunk.gate import LOG2E, launch_gate_cumsum
+    from kdaserve.ops.reference import kda_gate
+    from kdaserve.testing.inputs import make_kda_weights
+
+    H, D, T = 2, 16, 64
+    weights = make_kda_weights(H, D, gate=gate, device=DEV, generator=torch.Generator().manual_seed(0))
+    weights.dt_bias.zero_()
+    g1 = torch.linspace(-40, 40, T * H * D, device=DEV).view(T, H, D)
+    cu = torch.arange(T + 1, dtype=torch.int32)
+    gcum = torch.full((T, H, D), float("nan"), device=DEV)
+    launch_gate_cumsum(g1, weights, gcum, chunk_tables(cu, g1.device), torch.arange(1, T + 1, dtype=torch.int32, device=DEV), 64)
+    ref = kda_gate(g1.double(), weights.A_log, weights.dt_bias, weights.lower_bound) * LOG2E
+    rel = ((gcum.double() - ref).abs() / ref.abs().clamp_min(1e-30)).max().item()
+    assert torch.allclose(gcum.double(), ref, rtol=2e-5, atol=1e-30), f"max relative error {rel:.2e}"
 
 
 def test_null_rows_leave_output_untouched():

@@ -23,7 +23,8 @@ def _log1p(x):
     # log(1 + x) accurate for tiny x (no libdevice in the interpreter): the classic correction
     # log(u) * x / (u - 1) with u = 1 + x cancels the rounding of u; exact when u == 1.
     u = 1.0 + x
-    return tl.where(u == 1.0, x, tl.log(u) * (x / (u - 1.0)))
+    d = u - 1.0
+    return tl.where(d == 0.0, x, tl.log(u) * (x / tl.where(d == 0.0, 1.0, d)))
 
 
 @triton.jit
