@@ -151,12 +151,12 @@ def sweep_configs() -> dict:
 
     return {
         "default": ChunkConfig(),
+        "bv16 w4 s2": ChunkConfig(state_bv=16, state_warps=4, state_stages=2),
         "bv32 w4 s2": ChunkConfig(state_bv=32, state_warps=4, state_stages=2),
         "bv32 w4 s3": ChunkConfig(state_bv=32, state_warps=4, state_stages=3),
         "bv32 w8 s2": ChunkConfig(state_bv=32, state_warps=8, state_stages=2),
         "bv64 w4 s2": ChunkConfig(state_bv=64, state_warps=4, state_stages=2),
         "bv64 w8 s2": ChunkConfig(state_bv=64, state_warps=8, state_stages=2),
-        "bv16 w4 s2": ChunkConfig(state_bv=16, state_warps=4, state_stages=2),
         "intra w4": ChunkConfig(intra_warps=4),
         "output w8": ChunkConfig(output_warps=8),
     }

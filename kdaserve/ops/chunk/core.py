@@ -53,9 +53,9 @@ class ChunkConfig:
     state_bv None picks by occupancy: narrow V-tiles give more programs when few (sequence, head)
     pairs run (one long prompt), wide tiles re-read w/kg less when the GPU is full anyway."""
 
-    intra_warps: int = 8      # 8: no register spills in the intra kernel (4: ~200 B/thread)
+    intra_warps: int = 8      # 8: ~no register spills in the intra kernel (4: 100-200 B/thread)
     state_bv: int | None = None
-    state_warps: int = 4
+    state_warps: int | None = None  # None: 4 up to BV = 32, 8 for BV = 64 (4 would spill there)
     state_stages: int = 2     # software pipelining of the next chunk's w/u/kg loads
     output_warps: int = 4
 
@@ -65,6 +65,9 @@ class ChunkConfig:
         if D <= 32:
             return D
         return 32 if num_seqs * H < 256 else 64
+
+    def warps_for(self, bv: int) -> int:
+        return self.state_warps if self.state_warps is not None else (8 if bv >= 64 else 4)
 
 
 DEFAULT_CONFIG = ChunkConfig()
@@ -111,10 +114,10 @@ class ChunkPlan:
         # Runs even without chunks: a 0-token sequence still stores its (initial or zero) state.
         _, _, _, _, weights, pool, cu_seqlens, state_indices, has_initial_state, _ = self.args
         c = self.config
+        bv = c.bv(state_indices.shape[0], weights.num_heads, weights.head_dim)
         launch_state_pass(self.w, self.u, self.kg, self.gcum, self.v_new, self.h_states, pool, cu_seqlens, self.tables,
-                          state_indices, has_initial_state, BT=CHUNK,
-                          BV=c.bv(state_indices.shape[0], weights.num_heads, weights.head_dim), precision=self.prec,
-                          num_warps=c.state_warps, num_stages=c.state_stages)
+                          state_indices, has_initial_state, BT=CHUNK, BV=bv, precision=self.prec,
+                          num_warps=c.warps_for(bv), num_stages=c.state_stages)
 
     def output(self) -> None:
         _, _, _, g2, weights, _, _, state_indices, _, out = self.args
