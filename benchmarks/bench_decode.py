@@ -42,19 +42,25 @@ from kdaserve.testing.inputs import make_kda_weights
 
 D = 128
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-SWEEP = {  # fused launch shapes: "whole" = one program per head; "bvX" = D/X programs per head
+SWEEP = {  # fused launch shapes: "whole" = one program per head; "bvX wY" = D/X programs of Y warps per
+    # head meeting through an arrival counter; "+spin": the head's last pid polls instead; "+sf": state
+    # stored before the arrival
     "whole w8": FusedDecodeConfig(None, 8),
-    "bv64 w8": FusedDecodeConfig(64, 8),
     "bv64 w4": FusedDecodeConfig(64, 4),
+    "bv64 w4+spin": FusedDecodeConfig(64, 4, spin=True),
     "bv32 w4": FusedDecodeConfig(32, 4),
+    "bv32 w4+spin": FusedDecodeConfig(32, 4, spin=True),
+    "bv32 w4+sf": FusedDecodeConfig(32, 4, store_first=True),
     "bv16 w4": FusedDecodeConfig(16, 4),
-    "bv8 w2": FusedDecodeConfig(8, 2),
+    "bv16 w4+spin": FusedDecodeConfig(16, 4, spin=True),
     "bv8 w1": FusedDecodeConfig(8, 1),
-    "bv4 w1": FusedDecodeConfig(4, 1),
+    "bv8 w1+spin": FusedDecodeConfig(8, 1, spin=True),
+    "bv4 w1+spin": FusedDecodeConfig(4, 1, spin=True),
 }
 SWEEP_BATCHES = {torch.float32: (1, 2, 4, 8, 16, 32, 64, 128, 512), torch.bfloat16: (1, 8, 64, 512)}
-VERIFY = {"whole w8": FusedDecodeConfig(None, 8), "bv32 w4": FusedDecodeConfig(32, 4),
-          "bv16 w4": FusedDecodeConfig(16, 4), "bv8 w2": FusedDecodeConfig(8, 2)}
+VERIFY = {"default": None, "whole w8": FusedDecodeConfig(None, 8), "bv32 w4": FusedDecodeConfig(32, 4),
+          "bv32 w4+spin": FusedDecodeConfig(32, 4, spin=True), "bv16 w4": FusedDecodeConfig(16, 4),
+          "bv8 w1+spin": FusedDecodeConfig(8, 1, spin=True)}
 
 
 class Step:
@@ -172,8 +178,8 @@ def agreement(impls: dict, H: int, N: int = 8, dev: str = "cuda") -> str:
         res[name] = s
     base = "chain" if "chain" in res else next(iter(res))
     b = res.pop(base)
-    parts = [f"{n}: out {rel_rms(s.out.float(), b.out.float()):.1e}, state {rel_rms(s.state, b.state):.1e}"
-             for n, s in res.items()]
+    parts = [f"{n}: out {rel_rms(s.out.float(), b.out.float()):.1e}, state {rel_rms(s.state, b.state):.1e}, "
+             f"conv {'same' if torch.equal(s.conv_state, b.conv_state) else 'DIFFERS'}" for n, s in res.items()]
     return f"agreement with {base} at H={H}, N={N} (rel RMS): " + "; ".join(parts)
 
 

@@ -26,6 +26,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = dict(H=2, D=16, device=DEV)
 WHOLE_HEAD = functools.partial(launch_fused_decode, FusedDecodeConfig(block_v=None, num_warps=4))
 SPLIT4 = functools.partial(launch_fused_decode, FusedDecodeConfig(block_v=4, num_warps=2))  # 4 programs per head
+SPIN4 = functools.partial(launch_fused_decode, FusedDecodeConfig(block_v=4, num_warps=2, spin=True))
 
 
 def _with_decode_layout(case):
@@ -61,7 +62,7 @@ def test_matches_reference_with_padding_rows(layout, gate):
 
 
 @pytest.mark.parametrize("layout", ["SD", "DS"])
-@pytest.mark.parametrize("fn", [WHOLE_HEAD, SPLIT4], ids=["whole_head", "split4"])
+@pytest.mark.parametrize("fn", [WHOLE_HEAD, SPLIT4, SPIN4], ids=["whole_head", "split4", "spin4"])
 def test_launch_shapes_match_reference(layout, fn):
     """One program per head, and a head split over 4 programs (workspace + last-arriving program
     normalizes and rewrites the q/k conv window), equal the reference."""
@@ -69,14 +70,16 @@ def test_launch_shapes_match_reference(layout, fn):
     check_decode_matches_reference(fn, _pad_rows(case, 2), 1e-5)
 
 
-def test_split_leaves_every_counter_at_zero():
-    """The split workspace's counters are 0 after every launch (no memset launch, CUDA graphs
-    replay on them); a second step on the same pools still matches the reference."""
-    for step in range(2):
+def test_split_leaves_the_workspace_at_rest():
+    """After every launch (both ways a split head meets) the counters are 0 and the o rows hold the
+    sentinel again (no memset launch; CUDA graphs replay on them); later steps still match."""
+    from kdaserve.ops.fused.decode_kernel import WS_SENTINEL
+    for step, fn in enumerate([SPLIT4, SPIN4, SPLIT4]):
         case = make_kda_case([1] * 4, seed=30 + step, **SMALL)
-        check_decode_matches_reference(SPLIT4, _pad_rows(case, 1), 1e-5)
-        counters, _ = split_workspace(case.qkv.device, 1, 1)
+        check_decode_matches_reference(fn, _pad_rows(case, 1), 1e-5)
+        counters, o = split_workspace(case.qkv.device, 1, 1)
         assert int(counters.abs().sum()) == 0, "a split launch left a head counter non-zero"
+        assert bool((o == WS_SENTINEL.value).all()), "a split launch left workspace values behind"
 
 
 def test_split_workspace_grows_and_keeps_outgrown_buffers():
@@ -90,11 +93,11 @@ def test_split_workspace_grows_and_keeps_outgrown_buffers():
 
 
 def test_default_config_by_batch():
-    """Speculative verify keeps a whole head per program; plain decode splits heads, more finely
-    when there are few of them."""
-    assert default_config(128, 4, 4096).block_v is None
-    shapes = [default_config(128, 1, nh).block_v for nh in (32, 256, 2048, 65536)]
-    assert all(b is not None and b < 128 for b in shapes) and shapes == sorted(shapes), shapes
+    """Heads are split, more finely when there are few of them (latency-bound)."""
+    for tokens in (1, 4):
+        shapes = [default_config(128, tokens, nh).block_v for nh in (32, 256, 2048, 65536)]
+        assert all(b is not None and b < 128 for b in shapes) and shapes == sorted(shapes), shapes
+    assert default_config(16, 1, 32).block_v <= 16
 
 
 def test_fp16_inputs_and_contiguous_inputs_without_decode_layout():
@@ -124,7 +127,7 @@ def test_plain_decode_on_a_pool_sized_for_drafts():
 
 
 @pytest.mark.parametrize("layout", ["SD", "DS"])
-@pytest.mark.parametrize("fn", [kda_decode_fused, SPLIT4], ids=["default", "split4"])
+@pytest.mark.parametrize("fn", [kda_decode_fused, SPLIT4, SPIN4], ids=["default", "split4", "spin4"])
 def test_spec_verify_matches_reference(layout, fn):
     """S+1 tokens per sequence: start from spec[n, accepted-1], state after token t into spec[n, t];
     a padding row (first slot 0) and a draft slot of -1 (not stored) included."""
@@ -144,8 +147,9 @@ def test_spec_verify_then_resume_equals_accepted_only_run(accepted):
     check_spec_resume(kda_prefill_reference, kda_decode_fused, accepted, 1e-5, S=3, **SMALL)
 
 
-def test_spec_resume_ds_layout_split():
-    check_spec_resume(kda_prefill_reference, SPLIT4, 2, 1e-5, S=2, conv_layout="DS", **SMALL)
+@pytest.mark.parametrize("fn", [SPLIT4, SPIN4], ids=["split4", "spin4"])
+def test_spec_resume_ds_layout_split(fn):
+    check_spec_resume(kda_prefill_reference, fn, 2, 1e-5, S=2, conv_layout="DS", **SMALL)
 
 
 def test_reads_the_derived_conv_weight_when_set():
@@ -201,9 +205,11 @@ def test_bad_inputs_raise_clear_errors():
 GPU_SHAPE = dict(H=16, D=128, device="cuda")
 
 
-GPU_SHAPES = {  # every launch shape the default rule or the benchmark sweep can pick
-    "whole_w8": FusedDecodeConfig(None, 8), "bv4_w1": FusedDecodeConfig(4, 1), "bv8_w2": FusedDecodeConfig(8, 2),
-    "bv16_w4": FusedDecodeConfig(16, 4), "bv32_w4": FusedDecodeConfig(32, 4), "bv64_w8": FusedDecodeConfig(64, 8),
+GPU_SHAPES = {  # every launch shape the default rule or the benchmark sweep can pick, both ways of meeting
+    "whole_w8": FusedDecodeConfig(None, 8), "bv4_w1_spin": FusedDecodeConfig(4, 1, spin=True),
+    "bv8_w1": FusedDecodeConfig(8, 1), "bv8_w1_spin": FusedDecodeConfig(8, 1, spin=True),
+    "bv32_w4": FusedDecodeConfig(32, 4), "bv32_w4_spin": FusedDecodeConfig(32, 4, spin=True),
+    "bv32_w4_sf": FusedDecodeConfig(32, 4, store_first=True), "bv64_w4_spin": FusedDecodeConfig(64, 4, spin=True),
 }
 
 
@@ -234,6 +240,17 @@ def test_gpu_launch_shapes_over_consecutive_steps(name):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", [FusedDecodeConfig(32, 4), FusedDecodeConfig(32, 4, spin=True),
+                                    FusedDecodeConfig(8, 1, spin=True)], ids=["bv32", "bv32_spin", "bv8_spin"])
+def test_gpu_split_heads_over_several_waves(config):
+    """300 sequences x 32 heads x D/block_v programs: far more than one wave, so siblings of a head
+    run on different SMs at different times."""
+    case = make_kda_case([1] * 300, H=32, D=128, dtype=torch.bfloat16, extra_slots=4, seed=27, device="cuda")
+    fn = functools.partial(launch_fused_decode, config)
+    check_decode_matches_reference(fn, _with_decode_layout(_pad_rows(case, 7, 150)), tolerance_for(torch.bfloat16))
+
+
+@pytest.mark.gpu
 def test_gpu_bf16_state_matches_reference():
     case = make_kda_case([1] * 33, dtype=torch.bfloat16, state_dtype=torch.bfloat16, seed=21, **GPU_SHAPE)
     check_decode_matches_reference(kda_decode_fused, _with_decode_layout(case), tolerance_for(torch.bfloat16, torch.bfloat16))
@@ -241,7 +258,8 @@ def test_gpu_bf16_state_matches_reference():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["SD", "DS"])
-@pytest.mark.parametrize("config", [None, FusedDecodeConfig(32, 4)], ids=["default", "bv32"])
+@pytest.mark.parametrize("config", [None, FusedDecodeConfig(None, 8), FusedDecodeConfig(32, 4, spin=True)],
+                         ids=["default", "whole", "bv32_spin"])
 def test_gpu_spec_verify(layout, config):
     fn = functools.partial(launch_fused_decode, config)
     case, spec, accepted = _spec_case(9, 3, seed=22, dtype=torch.bfloat16, conv_layout=layout, **GPU_SHAPE)
@@ -266,8 +284,9 @@ def test_gpu_matches_chain():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("spec_tokens, config", [(0, None), (2, None), (2, FusedDecodeConfig(32, 4))],
-                         ids=["decode", "verify", "verify_bv32"])
+@pytest.mark.parametrize("spec_tokens, config", [(0, None), (0, FusedDecodeConfig(32, 4, spin=True)), (2, None),
+                                                 (2, FusedDecodeConfig(None, 8)), (2, FusedDecodeConfig(16, 4, spin=True))],
+                         ids=["decode", "decode_spin", "verify", "verify_whole", "verify_spin"])
 def test_gpu_cuda_graph_replay_equals_eager(spec_tokens, config):
     """Capture one step, then replay it on fresh inputs copied into the captured buffers: the same
     result as an eager call on a copy of the pools (plain decode at N*H = 384 takes the split path:

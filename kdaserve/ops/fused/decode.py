@@ -18,7 +18,7 @@ import torch
 
 from kdaserve.ops.checks import check_common, check_decode
 from kdaserve.ops.fused.conv_weight import fused_conv_weight_layout
-from kdaserve.ops.fused.decode_kernel import kda_fused_decode_kernel
+from kdaserve.ops.fused.decode_kernel import WS_SENTINEL, kda_fused_decode_kernel
 from kdaserve.ops.types import KDAWeights, conv_state_rows
 
 STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -33,21 +33,24 @@ class FusedDecodeConfig:
 
     block_v: int | None = None
     num_warps: int = 4
+    # Split shapes only (benchmark knobs; None/False = the measured default):
+    window_regs: bool | None = None  # conv rows rewritten from registers, not re-read (None: block_v <= 16)
+    store_first: bool = False  # store the state tile before the arrival (the release then waits for it)
+    spin: bool = False  # the head's last pid polls the workspace instead of an arrival counter
 
 
-def default_config(head_dim: int, tokens_per_seq: int, programs: int) -> FusedDecodeConfig:
-    """Launch shape by the number of heads in the step (`programs` = N*H), from the H200 sweep in
-    benchmarks/bench_decode.py (docs/fused-decode.md, "Performance"):
-    few heads are latency-bound, so their rows are spread over many small programs; many heads are
-    bandwidth-bound, and [32, K] tiles (as chain's recurrence uses) keep enough loads in flight
-    with less redundant q/k work. Speculative verify keeps a whole head per program (its tested,
-    register-resident path)."""
-    if tokens_per_seq > 1:
-        return FusedDecodeConfig(block_v=None, num_warps=8 if head_dim >= 64 else 4)
-    if programs <= 128:
-        return FusedDecodeConfig(block_v=min(head_dim, 8), num_warps=2)
-    if programs < 1024:
-        return FusedDecodeConfig(block_v=min(head_dim, 16), num_warps=4)
+def default_config(head_dim: int, tokens_per_seq: int, programs: int, state_bytes: int = 4) -> FusedDecodeConfig:
+    """Launch shape by the number of heads in the step (`programs` = N*H) and the state's element
+    size, from the H200 sweep of benchmarks/bench_decode.py (docs/fused-decode.md, "Performance").
+    Few heads are latency-bound: their rows are spread over many one-warp programs of 8 rows.
+    Many heads are bandwidth-bound: [32, K] tiles of 4 warps (as chain's recurrence) keep the most
+    bytes in flight per register; with a 2-byte state, [64, K] tiles move the same bytes per program.
+    Speculative verify takes the same shapes (its tile stays in registers across the S+1 tokens)."""
+    del tokens_per_seq  # same rule (measured in the verify section of the benchmark)
+    if programs <= 256:
+        return FusedDecodeConfig(block_v=min(head_dim, 8), num_warps=1)
+    if state_bytes <= 2 and programs > 1024:
+        return FusedDecodeConfig(block_v=min(head_dim, 64), num_warps=4)
     return FusedDecodeConfig(block_v=min(head_dim, 32), num_warps=4)
 
 
@@ -78,7 +81,7 @@ def split_workspace(device: torch.device, heads: int, o_elems: int) -> tuple[tor
         n_heads = max(4096, heads, bufs[0].numel() if bufs else 0)
         n_o = max(4096 * 128, o_elems, bufs[1].numel() if bufs else 0)
         new = [torch.zeros(1 << (n_heads - 1).bit_length(), dtype=torch.int32, device=device),
-               torch.empty(1 << (n_o - 1).bit_length(), dtype=torch.float32, device=device)]
+               torch.full((1 << (n_o - 1).bit_length(),), WS_SENTINEL.value, dtype=torch.int32, device=device)]
         if bufs is not None:
             _RETIRED.extend(bufs)
         _WORKSPACES[device] = bufs = new
@@ -151,7 +154,7 @@ def launch_fused_decode(
         _fail(f"recurrent_state must have K contiguous (stride 1 on the last dim), got strides {recurrent_state.stride()}")
     if weights.lower_bound is not None and not -5.0 <= weights.lower_bound < 0.0:
         _fail(f"lower_bound must lie in [-5, 0) or be None (unbounded gate), got {weights.lower_bound}")
-    cfg = config or default_config(D, tokens, N * H)
+    cfg = config or default_config(D, tokens, N * H, recurrent_state.element_size())
     block_v = cfg.block_v or D
     if block_v & (block_v - 1) or not 1 <= block_v <= D:
         _fail(f"block_v must be a power of two in [1, {D}], got {block_v}")
@@ -195,6 +198,7 @@ def launch_fused_decode(
         0.0 if lb is None else float(lb), float(weights.norm_eps),
         H=H, D=D, L=rows.shape[1], TOKENS=tokens, SCALE=D**-0.5,
         IS_SPEC=spec_state_indices is not None, BOUNDED_GATE=lb is not None,
-        BV=block_v,
+        BV=block_v, WIN_REGS=block_v <= 16 if cfg.window_regs is None else cfg.window_regs,
+        STORE_FIRST=cfg.store_first, SPIN=cfg.spin,
         num_warps=cfg.num_warps,
     )

@@ -75,6 +75,25 @@ def _l2norm(x, scale):
     return x * (tl.rsqrt(tl.sum(x * x, 0) + 1e-6) * scale)
 
 
+WS_SENTINEL: tl.constexpr = tl.constexpr(0x7FA5A5A5)  # a signalling-NaN payload: no fp32 result has it
+SPIN_LIMIT: tl.constexpr = tl.constexpr(1 << 22)  # polls (~1 s): a bound, so a broken schedule cannot hang
+
+
+@triton.jit
+def _ws_read(ptr, SPIN: tl.constexpr):
+    """A workspace row written by other programs: .cg reads from L2, never from this SM's L1; with
+    SPIN, volatile reads repeated until no element holds the sentinel."""
+    if SPIN:
+        bits = tl.load(ptr, volatile=True)
+        polls = 0
+        while (tl.sum((bits == WS_SENTINEL).to(tl.int32), 0) > 0) & (polls < SPIN_LIMIT):
+            bits = tl.load(ptr, volatile=True)
+            polls += 1
+    else:
+        bits = tl.load(ptr, cache_modifier=".cg")
+    return bits
+
+
 @triton.jit
 def _gated_norm_store(o, gate_w, out_ptr, mask, norm_eps, D: tl.constexpr):
     """out = o * rsqrt(mean(o^2) + eps) * (w * sigmoid(g2)) over the head's D outputs."""
@@ -141,12 +160,16 @@ def kda_fused_decode_kernel(
     lower_bound, norm_eps,
     H: tl.constexpr, D: tl.constexpr, L: tl.constexpr, TOKENS: tl.constexpr, SCALE: tl.constexpr,
     IS_SPEC: tl.constexpr, BOUNDED_GATE: tl.constexpr, BV: tl.constexpr,
+    WIN_REGS: tl.constexpr, STORE_FIRST: tl.constexpr, SPIN: tl.constexpr,
 ):
+    """WIN_REGS: the conv rows are rewritten from the window registers (no reload, for
+    latency-bound shapes) instead of re-read from L1/L2 (frees registers for occupancy).
+    STORE_FIRST: with SPLIT > 1, the state tile is stored before the arrival (the release then
+    waits for it) instead of after it.
+    SPIN: how a split head's programs meet (see the module docstring): False = arrival counter,
+    True = the head's highest-pid program polls the workspace row until no sentinel is left."""
     P: tl.constexpr = H * D
     SPLIT: tl.constexpr = D // BV
-    # Small tiles (latency-bound launch shapes) keep the conv windows in registers for the rewrite;
-    # larger ones re-read them there and spend the registers on occupancy.
-    WIN_REGS: tl.constexpr = BV <= 16
     pid = tl.program_id(0)
     i_v = pid % SPLIT  # V-slices of one head are neighbours: they share q/k reads in L2
     head = pid // SPLIT  # = i_n * H + i_h: the head's workspace row and counter
@@ -187,7 +210,8 @@ def kda_fused_decode_kernel(
     cs_slot = conv_state + tl.maximum(conv_slot, 0) * stride_cs_slot
     win = cs_slot + offset * stride_cs_row
     s_head = state + i_h * stride_s_h  # + slot * stride_s_slot
-    s_tile = rv[:, None] * stride_s_v + d[None, :]  # [BV, K], K contiguous: 16-byte loads along K
+    # [BV, K], K contiguous: 16-byte loads along K
+    s_tile = rv[:, None] * stride_s_v + d[None, :]
     S = tl.load(s_head + read_slot * stride_s_slot + s_tile, mask=rec_on, other=0.0).to(tl.float32)
     hq0, hq1, hq2 = _window(win + c * stride_cs_chan, stride_cs_row, conv_on)
     hk0, hk1, hk2 = _window(win + (P + c) * stride_cs_chan, stride_cs_row, conv_on)
@@ -223,15 +247,21 @@ def kda_fused_decode_kernel(
                 gate_w = _gate_w(g2 + t * stride_g2_t + i_h * stride_g2_h + d, w_norm)
             _gated_norm_store(o, gate_w, out + t * stride_o_t + i_h * stride_o_h + d, rec_on, norm_eps, D)
         else:
-            tl.store(ws_o + (head.to(tl.int64) * TOKENS + j) * D + rv, o, mask=rec_on)
+            # As int32 bits: the at-rest sentinel is a NaN payload that arithmetic never produces.
+            tl.store(ws_o + (head.to(tl.int64) * TOKENS + j) * D + rv, o.to(tl.int32, bitcast=True),
+                     mask=conv_on | rec_on)
 
-    if SPLIT > 1:
+    active = conv_on | rec_on
+    ws_row = ws_o + head.to(tl.int64) * TOKENS * D
+    if STORE_FIRST or SPLIT == 1 or SPIN:
+        if not IS_SPEC:
+            tl.store(s_head + read_slot * stride_s_slot + s_tile, S.to(state.dtype.element_ty), mask=rec_on)
+    if SPLIT > 1 and not SPIN:
         # Arrive: every thread's workspace stores (and window reads) precede thread 0's release.
-        # The state and conv stores come after it, so the release does not wait for them.
         tl.debug_barrier()
-        arrived = tl.atomic_add(ws_count + head, 1, sem="acq_rel", scope="gpu", mask=conv_on | rec_on)
-    if not IS_SPEC:
-        tl.store(s_head + read_slot * stride_s_slot + s_tile, S.to(state.dtype.element_ty), mask=rec_on)
+        arrived = tl.atomic_add(ws_count + head, 1, sem="acq_rel", scope="gpu", mask=active)
+        if not STORE_FIRST and not IS_SPEC:
+            tl.store(s_head + read_slot * stride_s_slot + s_tile, S.to(state.dtype.element_ty), mask=rec_on)
 
     # ---- conv state: this program's v channels; the q and k channels once nobody reads them ----
     _rewrite_conv(cs_slot, stride_cs_row, stride_cs_chan, qkv, stride_qkv_t, cv, conv_on, i_n, offset,
@@ -244,14 +274,30 @@ def kda_fused_decode_kernel(
         _rewrite_conv(cs_slot, stride_cs_row, stride_cs_chan, qkv, stride_qkv_t, qk, conv_on, i_n, offset,
                       hqk0, hqk1, hqk2, L, TOKENS, WIN_REGS)
     else:
-        if (arrived == SPLIT - 1) & (conv_on | rec_on):  # last of the head: all o-tiles in, all windows read
+        if SPIN:
+            # The head's highest pid finishes: its siblings have lower pids, so they were dispatched
+            # no later and never wait on anything; it polls until their o-tiles are all in (each
+            # tile's values depend on its program's q/k window reads, so those are done too).
+            finisher = (i_v == SPLIT - 1) & active
+            tl.debug_barrier()  # this program's own tile stores are performed before it polls
+        else:
+            finisher = (arrived == SPLIT - 1) & active  # last to arrive: all o-tiles in, all windows read
+        if finisher:
+            if TOKENS == 1:  # in flight together with the conv rows the rewrite re-reads
+                o_bits = _ws_read(ws_row + d, SPIN)
+            _rewrite_conv(cs_slot, stride_cs_row, stride_cs_chan, qkv, stride_qkv_t, qk, conv_on, i_n, offset,
+                          hqk0, hqk1, hqk2, L, TOKENS, WIN_REGS)
             for j in tl.static_range(TOKENS):
                 tn = i_n * TOKENS + j
                 if TOKENS > 1:
                     gate_w = _gate_w(g2 + tn * stride_g2_t + i_h * stride_g2_h + d, w_norm)
-                # .cg: from L2, never from this SM's L1 (other SMs wrote the row)
-                o_head = tl.load(ws_o + (head.to(tl.int64) * TOKENS + j) * D + d, cache_modifier=".cg")
-                _gated_norm_store(o_head, gate_w, out + tn * stride_o_t + i_h * stride_o_h + d, rec_on, norm_eps, D)
-            _rewrite_conv(cs_slot, stride_cs_row, stride_cs_chan, qkv, stride_qkv_t, qk, conv_on, i_n, offset,
-                          hqk0, hqk1, hqk2, L, TOKENS, WIN_REGS)
-            tl.store(ws_count + head, 0)  # all SPLIT arrivals are in: ready for the next launch
+                    o_bits = _ws_read(ws_row + j * D + d, SPIN)
+                _gated_norm_store(o_bits.to(tl.float32, bitcast=True), gate_w,
+                                  out + tn * stride_o_t + i_h * stride_o_h + d, rec_on, norm_eps, D)
+            # Back to rest for the next launch: every thread has read the row (barrier), then the
+            # row is refilled with the sentinel and the counter zeroed.
+            tl.debug_barrier()
+            for j in tl.static_range(TOKENS):
+                tl.store(ws_row + j * D + d, tl.full([D], WS_SENTINEL, tl.int32))
+            if not SPIN:
+                tl.store(ws_count + head, 0)
