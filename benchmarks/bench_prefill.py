@@ -163,7 +163,6 @@ def sweep_configs() -> dict:
 
 
 def run_sweep(shapes: list[str]) -> None:
-    from kdaserve.ops.chunk import kda_prefill_chunk  # noqa: F401  (the glue's conv is not swept)
     from kdaserve.ops.chunk.core import kda_chunk_core, workspace_dtype
     from kdaserve.ops.conv import causal_conv_varlen_fwd
 
