@@ -20,6 +20,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from kdaserve.ops.flash.config import CONFIG
 from kdaserve.ops.flash.correct import flash_correct_kernel
 from kdaserve.ops.flash.plan import flash_plan_kernel
 from kdaserve.ops.flash.prepare import flash_prepare_kernel
@@ -59,7 +60,8 @@ def main() -> None:
                   seg_seq_ptr=i32, seg_tok_ptr=i32, seg_end_ptr=i32, seg_chunk_ptr=i32, seq_seg0_ptr=i32)
     lines = []
 
-    k = compile_for_sm90(flash_plan_kernel, dict(tables, cu_ptr=i32), dict(C=16, BLOCK_J=128, BLOCK_N=64))
+    cfg = CONFIG
+    k = compile_for_sm90(flash_plan_kernel, dict(tables, cu_ptr=i32), dict(C=16, BLOCK_J=32, BLOCK_N=64))
     lines.append(f"plan: {ptxas_report(k)}")
 
     for C, log2c in ((16, 4), (32, 5)):
@@ -68,29 +70,34 @@ def main() -> None:
                 flash_prepare_kernel,
                 dict(**ws, **tables, qkv_ptr=bf, g1_ptr=bf, b_ptr=bf, cw_ptr=f32, cs_ptr=bf, a_log_ptr=f32, dt_bias_ptr=f32,
                      lower_bound="fp32", q_scale="fp32"),
-                dict(H=32, D=128, C=C, LOG2C=log2c, W=4, BOUNDED=bounded, PREC_TC="tf32", PREC_EXACT="tf32x3"),
+                dict(H=32, D=128, C=C, LOG2C=log2c, W=4, BOUNDED=bounded, PREC_TC="tf32", PREC_EXACT="tf32x3", FAST=True,
+                     stride_cs_ch=1, stride_g1_d=1, stride_cw_j=1),  # unit strides: what the launcher specializes
+                num_warps=cfg.prepare_warps if C == 16 else max(cfg.prepare_warps, 8),
             )
             lines.append(f"prepare C={C} bounded={bounded}: {ptxas_report(k)}")
 
     rec_types = dict(**ws, **tables, s_ptr=f32, o_ptr=bf, g2_ptr=bf, nw_ptr=f32, eps="fp32", oq_ptr=f32, bm_ptr=f32,
                      qkv_ptr=bf, cs_ptr=bf, q_off="i64")
     for C in (16, 32):
-        for seg, bv, warps in ((False, 128, 8), (True, 64, 4), (True, 128, 8)):
+        for seg, bv, warps, stages in ((False, 128, cfg.recur_warps, cfg.recur_stages),
+                                       (True, cfg.seg_block_v, cfg.seg_warps, cfg.seg_stages)):
             k = compile_for_sm90(flash_recurrence_kernel, rec_types,
-                                 dict(H=32, D=128, C=C, BV=bv, SEGMENTED=seg, L_PAD=4, PREC="tf32"),
-                                 num_warps=warps, num_stages=2)
+                                 dict(H=32, D=128, C=C, BV=bv, SEGMENTED=seg, L_PAD=4, PREC="tf32", FAST=True),
+                                 num_warps=warps, num_stages=stages)
             wg = "wgmma" if "wgmma" in k.asm["ptx"] else "mma.sync"
             lines.append(f"recurrence C={C} segmented={seg} BV={bv} warps={warps}: {ptxas_report(k)} {wg}")
 
     k = compile_for_sm90(flash_scan_kernel, dict(bm_ptr=f32, start_ptr=f32, s_ptr=f32, idx_ptr=i32, seq_seg0_ptr=i32),
-                         dict(H=32, D=128, BV=32, PREC="tf32x3"))
+                         dict(H=32, D=128, BV=cfg.scan_block_v, PREC="tf32x3"), num_warps=cfg.scan_warps,
+                         num_stages=cfg.scan_stages)
     lines.append(f"scan: {ptxas_report(k)}")
     import triton.language as tl
 
     k = compile_for_sm90(flash_correct_kernel,
                          dict(oq_ptr=f32, start_ptr=f32, o_ptr=bf, g2_ptr=bf, nw_ptr=f32, eps="fp32", cu_ptr=i32, idx_ptr=i32,
                               seg_seq_ptr=i32, seg_tok_ptr=i32, seg_end_ptr=i32, q_off="i64"),
-                         dict(H=32, D=128, C=16, CPG=8, NG=4, DOT_DTYPE=tl.float16, PREC="tf32"))
+                         dict(H=32, D=128, C=16, CPG=cfg.correct_chunks, NG=4, DOT_DTYPE=tl.float16, PREC="tf32", FAST=True),
+                         num_warps=cfg.correct_warps)
     lines.append(f"correct: {ptxas_report(k)}")
     print("\n".join(lines))
     print("ok")

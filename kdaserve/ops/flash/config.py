@@ -13,7 +13,8 @@ from dataclasses import dataclass
 @dataclass(slots=True)
 class FlashConfig:
     chunk: int = 16               # tokens per chunk (16 or 32): the serial step of the recurrence
-    prepare_warps: int = 8        # K1, one program per (chunk, head): 146 regs at 8 warps, 255 at 4
+    prepare_warps: int = 4        # K1, one program per (chunk, head): 40% fewer warp-instructions than 8
+    prepare_maxnreg: int | None = None  # cap K1's registers for more resident programs (spills)
     recur_warps: int = 8          # K2, one program per (sequence, head), the whole [V, K] state
     recur_stages: int = 2         # software-pipelined loads of the next chunk's workspace
     seg_block_v: int = 64         # rows of the state per program in the segment-map pass

@@ -11,6 +11,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kdaserve.ops.flash.fastmath import fast_sigmoid
+
 
 @triton.jit
 def flash_correct_kernel(
@@ -20,7 +22,7 @@ def flash_correct_kernel(
     nw_ptr, eps,
     cu_ptr, idx_ptr, seg_seq_ptr, seg_tok_ptr, seg_end_ptr, q_off,
     H: tl.constexpr, D: tl.constexpr, C: tl.constexpr, CPG: tl.constexpr, NG: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PREC: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PREC: tl.constexpr, FAST: tl.constexpr,
 ):
     pid = tl.program_id(0)
     gi = pid % NG
@@ -57,6 +59,6 @@ def flash_correct_kernel(
         g2 = tl.load(g2_ptr + trow * stride_g2_t + h * stride_g2_h + vrows[:, None] * stride_g2_d,
                      mask=tmask, other=0.0).to(tl.float32)
         rstd = tl.rsqrt(tl.sum(o * o, axis=0) / D + eps)
-        y = o * rstd[None, :] * nw[:, None] * tl.sigmoid(g2)
+        y = o * rstd[None, :] * nw[:, None] * fast_sigmoid(g2, FAST)
         tl.store(o_ptr + trow * stride_o_t + h * stride_o_h + vrows[:, None] * stride_o_d,
                  y.to(o_ptr.dtype.element_ty), mask=tmask)

@@ -69,6 +69,11 @@ def dot_precisions(device: torch.device, ws_dtype: torch.dtype) -> tuple[str, st
     return "tf32", "tf32x3"
 
 
+def use_fast_math(device: torch.device) -> bool:
+    """Single-instruction PTX exp/rcp (fastmath.py): NVIDIA only, never in the interpreter."""
+    return device.type == "cuda" and not torch.version.hip and not triton.knobs.runtime.interpret
+
+
 def resolve_segment_len(segment_len: int | None, T: int, N: int, H: int, D: int, chunk: int, cu_seqlens_cpu, device) -> int | None:
     """None: automatic; 0: never segment; > 0: force segments of that many tokens (tests)."""
     if segment_len is None:
@@ -99,94 +104,132 @@ def kda_prefill_flash(
     """Varlen KDA prefill (conv -> l2norm/gate/beta -> delta rule -> gated RMSNorm), the contract of
     `kda_prefill_reference`. `segment_len` (flash only) overrides the sequence-parallel choice:
     None = automatic, 0 = off, n > 0 = segments of n tokens (rounded up to the chunk size)."""
-    T, H, D = check_common(qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, out, conv_layout)
-    N = check_prefill(T, cu_seqlens, state_indices, has_initial_state)
-    check_flash_inputs(qkv, weights, recurrent_state, g1, g2, out, D)
-    if N == 0:
-        return
-    cfg = CONFIG
-    C = cfg.chunk
-    _expect(C in (16, 32), f"flash chunk size must be 16 or 32, got {C}")
-    dev = qkv.device
-    ws_dtype = torch.float32 if qkv.dtype == torch.float32 else torch.float16
-    prec_tc, prec_exact = dot_precisions(dev, ws_dtype)
-    cu = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
-    seg_len = resolve_segment_len(segment_len, T, N, H, D, C, cu_seqlens_cpu, dev)
-    plan = build_plan(cu, T, N, C, seg_len, cu_seqlens_cpu)
+    step = FlashPrefill(qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, cu_seqlens, state_indices,
+                        has_initial_state, out, conv_layout=conv_layout, cu_seqlens_cpu=cu_seqlens_cpu,
+                        segment_len=segment_len)
+    step.run()
 
-    rows = conv_state_rows(conv_state, conv_layout)
-    L = rows.shape[1]
-    cw = weights.conv_weight
-    a_log, dt_bias, nw = weights.A_log.contiguous(), weights.dt_bias.contiguous(), weights.norm_weight.contiguous()
-    g1v, g2v, outv = g1.view(T, H, D), g2.view(T, H, D), out.view(T, H, D)
-    st = recurrent_state
 
-    nc = plan.n_chunk_ids
-    ws = torch.empty(4, nc, H, C, D, dtype=ws_dtype, device=dev)
-    w_ws, u_ws, qg_ws, kd_ws = ws.unbind(0)
-    aqk_ws = torch.empty(nc, H, C, C, dtype=ws_dtype, device=dev)
-    gam_ws = torch.empty(nc, H, D, dtype=torch.float32, device=dev)
+class FlashPrefill:
+    """One prefill step: checks, plan and workspaces at construction, then one method per launch
+    (so tune.py can time each stage alone). `run()` is the whole step."""
 
-    if nc > 0:
+    def __init__(self, qkv, g1, beta_logits, g2, weights: KDAWeights, conv_state, recurrent_state, cu_seqlens,
+                 state_indices, has_initial_state, out, *, conv_layout="SD", cu_seqlens_cpu=None, segment_len=None):
+        T, H, D = check_common(qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, out, conv_layout)
+        N = check_prefill(T, cu_seqlens, state_indices, has_initial_state)
+        check_flash_inputs(qkv, weights, recurrent_state, g1, g2, out, D)
+        self.T, self.H, self.D, self.N = T, H, D, N
+        self.cfg = cfg = CONFIG
+        self.C = C = cfg.chunk
+        _expect(C in (16, 32), f"flash chunk size must be 16 or 32, got {C}")
+        if N == 0:
+            return
+        dev = qkv.device
+        self.ws_dtype = torch.float32 if qkv.dtype == torch.float32 else torch.float16
+        self.prec_tc, self.prec_exact = dot_precisions(dev, self.ws_dtype)
+        self.fast = use_fast_math(dev)
+        self.cu = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
+        self.qkv, self.beta_logits, self.weights, self.st = qkv, beta_logits, weights, recurrent_state
+        self.state_indices, self.has_initial_state = state_indices, has_initial_state
+        self.g1v, self.g2v, self.outv = g1.view(T, H, D), g2.view(T, H, D), out.view(T, H, D)
+        self.rows = conv_state_rows(conv_state, conv_layout)
+        self.nw = weights.norm_weight.contiguous()
+        seg_len = resolve_segment_len(segment_len, T, N, H, D, C, cu_seqlens_cpu, dev)
+        self.plan = build_plan(self.cu, T, N, C, seg_len, cu_seqlens_cpu)
+        self.longest = int((cu_seqlens_cpu[1:] - cu_seqlens_cpu[:-1]).max()) if cu_seqlens_cpu is not None else T
+
+        nc = self.plan.n_chunk_ids
+        self.ws = torch.empty(4, nc, H, C, D, dtype=self.ws_dtype, device=dev)  # W, U~, Qg, Kd
+        self.aqk_ws = torch.empty(nc, H, C, C, dtype=self.ws_dtype, device=dev)
+        self.gam_ws = torch.empty(nc, H, D, dtype=torch.float32, device=dev)
+        if self.plan.segmented:
+            ns = self.plan.n_seg_ids
+            self.oq = torch.empty(2, T, H, D, dtype=torch.float32, device=dev)   # o_loc, q~
+            self.bm = torch.empty(ns, 2, H, D, D, dtype=torch.float32, device=dev)  # B, M per segment
+            self.start = torch.empty(ns, H, D, D, dtype=torch.float32, device=dev)
+
+    def run(self) -> None:
+        if self.N == 0:
+            return
+        self.prepare()
+        if not self.plan.segmented:
+            self.recurrence()
+        else:
+            self.segment_maps()
+            self.scan()
+            self.correct()
+
+    def prepare(self) -> None:
+        nc, H, D, C, w = self.plan.n_chunk_ids, self.H, self.D, self.C, self.weights
+        if nc == 0:
+            return
+        lb = w.lower_bound
         flash_prepare_kernel[(nc * H,)](
-            qkv, qkv.stride(0),
-            g1v, *g1v.stride(),
-            beta_logits, *beta_logits.stride(),
-            cw, *cw.stride(),
-            rows, *rows.stride(),
-            a_log, dt_bias,
-            cu, state_indices, has_initial_state,
-            plan.chunk_seq, plan.chunk_tok,
-            w_ws, u_ws, qg_ws, kd_ws, aqk_ws, gam_ws,
-            float(weights.lower_bound if weights.lower_bound is not None else 0.0), D ** -0.5, L,
-            H=H, D=D, C=C, LOG2C=C.bit_length() - 1, W=weights.conv_width,
-            BOUNDED=weights.lower_bound is not None, PREC_TC=prec_tc, PREC_EXACT=prec_exact,
-            num_warps=cfg.prepare_warps,
+            self.qkv, self.qkv.stride(0),
+            self.g1v, *self.g1v.stride(),
+            self.beta_logits, *self.beta_logits.stride(),
+            w.conv_weight, *w.conv_weight.stride(),
+            self.rows, *self.rows.stride(),
+            w.A_log.contiguous(), w.dt_bias.contiguous(),
+            self.cu, self.state_indices, self.has_initial_state,
+            self.plan.chunk_seq, self.plan.chunk_tok,
+            *self.ws.unbind(0), self.aqk_ws, self.gam_ws,
+            float(lb if lb is not None else 0.0), D ** -0.5, self.rows.shape[1],
+            H=H, D=D, C=C, LOG2C=C.bit_length() - 1, W=w.conv_width,
+            BOUNDED=lb is not None, PREC_TC=self.prec_tc, PREC_EXACT=self.prec_exact, FAST=self.fast,
+            # chunk 32 needs 8 warps (its [32, 128] tiles spill at 4)
+            num_warps=self.cfg.prepare_warps if C == 16 else max(self.cfg.prepare_warps, 8),
+            **({"maxnreg": self.cfg.prepare_maxnreg} if self.cfg.prepare_maxnreg else {}),
         )
 
-    common = dict(H=H, D=D, C=C, L_PAD=triton.next_power_of_2(L), PREC=prec_tc)
-    recur_args = (
-        w_ws, u_ws, qg_ws, kd_ws, aqk_ws, gam_ws,
-        st, st.stride(0), st.stride(1), st.stride(2),
-        outv, *outv.stride(),
-        g2v, *g2v.stride(),
-        nw, float(weights.norm_eps),
-    )
-    tail_args = (
-        cu, state_indices, has_initial_state,
-        plan.seg_seq, plan.seg_tok, plan.seg_end, plan.seg_chunk,
-        qkv, qkv.stride(0), rows, *rows.stride(), L,
-    )
-    if not plan.segmented:
-        flash_recurrence_kernel[(plan.n_seg_ids * H,)](
-            *recur_args, ws, ws, *tail_args, 0,
-            BV=D, SEGMENTED=False, num_warps=cfg.recur_warps, num_stages=cfg.recur_stages, **common,
+    def _recurrence(self, grid, oq, bm, q_off, bv, segmented, warps, stages) -> None:
+        st, plan, L = self.st, self.plan, self.rows.shape[1]
+        flash_recurrence_kernel[grid](
+            *self.ws.unbind(0), self.aqk_ws, self.gam_ws,
+            st, st.stride(0), st.stride(1), st.stride(2),
+            self.outv, *self.outv.stride(),
+            self.g2v, *self.g2v.stride(),
+            self.nw, float(self.weights.norm_eps),
+            oq, bm,
+            self.cu, self.state_indices, self.has_initial_state,
+            plan.seg_seq, plan.seg_tok, plan.seg_end, plan.seg_chunk,
+            self.qkv, self.qkv.stride(0), self.rows, *self.rows.stride(), L, q_off,
+            H=self.H, D=self.D, C=self.C, BV=bv, SEGMENTED=segmented, L_PAD=triton.next_power_of_2(L),
+            PREC=self.prec_tc, FAST=self.fast, num_warps=warps, num_stages=stages,
         )
-        return
 
-    ns = plan.n_seg_ids
-    oq = torch.empty(2, T, H, D, dtype=torch.float32, device=dev)
-    bm = torch.empty(ns, 2, H, D, D, dtype=torch.float32, device=dev)
-    start = torch.empty(ns, H, D, D, dtype=torch.float32, device=dev)
-    bv = min(cfg.seg_block_v, D)
-    flash_recurrence_kernel[(ns * H * 2 * (D // bv),)](
-        *recur_args, oq, bm, *tail_args, T * H * D,
-        BV=bv, SEGMENTED=True, num_warps=cfg.seg_warps, num_stages=cfg.seg_stages, **common,
-    )
-    sbv = min(cfg.scan_block_v, D)
-    flash_scan_kernel[(N * H * (D // sbv),)](
-        bm, start, st, st.stride(0), st.stride(1), st.stride(2), state_indices, plan.seq_seg0,
-        H=H, D=D, BV=sbv, PREC=prec_exact, num_warps=cfg.scan_warps, num_stages=cfg.scan_stages,
-    )
-    cpg = cfg.correct_chunks
-    longest = int((cu_seqlens_cpu[1:] - cu_seqlens_cpu[:-1]).max()) if cu_seqlens_cpu is not None else T
-    ng = max(triton.cdiv(min(plan.segment_len, longest), cpg * C), 1)
-    flash_correct_kernel[(ns * H * ng,)](
-        oq, start, outv, *outv.stride(), g2v, *g2v.stride(), nw, float(weights.norm_eps),
-        cu, state_indices, plan.seg_seq, plan.seg_tok, plan.seg_end, T * H * D,
-        H=H, D=D, C=C, CPG=cpg, NG=ng, DOT_DTYPE=_tl_dtype(ws_dtype), PREC=prec_tc,
-        num_warps=cfg.correct_warps,
-    )
+    def recurrence(self) -> None:
+        """Unsegmented: one program per (sequence, head), fused norm, states in place."""
+        cfg = self.cfg
+        self._recurrence((self.plan.n_seg_ids * self.H,), self.ws, self.ws, 0, self.D, False,
+                         cfg.recur_warps, cfg.recur_stages)
+
+    def segment_maps(self) -> None:
+        cfg, D = self.cfg, self.D
+        bv = min(cfg.seg_block_v, D)
+        grid = (self.plan.n_seg_ids * self.H * 2 * (D // bv),)
+        self._recurrence(grid, self.oq, self.bm, self.T * self.H * D, bv, True, cfg.seg_warps, cfg.seg_stages)
+
+    def scan(self) -> None:
+        cfg, D, H, st = self.cfg, self.D, self.H, self.st
+        sbv = min(cfg.scan_block_v, D)
+        flash_scan_kernel[(self.N * H * (D // sbv),)](
+            self.bm, self.start, st, st.stride(0), st.stride(1), st.stride(2), self.state_indices, self.plan.seq_seg0,
+            H=H, D=D, BV=sbv, PREC=self.prec_exact, num_warps=cfg.scan_warps, num_stages=cfg.scan_stages,
+        )
+
+    def correct(self) -> None:
+        cfg, plan, H, D, C = self.cfg, self.plan, self.H, self.D, self.C
+        cpg = cfg.correct_chunks
+        ng = max(triton.cdiv(min(plan.segment_len, self.longest), cpg * C), 1)
+        flash_correct_kernel[(plan.n_seg_ids * H * ng,)](
+            self.oq, self.start, self.outv, *self.outv.stride(), self.g2v, *self.g2v.stride(), self.nw,
+            float(self.weights.norm_eps), self.cu, self.state_indices, plan.seg_seq, plan.seg_tok, plan.seg_end,
+            self.T * H * D,
+            H=H, D=D, C=C, CPG=cpg, NG=ng, DOT_DTYPE=_tl_dtype(self.ws_dtype), PREC=self.prec_tc, FAST=self.fast,
+            num_warps=cfg.correct_warps,
+        )
 
 
 def _tl_dtype(dtype: torch.dtype):

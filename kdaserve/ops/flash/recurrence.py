@@ -27,6 +27,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kdaserve.ops.flash.fastmath import fast_sigmoid
+
 
 @triton.jit
 def write_conv_state(
@@ -66,7 +68,7 @@ def flash_recurrence_kernel(
     seg_seq_ptr, seg_tok_ptr, seg_end_ptr, seg_chunk_ptr,
     qkv_ptr, stride_qkv, cs_ptr, stride_cs_slot, stride_cs_row, stride_cs_ch, L, q_off,
     H: tl.constexpr, D: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
-    SEGMENTED: tl.constexpr, L_PAD: tl.constexpr, PREC: tl.constexpr,
+    SEGMENTED: tl.constexpr, L_PAD: tl.constexpr, PREC: tl.constexpr, FAST: tl.constexpr,
 ):
     pid = tl.program_id(0)
     NV: tl.constexpr = D // BV
@@ -136,7 +138,7 @@ def flash_recurrence_kernel(
             g2 = tl.load(g2_ptr + trow * stride_g2_t + h * stride_g2_h + rows[:, None] * stride_g2_d,
                          mask=tmask, other=0.0).to(tl.float32)
             rstd = tl.rsqrt(tl.sum(Ot * Ot, axis=0) / D + eps)
-            y = Ot * rstd[None, :] * nw[:, None] * tl.sigmoid(g2)
+            y = Ot * rstd[None, :] * nw[:, None] * fast_sigmoid(g2, FAST)
             tl.store(o_ptr + trow * stride_o_t + h * stride_o_h + rows[:, None] * stride_o_d,
                      y.to(o_ptr.dtype.element_ty), mask=tmask)
 

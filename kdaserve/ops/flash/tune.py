@@ -17,6 +17,8 @@ import torch
 
 from kdaserve.ops.flash import kda_prefill_flash
 from kdaserve.ops.flash.config import CONFIG
+from kdaserve.ops.flash.plan import build_plan
+from kdaserve.ops.flash.prefill import FlashPrefill
 from kdaserve.testing.inputs import make_kda_weights
 
 SHAPES = [  # (heads, sequence lengths): the issue's goal shapes
@@ -66,17 +68,34 @@ def config(**changes):
 def variants(lens: list[int]) -> list[tuple[str, dict, int | None]]:
     longest = max(lens)
     v = [("auto", {}, None), ("no-seg", {}, 0),
-         ("k1-4warps", {"prepare_warps": 4}, 0), ("k2-3stages", {"recur_stages": 3}, 0),
-         ("chunk32", {"chunk": 32, "prepare_warps": 16}, 0),
+         ("k1-8warps", {"prepare_warps": 8}, 0), ("k2-3stages", {"recur_stages": 3}, 0),
+         ("k1-maxnreg168", {"prepare_maxnreg": 168}, 0), ("chunk32", {"chunk": 32}, 0),
          # One segment per sequence through the segmented kernels: V split over 2 programs (no
          # fused norm: o_loc in fp32, then the correction pass only normalizes).
-         ("split-v", {}, 1 << 24), ("split-v-c32", {"chunk": 32, "prepare_warps": 16}, 1 << 24)]
+         ("split-v", {}, 1 << 24), ("split-v-c32", {"chunk": 32}, 1 << 24)]
     for seg in (1024, 2048, 4096, 8192):
         if seg < longest and longest // seg <= 64:
             v.append((f"seg{seg}", {}, seg))
     if longest >= 4096:
         v.append(("seg2048-bv128", {"seg_block_v": 128, "seg_warps": 8}, 2048))
     return v
+
+
+def stages(inp: dict, segment_len: int | None) -> dict:
+    """ms of each launch of one step, each timed alone (the step's plan and workspaces reused)."""
+    import triton
+
+    step = FlashPrefill(**inp, segment_len=segment_len)
+    step.run()
+    torch.cuda.synchronize()
+    plan = lambda: build_plan(step.cu, step.T, step.N, step.C, step.plan.segment_len if step.plan.segmented else None,  # noqa: E731
+                              inp["cu_seqlens_cpu"])
+    fns = {"plan": plan, "prepare": step.prepare}
+    if step.plan.segmented:
+        fns.update(maps=step.segment_maps, scan=step.scan, correct=step.correct)
+    else:
+        fns["recurrence"] = step.recurrence
+    return {k: triton.testing.do_bench(f, warmup=5, rep=30, return_mode="median") for k, f in fns.items()}
 
 
 def main() -> None:
@@ -100,6 +119,15 @@ def main() -> None:
             rows.append((H, f"{len(lens)}x{lens[0] // 1024}K", name, ms, T / ms / 1e3))
             best = min(best or (ms, name), (ms, name))
         print(f"H={H} {len(lens)}x{lens[0]}: best {best[1]} {best[0]:.3f} ms", flush=True)
+        del inp
+        torch.cuda.empty_cache()
+    print("\nstages (ms, each launch alone, default config):")
+    for H, lens in [(64, [8192]), (64, [1024] * 8), (16, [32768])]:
+        inp = gpu_inputs(H, lens)
+        for seg in (0, None):
+            st = stages(inp, seg)
+            print(f"  H={H} {len(lens)}x{lens[0]} segment_len={seg}: " + ", ".join(f"{k} {v:.3f}" for k, v in st.items()),
+                  flush=True)
         del inp
         torch.cuda.empty_cache()
     print(f"\n{'heads':>5} {'shape':>8} {'variant':>14} {'ms':>8} {'M tok/s':>8}")
