@@ -170,7 +170,8 @@ def test_gpu_mixed_lengths_null_rows_and_split():
 def test_gpu_strided_equals_contiguous_and_no_host_sync():
     kw = dict(H=32, D=128, dtype=torch.bfloat16, conv_dtype=torch.bfloat16, device="cuda", seed=14)
     strided, contiguous = make_kda_case([300, 5, 77], strided=True, **kw), make_kda_case([300, 5, 77], strided=False, **kw)
-    run_prefill(kda_prefill_chunk, strided.clone())  # compile outside the sync check
+    # Compile outside the sync check, on other lengths so the checked call builds its own tables.
+    run_prefill(kda_prefill_chunk, make_kda_case([300, 6, 77], **kw))
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")  # any device->host sync inside the call raises
     try:
