@@ -76,7 +76,7 @@ def main() -> None:
             )
             lines.append(f"prepare C={C} bounded={bounded}: {ptxas_report(k)}")
 
-    rec_types = dict(**ws, **tables, s_ptr=f32, o_ptr=bf, g2_ptr=bf, nw_ptr=f32, eps="fp32", oq_ptr=f32, bm_ptr=f32,
+    rec_types = dict(**ws, **tables, s_ptr=f32, o_ptr=bf, g2_ptr=bf, nw_ptr=f32, eps="fp32", oq_ptr=f16, bm_ptr=f32,
                      qkv_ptr=bf, cs_ptr=bf, q_off="i64")
     for C in (16, 32):
         for seg, bv, warps, stages in ((False, 128, cfg.recur_warps, cfg.recur_stages),
@@ -94,7 +94,7 @@ def main() -> None:
     import triton.language as tl
 
     k = compile_for_sm90(flash_correct_kernel,
-                         dict(oq_ptr=f32, start_ptr=f32, o_ptr=bf, g2_ptr=bf, nw_ptr=f32, eps="fp32", cu_ptr=i32, idx_ptr=i32,
+                         dict(oq_ptr=f16, start_ptr=f32, o_ptr=bf, g2_ptr=bf, nw_ptr=f32, eps="fp32", cu_ptr=i32, idx_ptr=i32,
                               seg_seq_ptr=i32, seg_tok_ptr=i32, seg_end_ptr=i32, q_off="i64"),
                          dict(H=32, D=128, C=16, CPG=cfg.correct_chunks, NG=4, DOT_DTYPE=tl.float16, PREC="tf32", FAST=True),
                          num_warps=cfg.correct_warps)

@@ -25,11 +25,15 @@ class FlashConfig:
     scan_stages: int = 1          # the [K, K] fp32 map is 64 KB of shared memory per stage
     correct_chunks: int = 8       # chunks per program in the correction (output) pass
     correct_warps: int = 4
-    # Segmenting long sequences pays when few (sequence, head) pairs leave SMs idle.
-    seg_max_pairs: int = 96       # segment only when sequences x heads <= this
-    seg_min_len: int = 1024       # ... and the longest sequence has at least this many tokens
+    # Segmenting long sequences pays when few (sequence, head) pairs leave SMs idle; plan.py's
+    # choose_segment_len weighs it with these costs (estimates until measured with tune.py).
+    seg_min_len: int = 1024       # never segment when the longest sequence is shorter
     seg_min_tokens: int = 512     # never cut segments shorter than this
-    seg_target_programs: int = 264  # aim the segment-map pass at about this many programs
-
+    recur_ctas_per_sm: int = 1    # K2 (255 registers x 8 warps): one program per SM
+    seg_ctas_per_sm: int = 2      # map pass (254 registers x 4 warps)
+    cost_step_full_us: float = 1.0   # one chunk step of K2
+    cost_step_seg_us: float = 0.6    # one chunk step of the map pass (half the rows)
+    cost_scan_step_us: float = 2.0   # one segment of the scan
+    cost_token_head_seg_ns: float = 0.35  # o_loc + q~ round trip and the correction pass
 
 CONFIG = FlashConfig()

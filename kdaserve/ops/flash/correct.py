@@ -53,7 +53,7 @@ def flash_correct_kernel(
         tmask = (toks < tok1)[None, :]
         trow = toks.to(tl.int64)[None, :]
         row = trow * (H * D) + h * D
-        o = tl.load(oq_ptr + row + vrows[:, None], mask=tmask, other=0.0)                     # [V, C]
+        o = tl.load(oq_ptr + row + vrows[:, None], mask=tmask, other=0.0).to(tl.float32)      # [V, C]
         qt = tl.load(oq_ptr + q_off + row + kcols[:, None], mask=tmask & later, other=0.0)    # [K, C]
         o = tl.dot(St, qt.to(DOT_DTYPE), acc=o, input_precision=PREC)
         g2 = tl.load(g2_ptr + trow * stride_g2_t + h * stride_g2_h + vrows[:, None] * stride_g2_d,

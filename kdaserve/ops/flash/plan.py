@@ -132,19 +132,35 @@ def choose_segment_len(
 ) -> int | None:
     """Segment length for sequence parallelism, or None to run each sequence in one program.
 
-    Segmenting costs a second recurrence (the segment maps) and two extra passes, so it pays only
-    when sequences x heads leave most SMs idle and sequences are long."""
-    if N == 0 or N * H > cfg.seg_max_pairs:
-        return None
+    A small cost model (config.py's cost_* fields, in microseconds, from measurements): the
+    unsegmented recurrence runs its chains in ceil(pairs / slots) rounds of (chunks x step time);
+    segmenting into G pieces runs 2G - 1 chains per (sequence, head, V-slice) that are G times
+    shorter, plus G scan steps and a per-token-head cost (o_loc and q~ through the workspace and
+    the correction pass). Sequences of unknown length (no host cu_seqlens) count as equal."""
+    slots_full = num_sms * cfg.recur_ctas_per_sm
+    if N == 0 or N * H >= slots_full:
+        return None  # the unsegmented pass already has a chain for every SM
     if cu_seqlens_cpu is not None:
-        longest = int((cu_seqlens_cpu[1:] - cu_seqlens_cpu[:-1]).max())
+        lens = (cu_seqlens_cpu[1:] - cu_seqlens_cpu[:-1]).tolist()
     else:
-        longest = triton.cdiv(T, N)
+        lens = [triton.cdiv(T, N)] * N
+    longest = max(lens)
     if longest < cfg.seg_min_len:
         return None
+    chunks = [triton.cdiv(x, chunk) for x in lens]
+    unseg = max(max(chunks), triton.cdiv(sum(chunks) * H, slots_full)) * cfg.cost_step_full_us
     nv = max(D // cfg.seg_block_v, 1)
-    # The map pass runs (2G - 1) programs per (sequence, head, V-slice) for G segments.
-    G = max(triton.cdiv(triton.cdiv(cfg.seg_target_programs, N * H * nv) + 1, 2), 2)
-    seg = max(triton.cdiv(longest, G), cfg.seg_min_tokens)
-    seg = triton.cdiv(seg, chunk) * chunk
-    return seg if seg < longest else None
+    slots_seg = num_sms * cfg.seg_ctas_per_sm
+    extra = T * H * cfg.cost_token_head_seg_ns * 1e-3
+    best, best_len = unseg, None
+    for G in range(2, 129):
+        seg = triton.cdiv(triton.cdiv(longest, G), chunk) * chunk
+        if seg < cfg.seg_min_tokens:
+            break
+        pieces = [max(triton.cdiv(x, seg), 1) for x in lens]
+        programs = H * nv * sum(2 * p - 1 for p in pieces)
+        t = triton.cdiv(programs, slots_seg) * (seg // chunk) * cfg.cost_step_seg_us
+        t += max(pieces) * cfg.cost_scan_step_us + extra
+        if t < best:
+            best, best_len = t, seg
+    return best_len

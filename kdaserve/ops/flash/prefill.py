@@ -145,7 +145,7 @@ class FlashPrefill:
         self.gam_ws = torch.empty(nc, H, D, dtype=torch.float32, device=dev)
         if self.plan.segmented:
             ns = self.plan.n_seg_ids
-            self.oq = torch.empty(2, T, H, D, dtype=torch.float32, device=dev)   # o_loc, q~
+            self.oq = torch.empty(2, T, H, D, dtype=self.ws_dtype, device=dev)   # o_loc, q~ (fp16: 2^-11)
             self.bm = torch.empty(ns, 2, H, D, D, dtype=torch.float32, device=dev)  # B, M per segment
             self.start = torch.empty(ns, H, D, D, dtype=torch.float32, device=dev)
 

@@ -18,8 +18,8 @@ Two uses:
   V-slice). part 0 runs the segment from zero (from the pool for a sequence's first segment) and
   writes unnormalized outputs o_loc and its end state B; part 1 runs the same chunks from the
   identity with v = 0, which yields the segment's transition M (S_end = S_start M + B) and
-  q~_t = M_t q_t (o_t = o_loc_t + S_start q~_t). Both go to fp32 workspaces for scan.py and
-  correct.py.
+  q~_t = M_t q_t (o_t = o_loc_t + S_start q~_t). o_loc and q~ go to the 16-bit workspace, B and
+  M to fp32, for scan.py and correct.py.
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def flash_recurrence_kernel(
         trow = toks.to(tl.int64)[None, :]
         if SEGMENTED:
             oq = oq_ptr + part * q_off + trow * (H * D) + h * D + rows[:, None]
-            tl.store(oq, Ot, mask=tmask)
+            tl.store(oq, Ot.to(oq_ptr.dtype.element_ty), mask=tmask)
         else:
             g2 = tl.load(g2_ptr + trow * stride_g2_t + h * stride_g2_h + rows[:, None] * stride_g2_d,
                          mask=tmask, other=0.0).to(tl.float32)
