@@ -61,9 +61,9 @@ def dot_precisions(device: torch.device, ws_dtype: torch.dtype) -> tuple[str, st
     """(tensor-core precision, exact precision) for fp32 dot operands.
 
     fp32 workspaces (fp32 inputs, the interpreter's tests) use IEEE fp32 throughout. On NVIDIA the
-    bulk fp32 dots of K1 use tf32 (10-bit mantissa like the fp16 workspace they feed) and the small
-    precision-critical ones (the chunk inverse, the scan of segment maps) tf32x3, which is
-    fp32-accurate. ROCm's Triton has no tf32x3: IEEE there."""
+    fp32 dots of K1 use tf32 (10-bit mantissa like the fp16 workspace they feed) and the scan of
+    segment maps tf32x3, which is fp32-accurate (its start states feed every later output).
+    ROCm's Triton has no tf32x3: IEEE there."""
     if ws_dtype == torch.float32 or device.type != "cuda" or torch.version.hip:
         return "ieee", "ieee"
     return "tf32", "tf32x3"
@@ -177,7 +177,7 @@ class FlashPrefill:
             *self.ws.unbind(0), self.aqk_ws, self.gam_ws,
             float(lb if lb is not None else 0.0), D ** -0.5, self.rows.shape[1],
             H=H, D=D, C=C, LOG2C=C.bit_length() - 1, W=w.conv_width,
-            BOUNDED=lb is not None, PREC_TC=self.prec_tc, PREC_EXACT=self.prec_exact, FAST=self.fast,
+            BOUNDED=lb is not None, PREC_TC=self.prec_tc, FAST=self.fast,
             # chunk 32 needs 8 warps (its [32, 128] tiles spill at 4)
             num_warps=self.cfg.prepare_warps if C == 16 else max(self.cfg.prepare_warps, 8),
             **({"maxnreg": self.cfg.prepare_maxnreg} if self.cfg.prepare_maxnreg else {}),
