@@ -34,7 +34,7 @@ cpu_only = pytest.mark.skipif(not INTERPRET, reason="CPU tests run in Triton's i
 gpu = pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="needs a GPU without the interpreter")
 
 UNSEGMENTED = functools.partial(kda_prefill_flash, segment_len=0)
-SEGMENTED = functools.partial(kda_prefill_flash, segment_len=16)  # 16-token segments: every chunk its own
+SEGMENTED = functools.partial(kda_prefill_flash, segment_len=16)  # one chunk per segment (rounded up to it)
 
 
 def flash(segment_len):
@@ -102,18 +102,19 @@ def test_mixed_batch_equals_each_sequence_alone():
 
 
 @cpu_only
-def test_segmented_equals_unsegmented_and_chunk_32():
+def test_segmented_equals_unsegmented_and_chunk_16_equals_32():
     case = make_kda_case([50, 12], H=2, D=16, has_initial_state=[True, False], slow_decay_heads=1, seed=8)
     a, b, c = case.clone(), case.clone(), case.clone()
     out_a = run_prefill(UNSEGMENTED, a)
     out_b = run_prefill(flash(32), b)
+    other = 16 if CONFIG.chunk == 32 else 32
     old = CONFIG.chunk
-    CONFIG.chunk = 32
+    CONFIG.chunk = other
     try:
-        out_c = run_prefill(flash(32), c)
+        out_c = run_prefill(flash(16), c)
     finally:
         CONFIG.chunk = old
-    for out, x, what in ((out_b, b, "segments of 32"), (out_c, c, "chunk 32")):
+    for out, x, what in ((out_b, b, "segments of 32"), (out_c, c, f"chunk {other}, segments of 16")):
         assert_rel_close(out, out_a, 1e-5, f"{what}: output")
         assert_rel_close(x.recurrent_state, a.recurrent_state, 1e-5, f"{what}: states")
         assert torch.equal(x.conv_state, a.conv_state)

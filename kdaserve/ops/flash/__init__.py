@@ -1,6 +1,6 @@
 """`flash`: the fast KDA prefill backend (Triton), built to beat FlashKDA. Design: docs/flash-prefill.md.
 
-Two kernels do the work: a token-parallel prepare pass over 16-token chunks (conv + SiLU, l2norm,
+Two kernels do the work: a token-parallel prepare pass over 32-token chunks (conv + SiLU, l2norm,
 gate, beta and the chunk's WY factors on tensor cores, written to a compact fp16 workspace) and a
 recurrence per (sequence, head) holding the fp32 state in registers, with the gated RMSNorm fused
 into its output. When sequences x heads are too few to fill the GPU, long sequences are cut into

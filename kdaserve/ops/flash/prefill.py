@@ -121,7 +121,8 @@ class FlashPrefill:
         check_flash_inputs(qkv, weights, recurrent_state, g1, g2, out, D)
         self.T, self.H, self.D, self.N = T, H, D, N
         self.cfg = cfg = CONFIG
-        self.C = C = cfg.chunk
+        # The unbounded gate's exact in-chunk path costs O(C) per element: it keeps 16-token chunks.
+        self.C = C = cfg.chunk if weights.lower_bound is not None else 16
         _expect(C in (16, 32), f"flash chunk size must be 16 or 32, got {C}")
         if N == 0:
             return
@@ -178,8 +179,7 @@ class FlashPrefill:
             float(lb if lb is not None else 0.0), D ** -0.5, self.rows.shape[1],
             H=H, D=D, C=C, LOG2C=C.bit_length() - 1, W=w.conv_width,
             BOUNDED=lb is not None, PREC_TC=self.prec_tc, FAST=self.fast,
-            # chunk 32 needs 8 warps (its [32, 128] tiles spill at 4)
-            num_warps=self.cfg.prepare_warps if C == 16 else max(self.cfg.prepare_warps, 8),
+            num_warps=self.cfg.prepare_warps,
             **({"maxnreg": self.cfg.prepare_maxnreg} if self.cfg.prepare_maxnreg else {}),
         )
 

@@ -69,10 +69,10 @@ def variants(lens: list[int]) -> list[tuple[str, dict, int | None]]:
     longest = max(lens)
     v = [("auto", {}, None), ("no-seg", {}, 0),
          ("k1-8warps", {"prepare_warps": 8}, 0), ("k2-3stages", {"recur_stages": 3}, 0),
-         ("k1-maxnreg168", {"prepare_maxnreg": 168}, 0), ("chunk32", {"chunk": 32}, 0),
+         ("k1-maxnreg168", {"prepare_maxnreg": 168}, 0), ("chunk16", {"chunk": 16}, 0),
          # One segment per sequence through the segmented kernels: V split over 2 programs (no
          # fused norm: o_loc in fp32, then the correction pass only normalizes).
-         ("split-v", {}, 1 << 24), ("split-v-c32", {"chunk": 32}, 1 << 24)]
+         ("split-v", {}, 1 << 24), ("split-v-c16", {"chunk": 16}, 1 << 24)]
     for seg in (1024, 2048, 4096, 8192):
         if seg < longest and longest // seg <= 64:
             v.append((f"seg{seg}", {}, seg))
