@@ -30,6 +30,9 @@ from kdaserve.testing.properties import (  # noqa: E402
 )
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
+# 32-token chunks at LB = -5: entries above the diagonal of the anchored products may overflow to
+# inf (numpy warns in the interpreter); they are discarded by a select (docs/flash-prefill.md).
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in matmul", "ignore:invalid value encountered")
 cpu_only = pytest.mark.skipif(not INTERPRET, reason="CPU tests run in Triton's interpreter (TRITON_INTERPRET=1)")
 gpu = pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="needs a GPU without the interpreter")
 
