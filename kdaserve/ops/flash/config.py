@@ -33,8 +33,8 @@ class FlashConfig:
     seg_min_tokens: int = 512     # never cut segments shorter than this
     recur_ctas_per_sm: int = 1    # K2 (255 registers x 8 warps): one program per SM
     seg_ctas_per_sm: int = 2      # map pass (254 registers x 4 warps)
-    cost_step_full_us: float = 1.0   # one chunk step of K2
-    cost_step_seg_us: float = 0.6    # one chunk step of the map pass (half the rows)
+    cost_step_full_us: float = 1.4   # one chunk step of K2 (at the default 32-token chunk)
+    cost_step_seg_us: float = 0.85   # one chunk step of the map pass (half the rows)
     cost_scan_step_us: float = 2.0   # one segment of the scan
     cost_token_head_seg_ns: float = 0.35  # o_loc + q~ round trip and the correction pass
 
