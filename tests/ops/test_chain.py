@@ -134,7 +134,12 @@ def _long_decode(case, steps, tol):
     """`steps` decode steps in a row on fresh inputs (errors compound through the state): every
     step's output and the final states stay within `tol` of an fp64 reference run."""
     dev = case.qkv.device
-    ref_conv, ref_rec = case.conv_state.double(), case.recurrent_state.double()
+    ref_conv = case.conv_state.double()
+    # The reference keeps the pool's storage: with a bf16 pool it rounds the state to bf16 after
+    # every step, which is what a bf16 state means. How far that option drifts from fp32 storage
+    # over long decodes is measured by benchmarks/accuracy_bf16_state.py (2.09e-2 after 512
+    # slow-decay steps on the H200 against fp64 storage), not folded into this kernel check.
+    ref_rec = case.recurrent_state.double() if case.recurrent_state.dtype == torch.float32 else case.recurrent_state.clone()
     gen = torch.Generator(device=dev).manual_seed(41)
     P = case.H * case.D
     for step in range(steps):
