@@ -95,8 +95,9 @@ def test_split_workspace_grows_and_keeps_outgrown_buffers():
 def test_default_config_by_batch():
     """Heads are split, more finely when there are few of them (latency-bound)."""
     for tokens in (1, 4):
-        shapes = [default_config(128, tokens, nh).block_v for nh in (32, 256, 2048, 65536)]
-        assert all(b is not None and b < 128 for b in shapes) and shapes == sorted(shapes), shapes
+        for state_bytes in (4, 2):
+            shapes = [default_config(128, tokens, nh, state_bytes).block_v for nh in (32, 256, 2048, 65536)]
+            assert all(b is not None and b < 128 for b in shapes) and shapes == sorted(shapes), shapes
     assert default_config(16, 1, 32).block_v <= 16
 
 
@@ -165,6 +166,14 @@ def test_reads_the_derived_conv_weight_when_set():
         check_decode_matches_reference(kda_decode_fused, stale, 1e-5)
     assert fused_conv_weight_layout(case.weights.conv_weight, out=buf).data_ptr() == addr
     check_decode_matches_reference(kda_decode_fused, case, 1e-5)
+
+
+def test_empty_step_is_a_no_op():
+    """T = 0 passes the shared checks (kdaserve/ops/checks.py) and launches nothing."""
+    case = make_kda_case([], **SMALL)
+    before = case.recurrent_state.clone(), case.conv_state.clone()
+    run_decode(kda_decode_fused, case)
+    assert torch.equal(before[0], case.recurrent_state) and torch.equal(before[1], case.conv_state)
 
 
 def test_conv_weight_layout_values():

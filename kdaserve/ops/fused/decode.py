@@ -29,36 +29,46 @@ IO_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 class FusedDecodeConfig:
     """Launch shape. Each program owns `block_v` V rows of one head's state (None = all D rows:
     one program per head, no workspace); D // block_v programs share a head through the split
-    workspace (split_workspace)."""
+    workspace (split_workspace). default_config says which shapes the measurements chose."""
 
     block_v: int | None = None
     num_warps: int = 4
-    # Split shapes only (benchmark knobs; None/False = the measured default):
+    # Knobs of split shapes (benchmarks/bench_decode.py sweeps them):
     window_regs: bool | None = None  # conv rows rewritten from registers, not re-read (None: block_v <= 16)
-    store_first: bool = False  # store the state tile before the arrival (the release then waits for it)
-    spin: bool = False  # the head's last pid polls the workspace instead of an arrival counter
+    store_first: bool = False  # counter only: store the state tile before the arrival (the release waits for it)
+    spin: bool = False  # meet by the head's last pid polling the workspace (else an arrival counter)
 
 
 def default_config(head_dim: int, tokens_per_seq: int, programs: int, state_bytes: int = 4) -> FusedDecodeConfig:
     """Launch shape by the number of heads in the step (`programs` = N*H) and the state's element
-    size, from the H200 sweep of benchmarks/bench_decode.py (docs/fused-decode.md, "Performance").
-    Few heads are latency-bound: their rows are spread over many one-warp programs of 8 rows.
-    Many heads are bandwidth-bound: [32, K] tiles of 4 warps (as chain's recurrence) keep the most
-    bytes in flight per register; with a 2-byte state, [64, K] tiles move the same bytes per program.
-    Speculative verify takes the same shapes (its tile stays in registers across the S+1 tokens)."""
-    del tokens_per_seq  # same rule (measured in the verify section of the benchmark)
-    if programs <= 256:
-        return FusedDecodeConfig(block_v=min(head_dim, 8), num_warps=1)
-    if state_bytes <= 2 and programs > 1024:
-        return FusedDecodeConfig(block_v=min(head_dim, 64), num_warps=4)
-    return FusedDecodeConfig(block_v=min(head_dim, 32), num_warps=4)
+    size, from the H200 sweep of benchmarks/bench_decode.py (docs/perf-notes.md, 2026-11-30):
+    - few heads are latency-bound: each head's rows go to D/8 one-warp programs (fp32: up to 512
+      heads, bf16: up to 128), conv windows kept in registers;
+    - many heads are bandwidth-bound: [64, K] tiles of 4 warps for an fp32 state, [32, K] for a
+      2-byte one (the most state bytes in flight per SM in the sweep);
+    - speculative verify: one-warp [8, K] tiles up to 128 heads, else [32, K] (its tile stays in
+      registers across the S+1 tokens, so [64, K] would not fit).
+    Every split head meets by polling (spin=True): 5-10% faster than the arrival counter at every
+    N in the sweep."""
+    if tokens_per_seq > 1:
+        if programs <= 128:
+            return FusedDecodeConfig(block_v=min(head_dim, 8), num_warps=1, spin=True)
+        return FusedDecodeConfig(block_v=min(head_dim, 32), num_warps=4, spin=True)
+    if programs <= (512 if state_bytes >= 4 else 128):
+        return FusedDecodeConfig(block_v=min(head_dim, 8), num_warps=1, spin=True)
+    if state_bytes >= 4:
+        return FusedDecodeConfig(block_v=min(head_dim, 64), num_warps=4, spin=True)
+    return FusedDecodeConfig(block_v=min(head_dim, 32), num_warps=4, spin=True)
 
 
 # ---- split workspace -------------------------------------------------------------------------
-# When D // block_v > 1 programs share a head, each writes its fp32 o-tile into `o` and bumps the
-# head's int32 counter; the last one normalizes and resets the counter to 0. Rules:
-# - Between launches every counter is 0 (each launch leaves them so), so no memset launch is needed
-#   and the buffers stay valid inside CUDA graphs.
+# When D // block_v > 1 programs share a head, each writes its fp32 o-tile (as int32 bits) into the
+# head's row of `o`; the program that finishes the head (the last to bump the head's counter, or
+# with spin the head's highest pid, polling the row) normalizes, then puts the row back to rest.
+# Rules:
+# - At rest (between launches) every counter is 0 and every `o` element holds WS_SENTINEL (each
+#   launch leaves them so), so no memset launch is needed and the buffers stay valid inside CUDA
+#   graphs.
 # - Buffers are per device, grown (geometrically) only outside CUDA-graph capture, and never freed:
 #   a captured graph keeps the addresses it recorded, and an outgrown buffer (all counters 0) stays
 #   alive for it. Warm up once eagerly at the largest batch before capturing (the engine does).

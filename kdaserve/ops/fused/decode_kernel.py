@@ -9,14 +9,22 @@ need nothing from each other; what they share is:
 - q and k: every program recomputes the head's conv + SiLU + l2norm of q and k and the gate (a few
   KB of L1/L2 reads against the 2 * BV * K * 4 bytes of state it moves) instead of a second launch;
 - the gated RMSNorm, which needs all V outputs of the head. With SPLIT == 1 the program has them.
-  With SPLIT > 1 each program writes its fp32 o-tile into a workspace row of the head, then
-  increments the head's arrival counter (acq_rel, after a CTA barrier so every thread's stores are
-  ordered before it); the program that arrives last reads the whole row and writes the normalized
-  output, then resets the counter to 0, so the counters are all 0 between launches (no memset
-  launch; CUDA-graph safe). decode.py owns the workspace and its rules.
-- the conv window of the head's q and k channels: all SPLIT programs read it, so only the
-  last-arriving program rewrites it (by then every program has read it: their reads precede their
-  release). Each program rewrites its own v channels' window.
+  With SPLIT > 1 each program writes its fp32 o-tile (as int32 bits) into the head's workspace row,
+  and one program of the head *finishes* it: reads the whole row, writes the normalized output,
+  rewrites the q/k conv window and puts the row back to rest (all WS_SENTINEL). Two ways to pick it:
+  * SPIN = False (arrival counter): after a CTA barrier (every thread's stores precede it) each
+    program bumps the head's counter (acq_rel); the one that sees SPLIT-1 finishes and zeroes the
+    counter. No waiting anywhere, but every program pays a fence and an atomic round trip.
+  * SPIN = True (polling): the head's highest pid finishes; it polls the row (volatile loads) until
+    no sentinel is left. The other programs just store and exit. This relies on the hardware
+    dispatching a 1D grid's programs in pid order, so that the siblings a finisher waits for (lower
+    pids) are already running and never wait themselves (the assumption CUTLASS's serial split-K and
+    stream-K make). SPIN_LIMIT bounds the polling: a schedule that broke the assumption would give
+    NaN outputs for that head after ~seconds instead of a hang.
+- the conv window of the head's q and k channels: all SPLIT programs read it, so only the finisher
+  rewrites it, after it knows every sibling is done (counter: their reads precede their release;
+  polling: each sibling's o values depend on its window reads, so those were complete before its
+  o-tile could be stored). Each program rewrites its own v channels' window.
 
 Why one pass over the state suffices: with S' = S * exp(gk) (decay along K),
     u = beta * (v - S' k),   S'' = S' + u k^T,   o = S'' q = S' q + u (k . q),
