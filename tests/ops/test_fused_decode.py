@@ -204,7 +204,7 @@ def test_bad_inputs_raise_clear_errors():
         kda_decode_fused(out=out.transpose(1, 2).contiguous().transpose(1, 2), **args)
     with pytest.raises(ValueError, match="block_v must be a power of two"):
         launch_fused_decode(FusedDecodeConfig(block_v=12), out=out, **args)
-    case3, spec, acc = _spec_case(2, 1, seed=9, **SMALL)
+    case3, _, _ = _spec_case(2, 1, seed=9, **SMALL)
     with pytest.raises(ValueError, match="one token per sequence"):
         kda_decode_fused(out=case3.new_out(), **case3.decode_args())
 

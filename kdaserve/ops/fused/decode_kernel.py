@@ -261,9 +261,8 @@ def kda_fused_decode_kernel(
 
     active = conv_on | rec_on
     ws_row = ws_o + head.to(tl.int64) * TOKENS * D
-    if STORE_FIRST or SPLIT == 1 or SPIN:
-        if not IS_SPEC:
-            tl.store(s_head + read_slot * stride_s_slot + s_tile, S.to(state.dtype.element_ty), mask=rec_on)
+    if (STORE_FIRST or SPLIT == 1 or SPIN) and not IS_SPEC:  # (verify stored per token above)
+        tl.store(s_head + read_slot * stride_s_slot + s_tile, S.to(state.dtype.element_ty), mask=rec_on)
     if SPLIT > 1 and not SPIN:
         # Arrive: every thread's workspace stores (and window reads) precede thread 0's release.
         tl.debug_barrier()
