@@ -39,6 +39,9 @@ class FusedDecodeConfig:
     spin: bool = False  # meet by the head's last pid polling the workspace (else an arrival counter)
 
 
+MEET_BY_POLLING = False
+
+
 def default_config(head_dim: int, tokens_per_seq: int, programs: int, state_bytes: int = 4) -> FusedDecodeConfig:
     """Launch shape by the number of heads in the step (`programs` = N*H) and the state's element
     size, from the H200 sweep of benchmarks/bench_decode.py (docs/perf-notes.md, 2026-11-30):
@@ -48,17 +51,20 @@ def default_config(head_dim: int, tokens_per_seq: int, programs: int, state_byte
       2-byte one (the most state bytes in flight per SM in the sweep);
     - speculative verify: one-warp [8, K] tiles up to 128 heads, else [32, K] (its tile stays in
       registers across the S+1 tokens, so [64, K] would not fit).
-    Every split head meets by polling (spin=True): 5-10% faster than the arrival counter at every
-    N in the sweep."""
+    Split heads meet by the arrival counter (MEET_BY_POLLING = False). Polling was 5-10% faster in
+    the H200 sweep, but it assumes programs of a 1-D grid are dispatched in order (a waiting
+    program must never block the launch of a sibling it waits for), which no vendor guarantees:
+    a serving runtime that may hang or emit NaN on another GPU or driver is not worth 5-10%.
+    Set it to True only on hardware where that assumption is known to hold."""
     if tokens_per_seq > 1:
         if programs <= 128:
-            return FusedDecodeConfig(block_v=min(head_dim, 8), num_warps=1, spin=True)
-        return FusedDecodeConfig(block_v=min(head_dim, 32), num_warps=4, spin=True)
+            return FusedDecodeConfig(block_v=min(head_dim, 8), num_warps=1, spin=MEET_BY_POLLING)
+        return FusedDecodeConfig(block_v=min(head_dim, 32), num_warps=4, spin=MEET_BY_POLLING)
     if programs <= (512 if state_bytes >= 4 else 128):
-        return FusedDecodeConfig(block_v=min(head_dim, 8), num_warps=1, spin=True)
+        return FusedDecodeConfig(block_v=min(head_dim, 8), num_warps=1, spin=MEET_BY_POLLING)
     if state_bytes >= 4:
-        return FusedDecodeConfig(block_v=min(head_dim, 64), num_warps=4, spin=True)
-    return FusedDecodeConfig(block_v=min(head_dim, 32), num_warps=4, spin=True)
+        return FusedDecodeConfig(block_v=min(head_dim, 64), num_warps=4, spin=MEET_BY_POLLING)
+    return FusedDecodeConfig(block_v=min(head_dim, 32), num_warps=4, spin=MEET_BY_POLLING)
 
 
 # ---- split workspace -------------------------------------------------------------------------
