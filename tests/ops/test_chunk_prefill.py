@@ -23,6 +23,7 @@ from kdaserve.testing.properties import (  # noqa: E402
     check_prefill_matches_reference,
     check_split_prefill,
     run_prefill,
+    to_fp64,
     valid_rows,
 )
 
@@ -183,15 +184,47 @@ def test_gpu_strided_equals_contiguous_and_no_host_sync():
 
 
 def _fp32_ground_truth(case):
-    """The reference's chunk-64 form in fp32 on the GPU (fp64 tensors of a 128K case would not fit)."""
+    """The reference's chunk-64 form in fp32 (fp64 tensors of a 128K case would not fit the GPU),
+    with exact fp32 matmuls, on copies of the case's pools that it advances to their final states.
+
+    Every conversion starts from the clone's own tensors: `.float()` of an fp32 tensor is the
+    tensor itself, so converting the *case's* fp32 state pool would let the reference write its
+    final state into the pool the backend then starts from."""
     ref = case.clone()
     P = case.H * case.D
-    ref.proj = case.proj.float()
+    ref.proj = ref.proj.float()
     ref.qkv, ref.beta_logits = ref.proj[:, : 3 * P], ref.proj[:, 3 * P : 3 * P + case.H]
-    ref.g1, ref.g2 = case.g1.float(), case.g2.float()
-    ref.conv_state, ref.recurrent_state = case.conv_state.float(), case.recurrent_state.float()
-    out = run_prefill(functools.partial(kda_prefill_reference, chunk_size=64), ref, out_dtype=torch.float32)
+    ref.g1, ref.g2 = case.g1.to(torch.float32, copy=True), case.g2.to(torch.float32, copy=True)
+    ref.conv_state, ref.recurrent_state = ref.conv_state.float(), ref.recurrent_state.float()
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")  # no tf32 in the ground truth, whatever ran before
+    try:
+        out = run_prefill(functools.partial(kda_prefill_reference, chunk_size=64), ref, out_dtype=torch.float32)
+    finally:
+        torch.set_float32_matmul_precision(precision)
     return ref, out
+
+
+def test_fp32_ground_truth_runs_on_copies_of_the_pools():
+    """The 128K test's ground truth must leave the case's pools as they were: `.float()` of an fp32
+    pool is the pool itself, so converting the case's state with it let the reference write its
+    final state into the pool the kernel then started from (128K on the GPU: 2.6e-2 / 3.0e-2 output
+    error, none of it the kernel's). Reference runs only, no kernels: fast on CPU."""
+    case = make_kda_case([70], H=2, D=16, dtype=torch.bfloat16, conv_dtype=torch.bfloat16, slow_decay_heads=1,
+                         has_initial_state=True, seed=16)
+    assert case.recurrent_state.dtype == torch.float32  # the pool dtype where the alias happened
+    before_rec, before_conv = case.recurrent_state.clone(), case.conv_state.clone()
+    ref, ref_out = _fp32_ground_truth(case)
+    assert torch.equal(case.recurrent_state, before_rec), "the ground truth wrote into the case's state pool"
+    assert torch.equal(case.conv_state, before_conv), "the ground truth wrote into the case's conv pool"
+    # ... while its own copies did advance, and agree with the fp64 reference.
+    slot = case.state_indices.tolist()
+    assert not torch.equal(ref.recurrent_state[slot], before_rec[slot])
+    ref64 = to_fp64(case)
+    out64 = run_prefill(functools.partial(kda_prefill_reference, chunk_size=64), ref64, out_dtype=torch.float64)
+    assert_rel_close(ref_out, out64, tolerance_for(torch.float32), "fp32 ground truth output")
+    assert_rel_close(ref.recurrent_state[slot], ref64.recurrent_state[slot], tolerance_for(torch.float32),
+                     "fp32 ground truth state")
 
 
 @pytest.mark.gpu
@@ -200,11 +233,13 @@ def _fp32_ground_truth(case):
 def test_gpu_128k_token_sequence(gate):
     case = make_kda_case([131072], H=32, D=128, dtype=torch.bfloat16, gate=gate, slow_decay_heads=4,
                          conv_dtype=torch.bfloat16, has_initial_state=True, device="cuda", seed=15)
+    slot = case.state_indices.tolist()
+    initial = case.recurrent_state[slot].clone()
     ref, ref_out = _fp32_ground_truth(case)
+    assert torch.equal(case.recurrent_state[slot], initial), "the ground truth wrote into the backend's pool"
     out = run_prefill(kda_prefill_chunk, case)
     rows = valid_rows(case)
     assert_rel_close(out[rows], ref_out[rows], GPU_TOL, "128K output")
-    slot = case.state_indices.tolist()
     assert_rel_close(case.recurrent_state[slot], ref.recurrent_state[slot], GPU_TOL, "128K final state")
     # The slow-decay heads carry the whole context: hold them to the same bound on their own.
     slow = slice(case.H - 4, case.H)
