@@ -17,12 +17,14 @@ from kdaserve.ops.types import conv_state_rows
 
 def to_fp64(case: KDACase) -> KDACase:
     """The same case in fp64 (views kept as views), for ground-truth reference runs."""
+    # Convert the clone's own tensors: `.double()` of an fp64 tensor is the tensor itself, and the
+    # reference run must never write into the caller's pools.
     c = case.clone()
-    c.proj = case.proj.double()
+    c.proj = c.proj.double()
     P = case.H * case.D
     c.qkv, c.beta_logits = c.proj[:, : 3 * P], c.proj[:, 3 * P : 3 * P + case.H]
     c.g1, c.g2 = case.g1.double(), case.g2.double()
-    c.conv_state, c.recurrent_state = case.conv_state.double(), case.recurrent_state.double()
+    c.conv_state, c.recurrent_state = c.conv_state.double(), c.recurrent_state.double()
     return c
 
 

@@ -141,3 +141,13 @@ def test_empty_step_is_a_no_op():
     run_prefill(kda_prefill_reference, case)
     run_decode(kda_decode_reference, case)
     assert torch.equal(before, case.recurrent_state)
+
+
+def test_to_fp64_never_aliases_the_callers_pools():
+    """The fp64 ground truth runs on copies, even for a case that is already fp64."""
+    from kdaserve.testing.properties import to_fp64
+
+    case = make_kda_case([5], **F64)
+    ref = to_fp64(case)
+    assert ref.recurrent_state.data_ptr() != case.recurrent_state.data_ptr()
+    assert ref.conv_state.data_ptr() != case.conv_state.data_ptr()
