@@ -50,7 +50,7 @@ def decode_attention(
     blocks: the Triton kernel on GPUs (cost follows the real context), else plain torch."""
     D = q.shape[-1]
     if q.is_cuda and D >= 16 and D & (D - 1) == 0:
-        from kdaserve.layers.paged_decode_attention import paged_decode_attention_triton
+        from kdaserve.ops.attention.paged_decode import paged_decode_attention_triton
 
         return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale)
     return decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens, scale)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from kdaserve.ops.checks import check_common, check_prefill
-from kdaserve.ops.chunk import interpreter_compat
+from kdaserve.ops import interpreter_compat
 from kdaserve.ops.chunk.core import CHUNK, SUPPORTED_DTYPES, kda_chunk_core, workspace_dtype
 from kdaserve.ops.conv import causal_conv_varlen_fwd
 from kdaserve.ops.types import KDAWeights

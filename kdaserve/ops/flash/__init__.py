@@ -18,7 +18,7 @@ FLASH_REQUIREMENTS (for the backend registry):
 - varlen without a host sync; `cu_seqlens_cpu` only sharpens the grid sizes.
 """
 
-from kdaserve.ops.flash import interpreter_compat
+from kdaserve.ops import interpreter_compat
 from kdaserve.ops.flash.prefill import HEAD_DIMS, INPUT_DTYPES, kda_prefill_flash
 
 interpreter_compat.install()

@@ -1,10 +1,10 @@
-"""Lets Triton 3.6's interpreter run a loop whose bound is a loaded value (CPU tests only).
+"""Lets Triton 3.6's interpreter run loops whose bound is a tensor (CPU tests only).
 
-The state pass walks a sequence's chunks with `for ic in range(num_chunks)`, `num_chunks` read from
-cu_seqlens on the device. The interpreter holds scalars as shape-(1,) numpy arrays and converts them
-with `int(array)`, which numpy >= 2.4 refuses. The fix converts through the first element; it is
-the same patch as kdaserve.ops.flash.interpreter_compat (the shared marker makes installing both a
-no-op) and touches nothing when kernels are compiled.
+The interpreter holds every scalar as a shape-(1,) numpy array and turns it into a Python int with
+`int(array)`, which numpy >= 2.4 refuses ("only 0-dimensional arrays can be converted"). So
+`for c in range(n)` with a loaded or computed `n` fails there, while it compiles fine for GPUs.
+This wraps the interpreter's tensor patching to convert through the first element. Installed when
+TRITON_INTERPRET is on; it changes nothing for compiled kernels.
 """
 
 from __future__ import annotations

@@ -15,25 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-def _interpreter_loop_fix() -> None:
-    """Triton 3.6's interpreter turns a tensor loop bound into an int with `int(array)` on a
-    shape-(1,) array, which numpy >= 2.4 refuses; convert through `.reshape(-1)[0]` instead.
-    CPU tests only: compiled kernels are unaffected. (kdaserve/ops/flash carries the same fix.)"""
-    if not triton.knobs.runtime.interpret:
-        return
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-    if getattr(original, "_kdaserve_index_fix", False):
-        return
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched._kdaserve_index_fix = True
-    interpreter._patch_lang_tensor = patched
+from kdaserve.ops import interpreter_compat
 
 
 @triton.jit
@@ -91,7 +73,7 @@ def paged_decode_attention_triton(
         )
     if D & (D - 1) or D < 16:
         raise ValueError(f"paged decode attention needs a power-of-two head_dim >= 16, got {D}")
-    _interpreter_loop_fix()
+    interpreter_compat.install()
     q = q if q.stride(2) == 1 else q.contiguous()
     out = torch.empty_like(q)
     G = Hq // Hkv

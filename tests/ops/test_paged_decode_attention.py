@@ -31,7 +31,7 @@ def _case(device, dtype, Hq=8, Hkv=2, D=16, BS=16, NB=24, seed=0):
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 on the CPU")
 def test_kernel_matches_torch_in_the_interpreter():
-    from kdaserve.layers.paged_decode_attention import paged_decode_attention_triton
+    from kdaserve.ops.attention.paged_decode import paged_decode_attention_triton
 
     q, k, v, tables, lens = _case("cpu", torch.float32)
     got = paged_decode_attention_triton(q, k, v, tables, lens, 0.3)
@@ -43,7 +43,7 @@ def test_kernel_matches_torch_in_the_interpreter():
 @pytest.mark.gpu
 @pytest.mark.parametrize("D, Hq, Hkv", [(128, 16, 4), (64, 8, 8), (16, 4, 2)])
 def test_kernel_matches_torch_on_gpu(D, Hq, Hkv):
-    from kdaserve.layers.paged_decode_attention import paged_decode_attention_triton
+    from kdaserve.ops.attention.paged_decode import paged_decode_attention_triton
 
     q, k, v, tables, lens = _case("cuda", torch.bfloat16, Hq=Hq, Hkv=Hkv, D=D)
     got = paged_decode_attention_triton(q, k, v, tables, lens, D**-0.5)

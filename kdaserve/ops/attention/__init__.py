@@ -1,0 +1,1 @@
+"""Kernels of the full-attention layers (the KDA layers' neighbours in a hybrid model)."""
