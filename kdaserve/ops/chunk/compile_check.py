@@ -9,47 +9,22 @@ logits and output, fp32 state pool. Must run without TRITON_INTERPRET.
 
 from __future__ import annotations
 
-import inspect
-import os
-import re
-import subprocess
-import tempfile
-
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-
 from kdaserve.ops.chunk.core import CHUNK, DEFAULT_CONFIG
 from kdaserve.ops.chunk.gate import chunk_gate_cumsum_kernel
 from kdaserve.ops.chunk.intra import BC, chunk_intra_kernel
 from kdaserve.ops.chunk.output import chunk_output_norm_kernel
 from kdaserve.ops.chunk.state import chunk_state_pass_kernel
+from kdaserve.ops.sm90_compile import ARCH
+from kdaserve.ops.sm90_compile import compile_for_sm90 as _compile
+from kdaserve.ops.sm90_compile import ptxas_report  # noqa: F401  (re-exported for callers)
 
-ARCH = 90
+# Row strides the launcher sees divisible by 16 in a serving step (pointers always are).
+_DIV16_STRIDES = ("stride_y", "stride_b_t", "stride_g1_t", "stride_g2_t", "stride_o_t", "stride_p_slot")
 
 
 def compile_for_sm90(fn, types: dict, constexprs: dict, num_warps: int, num_stages: int = 2):
-    params = list(inspect.signature(fn.fn).parameters)
-    sig = {p: "constexpr" if p in constexprs else types.get(p, "i32") for p in params}
-    # What the launcher specializes at run time: 16-byte aligned pointers, row strides divisible by 16.
-    div16 = [p for p in params if p not in constexprs and (sig[p].startswith("*") or p in ("stride_y", "stride_b_t",
-                                                                                          "stride_g1_t", "stride_g2_t",
-                                                                                          "stride_o_t", "stride_p_slot"))]
-    src = ASTSource(fn, sig, constexprs={(params.index(k),): v for k, v in constexprs.items()},
-                    attrs={(params.index(p),): [["tt.divisibility", 16]] for p in div16})
-    return triton.compile(src, target=GPUTarget("cuda", ARCH, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
-
-
-def ptxas_report(kernel) -> str:
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(kernel.asm["ptx"])
-    r = subprocess.run([ptxas, f"-arch=sm_{ARCH}a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True)
-    os.unlink(f.name)
-    out = r.stdout + r.stderr
-    regs = re.search(r"Used (\d+) registers", out)
-    spill = re.search(r"(\d+) bytes spill stores", out)
-    return f"regs={regs.group(1) if regs else '?'} spill_st={spill.group(1) if spill else '?'} smem={kernel.metadata.shared}"
+    return _compile(fn, types, constexprs, num_warps, num_stages,
+                    divisible=lambda name, ty: ty.startswith("*") or name in _DIV16_STRIDES)
 
 
 def main(H: int = 32, D: int = 128) -> None:

@@ -9,16 +9,9 @@ Must run without TRITON_INTERPRET.
 
 from __future__ import annotations
 
-import inspect
-import os
-import re
-import subprocess
 import sys
-import tempfile
 
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 from kdaserve.ops.flash.config import CONFIG
 from kdaserve.ops.flash.correct import flash_correct_kernel
@@ -26,32 +19,7 @@ from kdaserve.ops.flash.plan import flash_plan_kernel
 from kdaserve.ops.flash.prepare import flash_prepare_kernel
 from kdaserve.ops.flash.recurrence import flash_recurrence_kernel
 from kdaserve.ops.flash.scan import flash_scan_kernel
-
-ARCH = 90
-
-
-def compile_for_sm90(fn, types: dict, constexprs: dict, num_warps: int = 4, num_stages: int = 3):
-    params = list(inspect.signature(fn.fn).parameters)
-    sig = {p: "constexpr" if p in constexprs else types.get(p, "i32") for p in params}
-    # What the launcher specializes at run time: 16-aligned pointers and strides divisible by 16.
-    div16 = [p for p in params if p not in constexprs and (types.get(p, "").startswith("*") or p.startswith("stride"))]
-    src = ASTSource(fn, sig, constexprs={(params.index(k),): v for k, v in constexprs.items()},
-                    attrs={(params.index(p),): [["tt.divisibility", 16]] for p in div16})
-    return triton.compile(src, target=GPUTarget("cuda", ARCH, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
-
-
-def ptxas_report(kernel) -> str:
-    """'regs=.. spill=.. smem=..' from ptxas -v on the kernel's PTX."""
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(kernel.asm["ptx"])
-    r = subprocess.run([ptxas, f"-arch=sm_{ARCH}a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True)
-    os.unlink(f.name)
-    out = r.stdout + r.stderr
-    regs = re.search(r"Used (\d+) registers", out)
-    spill = re.search(r"(\d+) bytes spill stores", out)
-    return f"regs={regs.group(1) if regs else '?'} spill_st={spill.group(1) if spill else '?'} smem={kernel.metadata.shared}"
-
+from kdaserve.ops.sm90_compile import compile_for_sm90, ptxas_report
 
 def main() -> None:
     f16, bf, f32, i32, b1 = "*fp16", "*bf16", "*fp32", "*i32", "*i1"
