@@ -106,4 +106,11 @@ def check_decode(
         conv_rows >= conv_width - 1 + S1 - 1,
         f"a conv state of {conv_rows} rows cannot hold W-1+S = {conv_width - 1 + S1 - 1} rows for S = {S1 - 1} drafts",
     )
+    # After a step that accepted 1 token the window starts at history row 0, so the S+1 new rows
+    # must refill the whole state; fewer would leave rows a kernel reads from outside the slot.
+    _expect(
+        conv_rows <= conv_width - 1 + S1,
+        f"a conv state of {conv_rows} rows (a pool sized for S = {conv_rows - (conv_width - 1)} drafts) needs "
+        f"S+1 = {conv_rows - (conv_width - 1) + 1} tokens per sequence in a speculative step, got S+1 = {S1}",
+    )
     return N, S1

@@ -209,6 +209,20 @@ def test_bad_inputs_raise_clear_errors():
         kda_decode_fused(out=case3.new_out(), **case3.decode_args())
 
 
+def test_spec_step_with_fewer_drafts_than_the_conv_pool_holds_is_refused():
+    """S+1 = 2 tokens cannot refill a conv state sized for S = 3 drafts (6 rows): the window would
+    start before the slot's first row (reading the neighbouring slot). The reference refuses it;
+    so must the fused kernel's entry point, before anything is written."""
+    case = make_kda_case([2, 2], spec_tokens=3, extra_slots=12, seed=3, **SMALL)
+    used = set(case.state_indices.tolist())
+    spec = torch.tensor([s for s in range(1, 20) if s not in used][:4], dtype=torch.int32).view(2, 2).to(DEV)
+    accepted = torch.ones(2, dtype=torch.int32, device=DEV)
+    conv0, rec0 = case.conv_state.clone(), case.recurrent_state.clone()
+    with pytest.raises(ValueError, match=r"S\+1 = 4 tokens"):
+        kda_decode_fused(out=case.new_out(), **case.decode_args(), spec_state_indices=spec, num_accepted_tokens=accepted)
+    assert torch.equal(case.conv_state, conv0) and torch.equal(case.recurrent_state, rec0)
+
+
 # ---------------------------------------------------------------- GPU only
 
 GPU_SHAPE = dict(H=16, D=128, device="cuda")
