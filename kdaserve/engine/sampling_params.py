@@ -40,8 +40,10 @@ class SamplingParams:
         self.top_p = float(self.top_p)
         if not _is_int(self.top_k) or self.top_k < -1:
             _fail("top_k", self.top_k, "an integer >= 1, or 0 / -1 for no top-k")
-        if self.seed is not None and not _is_int(self.seed):
-            _fail("seed", self.seed, "an integer or None")
+        # torch.Generator.manual_seed takes [-2**63, 2**64); past that it raises inside a step,
+        # which would fail every request of that step.
+        if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**64):
+            _fail("seed", self.seed, "None or an integer in [-2**63, 2**64)")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.stop is None:

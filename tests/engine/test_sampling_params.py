@@ -25,6 +25,8 @@ def test_stop_string_becomes_list():
         (dict(top_p=1.5), "top_p"),
         (dict(top_k=-2), "top_k"),
         (dict(seed="x"), "seed"),
+        (dict(seed=2**64), "seed"),           # torch.Generator.manual_seed would raise inside a step
+        (dict(seed=-(2**63) - 1), "seed"),
         (dict(stop=[""]), "stop"),
         (dict(stop=[1]), "stop"),
         (dict(stop_token_ids=[-1]), "stop_token_ids"),

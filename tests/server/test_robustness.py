@@ -115,6 +115,7 @@ BAD_COMPLETIONS = [
     ({"prompt": [1, "a"]}, "prompt"),
     ({"prompt": [1, 10**9]}, None),
     ({"prompt": "x", "stop": [""]}, "stop"),
+    ({"prompt": "x", "seed": 2**64}, "seed"),   # once failed the whole engine step (500 for everyone)
     ({}, "prompt"),
 ]
 
