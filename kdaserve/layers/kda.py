@@ -113,6 +113,8 @@ class KDALayer(nn.Module):
         self.o_norm = _Holder(_param(torch.ones(D, **f32)))
         for name in CHECKPOINT_NAMES:
             self.get_parameter(name).weight_loader = functools.partial(self._load_one, name)
+        # torch's own reload path writes (or, with assign=True, replaces) the conv views directly.
+        self.register_load_state_dict_post_hook(KDALayer._after_load_state_dict)
 
         self._conv_layout_fn = self.decode_backend.conv_weight_decode_layout()
         self.conv_weight_decode: torch.Tensor | None
@@ -138,6 +140,21 @@ class KDALayer(nn.Module):
             holder.weight.data = view
         self.refresh_derived_weights()
         return self
+
+    @torch.no_grad()
+    def _after_load_state_dict(self, incompatible_keys) -> None:
+        """Conv parameters that `load_state_dict(assign=True)` replaced are copied into the merged
+        buffer (the kernels' only source, at a fixed address) and re-aliased, replaced parameters get
+        their weight_loader back, and derived copies follow."""
+        for holder, view in zip((self.q_conv1d, self.k_conv1d, self.v_conv1d), self._conv_views()):
+            if holder.weight.data_ptr() != view.data_ptr() or holder.weight.shape != view.shape:
+                view.copy_(holder.weight.reshape(view.shape))
+                holder.weight = _param(view)
+        for name in CHECKPOINT_NAMES:  # replaced parameters lost their loader
+            param = self.get_parameter(name)
+            if not hasattr(param, "weight_loader"):
+                param.weight_loader = functools.partial(self._load_one, name)
+        self.refresh_derived_weights()
 
     @torch.no_grad()
     def refresh_derived_weights(self) -> None:

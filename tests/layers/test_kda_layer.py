@@ -109,6 +109,25 @@ def test_derived_copy_follows_load_reload_refit_and_weight_loader_at_one_address
     assert layer.conv_weight_decode is derived and layer.kda_weights.conv_weight_decode is derived
 
 
+@pytest.mark.parametrize("assign", [False, True])
+def test_load_state_dict_refreshes_the_merged_buffer_and_derived_copy(toy_backend, assign):
+    """load_state_dict is torch's own reload path: it writes q/k/v_conv1d.weight (or, with assign,
+    replaces them), never through a weight_loader. The merged buffer must still hold the new taps,
+    the three weights stay views of it, and the derived copy follows, at unchanged addresses."""
+    layer = make_layer(decode_backend=toy_backend)
+    merged_addr, derived_addr = layer.conv_weight.data_ptr(), layer.conv_weight_decode.data_ptr()
+    other = make_layer(seed=9)
+    layer.load_state_dict({k: v.clone() for k, v in other.state_dict().items()}, assign=assign)
+    P = H * D
+    assert layer.conv_weight.data_ptr() == merged_addr and torch.equal(layer.conv_weight, other.conv_weight)
+    for i, holder in enumerate((layer.q_conv1d, layer.k_conv1d, layer.v_conv1d)):
+        assert holder.weight.data_ptr() == layer.conv_weight[i * P].data_ptr()
+    assert layer.conv_weight_decode.data_ptr() == derived_addr
+    assert torch.equal(layer.conv_weight_decode, toy_layout(layer.conv_weight))
+    layer.load_weights(random_kda_checkpoint(HID, H, D, conv_width=W, seed=12).items())  # loaders still attached
+    assert torch.equal(layer.conv_weight_decode, toy_layout(layer.conv_weight))
+
+
 def test_decode_after_a_refit_uses_the_new_weights(toy_backend):
     layer = make_layer(decode_backend=toy_backend)  # reads the conv weight only from the derived copy
     conv, rec = bind_random_cache(layer)
