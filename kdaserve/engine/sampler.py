@@ -66,7 +66,8 @@ class Sampler:
             temp = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)], device=logits.device)
             scaled = logits / temp[:, None]
             if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-                top_k = torch.tensor([p.top_k for p in params], device=logits.device)
+                # Clamped on the host: a top_k past int64 (the API allows any integer) cannot become a tensor.
+                top_k = torch.tensor([min(p.top_k, logits.shape[-1]) for p in params], device=logits.device)
                 top_p = torch.tensor([p.top_p for p in params], device=logits.device)
                 scaled = _top_k_top_p(scaled, top_k, top_p)
             probs = scaled.softmax(-1)

@@ -113,3 +113,16 @@ def test_sampled_frequencies_follow_the_distribution():
     tokens = torch.tensor(sampler.sample(logits, [seq] * 4000).token_ids)
     freq = torch.bincount(tokens, minlength=4).float() / 4000
     assert torch.allclose(freq, probs, atol=0.03) and freq[3] == 0
+
+
+def test_a_top_k_past_the_vocabulary_is_no_top_k():
+    # The API lets any integer through; a top_k past int64 once raised inside the step (torch.tensor
+    # overflow) and so failed every request of that step.
+    logits = torch.randn(2, 8)
+
+    def draw(top_k):
+        seq = Sequence("x", [1], SamplingParams(temperature=1.0, top_k=top_k, top_p=0.9, seed=7),
+                       IncrementalDetokenizer(ByteTokenizer(), []))
+        return Sampler(torch.device("cpu"), seed=0).sample(logits, [seq, seq]).token_ids
+
+    assert draw(2**63) == draw(2**40) == draw(0)
