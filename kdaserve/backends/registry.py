@@ -154,6 +154,7 @@ _SPECS: list[BackendSpec] = [
         _attr("kdaserve.ops.chain", "kda_decode_chain"),
         _declared("chain", TRITON + [rq.implementation("kdaserve.ops.chain")], [
             rq.input_dtypes(F32, F16, BF16), rq.head_dim_power_of_two(16, 256), ANY_GATE,
+            rq.lower_bound_range(-5.0, 0.0),  # kda_recurrent_fwd refuses others
             rq.state_dtypes(F32, BF16), BOTH_LAYOUTS, rq.speculative(True),
         ]),
     ),
@@ -162,6 +163,7 @@ _SPECS: list[BackendSpec] = [
         _attr("kdaserve.ops.fused", "kda_decode_fused"),
         _declared("fused", TRITON + [rq.implementation("kdaserve.ops.fused")], [
             rq.input_dtypes(F32, F16, BF16), rq.head_dim_power_of_two(16, 128), ANY_GATE,
+            rq.lower_bound_range(-5.0, 0.0), rq.conv_widths(4),  # the kernel refuses others
             rq.state_dtypes(F32, BF16), BOTH_LAYOUTS, rq.speculative(True),
         ]),
         conv_weight_decode_layout=_attr("kdaserve.ops.fused", "fused_conv_weight_layout"),

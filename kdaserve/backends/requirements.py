@@ -305,6 +305,13 @@ def conv_layouts(*layouts: str) -> Requirement:
     return Requirement("conv_layout", "conv-state layout " + " or ".join(layouts), check)
 
 
+def conv_widths(*widths: int) -> Requirement:
+    def check(m: Machine, s: LayerSettings) -> str | None:
+        return None if s.conv_width in widths else f"the conv width is {s.conv_width}"
+
+    return Requirement("conv_width", "conv width " + " or ".join(map(str, widths)), check)
+
+
 def speculative(supported: bool) -> Requirement:
     """Whether the backend runs with speculative decoding on (S > 0: verify steps, W-1+S conv rows)."""
 

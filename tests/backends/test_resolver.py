@@ -69,6 +69,20 @@ def test_explicit_backend_lists_every_unmet_requirement():
     assert "7 unmet requirements" in msg
 
 
+def test_decode_backends_declare_what_their_entry_points_refuse():
+    """What an entry point refuses at its first call must be a requirement, so a layer fails at
+    startup (or auto passes the backend over) instead of at its first decode step: the fused
+    kernel is written for width-4 convs; both Triton decodes check lower_bound in [-5, 0)."""
+    w3 = LayerSettings(conv_width=3)
+    with pytest.raises(BackendUnavailableError, match="conv width 4"):
+        resolve_backend("decode", "fused", w3, H200)
+    assert check_backend("decode", "chain", w3, H200) == []
+    assert choose_auto("decode", w3, H200)[0] == "chain"
+    deep = LayerSettings(lower_bound=-6.0)
+    for name in ("chain", "fused"):
+        assert any("lower_bound in [-5.0, 0.0)" in u for u in check_backend("decode", name, deep, H200)), name
+
+
 def test_explicit_backend_that_can_run_is_loaded():
     r = resolve_backend("decode", "reference", CPU_LAYER, CPU)
     from kdaserve.ops.reference import kda_decode_reference
