@@ -27,6 +27,10 @@ class LLMEngine:
         self.max_model_len: int = self.runner.max_model_len
         self.vocab_size: int = self.runner.model_config.vocab_size
         self.eos_token_id = self.tokenizer.eos_token_id
+        # A config may list several end tokens (GLM: endoftext, <|user|>, <|observation|>); the
+        # tokenizer's eos is the first of them. Any of them ends a request.
+        eos = self.runner.model_config.eos_token_id
+        self.more_eos_token_ids = frozenset(t for t in (eos if isinstance(eos, list) else [eos]) if t is not None)
         self.slots = StateSlotPool(self.runner.num_slots)
         self.blocks = BlockManager(self.runner.num_kv_blocks, self.config.block_size)
         self.scheduler = Scheduler(self.config.max_num_seqs, self.config.max_num_batched_tokens, self.slots, self.blocks)
@@ -138,7 +142,8 @@ class LLMEngine:
         if seq.logprobs is not None and logprob is not None:
             seq.logprobs.append({"token_id": token, "logprob": logprob[0], "top": logprob[1]})
         p = seq.params
-        stop_token = token in p.stop_token_ids or (not p.ignore_eos and token == self.eos_token_id)
+        is_eos = token == self.eos_token_id or token in self.more_eos_token_ids
+        stop_token = token in p.stop_token_ids or (not p.ignore_eos and is_eos)
         reason = "stop" if stop_token else None
         text_ids = seq.output_token_ids[:-1] if stop_token else seq.output_token_ids
         done = stop_token or seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len

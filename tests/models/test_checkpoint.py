@@ -94,3 +94,15 @@ def test_byte_tokenizer_round_trips_and_chat_template():
     assert t.decode(t.encode(s), skip_special_tokens=False) == s
     chat = t.apply_chat_template([{"role": "user", "content": "hi"}])
     assert chat == "<|user|>\nhi\n<|assistant|>\n" and t.encode(chat)[0] == 256 + t.SPECIALS.index("<|user|>")
+
+
+def test_every_eos_id_of_the_config_stops_generation(tmp_path):
+    # GLM-style configs list several end tokens (`eos_token_id: [endoftext, <|user|>, <|observation|>]`);
+    # generation must stop at any of them, not only at the first.
+    prompt, p = "Stop here", SamplingParams(max_tokens=8)
+    first = LLM("tiny", max_model_len=64, **REF).generate([prompt], p, use_tqdm=False)[0].output_token_ids[0]
+    config = builtin_config("tiny")
+    config.eos_token_id = [ByteTokenizer().eos_token_id, first]
+    save_checkpoint(tmp_path, config, random_checkpoint(config, seed=0), ByteTokenizer())
+    out = LLM(str(tmp_path), max_model_len=64, **REF).generate([prompt], p, use_tqdm=False)[0]
+    assert out.output_token_ids == [first] and out.finish_reason == "stop"
