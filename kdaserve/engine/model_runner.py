@@ -126,15 +126,22 @@ class ModelRunner:
             finally:
                 reset_context()
         want = step.logits
-        rows = want.sample_rows + [r for _, r, _ in want.prompt_rows]
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device, dtype=torch.int64)]) if rows else None
-        ns = len(want.sample_rows)
-        sampled = self.sampler.sample(logits[:ns], want.sample_seqs) if ns else SampleResult([], [])
-        prompt_lps = []
-        if want.prompt_rows:
-            seqs = [s for s, _, _ in want.prompt_rows]
-            targets = torch.tensor([s.token_ids[t] for s, _, t in want.prompt_rows], device=self.device)
-            res = logprob_rows(logits[ns:], targets, [s.params.prompt_logprobs for s in seqs])
-            for (seq, _, t), (lp, top) in zip(want.prompt_rows, res):
-                prompt_lps.append((seq, t, {"token_id": seq.token_ids[t], "logprob": lp, "top": top}))
-        return StepResult(sampled, want.sample_seqs, prompt_lps)
+        sampled = SampleResult([], [])
+        if want.sample_rows:
+            logits = self.model.compute_logits(hidden[torch.tensor(want.sample_rows, device=self.device, dtype=torch.int64)])
+            sampled = self.sampler.sample(logits, want.sample_seqs)
+        return StepResult(sampled, want.sample_seqs, self._prompt_logprobs(hidden, want.prompt_rows))
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, prompt_rows: list) -> list:
+        """Scored max_num_seqs rows at a time: [rows, vocab] fp32 logits of a whole scored prompt
+        chunk (lm-eval's echo + logprobs) would be gigabytes the memory profile never reserved."""
+        out = []
+        per_call = self.config.max_num_seqs
+        for i in range(0, len(prompt_rows), per_call):
+            part = prompt_rows[i : i + per_call]
+            logits = self.model.compute_logits(hidden[torch.tensor([r for _, r, _ in part], device=self.device, dtype=torch.int64)])
+            targets = torch.tensor([s.token_ids[t] for s, _, t in part], device=self.device)
+            res = logprob_rows(logits, targets, [s.params.prompt_logprobs for s, _, _ in part])
+            for (seq, _, t), (lp, top) in zip(part, res):
+                out.append((seq, t, {"token_id": seq.token_ids[t], "logprob": lp, "top": top}))
+        return out

@@ -126,3 +126,22 @@ def test_a_top_k_past_the_vocabulary_is_no_top_k():
         return Sampler(torch.device("cpu"), seed=0).sample(logits, [seq, seq]).token_ids
 
     assert draw(2**63) == draw(2**40) == draw(0)
+
+
+def test_prompt_logprobs_take_logits_a_few_rows_at_a_time(llm, monkeypatch):
+    # Scoring a long prompt (lm-eval's echo + logprobs) must not build [prompt tokens, vocab] fp32
+    # logits at once: with a real vocabulary that is gigabytes the memory profile never reserved
+    # (it reserves logits for max_num_seqs rows).
+    ids = [65 + i % 26 for i in range(40)]
+    want = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0].prompt_logprobs
+    model, rows_seen = llm.engine.runner.model, []
+    real = model.compute_logits
+
+    def counting(hidden):
+        rows_seen.append(hidden.shape[0])
+        return real(hidden)
+
+    monkeypatch.setattr(model, "compute_logits", counting)
+    got = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0].prompt_logprobs
+    assert max(rows_seen) <= llm.engine.config.max_num_seqs, rows_seen
+    assert got == want
