@@ -65,4 +65,6 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        # Below 1e-5 (vLLM's cut-off) logits / temperature can overflow to inf and the softmax to
+        # NaN; the distribution is the argmax's anyway.
+        return self.temperature < 1e-5 or self.top_k == 1

@@ -145,3 +145,11 @@ def test_prompt_logprobs_take_logits_a_few_rows_at_a_time(llm, monkeypatch):
     got = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0].prompt_logprobs
     assert max(rows_seen) <= llm.engine.config.max_num_seqs, rows_seen
     assert got == want
+
+
+def test_a_vanishing_temperature_samples_the_argmax():
+    # logits / 1e-320 overflow to inf, the softmax to NaN, and argmax then picked token 0.
+    logits = torch.tensor([[0.1, 2.0, -1.0, 0.5]])
+    for t in (1e-6, 1e-39, 1e-320):
+        seq = Sequence("x", [1], SamplingParams(temperature=t), IncrementalDetokenizer(ByteTokenizer(), []))
+        assert Sampler(torch.device("cpu"), seed=0).sample(logits, [seq]).token_ids == [1], t
