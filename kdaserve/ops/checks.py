@@ -65,11 +65,28 @@ def check_common(
     return T, H, D
 
 
+def check_cu_seqlens_cpu(cu_seqlens_cpu: torch.Tensor | None, N: int, T: int) -> None:
+    """The host copy of cu_seqlens sizes the grids and token ranges of every prefill kernel: one
+    that disagrees with the step's T would have kernels read and write past the step's rows. It is
+    on the host, so checking its values costs no device sync (a few hundred bytes at most)."""
+    if cu_seqlens_cpu is None:
+        return
+    _expect(cu_seqlens_cpu.device.type == "cpu", f"cu_seqlens_cpu must be the host (CPU) copy of cu_seqlens, got a tensor on {cu_seqlens_cpu.device}")
+    _expect(tuple(cu_seqlens_cpu.shape) == (N + 1,), f"cu_seqlens_cpu must be [N+1] = [{N + 1}] for {N} sequences, got {tuple(cu_seqlens_cpu.shape)}")
+    cu = cu_seqlens_cpu.tolist()
+    _expect(
+        cu[0] == 0 and cu[-1] == T and all(a <= b for a, b in zip(cu, cu[1:])),
+        f"cu_seqlens_cpu must run from 0 to T = {T} without decreasing, got {cu if len(cu) <= 16 else cu[:8] + ['...'] + cu[-4:]}",
+    )
+
+
 def check_prefill(
-    T: int, cu_seqlens: torch.Tensor, state_indices: torch.Tensor, has_initial_state: torch.Tensor
+    T: int, cu_seqlens: torch.Tensor, state_indices: torch.Tensor, has_initial_state: torch.Tensor,
+    cu_seqlens_cpu: torch.Tensor | None = None,
 ) -> int:
     N = state_indices.shape[0]
     _expect(cu_seqlens.shape == (N + 1,), f"cu_seqlens must be [N+1] = [{N + 1}] for {N} state_indices, got {tuple(cu_seqlens.shape)}")
+    check_cu_seqlens_cpu(cu_seqlens_cpu, N, T)
     _expect(has_initial_state.shape == (N,), f"has_initial_state must be [N] = [{N}], got {tuple(has_initial_state.shape)}")
     _expect(
         cu_seqlens.dtype in (torch.int32, torch.int64) and state_indices.dtype in (torch.int32, torch.int64),

@@ -55,7 +55,7 @@ def kda_prefill_aiter(
 
     _require_params(chunk_kda, ("chunk_indices", "chunk_offsets", "initial_state", "output_final_state", "out"), "chunk_kda")
     T, H, D = check_common(qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, out, conv_layout)
-    check_prefill(T, cu_seqlens, state_indices, has_initial_state)
+    check_prefill(T, cu_seqlens, state_indices, has_initial_state, cu_seqlens_cpu)
     if weights.lower_bound is None:
         raise ValueError("aiter prefill computes the bounded gate only; this layer's gate is unbounded")
     if T == 0:

@@ -57,7 +57,7 @@ def kda_prefill_fla(
     has_initial_state, out, *, conv_layout: str = "SD", cu_seqlens_cpu: torch.Tensor | None = None,
 ) -> None:
     T, H, D = check_common(qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, out, conv_layout)
-    check_prefill(T, cu_seqlens, state_indices, has_initial_state)
+    check_prefill(T, cu_seqlens, state_indices, has_initial_state, cu_seqlens_cpu)
     if T == 0:
         return
     chunk_kda, _, rms_norm_gated = _fla()

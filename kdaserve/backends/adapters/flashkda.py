@@ -26,7 +26,7 @@ def kda_prefill_flashkda(
     from kdaserve.ops.norm import gated_rms_norm_fwd
 
     T, H, D = check_common(qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, out, conv_layout)
-    check_prefill(T, cu_seqlens, state_indices, has_initial_state)
+    check_prefill(T, cu_seqlens, state_indices, has_initial_state, cu_seqlens_cpu)
     if weights.lower_bound is None:
         raise ValueError("flashkda computes the bounded gate only (lower_bound in [-5, 0)); this layer's gate is unbounded")
     if T == 0:

@@ -44,11 +44,11 @@ def kda_prefill_chunk(
     (their output rows are not written, no state is read or written).
     """
     T, H, D = check_common(qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, out, conv_layout)
-    check_prefill(T, cu_seqlens, state_indices, has_initial_state)
-    if qkv.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"chunk prefill takes bf16, fp16 or fp32 inputs, got qkv in {qkv.dtype}")
     if cu_seqlens_cpu is None:
         cu_seqlens_cpu = cu_seqlens if cu_seqlens.device.type == "cpu" else cu_seqlens.cpu()
+    check_prefill(T, cu_seqlens, state_indices, has_initial_state, cu_seqlens_cpu)
+    if qkv.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"chunk prefill takes bf16, fp16 or fp32 inputs, got qkv in {qkv.dtype}")
     # The conv writes its output straight in the workspace dtype (fp16 for bf16 inputs: core.py).
     y = torch.empty(qkv.shape, dtype=workspace_dtype(qkv.dtype), device=qkv.device)
     causal_conv_varlen_fwd(qkv, weights.conv_weight, conv_state, cu_seqlens, state_indices, has_initial_state,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from kdaserve.ops.checks import check_cu_seqlens_cpu
 from kdaserve.ops.conv.varlen_kernel import conv_varlen_out_kernel, conv_varlen_state_kernel
 from kdaserve.ops.types import conv_state_rows
 
@@ -87,6 +88,7 @@ def causal_conv_varlen_fwd(
     _expect(cu_seqlens.shape == (N + 1,), f"cu_seqlens must be [N+1] = [{N + 1}], got {tuple(cu_seqlens.shape)}")
     _expect(has_initial_state.shape == (N,), f"has_initial_state must be [N] = [{N}], got {tuple(has_initial_state.shape)}")
     T, C = x.shape
+    check_cu_seqlens_cpu(cu_seqlens_cpu, N, T)
     L, W = rows.shape[1], weight.shape[1]
     y = out if out is not None else torch.empty_like(x, memory_format=torch.contiguous_format)
     if T == 0 or N == 0:

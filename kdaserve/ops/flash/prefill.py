@@ -117,7 +117,7 @@ class FlashPrefill:
     def __init__(self, qkv, g1, beta_logits, g2, weights: KDAWeights, conv_state, recurrent_state, cu_seqlens,
                  state_indices, has_initial_state, out, *, conv_layout="SD", cu_seqlens_cpu=None, segment_len=None):
         T, H, D = check_common(qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, out, conv_layout)
-        N = check_prefill(T, cu_seqlens, state_indices, has_initial_state)
+        N = check_prefill(T, cu_seqlens, state_indices, has_initial_state, cu_seqlens_cpu)
         check_flash_inputs(qkv, weights, recurrent_state, g1, g2, out, D)
         self.T, self.H, self.D, self.N = T, H, D, N
         self.cfg = cfg = CONFIG
