@@ -90,7 +90,7 @@ def check_prefill(
     _expect(has_initial_state.shape == (N,), f"has_initial_state must be [N] = [{N}], got {tuple(has_initial_state.shape)}")
     _expect(
         cu_seqlens.dtype in (torch.int32, torch.int64) and state_indices.dtype in (torch.int32, torch.int64),
-        "cu_seqlens and state_indices must be int32 (or int64)",
+        f"cu_seqlens and state_indices must be int32 (or int64), got {cu_seqlens.dtype} and {state_indices.dtype}",
     )
     return N
 

@@ -61,3 +61,9 @@ def test_prefill_entry_points_refuse_a_host_copy_past_T_before_any_write(fn):
     with pytest.raises(ValueError, match="cu_seqlens_cpu must run from 0 to T = 8"):
         fn(out=case.new_out(), **args)
     assert torch.equal(case.conv_state, conv0) and torch.equal(case.recurrent_state, rec0)
+
+
+def test_check_prefill_says_which_index_dtype_it_got():
+    cu, his = torch.tensor([0, 5, 8], **I32), torch.ones(2, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"must be int32 \(or int64\), got torch.int32 and torch.float32"):
+        check_prefill(8, cu, torch.tensor([1.0, 2.0]), his)
