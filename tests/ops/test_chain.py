@@ -42,6 +42,23 @@ def test_speculative_verify_matches_reference():
                                    spec_state_indices=spec, num_accepted_tokens=accepted)
 
 
+def test_out_of_range_accepted_counts_are_clamped_not_read_outside_the_row():
+    """num_accepted_tokens outside [1, S+1] (a caller's bug) acts as the nearest valid count, like
+    the fused kernel: no read of spec[n, -1] or of a neighbouring conv slot's rows."""
+    S, N = 2, 3
+    case = make_kda_case([S + 1] * N, H=2, D=16, spec_tokens=S, seed=33, device=DEV)
+    spec = torch.arange(1, 1 + N * (S + 1), dtype=torch.int32, device=DEV).view(N, S + 1)
+    case.state_indices = spec[:, -1].contiguous()
+    clamped = case.clone()
+    out_bad = run_decode(kda_decode_chain, case, spec_state_indices=spec,
+                         num_accepted_tokens=torch.tensor([0, S + 5, 2], dtype=torch.int32, device=DEV))
+    out_ok = run_decode(kda_decode_chain, clamped, spec_state_indices=spec,
+                        num_accepted_tokens=torch.tensor([1, S + 1, 2], dtype=torch.int32, device=DEV))
+    assert torch.equal(out_bad, out_ok)
+    assert torch.equal(case.recurrent_state, clamped.recurrent_state)
+    assert torch.equal(case.conv_state, clamped.conv_state)
+
+
 @pytest.mark.parametrize("accepted,layout", [(1, "SD"), (2, "DS"), (4, "SD")])
 def test_spec_resume_equals_accepted_only_run(accepted, layout):
     check_spec_resume(kda_prefill_reference, kda_decode_chain, accepted, tolerance_for(torch.float32), S=3,

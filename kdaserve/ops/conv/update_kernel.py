@@ -30,7 +30,10 @@ def conv_update_kernel(
     if slot <= 0:
         return
     if HAS_ACCEPTED:
-        offset = tl.load(acc_ptr + n).to(tl.int32) - 1    # resume after the accepted drafts
+        # Resume after the accepted drafts. The count is clamped to [1, L-W+2] (as in the fused
+        # kernel): an out-of-range value from a buggy caller must not read a neighbouring slot.
+        accepted = tl.minimum(tl.maximum(tl.load(acc_ptr + n).to(tl.int32), 1), L - W + 2)
+        offset = accepted - 1
     else:
         offset = L - (W - 1)                             # the newest W-1 rows
     row0 = n.to(tl.int64) * m                            # first x row of this sequence

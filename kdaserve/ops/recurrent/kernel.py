@@ -44,7 +44,9 @@ def kda_recurrent_kernel(
         first = tl.load(spec_ptr + n.to(tl.int64) * stride_spec_n)
         if first <= 0:
             return
-        src = tl.load(spec_ptr + n.to(tl.int64) * stride_spec_n + tl.load(acc_ptr + n) - 1).to(tl.int64)
+        # Clamped to [1, M] like the fused kernel: a count out of range never reads outside the row.
+        accepted = tl.minimum(tl.maximum(tl.load(acc_ptr + n).to(tl.int32), 1), M)
+        src = tl.load(spec_ptr + n.to(tl.int64) * stride_spec_n + accepted - 1).to(tl.int64)
     else:
         src = tl.load(idx_ptr + n).to(tl.int64)
         if src <= 0:
