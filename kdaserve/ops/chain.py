@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import torch
 
-from kdaserve.ops.checks import check_common, check_decode
+from kdaserve.ops.checks import check_decode_step
 from kdaserve.ops.conv import causal_conv_update_fwd
 from kdaserve.ops.norm import gated_rms_norm_fwd
 from kdaserve.ops.recurrent import kda_recurrent_fwd
-from kdaserve.ops.types import KDAWeights, conv_state_rows
+from kdaserve.ops.types import KDAWeights
 
 
 def kda_decode_chain(
@@ -37,9 +37,8 @@ def kda_decode_chain(
     spec_state_indices: torch.Tensor | None = None,
     num_accepted_tokens: torch.Tensor | None = None,
 ) -> None:
-    T, H, D = check_common(qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, out, conv_layout)
-    rows = conv_state_rows(conv_state, conv_layout).shape[1]
-    N, m = check_decode(T, state_indices, spec_state_indices, num_accepted_tokens, rows, weights.conv_width)
+    T, H, D, N, m = check_decode_step(qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, state_indices, out,
+                                      conv_layout, spec_state_indices, num_accepted_tokens)
     if N == 0:
         return
     y = torch.empty(qkv.shape, dtype=torch.float32, device=qkv.device)

@@ -131,3 +131,25 @@ def check_decode(
         f"S+1 = {conv_rows - (conv_width - 1) + 1} tokens per sequence in a speculative step, got S+1 = {S1}",
     )
     return N, S1
+
+
+def check_prefill_step(
+    qkv, g1, beta_logits, g2, weights: KDAWeights, conv_state, recurrent_state, cu_seqlens, state_indices,
+    has_initial_state, out, conv_layout: str, cu_seqlens_cpu: torch.Tensor | None = None,
+) -> tuple[int, int, int, int]:
+    """Every check of a prefill entry point (the calling convention of kda_prefill_reference);
+    returns (T, H, D, N)."""
+    T, H, D = check_common(qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, out, conv_layout)
+    return T, H, D, check_prefill(T, cu_seqlens, state_indices, has_initial_state, cu_seqlens_cpu)
+
+
+def check_decode_step(
+    qkv, g1, beta_logits, g2, weights: KDAWeights, conv_state, recurrent_state, state_indices, out,
+    conv_layout: str, spec_state_indices: torch.Tensor | None = None, num_accepted_tokens: torch.Tensor | None = None,
+) -> tuple[int, int, int, int, int]:
+    """Every check of a decode entry point (the calling convention of kda_decode_reference);
+    returns (T, H, D, N, tokens per sequence)."""
+    T, H, D = check_common(qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, out, conv_layout)
+    rows = conv_state_rows(conv_state, conv_layout).shape[1]
+    N, m = check_decode(T, state_indices, spec_state_indices, num_accepted_tokens, rows, weights.conv_width)
+    return T, H, D, N, m

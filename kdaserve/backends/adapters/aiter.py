@@ -21,8 +21,8 @@ import inspect
 import torch
 
 from kdaserve.backends.adapters.state_io import gather_states, scatter_states
-from kdaserve.ops.checks import check_common, check_decode, check_prefill
-from kdaserve.ops.types import KDAWeights, conv_state_rows
+from kdaserve.ops.checks import check_decode_step, check_prefill_step
+from kdaserve.ops.types import KDAWeights
 
 CHUNK = 64  # AITER's KDA prefill chunk size
 
@@ -54,8 +54,8 @@ def kda_prefill_aiter(
     from kdaserve.ops.norm import gated_rms_norm_fwd
 
     _require_params(chunk_kda, ("chunk_indices", "chunk_offsets", "initial_state", "output_final_state", "out"), "chunk_kda")
-    T, H, D = check_common(qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, out, conv_layout)
-    check_prefill(T, cu_seqlens, state_indices, has_initial_state, cu_seqlens_cpu)
+    T, H, D, _ = check_prefill_step(qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, cu_seqlens,
+                                    state_indices, has_initial_state, out, conv_layout, cu_seqlens_cpu)
     if weights.lower_bound is None:
         raise ValueError("aiter prefill computes the bounded gate only; this layer's gate is unbounded")
     if T == 0:
@@ -88,9 +88,8 @@ def kda_decode_aiter(
 
     _require_params(fused_recurrent_kda, ("ssm_state_indices", "num_accepted_tokens", "pad_slot_guard", "state_v_first",
                                           "inplace_final_state", "out"), "fused_recurrent_kda")
-    T, H, D = check_common(qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, out, conv_layout)
-    rows = conv_state_rows(conv_state, conv_layout).shape[1]
-    N, m = check_decode(T, state_indices, spec_state_indices, num_accepted_tokens, rows, weights.conv_width)
+    T, H, D, N, m = check_decode_step(qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, state_indices, out,
+                                      conv_layout, spec_state_indices, num_accepted_tokens)
     if N == 0:
         return
     if recurrent_state.dtype != torch.float32:

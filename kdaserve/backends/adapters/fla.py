@@ -23,8 +23,8 @@ import os
 import torch
 
 from kdaserve.backends.adapters.state_io import gather_states, scatter_states
-from kdaserve.ops.checks import check_common, check_decode, check_prefill
-from kdaserve.ops.types import KDAWeights, conv_state_rows
+from kdaserve.ops.checks import check_decode_step, check_prefill_step
+from kdaserve.ops.types import KDAWeights
 
 os.environ.setdefault("FLA_FLASH_KDA", "0")
 
@@ -56,8 +56,8 @@ def kda_prefill_fla(
     qkv, g1, beta_logits, g2, weights: KDAWeights, conv_state, recurrent_state, cu_seqlens, state_indices,
     has_initial_state, out, *, conv_layout: str = "SD", cu_seqlens_cpu: torch.Tensor | None = None,
 ) -> None:
-    T, H, D = check_common(qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, out, conv_layout)
-    check_prefill(T, cu_seqlens, state_indices, has_initial_state, cu_seqlens_cpu)
+    T, H, D, _ = check_prefill_step(qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, cu_seqlens,
+                                    state_indices, has_initial_state, out, conv_layout, cu_seqlens_cpu)
     if T == 0:
         return
     chunk_kda, _, rms_norm_gated = _fla()
@@ -81,9 +81,8 @@ def kda_decode_fla(
     qkv, g1, beta_logits, g2, weights: KDAWeights, conv_state, recurrent_state, state_indices, out, *,
     conv_layout: str = "SD", spec_state_indices: torch.Tensor | None = None, num_accepted_tokens: torch.Tensor | None = None,
 ) -> None:
-    T, H, D = check_common(qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, out, conv_layout)
-    rows = conv_state_rows(conv_state, conv_layout).shape[1]
-    N, m = check_decode(T, state_indices, spec_state_indices, num_accepted_tokens, rows, weights.conv_width)
+    T, H, D, N, m = check_decode_step(qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, state_indices, out,
+                                      conv_layout, spec_state_indices, num_accepted_tokens)
     if N == 0:
         return
     _, fused_recurrent, rms_norm_gated = _fla()

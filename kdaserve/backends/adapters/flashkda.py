@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from kdaserve.backends.adapters.state_io import gather_states, scatter_states
-from kdaserve.ops.checks import check_common, check_prefill
+from kdaserve.ops.checks import check_prefill_step
 from kdaserve.ops.types import KDAWeights
 
 
@@ -25,8 +25,8 @@ def kda_prefill_flashkda(
     from kdaserve.ops.conv import causal_conv_varlen_fwd
     from kdaserve.ops.norm import gated_rms_norm_fwd
 
-    T, H, D = check_common(qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, out, conv_layout)
-    check_prefill(T, cu_seqlens, state_indices, has_initial_state, cu_seqlens_cpu)
+    T, H, D, _ = check_prefill_step(qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, cu_seqlens,
+                                    state_indices, has_initial_state, out, conv_layout, cu_seqlens_cpu)
     if weights.lower_bound is None:
         raise ValueError("flashkda computes the bounded gate only (lower_bound in [-5, 0)); this layer's gate is unbounded")
     if T == 0:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kdaserve.ops.checks import check_common, check_prefill
+from kdaserve.ops.checks import check_prefill_step
 from kdaserve.ops import interpreter_compat
 from kdaserve.ops.chunk.core import CHUNK, SUPPORTED_DTYPES, kda_chunk_core, workspace_dtype
 from kdaserve.ops.conv import causal_conv_varlen_fwd
@@ -43,10 +43,10 @@ def kda_prefill_chunk(
     fine for tests and tools, not for serving). Sequences whose slot is <= 0 are skipped entirely
     (their output rows are not written, no state is read or written).
     """
-    T, H, D = check_common(qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, out, conv_layout)
-    if cu_seqlens_cpu is None:
+    if cu_seqlens_cpu is None:  # a device->host sync: callers in the hot path pass the host copy
         cu_seqlens_cpu = cu_seqlens if cu_seqlens.device.type == "cpu" else cu_seqlens.cpu()
-    check_prefill(T, cu_seqlens, state_indices, has_initial_state, cu_seqlens_cpu)
+    T, H, D, _ = check_prefill_step(qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, cu_seqlens,
+                                    state_indices, has_initial_state, out, conv_layout, cu_seqlens_cpu)
     if qkv.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"chunk prefill takes bf16, fp16 or fp32 inputs, got qkv in {qkv.dtype}")
     # The conv writes its output straight in the workspace dtype (fp16 for bf16 inputs: core.py).

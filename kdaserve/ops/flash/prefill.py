@@ -18,7 +18,7 @@ import functools
 import torch
 import triton
 
-from kdaserve.ops.checks import check_common, check_prefill
+from kdaserve.ops.checks import check_prefill_step
 from kdaserve.ops.flash.config import CONFIG
 from kdaserve.ops.flash.correct import flash_correct_kernel
 from kdaserve.ops.flash.plan import build_plan, choose_segment_len
@@ -116,8 +116,8 @@ class FlashPrefill:
 
     def __init__(self, qkv, g1, beta_logits, g2, weights: KDAWeights, conv_state, recurrent_state, cu_seqlens,
                  state_indices, has_initial_state, out, *, conv_layout="SD", cu_seqlens_cpu=None, segment_len=None):
-        T, H, D = check_common(qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, out, conv_layout)
-        N = check_prefill(T, cu_seqlens, state_indices, has_initial_state, cu_seqlens_cpu)
+        T, H, D, N = check_prefill_step(qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, cu_seqlens,
+                                        state_indices, has_initial_state, out, conv_layout, cu_seqlens_cpu)
         check_flash_inputs(qkv, weights, recurrent_state, g1, g2, out, D)
         self.T, self.H, self.D, self.N = T, H, D, N
         self.cfg = cfg = CONFIG

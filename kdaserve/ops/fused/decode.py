@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kdaserve.ops.checks import check_common, check_decode
+from kdaserve.ops.checks import check_decode_step
 from kdaserve.ops.fused.conv_weight import fused_conv_weight_layout
 from kdaserve.ops.fused.decode_kernel import WS_SENTINEL, kda_fused_decode_kernel
 from kdaserve.ops.types import KDAWeights, conv_state_rows
@@ -153,10 +153,10 @@ def launch_fused_decode(
     num_accepted_tokens: torch.Tensor | None = None,
 ) -> None:
     """kda_decode_fused with an explicit launch shape (None = default_config); benchmarks sweep it."""
-    T, H, D = check_common(qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, out, conv_layout)
+    T, H, D, N, tokens = check_decode_step(qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, state_indices,
+                                           out, conv_layout, spec_state_indices, num_accepted_tokens)
     rows = conv_state_rows(conv_state, conv_layout)
     W = weights.conv_width
-    N, tokens = check_decode(T, state_indices, spec_state_indices, num_accepted_tokens, rows.shape[1], W)
     if W != 4:
         _fail(f"the kernel is written for the width-4 conv, got conv_weight with W={W}")
     if D & (D - 1) or D < 4:

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import torch
 
-from kdaserve.ops.checks import check_common, check_decode, check_prefill
+from kdaserve.ops.checks import check_decode_step, check_prefill_step
 from kdaserve.ops.reference.chunked import kda_chunked_varlen
 from kdaserve.ops.reference.conv import causal_conv_update, causal_conv_varlen
 from kdaserve.ops.reference.gates import beta_sigmoid, kda_gate, l2norm_qk
 from kdaserve.ops.reference.norm import gated_rms_norm
 from kdaserve.ops.reference.recurrence import kda_recurrent_spec, kda_recurrent_varlen
-from kdaserve.ops.types import KDAWeights, conv_state_rows
+from kdaserve.ops.types import KDAWeights
 
 
 def kda_qkv_prepare(y: torch.Tensor, H: int, D: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -59,8 +59,8 @@ def kda_prefill_reference(
 ) -> None:
     """Varlen prefill (any lengths, mixed steps included). chunk_size=None runs the token loop;
     16/32/64 run the chunked form (same result, much faster for long sequences)."""
-    T, H, D = check_common(qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, out, conv_layout)
-    check_prefill(T, cu_seqlens, state_indices, has_initial_state)
+    T, H, D, _ = check_prefill_step(qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, cu_seqlens,
+                                    state_indices, has_initial_state, out, conv_layout, cu_seqlens_cpu)
     y = causal_conv_varlen(qkv, weights.conv_weight, conv_state, cu_seqlens, state_indices, has_initial_state, conv_layout)
     q, k, v = kda_qkv_prepare(y, H, D)
     gk = kda_gate(g1.reshape(T, H, D), weights.A_log, weights.dt_bias, weights.lower_bound)
@@ -93,9 +93,8 @@ def kda_decode_reference(
     [N, S+1] with `num_accepted_tokens` [N]). The conv state lives in slot `state_indices[n]`;
     the recurrent state in `state_indices[n]`, or per token in `spec_state_indices` when verifying.
     Rows whose slot is <= 0 are padding: nothing is read or written for them, `out` included."""
-    T, H, D = check_common(qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, out, conv_layout)
-    rows = conv_state_rows(conv_state, conv_layout).shape[1]
-    N, m = check_decode(T, state_indices, spec_state_indices, num_accepted_tokens, rows, weights.conv_width)
+    T, H, D, N, m = check_decode_step(qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, state_indices, out,
+                                      conv_layout, spec_state_indices, num_accepted_tokens)
     y = causal_conv_update(qkv, weights.conv_weight, conv_state, state_indices, num_accepted_tokens, conv_layout)
     q, k, v = kda_qkv_prepare(y, H, D)
     gk = kda_gate(g1.reshape(T, H, D), weights.A_log, weights.dt_bias, weights.lower_bound)
