@@ -38,3 +38,18 @@ def test_blocks_grow_with_the_context_and_return_whole():
     assert bm.can_grow(s, 20) and not bm.can_grow(s, 21)   # 5 real blocks in all
     bm.free(s)
     assert bm.num_used == 0 and bm.num_free == 5 and s.block_table == []
+
+
+def test_both_pools_refuse_a_size_without_a_real_entry_and_a_double_free():
+    with pytest.raises(ValueError, match="state slot pool needs the null state slot"):
+        StateSlotPool(1)
+    with pytest.raises(ValueError, match="KV block pool needs the null KV block"):
+        BlockManager(num_blocks=1, block_size=4)
+    bm = BlockManager(num_blocks=3, block_size=4)
+    seq = type("Seq", (), {"block_table": []})()
+    bm.grow(seq, 8)
+    table = list(seq.block_table)
+    bm.free(seq)
+    seq.block_table = table
+    with pytest.raises(RuntimeError, match="KV block .* freed twice"):
+        bm.free(seq)
