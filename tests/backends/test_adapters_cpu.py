@@ -11,18 +11,15 @@ import os
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' import
+from kda_fake_externals import install
 
-from kda_fake_externals import install  # noqa: E402
-
-from kdaserve.backends.adapters.aiter import chunk_tables, kda_decode_aiter, kda_prefill_aiter  # noqa: E402
-from kdaserve.backends.adapters.fla import kda_decode_fla, kda_prefill_fla  # noqa: E402
-from kdaserve.backends.adapters.flashkda import kda_prefill_flashkda  # noqa: E402
-from kdaserve.backends.adapters.state_io import gather_states, scatter_states  # noqa: E402
-from kdaserve.ops.reference import kda_prefill_reference  # noqa: E402
-from kdaserve.testing import make_kda_case, tolerance_for  # noqa: E402
-from kdaserve.testing.properties import (  # noqa: E402
+from kdaserve.backends.adapters.aiter import chunk_tables, kda_decode_aiter, kda_prefill_aiter
+from kdaserve.backends.adapters.fla import kda_decode_fla, kda_prefill_fla
+from kdaserve.backends.adapters.flashkda import kda_prefill_flashkda
+from kdaserve.backends.adapters.state_io import gather_states, scatter_states
+from kdaserve.ops.reference import kda_prefill_reference
+from kdaserve.testing import make_kda_case, tolerance_for
+from kdaserve.testing.properties import (
     check_decode_matches_reference,
     check_mixed_equals_alone,
     check_prefill_matches_reference,

@@ -5,13 +5,10 @@ import os
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' import
-
-from kdaserve.ops.chain import kda_decode_chain  # noqa: E402
-from kdaserve.ops.reference import kda_decode_reference, kda_prefill_reference  # noqa: E402
-from kdaserve.testing import assert_rel_close, make_kda_case, tolerance_for  # noqa: E402
-from kdaserve.testing.properties import check_decode_matches_reference, check_spec_resume, run_decode, to_fp64  # noqa: E402
+from kdaserve.ops.chain import kda_decode_chain
+from kdaserve.ops.reference import kda_decode_reference, kda_prefill_reference
+from kdaserve.testing import assert_rel_close, make_kda_case, tolerance_for
+from kdaserve.testing.properties import check_decode_matches_reference, check_spec_resume, run_decode, to_fp64
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

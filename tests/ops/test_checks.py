@@ -4,19 +4,14 @@ The host copy `cu_seqlens_cpu` sizes every prefill grid and token range (chunk t
 blocks, flash plan): a copy that disagrees with the step's T would make kernels read and write past
 the step's rows (the interpreter crashed with heap corruption), so it is checked on the host."""
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' import
-
-from kdaserve.ops.checks import check_prefill  # noqa: E402
-from kdaserve.ops.chunk import kda_prefill_chunk  # noqa: E402
-from kdaserve.ops.conv import causal_conv_varlen_fwd  # noqa: E402
-from kdaserve.ops.flash import kda_prefill_flash  # noqa: E402
-from kdaserve.testing import make_kda_case  # noqa: E402
+from kdaserve.ops.checks import check_prefill
+from kdaserve.ops.chunk import kda_prefill_chunk
+from kdaserve.ops.conv import causal_conv_varlen_fwd
+from kdaserve.ops.flash import kda_prefill_flash
+from kdaserve.testing import make_kda_case
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 I32 = dict(dtype=torch.int32)

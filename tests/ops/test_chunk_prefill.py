@@ -6,19 +6,15 @@ a 128K-token sequence (slow), fp64/fp32 ground truth from the reference's chunke
 """
 
 import functools
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' import
-
-from kdaserve.ops.chunk import kda_prefill_chunk  # noqa: E402
-from kdaserve.ops.chunk.tables import ChunkTableCache, host_chunk_tables  # noqa: E402
-from kdaserve.ops.reference import kda_prefill_reference  # noqa: E402
-from kdaserve.testing import assert_rel_close, make_kda_case, rel_rms, tolerance_for  # noqa: E402
-from kdaserve.testing.properties import (  # noqa: E402
+from kdaserve.ops.chunk import kda_prefill_chunk
+from kdaserve.ops.chunk.tables import ChunkTableCache, host_chunk_tables
+from kdaserve.ops.reference import kda_prefill_reference
+from kdaserve.testing import assert_rel_close, make_kda_case, rel_rms, tolerance_for
+from kdaserve.testing.properties import (
     check_mixed_equals_alone,
     check_prefill_matches_reference,
     check_split_prefill,

@@ -3,18 +3,13 @@
 On CPU the kernels run in Triton's interpreter (fp32/fp16, tiny shapes); GPU tests are marked.
 """
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' import
-
-from kdaserve.ops.conv import causal_conv_update_fwd, causal_conv_varlen_fwd  # noqa: E402
-from kdaserve.ops.reference import causal_conv_update, causal_conv_varlen  # noqa: E402
-from kdaserve.ops.types import conv_state_rows  # noqa: E402
-from kdaserve.testing import assert_rel_close, assert_slots_untouched, make_kda_case, nan_poison, tolerance_for  # noqa: E402
+from kdaserve.ops.conv import causal_conv_update_fwd, causal_conv_varlen_fwd
+from kdaserve.ops.reference import causal_conv_update, causal_conv_varlen
+from kdaserve.ops.types import conv_state_rows
+from kdaserve.testing import assert_rel_close, assert_slots_untouched, make_kda_case, nan_poison, tolerance_for
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

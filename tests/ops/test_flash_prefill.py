@@ -13,16 +13,13 @@ import sys
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' import
+import triton
 
-import triton  # noqa: E402
-
-from kdaserve.ops.flash import kda_prefill_flash  # noqa: E402
-from kdaserve.ops.flash.plan import build_plan, choose_segment_len  # noqa: E402
-from kdaserve.ops.flash.config import CONFIG  # noqa: E402
-from kdaserve.testing import assert_rel_close, make_kda_case, tolerance_for  # noqa: E402
-from kdaserve.testing.properties import (  # noqa: E402
+from kdaserve.ops.flash import kda_prefill_flash
+from kdaserve.ops.flash.plan import build_plan, choose_segment_len
+from kdaserve.ops.flash.config import CONFIG
+from kdaserve.testing import assert_rel_close, make_kda_case, tolerance_for
+from kdaserve.testing.properties import (
     check_mixed_equals_alone,
     check_prefill_matches_reference,
     check_split_prefill,

@@ -12,15 +12,12 @@ import os
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' import
-
-from kdaserve.ops.fused import FusedDecodeConfig, fused_conv_weight_layout, kda_decode_fused, launch_fused_decode  # noqa: E402
-from kdaserve.ops.fused.decode import default_config, split_workspace  # noqa: E402
-from kdaserve.ops.reference import kda_decode_reference, kda_prefill_reference  # noqa: E402
-from kdaserve.testing import assert_rel_close, make_kda_case, tolerance_for  # noqa: E402
-from kdaserve.testing.inputs import make_kda_weights  # noqa: E402
-from kdaserve.testing.properties import check_decode_matches_reference, check_spec_resume, run_decode  # noqa: E402
+from kdaserve.ops.fused import FusedDecodeConfig, fused_conv_weight_layout, kda_decode_fused, launch_fused_decode
+from kdaserve.ops.fused.decode import default_config, split_workspace
+from kdaserve.ops.reference import kda_decode_reference, kda_prefill_reference
+from kdaserve.testing import assert_rel_close, make_kda_case, tolerance_for
+from kdaserve.testing.inputs import make_kda_weights
+from kdaserve.testing.properties import check_decode_matches_reference, check_spec_resume, run_decode
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = dict(H=2, D=16, device=DEV)

@@ -1,16 +1,11 @@
 """Triton gated RMSNorm against the torch reference (interpreter on CPU, bf16 on the GPU)."""
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' import
-
-from kdaserve.ops.norm import gated_rms_norm_fwd  # noqa: E402
-from kdaserve.ops.reference import gated_rms_norm  # noqa: E402
-from kdaserve.testing import assert_rel_close, nan_poison, tolerance_for  # noqa: E402
+from kdaserve.ops.norm import gated_rms_norm_fwd
+from kdaserve.ops.reference import gated_rms_norm
+from kdaserve.testing import assert_rel_close, nan_poison, tolerance_for
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -1,16 +1,11 @@
 """Triton KDA recurrence (decode and speculative verify) against the torch token loop."""
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' import
-
-from kdaserve.ops.recurrent import kda_recurrent_fwd  # noqa: E402
-from kdaserve.ops.reference import beta_sigmoid, kda_gate, kda_qkv_prepare, kda_recurrent_spec, kda_recurrent_varlen  # noqa: E402
-from kdaserve.testing import assert_rel_close, assert_slots_untouched, make_kda_case, nan_poison, tolerance_for  # noqa: E402
+from kdaserve.ops.recurrent import kda_recurrent_fwd
+from kdaserve.ops.reference import beta_sigmoid, kda_gate, kda_qkv_prepare, kda_recurrent_spec, kda_recurrent_varlen
+from kdaserve.testing import assert_rel_close, assert_slots_untouched, make_kda_case, nan_poison, tolerance_for
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
