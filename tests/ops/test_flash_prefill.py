@@ -153,6 +153,21 @@ def test_segment_choice():
     assert seg is not None and seg % 16 == 0 and 1 < triton.cdiv(32768, seg) <= 16
 
 
+def test_segment_choice_is_memoized_per_config():
+    """The choice runs on the host before every prefill, so it is cached: a repeated call must give
+    the same answer, and a changed config (tune.py edits CONFIG in place) must not hit a stale entry."""
+    import dataclasses
+
+    cu = torch.tensor([0, 30000, 32768], dtype=torch.int32)
+    first = choose_segment_len(32768, 2, 16, 128, 32, cu, 132, CONFIG)
+    assert first is not None and choose_segment_len(32768, 2, 16, 128, 32, cu, 132, CONFIG) == first
+    never = dataclasses.replace(CONFIG, seg_min_len=1 << 30)
+    assert choose_segment_len(32768, 2, 16, 128, 32, cu, 132, never) is None
+    longer = dataclasses.replace(CONFIG, seg_min_tokens=first + 32)
+    assert choose_segment_len(32768, 2, 16, 128, 32, cu, 132, longer) in (None, *range(first + 32, 32769))
+    assert choose_segment_len(32768, 2, 16, 128, 32, cu, 132, CONFIG) == first
+
+
 @cpu_only
 def test_bad_inputs_raise_clear_errors():
     case = make_kda_case([4], H=1, D=16)

@@ -18,6 +18,7 @@ search. No loop has a bound passed as an argument (the interpreter cannot iterat
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -136,31 +137,47 @@ def choose_segment_len(
     unsegmented recurrence runs its chains in ceil(pairs / slots) rounds of (chunks x step time);
     segmenting into G pieces runs 2G - 1 chains per (sequence, head, V-slice) that are G times
     shorter, plus G scan steps and a per-token-head cost (o_loc and q~ through the workspace and
-    the correction pass). Sequences of unknown length (no host cu_seqlens) count as equal."""
-    slots_full = num_sms * cfg.recur_ctas_per_sm
-    if N == 0 or N * H >= slots_full:
-        return None  # the unsegmented pass already has a chain for every SM
+    the correction pass). Sequences of unknown length (no host cu_seqlens) count as equal.
+
+    This runs on the host before every prefill launch, so the answer is memoized: the search
+    over G costs up to ~1 ms of Python for a 64K-token prompt, more than the GPU time of a short
+    prefill (measured on the H200: a 0.5 ms launch gap at 32 heads, 1 x 8K)."""
+    if N == 0 or N * H >= num_sms * cfg.recur_ctas_per_sm:
+        return None  # the unsegmented pass already has a chain for every SM (N is small below)
     if cu_seqlens_cpu is not None:
-        lens = (cu_seqlens_cpu[1:] - cu_seqlens_cpu[:-1]).tolist()
+        lens = tuple((cu_seqlens_cpu[1:] - cu_seqlens_cpu[:-1]).tolist())
     else:
-        lens = [triton.cdiv(T, N)] * N
+        lens = (-(-T // N),) * N
+    return _best_segment_len(lens, H, D, chunk, num_sms, dataclasses.astuple(cfg), cfg)
+
+
+_SEGMENT_CACHE: dict = {}
+
+
+def _best_segment_len(lens: tuple, H: int, D: int, chunk: int, num_sms: int, key_cfg: tuple, cfg) -> int | None:
+    key = (lens, H, D, chunk, num_sms, key_cfg)
+    if key in _SEGMENT_CACHE:
+        return _SEGMENT_CACHE[key]
     longest = max(lens)
-    if longest < cfg.seg_min_len:
-        return None
-    chunks = [triton.cdiv(x, chunk) for x in lens]
-    unseg = max(max(chunks), triton.cdiv(sum(chunks) * H, slots_full)) * cfg.cost_step_full_us
-    nv = max(D // cfg.seg_block_v, 1)
-    slots_seg = num_sms * cfg.seg_ctas_per_sm
-    extra = T * H * cfg.cost_token_head_seg_ns * 1e-3
-    best, best_len = unseg, None
-    for G in range(2, 129):
-        seg = triton.cdiv(triton.cdiv(longest, G), chunk) * chunk
-        if seg < cfg.seg_min_tokens:
-            break
-        pieces = [max(triton.cdiv(x, seg), 1) for x in lens]
-        programs = H * nv * sum(2 * p - 1 for p in pieces)
-        t = triton.cdiv(programs, slots_seg) * (seg // chunk) * cfg.cost_step_seg_us
-        t += max(pieces) * cfg.cost_scan_step_us + extra
-        if t < best:
-            best, best_len = t, seg
+    best_len = None
+    if longest >= cfg.seg_min_len:
+        slots_full = num_sms * cfg.recur_ctas_per_sm
+        chunks = [-(-x // chunk) for x in lens]
+        best = max(max(chunks), -(-(sum(chunks) * H) // slots_full)) * cfg.cost_step_full_us
+        nv = max(D // cfg.seg_block_v, 1)
+        slots_seg = num_sms * cfg.seg_ctas_per_sm
+        extra = sum(lens) * H * cfg.cost_token_head_seg_ns * 1e-3
+        for G in range(2, 129):
+            seg = -(-(-(-longest // G)) // chunk) * chunk
+            if seg < cfg.seg_min_tokens:
+                break
+            pieces = [max(-(-x // seg), 1) for x in lens]
+            programs = H * nv * (2 * sum(pieces) - len(pieces))
+            t = -(-programs // slots_seg) * (seg // chunk) * cfg.cost_step_seg_us
+            t += max(pieces) * cfg.cost_scan_step_us + extra
+            if t < best:
+                best, best_len = t, seg
+    if len(_SEGMENT_CACHE) > 4096:  # an engine sees many batch shapes: bound the memory
+        _SEGMENT_CACHE.clear()
+    _SEGMENT_CACHE[key] = best_len
     return best_len
