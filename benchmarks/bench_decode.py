@@ -3,6 +3,8 @@
 Columns, side by side in one run on the same inputs and pools:
   fused  kdaserve.ops.fused.kda_decode_fused: one launch
   chain  kdaserve.ops.chain.kda_decode_chain: three launches (skipped when missing)
+  adaptive  kdaserve.ops.adaptive.kda_decode_adaptive: fused up to 512 head-steps, chain above
+         (the `auto` choice on CUDA; should equal the faster of the two columns)
   fla    FLA 0.6.0 fused_recurrent_kda (paged, in-place, V-first state) with our conv update and
          gated norm before and after it, plus the copy that splits the conv output into the
          contiguous q, k, v FLA reads (FLA also gets a contiguous copy of the beta logits made
@@ -109,6 +111,15 @@ def chain_impl():
     except ImportError:
         return None
     return lambda step, r: kda_decode_chain(**step.args(r))
+
+
+def adaptive_impl():
+    """The `adaptive` backend: fused up to 512 head-steps, chain above (kdaserve/ops/adaptive.py)."""
+    try:
+        from kdaserve.ops.adaptive import kda_decode_adaptive
+    except ImportError:
+        return None
+    return lambda step, r: kda_decode_adaptive(**step.args(r))
 
 
 def fla_impl():
@@ -258,7 +269,7 @@ def main() -> None:
     ap.add_argument("--sections", nargs="+", default=["sweep", "table", "verify"], choices=["sweep", "table", "verify"])
     args = ap.parse_args()
     t0 = time.time()
-    impls = {"fused": fused_impl(), "chain": chain_impl(), "fla": fla_impl()}
+    impls = {"fused": fused_impl(), "chain": chain_impl(), "adaptive": adaptive_impl(), "fla": fla_impl()}
     impls = {k: v for k, v in impls.items() if v is not None}
     print(torch.cuda.get_device_name(), "| columns:", ", ".join(impls), flush=True)
     try:
@@ -302,9 +313,14 @@ def goals(rows, have_chain: bool) -> None:
         sp = [(H, N, t["chain"] / t["fused"]) for _, H, N, t, _ in fp32 if N <= 32]
         print("  >= 1.5x vs chain at N <= 32:", verdict([x >= 1.5 for *_, x in sp]),
               " ".join(f"H{H}/N{N}={x:.2f}x" for H, N, x in sp if x < 1.5))
-        slower = [(sd, H, N) for sd, H, N, t, _ in rows if min(t.values()) < t["fused"]]
+        slower = [(sd, H, N) for sd, H, N, t, _ in rows if min(v for k, v in t.items() if k != "adaptive") < t["fused"]]
         print("  fused the fastest column everywhere (both state dtypes):", verdict([not slower]),
               " ".join(f"{str(sd)[6:]}/H{H}/N{N}" for sd, H, N in slower))
+        if any("adaptive" in t for *_, t, _ in rows):
+            worse = [(sd, H, N, t["adaptive"] / min(t["fused"], t["chain"])) for sd, H, N, t, _ in rows
+                     if t["adaptive"] > 1.03 * min(t["fused"], t["chain"])]
+            print("  adaptive within 3% of the faster of fused and chain:", verdict([not worse]),
+                  " ".join(f"{str(sd)[6:]}/H{H}/N{N}={x:.2f}x" for sd, H, N, x in worse))
 
 
 if __name__ == "__main__":

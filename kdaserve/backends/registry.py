@@ -80,6 +80,21 @@ def _declared(
     return reqs
 
 
+def _requirements_of_all(phase: str, *names: str) -> Callable[[], tuple[Requirement, ...]]:
+    """A backend that may call any of `names` needs what each of them needs (duplicates once)."""
+
+    @functools.cache
+    def reqs() -> tuple[Requirement, ...]:
+        out: list[Requirement] = []
+        for name in names:
+            for r in _REGISTRY[phase][name].requirements():
+                if not any(o.kind == r.kind and o.needs == r.needs for o in out):
+                    out.append(r)
+        return tuple(out)
+
+    return reqs
+
+
 def _attr(module: str, name: str) -> Callable[[], Callable]:
     def load() -> Callable:
         return getattr(importlib.import_module(module), name)
@@ -169,6 +184,12 @@ _SPECS: list[BackendSpec] = [
         conv_weight_decode_layout=_attr("kdaserve.ops.fused", "fused_conv_weight_layout"),
     ),
     BackendSpec(
+        "adaptive", "decode", "Triton: `fused` up to 512 head-steps per call, `chain` above (by shape, H200-measured)",
+        _attr("kdaserve.ops.adaptive", "kda_decode_adaptive"),
+        _requirements_of_all("decode", "fused", "chain"),
+        conv_weight_decode_layout=_attr("kdaserve.ops.fused", "fused_conv_weight_layout"),
+    ),
+    BackendSpec(
         "fla", "decode", "flash-linear-attention fused_recurrent_kda (+ our Triton conv, FLA's gated norm)",
         _attr("kdaserve.backends.adapters.fla", "kda_decode_fla"),
         _fixed(*GPU_TRITON, *FLA, rq.input_dtypes(BF16, F16, F32), rq.head_dim_power_of_two(16, 256), ANY_GATE,
@@ -187,7 +208,8 @@ _SPECS: list[BackendSpec] = [
 # Fastest first, per platform; `auto` takes the first eligible one. FLA is the baseline we beat;
 # the reference always qualifies, so `auto` never fails.
 AUTO_ORDER: dict[str, dict[str, tuple[str, ...]]] = {
-    "cuda": {"prefill": ("flash", "chunk", "fla", "reference"), "decode": ("fused", "chain", "fla", "reference")},
+    "cuda": {"prefill": ("flash", "chunk", "fla", "reference"),
+             "decode": ("adaptive", "fused", "chain", "fla", "reference")},
     "rocm": {"prefill": ("aiter", "flash", "chunk", "fla", "reference"), "decode": ("aiter", "fused", "chain", "fla", "reference")},
     # On the CPU even with TRITON_INTERPRET=1: the interpreter is far slower than torch.
     "cpu": {"prefill": ("reference",), "decode": ("reference",)},
@@ -221,4 +243,4 @@ for _spec in _SPECS:
     register_backend(_spec)
 
 PREFILL_BACKENDS = ("auto", "reference", "chunk", "flash", "fla", "flashkda", "aiter")
-DECODE_BACKENDS = ("auto", "reference", "chain", "fused", "fla", "aiter")
+DECODE_BACKENDS = ("auto", "reference", "chain", "fused", "adaptive", "fla", "aiter")

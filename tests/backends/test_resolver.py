@@ -51,7 +51,7 @@ def test_unknown_name_lists_the_valid_names(phase):
 
 def test_backend_names_are_the_issue_lists():
     assert backend_names("prefill") == ("reference", "chunk", "flash", "fla", "flashkda", "aiter")
-    assert backend_names("decode") == ("reference", "chain", "fused", "fla", "aiter")
+    assert backend_names("decode") == ("reference", "chain", "fused", "adaptive", "fla", "aiter")
 
 
 def test_explicit_backend_lists_every_unmet_requirement():
@@ -78,8 +78,11 @@ def test_decode_backends_declare_what_their_entry_points_refuse():
         resolve_backend("decode", "fused", w3, H200)
     assert check_backend("decode", "chain", w3, H200) == []
     assert choose_auto("decode", w3, H200)[0] == "chain"
+    # adaptive may run either kernel, so it needs what both need (here: fused's conv width).
+    with pytest.raises(BackendUnavailableError, match="conv width 4"):
+        resolve_backend("decode", "adaptive", w3, H200)
     deep = LayerSettings(lower_bound=-6.0)
-    for name in ("chain", "fused"):
+    for name in ("chain", "fused", "adaptive"):
         assert any("lower_bound in [-5.0, 0.0)" in u for u in check_backend("decode", name, deep, H200)), name
 
 
@@ -108,8 +111,8 @@ def test_interpreter_refuses_bf16_for_tl_dot_backends():
 @pytest.mark.parametrize(
     "machine, settings, prefill, decode",
     [
-        (H200, GPU_LAYER, "flash", "fused"),
-        (H200_ALL, GPU_LAYER, "flash", "fused"),
+        (H200, GPU_LAYER, "flash", "adaptive"),
+        (H200_ALL, GPU_LAYER, "flash", "adaptive"),
         (MI355, GPU_LAYER, "aiter", "aiter"),
         (MI300, GPU_LAYER, "flash", "fused"),
         (CPU, CPU_LAYER, "reference", "reference"),
@@ -141,7 +144,7 @@ def test_auto_without_our_kernels_falls_to_fla_then_reference():
 
 
 def test_auto_orders_match_the_issue():
-    assert AUTO_ORDER["cuda"] == {"prefill": ("flash", "chunk", "fla", "reference"), "decode": ("fused", "chain", "fla", "reference")}
+    assert AUTO_ORDER["cuda"] == {"prefill": ("flash", "chunk", "fla", "reference"), "decode": ("adaptive", "fused", "chain", "fla", "reference")}
     assert AUTO_ORDER["cpu"] == {"prefill": ("reference",), "decode": ("reference",)}
     assert AUTO_ORDER["rocm"]["prefill"][0] == "aiter" and AUTO_ORDER["rocm"]["decode"][0] == "aiter"
 

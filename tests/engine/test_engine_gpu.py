@@ -27,7 +27,7 @@ def _no_leaks(llm):
     assert s["state_slots_used"] == 0 and s["kv_blocks_used"] == 0 and not llm.engine.has_unfinished_requests()
 
 
-@pytest.mark.parametrize("decode", ["chain", "fused"])
+@pytest.mark.parametrize("decode", ["chain", "fused", "adaptive"])
 def test_cuda_graph_decode_equals_eager_and_batch_equals_alone(decode):
     eager = _tiny("chunk", decode, enforce_eager=True)
     graphs = _tiny("chunk", decode)

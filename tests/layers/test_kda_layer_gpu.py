@@ -19,7 +19,7 @@ from kdaserve.testing import assert_rel_close
 pytestmark = pytest.mark.gpu
 
 HID, H, D, N = 256, 4, 128, 6
-DECODE_BACKENDS = ["chain", "fused", "fla"]
+DECODE_BACKENDS = ["chain", "fused", "adaptive", "fla"]
 
 
 def _skip_unless_runnable(name):
