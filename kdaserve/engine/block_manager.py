@@ -43,4 +43,4 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         for block in seq.block_table:
             self._ids.free(block)
-        seq.block_table.clear()
+        seq.block_table = []   # a new list, not clear(): Sequence.block_table_array's cache keys on it

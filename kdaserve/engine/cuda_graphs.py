@@ -5,10 +5,10 @@ KV row (writes), so they change nothing that a real sequence will ever read."""
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-from kdaserve.engine.step_inputs import HostStep
+from kdaserve.engine.staging import PackedLayout, StagingRing
+from kdaserve.engine.step_inputs import HostStep, write_block_tables
 from kdaserve.layers.attention import AttentionMetadata
 from kdaserve.layers.context import Context, KDAStepMetadata, reset_context, set_context
 
@@ -18,43 +18,83 @@ def graph_batch_sizes(max_bs: int) -> list[int]:
     return sorted(set(sizes + [max_bs]))
 
 
+class DecodeStaticInputs:
+    """The graphs' static input and metadata buffers for up to `max_batch_size` rows: views of one
+    device buffer, filled each step from a pinned staging buffer by one non-blocking copy of its
+    first bytes (staging.py says why, and how reuse of the pinned buffer stays safe)."""
+
+    def __init__(self, max_batch_size: int, block_table_width: int, trash_row: int, device):
+        B, self.width, self.trash_row = max_batch_size, block_table_width, trash_row
+        i64, i32 = torch.int64, torch.int32
+        # Block tables last: a step copies the layout up to its own batch's rows of them.
+        self.layout = PackedLayout([
+            ("input_ids", i64, (B,)), ("positions", i64, (B,)), ("slot_mapping", i64, (B,)),
+            ("sample_rows", i64, (B,)), ("state_indices", i32, (B,)), ("context_lens", i32, (B,)),
+            ("block_tables", i32, (B, block_table_width)),
+        ])
+        self.buffer = torch.zeros(self.layout.nbytes, dtype=torch.uint8, device=device)
+        views = self.layout.device_views(self.buffer)
+        self.input_ids, self.positions, self.state_indices = views["input_ids"], views["positions"], views["state_indices"]
+        self.slot_mapping, self.block_tables, self.context_lens = views["slot_mapping"], views["block_tables"], views["context_lens"]
+        self.sample_rows = views["sample_rows"]   # read outside the graph (logit rows), staged with the rest
+        self.slot_mapping.fill_(trash_row)
+        self.context_lens.fill_(1)
+        self.ring = StagingRing(self.layout.nbytes, torch.device(device))
+
+    def stage(self, step: HostStep, bs: int) -> torch.Tensor | None:
+        """Write the step, padded to `bs` rows, into a pinned buffer and copy that into the static
+        buffers. Returns the device index of the sample rows (None: they are rows 0..k-1)."""
+        n = step.num_decodes
+        i, host = self.ring.acquire(self.layout.nbytes)
+        h = self.layout.host_views(host)
+        for name, values, pad in (
+            ("input_ids", step.input_ids, 0), ("positions", step.positions, 0),
+            ("slot_mapping", step.slot_mapping, self.trash_row), ("state_indices", step.decode_slots, 0),
+            ("context_lens", step.decode_context_lens, 1),
+        ):
+            h[name][:n] = values
+            h[name][n:bs] = pad
+        write_block_tables(h["block_tables"][:bs], step.decode_tables)   # padding rows: null blocks only
+        rows = step.logits.sample_rows
+        staged_rows = not step.logits.sample_rows_are_leading
+        if staged_rows:
+            h["sample_rows"][: len(rows)] = rows
+        self.ring.submit(i, self.buffer, self.layout.end_of("block_tables", bs))
+        return self.sample_rows[: len(rows)] if staged_rows else None
+
+
 class DecodeGraphs:
     def __init__(self, model, *, max_batch_size: int, block_table_width: int, trash_row: int, hidden_size: int, dtype, device):
         self.model = model
         self.sizes = graph_batch_sizes(max_batch_size)
         self.width = block_table_width
-        self.trash_row = trash_row
-        B = self.sizes[-1]
-        self.input_ids = torch.zeros(B, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(B, dtype=torch.int64, device=device)
-        self.state_indices = torch.zeros(B, dtype=torch.int32, device=device)
-        self.slot_mapping = torch.full((B,), trash_row, dtype=torch.int64, device=device)
-        self.block_tables = torch.zeros(B, block_table_width, dtype=torch.int32, device=device)
-        self.context_lens = torch.ones(B, dtype=torch.int32, device=device)
-        self.outputs = torch.zeros(B, hidden_size, dtype=dtype, device=device)
+        self.inputs = DecodeStaticInputs(self.sizes[-1], block_table_width, trash_row, device)
+        self.outputs = torch.zeros(self.sizes[-1], hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._capture()
 
     def _context(self, bs: int) -> Context:
-        kda = KDAStepMetadata(num_decodes=bs, num_decode_tokens=bs, decode_state_indices=self.state_indices[:bs])
+        x = self.inputs
+        kda = KDAStepMetadata(num_decodes=bs, num_decode_tokens=bs, decode_state_indices=x.state_indices[:bs])
         attn = AttentionMetadata(
-            slot_mapping=self.slot_mapping[:bs], num_decode_tokens=bs,
-            decode_block_tables=self.block_tables[:bs], decode_context_lens=self.context_lens[:bs],
+            slot_mapping=x.slot_mapping[:bs], num_decode_tokens=bs,
+            decode_block_tables=x.block_tables[:bs], decode_context_lens=x.context_lens[:bs],
         )
         return Context(kda=kda, attn=attn)
 
     @torch.inference_mode()
     def _capture(self) -> None:
         pool = None
+        ids, pos = self.inputs.input_ids, self.inputs.positions
         # Largest first, so smaller graphs fit in the memory pool the largest one reserved.
         for bs in reversed(self.sizes):
             set_context(self._context(bs))
             # Warm-up outside capture (kernel compilation, autotuning); all rows are padding here.
-            self.outputs[:bs] = self.model(self.input_ids[:bs], self.positions[:bs])
+            self.outputs[:bs] = self.model(ids[:bs], pos[:bs])
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool):
-                self.outputs[:bs] = self.model(self.input_ids[:bs], self.positions[:bs])
+                self.outputs[:bs] = self.model(ids[:bs], pos[:bs])
             if pool is None:
                 pool = graph.pool()
             self.graphs[bs] = graph
@@ -65,27 +105,16 @@ class DecodeGraphs:
         return (
             0 < step.num_decodes <= self.sizes[-1]
             and not step.prefill_lens
-            and step.decode_block_tables.shape[1] <= self.width
+            and step.decode_width <= self.width
         )
 
-    def run(self, step: HostStep) -> torch.Tensor:
-        """Replay the decode step; returns the hidden states of its real rows."""
-        n = step.num_decodes
-        bs = next(b for b in self.sizes if b >= n)
+    def bucket(self, n: int) -> int:
+        return next(b for b in self.sizes if b >= n)
 
-        def fill(buf: torch.Tensor, values: np.ndarray, pad_value) -> None:
-            host = np.empty((bs, *buf.shape[1:]), dtype=values.dtype)
-            host[:n] = values
-            host[n:] = pad_value
-            buf[:bs].copy_(torch.from_numpy(host), non_blocking=False)
-
-        fill(self.input_ids, step.input_ids, 0)
-        fill(self.positions, step.positions, 0)
-        fill(self.state_indices, step.decode_slots, 0)
-        fill(self.slot_mapping, step.slot_mapping, self.trash_row)
-        fill(self.context_lens, step.decode_context_lens, 1)
-        tables = np.zeros((n, self.width), dtype=np.int32)
-        tables[:, : step.decode_block_tables.shape[1]] = step.decode_block_tables
-        fill(self.block_tables, tables, 0)
+    def run(self, step: HostStep) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Replay the decode step; returns the hidden states of its real rows and the device
+        index of its sample rows (None: rows 0..k-1)."""
+        bs = self.bucket(step.num_decodes)
+        sample_rows = self.inputs.stage(step, bs)
         self.graphs[bs].replay()
-        return self.outputs[:n]
+        return self.outputs[: step.num_decodes], sample_rows

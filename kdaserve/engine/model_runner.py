@@ -14,6 +14,7 @@ from kdaserve.engine.cuda_graphs import DecodeGraphs
 from kdaserve.engine.sampler import Sampler, SampleResult, logprob_rows
 from kdaserve.engine.scheduler import ScheduledBatch
 from kdaserve.engine.sequence import Sequence
+from kdaserve.engine.staging import StagingRing
 from kdaserve.engine.step_inputs import build_host_step, to_device_context
 from kdaserve.layers.context import Context, reset_context, set_context
 from kdaserve.models.loader import load_model
@@ -48,6 +49,7 @@ class ModelRunner:
         self.num_kv_blocks = self._decide_num_kv_blocks()
         self.caches = StepCaches(self.model, self.num_slots, self.num_kv_blocks, self.block_size, config.dtype, self.device)
         self.sampler = Sampler(self.device, config.seed)
+        self.step_ring = StagingRing(64 << 10, self.device)   # eager steps' metadata; grows to the largest step
         self.graphs = None
         not_capturable = sorted({l.decode_backend.name for l in self.model.kda_layers if not l.decode_graph_capturable})
         if config.use_cuda_graphs and not_capturable:
@@ -117,19 +119,21 @@ class ModelRunner:
         width = self.blocks_per_seq if self.graphs is not None and not batch.prefills else None
         step = build_host_step(batch, self.block_size, decode_width=width)
         if self.graphs is not None and self.graphs.can_run(step):
-            hidden = self.graphs.run(step)
+            hidden, sample_rows = self.graphs.run(step)
         else:
-            input_ids, positions, ctx = to_device_context(step, self.device)
-            set_context(ctx)
+            dev = to_device_context(step, self.device, self.step_ring)
+            sample_rows = dev.sample_rows
+            set_context(dev.context)
             try:
-                hidden = self.model(input_ids, positions)
+                hidden = self.model(dev.input_ids, dev.positions)
             finally:
                 reset_context()
         want = step.logits
         sampled = SampleResult([], [])
         if want.sample_rows:
-            logits = self.model.compute_logits(hidden[torch.tensor(want.sample_rows, device=self.device, dtype=torch.int64)])
-            sampled = self.sampler.sample(logits, want.sample_seqs)
+            # The rows' index was staged with the step's metadata; None: rows 0..k-1, a slice.
+            rows = hidden[: len(want.sample_rows)] if sample_rows is None else hidden[sample_rows]
+            sampled = self.sampler.sample(self.model.compute_logits(rows), want.sample_seqs)
         return StepResult(sampled, want.sample_seqs, self._prompt_logprobs(hidden, want.prompt_rows))
 
     def _prompt_logprobs(self, hidden: torch.Tensor, prompt_rows: list) -> list:

@@ -7,6 +7,8 @@ import enum
 import itertools
 import time
 
+import numpy as np
+
 from kdaserve.engine.detokenizer import IncrementalDetokenizer
 from kdaserve.engine.sampling_params import SamplingParams
 
@@ -31,7 +33,10 @@ class Sequence:
         # Tokens whose effect the caches hold (KV rows written, recurrent state advanced past them).
         self.num_computed_tokens = 0
         self.state_slot = 0                 # 0 = none (the null slot)
+        # Grows by append only; BlockManager.free replaces it with a new list (block_table_array's
+        # cache relies on both).
         self.block_table: list[int] = []
+        self._block_array: tuple[list[int], np.ndarray] | None = None
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.detokenizer = detokenizer
@@ -59,6 +64,15 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    def block_table_array(self) -> np.ndarray:
+        """The block table as int32 numpy, rebuilt only when it changed (every block_size tokens):
+        a decode step copies 64 of these rows, converting Python lists each time cost ~1 us a row."""
+        cached = self._block_array
+        table = self.block_table
+        if cached is None or cached[0] is not table or cached[1].shape[0] != len(table):
+            cached = self._block_array = (table, np.asarray(table, dtype=np.int32))
+        return cached[1]
 
     @property
     def num_uncomputed_tokens(self) -> int:

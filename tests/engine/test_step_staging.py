@@ -1,0 +1,113 @@
+"""A step's metadata through the staging buffer (one packed copy) equals the same metadata made
+array by array, for the eager path and for the CUDA graphs' static inputs (on the CPU: the
+packing, padding and views are the same code on both devices)."""
+
+import numpy as np
+import pytest
+import torch
+
+from kdaserve.engine.cuda_graphs import DecodeStaticInputs
+from kdaserve.engine.detokenizer import IncrementalDetokenizer
+from kdaserve.engine.sampling_params import SamplingParams
+from kdaserve.engine.scheduler import ScheduledBatch
+from kdaserve.engine.sequence import Sequence
+from kdaserve.engine.staging import StagingRing
+from kdaserve.engine.step_inputs import build_host_step, to_device_context
+from kdaserve.models.tokenizer import ByteTokenizer
+
+BLOCK = 4
+CPU = torch.device("cpu")
+
+
+def _seq(num_tokens: int, computed: int, slot: int, first_block: int) -> Sequence:
+    s = Sequence(f"r{slot}", [(7 * slot + j) % 50 for j in range(num_tokens)], SamplingParams(),
+                 IncrementalDetokenizer(ByteTokenizer(), []))
+    s.num_computed_tokens, s.state_slot = computed, slot
+    s.block_table = [first_block + b for b in range(-(-(computed + 1) // BLOCK) + 2)]
+    return s
+
+
+def _decodes(n: int, offset: int = 0) -> list[Sequence]:
+    # Lengths differ so the block tables differ in length; each decode samples its last token.
+    return [_seq(5 + 3 * i + offset, 4 + 3 * i + offset, i + 1, 10 * (i + 1)) for i in range(n)]
+
+
+def _by_arrays(step):
+    """The old way: one tensor per array (what the packed copy must reproduce)."""
+    cu = np.concatenate([[0], np.cumsum(step.prefill_lens)]).astype(np.int32)
+    return {
+        "input_ids": torch.from_numpy(step.input_ids), "positions": torch.from_numpy(step.positions),
+        "slot_mapping": torch.from_numpy(step.slot_mapping), "decode_slots": torch.from_numpy(step.decode_slots),
+        "decode_context_lens": torch.from_numpy(step.decode_context_lens),
+        "decode_block_tables": torch.from_numpy(step.decode_block_tables),
+        "cu": torch.from_numpy(cu), "prefill_slots": torch.from_numpy(step.prefill_slots),
+        "has_state": torch.from_numpy(step.prefill_has_state), "kv_rows": torch.from_numpy(step.prefill_kv_rows),
+    }
+
+
+def _eq(a, b) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and bool((a == b).all())
+
+
+@pytest.mark.parametrize("num_decodes, prefill_lens", [(3, []), (0, [5, 1]), (2, [3]), (1, [7, 2, 4])])
+def test_eager_context_equals_one_copy_per_array(num_decodes, prefill_lens):
+    decodes = _decodes(num_decodes)
+    prefills = [_seq(n + 2 * i, 2 * i, 20 + i, 100 + 10 * i) for i, n in enumerate(prefill_lens)]
+    batch = ScheduledBatch(decodes=decodes, prefills=prefills, num_new_tokens=list(prefill_lens))
+    step = build_host_step(batch, BLOCK)
+    want = _by_arrays(step)
+    ring = StagingRing(8, CPU)   # too small: grows on the first step
+    for _ in range(2):          # a reused staging buffer gives the same
+        dev = to_device_context(step, CPU, ring)
+        kda, attn = dev.context.kda, dev.context.attn
+        assert _eq(dev.input_ids, want["input_ids"]) and _eq(dev.positions, want["positions"])
+        assert _eq(attn.slot_mapping, want["slot_mapping"])
+        if num_decodes:
+            assert _eq(kda.decode_state_indices, want["decode_slots"])
+            assert _eq(attn.decode_context_lens, want["decode_context_lens"])
+            assert _eq(attn.decode_block_tables, want["decode_block_tables"])
+        else:
+            assert kda.decode_state_indices is None and attn.decode_block_tables is None
+        if prefill_lens:
+            assert _eq(kda.prefill_cu_seqlens, want["cu"]) and _eq(kda.prefill_cu_seqlens_cpu, want["cu"])
+            assert _eq(kda.prefill_state_indices, want["prefill_slots"])
+            assert _eq(kda.prefill_has_initial_state, want["has_state"]) and _eq(attn.prefill_kv_rows, want["kv_rows"])
+        else:
+            assert kda.prefill_cu_seqlens is None and attn.prefill_kv_rows is None
+        rows = step.logits.sample_rows
+        if rows == list(range(len(rows))):
+            assert dev.sample_rows is None
+        else:
+            assert dev.sample_rows.tolist() == rows
+
+
+def test_graph_static_inputs_follow_changing_batch_sizes():
+    """Sizes 3, 4, 1, 2, 3 into buckets of 4, 4, 1, 2, 4: real rows equal the step, padding rows
+    point at the null slot, the null block and the trash row, whatever a larger step left there."""
+    trash, width = 999, 6
+    static = DecodeStaticInputs(4, width, trash, CPU)
+    for k, (n, bs) in enumerate([(3, 4), (4, 4), (1, 1), (2, 2), (3, 4)]):
+        step = build_host_step(ScheduledBatch(decodes=_decodes(n, offset=k)), BLOCK, decode_width=width)
+        want = _by_arrays(step)
+        assert static.stage(step, bs) is None
+        real, pad = slice(0, n), slice(n, bs)
+        assert _eq(static.input_ids[real], want["input_ids"]) and _eq(static.positions[real], want["positions"])
+        assert _eq(static.slot_mapping[real], want["slot_mapping"])
+        assert _eq(static.state_indices[real], want["decode_slots"])
+        assert _eq(static.context_lens[real], want["decode_context_lens"])
+        assert _eq(static.block_tables[real], want["decode_block_tables"])
+        assert (static.state_indices[pad] == 0).all() and (static.slot_mapping[pad] == trash).all()
+        assert (static.context_lens[pad] == 1).all() and (static.block_tables[pad] == 0).all()
+        assert (static.input_ids[pad] == 0).all() and (static.positions[pad] == 0).all()
+
+
+def test_graph_sample_rows_are_staged_when_not_leading():
+    # The middle sequence still has an unprocessed token after this one (a recomputed prompt
+    # advancing one token at a time): its row does not sample.
+    seqs = _decodes(3)
+    seqs[1].token_ids.append(3)
+    step = build_host_step(ScheduledBatch(decodes=seqs), BLOCK, decode_width=6)
+    assert step.logits.sample_rows == [0, 2]
+    static = DecodeStaticInputs(4, 6, 999, CPU)
+    rows = static.stage(step, 4)
+    assert rows.tolist() == [0, 2] and rows.dtype == torch.int64
