@@ -53,3 +53,17 @@ def test_both_pools_refuse_a_size_without_a_real_entry_and_a_double_free():
     seq.block_table = table
     with pytest.raises(RuntimeError, match="KV block .* freed twice"):
         bm.free(seq)
+
+
+def test_the_cached_block_table_array_follows_growth_and_a_free():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    other, s = _seq(4), _seq(8)
+    bm.grow(s, 8)
+    assert s.block_table_array().tolist() == s.block_table and s.block_table_array().dtype.name == "int32"
+    bm.grow(s, 9)
+    assert s.block_table_array().tolist() == s.block_table and len(s.block_table) == 3
+    before = list(s.block_table)
+    bm.free(s)                # preempted: its blocks go back ...
+    bm.grow(other, 4)         # ... someone takes one, and it regrows to the same length elsewhere
+    bm.grow(s, 9)
+    assert s.block_table != before and s.block_table_array().tolist() == s.block_table
