@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from kdaserve.engine.sequence import Sequence
+from kdaserve.engine.staging import StagingRing, stage_lists
 
 
 @dataclass
@@ -38,16 +39,37 @@ def logprob_rows(
     logits: torch.Tensor, targets: torch.Tensor, num_top: list[int]
 ) -> list[tuple[float, list[tuple[int, float]]]]:
     """For each row: the log-prob of `targets[row]` and the top `num_top[row]` (id, log-prob)."""
+    dev = _logprob_tensors(logits, targets, max(num_top, default=0))
+    return _logprob_lists(*to_host(dev), num_top)
+
+
+def _logprob_tensors(logits: torch.Tensor, targets: torch.Tensor, n: int) -> list[torch.Tensor]:
+    """[chosen log-prob [R], top-n log-probs [R, n], their ids [R, n]], on the device."""
     logp = logits.log_softmax(-1)
-    chosen = logp.gather(1, targets[:, None]).squeeze(1).tolist()
-    n = max(num_top, default=0)
-    if n:
-        top_v, top_i = logp.topk(min(n, logp.shape[-1]), dim=-1)
-        top_v, top_i = top_v.tolist(), top_i.tolist()
+    chosen = logp.gather(1, targets[:, None]).squeeze(1)
+    top_v, top_i = logp.topk(min(n, logp.shape[-1]), dim=-1)
+    return [chosen, top_v, top_i]
+
+
+def _logprob_lists(chosen: list, top_v: list, top_i: list, num_top: list[int]) -> list:
+    width = len(top_v) // max(len(chosen), 1)
     out = []
     for r, c in enumerate(chosen):
-        k = num_top[r]
-        out.append((c, list(zip(top_i[r][:k], top_v[r][:k])) if k else []))
+        k = min(num_top[r], width)
+        ids = top_i[r * width : r * width + k]
+        vals = top_v[r * width : r * width + k]
+        out.append((c, [(int(i), v) for i, v in zip(ids, vals)]))
+    return out
+
+
+def to_host(tensors: list[torch.Tensor]) -> list[list]:
+    """Each tensor as a flat host list, in ONE device->host transfer (each .tolist() is a sync):
+    all go through float64, exact for fp32 values and for integers below 2**53 (token ids)."""
+    flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors]).tolist()
+    out, at = [], 0
+    for t in tensors:
+        out.append(flat[at : at + t.numel()])
+        at += t.numel()
     return out
 
 
@@ -55,21 +77,37 @@ class Sampler:
     def __init__(self, device: torch.device, seed: int = 0):
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.ring = StagingRing(4 << 10, torch.device(device))   # per-row parameters, one copy a step
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
-        """logits [N, V] fp32, one row per sequence in `seqs`."""
-        N = logits.shape[0]
+        """logits [N, V] fp32, one row per sequence in `seqs`. One host->device copy of the rows'
+        parameters (none when every row is greedy and all or no rows want log-probs) and one
+        device->host transfer of the results."""
+        N, V = logits.shape
         params = [s.params for s in seqs]
         greedy = [p.greedy for p in params]
+        random = not all(greedy)
+        masked = random and any(p.top_k > 0 or p.top_p < 1.0 for p in params)
+        want = [p.logprobs for p in params]
+        lp_rows = [i for i, w in enumerate(want) if w is not None]
+        some_lp = 0 < len(lp_rows) < N
+        staged = {}
+        if random:
+            staged["temperature"] = (torch.float32, [1.0 if g else p.temperature for g, p in zip(greedy, params)])
+            staged["greedy"] = (torch.bool, greedy)
+        if masked:
+            # Clamped on the host: a top_k past int64 (the API allows any integer) fits no tensor.
+            staged["top_k"] = (torch.int64, [min(p.top_k, V) for p in params])
+            staged["top_p"] = (torch.float32, [p.top_p for p in params])
+        if some_lp:
+            staged["logprob_rows"] = (torch.int64, lp_rows)
+        dev = stage_lists(self.ring, logits.device, staged) if staged else {}
+
         tokens = logits.argmax(-1)
-        if not all(greedy):
-            temp = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)], device=logits.device)
-            scaled = logits / temp[:, None]
-            if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-                # Clamped on the host: a top_k past int64 (the API allows any integer) cannot become a tensor.
-                top_k = torch.tensor([min(p.top_k, logits.shape[-1]) for p in params], device=logits.device)
-                top_p = torch.tensor([p.top_p for p in params], device=logits.device)
-                scaled = _top_k_top_p(scaled, top_k, top_p)
+        if random:
+            scaled = logits / dev["temperature"][:, None]
+            if masked:
+                scaled = _top_k_top_p(scaled, dev["top_k"], dev["top_p"])
             probs = scaled.softmax(-1)
             race = torch.empty_like(probs)
             seeded = [i for i, s in enumerate(seqs) if s.params.seed is not None and not greedy[i]]
@@ -81,13 +119,12 @@ class Sampler:
                 race[i].exponential_(generator=seq.generator)
             # An exact 0 from the race would turn 0/0 into NaN, which argmax would pick.
             drawn = (probs / race.clamp_(min=1e-20)).argmax(-1)
-            tokens = torch.where(torch.tensor(greedy, device=logits.device), tokens, drawn)
-        want = [p.logprobs for p in params]
+            tokens = torch.where(dev["greedy"], tokens, drawn)
         lp: list = [None] * N
-        if any(w is not None for w in want):
-            rows = [i for i, w in enumerate(want) if w is not None]
-            idx = torch.tensor(rows, device=logits.device)
-            res = logprob_rows(logits[idx], tokens[idx], [want[i] for i in rows])
-            for i, r in zip(rows, res):
-                lp[i] = r
-        return SampleResult(tokens.tolist(), lp)
+        if not lp_rows:
+            return SampleResult(tokens.tolist(), lp)
+        idx = dev["logprob_rows"] if some_lp else slice(None)
+        host = to_host([tokens, *_logprob_tensors(logits[idx], tokens[idx], max(want[i] for i in lp_rows))])
+        for i, r in zip(lp_rows, _logprob_lists(*host[1:], [want[i] for i in lp_rows])):
+            lp[i] = r
+        return SampleResult([int(t) for t in host[0]], lp)

@@ -132,3 +132,16 @@ class StagingRing:
 
 def _non_blocking_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src, non_blocking=True)
+
+
+def stage_lists(ring: StagingRing, device: torch.device, arrays: dict[str, tuple[torch.dtype, list]]) -> dict[str, torch.Tensor]:
+    """Named 1-D host lists -> device tensors through one staging buffer and one copy (into a
+    fresh device buffer, so the result outlives the next call)."""
+    layout = PackedLayout((name, dtype, (len(values),)) for name, (dtype, values) in arrays.items())
+    i, host = ring.acquire(layout.nbytes)
+    views = layout.host_views(host)
+    for name, (_, values) in arrays.items():
+        views[name][:] = values
+    dev = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
+    ring.submit(i, dev, layout.nbytes)
+    return layout.device_views(dev)
