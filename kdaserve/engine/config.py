@@ -39,6 +39,9 @@ class EngineConfig:
     conv_layout: str = "SD"
     max_logprobs: int = 20
     cuda_graph_max_batch_size: int | None = None  # None: max_num_seqs
+    # Run dummy steps at startup so that kernel JIT specializations are compiled before the first
+    # requests (engine/warmup.py); independent of enforce_eager.
+    warmup: bool = True
 
     def __post_init__(self):
         self.device = torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))

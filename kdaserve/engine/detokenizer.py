@@ -17,16 +17,19 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0     # start of the decode window
         self.read_offset = 0       # tokens whose text is already in self.text
 
-    def add(self, ids: list[int], *, final: bool = False) -> str | None:
-        """ids: all output tokens so far (stop tokens excluded). Appends the newly complete text
-        (all of it when `final`); returns the stop string hit (text trimmed before it), else None."""
-        prefix = self.tokenizer.decode(ids[self.prefix_offset : self.read_offset])
-        full = self.tokenizer.decode(ids[self.prefix_offset :])
+    def add(self, ids: list[int], *, final: bool = False, start: int = 0, end: int | None = None) -> str | None:
+        """ids[start:end]: all output tokens so far (stop tokens excluded); the engine passes the
+        sequence's whole token list and the bounds, so that no copy of all outputs is made per
+        token. Appends the newly complete text (all of it when `final`); returns the stop string
+        hit (text trimmed before it), else None."""
+        end = len(ids) if end is None else end
+        prefix = self.tokenizer.decode(ids[start + self.prefix_offset : start + self.read_offset])
+        full = self.tokenizer.decode(ids[start + self.prefix_offset : end])
         if len(full) <= len(prefix) or (full.endswith("\ufffd") and not final):
             return None
         old_len = len(self.text)
         self.text += full[len(prefix) :]
-        self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+        self.prefix_offset, self.read_offset = self.read_offset, end - start
         if not self.stop:
             return None
         start = max(0, old_len - self.max_stop_len + 1)

@@ -11,7 +11,7 @@ from kdaserve.engine.block_manager import BlockManager
 from kdaserve.engine.config import EngineConfig
 from kdaserve.engine.detokenizer import IncrementalDetokenizer
 from kdaserve.engine.model_runner import ModelRunner, StepResult
-from kdaserve.engine.outputs import RequestOutput
+from kdaserve.engine.outputs import ListPrefix, RequestOutput
 from kdaserve.engine.sampling_params import SamplingParams
 from kdaserve.engine.scheduler import Scheduler
 from kdaserve.engine.sequence import Sequence, SequenceStatus
@@ -145,10 +145,11 @@ class LLMEngine:
         is_eos = token == self.eos_token_id or token in self.more_eos_token_ids
         stop_token = token in p.stop_token_ids or (not p.ignore_eos and is_eos)
         reason = "stop" if stop_token else None
-        text_ids = seq.output_token_ids[:-1] if stop_token else seq.output_token_ids
         done = stop_token or seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len
         needs_text = done or self.incremental_text or bool(p.stop)
-        if needs_text and seq.detokenizer.add(text_ids, final=done) is not None:
+        # The outputs' text leaves a stop token out; bounds into token_ids, no copy of the outputs.
+        text_end = seq.num_tokens - 1 if stop_token else seq.num_tokens
+        if needs_text and seq.detokenizer.add(seq.token_ids, final=done, start=seq.num_prompt_tokens, end=text_end) is not None:
             reason = "stop"
         elif reason is None and done:
             reason = "length"
@@ -158,16 +159,18 @@ class LLMEngine:
             self.requests.pop(seq.request_id, None)
 
     def _output(self, seq: Sequence, new_ids: list[int]) -> RequestOutput:
+        """`new_ids` becomes the output's own list (callers hand over a list they drop). The lists
+        of everything so far are ListPrefix snapshots: O(1) per step, copied only when read."""
         return RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt_token_ids,
-            output_token_ids=seq.output_token_ids,
-            new_token_ids=list(new_ids),
+            output_token_ids=ListPrefix(seq.token_ids, seq.num_prompt_tokens),
+            new_token_ids=new_ids,
             text=seq.detokenizer.text,
             finished=seq.is_finished,
             finish_reason=seq.finish_reason,
-            logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
-            prompt_logprobs=list(seq.prompt_logprobs) if seq.prompt_logprobs is not None else None,
+            logprobs=ListPrefix(seq.logprobs) if seq.logprobs is not None else None,
+            prompt_logprobs=ListPrefix(seq.prompt_logprobs) if seq.prompt_logprobs is not None else None,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
             metrics=dict(seq.metrics, num_preemptions=seq.num_preemptions),
