@@ -62,9 +62,9 @@ class RequestOutput:
         metrics: dict | None = None,           # arrival/first-token/finish times (time.monotonic)
     ):
         self.request_id, self.prompt_token_ids = request_id, prompt_token_ids
-        self.output_token_ids, self.new_token_ids, self.text = output_token_ids, new_token_ids, text
+        self._output_token_ids, self.new_token_ids, self.text = output_token_ids, new_token_ids, text
         self.finished, self.finish_reason = finished, finish_reason
-        self.logprobs, self.prompt_logprobs = logprobs, prompt_logprobs
+        self._logprobs, self._prompt_logprobs = logprobs, prompt_logprobs
         self.num_prompt_tokens, self.num_output_tokens = num_prompt_tokens, num_output_tokens
         self.metrics = {} if metrics is None else metrics
 

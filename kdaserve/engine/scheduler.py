@@ -61,14 +61,16 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)
-            while not self.blocks.can_grow(seq, seq.num_computed_tokens + n):
+            need = self.blocks.extra_blocks_for(seq, seq.num_computed_tokens + n)
+            while need > self.blocks.num_free:
                 victim = self.running[-1]
                 self._preempt(victim)
                 batch.preempted.append(victim)
                 if victim is seq:
                     break
             else:
-                self.blocks.grow(seq, seq.num_computed_tokens + n)
+                if need:   # a new block every block_size tokens: most decode steps need none
+                    self.blocks.grow(seq, seq.num_computed_tokens + n)
                 self._add_to_batch(batch, seq, n)
                 budget -= n
                 i += 1
