@@ -9,9 +9,12 @@ ceil(L / BT) chunks, the last one possibly partial; a 0-token sequence has none.
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 
 import torch
+
+from kdaserve.ops.host_tables import StepTableCache, aligned, host_offsets, int32_to_device
 
 
 @dataclass(slots=True)
@@ -28,42 +31,44 @@ class ChunkTables:
     num_chunks: int
 
 
+def chunk_table_values(offsets: tuple[int, ...], chunk_size: int) -> tuple[array, array]:
+    """(chunks flattened [NC * 3], seq_first_chunk [N]) as int32 arrays, in plain Python (a step
+    has a few thousand chunks at most; see kdaserve.ops.host_tables for why not torch ops)."""
+    chunks, first = array("i"), array("i")
+    for n in range(len(offsets) - 1):
+        start, end = offsets[n], offsets[n + 1]
+        if end < start:
+            raise ValueError(f"cu_seqlens must be non-decreasing, got {list(offsets)}")
+        first.append(len(chunks) // 3)
+        for t in range(start, end, chunk_size):
+            chunks.extend((n, t, min(t + chunk_size, end)))
+    return chunks, first
+
+
 def host_chunk_tables(cu_seqlens_cpu: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(chunks [NC, 3], seq_first_chunk [N]) as int32 host tensors."""
-    cu = cu_seqlens_cpu.to(torch.int64)
-    lens = cu[1:] - cu[:-1]
-    if lens.numel() and int(lens.min()) < 0:
-        raise ValueError(f"cu_seqlens must be non-decreasing, got {cu_seqlens_cpu.tolist()}")
-    per_seq = (lens + chunk_size - 1) // chunk_size
-    first = torch.cumsum(per_seq, 0) - per_seq
-    seq = torch.repeat_interleave(torch.arange(lens.numel()), per_seq)
-    start = cu[seq] + (torch.arange(seq.numel()) - first[seq]) * chunk_size
-    end = torch.minimum(start + chunk_size, cu[seq + 1])
-    chunks = torch.stack([seq, start, end], 1).to(torch.int32)
-    return chunks, first.to(torch.int32)
+    chunks, first = chunk_table_values(host_offsets(cu_seqlens_cpu), chunk_size)
+    return (torch.tensor(chunks.tolist(), dtype=torch.int32).view(-1, 3),
+            torch.tensor(first.tolist(), dtype=torch.int32))
+
+
+def build_chunk_tables(offsets: tuple[int, ...], chunk_size: int, device: torch.device) -> ChunkTables:
+    """Both tables in one host->device copy, each starting 128-byte aligned."""
+    chunks, first = chunk_table_values(offsets, chunk_size)
+    nc, pad = len(chunks) // 3, aligned(len(chunks))
+    packed = int32_to_device(chunks + array("i", bytes(4 * (pad - len(chunks)))) + first, device)
+    return ChunkTables(chunks=packed[: 3 * nc].view(nc, 3), seq_first_chunk=packed[pad:], num_chunks=nc)
 
 
 class ChunkTableCache:
-    """Builds the tables once per distinct cu_seqlens and reuses them for the step's other layers.
-
-    The key is the *content* of the host copy (compared with torch.equal, a few hundred bytes at
-    most), never its address, so a caller reusing a buffer with new lengths gets new tables.
-    """
+    """Builds the tables once per distinct cu_seqlens and reuses them for the step's other layers
+    (kdaserve.ops.host_tables: keyed on the host copy's *contents*, so a caller refilling one
+    buffer with new lengths gets new tables)."""
 
     def __init__(self) -> None:
-        self._key: tuple | None = None
-        self._cu: torch.Tensor | None = None
-        self._tables: ChunkTables | None = None
+        self._cache = StepTableCache()
 
     def get(self, cu_seqlens_cpu: torch.Tensor, chunk_size: int, device: torch.device) -> ChunkTables:
-        key = (chunk_size, str(device), cu_seqlens_cpu.numel())
-        if self._key == key and self._cu is not None and torch.equal(self._cu, cu_seqlens_cpu):
-            return self._tables
-        chunks, first = host_chunk_tables(cu_seqlens_cpu, chunk_size)
-        # One host->device copy for both tables; non_blocking from pageable memory stages the
-        # bytes and returns without waiting for the device stream.
-        packed = torch.cat([chunks.reshape(-1), first]).to(device, non_blocking=True)
-        nc = chunks.shape[0]
-        tables = ChunkTables(chunks=packed[: 3 * nc].view(nc, 3), seq_first_chunk=packed[3 * nc :], num_chunks=nc)
-        self._key, self._cu, self._tables = key, cu_seqlens_cpu.clone(), tables
-        return tables
+        offsets = host_offsets(cu_seqlens_cpu)
+        return self._cache.get((offsets, chunk_size, device), device,
+                               lambda: build_chunk_tables(offsets, chunk_size, device))

@@ -7,7 +7,8 @@ Design (why):
   only after every output program has read the old history, so in-place update cannot race.
 - The token-block table is built on the host from `cu_seqlens_cpu` (no device->host sync): one
   entry per block of BT tokens of one sequence, so a block never straddles two sequences and
-  long and short sequences share the grid evenly.
+  long and short sequences share the grid evenly. Built and copied once per step, not per layer
+  (kdaserve.ops.host_tables).
 - Math in fp32 (weights are fp32), y stored in `out`'s dtype (x.dtype by default). The new state
   rows are the pre-conv inputs cast once to the pool's dtype, exactly as the reference does, so
   conv states match the reference bit for bit.
@@ -15,10 +16,14 @@ Design (why):
 
 from __future__ import annotations
 
+import itertools
+from array import array
+
 import torch
 import triton
 
 from kdaserve.ops.checks import check_cu_seqlens_cpu
+from kdaserve.ops.host_tables import StepTableCache, aligned, host_offsets, int32_to_device
 from kdaserve.ops.conv.varlen_kernel import conv_varlen_out_kernel, conv_varlen_state_kernel
 from kdaserve.ops.types import conv_state_rows
 
@@ -32,35 +37,60 @@ def _expect(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
+def next_power_of_2(n: int) -> int:
+    """triton.next_power_of_2 in plain Python (Triton's goes through a constexpr-function wrapper,
+    a few µs per call on the host)."""
+    return 1 << (n - 1).bit_length() if n > 0 else triton.next_power_of_2(n)
+
+
 def check_conv_inputs(x: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor, out: torch.Tensor | None) -> None:
-    """Metadata-only checks shared by the varlen and update entry points (no device sync)."""
+    """Metadata-only checks shared by the varlen and update entry points (no device sync). Each
+    condition is tested before its message is formatted: these run once per layer per step."""
     C = x.shape[1] if x.dim() == 2 else -1
-    _expect(x.dim() == 2 and x.stride(1) == 1, f"x must be [T, 3P] with contiguous columns, got shape {tuple(x.shape)} strides {x.stride()}")
-    _expect(weight.dim() == 2 and weight.shape[0] == C, f"conv weight must be [3P, W] = [{C}, W], got {tuple(weight.shape)}")
-    _expect(weight.stride(1) == 1, f"conv weight must have contiguous taps (stride(1) == 1), got strides {weight.stride()}")
+    if not (x.dim() == 2 and x.stride(1) == 1):
+        raise ValueError(f"x must be [T, 3P] with contiguous columns, got shape {tuple(x.shape)} strides {x.stride()}")
+    if not (weight.dim() == 2 and weight.shape[0] == C):
+        raise ValueError(f"conv weight must be [3P, W] = [{C}, W], got {tuple(weight.shape)}")
+    if weight.stride(1) != 1:
+        raise ValueError(f"conv weight must have contiguous taps (stride(1) == 1), got strides {weight.stride()}")
     W = weight.shape[1]
-    _expect(
-        rows.dim() == 3 and rows.shape[2] == C and rows.shape[1] >= W - 1,
-        f"conv_state must hold >= W-1 = {W - 1} rows of {C} channels per slot, got a [slots, rows, C] view of {tuple(rows.shape)}",
-    )
-    if out is not None:
-        _expect(
-            out.dim() == 2 and tuple(out.shape) == tuple(x.shape) and out.stride(1) == 1,
-            f"out must be [T, 3P] = {tuple(x.shape)} with contiguous columns, got {tuple(out.shape)} strides {out.stride()}",
-        )
-    devices = {t.device for t in (x, weight, rows)}
-    _expect(len(devices) == 1, f"conv tensors must share one device, got {sorted(map(str, devices))}")
+    if not (rows.dim() == 3 and rows.shape[2] == C and rows.shape[1] >= W - 1):
+        raise ValueError(f"conv_state must hold >= W-1 = {W - 1} rows of {C} channels per slot, got a [slots, rows, C] view of {tuple(rows.shape)}")
+    if out is not None and not (out.dim() == 2 and out.shape == x.shape and out.stride(1) == 1):
+        raise ValueError(f"out must be [T, 3P] = {tuple(x.shape)} with contiguous columns, got {tuple(out.shape)} strides {out.stride()}")
+    if not (weight.device == x.device and rows.device == x.device):
+        raise ValueError(f"conv tensors must share one device, got {sorted(map(str, {t.device for t in (x, weight, rows)}))}")
+
+
+def token_block_values(offsets: tuple[int, ...], block_t: int) -> tuple[array, array]:
+    """(sequence index, first token inside the sequence) of every BT-token block, int32 arrays."""
+    seq, t0 = array("i"), array("i")
+    for n in range(len(offsets) - 1):
+        first = range(0, offsets[n + 1] - offsets[n], block_t)
+        seq.extend(itertools.repeat(n, len(first)))
+        t0.extend(first)
+    return seq, t0
 
 
 def token_block_table(cu_seqlens_cpu: torch.Tensor, block_t: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sequence index, first token inside the sequence) of every BT-token block, on the host."""
-    cu = cu_seqlens_cpu.to(torch.int64)
-    lens = cu[1:] - cu[:-1]
-    blocks = (lens + block_t - 1) // block_t
-    seq = torch.repeat_interleave(torch.arange(lens.numel()), blocks)
-    first = torch.cumsum(blocks, 0) - blocks
-    t0 = (torch.arange(seq.numel()) - first[seq]) * block_t
-    return seq.to(torch.int32), t0.to(torch.int32)
+    """The same two tables as int32 host tensors."""
+    seq, t0 = token_block_values(host_offsets(cu_seqlens_cpu), block_t)
+    return torch.tensor(seq.tolist(), dtype=torch.int32), torch.tensor(t0.tolist(), dtype=torch.int32)
+
+
+_block_tables = StepTableCache()
+
+
+def device_block_tables(offsets: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block_seq, block_t0) on the device, built and copied once per distinct step (one copy)."""
+
+    def build():
+        seq, t0 = token_block_values(offsets, BLOCK_T)
+        nb, pad = len(seq), aligned(len(seq))
+        packed = int32_to_device(seq + array("i", bytes(4 * (pad - nb))) + t0, device)
+        return packed[:nb], packed[pad:]
+
+    return _block_tables.get((offsets, BLOCK_T, device), device, build)
 
 
 def causal_conv_varlen_fwd(
@@ -86,22 +116,23 @@ def causal_conv_varlen_fwd(
     rows = conv_state_rows(conv_state, conv_layout)
     check_conv_inputs(x, weight, rows, out)
     N = state_indices.shape[0]
-    _expect(cu_seqlens.shape == (N + 1,), f"cu_seqlens must be [N+1] = [{N + 1}], got {tuple(cu_seqlens.shape)}")
-    _expect(has_initial_state.shape == (N,), f"has_initial_state must be [N] = [{N}], got {tuple(has_initial_state.shape)}")
+    if cu_seqlens.shape != (N + 1,):
+        raise ValueError(f"cu_seqlens must be [N+1] = [{N + 1}], got {tuple(cu_seqlens.shape)}")
+    if has_initial_state.shape != (N,):
+        raise ValueError(f"has_initial_state must be [N] = [{N}], got {tuple(has_initial_state.shape)}")
     T, C = x.shape
-    check_cu_seqlens_cpu(cu_seqlens_cpu, N, T)
+    offsets = check_cu_seqlens_cpu(cu_seqlens_cpu, N, T)
     L, W = rows.shape[1], weight.shape[1]
     y = out if out is not None else torch.empty_like(x, memory_format=torch.contiguous_format)
     if T == 0 or N == 0:
         return y
-    host_cu = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.cpu()  # sync only off the hot path
-    block_seq, block_t0 = token_block_table(host_cu, BLOCK_T)
+    if offsets is None:
+        offsets = host_offsets(cu_seqlens.cpu())  # a device->host sync: only off the hot path
+    block_seq, block_t0 = device_block_tables(offsets, x.device)
     if block_seq.numel() == 0:
         return y
-    block_seq = block_seq.to(x.device, non_blocking=True)
-    block_t0 = block_t0.to(x.device, non_blocking=True)
     s_slot, s_row, s_c = rows.stride()
-    n_cblk = triton.cdiv(C, BLOCK_C)
+    n_cblk = -(-C // BLOCK_C)  # triton.cdiv, without its constexpr-function wrapper (hot path)
     conv_varlen_out_kernel[(block_seq.numel(), n_cblk)](
         x, x.stride(0), weight, weight.stride(0),
         rows, s_slot, s_row, s_c,
@@ -116,6 +147,6 @@ def causal_conv_varlen_fwd(
         rows, s_slot, s_row, s_c,
         cu_seqlens, state_indices, has_initial_state,
         C, L,
-        BL=triton.next_power_of_2(L), BC=BLOCK_C,
+        BL=next_power_of_2(L), BC=BLOCK_C,
     )
     return y
