@@ -19,11 +19,15 @@ search. No loop has a bound passed as an argument (the interpreter cannot iterat
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from kdaserve.ops.host_tables import host_offsets
 
 TILE = 2048  # BLOCK_J x BLOCK_N comparisons per program (registers, not spills)
 
@@ -101,13 +105,19 @@ def build_plan(
 ) -> FlashPlan:
     """Tables for chunks of `chunk` tokens and segments of `segment_len` tokens (None: one segment
     per sequence). Sizes come from host values only: T, N and, when given, the host cu_seqlens."""
+    lens = seq_lens(host_offsets(cu_seqlens_cpu)) if cu_seqlens_cpu is not None else None
+    return _build_plan(cu_seqlens, T, N, chunk, segment_len, lens)
+
+
+def _build_plan(
+    cu_seqlens: torch.Tensor, T: int, N: int, chunk: int, segment_len: int | None, lens: tuple[int, ...] | None,
+) -> FlashPlan:
     segmented = segment_len is not None
     SL = segment_len if segmented else max(T, 1)
     SL = triton.cdiv(SL, chunk) * chunk
-    if cu_seqlens_cpu is not None:
-        lens = (cu_seqlens_cpu[1:] - cu_seqlens_cpu[:-1]).to(torch.int64)
-        n_chunk_ids = int(((lens + chunk - 1) // chunk).sum())
-        n_seg_ids = int(((lens + SL - 1) // SL).clamp_min(1).sum())
+    if lens is not None:
+        n_chunk_ids = sum(-(-x // chunk) for x in lens)
+        n_seg_ids = sum(max(-(-x // SL), 1) for x in lens)
     else:
         n_chunk_ids = triton.cdiv(T, chunk) + N
         n_seg_ids = triton.cdiv(T, SL) + N
@@ -145,10 +155,25 @@ def choose_segment_len(
     if N == 0 or N * H >= num_sms * cfg.recur_ctas_per_sm:
         return None  # the unsegmented pass already has a chain for every SM (N is small below)
     if cu_seqlens_cpu is not None:
-        lens = tuple((cu_seqlens_cpu[1:] - cu_seqlens_cpu[:-1]).tolist())
+        lens = seq_lens(host_offsets(cu_seqlens_cpu))
     else:
         lens = (-(-T // N),) * N
-    return _best_segment_len(lens, H, D, chunk, num_sms, dataclasses.astuple(cfg), cfg)
+    return _best_segment_len(lens, H, D, chunk, num_sms, config_key(cfg), cfg)
+
+
+def seq_lens(offsets: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(b - a for a, b in zip(offsets, offsets[1:]))
+
+
+@functools.cache
+def _field_getter(cls) -> operator.attrgetter:
+    return operator.attrgetter(*(f.name for f in dataclasses.fields(cls)))
+
+
+def config_key(cfg) -> tuple:
+    """Every field's current value (tune.py and tests edit CONFIG in place, so a cache keyed on the
+    config must see its values, not its identity); one C call, where dataclasses.astuple deep-copies."""
+    return _field_getter(type(cfg))(cfg)
 
 
 _SEGMENT_CACHE: dict = {}

@@ -1,7 +1,8 @@
 """Entry point of the flash prefill: checks, the work plan, workspaces and the launches.
 
 Launch sequence (all on the current stream, no device->host sync, sizes from host values only):
-  plan      one launch: chunk and segment tables from cu_seqlens (plan.py)
+  plan      one launch: chunk and segment tables from cu_seqlens (plan.py); with a host copy
+            cu_seqlens_cpu, once per step: the step's later layers reuse it
   prepare   K1 over (chunk, head): conv, l2norm, gate, beta, WY factors -> workspace (prepare.py)
   then either
   recurrence  K2 over (sequence, head): state in registers, fused gated RMSNorm -> out, pool, conv state
@@ -19,35 +20,43 @@ import torch
 import triton
 
 from kdaserve.ops.checks import check_prefill_step
+from kdaserve.ops.conv.varlen import next_power_of_2
 from kdaserve.ops.flash.config import CONFIG
 from kdaserve.ops.flash.correct import flash_correct_kernel
-from kdaserve.ops.flash.plan import build_plan, choose_segment_len
+from kdaserve.ops.flash.plan import FlashPlan, build_plan, choose_segment_len, config_key, seq_lens
 from kdaserve.ops.flash.prepare import flash_prepare_kernel
 from kdaserve.ops.flash.recurrence import flash_recurrence_kernel
 from kdaserve.ops.flash.scan import flash_scan_kernel
+from kdaserve.ops.host_tables import StepTableCache, host_offsets
 from kdaserve.ops.types import KDAWeights, conv_state_rows
 
 HEAD_DIMS = (16, 32, 64, 128)
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Per step (host offsets, device, H, D, chunk, segment_len argument, config values): the plan and
+# the longest sequence. Every layer of a step has the same key, so only the first one pays for the
+# segment choice and the plan launch (kdaserve.ops.host_tables).
+_STEPS = StepTableCache()
 
 
-def _expect(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
-
-
-def check_flash_inputs(qkv, weights: KDAWeights, recurrent_state, g1, g2, out, D: int) -> None:
-    """What flash needs beyond the common contract (metadata only, no sync)."""
-    _expect(D in HEAD_DIMS, f"flash prefill supports head sizes {HEAD_DIMS}, got D = {D}")
-    _expect(qkv.dtype in INPUT_DTYPES, f"flash prefill takes bf16, fp16 or fp32 inputs, got {qkv.dtype}")
-    _expect(recurrent_state.stride(3) == 1, f"recurrent_state must have K contiguous (stride(3) == 1), got strides {recurrent_state.stride()}")
+def check_flash_inputs(qkv, weights: KDAWeights, recurrent_state, g1, g2, out, D: int) -> tuple[torch.Tensor, ...]:
+    """What flash needs beyond the common contract (metadata only, no sync); returns the
+    [T, H, D] views of g1, g2 and out the kernels take."""
+    if D not in HEAD_DIMS:
+        raise ValueError(f"flash prefill supports head sizes {HEAD_DIMS}, got D = {D}")
+    if qkv.dtype not in INPUT_DTYPES:
+        raise ValueError(f"flash prefill takes bf16, fp16 or fp32 inputs, got {qkv.dtype}")
+    if recurrent_state.stride(3) != 1:
+        raise ValueError(f"recurrent_state must have K contiguous (stride(3) == 1), got strides {recurrent_state.stride()}")
     lb = weights.lower_bound
-    _expect(lb is None or -5.0 <= lb < 0.0, f"lower_bound must lie in [-5, 0) or be None (unbounded gate), got {lb}")
+    if not (lb is None or -5.0 <= lb < 0.0):
+        raise ValueError(f"lower_bound must lie in [-5, 0) or be None (unbounded gate), got {lb}")
+    views = []
     for name, t in (("g1", g1), ("g2", g2), ("out", out)):
         try:
-            t.view(t.shape[0], weights.num_heads, D)
+            views.append(t.view(t.shape[0], weights.num_heads, D))
         except RuntimeError as e:
             raise ValueError(f"{name} must be viewable as [T, H, D] (strided rows are fine), got strides {t.stride()}") from e
+    return tuple(views)
 
 
 @functools.lru_cache(maxsize=None)
@@ -80,7 +89,8 @@ def resolve_segment_len(segment_len: int | None, T: int, N: int, H: int, D: int,
         return choose_segment_len(T, N, H, D, chunk, cu_seqlens_cpu, _num_sms(device), CONFIG)
     if segment_len == 0:
         return None
-    _expect(segment_len > 0, f"segment_len must be None, 0 or positive, got {segment_len}")
+    if segment_len < 0:
+        raise ValueError(f"segment_len must be None, 0 or positive, got {segment_len}")
     return segment_len
 
 
@@ -118,12 +128,13 @@ class FlashPrefill:
                  state_indices, has_initial_state, out, *, conv_layout="SD", cu_seqlens_cpu=None, segment_len=None):
         T, H, D, N = check_prefill_step(qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, cu_seqlens,
                                         state_indices, has_initial_state, out, conv_layout, cu_seqlens_cpu)
-        check_flash_inputs(qkv, weights, recurrent_state, g1, g2, out, D)
+        self.g1v, self.g2v, self.outv = check_flash_inputs(qkv, weights, recurrent_state, g1, g2, out, D)
         self.T, self.H, self.D, self.N = T, H, D, N
         self.cfg = cfg = CONFIG
         # The unbounded gate's exact in-chunk path costs O(C) per element: it keeps 16-token chunks.
         self.C = C = cfg.chunk if weights.lower_bound is not None else 16
-        _expect(C in (16, 32), f"flash chunk size must be 16 or 32, got {C}")
+        if C not in (16, 32):
+            raise ValueError(f"flash chunk size must be 16 or 32, got {C}")
         if N == 0:
             return
         dev = qkv.device
@@ -133,15 +144,19 @@ class FlashPrefill:
         self.cu = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
         self.qkv, self.beta_logits, self.weights, self.st = qkv, beta_logits, weights, recurrent_state
         self.state_indices, self.has_initial_state = state_indices, has_initial_state
-        self.g1v, self.g2v, self.outv = g1.view(T, H, D), g2.view(T, H, D), out.view(T, H, D)
         self.rows = conv_state_rows(conv_state, conv_layout)
         self.nw = weights.norm_weight.contiguous()
-        seg_len = resolve_segment_len(segment_len, T, N, H, D, C, cu_seqlens_cpu, dev)
-        self.plan = build_plan(self.cu, T, N, C, seg_len, cu_seqlens_cpu)
-        self.longest = int((cu_seqlens_cpu[1:] - cu_seqlens_cpu[:-1]).max()) if cu_seqlens_cpu is not None else T
+        if cu_seqlens_cpu is None:  # sizes are upper bounds; the plan is built on the device every call
+            seg_len = resolve_segment_len(segment_len, T, N, H, D, C, None, dev)
+            self.plan, self.longest = build_plan(self.cu, T, N, C, seg_len, None), T
+        else:  # the segment choice and the plan depend only on the step: once per step, not per layer
+            offsets = host_offsets(cu_seqlens_cpu)
+            key = (offsets, dev, H, D, C, segment_len, config_key(cfg))
+            self.plan, self.longest = _STEPS.get(key, dev, lambda: self._plan_step(segment_len, cu_seqlens_cpu))
 
         nc = self.plan.n_chunk_ids
         self.ws = torch.empty(4, nc, H, C, D, dtype=self.ws_dtype, device=dev)  # W, U~, Qg, Kd
+        self.ws4 = self.ws.unbind(0)
         self.aqk_ws = torch.empty(nc, H, C, C, dtype=self.ws_dtype, device=dev)
         self.gam_ws = torch.empty(nc, H, D, dtype=torch.float32, device=dev)
         if self.plan.segmented:
@@ -149,6 +164,11 @@ class FlashPrefill:
             self.oq = torch.empty(2, T, H, D, dtype=self.ws_dtype, device=dev)   # o_loc, q~ (fp16: 2^-11)
             self.bm = torch.empty(ns, 2, H, D, D, dtype=torch.float32, device=dev)  # B, M per segment
             self.start = torch.empty(ns, H, D, D, dtype=torch.float32, device=dev)
+
+    def _plan_step(self, segment_len: int | None, cu_seqlens_cpu: torch.Tensor) -> tuple[FlashPlan, int]:
+        T, N, H, D, C, dev = self.T, self.N, self.H, self.D, self.C, self.cu.device
+        seg_len = resolve_segment_len(segment_len, T, N, H, D, C, cu_seqlens_cpu, dev)
+        return build_plan(self.cu, T, N, C, seg_len, cu_seqlens_cpu), max(seq_lens(host_offsets(cu_seqlens_cpu)))
 
     def run(self) -> None:
         if self.N == 0:
@@ -175,7 +195,7 @@ class FlashPrefill:
             w.A_log.contiguous(), w.dt_bias.contiguous(),
             self.cu, self.state_indices, self.has_initial_state,
             self.plan.chunk_seq, self.plan.chunk_tok,
-            *self.ws.unbind(0), self.aqk_ws, self.gam_ws,
+            *self.ws4, self.aqk_ws, self.gam_ws,
             float(lb if lb is not None else 0.0), D ** -0.5, self.rows.shape[1],
             H=H, D=D, C=C, LOG2C=C.bit_length() - 1, W=w.conv_width,
             BOUNDED=lb is not None, PREC_TC=self.prec_tc, FAST=self.fast,
@@ -186,7 +206,7 @@ class FlashPrefill:
     def _recurrence(self, grid, oq, bm, q_off, bv, segmented, warps, stages) -> None:
         st, plan, L = self.st, self.plan, self.rows.shape[1]
         flash_recurrence_kernel[grid](
-            *self.ws.unbind(0), self.aqk_ws, self.gam_ws,
+            *self.ws4, self.aqk_ws, self.gam_ws,
             st, st.stride(0), st.stride(1), st.stride(2),
             self.outv, *self.outv.stride(),
             self.g2v, *self.g2v.stride(),
@@ -195,7 +215,7 @@ class FlashPrefill:
             self.cu, self.state_indices, self.has_initial_state,
             plan.seg_seq, plan.seg_tok, plan.seg_end, plan.seg_chunk,
             self.qkv, self.qkv.stride(0), self.rows, *self.rows.stride(), L, q_off,
-            H=self.H, D=self.D, C=self.C, BV=bv, SEGMENTED=segmented, L_PAD=triton.next_power_of_2(L),
+            H=self.H, D=self.D, C=self.C, BV=bv, SEGMENTED=segmented, L_PAD=next_power_of_2(L),
             PREC=self.prec_tc, FAST=self.fast, num_warps=warps, num_stages=stages,
         )
 
@@ -222,7 +242,7 @@ class FlashPrefill:
     def correct(self) -> None:
         cfg, plan, H, D, C = self.cfg, self.plan, self.H, self.D, self.C
         cpg = cfg.correct_chunks
-        ng = max(triton.cdiv(min(plan.segment_len, self.longest), cpg * C), 1)
+        ng = max(-(-min(plan.segment_len, self.longest) // (cpg * C)), 1)
         flash_correct_kernel[(plan.n_seg_ids * H * ng,)](
             self.oq, self.start, self.outv, *self.outv.stride(), self.g2v, *self.g2v.stride(), self.nw,
             float(self.weights.norm_eps), self.cu, self.state_indices, plan.seg_seq, plan.seg_tok, plan.seg_end,
