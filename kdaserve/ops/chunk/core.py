@@ -95,7 +95,8 @@ class ChunkPlan:
         self.gcum = torch.empty(T, H, D, device=dev, dtype=torch.float32)
         self.Aqk = torch.empty(T, H, CHUNK, device=dev, dtype=dt)
         self.akk_diag = torch.empty(T, H, BC, device=dev, dtype=torch.float32)
-        self.w, self.u, self.kg, self.qg, self.v_new = (torch.empty(T, H, D, device=dev, dtype=dt) for _ in range(5))
+        # One allocation split in five (each a contiguous [T, H, D]): one allocator call, not five.
+        self.w, self.u, self.kg, self.qg, self.v_new = torch.empty(5, T, H, D, device=dev, dtype=dt).unbind(0)
         self.h_states = torch.empty(self.tables.num_chunks, H, D, D, device=dev, dtype=dt)
 
     def gate(self) -> None:
