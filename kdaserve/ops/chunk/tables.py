@@ -9,12 +9,12 @@ ceil(L / BT) chunks, the last one possibly partial; a 0-token sequence has none.
 
 from __future__ import annotations
 
-from array import array
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from kdaserve.ops.host_tables import StepTableCache, aligned, host_offsets, int32_to_device
+from kdaserve.ops.host_tables import StepTableCache, host_offsets, tables_to_device
 
 
 @dataclass(slots=True)
@@ -31,33 +31,31 @@ class ChunkTables:
     num_chunks: int
 
 
-def chunk_table_values(offsets: tuple[int, ...], chunk_size: int) -> tuple[array, array]:
-    """(chunks flattened [NC * 3], seq_first_chunk [N]) as int32 arrays, in plain Python (a step
-    has a few thousand chunks at most; see kdaserve.ops.host_tables for why not torch ops)."""
-    chunks, first = array("i"), array("i")
-    for n in range(len(offsets) - 1):
-        start, end = offsets[n], offsets[n + 1]
-        if end < start:
-            raise ValueError(f"cu_seqlens must be non-decreasing, got {list(offsets)}")
-        first.append(len(chunks) // 3)
-        for t in range(start, end, chunk_size):
-            chunks.extend((n, t, min(t + chunk_size, end)))
-    return chunks, first
+def chunk_table_values(offsets: tuple[int, ...], chunk_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(chunks [NC, 3], seq_first_chunk [N]) as int32 numpy arrays (kdaserve.ops.host_tables: why numpy)."""
+    cu = np.array(offsets, dtype=np.int64)
+    lens = cu[1:] - cu[:-1]
+    if lens.size and lens.min() < 0:
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {list(offsets)}")
+    per_seq = -(-lens // chunk_size)
+    first = np.cumsum(per_seq) - per_seq
+    seq = np.repeat(np.arange(lens.size), per_seq)
+    start = cu[seq] + (np.arange(seq.size) - first[seq]) * chunk_size
+    end = np.minimum(start + chunk_size, cu[seq + 1])
+    return np.stack([seq, start, end], 1).astype(np.int32), first.astype(np.int32)
 
 
 def host_chunk_tables(cu_seqlens_cpu: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(chunks [NC, 3], seq_first_chunk [N]) as int32 host tensors."""
     chunks, first = chunk_table_values(host_offsets(cu_seqlens_cpu), chunk_size)
-    return (torch.tensor(chunks.tolist(), dtype=torch.int32).view(-1, 3),
-            torch.tensor(first.tolist(), dtype=torch.int32))
+    return torch.from_numpy(chunks), torch.from_numpy(first)
 
 
 def build_chunk_tables(offsets: tuple[int, ...], chunk_size: int, device: torch.device) -> ChunkTables:
-    """Both tables in one host->device copy, each starting 128-byte aligned."""
+    """Both tables in one host->device copy."""
     chunks, first = chunk_table_values(offsets, chunk_size)
-    nc, pad = len(chunks) // 3, aligned(len(chunks))
-    packed = int32_to_device(chunks + array("i", bytes(4 * (pad - len(chunks)))) + first, device)
-    return ChunkTables(chunks=packed[: 3 * nc].view(nc, 3), seq_first_chunk=packed[pad:], num_chunks=nc)
+    flat, seq_first_chunk = tables_to_device([chunks.reshape(-1), first], device)
+    return ChunkTables(chunks=flat.view(-1, 3), seq_first_chunk=seq_first_chunk, num_chunks=chunks.shape[0])
 
 
 class ChunkTableCache:

@@ -16,14 +16,12 @@ Design (why):
 
 from __future__ import annotations
 
-import itertools
-from array import array
-
+import numpy as np
 import torch
 import triton
 
 from kdaserve.ops.checks import check_cu_seqlens_cpu
-from kdaserve.ops.host_tables import StepTableCache, aligned, host_offsets, int32_to_device
+from kdaserve.ops.host_tables import StepTableCache, host_offsets, tables_to_device
 from kdaserve.ops.conv.varlen_kernel import conv_varlen_out_kernel, conv_varlen_state_kernel
 from kdaserve.ops.types import conv_state_rows
 
@@ -62,20 +60,20 @@ def check_conv_inputs(x: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor,
         raise ValueError(f"conv tensors must share one device, got {sorted(map(str, {t.device for t in (x, weight, rows)}))}")
 
 
-def token_block_values(offsets: tuple[int, ...], block_t: int) -> tuple[array, array]:
-    """(sequence index, first token inside the sequence) of every BT-token block, int32 arrays."""
-    seq, t0 = array("i"), array("i")
-    for n in range(len(offsets) - 1):
-        first = range(0, offsets[n + 1] - offsets[n], block_t)
-        seq.extend(itertools.repeat(n, len(first)))
-        t0.extend(first)
-    return seq, t0
+def token_block_values(offsets: tuple[int, ...], block_t: int) -> tuple[np.ndarray, np.ndarray]:
+    """(sequence index, first token inside the sequence) of every BT-token block, int32 numpy arrays."""
+    cu = np.array(offsets, dtype=np.int64)
+    blocks = -(-(cu[1:] - cu[:-1]) // block_t)
+    seq = np.repeat(np.arange(blocks.size), blocks)
+    first = np.cumsum(blocks) - blocks
+    t0 = (np.arange(seq.size) - first[seq]) * block_t
+    return seq.astype(np.int32), t0.astype(np.int32)
 
 
 def token_block_table(cu_seqlens_cpu: torch.Tensor, block_t: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The same two tables as int32 host tensors."""
     seq, t0 = token_block_values(host_offsets(cu_seqlens_cpu), block_t)
-    return torch.tensor(seq.tolist(), dtype=torch.int32), torch.tensor(t0.tolist(), dtype=torch.int32)
+    return torch.from_numpy(seq), torch.from_numpy(t0)
 
 
 _block_tables = StepTableCache()
@@ -83,14 +81,8 @@ _block_tables = StepTableCache()
 
 def device_block_tables(offsets: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(block_seq, block_t0) on the device, built and copied once per distinct step (one copy)."""
-
-    def build():
-        seq, t0 = token_block_values(offsets, BLOCK_T)
-        nb, pad = len(seq), aligned(len(seq))
-        packed = int32_to_device(seq + array("i", bytes(4 * (pad - nb))) + t0, device)
-        return packed[:nb], packed[pad:]
-
-    return _block_tables.get((offsets, BLOCK_T, device), device, build)
+    return _block_tables.get((offsets, BLOCK_T, device), device,
+                             lambda: tuple(tables_to_device(list(token_block_values(offsets, BLOCK_T)), device)))
 
 
 def causal_conv_varlen_fwd(
