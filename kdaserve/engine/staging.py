@@ -117,7 +117,9 @@ class StagingRing:
         i = self._next
         self._next = (i + 1) % len(self._host)
         if self._pending[i]:
-            self._events[i].synchronize()   # the copy that reads buffer i is done
+            event = self._events[i]
+            if not event.query():       # usually done long ago: no blocking call then
+                event.synchronize()     # wait until the copy that reads buffer i has run
             self._pending[i] = False
         if self.capacity(i) < nbytes:
             self._host[i] = self._alloc(max(nbytes, 2 * self.capacity(i)))
