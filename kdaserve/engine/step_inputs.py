@@ -115,7 +115,7 @@ def build_host_step(batch: ScheduledBatch, block_size: int, decode_width: int | 
         num_decodes=nd,
         decode_slots=np.asarray([s.state_slot for s in decodes], dtype=np.int32),
         decode_tables=tables,
-        decode_width=decode_width or max((t.shape[0] for t in tables), default=1),
+        decode_width=decode_width or _eager_width(tables),
         decode_context_lens=decode_lens,
         prefill_lens=list(batch.num_new_tokens),
         prefill_context_lens=[s.num_computed_tokens + n for s, n in zip(batch.prefills, batch.num_new_tokens)],
@@ -124,6 +124,14 @@ def build_host_step(batch: ScheduledBatch, block_size: int, decode_width: int | 
         prefill_kv_rows=np.concatenate(kv_rows) if kv_rows else np.zeros(0, np.int64),
         logits=logits,
     )
+
+
+def _eager_width(tables: list[np.ndarray]) -> int:
+    """Block-table width of an eager step's decode rows: the longest table, rounded up to a
+    multiple of 16. The width is the row stride of the paged-attention kernel, which Triton
+    specializes (1, a multiple of 16, anything else); rounded, every step shares one variant."""
+    longest = max((t.shape[0] for t in tables), default=1)
+    return -(-longest // 16) * 16
 
 
 def _want_logits(logits: LogitsRequest, seq: Sequence, row: int, start: int, n: int) -> None:
