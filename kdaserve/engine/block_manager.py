@@ -44,3 +44,6 @@ class BlockManager:
         for block in seq.block_table:
             self._ids.free(block)
         seq.block_table = []   # a new list, not clear(): Sequence.block_table_array's cache keys on it
+
+    def reset(self) -> None:
+        self._ids.reset()

@@ -40,7 +40,7 @@ class EngineConfig:
     max_logprobs: int = 20
     cuda_graph_max_batch_size: int | None = None  # None: max_num_seqs
     # Run dummy steps at startup so that kernel JIT specializations are compiled before the first
-    # requests (engine/warmup.py); independent of enforce_eager.
+    # requests (engine/warmup.py), on a CUDA device (nothing is compiled on the CPU); graphs or not.
     warmup: bool = True
 
     def __post_init__(self):

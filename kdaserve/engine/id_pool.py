@@ -39,3 +39,11 @@ class NullFirstIdPool:
             raise RuntimeError(f"{self.what} {i} freed twice or never allocated")
         self._used.remove(i)
         self._free.append(i)
+
+    def reset(self) -> None:
+        """Back to the order of a fresh pool (the startup warm-up borrows ids and returns them:
+        later requests then get the ids they would have got without it). Refuses while any id
+        is still in use: a leak would otherwise go unnoticed."""
+        if self._used:
+            raise RuntimeError(f"{len(self._used)} {self.what}(s) still in use: {sorted(self._used)[:8]}")
+        self._free = deque(range(1, self.size))

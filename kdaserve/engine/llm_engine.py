@@ -16,6 +16,7 @@ from kdaserve.engine.sampling_params import SamplingParams
 from kdaserve.engine.scheduler import Scheduler
 from kdaserve.engine.sequence import Sequence, SequenceStatus
 from kdaserve.engine.state_pool import StateSlotPool
+from kdaserve.engine.warmup import warm_up
 
 
 class LLMEngine:
@@ -34,12 +35,24 @@ class LLMEngine:
         self.slots = StateSlotPool(self.runner.num_slots)
         self.blocks = BlockManager(self.runner.num_kv_blocks, self.config.block_size)
         self.scheduler = Scheduler(self.config.max_num_seqs, self.config.max_num_batched_tokens, self.slots, self.blocks)
+        # After the CUDA graphs (captured by the runner), before any request. Only where kernels are
+        # compiled: on the CPU (torch ops, Triton's interpreter) there is nothing to win.
+        if self.config.warmup and self.config.device.type == "cuda":
+            self.warm_up()
         self.requests: dict[str, Sequence] = {}
         self._pending: list[RequestOutput] = []    # outputs of aborted requests, sent by the next step
         # Text of every output as it streams. Offline generation (LLM) turns it off: text is then
         # decoded when a request finishes (or as needed for stop strings), saving host time per token.
         self.incremental_text = True
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0, "steps": 0}
+
+    def warm_up(self) -> int:
+        """Dummy steps that compile the kernels' specializations now rather than in the first
+        requests (engine/warmup.py); returns the number of steps. Needs an idle engine; leaves
+        the pools empty and later outputs unchanged."""
+        if self.scheduler.has_unfinished():
+            raise RuntimeError("warm_up needs an idle engine (requests are queued or running)")
+        return warm_up(self.runner, self.slots, self.blocks, self.max_model_len)
 
     # -- requests -----------------------------------------------------------------------------
 
