@@ -9,6 +9,11 @@ For each pair (prefill+decode backend): build the engine (CUDA graphs captured),
 tokens, then hold `--decode-batch` sequences in decode and time one decode step as a CUDA-graph
 replay (device time, median) and as a whole engine step (host work and sampling included).
 
+Triton compiles are counted per phase (engine build with its startup warm-up, this script's
+warm-up, each timed run): a compile inside a timed run is a kernel variant the engine's warm-up
+missed. To check the engine's warm-up alone, run with a fresh TRITON_CACHE_DIR and
+--no-script-warmup: the first timed run should then be as fast as the last.
+
 Memory floor of a decode step = (weight bytes + state bytes read and written) / copy bandwidth,
 the bandwidth measured here by a device-to-device copy; "+KV" adds the K/V rows the full-attention
 layers must read. A pair whose backends cannot run here is listed with the reason and skipped.
@@ -58,6 +63,22 @@ def weight_bytes(model) -> int:
     return total
 
 
+class TritonCompiles:
+    """Counts the kernel specializations Triton compiles (or loads from its disk cache) in this
+    process while the block runs: inside a timed run, each is a stall the engine's warm-up missed."""
+
+    def __enter__(self):
+        from triton import knobs
+
+        self.names, self._knobs = [], knobs.runtime
+        self._before = knobs.runtime.jit_post_compile_hook
+        knobs.runtime.jit_post_compile_hook = lambda **kw: self.names.append(kw["repr"].split("[")[0]) and None
+        return self
+
+    def __exit__(self, *exc):
+        self._knobs.jit_post_compile_hook = self._before
+
+
 def random_prompts(n: int, length: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 256, (n, length), generator=g).tolist()
@@ -68,24 +89,29 @@ def run_pair(pair: str, args) -> dict:
     row = {"pair": pair}
     t0 = time.perf_counter()
     try:
-        llm = LLM(
-            args.model, kda_prefill_backend=prefill, kda_decode_backend=decode, max_num_seqs=args.max_num_seqs,
-            max_model_len=args.input_len + args.output_len + 64, max_num_batched_tokens=args.max_num_batched_tokens,
-            enforce_eager=args.enforce_eager,
-        )
+        with TritonCompiles() as jit:
+            llm = LLM(
+                args.model, kda_prefill_backend=prefill, kda_decode_backend=decode, max_num_seqs=args.max_num_seqs,
+                max_model_len=args.input_len + args.output_len + 64, max_num_batched_tokens=args.max_num_batched_tokens,
+                enforce_eager=args.enforce_eager, warmup=not args.no_engine_warmup,
+            )
     except (BackendError, ValueError) as exc:
         row["skipped"] = str(exc).splitlines()[0] + " " + " ".join(l.strip() for l in str(exc).splitlines()[1:])
         return row
     torch.cuda.synchronize()
     row["build_s"] = time.perf_counter() - t0
+    row["jit_build"] = len(jit.names)
     eng = llm.engine
     layer = eng.runner.model.kda_layers[0]
     row["resolved"] = f"{layer.prefill_backend.name}+{layer.decode_backend.name}"
     row["graphs"] = eng.runner.graphs is not None
 
-    # Warm-up: kernel compilation and autotuning for the shapes of the run.
-    warm = random_prompts(min(16, args.num_requests), args.input_len, seed=1)
-    llm.generate(warm, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    # The script's own warm-up (skip it to see whether the engine's startup warm-up suffices).
+    if not args.no_script_warmup:
+        warm = random_prompts(min(16, args.num_requests), args.input_len, seed=1)
+        with TritonCompiles() as jit:
+            llm.generate(warm, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+        row["jit_script_warmup"] = len(jit.names)
 
     prompts = random_prompts(args.num_requests, args.input_len, seed=0)
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
@@ -94,13 +120,17 @@ def run_pair(pair: str, args) -> dict:
     for run in range(args.timed_runs):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        torch.cuda.synchronize()
+        with TritonCompiles() as jit:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            torch.cuda.synchronize()
         wall = time.perf_counter() - t0
+        row["jit_first_run" if run == 0 else "jit_last_run"] = len(jit.names)
         if run + 1 < args.timed_runs:
             s = llm.last_run_stats
             print(f"  {pair}: discarded run {run + 1}: {args.num_requests / wall:.2f} req/s, prefill "
-                  f"{s['prefill_tokens_per_s']:.0f} tok/s, decode {s['decode_tokens_per_s']:.0f} tok/s", flush=True)
+                  f"{s['prefill_tokens_per_s']:.0f} tok/s, decode {s['decode_tokens_per_s']:.0f} tok/s, "
+                  f"{len(jit.names)} Triton compiles in the run{': ' + ', '.join(sorted(set(jit.names))) if jit.names else ''}",
+                  flush=True)
     n_out = sum(o.num_output_tokens for o in outs)
     assert n_out == args.num_requests * args.output_len, n_out
     s = llm.last_run_stats
@@ -165,6 +195,9 @@ def main() -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--timed-runs", type=int, default=2, help="timed runs of the same requests; the last is reported")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (decode step time then host-bound)")
+    ap.add_argument("--no-engine-warmup", action="store_true", help="engine built with warmup=False")
+    ap.add_argument("--no-script-warmup", action="store_true",
+                    help="skip this script's own warm-up run (with a fresh TRITON_CACHE_DIR: does the engine's warm-up suffice?)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_throughput.py needs a CUDA GPU", file=sys.stderr)
@@ -180,7 +213,11 @@ def main() -> int:
     for pair in [p.strip() for p in args.pairs.split(",") if p.strip()]:
         t0 = time.perf_counter()
         row = run_pair(pair, args)
-        print(f"  {pair}: {'skipped: ' + row['skipped'] if 'skipped' in row else 'done'} ({time.perf_counter() - t0:.0f} s)", flush=True)
+        jit = "" if "skipped" in row else (
+            f"; engine built in {row['build_s']:.1f} s ({row['jit_build']} Triton compiles, warm-up included), "
+            f"compiles in the script warm-up / first / last timed run: {row.get('jit_script_warmup', '-')} / "
+            f"{row.get('jit_first_run', '-')} / {row.get('jit_last_run', '-')}")
+        print(f"  {pair}: {'skipped: ' + row['skipped'] if 'skipped' in row else 'done'} ({time.perf_counter() - t0:.0f} s){jit}", flush=True)
         rows.append(row)
 
     hdr = (f"{'pair':<14}{'ran as':<14}{'req/s':>7}{'out tok/s':>11}{'tot tok/s':>11}{'prefill t/s':>12}"
