@@ -8,8 +8,7 @@ from the number of sequences, segmented or not from their lengths, ...). The ste
 prefills of 1, 16, 32, 64 and 37 tokens; three sequences of different lengths at once; a chunked
 prompt and its continuation (initial state read); for p = 16, 32, ... up to max_num_seqs: prefills
 of p - 1 and p sequences, mixed steps with p - 1, p and p + 1 decodes (their decode kernels run
-eagerly, at any batch size: in a server's first minutes, mixed steps with 24 or 40 decodes compiled
-new decode variants), pure decode steps (CUDA-graph replays, or eager kernels when graphs are off);
+eagerly, at any batch size, outside the captured graphs' buckets), pure decode steps (CUDA-graph replays, or eager kernels when graphs are off);
 the whole token budget in one sequence and over several; greedy, temperature / top-k / top-p,
 seeded sampling and log-probs. Everything is clipped to the token budget, max_num_seqs and max_model_len, and a step
 that the KV pool cannot hold is skipped.

@@ -120,8 +120,8 @@ def test_warm_up_runs_at_startup_and_changes_nothing(caplog):
 
 def test_bench_model_after_the_warm_up_a_bench_run_compiles_nothing():
     """What bench_throughput.py measured: a fresh process's first run of 1024-token prompts was 3x
-    slower than later runs, compiling kernel variants inside the run (mixed steps with 24, 40, ...
-    eager decodes). After the warm-up such a run compiles nothing."""
+    slower than later runs, Triton compiling kernel variants inside the run. After the warm-up
+    such a run compiles nothing (on failure the message names the variants it missed)."""
     engine = LLMEngine("bench", max_num_seqs=32, max_model_len=1024 + 64 + 64, max_num_batched_tokens=4096)
     assert engine.runner.graphs is not None
     s = engine.stats()
