@@ -7,6 +7,7 @@ and what would be right.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -88,7 +89,7 @@ def check_cu_seqlens_cpu(cu_seqlens_cpu: torch.Tensor | None, N: int, T: int) ->
         _fail(f"cu_seqlens_cpu must be [N+1] = [{N + 1}] for {N} sequences, got {tuple(cu_seqlens_cpu.shape)}")
     cu = tuple(cu_seqlens_cpu.tolist())
     # The O(N) order scan runs once per distinct copy (a tuple compare is a C loop, the scan is not).
-    if not (cu[0] == 0 and cu[-1] == T and (cu == _last_valid_offsets or all(a <= b for a, b in zip(cu, cu[1:])))):
+    if not (cu[0] == 0 and cu[-1] == T and (cu == _last_valid_offsets or all(a <= b for a, b in itertools.pairwise(cu)))):
         shown = list(cu) if len(cu) <= 16 else [*cu[:8], "...", *cu[-4:]]
         _fail(f"cu_seqlens_cpu must run from 0 to T = {T} without decreasing, got {shown}")
     _last_valid_offsets = cu

@@ -16,7 +16,8 @@ Why a pinned staging buffer: cudaMemcpyAsync from pageable memory may synchroniz
 
 from __future__ import annotations
 
-from typing import Callable, Hashable, TypeVar
+from collections.abc import Callable, Hashable
+from typing import TypeVar
 
 import numpy as np
 import torch

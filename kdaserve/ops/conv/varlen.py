@@ -21,8 +21,8 @@ import torch
 import triton
 
 from kdaserve.ops.checks import check_cu_seqlens_cpu
-from kdaserve.ops.host_tables import StepTableCache, host_offsets, tables_to_device
 from kdaserve.ops.conv.varlen_kernel import conv_varlen_out_kernel, conv_varlen_state_kernel
+from kdaserve.ops.host_tables import StepTableCache, host_offsets, tables_to_device
 from kdaserve.ops.types import conv_state_rows
 
 BLOCK_T = 16  # measured on the H200 (bt16 bc128 w4 best of 22 shapes: 1.86-1.92 TB/s)

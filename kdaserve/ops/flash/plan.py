@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import operator
 from dataclasses import dataclass
 
@@ -162,7 +163,7 @@ def choose_segment_len(
 
 
 def seq_lens(offsets: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(b - a for a, b in zip(offsets, offsets[1:]))
+    return tuple(b - a for a, b in itertools.pairwise(offsets))
 
 
 @functools.cache
