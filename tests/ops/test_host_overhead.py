@@ -1,0 +1,232 @@
+"""Host-side cost structure of the prefill entry points (no timing: benchmarks/host_overhead.py).
+
+A serving engine calls prefill once per KDA layer per step with the same lengths, so whatever
+depends only on the lengths (conv token blocks, chunk tables, the flash plan and segment choice) is
+built once per step: these tests pin the launches and host->device copies per call on a repeated
+step, and that a step with other lengths, even in the same host buffer, never gets stale tables.
+Kernels are stubbed (each `kernel[grid](...)` is recorded, not run) unless a test needs real tables;
+activations live on the meta device (shapes and strides, no memory)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import triton.runtime.jit as triton_jit
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from kdaserve.ops import checks
+from kdaserve.ops.checks import check_cu_seqlens_cpu
+from kdaserve.ops.chunk import kda_prefill_chunk
+from kdaserve.ops.chunk.core import CHUNK, chunk_tables
+from kdaserve.ops.chunk.tables import host_chunk_tables
+from kdaserve.ops.conv import causal_conv_varlen_fwd
+from kdaserve.ops.conv.varlen import BLOCK_T, token_block_table
+from kdaserve.ops.flash import kda_prefill_flash
+from kdaserve.ops.flash.config import CONFIG
+from kdaserve.ops.flash.plan import build_plan
+from kdaserve.ops.flash.prefill import FlashPrefill
+from kdaserve.ops.host_tables import StepTableCache, tables_to_device
+from kdaserve.ops.types import KDAWeights
+from kdaserve.testing import make_kda_case
+
+META = torch.device("meta")
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Every kernel launch as (kernel name, grid, args); the kernel does not run."""
+    log = []
+
+    def getitem(kernel, grid):
+        return lambda *args, **kwargs: log.append((kernel.__name__, grid, args))
+
+    monkeypatch.setattr(triton_jit.KernelInterface, "__getitem__", getitem)
+    return log
+
+
+class HostToDevice(TorchDispatchMode):
+    """Counts ops that take a host tensor and give a device (here: meta) one."""
+
+    def __init__(self):
+        super().__init__()
+        self.copies = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        srcs = [a for a in args if isinstance(a, torch.Tensor) and a.device.type == "cpu"]
+        if srcs and isinstance(result, torch.Tensor) and result.device != srcs[0].device:
+            self.copies.append(srcs[0])
+        return result
+
+
+def meta_step(seq_lens, H=4, D=16, dtype=torch.bfloat16, cu_seqlens_cpu=None):
+    """Prefill arguments with every device tensor on the meta device; only the host copy is real."""
+    N, T, P = len(seq_lens), sum(seq_lens), H * D
+    proj = torch.empty(T, 3 * P + H, dtype=dtype, device=META)
+    act = torch.empty(T, H, D, dtype=dtype, device=META)
+    w = KDAWeights(conv_weight=torch.empty(3 * P, 4, device=META), A_log=torch.empty(H, device=META),
+                   dt_bias=torch.empty(H, D, device=META), norm_weight=torch.empty(D, device=META))
+    cu = cu_seqlens_cpu if cu_seqlens_cpu is not None else torch.tensor([0] + seq_lens).cumsum(0).to(torch.int32)
+    return dict(qkv=proj[:, : 3 * P], g1=act, beta_logits=proj[:, 3 * P :], g2=act, weights=w,
+                conv_state=torch.empty(N + 1, 3, 3 * P, dtype=dtype, device=META),
+                recurrent_state=torch.empty(N + 1, H, D, D, device=META), cu_seqlens=torch.empty(N + 1, dtype=torch.int32, device=META),
+                state_indices=torch.empty(N, dtype=torch.int32, device=META),
+                has_initial_state=torch.empty(N, dtype=torch.bool, device=META), out=act, conv_layout="SD",
+                cu_seqlens_cpu=cu)
+
+
+def conv_only(qkv, weights, conv_state, cu_seqlens, state_indices, has_initial_state, out, conv_layout, cu_seqlens_cpu, **_):
+    causal_conv_varlen_fwd(qkv, weights.conv_weight, conv_state, cu_seqlens, state_indices, has_initial_state,
+                           conv_layout, cu_seqlens_cpu=cu_seqlens_cpu, out=qkv)
+
+
+def per_call(fn, step, launches):
+    """(kernel names launched, host->device copies) of one call."""
+    launches.clear()
+    with HostToDevice() as h2d:
+        fn(**step)
+    return [name for name, _, _ in launches], len(h2d.copies)
+
+
+# A long sequence in the step so each backend's tables have several entries; lengths unique to
+# each test so the module-level step caches start cold.
+@pytest.mark.parametrize(
+    "fn, first, repeat, copies_first",
+    [
+        (conv_only, ["conv_varlen_out_kernel", "conv_varlen_state_kernel"], None, 1),
+        (kda_prefill_chunk, ["conv_varlen_out_kernel", "conv_varlen_state_kernel", "chunk_gate_cumsum_kernel",
+                             "chunk_intra_kernel", "chunk_state_pass_kernel", "chunk_output_norm_kernel"], None, 2),
+        (kda_prefill_flash, ["flash_plan_kernel", "flash_prepare_kernel", "flash_recurrence_kernel"],
+         ["flash_prepare_kernel", "flash_recurrence_kernel"], 0),
+    ],
+    ids=["conv", "chunk", "flash"],
+)
+def test_a_repeated_step_launches_only_the_work_and_copies_nothing(launches, fn, first, repeat, copies_first):
+    """The first layer of a step builds the tables (chunk/conv: one pinned copy each; flash: the plan
+    launch); every later layer of the step reuses them: no copy, no plan launch."""
+    step = meta_step([3, 100 + len(first), 1])
+    assert per_call(fn, step, launches) == (first, copies_first)
+    for _ in range(2):
+        assert per_call(fn, step, launches) == (repeat or first, 0)
+
+
+def test_segmented_flash_skips_only_the_plan_on_a_repeated_step(launches):
+    step = meta_step([300, 7])
+    work = ["flash_prepare_kernel", "flash_recurrence_kernel", "flash_scan_kernel", "flash_correct_kernel"]
+    names, _ = per_call(lambda **a: kda_prefill_flash(**a, segment_len=64), step, launches)
+    assert names == ["flash_plan_kernel"] + work
+    names, _ = per_call(lambda **a: kda_prefill_flash(**a, segment_len=64), step, launches)
+    assert names == work
+    names, _ = per_call(lambda **a: kda_prefill_flash(**a, segment_len=128), step, launches)
+    assert names[0] == "flash_plan_kernel", "a different segment length reused the plan of another"
+
+
+def _launch_args(launches, name):
+    return next(args for n, _, args in reversed(launches) if n == name)
+
+
+def test_conv_and_chunk_tables_follow_a_host_buffer_refilled_in_place(launches):
+    """Engines refill one cu_seqlens_cpu buffer every step: same tensor, same N and T, other
+    lengths. The same grid sizes, so only the tables' contents tell a stale cache apart."""
+    cu = torch.tensor([0, 40, 64], dtype=torch.int32)
+    for lens in ([40, 24], [24, 40], [40, 24]):
+        cu[1] = lens[0]  # in place
+        case = make_kda_case(lens, H=1, D=16, seed=3)
+        args = {**case.prefill_args(), "cu_seqlens_cpu": cu}
+        kda_prefill_chunk(out=case.new_out(), **args)
+        seq, t0 = token_block_table(cu, BLOCK_T)
+        out_args = _launch_args(launches, "conv_varlen_out_kernel")
+        assert torch.equal(out_args[13], seq) and torch.equal(out_args[14], t0), f"stale conv blocks for {lens}"
+        chunks, first = host_chunk_tables(cu, CHUNK)
+        tables = chunk_tables(cu, torch.device("cpu"))
+        assert torch.equal(tables.chunks, chunks) and torch.equal(tables.seq_first_chunk, first), f"stale chunk tables for {lens}"
+        assert torch.equal(_launch_args(launches, "chunk_gate_cumsum_kernel")[8], chunks)
+
+
+def test_flash_plan_follows_a_host_buffer_refilled_in_place():
+    """The cached plan (built by the plan kernel in the interpreter) equals a fresh build_plan for
+    each of three steps that share one host buffer, including a return to the first lengths."""
+    cu = torch.tensor([0, 0, 77], dtype=torch.int32)
+    for first in (50, 27, 50):
+        cu[1] = first
+        case = make_kda_case([first, 77 - first], H=1, D=16, seed=4)
+        args = {**case.prefill_args(), "cu_seqlens_cpu": cu}
+        step = FlashPrefill(out=case.new_out(), **args)
+        fresh = build_plan(case.cu_seqlens, 77, 2, step.C, None, cu.clone())
+        for name in ("chunk_seq", "chunk_tok", "seg_seq", "seg_tok", "seg_end", "seg_chunk", "seq_seg0"):
+            assert torch.equal(getattr(step.plan, name), getattr(fresh, name)), f"stale plan {name} for {first}"
+        assert step.longest == max(first, 77 - first)
+
+
+def test_flash_step_cache_sees_config_edits(launches):
+    """tune.py and tests edit CONFIG in place: a changed field must not reuse the old plan, be it
+    the chunk size (part of the key anyway) or a cost-model field that decides segmentation."""
+    old = CONFIG.chunk, CONFIG.seg_min_len
+    try:
+        grids = {}
+        for chunk in (32, 16):
+            CONFIG.chunk = chunk
+            names, _ = per_call(kda_prefill_flash, meta_step([90, 5]), launches)
+            assert names[0] == "flash_plan_kernel", f"chunk {chunk}: plan of another chunk size reused"
+            grids[chunk] = next(grid for n, grid, _ in launches if n == "flash_prepare_kernel")
+        assert grids == {32: (4 * 4,), 16: (7 * 4,)}  # 3 + 1 chunks of 32 vs 6 + 1 of 16, x 4 heads
+        CONFIG.chunk = old[0]
+        long_step = meta_step([8192 + 3])
+        assert "flash_scan_kernel" in per_call(kda_prefill_flash, long_step, launches)[0]  # one sequence: segmented
+        CONFIG.seg_min_len = 1 << 30
+        assert "flash_scan_kernel" not in per_call(kda_prefill_flash, long_step, launches)[0], "stale segmentation"
+    finally:
+        CONFIG.chunk, CONFIG.seg_min_len = old
+
+
+def test_order_check_memo_never_passes_a_different_copy():
+    """The O(N) order scan is skipped only for the copy validated last; a decreasing copy of the
+    same length right after a valid one must still fail."""
+    check_cu_seqlens_cpu(torch.tensor([0, 3, 5, 9], dtype=torch.int32), 3, 9)
+    with pytest.raises(ValueError, match="without decreasing"):
+        check_cu_seqlens_cpu(torch.tensor([0, 6, 5, 9], dtype=torch.int32), 3, 9)
+    assert checks._last_valid_offsets == (0, 3, 5, 9)
+    with pytest.raises(ValueError, match="to T = 8"):
+        check_cu_seqlens_cpu(torch.tensor([0, 3, 5, 9], dtype=torch.int32), 3, 8)  # memoized copy, other T
+
+
+def test_step_table_cache_is_bounded_and_keyed_on_contents():
+    cache, built = StepTableCache(capacity=2), []
+
+    def get(key):
+        return cache.get(key, torch.device("cpu"), lambda: built.append(key) or f"table {key}")
+
+    assert [get((0, 5)), get((0, 5)), get((0, 6)), get((0, 7)), get((0, 5))] == [
+        "table (0, 5)", "table (0, 5)", "table (0, 6)", "table (0, 7)", "table (0, 5)"]
+    assert built == [(0, 5), (0, 6), (0, 7), (0, 5)] and len(cache) == 2  # (0, 5) evicted by (0, 7)
+
+
+def test_packed_tables_are_aligned_copies():
+    """One buffer for several tables: each view 128-byte aligned in it, none aliasing the host arrays."""
+    a, empty, b = np.arange(5, dtype=np.int32), np.zeros(0, dtype=np.int32), np.arange(40, dtype=np.int32)
+    ta, te, tb = tables_to_device([a, empty, b], torch.device("cpu"))
+    a[0] = b[0] = 99
+    assert ta.tolist() == list(range(5)) and te.numel() == 0 and tb.tolist() == list(range(40))
+    assert ta.untyped_storage().data_ptr() == tb.untyped_storage().data_ptr()  # one copy
+    assert [t.storage_offset() % 32 for t in (ta, te, tb)] == [0, 0, 0]
+
+
+@pytest.mark.gpu
+def test_gpu_host_tables_are_copied_from_pinned_memory():
+    """cudaMemcpyAsync from pageable memory may synchronize with the stream: every host->device
+    copy of a new step's tables must come from pinned memory."""
+    sources = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            if isinstance(result, torch.Tensor) and result.is_cuda:
+                sources.extend(a for a in args if isinstance(a, torch.Tensor) and a.device.type == "cpu")
+            return result
+
+    for fn in (kda_prefill_chunk, kda_prefill_flash):
+        case = make_kda_case([37, 129, 4], H=2, D=64, dtype=torch.bfloat16, device="cuda", seed=5)
+        with Record():
+            fn(out=case.new_out(), **case.prefill_args())
+    assert sources and all(s.is_pinned() for s in sources), [s.is_pinned() for s in sources]
