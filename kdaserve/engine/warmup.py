@@ -6,12 +6,13 @@ Triton compiles one variant per combination of integer arguments that are 1 or m
 pointers aligned to 16 bytes, and launch constants the wrappers derive from the step (block sizes
 from the number of sequences, segmented or not from their lengths, ...). The steps below cover:
 prefills of 1, 16, 32, 64 and 37 tokens; three sequences of different lengths at once; a chunked
-prompt and its continuation (initial state read); for p = 16, 32, ... up to max_num_seqs: prefills
-of p - 1 and p sequences, mixed steps with p - 1, p and p + 1 decodes (their decode kernels run
-eagerly, at any batch size, outside the captured graphs' buckets), pure decode steps (CUDA-graph replays, or eager kernels when graphs are off);
-the whole token budget in one sequence and over several; greedy, temperature / top-k / top-p,
-seeded sampling and log-probs. Everything is clipped to the token budget, max_num_seqs and max_model_len, and a step
-that the KV pool cannot hold is skipped.
+prompt and its continuation (initial state read); for p = 16, 32, ... up to max_num_seqs,
+prefills of p - 1 and p sequences and mixed steps with p - 1, p and p + 1 decodes (mixed steps
+run their decodes eagerly, at any batch size, outside the captured graphs' buckets); pure decode
+steps (CUDA-graph replays, or eager kernels when graphs are off); the whole token budget in one
+sequence and over several; greedy, temperature / top-k / top-p and seeded sampling, log-probs.
+Everything is clipped to the token budget, max_num_seqs and max_model_len; a step that the KV pool
+cannot hold is skipped.
 
 The steps borrow real state slots and KV blocks from the engine's pools and give them back; the
 pools are then reset to a fresh pool's order (and must be empty, else this raises). What the steps
