@@ -40,13 +40,17 @@ class DecodeStaticInputs:
         self.slot_mapping.fill_(trash_row)
         self.context_lens.fill_(1)
         self.ring = StagingRing(self.layout.nbytes, torch.device(device))
+        self._host_views: dict[int, tuple[object, dict]] = {}   # per ring buffer: its numpy views, made once
 
     def stage(self, step: HostStep, bs: int) -> torch.Tensor | None:
         """Write the step, padded to `bs` rows, into a pinned buffer and copy that into the static
         buffers. Returns the device index of the sample rows (None: they are rows 0..k-1)."""
         n = step.num_decodes
         i, host = self.ring.acquire(self.layout.nbytes)
-        h = self.layout.host_views(host)
+        cached = self._host_views.get(i)
+        if cached is None or cached[0] is not host:
+            cached = self._host_views[i] = (host, self.layout.host_views(host))
+        h = cached[1]
         for name, values, pad in (
             ("input_ids", step.input_ids, 0), ("positions", step.positions, 0),
             ("slot_mapping", step.slot_mapping, self.trash_row), ("state_indices", step.decode_slots, 0),
