@@ -128,7 +128,9 @@ class StagingRing:
     def submit(self, i: int, dst: torch.Tensor, nbytes: int) -> None:
         self._copy(dst[:nbytes], self._host[i][0][:nbytes])
         if self._events is not None:
-            self._events[i].record()
+            # Behind the copy: on the stream of dst's device (not the current device's, if other).
+            event = self._events[i]
+            event.record(torch.cuda.current_stream(dst.device)) if self.pinned else event.record()
             self._pending[i] = True
 
 
