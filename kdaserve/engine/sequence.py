@@ -26,6 +26,8 @@ class Sequence:
         self.seq_id = next(Sequence._ids)
         self.request_id = request_id
         self.params = params
+        # token_ids, logprobs and prompt_logprobs only ever grow by append: outputs are O(1)
+        # snapshots of them (outputs.ListPrefix), which any other change would corrupt.
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self._prompt = list(prompt_token_ids)   # shared by every output of this request: no copy per step
