@@ -36,6 +36,14 @@ def capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+# Pinned sources of host->device copies captured into a CUDA graph. A captured memcpy re-reads its
+# source at every replay, but nothing ties the pinned block to the graph: once the event torch
+# recorded for it during capture reads as complete, the caching host allocator hands the block out
+# again (the next step's tables, a staging buffer...) and replays copy whatever lies there. Kept
+# for the life of the process: a few hundred bytes per capture, and captures are rare.
+_CAPTURED_SOURCES: list[torch.Tensor] = []
+
+
 class StepTableCache:
     """Tables of the last `capacity` distinct keys (a step, a mixed step's parts, a few backends:
     an engine interleaves few steps; the oldest entry goes first)."""
@@ -69,11 +77,13 @@ def tables_to_device(parts: list[np.ndarray], device: torch.device) -> list[torc
         size += -(-len(p) // 32) * 32
     # Filled in place through a numpy view; on CUDA that buffer is pinned. The caching host allocator
     # keeps a pinned block alive until the copy that reads it has run (it records an event on the
-    # stream), so it can be dropped right away. On the CPU the "copy" is the buffer itself, which
-    # nothing else holds.
+    # stream), so it can be dropped right away, except under graph capture (_CAPTURED_SOURCES). On
+    # the CPU the "copy" is the buffer itself, which nothing else holds.
     host = torch.zeros(size, dtype=torch.int32, pin_memory=device.type == "cuda")
     packed = host.numpy()
     for p, a in zip(parts, starts):
         packed[a : a + len(p)] = p
     buf = host.to(device, non_blocking=True)
+    if capturing(device):
+        _CAPTURED_SOURCES.append(host)
     return [buf[a : a + len(p)] for p, a in zip(parts, starts)]

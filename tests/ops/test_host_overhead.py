@@ -230,3 +230,53 @@ def test_gpu_host_tables_are_copied_from_pinned_memory():
         with Record():
             fn(out=case.new_out(), **case.prefill_args())
     assert sources and all(s.is_pinned() for s in sources), [s.is_pinned() for s in sources]
+
+
+def test_under_graph_capture_the_pinned_source_of_a_table_copy_is_kept(monkeypatch):
+    """A captured host->device memcpy re-reads its source at every replay: under capture the
+    source must outlive the call (the caching host allocator would hand a dropped pinned block
+    to the next allocation), and no table is cached (a cached one could be evicted and freed)."""
+    from kdaserve.ops import host_tables
+
+    monkeypatch.setattr(host_tables, "_CAPTURED_SOURCES", [])
+    table = np.arange(7, dtype=np.int32)
+    tables_to_device([table], torch.device("cpu"))
+    assert host_tables._CAPTURED_SOURCES == []              # not capturing: nothing kept
+    monkeypatch.setattr(host_tables, "capturing", lambda device: True)
+    cache, built = StepTableCache(), []
+    (view,) = cache.get("step", torch.device("cpu"), lambda: built.append(1) or tables_to_device([table], torch.device("cpu")))
+    del view
+    assert len(cache) == 0 and built == [1]
+    (kept,) = host_tables._CAPTURED_SOURCES
+    assert kept[:7].tolist() == list(range(7))
+
+
+@pytest.mark.gpu
+def test_gpu_conv_captured_in_a_graph_replays_right_after_pinned_memory_is_recycled():
+    """Chunk/conv prefill captured in a CUDA graph: its token-block table is copied from a pinned
+    buffer by a captured memcpy. Fill many fresh pinned buffers of that size with garbage (what the
+    allocator recycles freed blocks into), then replay: the output must equal the eager one."""
+    case = make_kda_case([37, 129, 4], H=2, D=16, device="cuda", has_initial_state=False, seed=11)
+    W = case.weights.conv_weight
+
+    def conv(out):
+        causal_conv_varlen_fwd(case.qkv, W, case.conv_state, case.cu_seqlens, case.state_indices,
+                               case.has_initial_state, case.conv_layout, cu_seqlens_cpu=case.cu_seqlens_cpu, out=out)
+
+    eager = torch.full_like(case.qkv, float("nan"))
+    conv(eager)
+    out = torch.full_like(case.qkv, float("nan"))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        conv(out)   # warm-up outside capture (compilation)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        conv(out)
+    torch.cuda.synchronize()
+    junk = [torch.full((n,), -7, dtype=torch.int32, pin_memory=True) for n in (64, 128, 256, 512) for _ in range(8)]
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert junk and torch.equal(out, eager)
