@@ -33,6 +33,8 @@ def register(sub) -> None:
     p.add_argument("--device", default=None, help="cuda, cpu, ... (default: the GPU when there is one)")
     p.add_argument("--dtype", default=None, help="bfloat16, float16 or float32 (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="skip the start-up warm-up that compiles the kernels' variants before the first request (GPU only)")
     p.add_argument("--json", action="store_true", help="print one JSON object per completion instead of text")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
@@ -63,7 +65,7 @@ def run(args) -> int:
         llm = LLM(args.model, kda_prefill_backend=args.kda_prefill_backend, kda_decode_backend=args.kda_decode_backend,
                   max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                   max_num_batched_tokens=args.max_num_batched_tokens, device=args.device, dtype=args.dtype,
-                  enforce_eager=args.enforce_eager)
+                  enforce_eager=args.enforce_eager, warmup=not args.no_warmup)
         load_s = time.perf_counter() - t0
         if args.chat:
             prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]

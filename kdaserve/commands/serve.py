@@ -30,6 +30,8 @@ def register(sub) -> None:
     p.add_argument("--device", default=None, help="cuda, cpu, ... (default: the GPU when there is one)")
     p.add_argument("--dtype", default=None, help="bfloat16, float16 or float32 (default: the model's)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="skip the start-up warm-up that compiles the kernels' variants before the first request (GPU only)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run)
@@ -56,6 +58,7 @@ def run(args) -> int:
             device=args.device,
             dtype=args.dtype,
             enforce_eager=args.enforce_eager,
+            warmup=not args.no_warmup,
             seed=args.seed,
         )
     except (ValueError, RuntimeError, FileNotFoundError) as exc:

@@ -27,3 +27,20 @@ def test_generate_reports_bad_input_without_a_traceback(capsys):
     assert "temperature: got -1.0" in capsys.readouterr().err
     assert _run(["--model", "tiny", *REF]) == 2
     assert "no prompts" in capsys.readouterr().err
+
+
+def test_no_warmup_flag_reaches_the_engine(monkeypatch):
+    seen = {}
+
+    class FakeLLM:
+        def __init__(self, model, **kw):
+            seen.update(kw)
+            raise ValueError("stop here")
+
+    import kdaserve.engine
+
+    monkeypatch.setattr(kdaserve.engine, "LLM", FakeLLM)
+    _run(["--model", "tiny", "--prompt", "x", *REF])
+    assert seen["warmup"] is True
+    _run(["--model", "tiny", "--prompt", "x", "--no-warmup", *REF])
+    assert seen["warmup"] is False

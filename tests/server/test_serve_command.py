@@ -17,7 +17,7 @@ def test_serve_command_answers_and_stops_on_sigint():
     cmd = [
         sys.executable, "-m", "kdaserve.cli", "serve", "--model", "tiny", "--host", "127.0.0.1", "--port", str(port),
         "--kda-prefill-backend", "reference", "--kda-decode-backend", "reference", "--max-num-seqs", "4",
-        "--max-model-len", "128", "--device", "cpu", "--enforce-eager", "--log-level", "warning",
+        "--max-model-len", "128", "--device", "cpu", "--enforce-eager", "--no-warmup", "--log-level", "warning",
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
