@@ -12,7 +12,7 @@ fi
 # 1. Correctness of the GPU-only paths (graph decode == eager with the staging ring, one sync per
 #    decode step, warm-up changes no outputs and leaves nothing to compile, tables from pinned
 #    memory, a captured conv replays right after pinned memory is recycled, adaptive == its kernel).
-timeout 300 python3 -m pytest -q -x -p no:cacheprovider -m "gpu and not slow" \
+timeout 300 python3 -m pytest -q -x -p no:cacheprovider -m "not slow" \
   tests/engine/test_host_overhead_gpu.py tests/ops/test_host_overhead.py tests/ops/test_adaptive_decode.py \
   tests/engine/test_engine_gpu.py tests/layers/test_kda_layer_gpu.py 2>&1 | tee "$OUT/verify_tests.log" | tail -15
 # 2. Effect: host time per prefill call (was chunk 1401 / flash 780 us on one H200 host) ...
