@@ -236,6 +236,8 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), help="NxL, e.g. 1x8K 16x1K 64x512")
     ap.add_argument("--no-agreement", action="store_true")
     ap.add_argument("--no-stages", action="store_true")
+    ap.add_argument("--device-time", action="store_true",
+                    help="also the kernels' device time per column (torch.profiler): ratios immune to host gaps")
     ap.add_argument("--sweep", action="store_true", help="also time ChunkConfig launch shapes at H=32")
     args = ap.parse_args()
     t0 = time.time()
@@ -251,13 +253,15 @@ def main() -> None:
           + ", ".join(f"{k} {host_us(fn, tiny):.0f}" for k, fn in cols.items()), flush=True)
     del tiny
 
-    rows, stages = [], []
+    rows, dev_rows, stages = [], [], []
     for H in args.heads:
         for shape in args.shapes:
             case = gpu_case(parse_shape(shape), H)
             T = sum(case.seq_lens)
             times = {name: bench_ms(fn, case) for name, fn in cols.items()}
             rows.append((H, shape, T, times))
+            if args.device_time:
+                dev_rows.append((H, shape, T, {name: device_ms(fn, case) for name, fn in cols.items()}))
             if H == 32 and not args.no_stages:
                 stages.append((shape, stage_breakdown(case)))
             del case
@@ -276,19 +280,39 @@ def main() -> None:
         for shape, st in stages:
             print(f"| {shape} | " + " | ".join(f"{st[k]:.3f}" for k in names) + f" | {sum(st.values()):.3f} |")
 
-    names = list(cols)
+    title = f"prefill, bf16 inputs, fp32 state, D={D}: ms per call"
+    print_table(rows, list(cols), f"{title}, wall time (do_bench median) [{time.time() - t0:.0f} s total]")
+    if args.device_time:
+        print_table(dev_rows, list(cols), f"{title}, device time (sum of the kernels' time, torch.profiler): "
+                    "immune to host gaps")
+
+
+def device_ms(fn, case: KDACase) -> float:
+    """Kernel time per call (ms) summed over every launch, from the profiler: what the GPU spent,
+    whatever the host did between launches (Python, syncs, a slow host CPU)."""
+    from benchmarks.profile_prefill import kernel_table
+
+    out = case.new_out()
+    args = case.prefill_args()
+    try:
+        return kernel_table(lambda: fn(out=out, **args), calls=3)[1]
+    except Exception:  # noqa: BLE001 - bench_ms already reported the failure
+        torch.cuda.synchronize()
+        return float("nan")
+
+
+def print_table(rows: list, names: list[str], title: str) -> None:
+    """One row per (heads, shape): ms (M tokens/s) per column, then every ours-vs-FLA ratio."""
     ours = [n for n in names if n not in ("fla", "fla-core")]
-    bases = [n for n in ("fla", "fla-core") if n in cols]
+    bases = [n for n in ("fla", "fla-core") if n in names]
     ratio_names = [(o, b) for b in bases for o in ours]
-    print(f"\nprefill, bf16 inputs, fp32 state, D={D}: ms per call (M tokens/s); 'x vs b' = b ms / x ms "
-          f"(> 1: x is faster) [{time.time() - t0:.0f} s total]")
+    print(f"\n{title}; 'x vs b' = b ms / x ms (> 1: x is faster)")
     print("| heads | shape | tokens | " + " | ".join(names + [f"{o} vs {b}" for o, b in ratio_names]) + " |")
     print("|---|---|---|" + "---|" * (len(names) + len(ratio_names)))
     for H, shape, T, t in rows:
         cells = [f"{t[n]:.3f} ({T / t[n] / 1e3:.1f})" for n in names]
         ratios = [f"{t[b] / t[o]:.2f}x" for o, b in ratio_names]
         print(f"| {H} | {shape} | {T} | " + " | ".join(cells + ratios) + " |")
-
 
 if __name__ == "__main__":
     main()
