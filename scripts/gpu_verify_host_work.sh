@@ -16,7 +16,7 @@ timeout 300 python3 -m pytest -q -x -p no:cacheprovider -m "not slow" \
   tests/engine/test_host_overhead_gpu.py tests/ops/test_host_overhead.py tests/ops/test_adaptive_decode.py \
   tests/engine/test_engine_gpu.py tests/layers/test_kda_layer_gpu.py 2>&1 | tee "$OUT/verify_tests.log" | tail -15
 # 2. Effect: host time per prefill call (was chunk 1401 / flash 780 us on one H200 host) ...
-timeout 200 python3 benchmarks/bench_prefill.py --no-agreement --no-stages --heads 32 --shapes 1x8K 16x1K \
+timeout 200 python3 benchmarks/bench_prefill.py --no-agreement --no-stages --device-time --heads 32 --shapes 1x8K 16x1K \
   2>&1 | tee "$OUT/prefill_host.log" | tail -8
 # ... the engine step vs the graph replay, and the first timed run on a cold kernel cache (the
 #    warm-up should leave nothing to compile: the compile counts are printed per phase) ...
