@@ -17,8 +17,10 @@ Also printed: agreement of every column with the fp64 reference on a small mixed
 breakdown of `chunk` at 32 heads (conv, gate, intra, state, output), and with --sweep the launch
 shapes of `chunk` (kdaserve.ops.chunk.core.ChunkConfig).
 
-Run (H200, < 2 min; FLA's first-call autotuning is most of it):
-    PYTHONPATH=$PWD python benchmarks/bench_prefill.py [--heads 16 32 64] [--shapes 1x8K 16x1K 64x512 1x64K]
+Run (H200; FLA's first-call autotuning per head count is most of it: ~2 min per head count with
+every default shape, ~8 min for the whole default grid; split it across calls when time is short):
+    PYTHONPATH=$PWD python benchmarks/bench_prefill.py --no-agreement --no-stages [--device-time] \
+        [--heads 16 32 64 96] [--shapes 1x8K 8x1K 16x1K 64x512 1x32K 1x64K 1x128K]
 """
 
 from __future__ import annotations
