@@ -35,12 +35,6 @@ def _expect(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
-def next_power_of_2(n: int) -> int:
-    """triton.next_power_of_2 in plain Python (Triton's goes through a constexpr-function wrapper,
-    a few µs per call on the host)."""
-    return 1 << (n - 1).bit_length() if n > 0 else triton.next_power_of_2(n)
-
-
 def check_conv_inputs(x: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor, out: torch.Tensor | None) -> None:
     """Metadata-only checks shared by the varlen and update entry points (no device sync). Each
     condition is tested before its message is formatted: these run once per layer per step."""
@@ -139,6 +133,6 @@ def causal_conv_varlen_fwd(
         rows, s_slot, s_row, s_c,
         cu_seqlens, state_indices, has_initial_state,
         C, L,
-        BL=next_power_of_2(L), BC=BLOCK_C,
+        BL=triton.next_power_of_2(L), BC=BLOCK_C,
     )
     return y

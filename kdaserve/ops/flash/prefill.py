@@ -20,7 +20,6 @@ import torch
 import triton
 
 from kdaserve.ops.checks import check_prefill_step
-from kdaserve.ops.conv.varlen import next_power_of_2
 from kdaserve.ops.flash.config import CONFIG
 from kdaserve.ops.flash.correct import flash_correct_kernel
 from kdaserve.ops.flash.plan import FlashPlan, build_plan, choose_segment_len, config_key, seq_lens
@@ -215,7 +214,7 @@ class FlashPrefill:
             self.cu, self.state_indices, self.has_initial_state,
             plan.seg_seq, plan.seg_tok, plan.seg_end, plan.seg_chunk,
             self.qkv, self.qkv.stride(0), self.rows, *self.rows.stride(), L, q_off,
-            H=self.H, D=self.D, C=self.C, BV=bv, SEGMENTED=segmented, L_PAD=next_power_of_2(L),
+            H=self.H, D=self.D, C=self.C, BV=bv, SEGMENTED=segmented, L_PAD=triton.next_power_of_2(L),
             PREC=self.prec_tc, FAST=self.fast, num_warps=warps, num_stages=stages,
         )
 
