@@ -45,5 +45,6 @@ class NullFirstIdPool:
         later requests then get the ids they would have got without it). Refuses while any id
         is still in use: a leak would otherwise go unnoticed."""
         if self._used:
-            raise RuntimeError(f"{len(self._used)} {self.what}(s) still in use: {sorted(self._used)[:8]}")
+            raise RuntimeError(f"cannot reset the {self.what} pool: {len(self._used)} {self.what}(s) still in use "
+                               f"({sorted(self._used)[:8]}); free every one before reset()")
         self._free = deque(range(1, self.size))

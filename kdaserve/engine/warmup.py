@@ -170,7 +170,8 @@ class Warmup:
 def warm_up(runner: ModelRunner, slots: StateSlotPool, blocks: BlockManager, max_model_len: int) -> int:
     """Run the warm-up steps; returns how many ran. Pools must be empty before and are after."""
     if slots.num_used or blocks.num_used:
-        raise RuntimeError("warm-up needs empty pools: it runs before any request")
+        raise RuntimeError(f"warm-up needs empty pools (it runs before any request); {slots.num_used} state slot(s) "
+                           f"and {blocks.num_used} KV block(s) are in use: finish or abort the requests first")
     t0 = time.perf_counter()
     generator = runner.sampler.generator
     rng_state = generator.get_state()

@@ -67,3 +67,16 @@ def test_the_cached_block_table_array_follows_growth_and_a_free():
     bm.grow(other, 4)         # ... someone takes one, and it regrows to the same length elsewhere
     bm.grow(s, 9)
     assert s.block_table != before and s.block_table_array().tolist() == s.block_table
+
+
+def test_reset_refuses_while_an_id_is_in_use_and_then_restores_a_fresh_order():
+    pool = StateSlotPool(4)
+    fresh = [pool.allocate() for _ in range(3)]
+    for i in fresh:
+        pool.free(i)
+    held = pool.allocate()
+    with pytest.raises(RuntimeError, match=r"still in use .*free every one before reset"):
+        pool.reset()
+    pool.free(held)
+    pool.reset()
+    assert [pool.allocate() for _ in range(3)] == fresh

@@ -7,7 +7,7 @@ import torch
 
 import kdaserve.engine.llm_engine as llm_engine
 from kdaserve.engine import LLMEngine, SamplingParams
-from kdaserve.engine.warmup import CPU_TOKEN_CAP
+from kdaserve.engine.warmup import CPU_TOKEN_CAP, warm_up
 
 REQUESTS = [
     ("greedy", list(b"The warm-up must not change me"), SamplingParams(max_tokens=10, ignore_eos=True, logprobs=2)),
@@ -124,3 +124,11 @@ def test_the_config_switch_and_the_cpu_default(monkeypatch):
         assert calls == []
         LLMEngine("tiny", max_model_len=64, device="cuda")
         assert len(calls) == 1
+
+
+def test_warm_up_refuses_pools_that_are_in_use():
+    engine = _engine()
+    slot = engine.slots.allocate()
+    with pytest.raises(RuntimeError, match=r"1 state slot\(s\) .* in use: finish or abort"):
+        warm_up(engine.runner, engine.slots, engine.blocks, engine.max_model_len)
+    engine.slots.free(slot)
