@@ -86,6 +86,22 @@ def test_gate_kernel_matches_reference_gate_elementwise(gate):
     assert torch.allclose(gcum.double(), ref, rtol=2e-5, atol=1e-30), f"max relative error {rel:.2e}"
 
 
+@pytest.mark.parametrize("inverse", ["blocked", "substitution"])
+def test_both_intra_inverses_match_reference_with_correlated_keys(inverse):
+    """Both ChunkConfig.intra_inverse paths (the lead times them side by side), on a chunk whose
+    keys are strongly correlated (all near one direction, beta near 1): the inverse of I + A then
+    has large entries and an error in any blocking level shows at 1e-5."""
+    from kdaserve.ops.chunk import ChunkConfig
+
+    case = make_kda_case([70], has_initial_state=True, seed=9, **SMALL)
+    P = case.H * case.D
+    k = case.qkv[:, P : 2 * P]
+    k.mul_(0.2).add_(1.0)  # common direction plus 20% noise: cosine ~0.96 between keys
+    case.beta_logits.fill_(4.0)
+    prefill = functools.partial(kda_prefill_chunk, config=ChunkConfig(intra_inverse=inverse))
+    check_prefill_matches_reference(prefill, case, tolerance_for(torch.float32), chunk_size=64)
+
+
 def test_null_rows_leave_output_untouched():
     case = make_kda_case([4, 9], seed=2, **SMALL)
     case.state_indices[0] = -1

@@ -13,7 +13,7 @@ import torch
 
 from kdaserve.ops.checks import check_prefill_step
 from kdaserve.ops import interpreter_compat
-from kdaserve.ops.chunk.core import CHUNK, SUPPORTED_DTYPES, kda_chunk_core, workspace_dtype
+from kdaserve.ops.chunk.core import CHUNK, DEFAULT_CONFIG, SUPPORTED_DTYPES, ChunkConfig, kda_chunk_core, workspace_dtype
 from kdaserve.ops.conv import causal_conv_varlen_fwd
 from kdaserve.ops.types import KDAWeights
 
@@ -35,6 +35,7 @@ def kda_prefill_chunk(
     *,
     conv_layout: str = "SD",
     cu_seqlens_cpu: torch.Tensor | None = None,
+    config: ChunkConfig = DEFAULT_CONFIG,
 ) -> None:
     """Varlen prefill (mixed steps included): conv, chunked KDA core, gated RMSNorm into `out`.
 
@@ -54,7 +55,7 @@ def kda_prefill_chunk(
     causal_conv_varlen_fwd(qkv, weights.conv_weight, conv_state, cu_seqlens, state_indices, has_initial_state,
                            conv_layout, cu_seqlens_cpu=cu_seqlens_cpu, out=y)
     kda_chunk_core(y, g1, beta_logits, g2, weights, recurrent_state, cu_seqlens, state_indices, has_initial_state, out,
-                   cu_seqlens_cpu=cu_seqlens_cpu)
+                   cu_seqlens_cpu=cu_seqlens_cpu, config=config)
 
 
-__all__ = ["CHUNK", "kda_chunk_core", "kda_prefill_chunk"]
+__all__ = ["CHUNK", "ChunkConfig", "kda_chunk_core", "kda_prefill_chunk"]

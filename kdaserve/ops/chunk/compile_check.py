@@ -35,11 +35,13 @@ def main(H: int = 32, D: int = 128) -> None:
          dict(H=H, K=D, BT=CHUNK, BOUNDED=True), 4, 2),
     ]
     for exact in (False, True):
-        for warps in (4, 8):
-            variants.append((f"intra exact={exact}", chunk_intra_kernel,
-                             dict(y=f16, beta_logits=bf, gcum=f32, Aqk=f16, akk_diag=f32, w=f16, u=f16, kg=f16, qg=f16,
-                                  scale="fp32"),
-                             dict(H=H, K=D, BT=CHUNK, BCC=BC, EXACT_DIAG=exact, PREC="tf32"), warps, 2))
+        for inv, blocked, inv_prec in (("blocked tf32", True, "tf32"), ("subst ieee", False, "ieee")):
+            for warps in (4, 8):
+                variants.append((f"intra exact={exact:d} {inv}", chunk_intra_kernel,
+                                 dict(y=f16, beta_logits=bf, gcum=f32, Aqk=f16, akk_diag=f32, w=f16, u=f16, kg=f16,
+                                      qg=f16, scale="fp32"),
+                                 dict(H=H, K=D, BT=CHUNK, BCC=BC, EXACT_DIAG=exact, PREC="tf32", BLOCKED_INV=blocked,
+                                      INV_PREC=inv_prec), warps, 2))
     for bv in (16, 32, 64):
         for warps in (4, 8):
             for stages in (2, 3):
@@ -54,7 +56,7 @@ def main(H: int = 32, D: int = 128) -> None:
     print(f"sm_{ARCH}, H={H}, D={D}; default config: {DEFAULT_CONFIG}")
     for name, fn, types, const, warps, stages in variants:
         kernel = compile_for_sm90(fn, {**tables, **types}, const, warps, stages)
-        print(f"{name:18s} warps={warps} stages={stages}: {ptxas_report(kernel)}", flush=True)
+        print(f"{name:28s} warps={warps} stages={stages}: {ptxas_report(kernel)}", flush=True)
     print("ok")
 
 

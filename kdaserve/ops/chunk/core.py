@@ -54,10 +54,20 @@ class ChunkConfig:
     pairs run (one long prompt), wide tiles re-read w/kg less when the GPU is full anyway."""
 
     intra_warps: int = 8      # 8: ~no register spills in the intra kernel (4: 100-200 B/thread)
+    # The 16x16 diagonal inverses: "blocked" (recursive 2x2 blocking on tensor cores, in registers)
+    # or "substitution" (forward substitution in fp32 FMAs: a 15-step chain of scratch loads).
+    intra_inverse: str = "blocked"
+    # The inverse's dots at the products' precision (tf32 for 16-bit inputs) or always "ieee" fp32
+    # (FMA loops on sm_90). fp32 inputs always get "ieee". docs/chunk-prefill.md argues tf32.
+    intra_inverse_tf32: bool = True
     state_bv: int | None = None
     state_warps: int | None = None  # None: 4 up to BV = 32, 8 for BV = 64 (4 would spill there)
     state_stages: int = 2     # software pipelining of the next chunk's w/u/kg loads
     output_warps: int = 4
+
+    def __post_init__(self):
+        if self.intra_inverse not in ("blocked", "substitution"):
+            raise ValueError(f"intra_inverse must be 'blocked' or 'substitution', got {self.intra_inverse!r}")
 
     def bv(self, num_seqs: int, H: int, D: int) -> int:
         if self.state_bv is not None:
@@ -109,7 +119,8 @@ class ChunkPlan:
         if self.tables.num_chunks:
             launch_intra(y, beta_logits, self.gcum, self.tables, state_indices, self.Aqk, self.akk_diag, self.w, self.u,
                          self.kg, self.qg, exact_diag=weights.lower_bound is None, precision=self.prec, BT=CHUNK,
-                         num_warps=self.config.intra_warps)
+                         num_warps=self.config.intra_warps, blocked_inverse=self.config.intra_inverse == "blocked",
+                         inverse_precision=self.prec if self.config.intra_inverse_tf32 else "ieee")
 
     def state(self) -> None:
         # Runs even without chunks: a 0-token sequence still stores its (initial or zero) state.

@@ -158,6 +158,25 @@ def _unit_lower_inverse4(diag_ptr, stride_d, t0, t1, BCC: tl.constexpr):
 
 
 @triton.jit
+def _unit_lower_inverse_blocked(A, BCC: tl.constexpr, LOG2B: tl.constexpr, PREC: tl.constexpr):
+    """(I + A)^-1 of one strictly lower 16x16 block in registers, by recursive 2x2 blocking (as
+    flash's K1): with T_b the inverse of the b-diagonal blocks, T_2b = T_b - T_b A_off T_b, A_off
+    being A's lower-left b-blocks inside each 2b-block ((T_b A_off)^2 = 0 makes this exact). Every
+    product is of entries of the final inverse and of A, both bounded: no cancellation, so the
+    dots may run at tf32 (docs/chunk-prefill.md). No memory round trip, no barrier, 3 levels of
+    two dependent 16x16x16 dots instead of a 15-step serial chain."""
+    r = tl.arange(0, BCC)
+    ri = r[:, None]
+    ci = r[None, :]
+    T = tl.where(ri == ci, 1.0, 0.0) - tl.where(ri // 2 == ci // 2, A, 0.0)  # b = 1
+    for lvl in tl.static_range(1, LOG2B):
+        b = 1 << lvl
+        off = tl.where((ri // (2 * b) == ci // (2 * b)) & (ri // b != ci // b), A, 0.0)
+        T = T - tl.dot(tl.dot(T, off, input_precision=PREC), T, input_precision=PREC)
+    return T
+
+
+@triton.jit
 def _store_block(ptr, x, rows, m, col0, stride_t, BCC: tl.constexpr):
     cols = col0 + tl.arange(0, BCC)
     tl.store(ptr + rows[:, None] * stride_t + cols[None, :], x.to(ptr.dtype.element_ty), mask=m[:, None])
@@ -197,7 +216,7 @@ def chunk_intra_kernel(
     Aqk, akk_diag, w, u, kg, qg,
     scale,
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BCC: tl.constexpr,
-    EXACT_DIAG: tl.constexpr, PREC: tl.constexpr,
+    EXACT_DIAG: tl.constexpr, PREC: tl.constexpr, BLOCKED_INV: tl.constexpr, INV_PREC: tl.constexpr,
 ):
     pid = tl.program_id(0)
     i_c = pid // H
@@ -228,7 +247,10 @@ def chunk_intra_kernel(
     a0 = _anchor(g_ptr, stride_g, t0, t1, 0, BCC, K)
     A00, Q00 = _diag_block(qn0, kn0, g0, m0, a0, k_ptr, g_ptr, stride_y, stride_g, t0, t1, b0, BCC, K, EXACT_DIAG, PREC)
     _store_block(Aqk_h, Q00, r0, m0, 0, stride_a, BCC)
-    _store_block(diag_h, A00, r0, m0, 0, stride_d, BCC)
+    if BLOCKED_INV:
+        X00 = _unit_lower_inverse_blocked(A00, BCC, 4, INV_PREC)  # 4 = log2(BC)
+    else:
+        _store_block(diag_h, A00, r0, m0, 0, stride_d, BCC)
 
     qn1, kn1, g1, m1, r1, b1 = _row_block(q_ptr, k_ptr, g_ptr, b_ptr, stride_y, stride_g, stride_b_t, t0, t1, 1, scale,
                                           g_last, qg_h, kg_h, stride_g, BCC, K)
@@ -239,7 +261,10 @@ def chunk_intra_kernel(
     A10 = A10 * b1[:, None]
     _store_block(Aqk_h, Q10, r1, m1, 0, stride_a, BCC)
     _store_block(Aqk_h, Q11, r1, m1, BCC, stride_a, BCC)
-    _store_block(diag_h, A11, r1, m1, 0, stride_d, BCC)
+    if BLOCKED_INV:
+        X11 = _unit_lower_inverse_blocked(A11, BCC, 4, INV_PREC)  # 4 = log2(BC)
+    else:
+        _store_block(diag_h, A11, r1, m1, 0, stride_d, BCC)
 
     qn2, kn2, g2, m2, r2, b2 = _row_block(q_ptr, k_ptr, g_ptr, b_ptr, stride_y, stride_g, stride_b_t, t0, t1, 2, scale,
                                           g_last, qg_h, kg_h, stride_g, BCC, K)
@@ -254,7 +279,10 @@ def chunk_intra_kernel(
     _store_block(Aqk_h, Q20, r2, m2, 0, stride_a, BCC)
     _store_block(Aqk_h, Q21, r2, m2, BCC, stride_a, BCC)
     _store_block(Aqk_h, Q22, r2, m2, 2 * BCC, stride_a, BCC)
-    _store_block(diag_h, A22, r2, m2, 0, stride_d, BCC)
+    if BLOCKED_INV:
+        X22 = _unit_lower_inverse_blocked(A22, BCC, 4, INV_PREC)  # 4 = log2(BC)
+    else:
+        _store_block(diag_h, A22, r2, m2, 0, stride_d, BCC)
 
     qn3, kn3, g3, m3, r3, b3 = _row_block(q_ptr, k_ptr, g_ptr, b_ptr, stride_y, stride_g, stride_b_t, t0, t1, 3, scale,
                                           g_last, qg_h, kg_h, stride_g, BCC, K)
@@ -273,23 +301,27 @@ def chunk_intra_kernel(
     _store_block(Aqk_h, Q31, r3, m3, BCC, stride_a, BCC)
     _store_block(Aqk_h, Q32, r3, m3, 2 * BCC, stride_a, BCC)
     _store_block(Aqk_h, Q33, r3, m3, 3 * BCC, stride_a, BCC)
-    _store_block(diag_h, A33, r3, m3, 0, stride_d, BCC)
+    if BLOCKED_INV:
+        X33 = _unit_lower_inverse_blocked(A33, BCC, 4, INV_PREC)  # 4 = log2(BC)
+    else:
+        _store_block(diag_h, A33, r3, m3, 0, stride_d, BCC)
 
-    # ---- X = (I + A)^-1: diagonal blocks by substitution, then the blocks below ("ieee" fp32) ----
-    # The substitution reads rows of the diagonal blocks stored above by other threads of this
-    # program: a CTA barrier orders those global stores before the loads.
-    tl.debug_barrier()
-    X00, X11, X22, X33 = _unit_lower_inverse4(diag_h, stride_d, t0, t1, BCC)
+    # ---- X = (I + A)^-1: diagonal blocks (above, or by substitution here), then the blocks below ----
+    if not BLOCKED_INV:
+        # The substitution reads rows of the diagonal blocks stored above by other threads of this
+        # program: a CTA barrier orders those global stores before the loads.
+        tl.debug_barrier()
+        X00, X11, X22, X33 = _unit_lower_inverse4(diag_h, stride_d, t0, t1, BCC)
     # X_IJ = -X_II sum_{J <= M < I} A_IM X_MJ
-    X10 = -tl.dot(X11, tl.dot(A10, X00, input_precision="ieee"), input_precision="ieee")
-    X21 = -tl.dot(X22, tl.dot(A21, X11, input_precision="ieee"), input_precision="ieee")
-    X20 = -tl.dot(X22, tl.dot(A20, X00, input_precision="ieee") + tl.dot(A21, X10, input_precision="ieee"),
-                  input_precision="ieee")
-    X32 = -tl.dot(X33, tl.dot(A32, X22, input_precision="ieee"), input_precision="ieee")
-    X31 = -tl.dot(X33, tl.dot(A31, X11, input_precision="ieee") + tl.dot(A32, X21, input_precision="ieee"),
-                  input_precision="ieee")
-    X30 = -tl.dot(X33, tl.dot(A30, X00, input_precision="ieee") + tl.dot(A31, X10, input_precision="ieee")
-                  + tl.dot(A32, X20, input_precision="ieee"), input_precision="ieee")
+    X10 = -tl.dot(X11, tl.dot(A10, X00, input_precision=INV_PREC), input_precision=INV_PREC)
+    X21 = -tl.dot(X22, tl.dot(A21, X11, input_precision=INV_PREC), input_precision=INV_PREC)
+    X20 = -tl.dot(X22, tl.dot(A20, X00, input_precision=INV_PREC) + tl.dot(A21, X10, input_precision=INV_PREC),
+                  input_precision=INV_PREC)
+    X32 = -tl.dot(X33, tl.dot(A32, X22, input_precision=INV_PREC), input_precision=INV_PREC)
+    X31 = -tl.dot(X33, tl.dot(A31, X11, input_precision=INV_PREC) + tl.dot(A32, X21, input_precision=INV_PREC),
+                  input_precision=INV_PREC)
+    X30 = -tl.dot(X33, tl.dot(A30, X00, input_precision=INV_PREC) + tl.dot(A31, X10, input_precision=INV_PREC)
+                  + tl.dot(A32, X20, input_precision=INV_PREC), input_precision=INV_PREC)
 
     # ---- w = X (beta k 2^g), u = X (beta v), column block J by column block J: each right-hand
     # side is formed once and every row block I >= J accumulates it; row block J is then complete.
@@ -331,12 +363,14 @@ def chunk_intra_kernel(
 
 
 def launch_intra(y, beta_logits, gcum, tables, state_indices, Aqk, akk_diag, w, u, kg, qg, *,
-                 exact_diag: bool, precision: str, BT: int, num_warps: int = 8) -> None:
+                 exact_diag: bool, precision: str, BT: int, num_warps: int = 8, blocked_inverse: bool = True,
+                 inverse_precision: str = "ieee") -> None:
     T, H, K = gcum.shape
     chunk_intra_kernel[(tables.num_chunks * H,)](
         y, y.stride(0), beta_logits, beta_logits.stride(0), beta_logits.stride(1),
         gcum, tables.chunks, state_indices,
         Aqk, akk_diag, w, u, kg, qg,
         K ** -0.5,
-        H=H, K=K, BT=BT, BCC=BC, EXACT_DIAG=exact_diag, PREC=precision, num_warps=num_warps,
+        H=H, K=K, BT=BT, BCC=BC, EXACT_DIAG=exact_diag, PREC=precision,
+        BLOCKED_INV=blocked_inverse, INV_PREC=inverse_precision, num_warps=num_warps,
     )
