@@ -58,6 +58,16 @@ SWEEP = {  # fused launch shapes: "whole" = one program per head; "bvX wY" = D/X
     "bv8 w1": FusedDecodeConfig(8, 1),
     "bv8 w1+spin": FusedDecodeConfig(8, 1, spin=True),
     "bv4 w1+spin": FusedDecodeConfig(4, 1, spin=True),
+    # "stream ...": one program per head streaming [bvX, K] tiles (stream_kernel.py, plain decode
+    # only); sY = Y-stage cp.async pipeline (Y-1 tiles in flight through shared memory), pfY = Y
+    # tiles prefetched in registers. For the bandwidth-bound steps (docs/fused-decode.md).
+    "stream bv32 w4 pf0": FusedDecodeConfig(32, 4, stream=True, prefetch=0),
+    "stream bv16 w4 pf1": FusedDecodeConfig(16, 4, stream=True, prefetch=1),
+    "stream bv32 w4 s3": FusedDecodeConfig(32, 4, stream=True, stages=3),
+    "stream bv16 w4 s4": FusedDecodeConfig(16, 4, stream=True, stages=4),
+    "stream bv16 w4 s5": FusedDecodeConfig(16, 4, stream=True, stages=5),
+    "stream bv8 w4 s5": FusedDecodeConfig(8, 4, stream=True, stages=5),
+    "stream bv16 w2 s4": FusedDecodeConfig(16, 2, stream=True, stages=4),
 }
 SWEEP_BATCHES = {torch.float32: (1, 2, 4, 8, 16, 32, 64, 128, 512), torch.bfloat16: (1, 8, 64, 512)}
 VERIFY = {"default": None, "whole w8": FusedDecodeConfig(None, 8), "bv32 w4": FusedDecodeConfig(32, 4),
@@ -198,19 +208,21 @@ def cell(us: float, nbytes: int) -> str:
     return f"{us:.1f} ({nbytes / us / 1e6:.2f})"
 
 
-def run_sweep(chain, t0: float) -> list:
-    """Fused launch shapes next to chain at H=32; rows printed as measured."""
-    names = list(SWEEP) + (["chain"] if chain else [])
+def run_sweep(chain, t0: float, shapes=None, batches=None) -> list:
+    """Fused launch shapes next to chain at H=32; rows printed as measured. `shapes`: only the
+    SWEEP names containing one of these strings; `batches`: only these N (both state dtypes)."""
+    sweep = {k: c for k, c in SWEEP.items() if not shapes or any(x in k for x in shapes)}
+    names = list(sweep) + (["chain"] if chain else [])
     print("\nfused launch shapes, H=32: us per call (TB/s); best marked *", flush=True)
     print("| state | N | " + " | ".join(names) + " |\n|---|---|" + "---|" * len(names), flush=True)
     rows = []
-    for state_dtype, batches in SWEEP_BATCHES.items():
-        for N in batches:
+    for state_dtype, default_batches in SWEEP_BATCHES.items():
+        for N in batches or default_batches:
             step = Step(32, N, replicas(N, 32, state_dtype), state_dtype)
-            t = {k: time_per_call(fused_impl(c), step) for k, c in SWEEP.items()}
+            t = {k: time_per_call(fused_impl(c), step) for k, c in sweep.items()}
             if chain:
                 t["chain"] = time_per_call(chain, step)
-            best = min(SWEEP, key=lambda k: t[k] if t[k] == t[k] else math.inf)
+            best = min(sweep, key=lambda k: t[k] if t[k] == t[k] else math.inf)
             cells = [cell(t[k], step.state_bytes()) + ("*" if k == best else "") for k in names]
             print(f"| {str(state_dtype)[6:]} | {N} | " + " | ".join(cells) + " |", flush=True)
             rows.append((state_dtype, N, t, step.state_bytes()))
@@ -266,6 +278,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--heads", type=int, nargs="+", default=[32, 16, 64])
     ap.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
+    ap.add_argument("--shapes", nargs="+", default=None,
+                    help="sweep only the fused shapes whose name contains one of these (e.g. stream 'bv64 w4')")
+    ap.add_argument("--sweep-batches", type=int, nargs="+", default=None,
+                    help="sweep only these N (default: fp32 1..512, bf16 1, 8, 64, 512)")
     ap.add_argument("--sections", nargs="+", default=["sweep", "table", "verify"], choices=["sweep", "table", "verify"])
     args = ap.parse_args()
     t0 = time.time()
@@ -273,13 +289,14 @@ def main() -> None:
     impls = {k: v for k, v in impls.items() if v is not None}
     print(torch.cuda.get_device_name(), "| columns:", ", ".join(impls), flush=True)
     try:
-        shapes = {f"fused {k}": fused_impl(c) for k, c in SWEEP.items()}
+        shapes = {f"fused {k}": fused_impl(c) for k, c in SWEEP.items()
+                  if not args.shapes or any(x in k for x in args.shapes)}
         print(agreement({**impls, **shapes}, 32), flush=True)
     except Exception as e:  # noqa: BLE001
         print(f"agreement check FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
 
     if "sweep" in args.sections:
-        run_sweep(impls.get("chain"), t0)
+        run_sweep(impls.get("chain"), t0, args.shapes, args.sweep_batches)
     rows = run_table(impls, args.heads, args.batches, t0) if "table" in args.sections else []
     if "verify" in args.sections:
         run_verify(impls.get("chain"), t0)

@@ -12,13 +12,14 @@ The conv weight is read in the derived `[3, W, P]` layout (`fused_conv_weight_la
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from kdaserve.ops.checks import check_decode_step
 from kdaserve.ops.fused.conv_weight import fused_conv_weight_layout
 from kdaserve.ops.fused.decode_kernel import WS_SENTINEL, kda_fused_decode_kernel
+from kdaserve.ops.fused.stream_kernel import kda_fused_stream_kernel
 from kdaserve.ops.types import KDAWeights, conv_state_rows
 
 STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -37,9 +38,24 @@ class FusedDecodeConfig:
     window_regs: bool | None = None  # conv rows rewritten from registers, not re-read (None: block_v <= 16)
     store_first: bool = False  # counter only: store the state tile before the arrival (the release waits for it)
     spin: bool = False  # meet by the head's last pid polling the workspace (else an arrival counter)
+    # The `stream` shape (plain decode only, stream_kernel.py): one program per head streams its
+    # state in [block_v, K] tiles; no workspace, no meeting. Tiles ahead of the computed one:
+    # `stages` >= 2: stages-1 through shared memory (Triton's pipeliner, cp.async); stages == 0:
+    # `prefetch` (0..2) in registers.
+    stream: bool = False
+    stages: int = 0
+    prefetch: int = 1
 
 
 MEET_BY_POLLING = False
+# Plain decode steps of at least this many heads (N*H) take the `stream` shape (stream_kernel.py):
+# chosen from compile evidence only (sm_90 registers and shared memory, kdaserve.ops.fused.
+# compile_check: ~2x the state bytes in flight per SM of the split shapes, no meeting), not yet
+# from GPU timings: `benchmarks/bench_decode.py --sections sweep` times it next to the split shapes
+# and chain. 0 disables it (split shapes everywhere, the rule before it).
+STREAM_FROM_HEADS = 2048
+STREAM_FP32 = FusedDecodeConfig(block_v=16, num_warps=4, stream=True, stages=4)  # 96 regs, 5 programs/SM, 3 tiles in flight each
+STREAM_BF16 = FusedDecodeConfig(block_v=16, num_warps=4, stream=True, stages=5)  # 87 regs, 5 programs/SM, 4 tiles in flight each
 
 
 def default_config(head_dim: int, tokens_per_seq: int, programs: int, state_bytes: int = 4) -> FusedDecodeConfig:
@@ -48,7 +64,9 @@ def default_config(head_dim: int, tokens_per_seq: int, programs: int, state_byte
     - few heads are latency-bound: each head's rows go to D/8 one-warp programs (fp32: up to 512
       heads, bf16: up to 128), conv windows kept in registers;
     - many heads are bandwidth-bound: [64, K] tiles of 4 warps for an fp32 state, [32, K] for a
-      2-byte one (the most state bytes in flight per SM in the sweep);
+      2-byte one (the most state bytes in flight per SM in the sweep); from STREAM_FROM_HEADS
+      heads on, one program per head streaming [16, K] tiles through a cp.async pipeline
+      (STREAM_FP32 / STREAM_BF16; see STREAM_FROM_HEADS for the evidence);
     - speculative verify: one-warp [8, K] tiles up to 128 heads, else [32, K] (its tile stays in
       registers across the S+1 tokens, so [64, K] would not fit).
     Split heads meet by the arrival counter (MEET_BY_POLLING = False). Polling was 5-10% faster in
@@ -62,6 +80,9 @@ def default_config(head_dim: int, tokens_per_seq: int, programs: int, state_byte
         return FusedDecodeConfig(block_v=min(head_dim, 32), num_warps=4, spin=MEET_BY_POLLING)
     if programs <= (512 if state_bytes >= 4 else 128):
         return FusedDecodeConfig(block_v=min(head_dim, 8), num_warps=1, spin=MEET_BY_POLLING)
+    if STREAM_FROM_HEADS and programs >= STREAM_FROM_HEADS:
+        cfg = STREAM_FP32 if state_bytes >= 4 else STREAM_BF16
+        return replace(cfg, block_v=min(head_dim, cfg.block_v))
     if state_bytes >= 4:
         return FusedDecodeConfig(block_v=min(head_dim, 64), num_warps=4, spin=MEET_BY_POLLING)
     return FusedDecodeConfig(block_v=min(head_dim, 32), num_warps=4, spin=MEET_BY_POLLING)
@@ -180,6 +201,11 @@ def launch_fused_decode(
         out_v = None
     if out_v is None or out_v.stride(2) != 1:
         _fail(f"out must be viewable as [T, H, D] with D contiguous, got shape {tuple(out.shape)} strides {out.stride()}")
+    if cfg.stream and tokens > 1:
+        _fail(f"the stream launch shape runs plain decode only (1 token per sequence), got {tokens} tokens per sequence; "
+              "use a split shape (stream=False) for speculative verify")
+    if cfg.stream and not (0 <= cfg.prefetch <= 2 and (cfg.stages == 0 or 2 <= cfg.stages <= 8)):
+        _fail(f"stream shape: prefetch must be 0, 1 or 2 tiles and stages 0 or 2..8, got {cfg.prefetch}, {cfg.stages}")
     if N == 0:
         return
 
@@ -195,6 +221,23 @@ def launch_fused_decode(
     spec = spec_state_indices if spec_state_indices is not None else state_indices.view(N, 1)
     accepted = num_accepted_tokens if num_accepted_tokens is not None else state_indices
     lb = weights.lower_bound
+
+    if cfg.stream:
+        kda_fused_stream_kernel[(N * H,)](
+            qkv, g1_v, beta_logits, g2_v, conv_w,
+            weights.A_log.contiguous(), weights.dt_bias.contiguous(), weights.norm_weight.contiguous(),
+            conv_state, recurrent_state, state_indices, out_v,
+            qkv.stride(0), g1_v.stride(0), g1_v.stride(1), beta_logits.stride(0), beta_logits.stride(1),
+            g2_v.stride(0), g2_v.stride(1),
+            rows.stride(0), rows.stride(1), rows.stride(2),
+            recurrent_state.stride(0), recurrent_state.stride(1), recurrent_state.stride(2),
+            out_v.stride(0), out_v.stride(1),
+            0.0 if lb is None else float(lb), float(weights.norm_eps),
+            H=H, D=D, L=rows.shape[1], SCALE=D**-0.5, BOUNDED_GATE=lb is not None,
+            BV=block_v, PREFETCH=cfg.prefetch, STAGES=cfg.stages, WIN_REGS=bool(cfg.window_regs),
+            num_warps=cfg.num_warps,
+        )
+        return
 
     split = D // block_v
     if split > 1:

@@ -1,0 +1,82 @@
+"""Compile the `fused` decode kernel (and, for comparison, `chain`'s recurrence kernel) for sm_90
+without a GPU and report registers, spills, shared memory and whether the state moves in 16-byte
+vectors (ld.global.v4 / st.global.v4 in the PTX).
+
+    python -m kdaserve.ops.fused.compile_check      # one line per launch shape, then "ok"
+
+Types are those of a bf16 serving step (bf16 q|k|v, logits, conv state and output; fp32 or bf16
+state pool). Registers cap the programs per SM, and with them the state bytes in flight, which
+is what the bandwidth-bound shapes' speed follows (docs/fused-decode.md). Must run without
+TRITON_INTERPRET.
+"""
+
+from __future__ import annotations
+
+import re
+
+from kdaserve.ops.fused.decode import FusedDecodeConfig, default_config
+from kdaserve.ops.fused.decode_kernel import kda_fused_decode_kernel
+from kdaserve.ops.fused.stream_kernel import kda_fused_stream_kernel
+from kdaserve.ops.recurrent.kernel import kda_recurrent_kernel
+from kdaserve.ops.sm90_compile import ARCH, compile_for_sm90, ptxas_report
+
+REGS_PER_SM = 65536
+
+
+def vector_io(kernel) -> str:
+    """Counts of 16-byte global loads/stores in the PTX (state tiles should use them)."""
+    ptx = kernel.asm["ptx"]
+    ld = len(re.findall(r"ld\.global(?:\.\w+)*\.v4", ptx))
+    st = len(re.findall(r"st\.global(?:\.\w+)*\.v4", ptx))
+    cp = len(re.findall(r"cp\.async", ptx))
+    return f"ld.v4={ld} st.v4={st} cp.async={cp}"
+
+
+def occupancy(report: str, warps: int) -> str:
+    regs = int(re.search(r"regs=(\d+)", report).group(1))
+    per_prog = regs * 32 * warps
+    return f"progs/SM<={REGS_PER_SM // per_prog}"
+
+
+def fused_kernel(cfg: FusedDecodeConfig, state: str = "*fp32", H: int = 32, D: int = 128, tokens: int = 1):
+    bf = "*bf16"
+    types = dict(qkv=bf, g1=bf, beta_logits=bf, g2=bf, conv_w="*fp32", A_log="*fp32", dt_bias="*fp32", norm_w="*fp32",
+                 conv_state=bf, state=state, state_indices="*i32", spec_indices="*i32", num_accepted="*i32", out=bf,
+                 ws_o="*i32", ws_count="*i32", lower_bound="fp32", norm_eps="fp32")
+    bv = cfg.block_v or D
+    if cfg.stream:
+        types = {k: v for k, v in types.items() if k not in ("spec_indices", "num_accepted", "ws_o", "ws_count")}
+        const = dict(H=H, D=D, L=3, SCALE=D**-0.5, BOUNDED_GATE=True, BV=bv, PREFETCH=cfg.prefetch,
+                     STAGES=cfg.stages, WIN_REGS=bool(cfg.window_regs))
+        return compile_for_sm90(kda_fused_stream_kernel, types, const, cfg.num_warps, 3)
+    const = dict(H=H, D=D, L=3 + tokens - 1, TOKENS=tokens, SCALE=D**-0.5, IS_SPEC=tokens > 1, BOUNDED_GATE=True,
+                 BV=bv, WIN_REGS=bv <= 16 if cfg.window_regs is None else cfg.window_regs,
+                 STORE_FIRST=cfg.store_first, SPIN=cfg.spin)
+    return compile_for_sm90(kda_fused_decode_kernel, types, const, cfg.num_warps, 3)
+
+
+def chain_kernel(bv: int = 32, warps: int = 4, state: str = "*fp32", H: int = 32, D: int = 128):
+    types = dict(y_ptr="*bf16", g_ptr="*bf16", b_ptr="*bf16", s_ptr=state, o_ptr="*bf16", a_log_ptr="*fp32",
+                 dt_bias_ptr="*fp32", idx_ptr="*i32", spec_ptr="*i32", acc_ptr="*i32", lower_bound="fp32", scale="fp32")
+    const = dict(M=1, K=D, V=D, BV=bv, IS_SPEC=False, BOUNDED=True)
+    return compile_for_sm90(kda_recurrent_kernel, types, const, warps, 3)
+
+
+def main(D: int = 128) -> None:
+    print(f"sm_{ARCH}, H=32, D={D}; default (N*H=16384, fp32): {default_config(D, 1, 16384)}")
+    for state in ("*fp32", "*bf16"):
+        k = chain_kernel(state=state, D=D)
+        rep = ptxas_report(k)
+        print(f"chain recurrence bv32 w4 {state[1:]}: {rep} {occupancy(rep, 4)} {vector_io(k)}", flush=True)
+    shapes = [FusedDecodeConfig(8, 1), FusedDecodeConfig(16, 4), FusedDecodeConfig(32, 4),
+              FusedDecodeConfig(32, 4, spin=True), FusedDecodeConfig(64, 4), FusedDecodeConfig(64, 4, spin=True)]
+    for state in ("*fp32", "*bf16"):
+        for cfg in shapes:
+            k = fused_kernel(cfg, state, D=D)
+            rep = ptxas_report(k)
+            print(f"fused {state[1:]} {cfg}: {rep} {occupancy(rep, cfg.num_warps)} {vector_io(k)}", flush=True)
+    print("ok")
+
+
+if __name__ == "__main__":
+    main()
