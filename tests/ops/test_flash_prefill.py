@@ -143,6 +143,12 @@ def test_plan_tables_without_host_copy():
         assert (plan.seg_seq[len(segs):] == -1).all()
         assert plan.seq_seg0.tolist() == [0, 1, 2, 4, 5, 6]
     assert exact.n_chunk_ids == len(chunks) and exact.n_seg_ids == len(segs)
+    # Every table 128-byte aligned relative to the first (the kernels' pointer arguments keep the
+    # 16-byte alignment Triton specializes on, whatever the counts: one compiled variant per step).
+    for plan in (exact, bound):
+        base = plan.chunk_seq.data_ptr()
+        for t in (plan.chunk_tok, plan.seg_seq, plan.seg_tok, plan.seg_end, plan.seg_chunk, plan.seq_seg0):
+            assert (t.data_ptr() - base) % 128 == 0, (plan.n_chunk_ids, plan.n_seg_ids)
 
 
 def test_segment_choice():

@@ -31,9 +31,13 @@ import triton.language as tl
 from kdaserve.ops.host_tables import host_offsets
 
 TILE = 2048  # BLOCK_J x BLOCK_N comparisons per program (registers, not spills)
+_ALIGN_INTS = 32  # 128 bytes of int32
 
 
-@triton.jit
+# The counts change with every step; specializing on them (1 / multiple of 16 / other) would compile
+# up to 3^4 variants of this kernel while serving (seen on the H200: after the engine's warm-up a
+# bench run still compiled new ones). They are only compared against, so nothing is lost.
+@triton.jit(do_not_specialize=["N", "n_chunk_ids", "n_seg_ids", "SL"])
 def flash_plan_kernel(
     cu_ptr, N,
     chunk_seq_ptr, chunk_tok_ptr, n_chunk_ids,
@@ -123,9 +127,14 @@ def _build_plan(
         n_chunk_ids = triton.cdiv(T, chunk) + N
         n_seg_ids = triton.cdiv(T, SL) + N
     dev = cu_seqlens.device
-    ints = torch.empty(2 * n_chunk_ids + 4 * n_seg_ids + N + 1, dtype=torch.int32, device=dev)
-    chunk_seq, chunk_tok, seg_seq, seg_tok, seg_end, seg_chunk, seq_seg0 = torch.split(
-        ints, [n_chunk_ids, n_chunk_ids, n_seg_ids, n_seg_ids, n_seg_ids, n_seg_ids, N + 1]
+    # Every table starts 128-byte aligned: Triton specializes pointer arguments on 16-byte
+    # alignment, so unpadded sections (offsets of n_chunk_ids ints) would give the kernels that
+    # read them a second compiled variant for some steps and not others.
+    sizes = [n_chunk_ids, n_chunk_ids, n_seg_ids, n_seg_ids, n_seg_ids, n_seg_ids, N + 1]
+    padded = [-(-s // _ALIGN_INTS) * _ALIGN_INTS for s in sizes]
+    ints = torch.empty(sum(padded), dtype=torch.int32, device=dev)
+    chunk_seq, chunk_tok, seg_seq, seg_tok, seg_end, seg_chunk, seq_seg0 = (
+        part[:s] for part, s in zip(torch.split(ints, padded), sizes)
     )
     block_n = max(triton.next_power_of_2(N), 16)  # a handful of compiled variants in practice
     block_j = max(min(TILE // block_n, 256), 16)
