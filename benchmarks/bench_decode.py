@@ -26,6 +26,9 @@ Sections (each row is printed as soon as it is measured, so a cut-off run still 
   goals   issue 4's goals, each PASS/MISS
 
 Run (H200, < 2.5 min):  PYTHONPATH=$PWD python benchmarks/bench_decode.py
+The stream shapes against the split shapes and chain only (< 3 min):
+  PYTHONPATH=$PWD python benchmarks/bench_decode.py --sections sweep table --shapes stream "bv64 w4" "bv8 w1" \
+      --sweep-batches 8 64 128 512 --heads 32 --batches 1 8 64 128 256 512
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from kdaserve.ops.recurrent.kernel import kda_recurrent_kernel
 from kdaserve.ops.sm90_compile import ARCH, compile_for_sm90, ptxas_report
 
 REGS_PER_SM = 65536
+SMEM_PER_SM = 227 * 1024
 
 
 def vector_io(kernel) -> str:
@@ -33,9 +34,17 @@ def vector_io(kernel) -> str:
 
 
 def occupancy(report: str, warps: int) -> str:
+    """Programs per SM as registers and shared memory allow (the H200: 64K registers, 227 KiB)."""
     regs = int(re.search(r"regs=(\d+)", report).group(1))
-    per_prog = regs * 32 * warps
-    return f"progs/SM<={REGS_PER_SM // per_prog}"
+    smem = int(re.search(r"smem=(\d+)", report).group(1))
+    return f"progs/SM<={min(REGS_PER_SM // (regs * 32 * warps), SMEM_PER_SM // max(smem, 1))}"
+
+
+def tiles_in_flight(cfg: FusedDecodeConfig) -> int:
+    """State tiles a program has requested but not yet consumed (at most)."""
+    if cfg.stream:
+        return cfg.stages - 1 if cfg.stages else 1 + cfg.prefetch
+    return 1
 
 
 def fused_kernel(cfg: FusedDecodeConfig, state: str = "*fp32", H: int = 32, D: int = 128, tokens: int = 1):
@@ -67,14 +76,30 @@ def main(D: int = 128) -> None:
     for state in ("*fp32", "*bf16"):
         k = chain_kernel(state=state, D=D)
         rep = ptxas_report(k)
-        print(f"chain recurrence bv32 w4 {state[1:]}: {rep} {occupancy(rep, 4)} {vector_io(k)}", flush=True)
-    shapes = [FusedDecodeConfig(8, 1), FusedDecodeConfig(16, 4), FusedDecodeConfig(32, 4),
-              FusedDecodeConfig(32, 4, spin=True), FusedDecodeConfig(64, 4), FusedDecodeConfig(64, 4, spin=True)]
+        occ = occupancy(rep, 4)
+        flight = int(re.search(r"<=(\d+)", occ).group(1)) * 32 * D * (4 if state == "*fp32" else 2) / 1024
+        print(f"chain recurrence bv32 w4 {state[1:]}: {rep} {occ} state in flight/SM<={flight:.0f} KiB {vector_io(k)}",
+              flush=True)
+    shapes = {"bv8 w1": FusedDecodeConfig(8, 1), "bv16 w4": FusedDecodeConfig(16, 4), "bv32 w4": FusedDecodeConfig(32, 4),
+              "bv32 w4+spin": FusedDecodeConfig(32, 4, spin=True), "bv64 w4": FusedDecodeConfig(64, 4),
+              "bv64 w4+spin": FusedDecodeConfig(64, 4, spin=True),
+              "stream bv32 w4 pf0": FusedDecodeConfig(32, 4, stream=True, prefetch=0),
+              "stream bv32 w4 pf1": FusedDecodeConfig(32, 4, stream=True, prefetch=1),
+              "stream bv16 w4 pf1": FusedDecodeConfig(16, 4, stream=True, prefetch=1),
+              "stream bv32 w4 s3": FusedDecodeConfig(32, 4, stream=True, stages=3),
+              "stream bv16 w4 s4": FusedDecodeConfig(16, 4, stream=True, stages=4),
+              "stream bv16 w4 s5": FusedDecodeConfig(16, 4, stream=True, stages=5),
+              "stream bv8 w4 s5": FusedDecodeConfig(8, 4, stream=True, stages=5),
+              "stream bv16 w2 s4": FusedDecodeConfig(16, 2, stream=True, stages=4)}
     for state in ("*fp32", "*bf16"):
-        for cfg in shapes:
+        for name, cfg in shapes.items():
             k = fused_kernel(cfg, state, D=D)
             rep = ptxas_report(k)
-            print(f"fused {state[1:]} {cfg}: {rep} {occupancy(rep, cfg.num_warps)} {vector_io(k)}", flush=True)
+            occ = occupancy(rep, cfg.num_warps)
+            tile_kib = (cfg.block_v or D) * D * (4 if state == "*fp32" else 2) / 1024
+            flight = int(re.search(r"<=(\d+)", occ).group(1)) * tiles_in_flight(cfg) * tile_kib
+            print(f"fused {state[1:]} {name:20s}: {rep} {occ} state in flight/SM<={flight:.0f} KiB {vector_io(k)}",
+                  flush=True)
     print("ok")
 
 
