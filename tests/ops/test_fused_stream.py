@@ -28,6 +28,8 @@ STREAMS = {  # D=16: 4 or 2 tiles per head
     "s2": FusedDecodeConfig(8, 2, stream=True, stages=2),
     "s3": FusedDecodeConfig(4, 2, stream=True, stages=3),
     "s3_winregs": FusedDecodeConfig(4, 2, window_regs=True, stream=True, stages=3),
+    "s3_pf1": FusedDecodeConfig(4, 2, stream=True, stages=3, prefetch=1),  # tiles 0, 1 early, then the pipeline
+    "s2_pf2": FusedDecodeConfig(8, 2, stream=True, stages=2, prefetch=2),  # 2 tiles: all early, no pipeline left
 }
 
 
@@ -117,7 +119,8 @@ from kdaserve.ops.fused.decode import STREAM_BF16, STREAM_FP32
 from kdaserve.ops.sm90_compile import ptxas_report
 
 for cfg, state, D in ((STREAM_FP32, "*fp32", 128), (STREAM_BF16, "*bf16", 128), (C(32, 4, stream=True, prefetch=1), "*fp32", 128),
-                      (C(32, 4, stream=True, prefetch=0), "*bf16", 128), (STREAM_FP32, "*fp32", 16)):
+                      (C(32, 4, stream=True, prefetch=0), "*bf16", 128), (C(8, 4, stream=True, stages=5, prefetch=2), "*fp32", 128),
+                      (STREAM_FP32, "*fp32", 16)):
     k = fused_kernel(cfg, state, D=D)
     ptx, rep = k.asm["ptx"], ptxas_report(k)
     assert "spill_st=0" in rep, (cfg, rep)
@@ -154,6 +157,7 @@ GPU_STREAMS = {
     "bv16_w4_pf1": FusedDecodeConfig(16, 4, stream=True, prefetch=1),
     "bv32_w4_s3": FusedDecodeConfig(32, 4, stream=True, stages=3),
     "bv8_w4_s5": FusedDecodeConfig(8, 4, stream=True, stages=5),
+    "bv8_w4_s5_pf2": FusedDecodeConfig(8, 4, stream=True, stages=5, prefetch=2),
     "bv16_w2_s4": FusedDecodeConfig(16, 2, stream=True, stages=4),
 }
 

@@ -43,7 +43,7 @@ def occupancy(report: str, warps: int) -> str:
 def tiles_in_flight(cfg: FusedDecodeConfig) -> int:
     """State tiles a program has requested but not yet consumed (at most)."""
     if cfg.stream:
-        return cfg.stages - 1 if cfg.stages else 1 + cfg.prefetch
+        return max(cfg.stages - 1, 1 + cfg.prefetch) if cfg.stages else 1 + cfg.prefetch
     return 1
 
 
@@ -90,6 +90,7 @@ def main(D: int = 128) -> None:
               "stream bv16 w4 s4": FusedDecodeConfig(16, 4, stream=True, stages=4),
               "stream bv16 w4 s5": FusedDecodeConfig(16, 4, stream=True, stages=5),
               "stream bv8 w4 s5": FusedDecodeConfig(8, 4, stream=True, stages=5),
+              "stream bv8 w4 s5 pf2": FusedDecodeConfig(8, 4, stream=True, stages=5, prefetch=2),
               "stream bv16 w2 s4": FusedDecodeConfig(16, 2, stream=True, stages=4)}
     for state in ("*fp32", "*bf16"):
         for name, cfg in shapes.items():

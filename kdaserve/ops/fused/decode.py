@@ -40,11 +40,12 @@ class FusedDecodeConfig:
     spin: bool = False  # meet by the head's last pid polling the workspace (else an arrival counter)
     # The `stream` shape (plain decode only, stream_kernel.py): one program per head streams its
     # state in [block_v, K] tiles; no workspace, no meeting. Tiles ahead of the computed one:
-    # `stages` >= 2: stages-1 through shared memory (Triton's pipeliner, cp.async); stages == 0:
-    # `prefetch` (0..2) in registers.
+    # `stages` >= 2: stages-1 through shared memory (Triton's pipeliner, cp.async), after 1 +
+    # `prefetch` tiles loaded into registers first (in flight during the conv); stages == 0:
+    # `prefetch` (0..2) tiles ahead in registers all the way.
     stream: bool = False
     stages: int = 0
-    prefetch: int = 1
+    prefetch: int = 0
 
 
 MEET_BY_POLLING = False

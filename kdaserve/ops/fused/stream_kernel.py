@@ -10,10 +10,11 @@ program's life while its slot on the SM holds few state bytes in flight, so they
   head's conv window at once (it is the only reader), and needs no workspace, counter or wait:
   it holds all D outputs of the head for the gated RMSNorm itself;
 - the state goes through in D / BV tiles of [BV, K] (chain's tile: [32, K] of 4 warps), and the
-  next PREFETCH tiles are loaded before the current one is computed and stored, so every program
-  keeps (1 + PREFETCH) tiles in flight; the first tiles are issued right after the slot is read,
-  before the conv loads, so they fly while q/k are computed. A state tile is stored as soon as it
-  is done (each tile's rows are independent), so registers hold at most 1 + PREFETCH tiles.
+  next tiles are in flight while the current one is computed: either STAGES-1 of them through a
+  cp.async pipeline in shared memory (no register cost), or PREFETCH of them in registers; the
+  first tiles are issued right after the slot is read, before the conv loads, so they fly while
+  q/k are computed. A state tile is stored as soon as it is done (each tile's rows are
+  independent).
 
 Plain decode only (TOKENS = 1): verify keeps the split shapes (its tile stays in registers across
 S+1 tokens). Rows whose slot is <= 0 read and write nothing (masks, as in the split kernel).
@@ -67,9 +68,9 @@ def kda_fused_stream_kernel(
     """Two ways to keep state bytes in flight:
     STAGES == 0: an unrolled loop over the tiles, each program holding PREFETCH (0..2) tiles in
       registers ahead of the one it computes (costs registers, hence programs per SM);
-    STAGES >= 2: tile 0 is loaded into registers first, tiles 1.. go through Triton's software
-      pipeliner (num_stages=STAGES: cp.async into shared memory, STAGES-1 tiles in flight), so
-      bytes in flight cost shared memory instead of registers.
+    STAGES >= 2: tiles 0..PREFETCH are loaded into registers first (they fly during the conv), the
+      rest go through Triton's software pipeliner (num_stages=STAGES: cp.async into shared memory,
+      STAGES-1 tiles in flight), so bytes in flight cost shared memory instead of registers.
     WIN_REGS: the conv rows are rewritten from the window registers (kept live across the tiles)
     instead of re-read from L1/L2 after them."""
     P: tl.constexpr = H * D
@@ -91,9 +92,9 @@ def kda_fused_stream_kernel(
     tile_step = BV * stride_s_v
     # The first tiles fly while the conv and the gate are computed.
     S0 = _tile_load(s_base + s_tile, on, 0, NT)
-    if PREFETCH >= 1 and STAGES == 0:
+    if PREFETCH >= 1:
         S1 = _tile_load(s_base + tile_step + s_tile, on, 1, NT)
-    if PREFETCH >= 2 and STAGES == 0:
+    if PREFETCH >= 2:
         S2 = _tile_load(s_base + 2 * tile_step + s_tile, on, 2, NT)
 
     wq0, wq1, wq2, wq3 = _taps(conv_w + c, P)
@@ -119,9 +120,13 @@ def kda_fused_stream_kernel(
     kq = tl.sum(k * q, 0)
 
     o2 = tl.zeros((NT, BV), tl.float32)
-    if STAGES > 0:
+    if STAGES > 0:  # the tiles loaded early first, then the pipeline
         o2 = _tile_step(S0, 0, s_base + s_tile, on, tiles, v2, decay, k, q, beta, kq, o2)
-        for i in tl.range(1, NT, num_stages=STAGES):
+        if PREFETCH >= 1 and NT > 1:
+            o2 = _tile_step(S1, 1, s_base + tile_step + s_tile, on, tiles, v2, decay, k, q, beta, kq, o2)
+        if PREFETCH >= 2 and NT > 2:
+            o2 = _tile_step(S2, 2, s_base + 2 * tile_step + s_tile, on, tiles, v2, decay, k, q, beta, kq, o2)
+        for i in tl.range(1 + PREFETCH, NT, num_stages=STAGES):
             S = tl.load(s_base + i * tile_step + s_tile, mask=on, other=0.0).to(tl.float32)
             o2 = _tile_step(S, i, s_base + i * tile_step + s_tile, on, tiles, v2, decay, k, q, beta, kq, o2)
     for i in tl.static_range(NT if STAGES == 0 else 0):
