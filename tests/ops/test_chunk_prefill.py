@@ -86,7 +86,7 @@ def test_gate_kernel_matches_reference_gate_elementwise(gate):
     assert torch.allclose(gcum.double(), ref, rtol=2e-5, atol=1e-30), f"max relative error {rel:.2e}"
 
 
-@pytest.mark.parametrize("inverse", ["blocked", "substitution"])
+@pytest.mark.parametrize("inverse", ["full", "blocked", "substitution"])
 def test_both_intra_inverses_match_reference_with_correlated_keys(inverse):
     """Both ChunkConfig.intra_inverse paths (the lead times them side by side), on a chunk whose
     keys are strongly correlated (all near one direction, beta near 1): the inverse of I + A then

@@ -15,6 +15,7 @@ import torch
 
 from kdaserve.ops.chunk.gate import launch_gate_cumsum
 from kdaserve.ops.chunk.intra import BC, launch_intra
+from kdaserve.ops.chunk.intra_full import launch_intra_full
 from kdaserve.ops.chunk.output import launch_output_norm
 from kdaserve.ops.chunk.state import launch_state_pass
 from kdaserve.ops.chunk.tables import ChunkTableCache, ChunkTables
@@ -24,6 +25,7 @@ CHUNK = 64  # tokens per chunk (four 16-token sub-blocks, see intra.py)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 _tables = ChunkTableCache()
+INTRA_VARIANTS = ("full", "blocked", "substitution")  # ChunkConfig.intra_inverse
 
 
 def workspace_dtype(input_dtype: torch.dtype) -> torch.dtype:
@@ -54,9 +56,12 @@ class ChunkConfig:
     pairs run (one long prompt), wide tiles re-read w/kg less when the GPU is full anyway."""
 
     intra_warps: int = 8      # 8: ~no register spills in the intra kernel (4: 100-200 B/thread)
-    # The 16x16 diagonal inverses: "blocked" (recursive 2x2 blocking on tensor cores, in registers)
-    # or "substitution" (forward substitution in fp32 FMAs: a 15-step chain of scratch loads).
-    intra_inverse: str = "blocked"
+    # The intra stage: "full" (intra_full.py: 64-row tiles; A through an fp32 scratch, one 64x64
+    # inverse by recursive blocking, w/u as 64-row dots), or intra.py's 16-row sub-blocks with the
+    # diagonal 16x16 inverses by recursive blocking in registers ("blocked") or by forward
+    # substitution in fp32 FMAs, a 15-step chain of scratch loads ("substitution", the original).
+    intra_inverse: str = "full"
+    intra_channel_slice: int = 32  # "full": channels per A/w/u dot slice (bounds live registers)
     # The inverse's dots at the products' precision (tf32 for 16-bit inputs) or always "ieee" fp32
     # (FMA loops on sm_90). fp32 inputs always get "ieee". docs/chunk-prefill.md argues tf32.
     intra_inverse_tf32: bool = True
@@ -66,8 +71,8 @@ class ChunkConfig:
     output_warps: int = 4
 
     def __post_init__(self):
-        if self.intra_inverse not in ("blocked", "substitution"):
-            raise ValueError(f"intra_inverse must be 'blocked' or 'substitution', got {self.intra_inverse!r}")
+        if self.intra_inverse not in INTRA_VARIANTS:
+            raise ValueError(f"intra_inverse must be one of {INTRA_VARIANTS}, got {self.intra_inverse!r}")
 
     def bv(self, num_seqs: int, H: int, D: int) -> int:
         if self.state_bv is not None:
@@ -91,7 +96,7 @@ class ChunkPlan:
     """One call's tables, workspace and the four stage launches (separable for benchmarking).
 
     Workspace per token-head at D = 128 and a 16-bit input: gcum 512 B (fp32), Aqk 128 B,
-    diagonal blocks 64 B (fp32), w/u/kg/qg/v_new 5 x 256 B, chunk states 512 B: ~2.5 KB."""
+    diagonal blocks 64 B (fp32; all of A 256 B with intra_inverse='full'), w/u/kg/qg/v_new 5 x 256 B, chunk states 512 B: ~2.5 KB."""
 
     def __init__(self, y, g1, beta_logits, g2, weights: KDAWeights, recurrent_state, cu_seqlens, state_indices,
                  has_initial_state, out, cu_seqlens_cpu, config: ChunkConfig = DEFAULT_CONFIG):
@@ -104,7 +109,9 @@ class ChunkPlan:
         self.prec = _dot_precision(dt)
         self.gcum = torch.empty(T, H, D, device=dev, dtype=torch.float32)
         self.Aqk = torch.empty(T, H, CHUNK, device=dev, dtype=dt)
-        self.akk_diag = torch.empty(T, H, BC, device=dev, dtype=torch.float32)
+        # fp32 scratch of the intra kernel: A's diagonal blocks ("substitution") or all of A ("full").
+        self.akk_scratch = torch.empty(T, H, CHUNK if config.intra_inverse == "full" else BC, device=dev,
+                                       dtype=torch.float32)
         # One allocation split in five (each a contiguous [T, H, D]): one allocator call, not five.
         self.w, self.u, self.kg, self.qg, self.v_new = torch.empty(5, T, H, D, device=dev, dtype=dt).unbind(0)
         self.h_states = torch.empty(self.tables.num_chunks, H, D, D, device=dev, dtype=dt)
@@ -117,10 +124,18 @@ class ChunkPlan:
     def intra(self) -> None:
         y, _, beta_logits, _, weights, _, _, state_indices, _, _ = self.args
         if self.tables.num_chunks:
-            launch_intra(y, beta_logits, self.gcum, self.tables, state_indices, self.Aqk, self.akk_diag, self.w, self.u,
-                         self.kg, self.qg, exact_diag=weights.lower_bound is None, precision=self.prec, BT=CHUNK,
-                         num_warps=self.config.intra_warps, blocked_inverse=self.config.intra_inverse == "blocked",
-                         inverse_precision=self.prec if self.config.intra_inverse_tf32 else "ieee")
+            c = self.config
+            inv_prec = self.prec if c.intra_inverse_tf32 else "ieee"
+            args = (y, beta_logits, self.gcum, self.tables, state_indices, self.Aqk, self.akk_scratch, self.w, self.u,
+                    self.kg, self.qg)
+            if c.intra_inverse == "full":
+                launch_intra_full(*args, exact_diag=weights.lower_bound is None, precision=self.prec,
+                                  inverse_precision=inv_prec, BT=CHUNK, BC=BC, KS=c.intra_channel_slice,
+                                  num_warps=c.intra_warps)
+            else:
+                launch_intra(*args, exact_diag=weights.lower_bound is None, precision=self.prec, BT=CHUNK,
+                             num_warps=c.intra_warps, blocked_inverse=c.intra_inverse == "blocked",
+                             inverse_precision=inv_prec)
 
     def state(self) -> None:
         # Runs even without chunks: a 0-token sequence still stores its (initial or zero) state.
