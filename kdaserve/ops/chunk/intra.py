@@ -19,12 +19,15 @@ fp32 range; for the unbounded gate no bound exists, so the diagonal blocks are b
 column by column, with exponents g_t - g_i <= 0 (EXACT_DIAG).
 
 Precision: everything is fp32; the matrix products take fp32 operands at PREC ("ieee" for fp32
-inputs, "tf32" on GPU for 16-bit inputs: 10-bit operands, 8x finer than bf16). The 16x16 block
-inverses and their combination run in "ieee" fp32. Only the results are rounded to the workspace
-dtype when stored (w, u, kg, qg, Aqk), as every consumer feeds them to 16-bit tensor cores anyway.
+inputs, "tf32" on GPU for 16-bit inputs: 10-bit operands, 8x finer than bf16). The inverse's dots
+run at INV_PREC (ChunkConfig.intra_inverse_tf32: PREC, or always "ieee"); the diagonal 16x16
+inverses by recursive blocking in registers (BLOCKED_INV) or by forward substitution in fp32 FMAs.
+Only the results are rounded to the workspace dtype when stored (w, u, kg, qg, Aqk), as every
+consumer feeds them to 16-bit tensor cores anyway.
 
-Registers: the [16, K] tiles of earlier sub-blocks are re-read (L1/L2 hits) instead of kept, and
-w/u are accumulated column block by column block, so 8 warps run without spilling (ptxas, sm_90).
+Registers: 255 with some spill at 8 warps (ptxas, sm_90). The [16, K] x [K, 16] dots put all 8
+warps along M = 16, so every warp computes the same product and holds both operands; intra_full.py
+(the default) avoids that with 64-row tiles. This kernel stays as the measured baseline.
 """
 
 from __future__ import annotations

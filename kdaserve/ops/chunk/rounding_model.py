@@ -6,7 +6,9 @@ and rounds exactly where they store or feed tensor cores (docs/chunk-prefill.md,
 
     y (conv output)                      fp16   (conv math fp32 from bf16 inputs)
     A, Aqk products                      tf32 operands (10-bit mantissa), fp32 accumulation
-    (I + A)^-1                           fp32
+    (I + A)^-1                           fp32 (--inverse fp32, intra.py's substitution), or recursive
+                                         blocking with tf32 operands (--inverse tf32, the default
+                                         intra_full.py / "blocked" kernels on 16-bit inputs)
     w, u (tf32 products), kg, qg, Aqk    fp16
     h = S^T (stored, and the w S^T operand), v_new      fp16
     S                                    fp32 for the whole sequence, never re-rounded
@@ -45,6 +47,22 @@ def _fp16(x: torch.Tensor) -> torch.Tensor:
     return x.half().float()
 
 
+def _inverse_tf32_blocked(A: torch.Tensor) -> torch.Tensor:
+    """(I + A)^-1 of strictly lower [.., C, C] A as intra_full.py computes it on 16-bit inputs:
+    T_2b = T_b - T_b A_off T_b, every dot with tf32 operands (the inner product rounded again as
+    the outer dot's operand) and fp32 accumulation."""
+    C = A.shape[-1]
+    r = torch.arange(C)
+    ri, ci = r[:, None], r[None, :]
+    T = torch.eye(C) - torch.where(ri // 2 == ci // 2, A, torch.zeros(()))
+    b = 2
+    while b < C:
+        off = torch.where((ri // (2 * b) == ci // (2 * b)) & (ri // b != ci // b), A, torch.zeros(()))
+        T = T - _tf32(_tf32(T) @ _tf32(off)) @ _tf32(T)
+        b *= 2
+    return T
+
+
 def _inputs(case, dt: torch.dtype, round_y):
     """Head-first q (scaled), k (normalized), v, gk, beta of a single-sequence case in dtype dt."""
     H, D = case.H, case.D
@@ -70,7 +88,7 @@ def reference_fp64(case):
     return o.transpose(0, 1), S
 
 
-def kernel_model(case):
+def kernel_model(case, inverse: str = "tf32"):
     """(o, final state) with the kernels' rounding points (see the module docstring)."""
     q, k, v, gk, beta = _inputs(case, torch.float32, _fp16)
     St = case.recurrent_state[int(case.state_indices[0])].float().transpose(1, 2).clone()  # [H, K, V]
@@ -88,8 +106,11 @@ def kernel_model(case):
         Akk = torch.einsum("htic,htic->hti", _tf32(kc[:, :, None, :] * decay), right)
         Aqk = _fp16(torch.einsum("htic,htic->hti", _tf32(qc[:, :, None, :] * decay), right))
         A = (Akk * b[:, :, None]).tril(-1)
-        X = _tf32(torch.linalg.solve_triangular(eye[:C, :C] + A, eye[:C, :C].expand_as(A), upper=False,
-                                                unitriangular=True))
+        if inverse == "tf32":
+            X = _tf32(_inverse_tf32_blocked(A))
+        else:
+            X = _tf32(torch.linalg.solve_triangular(eye[:C, :C] + A, eye[:C, :C].expand_as(A), upper=False,
+                                                    unitriangular=True))
         w = _fp16(X @ _tf32(b[..., None] * kc * g.exp()))
         u = _fp16(X @ _tf32(b[..., None] * vc))
         kg = _fp16(kc * (g[:, -1:] - g).exp())
@@ -101,11 +122,11 @@ def kernel_model(case):
     return o.transpose(0, 1), St.transpose(1, 2)
 
 
-def measure(T: int, gate: str, H: int, D: int, slow: int, seed: int = 15) -> dict:
+def measure(T: int, gate: str, H: int, D: int, slow: int, seed: int = 15, inverse: str = "tf32") -> dict:
     case = make_kda_case([T], H=H, D=D, dtype=torch.bfloat16, gate=gate, slow_decay_heads=slow,
                          conv_dtype=torch.bfloat16, has_initial_state=True, seed=seed)
     o_ref, S_ref = reference_fp64(case)
-    o_mod, S_mod = kernel_model(case)
+    o_mod, S_mod = kernel_model(case, inverse)
     g2, wn = case.g2.reshape(T, H, D), case.weights.norm_weight
     y_ref = gated_rms_norm(o_ref, g2.double(), wn, case.weights.norm_eps)
     y_mod = gated_rms_norm(o_mod, g2.float(), wn, case.weights.norm_eps).bfloat16()
@@ -124,13 +145,14 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--slow", type=int, default=2, help="slow-decay heads among --heads")
     p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--inverse", default="tf32", choices=["tf32", "fp32"], help="the chunk inverse's arithmetic")
     a = p.parse_args()
     rows = []
     for T in a.lengths:
         t = time.time()
-        rows.append((T, measure(T, a.gate, a.heads, a.head_dim, a.slow), time.time() - t))
+        rows.append((T, measure(T, a.gate, a.heads, a.head_dim, a.slow, inverse=a.inverse), time.time() - t))
     keys = list(rows[0][1])
-    print(f"{a.gate} gate, H={a.heads} ({a.slow} slow), D={a.head_dim}: relative RMS error vs fp64")
+    print(f"{a.gate} gate, H={a.heads} ({a.slow} slow), D={a.head_dim}, {a.inverse} inverse: relative RMS error vs fp64")
     print(f"{'T':>7} | " + " | ".join(f"{k:>22}" for k in keys) + " | seconds")
     for T, m, s in rows:
         print(f"{T:>7} | " + " | ".join(f"{m[k]:>22.2e}" for k in keys) + f" | {s:.0f}")
