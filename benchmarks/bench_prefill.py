@@ -203,13 +203,12 @@ def sweep_configs() -> dict:
         "bv64 w4 s2": ChunkConfig(state_bv=64, state_warps=4, state_stages=2),
         "bv64 w8 s2": ChunkConfig(state_bv=64, state_warps=8, state_stages=2),
         "intra w4": ChunkConfig(intra_warps=4),
-        # The intra stage (default: intra_full.py, 64-row tiles, 32-channel slices, tf32 inverse):
-        # the original 16-row kernel (substitution, "ieee" inverse), it with the diagonal inverses
-        # by recursive blocking at tf32, and the 64-row kernel's alternatives.
+        # The intra stage (default: intra_full.py, 64-row tiles, 32-channel slices, tf32 inverse;
+        # "intra w4" above is it at 4 warps): the original 16-row kernel (substitution, "ieee"
+        # inverse), it with the diagonal inverses by recursive blocking at tf32, 64-channel slices.
         "intra orig": ChunkConfig(intra_inverse="substitution", intra_inverse_tf32=False),
         "intra blocked": ChunkConfig(intra_inverse="blocked"),
         "full ks64": ChunkConfig(intra_channel_slice=64),
-        "full ieee-inv": ChunkConfig(intra_inverse_tf32=False),
         "output w8": ChunkConfig(output_warps=8),
     }
 

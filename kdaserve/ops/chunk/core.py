@@ -109,9 +109,11 @@ class ChunkPlan:
         self.prec = _dot_precision(dt)
         self.gcum = torch.empty(T, H, D, device=dev, dtype=torch.float32)
         self.Aqk = torch.empty(T, H, CHUNK, device=dev, dtype=dt)
+        # fp32 inputs on a GPU take intra.py even under "full": intra_full's 64x64 "ieee" inverse dots
+        # lower to FMA loops that spill ~54 KB per thread (intra.py's ~2 KB); 16-bit inputs use tf32.
+        self.intra_full = config.intra_inverse == "full" and not (self.prec == "ieee" and dev.type == "cuda")
         # fp32 scratch of the intra kernel: A's diagonal blocks ("substitution") or all of A ("full").
-        self.akk_scratch = torch.empty(T, H, CHUNK if config.intra_inverse == "full" else BC, device=dev,
-                                       dtype=torch.float32)
+        self.akk_scratch = torch.empty(T, H, CHUNK if self.intra_full else BC, device=dev, dtype=torch.float32)
         # One allocation split in five (each a contiguous [T, H, D]): one allocator call, not five.
         self.w, self.u, self.kg, self.qg, self.v_new = torch.empty(5, T, H, D, device=dev, dtype=dt).unbind(0)
         self.h_states = torch.empty(self.tables.num_chunks, H, D, D, device=dev, dtype=dt)
@@ -128,13 +130,13 @@ class ChunkPlan:
             inv_prec = self.prec if c.intra_inverse_tf32 else "ieee"
             args = (y, beta_logits, self.gcum, self.tables, state_indices, self.Aqk, self.akk_scratch, self.w, self.u,
                     self.kg, self.qg)
-            if c.intra_inverse == "full":
+            if self.intra_full:
                 launch_intra_full(*args, exact_diag=weights.lower_bound is None, precision=self.prec,
                                   inverse_precision=inv_prec, BT=CHUNK, BC=BC, KS=c.intra_channel_slice,
                                   num_warps=c.intra_warps)
             else:
                 launch_intra(*args, exact_diag=weights.lower_bound is None, precision=self.prec, BT=CHUNK,
-                             num_warps=c.intra_warps, blocked_inverse=c.intra_inverse == "blocked",
+                             num_warps=c.intra_warps, blocked_inverse=c.intra_inverse != "substitution",
                              inverse_precision=inv_prec)
 
     def state(self) -> None:
