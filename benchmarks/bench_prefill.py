@@ -209,6 +209,8 @@ def sweep_configs() -> dict:
         "intra orig": ChunkConfig(intra_inverse="substitution", intra_inverse_tf32=False),
         "intra blocked": ChunkConfig(intra_inverse="blocked"),
         "full ks64": ChunkConfig(intra_channel_slice=64),
+        "full r128": ChunkConfig(intra_maxnreg=128),  # 2 CTAs/SM, ~250 B spill
+        "full w4 r168": ChunkConfig(intra_warps=4, intra_maxnreg=168),  # 3 CTAs/SM, ~290 B spill
         "output w8": ChunkConfig(output_warps=8),
     }
 

@@ -98,7 +98,9 @@ def test_both_intra_inverses_match_reference_with_correlated_keys(inverse):
     k = case.qkv[:, P : 2 * P]
     k.mul_(0.2).add_(1.0)  # common direction plus 20% noise: cosine ~0.96 between keys
     case.beta_logits.fill_(4.0)
-    prefill = functools.partial(kda_prefill_chunk, config=ChunkConfig(intra_inverse=inverse))
+    # maxnreg only reaches the compiler; passing it checks that the launch accepts it.
+    cfg = ChunkConfig(intra_inverse=inverse, intra_maxnreg=128 if inverse == "full" else None)
+    prefill = functools.partial(kda_prefill_chunk, config=cfg)
     check_prefill_matches_reference(prefill, case, tolerance_for(torch.float32), chunk_size=64)
 
 
@@ -170,7 +172,7 @@ def test_gpu_bf16_serving_shapes_match_fp64_reference(shape, gate):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", ["blocked", "substitution", "full ks64", "full w4"])
+@pytest.mark.parametrize("config", ["blocked", "substitution", "full ks64", "full w4", "full r128", "full w4 r168"])
 def test_gpu_intra_variants_match_fp64_reference(config):
     """The ChunkConfig intra variants that bench_prefill.py --sweep times, held to the same bf16
     contract as the default (one serving shape, both gates' shared paths via the bounded one)."""
@@ -178,7 +180,9 @@ def test_gpu_intra_variants_match_fp64_reference(config):
 
     cfg = {"blocked": ChunkConfig(intra_inverse="blocked"),
            "substitution": ChunkConfig(intra_inverse="substitution", intra_inverse_tf32=False),
-           "full ks64": ChunkConfig(intra_channel_slice=64), "full w4": ChunkConfig(intra_warps=4)}[config]
+           "full ks64": ChunkConfig(intra_channel_slice=64), "full w4": ChunkConfig(intra_warps=4),
+           "full r128": ChunkConfig(intra_maxnreg=128),
+           "full w4 r168": ChunkConfig(intra_warps=4, intra_maxnreg=168)}[config]
     case = make_kda_case(SHAPES["16x1K"], H=32, D=128, dtype=torch.bfloat16, slow_decay_heads=4,
                          conv_dtype=torch.bfloat16, device="cuda", seed=11)
     check_prefill_matches_reference(functools.partial(kda_prefill_chunk, config=cfg), case, GPU_TOL, chunk_size=64)

@@ -62,6 +62,7 @@ class ChunkConfig:
     # substitution in fp32 FMAs, a 15-step chain of scratch loads ("substitution", the original).
     intra_inverse: str = "full"
     intra_channel_slice: int = 32  # "full": channels per A/w/u dot slice (bounds live registers)
+    intra_maxnreg: int | None = None  # "full": register cap (128 at 8 warps: 2 CTAs/SM, ~250 B spill)
     # The inverse's dots at the products' precision (tf32 for 16-bit inputs) or always "ieee" fp32
     # (FMA loops on sm_90). fp32 inputs always get "ieee". docs/chunk-prefill.md argues tf32.
     intra_inverse_tf32: bool = True
@@ -133,7 +134,7 @@ class ChunkPlan:
             if self.intra_full:
                 launch_intra_full(*args, exact_diag=weights.lower_bound is None, precision=self.prec,
                                   inverse_precision=inv_prec, BT=CHUNK, BC=BC, KS=c.intra_channel_slice,
-                                  num_warps=c.intra_warps)
+                                  num_warps=c.intra_warps, maxnreg=c.intra_maxnreg)
             else:
                 launch_intra(*args, exact_diag=weights.lower_bound is None, precision=self.prec, BT=CHUNK,
                              num_warps=c.intra_warps, blocked_inverse=c.intra_inverse != "substitution",

@@ -163,13 +163,16 @@ def chunk_intra_full_kernel(
 
 def launch_intra_full(y, beta_logits, gcum, tables, state_indices, Aqk, akk_scratch, w, u, kg, qg, *,
                       exact_diag: bool, precision: str, inverse_precision: str, BT: int, BC: int, KS: int,
-                      num_warps: int = 8) -> None:
+                      num_warps: int = 8, maxnreg: int | None = None) -> None:
+    """maxnreg caps registers per thread (ptxas spills the rest) so that more CTAs share an SM: at
+    8 warps, 128 gives two CTAs per SM for ~250 B of spill (195 registers uncapped: one CTA)."""
     T, H, K = gcum.shape
+    extra = {} if maxnreg is None else {"maxnreg": maxnreg}
     chunk_intra_full_kernel[(tables.num_chunks * H,)](
         y, y.stride(0), beta_logits, beta_logits.stride(0), beta_logits.stride(1),
         gcum, tables.chunks, state_indices,
         Aqk, akk_scratch, w, u, kg, qg,
         K ** -0.5,
         H=H, K=K, BT=BT, BCC=BC, KS=min(KS, K), EXACT_DIAG=exact_diag, PREC=precision, INV_PREC=inverse_precision,
-        num_warps=num_warps,
+        num_warps=num_warps, **extra,
     )
