@@ -24,7 +24,8 @@ class TritonCompiles:
 
         self.names, self._knobs = [], knobs.runtime
         self._before = knobs.runtime.jit_post_compile_hook
-        knobs.runtime.jit_post_compile_hook = lambda **kw: self.names.append(kw["repr"]) and None
+        # The whole specialization on one line (the repr spans lines): which argument differed.
+        knobs.runtime.jit_post_compile_hook = lambda **kw: self.names.append(" ".join(str(kw["repr"]).split())) and None
         return self
 
     def __exit__(self, *exc):

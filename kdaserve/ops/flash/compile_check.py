@@ -33,15 +33,16 @@ def main() -> None:
     lines.append(f"plan: {ptxas_report(k)}")
 
     for C, log2c, bounded in ((16, 4, True), (16, 4, False), (32, 5, True)):  # unbounded gates use C = 16
-        k = compile_for_sm90(
-            flash_prepare_kernel,
-            dict(**ws, **tables, qkv_ptr=bf, g1_ptr=bf, b_ptr=bf, cw_ptr=f32, cs_ptr=bf, a_log_ptr=f32, dt_bias_ptr=f32,
-                 lower_bound="fp32", q_scale="fp32"),
-            dict(H=32, D=128, C=C, LOG2C=log2c, W=4, BOUNDED=bounded, PREC_TC="tf32", FAST=True,
-                 stride_cs_ch=1, stride_g1_d=1, stride_cw_j=1),  # unit strides: what the launcher specializes
-            num_warps=cfg.prepare_warps,
-        )
-        lines.append(f"prepare C={C} bounded={bounded}: {ptxas_report(k)}")
+        for first in (False, True):  # the common launch, and the sequences' first chunks (conv history)
+            k = compile_for_sm90(
+                flash_prepare_kernel,
+                dict(**ws, **tables, qkv_ptr=bf, g1_ptr=bf, b_ptr=bf, cw_ptr=f32, cs_ptr=bf, a_log_ptr=f32,
+                     dt_bias_ptr=f32, lower_bound="fp32", q_scale="fp32"),
+                dict(H=32, D=128, C=C, LOG2C=log2c, W=4, BOUNDED=bounded, PREC_TC="tf32", FAST=True, FIRST=first,
+                     NFIRST=1, stride_cs_ch=1, stride_g1_d=1, stride_cw_j=1),  # unit strides: what the launcher specializes
+                num_warps=cfg.prepare_warps,
+            )
+            lines.append(f"prepare C={C} bounded={bounded} first={first}: {ptxas_report(k)}")
 
     rec_types = dict(**ws, **tables, s_ptr=f32, o_ptr=bf, g2_ptr=bf, nw_ptr=f32, eps="fp32", oq_ptr=f16, bm_ptr=f32,
                      qkv_ptr=bf, cs_ptr=bf, q_off="i64")

@@ -181,11 +181,20 @@ class FlashPrefill:
             self.correct()
 
     def prepare(self) -> None:
-        nc, H, D, C, w = self.plan.n_chunk_ids, self.H, self.D, self.C, self.weights
+        nc, H = self.plan.n_chunk_ids, self.H
         if nc == 0:
             return
+        # Bounded gate: chunks inside their sequences' new tokens, then the first chunk(s) of each
+        # sequence (conv history) in a second launch; unbounded: one launch (prepare.py says why).
+        nfirst = -(-(self.weights.conv_width - 1) // self.C) if self.weights.lower_bound is not None else 0
+        self._prepare((nc * H,), False, nfirst)
+        if nfirst:
+            self._prepare((self.N * H * nfirst,), True, nfirst)  # the first chunk(s): conv history
+
+    def _prepare(self, grid, first: bool, nfirst: int) -> None:
+        D, C, w, plan = self.D, self.C, self.weights, self.plan
         lb = w.lower_bound
-        flash_prepare_kernel[(nc * H,)](
+        flash_prepare_kernel[grid](
             self.qkv, self.qkv.stride(0),
             self.g1v, *self.g1v.stride(),
             self.beta_logits, *self.beta_logits.stride(),
@@ -193,11 +202,11 @@ class FlashPrefill:
             self.rows, *self.rows.stride(),
             w.A_log.contiguous(), w.dt_bias.contiguous(),
             self.cu, self.state_indices, self.has_initial_state,
-            self.plan.chunk_seq, self.plan.chunk_tok,
+            plan.chunk_seq, plan.chunk_tok, plan.seq_seg0, plan.seg_chunk,
             *self.ws4, self.aqk_ws, self.gam_ws,
             float(lb if lb is not None else 0.0), D ** -0.5, self.rows.shape[1],
-            H=H, D=D, C=C, LOG2C=C.bit_length() - 1, W=w.conv_width,
-            BOUNDED=lb is not None, PREC_TC=self.prec_tc, FAST=self.fast,
+            H=self.H, D=D, C=C, LOG2C=C.bit_length() - 1, W=w.conv_width,
+            BOUNDED=lb is not None, PREC_TC=self.prec_tc, FAST=self.fast, FIRST=first, NFIRST=max(nfirst, 1),
             num_warps=self.cfg.prepare_warps,
             **({"maxnreg": self.cfg.prepare_maxnreg} if self.cfg.prepare_maxnreg else {}),
         )
