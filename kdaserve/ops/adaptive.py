@@ -1,17 +1,20 @@
-"""The `adaptive` decode backend: `fused` for small steps, `chain` for large ones, chosen per call.
+"""The `adaptive` decode backend: `fused` or `chain`, whichever the H200 measured faster for the step.
 
-Why: on the H200 (docs/perf-notes.md, "Decode, default launch rule re-timed") the single launch
-wins while a step is latency-bound — up to 1.56x at one sequence — and ties the chain at about
-512 head-steps (sequences x heads x tokens per sequence: 32 heads x 16 sequences, 16 x 32, 64 x 8,
-for fp32 and bf16 states alike). Above that the chain is 7-12% faster with an fp32 state and up to
-23% with a bf16 state: the fused kernel's V-split programs each redo their head's conv, l2norm and
-k.q, which the chain does once, and that costs more than the two launches it saves once state
-traffic dominates. A speculative verify of 4 tokens crosses over at the same head-step count
-(fused 11.0 vs chain 13.3 us at 1 x 32 heads x 4 tokens; 40.5 vs 39.0 us at 8 sequences).
+History and evidence (docs/perf-notes.md): with only the split launch shapes, the single launch won
+while a step was latency-bound (up to 1.56x at one sequence) and tied the chain at about 512
+head-steps (sequences x heads x tokens per sequence); above, the chain was 7-12% faster (fp32
+state) and up to 23% (bf16), because each V-split program redid its head's conv and meeting cost.
+The `stream` launch shape of `fused` (one program per head, state tiles through a cp.async
+pipeline; default from 256 heads) removed that: on the H200 at 32 heads fused is now the faster of
+the two at every measured size of a plain decode (N = 1, 8, 64, 128, 256, 512; fp32 state 1.04-1.54x
+chain, bf16 1.14-1.67x; "Decode, stream shape"), so plain decode always takes `fused`.
+Speculative verify has no stream shape (its state tile stays in registers across the tokens), so
+it keeps the old crossover: fused up to 512 head-steps (11.0 vs chain 13.3 us at 1 x 32 heads x 4
+tokens; 40.5 vs 39.0 us at 8 sequences).
 
 The choice reads shapes only (host integers), so no device value is read, a captured CUDA graph
-holds exactly one of the two paths, and replay pays nothing for the choice. The threshold is the
-H200's; other GPUs move it (bench_decode.py prints both columns to re-measure it).
+holds exactly one of the two paths, and replay pays nothing for the choice. The thresholds are the
+H200's; other GPUs move them (bench_decode.py prints both columns to re-measure).
 """
 
 from __future__ import annotations
@@ -22,12 +25,14 @@ from kdaserve.ops.chain import kda_decode_chain
 from kdaserve.ops.fused import kda_decode_fused
 from kdaserve.ops.types import KDAWeights
 
-FUSED_MAX_HEAD_STEPS = 512
+FUSED_MAX_HEAD_STEPS: int | None = None  # plain decode (one token per sequence); None: always fused
+FUSED_MAX_VERIFY_HEAD_STEPS = 512        # speculative verify (several tokens per sequence)
 
 
 def uses_fused(num_sequences: int, num_heads: int, tokens_per_sequence: int = 1) -> bool:
     """True when `adaptive` runs the step with the single-launch kernel."""
-    return num_sequences * num_heads * tokens_per_sequence <= FUSED_MAX_HEAD_STEPS
+    limit = FUSED_MAX_HEAD_STEPS if tokens_per_sequence == 1 else FUSED_MAX_VERIFY_HEAD_STEPS
+    return limit is None or num_sequences * num_heads * tokens_per_sequence <= limit
 
 
 def kda_decode_adaptive(

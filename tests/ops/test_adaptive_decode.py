@@ -1,5 +1,6 @@
-"""`adaptive` decode: exactly `fused` up to FUSED_MAX_HEAD_STEPS head-steps per call, exactly `chain`
-above, for plain decode and speculative verify (bit for bit: the same kernels run)."""
+"""`adaptive` decode: exactly `fused` up to its head-step limits (plain decode: none by default;
+speculative verify: FUSED_MAX_VERIFY_HEAD_STEPS), exactly `chain` above (bit for bit: the same
+kernels run)."""
 
 import pytest
 import torch
@@ -35,9 +36,12 @@ def _same(a, b) -> bool:
     return all(torch.equal(x.nan_to_num(7.0), y.nan_to_num(7.0)) for x, y in zip(a, b))
 
 
-def test_threshold_counts_sequences_heads_and_tokens():
-    assert uses_fused(16, 32) and not uses_fused(17, 32)
+def test_threshold_counts_sequences_heads_and_tokens(monkeypatch):
+    assert uses_fused(1, 32) and uses_fused(4096, 64)  # plain decode: fused at every size by default
     assert uses_fused(4, 32, tokens_per_sequence=4) and not uses_fused(8, 32, tokens_per_sequence=4)
+    assert uses_fused(1, 128, tokens_per_sequence=4) and not uses_fused(1, 129, tokens_per_sequence=4)
+    monkeypatch.setattr(adaptive, "FUSED_MAX_HEAD_STEPS", 512)
+    assert uses_fused(16, 32) and not uses_fused(17, 32)
     assert uses_fused(1, 512) and not uses_fused(1, 513)
 
 
@@ -55,7 +59,7 @@ def test_runs_exactly_the_chosen_backend(monkeypatch, limit, expect):
 # limit 6 = sequences x heads: a verify of 3 tokens per sequence is 18 head-steps, so chain.
 @pytest.mark.parametrize("limit, expect", [(10**6, "fused"), (0, "chain"), (6, "chain"), (18, "fused")])
 def test_speculative_verify_runs_the_chosen_backend(monkeypatch, limit, expect):
-    monkeypatch.setattr(adaptive, "FUSED_MAX_HEAD_STEPS", limit)
+    monkeypatch.setattr(adaptive, "FUSED_MAX_VERIFY_HEAD_STEPS", limit)
     S, N = 2, 3
     case = _case([S + 1] * N, seed=5, spec_tokens=S, extra_slots=N * (S + 1) + 2)
     free = [s for s in range(1, case.recurrent_state.shape[0]) if s not in set(case.state_indices.tolist())]
@@ -66,6 +70,6 @@ def test_speculative_verify_runs_the_chosen_backend(monkeypatch, limit, expect):
 
 
 def test_default_threshold_matches_reference():
-    """Both sides of the real threshold against the fp64 reference (2 heads: 3 and 300 sequences)."""
+    """Small and large plain decode steps against the fp64 reference (2 heads: 3 and 300 sequences)."""
     for n in (3, 300):
         check_decode_matches_reference(kda_decode_adaptive, _case([1] * n, seed=6 + n), tolerance_for(torch.float32))

@@ -49,12 +49,13 @@ class FusedDecodeConfig:
 
 
 MEET_BY_POLLING = False
-# Plain decode steps of at least this many heads (N*H) take the `stream` shape (stream_kernel.py):
-# chosen from compile evidence only (sm_90 registers and shared memory, kdaserve.ops.fused.
-# compile_check: ~2x the state bytes in flight per SM of the split shapes, no meeting), not yet
-# from GPU timings: `benchmarks/bench_decode.py --sections sweep` times it next to the split shapes
-# and chain. 0 disables it (split shapes everywhere, the rule before it).
-STREAM_FROM_HEADS = 2048
+# Plain decode steps of at least this many heads (N*H) take the `stream` shape (stream_kernel.py).
+# Measured on the H200 (benchmarks/bench_decode.py sweep, 32 heads, CUDA-graph replay; perf-notes
+# "Decode, stream shape"): at N = 8 (256 heads) the stream shapes took 13.5-15.2 us against 15.0 us
+# for the one-warp split shape and 17.1 for [64, K] (fp32 state; bf16 9.5-10.9 vs 12.0), and at
+# N = 64-512 3.3-3.7 TB/s against the split shapes' 2.7-3.2 and chain's 3.2-3.5. Below 256 heads
+# (N = 1-7 at 32 heads) it is untimed and the split shapes stay. 0 disables it.
+STREAM_FROM_HEADS = 256
 STREAM_FP32 = FusedDecodeConfig(block_v=16, num_warps=4, stream=True, stages=4)  # 96 regs, 5 programs/SM, 3 tiles in flight each
 STREAM_BF16 = FusedDecodeConfig(block_v=16, num_warps=4, stream=True, stages=5)  # 87 regs, 5 programs/SM, 4 tiles in flight each
 
@@ -63,7 +64,7 @@ def default_config(head_dim: int, tokens_per_seq: int, programs: int, state_byte
     """Launch shape by the number of heads in the step (`programs` = N*H) and the state's element
     size, from the H200 sweep of benchmarks/bench_decode.py (docs/perf-notes.md, 2026-11-30):
     - few heads are latency-bound: each head's rows go to D/8 one-warp programs (fp32: up to 512
-      heads, bf16: up to 128), conv windows kept in registers;
+      heads, bf16: up to 128, both below STREAM_FROM_HEADS), conv windows kept in registers;
     - many heads are bandwidth-bound: [64, K] tiles of 4 warps for an fp32 state, [32, K] for a
       2-byte one (the most state bytes in flight per SM in the sweep); from STREAM_FROM_HEADS
       heads on, one program per head streaming [16, K] tiles through a cp.async pipeline
@@ -79,11 +80,11 @@ def default_config(head_dim: int, tokens_per_seq: int, programs: int, state_byte
         if programs <= 128:
             return FusedDecodeConfig(block_v=min(head_dim, 8), num_warps=1, spin=MEET_BY_POLLING)
         return FusedDecodeConfig(block_v=min(head_dim, 32), num_warps=4, spin=MEET_BY_POLLING)
-    if programs <= (512 if state_bytes >= 4 else 128):
-        return FusedDecodeConfig(block_v=min(head_dim, 8), num_warps=1, spin=MEET_BY_POLLING)
     if STREAM_FROM_HEADS and programs >= STREAM_FROM_HEADS:
         cfg = STREAM_FP32 if state_bytes >= 4 else STREAM_BF16
         return replace(cfg, block_v=min(head_dim, cfg.block_v))
+    if programs <= (512 if state_bytes >= 4 else 128):
+        return FusedDecodeConfig(block_v=min(head_dim, 8), num_warps=1, spin=MEET_BY_POLLING)
     if state_bytes >= 4:
         return FusedDecodeConfig(block_v=min(head_dim, 64), num_warps=4, spin=MEET_BY_POLLING)
     return FusedDecodeConfig(block_v=min(head_dim, 32), num_warps=4, spin=MEET_BY_POLLING)
