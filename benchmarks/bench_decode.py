@@ -3,7 +3,7 @@
 Columns, side by side in one run on the same inputs and pools:
   fused  kdaserve.ops.fused.kda_decode_fused: one launch
   chain  kdaserve.ops.chain.kda_decode_chain: three launches (skipped when missing)
-  adaptive  kdaserve.ops.adaptive.kda_decode_adaptive: fused up to 512 head-steps, chain above
+  adaptive  kdaserve.ops.adaptive.kda_decode_adaptive: fused for plain decode (verify: fused up to 512 head-steps)
          (the `auto` choice on CUDA; should equal the faster of the two columns)
   fla    FLA 0.6.0 fused_recurrent_kda (paged, in-place, V-first state) with our conv update and
          gated norm before and after it, plus the copy that splits the conv output into the
@@ -129,7 +129,7 @@ def chain_impl():
 
 
 def adaptive_impl():
-    """The `adaptive` backend: fused up to 512 head-steps, chain above (kdaserve/ops/adaptive.py)."""
+    """The `adaptive` backend: fused for plain decode; verify fused up to 512 head-steps (kdaserve/ops/adaptive.py)."""
     try:
         from kdaserve.ops.adaptive import kda_decode_adaptive
     except ImportError:

@@ -184,7 +184,7 @@ _SPECS: list[BackendSpec] = [
         conv_weight_decode_layout=_attr("kdaserve.ops.fused", "fused_conv_weight_layout"),
     ),
     BackendSpec(
-        "adaptive", "decode", "Triton: `fused` up to 512 head-steps per call, `chain` above (by shape, H200-measured)",
+        "adaptive", "decode", "Triton: `fused` for plain decode; speculative verify `fused` up to 512 head-steps, `chain` above (by shape, H200-measured)",
         _attr("kdaserve.ops.adaptive", "kda_decode_adaptive"),
         _requirements_of_all("decode", "fused", "chain"),
         conv_weight_decode_layout=_attr("kdaserve.ops.fused", "fused_conv_weight_layout"),
