@@ -208,9 +208,10 @@ def sweep_configs() -> dict:
         # inverse), it with the diagonal inverses by recursive blocking at tf32, 64-channel slices.
         "intra orig": ChunkConfig(intra_inverse="substitution", intra_inverse_tf32=False),
         "intra blocked": ChunkConfig(intra_inverse="blocked"),
-        "full ks64": ChunkConfig(intra_channel_slice=64),
-        "full r128": ChunkConfig(intra_maxnreg=128),  # 2 CTAs/SM, ~250 B spill
-        "full w4 r168": ChunkConfig(intra_warps=4, intra_maxnreg=168),  # 3 CTAs/SM, ~290 B spill
+        "full ks64": ChunkConfig(intra_channel_slice=64, intra_slice_outer=False),  # slice-outer would spill
+        "full slice-inner": ChunkConfig(intra_slice_outer=False),
+        "full r128": ChunkConfig(intra_maxnreg=128, intra_slice_outer=False),  # 2 CTAs/SM, ~250 B spill
+        "full w4 r168": ChunkConfig(intra_warps=4, intra_maxnreg=168, intra_slice_outer=False),  # 3 CTAs/SM
         "output w8": ChunkConfig(output_warps=8),
     }
 

@@ -98,8 +98,10 @@ def test_both_intra_inverses_match_reference_with_correlated_keys(inverse):
     k = case.qkv[:, P : 2 * P]
     k.mul_(0.2).add_(1.0)  # common direction plus 20% noise: cosine ~0.96 between keys
     case.beta_logits.fill_(4.0)
-    # maxnreg only reaches the compiler; passing it checks that the launch accepts it.
-    cfg = ChunkConfig(intra_inverse=inverse, intra_maxnreg=128 if inverse == "full" else None)
+    # "full" here takes the column-block-outer loop (the default, slice-outer, runs in every other
+    # test); maxnreg only reaches the compiler: passing it checks that the launch accepts it.
+    full = inverse == "full"
+    cfg = ChunkConfig(intra_inverse=inverse, intra_maxnreg=128 if full else None, intra_slice_outer=not full)
     prefill = functools.partial(kda_prefill_chunk, config=cfg)
     check_prefill_matches_reference(prefill, case, tolerance_for(torch.float32), chunk_size=64)
 
@@ -172,7 +174,8 @@ def test_gpu_bf16_serving_shapes_match_fp64_reference(shape, gate):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", ["blocked", "substitution", "full ks64", "full w4", "full r128", "full w4 r168"])
+@pytest.mark.parametrize("config", ["blocked", "substitution", "full ks64", "full w4", "full slice-inner", "full r128",
+                                    "full w4 r168"])
 def test_gpu_intra_variants_match_fp64_reference(config):
     """The ChunkConfig intra variants that bench_prefill.py --sweep times, held to the same bf16
     contract as the default (one serving shape, both gates' shared paths via the bounded one)."""
@@ -180,9 +183,10 @@ def test_gpu_intra_variants_match_fp64_reference(config):
 
     cfg = {"blocked": ChunkConfig(intra_inverse="blocked"),
            "substitution": ChunkConfig(intra_inverse="substitution", intra_inverse_tf32=False),
-           "full ks64": ChunkConfig(intra_channel_slice=64), "full w4": ChunkConfig(intra_warps=4),
-           "full r128": ChunkConfig(intra_maxnreg=128),
-           "full w4 r168": ChunkConfig(intra_warps=4, intra_maxnreg=168)}[config]
+           "full ks64": ChunkConfig(intra_channel_slice=64, intra_slice_outer=False), "full w4": ChunkConfig(intra_warps=4),
+           "full slice-inner": ChunkConfig(intra_slice_outer=False),
+           "full r128": ChunkConfig(intra_maxnreg=128, intra_slice_outer=False),
+           "full w4 r168": ChunkConfig(intra_warps=4, intra_maxnreg=168, intra_slice_outer=False)}[config]
     case = make_kda_case(SHAPES["16x1K"], H=32, D=128, dtype=torch.bfloat16, slow_decay_heads=4,
                          conv_dtype=torch.bfloat16, device="cuda", seed=11)
     check_prefill_matches_reference(functools.partial(kda_prefill_chunk, config=cfg), case, GPU_TOL, chunk_size=64)

@@ -38,11 +38,12 @@ def main(H: int = 32, D: int = 128) -> None:
     intra_types = dict(y=f16, beta_logits=bf, gcum=f32, Aqk=f16, akk_diag=f32, akk_scratch=f32, w=f16, u=f16, kg=f16,
                        qg=f16, scale="fp32")
     for exact in (False, True):
-        for ks in (32, 64):
+        for ks, outer in ((32, True), (32, False), (64, True)):
             for warps in (4, 8):
-                variants.append((f"intra_full exact={exact:d} ks={ks}", chunk_intra_kernel, intra_types,
-                                 dict(H=H, K=D, BT=CHUNK, BCC=BC, KS=ks, EXACT_DIAG=exact, PREC="tf32", INV_PREC="tf32"),
-                                 warps, 2))
+                variants.append((f"intra_full exact={exact:d} ks={ks} {'slice' if outer else 'block'}-outer",
+                                 chunk_intra_kernel, intra_types,
+                                 dict(H=H, K=D, BT=CHUNK, BCC=BC, KS=ks, EXACT_DIAG=exact, PREC="tf32", INV_PREC="tf32",
+                                      SLICE_OUTER=outer), warps, 2))
         for inv, blocked, inv_prec in (("blocked tf32", True, "tf32"), ("subst ieee", False, "ieee")):
             for warps in (4, 8):
                 variants.append((f"intra exact={exact:d} {inv}", chunk_intra_blocks_kernel, intra_types,
@@ -62,7 +63,7 @@ def main(H: int = 32, D: int = 128) -> None:
     print(f"sm_{ARCH}, H={H}, D={D}; default config: {DEFAULT_CONFIG}")
     for name, fn, types, const, warps, stages in variants:
         kernel = compile_for_sm90(fn, {**tables, **types}, const, warps, stages)
-        print(f"{name:30s} warps={warps} stages={stages}: {ptxas_report(kernel)}", flush=True)
+        print(f"{name:42s} warps={warps} stages={stages}: {ptxas_report(kernel)}", flush=True)
     print("ok")
 
 

@@ -21,7 +21,10 @@ A goes through an fp32 scratch [T, H, BT] (written by this program, read back af
 because Triton cannot place [64, 16] column blocks into one [64, 64] register tile. l2norm is
 folded into the operands as inverse row norms computed once (the channel-sliced dots read raw k
 and q slices, normalized on the fly: unit rows keep the anchored sums far from fp32's range);
-the slices (KS channels) bound the registers.
+the slices (KS channels) bound the registers. SLICE_OUTER (the default) runs the slices outermost
+so each q/k/g slice is loaded, converted and normalized once for all four column blocks: 19% fewer
+SASS instructions (6680 vs 8240 per warp, bounded gate, 8 warps) for 252 registers instead of 195,
+both one CTA per SM; the column-block-outer order is the one to combine with a register cap.
 """
 
 from __future__ import annotations
@@ -65,6 +68,52 @@ def _column_block(q_ptr, k_ptr, g_ptr, stride_y, stride_g, t0, t1, r, rows, m, r
 
 
 @triton.jit
+def _right_factor(k_ptr, g_ptr, stride_y, stride_g, t0, t1, cs, J: tl.constexpr, BCC: tl.constexpr, K: tl.constexpr):
+    """Column side of block J on channel slice cs, transposed: (k_i / |k_i|) 2^(a_J - g_i), <= 1."""
+    rows_j = (t0 + J * BCC + tl.arange(0, BCC)).to(tl.int64)
+    m_j = rows_j < t1
+    last_j = (tl.minimum(t0 + (J + 1) * BCC, t1) - 1).to(tl.int64)  # J's last valid token
+    rk_j = _inv_norm(_load_rows(k_ptr, rows_j, m_j, stride_y, K))  # L1 hits after the first slice
+    a_j = tl.load(g_ptr + last_j * stride_g + cs)
+    k_j = tl.load(k_ptr + rows_j[:, None] * stride_y + cs[None, :], mask=m_j[:, None], other=0.0).to(tl.float32)
+    g_j = tl.load(g_ptr + rows_j[:, None] * stride_g + cs[None, :], mask=m_j[:, None], other=0.0)
+    return tl.trans(k_j * (rk_j[:, None] * tl.exp2(tl.minimum(a_j[None, :] - g_j, 0.0)))), a_j
+
+
+@triton.jit
+def _accumulate_block(P, Q, kn, qn, gc, right, a_j, PREC: tl.constexpr):
+    up = tl.exp2(tl.minimum(gc - a_j[None, :], 112.0))  # clamp: see _column_block
+    return tl.dot(kn * up, right, acc=P, input_precision=PREC), tl.dot(qn * up, right, acc=Q, input_precision=PREC)
+
+
+@triton.jit
+def _column_blocks_slice_outer(q_ptr, k_ptr, g_ptr, stride_y, stride_g, t0, t1, rows, m, rq, rk, beta,
+                               BT: tl.constexpr, BCC: tl.constexpr, K: tl.constexpr, KS: tl.constexpr,
+                               PREC: tl.constexpr):
+    """All four (A, Aqk)[:, J] as _column_block computes them, channel slice outermost: each q/k/g
+    slice is loaded, converted and normalized once for the four blocks (not once per block)."""
+    P0 = tl.zeros([BT, BCC], dtype=tl.float32)
+    P1, P2, P3, Q0, Q1, Q2, Q3 = P0, P0, P0, P0, P0, P0, P0
+    for c in tl.static_range(K // KS):
+        cs = c * KS + tl.arange(0, KS)
+        kn = tl.load(k_ptr + rows[:, None] * stride_y + cs[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+        kn = kn * rk[:, None]
+        qn = tl.load(q_ptr + rows[:, None] * stride_y + cs[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+        qn = qn * rq[:, None]
+        gc = tl.load(g_ptr + rows[:, None] * stride_g + cs[None, :], mask=m[:, None], other=0.0)
+        right, a_j = _right_factor(k_ptr, g_ptr, stride_y, stride_g, t0, t1, cs, 0, BCC, K)
+        P0, Q0 = _accumulate_block(P0, Q0, kn, qn, gc, right, a_j, PREC)
+        right, a_j = _right_factor(k_ptr, g_ptr, stride_y, stride_g, t0, t1, cs, 1, BCC, K)
+        P1, Q1 = _accumulate_block(P1, Q1, kn, qn, gc, right, a_j, PREC)
+        right, a_j = _right_factor(k_ptr, g_ptr, stride_y, stride_g, t0, t1, cs, 2, BCC, K)
+        P2, Q2 = _accumulate_block(P2, Q2, kn, qn, gc, right, a_j, PREC)
+        right, a_j = _right_factor(k_ptr, g_ptr, stride_y, stride_g, t0, t1, cs, 3, BCC, K)
+        P3, Q3 = _accumulate_block(P3, Q3, kn, qn, gc, right, a_j, PREC)
+    b = beta[:, None]
+    return (P0 * b, P1 * b, P2 * b, P3 * b), (Q0, Q1, Q2, Q3)
+
+
+@triton.jit
 def _store_cols(ptr, x, rows, keep, col0, stride_t, BCC: tl.constexpr):
     cols = col0 + tl.arange(0, BCC)
     tl.store(ptr + rows[:, None] * stride_t + cols[None, :], x.to(ptr.dtype.element_ty), mask=keep[:, None])
@@ -77,7 +126,7 @@ def chunk_intra_kernel(
     Aqk, akk_scratch, w, u, kg, qg,
     scale,
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BCC: tl.constexpr, KS: tl.constexpr,
-    EXACT_DIAG: tl.constexpr, PREC: tl.constexpr, INV_PREC: tl.constexpr,
+    EXACT_DIAG: tl.constexpr, PREC: tl.constexpr, INV_PREC: tl.constexpr, SLICE_OUTER: tl.constexpr,
 ):
     pid = tl.program_id(0)
     i_c = pid // H
@@ -118,9 +167,15 @@ def chunk_intra_kernel(
              mask=m[:, None])
 
     # ---- A and Aqk column block by column block; A to the scratch, Aqk out (lower blocks only) ----
+    if SLICE_OUTER:
+        Ps, Qs = _column_blocks_slice_outer(q_ptr, k_ptr, g_ptr, stride_y, stride_g, t0, t1, rows, m, rq, rk, beta,
+                                            BT, BCC, K, KS, PREC)
     for J in tl.static_range(BT // BCC):
-        P, Q = _column_block(q_ptr, k_ptr, g_ptr, stride_y, stride_g, t0, t1, r, rows, m, rq, rk, beta,
-                             J, BCC, K, KS, PREC)
+        if SLICE_OUTER:
+            P, Q = Ps[J], Qs[J]
+        else:
+            P, Q = _column_block(q_ptr, k_ptr, g_ptr, stride_y, stride_g, t0, t1, r, rows, m, rq, rk, beta,
+                                 J, BCC, K, KS, PREC)
         i_j = J * BCC + tl.arange(0, BCC)
         P = tl.where(r[:, None] > i_j[None, :], P, 0.0)
         Q = tl.where(r[:, None] >= i_j[None, :], Q, 0.0)
@@ -163,7 +218,7 @@ def chunk_intra_kernel(
 
 def launch_intra_full(y, beta_logits, gcum, tables, state_indices, Aqk, akk_scratch, w, u, kg, qg, *,
                       exact_diag: bool, precision: str, inverse_precision: str, BT: int, BC: int, KS: int,
-                      num_warps: int = 8, maxnreg: int | None = None) -> None:
+                      num_warps: int = 8, maxnreg: int | None = None, slice_outer: bool = False) -> None:
     """maxnreg caps registers per thread (ptxas spills the rest) so that more CTAs share an SM: at
     8 warps, 128 gives two CTAs per SM for ~250 B of spill (195 registers uncapped: one CTA)."""
     T, H, K = gcum.shape
@@ -173,6 +228,6 @@ def launch_intra_full(y, beta_logits, gcum, tables, state_indices, Aqk, akk_scra
         gcum, tables.chunks, state_indices,
         Aqk, akk_scratch, w, u, kg, qg,
         K ** -0.5,
-        H=H, K=K, BT=BT, BCC=BC, KS=min(KS, K), EXACT_DIAG=exact_diag, PREC=precision, INV_PREC=inverse_precision,
+        H=H, K=K, BT=BT, BCC=BC, KS=min(KS, K), EXACT_DIAG=exact_diag, PREC=precision, INV_PREC=inverse_precision, SLICE_OUTER=slice_outer,
         num_warps=num_warps, **extra,
     )
