@@ -64,7 +64,7 @@ def main() -> None:
     k = compile_for_sm90(flash_correct_kernel,
                          dict(oq_ptr=f16, start_ptr=f32, o_ptr=bf, g2_ptr=bf, nw_ptr=f32, eps="fp32", cu_ptr=i32, idx_ptr=i32,
                               seg_seq_ptr=i32, seg_tok_ptr=i32, seg_end_ptr=i32, q_off="i64"),
-                         dict(H=32, D=128, C=16, CPG=cfg.correct_chunks, NG=4, DOT_DTYPE=tl.float16, PREC="tf32", FAST=True),
+                         dict(H=32, D=128, C=16, CPG=cfg.correct_chunks, DOT_DTYPE=tl.float16, PREC="tf32", FAST=True),
                          num_warps=cfg.correct_warps)
     lines.append(f"correct: {ptxas_report(k)}")
     print("\n".join(lines))

@@ -21,13 +21,16 @@ def flash_correct_kernel(
     g2_ptr, stride_g2_t, stride_g2_h, stride_g2_d,
     nw_ptr, eps,
     cu_ptr, idx_ptr, seg_seq_ptr, seg_tok_ptr, seg_end_ptr, q_off,
-    H: tl.constexpr, D: tl.constexpr, C: tl.constexpr, CPG: tl.constexpr, NG: tl.constexpr,
+    H: tl.constexpr, D: tl.constexpr, C: tl.constexpr, CPG: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PREC: tl.constexpr, FAST: tl.constexpr,
 ):
+    # Grid (segments x heads, chunk groups): the number of groups follows the step's longest
+    # sequence, so it is the grid's second axis rather than a compiled constant (a constexpr
+    # compiled a new variant for new prompt lengths, after the engine's warm-up, on the H200).
     pid = tl.program_id(0)
-    gi = pid % NG
-    h = (pid // NG) % H
-    s = pid // (NG * H)
+    gi = tl.program_id(1)
+    h = pid % H
+    s = pid // H
     n = tl.load(seg_seq_ptr + s)
     if n < 0:
         return

@@ -251,11 +251,11 @@ class FlashPrefill:
         cfg, plan, H, D, C = self.cfg, self.plan, self.H, self.D, self.C
         cpg = cfg.correct_chunks
         ng = max(-(-min(plan.segment_len, self.longest) // (cpg * C)), 1)
-        flash_correct_kernel[(plan.n_seg_ids * H * ng,)](
+        flash_correct_kernel[(plan.n_seg_ids * H, ng)](
             self.oq, self.start, self.outv, *self.outv.stride(), self.g2v, *self.g2v.stride(), self.nw,
             float(self.weights.norm_eps), self.cu, self.state_indices, plan.seg_seq, plan.seg_tok, plan.seg_end,
             self.T * H * D,
-            H=H, D=D, C=C, CPG=cpg, NG=ng, DOT_DTYPE=_tl_dtype(self.ws_dtype), PREC=self.prec_tc, FAST=self.fast,
+            H=H, D=D, C=C, CPG=cpg, DOT_DTYPE=_tl_dtype(self.ws_dtype), PREC=self.prec_tc, FAST=self.fast,
             num_warps=cfg.correct_warps,
         )
 
