@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from kdaserve.ops.chunk.core import CHUNK, DEFAULT_CONFIG
 from kdaserve.ops.chunk.gate import chunk_gate_cumsum_kernel
-from kdaserve.ops.chunk.intra import BC, chunk_intra_blocks_kernel
-from kdaserve.ops.chunk.intra_full import chunk_intra_kernel
+from kdaserve.ops.chunk.intra import BC, chunk_intra_kernel
+from kdaserve.ops.chunk.intra_full import chunk_intra_full_kernel
 from kdaserve.ops.chunk.output import chunk_output_norm_kernel
 from kdaserve.ops.chunk.state import chunk_state_pass_kernel
 from kdaserve.ops.sm90_compile import ARCH
@@ -41,12 +41,12 @@ def main(H: int = 32, D: int = 128) -> None:
         for ks, outer in ((32, True), (32, False), (64, True)):
             for warps in (4, 8):
                 variants.append((f"intra_full exact={exact:d} ks={ks} {'slice' if outer else 'block'}-outer",
-                                 chunk_intra_kernel, intra_types,
+                                 chunk_intra_full_kernel, intra_types,
                                  dict(H=H, K=D, BT=CHUNK, BCC=BC, KS=ks, EXACT_DIAG=exact, PREC="tf32", INV_PREC="tf32",
                                       SLICE_OUTER=outer), warps, 2))
         for inv, blocked, inv_prec in (("blocked tf32", True, "tf32"), ("subst ieee", False, "ieee")):
             for warps in (4, 8):
-                variants.append((f"intra exact={exact:d} {inv}", chunk_intra_blocks_kernel, intra_types,
+                variants.append((f"intra exact={exact:d} {inv}", chunk_intra_kernel, intra_types,
                                  dict(H=H, K=D, BT=CHUNK, BCC=BC, EXACT_DIAG=exact, PREC="tf32", BLOCKED_INV=blocked,
                                       INV_PREC=inv_prec), warps, 2))
     for bv in (16, 32, 64):

@@ -213,7 +213,7 @@ def _wu_inputs(k_ptr, v_ptr, g_ptr, stride_y, stride_g, t0, t1, J: tl.constexpr,
 
 
 @triton.jit
-def chunk_intra_blocks_kernel(
+def chunk_intra_kernel(
     y, stride_y, beta_logits, stride_b_t, stride_b_h,
     gcum, chunks, state_indices,
     Aqk, akk_diag, w, u, kg, qg,
@@ -369,7 +369,7 @@ def launch_intra(y, beta_logits, gcum, tables, state_indices, Aqk, akk_diag, w, 
                  exact_diag: bool, precision: str, BT: int, num_warps: int = 8, blocked_inverse: bool = True,
                  inverse_precision: str = "ieee") -> None:
     T, H, K = gcum.shape
-    chunk_intra_blocks_kernel[(tables.num_chunks * H,)](
+    chunk_intra_kernel[(tables.num_chunks * H,)](
         y, y.stride(0), beta_logits, beta_logits.stride(0), beta_logits.stride(1),
         gcum, tables.chunks, state_indices,
         Aqk, akk_diag, w, u, kg, qg,

@@ -120,7 +120,7 @@ def _store_cols(ptr, x, rows, keep, col0, stride_t, BCC: tl.constexpr):
 
 
 @triton.jit
-def chunk_intra_kernel(
+def chunk_intra_full_kernel(
     y, stride_y, beta_logits, stride_b_t, stride_b_h,
     gcum, chunks, state_indices,
     Aqk, akk_scratch, w, u, kg, qg,
@@ -223,7 +223,7 @@ def launch_intra_full(y, beta_logits, gcum, tables, state_indices, Aqk, akk_scra
     8 warps, 128 gives two CTAs per SM for ~250 B of spill (195 registers uncapped: one CTA)."""
     T, H, K = gcum.shape
     extra = {} if maxnreg is None else {"maxnreg": maxnreg}
-    chunk_intra_kernel[(tables.num_chunks * H,)](
+    chunk_intra_full_kernel[(tables.num_chunks * H,)](
         y, y.stride(0), beta_logits, beta_logits.stride(0), beta_logits.stride(1),
         gcum, tables.chunks, state_indices,
         Aqk, akk_scratch, w, u, kg, qg,
