@@ -29,9 +29,13 @@ FUSED_MAX_HEAD_STEPS: int | None = None  # plain decode (one token per sequence)
 FUSED_MAX_VERIFY_HEAD_STEPS = 512        # speculative verify (several tokens per sequence)
 
 
-def uses_fused(num_sequences: int, num_heads: int, tokens_per_sequence: int = 1) -> bool:
-    """True when `adaptive` runs the step with the single-launch kernel."""
-    limit = FUSED_MAX_HEAD_STEPS if tokens_per_sequence == 1 else FUSED_MAX_VERIFY_HEAD_STEPS
+def uses_fused(num_sequences: int, num_heads: int, tokens_per_sequence: int = 1, verify: bool | None = None) -> bool:
+    """True when `adaptive` runs the step with the single-launch kernel. `verify` (default: more
+    than one token per sequence) picks the speculative-verify limit; a verify with no drafts has one
+    token per sequence and is still a verify."""
+    if verify is None:
+        verify = tokens_per_sequence > 1
+    limit = FUSED_MAX_VERIFY_HEAD_STEPS if verify else FUSED_MAX_HEAD_STEPS
     return limit is None or num_sequences * num_heads * tokens_per_sequence <= limit
 
 
@@ -52,6 +56,7 @@ def kda_decode_adaptive(
 ) -> None:
     """The contract of kda_decode_reference; both paths check their inputs themselves."""
     tokens = 1 if spec_state_indices is None else spec_state_indices.shape[-1]
-    decode = kda_decode_fused if uses_fused(state_indices.shape[0], weights.num_heads, tokens) else kda_decode_chain
+    use = uses_fused(state_indices.shape[0], weights.num_heads, tokens, verify=spec_state_indices is not None)
+    decode = kda_decode_fused if use else kda_decode_chain
     decode(qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, state_indices, out,
            conv_layout=conv_layout, spec_state_indices=spec_state_indices, num_accepted_tokens=num_accepted_tokens)

@@ -40,6 +40,7 @@ def test_threshold_counts_sequences_heads_and_tokens(monkeypatch):
     assert uses_fused(1, 32) and uses_fused(4096, 64)  # plain decode: fused at every size by default
     assert uses_fused(4, 32, tokens_per_sequence=4) and not uses_fused(8, 32, tokens_per_sequence=4)
     assert uses_fused(1, 128, tokens_per_sequence=4) and not uses_fused(1, 129, tokens_per_sequence=4)
+    assert not uses_fused(1, 513, verify=True), "a verify without drafts (1 token) takes the verify limit"
     monkeypatch.setattr(adaptive, "FUSED_MAX_HEAD_STEPS", 512)
     assert uses_fused(16, 32) and not uses_fused(17, 32)
     assert uses_fused(1, 512) and not uses_fused(1, 513)

@@ -109,6 +109,26 @@ def test_stream_refuses_verify_and_bad_pipelines():
                             spec_state_indices=spec, num_accepted_tokens=accepted)
 
 
+@pytest.mark.parametrize("backend", ["fused", "adaptive"])
+def test_verify_without_drafts_never_streams(monkeypatch, backend):
+    """A speculative verify with no drafts (spec_state_indices [N, 1]) has one token per sequence
+    but keeps its state in the spec slots: with the stream rule lowered to cover this step, the
+    default path must still take a verify shape and match the reference (the stream kernel reads
+    state_indices' slots: output and spec-slot state were wrong before the fix)."""
+    from kdaserve.ops.adaptive import kda_decode_adaptive
+
+    monkeypatch.setattr(fused_decode, "STREAM_FROM_HEADS", 1)
+    N = 3
+    case = make_kda_case([1] * N, spec_tokens=0, extra_slots=2 * N + 2, seed=11, **SMALL)
+    case.weights.conv_weight_decode = fused_conv_weight_layout(case.weights.conv_weight)
+    free = [s for s in range(1, case.recurrent_state.shape[0]) if s not in set(case.state_indices.tolist())]
+    spec = torch.tensor(free[:N], dtype=torch.int32, device=DEV).view(N, 1)
+    accepted = torch.ones(N, dtype=torch.int32, device=DEV)
+    fn = kda_decode_fused if backend == "fused" else kda_decode_adaptive
+    check_decode_matches_reference(fn, case, tolerance_for(torch.float32), spec_state_indices=spec,
+                                   num_accepted_tokens=accepted)
+
+
 # ---------------------------------------------------------------- CPU: compiled for sm_90
 
 _COMPILE = r'''

@@ -193,7 +193,10 @@ def launch_fused_decode(
         _fail(f"recurrent_state must have K contiguous (stride 1 on the last dim), got strides {recurrent_state.stride()}")
     if weights.lower_bound is not None and not -5.0 <= weights.lower_bound < 0.0:
         _fail(f"lower_bound must lie in [-5, 0) or be None (unbounded gate), got {weights.lower_bound}")
-    cfg = config or default_config(D, tokens, N * H, recurrent_state.element_size())
+    # A verify with no drafts (spec [N, 1]) is still a verify: its state lives in the spec slots,
+    # which only the split shapes read, so it takes the verify rule, never the stream shape.
+    is_spec = spec_state_indices is not None
+    cfg = config or default_config(D, max(tokens, 2) if is_spec else tokens, N * H, recurrent_state.element_size())
     block_v = cfg.block_v or D
     if block_v & (block_v - 1) or not 1 <= block_v <= D:
         _fail(f"block_v must be a power of two in [1, {D}], got {block_v}")
@@ -203,9 +206,9 @@ def launch_fused_decode(
         out_v = None
     if out_v is None or out_v.stride(2) != 1:
         _fail(f"out must be viewable as [T, H, D] with D contiguous, got shape {tuple(out.shape)} strides {out.stride()}")
-    if cfg.stream and tokens > 1:
-        _fail(f"the stream launch shape runs plain decode only (1 token per sequence), got {tokens} tokens per sequence; "
-              "use a split shape (stream=False) for speculative verify")
+    if cfg.stream and is_spec:
+        _fail(f"the stream launch shape runs plain decode only (no spec_state_indices), got a speculative verify of "
+              f"{tokens} token(s) per sequence; use a split shape (stream=False)")
     if cfg.stream and not (0 <= cfg.prefetch <= 2 and (cfg.stages == 0 or 2 <= cfg.stages <= 8)):
         _fail(f"stream shape: prefetch must be 0, 1 or 2 tiles and stages 0 or 2..8, got {cfg.prefetch}, {cfg.stages}")
     if N == 0:
