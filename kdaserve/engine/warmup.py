@@ -6,7 +6,7 @@ Triton compiles one variant per combination of integer arguments that are 1 or m
 pointers aligned to 16 bytes, and launch constants the wrappers derive from the step (block sizes
 from the number of sequences, segmented or not from their lengths, ...). The steps below cover:
 prefills of 1, 16, 32, 64 and 37 tokens; three sequences of different lengths at once; a chunked
-prompt and its continuation (initial state read); for p = 16, 32, ... up to max_num_seqs,
+prompt and its continuation (initial state read); for p = 4, 8, 16, ... up to max_num_seqs,
 prefills of p - 1 and p sequences and mixed steps with p - 1, p and p + 1 decodes (mixed steps
 run their decodes eagerly, at any batch size, outside the captured graphs' buckets); pure decode
 steps (CUDA-graph replays, or eager kernels when graphs are off); the whole token budget in one
@@ -135,7 +135,11 @@ class Warmup:
         self.step(decodes=trio[:1], prefills=[(self.new(3), 3)])   # mixed with 1 decode
         self.step(decodes=trio[:1])                   # pure decode of 1
         self.release()
-        p = 16
+        # Decode batches change kernel shape at a few sizes of sequences x heads (the fused rule:
+        # one-warp split shapes, then [32, K] ones for a bf16 state, then the stream shape from
+        # 256 heads), so start small enough that every class is reached for 16-64 heads: p - 1,
+        # p, p + 1 for p = 4, 8, 16, ...
+        p = 4
         while True:
             self.batch_sizes(p)
             if p >= self.max_seqs:
@@ -148,7 +152,7 @@ class Warmup:
         self.release()
 
     def batch_sizes(self, p: int) -> None:
-        """Batches around p (a power of two >= 16): wrappers derive launch constants from the
+        """Batches around p (a power of two >= 4): wrappers derive launch constants from the
         number of sequences (block sizes of next_pow2(N), one kernel shape up to some N * heads
         and another above), and N itself is specialized (1, % 16, else), so each size class of
         prefill and decode batches needs its own variants: p - 1, p and p + 1 sequences."""
