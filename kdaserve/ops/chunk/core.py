@@ -69,11 +69,14 @@ class ChunkConfig:
     intra_maxnreg: int | None = None  # "full": register cap (128 at 8 warps: 2 CTAs/SM, ~250 B spill)
     # "full": A/Aqk loop with channel slices outermost (each q/k/g slice loaded and normalized once
     # for all four column blocks: 19% fewer SASS instructions, 252 registers) or column blocks
-    # outermost (195 registers; the one to combine with intra_maxnreg, which spills 2 KB otherwise).
-    intra_slice_outer: bool = True
+    # outermost (195 registers; the one to combine with intra_maxnreg). Default False: the
+    # slices-outer loop hit an illegal memory access on the H200 (docs/chunk-prefill.md).
+    intra_slice_outer: bool = False
     # The inverse's dots at the products' precision (tf32 for 16-bit inputs) or always "ieee" fp32
     # (FMA loops on sm_90). fp32 inputs always get "ieee". docs/chunk-prefill.md argues tf32.
-    intra_inverse_tf32: bool = False
+    # None: tf32 for "blocked" and "full" (whose 64x64 "ieee" inverse spills ~1.3 KB per thread),
+    # "ieee" for "substitution" (exactly the GPU-verified original kernel).
+    intra_inverse_tf32: bool | None = None
     state_bv: int | None = None
     state_warps: int | None = None  # None: 4 up to BV = 32, 8 for BV = 64 (4 would spill there)
     state_stages: int = 2     # software pipelining of the next chunk's w/u/kg loads
@@ -136,7 +139,8 @@ class ChunkPlan:
         y, _, beta_logits, _, weights, _, _, state_indices, _, _ = self.args
         if self.tables.num_chunks:
             c = self.config
-            inv_prec = self.prec if c.intra_inverse_tf32 else "ieee"
+            tf32 = c.intra_inverse_tf32 if c.intra_inverse_tf32 is not None else c.intra_inverse != "substitution"
+            inv_prec = self.prec if tf32 else "ieee"
             args = (y, beta_logits, self.gcum, self.tables, state_indices, self.Aqk, self.akk_scratch, self.w, self.u,
                     self.kg, self.qg)
             if self.intra_full:

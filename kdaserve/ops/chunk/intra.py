@@ -27,7 +27,8 @@ consumer feeds them to 16-bit tensor cores anyway.
 
 Registers: 255 with some spill at 8 warps (ptxas, sm_90). The [16, K] x [K, 16] dots put all 8
 warps along M = 16, so every warp computes the same product and holds both operands; intra_full.py
-(the default) avoids that with 64-row tiles. This kernel stays as the measured baseline.
+(opt-in) avoids that with 64-row tiles but faulted or ran slower on the H200 (docs/chunk-prefill.md),
+so this kernel is the default.
 """
 
 from __future__ import annotations

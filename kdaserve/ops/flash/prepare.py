@@ -273,7 +273,7 @@ def flash_prepare_kernel(
     sequence, NFIRST = ceil((W-1) / C)), reading the history rows from the conv-state pool. Two
     straight-line kernels instead of one with a branch: ptxas schedules (and allocates registers
     for) the common path alone, and it carries none of the history code. Unbounded gate: one launch
-    (FIRST = False) does every chunk (see _prepare_chunk)."""
+    (FIRST = False) does every chunk (see _prepare_chunk_unbounded)."""
     pid = tl.program_id(0)
     if FIRST:
         f = pid % NFIRST
