@@ -151,6 +151,22 @@ def test_plan_tables_without_host_copy():
             assert (t.data_ptr() - base) % 128 == 0, (plan.n_chunk_ids, plan.n_seg_ids)
 
 
+@cpu_only
+def test_correction_grid_limit_is_a_clear_error_that_writes_nothing(monkeypatch):
+    """Segments too long for the correction pass's grid (axis y, 65535 on CUDA; lowered here) are
+    refused before any launch: the pools stay bit for bit, the output untouched."""
+    import kdaserve.ops.flash.prefill as flash_prefill
+
+    monkeypatch.setattr(flash_prefill, "_MAX_GRID_Y", 1)
+    case = make_kda_case([300, 40], H=2, D=16, seed=21)
+    rec, conv = case.recurrent_state.clone(), case.conv_state.clone()
+    out = case.new_out()
+    with pytest.raises(ValueError, match="grid limit 1"):
+        kda_prefill_flash(out=out, **case.prefill_args(), segment_len=512)
+    assert torch.equal(case.recurrent_state, rec) and torch.equal(case.conv_state, conv)
+    assert torch.isnan(out).all()
+
+
 def test_segment_choice():
     cfg = CONFIG
     assert choose_segment_len(8192 * 8, 8, 64, 128, 16, None, 132, cfg) is None  # enough pairs

@@ -169,9 +169,21 @@ class FlashPrefill:
         seg_len = resolve_segment_len(segment_len, T, N, H, D, C, cu_seqlens_cpu, dev)
         return build_plan(self.cu, T, N, C, seg_len, cu_seqlens_cpu), max(seq_lens(host_offsets(cu_seqlens_cpu)))
 
+    def correct_groups(self) -> int:
+        """Chunk groups per segment in the correction pass (its grid's axis y)."""
+        return max(-(-min(self.plan.segment_len, self.longest) // (self.cfg.correct_chunks * self.C)), 1)
+
     def run(self) -> None:
         if self.N == 0:
             return
+        if self.plan.segmented and self.correct_groups() > _MAX_GRID_Y:
+            # CUDA's limit on grid axis y; only a forced segment of > 8M tokens gets here. Checked
+            # before any launch, so nothing (state or conv pool) is written.
+            cap = _MAX_GRID_Y * self.cfg.correct_chunks * self.C
+            raise ValueError(
+                f"flash prefill: segments of up to {min(self.plan.segment_len, self.longest)} tokens need "
+                f"{self.correct_groups()} chunk groups in the correction pass, above the grid limit {_MAX_GRID_Y}; "
+                f"pass cu_seqlens_cpu (so the longest sequence is known) or a segment_len of at most {cap} tokens")
         self.prepare()
         if not self.plan.segmented:
             self.recurrence()
@@ -250,7 +262,7 @@ class FlashPrefill:
     def correct(self) -> None:
         cfg, plan, H, D, C = self.cfg, self.plan, self.H, self.D, self.C
         cpg = cfg.correct_chunks
-        ng = max(-(-min(plan.segment_len, self.longest) // (cpg * C)), 1)
+        ng = self.correct_groups()
         flash_correct_kernel[(plan.n_seg_ids * H, ng)](
             self.oq, self.start, self.outv, *self.outv.stride(), self.g2v, *self.g2v.stride(), self.nw,
             float(self.weights.norm_eps), self.cu, self.state_indices, plan.seg_seq, plan.seg_tok, plan.seg_end,
@@ -258,6 +270,9 @@ class FlashPrefill:
             H=H, D=D, C=C, CPG=cpg, DOT_DTYPE=_tl_dtype(self.ws_dtype), PREC=self.prec_tc, FAST=self.fast,
             num_warps=cfg.correct_warps,
         )
+
+
+_MAX_GRID_Y = 65535
 
 
 def _tl_dtype(dtype: torch.dtype):
