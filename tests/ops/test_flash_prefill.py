@@ -152,6 +152,23 @@ def test_plan_tables_without_host_copy():
 
 
 @cpu_only
+@pytest.mark.parametrize("host_cu", [True, False])
+def test_conv_history_longer_than_a_chunk(host_cu):
+    """Width 18 at 16-token chunks: the conv history reaches into each sequence's first two chunks,
+    so the bounded gate's first-chunk launch runs two programs per (sequence, head) (NFIRST = 2)
+    and the common launch skips both; sequences shorter than one and than two chunks included,
+    with and without the host cu_seqlens (plan sizes then upper bounds)."""
+    case = make_kda_case([5, 40, 1, 37, 17], H=2, D=16, conv_width=18, seed=22)
+    old = CONFIG.chunk
+    CONFIG.chunk = 16
+    try:
+        fn = UNSEGMENTED if host_cu else (lambda **a: UNSEGMENTED(**{**a, "cu_seqlens_cpu": None}))
+        check_prefill_matches_reference(fn, case, 1e-5)
+    finally:
+        CONFIG.chunk = old
+
+
+@cpu_only
 def test_correction_grid_limit_is_a_clear_error_that_writes_nothing(monkeypatch):
     """Segments too long for the correction pass's grid (axis y, 65535 on CUDA; lowered here) are
     refused before any launch: the pools stay bit for bit, the output untouched."""
