@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# First GPU run of the next session: what landed after the last GPU run of 2026-11-30 (third
+# session) or could not be fitted into it. About 8-9 minutes on an H200; logs under $OUT (or ./out).
+# Every group has its own time limit and verbose log, so one slow group cannot hide the others.
+#   bash scripts/gpu_verify_next.sh
+set -uo pipefail
+OUT=${OUT:-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+P="python3 -m pytest -v -p no:cacheprovider"
+group() {  # name, seconds, pytest args...
+  local name=$1 secs=$2; shift 2
+  timeout "$secs" $P "$@" > "$OUT/t_$name.log" 2>&1
+  echo "== $name rc=$? $(grep -c PASSED "$OUT/t_$name.log") passed"; grep -E "FAILED|^E  " "$OUT/t_$name.log" | head -6
+}
+# 1. The warm-up now starts its decode batch classes at p = 4 (bf16 [32, K] split shape at 129-255
+#    heads): the compile-nothing tests; the spec [N, 1] verify fix and adaptive; the stream shape's
+#    last graph-replay variant (cut by the time limit last run); flash (NFIRST >= 2 and the grid
+#    check are CPU-tested); chunk's default must be exactly the old kernel.
+group engine 110 -m "not slow" tests/engine/test_host_overhead_gpu.py
+group decode 170 -m "gpu and not slow" tests/ops/test_fused_stream.py tests/ops/test_adaptive_decode.py tests/ops/test_fused_decode.py
+group flash 100 -m "gpu and not slow" tests/ops/test_flash_prefill.py
+group chunk 80 -m "gpu and not slow" tests/ops/test_chunk_prefill.py
+# 2. The full 32-head decode table under the final rule (stream from 256 heads), one run.
+timeout 90 python3 benchmarks/bench_decode.py --sections table --heads 32 > "$OUT/decode.log" 2>&1; sed -n '/goals/,$p' "$OUT/decode.log"
+# 3. Engine throughput after the warm-up fixes: the first timed run should compile nothing.
+TRITON_CACHE_DIR=$(mktemp -d) timeout 150 python3 benchmarks/bench_throughput.py --pairs chunk+chain,flash+fused \
+  --num-requests 64 --timed-runs 2 --no-script-warmup > "$OUT/throughput.log" 2>&1; grep -E "compiles|req/s" "$OUT/throughput.log" | tail -6
+# 4. Where intra_full.py's slices-outer loop faults (opt-in chunk intra kernel), if the tool is there.
+if command -v compute-sanitizer >/dev/null; then
+  timeout 60 compute-sanitizer --tool memcheck --print-limit 5 python3 - > "$OUT/sanitizer.log" 2>&1 <<'PY'
+import sys, os; sys.path.insert(0, os.getcwd())
+import torch
+from benchmarks.bench_prefill import gpu_case
+from kdaserve.ops.chunk import ChunkConfig, kda_prefill_chunk
+case = gpu_case([64], 1)
+kda_prefill_chunk(out=case.new_out(), config=ChunkConfig(intra_inverse="full", intra_slice_outer=True), **case.prefill_args())
+torch.cuda.synchronize()
+PY
+  grep -E "Invalid|at 0x|by thread|Address" "$OUT/sanitizer.log" | head -8
+fi
