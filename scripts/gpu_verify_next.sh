@@ -28,6 +28,18 @@ timeout 90 python3 benchmarks/bench_decode.py --sections table --heads 32 > "$OU
 # 3. Engine throughput after the warm-up fixes: the first timed run should compile nothing.
 TRITON_CACHE_DIR=$(mktemp -d) timeout 150 python3 benchmarks/bench_throughput.py --pairs chunk+chain,flash+fused \
   --num-requests 64 --timed-runs 2 --no-script-warmup > "$OUT/throughput.log" 2>&1; grep -E "compiles|req/s" "$OUT/throughput.log" | tail -6
+# 3b. The unbounded gate (Kimi-Linear): flash's K1 exact column loop made flash 3.6 ms at 32 heads
+#     1 x 8K (bounded: 0.96). Is chunk faster there? If so, `auto` should pick by gate kind.
+timeout 90 python3 - <<'PY' 2>&1 | grep -v Warn | tail -4
+import functools, sys, os; sys.path.insert(0, os.getcwd())
+from benchmarks.bench_prefill import gpu_case, parse_shape, bench_ms
+from kdaserve.ops.chunk import kda_prefill_chunk
+from kdaserve.ops.flash import kda_prefill_flash
+for shape in ("1x8K", "16x1K"):
+    for gate in ("bounded", "unbounded"):
+        case = gpu_case(parse_shape(shape), 32, gate=gate)
+        print(f"32 heads {shape} {gate}: chunk {bench_ms(kda_prefill_chunk, case):.3f} ms, flash {bench_ms(kda_prefill_flash, case):.3f} ms", flush=True)
+PY
 # 4. Where intra_full.py's slices-outer loop faults (opt-in chunk intra kernel), if the tool is there.
 if command -v compute-sanitizer >/dev/null; then
   timeout 60 compute-sanitizer --tool memcheck --print-limit 5 python3 - > "$OUT/sanitizer.log" 2>&1 <<'PY'
