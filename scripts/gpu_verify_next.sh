@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # First GPU run of the next session: what landed after the last GPU run of 2026-11-30 (third
-# session) or could not be fitted into it. About 8-9 minutes on an H200; logs under $OUT (or ./out).
-# Every group has its own time limit and verbose log, so one slow group cannot hide the others.
-#   bash scripts/gpu_verify_next.sh
+# session) or could not be fitted into it. Two parts, each under the device tool's 10-minute limit
+# (about 8 and 7 minutes on an H200); logs under $OUT (or ./out). Every group has its own time
+# limit and verbose log, so one slow group cannot hide the others.
+#   bash scripts/gpu_verify_next.sh tests     # GPU tests
+#   bash scripts/gpu_verify_next.sh bench     # benchmarks and the sanitizer
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -15,6 +17,8 @@ group() {  # name, seconds, pytest args...
   timeout "$secs" $P "$@" > "$OUT/t_$name.log" 2>&1
   echo "== $name rc=$? $(grep -c PASSED "$OUT/t_$name.log") passed"; grep -E "FAILED|^E  " "$OUT/t_$name.log" | head -6
 }
+PART=${1:-tests}
+if [ "$PART" = tests ]; then
 # 1. The warm-up now starts its decode batch classes at p = 4 (bf16 [32, K] split shape at 129-255
 #    heads): the compile-nothing tests; the spec [N, 1] verify fix and adaptive; the stream shape's
 #    last graph-replay variant (cut by the time limit last run); flash (NFIRST >= 2 and the grid
@@ -23,6 +27,8 @@ group engine 110 -m "not slow" tests/engine/test_host_overhead_gpu.py
 group decode 170 -m "gpu and not slow" tests/ops/test_fused_stream.py tests/ops/test_adaptive_decode.py tests/ops/test_fused_decode.py
 group flash 100 -m "gpu and not slow" tests/ops/test_flash_prefill.py
 group chunk 80 -m "gpu and not slow" tests/ops/test_chunk_prefill.py
+fi
+if [ "$PART" = bench ]; then
 # 2. The full 32-head decode table under the final rule (stream from 256 heads), one run.
 timeout 90 python3 benchmarks/bench_decode.py --sections table --heads 32 > "$OUT/decode.log" 2>&1; sed -n '/goals/,$p' "$OUT/decode.log"
 # 3. Engine throughput after the warm-up fixes: the first timed run should compile nothing.
@@ -52,4 +58,5 @@ kda_prefill_chunk(out=case.new_out(), config=ChunkConfig(intra_inverse="full", i
 torch.cuda.synchronize()
 PY
   grep -E "Invalid|at 0x|by thread|Address" "$OUT/sanitizer.log" | head -8
+fi
 fi
