@@ -91,6 +91,36 @@ def test_unbounded_gate_with_huge_decay():
 
 
 @cpu_only
+@pytest.mark.parametrize("spread, dtype", [(170.0, torch.float32), (1e30, torch.float32), (1e30, torch.float16)],
+                         ids=["default-limit", "always-anchored", "always-anchored-fp16"])
+def test_unbounded_gate_anchored_halves(spread, dtype):
+    """CONFIG.unbounded_anchored: A and Aqk of the unbounded gate on tensor cores with per-half
+    anchors. With the limit lifted every chunk takes that path (this case's decays stay inside its
+    range); fp16 inputs take the 16-bit workspace of the GPU path."""
+    case = make_kda_case([5, 40, 1, 37], H=2, D=16, gate="unbounded", dtype=dtype, conv_dtype=dtype,
+                         has_initial_state=[True, False, True, True], slow_decay_heads=1, seed=23)
+    old = CONFIG.unbounded_anchored, CONFIG.unbounded_anchor_spread
+    CONFIG.unbounded_anchored, CONFIG.unbounded_anchor_spread = True, spread
+    try:
+        check_prefill_matches_reference(UNSEGMENTED, case, 1e-5 if dtype == torch.float32 else tolerance_for(dtype))
+    finally:
+        CONFIG.unbounded_anchored, CONFIG.unbounded_anchor_spread = old
+
+
+@cpu_only
+def test_unbounded_gate_anchored_falls_back_on_huge_decay():
+    """Decays beyond the anchored factors' range take the exact column loop inside the same kernel."""
+    case = make_kda_case([20], H=1, D=16, gate="unbounded", has_initial_state=True, seed=5)
+    case.g1.mul_(10.0)
+    old = CONFIG.unbounded_anchored
+    CONFIG.unbounded_anchored = True
+    try:
+        check_prefill_matches_reference(SEGMENTED, case, 3e-5)
+    finally:
+        CONFIG.unbounded_anchored = old
+
+
+@cpu_only
 @pytest.mark.parametrize("fn", [UNSEGMENTED, SEGMENTED], ids=["unsegmented", "segmented"])
 def test_split_prefill_equals_whole(fn):
     check_split_prefill(fn, 45, 19, 1e-5, H=2, D=16, seed=6)
@@ -257,6 +287,22 @@ def test_gpu_matches_reference(gate, layout, segment_len):
                      has_initial_state=[True, False, True, False, True, True])
     case.state_indices[4] = 0
     check_prefill_matches_reference(flash(segment_len), case, BF16, chunk_size=_ref_chunk(lens))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("segment_len", [None, 256])
+def test_gpu_unbounded_gate_anchored_halves(segment_len):
+    """CONFIG.unbounded_anchored on the GPU (tf32 dots, fast exp): bf16 contract, mixed lengths."""
+    lens = [1000, 1, 77, 2048, 16, 300]
+    case = _gpu_case(lens, 4, gate="unbounded", conv_layout="DS", slow_decay_heads=1, seed=16,
+                     has_initial_state=[True, False, True, False, True, True])
+    old = CONFIG.unbounded_anchored
+    CONFIG.unbounded_anchored = True
+    try:
+        check_prefill_matches_reference(flash(segment_len), case, BF16, chunk_size=_ref_chunk(lens))
+    finally:
+        CONFIG.unbounded_anchored = old
 
 
 @pytest.mark.gpu

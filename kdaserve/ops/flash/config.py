@@ -17,6 +17,13 @@ class FlashConfig:
     chunk: int = 32
     prepare_warps: int = 4        # K1, one program per (chunk, head): 30-40% fewer warp-instructions than 8
     prepare_maxnreg: int | None = None  # cap K1's registers for more resident programs (spills)
+    # Unbounded gate: K1 forms A and Aqk on tensor cores with per-half anchors (prepare.py,
+    # _intra_anchored_halves) in chunks whose halves each span at most `unbounded_anchor_spread`
+    # of cumulative log-decay (170: factors within e^(+-85), normal fp32/tf32 numbers), the exact
+    # column loop elsewhere. Off until timed on a GPU (the exact loop is ~85% of flash's time with
+    # this gate on the H200: docs/flash-prefill.md).
+    unbounded_anchored: bool = False
+    unbounded_anchor_spread: float = 170.0
     recur_warps: int = 8          # K2, one program per (sequence, head), the whole [V, K] state
     recur_stages: int = 2         # software-pipelined loads of the next chunk's workspace
     seg_block_v: int = 64         # rows of the state per program in the segment-map pass

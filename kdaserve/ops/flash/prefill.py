@@ -216,9 +216,10 @@ class FlashPrefill:
             self.cu, self.state_indices, self.has_initial_state,
             plan.chunk_seq, plan.chunk_tok, plan.seq_seg0, plan.seg_chunk,
             *self.ws4, self.aqk_ws, self.gam_ws,
-            float(lb if lb is not None else 0.0), D ** -0.5, self.rows.shape[1],
+            float(lb if lb is not None else 0.0), D ** -0.5, self.rows.shape[1], float(self.cfg.unbounded_anchor_spread),
             H=self.H, D=D, C=C, LOG2C=C.bit_length() - 1, W=w.conv_width,
             BOUNDED=lb is not None, PREC_TC=self.prec_tc, FAST=self.fast, FIRST=first, NFIRST=max(nfirst, 1),
+            ANCHORED=lb is None and self.cfg.unbounded_anchored,
             num_warps=self.cfg.prepare_warps,
             **({"maxnreg": self.cfg.prepare_maxnreg} if self.cfg.prepare_maxnreg else {}),
         )

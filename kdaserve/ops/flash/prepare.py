@@ -99,6 +99,33 @@ def _intra_exact(q, k, g, rows, C: tl.constexpr, FAST: tl.constexpr):
 
 
 @triton.jit
+def _intra_anchored_halves(q, k, g, rows, C: tl.constexpr, PREC: tl.constexpr, FAST: tl.constexpr):
+    """A_kk and A_qk of _intra_exact on tensor cores, for a chunk whose two halves each span a
+    cumulative log-decay of at most ANCHOR_SPREAD (the caller checks). Three factorizations of
+    e^(g_t - g_i), each exact where it is used (h = C/2, g_m = g at row h-1, the halves' border):
+    - same half: anchor a = the half's mid-point of g (g_m / 2, or (g_m + g_C) / 2): factors
+      e^(g_t - a) and e^(a - g_i) lie within e^(+-spread/2), fp32/tf32 range;
+    - row in the second half, column in the first: anchor g_m, both factors e^(-|g - g_m|) <= 1
+      (any decay: an underflow means a true product below fp32's range anyway).
+    Entries of the other pairings (and above the diagonal) may be garbage or inf: the caller
+    selects, never multiplies, them away."""
+    H2: tl.constexpr = C // 2
+    second = rows >= H2
+    g_m = tl.sum(tl.where(rows[:, None] == H2 - 1, g, 0.0), axis=0)
+    g_c = tl.sum(tl.where(rows[:, None] == C - 1, g, 0.0), axis=0)
+    a = tl.where(second[:, None], (0.5 * (g_m + g_c))[None, :], (0.5 * g_m)[None, :])
+    e_up = fast_exp(g - a, FAST)
+    r_up = fast_rcp(e_up, FAST)
+    e_x = fast_exp(-tl.abs(g - g_m[None, :]), FAST)
+    kb = tl.trans(k * r_up)
+    kx = k * e_x
+    same = second[:, None] == second[None, :]
+    akk = tl.where(same, tl.dot(k * e_up, kb, input_precision=PREC), tl.dot(kx, tl.trans(kx), input_precision=PREC))
+    aqk = tl.where(same, tl.dot(q * e_up, kb, input_precision=PREC), tl.dot(q * e_x, tl.trans(kx), input_precision=PREC))
+    return akk, aqk
+
+
+@triton.jit
 def _unit_lower_inverse(A, rows, LOG2C: tl.constexpr, PREC: tl.constexpr):
     """(I + A)^-1 for strictly lower A [C, C] by recursive 2x2 blocking: with T_b the inverse of the
     b-diagonal blocks, T_2b = T_b - T_b A_off T_b where A_off is A's lower-left b-blocks inside
@@ -203,10 +230,10 @@ def _prepare_chunk(
 def _prepare_chunk_unbounded(
     qkv_ptr, stride_qkv, g1_ptr, stride_g1_t, stride_g1_h, stride_g1_d, b_ptr, stride_b_t, stride_b_h,
     cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch, a_log_ptr, dt_bias_ptr,
-    w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, gam_ptr, q_scale, L,
+    w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, gam_ptr, q_scale, L, anchor_spread,
     h, blk, t0, tok, valid, seq_start, init,
     H: tl.constexpr, D: tl.constexpr, C: tl.constexpr, LOG2C: tl.constexpr, W: tl.constexpr,
-    PREC_TC: tl.constexpr, FAST: tl.constexpr,
+    PREC_TC: tl.constexpr, FAST: tl.constexpr, ANCHORED: tl.constexpr,
 ):
     """One chunk of one head, unbounded gate: every chunk in one launch, the conv history decided
     per chunk. The exact column loop needs q, k and g at once, so no order frees registers here;
@@ -236,7 +263,17 @@ def _prepare_chunk_unbounded(
                                  a_log_ptr, dt_bias_ptr, 0.0, h, tok, valid, rows, cols, D, C, False, FAST)
     eg = fast_exp(g, FAST)
     e_dn = fast_exp(g_last[None, :] - g, FAST)
-    akk, aqk = _intra_exact(q, k, g, rows, C, FAST)
+    if ANCHORED:
+        # Both halves' decay spreads within fp32/tf32 range (per channel, the largest of them):
+        # tensor-core dots; otherwise (a very strong decay in this chunk) the exact column loop.
+        g_m = tl.sum(tl.where(ri == C // 2 - 1, g, 0.0), axis=0)
+        spread = tl.max(tl.maximum(-g_m, g_m - g_last), axis=0)
+        if spread <= anchor_spread:
+            akk, aqk = _intra_anchored_halves(q, k, g, rows, C, PREC_TC, FAST)
+        else:
+            akk, aqk = _intra_exact(q, k, g, rows, C, FAST)
+    else:
+        akk, aqk = _intra_exact(q, k, g, rows, C, FAST)
     A = tl.where(ri > ci, beta[:, None] * akk, 0.0)
     aqk = tl.where(ri >= ci, aqk, 0.0)
     Tinv = _unit_lower_inverse(A, rows, LOG2C, PREC_TC)
@@ -263,9 +300,10 @@ def flash_prepare_kernel(
     cu_ptr, idx_ptr, init_ptr,
     chunk_seq_ptr, chunk_tok_ptr, seq_seg0_ptr, seg_chunk_ptr,
     w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, gam_ptr,
-    lower_bound, q_scale, L,
+    lower_bound, q_scale, L, anchor_spread,
     H: tl.constexpr, D: tl.constexpr, C: tl.constexpr, LOG2C: tl.constexpr, W: tl.constexpr,
     BOUNDED: tl.constexpr, PREC_TC: tl.constexpr, FAST: tl.constexpr, FIRST: tl.constexpr, NFIRST: tl.constexpr,
+    ANCHORED: tl.constexpr,
 ):
     """Bounded gate: two launches of this kernel cover every chunk. FIRST = False: one program per (chunk, head),
     skipping the chunks whose conv window reaches before their sequence's first token; FIRST =
@@ -313,4 +351,5 @@ def flash_prepare_kernel(
         _prepare_chunk_unbounded(qkv_ptr, stride_qkv, g1_ptr, stride_g1_t, stride_g1_h, stride_g1_d, b_ptr, stride_b_t,
                                  stride_b_h, cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch,
                                  a_log_ptr, dt_bias_ptr, w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, gam_ptr, q_scale, L,
-                                 h, blk, t0, tok, valid, seq_start, init, H, D, C, LOG2C, W, PREC_TC, FAST)
+                                 anchor_spread, h, blk, t0, tok, valid, seq_start, init, H, D, C, LOG2C, W, PREC_TC,
+                                 FAST, ANCHORED)
