@@ -36,6 +36,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kdaserve.ops.tri_inverse import unit_lower_inverse
+
 BC = 16  # sub-block: the anchoring span and the size of the triangular blocks
 
 
@@ -162,25 +164,6 @@ def _unit_lower_inverse4(diag_ptr, stride_d, t0, t1, BCC: tl.constexpr):
 
 
 @triton.jit
-def _unit_lower_inverse_blocked(A, BCC: tl.constexpr, LOG2B: tl.constexpr, PREC: tl.constexpr):
-    """(I + A)^-1 of one strictly lower 16x16 block in registers, by recursive 2x2 blocking (as
-    flash's K1): with T_b the inverse of the b-diagonal blocks, T_2b = T_b - T_b A_off T_b, A_off
-    being A's lower-left b-blocks inside each 2b-block ((T_b A_off)^2 = 0 makes this exact). Every
-    product is of entries of the final inverse and of A, both bounded: no cancellation, so the
-    dots may run at tf32 (docs/chunk-prefill.md). No memory round trip, no barrier, 3 levels of
-    two dependent 16x16x16 dots instead of a 15-step serial chain."""
-    r = tl.arange(0, BCC)
-    ri = r[:, None]
-    ci = r[None, :]
-    T = tl.where(ri == ci, 1.0, 0.0) - tl.where(ri // 2 == ci // 2, A, 0.0)  # b = 1
-    for lvl in tl.static_range(1, LOG2B):
-        b = 1 << lvl
-        off = tl.where((ri // (2 * b) == ci // (2 * b)) & (ri // b != ci // b), A, 0.0)
-        T = T - tl.dot(tl.dot(T, off, input_precision=PREC), T, input_precision=PREC)
-    return T
-
-
-@triton.jit
 def _store_block(ptr, x, rows, m, col0, stride_t, BCC: tl.constexpr):
     cols = col0 + tl.arange(0, BCC)
     tl.store(ptr + rows[:, None] * stride_t + cols[None, :], x.to(ptr.dtype.element_ty), mask=m[:, None])
@@ -252,7 +235,7 @@ def chunk_intra_kernel(
     A00, Q00 = _diag_block(qn0, kn0, g0, m0, a0, k_ptr, g_ptr, stride_y, stride_g, t0, t1, b0, BCC, K, EXACT_DIAG, PREC)
     _store_block(Aqk_h, Q00, r0, m0, 0, stride_a, BCC)
     if BLOCKED_INV:
-        X00 = _unit_lower_inverse_blocked(A00, BCC, 4, INV_PREC)  # 4 = log2(BC)
+        X00 = unit_lower_inverse(A00, BCC, 4, INV_PREC)  # 4 = log2(BC)
     else:
         _store_block(diag_h, A00, r0, m0, 0, stride_d, BCC)
 
@@ -266,7 +249,7 @@ def chunk_intra_kernel(
     _store_block(Aqk_h, Q10, r1, m1, 0, stride_a, BCC)
     _store_block(Aqk_h, Q11, r1, m1, BCC, stride_a, BCC)
     if BLOCKED_INV:
-        X11 = _unit_lower_inverse_blocked(A11, BCC, 4, INV_PREC)  # 4 = log2(BC)
+        X11 = unit_lower_inverse(A11, BCC, 4, INV_PREC)  # 4 = log2(BC)
     else:
         _store_block(diag_h, A11, r1, m1, 0, stride_d, BCC)
 
@@ -284,7 +267,7 @@ def chunk_intra_kernel(
     _store_block(Aqk_h, Q21, r2, m2, BCC, stride_a, BCC)
     _store_block(Aqk_h, Q22, r2, m2, 2 * BCC, stride_a, BCC)
     if BLOCKED_INV:
-        X22 = _unit_lower_inverse_blocked(A22, BCC, 4, INV_PREC)  # 4 = log2(BC)
+        X22 = unit_lower_inverse(A22, BCC, 4, INV_PREC)  # 4 = log2(BC)
     else:
         _store_block(diag_h, A22, r2, m2, 0, stride_d, BCC)
 
@@ -306,7 +289,7 @@ def chunk_intra_kernel(
     _store_block(Aqk_h, Q32, r3, m3, 2 * BCC, stride_a, BCC)
     _store_block(Aqk_h, Q33, r3, m3, 3 * BCC, stride_a, BCC)
     if BLOCKED_INV:
-        X33 = _unit_lower_inverse_blocked(A33, BCC, 4, INV_PREC)  # 4 = log2(BC)
+        X33 = unit_lower_inverse(A33, BCC, 4, INV_PREC)  # 4 = log2(BC)
     else:
         _store_block(diag_h, A33, r3, m3, 0, stride_d, BCC)
 

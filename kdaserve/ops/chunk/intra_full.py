@@ -32,7 +32,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kdaserve.ops.chunk.intra import _diag_block, _load_rows, _unit_lower_inverse_blocked
+from kdaserve.ops.chunk.intra import _diag_block, _load_rows
+from kdaserve.ops.tri_inverse import unit_lower_inverse
 
 
 @triton.jit
@@ -201,7 +202,7 @@ def chunk_intra_full_kernel(
     tl.debug_barrier()
     lower_blocks = (r[None, :] // BCC) <= (r[:, None] // BCC)  # blocks above were never stored
     A = tl.load(akk_h + rows[:, None] * stride_a + r[None, :], mask=m[:, None] & lower_blocks, other=0.0)
-    X = _unit_lower_inverse_blocked(A, BT, 6, INV_PREC)  # 6 = log2(BT)
+    X = unit_lower_inverse(A, BT, 6, INV_PREC)  # 6 = log2(BT)
 
     # ---- w = X (beta k 2^g), u = X (beta v), channel slice by channel slice ----
     for c in tl.static_range(K // KS):

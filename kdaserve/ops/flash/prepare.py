@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from kdaserve.ops.flash.fastmath import fast_exp, fast_rcp, fast_sigmoid
+from kdaserve.ops.tri_inverse import unit_lower_inverse
 
 
 @triton.jit
@@ -126,21 +127,6 @@ def _intra_anchored_halves(q, k, g, rows, C: tl.constexpr, PREC: tl.constexpr, F
 
 
 @triton.jit
-def _unit_lower_inverse(A, rows, LOG2C: tl.constexpr, PREC: tl.constexpr):
-    """(I + A)^-1 for strictly lower A [C, C] by recursive 2x2 blocking: with T_b the inverse of the
-    b-diagonal blocks, T_2b = T_b - T_b A_off T_b where A_off is A's lower-left b-blocks inside
-    each 2b-block ((T_b A_off)^2 = 0 makes this exact)."""
-    ri = rows[:, None]
-    ci = rows[None, :]
-    T = tl.where(ri == ci, 1.0, 0.0) - tl.where(ri // 2 == ci // 2, A, 0.0)  # b = 1
-    for lvl in tl.static_range(1, LOG2C):
-        b = 1 << lvl
-        off = tl.where((ri // (2 * b) == ci // (2 * b)) & (ri // b != ci // b), A, 0.0)
-        T = T - tl.dot(tl.dot(T, off, input_precision=PREC), T, input_precision=PREC)
-    return T
-
-
-@triton.jit
 def _conv(x_ptr, stride_x, w_ptr, stride_w_c, stride_w_j, hist_ptr, stride_h_row, stride_h_ch,
           ch, tok, valid, seq_start, init, L, W: tl.constexpr, FAST: tl.constexpr, HIST: tl.constexpr):
     if HIST:
@@ -218,7 +204,7 @@ def _prepare_chunk(
     kbeta = (beta[:, None] * ke) * ea           # beta k e^g
     A = tl.where(ri > ci, beta[:, None] * akk, 0.0)
     tl.store(aqk_ptr + blk * (C * C) + ri * C + ci, tl.where(ri >= ci, aqk, 0.0).to(dt))
-    Tinv = _unit_lower_inverse(A, rows, LOG2C, PREC_TC)
+    Tinv = unit_lower_inverse(A, C, LOG2C, PREC_TC)
     tl.store(w_ptr + tile, tl.dot(Tinv, kbeta, input_precision=PREC_TC).to(dt))
     v = _conv(qkv_ptr, stride_qkv, cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch,
               2 * P + h * D + cols, tok, valid, seq_start, init, L, W, FAST, HIST)
@@ -276,7 +262,7 @@ def _prepare_chunk_unbounded(
         akk, aqk = _intra_exact(q, k, g, rows, C, FAST)
     A = tl.where(ri > ci, beta[:, None] * akk, 0.0)
     aqk = tl.where(ri >= ci, aqk, 0.0)
-    Tinv = _unit_lower_inverse(A, rows, LOG2C, PREC_TC)
+    Tinv = unit_lower_inverse(A, C, LOG2C, PREC_TC)
     w = tl.dot(Tinv, (beta[:, None] * k) * eg, input_precision=PREC_TC)
     u = tl.dot(Tinv, beta[:, None] * v, input_precision=PREC_TC)
     tile = blk * (C * D) + ri * D + cols[None, :]
