@@ -42,6 +42,7 @@ import triton
 import triton.testing
 
 from kdaserve.ops.fused import FusedDecodeConfig, fused_conv_weight_layout, launch_fused_decode
+from kdaserve.ops.fused.decode import STREAM_SHAPES
 from kdaserve.testing.compare import rel_rms
 from kdaserve.testing.inputs import make_kda_weights
 
@@ -62,17 +63,8 @@ SWEEP = {  # fused launch shapes: "whole" = one program per head; "bvX wY" = D/X
     "bv8 w1+spin": FusedDecodeConfig(8, 1, spin=True),
     "bv4 w1+spin": FusedDecodeConfig(4, 1, spin=True),
     # "stream ...": one program per head streaming [bvX, K] tiles (stream_kernel.py, plain decode
-    # only); sY = Y-stage cp.async pipeline (Y-1 tiles in flight through shared memory), pfY = Y
-    # tiles prefetched in registers (with sY: 1+Y tiles loaded into registers before the conv).
-    # For the bandwidth-bound steps (docs/fused-decode.md).
-    "stream bv32 w4 pf0": FusedDecodeConfig(32, 4, stream=True, prefetch=0),
-    "stream bv16 w4 pf1": FusedDecodeConfig(16, 4, stream=True, prefetch=1),
-    "stream bv32 w4 s3": FusedDecodeConfig(32, 4, stream=True, stages=3),
-    "stream bv16 w4 s4": FusedDecodeConfig(16, 4, stream=True, stages=4),
-    "stream bv16 w4 s5": FusedDecodeConfig(16, 4, stream=True, stages=5),
-    "stream bv8 w4 s5": FusedDecodeConfig(8, 4, stream=True, stages=5),
-    "stream bv8 w4 s5 pf2": FusedDecodeConfig(8, 4, stream=True, stages=5, prefetch=2),
-    "stream bv16 w2 s4": FusedDecodeConfig(16, 2, stream=True, stages=4),
+    # only), for the bandwidth-bound steps (docs/fused-decode.md); the table says what sZ/pfN mean.
+    **STREAM_SHAPES,
 }
 SWEEP_BATCHES = {torch.float32: (1, 2, 4, 8, 16, 32, 64, 128, 512), torch.bfloat16: (1, 8, 64, 512)}
 VERIFY = {"default": None, "whole w8": FusedDecodeConfig(None, 8), "bv32 w4": FusedDecodeConfig(32, 4),

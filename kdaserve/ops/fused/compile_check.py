@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 
-from kdaserve.ops.fused.decode import FusedDecodeConfig, default_config
+from kdaserve.ops.fused.decode import STREAM_SHAPES, FusedDecodeConfig, default_config
 from kdaserve.ops.fused.decode_kernel import kda_fused_decode_kernel
 from kdaserve.ops.fused.stream_kernel import kda_fused_stream_kernel
 from kdaserve.ops.recurrent.kernel import kda_recurrent_kernel
@@ -83,15 +83,7 @@ def main(D: int = 128) -> None:
     shapes = {"bv8 w1": FusedDecodeConfig(8, 1), "bv16 w4": FusedDecodeConfig(16, 4), "bv32 w4": FusedDecodeConfig(32, 4),
               "bv32 w4+spin": FusedDecodeConfig(32, 4, spin=True), "bv64 w4": FusedDecodeConfig(64, 4),
               "bv64 w4+spin": FusedDecodeConfig(64, 4, spin=True),
-              "stream bv32 w4 pf0": FusedDecodeConfig(32, 4, stream=True, prefetch=0),
-              "stream bv32 w4 pf1": FusedDecodeConfig(32, 4, stream=True, prefetch=1),
-              "stream bv16 w4 pf1": FusedDecodeConfig(16, 4, stream=True, prefetch=1),
-              "stream bv32 w4 s3": FusedDecodeConfig(32, 4, stream=True, stages=3),
-              "stream bv16 w4 s4": FusedDecodeConfig(16, 4, stream=True, stages=4),
-              "stream bv16 w4 s5": FusedDecodeConfig(16, 4, stream=True, stages=5),
-              "stream bv8 w4 s5": FusedDecodeConfig(8, 4, stream=True, stages=5),
-              "stream bv8 w4 s5 pf2": FusedDecodeConfig(8, 4, stream=True, stages=5, prefetch=2),
-              "stream bv16 w2 s4": FusedDecodeConfig(16, 2, stream=True, stages=4)}
+              **STREAM_SHAPES}
     for state in ("*fp32", "*bf16"):
         for name, cfg in shapes.items():
             k = fused_kernel(cfg, state, D=D)
