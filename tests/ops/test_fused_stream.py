@@ -88,6 +88,7 @@ def test_default_rule_streams_only_large_plain_steps(monkeypatch):
         assert default_config(128, 1, big, state_bytes).stream
         assert not default_config(128, 1, big // 2, state_bytes).stream
         assert not default_config(128, 4, 4 * big, state_bytes).stream, "verify never streams"
+        assert not default_config(128, 1, 4 * big, state_bytes, verify=True).stream, "a verify without drafts never streams"
     assert default_config(16, 1, big).block_v <= 16
     monkeypatch.setattr(fused_decode, "STREAM_FROM_HEADS", 0)
     assert not default_config(128, 1, 65536).stream, "0 disables the stream shape"

@@ -75,9 +75,11 @@ STREAM_SHAPES = {
 }
 
 
-def default_config(head_dim: int, tokens_per_seq: int, programs: int, state_bytes: int = 4) -> FusedDecodeConfig:
+def default_config(head_dim: int, tokens_per_seq: int, programs: int, state_bytes: int = 4,
+                   verify: bool | None = None) -> FusedDecodeConfig:
     """Launch shape by the number of heads in the step (`programs` = N*H) and the state's element
-    size, from the H200 sweep of benchmarks/bench_decode.py (docs/perf-notes.md, 2026-11-30):
+    size; `verify` (default: more than one token per sequence) says the step is a speculative
+    verify, which a verify with no drafts is too (one token, state in the spec slots). From the H200 sweep of benchmarks/bench_decode.py (docs/perf-notes.md, 2026-11-30):
     - few heads are latency-bound: each head's rows go to D/8 one-warp programs (fp32: up to 512
       heads, bf16: up to 128, both below STREAM_FROM_HEADS), conv windows kept in registers;
     - many heads are bandwidth-bound: [64, K] tiles of 4 warps for an fp32 state, [32, K] for a
@@ -91,7 +93,7 @@ def default_config(head_dim: int, tokens_per_seq: int, programs: int, state_byte
     program must never block the launch of a sibling it waits for), which no vendor guarantees:
     a serving runtime that may hang or emit NaN on another GPU or driver is not worth 5-10%.
     Set it to True only on hardware where that assumption is known to hold."""
-    if tokens_per_seq > 1:
+    if verify if verify is not None else tokens_per_seq > 1:
         if programs <= 128:
             return FusedDecodeConfig(block_v=min(head_dim, 8), num_warps=1, spin=MEET_BY_POLLING)
         return FusedDecodeConfig(block_v=min(head_dim, 32), num_warps=4, spin=MEET_BY_POLLING)
@@ -211,7 +213,7 @@ def launch_fused_decode(
     # A verify with no drafts (spec [N, 1]) is still a verify: its state lives in the spec slots,
     # which only the split shapes read, so it takes the verify rule, never the stream shape.
     is_spec = spec_state_indices is not None
-    cfg = config or default_config(D, max(tokens, 2) if is_spec else tokens, N * H, recurrent_state.element_size())
+    cfg = config or default_config(D, tokens, N * H, recurrent_state.element_size(), verify=is_spec)
     block_v = cfg.block_v or D
     if block_v & (block_v - 1) or not 1 <= block_v <= D:
         _fail(f"block_v must be a power of two in [1, {D}], got {block_v}")
