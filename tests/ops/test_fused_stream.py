@@ -8,7 +8,6 @@ graphs, agreement with chain.
 """
 
 import functools
-import os
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from kdaserve.ops.fused import decode as fused_decode
 from kdaserve.ops.fused.decode import default_config
 from kdaserve.testing import assert_rel_close, make_kda_case, tolerance_for
 from kdaserve.testing.properties import check_decode_matches_reference, run_decode
+from kdaserve.testing.compiled import run_compiled
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = dict(H=2, D=16, device=DEV)
@@ -158,16 +158,7 @@ print("ok")
 def test_stream_compiles_for_sm90_without_spills():
     """Compiled mode (not the interpreter), ptxas included, for the default stream shapes and the
     register-prefetch variants: no spills, 16-byte state accesses, no atomics or polling."""
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, timeout=600)
-    if "No module named" in r.stderr and "nvidia" in r.stderr:
-        pytest.skip("this triton build has no NVIDIA backend")
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+    run_compiled(["-c", _COMPILE], timeout=600)
 
 
 # ---------------------------------------------------------------- GPU only
