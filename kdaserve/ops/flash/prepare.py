@@ -100,11 +100,12 @@ def _intra_exact(q, k, g, rows, C: tl.constexpr, FAST: tl.constexpr):
 
 
 @triton.jit
-def _intra_anchored_halves(q, k, g, rows, C: tl.constexpr, PREC: tl.constexpr, FAST: tl.constexpr):
+def _intra_anchored_halves(q, k, g, g_m, g_c, rows, C: tl.constexpr, PREC: tl.constexpr, FAST: tl.constexpr):
     """A_kk and A_qk of _intra_exact on tensor cores, for a chunk whose two halves each span a
-    cumulative log-decay of at most ANCHOR_SPREAD (the caller checks). Three factorizations of
-    e^(g_t - g_i), each exact where it is used (h = C/2, g_m = g at row h-1, the halves' border):
-    - same half: anchor a = the half's mid-point of g (g_m / 2, or (g_m + g_C) / 2): factors
+    cumulative log-decay of at most FlashConfig.unbounded_anchor_spread (the caller checks). Three
+    factorizations of e^(g_t - g_i), each exact where it is used (h = C/2; g_m, g_c = g at rows h-1,
+    the halves' border, and C-1):
+    - same half: anchor a = the half's mid-point of g (g_m / 2, or (g_m + g_c) / 2): factors
       e^(g_t - a) and e^(a - g_i) lie within e^(+-spread/2), fp32/tf32 range;
     - row in the second half, column in the first: anchor g_m, both factors e^(-|g - g_m|) <= 1
       (any decay: an underflow means a true product below fp32's range anyway).
@@ -112,8 +113,6 @@ def _intra_anchored_halves(q, k, g, rows, C: tl.constexpr, PREC: tl.constexpr, F
     selects, never multiplies, them away."""
     H2: tl.constexpr = C // 2
     second = rows >= H2
-    g_m = tl.sum(tl.where(rows[:, None] == H2 - 1, g, 0.0), axis=0)
-    g_c = tl.sum(tl.where(rows[:, None] == C - 1, g, 0.0), axis=0)
     a = tl.where(second[:, None], (0.5 * (g_m + g_c))[None, :], (0.5 * g_m)[None, :])
     e_up = fast_exp(g - a, FAST)
     r_up = fast_rcp(e_up, FAST)
@@ -255,7 +254,7 @@ def _prepare_chunk_unbounded(
         g_m = tl.sum(tl.where(ri == C // 2 - 1, g, 0.0), axis=0)
         spread = tl.max(tl.maximum(-g_m, g_m - g_last), axis=0)
         if spread <= anchor_spread:
-            akk, aqk = _intra_anchored_halves(q, k, g, rows, C, PREC_TC, FAST)
+            akk, aqk = _intra_anchored_halves(q, k, g, g_m, g_last, rows, C, PREC_TC, FAST)
         else:
             akk, aqk = _intra_exact(q, k, g, rows, C, FAST)
     else:
