@@ -5,6 +5,7 @@ shapes; the segmented (sequence-parallel) path is forced on with `segment_len`. 
 at real sizes, a 128K-token sequence with slow-decay heads (also marked slow), no host syncs.
 """
 
+import contextlib
 import functools
 import os
 
@@ -79,44 +80,47 @@ def test_strong_decay_at_the_lower_bound():
     check_prefill_matches_reference(UNSEGMENTED, case, 1e-5)
 
 
+@contextlib.contextmanager
+def flash_config(**overrides):
+    """CONFIG fields set for one test and restored after it, whatever the test does."""
+    old = {k: getattr(CONFIG, k) for k in overrides}
+    for k, v in overrides.items():
+        setattr(CONFIG, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(CONFIG, k, v)
+
+
 @cpu_only
-def test_unbounded_gate_with_huge_decay():
-    """Unbounded gates far beyond fp32's exp range inside one chunk (the exact column path).
-    Cumulative log-decays of hundreds cost fp32 cumsums ~1e-5 of relative precision in
-    e^(g_t - g_i): the fp32 chunked reference (chunked.py) errs 1.1e-5 here, hence 3e-5."""
+@pytest.mark.parametrize("anchored", [True, False], ids=["anchored-falls-back", "exact-loop"])
+def test_unbounded_gate_with_huge_decay(anchored):
+    """Unbounded gates far beyond fp32's exp range inside one chunk: the exact column path (the
+    anchored default falls back to it in the same kernel). Cumulative log-decays of hundreds cost
+    fp32 cumsums ~1e-5 of relative precision in e^(g_t - g_i): the fp32 chunked reference
+    (chunked.py) errs 1.1e-5 here, hence 3e-5."""
     case = make_kda_case([20], H=1, D=16, gate="unbounded", has_initial_state=True, seed=5)
     case.g1.mul_(10.0)
-    check_prefill_matches_reference(SEGMENTED, case, 3e-5)
+    with flash_config(unbounded_anchored=anchored):
+        check_prefill_matches_reference(SEGMENTED, case, 3e-5)
 
 
 @cpu_only
-@pytest.mark.parametrize("spread, dtype", [(170.0, torch.float32), (1e30, torch.float32), (1e30, torch.float16)],
-                         ids=["default-limit", "always-anchored", "always-anchored-fp16"])
-def test_unbounded_gate_anchored_halves(spread, dtype):
-    """CONFIG.unbounded_anchored: A and Aqk of the unbounded gate on tensor cores with per-half
-    anchors. With the limit lifted every chunk takes that path (this case's decays stay inside its
-    range); fp16 inputs take the 16-bit workspace of the GPU path."""
+@pytest.mark.parametrize("anchored, spread, dtype",
+                         [(True, 170.0, torch.float32), (True, 1e30, torch.float32), (True, 1e30, torch.float16),
+                          (False, 170.0, torch.float32), (False, 170.0, torch.float16)],
+                         ids=["default-limit", "always-anchored", "always-anchored-fp16", "exact-loop",
+                              "exact-loop-fp16"])
+def test_unbounded_gate_anchored_halves(anchored, spread, dtype):
+    """CONFIG.unbounded_anchored (the default): A and Aqk of the unbounded gate on tensor cores
+    with per-half anchors. With the limit lifted every chunk takes that path (this case's decays
+    stay inside its range); fp16 inputs take the 16-bit workspace of the GPU path. The exact loop
+    (unbounded_anchored=False) keeps its own checks."""
     case = make_kda_case([5, 40, 1, 37], H=2, D=16, gate="unbounded", dtype=dtype, conv_dtype=dtype,
                          has_initial_state=[True, False, True, True], slow_decay_heads=1, seed=23)
-    old = CONFIG.unbounded_anchored, CONFIG.unbounded_anchor_spread
-    CONFIG.unbounded_anchored, CONFIG.unbounded_anchor_spread = True, spread
-    try:
+    with flash_config(unbounded_anchored=anchored, unbounded_anchor_spread=spread):
         check_prefill_matches_reference(UNSEGMENTED, case, 1e-5 if dtype == torch.float32 else tolerance_for(dtype))
-    finally:
-        CONFIG.unbounded_anchored, CONFIG.unbounded_anchor_spread = old
-
-
-@cpu_only
-def test_unbounded_gate_anchored_falls_back_on_huge_decay():
-    """Decays beyond the anchored factors' range take the exact column loop inside the same kernel."""
-    case = make_kda_case([20], H=1, D=16, gate="unbounded", has_initial_state=True, seed=5)
-    case.g1.mul_(10.0)
-    old = CONFIG.unbounded_anchored
-    CONFIG.unbounded_anchored = True
-    try:
-        check_prefill_matches_reference(SEGMENTED, case, 3e-5)
-    finally:
-        CONFIG.unbounded_anchored = old
 
 
 @cpu_only
@@ -137,12 +141,8 @@ def test_segmented_equals_unsegmented_and_chunk_16_equals_32():
     out_a = run_prefill(UNSEGMENTED, a)
     out_b = run_prefill(flash(32), b)
     other = 16 if CONFIG.chunk == 32 else 32
-    old = CONFIG.chunk
-    CONFIG.chunk = other
-    try:
+    with flash_config(chunk=other):
         out_c = run_prefill(flash(16), c)
-    finally:
-        CONFIG.chunk = old
     for out, x, what in ((out_b, b, "segments of 32"), (out_c, c, f"chunk {other}, segments of 16")):
         assert_rel_close(out, out_a, 1e-5, f"{what}: output")
         assert_rel_close(x.recurrent_state, a.recurrent_state, 1e-5, f"{what}: states")
@@ -188,13 +188,9 @@ def test_conv_history_longer_than_a_chunk(host_cu):
     and the common launch skips both; sequences shorter than one and than two chunks included,
     with and without the host cu_seqlens (plan sizes then upper bounds)."""
     case = make_kda_case([5, 40, 1, 37, 17], H=2, D=16, conv_width=18, seed=22)
-    old = CONFIG.chunk
-    CONFIG.chunk = 16
-    try:
-        fn = UNSEGMENTED if host_cu else (lambda **a: UNSEGMENTED(**{**a, "cu_seqlens_cpu": None}))
+    fn = UNSEGMENTED if host_cu else (lambda **a: UNSEGMENTED(**{**a, "cu_seqlens_cpu": None}))
+    with flash_config(chunk=16):
         check_prefill_matches_reference(fn, case, 1e-5)
-    finally:
-        CONFIG.chunk = old
 
 
 @cpu_only
@@ -283,18 +279,15 @@ def test_gpu_matches_reference(gate, layout, segment_len):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("segment_len", [None, 256])
-def test_gpu_unbounded_gate_anchored_halves(segment_len):
-    """CONFIG.unbounded_anchored on the GPU (tf32 dots, fast exp): bf16 contract, mixed lengths."""
+@pytest.mark.parametrize("anchored, segment_len", [(True, None), (True, 256), (False, None)],
+                         ids=["anchored", "anchored-segmented", "exact-loop"])
+def test_gpu_unbounded_gate_anchored_halves(anchored, segment_len):
+    """The unbounded gate's two K1 paths on the GPU (tf32 dots, fast exp): bf16 contract, mixed lengths."""
     lens = [1000, 1, 77, 2048, 16, 300]
     case = _gpu_case(lens, 4, gate="unbounded", conv_layout="DS", slow_decay_heads=1, seed=16,
                      has_initial_state=[True, False, True, False, True, True])
-    old = CONFIG.unbounded_anchored
-    CONFIG.unbounded_anchored = True
-    try:
+    with flash_config(unbounded_anchored=anchored):
         check_prefill_matches_reference(flash(segment_len), case, BF16, chunk_size=_ref_chunk(lens))
-    finally:
-        CONFIG.unbounded_anchored = old
 
 
 @pytest.mark.gpu

@@ -20,9 +20,9 @@ class FlashConfig:
     # Unbounded gate: K1 forms A and Aqk on tensor cores with per-half anchors (prepare.py,
     # _intra_anchored_halves) in chunks whose halves each span at most `unbounded_anchor_spread`
     # of cumulative log-decay (170: factors within e^(+-85), normal fp32/tf32 numbers), the exact
-    # column loop elsewhere. Off until timed on a GPU (the exact loop is ~85% of flash's time with
-    # this gate on the H200: docs/flash-prefill.md).
-    unbounded_anchored: bool = False
+    # column loop elsewhere. H200, 32 heads: whole flash 2.12 vs 3.63 ms (1 x 8K), 3.84 vs 6.82 ms
+    # (16 x 1K) against the exact loop alone (docs/perf-notes.md). False: the exact loop everywhere.
+    unbounded_anchored: bool = True
     unbounded_anchor_spread: float = 170.0
     recur_warps: int = 8          # K2, one program per (sequence, head), the whole [V, K] state
     recur_stages: int = 2         # software-pipelined loads of the next chunk's workspace

@@ -130,7 +130,8 @@ class FlashPrefill:
         self.g1v, self.g2v, self.outv = check_flash_inputs(qkv, weights, recurrent_state, g1, g2, out, D)
         self.T, self.H, self.D, self.N = T, H, D, N
         self.cfg = cfg = CONFIG
-        # The unbounded gate's exact in-chunk path costs O(C) per element: it keeps 16-token chunks.
+        # The unbounded gate keeps 16-token chunks: its anchored halves must each stay within the
+        # decay spread, and its exact fallback costs O(C) per element (docs/flash-prefill.md).
         self.C = C = cfg.chunk if weights.lower_bound is not None else 16
         if C not in (16, 32):
             raise ValueError(f"flash chunk size must be 16 or 32, got {C}")

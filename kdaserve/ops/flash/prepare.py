@@ -13,8 +13,9 @@ recurrence needs, ~1 KB per token-head. The numerics of each step are argued in
 docs/flash-prefill.md; in short:
 - A and Aqk come from one tensor-core dot each: e^(g_t - g_i) = e^(g_t - a) e^(a - g_i) with the
   anchor a = g_C / 2 in the middle of the chunk, so every factor stays within e^(+-80) for 32
-  tokens at LB = -5 (e^(+-40) for 16): fp32/tf32 range, which fp16 could not hold. The unbounded gate has no such bound: it takes the
-  exact column loop (`BOUNDED=False`).
+  tokens at LB = -5 (e^(+-40) for 16): fp32/tf32 range, which fp16 could not hold. The unbounded gate has no such
+  bound: it anchors each half of a 16-token chunk apart (_intra_anchored_halves) wherever the
+  halves' decay spread allows, the exact column loop elsewhere (`BOUNDED=False`).
 - T by recursive blocking: T_2b = T_b - T_b A_off T_b doubles the solved diagonal blocks; every
   product is of bounded entries of the final inverse, unlike a Neumann/doubling product whose
   powers of A grow when decay is slow. The dots are tf32 like the others (tf32x3 would cost 14%
