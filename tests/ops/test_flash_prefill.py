@@ -5,7 +5,6 @@ shapes; the segmented (sequence-parallel) path is forced on with `segment_len`. 
 at real sizes, a 128K-token sequence with slow-decay heads (also marked slow), no host syncs.
 """
 
-import contextlib
 import functools
 import os
 
@@ -17,6 +16,7 @@ import triton
 from kdaserve.ops.flash import kda_prefill_flash
 from kdaserve.ops.flash.plan import build_plan, choose_segment_len
 from kdaserve.ops.flash.config import CONFIG
+from kdaserve.ops.flash.config import overridden as flash_config
 from kdaserve.testing import assert_rel_close, make_kda_case, tolerance_for
 from kdaserve.testing.properties import (
     check_mixed_equals_alone,
@@ -78,19 +78,6 @@ def test_strong_decay_at_the_lower_bound():
     case = make_kda_case([40], H=1, D=16, has_initial_state=True, seed=4)
     case.g1.fill_(30.0)
     check_prefill_matches_reference(UNSEGMENTED, case, 1e-5)
-
-
-@contextlib.contextmanager
-def flash_config(**overrides):
-    """CONFIG fields set for one test and restored after it, whatever the test does."""
-    old = {k: getattr(CONFIG, k) for k in overrides}
-    for k, v in overrides.items():
-        setattr(CONFIG, k, v)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            setattr(CONFIG, k, v)
 
 
 @cpu_only

@@ -7,6 +7,8 @@ timing it repeatedly inside an autotuner would corrupt the cache (and first-call
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from dataclasses import dataclass
 
 
@@ -46,3 +48,19 @@ class FlashConfig:
     cost_token_head_seg_ns: float = 0.35  # o_loc + q~ round trip and the correction pass
 
 CONFIG = FlashConfig()
+
+
+@contextlib.contextmanager
+def overridden(**changes):
+    """CONFIG with some fields changed inside the block, every field restored after it (tuning
+    runs and tests)."""
+    old = dataclasses.asdict(CONFIG)
+    for k, v in changes.items():
+        if not hasattr(CONFIG, k):
+            raise AttributeError(f"FlashConfig has no field {k!r}")
+        setattr(CONFIG, k, v)
+    try:
+        yield CONFIG
+    finally:
+        for k, v in old.items():
+            setattr(CONFIG, k, v)

@@ -10,13 +10,11 @@ segmenting thresholds. Runs in well under 2 minutes on an H200.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
 
 import torch
 
 from kdaserve.ops.flash import kda_prefill_flash
-from kdaserve.ops.flash.config import CONFIG
+from kdaserve.ops.flash.config import overridden
 from kdaserve.ops.flash.plan import build_plan
 from kdaserve.ops.flash.prefill import FlashPrefill
 from kdaserve.testing.inputs import make_kda_weights
@@ -51,18 +49,6 @@ def gpu_inputs(H: int, lens: list[int], D: int = 128, seed: int = 0) -> dict:
         has_initial_state=torch.ones(N, dtype=torch.bool, device=dev),
         out=torch.empty(T, H, D, device=dev, dtype=bf),
     )
-
-
-@contextlib.contextmanager
-def config(**changes):
-    old = dataclasses.asdict(CONFIG)
-    for k, v in changes.items():
-        setattr(CONFIG, k, v)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            setattr(CONFIG, k, v)
 
 
 def variants(lens: list[int]) -> list[tuple[str, dict, int | None]]:
@@ -114,7 +100,7 @@ def main() -> None:
         T = sum(lens)
         best = None
         for name, cfg, seg in variants(lens)[: 2 if args.quick else None]:
-            with config(**cfg):
+            with overridden(**cfg):
                 fn = lambda: kda_prefill_flash(**inp, segment_len=seg)  # noqa: E731
                 fn()
                 torch.cuda.synchronize()
