@@ -202,13 +202,15 @@ def sweep_configs() -> dict:
         "bv32 w8 s2": ChunkConfig(state_bv=32, state_warps=8, state_stages=2),
         "bv64 w4 s2": ChunkConfig(state_bv=64, state_warps=4, state_stages=2),
         "bv64 w8 s2": ChunkConfig(state_bv=64, state_warps=8, state_stages=2),
+        # The intra stage (ChunkConfig's comments): the default is "blocked" (diagonal inverses by
+        # recursive blocking at tf32) + wide (A by row blocks, one dot against every earlier
+        # column); "orig" is the original (forward substitution, "ieee" inverse, one dot per block
+        # pair). 4 warps: two programs per SM (48-220 B of spill, ptxas).
+        "intra orig": ChunkConfig(intra_inverse="substitution", intra_wide=False),
+        "intra blocked pairs": ChunkConfig(intra_wide=False),
+        "intra wide subst": ChunkConfig(intra_inverse="substitution"),
+        "intra wide subst tf32": ChunkConfig(intra_inverse="substitution", intra_inverse_tf32=True),
         "intra w4": ChunkConfig(intra_warps=4),
-        # The intra stage: the default is intra.py's original 16-row kernel (forward substitution,
-        # "ieee" inverse); "intra blocked" has its diagonal inverses by recursive blocking at tf32.
-        # intra_full.py's variants ("full", 64-row tiles) are left out: the first GPU run hit an
-        # illegal memory access (docs/chunk-prefill.md), which would end the whole sweep.
-        "intra blocked": ChunkConfig(intra_inverse="blocked", intra_inverse_tf32=True),
-        "intra subst tf32": ChunkConfig(intra_inverse_tf32=True),
         "output w8": ChunkConfig(output_warps=8),
     }
 

@@ -86,11 +86,13 @@ def test_gate_kernel_matches_reference_gate_elementwise(gate):
     assert torch.allclose(gcum.double(), ref, rtol=2e-5, atol=1e-30), f"max relative error {rel:.2e}"
 
 
-@pytest.mark.parametrize("inverse", ["full", "full-slice-outer", "blocked", "substitution"])
+@pytest.mark.parametrize("inverse", ["blocked", "substitution", "blocked-w4-maxnreg", "wide-blocked",
+                                     "wide-substitution"])
 def test_both_intra_inverses_match_reference_with_correlated_keys(inverse):
-    """Both ChunkConfig.intra_inverse paths (the lead times them side by side), on a chunk whose
-    keys are strongly correlated (all near one direction, beta near 1): the inverse of I + A then
-    has large entries and an error in any blocking level shows at 1e-5."""
+    """Both ChunkConfig.intra_inverse paths (bench_prefill.py --sweep times them side by side), on
+    a chunk whose keys are strongly correlated (all near one direction, beta near 1): the inverse
+    of I + A then has large entries and an error in any blocking level shows at 1e-5. maxnreg only
+    reaches the compiler: passing it checks that the launch accepts it."""
     from kdaserve.ops.chunk import ChunkConfig
 
     case = make_kda_case([70], has_initial_state=True, seed=9, **SMALL)
@@ -98,13 +100,30 @@ def test_both_intra_inverses_match_reference_with_correlated_keys(inverse):
     k = case.qkv[:, P : 2 * P]
     k.mul_(0.2).add_(1.0)  # common direction plus 20% noise: cosine ~0.96 between keys
     case.beta_logits.fill_(4.0)
-    # "full" takes the column-block-outer loop, "full-slice-outer" the slice-outer one; maxnreg only
-    # reaches the compiler: passing it checks that the launch accepts it.
-    full = inverse.startswith("full")
-    cfg = ChunkConfig(intra_inverse="full" if full else inverse, intra_inverse_tf32=inverse != "substitution",
-                      intra_maxnreg=128 if inverse == "full" else None, intra_slice_outer=inverse != "full")
+    blocked = "blocked" in inverse
+    cfg = ChunkConfig(intra_inverse="blocked" if blocked else "substitution", intra_inverse_tf32=blocked,
+                      intra_warps=4 if inverse.endswith("maxnreg") else 8,
+                      intra_maxnreg=168 if inverse.endswith("maxnreg") else None, intra_wide=inverse.startswith("wide"))
     prefill = functools.partial(kda_prefill_chunk, config=cfg)
     check_prefill_matches_reference(prefill, case, tolerance_for(torch.float32), chunk_size=64)
+
+
+@pytest.mark.parametrize("gate, inverse, dtype", [("bounded", "substitution", torch.float32),
+                                                  ("unbounded", "blocked", torch.float32),
+                                                  ("unbounded", "substitution", torch.float16),
+                                                  ("bounded", "blocked", torch.float16)])
+def test_wide_intra_matches_reference(gate, inverse, dtype):
+    """ChunkConfig.intra_wide (A by row blocks against every earlier column in one dot) on mixed
+    lengths: partial chunks whose column tiles run past the sequence, a null slot, both gates (the
+    unbounded one replaces the diagonal blocks with the exact loop's), both inverses, fp16."""
+    from kdaserve.ops.chunk import ChunkConfig
+
+    case = make_kda_case([1, 70, 37, 128], gate=gate, slow_decay_heads=1, seed=14, dtype=dtype, conv_dtype=dtype,
+                         has_initial_state=[False, True, True, False], **SMALL)
+    case.state_indices[2] = 0
+    cfg = ChunkConfig(intra_inverse=inverse, intra_wide=True)
+    check_prefill_matches_reference(functools.partial(kda_prefill_chunk, config=cfg), case, tolerance_for(dtype),
+                                    chunk_size=64)
 
 
 def test_null_rows_leave_output_untouched():
@@ -175,17 +194,20 @@ def test_gpu_bf16_serving_shapes_match_fp64_reference(shape, gate):
 
 
 @pytest.mark.gpu
-# intra_full.py's variants are not run here: their first GPU run hit an illegal memory access,
-# which poisons the CUDA context of every later test in the process (docs/chunk-prefill.md).
-@pytest.mark.parametrize("config", ["blocked", "substitution tf32"])
+@pytest.mark.parametrize("config", ["substitution", "blocked", "substitution tf32", "blocked w4", "wide",
+                                    "wide blocked w4", "wide unbounded", "substitution unbounded"])
 def test_gpu_intra_variants_match_fp64_reference(config):
     """The ChunkConfig intra variants that bench_prefill.py --sweep times, held to the same bf16
-    contract as the default (one serving shape, both gates' shared paths via the bounded one)."""
+    contract as the default ("wide blocked", run by every other GPU test): one serving shape, the
+    bounded gate unless named."""
     from kdaserve.ops.chunk import ChunkConfig
 
-    cfg = {"blocked": ChunkConfig(intra_inverse="blocked", intra_inverse_tf32=True),
-           "substitution tf32": ChunkConfig(intra_inverse_tf32=True)}[config]
+    blocked = "blocked" in config
+    cfg = ChunkConfig(intra_inverse="blocked" if blocked else "substitution",
+                      intra_inverse_tf32=True if blocked or "tf32" in config else None,
+                      intra_warps=4 if "w4" in config else 8, intra_wide="wide" in config)
     case = make_kda_case(SHAPES["16x1K"], H=32, D=128, dtype=torch.bfloat16, slow_decay_heads=4,
+                         gate="unbounded" if "unbounded" in config else "bounded",
                          conv_dtype=torch.bfloat16, device="cuda", seed=11)
     check_prefill_matches_reference(functools.partial(kda_prefill_chunk, config=cfg), case, GPU_TOL, chunk_size=64)
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 from kdaserve.ops.chunk.core import CHUNK, DEFAULT_CONFIG
 from kdaserve.ops.chunk.gate import chunk_gate_cumsum_kernel
 from kdaserve.ops.chunk.intra import BC, chunk_intra_kernel
-from kdaserve.ops.chunk.intra_full import chunk_intra_full_kernel
 from kdaserve.ops.chunk.output import chunk_output_norm_kernel
 from kdaserve.ops.chunk.state import chunk_state_pass_kernel
 from kdaserve.ops.sm90_compile import ARCH
@@ -35,20 +34,15 @@ def main(H: int = 32, D: int = 128) -> None:
         ("gate", chunk_gate_cumsum_kernel, dict(g1=bf, A_log=f32, dt_bias=f32, lower_bound="fp32", gcum=f32),
          dict(H=H, K=D, BT=CHUNK, BOUNDED=True), 4, 2),
     ]
-    intra_types = dict(y=f16, beta_logits=bf, gcum=f32, Aqk=f16, akk_diag=f32, akk_scratch=f32, w=f16, u=f16, kg=f16,
-                       qg=f16, scale="fp32")
+    intra_types = dict(y=f16, beta_logits=bf, gcum=f32, Aqk=f16, akk_scratch=f32, w=f16, u=f16, kg=f16, qg=f16,
+                       scale="fp32")
     for exact in (False, True):
-        for ks, outer in ((32, True), (32, False), (64, True)):
-            for warps in (4, 8):
-                variants.append((f"intra_full exact={exact:d} ks={ks} {'slice' if outer else 'block'}-outer",
-                                 chunk_intra_full_kernel, intra_types,
-                                 dict(H=H, K=D, BT=CHUNK, BCC=BC, KS=ks, EXACT_DIAG=exact, PREC="tf32", INV_PREC="tf32",
-                                      SLICE_OUTER=outer), warps, 2))
-        for inv, blocked, inv_prec in (("blocked tf32", True, "tf32"), ("subst ieee", False, "ieee")):
-            for warps in (4, 8):
-                variants.append((f"intra exact={exact:d} {inv}", chunk_intra_kernel, intra_types,
-                                 dict(H=H, K=D, BT=CHUNK, BCC=BC, EXACT_DIAG=exact, PREC="tf32", BLOCKED_INV=blocked,
-                                      INV_PREC=inv_prec), warps, 2))
+        for wide in (False, True):
+            for inv, blocked, inv_prec in (("blocked tf32", True, "tf32"), ("subst ieee", False, "ieee")):
+                for warps in (4, 8):
+                    variants.append((f"intra exact={exact:d} {inv}{' wide' if wide else ''}", chunk_intra_kernel,
+                                     intra_types, dict(H=H, K=D, BT=CHUNK, BCC=BC, EXACT_DIAG=exact, PREC="tf32",
+                                                       BLOCKED_INV=blocked, INV_PREC=inv_prec, WIDE=wide), warps, 2))
     for bv in (16, 32, 64):
         for warps in (4, 8):
             for stages in (2, 3):

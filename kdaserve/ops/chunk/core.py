@@ -15,7 +15,6 @@ import torch
 
 from kdaserve.ops.chunk.gate import launch_gate_cumsum
 from kdaserve.ops.chunk.intra import BC, launch_intra
-from kdaserve.ops.chunk.intra_full import launch_intra_full
 from kdaserve.ops.chunk.output import launch_output_norm
 from kdaserve.ops.chunk.state import launch_state_pass
 from kdaserve.ops.chunk.tables import ChunkTableCache, ChunkTables
@@ -25,7 +24,7 @@ CHUNK = 64  # tokens per chunk (four 16-token sub-blocks, see intra.py)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 _tables = ChunkTableCache()
-INTRA_VARIANTS = ("full", "blocked", "substitution")  # ChunkConfig.intra_inverse
+INTRA_VARIANTS = ("blocked", "substitution")  # ChunkConfig.intra_inverse
 
 
 def workspace_dtype(input_dtype: torch.dtype) -> torch.dtype:
@@ -55,27 +54,23 @@ class ChunkConfig:
     state_bv None picks by occupancy: narrow V-tiles give more programs when few (sequence, head)
     pairs run (one long prompt), wide tiles re-read w/kg less when the GPU is full anyway."""
 
-    intra_warps: int = 8      # 8: ~no register spills in the intra kernel (4: 100-200 B/thread)
-    # The intra stage: "full" (intra_full.py: 64-row tiles; A through an fp32 scratch, one 64x64
-    # inverse by recursive blocking, w/u as 64-row dots), or intra.py's 16-row sub-blocks with the
-    # diagonal 16x16 inverses by recursive blocking in registers ("blocked") or by forward
-    # substitution in fp32 FMAs, a 15-step chain of scratch loads ("substitution", the original).
-    # Default "substitution" with the "ieee" inverse: the one GPU-verified. "full" (the design with
-    # the fewest instructions) hit an illegal memory access on the H200 on its first run
-    # (2026-11-30, bf16 1x8K, 32 heads) and stays opt-in until that is found; "blocked" has not run
-    # on a GPU.
-    intra_inverse: str = "substitution"
-    intra_channel_slice: int = 32  # "full": channels per A/w/u dot slice (bounds live registers)
-    intra_maxnreg: int | None = None  # "full": register cap (128 at 8 warps: 2 CTAs/SM, ~250 B spill)
-    # "full": A/Aqk loop with channel slices outermost (each q/k/g slice loaded and normalized once
-    # for all four column blocks: 19% fewer SASS instructions, 252 registers) or column blocks
-    # outermost (195 registers; the one to combine with intra_maxnreg). Default False: the
-    # slices-outer loop hit an illegal memory access on the H200 (docs/chunk-prefill.md).
-    intra_slice_outer: bool = False
+    intra_warps: int = 8      # 8: 216-252 registers, no spill (wide); 4 spills 48-220 B and ran slower
+    # The intra stage (intra.py): the diagonal 16x16 inverses by recursive blocking in registers
+    # ("blocked", tf32 dots for 16-bit inputs) or by forward substitution in fp32 FMAs, a 15-step
+    # chain of scratch loads ("substitution", the original); A and Aqk by row blocks against every
+    # earlier column in one [16, K] x [K, 32-64] dot, A through an fp32 scratch [T, H, 64]
+    # (intra_wide), or one [16, K] x [K, 16] dot per block pair, which all 8 warps repeat.
+    # Default "blocked" + wide: H200, 32 heads, whole prefill 1.465 vs 1.589 ms (1 x 8K), 2.735 vs
+    # 2.963 (16 x 1K), 16 heads 1 x 32K 3.347 vs 3.571 against the original (substitution, per-pair
+    # dots); the fastest of the eight variants timed there for the bounded gate (docs/perf-notes.md).
+    # (A 64-row-tile design, intra_full.py, faulted or ran 23% slower on the H200 and was removed.)
+    intra_inverse: str = "blocked"
+    intra_wide: bool = True
+    # Register cap per thread (ptxas spills the rest) so that more programs share an SM; None: none.
+    intra_maxnreg: int | None = None
     # The inverse's dots at the products' precision (tf32 for 16-bit inputs) or always "ieee" fp32
     # (FMA loops on sm_90). fp32 inputs always get "ieee". docs/chunk-prefill.md argues tf32.
-    # None: tf32 for "blocked" and "full" (whose 64x64 "ieee" inverse spills ~1.3 KB per thread),
-    # "ieee" for "substitution" (exactly the GPU-verified original kernel).
+    # None: tf32 for "blocked", "ieee" for "substitution" (exactly the original kernel).
     intra_inverse_tf32: bool | None = None
     state_bv: int | None = None
     state_warps: int | None = None  # None: 4 up to BV = 32, 8 for BV = 64 (4 would spill there)
@@ -108,7 +103,7 @@ class ChunkPlan:
     """One call's tables, workspace and the four stage launches (separable for benchmarking).
 
     Workspace per token-head at D = 128 and a 16-bit input: gcum 512 B (fp32), Aqk 128 B,
-    diagonal blocks 64 B (fp32; all of A 256 B with intra_inverse='full'), w/u/kg/qg/v_new 5 x 256 B, chunk states 512 B: ~2.5 KB."""
+    diagonal blocks 64 B (fp32), w/u/kg/qg/v_new 5 x 256 B, chunk states 512 B: ~2.5 KB."""
 
     def __init__(self, y, g1, beta_logits, g2, weights: KDAWeights, recurrent_state, cu_seqlens, state_indices,
                  has_initial_state, out, cu_seqlens_cpu, config: ChunkConfig = DEFAULT_CONFIG):
@@ -121,11 +116,9 @@ class ChunkPlan:
         self.prec = _dot_precision(dt)
         self.gcum = torch.empty(T, H, D, device=dev, dtype=torch.float32)
         self.Aqk = torch.empty(T, H, CHUNK, device=dev, dtype=dt)
-        # fp32 inputs on a GPU take intra.py even under "full": intra_full's 64x64 "ieee" inverse dots
-        # lower to FMA loops that spill ~54 KB per thread (intra.py's ~2 KB); 16-bit inputs use tf32.
-        self.intra_full = config.intra_inverse == "full" and not (self.prec == "ieee" and dev.type == "cuda")
-        # fp32 scratch of the intra kernel: A's diagonal blocks ("substitution") or all of A ("full").
-        self.akk_scratch = torch.empty(T, H, CHUNK if self.intra_full else BC, device=dev, dtype=torch.float32)
+        # fp32 scratch of the intra kernel: all of A (intra_wide) or its diagonal blocks (read back
+        # by "substitution").
+        self.akk_scratch = torch.empty(T, H, CHUNK if config.intra_wide else BC, device=dev, dtype=torch.float32)
         # One allocation split in five (each a contiguous [T, H, D]): one allocator call, not five.
         self.w, self.u, self.kg, self.qg, self.v_new = torch.empty(5, T, H, D, device=dev, dtype=dt).unbind(0)
         self.h_states = torch.empty(self.tables.num_chunks, H, D, D, device=dev, dtype=dt)
@@ -143,14 +136,9 @@ class ChunkPlan:
             inv_prec = self.prec if tf32 else "ieee"
             args = (y, beta_logits, self.gcum, self.tables, state_indices, self.Aqk, self.akk_scratch, self.w, self.u,
                     self.kg, self.qg)
-            if self.intra_full:
-                launch_intra_full(*args, exact_diag=weights.lower_bound is None, precision=self.prec,
-                                  inverse_precision=inv_prec, BT=CHUNK, BC=BC, KS=c.intra_channel_slice,
-                                  num_warps=c.intra_warps, maxnreg=c.intra_maxnreg, slice_outer=c.intra_slice_outer)
-            else:
-                launch_intra(*args, exact_diag=weights.lower_bound is None, precision=self.prec, BT=CHUNK,
-                             num_warps=c.intra_warps, blocked_inverse=c.intra_inverse != "substitution",
-                             inverse_precision=inv_prec)
+            launch_intra(*args, exact_diag=weights.lower_bound is None, precision=self.prec, BT=CHUNK,
+                         num_warps=c.intra_warps, blocked_inverse=c.intra_inverse != "substitution",
+                         inverse_precision=inv_prec, maxnreg=c.intra_maxnreg, wide=c.intra_wide)
 
     def state(self) -> None:
         # Runs even without chunks: a 0-token sequence still stores its (initial or zero) state.

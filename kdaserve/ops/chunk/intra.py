@@ -26,9 +26,9 @@ Only the results are rounded to the workspace dtype when stored (w, u, kg, qg, A
 consumer feeds them to 16-bit tensor cores anyway.
 
 Registers: 255 with some spill at 8 warps (ptxas, sm_90). The [16, K] x [K, 16] dots put all 8
-warps along M = 16, so every warp computes the same product and holds both operands; intra_full.py
-(opt-in) avoids that with 64-row tiles but faulted or ran slower on the H200 (docs/chunk-prefill.md),
-so this kernel is the default.
+warps along M = 16, so every warp computes the same product and holds both operands; a 64-row-tile
+design that avoids that (intra_full.py) faulted or ran 23% slower on the H200 and was removed
+(docs/chunk-prefill.md).
 """
 
 from __future__ import annotations
@@ -138,8 +138,9 @@ def _diag_block(qn, kn, g, m, a, k_ptr, g_ptr, stride_y, stride_g, row0, t1, bet
 
 
 @triton.jit
-def _unit_lower_inverse4(diag_ptr, stride_d, t0, t1, BCC: tl.constexpr):
-    """(I + L)^-1 of the four strictly lower diagonal 16x16 blocks stored at diag_ptr, in fp32.
+def _unit_lower_inverse4(diag_ptr, stride_d, t0, t1, BCC: tl.constexpr, COL_STEP: tl.constexpr):
+    """(I + L)^-1 of the four strictly lower diagonal 16x16 blocks stored at diag_ptr, in fp32
+    (block I's columns start at I * COL_STEP: 0 in the diagonal-block scratch, BC in all of A).
 
     Forward substitution, written for the transpose Z = X^T so that each step is a product along
     the rows of Z (a reduction inside a warp, no CTA barrier): with l = L[i, :] read from memory,
@@ -153,14 +154,59 @@ def _unit_lower_inverse4(diag_ptr, stride_d, t0, t1, BCC: tl.constexpr):
         e_i = (r == i).to(tl.float32)
         row = (t0 + i + r * 0).to(tl.int64)
         l0 = tl.load(diag_ptr + row * stride_d + r, mask=row < t1, other=0.0)
-        l1 = tl.load(diag_ptr + (row + BCC) * stride_d + r, mask=row + BCC < t1, other=0.0)
-        l2 = tl.load(diag_ptr + (row + 2 * BCC) * stride_d + r, mask=row + 2 * BCC < t1, other=0.0)
-        l3 = tl.load(diag_ptr + (row + 3 * BCC) * stride_d + r, mask=row + 3 * BCC < t1, other=0.0)
+        l1 = tl.load(diag_ptr + (row + BCC) * stride_d + COL_STEP + r, mask=row + BCC < t1, other=0.0)
+        l2 = tl.load(diag_ptr + (row + 2 * BCC) * stride_d + 2 * COL_STEP + r, mask=row + 2 * BCC < t1, other=0.0)
+        l3 = tl.load(diag_ptr + (row + 3 * BCC) * stride_d + 3 * COL_STEP + r, mask=row + 3 * BCC < t1, other=0.0)
         Z0 = tl.where(sel, (e_i - tl.sum(Z0 * l0[None, :], axis=1))[:, None], Z0)
         Z1 = tl.where(sel, (e_i - tl.sum(Z1 * l1[None, :], axis=1))[:, None], Z1)
         Z2 = tl.where(sel, (e_i - tl.sum(Z2 * l2[None, :], axis=1))[:, None], Z2)
         Z3 = tl.where(sel, (e_i - tl.sum(Z3 * l3[None, :], axis=1))[:, None], Z3)
     return tl.trans(Z0), tl.trans(Z1), tl.trans(Z2), tl.trans(Z3)
+
+
+@triton.jit
+def _wide_row_block(qn, kn, g, m, rows, beta, a, k_ptr, g_ptr, stride_y, stride_g, t0, t1, I: tl.constexpr,
+                    aqk_ptr, stride_a, akk_ptr, stride_s, BCC: tl.constexpr, NJ: tl.constexpr, K: tl.constexpr,
+                    EXACT_DIAG: tl.constexpr, PREC: tl.constexpr):
+    """Row block I of A and Aqk against the chunk's first NJ >= 16 (I + 1) tokens, each in ONE
+    [16, K] x [K, NJ] dot: the warps split the NJ columns instead of all repeating one 16-column
+    product per earlier block. Anchor a = g at block I's first token (as _offdiag and
+    _diag_anchored, the same factors): the left exponent g_t - a <= 0; the right one a - g_i is
+    <= 0 for earlier blocks and in [0, 108] on block I's own columns with the bounded gate. Columns
+    after block I are discarded; their exponent is clamped at 112 so that, with unit-norm rows,
+    every sum stays below 2^119 and nothing non-finite is formed. The unbounded gate's diagonal
+    block comes from the exact column loop instead. Stores the rows' Aqk (fp16) and beta-scaled,
+    strictly lower A (the fp32 scratch that the inverse reads back)."""
+    cr = (t0 + tl.arange(0, NJ)).to(tl.int64)
+    mc = cr < t1
+    kc = _l2norm_rows(_load_rows(k_ptr, cr, mc, stride_y, K))
+    gc = _load_rows(g_ptr, cr, mc, stride_g, K)
+    up = tl.where(m[:, None], tl.exp2(tl.minimum(g - a[None, :], 0.0)), 0.0)
+    right = tl.trans(kc * tl.exp2(tl.minimum(a[None, :] - gc, 112.0)))
+    Akk = tl.dot(kn * up, right, input_precision=PREC)
+    Aqk = tl.dot(qn * up, right, input_precision=PREC)
+    ri = I * BCC + tl.arange(0, BCC)[:, None]  # row and column indices inside the chunk
+    ci = tl.arange(0, NJ)[None, :]
+    Akk = tl.where(ci < ri, Akk * beta[:, None], 0.0)
+    Aqk = tl.where(ci <= ri, Aqk, 0.0)
+    if EXACT_DIAG:
+        written = m[:, None] & (ci < I * BCC)
+        Ad, Qd = _diag_block(qn, kn, g, m, a, k_ptr, g_ptr, stride_y, stride_g, t0 + I * BCC, t1, beta, BCC, K, True,
+                             PREC)
+        _store_block(aqk_ptr, Qd, rows, m, I * BCC, stride_a, BCC)
+        _store_block(akk_ptr, Ad, rows, m, I * BCC, stride_s, BCC)
+    else:
+        written = m[:, None] & (ci < (I + 1) * BCC)
+    tl.store(aqk_ptr + rows[:, None] * stride_a + ci, Aqk.to(aqk_ptr.dtype.element_ty), mask=written)
+    tl.store(akk_ptr + rows[:, None] * stride_s + ci, Akk, mask=written)
+
+
+@triton.jit
+def _load_block(ptr, t0, t1, I: tl.constexpr, J: tl.constexpr, stride_s, BCC: tl.constexpr):
+    """Block (I, J) of the fp32 A scratch (rows past the sequence read as 0)."""
+    rows = (t0 + I * BCC + tl.arange(0, BCC)).to(tl.int64)
+    cols = J * BCC + tl.arange(0, BCC)
+    return tl.load(ptr + rows[:, None] * stride_s + cols[None, :], mask=(rows < t1)[:, None], other=0.0)
 
 
 @triton.jit
@@ -200,10 +246,11 @@ def _wu_inputs(k_ptr, v_ptr, g_ptr, stride_y, stride_g, t0, t1, J: tl.constexpr,
 def chunk_intra_kernel(
     y, stride_y, beta_logits, stride_b_t, stride_b_h,
     gcum, chunks, state_indices,
-    Aqk, akk_diag, w, u, kg, qg,
+    Aqk, akk_scratch, w, u, kg, qg,
     scale,
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BCC: tl.constexpr,
     EXACT_DIAG: tl.constexpr, PREC: tl.constexpr, BLOCKED_INV: tl.constexpr, INV_PREC: tl.constexpr,
+    WIDE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     i_c = pid // H
@@ -222,8 +269,10 @@ def chunk_intra_kernel(
     stride_g = H * K  # row stride of the [T, H, K] buffers
     stride_a = H * BT  # row stride of Aqk [T, H, BT]
     Aqk_h = Aqk + i_h * BT
-    diag_h = akk_diag + i_h * BCC
-    stride_d = H * BCC  # row stride of the [T, H, BC] diagonal-block scratch
+    # fp32 scratch of A: all of it [T, H, BT] (WIDE) or its diagonal blocks [T, H, BC]
+    SW: tl.constexpr = BT if WIDE else BCC
+    diag_h = akk_scratch + i_h * SW
+    stride_d = H * SW
     w_h, u_h, kg_h, qg_h = w + i_h * K, u + i_h * K, kg + i_h * K, qg + i_h * K
     last = tl.minimum(t0 + BT, t1).to(tl.int64) - 1
     g_last = tl.load(g_ptr + last * stride_g + tl.arange(0, K))
@@ -232,73 +281,110 @@ def chunk_intra_kernel(
     qn0, kn0, g0, m0, r0, b0 = _row_block(q_ptr, k_ptr, g_ptr, b_ptr, stride_y, stride_g, stride_b_t, t0, t1, 0, scale,
                                           g_last, qg_h, kg_h, stride_g, BCC, K)
     a0 = _anchor(g_ptr, stride_g, t0, t1, 0, BCC, K)
-    A00, Q00 = _diag_block(qn0, kn0, g0, m0, a0, k_ptr, g_ptr, stride_y, stride_g, t0, t1, b0, BCC, K, EXACT_DIAG, PREC)
-    _store_block(Aqk_h, Q00, r0, m0, 0, stride_a, BCC)
-    if BLOCKED_INV:
-        X00 = unit_lower_inverse(A00, BCC, 4, INV_PREC)  # 4 = log2(BC)
+    if WIDE:
+        _wide_row_block(qn0, kn0, g0, m0, r0, b0, a0, k_ptr, g_ptr, stride_y, stride_g, t0, t1, 0, Aqk_h, stride_a,
+                        diag_h, stride_d, BCC, BCC, K, EXACT_DIAG, PREC)
     else:
-        _store_block(diag_h, A00, r0, m0, 0, stride_d, BCC)
+        A00, Q00 = _diag_block(qn0, kn0, g0, m0, a0, k_ptr, g_ptr, stride_y, stride_g, t0, t1, b0, BCC, K, EXACT_DIAG,
+                               PREC)
+        _store_block(Aqk_h, Q00, r0, m0, 0, stride_a, BCC)
+        if BLOCKED_INV:
+            X00 = unit_lower_inverse(A00, BCC, 4, INV_PREC)  # 4 = log2(BC)
+        else:
+            _store_block(diag_h, A00, r0, m0, 0, stride_d, BCC)
 
     qn1, kn1, g1, m1, r1, b1 = _row_block(q_ptr, k_ptr, g_ptr, b_ptr, stride_y, stride_g, stride_b_t, t0, t1, 1, scale,
                                           g_last, qg_h, kg_h, stride_g, BCC, K)
     a1 = _anchor(g_ptr, stride_g, t0, t1, 1, BCC, K)
-    A11, Q11 = _diag_block(qn1, kn1, g1, m1, a1, k_ptr, g_ptr, stride_y, stride_g, t0 + BCC, t1, b1, BCC, K, EXACT_DIAG, PREC)
-    kn0, g0 = _block_kg(k_ptr, g_ptr, stride_y, stride_g, t0, t1, 0, BCC, K)
-    A10, Q10 = _offdiag(qn1, kn1, g1, m1, a1, kn0, g0, PREC)
-    A10 = A10 * b1[:, None]
-    _store_block(Aqk_h, Q10, r1, m1, 0, stride_a, BCC)
-    _store_block(Aqk_h, Q11, r1, m1, BCC, stride_a, BCC)
-    if BLOCKED_INV:
-        X11 = unit_lower_inverse(A11, BCC, 4, INV_PREC)  # 4 = log2(BC)
+    if WIDE:
+        _wide_row_block(qn1, kn1, g1, m1, r1, b1, a1, k_ptr, g_ptr, stride_y, stride_g, t0, t1, 1, Aqk_h, stride_a,
+                        diag_h, stride_d, BCC, 2 * BCC, K, EXACT_DIAG, PREC)
     else:
-        _store_block(diag_h, A11, r1, m1, 0, stride_d, BCC)
+        A11, Q11 = _diag_block(qn1, kn1, g1, m1, a1, k_ptr, g_ptr, stride_y, stride_g, t0 + BCC, t1, b1, BCC, K,
+                               EXACT_DIAG, PREC)
+        kn0, g0 = _block_kg(k_ptr, g_ptr, stride_y, stride_g, t0, t1, 0, BCC, K)
+        A10, Q10 = _offdiag(qn1, kn1, g1, m1, a1, kn0, g0, PREC)
+        A10 = A10 * b1[:, None]
+        _store_block(Aqk_h, Q10, r1, m1, 0, stride_a, BCC)
+        _store_block(Aqk_h, Q11, r1, m1, BCC, stride_a, BCC)
+        if BLOCKED_INV:
+            X11 = unit_lower_inverse(A11, BCC, 4, INV_PREC)  # 4 = log2(BC)
+        else:
+            _store_block(diag_h, A11, r1, m1, 0, stride_d, BCC)
 
     qn2, kn2, g2, m2, r2, b2 = _row_block(q_ptr, k_ptr, g_ptr, b_ptr, stride_y, stride_g, stride_b_t, t0, t1, 2, scale,
                                           g_last, qg_h, kg_h, stride_g, BCC, K)
     a2 = _anchor(g_ptr, stride_g, t0, t1, 2, BCC, K)
-    A22, Q22 = _diag_block(qn2, kn2, g2, m2, a2, k_ptr, g_ptr, stride_y, stride_g, t0 + 2 * BCC, t1, b2, BCC, K, EXACT_DIAG, PREC)
-    kn0, g0 = _block_kg(k_ptr, g_ptr, stride_y, stride_g, t0, t1, 0, BCC, K)
-    A20, Q20 = _offdiag(qn2, kn2, g2, m2, a2, kn0, g0, PREC)
-    kn1, g1 = _block_kg(k_ptr, g_ptr, stride_y, stride_g, t0, t1, 1, BCC, K)
-    A21, Q21 = _offdiag(qn2, kn2, g2, m2, a2, kn1, g1, PREC)
-    A20 = A20 * b2[:, None]
-    A21 = A21 * b2[:, None]
-    _store_block(Aqk_h, Q20, r2, m2, 0, stride_a, BCC)
-    _store_block(Aqk_h, Q21, r2, m2, BCC, stride_a, BCC)
-    _store_block(Aqk_h, Q22, r2, m2, 2 * BCC, stride_a, BCC)
-    if BLOCKED_INV:
-        X22 = unit_lower_inverse(A22, BCC, 4, INV_PREC)  # 4 = log2(BC)
+    if WIDE:
+        _wide_row_block(qn2, kn2, g2, m2, r2, b2, a2, k_ptr, g_ptr, stride_y, stride_g, t0, t1, 2, Aqk_h, stride_a,
+                        diag_h, stride_d, BCC, BT, K, EXACT_DIAG, PREC)
     else:
-        _store_block(diag_h, A22, r2, m2, 0, stride_d, BCC)
+        A22, Q22 = _diag_block(qn2, kn2, g2, m2, a2, k_ptr, g_ptr, stride_y, stride_g, t0 + 2 * BCC, t1, b2, BCC, K,
+                               EXACT_DIAG, PREC)
+        kn0, g0 = _block_kg(k_ptr, g_ptr, stride_y, stride_g, t0, t1, 0, BCC, K)
+        A20, Q20 = _offdiag(qn2, kn2, g2, m2, a2, kn0, g0, PREC)
+        kn1, g1 = _block_kg(k_ptr, g_ptr, stride_y, stride_g, t0, t1, 1, BCC, K)
+        A21, Q21 = _offdiag(qn2, kn2, g2, m2, a2, kn1, g1, PREC)
+        A20 = A20 * b2[:, None]
+        A21 = A21 * b2[:, None]
+        _store_block(Aqk_h, Q20, r2, m2, 0, stride_a, BCC)
+        _store_block(Aqk_h, Q21, r2, m2, BCC, stride_a, BCC)
+        _store_block(Aqk_h, Q22, r2, m2, 2 * BCC, stride_a, BCC)
+        if BLOCKED_INV:
+            X22 = unit_lower_inverse(A22, BCC, 4, INV_PREC)  # 4 = log2(BC)
+        else:
+            _store_block(diag_h, A22, r2, m2, 0, stride_d, BCC)
 
     qn3, kn3, g3, m3, r3, b3 = _row_block(q_ptr, k_ptr, g_ptr, b_ptr, stride_y, stride_g, stride_b_t, t0, t1, 3, scale,
                                           g_last, qg_h, kg_h, stride_g, BCC, K)
     a3 = _anchor(g_ptr, stride_g, t0, t1, 3, BCC, K)
-    A33, Q33 = _diag_block(qn3, kn3, g3, m3, a3, k_ptr, g_ptr, stride_y, stride_g, t0 + 3 * BCC, t1, b3, BCC, K, EXACT_DIAG, PREC)
-    kn0, g0 = _block_kg(k_ptr, g_ptr, stride_y, stride_g, t0, t1, 0, BCC, K)
-    A30, Q30 = _offdiag(qn3, kn3, g3, m3, a3, kn0, g0, PREC)
-    kn1, g1 = _block_kg(k_ptr, g_ptr, stride_y, stride_g, t0, t1, 1, BCC, K)
-    A31, Q31 = _offdiag(qn3, kn3, g3, m3, a3, kn1, g1, PREC)
-    kn2, g2 = _block_kg(k_ptr, g_ptr, stride_y, stride_g, t0, t1, 2, BCC, K)
-    A32, Q32 = _offdiag(qn3, kn3, g3, m3, a3, kn2, g2, PREC)
-    A30 = A30 * b3[:, None]
-    A31 = A31 * b3[:, None]
-    A32 = A32 * b3[:, None]
-    _store_block(Aqk_h, Q30, r3, m3, 0, stride_a, BCC)
-    _store_block(Aqk_h, Q31, r3, m3, BCC, stride_a, BCC)
-    _store_block(Aqk_h, Q32, r3, m3, 2 * BCC, stride_a, BCC)
-    _store_block(Aqk_h, Q33, r3, m3, 3 * BCC, stride_a, BCC)
-    if BLOCKED_INV:
-        X33 = unit_lower_inverse(A33, BCC, 4, INV_PREC)  # 4 = log2(BC)
+    if WIDE:
+        _wide_row_block(qn3, kn3, g3, m3, r3, b3, a3, k_ptr, g_ptr, stride_y, stride_g, t0, t1, 3, Aqk_h, stride_a,
+                        diag_h, stride_d, BCC, BT, K, EXACT_DIAG, PREC)
     else:
-        _store_block(diag_h, A33, r3, m3, 0, stride_d, BCC)
+        A33, Q33 = _diag_block(qn3, kn3, g3, m3, a3, k_ptr, g_ptr, stride_y, stride_g, t0 + 3 * BCC, t1, b3, BCC, K,
+                               EXACT_DIAG, PREC)
+        kn0, g0 = _block_kg(k_ptr, g_ptr, stride_y, stride_g, t0, t1, 0, BCC, K)
+        A30, Q30 = _offdiag(qn3, kn3, g3, m3, a3, kn0, g0, PREC)
+        kn1, g1 = _block_kg(k_ptr, g_ptr, stride_y, stride_g, t0, t1, 1, BCC, K)
+        A31, Q31 = _offdiag(qn3, kn3, g3, m3, a3, kn1, g1, PREC)
+        kn2, g2 = _block_kg(k_ptr, g_ptr, stride_y, stride_g, t0, t1, 2, BCC, K)
+        A32, Q32 = _offdiag(qn3, kn3, g3, m3, a3, kn2, g2, PREC)
+        A30 = A30 * b3[:, None]
+        A31 = A31 * b3[:, None]
+        A32 = A32 * b3[:, None]
+        _store_block(Aqk_h, Q30, r3, m3, 0, stride_a, BCC)
+        _store_block(Aqk_h, Q31, r3, m3, BCC, stride_a, BCC)
+        _store_block(Aqk_h, Q32, r3, m3, 2 * BCC, stride_a, BCC)
+        _store_block(Aqk_h, Q33, r3, m3, 3 * BCC, stride_a, BCC)
+        if BLOCKED_INV:
+            X33 = unit_lower_inverse(A33, BCC, 4, INV_PREC)  # 4 = log2(BC)
+        else:
+            _store_block(diag_h, A33, r3, m3, 0, stride_d, BCC)
 
-    # ---- X = (I + A)^-1: diagonal blocks (above, or by substitution here), then the blocks below ----
-    if not BLOCKED_INV:
+    # ---- X = (I + A)^-1: diagonal blocks (above, or from the scratch here), then the blocks below ----
+    if WIDE:
+        # A went to the scratch from other threads of this program: a CTA barrier orders those
+        # global stores before these loads (L1 hits).
+        tl.debug_barrier()
+        A10 = _load_block(diag_h, t0, t1, 1, 0, stride_d, BCC)
+        A20 = _load_block(diag_h, t0, t1, 2, 0, stride_d, BCC)
+        A21 = _load_block(diag_h, t0, t1, 2, 1, stride_d, BCC)
+        A30 = _load_block(diag_h, t0, t1, 3, 0, stride_d, BCC)
+        A31 = _load_block(diag_h, t0, t1, 3, 1, stride_d, BCC)
+        A32 = _load_block(diag_h, t0, t1, 3, 2, stride_d, BCC)
+        if BLOCKED_INV:
+            X00 = unit_lower_inverse(_load_block(diag_h, t0, t1, 0, 0, stride_d, BCC), BCC, 4, INV_PREC)
+            X11 = unit_lower_inverse(_load_block(diag_h, t0, t1, 1, 1, stride_d, BCC), BCC, 4, INV_PREC)
+            X22 = unit_lower_inverse(_load_block(diag_h, t0, t1, 2, 2, stride_d, BCC), BCC, 4, INV_PREC)
+            X33 = unit_lower_inverse(_load_block(diag_h, t0, t1, 3, 3, stride_d, BCC), BCC, 4, INV_PREC)
+        else:
+            X00, X11, X22, X33 = _unit_lower_inverse4(diag_h, stride_d, t0, t1, BCC, BCC)
+    elif not BLOCKED_INV:
         # The substitution reads rows of the diagonal blocks stored above by other threads of this
         # program: a CTA barrier orders those global stores before the loads.
         tl.debug_barrier()
-        X00, X11, X22, X33 = _unit_lower_inverse4(diag_h, stride_d, t0, t1, BCC)
+        X00, X11, X22, X33 = _unit_lower_inverse4(diag_h, stride_d, t0, t1, BCC, 0)
     # X_IJ = -X_II sum_{J <= M < I} A_IM X_MJ
     X10 = -tl.dot(X11, tl.dot(A10, X00, input_precision=INV_PREC), input_precision=INV_PREC)
     X21 = -tl.dot(X22, tl.dot(A21, X11, input_precision=INV_PREC), input_precision=INV_PREC)
@@ -349,15 +435,20 @@ def chunk_intra_kernel(
     _store_block(u_h, U3, r3, m3, 0, stride_g, K)
 
 
-def launch_intra(y, beta_logits, gcum, tables, state_indices, Aqk, akk_diag, w, u, kg, qg, *,
+def launch_intra(y, beta_logits, gcum, tables, state_indices, Aqk, akk_scratch, w, u, kg, qg, *,
                  exact_diag: bool, precision: str, BT: int, num_warps: int = 8, blocked_inverse: bool = True,
-                 inverse_precision: str = "ieee") -> None:
+                 inverse_precision: str = "ieee", maxnreg: int | None = None, wide: bool = False) -> None:
+    """maxnreg caps registers per thread so that more programs share an SM (ptxas spills the rest).
+    wide: A by row blocks against all earlier columns at once (akk_scratch [T, H, BT], else [T, H, BC])."""
+    if akk_scratch.shape[-1] != (BT if wide else BC):
+        raise ValueError(f"akk_scratch must be [T, H, {BT if wide else BC}] for wide={wide}, got {tuple(akk_scratch.shape)}")
     T, H, K = gcum.shape
+    extra = {} if maxnreg is None else {"maxnreg": maxnreg}
     chunk_intra_kernel[(tables.num_chunks * H,)](
         y, y.stride(0), beta_logits, beta_logits.stride(0), beta_logits.stride(1),
         gcum, tables.chunks, state_indices,
-        Aqk, akk_diag, w, u, kg, qg,
+        Aqk, akk_scratch, w, u, kg, qg,
         K ** -0.5,
         H=H, K=K, BT=BT, BCC=BC, EXACT_DIAG=exact_diag, PREC=precision,
-        BLOCKED_INV=blocked_inverse, INV_PREC=inverse_precision, num_warps=num_warps,
+        BLOCKED_INV=blocked_inverse, INV_PREC=inverse_precision, WIDE=wide, num_warps=num_warps, **extra,
     )

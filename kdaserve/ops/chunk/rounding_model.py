@@ -7,8 +7,9 @@ and rounds exactly where they store or feed tensor cores (docs/chunk-prefill.md,
     y (conv output)                      fp16   (conv math fp32 from bf16 inputs)
     A, Aqk products                      tf32 operands (10-bit mantissa), fp32 accumulation
     (I + A)^-1                           fp32 (--inverse fp32, intra.py's substitution), or recursive
-                                         blocking with tf32 operands (--inverse tf32, the default
-                                         intra_full.py / "blocked" kernels on 16-bit inputs)
+                                         blocking with tf32 operands (--inverse tf32: one 64x64
+                                         blocking, the same tf32 rounding per level as the
+                                         "blocked" kernel's 16x16 blocks and block substitution)
     w, u (tf32 products), kg, qg, Aqk    fp16
     h = S^T (stored, and the w S^T operand), v_new      fp16
     S                                    fp32 for the whole sequence, never re-rounded
@@ -48,7 +49,7 @@ def _fp16(x: torch.Tensor) -> torch.Tensor:
 
 
 def _inverse_tf32_blocked(A: torch.Tensor) -> torch.Tensor:
-    """(I + A)^-1 of strictly lower [.., C, C] A as intra_full.py computes it on 16-bit inputs:
+    """(I + A)^-1 of strictly lower [.., C, C] A by recursive blocking on 16-bit inputs:
     T_2b = T_b - T_b A_off T_b, every dot with tf32 operands (the inner product rounded again as
     the outer dot's operand) and fp32 accumulation."""
     C = A.shape[-1]
