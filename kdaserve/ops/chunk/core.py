@@ -102,8 +102,9 @@ def chunk_tables(cu_seqlens_cpu: torch.Tensor, device: torch.device) -> ChunkTab
 class ChunkPlan:
     """One call's tables, workspace and the four stage launches (separable for benchmarking).
 
-    Workspace per token-head at D = 128 and a 16-bit input: gcum 512 B (fp32), Aqk 128 B,
-    diagonal blocks 64 B (fp32), w/u/kg/qg/v_new 5 x 256 B, chunk states 512 B: ~2.5 KB."""
+    Workspace per token-head at D = 128 and a 16-bit input: gcum 512 B (fp32), Aqk 128 B, A 256 B
+    (fp32; its diagonal blocks only, 64 B, without intra_wide), w/u/kg/qg/v_new 5 x 256 B, chunk
+    states 512 B: ~2.7 KB."""
 
     def __init__(self, y, g1, beta_logits, g2, weights: KDAWeights, recurrent_state, cu_seqlens, state_indices,
                  has_initial_state, out, cu_seqlens_cpu, config: ChunkConfig = DEFAULT_CONFIG):
@@ -116,9 +117,12 @@ class ChunkPlan:
         self.prec = _dot_precision(dt)
         self.gcum = torch.empty(T, H, D, device=dev, dtype=torch.float32)
         self.Aqk = torch.empty(T, H, CHUNK, device=dev, dtype=dt)
-        # fp32 scratch of the intra kernel: all of A (intra_wide) or its diagonal blocks (read back
-        # by "substitution").
-        self.akk_scratch = torch.empty(T, H, CHUNK if config.intra_wide else BC, device=dev, dtype=torch.float32)
+        # fp32 inputs on a GPU keep the per-pair intra: their "ieee" wide dots with the unbounded
+        # gate's exact diagonal compile to ~28 KB of spills per thread (ptxas sm_90; per pair 1.5 KB).
+        self.intra_wide = config.intra_wide and not (self.prec == "ieee" and dev.type == "cuda")
+        # fp32 scratch of the intra kernel: all of A (wide) or its diagonal blocks (read back by
+        # "substitution").
+        self.akk_scratch = torch.empty(T, H, CHUNK if self.intra_wide else BC, device=dev, dtype=torch.float32)
         # One allocation split in five (each a contiguous [T, H, D]): one allocator call, not five.
         self.w, self.u, self.kg, self.qg, self.v_new = torch.empty(5, T, H, D, device=dev, dtype=dt).unbind(0)
         self.h_states = torch.empty(self.tables.num_chunks, H, D, D, device=dev, dtype=dt)
@@ -138,7 +142,7 @@ class ChunkPlan:
                     self.kg, self.qg)
             launch_intra(*args, exact_diag=weights.lower_bound is None, precision=self.prec, BT=CHUNK,
                          num_warps=c.intra_warps, blocked_inverse=c.intra_inverse != "substitution",
-                         inverse_precision=inv_prec, maxnreg=c.intra_maxnreg, wide=c.intra_wide)
+                         inverse_precision=inv_prec, maxnreg=c.intra_maxnreg, wide=self.intra_wide)
 
     def state(self) -> None:
         # Runs even without chunks: a 0-token sequence still stores its (initial or zero) state.

@@ -5,7 +5,7 @@ cumsum (log2 units, stage 1), q and k l2-normalized here (q also scaled by D^-0.
 
     A[t, i]   = beta_t sum_c k_t k_i 2^(g_t - g_i)     (i < t)      16x16 blocks in registers
     Aqk[t, i] =        sum_c q_t k_i 2^(g_t - g_i)     (i <= t)     -> Aqk [T, H, BT]
-    X = (I + A)^-1 by 16x16 blocks (diagonal blocks by forward substitution)
+    X = (I + A)^-1 by 16x16 blocks (diagonal blocks by recursive blocking or forward substitution)
     w  = X (beta k 2^g)        u = X (beta v)                       -> w [T, H, K], u [T, H, V]
     kg = k 2^(g_last - g)      qg = q 2^g                           -> kg, qg [T, H, K]
 
@@ -25,10 +25,15 @@ inverses by recursive blocking in registers (BLOCKED_INV) or by forward substitu
 Only the results are rounded to the workspace dtype when stored (w, u, kg, qg, Aqk), as every
 consumer feeds them to 16-bit tensor cores anyway.
 
-Registers: 255 with some spill at 8 warps (ptxas, sm_90). The [16, K] x [K, 16] dots put all 8
-warps along M = 16, so every warp computes the same product and holds both operands; a 64-row-tile
-design that avoids that (intra_full.py) faulted or ran 23% slower on the H200 and was removed
-(docs/chunk-prefill.md).
+A and Aqk come in one of two forms (WIDE, ChunkConfig.intra_wide). Per pair: one [16, K] x
+[K, 16] dot per (row block, column block) and matrix; Triton cannot split M = N = 16 over 8 warps,
+so every warp computes the same product and holds both operands (255 registers, 20-84 B of spill,
+ptxas sm_90). Wide (default): row block I against the chunk's first 16 (I + 1) tokens (padded to
+a power of two) in ONE dot per matrix, the warps splitting its 32-64 columns, with the same
+factors (anchor at block I's first token; see _wide_row_block); A goes through an fp32 scratch
+and comes back as 16x16 blocks after one barrier (216-252 registers, no spill; 14% faster intra
+on the H200, docs/perf-notes.md). A 64-row-tile design (intra_full.py) faulted or ran 23% slower
+on the H200 and was removed (docs/chunk-prefill.md).
 """
 
 from __future__ import annotations
