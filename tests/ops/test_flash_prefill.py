@@ -314,8 +314,9 @@ def test_gpu_no_host_sync_without_host_cu_seqlens():
 @pytest.mark.gpu
 @pytest.mark.slow
 @gpu
-@pytest.mark.parametrize("segment_len", [None, 0])
-def test_gpu_128k_sequence_slow_decay_heads(segment_len):
-    """One 128K-token sequence, half the heads slow-decaying: precision must hold at full length."""
-    case = _gpu_case([131072], 2, slow_decay_heads=1, has_initial_state=True, seed=16)
+@pytest.mark.parametrize("gate, segment_len", [("bounded", None), ("bounded", 0), ("unbounded", None)])
+def test_gpu_128k_sequence_slow_decay_heads(gate, segment_len):
+    """One 128K-token sequence, half the heads slow-decaying: precision must hold at full length
+    (the unbounded gate: anchored halves with the exact fallback, 16-token chunks)."""
+    case = _gpu_case([131072], 2, gate=gate, slow_decay_heads=1, has_initial_state=True, seed=16)
     check_prefill_matches_reference(flash(segment_len), case, BF16, chunk_size=64)
