@@ -1,7 +1,7 @@
 """Prefill of one KDA layer (varlen conv -> chunked core -> gated RMSNorm): ms, tokens/s, ratios.
 
 Columns, side by side in one run on the same inputs (bf16 q|k|v, fp32 state pool, D = 128,
-lower_bound -5, every sequence resuming from its slot's state):
+lower_bound -5 (--gate unbounded: Kimi-Linear's gate), every sequence resuming from its slot's state):
   chunk  kdaserve.ops.chunk.kda_prefill_chunk
   flash  kdaserve.ops.flash.kda_prefill_flash (only when that module exists)
   fla    FLA 0.6.0 `chunk_kda` as a serving engine must call it, through
@@ -215,16 +215,16 @@ def sweep_configs() -> dict:
     }
 
 
-def run_sweep(shapes: list[str]) -> None:
+def run_sweep(shapes: list[str], gate: str = "bounded") -> None:
     from kdaserve.ops.chunk.core import kda_chunk_core, workspace_dtype
     from kdaserve.ops.conv import causal_conv_varlen_fwd
 
     configs = sweep_configs()
-    print("\nchunk launch shapes, H=32: ms per call (conv included)")
+    print(f"\nchunk launch shapes, H=32, {gate} gate: ms per call (conv included)")
     print("| shape | " + " | ".join(configs) + " |")
     print("|---|" + "---|" * len(configs))
     for shape in shapes:
-        case = gpu_case(parse_shape(shape), 32)
+        case = gpu_case(parse_shape(shape), 32, gate=gate)
         cells = []
         for cfg in configs.values():
             def fn(out, qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, cu_seqlens, state_indices,
@@ -249,10 +249,13 @@ def main() -> None:
     ap.add_argument("--device-time", action="store_true",
                     help="also the kernels' device time per column (torch.profiler): ratios immune to host gaps")
     ap.add_argument("--sweep", action="store_true", help="also time ChunkConfig launch shapes at H=32")
+    ap.add_argument("--gate", choices=("bounded", "unbounded"), default="bounded",
+                    help="forget gate of the timed cases: GLM's bounded one (LB = -5) or Kimi-Linear's unbounded one")
     args = ap.parse_args()
     t0 = time.time()
     cols = load_columns()
-    print(torch.cuda.get_device_name(), "| columns:", ", ".join(cols), "| conv + gated norm included in every column",
+    print(torch.cuda.get_device_name(), "| columns:", ", ".join(cols), f"| {args.gate} gate",
+          "| conv + gated norm included in every column",
           flush=True)
     if not args.no_agreement:
         agreement({k: v for k, v in cols.items() if k != "fla-core"})
@@ -266,7 +269,7 @@ def main() -> None:
     rows, dev_rows, stages = [], [], []
     for H in args.heads:
         for shape in args.shapes:
-            case = gpu_case(parse_shape(shape), H)
+            case = gpu_case(parse_shape(shape), H, gate=args.gate)
             T = sum(case.seq_lens)
             times = {name: bench_ms(fn, case) for name, fn in cols.items()}
             rows.append((H, shape, T, times))
@@ -280,7 +283,7 @@ def main() -> None:
                   + f" ({time.time() - t0:.0f} s)", flush=True)
 
     if args.sweep:
-        run_sweep([s for s in args.shapes if s != "1x64K"] or args.shapes)
+        run_sweep([s for s in args.shapes if s != "1x64K"] or args.shapes, args.gate)
 
     if stages:
         names = list(stages[0][1])
@@ -290,7 +293,7 @@ def main() -> None:
         for shape, st in stages:
             print(f"| {shape} | " + " | ".join(f"{st[k]:.3f}" for k in names) + f" | {sum(st.values()):.3f} |")
 
-    title = f"prefill, bf16 inputs, fp32 state, D={D}: ms per call"
+    title = f"prefill, bf16 inputs, fp32 state, D={D}, {args.gate} gate: ms per call"
     print_table(rows, list(cols), f"{title}, wall time (do_bench median) [{time.time() - t0:.0f} s total]")
     if args.device_time:
         print_table(dev_rows, list(cols), f"{title}, device time (sum of the kernels' time, torch.profiler): "
