@@ -25,7 +25,7 @@ from kdaserve.ops.chunk.tables import host_chunk_tables
 from kdaserve.ops.conv import causal_conv_varlen_fwd
 from kdaserve.ops.conv.varlen import BLOCK_T, token_block_table
 from kdaserve.ops.flash import kda_prefill_flash
-from kdaserve.ops.flash.config import CONFIG
+from kdaserve.ops.flash.config import overridden
 from kdaserve.ops.flash.plan import build_plan
 from kdaserve.ops.flash.prefill import FlashPrefill
 from kdaserve.ops.host_tables import StepTableCache, tables_to_device
@@ -166,22 +166,17 @@ def test_flash_plan_follows_a_host_buffer_refilled_in_place():
 def test_flash_step_cache_sees_config_edits(launches):
     """tune.py and tests edit CONFIG in place: a changed field must not reuse the old plan, be it
     the chunk size (part of the key anyway) or a cost-model field that decides segmentation."""
-    old = CONFIG.chunk, CONFIG.seg_min_len
-    try:
-        grids = {}
-        for chunk in (32, 16):
-            CONFIG.chunk = chunk
+    grids = {}
+    for chunk in (32, 16):
+        with overridden(chunk=chunk):
             names, _ = per_call(kda_prefill_flash, meta_step([90, 5]), launches)
             assert names[0] == "flash_plan_kernel", f"chunk {chunk}: plan of another chunk size reused"
             grids[chunk] = next(grid for n, grid, _ in launches if n == "flash_prepare_kernel")
-        assert grids == {32: (4 * 4,), 16: (7 * 4,)}  # 3 + 1 chunks of 32 vs 6 + 1 of 16, x 4 heads
-        CONFIG.chunk = old[0]
-        long_step = meta_step([8192 + 3])
-        assert "flash_scan_kernel" in per_call(kda_prefill_flash, long_step, launches)[0]  # one sequence: segmented
-        CONFIG.seg_min_len = 1 << 30
+    assert grids == {32: (4 * 4,), 16: (7 * 4,)}  # 3 + 1 chunks of 32 vs 6 + 1 of 16, x 4 heads
+    long_step = meta_step([8192 + 3])
+    assert "flash_scan_kernel" in per_call(kda_prefill_flash, long_step, launches)[0]  # one sequence: segmented
+    with overridden(seg_min_len=1 << 30):
         assert "flash_scan_kernel" not in per_call(kda_prefill_flash, long_step, launches)[0], "stale segmentation"
-    finally:
-        CONFIG.chunk, CONFIG.seg_min_len = old
 
 
 def test_order_check_memo_never_passes_a_different_copy():

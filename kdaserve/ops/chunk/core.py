@@ -70,7 +70,8 @@ class ChunkConfig:
     intra_maxnreg: int | None = None
     # The inverse's dots at the products' precision (tf32 for 16-bit inputs) or always "ieee" fp32
     # (FMA loops on sm_90). fp32 inputs always get "ieee". docs/chunk-prefill.md argues tf32.
-    # None: tf32 for "blocked", "ieee" for "substitution" (exactly the original kernel).
+    # None: tf32 for "blocked", "ieee" for "substitution" (with intra_wide=False: exactly the
+    # original kernel).
     intra_inverse_tf32: bool | None = None
     state_bv: int | None = None
     state_warps: int | None = None  # None: 4 up to BV = 32, 8 for BV = 64 (4 would spill there)

@@ -3,7 +3,7 @@
 One program per (chunk, head), BT = 64 tokens in four 16-token sub-blocks. With g the chunk-local
 cumsum (log2 units, stage 1), q and k l2-normalized here (q also scaled by D^-0.5), beta = sigmoid:
 
-    A[t, i]   = beta_t sum_c k_t k_i 2^(g_t - g_i)     (i < t)      16x16 blocks in registers
+    A[t, i]   = beta_t sum_c k_t k_i 2^(g_t - g_i)     (i < t)      16x16 blocks (fp32 scratch if WIDE)
     Aqk[t, i] =        sum_c q_t k_i 2^(g_t - g_i)     (i <= t)     -> Aqk [T, H, BT]
     X = (I + A)^-1 by 16x16 blocks (diagonal blocks by recursive blocking or forward substitution)
     w  = X (beta k 2^g)        u = X (beta v)                       -> w [T, H, K], u [T, H, V]
@@ -31,7 +31,7 @@ so every warp computes the same product and holds both operands (255 registers, 
 ptxas sm_90). Wide (default): row block I against the chunk's first 16 (I + 1) tokens (padded to
 a power of two) in ONE dot per matrix, the warps splitting its 32-64 columns, with the same
 factors (anchor at block I's first token; see _wide_row_block); A goes through an fp32 scratch
-and comes back as 16x16 blocks after one barrier (216-252 registers, no spill; 14% faster intra
+and comes back as 16x16 blocks after one barrier (216-255 registers, no spill; 14% faster intra
 on the H200, docs/perf-notes.md). A 64-row-tile design (intra_full.py) faulted or ran 23% slower
 on the H200 and was removed (docs/chunk-prefill.md).
 """
@@ -442,9 +442,10 @@ def chunk_intra_kernel(
 
 def launch_intra(y, beta_logits, gcum, tables, state_indices, Aqk, akk_scratch, w, u, kg, qg, *,
                  exact_diag: bool, precision: str, BT: int, num_warps: int = 8, blocked_inverse: bool = True,
-                 inverse_precision: str = "ieee", maxnreg: int | None = None, wide: bool = False) -> None:
+                 inverse_precision: str = "ieee", maxnreg: int | None = None, wide: bool = True) -> None:
     """maxnreg caps registers per thread so that more programs share an SM (ptxas spills the rest).
-    wide: A by row blocks against all earlier columns at once (akk_scratch [T, H, BT], else [T, H, BC])."""
+    wide: A by row blocks against all earlier columns at once (akk_scratch [T, H, BT]), else one
+    dot per block pair (akk_scratch [T, H, BC]); ChunkPlan decides (ChunkConfig.intra_wide)."""
     if akk_scratch.shape[-1] != (BT if wide else BC):
         raise ValueError(f"akk_scratch must be [T, H, {BT if wide else BC}] for wide={wide}, got {tuple(akk_scratch.shape)}")
     T, H, K = gcum.shape

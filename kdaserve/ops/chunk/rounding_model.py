@@ -8,8 +8,10 @@ and rounds exactly where they store or feed tensor cores (docs/chunk-prefill.md,
     A, Aqk products                      tf32 operands (10-bit mantissa), fp32 accumulation
     (I + A)^-1                           fp32 (--inverse fp32, intra.py's substitution), or recursive
                                          blocking with tf32 operands (--inverse tf32: one 64x64
-                                         blocking, the same tf32 rounding per level as the
-                                         "blocked" kernel's 16x16 blocks and block substitution)
+                                         blocking; the "blocked" kernel blocks only inside the
+                                         16x16 diagonal blocks and forms the others by block
+                                         substitution: tf32 roundings of the same size, in a
+                                         different order, so a model, not a replica)
     w, u (tf32 products), kg, qg, Aqk    fp16
     h = S^T (stored, and the w S^T operand), v_new      fp16
     S                                    fp32 for the whole sequence, never re-rounded

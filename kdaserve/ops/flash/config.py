@@ -55,11 +55,12 @@ def overridden(**changes):
     """CONFIG with some fields changed inside the block, every field restored after it (tuning
     runs and tests)."""
     old = dataclasses.asdict(CONFIG)
-    for k, v in changes.items():
-        if not hasattr(CONFIG, k):
-            raise AttributeError(f"FlashConfig has no field {k!r}")
-        setattr(CONFIG, k, v)
+    unknown = sorted(set(changes) - set(old))
+    if unknown:  # before any field changes: a typo must not leave CONFIG half-edited
+        raise AttributeError(f"FlashConfig has no field(s) {unknown}; fields: {sorted(old)}")
     try:
+        for k, v in changes.items():
+            setattr(CONFIG, k, v)
         yield CONFIG
     finally:
         for k, v in old.items():
