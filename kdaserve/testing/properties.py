@@ -85,6 +85,17 @@ def check_decode_matches_reference(decode_fn, case: KDACase, tol: float, **kw) -
         assert torch.isnan(out[~rows]).all(), "decode wrote output rows of padding (slot <= 0)"
 
 
+def check_decode_agrees(decode_fn, other_fn, case: KDACase, tol: float, what: str) -> None:
+    """decode_fn on `case` and other_fn on a copy of it give the same output rows (slot > 0) and
+    recurrent states within tol, and bit-equal conv states (two backends, no reference)."""
+    other = case.clone()
+    out, out_other = run_decode(decode_fn, case), run_decode(other_fn, other)
+    rows = case.state_indices > 0
+    assert_rel_close(out[rows].float(), out_other[rows].float(), tol, f"{what} output")
+    assert_rel_close(case.recurrent_state, other.recurrent_state, tol, f"{what} state")
+    assert torch.equal(case.conv_state, other.conv_state), f"{what} conv state"
+
+
 def sub_case(case: KDACase, t0: int, t1: int, *, has_initial_state: bool) -> KDACase:
     """Tokens [t0, t1) of a single-sequence case as a step of its own, sharing the case's pools."""
     c = case.clone()
