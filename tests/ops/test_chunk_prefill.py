@@ -184,6 +184,22 @@ def test_bad_inputs_raise_clear_errors():
         run_prefill(kda_prefill_chunk, case)
 
 
+def test_intra_scratch_of_the_wrong_width_is_a_clear_error():
+    """launch_intra checks that its A scratch fits the chosen form before launching anything."""
+    from kdaserve.ops.chunk.core import chunk_tables
+    from kdaserve.ops.chunk.intra import BC, launch_intra
+
+    T, H, D = 3, 1, 16
+    f = dict(device=DEV, dtype=torch.float32)
+    y, gcum, w = torch.zeros(T, 3 * H * D, **f), torch.zeros(T, H, D, **f), torch.zeros(T, H, D, **f)
+    tables = chunk_tables(torch.tensor([0, T], dtype=torch.int32), torch.device(DEV))
+    narrow = torch.zeros(T, H, BC, **f)
+    with pytest.raises(ValueError, match=r"akk_scratch must be \[T, H, 64\] for wide=True, got \(3, 1, 16\)"):
+        launch_intra(y, torch.zeros(T, H, **f), gcum, tables, torch.ones(1, dtype=torch.int32, device=DEV),
+                     torch.zeros(T, H, 64, **f), narrow, w, w, w, w, exact_diag=False, precision="ieee", BT=64,
+                     wide=True)
+
+
 # ---- GPU: bf16, serving shapes ------------------------------------------------------------------------
 
 GPU_TOL = tolerance_for(torch.bfloat16)  # 5e-3: bf16 inputs, fp32 state

@@ -229,6 +229,14 @@ def test_bad_inputs_raise_clear_errors():
         run_prefill(UNSEGMENTED, case)
 
 
+def test_config_override_rejects_unknown_fields_and_changes_nothing():
+    chunk = CONFIG.chunk
+    with pytest.raises(AttributeError, match=r"no field\(s\) \['bogus'\]; fields: \[.*'chunk'"):
+        with flash_config(chunk=48 - chunk, bogus=1):
+            pass
+    assert CONFIG.chunk == chunk, "a rejected override left CONFIG changed"
+
+
 @pytest.mark.skipif(os.environ.get("KDASERVE_COMPILE_CHECK") != "1", reason="minutes of CPU: set KDASERVE_COMPILE_CHECK=1")
 def test_kernels_compile_for_sm90_without_a_gpu():
     """Compiled mode (not the interpreter) accepts every kernel, ptxas included."""
