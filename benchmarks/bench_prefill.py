@@ -197,6 +197,7 @@ def sweep_configs() -> dict:
     return {
         "default": ChunkConfig(),
         "bv16 w4 s2": ChunkConfig(state_bv=16, state_warps=4, state_stages=2),
+        "bv16 w4 s3": ChunkConfig(state_bv=16, state_warps=4, state_stages=3),
         "bv32 w4 s2": ChunkConfig(state_bv=32, state_warps=4, state_stages=2),
         "bv32 w4 s3": ChunkConfig(state_bv=32, state_warps=4, state_stages=3),
         "bv32 w8 s2": ChunkConfig(state_bv=32, state_warps=8, state_stages=2),

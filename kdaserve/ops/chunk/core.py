@@ -52,7 +52,10 @@ class ChunkConfig:
     """Launch shapes (benchmarks/bench_prefill.py --sweep times the alternatives).
 
     state_bv None picks by occupancy: narrow V-tiles give more programs when few (sequence, head)
-    pairs run (one long prompt), wide tiles re-read w/kg less when the GPU is full anyway."""
+    pairs run (one long prompt), wide tiles re-read w/kg less when the GPU is full anyway.
+    Measured on the H200 (state pass alone, 1 x 64K, bf16; docs/perf-notes.md, fifth session): 16
+    heads 2.02 ms with BV = 32 / 2 stages, 1.37 with BV = 16 / 3 stages; 32 heads 2.09 / 1.63; 64
+    heads BV = 32 / 2 stages stays best (2.62; BV = 16 / 3 stages 3.20)."""
 
     intra_warps: int = 8      # 8: 216-252 registers, no spill (wide); 4 spills 48-220 B and ran slower
     # The intra stage (intra.py): the diagonal 16x16 inverses by recursive blocking in registers
@@ -75,7 +78,10 @@ class ChunkConfig:
     intra_inverse_tf32: bool | None = None
     state_bv: int | None = None
     state_warps: int | None = None  # None: 4 up to BV = 32, 8 for BV = 64 (4 would spill there)
-    state_stages: int = 2     # software pipelining of the next chunk's w/u/kg loads
+    # Software pipelining of the next chunk's w/u/kg loads. None: 3 for BV = 16 (a serial chain
+    # waits on those loads; 3 stages measured 24-27% faster there), else 2 (3 stages cost
+    # occupancy: 31% slower at 64 heads with BV = 32).
+    state_stages: int | None = None
     output_warps: int = 4
 
     def __post_init__(self):
@@ -87,7 +93,13 @@ class ChunkConfig:
             return min(self.state_bv, D)
         if D <= 32:
             return D
-        return 32 if num_seqs * H < 256 else 64
+        pairs = num_seqs * H
+        if pairs <= 32:     # one or two long prompts on a narrow shard: 8 chains per pair
+            return 16
+        return 32 if pairs < 256 else 64
+
+    def stages_for(self, bv: int) -> int:
+        return self.state_stages if self.state_stages is not None else (3 if bv <= 16 else 2)
 
     def warps_for(self, bv: int) -> int:
         return self.state_warps if self.state_warps is not None else (8 if bv >= 64 else 4)
@@ -152,7 +164,7 @@ class ChunkPlan:
         bv = c.bv(state_indices.shape[0], weights.num_heads, weights.head_dim)
         launch_state_pass(self.w, self.u, self.kg, self.gcum, self.v_new, self.h_states, pool, cu_seqlens, self.tables,
                           state_indices, has_initial_state, BT=CHUNK, BV=bv, precision=self.prec,
-                          num_warps=c.warps_for(bv), num_stages=c.state_stages)
+                          num_warps=c.warps_for(bv), num_stages=c.stages_for(bv))
 
     def output(self) -> None:
         _, _, _, g2, weights, _, _, state_indices, _, out = self.args
