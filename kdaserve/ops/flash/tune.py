@@ -54,7 +54,7 @@ def gpu_inputs(H: int, lens: list[int], D: int = 128, seed: int = 0) -> dict:
 def variants(lens: list[int]) -> list[tuple[str, dict, int | None]]:
     longest = max(lens)
     v = [("auto", {}, None), ("no-seg", {}, 0),
-         ("k1-8warps", {"prepare_warps": 8}, 0), ("k2-3stages", {"recur_stages": 3}, 0),
+         ("k1-8warps", {"prepare_warps": 8}, 0), ("k2-2stages", {"recur_stages": 2}, 0),
          ("k1-maxnreg168", {"prepare_maxnreg": 168}, 0), ("chunk16", {"chunk": 16}, 0),
          # K1 is occupancy-bound at 8 warps per SM (docs/flash-prefill.md, Performance): at C = 16 a
          # 128-register cap fits 4 programs (16 warps) per SM for 200 bytes of spills.
