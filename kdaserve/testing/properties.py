@@ -63,6 +63,22 @@ def check_prefill_matches_reference(prefill_fn, case: KDACase, tol: float, chunk
     # Output rows of a prefill sequence whose slot is <= 0 are unspecified (only decode pads).
 
 
+def with_padding_rows(case: KDACase, *rows: int) -> KDACase:
+    """Turn decode rows into padding: the first gets slot 0, the second -1, the third 0 (both
+    spellings of 'no slot' that the engine's fixed-size batches use); they must stay untouched."""
+    for r, s in zip(rows, (0, -1, 0)):
+        case.state_indices[r] = s
+    return case
+
+
+def with_fused_decode_layout(case: KDACase) -> KDACase:
+    """The case's weights with the conv-weight layout the fused decode reads (as the layer builds it)."""
+    from kdaserve.ops.fused import fused_conv_weight_layout  # only decode tests need the fused package
+
+    case.weights.conv_weight_decode = fused_conv_weight_layout(case.weights.conv_weight)
+    return case
+
+
 def check_decode_matches_reference(decode_fn, case: KDACase, tol: float, **kw) -> None:
     ref = to_fp64(case)
     ref_out = run_decode(kda_decode_reference, ref, out_dtype=torch.float64, **kw)

@@ -8,17 +8,15 @@ import torch
 import kdaserve.ops.adaptive as adaptive
 from kdaserve.ops.adaptive import kda_decode_adaptive, uses_fused
 from kdaserve.ops.chain import kda_decode_chain
-from kdaserve.ops.fused import fused_conv_weight_layout, kda_decode_fused
+from kdaserve.ops.fused import kda_decode_fused
 from kdaserve.testing import make_kda_case, tolerance_for
-from kdaserve.testing.properties import check_decode_matches_reference, run_decode
+from kdaserve.testing.properties import check_decode_matches_reference, run_decode, with_fused_decode_layout
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _case(lens, seed, **kw):
-    case = make_kda_case(lens, H=2, D=16, seed=seed, device=DEV, **kw)
-    case.weights.conv_weight_decode = fused_conv_weight_layout(case.weights.conv_weight)
-    return case
+    return with_fused_decode_layout(make_kda_case(lens, H=2, D=16, seed=seed, device=DEV, **kw))
 
 
 def _run_all(case, **kw):

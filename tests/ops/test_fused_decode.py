@@ -16,7 +16,14 @@ from kdaserve.ops.fused.decode import default_config, split_workspace
 from kdaserve.ops.reference import kda_decode_reference, kda_prefill_reference
 from kdaserve.testing import assert_rel_close, make_kda_case, tolerance_for
 from kdaserve.testing.inputs import make_kda_weights
-from kdaserve.testing.properties import check_decode_agrees, check_decode_matches_reference, check_spec_resume, run_decode
+from kdaserve.testing.properties import (
+    check_decode_agrees,
+    check_decode_matches_reference,
+    check_spec_resume,
+    run_decode,
+    with_fused_decode_layout,
+    with_padding_rows,
+)
 from kdaserve.testing.compiled import run_compiled
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -26,15 +33,6 @@ SPLIT4 = functools.partial(launch_fused_decode, FusedDecodeConfig(block_v=4, num
 SPIN4 = functools.partial(launch_fused_decode, FusedDecodeConfig(block_v=4, num_warps=2, spin=True))
 
 
-def _with_decode_layout(case):
-    case.weights.conv_weight_decode = fused_conv_weight_layout(case.weights.conv_weight)
-    return case
-
-
-def _pad_rows(case, *rows):
-    for r, s in zip(rows, (0, -1, 0)):
-        case.state_indices[r] = s
-    return case
 
 
 def _spec_case(N, S, seed, **kw):
@@ -55,7 +53,7 @@ def test_matches_reference_with_padding_rows(layout, gate):
     """Strided q|k|v and beta views of the projection, slow-decay heads, rows with slot 0 and -1:
     output, state and conv state match; other slots bit-for-bit; padding rows stay NaN."""
     case = make_kda_case([1] * 6, conv_layout=layout, gate=gate, slow_decay_heads=1, seed=1, **SMALL)
-    check_decode_matches_reference(kda_decode_fused, _with_decode_layout(_pad_rows(case, 1, 4)), 1e-5)
+    check_decode_matches_reference(kda_decode_fused, with_fused_decode_layout(with_padding_rows(case, 1, 4)), 1e-5)
 
 
 @pytest.mark.parametrize("layout", ["SD", "DS"])
@@ -64,7 +62,7 @@ def test_launch_shapes_match_reference(layout, fn):
     """One program per head, and a head split over 4 programs (workspace + last-arriving program
     normalizes and rewrites the q/k conv window), equal the reference."""
     case = make_kda_case([1] * 5, conv_layout=layout, gate="unbounded", seed=2, **SMALL)
-    check_decode_matches_reference(fn, _pad_rows(case, 2), 1e-5)
+    check_decode_matches_reference(fn, with_padding_rows(case, 2), 1e-5)
 
 
 def test_split_leaves_the_workspace_at_rest():
@@ -73,7 +71,7 @@ def test_split_leaves_the_workspace_at_rest():
     from kdaserve.ops.fused.decode_kernel import WS_SENTINEL
     for step, fn in enumerate([SPLIT4, SPIN4, SPLIT4]):
         case = make_kda_case([1] * 4, seed=30 + step, **SMALL)
-        check_decode_matches_reference(fn, _pad_rows(case, 1), 1e-5)
+        check_decode_matches_reference(fn, with_padding_rows(case, 1), 1e-5)
         counters, o = split_workspace(case.qkv.device, 1, 1)
         assert int(counters.abs().sum()) == 0, "a split launch left a head counter non-zero"
         assert bool((o == WS_SENTINEL.value).all()), "a split launch left workspace values behind"
@@ -137,7 +135,7 @@ def test_spec_verify_matches_reference(layout, fn):
     accepted[2] = 2
     spec[3, 0] = 0  # recurrence skipped, conv still updated (its conv slot is > 0), as the reference does
     check_decode_matches_reference(
-        fn, _with_decode_layout(case), 1e-5, spec_state_indices=spec, num_accepted_tokens=accepted
+        fn, with_fused_decode_layout(case), 1e-5, spec_state_indices=spec, num_accepted_tokens=accepted
     )
 
 
@@ -240,7 +238,7 @@ GPU_SHAPES = {  # every launch shape the default rule or the benchmark sweep can
 def test_gpu_bf16_matches_reference(layout, gate):
     case = make_kda_case([1] * 37, dtype=torch.bfloat16, conv_layout=layout, gate=gate, slow_decay_heads=2,
                          seed=20, **GPU_SHAPE)
-    check_decode_matches_reference(kda_decode_fused, _with_decode_layout(_pad_rows(case, 3, 17, 30)),
+    check_decode_matches_reference(kda_decode_fused, with_fused_decode_layout(with_padding_rows(case, 3, 17, 30)),
                                    tolerance_for(torch.bfloat16))
 
 
@@ -251,7 +249,7 @@ def test_gpu_launch_shapes_over_consecutive_steps(name):
     head whose counter were not reset, or whose q/k window were shifted before a sibling read it,
     gives NaN rows or a wrong output/conv state in a later step."""
     fn = functools.partial(launch_fused_decode, GPU_SHAPES[name])
-    case = _with_decode_layout(_pad_rows(make_kda_case([1] * 45, dtype=torch.bfloat16, seed=26, **GPU_SHAPE), 3, 17))
+    case = with_fused_decode_layout(with_padding_rows(make_kda_case([1] * 45, dtype=torch.bfloat16, seed=26, **GPU_SHAPE), 3, 17))
     for step in range(3):
         fresh = make_kda_case([1] * 45, dtype=torch.bfloat16, seed=60 + step, **GPU_SHAPE)
         case.proj.copy_(fresh.proj)
@@ -268,13 +266,13 @@ def test_gpu_split_heads_over_several_waves(config):
     run on different SMs at different times."""
     case = make_kda_case([1] * 300, H=32, D=128, dtype=torch.bfloat16, extra_slots=4, seed=27, device="cuda")
     fn = functools.partial(launch_fused_decode, config)
-    check_decode_matches_reference(fn, _with_decode_layout(_pad_rows(case, 7, 150)), tolerance_for(torch.bfloat16))
+    check_decode_matches_reference(fn, with_fused_decode_layout(with_padding_rows(case, 7, 150)), tolerance_for(torch.bfloat16))
 
 
 @pytest.mark.gpu
 def test_gpu_bf16_state_matches_reference():
     case = make_kda_case([1] * 33, dtype=torch.bfloat16, state_dtype=torch.bfloat16, seed=21, **GPU_SHAPE)
-    check_decode_matches_reference(kda_decode_fused, _with_decode_layout(case), tolerance_for(torch.bfloat16, torch.bfloat16))
+    check_decode_matches_reference(kda_decode_fused, with_fused_decode_layout(case), tolerance_for(torch.bfloat16, torch.bfloat16))
 
 
 @pytest.mark.gpu
@@ -285,7 +283,7 @@ def test_gpu_spec_verify(layout, config):
     fn = functools.partial(launch_fused_decode, config)
     case, spec, accepted = _spec_case(9, 3, seed=22, dtype=torch.bfloat16, conv_layout=layout, **GPU_SHAPE)
     spec[4, 0] = 0
-    check_decode_matches_reference(fn, _with_decode_layout(case), tolerance_for(torch.bfloat16),
+    check_decode_matches_reference(fn, with_fused_decode_layout(case), tolerance_for(torch.bfloat16),
                                    spec_state_indices=spec, num_accepted_tokens=accepted)
     check_spec_resume(kda_prefill_reference, fn, 2, tolerance_for(torch.bfloat16), S=3,
                       dtype=torch.bfloat16, **GPU_SHAPE)
@@ -295,7 +293,7 @@ def test_gpu_spec_verify(layout, config):
 def test_gpu_matches_chain():
     chain = pytest.importorskip("kdaserve.ops.chain").kda_decode_chain
     case = make_kda_case([1] * 64, dtype=torch.bfloat16, seed=23, **GPU_SHAPE)
-    check_decode_agrees(kda_decode_fused, chain, _with_decode_layout(_pad_rows(case, 5)), tolerance_for(torch.bfloat16),
+    check_decode_agrees(kda_decode_fused, chain, with_fused_decode_layout(with_padding_rows(case, 5)), tolerance_for(torch.bfloat16),
                         "fused vs chain")
 
 
@@ -314,7 +312,7 @@ def test_gpu_cuda_graph_replay_equals_eager(spec_tokens, config):
         kw = dict(spec_state_indices=spec, num_accepted_tokens=accepted)
     else:
         case, kw = make_kda_case([1] * N, dtype=torch.bfloat16, seed=24, **GPU_SHAPE), {}
-    _with_decode_layout(case)
+    with_fused_decode_layout(case)
     out = case.new_out()
     args = dict(out=out, **case.decode_args(), **kw)
     fn(**args)  # compile outside the capture

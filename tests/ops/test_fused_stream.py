@@ -12,11 +12,17 @@ import functools
 import pytest
 import torch
 
-from kdaserve.ops.fused import FusedDecodeConfig, fused_conv_weight_layout, kda_decode_fused, launch_fused_decode
+from kdaserve.ops.fused import FusedDecodeConfig, kda_decode_fused, launch_fused_decode
 from kdaserve.ops.fused import decode as fused_decode
 from kdaserve.ops.fused.decode import default_config
 from kdaserve.testing import make_kda_case, tolerance_for
-from kdaserve.testing.properties import check_decode_agrees, check_decode_matches_reference, run_decode
+from kdaserve.testing.properties import (
+    check_decode_agrees,
+    check_decode_matches_reference,
+    run_decode,
+    with_fused_decode_layout,
+    with_padding_rows,
+)
 from kdaserve.testing.compiled import run_compiled
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -37,11 +43,6 @@ def _fn(name):
     return functools.partial(launch_fused_decode, STREAMS[name])
 
 
-def _pad_rows(case, *rows):
-    for r, s in zip(rows, (0, -1, 0)):
-        case.state_indices[r] = s
-    return case
-
 
 @pytest.mark.parametrize("layout", ["SD", "DS"])
 @pytest.mark.parametrize("name", list(STREAMS))
@@ -49,7 +50,7 @@ def test_stream_shapes_match_reference(layout, name):
     """Output, state and conv state match the reference; other slots bit-for-bit; padding rows
     (slot 0 and -1) stay NaN and touch nothing."""
     case = make_kda_case([1] * 5, conv_layout=layout, gate="unbounded", slow_decay_heads=1, seed=2, **SMALL)
-    check_decode_matches_reference(_fn(name), _pad_rows(case, 1, 3), 1e-5)
+    check_decode_matches_reference(_fn(name), with_padding_rows(case, 1, 3), 1e-5)
 
 
 @pytest.mark.parametrize("name", ["pf1", "s3"])
@@ -58,8 +59,7 @@ def test_stream_bounded_gate_decode_layout_and_draft_sized_pool(name):
     rows shift by one, the older ones re-read)."""
     for layout in ("SD", "DS"):
         case = make_kda_case([1] * 3, spec_tokens=2, conv_layout=layout, gate="bounded", seed=5, **SMALL)
-        case.weights.conv_weight_decode = fused_conv_weight_layout(case.weights.conv_weight)
-        check_decode_matches_reference(_fn(name), _pad_rows(case, 2), 1e-5)
+        check_decode_matches_reference(_fn(name), with_padding_rows(with_fused_decode_layout(case), 2), 1e-5)
 
 
 def test_stream_bf16_state_and_fp16_inputs():
@@ -72,7 +72,7 @@ def test_stream_bf16_state_and_fp16_inputs():
 def test_stream_consecutive_steps():
     """Three steps on the same pools (fresh tokens): the conv window and state written by one step
     are what the next reads."""
-    case = _pad_rows(make_kda_case([1] * 4, seed=40, **SMALL), 2)
+    case = with_padding_rows(make_kda_case([1] * 4, seed=40, **SMALL), 2)
     for step in range(3):
         fresh = make_kda_case([1] * 4, seed=41 + step, **SMALL)
         case.proj.copy_(fresh.proj)
@@ -120,8 +120,7 @@ def test_verify_without_drafts_never_streams(monkeypatch, backend):
 
     monkeypatch.setattr(fused_decode, "STREAM_FROM_HEADS", 1)
     N = 3
-    case = make_kda_case([1] * N, spec_tokens=0, extra_slots=2 * N + 2, seed=11, **SMALL)
-    case.weights.conv_weight_decode = fused_conv_weight_layout(case.weights.conv_weight)
+    case = with_fused_decode_layout(make_kda_case([1] * N, spec_tokens=0, extra_slots=2 * N + 2, seed=11, **SMALL))
     free = [s for s in range(1, case.recurrent_state.shape[0]) if s not in set(case.state_indices.tolist())]
     spec = torch.tensor(free[:N], dtype=torch.int32, device=DEV).view(N, 1)
     accepted = torch.ones(N, dtype=torch.int32, device=DEV)
@@ -174,10 +173,6 @@ GPU_STREAMS = {
 }
 
 
-def _with_decode_layout(case):
-    case.weights.conv_weight_decode = fused_conv_weight_layout(case.weights.conv_weight)
-    return case
-
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(GPU_STREAMS))
@@ -189,7 +184,7 @@ def test_gpu_stream_shapes_over_many_waves(name, state_dtype):
         case = make_kda_case([1] * 300, H=32, D=128, dtype=torch.bfloat16, state_dtype=state_dtype, conv_layout=layout,
                              gate=gate, extra_slots=4, seed=27, device="cuda")
         fn = functools.partial(launch_fused_decode, GPU_STREAMS[name])
-        check_decode_matches_reference(fn, _with_decode_layout(_pad_rows(case, 7, 150)),
+        check_decode_matches_reference(fn, with_fused_decode_layout(with_padding_rows(case, 7, 150)),
                                        tolerance_for(torch.bfloat16, state_dtype))
 
 
@@ -198,7 +193,7 @@ def test_gpu_default_stream_matches_chain():
     chain = pytest.importorskip("kdaserve.ops.chain").kda_decode_chain
     case = make_kda_case([1] * 128, H=16, D=128, dtype=torch.bfloat16, seed=23, device="cuda")  # 2048 heads
     assert default_config(128, 1, 128 * 16).stream
-    check_decode_agrees(kda_decode_fused, chain, _with_decode_layout(_pad_rows(case, 5)), tolerance_for(torch.bfloat16),
+    check_decode_agrees(kda_decode_fused, chain, with_fused_decode_layout(with_padding_rows(case, 5)), tolerance_for(torch.bfloat16),
                         "stream vs chain")
 
 
@@ -209,7 +204,7 @@ def test_gpu_stream_cuda_graph_replay_equals_eager(name):
     the eager result on a copy of the pools."""
     fn = functools.partial(launch_fused_decode, GPU_STREAMS[name])
     N, H = 24, 16
-    case = _with_decode_layout(make_kda_case([1] * N, H=H, D=128, dtype=torch.bfloat16, seed=24, device="cuda"))
+    case = with_fused_decode_layout(make_kda_case([1] * N, H=H, D=128, dtype=torch.bfloat16, seed=24, device="cuda"))
     out = case.new_out()
     args = dict(out=out, **case.decode_args())
     fn(**args)  # compile outside the capture
