@@ -16,11 +16,13 @@ from kdaserve.server.serving import (
     new_id,
     replay_then_rest,
     resolve_max_tokens,
+    response_envelope,
     run_group,
     sampling_params,
     sse,
     sse_error,
     stop_holdback,
+    stream_chunks,
     streamable_text,
 )
 
@@ -94,17 +96,10 @@ class ChatHandler:
                 choice["token_ids"] = list(out.output_token_ids)
             choices.append(choice)
         completion_tokens = sum(len(out.output_token_ids) for out in finals)
-        return {
-            "id": request_id,
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": self.state.model_name,
-            "choices": choices,
-            "usage": usage(num_prompt_tokens, completion_tokens),
-        }
+        body = response_envelope(request_id, "chat.completion", int(time.time()), self.state.model_name, choices)
+        return {**body, "usage": usage(num_prompt_tokens, completion_tokens)}
 
     async def _stream(self, req, request_id: str, num_prompt_tokens: int, group, buffered):
-        created = int(time.time())
         size = len(group.request_ids)
         sent_chars = [0] * size
         sent_tokens = [0] * size
@@ -112,17 +107,7 @@ class ChatHandler:
         completion_tokens = 0
         holdback = stop_holdback(req.stop_list())
 
-        def chunk(choices: list, usage_: dict | None = None) -> str:
-            body = {
-                "id": request_id,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": self.state.model_name,
-                "choices": choices,
-            }
-            if req.include_usage:
-                body["usage"] = usage_
-            return sse(body)
+        chunk = stream_chunks(req, request_id, "chat.completion.chunk", self.state.model_name)
 
         try:
             async for index, out in replay_then_rest(group, buffered):

@@ -15,11 +15,13 @@ from kdaserve.server.serving import (
     new_id,
     replay_then_rest,
     resolve_max_tokens,
+    response_envelope,
     run_group,
     sampling_params,
     sse,
     sse_error,
     stop_holdback,
+    stream_chunks,
     streamable_text,
 )
 
@@ -171,17 +173,10 @@ class CompletionHandler:
                 body["prompt_token_ids"] = choice.prompt.token_ids
                 body["token_ids"] = output_ids
             body_choices.append(body)
-        return {
-            "id": request_id,
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": self.state.model_name,
-            "choices": body_choices,
-            "usage": usage(sum(len(p.token_ids) for p in prompts), completion_tokens),
-        }
+        body = response_envelope(request_id, "text_completion", int(time.time()), self.state.model_name, body_choices)
+        return {**body, "usage": usage(sum(len(p.token_ids) for p in prompts), completion_tokens)}
 
     async def _stream(self, req, request_id, prompts, choices: list[Choice], group, buffered):
-        created = int(time.time())
         size = len(choices)
         started = [False] * size
         sent_chars = [0] * size
@@ -190,17 +185,7 @@ class CompletionHandler:
         completion_tokens = 0
         holdback = stop_holdback(req.stop_list())
 
-        def chunk(body_choices: list, usage_: dict | None = None) -> str:
-            body = {
-                "id": request_id,
-                "object": "text_completion",
-                "created": created,
-                "model": self.state.model_name,
-                "choices": body_choices,
-            }
-            if req.include_usage:
-                body["usage"] = usage_
-            return sse(body)
+        chunk = stream_chunks(req, request_id, "text_completion", self.state.model_name)
 
         try:
             async for index, out in replay_then_rest(group, buffered):

@@ -231,6 +231,26 @@ def sse(data: dict | str) -> str:
     return f"data: {payload}\n\n"
 
 
+def response_envelope(request_id: str, obj: str, created: int, model: str, choices: list) -> dict:
+    """The fields every OpenAI completion object and stream chunk starts with."""
+    return {"id": request_id, "object": obj, "created": created, "model": model, "choices": choices}
+
+
+def stream_chunks(req, request_id: str, obj: str, model: str) -> Callable[..., str]:
+    """chunk(choices, usage=None) -> one SSE event of a stream, every event with the same id and
+    creation time; the `usage` field is on every chunk (null until the last) only when the client
+    asked for it (stream_options.include_usage), as OpenAI does."""
+    created = int(time.time())
+
+    def chunk(choices: list, usage_: dict | None = None) -> str:
+        body = response_envelope(request_id, obj, created, model, choices)
+        if req.include_usage:
+            body["usage"] = usage_
+        return sse(body)
+
+    return chunk
+
+
 def sse_error(exc: Exception) -> str:
     if isinstance(exc, APIError):
         return sse(error_body(exc.status, exc.message, param=exc.param, code=exc.code))
