@@ -79,7 +79,7 @@ class ChunkConfig:
     state_bv: int | None = None
     state_warps: int | None = None  # None: 4 up to BV = 32, 8 for BV = 64 (4 would spill there)
     # Software pipelining of the next chunk's w/u/kg loads. None: 3 for BV = 16 (a serial chain
-    # waits on those loads; 3 stages measured 24-27% faster there), else 2 (3 stages cost
+    # waits on those loads; 3 stages measured 21-27% faster there), else 2 (3 stages cost
     # occupancy: 31% slower at 64 heads with BV = 32).
     state_stages: int | None = None
     output_warps: int = 4
@@ -94,7 +94,7 @@ class ChunkConfig:
         if D <= 32:
             return D
         pairs = num_seqs * H
-        if pairs <= 32:     # one or two long prompts on a narrow shard: 8 chains per pair
+        if pairs <= 32:     # one or two long prompts on a narrow shard: D / 16 programs per pair
             return 16
         return 32 if pairs < 256 else 64
 
