@@ -3,7 +3,7 @@
 # on the GPU, or ran only in part. Two parts, each under the device tool's 10-minute limit; logs
 # under $OUT (or ./out). Every group has its own time limit and verbose log, so one slow group
 # cannot hide the others.
-#   bash scripts/gpu_verify_next.sh tests     # GPU tests of this session's changes (~5 min)
+#   bash scripts/gpu_verify_next.sh tests     # GPU tests of this session's changes (~7 min)
 #   bash scripts/gpu_verify_next.sh bench     # the prefill table at 16 and 32 heads with FLA (~6 min)
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -27,9 +27,12 @@ group decode 200 -m gpu tests/ops/test_fused_decode.py tests/ops/test_fused_stre
 # 3. The engine with chunk's new state-pass rule (V-tile 16, 3 stages for <= 32 sequence-head pairs):
 #    the warm-up must still compile every variant a bench run uses.
 group engine 200 -m gpu tests/engine/test_host_overhead_gpu.py tests/engine/test_engine_gpu.py
+# 4. chunk with fp32 inputs on the GPU (per-pair "ieee" intra): the new D = 128 test, and the
+#    unmarked small-shape tests, which run on CUDA when there is one but `-m gpu` deselects.
+group chunk_all 240 -m "not slow" tests/ops/test_chunk_prefill.py
 fi
 if [ "$PART" = bench ]; then
-# 4. The prefill table where this session's defaults changed the numbers (chunk at <= 32 pairs,
+# 5. The prefill table where this session's defaults changed the numbers (chunk at <= 32 pairs,
 #    flash K2), FLA in the same process; the fifth session's table (perf-notes) ran the old code.
 timeout 560 python3 benchmarks/bench_prefill.py --no-agreement --no-stages --heads 16 32 \
   --shapes 1x8K 16x1K 64x512 1x32K 1x64K 1x128K > "$OUT/prefill.log" 2>&1

@@ -235,6 +235,18 @@ def test_gpu_intra_variants_match_fp64_reference(config):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("gate", ["bounded", "unbounded"])
+def test_gpu_fp32_inputs_at_the_real_head_size_match_fp64_reference(gate):
+    """fp32 inputs take their own GPU path (ChunkPlan.intra_wide: per-pair intra, every dot "ieee"
+    fp32), which no other GPU test reaches; held to the fp32 contract at D = 128, mixed lengths,
+    partial chunks, slow-decay heads and a null slot."""
+    case = make_kda_case([300, 1, 64, 700], H=8, D=128, dtype=torch.float32, conv_dtype=torch.float32, gate=gate,
+                         slow_decay_heads=2, device="cuda", seed=17)
+    case.state_indices[1] = 0
+    check_prefill_matches_reference(kda_prefill_chunk, case, tolerance_for(torch.float32), chunk_size=64)
+
+
+@pytest.mark.gpu
 def test_gpu_mixed_lengths_null_rows_and_split():
     case = make_kda_case([1, 700, 1, 64, 130, 2], H=32, D=128, dtype=torch.bfloat16, slow_decay_heads=4,
                          conv_dtype=torch.bfloat16, conv_layout="DS", device="cuda", seed=12)
