@@ -5,6 +5,7 @@
 # cannot hide the others.
 #   bash scripts/gpu_verify_next.sh tests     # GPU tests of this session's changes (~7 min)
 #   bash scripts/gpu_verify_next.sh bench     # the prefill table at 16 and 32 heads with FLA (~6 min)
+#   bash scripts/gpu_verify_next.sh profile   # kernel shares where issue 5's goals are missed (~5 min)
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -37,4 +38,11 @@ if [ "$PART" = bench ]; then
 timeout 560 python3 benchmarks/bench_prefill.py --no-agreement --no-stages --heads 16 32 \
   --shapes 1x8K 16x1K 64x512 1x32K 1x64K 1x128K > "$OUT/prefill.log" 2>&1
 echo "table rc=$?"; grep -E "done H=|host time" "$OUT/prefill.log"; sed -n '/wall time/,$p' "$OUT/prefill.log"
+fi
+if [ "$PART" = profile ]; then
+# 6. Issue 5 asks, where a goal is missed, for each kernel's share: the second measurement's profile
+#    predates the K1 split and K2's 3 stages. flash and chunk_kda alone, kernel by kernel.
+timeout 560 python3 benchmarks/profile_prefill.py --heads 96 64 16 --shapes 1x8K 8x1K 1x32K \
+  --columns fla-core flash > "$OUT/profile.log" 2>&1
+echo "profile rc=$?"; grep -E "^H=|us  x" "$OUT/profile.log" | head -120; sed -n '/^| heads/,$p' "$OUT/profile.log"
 fi
