@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# First GPU run of the next session: what the fifth session (2026-11-30) changed but could not run
-# on the GPU, or ran only in part. Two parts, each under the device tool's 10-minute limit; logs
-# under $OUT (or ./out). Every group has its own time limit and verbose log, so one slow group
-# cannot hide the others.
-#   bash scripts/gpu_verify_next.sh tests     # GPU tests of this session's changes (~7 min)
+# First GPU runs of the next session: what the fifth session (2026-11-30) changed but could not run
+# on the GPU, or ran only in part. Four parts, each under the device tool's 10-minute limit (group
+# limits sum to <= 560 s); logs under $OUT (or ./out). Every group has its own time limit and
+# verbose log, so one slow group cannot hide the others.
+#   bash scripts/gpu_verify_next.sh tests     # chunk (whole file) and flash 128K tests
+#   bash scripts/gpu_verify_next.sh tests2    # decode tests on the shared helpers, engine warm-up
 #   bash scripts/gpu_verify_next.sh bench     # the prefill table at 16 and 32 heads with FLA (~6 min)
 #   bash scripts/gpu_verify_next.sh profile   # kernel shares where issue 5's goals are missed (~5 min)
 set -uo pipefail
@@ -20,17 +21,22 @@ group() {  # name, seconds, pytest args...
 }
 PART=${1:-tests}
 if [ "$PART" = tests ]; then
-# 1. flash K2 at 3 pipeline stages: the non-slow flash tests passed (run 8); the 128K ones did not run.
-group flash128k 150 -m "gpu and slow" tests/ops/test_flash_prefill.py
-# 2. The decode tests moved onto kdaserve.testing's with_padding_rows / with_fused_decode_layout
-#    (CPU tests passed; the GPU ones have not run since).
-group decode 200 -m gpu tests/ops/test_fused_decode.py tests/ops/test_fused_stream.py tests/ops/test_adaptive_decode.py
-# 3. The engine with chunk's new state-pass rule (V-tile 16, 3 stages for <= 32 sequence-head pairs):
-#    the warm-up must still compile every variant a bench run uses.
-group engine 200 -m gpu tests/engine/test_host_overhead_gpu.py tests/engine/test_engine_gpu.py
-# 4. chunk with fp32 inputs on the GPU (per-pair "ieee" intra): the new D = 128 test, and the
-#    unmarked small-shape tests, which run on CUDA when there is one but `-m gpu` deselects.
-group chunk_all 240 -m "not slow" tests/ops/test_chunk_prefill.py
+# 1. chunk with fp32 inputs on the GPU (per-pair "ieee" intra): the new D = 128 test, and the
+#    unmarked small-shape tests, which run on CUDA when there is one but `-m gpu` deselects; the
+#    new state-pass rule (V-tile 16, 3 stages) runs in the 1 x 8K and fp32 tests.
+group chunk_all 330 -m "not slow" tests/ops/test_chunk_prefill.py
+# 2. flash K2 at 3 pipeline stages: the non-slow flash tests passed (run 8); the 128K ones did not run.
+group flash128k 200 -m "gpu and slow" tests/ops/test_flash_prefill.py
+fi
+if [ "$PART" = tests2 ]; then
+# 3. The decode tests moved onto kdaserve.testing's with_padding_rows / with_fused_decode_layout
+#    (CPU tests passed; the GPU ones have not run since). The adaptive file has no marked tests:
+#    its small-shape tests run on CUDA instead.
+group decode 250 -m gpu tests/ops/test_fused_decode.py tests/ops/test_fused_stream.py
+group adaptive 80 -m "not slow" tests/ops/test_adaptive_decode.py
+# 4. The engine with chunk's new state-pass rule: the warm-up must still compile every variant a
+#    bench run uses.
+group engine 230 -m gpu tests/engine/test_host_overhead_gpu.py tests/engine/test_engine_gpu.py
 fi
 if [ "$PART" = bench ]; then
 # 5. The prefill table where this session's defaults changed the numbers (chunk at <= 32 pairs,

@@ -47,6 +47,21 @@ def test_chunk_table_cache_keys_on_content_not_address():
     assert b is not a and b.chunks.tolist() == [[0, 0, 10], [1, 10, 71]]
 
 
+def test_state_pass_launch_rule_follows_the_number_of_chains():
+    """The state pass's V-tile and pipeline depth by (sequence, head) pairs (ChunkConfig; timed on
+    the H200 in docs/perf-notes.md). The interpreter ignores pipeline stages, so only this pins them."""
+    from kdaserve.ops.chunk import ChunkConfig
+
+    cfg = ChunkConfig()
+    assert [cfg.bv(n, h, 128) for n, h in ((1, 16), (2, 16), (1, 32), (3, 16), (7, 32), (8, 32), (16, 64))] == \
+        [16, 16, 16, 32, 32, 64, 64]
+    assert [cfg.stages_for(bv) for bv in (16, 32, 64)] == [3, 2, 2]
+    assert [cfg.warps_for(bv) for bv in (16, 32, 64)] == [4, 4, 8]
+    assert cfg.bv(1, 2, 16) == 16 and cfg.bv(1, 2, 32) == 32     # small heads: one tile per head
+    forced = ChunkConfig(state_bv=64, state_stages=2, state_warps=4)
+    assert (forced.bv(1, 16, 128), forced.stages_for(16), forced.warps_for(64)) == (64, 2, 4)
+
+
 # ---- against the reference (interpreter on CPU) -----------------------------------------------------
 
 
