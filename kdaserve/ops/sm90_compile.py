@@ -7,6 +7,7 @@ spills before any GPU time is spent. Must run without TRITON_INTERPRET.
 
 from __future__ import annotations
 
+import collections
 import inspect
 import os
 import re
@@ -47,3 +48,24 @@ def ptxas_report(kernel) -> str:
     regs = re.search(r"Used (\d+) registers", out)
     spill = re.search(r"(\d+) bytes spill stores", out)
     return f"regs={regs.group(1) if regs else '?'} spill_st={spill.group(1) if spill else '?'} smem={kernel.metadata.shared}"
+
+
+# SASS opcodes worth counting for a latency-bound kernel: the barriers and shared-memory traffic of
+# layout conversions, shuffles, special-function and tensor-core instructions, global memory.
+SASS_CLASSES = ("BAR", "LDS", "STS", "LDSM", "STSM", "SHFL", "MUFU", "HMMA", "HGMMA", "LDG", "STG", "LDL", "STL")
+
+
+def sass_mix(kernel) -> str:
+    """'sass=N BAR=.. LDS=.. ...': the kernel's static instruction count per thread and the count
+    of each class in SASS_CLASSES, from nvdisasm of its cubin. A CPU-side proxy for where a
+    latency-bound kernel's issue slots go (each static instruction once: loops count once too);
+    docs/perf-notes.md quotes it for flash's K1."""
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
+        f.write(kernel.asm["cubin"])
+    try:
+        sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+    ops = collections.Counter(m.group(1) for m in re.finditer(r"/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass))
+    return f"sass={sum(ops.values())} " + " ".join(f"{c}={ops[c]}" for c in SASS_CLASSES if ops[c])

@@ -1,6 +1,7 @@
 """Compile every flash kernel for sm_90 without a GPU and report its resources (ptxas -v).
 
     python -m kdaserve.ops.flash.compile_check          # prints one line per kernel variant, then "ok"
+    python -m kdaserve.ops.flash.compile_check --sass   # also each kernel's SASS instruction mix
 
 Catches compile-only errors (the interpreter accepts things the compiler rejects) and shows
 registers, spills, shared memory and whether the big dots became Hopper wgmma, before a GPU run.
@@ -19,9 +20,12 @@ from kdaserve.ops.flash.plan import flash_plan_kernel
 from kdaserve.ops.flash.prepare import flash_prepare_kernel
 from kdaserve.ops.flash.recurrence import flash_recurrence_kernel
 from kdaserve.ops.flash.scan import flash_scan_kernel
-from kdaserve.ops.sm90_compile import compile_for_sm90, ptxas_report
+from kdaserve.ops.sm90_compile import compile_for_sm90, ptxas_report, sass_mix
 
-def main() -> None:
+def main(sass: bool = False) -> None:
+    def report(kernel) -> str:
+        return ptxas_report(kernel) + (f" {sass_mix(kernel)}" if sass else "")
+
     f16, bf, f32, i32, b1 = "*fp16", "*bf16", "*fp32", "*i32", "*i1"
     ws = dict(w_ptr=f16, u_ptr=f16, qg_ptr=f16, kd_ptr=f16, aqk_ptr=f16, gam_ptr=f32)
     tables = dict(cu_ptr=i32, idx_ptr=i32, init_ptr=b1, chunk_seq_ptr=i32, chunk_tok_ptr=i32,
@@ -30,7 +34,7 @@ def main() -> None:
 
     cfg = CONFIG
     k = compile_for_sm90(flash_plan_kernel, dict(tables, cu_ptr=i32), dict(C=16, BLOCK_J=32, BLOCK_N=64))
-    lines.append(f"plan: {ptxas_report(k)}")
+    lines.append(f"plan: {report(k)}")
 
     for C, log2c, bounded, anchored in ((16, 4, True, False), (16, 4, False, False), (16, 4, False, True),
                                         (32, 5, True, False)):  # unbounded gates use C = 16
@@ -43,7 +47,7 @@ def main() -> None:
                      NFIRST=1, ANCHORED=anchored, stride_cs_ch=1, stride_g1_d=1, stride_cw_j=1),  # unit strides: what the launcher specializes
                 num_warps=cfg.prepare_warps,
             )
-            lines.append(f"prepare C={C} bounded={bounded} first={first} anchored={anchored}: {ptxas_report(k)}")
+            lines.append(f"prepare C={C} bounded={bounded} first={first} anchored={anchored}: {report(k)}")
 
     rec_types = dict(**ws, **tables, s_ptr=f32, o_ptr=bf, g2_ptr=bf, nw_ptr=f32, eps="fp32", oq_ptr=f16, bm_ptr=f32,
                      qkv_ptr=bf, cs_ptr=bf, q_off="i64")
@@ -54,12 +58,12 @@ def main() -> None:
                                  dict(H=32, D=128, C=C, BV=bv, SEGMENTED=seg, L_PAD=4, PREC="tf32", FAST=True),
                                  num_warps=warps, num_stages=stages)
             wg = "wgmma" if "wgmma" in k.asm["ptx"] else "mma.sync"
-            lines.append(f"recurrence C={C} segmented={seg} BV={bv} warps={warps}: {ptxas_report(k)} {wg}")
+            lines.append(f"recurrence C={C} segmented={seg} BV={bv} warps={warps}: {report(k)} {wg}")
 
     k = compile_for_sm90(flash_scan_kernel, dict(bm_ptr=f32, start_ptr=f32, s_ptr=f32, idx_ptr=i32, seq_seg0_ptr=i32),
                          dict(H=32, D=128, BV=cfg.scan_block_v, PREC="tf32x3"), num_warps=cfg.scan_warps,
                          num_stages=cfg.scan_stages)
-    lines.append(f"scan: {ptxas_report(k)}")
+    lines.append(f"scan: {report(k)}")
     import triton.language as tl
 
     k = compile_for_sm90(flash_correct_kernel,
@@ -67,7 +71,7 @@ def main() -> None:
                               seg_seq_ptr=i32, seg_tok_ptr=i32, seg_end_ptr=i32, q_off="i64"),
                          dict(H=32, D=128, C=16, CPG=cfg.correct_chunks, DOT_DTYPE=tl.float16, PREC="tf32", FAST=True),
                          num_warps=cfg.correct_warps)
-    lines.append(f"correct: {ptxas_report(k)}")
+    lines.append(f"correct: {report(k)}")
     print("\n".join(lines))
     print("ok")
 
@@ -75,4 +79,4 @@ def main() -> None:
 if __name__ == "__main__":
     if triton.knobs.runtime.interpret:
         sys.exit("run without TRITON_INTERPRET: this compiles for the GPU")
-    main()
+    main(sass="--sass" in sys.argv[1:])
