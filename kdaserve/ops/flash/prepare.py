@@ -27,7 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kdaserve.ops.flash.fastmath import fast_exp, fast_rcp, fast_sigmoid
+from kdaserve.ops.flash.fastmath import fast_exp, fast_rcp, fast_sigmoid, sigmoid_tanh
 from kdaserve.ops.tri_inverse import unit_lower_inverse
 
 
@@ -65,7 +65,7 @@ def _conv_silu(
                      mask=(valid & (r < seq_start) & init)[:, None], other=0.0).to(tl.float32)
         wj = tl.load(w_ptr + ch * stride_w_c + jj * stride_w_j).to(tl.float32)
         acc += (x + hx) * wj[None, :]
-    return acc * fast_sigmoid(acc, FAST)
+    return acc * sigmoid_tanh(acc, FAST)
 
 
 @triton.jit
@@ -79,7 +79,7 @@ def _conv_silu_no_history(x_ptr, stride_x, w_ptr, stride_w_c, stride_w_j, ch, to
         x = tl.load(x_ptr + r.to(tl.int64)[:, None] * stride_x + ch[None, :], mask=valid[:, None], other=0.0)
         wj = tl.load(w_ptr + ch * stride_w_c + jj * stride_w_j).to(tl.float32)
         acc += x.to(tl.float32) * wj[None, :]
-    return acc * fast_sigmoid(acc, FAST)
+    return acc * sigmoid_tanh(acc, FAST)
 
 
 @triton.jit
