@@ -1,12 +1,10 @@
 #!/usr/bin/env bash
-# First GPU runs of the next session: what the fifth session (2026-11-30) changed but could not run
-# on the GPU, or ran only in part. Four parts, each under the device tool's 10-minute limit (group
-# limits sum to <= 560 s); logs under $OUT (or ./out). Every group has its own time limit and
-# verbose log, so one slow group cannot hide the others.
-#   bash scripts/gpu_verify_next.sh tests     # chunk (whole file) and flash 128K tests
-#   bash scripts/gpu_verify_next.sh tests2    # decode tests on the shared helpers, engine warm-up
-#   bash scripts/gpu_verify_next.sh bench     # the prefill table at 16 and 32 heads with FLA (~6 min)
-#   bash scripts/gpu_verify_next.sh profile   # kernel shares where issue 5's goals are missed (~5 min)
+# First GPU runs of the next session: what the sixth session (2026-11-30) changed but could not run
+# on the GPU, or measured only without FLA. Three parts, each under the device tool's 10-minute
+# limit (group limits sum to <= 560 s); logs under $OUT (or ./out). Run with carry [".whl"].
+#   bash scripts/gpu_verify_next.sh tests     # fastmath error bounds (new), engine with the new sigmoid
+#   bash scripts/gpu_verify_next.sh bench     # the issue-5 goal cells with FLA, new code (~6 min)
+#   bash scripts/gpu_verify_next.sh calib     # flash's segment cost model with measured constants (~3 min)
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -21,34 +19,42 @@ group() {  # name, seconds, pytest args...
 }
 PART=${1:-tests}
 if [ "$PART" = tests ]; then
-# 1. chunk with fp32 inputs on the GPU (per-pair "ieee" intra): the new D = 128 test, and the
-#    unmarked small-shape tests, which run on CUDA when there is one but `-m gpu` deselects; the
-#    new state-pass rule (V-tile 16, 3 stages) runs in the 1 x 8K and fp32 tests.
-group chunk_all 330 -m "not slow" tests/ops/test_chunk_prefill.py
-# 2. flash K2 at 3 pipeline stages: the non-slow flash tests passed (run 8); the 128K ones did not run.
-group flash128k 200 -m "gpu and slow" tests/ops/test_flash_prefill.py
-fi
-if [ "$PART" = tests2 ]; then
-# 3. The decode tests moved onto kdaserve.testing's with_padding_rows / with_fused_decode_layout
-#    (CPU tests passed; the GPU ones have not run since). The adaptive file has no marked tests:
-#    its small-shape tests run on CUDA instead.
-group decode 250 -m gpu tests/ops/test_fused_decode.py tests/ops/test_fused_stream.py
-group adaptive 80 -m "not slow" tests/ops/test_adaptive_decode.py
-# 4. The engine with chunk's new state-pass rule: the warm-up must still compile every variant a
-#    bench run uses.
+# 1. The new GPU tests of fastmath's error bounds (sigmoid_tanh included) have never run.
+group fastmath 60 -m gpu tests/ops/test_flash_fastmath.py
+# 2. The engine GPU tests last ran before the one-MUFU sigmoid changed flash's K1/K2/correct.
 group engine 230 -m gpu tests/engine/test_host_overhead_gpu.py tests/engine/test_engine_gpu.py
+# 3. The flash GPU tests passed with the change (run 7); the non-slow ones again, as a guard.
+group flash 200 -m "gpu and not slow" tests/ops/test_flash_prefill.py
 fi
 if [ "$PART" = bench ]; then
-# 5. The prefill table where this session's defaults changed the numbers (chunk at <= 32 pairs,
-#    flash K2), FLA in the same process; the fifth session's table (perf-notes) ran the old code.
-timeout 560 python3 benchmarks/bench_prefill.py --no-agreement --no-stages --heads 16 32 \
-  --shapes 1x8K 16x1K 64x512 1x32K 1x64K 1x128K > "$OUT/prefill.log" 2>&1
-echo "table rc=$?"; grep -E "done H=|host time" "$OUT/prefill.log"; sed -n '/wall time/,$p' "$OUT/prefill.log"
+# 4. Issue 5's goal cells with FLA in the same process, on the code with the one-MUFU sigmoid
+#    (the sixth session's FLA ratios ran the code before it). Two processes (FLA's own timing
+#    varies between processes: note it).
+timeout 300 python3 benchmarks/bench_prefill.py --no-agreement --no-stages --heads 96 64 \
+  --shapes 1x8K 8x1K > "$OUT/prefill_a.log" 2>&1; echo "a rc=$?"; sed -n '/wall time/,$p' "$OUT/prefill_a.log"
+timeout 250 python3 benchmarks/bench_prefill.py --no-agreement --no-stages --heads 32 16 \
+  --shapes 1x8K 1x32K 1x128K > "$OUT/prefill_b.log" 2>&1; echo "b rc=$?"; sed -n '/wall time/,$p' "$OUT/prefill_b.log"
 fi
-if [ "$PART" = profile ]; then
-# 6. Issue 5 asks, where a goal is missed, for each kernel's share: the second measurement's profile
-#    predates the K1 split and K2's 3 stages. flash and chunk_kda alone, kernel by kernel.
-timeout 560 python3 benchmarks/profile_prefill.py --heads 96 64 16 --shapes 1x8K 8x1K 1x32K \
-  --columns fla-core flash > "$OUT/profile.log" 2>&1
-echo "profile rc=$?"; grep -E "^H=|us  x" "$OUT/profile.log" | head -120; sed -n '/^| heads/,$p' "$OUT/profile.log"
+if [ "$PART" = calib ]; then
+# 5. config.py's cost_* constants against the sixth session's measurements (K2 step ~3.0 us,
+#    map-pass step ~2.1 us, scan ~5 us per segment, 0.36 ns per token-head): the model then
+#    segments 64 heads at 1x8K (4096; seg4096 measured -1.4% there), 1x32K (1824) and 1x128K
+#    (7712), everything else unchanged. Time both rules before changing the defaults.
+timeout 500 python3 - > "$OUT/calib.log" 2>&1 <<'PY'
+import torch, triton
+from kdaserve.ops.flash import kda_prefill_flash
+from kdaserve.ops.flash.config import overridden
+from kdaserve.ops.flash.tune import gpu_inputs
+NEW = dict(cost_step_full_us=3.0, cost_step_seg_us=2.1, cost_scan_step_us=5.0, cost_token_head_seg_ns=0.36)
+for H, lens in [(64, [8192]), (64, [32768]), (64, [131072]), (32, [32768]), (16, [131072]), (96, [8192])]:
+    inp = gpu_inputs(H, lens)
+    for name, cfg in (("current", {}), ("measured constants", NEW)):
+        with overridden(**cfg):
+            fn = lambda: kda_prefill_flash(**inp)
+            fn(); torch.cuda.synchronize()
+            ms = triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+        print(f"| {H} | {len(lens)}x{lens[0]} | {name} | {ms:.3f} |", flush=True)
+    del inp; torch.cuda.empty_cache()
+PY
+echo "calib rc=$?"; cat "$OUT/calib.log"
 fi
