@@ -10,11 +10,11 @@ import time
 from kdaserve.engine.block_manager import BlockManager
 from kdaserve.engine.config import EngineConfig
 from kdaserve.engine.detokenizer import IncrementalDetokenizer
-from kdaserve.engine.model_runner import ModelRunner, StepResult
+from kdaserve.engine.model_runner import ModelRunner
 from kdaserve.engine.outputs import ListPrefix, RequestOutput
 from kdaserve.engine.sampling_params import SamplingParams
 from kdaserve.engine.scheduler import Scheduler
-from kdaserve.engine.sequence import Sequence, SequenceStatus
+from kdaserve.engine.sequence import Sequence
 from kdaserve.engine.state_pool import StateSlotPool
 from kdaserve.engine.warmup import warm_up
 

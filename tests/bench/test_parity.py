@@ -1,8 +1,6 @@
 """`kdaserve parity`: the table, the exit codes, and that it catches a backend that is off, that
 touches slots outside the batch, or that corrupts conv states."""
 
-import dataclasses
-
 import pytest
 import torch
 

@@ -101,7 +101,7 @@ def main() -> None:
         best = None
         for name, cfg, seg in variants(lens)[: 2 if args.quick else None]:
             with overridden(**cfg):
-                fn = lambda: kda_prefill_flash(**inp, segment_len=seg)  # noqa: E731
+                fn = lambda inp=inp, seg=seg: kda_prefill_flash(**inp, segment_len=seg)  # noqa: E731
                 fn()
                 torch.cuda.synchronize()
                 ms = triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
