@@ -8,11 +8,13 @@ segments whose affine maps are computed in parallel and combined by an exact sca
 
 FLASH_REQUIREMENTS (for the backend registry):
 - platform: CUDA (developed for and tuned on H100/H200, sm_90); any CUDA GPU Triton supports
-  should work. ROCm: untested (IEEE fp32 dots replace tf32/tf32x3 there).
+  (sm_80+; the PTX fast math in fastmath.py, tanh.approx included, needs sm_75+) should work.
+  ROCm: untested (IEEE fp32 dots replace tf32/tf32x3 there, plain Triton math the PTX).
 - inputs: bf16 or fp16 (fast path, fp16 workspace); fp32 works (IEEE dots, slow; for tests).
 - head size: K = V = D in {16, 32, 64, 128}.
 - gate: bounded ("safe", lower_bound in [-5, 0)) uses tensor cores for the in-chunk decay
-  matrices; the unbounded gate is supported through an exact (slower) column loop.
+  matrices at 32-token chunks; the unbounded gate uses 16-token chunks, tensor cores with
+  per-half anchors where a chunk's decay spread allows, an exact (slower) column loop elsewhere.
 - recurrent state pool: fp32 or bf16, K contiguous; conv-state pool: SD or DS layout, any dtype.
 - conv width W: any (4 in the supported models).
 - varlen without a host sync; `cu_seqlens_cpu` only sharpens the grid sizes.
