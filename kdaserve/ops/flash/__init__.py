@@ -8,7 +8,7 @@ segments whose affine maps are computed in parallel and combined by an exact sca
 
 FLASH_REQUIREMENTS (for the backend registry):
 - platform: CUDA (developed for and tuned on H100/H200, sm_90); any CUDA GPU Triton supports
-  (sm_80+; the PTX fast math in fastmath.py, tanh.approx included, needs sm_75+) should work.
+  should work (the PTX fast math of fastmath.py runs on sm_75+, plain Triton math below).
   ROCm: untested (IEEE fp32 dots replace tf32/tf32x3 there, plain Triton math the PTX).
 - inputs: bf16 or fp16 (fast path, fp16 workspace); fp32 works (IEEE dots, slow; for tests).
 - head size: K = V = D in {16, 32, 64, 128}.

@@ -78,8 +78,11 @@ def dot_precisions(device: torch.device, ws_dtype: torch.dtype) -> tuple[str, st
 
 
 def use_fast_math(device: torch.device) -> bool:
-    """Single-instruction PTX exp/rcp (fastmath.py): NVIDIA only, never in the interpreter."""
-    return device.type == "cuda" and not torch.version.hip and not triton.knobs.runtime.interpret
+    """Single-instruction PTX exp/rcp/tanh (fastmath.py): NVIDIA sm_75+ (tanh.approx), never in
+    the interpreter."""
+    if device.type != "cuda" or torch.version.hip or triton.knobs.runtime.interpret:
+        return False
+    return torch.cuda.get_device_capability(device) >= (7, 5)  # torch caches the properties (_num_sms reads them too)
 
 
 def resolve_segment_len(segment_len: int | None, T: int, N: int, H: int, D: int, chunk: int, cu_seqlens_cpu, device) -> int | None:
