@@ -7,7 +7,7 @@ share of its instruction count. The `.ftz` forms differ only where a result woul
 (|result| < 1.2e-38, flushed to 0), which nothing here can distinguish from 0; their relative
 error is ~2^-22. FAST=False (the interpreter, ROCm) uses plain Triton math.
 
-`sigmoid_tanh` trades accuracy for one more MUFU: see its docstring for where that is safe.
+`sigmoid_tanh` saves one more MUFU at some accuracy: see its docstring for where that is safe.
 """
 
 from __future__ import annotations
@@ -44,11 +44,13 @@ def fast_sigmoid(x, FAST: tl.constexpr):
 @triton.jit
 def sigmoid_tanh(x, FAST: tl.constexpr):
     """sigmoid(x) = 1/2 + tanh(x/2)/2 with one MUFU (`tanh.approx.f32`, relative error 2^-11)
-    instead of fast_sigmoid's two (ex2 + rcp). Its error is absolute, up to ~2.4e-4, so it is
-    for factors of quantities that are later rounded to fp16/bf16 relative to their row's size:
+    instead of fast_sigmoid's two (ex2 + rcp). Its error is absolute, up to ~2.5e-4 (half of
+    tanh.approx's documented 2^-10.99), so it is for factors of quantities whose error counts
+    relative to their row's norm, which are later rounded to fp16/bf16 anyway:
     the conv's SiLU (q and k are l2-normalized after it, v is rounded to fp16 inside U~) and the
     output gate of the gated RMSNorm (bf16 output, 2^-9). Never for the decay gate: a slow-decay
-    channel's sigmoid is tiny and needs relative accuracy, which this lacks near 0."""
+    channel's sigmoid is tiny and needs relative accuracy, which the documented bound does not
+    give near 0."""
     if FAST:
         t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x * 0.5],
                                       dtype=tl.float32, is_pure=True, pack=1)

@@ -82,7 +82,13 @@ def use_fast_math(device: torch.device) -> bool:
     the interpreter."""
     if device.type != "cuda" or torch.version.hip or triton.knobs.runtime.interpret:
         return False
-    return torch.cuda.get_device_capability(device) >= (7, 5)  # torch caches the properties (_num_sms reads them too)
+    return _has_ptx_fast_math(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _has_ptx_fast_math(device_index: int) -> bool:
+    # Cached: every prefill step of every layer asks, and the host time of a step matters.
+    return torch.cuda.get_device_capability(device_index) >= (7, 5)
 
 
 def resolve_segment_len(segment_len: int | None, T: int, N: int, H: int, D: int, chunk: int, cu_seqlens_cpu, device) -> int | None:
