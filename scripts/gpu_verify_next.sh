@@ -38,7 +38,7 @@ fi
 if [ "$PART" = calib ]; then
 # 5. config.py's cost_* constants against the sixth session's measurements (K2 step ~3.0 us,
 #    map-pass step ~2.1 us, scan ~5 us per segment, 0.36 ns per token-head): the model then
-#    segments 64 heads at 1x8K (4096; seg4096 measured -1.4% there), 1x32K (1824) and 1x128K
+#    segments 64 heads at 1x8K (4096; seg4096 measured -1.4% there), 1x32K (1824), 1x64K (3872), 1x128K
 #    (7712), everything else unchanged. Time both rules before changing the defaults.
 timeout 500 python3 - > "$OUT/calib.log" 2>&1 <<'PY'
 import torch, triton
