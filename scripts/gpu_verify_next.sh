@@ -4,7 +4,7 @@
 # limit (group limits sum to <= 560 s); logs under $OUT (or ./out). Run with carry [".whl"].
 #   bash scripts/gpu_verify_next.sh tests     # fastmath error bounds (new), engine with the new sigmoid
 #   bash scripts/gpu_verify_next.sh bench     # the issue-5 goal cells with FLA, new code (~6 min)
-#   bash scripts/gpu_verify_next.sh calib     # flash's segment cost model with measured constants (~3 min)
+#   bash scripts/gpu_verify_next.sh calib     # flash's segment cost model: measure, then time (~4 min)
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -40,7 +40,8 @@ if [ "$PART" = calib ]; then
 #    map-pass step ~2.1 us, scan ~5 us per segment, 0.36 ns per token-head): the model then
 #    segments 64 heads at 1x8K (4096; seg4096 measured -1.4% there), 1x32K (1824), 1x64K (3872), 1x128K
 #    (7712), everything else unchanged. Time both rules before changing the defaults.
-timeout 500 python3 - > "$OUT/calib.log" 2>&1 <<'PY'
+timeout 90 python3 -m kdaserve.ops.flash.tune --calibrate 2>&1 | tail -6   # measured on this card
+timeout 400 python3 - > "$OUT/calib.log" 2>&1 <<'PY'
 import torch, triton
 from kdaserve.ops.flash import kda_prefill_flash
 from kdaserve.ops.flash.config import overridden

@@ -40,7 +40,10 @@ class FlashConfig:
     correct_chunks: int = 8       # chunks per program in the correction (output) pass
     correct_warps: int = 4
     # Segmenting long sequences pays when few (sequence, head) pairs leave SMs idle; plan.py's
-    # choose_segment_len weighs it with these costs (estimates until measured with tune.py).
+    # choose_segment_len weighs it with these costs. `python -m kdaserve.ops.flash.tune
+    # --calibrate` measures them on a card; on the H200 (sixth session) they came out about 2x
+    # these in absolute terms (full step 3.0, map step 2.1, scan 4-5 us, 0.36 ns), which would
+    # change only 64-head 1x8K..1x128K choices: timed before adopting (gpu_verify_next.sh calib).
     seg_min_len: int = 1024       # never segment when the longest sequence is shorter
     seg_min_tokens: int = 512     # never cut segments shorter than this
     recur_ctas_per_sm: int = 1    # K2 (255 registers x 8 warps): one program per SM

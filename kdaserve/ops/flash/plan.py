@@ -189,6 +189,23 @@ def config_key(cfg) -> tuple:
 _SEGMENT_CACHE: dict = {}
 
 
+def full_rounds(lens, H: int, chunk: int, num_sms: int, cfg) -> int:
+    """Chunk steps the unsegmented recurrence takes end to end: the longest chain, or more when
+    (sequence, head) pairs outnumber the programs the GPU holds at once."""
+    chunks = [-(-x // chunk) for x in lens]
+    return max(max(chunks), -(-(sum(chunks) * H) // (num_sms * cfg.recur_ctas_per_sm)))
+
+
+def segmented_rounds(lens, H: int, D: int, chunk: int, seg: int, num_sms: int, cfg) -> tuple[int, int]:
+    """(chunk steps of the map pass end to end, segments of the longest sequence) for segments of
+    `seg` tokens: 2G - 1 chains per (sequence, head, V-slice) of G segments (a sequence's first
+    segment needs no identity map), each seg / chunk steps long, in rounds of the resident programs."""
+    nv = max(D // cfg.seg_block_v, 1)
+    pieces = [max(-(-x // seg), 1) for x in lens]
+    programs = H * nv * (2 * sum(pieces) - len(pieces))
+    return -(-programs // (num_sms * cfg.seg_ctas_per_sm)) * (seg // chunk), max(pieces)
+
+
 def _best_segment_len(lens: tuple, H: int, D: int, chunk: int, num_sms: int, key_cfg: tuple, cfg) -> int | None:
     key = (lens, H, D, chunk, num_sms, key_cfg)
     if key in _SEGMENT_CACHE:
@@ -196,20 +213,14 @@ def _best_segment_len(lens: tuple, H: int, D: int, chunk: int, num_sms: int, key
     longest = max(lens)
     best_len = None
     if longest >= cfg.seg_min_len:
-        slots_full = num_sms * cfg.recur_ctas_per_sm
-        chunks = [-(-x // chunk) for x in lens]
-        best = max(max(chunks), -(-(sum(chunks) * H) // slots_full)) * cfg.cost_step_full_us
-        nv = max(D // cfg.seg_block_v, 1)
-        slots_seg = num_sms * cfg.seg_ctas_per_sm
+        best = full_rounds(lens, H, chunk, num_sms, cfg) * cfg.cost_step_full_us
         extra = sum(lens) * H * cfg.cost_token_head_seg_ns * 1e-3
         for G in range(2, 129):
             seg = -(-(-(-longest // G)) // chunk) * chunk
             if seg < cfg.seg_min_tokens:
                 break
-            pieces = [max(-(-x // seg), 1) for x in lens]
-            programs = H * nv * (2 * sum(pieces) - len(pieces))
-            t = -(-programs // slots_seg) * (seg // chunk) * cfg.cost_step_seg_us
-            t += max(pieces) * cfg.cost_scan_step_us + extra
+            steps, pieces = segmented_rounds(lens, H, D, chunk, seg, num_sms, cfg)
+            t = steps * cfg.cost_step_seg_us + pieces * cfg.cost_scan_step_us + extra
             if t < best:
                 best, best_len = t, seg
     if len(_SEGMENT_CACHE) > 4096:  # an engine sees many batch shapes: bound the memory

@@ -1,10 +1,12 @@
 """Time flash prefill variants side by side on a GPU (the launch parameters of config.py).
 
     python -m kdaserve.ops.flash.tune [--quick]
+    python -m kdaserve.ops.flash.tune --calibrate   # the segment cost model's constants, this card
 
 One table per shape (heads x sequences, bf16, fp32 state, D = 128, bounded gate): median ms of
 each variant, tokens/s, and which one wins. Use it to set the defaults in config.py and the
-segmenting thresholds. Runs in well under 2 minutes on an H200.
+segmenting thresholds. Runs in well under 2 minutes on an H200. `--calibrate` times the launches
+the cost model of plan.choose_segment_len counts (~30 s) and prints its constants as measured.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ import argparse
 import torch
 
 from kdaserve.ops.flash import kda_prefill_flash
-from kdaserve.ops.flash.config import overridden
-from kdaserve.ops.flash.plan import build_plan
+from kdaserve.ops.flash.config import CONFIG, overridden
+from kdaserve.ops.flash.plan import build_plan, full_rounds, segmented_rounds
 from kdaserve.ops.flash.prefill import FlashPrefill
 from kdaserve.testing.inputs import make_kda_weights
 
@@ -87,13 +89,47 @@ def stages(inp: dict, segment_len: int | None) -> dict:
     return {k: triton.testing.do_bench(f, warmup=5, rep=30, return_mode="median") for k, f in fns.items()}
 
 
+def derive_cost_constants(recurrence_ms: float, full_steps: int, maps_ms: float, scan_ms: float, correct_ms: float,
+                          seg_steps: int, seg_pieces: int, seg_token_heads: int) -> dict[str, float]:
+    """config.py's cost_* fields from launch times: the unsegmented recurrence per chunk step, the
+    map pass per chunk step (steps and pieces as plan.segmented_rounds counts them), the scan per
+    segment, the correction pass per token-head."""
+    return {
+        "cost_step_full_us": recurrence_ms * 1e3 / full_steps,
+        "cost_step_seg_us": maps_ms * 1e3 / seg_steps,
+        "cost_scan_step_us": scan_ms * 1e3 / seg_pieces,
+        "cost_token_head_seg_ns": correct_ms * 1e6 / seg_token_heads,
+    }
+
+
+def calibrate(D: int = 128) -> dict[str, float]:
+    """Measure the cost model's constants on this GPU: 64 heads x 8K unsegmented (one chain per
+    SM at most, as the model's unsegmented step assumes), 16 heads x 32K in 8K segments."""
+    cfg, sms = CONFIG, torch.cuda.get_device_properties(0).multi_processor_count
+    H_full, lens_full = min(64, sms * cfg.recur_ctas_per_sm), [8192]
+    st_full = stages(gpu_inputs(H_full, lens_full, D), 0)
+    H_seg, lens_seg, seg = 16, [32768], 8192
+    st_seg = stages(gpu_inputs(H_seg, lens_seg, D), seg)
+    seg_steps, pieces = segmented_rounds(lens_seg, H_seg, D, cfg.chunk, seg, sms, cfg)
+    return derive_cost_constants(st_full["recurrence"], full_rounds(lens_full, H_full, cfg.chunk, sms, cfg),
+                                 st_seg["maps"], st_seg["scan"], st_seg["correct"], seg_steps, pieces,
+                                 sum(lens_seg) * H_seg)
+
+
 def main() -> None:
     import triton
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="auto and no-seg only")
+    ap.add_argument("--calibrate", action="store_true", help="measure the segment cost model's constants only")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
+    if args.calibrate:
+        measured = calibrate()
+        print(f"cost model constants on {torch.cuda.get_device_name(0)} (config.py: measured / current):")
+        for k, v in measured.items():
+            print(f"  {k} = {v:.3f}  # now {getattr(CONFIG, k)}")
+        return
     rows = []
     for H, lens in SHAPES:
         inp = gpu_inputs(H, lens)

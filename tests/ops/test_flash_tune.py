@@ -1,0 +1,36 @@
+"""The geometry of flash's segment cost model (plan.py) and the constants tune.py derives from
+launch times (`python -m kdaserve.ops.flash.tune --calibrate` on a GPU)."""
+
+import pytest
+
+from kdaserve.ops.flash.config import FlashConfig
+from kdaserve.ops.flash.plan import full_rounds, segmented_rounds
+from kdaserve.ops.flash.tune import derive_cost_constants
+
+CFG = FlashConfig()  # defaults: 32-token chunks, one K2 program per SM, map pass V-halves, 2 per SM
+
+
+def test_chunk_steps_of_the_unsegmented_recurrence():
+    assert full_rounds([8192], 64, 32, 132, CFG) == 256            # 64 chains, one per SM: the longest
+    assert full_rounds([1024] * 8, 96, 32, 132, CFG) == 187        # 768 chains of 32 steps on 132 SMs
+    assert full_rounds([8192, 100], 16, 32, 132, CFG) == 256
+
+
+def test_chunk_steps_of_the_segmented_map_pass():
+    # 16 heads x 32K in 8K segments: 16 x 2 V-halves x (2 x 4 - 1) = 224 programs, one round of 264.
+    assert segmented_rounds([32768], 16, 128, 32, 8192, 132, CFG) == (256, 4)
+    # 16 heads x 128K in 7712-token segments: 17 pieces, 1056 programs, 4 rounds of 241 steps.
+    assert segmented_rounds([131072], 16, 128, 32, 7712, 132, CFG) == (964, 17)
+    # A sequence shorter than a segment is one piece and needs no identity map.
+    assert segmented_rounds([100, 20000], 4, 128, 32, 8192, 132, CFG) == (256, 3)
+
+
+def test_cost_constants_from_launch_times():
+    """The sixth session's H200 launch times (docs/perf-notes.md): 64 heads x 8K recurrence 0.767 ms;
+    16 heads x 32K in 8K segments: maps 0.5416, scan 0.0164, correction 0.1943 ms."""
+    steps, pieces = segmented_rounds([32768], 16, 128, 32, 8192, 132, CFG)
+    c = derive_cost_constants(0.767, full_rounds([8192], 64, 32, 132, CFG), 0.5416, 0.0164, 0.1943,
+                              steps, pieces, 32768 * 16)
+    assert c == pytest.approx({"cost_step_full_us": 2.996, "cost_step_seg_us": 2.116,
+                               "cost_scan_step_us": 4.1, "cost_token_head_seg_ns": 0.3706}, rel=1e-3)
+    assert set(c) <= set(FlashConfig.__dataclass_fields__)  # the names config.py uses
