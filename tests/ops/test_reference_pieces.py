@@ -22,9 +22,20 @@ def test_bounded_gate_formula_and_range():
     gk = kda_gate(g1, A_log, dt, lower_bound=-5.0)
     expect = -5.0 * torch.sigmoid(A_log.exp()[:, None] * (g1 + dt))
     torch.testing.assert_close(gk, expect)
-    assert (gk < 0).all() and (gk >= -5.0).all()
+    assert (gk <= 0).all() and (gk >= -5.0).all()
     with pytest.raises(ValueError, match="lower_bound"):
         kda_gate(g1, A_log, dt, lower_bound=-6.0)
+
+
+def test_bounded_gate_reaches_both_ends_of_its_range_in_fp32():
+    # In exact math LB * sigmoid(x) lies in (LB, 0); in fp32 sigmoid rounds to 1 above x ~ 17 and
+    # underflows to 0 below x ~ -104, so the computed gate spans the closed [LB, 0]: -0.0 is the
+    # correctly rounded "no decay" (exp(gk) = 1), LB the strongest decay. The contract says so.
+    logits = torch.tensor([[[-200.0, -90.0, 0.0, 20.0, 200.0]]])
+    gk = kda_gate(logits, torch.zeros(1), torch.zeros(1, 5), lower_bound=-5.0)
+    assert gk[0, 0, 0].item() == 0.0 and gk[0, 0, -1].item() == -5.0
+    assert (gk <= 0).all() and (gk >= -5.0).all() and torch.isfinite(gk).all()
+    assert gk[0, 0, 2].item() == -2.5
 
 
 def test_unbounded_gate_is_softplus_linear_above_20():
