@@ -1,7 +1,7 @@
 """Stage 1 of chunked prefill: forget gate + chunk-local cumulative sum, in log2 units.
 
 One program per (chunk, head). It reads the gate logits g1 where they lie (any strides), applies
-the gate of kda-semantics.md section 1.4 in fp32, and writes
+the gate of docs/kda-semantics.md section 1.4 in fp32, and writes
 
     gcum[t, h, :] = log2(e) * sum_{s = chunk start .. t} gk[s, h, :]      (fp32, [T, H, K])
 
@@ -15,34 +15,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kdaserve.ops.triton_math import log_decay
+
 LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _log1p(x):
-    # log(1 + x) accurate for tiny x (no libdevice in the interpreter): the classic correction
-    # log(u) * x / (u - 1) with u = 1 + x cancels the rounding of u; exact when u == 1.
-    u = 1.0 + x
-    d = u - 1.0
-    return tl.where(d == 0.0, x, tl.log(u) * (x / tl.where(d == 0.0, 1.0, d)))
-
-
-@triton.jit
-def _softplus(x):
-    # torch's softplus with threshold 20: linear above it; log1p(exp(x)) below (exp(x) <= e^20).
-    return tl.where(x > 20.0, x, _log1p(tl.exp(tl.minimum(x, 20.0))))
 
 
 @triton.jit
 def kda_gate(g1, A_log_h, dt_bias_h, lower_bound, BOUNDED: tl.constexpr):
     """gk (fp32) from gate logits g1 [.., K] (fp32) of one head; A_log_h scalar, dt_bias_h [K]."""
-    x = g1 + dt_bias_h[None, :]
-    a = tl.exp(A_log_h)
-    if BOUNDED:
-        gk = lower_bound * tl.sigmoid(a * x)
-    else:
-        gk = -a * _softplus(x)
-    return gk
+    return log_decay(g1 + dt_bias_h[None, :], tl.exp(A_log_h), lower_bound, BOUNDED)
 
 
 @triton.jit

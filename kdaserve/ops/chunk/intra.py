@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from kdaserve.ops.tri_inverse import unit_lower_inverse
+from kdaserve.ops.triton_math import l2_normalize_rows
 
 BC = 16  # sub-block: the anchoring span and the size of the triangular blocks
 
@@ -54,19 +55,13 @@ def _load_rows(ptr, rows, m, stride_t, K: tl.constexpr):
 
 
 @triton.jit
-def _l2norm_rows(x):
-    # kda-semantics 1.3: x / sqrt(sum x^2 + 1e-6), eps inside the square root.
-    return x * tl.rsqrt(tl.sum(x * x, axis=1) + 1e-6)[:, None]
-
-
-@triton.jit
 def _block_qkg(q_ptr, k_ptr, g_ptr, stride_y, stride_g, t0, t1, I: tl.constexpr, scale,
                BCC: tl.constexpr, K: tl.constexpr):
     """Rows of sub-block I: normalized q (scaled) and k, gcum, row mask, row indices."""
     rows = (t0 + I * BCC + tl.arange(0, BCC)).to(tl.int64)
     m = rows < t1
-    qn = _l2norm_rows(_load_rows(q_ptr, rows, m, stride_y, K)) * scale
-    kn = _l2norm_rows(_load_rows(k_ptr, rows, m, stride_y, K))
+    qn = l2_normalize_rows(_load_rows(q_ptr, rows, m, stride_y, K)) * scale
+    kn = l2_normalize_rows(_load_rows(k_ptr, rows, m, stride_y, K))
     g = _load_rows(g_ptr, rows, m, stride_g, K)
     return qn, kn, g, m, rows
 
@@ -76,7 +71,7 @@ def _block_kg(k_ptr, g_ptr, stride_y, stride_g, t0, t1, I: tl.constexpr, BCC: tl
     """Normalized k and gcum of an earlier sub-block (the column side of off-diagonal blocks)."""
     rows = (t0 + I * BCC + tl.arange(0, BCC)).to(tl.int64)
     m = rows < t1
-    return _l2norm_rows(_load_rows(k_ptr, rows, m, stride_y, K)), _load_rows(g_ptr, rows, m, stride_g, K)
+    return l2_normalize_rows(_load_rows(k_ptr, rows, m, stride_y, K)), _load_rows(g_ptr, rows, m, stride_g, K)
 
 
 @triton.jit
@@ -184,7 +179,7 @@ def _wide_row_block(qn, kn, g, m, rows, beta, a, k_ptr, g_ptr, stride_y, stride_
     strictly lower A (the fp32 scratch that the inverse reads back)."""
     cr = (t0 + tl.arange(0, NJ)).to(tl.int64)
     mc = cr < t1
-    kc = _l2norm_rows(_load_rows(k_ptr, cr, mc, stride_y, K))
+    kc = l2_normalize_rows(_load_rows(k_ptr, cr, mc, stride_y, K))
     gc = _load_rows(g_ptr, cr, mc, stride_g, K)
     up = tl.where(m[:, None], tl.exp2(tl.minimum(g - a[None, :], 0.0)), 0.0)
     right = tl.trans(kc * tl.exp2(tl.minimum(a[None, :] - gc, 112.0)))
@@ -241,7 +236,7 @@ def _wu_inputs(k_ptr, v_ptr, g_ptr, stride_y, stride_g, t0, t1, J: tl.constexpr,
     """Right-hand sides of sub-block J: beta k 2^g (for w) and beta v (for u), fp32."""
     rows = (t0 + J * BCC + tl.arange(0, BCC)).to(tl.int64)
     m = rows < t1
-    kn = _l2norm_rows(_load_rows(k_ptr, rows, m, stride_y, K))
+    kn = l2_normalize_rows(_load_rows(k_ptr, rows, m, stride_y, K))
     g = _load_rows(g_ptr, rows, m, stride_g, K)
     v = _load_rows(v_ptr, rows, m, stride_y, K)
     return kn * (beta[:, None] * tl.exp2(g)), v * beta[:, None]

@@ -3,7 +3,7 @@
 One program per (chunk, head), fully parallel (the serial dependency ended in stage 3):
 
     o = qg h[c] + Aqk v_new        ([BT, V], fp32 accumulation; h[c] = S^T at the chunk start)
-    y = o * rsqrt(mean(o^2) + eps) * w_norm * sigmoid(g2)      (kda-semantics 1.7, fp32)
+    y = o * rsqrt(mean(o^2) + eps) * w_norm * sigmoid(g2)      (docs/kda-semantics.md section 1.7, fp32)
 
 The norm is fused here because a program already holds whole rows of V = D values: it saves
 writing o and reading it back. Rows of sequences whose slot is <= 0 are not written.
@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from kdaserve.ops.triton_math import rms_rstd
 
 
 @triton.jit
@@ -45,7 +47,7 @@ def chunk_output_norm_kernel(
     b_vn = tl.load(v_new + (rows[:, None] * H + i_h) * K + rk[None, :], mask=m[:, None], other=0.0)
     o = tl.dot(b_A, b_vn, acc=o, input_precision=PREC)
 
-    rstd = tl.rsqrt(tl.sum(o * o, axis=1) / K + eps)
+    rstd = rms_rstd(tl.sum(o * o, axis=1), eps, K)
     gate = tl.load(g2 + rows[:, None] * stride_g2_t + i_h * stride_g2_h + rk[None, :] * stride_g2_d,
                    mask=m[:, None], other=0.0).to(tl.float32)
     wn = tl.load(norm_w + rk).to(tl.float32)

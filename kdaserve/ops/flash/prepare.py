@@ -29,13 +29,7 @@ import triton.language as tl
 
 from kdaserve.ops.flash.fastmath import fast_exp, fast_rcp, fast_sigmoid, sigmoid_tanh
 from kdaserve.ops.tri_inverse import unit_lower_inverse
-
-
-@triton.jit
-def _log1p(z):
-    # log(1 + z), accurate for tiny z (no log1p in every backend, nor in the interpreter).
-    w = 1.0 + z
-    return tl.where(w == 1.0, z, tl.log(w) * z / (w - 1.0))
+from kdaserve.ops.triton_math import softplus
 
 
 @triton.jit
@@ -148,7 +142,7 @@ def _gate_beta(g1_ptr, stride_g1_t, stride_g1_h, stride_g1_d, b_ptr, stride_b_t,
     if BOUNDED:
         gk = lower_bound * fast_sigmoid(a * x, FAST)
     else:
-        gk = -a * tl.where(x > 20.0, x, tl.maximum(x, 0.0) + _log1p(tl.exp(-tl.abs(x))))
+        gk = -a * softplus(x)
     gk = tl.where(valid[:, None], gk, 0.0)
     g = tl.cumsum(gk, axis=0)
     g_last = tl.sum(tl.where(rows[:, None] == C - 1, g, 0.0), axis=0)

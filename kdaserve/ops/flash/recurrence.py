@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from kdaserve.ops.flash.fastmath import sigmoid_tanh
+from kdaserve.ops.triton_math import rms_rstd
 
 
 @triton.jit
@@ -137,7 +138,7 @@ def flash_recurrence_kernel(
         else:
             g2 = tl.load(g2_ptr + trow * stride_g2_t + h * stride_g2_h + rows[:, None] * stride_g2_d,
                          mask=tmask, other=0.0).to(tl.float32)
-            rstd = tl.rsqrt(tl.sum(Ot * Ot, axis=0) / D + eps)
+            rstd = rms_rstd(tl.sum(Ot * Ot, axis=0), eps, D)
             y = Ot * rstd[None, :] * nw[:, None] * sigmoid_tanh(g2, FAST)
             tl.store(o_ptr + trow * stride_o_t + h * stride_o_h + rows[:, None] * stride_o_d,
                      y.to(o_ptr.dtype.element_ty), mask=tmask)

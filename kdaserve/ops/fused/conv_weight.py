@@ -2,7 +2,7 @@
 
 The merged weight is `[3P, W]` (one row of W taps per channel). The kernel wants, for each group
 (q, k, v) and tap, the P channels contiguous, so one head's 128 channels of a tap are one
-coalesced 512-byte load. Like every derived weight (kda-semantics.md section 4), the layer must
+coalesced 512-byte load. Like every derived weight (docs/kda-semantics.md section 4), the layer must
 rebuild it after every write of `conv_weight`, in place (`out=`) once a CUDA graph has captured it.
 """
 

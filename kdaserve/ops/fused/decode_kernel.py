@@ -36,6 +36,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kdaserve.ops.triton_math import l2_normalize, log_decay, rms_rstd
+
 
 @triton.jit
 def _silu_conv4(w0, w1, w2, w3, h0, h1, h2, x):
@@ -60,27 +62,10 @@ def _window(row_ptr, stride_row, mask):
 
 
 @triton.jit
-def _softplus(x):
-    """torch's softplus, linear above 20. For x << 0, log(1 + exp(x)) loses exp(x)'s low digits,
-    but so does exp(gk) ~ 1 - tiny in fp32: the decay is unaffected."""
-    return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
-
-
-@triton.jit
 def _log_decay(g1_ptr, dt_bias_ptr, a_log, lower_bound, BOUNDED_GATE: tl.constexpr):
     """gk = LB * sigmoid(exp(A_log) (g1 + dt_bias)) (bounded) or -exp(A_log) softplus(g1 + dt_bias)."""
     x = tl.load(g1_ptr).to(tl.float32) + tl.load(dt_bias_ptr).to(tl.float32)
-    a = tl.exp(a_log)
-    if BOUNDED_GATE:
-        gk = lower_bound * tl.sigmoid(a * x)
-    else:
-        gk = -a * _softplus(x)
-    return gk
-
-
-@triton.jit
-def _l2norm(x, scale):
-    return x * (tl.rsqrt(tl.sum(x * x, 0) + 1e-6) * scale)
+    return log_decay(x, tl.exp(a_log), lower_bound, BOUNDED_GATE)
 
 
 WS_SENTINEL: tl.constexpr = tl.constexpr(0x7FA5A5A5)  # a signalling-NaN payload: no fp32 result has it
@@ -105,7 +90,7 @@ def _ws_read(ptr, SPIN: tl.constexpr):
 @triton.jit
 def _gated_norm_store(o, gate_w, out_ptr, mask, norm_eps, D: tl.constexpr):
     """out = o * rsqrt(mean(o^2) + eps) * (w * sigmoid(g2)) over the head's D outputs."""
-    rstd = tl.rsqrt(tl.sum(o * o, 0) / D + norm_eps)
+    rstd = rms_rstd(tl.sum(o * o, 0), norm_eps, D)
     tl.store(out_ptr, (o * rstd * gate_w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -234,8 +219,8 @@ def kda_fused_decode_kernel(
         gk = _log_decay(g1 + t * stride_g1_t + i_h * stride_g1_h + d, dt_bias + i_h * D + d, a_log,
                         lower_bound, BOUNDED_GATE)
         beta = tl.sigmoid(tl.load(beta_logits + t * stride_b_t + i_h * stride_b_h).to(tl.float32))
-        q = _l2norm(_silu_conv4(wq0, wq1, wq2, wq3, hq0, hq1, hq2, xq), SCALE)
-        k = _l2norm(_silu_conv4(wk0, wk1, wk2, wk3, hk0, hk1, hk2, xk), 1.0)
+        q = l2_normalize(_silu_conv4(wq0, wq1, wq2, wq3, hq0, hq1, hq2, xq), SCALE)
+        k = l2_normalize(_silu_conv4(wk0, wk1, wk2, wk3, hk0, hk1, hk2, xk), 1.0)
         v = _silu_conv4(wv0, wv1, wv2, wv3, hv0, hv1, hv2, xv)
         hq0, hq1, hq2 = hq1, hq2, xq  # slide the windows (registers only)
         hk0, hk1, hk2 = hk1, hk2, xk

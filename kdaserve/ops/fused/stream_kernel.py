@@ -28,7 +28,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kdaserve.ops.fused.decode_kernel import _l2norm, _log_decay, _rewrite_conv, _silu_conv4, _taps, _window
+from kdaserve.ops.fused.decode_kernel import _log_decay, _rewrite_conv, _silu_conv4, _taps, _window
+from kdaserve.ops.triton_math import l2_normalize
 
 
 @triton.jit
@@ -113,8 +114,8 @@ def kda_fused_stream_kernel(
     gk = _log_decay(g1 + i_n * stride_g1_t + i_h * stride_g1_h + d, dt_bias + i_h * D + d, a_log,
                     lower_bound, BOUNDED_GATE)
     beta = tl.sigmoid(tl.load(beta_logits + i_n * stride_b_t + i_h * stride_b_h).to(tl.float32))
-    q = _l2norm(_silu_conv4(wq0, wq1, wq2, wq3, hq0, hq1, hq2, xq), SCALE)
-    k = _l2norm(_silu_conv4(wk0, wk1, wk2, wk3, hk0, hk1, hk2, xk), 1.0)
+    q = l2_normalize(_silu_conv4(wq0, wq1, wq2, wq3, hq0, hq1, hq2, xq), SCALE)
+    k = l2_normalize(_silu_conv4(wk0, wk1, wk2, wk3, hk0, hk1, hk2, xk), 1.0)
     v2 = tl.reshape(_silu_conv4(wv0, wv1, wv2, wv3, hv0, hv1, hv2, xv), (NT, BV))
     decay = tl.exp(gk)
     kq = tl.sum(k * q, 0)

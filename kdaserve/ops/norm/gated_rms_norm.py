@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kdaserve.ops.triton_math import rms_rstd
+
 
 @triton.jit
 def gated_rms_norm_kernel(
@@ -41,8 +43,8 @@ def gated_rms_norm_kernel(
     o = tl.load(o_ptr + (t * stride_o_t + h * stride_o_h)[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + (t * stride_g_t + h * stride_g_h)[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(o * o, axis=1) / D + eps)
-    y = o * rstd[:, None] * w[None, :] * (1.0 / (1.0 + tl.exp(-g)))
+    rstd = rms_rstd(tl.sum(o * o, axis=1), eps, D)
+    y = o * rstd[:, None] * w[None, :] * tl.sigmoid(g)
     tl.store(y_ptr + (t * stride_y_t + h * stride_y_h)[:, None] + offs_d[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 

@@ -13,12 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _log1p(z):
-    # log(1 + z) accurate for tiny z (fp32 has no log1p in every backend, the interpreter included).
-    w = 1.0 + z
-    return tl.where(w == 1.0, z, tl.log(w) * z / (w - 1.0))
+from kdaserve.ops.triton_math import l2_normalize, log_decay
 
 
 @triton.jit
@@ -66,15 +61,11 @@ def kda_recurrent_kernel(
         q = tl.load(row + h * K + offs_k).to(tl.float32)
         k = tl.load(row + P + h * K + offs_k).to(tl.float32)
         v = tl.load(row + 2 * P + h * V + offs_v).to(tl.float32)
-        q = q * (scale / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6))
-        k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
+        q = l2_normalize(q, scale)
+        k = l2_normalize(k, 1.0)
         x = tl.load(g_ptr + t * stride_g_t + h * stride_g_h + offs_k).to(tl.float32) + dt_bias
-        if BOUNDED:
-            gk = lower_bound / (1.0 + tl.exp(-a * x))
-        else:
-            softplus = tl.where(x > 20.0, x, tl.maximum(x, 0.0) + _log1p(tl.exp(-tl.abs(x))))
-            gk = -a * softplus
-        beta = 1.0 / (1.0 + tl.exp(-tl.load(b_ptr + t * stride_b_t + h * stride_b_h).to(tl.float32)))
+        gk = log_decay(x, a, lower_bound, BOUNDED)
+        beta = tl.sigmoid(tl.load(b_ptr + t * stride_b_t + h * stride_b_h).to(tl.float32))
 
         S = S * tl.exp(gk)[None, :]
         u = beta * (v - tl.sum(S * k[None, :], axis=1))
