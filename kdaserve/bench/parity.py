@@ -1,5 +1,5 @@
 """`kdaserve parity`: KDA backends side by side on one layer, the same inputs and the same steps,
-judged against the fp64 reference and against each other (kda-semantics.md section 5).
+judged against the fp64 reference and against each other (docs/kda-semantics.md section 5).
 
 One KDA layer with random (realistically scaled) weights provides the projections; every backend
 then runs the layer's step router (kdaserve.layers.kda_routing) on identical core inputs and its own

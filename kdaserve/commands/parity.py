@@ -32,7 +32,7 @@ def register(sub) -> None:
     p.add_argument("--decode-steps", type=int, help="decode steps after the prefill (default: 64 on a GPU, 4 on the CPU)")
     p.add_argument("--mixed-chunk", type=int, default=37, help="prefill tokens per sequence in the mixed step")
     p.add_argument("--spec-tokens", type=int, default=0, help="S draft tokens: adds two speculative verify steps")
-    p.add_argument("--tolerance", type=float, help="relative RMS limit against the reference (default: kda-semantics.md section 5)")
+    p.add_argument("--tolerance", type=float, help="relative RMS limit against the reference (default: docs/kda-semantics.md section 5)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=run)
 

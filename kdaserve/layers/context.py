@@ -20,7 +20,7 @@ import torch
 
 @dataclass(slots=True)
 class KDAStepMetadata:
-    """What kda-semantics.md section 3 lists, split by route."""
+    """What docs/kda-semantics.md section 3 lists, split by route."""
 
     num_decodes: int = 0                 # decode sequences (plain or speculative), first in the step
     num_decode_tokens: int = 0           # num_decodes, or num_decodes * (S+1) when speculative

@@ -1,4 +1,4 @@
-"""The KDA layer: weights of kda-semantics.md section 4, backends resolved once at construction,
+"""The KDA layer: weights of docs/kda-semantics.md section 4, backends resolved once at construction,
 cache slots bound by the engine, and one `_forward` that routes every kind of step.
 
 Why it is built this way:

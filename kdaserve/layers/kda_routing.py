@@ -1,4 +1,4 @@
-"""Which kernel runs which tokens of a step, by the step's metadata (kda-semantics.md section 3).
+"""Which kernel runs which tokens of a step, by the step's metadata (docs/kda-semantics.md section 3).
 
 Token order in a step is decodes first (one token per decode sequence, or S+1 per speculative
 sequence), then the prefill tokens. So:

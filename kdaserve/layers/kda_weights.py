@@ -1,4 +1,4 @@
-"""The KDA layer's checkpoint tensors (kda-semantics.md section 4): names, tensor-parallel shards,
+"""The KDA layer's checkpoint tensors (docs/kda-semantics.md section 4): names, tensor-parallel shards,
 and random-but-realistic weights for tests, benchmarks and `kdaserve parity`.
 
 Under tensor parallelism the heads are split across ranks: rank r owns heads [r*H, (r+1)*H) of

@@ -17,7 +17,7 @@ from kdaserve.layers.mlp import SwiGLUMLP
 from kdaserve.layers.norm import RMSNorm
 from kdaserve.models.config import HybridConfig
 
-# The checkpoint names of one KDA layer (kda-semantics.md section 4), relative to the layer.
+# The checkpoint names of one KDA layer (docs/kda-semantics.md section 4), relative to the layer.
 KDA_CHECKPOINT_NAMES = (
     "in_proj_qkvbfg_a.weight", "f_b_proj.weight", "g_b_proj.weight",
     "q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight",

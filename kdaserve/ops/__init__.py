@@ -1,1 +1,1 @@
-"""KDA kernels and the torch reference that defines them (see docs/ and kda-semantics.md)."""
+"""KDA kernels and the torch reference that defines them (see docs/ and docs/kda-semantics.md)."""

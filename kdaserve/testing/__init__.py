@@ -1,5 +1,5 @@
 """Helpers reused by tests, benchmarks and `kdaserve parity`: random-but-valid KDA inputs,
-NaN poisoning and relative-RMS comparison with the tolerances of kda-semantics.md section 5."""
+NaN poisoning and relative-RMS comparison with the tolerances of docs/kda-semantics.md section 5."""
 
 from kdaserve.testing.compare import (
     TOLERANCES,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-# kda-semantics.md section 5: relative RMS error against the fp64/fp32 reference.
+# docs/kda-semantics.md section 5: relative RMS error against the fp64/fp32 reference.
 TOLERANCES = {
     "fp32": 1e-5,        # fp32 inputs, fp32 math (CPU, interpreter)
     "fp16": 2e-3,        # fp16 inputs through the interpreter (tensor-core-style 16-bit operands)

@@ -114,7 +114,7 @@ def test_cli_reports_an_unusable_backend_with_exit_2(capsys):
     assert "unmet requirement" in capsys.readouterr().err
 
 
-# Our backends must hold kda-semantics.md's tolerances. FLA 0.6.0 (an external baseline whose
+# Our backends must hold docs/kda-semantics.md's tolerances. FLA 0.6.0 (an external baseline whose
 # precision we do not own) keeps bf16 intermediates and measured 5.15e-3 output / 5.25e-3 state
 # error on this case on the H200 (limit 5e-3); its adapter's plumbing is checked against the
 # reference in tests/backends/test_adapters_gpu.py, and `kdaserve parity` reports it as it is.
@@ -140,7 +140,7 @@ def _gpu_names(csv, phase, **settings):
 @pytest.mark.parametrize("state", ["fp32", "bf16"])
 def test_gpu_parity_of_every_gpu_backend(state, capsys):
     """bf16 inputs, H=8 x 128, mixed lengths, 32 decode steps, speculative verify: every runnable
-    GPU backend within kda-semantics.md's tolerances of the fp64 reference and of each other."""
+    GPU backend within docs/kda-semantics.md's tolerances of the fp64 reference and of each other."""
     sd = torch.float32 if state == "fp32" else torch.bfloat16
     args = ["parity", "--device", "cuda", "--prefill-backends", _gpu_names(GPU_PREFILL, "prefill", state_dtype=sd, num_spec_tokens=2),
             "--decode-backends", _gpu_names(GPU_DECODE, "decode", state_dtype=sd, num_spec_tokens=2), "--heads", "8", "--lengths", "3000,700,64x4,1",

@@ -1,4 +1,4 @@
-"""The reference holds the properties of kda-semantics.md, and its chunked form equals the loop."""
+"""The reference holds the properties of docs/kda-semantics.md, and its chunked form equals the loop."""
 
 import functools
 
