@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kdaserve.backends import BackendError  # noqa: E402
 from kdaserve.engine import LLM, SamplingParams  # noqa: E402
 from kdaserve.engine.caches import kv_bytes_per_block, state_bytes_per_slot  # noqa: E402
+from kdaserve.engine.args import add_engine_args, engine_kwargs_from_args  # noqa: E402
 
 
 def copy_bandwidth() -> float:
@@ -90,11 +91,8 @@ def run_pair(pair: str, args) -> dict:
     t0 = time.perf_counter()
     try:
         with TritonCompiles() as jit:
-            llm = LLM(
-                args.model, kda_prefill_backend=prefill, kda_decode_backend=decode, max_num_seqs=args.max_num_seqs,
-                max_model_len=args.input_len + args.output_len + 64, max_num_batched_tokens=args.max_num_batched_tokens,
-                enforce_eager=args.enforce_eager, warmup=not args.no_engine_warmup,
-            )
+            llm = LLM(**engine_kwargs_from_args(args, kda_prefill_backend=prefill, kda_decode_backend=decode,
+                                                max_model_len=args.input_len + args.output_len + 64))
     except (BackendError, ValueError) as exc:
         row["skipped"] = str(exc).splitlines()[0] + " " + " ".join(l.strip() for l in str(exc).splitlines()[1:])
         return row
@@ -186,18 +184,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pairs", default="chunk+chain,flash+fused,fla+fla",
                     help="comma-separated prefill+decode backend pairs (auto+auto allowed)")
-    ap.add_argument("--model", default="bench", help="built-in model or checkpoint directory")
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--decode-batch", type=int, default=64)
-    ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--timed-runs", type=int, default=2, help="timed runs of the same requests; the last is reported")
-    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (decode step time then host-bound)")
-    ap.add_argument("--no-engine-warmup", action="store_true", help="engine built with warmup=False")
     ap.add_argument("--no-script-warmup", action="store_true",
                     help="skip this script's own warm-up run (with a fresh TRITON_CACHE_DIR: does the engine's warm-up suffice?)")
+    # The engine's own flags (--max-model-len is set from the lengths; --kda-*-backend by --pairs).
+    add_engine_args(ap, model="bench", max_num_seqs=256, max_num_batched_tokens=8192)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_throughput.py needs a CUDA GPU", file=sys.stderr)

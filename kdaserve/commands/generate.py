@@ -11,10 +11,11 @@ import json
 import sys
 import time
 
+from kdaserve.engine.args import add_engine_args, engine_kwargs_from_args
+
 
 def register(sub) -> None:
     p = sub.add_parser("generate", help="generate completions for prompts and report throughput")
-    p.add_argument("--model", default="tiny", help="a built-in model (tiny, bench) or a checkpoint directory")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument("--prompts-file", default=None,
                    help="a file of prompts: one per line, or a .jsonl file of {\"prompt\": ...} objects")
@@ -22,21 +23,11 @@ def register(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (per request)")
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-tokens tokens")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
-    p.add_argument("--kda-prefill-backend", default="auto")
-    p.add_argument("--kda-decode-backend", default="auto")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--device", default=None, help="cuda, cpu, ... (default: the GPU when there is one)")
-    p.add_argument("--dtype", default=None, help="bfloat16, float16 or float32 (default: bf16 on GPU, fp32 on CPU)")
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    p.add_argument("--no-warmup", action="store_true",
-                   help="skip the start-up warm-up that compiles the kernels' variants before the first request (GPU only)")
     p.add_argument("--json", action="store_true", help="print one JSON object per completion instead of text")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_engine_args(p)
     p.set_defaults(func=run)
 
 
@@ -60,12 +51,9 @@ def run(args) -> int:
         return 2
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
+                                top_k=args.top_k, ignore_eos=args.ignore_eos)
         t0 = time.perf_counter()
-        llm = LLM(args.model, kda_prefill_backend=args.kda_prefill_backend, kda_decode_backend=args.kda_decode_backend,
-                  max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                  max_num_batched_tokens=args.max_num_batched_tokens, device=args.device, dtype=args.dtype,
-                  enforce_eager=args.enforce_eager, warmup=not args.no_warmup)
+        llm = LLM(**engine_kwargs_from_args(args))
         load_s = time.perf_counter() - t0
         if args.chat:
             prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,28 +20,47 @@ def parse_dtype(dtype) -> torch.dtype | None:
     return _DTYPES[dtype]
 
 
+def _flag(help: str, name: str | None = None, **argparse_kw) -> dict:
+    """Field metadata for the command-line flag of an engine setting (engine/args.py reads it).
+    `name` overrides the flag derived from the field name, where vLLM calls the setting otherwise."""
+    return {"help": help, "flag": name, "argparse": argparse_kw}
+
+
 @dataclass
 class EngineConfig:
-    model: str = "tiny"
-    kda_prefill_backend: str = "auto"
-    kda_decode_backend: str = "auto"
-    max_num_seqs: int = 64
-    max_model_len: int = 4096
-    max_num_batched_tokens: int | None = None    # token budget per step (chunked prefill); None: 8192
-    device: str | torch.device | None = None      # None: cuda when available, else cpu
-    dtype: torch.dtype | str | None = None        # None: bf16 on GPU, fp32 on CPU
-    enforce_eager: bool = False                   # no CUDA graphs
-    seed: int = 0                                 # built-in weights and unseeded sampling
-    block_size: int = 16                          # tokens per KV block
-    num_kv_blocks: int | None = None              # None: from memory (GPU) or what max_num_seqs full sequences need (CPU)
-    gpu_memory_utilization: float = 0.9
-    state_dtype: torch.dtype | str = torch.float32  # KDA recurrent state
-    conv_layout: str = "SD"
-    max_logprobs: int = 20
-    cuda_graph_max_batch_size: int | None = None  # None: max_num_seqs
+    model: str = field(default="tiny", metadata=_flag("a built-in model (tiny, bench) or a checkpoint directory"))
+    kda_prefill_backend: str = field(default="auto", metadata=_flag(
+        "KDA prefill backend; auto picks the fastest whose requirements hold (kdaserve info lists them)"))
+    kda_decode_backend: str = field(default="auto", metadata=_flag(
+        "KDA decode backend; auto picks the fastest whose requirements hold (kdaserve info lists them)"))
+    max_num_seqs: int = field(default=64, metadata=_flag("sequences in one running batch"))
+    max_model_len: int = field(default=4096, metadata=_flag("prompt + completion tokens per request"))
+    max_num_batched_tokens: int | None = field(default=None, metadata=_flag(
+        "token budget of one engine step (chunked prefill splits longer prompts); default 8192"))
+    device: str | torch.device | None = field(default=None, metadata=_flag("cuda, cpu, ... (default: the GPU when there is one)"))
+    dtype: torch.dtype | str | None = field(default=None, metadata=_flag(
+        "weights and activations: auto, bfloat16, float16 or float32 (auto: bf16 on a GPU, fp32 on a CPU)"))
+    enforce_eager: bool = field(default=False, metadata=_flag("no CUDA graphs"))
+    seed: int = field(default=0, metadata=_flag("the engine's seed: built-in weights and requests without a seed of their own"))
+    block_size: int = field(default=16, metadata=_flag("tokens per attention KV-cache block"))
+    num_kv_blocks: int | None = field(default=None, metadata=_flag(
+        "KV-cache blocks to allocate instead of sizing them from memory (GPU) or max_num_seqs full sequences (CPU)",
+        name="--num-gpu-blocks-override"))
+    gpu_memory_utilization: float = field(default=0.9, metadata=_flag("share of the GPU's memory the engine may use, in (0, 1]"))
+    state_dtype: torch.dtype | str = field(default=torch.float32, metadata=_flag(
+        "dtype of the KDA recurrent state: float32, or bfloat16 to halve decode traffic at some accuracy cost",
+        name="--mamba-ssm-cache-dtype"))
+    conv_layout: str = field(default="SD", metadata=_flag(
+        "KDA conv-state layout: SD (sequence-major) or DS (channel-major)", name="--kda-conv-layout",
+        choices=("SD", "DS")))
+    max_logprobs: int = field(default=20, metadata=_flag("most logprobs a request may ask for per token"))
+    cuda_graph_max_batch_size: int | None = field(default=None, metadata=_flag(
+        "largest decode batch captured as a CUDA graph (default: max_num_seqs)", name="--max-cudagraph-capture-size"))
     # Run dummy steps at startup so that kernel JIT specializations are compiled before the first
     # requests (engine/warmup.py), on a CUDA device (nothing is compiled on the CPU); graphs or not.
-    warmup: bool = True
+    warmup: bool = field(default=True, metadata=_flag(
+        "skip the start-up warm-up that compiles the kernels' variants before the first request (GPU only)",
+        name="--no-warmup"))
 
     def __post_init__(self):
         self.device = torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))

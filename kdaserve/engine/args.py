@@ -1,0 +1,56 @@
+"""The engine's command-line flags, derived from EngineConfig's fields: `generate`, `serve` and the
+benchmarks declare the same flags with the same meaning. Names are vLLM's where vLLM has the
+setting (`--gpu-memory-utilization`, `--block-size`, `--seed` as the engine seed,
+`--num-gpu-blocks-override`, `--mamba-ssm-cache-dtype`, `--max-cudagraph-capture-size`, ...)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+
+from kdaserve.engine.config import EngineConfig
+
+
+def _flag_name(f: dataclasses.Field) -> str:
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def _scalar_type(f: dataclasses.Field):
+    """int / float / str for argparse from the field's annotation (Optional and unions with
+    torch types parse as str; EngineConfig converts)."""
+    hint = typing.get_type_hints(EngineConfig)[f.name]
+    args = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union else (hint,)
+    for t in (int, float):
+        if t in args and not any(a is str for a in args):
+            return t
+    return str
+
+
+def add_engine_args(parser: argparse.ArgumentParser, **defaults) -> argparse.ArgumentParser:
+    """Add one flag per engine setting. `defaults` overrides a field's default for this command
+    (a benchmark may default to the `bench` model, say)."""
+    group = parser.add_argument_group("engine")
+    for f in dataclasses.fields(EngineConfig):
+        meta = f.metadata
+        default = defaults.get(f.name, f.default)
+        if isinstance(default, bool):
+            # A flag that flips the default: --enforce-eager sets True, --no-warmup sets False.
+            group.add_argument(_flag_name(f), dest=f.name, action="store_false" if default else "store_true",
+                               default=default, help=meta["help"])
+            continue
+        shown = str(default).removeprefix("torch.") if default is not None else None
+        flag = _flag_name(f)
+        group.add_argument(flag, dest=f.name, type=_scalar_type(f), default=shown if shown is not None and
+                           not isinstance(default, (int, float)) else default,
+                           metavar=flag.removeprefix("--").replace("-", "_").upper(),
+                           help=meta["help"] + (f" (default: {shown})" if shown is not None else ""), **meta["argparse"])
+    return parser
+
+
+def engine_kwargs_from_args(args: argparse.Namespace, **overrides) -> dict:
+    """The EngineConfig keyword arguments the parsed flags name (model included)."""
+    kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)}
+    kw.update(overrides)
+    return kw
