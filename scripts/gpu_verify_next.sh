@@ -18,6 +18,39 @@ group() {  # name, seconds, pytest args...
   echo "== $name rc=$? $(grep -c PASSED "$OUT/t_$name.log") passed"; grep -E "FAILED|^E  " "$OUT/t_$name.log" | head -6
 }
 PART=${1:-tests}
+if [ "$PART" = kernels ]; then
+# 0. Seventh session: every kernel now takes its gate, softplus, l2 norm and norm scale from
+#    kdaserve/ops/triton_math.py (fused's softplus was a plain log(1 + exp(x))). Each decode and
+#    prefill GPU test file, one at a time; the new tiny-softplus test must also FAIL with the
+#    plain softplus put back (shown on a copy under /tmp, the repo is untouched).
+group triton_math 60 tests/ops/test_triton_math.py
+group gate_accuracy 90 tests/ops/test_decode_gate_accuracy.py
+rm -rf /tmp/naive && mkdir -p /tmp/naive && cp -r kdaserve /tmp/naive/ && python3 - <<'PY'
+p = "/tmp/naive/kdaserve/ops/triton_math.py"; s = open(p).read()
+s = s.replace("return tl.where(x > SOFTPLUS_THRESHOLD, x, tl.maximum(x, 0.0) + log1p(tl.exp(-tl.abs(x))))",
+              "return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))")
+open(p, "w").write(s)
+PY
+PYTHONPATH=/tmp/naive:$PYTHONPATH timeout 60 $P -m gpu tests/ops/test_decode_gate_accuracy.py -k fused > "$OUT/t_naive.log" 2>&1
+echo "== naive softplus (must FAIL): rc=$? $(grep -oE 'relative RMS error [0-9.e+-]+' "$OUT/t_naive.log" | head -2 | tr '\n' ' ')"
+for f in fused_decode fused_stream chain recurrent_triton norm_triton adaptive_decode; do
+  group $f 75 -m "gpu and not slow" tests/ops/test_$f.py
+done
+group chunk 90 -m "gpu and not slow" tests/ops/test_chunk_prefill.py
+group flash 120 -m "gpu and not slow" tests/ops/test_flash_prefill.py
+fi
+if [ "$PART" = ab ]; then
+# 0b. The shared math against the code before it (.old/ = git archive 8f677f4 kdaserve benchmarks,
+#     carried), back-to-back processes old, new, old, new on the same card; no FLA (not installed
+#     in this part), decode as CUDA-graph replays. Must show: no column slower beyond the A/A spread.
+for v in old new old new; do
+  root=$PWD; [ $v = old ] && root=$PWD/.old
+  (cd "$root" && PYTHONPATH=$root timeout 70 python3 benchmarks/bench_decode.py --sections table --heads 32 \
+     --batches 1 64 256 2>&1 | sed -n '/^| /p' | sed "s/^/$v decode /")
+  (cd "$root" && PYTHONPATH=$root timeout 80 python3 benchmarks/bench_prefill.py --no-agreement --no-stages --heads 32 \
+     --shapes 1x8K 16x1K --gate unbounded 2>&1 | sed -n '/^| /p' | sed "s/^/$v prefill-unbounded /")
+done
+fi
 if [ "$PART" = tests ]; then
 # 1. The new GPU tests of fastmath's error bounds (sigmoid_tanh included) have never run.
 group fastmath 60 -m gpu tests/ops/test_flash_fastmath.py

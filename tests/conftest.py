@@ -1,11 +1,12 @@
 import importlib.util
 import os
 import random
-import zlib
 
 import numpy as np
 import pytest
 import torch
+
+from seeding import SEED_VARIABLE, base_seed, seed_for
 
 # Without a GPU, Triton kernels can only run through the interpreter: set it before any test
 # module imports a kernel (the README's test command sets it too; this keeps `pytest` alone working).
@@ -15,25 +16,6 @@ if not torch.cuda.is_available():
 # The server tests need the `serve` extra; a machine without it (the GPU box) skips the folder
 # instead of failing on its conftest's imports.
 collect_ignore = [] if all(importlib.util.find_spec(m) for m in ("fastapi", "uvicorn", "httpx")) else ["server"]
-
-# Every test draws from generators seeded by (base seed, test id): one commit gives one verdict,
-# and a test's draws do not depend on which tests ran before it. KDASERVE_TEST_SEED changes the base.
-SEED_VARIABLE = "KDASERVE_TEST_SEED"
-DEFAULT_BASE_SEED = 0
-
-
-def base_seed() -> int:
-    raw = os.environ.get(SEED_VARIABLE, str(DEFAULT_BASE_SEED))
-    try:
-        return int(raw)
-    except ValueError:
-        raise pytest.UsageError(f"{SEED_VARIABLE} must be an integer, got {raw!r}") from None
-
-
-def seed_for(nodeid: str, base: int) -> int:
-    """A 31-bit seed from the base and the test id (crc32: stable across processes and Python
-    versions, unlike hash())."""
-    return (base * 1_000_003 + zlib.crc32(nodeid.encode())) % (2**31 - 1)
 
 
 def pytest_report_header(config):

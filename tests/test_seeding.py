@@ -5,7 +5,7 @@ import random
 import numpy as np
 import torch
 
-from conftest import base_seed, seed_for
+from seeding import base_seed, seed_for
 
 
 def test_draws_come_from_the_seed_of_this_test(request):
