@@ -100,8 +100,7 @@ def run_pair(pair: str, args) -> dict:
     row["build_s"] = time.perf_counter() - t0
     row["jit_build"] = len(jit.names)
     eng = llm.engine
-    layer = eng.runner.model.kda_layers[0]
-    row["resolved"] = f"{layer.prefill_backend.name}+{layer.decode_backend.name}"
+    row["resolved"] = eng.runner.kda_backends.names
     row["graphs"] = eng.runner.graphs is not None
 
     # The script's own warm-up (skip it to see whether the engine's startup warm-up suffices).
@@ -138,7 +137,7 @@ def run_pair(pair: str, args) -> dict:
         prefill_tok_per_s=s["prefill_tokens_per_s"], decode_tok_per_s=s["decode_tokens_per_s"],
     )
     row.update(decode_step(llm, args))
-    del llm, eng, layer, outs
+    del llm, eng, outs
     gc.collect()
     torch.cuda.empty_cache()
     return row

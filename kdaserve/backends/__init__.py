@@ -13,6 +13,7 @@ from kdaserve.backends.registry import (
     register_backend,
     unregister_backend,
 )
+from kdaserve.backends.kda_backends import KDABackendChoice, KDABackends, resolve_kda_backends
 from kdaserve.backends.requirements import LayerSettings, Machine, Requirement
 from kdaserve.backends.resolver import (
     BackendError,
@@ -32,6 +33,8 @@ __all__ = [
     "BackendSpec",
     "BackendUnavailableError",
     "DECODE_BACKENDS",
+    "KDABackendChoice",
+    "KDABackends",
     "LayerSettings",
     "Machine",
     "PREFILL_BACKENDS",
@@ -44,6 +47,7 @@ __all__ = [
     "describe_backends",
     "register_backend",
     "resolve_backend",
+    "resolve_kda_backends",
     "unregister_backend",
     "valid_names",
 ]

@@ -3,8 +3,8 @@
 - An unknown name is an error that lists the valid names.
 - An explicitly requested backend whose requirements are not all met is an error that lists
   every unmet requirement: never a silent fallback.
-- `auto` takes the fastest eligible backend for the platform (registry.AUTO_ORDER) and logs its
-  choice, with the reasons the faster ones were skipped, once per layer type.
+- `auto` takes the fastest eligible backend for the platform (registry.AUTO_ORDER) and logs why
+  faster ones were skipped. Resolution runs once per model (kda_backends.py), not per layer.
 """
 
 from __future__ import annotations
@@ -18,9 +18,6 @@ from kdaserve.backends.registry import BackendSpec
 from kdaserve.backends.requirements import LayerSettings, Machine, dtype_name, unmet_requirements
 
 logger = logging.getLogger("kdaserve.backends")
-
-_LOGGED: set[tuple] = set()
-
 
 class BackendError(ValueError):
     """A backend cannot be used as asked (raised at layer construction, i.e. at startup)."""
@@ -70,7 +67,7 @@ def _unknown_message(phase: str, name: str) -> str:
     return f"unknown KDA {phase} backend {name!r}; valid names: {', '.join(valid_names(phase))}"
 
 
-def _describe_settings(s: LayerSettings) -> str:
+def describe_settings(s: LayerSettings) -> str:
     return (
         f"{dtype_name(s.input_dtype)} inputs, head size {s.head_dim}, {s.gate} gate, "
         f"{dtype_name(s.state_dtype)} state, {s.conv_layout} conv layout, "
@@ -94,7 +91,7 @@ def resolve_backend(
     if phase not in registry.PHASES:
         raise ValueError(f"phase must be one of {registry.PHASES}, got {phase!r}")
     machine = machine or Machine.detect()
-    where = f"{machine.describe_platform()}, {_describe_settings(settings)}"
+    where = f"{machine.describe_platform()}, {describe_settings(settings)}"
     if requested != "auto":
         unmet = check_backend(phase, requested, settings, machine)
         if unmet:
@@ -124,11 +121,9 @@ def resolve_backend(
             logger.warning("KDA %s backend %r skipped by auto: %s", phase, name, err)
             skipped.append(f"{name}: failed to import ({err.unmet[0]})")
             continue
-        key = (phase, name, settings, machine.platform, context)
-        if key not in _LOGGED:
-            _LOGGED.add(key)
-            why = f" (skipped {' | '.join(skipped)})" if skipped else ""
-            logger.info("KDA %s backend%s: auto -> %s for %s%s", phase, f" [{context}]" if context else "", name, where, why)
+        if skipped:
+            logger.info("KDA %s backend%s: auto -> %s, skipping %s", phase, f" [{context}]" if context else "", name,
+                        " | ".join(skipped))
         return ResolvedBackend(phase, name, "auto", fn, spec)
     raise BackendUnavailableError(f"no KDA {phase} backend can run here ({where}): " + " | ".join(skipped), skipped)
 

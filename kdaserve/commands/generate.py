@@ -68,8 +68,7 @@ def run(args) -> int:
         else:
             print(f"--- prompt: {prompt!r}\n{out.text!r}  [{out.num_output_tokens} tokens, {out.finish_reason}]")
     s = llm.last_run_stats
-    layer = llm.engine.runner.model.kda_layers[0] if llm.engine.runner.model.kda_layers else None
-    backends = f"{layer.prefill_backend.name}+{layer.decode_backend.name}" if layer is not None else "-"
+    backends = llm.engine.runner.kda_backends.names if llm.engine.runner.kda_backends else "-"
     print(
         f"model {llm.engine.model_name} on {llm.engine.config.device} ({str(llm.engine.config.dtype).removeprefix('torch.')}), "
         f"KDA backends {backends}, loaded in {load_s:.1f} s\n"

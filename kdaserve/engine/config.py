@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kdaserve.backends.kda_backends import KDABackendChoice
+
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16, "float64": torch.float64}
 
@@ -82,6 +84,6 @@ class EngineConfig:
         return self.device.type == "cuda" and not self.enforce_eager
 
     @property
-    def kda_options(self) -> dict:
-        return dict(prefill_backend=self.kda_prefill_backend, decode_backend=self.kda_decode_backend,
-                    state_dtype=self.state_dtype, conv_layout=self.conv_layout)
+    def kda(self) -> KDABackendChoice:
+        """The KDA backend choice, frozen; the model resolves it once."""
+        return KDABackendChoice(self.kda_prefill_backend, self.kda_decode_backend, self.state_dtype, self.conv_layout)

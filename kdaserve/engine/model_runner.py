@@ -36,9 +36,10 @@ class ModelRunner:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = config.device
-        loaded = load_model(config.model, dtype=config.dtype, device=self.device, kda_options=config.kda_options, seed=config.seed)
+        loaded = load_model(config.model, dtype=config.dtype, device=self.device, kda=config.kda, seed=config.seed)
         self.model = loaded.model.eval()
         self.tokenizer, self.model_config, self.model_name = loaded.tokenizer, loaded.config, loaded.name
+        self.kda_backends = self.model.kda_backends  # resolved once, by the model
         self.block_size = config.block_size
         self.max_model_len = min(config.max_model_len, self.model_config.max_position_embeddings)
         if self.max_model_len < config.max_model_len:
@@ -51,9 +52,9 @@ class ModelRunner:
         self.sampler = Sampler(self.device, config.seed)
         self.step_ring = StagingRing(64 << 10, self.device)   # eager steps' metadata; grows to the largest step
         self.graphs = None
-        not_capturable = sorted({l.decode_backend.name for l in self.model.kda_layers if not l.decode_graph_capturable})
+        not_capturable = self.kda_backends is not None and not self.kda_backends.decode.graph_capturable
         if config.use_cuda_graphs and not_capturable:
-            log.warning("CUDA graphs off: KDA decode backend %s cannot be captured", ", ".join(not_capturable))
+            log.warning("CUDA graphs off: KDA decode backend %s cannot be captured", self.kda_backends.decode.name)
         elif config.use_cuda_graphs:
             self.graphs = DecodeGraphs(
                 self.model, max_batch_size=config.cuda_graph_max_batch_size or config.max_num_seqs,

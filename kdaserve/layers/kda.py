@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kdaserve.backends import LayerSettings, Machine, resolve_backend
+from kdaserve.backends import KDABackendChoice, KDABackends, LayerSettings, resolve_kda_backends
 from kdaserve.layers.context import get_context
 from kdaserve.layers.kda_routing import run_kda_step
 from kdaserve.layers.kda_weights import CHECKPOINT_NAMES, CONV_NAMES, KDAShard
@@ -75,7 +75,10 @@ class KDALayer(nn.Module):
         num_spec_tokens: int = 0,
         params_dtype: torch.dtype | None = None,
         device=None,
+        backends: KDABackends | None = None,
     ):
+        """`backends`: the model's resolved pair (one resolution for all its layers); a layer built
+        alone resolves `prefill_backend` / `decode_backend` itself."""
         super().__init__()
         check_conv_layout(conv_layout)
         if lower_bound is not None and not -5.0 <= lower_bound < 0.0:
@@ -91,14 +94,17 @@ class KDALayer(nn.Module):
         self.state_dtype, self.conv_layout, self.num_spec_tokens = state_dtype, conv_layout, num_spec_tokens
         self.act_dtype = act
 
-        # Backends: resolved once, at startup; an impossible explicit choice raises here.
         self.settings = LayerSettings(
             input_dtype=act, head_dim=D, lower_bound=lower_bound, state_dtype=state_dtype,
             conv_layout=conv_layout, num_spec_tokens=num_spec_tokens, conv_width=W,
         )
-        machine = Machine.detect(device)
-        self.prefill_backend = resolve_backend("prefill", prefill_backend, self.settings, machine)
-        self.decode_backend = resolve_backend("decode", decode_backend, self.settings, machine)
+        if backends is None:
+            choice = KDABackendChoice(prefill_backend, decode_backend, state_dtype, conv_layout)
+            backends = resolve_kda_backends(choice, self.settings, log=False)
+        elif backends.settings != self.settings:
+            raise ValueError(f"layer {layer_idx}: the KDA backends were resolved for {backends.settings}, "
+                             f"but this layer has {self.settings}; resolve them for the layer's settings")
+        self.prefill_backend, self.decode_backend = backends.prefill, backends.decode
 
         kw = dict(dtype=act, device=device)
         f32 = dict(dtype=torch.float32, device=device)

@@ -11,18 +11,17 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from kdaserve.backends import KDABackendChoice, KDABackends, LayerSettings, Machine, resolve_kda_backends
 from kdaserve.layers.attention import FullAttention
 from kdaserve.layers.embed_head import LMHead, VocabEmbedding
 from kdaserve.layers.mlp import SwiGLUMLP
 from kdaserve.layers.norm import RMSNorm
 from kdaserve.models.config import HybridConfig
 
-# The checkpoint names of one KDA layer (docs/kda-semantics.md section 4), relative to the layer.
-KDA_CHECKPOINT_NAMES = (
-    "in_proj_qkvbfg_a.weight", "f_b_proj.weight", "g_b_proj.weight",
-    "q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight",
-    "A_log", "dt_bias", "o_norm.weight", "o_proj.weight",
-)
+def _kda_layer_settings(config: HybridConfig, kda: KDABackendChoice, dtype: torch.dtype) -> LayerSettings:
+    return LayerSettings(input_dtype=dtype, head_dim=config.linear_head_dim, lower_bound=config.linear_lower_bound,
+                         state_dtype=kda.state_dtype, conv_layout=kda.conv_layout, num_spec_tokens=0,
+                         conv_width=config.linear_conv_kernel_dim)
 
 
 def _kda_layer_class():
@@ -32,7 +31,8 @@ def _kda_layer_class():
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: HybridConfig, layer_idx: int, *, kda_options: dict, dtype, device):
+    def __init__(self, config: HybridConfig, layer_idx: int, *, kda: KDABackendChoice, kda_backends: KDABackends | None,
+                 dtype, device):
         super().__init__()
         self.layer_idx = layer_idx
         self.is_kda = config.layer_types[layer_idx] == "linear_attention"
@@ -42,7 +42,8 @@ class DecoderLayer(nn.Module):
             self.linear_attn = _kda_layer_class()(
                 h, config.linear_num_heads, config.linear_head_dim,
                 conv_kernel_size=config.linear_conv_kernel_dim, lower_bound=config.linear_lower_bound,
-                layer_idx=layer_idx, params_dtype=dtype, device=device, **kda_options,
+                layer_idx=layer_idx, params_dtype=dtype, device=device, state_dtype=kda.state_dtype,
+                conv_layout=kda.conv_layout, backends=kda_backends,
             )
         else:
             self.self_attn = FullAttention(
@@ -69,11 +70,11 @@ class DecoderLayer(nn.Module):
 
 
 class HybridModel(nn.Module):
-    def __init__(self, config: HybridConfig, *, kda_options: dict, dtype, device):
+    def __init__(self, config: HybridConfig, *, kda: KDABackendChoice, kda_backends: KDABackends | None, dtype, device):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, kda_options=kda_options, dtype=dtype, device=device)
+            DecoderLayer(config, i, kda=kda, kda_backends=kda_backends, dtype=dtype, device=device)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
@@ -90,11 +91,15 @@ class HybridForCausalLM(nn.Module):
     """`forward(input_ids [T], positions [T]) -> hidden [T, hidden]`, then
     `compute_logits(hidden rows) -> fp32 logits`; per-step metadata comes from the context."""
 
-    def __init__(self, config: HybridConfig, *, kda_options: dict | None = None, dtype=None, device=None):
+    def __init__(self, config: HybridConfig, *, kda: KDABackendChoice | None = None, dtype=None, device=None):
         super().__init__()
         self.config = config
         dtype = dtype or torch.get_default_dtype()
-        self.model = HybridModel(config, kda_options=kda_options or {}, dtype=dtype, device=device)
+        kda = kda or KDABackendChoice()
+        # One resolution for every KDA layer (they share their settings), logged once.
+        self.kda_backends = resolve_kda_backends(kda, _kda_layer_settings(config, kda, dtype), Machine.detect(
+            torch.device(device) if device is not None else None)) if "linear_attention" in config.layer_types else None
+        self.model = HybridModel(config, kda=kda, kda_backends=self.kda_backends, dtype=dtype, device=device)
         tied = self.model.embed_tokens if config.tie_word_embeddings else None
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied, dtype=dtype, device=device)
 

@@ -38,12 +38,12 @@ def iterate_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(
-    model: str, *, dtype: torch.dtype, device, kda_options: dict | None = None, seed: int = 0,
+    model: str, *, dtype: torch.dtype, device, kda: KDABackendChoice | None = None, seed: int = 0,
 ) -> LoadedModel:
     """`model` is a built-in name (random weights from `seed`) or a checkpoint directory."""
     if model in BUILTIN_CONFIGS:
         config = builtin_config(model)
-        net = HybridForCausalLM(config, kda_options=kda_options, dtype=dtype, device=device)
+        net = HybridForCausalLM(config, kda=kda, dtype=dtype, device=device)
         net.load_weights(random_checkpoint(config, seed, dtype=dtype, device=device).items())
         return LoadedModel(net, ByteTokenizer(), config, model)
     path = Path(model)
@@ -52,7 +52,7 @@ def load_model(
             f"model {model!r} is neither a built-in ({sorted(BUILTIN_CONFIGS)}) nor a directory with a config.json"
         )
     config = HybridConfig.from_json(path / "config.json")
-    net = HybridForCausalLM(config, kda_options=kda_options, dtype=dtype, device=device)
+    net = HybridForCausalLM(config, kda=kda, dtype=dtype, device=device)
     net.load_weights(iterate_safetensors(path))
     tokenizer = HFTokenizer(path, config.eos_token_id) if (path / "tokenizer.json").is_file() else ByteTokenizer()
     return LoadedModel(net, tokenizer, config, path.name or str(path))

@@ -149,14 +149,26 @@ def test_auto_orders_match_the_issue():
     assert AUTO_ORDER["rocm"]["prefill"][0] == "aiter" and AUTO_ORDER["rocm"]["decode"][0] == "aiter"
 
 
-def test_auto_logs_its_choice_once_per_layer_type(caplog):
-    settings = LayerSettings(input_dtype=torch.float32, head_dim=48)  # a layer type no other test uses
+def test_a_model_resolves_its_pair_once_and_logs_it_once(caplog):
+    from kdaserve.models.builtin import builtin_config
+    from kdaserve.models.hybrid import HybridForCausalLM
+
     with caplog.at_level(logging.INFO, logger="kdaserve.backends"):
-        for _ in range(3):
-            r = resolve_backend("decode", "auto", settings, CPU)
-    assert r.name == "reference" and r.requested == "auto"
-    lines = [rec.getMessage() for rec in caplog.records if "auto -> reference" in rec.getMessage()]
-    assert len(lines) == 1 and "decode" in lines[0]
+        model = HybridForCausalLM(builtin_config("tiny"), dtype=torch.float32, device="cpu")
+    lines = [rec.getMessage() for rec in caplog.records if rec.getMessage().startswith("KDA backends:")]
+    assert len(lines) == 1 and "prefill reference (asked auto), decode reference (asked auto)" in lines[0]
+    assert len(model.kda_layers) > 1
+    for layer in model.kda_layers:  # the same resolved objects, not one resolution per layer
+        assert layer.prefill_backend is model.kda_backends.prefill and layer.decode_backend is model.kda_backends.decode
+
+
+def test_a_layer_refuses_backends_resolved_for_other_settings():
+    from kdaserve.backends import KDABackendChoice, resolve_kda_backends
+    from kdaserve.layers.kda import KDALayer
+
+    pair = resolve_kda_backends(KDABackendChoice("reference", "reference"), LayerSettings(input_dtype=torch.float32, head_dim=16), CPU)
+    with pytest.raises(ValueError, match="resolved for .*head_dim=16.*but this layer has .*head_dim=8"):
+        KDALayer(32, 2, 8, params_dtype=torch.float32, device="cpu", backends=pair)
 
 
 def test_describe_backends_covers_every_backend_of_both_phases():

@@ -8,6 +8,7 @@ import torch
 pytest.importorskip("safetensors")   # the GPU machine may run without the checkpoint packages
 pytest.importorskip("tokenizers")
 
+from kdaserve.backends import KDABackendChoice
 from kdaserve.engine import LLM, SamplingParams
 from kdaserve.models.builtin import builtin_config
 from kdaserve.models.config import HybridConfig
@@ -42,7 +43,7 @@ def _ckpt(tmp_path, mutate):
 
 
 def _load(path):
-    return load_model(str(path), dtype=torch.float32, device="cpu", kda_options=dict(prefill_backend="reference", decode_backend="reference"))
+    return load_model(str(path), dtype=torch.float32, device="cpu", kda=KDABackendChoice("reference", "reference"))
 
 
 def test_missing_unknown_and_misshaped_tensors_are_errors(tmp_path):
