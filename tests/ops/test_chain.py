@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from kdaserve.ops.chain import kda_decode_chain
-from kdaserve.ops.reference import kda_decode_reference, kda_prefill_reference
-from kdaserve.testing import assert_rel_close, make_kda_case, tolerance_for
+from kdaserve.ops.reference import kda_prefill_reference
+from kdaserve.testing import make_kda_case, tolerance_for
 from kdaserve.testing.properties import check_decode_matches_reference, check_long_decode, check_spec_resume, run_decode
-from kdaserve.testing.compiled import run_compiled
+from compiled_mode import run_compiled
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

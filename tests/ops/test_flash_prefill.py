@@ -24,7 +24,7 @@ from kdaserve.testing.properties import (
     check_split_prefill,
     run_prefill,
 )
-from kdaserve.testing.compiled import run_compiled
+from compiled_mode import run_compiled
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
 # 32-token chunks at LB = -5: entries above the diagonal of the anchored products may overflow to
@@ -240,7 +240,7 @@ def test_config_override_rejects_unknown_fields_and_changes_nothing():
 @pytest.mark.skipif(os.environ.get("KDASERVE_COMPILE_CHECK") != "1", reason="minutes of CPU: set KDASERVE_COMPILE_CHECK=1")
 def test_kernels_compile_for_sm90_without_a_gpu():
     """Compiled mode (not the interpreter) accepts every kernel, ptxas included."""
-    run_compiled(["-m", "kdaserve.ops.flash.compile_check"], timeout=600)
+    run_compiled(["-m", "tools.compile_check_flash"], timeout=600)
 
 
 # ------------------------------------------------------------------------------------------ GPU

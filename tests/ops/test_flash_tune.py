@@ -1,11 +1,11 @@
-"""The geometry of flash's segment cost model (plan.py) and the constants tune.py derives from
-launch times (`python -m kdaserve.ops.flash.tune --calibrate` on a GPU)."""
+"""The geometry of flash's segment cost model (plan.py) and the constants tools/tune_flash.py derives from
+launch times (`python -m tools.tune_flash --calibrate` on a GPU)."""
 
 import pytest
 
 from kdaserve.ops.flash.config import FlashConfig
 from kdaserve.ops.flash.plan import full_rounds, segmented_rounds
-from kdaserve.ops.flash.tune import derive_cost_constants
+from tools.tune_flash import derive_cost_constants
 
 CFG = FlashConfig()  # defaults: 32-token chunks, one K2 program per SM, map pass V-halves, 2 per SM
 

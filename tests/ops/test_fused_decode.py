@@ -24,7 +24,7 @@ from kdaserve.testing.properties import (
     with_fused_decode_layout,
     with_padding_rows,
 )
-from kdaserve.testing.compiled import run_compiled
+from compiled_mode import run_compiled
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = dict(H=2, D=16, device=DEV)

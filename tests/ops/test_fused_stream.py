@@ -23,7 +23,7 @@ from kdaserve.testing.properties import (
     with_fused_decode_layout,
     with_padding_rows,
 )
-from kdaserve.testing.compiled import run_compiled
+from compiled_mode import run_compiled
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = dict(H=2, D=16, device=DEV)
@@ -134,9 +134,9 @@ def test_verify_without_drafts_never_streams(monkeypatch, backend):
 _COMPILE = r'''
 import re
 from kdaserve.ops.fused import FusedDecodeConfig as C
-from kdaserve.ops.fused.compile_check import fused_kernel
+from tools.compile_check_fused import fused_kernel
 from kdaserve.ops.fused.decode import STREAM_BF16, STREAM_FP32
-from kdaserve.ops.sm90_compile import ptxas_report
+from tools.sm90_compile import ptxas_report
 
 for cfg, state, D in ((STREAM_FP32, "*fp32", 128), (STREAM_BF16, "*bf16", 128), (C(32, 4, stream=True, prefetch=1), "*fp32", 128),
                       (C(32, 4, stream=True, prefetch=0), "*bf16", 128), (C(8, 4, stream=True, stages=5, prefetch=2), "*fp32", 128),

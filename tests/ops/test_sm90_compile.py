@@ -1,13 +1,13 @@
-"""kdaserve.ops.sm90_compile: compiling for sm_90 without a GPU, and reading the result back
+"""tools.sm90_compile: compiling for sm_90 without a GPU, and reading the result back
 (ptxas resources, the SASS instruction mix that docs/perf-notes.md quotes for flash's K1)."""
 
-from kdaserve.testing.compiled import run_compiled
+from compiled_mode import run_compiled
 
 _MIX = r'''
 import re
 import triton
 import triton.language as tl
-from kdaserve.ops.sm90_compile import compile_for_sm90, ptxas_report, sass_mix
+from tools.sm90_compile import compile_for_sm90, ptxas_report, sass_mix
 
 @triton.jit
 def dot_then_cumsum(a_ptr, b_ptr, o_ptr, N: tl.constexpr):

@@ -35,8 +35,8 @@ _ALIGN_INTS = 32  # 128 bytes of int32
 
 
 # The counts change with every step; specializing on them (1 / multiple of 16 / other) would compile
-# up to 3^4 variants of this kernel while serving (seen on the H200: after the engine's warm-up a
-# bench run still compiled new ones). They are only compared against, so nothing is lost.
+# up to 3^4 variants of this kernel while serving, past the engine's warm-up. They are only
+# compared against, so nothing is lost.
 @triton.jit(do_not_specialize=["N", "n_chunk_ids", "n_seg_ids", "SL"])
 def flash_plan_kernel(
     cu_ptr, N,
@@ -181,7 +181,7 @@ def _field_getter(cls) -> operator.attrgetter:
 
 
 def config_key(cfg) -> tuple:
-    """Every field's current value (tune.py and tests edit CONFIG in place, so a cache keyed on the
+    """Every field's current value (tools/tune_flash.py and tests edit CONFIG in place, so a cache keyed on the
     config must see its values, not its identity); one C call, where dataclasses.astuple deep-copies."""
     return _field_getter(type(cfg))(cfg)
 

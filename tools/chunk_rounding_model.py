@@ -21,7 +21,7 @@ and compares it with the fp64 chunked reference on one long sequence resuming fr
 At 8K it reproduces the GPU's measured errors (out 1.8e-3, state 7e-4 relative RMS), and it stays
 flat up to 128K for both gates, slow-decay heads included:
 
-    python -m kdaserve.ops.chunk.rounding_model --gate bounded --lengths 8192 131072   # ~2 min, CPU
+    python -m tools.chunk_rounding_model --gate bounded --lengths 8192 131072   # ~2 min, CPU
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Compile a Triton kernel for sm_90 (H100/H200) on a machine without a GPU, and read its
-resources from ptxas: the shared core of each op's `compile_check` module.
+resources from ptxas: the shared core of tools/compile_check_*.py.
 
 Catches compile-only errors (the interpreter accepts things the compiler rejects) and register
 spills before any GPU time is spent. Must run without TRITON_INTERPRET.

@@ -1,7 +1,7 @@
 """Time flash prefill variants side by side on a GPU (the launch parameters of config.py).
 
-    python -m kdaserve.ops.flash.tune [--quick]
-    python -m kdaserve.ops.flash.tune --calibrate   # the segment cost model's constants, this card
+    python -m tools.tune_flash [--quick]
+    python -m tools.tune_flash --calibrate   # the segment cost model's constants, this card
 
 One table per shape (heads x sequences, bf16, fp32 state, D = 128, bounded gate): median ms of
 each variant, tokens/s, and which one wins. Use it to set the defaults in config.py and the

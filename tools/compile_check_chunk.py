@@ -1,6 +1,6 @@
 """Compile every `chunk` kernel for sm_90 without a GPU and report registers, spills, shared memory.
 
-    python -m kdaserve.ops.chunk.compile_check      # one line per kernel variant, then "ok"
+    python -m tools.compile_check_chunk      # one line per kernel variant, then "ok"
 
 Catches compile-only errors (the interpreter accepts things the compiler rejects) and register
 spills before a GPU run. Types are those of a bf16 serving step: fp16 workspace, bf16 gate/beta
@@ -14,9 +14,9 @@ from kdaserve.ops.chunk.gate import chunk_gate_cumsum_kernel
 from kdaserve.ops.chunk.intra import BC, chunk_intra_kernel
 from kdaserve.ops.chunk.output import chunk_output_norm_kernel
 from kdaserve.ops.chunk.state import chunk_state_pass_kernel
-from kdaserve.ops.sm90_compile import ARCH
-from kdaserve.ops.sm90_compile import compile_for_sm90 as _compile
-from kdaserve.ops.sm90_compile import ptxas_report  # noqa: F401  (re-exported for callers)
+from tools.sm90_compile import ARCH
+from tools.sm90_compile import compile_for_sm90 as _compile
+from tools.sm90_compile import ptxas_report  # noqa: F401  (re-exported for callers)
 
 # Row strides the launcher sees divisible by 16 in a serving step (pointers always are).
 _DIV16_STRIDES = ("stride_y", "stride_b_t", "stride_g1_t", "stride_g2_t", "stride_o_t", "stride_p_slot")

@@ -2,7 +2,7 @@
 without a GPU and report registers, spills, shared memory and whether the state moves in 16-byte
 vectors (ld.global.v4 / st.global.v4 in the PTX).
 
-    python -m kdaserve.ops.fused.compile_check      # one line per launch shape, then "ok"
+    python -m tools.compile_check_fused      # one line per launch shape, then "ok"
 
 Types are those of a bf16 serving step (bf16 q|k|v, logits, conv state and output; fp32 or bf16
 state pool). Registers cap the programs per SM, and with them the state bytes in flight, which
@@ -18,7 +18,7 @@ from kdaserve.ops.fused.decode import STREAM_SHAPES, FusedDecodeConfig, default_
 from kdaserve.ops.fused.decode_kernel import kda_fused_decode_kernel
 from kdaserve.ops.fused.stream_kernel import kda_fused_stream_kernel
 from kdaserve.ops.recurrent.kernel import kda_recurrent_kernel
-from kdaserve.ops.sm90_compile import ARCH, compile_for_sm90, ptxas_report
+from tools.sm90_compile import ARCH, compile_for_sm90, ptxas_report
 
 REGS_PER_SM = 65536
 SMEM_PER_SM = 227 * 1024

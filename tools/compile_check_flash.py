@@ -1,7 +1,7 @@
 """Compile every flash kernel for sm_90 without a GPU and report its resources (ptxas -v).
 
-    python -m kdaserve.ops.flash.compile_check          # prints one line per kernel variant, then "ok"
-    python -m kdaserve.ops.flash.compile_check --sass   # also each kernel's SASS instruction mix
+    python -m tools.compile_check_flash          # prints one line per kernel variant, then "ok"
+    python -m tools.compile_check_flash --sass   # also each kernel's SASS instruction mix
 
 Catches compile-only errors (the interpreter accepts things the compiler rejects) and shows
 registers, spills, shared memory and whether the big dots became Hopper wgmma, before a GPU run.
@@ -20,7 +20,7 @@ from kdaserve.ops.flash.plan import flash_plan_kernel
 from kdaserve.ops.flash.prepare import flash_prepare_kernel
 from kdaserve.ops.flash.recurrence import flash_recurrence_kernel
 from kdaserve.ops.flash.scan import flash_scan_kernel
-from kdaserve.ops.sm90_compile import compile_for_sm90, ptxas_report, sass_mix
+from tools.sm90_compile import compile_for_sm90, ptxas_report, sass_mix
 
 def main(sass: bool = False) -> None:
     def report(kernel) -> str:
