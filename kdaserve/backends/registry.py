@@ -3,26 +3,22 @@
 Implementations are imported inside `load`, so this table works before a backend's module lands
 and on machines without Triton, a GPU or the external packages.
 
-Our Triton backends may refine their own requirements without editing this file: a module
-`kdaserve/ops/<op>/requirements.py` (or `kdaserve/ops/<op>_requirements.py` when the op is a single
-module, like chain.py) defining `REQUIREMENTS` (a list built with the builders of
-kdaserve.backends.requirements, importing nothing heavier than torch) replaces the defaults below
-of the same kinds (dtype, head_dim, gate, ...). It is read from its file, so the op package (and
-Triton) is not imported just to evaluate requirements.
+Our Triton backends' requirements come from kdaserve/ops/limits.py, the values their entry points
+check at run time; the external adapters' are listed here, where their adapters live.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.util
+import importlib
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 import torch
 
 from kdaserve.backends import requirements as rq
 from kdaserve.backends.requirements import Requirement
+from kdaserve.ops.limits import LOWER_BOUND_MIN
 
 PHASES = ("prefill", "decode")
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
@@ -49,33 +45,22 @@ def _fixed(*reqs: Requirement) -> Callable[[], tuple[Requirement, ...]]:
     return lambda: tuple(reqs)
 
 
-OPS_DIR = Path(__file__).resolve().parent.parent / "ops"
-
-
-def _declared(
-    op: str, base: list[Requirement], defaults: list[Requirement], ops_dir: Path | None = None
-) -> Callable[[], tuple[Requirement, ...]]:
-    """`base` always applies; `defaults` are replaced, kind by kind, by kdaserve/ops/<op>/requirements.py."""
+def _op_limits(op: str, base: list[Requirement]) -> Callable[[], tuple[Requirement, ...]]:
+    """`base` (platform, packages) and what kdaserve/ops/limits.py says op `op` accepts: the values
+    the op's own entry point checks, so the startup error and the runtime check cannot disagree.
+    Read lazily; limits.py imports only torch, never the op package or Triton."""
 
     @functools.cache
     def reqs() -> tuple[Requirement, ...]:
-        root = ops_dir or OPS_DIR
-        # kdaserve/ops/<op>/requirements.py for a package, kdaserve/ops/<op>_requirements.py for a module
-        path = next((p for p in (root / op / "requirements.py", root / f"{op}_requirements.py") if p.is_file()), None)
-        if path is None:
-            return tuple(base + defaults)
-        try:
-            spec = importlib.util.spec_from_file_location(f"_kdaserve_requirements_{op}", path)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-            declared = list(module.REQUIREMENTS)
-            if not all(isinstance(r, Requirement) for r in declared):
-                raise TypeError("REQUIREMENTS must hold kdaserve.backends.requirements.Requirement objects")
-        except Exception as err:  # a broken declaration makes the backend ineligible, loudly
-            broken = Requirement("implementation", f"a loadable {path.name} for `{op}`", lambda m, s, e=err: f"it fails: {e!r}")
-            return tuple(base + defaults + [broken])
-        kinds = {r.kind for r in declared}
-        return tuple(base + [r for r in defaults if r.kind not in kinds] + declared)
+        from kdaserve.ops.limits import BY_OP, LOWER_BOUND_MIN
+
+        lim = BY_OP[op]
+        return tuple(base) + (
+            rq.input_dtypes(*lim.input_dtypes), *(() if lim.bf16_interpreted else (rq.no_bf16_in_interpreter(),)),
+            rq.head_dims(*lim.head_dims), rq.gates(*lim.gates), rq.lower_bound_range(LOWER_BOUND_MIN, 0.0),
+            rq.state_dtypes(*lim.state_dtypes), rq.conv_layouts(*lim.conv_layouts),
+            *((rq.conv_widths(*lim.conv_widths),) if lim.conv_widths else ()), rq.speculative(lim.speculative),
+        )
 
     return reqs
 
@@ -127,18 +112,11 @@ _SPECS: list[BackendSpec] = [
                 graph_capturable=False),
     BackendSpec(
         "chunk", "prefill", "Triton, chunk-64 multi-kernel", _attr("kdaserve.ops.chunk", "kda_prefill_chunk"),
-        _declared("chunk", TRITON + [rq.implementation("kdaserve.ops.chunk")], [
-            rq.input_dtypes(F32, F16, BF16), rq.no_bf16_in_interpreter(), rq.head_dim_power_of_two(16, 256),
-            ANY_GATE, rq.state_dtypes(F32, BF16), BOTH_LAYOUTS, rq.speculative(True),
-        ]),
+        _op_limits("chunk", TRITON + [rq.implementation("kdaserve.ops.chunk")]),
     ),
     BackendSpec(
         "flash", "prefill", "Triton, fused few-kernel chunked prefill", _attr("kdaserve.ops.flash", "kda_prefill_flash"),
-        # From kdaserve/ops/flash/__init__.py (FLASH_REQUIREMENTS): fp32 works but only for tests.
-        _declared("flash", TRITON + [rq.implementation("kdaserve.ops.flash")], [
-            rq.input_dtypes(BF16, F16, F32), rq.no_bf16_in_interpreter(), rq.head_dims(16, 32, 64, 128),
-            ANY_GATE, rq.lower_bound_range(-5.0, 0.0), rq.state_dtypes(F32, BF16), BOTH_LAYOUTS, rq.speculative(True),
-        ]),
+        _op_limits("flash", TRITON + [rq.implementation("kdaserve.ops.flash")]),
     ),
     BackendSpec(
         "fla", "prefill", "flash-linear-attention chunk_kda (+ our Triton conv, FLA's gated norm)",
@@ -151,7 +129,7 @@ _SPECS: list[BackendSpec] = [
         _attr("kdaserve.backends.adapters.flashkda", "kda_prefill_flashkda"),
         _fixed(rq.platform("cuda"), rq.min_cuda_capability(9, 0), rq.package("flash_kda", hint="github.com/MoonshotAI/FlashKDA"),
                rq.package("triton", "3.4"), *OUR_CONV, rq.input_dtypes(BF16), rq.head_dims(128), rq.gates("bounded"),
-               rq.lower_bound_range(-5.0, 0.0), rq.state_dtypes(F32, BF16), BOTH_LAYOUTS, rq.speculative(True)),
+               rq.lower_bound_range(LOWER_BOUND_MIN, 0.0), rq.state_dtypes(F32, BF16), BOTH_LAYOUTS, rq.speculative(True)),
     ),
     BackendSpec(
         "aiter", "prefill", "AMD AITER chunk_kda (Gluon, gfx950) + our Triton conv",
@@ -159,7 +137,7 @@ _SPECS: list[BackendSpec] = [
         _fixed(rq.platform("rocm"), rq.rocm_arch("gfx950"), rq.package("aiter"),
                rq.entry_points("aiter.ops.triton.attention.chunk_kda", hint="an AITER release with KDA prefill"),
                rq.package("triton", "3.4"), *OUR_CONV, rq.input_dtypes(BF16), rq.head_dims(128), rq.gates("bounded"),
-               rq.lower_bound_range(-5.0, 0.0), rq.state_dtypes(F32), BOTH_LAYOUTS, rq.speculative(True)),
+               rq.lower_bound_range(LOWER_BOUND_MIN, 0.0), rq.state_dtypes(F32), BOTH_LAYOUTS, rq.speculative(True)),
     ),
     # ---- decode --------------------------------------------------------------------------------
     BackendSpec("reference", "decode", "torch reference (token loop), any device",
@@ -167,20 +145,12 @@ _SPECS: list[BackendSpec] = [
     BackendSpec(
         "chain", "decode", "Triton, conv update -> recurrence -> gated norm (three launches)",
         _attr("kdaserve.ops.chain", "kda_decode_chain"),
-        _declared("chain", TRITON + [rq.implementation("kdaserve.ops.chain")], [
-            rq.input_dtypes(F32, F16, BF16), rq.head_dim_power_of_two(16, 256), ANY_GATE,
-            rq.lower_bound_range(-5.0, 0.0),  # kda_recurrent_fwd refuses others
-            rq.state_dtypes(F32, BF16), BOTH_LAYOUTS, rq.speculative(True),
-        ]),
+        _op_limits("chain", TRITON + [rq.implementation("kdaserve.ops.chain")]),
     ),
     BackendSpec(
         "fused", "decode", "Triton, the whole decode step in one launch",
         _attr("kdaserve.ops.fused", "kda_decode_fused"),
-        _declared("fused", TRITON + [rq.implementation("kdaserve.ops.fused")], [
-            rq.input_dtypes(F32, F16, BF16), rq.head_dim_power_of_two(16, 128), ANY_GATE,
-            rq.lower_bound_range(-5.0, 0.0), rq.conv_widths(4),  # the kernel refuses others
-            rq.state_dtypes(F32, BF16), BOTH_LAYOUTS, rq.speculative(True),
-        ]),
+        _op_limits("fused", TRITON + [rq.implementation("kdaserve.ops.fused")]),
         conv_weight_decode_layout=_attr("kdaserve.ops.fused", "fused_conv_weight_layout"),
     ),
     BackendSpec(

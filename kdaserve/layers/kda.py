@@ -29,6 +29,7 @@ from kdaserve.backends import KDABackendChoice, KDABackends, LayerSettings, reso
 from kdaserve.layers.context import get_context
 from kdaserve.layers.kda_routing import run_kda_step
 from kdaserve.layers.kda_weights import CHECKPOINT_NAMES, CONV_NAMES, KDAShard
+from kdaserve.ops.limits import check_lower_bound
 from kdaserve.ops.types import KDAWeights, check_conv_layout
 
 
@@ -81,8 +82,7 @@ class KDALayer(nn.Module):
         alone resolves `prefill_backend` / `decode_backend` itself."""
         super().__init__()
         check_conv_layout(conv_layout)
-        if lower_bound is not None and not -5.0 <= lower_bound < 0.0:
-            raise ValueError(f"lower_bound must lie in [-5, 0) (or be None for the unbounded gate), got {lower_bound}")
+        check_lower_bound(lower_bound)
         if num_spec_tokens < 0:
             raise ValueError(f"num_spec_tokens must be >= 0, got {num_spec_tokens}")
         device = torch.device(device) if device is not None else torch.empty(0).device

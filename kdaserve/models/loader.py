@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from kdaserve.backends.kda_backends import KDABackendChoice
 from kdaserve.models.builtin import BUILTIN_CONFIGS, builtin_config
 from kdaserve.models.config import HybridConfig
 from kdaserve.models.hybrid import HybridForCausalLM

@@ -24,7 +24,7 @@ from kdaserve.backends import (
     unregister_backend,
 )
 from kdaserve.backends import requirements as rq
-from kdaserve.backends.registry import _declared
+from kdaserve.backends.registry import get_spec
 
 OURS = {"kdaserve.ops.chunk": "", "kdaserve.ops.flash": "", "kdaserve.ops.chain": "", "kdaserve.ops.fused": "", "kdaserve.ops.conv": ""}
 H200 = Machine("cuda", cuda_capability=(9, 0), modules={"triton": "3.6.0", "fla": "0.6.0", "einops": "0.8.1", **OURS})
@@ -234,30 +234,24 @@ def test_auto_passes_over_a_backend_that_fails_to_import_with_a_warning(caplog, 
     assert any("toy: failed to import" in rec.getMessage() for rec in caplog.records if rec.levelno == logging.INFO)
 
 
-def test_an_op_can_declare_its_own_requirements(tmp_path):
-    """kdaserve/ops/<op>/requirements.py replaces the defaults of the same kinds, keeps the base."""
-    (tmp_path / "toy").mkdir()
-    (tmp_path / "toy" / "requirements.py").write_text(
-        "import torch\nfrom kdaserve.backends import requirements as rq\n"
-        "REQUIREMENTS = [rq.head_dims(128), rq.input_dtypes(torch.float16)]\n"
-    )
-    reqs = _declared("toy", [rq.platform("cuda")], [rq.head_dim_power_of_two(16, 256), rq.gates("bounded")], ops_dir=tmp_path)()
-    # head 96 is not a power of two: the replaced default would have said so.
-    unmet = rq.unmet_requirements(reqs, CPU, LayerSettings(input_dtype=torch.float32, head_dim=96, lower_bound=None))
-    assert len(unmet) == 4
-    assert "platform CUDA" in unmet[0] and "bounded" in unmet[1] and "head size 128" in unmet[2] and "float16" in unmet[3]
-    assert not any("power of two" in u for u in unmet)
+@pytest.mark.parametrize("phase,name,op", [("prefill", "chunk", "chunk"), ("prefill", "flash", "flash"),
+                                           ("decode", "chain", "chain"), ("decode", "fused", "fused")])
+def test_declared_requirements_and_the_runtime_check_agree(phase, name, op):
+    """The registry derives a Triton backend's requirements from kdaserve/ops/limits.py, and the
+    op checks its inputs against the same limits: for every head size, dtype, gate and conv width,
+    the startup verdict and the runtime verdict are the same."""
+    from kdaserve.ops.limits import BY_OP
 
-
-def test_a_single_module_op_declares_beside_itself(tmp_path):
-    (tmp_path / "toy_requirements.py").write_text("from kdaserve.backends import requirements as rq\nREQUIREMENTS = [rq.head_dims(64)]\n")
-    reqs = _declared("toy", [], [rq.head_dims(128)], ops_dir=tmp_path)()
-    assert rq.unmet_requirements(reqs, CPU, LayerSettings(head_dim=64)) == []
-
-
-def test_a_broken_requirements_declaration_makes_the_backend_ineligible(tmp_path):
-    (tmp_path / "toy").mkdir()
-    (tmp_path / "toy" / "requirements.py").write_text("REQUIREMENTS = [1/0]\n")
-    reqs = _declared("toy", [], [rq.gates("bounded")], ops_dir=tmp_path)()
-    unmet = rq.unmet_requirements(reqs, H200, GPU_LAYER)
-    assert len(unmet) == 1 and "ZeroDivisionError" in unmet[0]
+    limits, reqs = BY_OP[op], get_spec(phase, name).requirements()
+    for D in (4, 8, 16, 32, 48, 64, 96, 128, 256, 512):
+        for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+            for lb in (-5.0, -1.0, None, -6.0, 0.0):
+                for W in (2, 4):
+                    settings = LayerSettings(input_dtype=dtype, head_dim=D, lower_bound=lb, conv_width=W)
+                    declared_ok = not rq.unmet_requirements(reqs, H200, settings)
+                    try:
+                        limits.check(head_dim=D, lower_bound=lb, input_dtype=dtype, conv_width=W)
+                        runtime_ok = True
+                    except ValueError:
+                        runtime_ok = False
+                    assert declared_ok == runtime_ok, (D, dtype, lb, W)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kdaserve.ops.limits import CHUNK as CHUNK_LIMITS
 from kdaserve.ops.chunk.gate import launch_gate_cumsum
 from kdaserve.ops.chunk.intra import BC, launch_intra
 from kdaserve.ops.chunk.output import launch_output_norm
@@ -21,7 +22,7 @@ from kdaserve.ops.chunk.tables import ChunkTableCache, ChunkTables
 from kdaserve.ops.types import KDAWeights
 
 CHUNK = 64  # tokens per chunk (four 16-token sub-blocks, see intra.py)
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+SUPPORTED_DTYPES = CHUNK_LIMITS.input_dtypes
 
 _tables = ChunkTableCache()
 INTRA_VARIANTS = ("blocked", "substitution")  # ChunkConfig.intra_inverse
@@ -52,35 +53,28 @@ class ChunkConfig:
     """Launch shapes (benchmarks/bench_prefill.py --sweep times the alternatives).
 
     state_bv None picks by occupancy: narrow V-tiles give more programs when few (sequence, head)
-    pairs run (one long prompt), wide tiles re-read w/kg less when the GPU is full anyway.
-    Measured on the H200 (state pass alone, 1 x 64K, bf16; docs/perf-notes.md, fifth session): 16
-    heads 2.02 ms with BV = 32 / 2 stages, 1.37 with BV = 16 / 3 stages; 32 heads 2.09 / 1.63; 64
-    heads BV = 32 / 2 stages stays best (2.62; BV = 16 / 3 stages 3.20)."""
+    pairs run (one long prompt), wide tiles re-read w/kg less when the GPU is full anyway (the
+    timings behind the rule: docs/perf-notes.md, chunk state pass)."""
 
-    intra_warps: int = 8      # 8: 216-252 registers, no spill (wide); 4 spills 48-220 B and ran slower
+    intra_warps: int = 8      # 8: no spill with the wide layout (4 spills)
     # The intra stage (intra.py): the diagonal 16x16 inverses by recursive blocking in registers
     # ("blocked", tf32 dots for 16-bit inputs) or by forward substitution in fp32 FMAs, a 15-step
-    # chain of scratch loads ("substitution", the original); A and Aqk by row blocks against every
+    # chain of scratch loads ("substitution"); A and Aqk by row blocks against every
     # earlier column in one [16, K] x [K, 32-64] dot, A through an fp32 scratch [T, H, 64]
     # (intra_wide), or one [16, K] x [K, 16] dot per block pair, which all 8 warps repeat.
-    # Default "blocked" + wide: H200, 32 heads, whole prefill 1.465 vs 1.589 ms (1 x 8K), 2.735 vs
-    # 2.963 (16 x 1K), 16 heads 1 x 32K 3.347 vs 3.571 against the original (substitution, per-pair
-    # dots); the fastest of the eight variants timed there for the bounded gate (docs/perf-notes.md).
-    # (A 64-row-tile design, intra_full.py, faulted or ran 23% slower on the H200 and was removed.)
+    # Default "blocked" + wide: the fastest variant timed for the bounded gate (docs/perf-notes.md).
     intra_inverse: str = "blocked"
     intra_wide: bool = True
     # Register cap per thread (ptxas spills the rest) so that more programs share an SM; None: none.
     intra_maxnreg: int | None = None
     # The inverse's dots at the products' precision (tf32 for 16-bit inputs) or always "ieee" fp32
     # (FMA loops on sm_90). fp32 inputs always get "ieee". docs/chunk-prefill.md argues tf32.
-    # None: tf32 for "blocked", "ieee" for "substitution" (with intra_wide=False: exactly the
-    # original kernel).
+    # None: tf32 for "blocked", "ieee" for "substitution".
     intra_inverse_tf32: bool | None = None
     state_bv: int | None = None
     state_warps: int | None = None  # None: 4 up to BV = 32, 8 for BV = 64 (4 would spill there)
     # Software pipelining of the next chunk's w/u/kg loads. None: 3 for BV = 16 (a serial chain
-    # waits on those loads; 3 stages measured 21-27% faster there), else 2 (3 stages cost
-    # occupancy: 31% slower at 64 heads with BV = 32).
+    # waits on those loads), else 2 (a third stage costs occupancy there); docs/perf-notes.md.
     state_stages: int | None = None
     output_warps: int = 4
 
@@ -182,12 +176,7 @@ class ChunkPlan:
 
 def check_core_inputs(y: torch.Tensor, weights: KDAWeights) -> None:
     D = weights.head_dim
-    if y.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"chunk prefill takes bf16, fp16 or fp32 inputs, got {y.dtype}")
-    if D < 16 or D & (D - 1):
-        raise ValueError(f"chunk prefill needs a power-of-two head size >= 16, got D = {D}")
-    if weights.lower_bound is not None and not -5.0 <= weights.lower_bound < 0.0:
-        raise ValueError(f"the bounded gate needs lower_bound in [-5, 0) (its anchoring relies on it), got {weights.lower_bound}")
+    CHUNK_LIMITS.check(head_dim=D, lower_bound=weights.lower_bound, input_dtype=y.dtype)
     if not (weights.dt_bias.is_contiguous() and weights.norm_weight.is_contiguous()):
         raise ValueError("dt_bias and norm_weight must be contiguous")
 

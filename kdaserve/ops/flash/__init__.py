@@ -6,7 +6,8 @@ recurrence per (sequence, head) holding the fp32 state in registers, with the ga
 into its output. When sequences x heads are too few to fill the GPU, long sequences are cut into
 segments whose affine maps are computed in parallel and combined by an exact scan.
 
-FLASH_REQUIREMENTS (for the backend registry):
+What it supports (kdaserve/ops/limits.py FLASH holds the checked values; the registry derives
+the backend's requirements from it):
 - platform: CUDA (developed for and tuned on H100/H200, sm_90); any CUDA GPU Triton supports
   should work (the PTX fast math of fastmath.py runs on sm_75+, plain Triton math below).
   ROCm: untested (IEEE fp32 dots replace tf32/tf32x3 there, plain Triton math the PTX).
@@ -21,19 +22,8 @@ FLASH_REQUIREMENTS (for the backend registry):
 """
 
 from kdaserve.ops import interpreter_compat
-from kdaserve.ops.flash.prefill import HEAD_DIMS, INPUT_DTYPES, kda_prefill_flash
+from kdaserve.ops.flash.prefill import kda_prefill_flash
 
 interpreter_compat.install()
 
-FLASH_REQUIREMENTS = {
-    "platforms": ("cuda",),
-    "untested_platforms": ("rocm",),
-    "input_dtypes": ("bfloat16", "float16", "float32"),
-    "fast_input_dtypes": ("bfloat16", "float16"),
-    "head_dims": HEAD_DIMS,
-    "gates": ("bounded", "unbounded"),
-    "state_dtypes": ("float32", "bfloat16"),
-    "conv_layouts": ("SD", "DS"),
-}
-
-__all__ = ["FLASH_REQUIREMENTS", "INPUT_DTYPES", "kda_prefill_flash"]
+__all__ = ["kda_prefill_flash"]

@@ -19,6 +19,7 @@ import functools
 import torch
 import triton
 
+from kdaserve.ops.limits import FLASH
 from kdaserve.ops.checks import check_prefill_step
 from kdaserve.ops.flash.config import CONFIG
 from kdaserve.ops.flash.correct import flash_correct_kernel
@@ -29,8 +30,6 @@ from kdaserve.ops.flash.scan import flash_scan_kernel
 from kdaserve.ops.host_tables import StepTableCache, host_offsets
 from kdaserve.ops.types import KDAWeights, conv_state_rows
 
-HEAD_DIMS = (16, 32, 64, 128)
-INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Per step (host offsets, device, H, D, chunk, segment_len argument, config values): the plan and
 # the longest sequence. Every layer of a step has the same key, so only the first one pays for the
 # segment choice and the plan launch (kdaserve.ops.host_tables).
@@ -40,15 +39,9 @@ _STEPS = StepTableCache()
 def check_flash_inputs(qkv, weights: KDAWeights, recurrent_state, g1, g2, out, D: int) -> tuple[torch.Tensor, ...]:
     """What flash needs beyond the common contract (metadata only, no sync); returns the
     [T, H, D] views of g1, g2 and out the kernels take."""
-    if D not in HEAD_DIMS:
-        raise ValueError(f"flash prefill supports head sizes {HEAD_DIMS}, got D = {D}")
-    if qkv.dtype not in INPUT_DTYPES:
-        raise ValueError(f"flash prefill takes bf16, fp16 or fp32 inputs, got {qkv.dtype}")
+    FLASH.check(head_dim=D, lower_bound=weights.lower_bound, input_dtype=qkv.dtype, state_dtype=recurrent_state.dtype)
     if recurrent_state.stride(3) != 1:
         raise ValueError(f"recurrent_state must have K contiguous (stride(3) == 1), got strides {recurrent_state.stride()}")
-    lb = weights.lower_bound
-    if not (lb is None or -5.0 <= lb < 0.0):
-        raise ValueError(f"lower_bound must lie in [-5, 0) or be None (unbounded gate), got {lb}")
     views = []
     for name, t in (("g1", g1), ("g2", g2), ("out", out)):
         try:
@@ -130,7 +123,7 @@ def kda_prefill_flash(
 
 class FlashPrefill:
     """One prefill step: checks, plan and workspaces at construction, then one method per launch
-    (so tune.py can time each stage alone). `run()` is the whole step."""
+    (so tools/tune_flash.py can time each stage alone). `run()` is the whole step."""
 
     def __init__(self, qkv, g1, beta_logits, g2, weights: KDAWeights, conv_state, recurrent_state, cu_seqlens,
                  state_indices, has_initial_state, out, *, conv_layout="SD", cu_seqlens_cpu=None, segment_len=None):

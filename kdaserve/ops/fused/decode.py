@@ -16,14 +16,14 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from kdaserve.ops.limits import FUSED
 from kdaserve.ops.checks import check_decode_step
 from kdaserve.ops.fused.conv_weight import fused_conv_weight_layout
 from kdaserve.ops.fused.decode_kernel import WS_SENTINEL, kda_fused_decode_kernel
 from kdaserve.ops.fused.stream_kernel import kda_fused_stream_kernel
 from kdaserve.ops.types import KDAWeights, conv_state_rows
 
-STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-IO_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+IO_DTYPES = FUSED.input_dtypes
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,17 +49,14 @@ class FusedDecodeConfig:
 
 
 MEET_BY_POLLING = False
-# Plain decode steps of at least this many heads (N*H) take the `stream` shape (stream_kernel.py).
-# Measured on the H200 (benchmarks/bench_decode.py sweep, 32 heads, CUDA-graph replay; perf-notes
-# "Decode, stream shape"): at N = 8 (256 heads) the stream shapes took 13.5-15.2 us against 15.0 us
-# for the one-warp split shape and 17.1 for [64, K] (fp32 state; bf16 9.5-10.9 vs 12.0), and at
-# N = 64-512 3.3-3.7 TB/s against the split shapes' 2.7-3.2 and chain's 3.2-3.5. Below 256 heads
-# (N = 1-7 at 32 heads) it is untimed and the split shapes stay. 0 disables it.
+# Plain decode steps of at least this many heads (N*H) take the `stream` shape (stream_kernel.py):
+# from there on it is the fastest shape measured, below it the split shapes are (numbers:
+# docs/perf-notes.md, "Decode, stream shape"). 0 disables it.
 STREAM_FROM_HEADS = 256
 STREAM_FP32 = FusedDecodeConfig(block_v=16, num_warps=4, stream=True, stages=4)  # 96 regs, 5 programs/SM, 3 tiles in flight each
 STREAM_BF16 = FusedDecodeConfig(block_v=16, num_warps=4, stream=True, stages=5)  # 87 regs, 5 programs/SM, 4 tiles in flight each
-# Every stream shape measured or compile-checked (benchmarks/bench_decode.py's sweep and
-# kdaserve.ops.fused.compile_check read this table): "stream bvX wY" + sZ = a Z-stage cp.async
+# The stream shapes benchmarks/bench_decode.py's sweep times and tools/compile_check_fused.py
+# compiles: "stream bvX wY" + sZ = a Z-stage cp.async
 # pipeline (Z-1 tiles in flight through shared memory), pfN = N tiles prefetched into registers
 # (with sZ: 1+N tiles loaded into registers before the conv).
 STREAM_SHAPES = {
@@ -197,19 +194,13 @@ def launch_fused_decode(
                                            out, conv_layout, spec_state_indices, num_accepted_tokens)
     rows = conv_state_rows(conv_state, conv_layout)
     W = weights.conv_width
-    if W != 4:
-        _fail(f"the kernel is written for the width-4 conv, got conv_weight with W={W}")
-    if D & (D - 1) or D < 4:
-        _fail(f"head_dim must be a power of two >= 4, got {D}")
-    if recurrent_state.dtype not in STATE_DTYPES:
-        _fail(f"recurrent_state must be one of {STATE_DTYPES}, got {recurrent_state.dtype}")
+    FUSED.check(head_dim=D, lower_bound=weights.lower_bound, input_dtype=qkv.dtype, state_dtype=recurrent_state.dtype,
+                conv_width=W)
     for name, t in (("out", out), ("conv_state", conv_state)):
         if t.dtype not in IO_DTYPES:
             _fail(f"{name} must be one of {IO_DTYPES}, got {t.dtype}")
     if recurrent_state.stride(3) != 1:
         _fail(f"recurrent_state must have K contiguous (stride 1 on the last dim), got strides {recurrent_state.stride()}")
-    if weights.lower_bound is not None and not -5.0 <= weights.lower_bound < 0.0:
-        _fail(f"lower_bound must lie in [-5, 0) or be None (unbounded gate), got {weights.lower_bound}")
     # A verify with no drafts (spec [N, 1]) is still a verify: its state lives in the spec slots,
     # which only the split shapes read, so it takes the verify rule, never the stream shape.
     is_spec = spec_state_indices is not None

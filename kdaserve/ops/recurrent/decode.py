@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from kdaserve.ops.limits import CHAIN
 from kdaserve.ops.norm.gated_rms_norm import as_head_view
 from kdaserve.ops.recurrent.kernel import kda_recurrent_kernel
 from kdaserve.ops.types import KDAWeights
@@ -57,7 +58,7 @@ def kda_recurrent_fwd(
     _expect(y.dim() == 2 and y.shape[1] == 3 * P and y.stride(1) == 1,
             f"y must be [T, 3P] = [T, {3 * P}] with contiguous columns, got {tuple(y.shape)} strides {y.stride()}")
     T = y.shape[0]
-    _expect(D >= 16 and D & (D - 1) == 0, f"head dim must be a power of two >= 16, got {D}")
+    CHAIN.check(head_dim=D, lower_bound=weights.lower_bound, state_dtype=recurrent_state.dtype)
     g = as_head_view(g1, T, H, D, "g1")
     o = as_head_view(out, T, H, D, "out")
     _expect(tuple(beta_logits.shape) == (T, H), f"beta_logits must be [T, H] = [{T}, {H}], got {tuple(beta_logits.shape)}")
@@ -86,7 +87,6 @@ def kda_recurrent_fwd(
     BV = block_v or pick_block_v(N * H, D)
     _expect(D % BV == 0, f"block_v must divide the head dim {D}, got {BV}")
     bound = weights.lower_bound
-    _expect(bound is None or -5.0 <= bound < 0.0, f"lower_bound must lie in [-5, 0) (or be None for the softplus gate), got {bound}")
     kda_recurrent_kernel[(N * H * (D // BV),)](
         y, y.stride(0),
         g, g.stride(0), g.stride(1),

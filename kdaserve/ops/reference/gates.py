@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kdaserve.ops.limits import check_lower_bound
+
 
 def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
     """fp64 when any input is fp64 (ground truth), else fp32: gates and norms never run in 16 bits."""
@@ -35,8 +37,7 @@ def kda_gate(
     a = A_log.to(dt).exp().view(-1, 1)
     if lower_bound is None:
         return -a * F.softplus(x, beta=1.0, threshold=20.0)
-    if not -5.0 <= lower_bound < 0.0:
-        raise ValueError(f"lower_bound must lie in [-5, 0), got {lower_bound}")
+    check_lower_bound(lower_bound)
     return lower_bound * torch.sigmoid(a * x)
 
 
