@@ -24,7 +24,8 @@ import numpy as np
 import torch
 
 # Every array starts on a 256-byte boundary, like a block of torch's CUDA caching allocator: Triton
-# specializes kernels on 16-byte pointer alignment, and the arrays used to be separate allocations.
+# specializes kernels on 16-byte pointer alignment, so a packed array must keep what a separate
+# allocation would have.
 ALIGN = 256
 
 _NP = {torch.int64: np.int64, torch.int32: np.int32, torch.bool: np.bool_, torch.float32: np.float32}

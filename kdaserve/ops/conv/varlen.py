@@ -25,7 +25,7 @@ from kdaserve.ops.conv.varlen_kernel import conv_varlen_out_kernel, conv_varlen_
 from kdaserve.ops.host_tables import StepTableCache, host_offsets, tables_to_device
 from kdaserve.ops.types import conv_state_rows
 
-BLOCK_T = 16  # measured on the H200 (bt16 bc128 w4 best of 22 shapes: 1.86-1.92 TB/s)
+BLOCK_T = 16  # tokens per program: the fastest of the launch shapes timed (docs/perf-notes.md)
 BLOCK_C = 128
 NUM_WARPS = 4
 

@@ -2,7 +2,7 @@
 
 Fixed configurations instead of autotuning: the recurrence updates the state pool in place, so
 timing it repeatedly inside an autotuner would corrupt the cache (and first-call autotuning cost
-70-90 s per shape elsewhere). `python -m kdaserve.ops.flash.tune` times alternatives on a GPU.
+70-90 s per shape elsewhere). `python -m tools.tune_flash` times alternatives on a GPU.
 """
 
 from __future__ import annotations
@@ -14,22 +14,21 @@ from dataclasses import dataclass
 
 @dataclass(slots=True)
 class FlashConfig:
-    # Tokens per chunk, the serial step of the recurrence: 32 halves the steps and costs K1 +6% of
-    # instructions per token against 16 (K2 -25%); the unbounded gate always uses 16.
+    # Tokens per chunk, the serial step of the recurrence: 32 halves K2's steps for a few more K1
+    # instructions per token than 16; the unbounded gate always uses 16.
     chunk: int = 32
-    prepare_warps: int = 4        # K1, one program per (chunk, head): 30-40% fewer warp-instructions than 8
+    prepare_warps: int = 4        # K1, one program per (chunk, head): fewer warp-instructions than 8
     prepare_maxnreg: int | None = None  # cap K1's registers for more resident programs (spills)
     # Unbounded gate: K1 forms A and Aqk on tensor cores with per-half anchors (prepare.py,
     # _intra_anchored_halves) in chunks whose halves each span at most `unbounded_anchor_spread`
     # of cumulative log-decay (170: factors within e^(+-85), normal fp32/tf32 numbers), the exact
-    # column loop elsewhere. H200, 32 heads: whole flash 2.12 vs 3.63 ms (1 x 8K), 3.84 vs 6.82 ms
-    # (16 x 1K) against the exact loop alone (docs/perf-notes.md). False: the exact loop everywhere.
+    # column loop elsewhere (faster than the loop alone: docs/perf-notes.md). False: the exact loop
+    # everywhere.
     unbounded_anchored: bool = True
     unbounded_anchor_spread: float = 170.0
     recur_warps: int = 8          # K2, one program per (sequence, head), the whole [V, K] state
-    # Software-pipelined loads of the next chunk's workspace. 3 against 2 (H200, same process,
-    # outputs bitwise equal): -2.7% at 64 heads 1 x 8K, -2.0% at 96 heads 1 x 8K, -1.2% at 64 heads
-    # 8 x 1K, equal elsewhere; costs 8 bytes of spill at C = 32 (ptxas) and 84 KB of shared memory.
+    # Software-pipelined loads of the next chunk's workspace (3 stages: bitwise the same outputs as
+    # 2, faster at many heads; 84 KB of shared memory; docs/perf-notes.md).
     recur_stages: int = 3
     seg_block_v: int = 64         # rows of the state per program in the segment-map pass
     seg_warps: int = 4
@@ -40,10 +39,9 @@ class FlashConfig:
     correct_chunks: int = 8       # chunks per program in the correction (output) pass
     correct_warps: int = 4
     # Segmenting long sequences pays when few (sequence, head) pairs leave SMs idle; plan.py's
-    # choose_segment_len weighs it with these costs. `python -m kdaserve.ops.flash.tune
-    # --calibrate` measures them on a card; on the H200 (sixth session) they came out about 2x
-    # these in absolute terms (full step 3.0, map step 2.1, scan 4-5 us, 0.36 ns), which would
-    # change only 64-head 1x8K..1x128K choices: timed before adopting (gpu_verify_next.sh calib).
+    # choose_segment_len weighs it with these costs, in microseconds and nanoseconds as named;
+    # `python -m tools.tune_flash --calibrate` measures them on the card at hand (how the H200's
+    # compare with these: docs/flash-prefill.md).
     seg_min_len: int = 1024       # never segment when the longest sequence is shorter
     seg_min_tokens: int = 512     # never cut segments shorter than this
     recur_ctas_per_sm: int = 1    # K2 (255 registers x 8 warps): one program per SM

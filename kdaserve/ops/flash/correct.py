@@ -26,8 +26,8 @@ def flash_correct_kernel(
     DOT_DTYPE: tl.constexpr, PREC: tl.constexpr, FAST: tl.constexpr,
 ):
     # Grid (segments x heads, chunk groups): the number of groups follows the step's longest
-    # sequence, so it is the grid's second axis rather than a compiled constant (a constexpr
-    # compiled a new variant for new prompt lengths, after the engine's warm-up, on the H200).
+    # sequence, so it is the grid's second axis rather than a compiled constant (a constexpr would
+    # compile a new variant for every new prompt length, past the engine's warm-up).
     pid = tl.program_id(0)
     gi = tl.program_id(1)
     h = pid % H
