@@ -102,12 +102,12 @@ if [ "$PART" = calib ]; then
 #    map-pass step ~2.1 us, scan ~5 us per segment, 0.36 ns per token-head): the model then
 #    segments 64 heads at 1x8K (4096; seg4096 measured -1.4% there), 1x32K (1824), 1x64K (3872), 1x128K
 #    (7712), everything else unchanged. Time both rules before changing the defaults.
-timeout 90 python3 -m kdaserve.ops.flash.tune --calibrate 2>&1 | tail -6   # measured on this card
+timeout 90 python3 -m tools.tune_flash --calibrate 2>&1 | tail -6   # measured on this card
 timeout 400 python3 - > "$OUT/calib.log" 2>&1 <<'PY'
 import torch, triton
 from kdaserve.ops.flash import kda_prefill_flash
 from kdaserve.ops.flash.config import overridden
-from kdaserve.ops.flash.tune import gpu_inputs
+from tools.tune_flash import gpu_inputs
 NEW = dict(cost_step_full_us=3.0, cost_step_seg_us=2.1, cost_scan_step_us=5.0, cost_token_head_seg_ns=0.36)
 for H, lens in [(64, [8192]), (64, [32768]), (64, [131072]), (32, [32768]), (16, [131072]), (96, [8192])]:
     inp = gpu_inputs(H, lens)
