@@ -187,7 +187,7 @@ def test_bad_inputs_raise_clear_errors():
     args = case.decode_args()
     out = case.new_out()
     w3 = make_kda_weights(2, 16, conv_width=3, device=DEV)
-    with pytest.raises(ValueError, match="width-4"):
+    with pytest.raises(ValueError, match=r"supports conv widths \(4,\), got W = 3"):
         kda_decode_fused(out=out, **{**args, "weights": w3,
                                      "conv_state": case.conv_state[:, :2].contiguous()})
     bad = make_kda_weights(2, 16, device=DEV)

@@ -13,7 +13,8 @@ import torch
 
 from kdaserve.ops.checks import check_prefill_step
 from kdaserve.ops import interpreter_compat
-from kdaserve.ops.chunk.core import CHUNK, DEFAULT_CONFIG, SUPPORTED_DTYPES, ChunkConfig, kda_chunk_core, workspace_dtype
+from kdaserve.ops.chunk.core import CHUNK, DEFAULT_CONFIG, ChunkConfig, kda_chunk_core, workspace_dtype
+from kdaserve.ops.limits import CHUNK as CHUNK_LIMITS
 from kdaserve.ops.conv import causal_conv_varlen_fwd
 from kdaserve.ops.types import KDAWeights
 
@@ -48,8 +49,8 @@ def kda_prefill_chunk(
         cu_seqlens_cpu = cu_seqlens if cu_seqlens.device.type == "cpu" else cu_seqlens.cpu()
     T, H, D, _ = check_prefill_step(qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, cu_seqlens,
                                     state_indices, has_initial_state, out, conv_layout, cu_seqlens_cpu)
-    if qkv.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"chunk prefill takes bf16, fp16 or fp32 inputs, got qkv in {qkv.dtype}")
+    CHUNK_LIMITS.check(head_dim=D, lower_bound=weights.lower_bound, input_dtype=qkv.dtype,
+                       state_dtype=recurrent_state.dtype)
     # The conv writes its output straight in the workspace dtype (fp16 for bf16 inputs: core.py).
     y = torch.empty(qkv.shape, dtype=workspace_dtype(qkv.dtype), device=qkv.device)
     causal_conv_varlen_fwd(qkv, weights.conv_weight, conv_state, cu_seqlens, state_indices, has_initial_state,

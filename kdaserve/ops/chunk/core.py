@@ -22,7 +22,6 @@ from kdaserve.ops.chunk.tables import ChunkTableCache, ChunkTables
 from kdaserve.ops.types import KDAWeights
 
 CHUNK = 64  # tokens per chunk (four 16-token sub-blocks, see intra.py)
-SUPPORTED_DTYPES = CHUNK_LIMITS.input_dtypes
 
 _tables = ChunkTableCache()
 INTRA_VARIANTS = ("blocked", "substitution")  # ChunkConfig.intra_inverse
