@@ -105,17 +105,18 @@ if [ "$PART" = calib ]; then
 timeout 90 python3 -m tools.tune_flash --calibrate 2>&1 | tail -6   # measured on this card
 timeout 400 python3 - > "$OUT/calib.log" 2>&1 <<'PY'
 import torch, triton
-from kdaserve.ops.flash import kda_prefill_flash
-from kdaserve.ops.flash.config import overridden
+import dataclasses
+from kdaserve.ops.flash import DEFAULT_CONFIG, flash_step_plan, kda_prefill_flash
 from tools.tune_flash import gpu_inputs
 NEW = dict(cost_step_full_us=3.0, cost_step_seg_us=2.1, cost_scan_step_us=5.0, cost_token_head_seg_ns=0.36)
 for H, lens in [(64, [8192]), (64, [32768]), (64, [131072]), (32, [32768]), (16, [131072]), (96, [8192])]:
     inp = gpu_inputs(H, lens)
     for name, cfg in (("current", {}), ("measured constants", NEW)):
-        with overridden(**cfg):
-            fn = lambda: kda_prefill_flash(**inp)
-            fn(); torch.cuda.synchronize()
-            ms = triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+        plan = flash_step_plan(inp["cu_seqlens"], inp["cu_seqlens_cpu"], sum(lens), H, 128, True,
+                               config=dataclasses.replace(DEFAULT_CONFIG, **cfg))
+        fn = lambda: kda_prefill_flash(**inp, step_plan=plan)
+        fn(); torch.cuda.synchronize()
+        ms = triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
         print(f"| {H} | {len(lens)}x{lens[0]} | {name} | {ms:.3f} |", flush=True)
     del inp; torch.cuda.empty_cache()
 PY

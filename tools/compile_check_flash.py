@@ -14,7 +14,7 @@ import sys
 
 import triton
 
-from kdaserve.ops.flash.config import CONFIG
+from kdaserve.ops.flash.config import DEFAULT_CONFIG as CONFIG
 from kdaserve.ops.flash.correct import flash_correct_kernel
 from kdaserve.ops.flash.plan import flash_plan_kernel
 from kdaserve.ops.flash.prepare import flash_prepare_kernel

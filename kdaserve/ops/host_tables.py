@@ -1,9 +1,9 @@
-"""Index tables a prefill builds on the host from `cu_seqlens_cpu`: cached per step, one copy each.
+"""Index tables a prefill builds on the host from `cu_seqlens_cpu`, sent in one copy each.
 
-Why cache: every KDA layer of a step calls prefill with the same lengths (48+ layers in real models,
-no CUDA graphs for prefill), so a table that depends only on the lengths (and the device, and the
-block size) is built and sent to the device once per step, not once per layer. The key is the
-*contents* of the host copy, never its address: engines refill one buffer in place every step.
+Every KDA layer of a step calls prefill with the same lengths (48+ layers in real models, no CUDA
+graphs for prefill), so the tables that depend only on the lengths are part of the step's plan,
+built once per step before the layers run (conv_step_tables, chunk_step_plan, flash_step_plan)
+and passed to each layer; nothing here remembers a step.
 
 Why numpy to build them, not torch: torch's CPU `repeat_interleave` runs a parallel region with
 grain 1, waking every OpenMP thread of the host (up to milliseconds on a busy machine), and each
@@ -16,23 +16,17 @@ Why a pinned staging buffer: cudaMemcpyAsync from pageable memory may synchroniz
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
-from typing import TypeVar
-
 import numpy as np
 import torch
 
-T = TypeVar("T")
-
 
 def host_offsets(cu_seqlens_cpu: torch.Tensor) -> tuple[int, ...]:
-    """The host copy's values as a hashable tuple (the cache key of a step's tables)."""
+    """The host copy's values as a tuple (what a step's tables are built from)."""
     return tuple(cu_seqlens_cpu.tolist())
 
 
 def capturing(device: torch.device) -> bool:
-    """Inside CUDA-graph capture a cached table would be baked into the graph and could be freed
-    (evicted) before a replay reads it: callers build per call there, as without the cache."""
+    """Whether a copy made now is captured into a CUDA graph (its source must then outlive it)."""
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
@@ -42,29 +36,6 @@ def capturing(device: torch.device) -> bool:
 # again (the next step's tables, a staging buffer...) and replays copy whatever lies there. Kept
 # for the life of the process: a few hundred bytes per capture, and captures are rare.
 _CAPTURED_SOURCES: list[torch.Tensor] = []
-
-
-class StepTableCache:
-    """Tables of the last `capacity` distinct keys (a step, a mixed step's parts, a few backends:
-    an engine interleaves few steps; the oldest entry goes first)."""
-
-    def __init__(self, capacity: int = 8) -> None:
-        self.capacity = capacity
-        self._entries: dict = {}
-
-    def get(self, key: Hashable, device: torch.device, build: Callable[[], T]) -> T:
-        if capturing(device):
-            return build()
-        hit = self._entries.get(key)
-        if hit is None:
-            hit = build()
-            if len(self._entries) >= self.capacity:
-                del self._entries[next(iter(self._entries))]
-            self._entries[key] = hit
-        return hit
-
-    def __len__(self) -> int:
-        return len(self._entries)
 
 
 def tables_to_device(parts: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:

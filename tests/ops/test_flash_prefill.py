@@ -5,6 +5,7 @@ shapes; the segmented (sequence-parallel) path is forced on with `segment_len`. 
 at real sizes, a 128K-token sequence with slow-decay heads (also marked slow), no host syncs.
 """
 
+import dataclasses
 import functools
 import os
 
@@ -15,8 +16,7 @@ import triton
 
 from kdaserve.ops.flash import kda_prefill_flash
 from kdaserve.ops.flash.plan import build_plan, choose_segment_len
-from kdaserve.ops.flash.config import CONFIG
-from kdaserve.ops.flash.config import overridden as flash_config
+from kdaserve.ops.flash.config import DEFAULT_CONFIG as CONFIG
 from kdaserve.testing import assert_rel_close, make_kda_case, tolerance_for
 from kdaserve.testing.properties import (
     check_mixed_equals_alone,
@@ -37,8 +37,14 @@ UNSEGMENTED = functools.partial(kda_prefill_flash, segment_len=0)
 SEGMENTED = functools.partial(kda_prefill_flash, segment_len=16)  # one chunk per segment (rounded up to it)
 
 
-def flash(segment_len):
-    return functools.partial(kda_prefill_flash, segment_len=segment_len)
+def flash(segment_len, **config_changes):
+    """flash with a forced segment choice and, optionally, a config other than the default."""
+    return functools.partial(kda_prefill_flash, segment_len=segment_len,
+                             config=dataclasses.replace(CONFIG, **config_changes))
+
+
+def configured(fn, **config_changes):
+    return functools.partial(fn, config=dataclasses.replace(CONFIG, **config_changes))
 
 
 # ------------------------------------------------------------------------------------------ CPU
@@ -89,8 +95,7 @@ def test_unbounded_gate_with_huge_decay(anchored):
     (chunked.py) errs 1.1e-5 here, hence 3e-5."""
     case = make_kda_case([20], H=1, D=16, gate="unbounded", has_initial_state=True, seed=5)
     case.g1.mul_(10.0)
-    with flash_config(unbounded_anchored=anchored):
-        check_prefill_matches_reference(SEGMENTED, case, 3e-5)
+    check_prefill_matches_reference(configured(SEGMENTED, unbounded_anchored=anchored), case, 3e-5)
 
 
 @cpu_only
@@ -106,8 +111,8 @@ def test_unbounded_gate_anchored_halves(anchored, spread, dtype):
     (unbounded_anchored=False) keeps its own checks."""
     case = make_kda_case([5, 40, 1, 37], H=2, D=16, gate="unbounded", dtype=dtype, conv_dtype=dtype,
                          has_initial_state=[True, False, True, True], slow_decay_heads=1, seed=23)
-    with flash_config(unbounded_anchored=anchored, unbounded_anchor_spread=spread):
-        check_prefill_matches_reference(UNSEGMENTED, case, 1e-5 if dtype == torch.float32 else tolerance_for(dtype))
+    fn = configured(UNSEGMENTED, unbounded_anchored=anchored, unbounded_anchor_spread=spread)
+    check_prefill_matches_reference(fn, case, 1e-5 if dtype == torch.float32 else tolerance_for(dtype))
 
 
 @cpu_only
@@ -128,8 +133,7 @@ def test_segmented_equals_unsegmented_and_chunk_16_equals_32():
     out_a = run_prefill(UNSEGMENTED, a)
     out_b = run_prefill(flash(32), b)
     other = 16 if CONFIG.chunk == 32 else 32
-    with flash_config(chunk=other):
-        out_c = run_prefill(flash(16), c)
+    out_c = run_prefill(flash(16, chunk=other), c)
     for out, x, what in ((out_b, b, "segments of 32"), (out_c, c, f"chunk {other}, segments of 16")):
         assert_rel_close(out, out_a, 1e-5, f"{what}: output")
         assert_rel_close(x.recurrent_state, a.recurrent_state, 1e-5, f"{what}: states")
@@ -175,9 +179,9 @@ def test_conv_history_longer_than_a_chunk(host_cu):
     and the common launch skips both; sequences shorter than one and than two chunks included,
     with and without the host cu_seqlens (plan sizes then upper bounds)."""
     case = make_kda_case([5, 40, 1, 37, 17], H=2, D=16, conv_width=18, seed=22)
-    fn = UNSEGMENTED if host_cu else (lambda **a: UNSEGMENTED(**{**a, "cu_seqlens_cpu": None}))
-    with flash_config(chunk=16):
-        check_prefill_matches_reference(fn, case, 1e-5)
+    chunk16 = configured(UNSEGMENTED, chunk=16)
+    fn = chunk16 if host_cu else (lambda **a: chunk16(**{**a, "cu_seqlens_cpu": None}))
+    check_prefill_matches_reference(fn, case, 1e-5)
 
 
 @cpu_only
@@ -204,11 +208,8 @@ def test_segment_choice():
     assert seg is not None and seg % 16 == 0 and 1 < triton.cdiv(32768, seg) <= 16
 
 
-def test_segment_choice_is_memoized_per_config():
-    """The choice runs on the host before every prefill, so it is cached: a repeated call must give
-    the same answer, and a changed config (tune.py edits CONFIG in place) must not hit a stale entry."""
-    import dataclasses
-
+def test_segment_choice_follows_the_config():
+    """The choice is a function of the lengths and the config it is given, nothing else."""
     cu = torch.tensor([0, 30000, 32768], dtype=torch.int32)
     first = choose_segment_len(32768, 2, 16, 128, 32, cu, 132, CONFIG)
     assert first is not None and choose_segment_len(32768, 2, 16, 128, 32, cu, 132, CONFIG) == first
@@ -229,12 +230,30 @@ def test_bad_inputs_raise_clear_errors():
         run_prefill(UNSEGMENTED, case)
 
 
-def test_config_override_rejects_unknown_fields_and_changes_nothing():
-    chunk = CONFIG.chunk
-    with pytest.raises(AttributeError, match=r"no field\(s\) \['bogus'\]; fields: \[.*'chunk'"):
-        with flash_config(chunk=48 - chunk, bogus=1):
-            pass
-    assert CONFIG.chunk == chunk, "a rejected override left CONFIG changed"
+def test_the_config_is_frozen_and_a_variant_is_a_new_value():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        CONFIG.chunk = 16
+    with pytest.raises(TypeError, match="bogus"):
+        dataclasses.replace(CONFIG, bogus=1)
+
+
+@cpu_only
+def test_one_step_plan_serves_every_layer_and_refuses_another_step():
+    """flash_step_plan is built once per step; every layer's call with it equals a call that plans
+    for itself, and a plan of another step (other lengths, other heads) is a clear error."""
+    from kdaserve.ops.flash import flash_step_plan
+
+    case = make_kda_case([40, 7, 33], H=2, D=16, has_initial_state=[True, False, True], seed=24)
+    plan = flash_step_plan(case.cu_seqlens, case.cu_seqlens_cpu, sum(case.seq_lens), 2, 16, True)
+    a, b = case.clone(), case.clone()
+    out_a, out_b = run_prefill(kda_prefill_flash, a), run_prefill(functools.partial(kda_prefill_flash, step_plan=plan), b)
+    assert torch.equal(out_a, out_b) and torch.equal(a.recurrent_state, b.recurrent_state)
+    other = make_kda_case([40, 8, 32], H=2, D=16, seed=25)
+    with pytest.raises(ValueError, match="built for another step"):
+        run_prefill(functools.partial(kda_prefill_flash, step_plan=plan), other)
+    wide = make_kda_case([40, 7, 33], H=4, D=16, seed=26)
+    with pytest.raises(ValueError, match="built for another step"):
+        run_prefill(functools.partial(kda_prefill_flash, step_plan=plan), wide)
 
 
 @pytest.mark.skipif(os.environ.get("KDASERVE_COMPILE_CHECK") != "1", reason="minutes of CPU: set KDASERVE_COMPILE_CHECK=1")
@@ -281,8 +300,7 @@ def test_gpu_unbounded_gate_anchored_halves(anchored, segment_len):
     lens = [1000, 1, 77, 2048, 16, 300]
     case = _gpu_case(lens, 4, gate="unbounded", conv_layout="DS", slow_decay_heads=1, seed=16,
                      has_initial_state=[True, False, True, False, True, True])
-    with flash_config(unbounded_anchored=anchored):
-        check_prefill_matches_reference(flash(segment_len), case, BF16, chunk_size=_ref_chunk(lens))
+    check_prefill_matches_reference(flash(segment_len, unbounded_anchored=anchored), case, BF16, chunk_size=_ref_chunk(lens))
 
 
 @pytest.mark.gpu

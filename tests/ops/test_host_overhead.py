@@ -2,8 +2,9 @@
 
 A serving engine calls prefill once per KDA layer per step with the same lengths, so whatever
 depends only on the lengths (conv token blocks, chunk tables, the flash plan and segment choice) is
-built once per step: these tests pin the launches and host->device copies per call on a repeated
-step, and that a step with other lengths, even in the same host buffer, never gets stale tables.
+built once per step, as the step's plan, and handed to every layer: these tests pin the launches
+and host->device copies of building a plan and of a layer's call with it, and that a step with
+other lengths, even in the same host buffer, never gets stale tables.
 Kernels are stubbed (each `kernel[grid](...)` is recorded, not run) unless a test needs real tables;
 activations live on the meta device (shapes and strides, no memory)."""
 
@@ -19,16 +20,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from kdaserve.ops import checks
 from kdaserve.ops.checks import check_cu_seqlens_cpu
-from kdaserve.ops.chunk import kda_prefill_chunk
+import dataclasses
+
+from kdaserve.ops.chunk import chunk_step_plan, kda_prefill_chunk
 from kdaserve.ops.chunk.core import CHUNK, chunk_tables
 from kdaserve.ops.chunk.tables import host_chunk_tables
-from kdaserve.ops.conv import causal_conv_varlen_fwd
+from kdaserve.ops.conv import causal_conv_varlen_fwd, conv_step_tables
 from kdaserve.ops.conv.varlen import BLOCK_T, token_block_table
-from kdaserve.ops.flash import kda_prefill_flash
-from kdaserve.ops.flash.config import overridden
+from kdaserve.ops.flash import DEFAULT_CONFIG, flash_step_plan, kda_prefill_flash
 from kdaserve.ops.flash.plan import build_plan
 from kdaserve.ops.flash.prefill import FlashPrefill
-from kdaserve.ops.host_tables import StepTableCache, tables_to_device
+from kdaserve.ops.host_tables import host_offsets, tables_to_device
 from kdaserve.ops.types import KDAWeights
 from kdaserve.testing import make_kda_case
 
@@ -78,9 +80,31 @@ def meta_step(seq_lens, H=4, D=16, dtype=torch.bfloat16, cu_seqlens_cpu=None):
                 cu_seqlens_cpu=cu)
 
 
-def conv_only(qkv, weights, conv_state, cu_seqlens, state_indices, has_initial_state, out, conv_layout, cu_seqlens_cpu, **_):
+def conv_only(qkv, weights, conv_state, cu_seqlens, state_indices, has_initial_state, out, conv_layout, cu_seqlens_cpu,
+              step_plan=None, **_):
     causal_conv_varlen_fwd(qkv, weights.conv_weight, conv_state, cu_seqlens, state_indices, has_initial_state,
-                           conv_layout, cu_seqlens_cpu=cu_seqlens_cpu, out=qkv)
+                           conv_layout, cu_seqlens_cpu=cu_seqlens_cpu, out=qkv, tables=step_plan)
+
+
+def plan_conv(step):
+    return conv_step_tables(host_offsets(step["cu_seqlens_cpu"]), META)
+
+
+def plan_chunk(step):
+    return chunk_step_plan(step["cu_seqlens_cpu"], META)
+
+
+def plan_flash(step, **kw):
+    H, D = step["weights"].num_heads, step["weights"].head_dim
+    return flash_step_plan(step["cu_seqlens"], step["cu_seqlens_cpu"], step["qkv"].shape[0], H, D, True, **kw)
+
+
+def plan_cost(planner, step, launches):
+    """(kernel names launched, host->device copies, the plan) of building a step's plan."""
+    launches.clear()
+    with HostToDevice() as h2d:
+        plan = planner(step)
+    return [name for name, _, _ in launches], len(h2d.copies), plan
 
 
 def per_call(fn, step, launches):
@@ -91,38 +115,38 @@ def per_call(fn, step, launches):
     return [name for name, _, _ in launches], len(h2d.copies)
 
 
-# A long sequence in the step so each backend's tables have several entries; lengths unique to
-# each test so the module-level step caches start cold.
 @pytest.mark.parametrize(
-    "fn, first, repeat, copies_first",
+    "fn, planner, plan_launches, plan_copies, work",
     [
-        (conv_only, ["conv_varlen_out_kernel", "conv_varlen_state_kernel"], None, 1),
-        (kda_prefill_chunk, ["conv_varlen_out_kernel", "conv_varlen_state_kernel", "chunk_gate_cumsum_kernel",
-                             "chunk_intra_kernel", "chunk_state_pass_kernel", "chunk_output_norm_kernel"], None, 2),
-        (kda_prefill_flash, ["flash_plan_kernel", "flash_prepare_kernel", "flash_prepare_kernel", "flash_recurrence_kernel"],
-         ["flash_prepare_kernel", "flash_prepare_kernel", "flash_recurrence_kernel"], 0),
+        (conv_only, plan_conv, [], 1, ["conv_varlen_out_kernel", "conv_varlen_state_kernel"]),
+        (kda_prefill_chunk, plan_chunk, [], 2, ["conv_varlen_out_kernel", "conv_varlen_state_kernel",
+                                                "chunk_gate_cumsum_kernel", "chunk_intra_kernel",
+                                                "chunk_state_pass_kernel", "chunk_output_norm_kernel"]),
+        (kda_prefill_flash, plan_flash, ["flash_plan_kernel"], 0,
+         ["flash_prepare_kernel", "flash_prepare_kernel", "flash_recurrence_kernel"]),
     ],
     ids=["conv", "chunk", "flash"],
 )
-def test_a_repeated_step_launches_only_the_work_and_copies_nothing(launches, fn, first, repeat, copies_first):
-    """The first layer of a step builds the tables (chunk/conv: one pinned copy each; flash: the plan
-    launch); every later layer of the step reuses them: no copy, no plan launch."""
-    step = meta_step([3, 100 + len(first), 1])
-    assert per_call(fn, step, launches) == (first, copies_first)
+def test_a_step_plan_is_built_once_and_every_layer_only_launches_its_work(launches, fn, planner, plan_launches,
+                                                                           plan_copies, work):
+    """Building the plan costs the tables' one pinned copy (conv, chunk) or the plan launch (flash);
+    each layer's call with it launches the work only and copies nothing. Without a plan a call
+    builds its own (tests, tools), at the plan's cost again."""
+    step = meta_step([3, 104, 1])
+    names, copies, plan = plan_cost(planner, step, launches)
+    assert (names, copies) == (plan_launches, plan_copies)
     for _ in range(2):
-        assert per_call(fn, step, launches) == (repeat or first, 0)
+        assert per_call(lambda **a: fn(**a, step_plan=plan), step, launches) == (work, 0)
+    assert per_call(fn, step, launches) == (plan_launches + work, plan_copies)
 
 
-def test_segmented_flash_skips_only_the_plan_on_a_repeated_step(launches):
+def test_segmented_flash_plan_carries_its_segment_choice(launches):
     step = meta_step([300, 7])
     work = ["flash_prepare_kernel", "flash_prepare_kernel", "flash_recurrence_kernel", "flash_scan_kernel",
             "flash_correct_kernel"]
-    names, _ = per_call(lambda **a: kda_prefill_flash(**a, segment_len=64), step, launches)
-    assert names == ["flash_plan_kernel"] + work
-    names, _ = per_call(lambda **a: kda_prefill_flash(**a, segment_len=64), step, launches)
-    assert names == work
-    names, _ = per_call(lambda **a: kda_prefill_flash(**a, segment_len=128), step, launches)
-    assert names[0] == "flash_plan_kernel", "a different segment length reused the plan of another"
+    names, _, plan = plan_cost(lambda st: plan_flash(st, segment_len=64), step, launches)
+    assert names == ["flash_plan_kernel"] and plan.plan.segmented
+    assert per_call(lambda **a: kda_prefill_flash(**a, step_plan=plan), step, launches)[0] == work
 
 
 def _launch_args(launches, name):
@@ -163,20 +187,20 @@ def test_flash_plan_follows_a_host_buffer_refilled_in_place():
         assert step.longest == max(first, 77 - first)
 
 
-def test_flash_step_cache_sees_config_edits(launches):
-    """tune.py and tests edit CONFIG in place: a changed field must not reuse the old plan, be it
-    the chunk size (part of the key anyway) or a cost-model field that decides segmentation."""
+def test_flash_follows_the_config_it_is_given(launches):
+    """A config is a value passed in (DEFAULT_CONFIG is frozen): the chunk size decides the grid,
+    a cost-model field the segmentation."""
     grids = {}
     for chunk in (32, 16):
-        with overridden(chunk=chunk):
-            names, _ = per_call(kda_prefill_flash, meta_step([90, 5]), launches)
-            assert names[0] == "flash_plan_kernel", f"chunk {chunk}: plan of another chunk size reused"
-            grids[chunk] = next(grid for n, grid, _ in launches if n == "flash_prepare_kernel")
+        config = dataclasses.replace(DEFAULT_CONFIG, chunk=chunk)
+        names, _ = per_call(lambda **a: kda_prefill_flash(**a, config=config), meta_step([90, 5]), launches)
+        assert names[0] == "flash_plan_kernel"
+        grids[chunk] = next(grid for n, grid, _ in launches if n == "flash_prepare_kernel")
     assert grids == {32: (4 * 4,), 16: (7 * 4,)}  # 3 + 1 chunks of 32 vs 6 + 1 of 16, x 4 heads
     long_step = meta_step([8192 + 3])
     assert "flash_scan_kernel" in per_call(kda_prefill_flash, long_step, launches)[0]  # one sequence: segmented
-    with overridden(seg_min_len=1 << 30):
-        assert "flash_scan_kernel" not in per_call(kda_prefill_flash, long_step, launches)[0], "stale segmentation"
+    never = dataclasses.replace(DEFAULT_CONFIG, seg_min_len=1 << 30)
+    assert "flash_scan_kernel" not in per_call(lambda **a: kda_prefill_flash(**a, config=never), long_step, launches)[0]
 
 
 def test_order_check_memo_never_passes_a_different_copy():
@@ -188,17 +212,6 @@ def test_order_check_memo_never_passes_a_different_copy():
     assert checks._last_valid_offsets == (0, 3, 5, 9)
     with pytest.raises(ValueError, match="to T = 8"):
         check_cu_seqlens_cpu(torch.tensor([0, 3, 5, 9], dtype=torch.int32), 3, 8)  # memoized copy, other T
-
-
-def test_step_table_cache_is_bounded_and_keyed_on_contents():
-    cache, built = StepTableCache(capacity=2), []
-
-    def get(key):
-        return cache.get(key, torch.device("cpu"), lambda: built.append(key) or f"table {key}")
-
-    assert [get((0, 5)), get((0, 5)), get((0, 6)), get((0, 7)), get((0, 5))] == [
-        "table (0, 5)", "table (0, 5)", "table (0, 6)", "table (0, 7)", "table (0, 5)"]
-    assert built == [(0, 5), (0, 6), (0, 7), (0, 5)] and len(cache) == 2  # (0, 5) evicted by (0, 7)
 
 
 def test_packed_tables_are_aligned_copies():
@@ -234,7 +247,7 @@ def test_gpu_host_tables_are_copied_from_pinned_memory():
 def test_under_graph_capture_the_pinned_source_of_a_table_copy_is_kept(monkeypatch):
     """A captured host->device memcpy re-reads its source at every replay: under capture the
     source must outlive the call (the caching host allocator would hand a dropped pinned block
-    to the next allocation), and no table is cached (a cached one could be evicted and freed)."""
+    to the next allocation)."""
     from kdaserve.ops import host_tables
 
     monkeypatch.setattr(host_tables, "_CAPTURED_SOURCES", [])
@@ -242,10 +255,8 @@ def test_under_graph_capture_the_pinned_source_of_a_table_copy_is_kept(monkeypat
     tables_to_device([table], torch.device("cpu"))
     assert host_tables._CAPTURED_SOURCES == []              # not capturing: nothing kept
     monkeypatch.setattr(host_tables, "capturing", lambda device: True)
-    cache, built = StepTableCache(), []
-    (view,) = cache.get("step", torch.device("cpu"), lambda: built.append(1) or tables_to_device([table], torch.device("cpu")))
+    (view,) = tables_to_device([table], torch.device("cpu"))
     del view
-    assert len(cache) == 0 and built == [1]
     (kept,) = host_tables._CAPTURED_SOURCES
     assert kept[:7].tolist() == list(range(7))
 

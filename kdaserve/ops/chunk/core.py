@@ -18,12 +18,12 @@ from kdaserve.ops.chunk.gate import launch_gate_cumsum
 from kdaserve.ops.chunk.intra import BC, launch_intra
 from kdaserve.ops.chunk.output import launch_output_norm
 from kdaserve.ops.chunk.state import launch_state_pass
-from kdaserve.ops.chunk.tables import ChunkTableCache, ChunkTables
+from kdaserve.ops.chunk.tables import ChunkTables, build_chunk_tables
+from kdaserve.ops.host_tables import host_offsets
 from kdaserve.ops.types import KDAWeights
 
 CHUNK = 64  # tokens per chunk (four 16-token sub-blocks, see intra.py)
 
-_tables = ChunkTableCache()
 INTRA_VARIANTS = ("blocked", "substitution")  # ChunkConfig.intra_inverse
 
 
@@ -102,7 +102,8 @@ DEFAULT_CONFIG = ChunkConfig()
 
 
 def chunk_tables(cu_seqlens_cpu: torch.Tensor, device: torch.device) -> ChunkTables:
-    return _tables.get(cu_seqlens_cpu, CHUNK, device)
+    """The chunk tables of a step, built from the host copy of its cu_seqlens."""
+    return build_chunk_tables(host_offsets(cu_seqlens_cpu), CHUNK, device)
 
 
 class ChunkPlan:
@@ -113,13 +114,14 @@ class ChunkPlan:
     states 512 B: ~2.7 KB."""
 
     def __init__(self, y, g1, beta_logits, g2, weights: KDAWeights, recurrent_state, cu_seqlens, state_indices,
-                 has_initial_state, out, cu_seqlens_cpu, config: ChunkConfig = DEFAULT_CONFIG):
+                 has_initial_state, out, cu_seqlens_cpu, config: ChunkConfig = DEFAULT_CONFIG,
+                 tables: ChunkTables | None = None):
         T = y.shape[0]
         H, D = weights.num_heads, weights.head_dim
         dev, dt = y.device, y.dtype
         self.args = (y, g1, beta_logits, g2, weights, recurrent_state, cu_seqlens, state_indices, has_initial_state, out)
         self.config = config
-        self.tables = chunk_tables(cu_seqlens_cpu, dev)
+        self.tables = tables if tables is not None else chunk_tables(cu_seqlens_cpu, dev)
         self.prec = _dot_precision(dt)
         self.gcum = torch.empty(T, H, D, device=dev, dtype=torch.float32)
         self.Aqk = torch.empty(T, H, CHUNK, device=dev, dtype=dt)
@@ -194,11 +196,13 @@ def kda_chunk_core(
     *,
     cu_seqlens_cpu: torch.Tensor,
     config: ChunkConfig = DEFAULT_CONFIG,
+    tables: ChunkTables | None = None,
 ) -> None:
     """The core after the conv. y is normally in the workspace dtype already (the glue asks the
-    conv for it); a bf16 y (a caller's own conv) keeps bf16 for the workspace: less precise."""
+    conv for it); a bf16 y (a caller's own conv) keeps bf16 for the workspace: less precise.
+    `tables`: the step's chunk tables (built once for all layers); None builds them here."""
     check_core_inputs(y, weights)
     if y.shape[0] == 0 and state_indices.shape[0] == 0:
         return
     ChunkPlan(y, g1, beta_logits, g2, weights, recurrent_state, cu_seqlens, state_indices, has_initial_state, out,
-              cu_seqlens_cpu, config).run()
+              cu_seqlens_cpu, config, tables).run()

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kdaserve.ops.host_tables import StepTableCache, host_offsets, tables_to_device
+from kdaserve.ops.host_tables import host_offsets, tables_to_device
 
 
 @dataclass(slots=True)
@@ -56,17 +56,3 @@ def build_chunk_tables(offsets: tuple[int, ...], chunk_size: int, device: torch.
     chunks, first = chunk_table_values(offsets, chunk_size)
     flat, seq_first_chunk = tables_to_device([chunks.reshape(-1), first], device)
     return ChunkTables(chunks=flat.view(-1, 3), seq_first_chunk=seq_first_chunk, num_chunks=chunks.shape[0])
-
-
-class ChunkTableCache:
-    """Builds the tables once per distinct cu_seqlens and reuses them for the step's other layers
-    (kdaserve.ops.host_tables: keyed on the host copy's *contents*, so a caller refilling one
-    buffer with new lengths gets new tables)."""
-
-    def __init__(self) -> None:
-        self._cache = StepTableCache()
-
-    def get(self, cu_seqlens_cpu: torch.Tensor, chunk_size: int, device: torch.device) -> ChunkTables:
-        offsets = host_offsets(cu_seqlens_cpu)
-        return self._cache.get((offsets, chunk_size, device), device,
-                               lambda: build_chunk_tables(offsets, chunk_size, device))

@@ -4,6 +4,6 @@ Semantics are those of kdaserve.ops.reference.conv; see varlen.py and update.py 
 """
 
 from kdaserve.ops.conv.update import causal_conv_update_fwd
-from kdaserve.ops.conv.varlen import causal_conv_varlen_fwd
+from kdaserve.ops.conv.varlen import ConvTables, causal_conv_varlen_fwd, conv_step_tables
 
-__all__ = ["causal_conv_update_fwd", "causal_conv_varlen_fwd"]
+__all__ = ["ConvTables", "causal_conv_update_fwd", "causal_conv_varlen_fwd", "conv_step_tables"]

@@ -7,8 +7,8 @@ Design (why):
   only after every output program has read the old history, so in-place update cannot race.
 - The token-block table is built on the host from `cu_seqlens_cpu` (no device->host sync): one
   entry per block of BT tokens of one sequence, so a block never straddles two sequences and
-  long and short sequences share the grid evenly. Built and copied once per step, not per layer
-  (kdaserve.ops.host_tables).
+  long and short sequences share the grid evenly. A caller that runs many layers on one step (the
+  engine) builds it once with `conv_step_tables` and passes it to every layer.
 - Math in fp32 (weights are fp32), y stored in `out`'s dtype (x.dtype by default). The new state
   rows are the pre-conv inputs cast once to the pool's dtype, exactly as the reference does, so
   conv states match the reference bit for bit.
@@ -16,13 +16,15 @@ Design (why):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 import triton
 
 from kdaserve.ops.checks import check_cu_seqlens_cpu
 from kdaserve.ops.conv.varlen_kernel import conv_varlen_out_kernel, conv_varlen_state_kernel
-from kdaserve.ops.host_tables import StepTableCache, host_offsets, tables_to_device
+from kdaserve.ops.host_tables import host_offsets, tables_to_device
 from kdaserve.ops.types import conv_state_rows
 
 BLOCK_T = 16  # tokens per program: the fastest of the launch shapes timed (docs/perf-notes.md)
@@ -70,13 +72,20 @@ def token_block_table(cu_seqlens_cpu: torch.Tensor, block_t: int) -> tuple[torch
     return torch.from_numpy(seq), torch.from_numpy(t0)
 
 
-_block_tables = StepTableCache()
+@dataclass(frozen=True, slots=True)
+class ConvTables:
+    """One step's token-block table on the device: block b covers tokens [block_t0[b], +BLOCK_T) of
+    sequence block_seq[b]. `offsets` are the host cu_seqlens it was built from."""
+
+    block_seq: torch.Tensor
+    block_t0: torch.Tensor
+    offsets: tuple[int, ...]
 
 
-def device_block_tables(offsets: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(block_seq, block_t0) on the device, built and copied once per distinct step (one copy)."""
-    return _block_tables.get((offsets, BLOCK_T, device), device,
-                             lambda: tuple(tables_to_device(list(token_block_values(offsets, BLOCK_T)), device)))
+def conv_step_tables(offsets: tuple[int, ...], device: torch.device) -> ConvTables:
+    """The table of a step with these host offsets (cu_seqlens values), in one host->device copy."""
+    block_seq, block_t0 = tables_to_device(list(token_block_values(offsets, BLOCK_T)), device)
+    return ConvTables(block_seq, block_t0, offsets)
 
 
 def causal_conv_varlen_fwd(
@@ -90,6 +99,7 @@ def causal_conv_varlen_fwd(
     *,
     cu_seqlens_cpu: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    tables: ConvTables | None = None,
 ) -> torch.Tensor:
     """y = silu(causal conv(x)) for varlen sequences; new conv states written in place.
 
@@ -97,7 +107,8 @@ def causal_conv_varlen_fwd(
     [slots, L, 3P] or DS [slots, 3P, L]. Sequences whose slot is <= 0 are skipped: their y rows
     are NOT written (contents unspecified) and no state is read or written. Pass `cu_seqlens_cpu`
     (host copy): without it the table is built from `cu_seqlens.cpu()`, a device->host sync that
-    is fine for tests and tools, not for the serving hot path.
+    is fine for tests and tools, not for the serving hot path. `tables`: the step's
+    `conv_step_tables`, built once for all layers; None builds them for this call.
     """
     rows = conv_state_rows(conv_state, conv_layout)
     check_conv_inputs(x, weight, rows, out)
@@ -107,14 +118,21 @@ def causal_conv_varlen_fwd(
     if has_initial_state.shape != (N,):
         raise ValueError(f"has_initial_state must be [N] = [{N}], got {tuple(has_initial_state.shape)}")
     T, C = x.shape
-    offsets = check_cu_seqlens_cpu(cu_seqlens_cpu, N, T)
+    if tables is not None:
+        if len(tables.offsets) != N + 1 or tables.offsets[-1] != T:
+            raise ValueError(f"conv tables were built for a step of {len(tables.offsets) - 1} sequences and "
+                             f"{tables.offsets[-1]} tokens, not this one ({N} and {T}); build them for this step")
+    else:
+        offsets = check_cu_seqlens_cpu(cu_seqlens_cpu, N, T)
     L, W = rows.shape[1], weight.shape[1]
     y = out if out is not None else torch.empty_like(x, memory_format=torch.contiguous_format)
     if T == 0 or N == 0:
         return y
-    if offsets is None:
-        offsets = host_offsets(cu_seqlens.cpu())  # a device->host sync: only off the hot path
-    block_seq, block_t0 = device_block_tables(offsets, x.device)
+    if tables is None:
+        if offsets is None:
+            offsets = host_offsets(cu_seqlens.cpu())  # a device->host sync: only off the hot path
+        tables = conv_step_tables(offsets, x.device)
+    block_seq, block_t0 = tables.block_seq, tables.block_t0
     if block_seq.numel() == 0:
         return y
     s_slot, s_row, s_c = rows.stride()

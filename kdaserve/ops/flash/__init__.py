@@ -22,8 +22,9 @@ the backend's requirements from it):
 """
 
 from kdaserve.ops import interpreter_compat
-from kdaserve.ops.flash.prefill import kda_prefill_flash
+from kdaserve.ops.flash.config import DEFAULT_CONFIG, FlashConfig
+from kdaserve.ops.flash.prefill import FlashStepPlan, flash_step_plan, kda_prefill_flash
 
 interpreter_compat.install()
 
-__all__ = ["kda_prefill_flash"]
+__all__ = ["DEFAULT_CONFIG", "FlashConfig", "FlashStepPlan", "flash_step_plan", "kda_prefill_flash"]

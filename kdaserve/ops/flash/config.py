@@ -2,17 +2,17 @@
 
 Fixed configurations instead of autotuning: the recurrence updates the state pool in place, so
 timing it repeatedly inside an autotuner would corrupt the cache (and first-call autotuning cost
-70-90 s per shape elsewhere). `python -m tools.tune_flash` times alternatives on a GPU.
+70-90 s per shape elsewhere). `python -m tools.tune_flash` times alternatives on a GPU. Frozen: a
+variant is another FlashConfig (`dataclasses.replace(DEFAULT_CONFIG, ...)`) passed to
+`kda_prefill_flash` / `flash_step_plan`, never a global edited in place.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 from dataclasses import dataclass
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class FlashConfig:
     # Tokens per chunk, the serial step of the recurrence: 32 halves K2's steps for a few more K1
     # instructions per token than 16; the unbounded gate always uses 16.
@@ -51,21 +51,4 @@ class FlashConfig:
     cost_scan_step_us: float = 2.0   # one segment of the scan
     cost_token_head_seg_ns: float = 0.35  # o_loc + q~ round trip and the correction pass
 
-CONFIG = FlashConfig()
-
-
-@contextlib.contextmanager
-def overridden(**changes):
-    """CONFIG with some fields changed inside the block, every field restored after it (tuning
-    runs and tests)."""
-    old = dataclasses.asdict(CONFIG)
-    unknown = sorted(set(changes) - set(old))
-    if unknown:  # before any field changes: a typo must not leave CONFIG half-edited
-        raise AttributeError(f"FlashConfig has no field(s) {unknown}; fields: {sorted(old)}")
-    try:
-        for k, v in changes.items():
-            setattr(CONFIG, k, v)
-        yield CONFIG
-    finally:
-        for k, v in old.items():
-            setattr(CONFIG, k, v)
+DEFAULT_CONFIG = FlashConfig()

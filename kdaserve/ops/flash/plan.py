@@ -18,10 +18,7 @@ search. No loop has a bound passed as an argument (the interpreter cannot iterat
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import itertools
-import operator
 from dataclasses import dataclass
 
 import torch
@@ -159,34 +156,20 @@ def choose_segment_len(
     shorter, plus G scan steps and a per-token-head cost (o_loc and q~ through the workspace and
     the correction pass). Sequences of unknown length (no host cu_seqlens) count as equal.
 
-    This runs on the host before every prefill launch, so the answer is memoized: the search
+    This runs on the host, once per step: the search
     over G costs up to ~1 ms of Python for a 64K-token prompt, more than the GPU time of a short
-    prefill (measured on the H200: a 0.5 ms launch gap at 32 heads, 1 x 8K)."""
+    prefill: it runs once per step (flash_step_plan), never once per layer."""
     if N == 0 or N * H >= num_sms * cfg.recur_ctas_per_sm:
         return None  # the unsegmented pass already has a chain for every SM (N is small below)
     if cu_seqlens_cpu is not None:
         lens = seq_lens(host_offsets(cu_seqlens_cpu))
     else:
         lens = (-(-T // N),) * N
-    return _best_segment_len(lens, H, D, chunk, num_sms, config_key(cfg), cfg)
+    return _best_segment_len(lens, H, D, chunk, num_sms, cfg)
 
 
 def seq_lens(offsets: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(b - a for a, b in itertools.pairwise(offsets))
-
-
-@functools.cache
-def _field_getter(cls) -> operator.attrgetter:
-    return operator.attrgetter(*(f.name for f in dataclasses.fields(cls)))
-
-
-def config_key(cfg) -> tuple:
-    """Every field's current value (tools/tune_flash.py and tests edit CONFIG in place, so a cache keyed on the
-    config must see its values, not its identity); one C call, where dataclasses.astuple deep-copies."""
-    return _field_getter(type(cfg))(cfg)
-
-
-_SEGMENT_CACHE: dict = {}
 
 
 def full_rounds(lens, H: int, chunk: int, num_sms: int, cfg) -> int:
@@ -206,10 +189,7 @@ def segmented_rounds(lens, H: int, D: int, chunk: int, seg: int, num_sms: int, c
     return -(-programs // (num_sms * cfg.seg_ctas_per_sm)) * (seg // chunk), max(pieces)
 
 
-def _best_segment_len(lens: tuple, H: int, D: int, chunk: int, num_sms: int, key_cfg: tuple, cfg) -> int | None:
-    key = (lens, H, D, chunk, num_sms, key_cfg)
-    if key in _SEGMENT_CACHE:
-        return _SEGMENT_CACHE[key]
+def _best_segment_len(lens: tuple, H: int, D: int, chunk: int, num_sms: int, cfg) -> int | None:
     longest = max(lens)
     best_len = None
     if longest >= cfg.seg_min_len:
@@ -223,7 +203,4 @@ def _best_segment_len(lens: tuple, H: int, D: int, chunk: int, num_sms: int, key
             t = steps * cfg.cost_step_seg_us + pieces * cfg.cost_scan_step_us + extra
             if t < best:
                 best, best_len = t, seg
-    if len(_SEGMENT_CACHE) > 4096:  # an engine sees many batch shapes: bound the memory
-        _SEGMENT_CACHE.clear()
-    _SEGMENT_CACHE[key] = best_len
     return best_len

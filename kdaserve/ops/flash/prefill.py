@@ -1,8 +1,8 @@
 """Entry point of the flash prefill: checks, the work plan, workspaces and the launches.
 
 Launch sequence (all on the current stream, no device->host sync, sizes from host values only):
-  plan      one launch: chunk and segment tables from cu_seqlens (plan.py); with a host copy
-            cu_seqlens_cpu, once per step: the step's later layers reuse it
+  plan      one launch: chunk and segment tables from cu_seqlens (plan.py), once per step
+            (flash_step_plan; the engine builds it before the layers and passes it to each)
   prepare   K1 over (chunk, head): conv, l2norm, gate, beta, WY factors -> workspace (prepare.py)
   then either
   recurrence  K2 over (sequence, head): state in registers, fused gated RMSNorm -> out, pool, conv state
@@ -15,25 +15,66 @@ Launch sequence (all on the current stream, no device->host sync, sizes from hos
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
 
 from kdaserve.ops.limits import FLASH
 from kdaserve.ops.checks import check_prefill_step
-from kdaserve.ops.flash.config import CONFIG
+from kdaserve.ops.flash.config import DEFAULT_CONFIG, FlashConfig
 from kdaserve.ops.flash.correct import flash_correct_kernel
-from kdaserve.ops.flash.plan import FlashPlan, build_plan, choose_segment_len, config_key, seq_lens
+from kdaserve.ops.flash.plan import FlashPlan, build_plan, choose_segment_len, seq_lens
 from kdaserve.ops.flash.prepare import flash_prepare_kernel
 from kdaserve.ops.flash.recurrence import flash_recurrence_kernel
 from kdaserve.ops.flash.scan import flash_scan_kernel
-from kdaserve.ops.host_tables import StepTableCache, host_offsets
+from kdaserve.ops.host_tables import host_offsets
 from kdaserve.ops.types import KDAWeights, conv_state_rows
 
-# Per step (host offsets, device, H, D, chunk, segment_len argument, config values): the plan and
-# the longest sequence. Every layer of a step has the same key, so only the first one pays for the
-# segment choice and the plan launch (kdaserve.ops.host_tables).
-_STEPS = StepTableCache()
+
+
+@dataclass(frozen=True, slots=True)
+class FlashStepPlan:
+    """What a prefill step needs before its layers run: the work tables (built on the device by one
+    launch), the longest sequence, the chunk size and the config they were made for. Built once
+    per step (`flash_step_plan`) and shared by every layer of the step."""
+
+    plan: FlashPlan | None   # None: a step without sequences
+    longest: int
+    chunk: int
+    num_heads: int
+    head_dim: int
+    num_tokens: int
+    config: FlashConfig
+    offsets: tuple[int, ...] | None   # the host cu_seqlens it was built from, when known
+
+
+def chunk_size_for(bounded_gate: bool, config: FlashConfig) -> int:
+    """The unbounded gate keeps 16-token chunks: its anchored halves must each stay within the
+    decay spread, and its exact fallback costs O(C) per element (docs/flash-prefill.md)."""
+    C = config.chunk if bounded_gate else 16
+    if C not in (16, 32):
+        raise ValueError(f"flash chunk size must be 16 or 32, got {C}")
+    return C
+
+
+def flash_step_plan(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | None, num_tokens: int, num_heads: int,
+                    head_dim: int, bounded_gate: bool, *, config: FlashConfig = DEFAULT_CONFIG,
+                    segment_len: int | None = None) -> FlashStepPlan:
+    """The plan of one step of `num_tokens` tokens for layers of `num_heads` x `head_dim` with this
+    gate kind. `segment_len`: None = automatic, 0 = never segment, n > 0 = segments of n tokens.
+    Without the host copy of cu_seqlens the sizes are upper bounds (every sequence counted as long
+    as the step) and the tables are built on the device all the same (no sync)."""
+    C = chunk_size_for(bounded_gate, config)
+    cu = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
+    N = cu.shape[0] - 1
+    if N == 0:
+        return FlashStepPlan(None, 0, C, num_heads, head_dim, num_tokens, config, (0,))
+    seg_len = resolve_segment_len(segment_len, num_tokens, N, num_heads, head_dim, C, cu_seqlens_cpu, cu.device, config)
+    plan = build_plan(cu, num_tokens, N, C, seg_len, cu_seqlens_cpu)
+    offsets = host_offsets(cu_seqlens_cpu) if cu_seqlens_cpu is not None else None
+    longest = max(seq_lens(offsets)) if offsets is not None else num_tokens
+    return FlashStepPlan(plan, longest, C, num_heads, head_dim, num_tokens, config, offsets)
 
 
 def check_flash_inputs(qkv, weights: KDAWeights, recurrent_state, g1, g2, out, D: int) -> tuple[torch.Tensor, ...]:
@@ -84,10 +125,11 @@ def _has_ptx_fast_math(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (7, 5)
 
 
-def resolve_segment_len(segment_len: int | None, T: int, N: int, H: int, D: int, chunk: int, cu_seqlens_cpu, device) -> int | None:
+def resolve_segment_len(segment_len: int | None, T: int, N: int, H: int, D: int, chunk: int, cu_seqlens_cpu, device,
+                        config: FlashConfig) -> int | None:
     """None: automatic; 0: never segment; > 0: force segments of that many tokens (tests)."""
     if segment_len is None:
-        return choose_segment_len(T, N, H, D, chunk, cu_seqlens_cpu, _num_sms(device), CONFIG)
+        return choose_segment_len(T, N, H, D, chunk, cu_seqlens_cpu, _num_sms(device), config)
     if segment_len == 0:
         return None
     if segment_len < 0:
@@ -111,13 +153,17 @@ def kda_prefill_flash(
     conv_layout: str = "SD",
     cu_seqlens_cpu: torch.Tensor | None = None,
     segment_len: int | None = None,
+    config: FlashConfig = DEFAULT_CONFIG,
+    step_plan: FlashStepPlan | None = None,
 ) -> None:
     """Varlen KDA prefill (conv -> l2norm/gate/beta -> delta rule -> gated RMSNorm), the contract of
     `kda_prefill_reference`. `segment_len` (flash only) overrides the sequence-parallel choice:
-    None = automatic, 0 = off, n > 0 = segments of n tokens (rounded up to the chunk size)."""
+    None = automatic, 0 = off, n > 0 = segments of n tokens (rounded up to the chunk size).
+    `step_plan`: the step's `flash_step_plan`, built once for all layers (it carries its config and
+    segment choice); None builds one for this call from `config` and `segment_len`."""
     step = FlashPrefill(qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, cu_seqlens, state_indices,
                         has_initial_state, out, conv_layout=conv_layout, cu_seqlens_cpu=cu_seqlens_cpu,
-                        segment_len=segment_len)
+                        segment_len=segment_len, config=config, step_plan=step_plan)
     step.run()
 
 
@@ -126,17 +172,24 @@ class FlashPrefill:
     (so tools/tune_flash.py can time each stage alone). `run()` is the whole step."""
 
     def __init__(self, qkv, g1, beta_logits, g2, weights: KDAWeights, conv_state, recurrent_state, cu_seqlens,
-                 state_indices, has_initial_state, out, *, conv_layout="SD", cu_seqlens_cpu=None, segment_len=None):
+                 state_indices, has_initial_state, out, *, conv_layout="SD", cu_seqlens_cpu=None, segment_len=None,
+                 config: FlashConfig = DEFAULT_CONFIG, step_plan: FlashStepPlan | None = None):
         T, H, D, N = check_prefill_step(qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, cu_seqlens,
                                         state_indices, has_initial_state, out, conv_layout, cu_seqlens_cpu)
         self.g1v, self.g2v, self.outv = check_flash_inputs(qkv, weights, recurrent_state, g1, g2, out, D)
         self.T, self.H, self.D, self.N = T, H, D, N
-        self.cfg = cfg = CONFIG
-        # The unbounded gate keeps 16-token chunks: its anchored halves must each stay within the
-        # decay spread, and its exact fallback costs O(C) per element (docs/flash-prefill.md).
-        self.C = C = cfg.chunk if weights.lower_bound is not None else 16
-        if C not in (16, 32):
-            raise ValueError(f"flash chunk size must be 16 or 32, got {C}")
+        if step_plan is None:
+            step_plan = flash_step_plan(cu_seqlens, cu_seqlens_cpu, T, H, D, weights.lower_bound is not None,
+                                        config=config, segment_len=segment_len)
+        elif (step_plan.num_tokens, step_plan.num_heads, step_plan.head_dim, step_plan.chunk) != (
+                T, H, D, chunk_size_for(weights.lower_bound is not None, step_plan.config)) or (
+                cu_seqlens_cpu is not None and step_plan.offsets is not None
+                and step_plan.offsets != host_offsets(cu_seqlens_cpu)):
+            raise ValueError(f"the flash step plan was built for another step ({step_plan.num_tokens} tokens x "
+                             f"{step_plan.num_heads} heads x {step_plan.head_dim}, chunk {step_plan.chunk}, lengths "
+                             f"{step_plan.offsets}), not this call's {T} x {H} x {D} with the "
+                             f"{'bounded' if weights.lower_bound is not None else 'unbounded'} gate; build it for this step")
+        self.cfg, self.C = step_plan.config, step_plan.chunk
         if N == 0:
             return
         dev = qkv.device
@@ -148,13 +201,8 @@ class FlashPrefill:
         self.state_indices, self.has_initial_state = state_indices, has_initial_state
         self.rows = conv_state_rows(conv_state, conv_layout)
         self.nw = weights.norm_weight.contiguous()
-        if cu_seqlens_cpu is None:  # sizes are upper bounds; the plan is built on the device every call
-            seg_len = resolve_segment_len(segment_len, T, N, H, D, C, None, dev)
-            self.plan, self.longest = build_plan(self.cu, T, N, C, seg_len, None), T
-        else:  # the segment choice and the plan depend only on the step: once per step, not per layer
-            offsets = host_offsets(cu_seqlens_cpu)
-            key = (offsets, dev, H, D, C, segment_len, config_key(cfg))
-            self.plan, self.longest = _STEPS.get(key, dev, lambda: self._plan_step(segment_len, cu_seqlens_cpu))
+        self.plan, self.longest = step_plan.plan, step_plan.longest
+        C = self.C
 
         nc = self.plan.n_chunk_ids
         self.ws = torch.empty(4, nc, H, C, D, dtype=self.ws_dtype, device=dev)  # W, U~, Qg, Kd
@@ -166,11 +214,6 @@ class FlashPrefill:
             self.oq = torch.empty(2, T, H, D, dtype=self.ws_dtype, device=dev)   # o_loc, q~ (fp16: 2^-11)
             self.bm = torch.empty(ns, 2, H, D, D, dtype=torch.float32, device=dev)  # B, M per segment
             self.start = torch.empty(ns, H, D, D, dtype=torch.float32, device=dev)
-
-    def _plan_step(self, segment_len: int | None, cu_seqlens_cpu: torch.Tensor) -> tuple[FlashPlan, int]:
-        T, N, H, D, C, dev = self.T, self.N, self.H, self.D, self.C, self.cu.device
-        seg_len = resolve_segment_len(segment_len, T, N, H, D, C, cu_seqlens_cpu, dev)
-        return build_plan(self.cu, T, N, C, seg_len, cu_seqlens_cpu), max(seq_lens(host_offsets(cu_seqlens_cpu)))
 
     def correct_groups(self) -> int:
         """Chunk groups per segment in the correction pass (its grid's axis y)."""
