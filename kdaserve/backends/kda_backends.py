@@ -11,6 +11,7 @@ import torch
 
 from kdaserve.backends.requirements import LayerSettings, Machine
 from kdaserve.backends.resolver import ResolvedBackend, describe_settings, resolve_backend
+from kdaserve.backends.step import DecodePlan, KDAStepMetadata, KDAStepPlan
 
 logger = logging.getLogger("kdaserve.backends")
 
@@ -28,24 +29,40 @@ class KDABackendChoice:
 
 @dataclass(frozen=True, slots=True)
 class KDABackends:
-    """A resolved prefill/decode pair and the layer settings it was resolved for."""
+    """A resolved prefill/decode pair, the layer settings it was resolved for and the heads of each
+    layer (on this rank). `plan_step` prepares a step for every layer at once."""
 
     prefill: ResolvedBackend
     decode: ResolvedBackend
     settings: LayerSettings
+    num_heads: int
 
     @property
     def names(self) -> str:
         return f"{self.prefill.name}+{self.decode.name}"
 
+    def plan_step(self, meta: KDAStepMetadata | None) -> KDAStepPlan | None:
+        """The step's plans, built once before its layers run (None: no metadata, nothing runs).
+        Host work and at most one host->device copy or planning launch per part; no device sync."""
+        if meta is None or meta.num_tokens == 0:
+            return None
+        prefill = decode = None
+        if meta.num_prefills:
+            prefill = self.prefill.plan_prefill(meta.prefill_cu_seqlens, meta.prefill_cu_seqlens_cpu,
+                                                meta.prefill_state_indices, meta.prefill_has_initial_state,
+                                                meta.num_prefill_tokens, self.num_heads, self.settings)
+        if meta.num_decodes:
+            decode = DecodePlan(meta.decode_state_indices, meta.spec_state_indices, meta.num_accepted_tokens)
+        return KDAStepPlan(prefill, decode)
 
-def resolve_kda_backends(choice: KDABackendChoice, settings: LayerSettings, machine: Machine | None = None,
-                         *, log: bool = True) -> KDABackends:
+
+def resolve_kda_backends(choice: KDABackendChoice, settings: LayerSettings, num_heads: int,
+                         machine: Machine | None = None, *, log: bool = True) -> KDABackends:
     """Resolve both phases for layers of `settings`; an impossible explicit choice raises
     (BackendError) listing every unmet requirement. Logs the pair once when `log`."""
     machine = machine or Machine.detect()
     pair = KDABackends(resolve_backend("prefill", choice.prefill, settings, machine),
-                       resolve_backend("decode", choice.decode, settings, machine), settings)
+                       resolve_backend("decode", choice.decode, settings, machine), settings, num_heads)
     if log:
         logger.info("KDA backends: prefill %s (asked %s), decode %s (asked %s) for %s, %s", pair.prefill.name,
                     choice.prefill, pair.decode.name, choice.decode, machine.describe_platform(), describe_settings(settings))

@@ -38,6 +38,10 @@ class BackendSpec:
     # refresh (passed to the kernel as KDAWeights.conv_weight_decode); None when not needed.
     conv_weight_decode_layout: Callable[[], Callable] | None = None
     graph_capturable: bool = True                      # decode: safe to capture in a CUDA graph
+    # Prefill: loader of `plan(cu_seqlens, cu_seqlens_cpu, num_tokens, num_heads, settings) -> tables`,
+    # what the backend prepares once per step (passed to every layer's call as `step_plan=`);
+    # None: nothing to prepare.
+    planner: Callable[[], Callable] | None = None
     extra: dict = field(default_factory=dict)
 
 
@@ -87,6 +91,10 @@ def _attr(module: str, name: str) -> Callable[[], Callable]:
     return load
 
 
+def _planner(name: str) -> Callable[[], Callable]:
+    return _attr("kdaserve.backends.planners", name)
+
+
 def _reference_prefill() -> Callable:
     from kdaserve.ops.reference import kda_prefill_reference
 
@@ -112,17 +120,18 @@ _SPECS: list[BackendSpec] = [
                 graph_capturable=False),
     BackendSpec(
         "chunk", "prefill", "Triton, chunk-64 multi-kernel", _attr("kdaserve.ops.chunk", "kda_prefill_chunk"),
-        _op_limits("chunk", TRITON + [rq.implementation("kdaserve.ops.chunk")]),
+        _op_limits("chunk", TRITON + [rq.implementation("kdaserve.ops.chunk")]), planner=_planner("chunk_plan"),
     ),
     BackendSpec(
         "flash", "prefill", "Triton, fused few-kernel chunked prefill", _attr("kdaserve.ops.flash", "kda_prefill_flash"),
-        _op_limits("flash", TRITON + [rq.implementation("kdaserve.ops.flash")]),
+        _op_limits("flash", TRITON + [rq.implementation("kdaserve.ops.flash")]), planner=_planner("flash_plan"),
     ),
     BackendSpec(
         "fla", "prefill", "flash-linear-attention chunk_kda (+ our Triton conv, FLA's gated norm)",
         _attr("kdaserve.backends.adapters.fla", "kda_prefill_fla"),
         _fixed(*GPU_TRITON, *FLA, rq.input_dtypes(BF16, F16, F32), rq.head_dim_power_of_two(16, 256), ANY_GATE,
                rq.state_dtypes(F32, BF16), BOTH_LAYOUTS, rq.speculative(True)),
+        planner=_planner("conv_tables"),
     ),
     BackendSpec(
         "flashkda", "prefill", "Moonshot AI FlashKDA (CUTLASS) + our Triton conv",
@@ -130,6 +139,7 @@ _SPECS: list[BackendSpec] = [
         _fixed(rq.platform("cuda"), rq.min_cuda_capability(9, 0), rq.package("flash_kda", hint="github.com/MoonshotAI/FlashKDA"),
                rq.package("triton", "3.4"), *OUR_CONV, rq.input_dtypes(BF16), rq.head_dims(128), rq.gates("bounded"),
                rq.lower_bound_range(LOWER_BOUND_MIN, 0.0), rq.state_dtypes(F32, BF16), BOTH_LAYOUTS, rq.speculative(True)),
+        planner=_planner("conv_tables"),
     ),
     BackendSpec(
         "aiter", "prefill", "AMD AITER chunk_kda (Gluon, gfx950) + our Triton conv",
@@ -138,6 +148,7 @@ _SPECS: list[BackendSpec] = [
                rq.entry_points("aiter.ops.triton.attention.chunk_kda", hint="an AITER release with KDA prefill"),
                rq.package("triton", "3.4"), *OUR_CONV, rq.input_dtypes(BF16), rq.head_dims(128), rq.gates("bounded"),
                rq.lower_bound_range(LOWER_BOUND_MIN, 0.0), rq.state_dtypes(F32), BOTH_LAYOUTS, rq.speculative(True)),
+        planner=_planner("conv_tables"),
     ),
     # ---- decode --------------------------------------------------------------------------------
     BackendSpec("reference", "decode", "torch reference (token loop), any device",

@@ -16,6 +16,7 @@ from typing import Callable
 from kdaserve.backends import registry
 from kdaserve.backends.registry import BackendSpec
 from kdaserve.backends.requirements import LayerSettings, Machine, dtype_name, unmet_requirements
+from kdaserve.backends.step import DecodePlan, KDACache, KDAInputs, PrefillPlan
 
 logger = logging.getLogger("kdaserve.backends")
 
@@ -35,15 +36,35 @@ class BackendUnavailableError(BackendError):
 
 @dataclass(frozen=True)
 class ResolvedBackend:
+    """A loaded backend of one phase. Layers call it with typed objects (kdaserve.backends.step);
+    `fn` is the op's entry point underneath (the calling convention of kdaserve.ops.reference)."""
+
     phase: str
     name: str
     requested: str
     fn: Callable
     spec: BackendSpec
+    planner: Callable | None = None
 
     @property
     def graph_capturable(self) -> bool:
         return self.spec.graph_capturable
+
+    def plan_prefill(self, cu_seqlens, cu_seqlens_cpu, state_indices, has_initial_state, num_tokens: int,
+                     num_heads: int, settings: LayerSettings) -> PrefillPlan:
+        """The step's prefill plan, with what this backend prepares once for all layers."""
+        tables = None if self.planner is None else self.planner(cu_seqlens, cu_seqlens_cpu, num_tokens, num_heads, settings)
+        return PrefillPlan(cu_seqlens, cu_seqlens_cpu, state_indices, has_initial_state, tables)
+
+    def prefill(self, inputs: KDAInputs, weights, cache: KDACache, plan: PrefillPlan, out) -> None:
+        extra = {} if plan.tables is None else {"step_plan": plan.tables}
+        self.fn(inputs.qkv, inputs.g1, inputs.beta_logits, inputs.g2, weights, cache.conv_state, cache.recurrent_state,
+                plan.cu_seqlens, plan.state_indices, plan.has_initial_state, out, conv_layout=cache.conv_layout,
+                cu_seqlens_cpu=plan.cu_seqlens_cpu, **extra)
+
+    def decode(self, inputs: KDAInputs, weights, cache: KDACache, plan: DecodePlan, out) -> None:
+        self.fn(inputs.qkv, inputs.g1, inputs.beta_logits, inputs.g2, weights, cache.conv_state, cache.recurrent_state,
+                plan.state_indices, out, conv_layout=cache.conv_layout, **plan.spec_kwargs())
 
     def conv_weight_decode_layout(self) -> Callable | None:
         """`fn(conv_weight, out=None)` building the derived conv-weight layout, if the backend reads one."""
@@ -84,6 +105,10 @@ def _load(spec: BackendSpec) -> Callable:
         ) from err
 
 
+def _load_planner(spec: BackendSpec) -> Callable | None:
+    return spec.planner() if spec.planner is not None else None
+
+
 def resolve_backend(
     phase: str, requested: str, settings: LayerSettings, machine: Machine | None = None, *, context: str = ""
 ) -> ResolvedBackend:
@@ -102,7 +127,7 @@ def resolve_backend(
                 unmet,
             )
         spec = registry.get_spec(phase, requested)
-        return ResolvedBackend(phase, requested, requested, _load(spec), spec)
+        return ResolvedBackend(phase, requested, requested, _load(spec), spec, _load_planner(spec))
 
     # auto: the fastest eligible backend. One that meets its requirements but fails to import (a
     # kernel still being written, a broken install) is passed over with a warning, never silently.
@@ -124,7 +149,7 @@ def resolve_backend(
         if skipped:
             logger.info("KDA %s backend%s: auto -> %s, skipping %s", phase, f" [{context}]" if context else "", name,
                         " | ".join(skipped))
-        return ResolvedBackend(phase, name, "auto", fn, spec)
+        return ResolvedBackend(phase, name, "auto", fn, spec, _load_planner(spec))
     raise BackendUnavailableError(f"no KDA {phase} backend can run here ({where}): " + " | ".join(skipped), skipped)
 
 

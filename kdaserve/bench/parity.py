@@ -21,6 +21,7 @@ equal the reference's bit for bit, and whether slots outside the batch stayed un
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -28,7 +29,8 @@ from typing import Callable
 
 import torch
 
-from kdaserve.backends import Machine, resolve_backend
+from kdaserve.backends import Machine, ResolvedBackend, resolve_backend
+from kdaserve.backends.step import KDACache, KDAInputs
 from kdaserve.layers.kda import KDALayer
 from kdaserve.layers.kda_routing import make_kda_metadata, run_kda_step
 from kdaserve.layers.kda_weights import random_kda_checkpoint
@@ -131,6 +133,12 @@ def _untouched(before: torch.Tensor, after: torch.Tensor, touched: list[int]) ->
     return torch.equal(before.index_select(0, keep), after.index_select(0, keep))
 
 
+def _as_backend(given: ResolvedBackend | Callable | None, default: ResolvedBackend) -> ResolvedBackend:
+    if given is None:
+        return default
+    return given if isinstance(given, ResolvedBackend) else dataclasses.replace(default, fn=given, planner=None)
+
+
 class Parity:
     def __init__(self, cfg: ParityConfig, log: Callable[[str], None] = print):
         self.cfg, self.log = cfg, log
@@ -157,12 +165,12 @@ class Parity:
         self.num_slots = self.spare + 2                     # + one slot nobody uses: must stay untouched
         self.rows: list[Row] = []
 
-    def _resolve(self, phase: str, names: list[str], machine: Machine) -> dict[str, Callable]:
-        fns = {}
+    def _resolve(self, phase: str, names: list[str], machine: Machine) -> dict[str, ResolvedBackend]:
+        resolved = {}
         for name in names:
             r = resolve_backend(phase, name, self.layer.settings, machine)
-            fns[name if name != "auto" else f"auto={r.name}"] = r.fn
-        return fns
+            resolved[name if name != "auto" else f"auto={r.name}"] = r
+        return resolved
 
     # ---- inputs and runs ------------------------------------------------------------------------
 
@@ -183,12 +191,18 @@ class Parity:
         spec = self.layer.cache_spec()
         return pools64.to(spec["conv"][1], spec["recurrent"][1])
 
-    def _step(self, meta, inputs, pools: Pools, prefill=None, decode=None, out_dtype=None) -> torch.Tensor:
+    def _step(self, meta, inputs, pools: Pools, prefill: ResolvedBackend | Callable | None = None,
+              decode: ResolvedBackend | Callable | None = None, out_dtype=None) -> torch.Tensor:
+        """One step with the backend under test for its phase (the layer's reference for the other),
+        planned once as the engine plans it. A plain function runs as the reference backend's entry
+        point (the fp64 ground truth)."""
         qkv, g1, beta, g2 = inputs
         H, D = self.cfg.heads, self.cfg.head_dim
         out = torch.full((qkv.shape[0], H, D), float("nan"), dtype=out_dtype or self.cfg.dtype, device=self.dev)
-        run_kda_step(meta, qkv, g1, beta, g2, out, self.weights, pools.conv, pools.rec, prefill=prefill, decode=decode,
-                     conv_layout=self.cfg.conv_layout)
+        ref = self.layer.backends
+        pair = dataclasses.replace(ref, prefill=_as_backend(prefill, ref.prefill), decode=_as_backend(decode, ref.decode))
+        run_kda_step(meta, pair.plan_step(meta), KDAInputs(qkv, g1, beta, g2), self.weights,
+                     KDACache(pools.conv, pools.rec, self.cfg.conv_layout), out, pair)
         return out
 
     def _reference_prefill_fp64(self, lengths, slots, his, inputs, pools64: Pools, t0: int = 0) -> torch.Tensor:

@@ -84,7 +84,8 @@ class DecodeGraphs:
             slot_mapping=x.slot_mapping[:bs], num_decode_tokens=bs,
             decode_block_tables=x.block_tables[:bs], decode_context_lens=x.context_lens[:bs],
         )
-        return Context(kda=kda, attn=attn)
+        backends = self.model.kda_backends
+        return Context(kda=kda, kda_plan=backends.plan_step(kda) if backends is not None else None, attn=attn)
 
     @torch.inference_mode()
     def _capture(self) -> None:

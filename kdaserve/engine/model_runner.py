@@ -124,6 +124,8 @@ class ModelRunner:
         else:
             dev = to_device_context(step, self.device, self.step_ring)
             sample_rows = dev.sample_rows
+            if self.kda_backends is not None:  # once per step, for every KDA layer
+                dev.context.kda_plan = self.kda_backends.plan_step(dev.context.kda)
             set_context(dev.context)
             try:
                 hidden = self.model(dev.input_ids, dev.positions)

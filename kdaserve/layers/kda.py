@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kdaserve.backends import KDABackendChoice, KDABackends, LayerSettings, resolve_kda_backends
+from kdaserve.backends import KDABackendChoice, KDABackends, LayerSettings, ResolvedBackend, resolve_kda_backends
+from kdaserve.backends.step import KDACache, KDAInputs
 from kdaserve.layers.context import get_context
 from kdaserve.layers.kda_routing import run_kda_step
 from kdaserve.layers.kda_weights import CHECKPOINT_NAMES, CONV_NAMES, KDAShard
@@ -100,11 +101,12 @@ class KDALayer(nn.Module):
         )
         if backends is None:
             choice = KDABackendChoice(prefill_backend, decode_backend, state_dtype, conv_layout)
-            backends = resolve_kda_backends(choice, self.settings, log=False)
-        elif backends.settings != self.settings:
-            raise ValueError(f"layer {layer_idx}: the KDA backends were resolved for {backends.settings}, "
-                             f"but this layer has {self.settings}; resolve them for the layer's settings")
-        self.prefill_backend, self.decode_backend = backends.prefill, backends.decode
+            backends = resolve_kda_backends(choice, self.settings, H, log=False)
+        elif (backends.settings, backends.num_heads) != (self.settings, H):
+            raise ValueError(f"layer {layer_idx}: the KDA backends were resolved for {backends.num_heads} heads and "
+                             f"{backends.settings}, but this layer has {H} heads and {self.settings}; resolve them "
+                             f"for the layer's settings")
+        self.backends = backends
 
         kw = dict(dtype=act, device=device)
         f32 = dict(dtype=torch.float32, device=device)
@@ -225,6 +227,21 @@ class KDALayer(nn.Module):
         self.conv_state, self.recurrent_state = conv_state, recurrent_state
 
     @property
+    def cache(self) -> KDACache | None:
+        """The bound pools (None until bind_cache)."""
+        if self.conv_state is None or self.recurrent_state is None:
+            return None
+        return KDACache(self.conv_state, self.recurrent_state, self.conv_layout)
+
+    @property
+    def prefill_backend(self) -> ResolvedBackend:
+        return self.backends.prefill
+
+    @property
+    def decode_backend(self) -> ResolvedBackend:
+        return self.backends.decode
+
+    @property
     def decode_graph_capturable(self) -> bool:
         """Whether a decode step of this layer may be captured in a CUDA graph (the reference syncs)."""
         return self.decode_backend.graph_capturable
@@ -249,11 +266,13 @@ class KDALayer(nn.Module):
     def _forward(self, qkv, g1, beta_logits, g2, out: torch.Tensor) -> str:
         """The KDA core of one step into `out` [T, H, D], routed by the context's metadata; returns
         the route ("none", "decode", "speculative", "prefill" or "mixed"). Without metadata (profiling
-        and dummy runs) no state is touched and `out` is zeroed."""
-        meta = get_context().kda
+        and dummy runs) no state is touched and `out` is zeroed. The step's plan comes with the
+        context (the model runner builds it once per step); a layer run alone plans for itself."""
+        ctx = get_context()
+        meta = ctx.kda
+        plan = ctx.kda_plan if ctx.kda_plan is not None else self.backends.plan_step(meta)
         route = run_kda_step(
-            meta, qkv, g1, beta_logits, g2, out, self.kda_weights, self.conv_state, self.recurrent_state,
-            prefill=self.prefill_backend.fn, decode=self.decode_backend.fn, conv_layout=self.conv_layout,
+            meta, plan, KDAInputs(qkv, g1, beta_logits, g2), self.kda_weights, self.cache, out, self.backends,
         )
         if route == "none":
             out.zero_()

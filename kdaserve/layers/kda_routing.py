@@ -16,11 +16,12 @@ Everything here reads host-side metadata only (shapes, counts): no device->host 
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
-from kdaserve.layers.context import KDAStepMetadata
+from kdaserve.backends import KDABackends
+from kdaserve.backends.step import KDACache, KDAInputs, KDAStepMetadata, KDAStepPlan
 from kdaserve.ops.types import KDAWeights
 
 
@@ -42,44 +43,36 @@ def _check(cond: bool, msg: str) -> None:
 
 def run_kda_step(
     meta: KDAStepMetadata | None,
-    qkv: torch.Tensor,
-    g1: torch.Tensor,
-    beta_logits: torch.Tensor,
-    g2: torch.Tensor,
-    out: torch.Tensor,
+    plan: KDAStepPlan | None,
+    inputs: KDAInputs,
     weights: KDAWeights,
-    conv_state: torch.Tensor | None,
-    recurrent_state: torch.Tensor | None,
-    *,
-    prefill: Callable,
-    decode: Callable,
-    conv_layout: str = "SD",
+    cache: KDACache | None,
+    out: torch.Tensor,
+    backends: KDABackends,
 ) -> str:
-    """Run one step's KDA core into `out` [T, H, D] with the given backends; returns the route."""
+    """Run one step's KDA core into `out` [T, H, D] with the resolved backends and the step's plan
+    (from `backends.plan_step(meta)`, built once for all layers); returns the route."""
     route = step_route(meta)
     if route == "none":
         return route
-    T = qkv.shape[0]
+    T = inputs.qkv.shape[0]
     _check(T == meta.num_tokens, f"{T} tokens given, but the metadata counts {meta.num_decode_tokens} decode + "
            f"{meta.num_prefill_tokens} prefill tokens")
-    _check(conv_state is not None and recurrent_state is not None, "the layer has no cache bound (call bind_cache)")
+    _check(cache is not None, "the layer has no cache bound (call bind_cache)")
     nd = meta.num_decode_tokens
     if meta.num_decodes:
         _check(meta.decode_state_indices is not None, "decodes without decode_state_indices")
-        spec = {}
-        if meta.is_speculative:
-            _check(meta.num_accepted_tokens is not None, "speculative decodes without num_accepted_tokens")
-            spec = dict(spec_state_indices=meta.spec_state_indices, num_accepted_tokens=meta.num_accepted_tokens)
+        _check(not meta.is_speculative or meta.num_accepted_tokens is not None,
+               "speculative decodes without num_accepted_tokens")
+        _check(plan is not None and plan.decode is not None, "decodes without a decode plan (backends.plan_step(meta))")
         d = slice(0, nd)
-        decode(qkv[d], g1[d], beta_logits[d], g2[d], weights, conv_state, recurrent_state, meta.decode_state_indices,
-               out[d], conv_layout=conv_layout, **spec)
+        backends.decode.decode(inputs.rows(d), weights, cache, plan.decode, out[d])
     if meta.num_prefills:
         _check(meta.prefill_cu_seqlens is not None and meta.prefill_state_indices is not None
                and meta.prefill_has_initial_state is not None, "prefills without cu_seqlens / state_indices / has_initial_state")
+        _check(plan is not None and plan.prefill is not None, "prefills without a prefill plan (backends.plan_step(meta))")
         p = slice(nd, T)
-        prefill(qkv[p], g1[p], beta_logits[p], g2[p], weights, conv_state, recurrent_state, meta.prefill_cu_seqlens,
-                meta.prefill_state_indices, meta.prefill_has_initial_state, out[p], conv_layout=conv_layout,
-                cu_seqlens_cpu=meta.prefill_cu_seqlens_cpu)
+        backends.prefill.prefill(inputs.rows(p), weights, cache, plan.prefill, out[p])
     return route
 
 

@@ -97,8 +97,10 @@ class HybridForCausalLM(nn.Module):
         dtype = dtype or torch.get_default_dtype()
         kda = kda or KDABackendChoice()
         # One resolution for every KDA layer (they share their settings), logged once.
-        self.kda_backends = resolve_kda_backends(kda, _kda_layer_settings(config, kda, dtype), Machine.detect(
-            torch.device(device) if device is not None else None)) if "linear_attention" in config.layer_types else None
+        self.kda_backends = resolve_kda_backends(
+            kda, _kda_layer_settings(config, kda, dtype), config.linear_num_heads,
+            Machine.detect(torch.device(device) if device is not None else None),
+        ) if "linear_attention" in config.layer_types else None
         self.model = HybridModel(config, kda=kda, kda_backends=self.kda_backends, dtype=dtype, device=device)
         tied = self.model.embed_tokens if config.tie_word_embeddings else None
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied, dtype=dtype, device=device)

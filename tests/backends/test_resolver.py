@@ -166,8 +166,8 @@ def test_a_layer_refuses_backends_resolved_for_other_settings():
     from kdaserve.backends import KDABackendChoice, resolve_kda_backends
     from kdaserve.layers.kda import KDALayer
 
-    pair = resolve_kda_backends(KDABackendChoice("reference", "reference"), LayerSettings(input_dtype=torch.float32, head_dim=16), CPU)
-    with pytest.raises(ValueError, match="resolved for .*head_dim=16.*but this layer has .*head_dim=8"):
+    pair = resolve_kda_backends(KDABackendChoice("reference", "reference"), LayerSettings(input_dtype=torch.float32, head_dim=16), 2, CPU)
+    with pytest.raises(ValueError, match="resolved for 2 heads and .*head_dim=16.*but this layer has 2 heads and .*head_dim=8"):
         KDALayer(32, 2, 8, params_dtype=torch.float32, device="cpu", backends=pair)
 
 

@@ -140,3 +140,21 @@ def test_streaming_outputs_add_up(llm, alone):
     assert pieces == alone[1] == last.output_token_ids
     assert last.text == llm.tokenizer.decode(alone[1])
     assert last.num_prompt_tokens == len(llm.tokenizer.encode(PROMPTS[1]))
+
+
+def test_each_step_is_planned_once_for_all_kda_layers(monkeypatch):
+    """The model runner builds a step's KDA plan once; every KDA layer takes it from the context
+    (a layer planning for itself would call plan_step once per layer)."""
+    from kdaserve.backends.kda_backends import KDABackends
+    from kdaserve.layers.kda import KDALayer
+
+    llm = _engine()
+    assert len(llm.engine.runner.model.kda_layers) > 1
+    plans, forwards = [], []
+    real_plan, real_forward = KDABackends.plan_step, KDALayer._forward
+    monkeypatch.setattr(KDABackends, "plan_step", lambda self, meta: plans.append(meta) or real_plan(self, meta))
+    monkeypatch.setattr(KDALayer, "_forward", lambda self, *a: forwards.append(self.layer_idx) or real_forward(self, *a))
+    llm.generate(PROMPTS[:3], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    steps = llm.engine.counters["steps"]
+    assert steps > 1 and len(plans) == steps
+    assert len(forwards) == steps * len(llm.engine.runner.model.kda_layers)

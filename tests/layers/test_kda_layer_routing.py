@@ -52,8 +52,9 @@ def spy(layer):
 
         return f
 
-    layer.prefill_backend = dataclasses.replace(layer.prefill_backend, fn=wrap("prefill", layer.prefill_backend.fn))
-    layer.decode_backend = dataclasses.replace(layer.decode_backend, fn=wrap("decode", layer.decode_backend.fn))
+    b = layer.backends
+    layer.backends = dataclasses.replace(b, prefill=dataclasses.replace(b.prefill, fn=wrap("prefill", b.prefill.fn)),
+                                         decode=dataclasses.replace(b.decode, fn=wrap("decode", b.decode.fn)))
     return calls
 
 

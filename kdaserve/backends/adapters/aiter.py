@@ -47,6 +47,7 @@ def chunk_tables(cu_seqlens_cpu: torch.Tensor, device) -> tuple[torch.Tensor, to
 def kda_prefill_aiter(
     qkv, g1, beta_logits, g2, weights: KDAWeights, conv_state, recurrent_state, cu_seqlens, state_indices,
     has_initial_state, out, *, conv_layout: str = "SD", cu_seqlens_cpu: torch.Tensor | None = None,
+    step_plan=None,
 ) -> None:
     from aiter.ops.triton.attention.chunk_kda import chunk_kda
 
@@ -62,7 +63,7 @@ def kda_prefill_aiter(
         return
     cu_cpu = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.cpu()
     y = causal_conv_varlen_fwd(qkv, weights.conv_weight, conv_state, cu_seqlens, state_indices, has_initial_state,
-                               conv_layout, cu_seqlens_cpu=cu_cpu)
+                               conv_layout, cu_seqlens_cpu=cu_cpu, tables=step_plan)
     q, k, v = y.view(1, T, 3, H, D).unbind(2)  # dense in [H, D], token stride 3P: what AITER reads
     chunk_indices, chunk_offsets = chunk_tables(cu_cpu, qkv.device)
     h0 = gather_states(recurrent_state, state_indices, keep=has_initial_state, dtype=torch.float32).contiguous()

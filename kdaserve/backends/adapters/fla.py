@@ -55,6 +55,7 @@ def _gate_args(weights: KDAWeights) -> dict:
 def kda_prefill_fla(
     qkv, g1, beta_logits, g2, weights: KDAWeights, conv_state, recurrent_state, cu_seqlens, state_indices,
     has_initial_state, out, *, conv_layout: str = "SD", cu_seqlens_cpu: torch.Tensor | None = None,
+    step_plan=None,
 ) -> None:
     T, H, D, _ = check_prefill_step(qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, cu_seqlens,
                                     state_indices, has_initial_state, out, conv_layout, cu_seqlens_cpu)
@@ -64,7 +65,7 @@ def kda_prefill_fla(
     conv_varlen, _ = _conv()
     cu_cpu = (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.cpu()).long()
     y = conv_varlen(qkv, weights.conv_weight, conv_state, cu_seqlens, state_indices, has_initial_state, conv_layout,
-                    cu_seqlens_cpu=cu_cpu)
+                    cu_seqlens_cpu=cu_cpu, tables=step_plan)
     q, k, v = y.view(1, T, 3, H, D).unbind(2)
     h0 = gather_states(recurrent_state, state_indices, keep=has_initial_state, dtype=torch.float32)
     o, ht = chunk_kda(

@@ -19,6 +19,7 @@ from kdaserve.ops.types import KDAWeights
 def kda_prefill_flashkda(
     qkv, g1, beta_logits, g2, weights: KDAWeights, conv_state, recurrent_state, cu_seqlens, state_indices,
     has_initial_state, out, *, conv_layout: str = "SD", cu_seqlens_cpu: torch.Tensor | None = None,
+    step_plan=None,
 ) -> None:
     import flash_kda
 
@@ -32,7 +33,7 @@ def kda_prefill_flashkda(
     if T == 0:
         return
     y = causal_conv_varlen_fwd(qkv, weights.conv_weight, conv_state, cu_seqlens, state_indices, has_initial_state,
-                               conv_layout, cu_seqlens_cpu=cu_seqlens_cpu)
+                               conv_layout, cu_seqlens_cpu=cu_seqlens_cpu, tables=step_plan)
     q, k, v = (t.contiguous() for t in y.view(1, T, 3, H, D).unbind(2))
     h0 = gather_states(recurrent_state, state_indices, keep=has_initial_state).contiguous()
     ht = torch.empty_like(h0)
