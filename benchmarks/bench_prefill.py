@@ -32,6 +32,8 @@ import time
 import torch
 import triton.testing
 
+from kdaserve.backends import planners
+from kdaserve.backends.requirements import LayerSettings
 from kdaserve.testing.compare import rel_rms
 from kdaserve.testing.inputs import KDACase, make_kda_case, make_kda_weights
 
@@ -69,15 +71,34 @@ def gpu_case(seq_lens: list[int], H: int, seed: int = 0, gate: str = "bounded") 
     )
 
 
+def with_step_plan(fn, planner):
+    """A column timed like one layer of an engine step: the step's plan (tables, the flash work
+    plan) is built once per case by `planner`, outside the timing, as the engine builds it once
+    per step for all layers (kdaserve.backends.planners)."""
+    prepared = {}
+
+    def column(out, **args):
+        key = (args["qkv"].data_ptr(), tuple(args["cu_seqlens_cpu"].tolist()), args["weights"].num_heads)
+        if prepared.get("key") != key:
+            w = args["weights"]
+            settings = LayerSettings(input_dtype=args["qkv"].dtype, head_dim=w.head_dim, lower_bound=w.lower_bound)
+            prepared.update(key=key, plan=planner(args["cu_seqlens"], args["cu_seqlens_cpu"], args["qkv"].shape[0],
+                                                  w.num_heads, settings))
+        fn(out=out, **args, step_plan=prepared["plan"])
+
+    column.__name__ = getattr(fn, "__name__", "column")
+    return column
+
+
 def load_columns() -> dict:
     cols = {}
     from kdaserve.ops.chunk import kda_prefill_chunk
 
-    cols["chunk"] = kda_prefill_chunk
+    cols["chunk"] = with_step_plan(kda_prefill_chunk, planners.chunk_plan)
     try:
         from kdaserve.ops.flash import kda_prefill_flash
 
-        cols["flash"] = kda_prefill_flash
+        cols["flash"] = with_step_plan(kda_prefill_flash, planners.flash_plan)
     except ImportError:
         pass
     try:
@@ -85,7 +106,7 @@ def load_columns() -> dict:
 
         from kdaserve.backends.adapters.fla import kda_prefill_fla
 
-        cols["fla"] = kda_prefill_fla
+        cols["fla"] = with_step_plan(kda_prefill_fla, planners.conv_tables)
         cols["fla-core"] = fla_core
     except ImportError as e:
         print(f"fla column skipped: {e}")

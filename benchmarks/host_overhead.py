@@ -10,10 +10,10 @@ torch's meta device: shapes and strides without memory, allocations about as che
 caching allocator, and a host table sent to the device is a real, countable copy. Only
 cu_seqlens_cpu holds values.
 
-Columns per (shape, backend): µs per call with one step repeated (layers 2..48 of a step: host
-tables cached), the same plus Triton's binding, µs of the first call on a new step (the first
-layer: every cache misses), and per call: kernel launches, device ops (allocations, copies, small
-kernels: each is a CUDA API call on a GPU host) and host->device copies.
+Columns per (shape, backend): µs per call with one step repeated (layers 2..48 of a step: each
+call takes the step's plan, built once), the same plus Triton's binding, µs of the plan and the
+first call on a new step (the first layer), and per call: kernel launches, device ops
+(allocations, copies, small kernels: each is a CUDA API call on a GPU host) and host->device copies.
 
     PYTHONPATH=$PWD python3 benchmarks/host_overhead.py            # the table (~1 min)
     PYTHONPATH=$PWD python3 benchmarks/host_overhead.py --profile chunk:4x64   # cProfile of one column
@@ -36,6 +36,8 @@ import torch
 import triton.runtime.jit as triton_jit
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from kdaserve.backends import planners
+from kdaserve.backends.requirements import LayerSettings
 from kdaserve.ops.chunk import kda_prefill_chunk
 from kdaserve.ops.conv import causal_conv_varlen_fwd
 from kdaserve.ops.flash import kda_prefill_flash
@@ -115,12 +117,29 @@ def metadata_step(seq_lens: list[int], H: int = 32, D: int = 128, dtype=torch.bf
 
 
 def conv_only(qkv, weights, conv_state, cu_seqlens, state_indices, has_initial_state, out, conv_layout,
-              cu_seqlens_cpu, **_):
+              cu_seqlens_cpu, step_plan=None, **_):
     causal_conv_varlen_fwd(qkv, weights.conv_weight, conv_state, cu_seqlens, state_indices, has_initial_state,
-                           conv_layout, cu_seqlens_cpu=cu_seqlens_cpu, out=qkv)
+                           conv_layout, cu_seqlens_cpu=cu_seqlens_cpu, out=qkv, tables=step_plan)
 
 
-COLUMNS = {"chunk": kda_prefill_chunk, "flash": kda_prefill_flash, "conv": conv_only}
+def planned(fn, planner):
+    """A layer's call as the engine makes it: the step's plan is built on the step's first call (the
+    runner builds it before the first layer) and every call of that step takes it."""
+    plans: dict[int, object] = {}
+
+    def call(**step):
+        key = id(step["cu_seqlens_cpu"])  # one plan per step (the steps stay alive for the whole run)
+        if key not in plans:
+            w = step["weights"]
+            settings = LayerSettings(input_dtype=step["qkv"].dtype, head_dim=w.head_dim, lower_bound=w.lower_bound)
+            plans[key] = planner(step["cu_seqlens"], step["cu_seqlens_cpu"], step["qkv"].shape[0], w.num_heads, settings)
+        fn(**step, step_plan=plans[key])
+
+    return call
+
+
+COLUMNS = {"chunk": planned(kda_prefill_chunk, planners.chunk_plan), "flash": planned(kda_prefill_flash, planners.flash_plan),
+           "conv": planned(conv_only, planners.conv_tables)}
 
 
 def distinct_steps(shape: str, count: int) -> list[dict]:

@@ -22,7 +22,8 @@ import collections
 import torch
 import triton.testing
 
-from benchmarks.bench_prefill import gpu_case, parse_shape
+from benchmarks.bench_prefill import gpu_case, parse_shape, with_step_plan
+from kdaserve.backends import planners
 
 
 def fla_core_fn(case):
@@ -61,14 +62,18 @@ def columns(case, want: list[str]) -> dict:
     if "chunk" in want:
         from kdaserve.ops.chunk import kda_prefill_chunk
 
-        cols["chunk"] = kda_prefill_chunk
+        cols["chunk"] = with_step_plan(kda_prefill_chunk, planners.chunk_plan)
     if "flash" in want or "flash-seg0" in want:
         from kdaserve.ops.flash import kda_prefill_flash
 
+        from kdaserve.ops.flash import flash_step_plan
+
         if "flash" in want:
-            cols["flash"] = kda_prefill_flash
+            cols["flash"] = with_step_plan(kda_prefill_flash, planners.flash_plan)
         if "flash-seg0" in want:
-            cols["flash-seg0"] = lambda out, **a: kda_prefill_flash(out=out, segment_len=0, **a)
+            never_segment = lambda cu, cu_cpu, T, H, s: flash_step_plan(cu, cu_cpu, T, H, s.head_dim,  # noqa: E731
+                                                                        s.lower_bound is not None, segment_len=0)
+            cols["flash-seg0"] = with_step_plan(kda_prefill_flash, never_segment)
     return cols
 
 

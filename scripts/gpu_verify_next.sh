@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
-# First GPU runs of the next session: what the sixth session (2026-11-30) changed but could not run
-# on the GPU, or measured only without FLA. Three parts, each under the device tool's 10-minute
-# limit (group limits sum to <= 560 s); logs under $OUT (or ./out). Run with carry [".whl"].
-#   bash scripts/gpu_verify_next.sh tests     # fastmath error bounds (new), engine with the new sigmoid
-#   bash scripts/gpu_verify_next.sh bench     # the issue-5 goal cells with FLA, new code (~6 min)
+# First GPU runs of the next session: what the seventh session (2026-12-01) changed after its GPU
+# time ran out, and what the sixth left unrun. Each part fits one 10-minute device command (group
+# limits sum to <= 560 s); logs under $OUT (or ./out). Carry [".whl"] (fla-core 0.6.0) for the
+# parts with FLA, and [".old"] for `ab` (.old = `git archive 8f677f4 kdaserve benchmarks`, the code
+# before the seventh session, unpacked at the repository root).
+#   bash scripts/gpu_verify_next.sh tests     # prefill ops with their step plans, host tables, layers
+#   bash scripts/gpu_verify_next.sh engine    # the engine and the server on the per-step plan
+#   bash scripts/gpu_verify_next.sh ab        # old vs new code, back-to-back processes (~6 min)
+#   bash scripts/gpu_verify_next.sh bench     # issue 5's goal cells with FLA (~6 min)
 #   bash scripts/gpu_verify_next.sh calib     # flash's segment cost model: measure, then time (~4 min)
+# What each must show: every group "rc=0" with no FAILED line; `ab`: no new column slower than
+# its old one beyond the old/old spread of the same part (it runs old, new, old).
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -17,76 +23,37 @@ group() {  # name, seconds, pytest args...
   timeout "$secs" $P "$@" > "$OUT/t_$name.log" 2>&1
   echo "== $name rc=$? $(grep -c PASSED "$OUT/t_$name.log") passed"; grep -E "FAILED|^E  " "$OUT/t_$name.log" | head -6
 }
-naive_softplus_copy() {  # the package with fused's old plain log(1 + exp(x)) softplus, under /tmp/naive
-rm -rf /tmp/naive && mkdir -p /tmp/naive && cp -r kdaserve /tmp/naive/ && python3 - <<'PY'
-p = "/tmp/naive/kdaserve/ops/triton_math.py"; s = open(p).read()
-s = s.replace("return tl.where(x > SOFTPLUS_THRESHOLD, x, tl.maximum(x, 0.0) + log1p(tl.exp(-tl.abs(x))))",
-              "return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))")
-open(p, "w").write(s)
-PY
-}
 PART=${1:-tests}
-if [ "$PART" = kernels ]; then
-# 0. Seventh session: every kernel now takes its gate, softplus, l2 norm and norm scale from
-#    kdaserve/ops/triton_math.py (fused's softplus was a plain log(1 + exp(x))). Each decode and
-#    prefill GPU test file, one at a time; the new tiny-softplus test must also FAIL with the
-#    plain softplus put back (shown on a copy under /tmp, the repo is untouched).
-group triton_math 60 tests/ops/test_triton_math.py
-group gate_accuracy 90 tests/ops/test_decode_gate_accuracy.py
-naive_softplus_copy
-PYTHONPATH=/tmp/naive:$PYTHONPATH timeout 60 $P -m gpu tests/ops/test_decode_gate_accuracy.py -k fused > "$OUT/t_naive.log" 2>&1
-echo "== naive softplus (must FAIL): rc=$? $(grep -oE 'relative RMS error [0-9.e+-]+' "$OUT/t_naive.log" | head -2 | tr '\n' ' ')"
-for f in chain recurrent_triton norm_triton; do
-  group $f 75 -m "gpu and not slow" tests/ops/test_$f.py
-done
-group flash 120 -m "gpu and not slow" tests/ops/test_flash_prefill.py
+if [ "$PART" = tests ]; then
+# 1. The prefill ops now take a step plan built once (no module caches, frozen FlashConfig): the
+#    host-table GPU tests (pinned copies, a conv captured in a graph), flash and chunk (not slow),
+#    the KDA layer on the GPU (plans from the context), the adapters (FLA: conv tables in the plan).
+group host_tables 60 -m gpu tests/ops/test_host_overhead.py
+group flash 150 -m "gpu and not slow" tests/ops/test_flash_prefill.py
+group chunk 150 -m "gpu and not slow" tests/ops/test_chunk_prefill.py
+group layers 60 -m gpu tests/layers/test_kda_layer_gpu.py
+group adapters 100 -m gpu tests/backends/test_adapters_gpu.py
 fi
-if [ "$PART" = kernels2 ]; then
-# 0c. The files whose Triton compiles outlast 75 s (first run: fused 28, stream 10, chunk 9 passed
-#     before the limit, none failed); adaptive has no gpu marks, so all of it runs on CUDA.
-group fused_decode 160 -m "gpu and not slow" tests/ops/test_fused_decode.py
-group fused_stream 130 -m "gpu and not slow" tests/ops/test_fused_stream.py
-group chunk 170 -m "gpu and not slow" tests/ops/test_chunk_prefill.py
-group adaptive 70 tests/ops/test_adaptive_decode.py
-group fastmath 45 -m gpu tests/ops/test_flash_fastmath.py
+if [ "$PART" = engine ]; then
+# 2. The engine builds each step's KDA plan once (runner and CUDA-graph capture) and resolves
+#    the backend pair once per model; the ops check inputs against ops/limits.py.
+group engine 240 -m gpu tests/engine/test_host_overhead_gpu.py tests/engine/test_engine_gpu.py
+group server 120 -m gpu tests/server/test_server_gpu.py
+group fused 120 -m "gpu and not slow" tests/ops/test_fused_decode.py
+group chain 60 -m "gpu and not slow" tests/ops/test_chain.py
 fi
 if [ "$PART" = ab ]; then
-# 0b. The shared math against the code before it (.old/ = git archive 8f677f4 kdaserve benchmarks,
-#     carried), back-to-back processes old, new, old, new on the same card; no FLA (not installed
-#     in this part), decode as CUDA-graph replays. Must show: no column slower beyond the A/A spread.
-for v in old new old new; do
+# 3. Old (.old) vs new, back-to-back processes, same card: prefill columns (each timed with its
+#    step plan built outside the timing, as the engine does; the old code cached it per step),
+#    decode, and the engine (64 requests; host planning once per step against the old per-layer
+#    cache lookups).
+for v in old new old; do
   root=$PWD; [ $v = old ] && root=$PWD/.old
-  (cd "$root" && PYTHONPATH=$root timeout 70 python3 benchmarks/bench_decode.py --sections table --heads 32 \
-     --batches 1 64 256 2>&1 | sed -n '/^| /p' | sed "s/^/$v decode /")
-  (cd "$root" && PYTHONPATH=$root timeout 80 python3 benchmarks/bench_prefill.py --no-agreement --no-stages --heads 32 \
-     --shapes 1x8K 16x1K --gate unbounded 2>&1 | sed -n '/^| /p' | sed "s/^/$v prefill-unbounded /")
+  (cd "$root" && PYTHONPATH=$root timeout 90 python3 benchmarks/bench_prefill.py --no-agreement --no-stages --heads 32 64 \
+     --shapes 1x8K 16x1K 2>&1 | sed -n '/^| /p' | sed "s/^/$v prefill /")
+  (cd "$root" && PYTHONPATH=$root timeout 90 python3 benchmarks/bench_throughput.py --pairs flash+fused,chunk+chain \
+     --num-requests 64 2>&1 | sed -n '/^| /p' | sed "s/^/$v engine /")
 done
-fi
-if [ "$PART" = final ]; then
-# 0d. After the triton_math tolerance fix (the GPU's exp costs |x| * 2^-24), the resolve-once
-#     refactor and the engine flags: math tests, one A/B round, engine and layer GPU tests.
-group triton_math 40 tests/ops/test_triton_math.py
-group gate_accuracy 60 tests/ops/test_decode_gate_accuracy.py
-naive_softplus_copy
-PYTHONPATH=/tmp/naive:$PYTHONPATH timeout 60 $P -m gpu tests/ops/test_decode_gate_accuracy.py -k fused > "$OUT/t_naive.log" 2>&1
-echo "== naive softplus (must FAIL): rc=$? $(grep -oE 'relative RMS error [0-9.e+-]+' "$OUT/t_naive.log" | head -2 | tr '\n' ' ')"
-for v in old new; do
-  root=$PWD; [ $v = old ] && root=$PWD/.old
-  (cd "$root" && PYTHONPATH=$root timeout 70 python3 benchmarks/bench_decode.py --sections table --heads 32 \
-     --batches 1 64 256 2>&1 | sed -n '/^| /p' | sed "s/^/$v decode /")
-  (cd "$root" && PYTHONPATH=$root timeout 80 python3 benchmarks/bench_prefill.py --no-agreement --no-stages --heads 32 \
-     --shapes 1x8K 16x1K --gate unbounded 2>&1 | sed -n '/^| /p' | sed "s/^/$v prefill-unbounded /")
-done
-group engine 200 -m gpu tests/engine/test_host_overhead_gpu.py tests/engine/test_engine_gpu.py
-group layers 60 -m gpu tests/layers/test_kda_layer_gpu.py
-fi
-if [ "$PART" = tests ]; then
-# 1. The new GPU tests of fastmath's error bounds (sigmoid_tanh included) have never run.
-group fastmath 60 -m gpu tests/ops/test_flash_fastmath.py
-# 2. The engine GPU tests last ran before the one-MUFU sigmoid changed flash's K1/K2/correct.
-group engine 230 -m gpu tests/engine/test_host_overhead_gpu.py tests/engine/test_engine_gpu.py
-# 3. The flash GPU tests passed with the change (run 7); the non-slow ones again, as a guard.
-group flash 200 -m "gpu and not slow" tests/ops/test_flash_prefill.py
 fi
 if [ "$PART" = bench ]; then
 # 4. Issue 5's goal cells with FLA in the same process, on the code with the one-MUFU sigmoid
