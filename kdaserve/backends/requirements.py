@@ -26,7 +26,6 @@ from kdaserve.ops.types import CONV_LAYOUTS
 
 PLATFORMS = ("cuda", "rocm", "cpu")
 _SHORT = {"cuda": "CUDA", "rocm": "ROCm", "cpu": "CPU"}
-GATES = ("bounded", "unbounded")
 
 # Distribution names to ask importlib.metadata for a module's version (module name otherwise).
 _DISTRIBUTIONS = {

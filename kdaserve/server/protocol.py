@@ -7,7 +7,7 @@ their shape is OpenAI's and the `openai` client parses them.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -87,5 +87,3 @@ class DetokenizeRequest(_Lenient):
     model: str | None = None
     tokens: list[int]
 
-
-ObjectKind = Literal["text_completion", "chat.completion", "chat.completion.chunk"]
