@@ -84,7 +84,7 @@ def stages(inp: dict, segment_len: int | None) -> dict:
                               inp["cu_seqlens_cpu"])
     fns = {"plan": plan, "prepare": step.prepare}
     if step.plan.segmented:
-        fns.update(maps=step.segment_maps, scan=step.scan, correct=step.correct)
+        fns.update(maps=step.segment_maps, scan=step.scan, correct=step.segment_output)
     else:
         fns["recurrence"] = step.recurrence
     return {k: triton.testing.do_bench(f, warmup=5, rep=30, return_mode="median") for k, f in fns.items()}

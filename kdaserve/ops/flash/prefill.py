@@ -208,27 +208,29 @@ class FlashPrefill:
         self.ws = torch.empty(4, nc, H, C, D, dtype=self.ws_dtype, device=dev)  # W, U~, Qg, Kd
         self.ws4 = self.ws.unbind(0)
         self.aqk_ws = torch.empty(nc, H, C, C, dtype=self.ws_dtype, device=dev)
-        self.gam_ws = torch.empty(nc, H, D, dtype=torch.float32, device=dev)
+        self.chunk_decay_ws = torch.empty(nc, H, D, dtype=torch.float32, device=dev)
         if self.plan.segmented:
             ns = self.plan.n_seg_ids
-            self.oq = torch.empty(2, T, H, D, dtype=self.ws_dtype, device=dev)   # o_loc, q~ (fp16: 2^-11)
-            self.bm = torch.empty(ns, 2, H, D, D, dtype=torch.float32, device=dev)  # B, M per segment
-            self.start = torch.empty(ns, H, D, D, dtype=torch.float32, device=dev)
+            # o_loc (the output from a zero start) and q~ per token (fp16: 2^-11)
+            self.local_out_and_q = torch.empty(2, T, H, D, dtype=self.ws_dtype, device=dev)
+            # each segment's affine map S_end = S_start B + M (B, M)
+            self.segment_maps_ws = torch.empty(ns, 2, H, D, D, dtype=torch.float32, device=dev)
+            self.segment_starts = torch.empty(ns, H, D, D, dtype=torch.float32, device=dev)
 
-    def correct_groups(self) -> int:
-        """Chunk groups per segment in the correction pass (its grid's axis y)."""
+    def output_groups(self) -> int:
+        """Chunk groups per segment in the segment output pass (its grid's axis y)."""
         return max(-(-min(self.plan.segment_len, self.longest) // (self.cfg.correct_chunks * self.C)), 1)
 
     def run(self) -> None:
         if self.N == 0:
             return
-        if self.plan.segmented and self.correct_groups() > _MAX_GRID_Y:
+        if self.plan.segmented and self.output_groups() > _MAX_GRID_Y:
             # CUDA's limit on grid axis y; only a forced segment of > 8M tokens gets here. Checked
             # before any launch, so nothing (state or conv pool) is written.
             cap = _MAX_GRID_Y * self.cfg.correct_chunks * self.C
             raise ValueError(
                 f"flash prefill: segments of up to {min(self.plan.segment_len, self.longest)} tokens need "
-                f"{self.correct_groups()} chunk groups in the correction pass, above the grid limit {_MAX_GRID_Y}; "
+                f"{self.output_groups()} chunk groups in the correction pass, above the grid limit {_MAX_GRID_Y}; "
                 f"pass cu_seqlens_cpu (so the longest sequence is known) or a segment_len of at most {cap} tokens")
         self.prepare()
         if not self.plan.segmented:
@@ -236,7 +238,7 @@ class FlashPrefill:
         else:
             self.segment_maps()
             self.scan()
-            self.correct()
+            self.segment_output()
 
     def prepare(self) -> None:
         nc, H = self.plan.n_chunk_ids, self.H
@@ -261,7 +263,7 @@ class FlashPrefill:
             w.A_log.contiguous(), w.dt_bias.contiguous(),
             self.cu, self.state_indices, self.has_initial_state,
             plan.chunk_seq, plan.chunk_tok, plan.seq_seg0, plan.seg_chunk,
-            *self.ws4, self.aqk_ws, self.gam_ws,
+            *self.ws4, self.aqk_ws, self.chunk_decay_ws,
             float(lb if lb is not None else 0.0), D ** -0.5, self.rows.shape[1], float(self.cfg.unbounded_anchor_spread),
             H=self.H, D=D, C=C, LOG2C=C.bit_length() - 1, W=w.conv_width,
             BOUNDED=lb is not None, PREC_TC=self.prec_tc, FAST=self.fast, FIRST=first, NFIRST=max(nfirst, 1),
@@ -270,15 +272,15 @@ class FlashPrefill:
             **({"maxnreg": self.cfg.prepare_maxnreg} if self.cfg.prepare_maxnreg else {}),
         )
 
-    def _recurrence(self, grid, oq, bm, q_off, bv, segmented, warps, stages) -> None:
+    def _recurrence(self, grid, local_out_and_q, maps, q_off, bv, segmented, warps, stages) -> None:
         st, plan, L = self.st, self.plan, self.rows.shape[1]
         flash_recurrence_kernel[grid](
-            *self.ws4, self.aqk_ws, self.gam_ws,
+            *self.ws4, self.aqk_ws, self.chunk_decay_ws,
             st, st.stride(0), st.stride(1), st.stride(2),
             self.outv, *self.outv.stride(),
             self.g2v, *self.g2v.stride(),
             self.nw, float(self.weights.norm_eps),
-            oq, bm,
+            local_out_and_q, maps,
             self.cu, self.state_indices, self.has_initial_state,
             plan.seg_seq, plan.seg_tok, plan.seg_end, plan.seg_chunk,
             self.qkv, self.qkv.stride(0), self.rows, *self.rows.stride(), L, q_off,
@@ -296,22 +298,24 @@ class FlashPrefill:
         cfg, D = self.cfg, self.D
         bv = min(cfg.seg_block_v, D)
         grid = (self.plan.n_seg_ids * self.H * 2 * (D // bv),)
-        self._recurrence(grid, self.oq, self.bm, self.T * self.H * D, bv, True, cfg.seg_warps, cfg.seg_stages)
+        self._recurrence(grid, self.local_out_and_q, self.segment_maps_ws, self.T * self.H * D, bv, True, cfg.seg_warps,
+                         cfg.seg_stages)
 
     def scan(self) -> None:
         cfg, D, H, st = self.cfg, self.D, self.H, self.st
         sbv = min(cfg.scan_block_v, D)
         flash_scan_kernel[(self.N * H * (D // sbv),)](
-            self.bm, self.start, st, st.stride(0), st.stride(1), st.stride(2), self.state_indices, self.plan.seq_seg0,
+            self.segment_maps_ws, self.segment_starts, st, st.stride(0), st.stride(1), st.stride(2), self.state_indices, self.plan.seq_seg0,
             H=H, D=D, BV=sbv, PREC=self.prec_exact, num_warps=cfg.scan_warps, num_stages=cfg.scan_stages,
         )
 
-    def correct(self) -> None:
+    def segment_output(self) -> None:
+        """o = o_loc + S_start q~ per segment, then the gated RMSNorm (correct.py)."""
         cfg, plan, H, D, C = self.cfg, self.plan, self.H, self.D, self.C
         cpg = cfg.correct_chunks
-        ng = self.correct_groups()
+        ng = self.output_groups()
         flash_correct_kernel[(plan.n_seg_ids * H, ng)](
-            self.oq, self.start, self.outv, *self.outv.stride(), self.g2v, *self.g2v.stride(), self.nw,
+            self.local_out_and_q, self.segment_starts, self.outv, *self.outv.stride(), self.g2v, *self.g2v.stride(), self.nw,
             float(self.weights.norm_eps), self.cu, self.state_indices, plan.seg_seq, plan.seg_tok, plan.seg_end,
             self.T * H * D,
             H=H, D=D, C=C, CPG=cpg, DOT_DTYPE=_tl_dtype(self.ws_dtype), PREC=self.prec_tc, FAST=self.fast,
