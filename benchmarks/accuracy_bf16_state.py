@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from kdaserve.ops.types import DecodeSeqs, KDACache, KDAInputs
 from kdaserve.ops.fused import fused_conv_weight_layout, kda_decode_fused
 from kdaserve.ops.reference import kda_decode_reference
 from kdaserve.testing.compare import TOLERANCES, rel_rms
@@ -63,8 +64,9 @@ def run(gate: str, steps: int, N: int, H: int, seed: int = 0, dev: str = "cuda")
             x = proj.double() if name == "fp64" else proj
             out = torch.empty(N, H, D, device=dev, dtype=torch.float64 if name == "fp64" else torch.float32)
             fn = kda_decode_reference if name == "fp64" else kda_decode_fused
-            fn(x[:, : 3 * P], g1.double() if name == "fp64" else g1, x[:, 3 * P :],
-               g2.double() if name == "fp64" else g2, w, conv, state, idx, out)
+            inputs = KDAInputs(x[:, : 3 * P], g1.double() if name == "fp64" else g1, x[:, 3 * P :],
+                               g2.double() if name == "fp64" else g2)
+            fn(inputs, w, KDACache(conv, state), DecodeSeqs(idx), out)
             outs[name] = out
         if step in marks:
             ref_out, ref_state = outs["fp64"], pools["fp64"][1][1:]

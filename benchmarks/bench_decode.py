@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.testing
 
+from kdaserve.ops.types import DecodeSeqs, KDACache, KDAInputs
 from kdaserve.ops.fused import FusedDecodeConfig, fused_conv_weight_layout, launch_fused_decode
 from kdaserve.ops.fused.decode import STREAM_SHAPES
 from kdaserve.testing.compare import rel_rms
@@ -98,10 +99,10 @@ class Step:
         self.out = torch.empty(T, H, D, device=dev, dtype=torch.bfloat16)
 
     def args(self, r: int) -> dict:
-        kw = dict(spec_state_indices=self.spec[r], num_accepted_tokens=self.accepted) if self.S1 > 1 else {}
-        return dict(qkv=self.qkv, g1=self.g1, beta_logits=self.beta, g2=self.g2, weights=self.weights,
-                    conv_state=self.conv_state, recurrent_state=self.state, state_indices=self.indices[r],
-                    out=self.out, **kw)
+        """A decode entry point's arguments for the r-th set of slots (built once per graph capture)."""
+        spec = (self.spec[r], self.accepted) if self.S1 > 1 else (None, None)
+        return dict(inputs=KDAInputs(self.qkv, self.g1, self.beta, self.g2), weights=self.weights,
+                    cache=KDACache(self.conv_state, self.state), seqs=DecodeSeqs(self.indices[r], *spec), out=self.out)
 
     def state_bytes(self) -> int:
         """Bytes that must move: each state read once, written once per token slot."""

@@ -77,14 +77,14 @@ def with_step_plan(fn, planner):
     per step for all layers (kdaserve.backends.planners)."""
     prepared = {}
 
-    def column(out, **args):
-        key = (args["qkv"].data_ptr(), tuple(args["cu_seqlens_cpu"].tolist()), args["weights"].num_heads)
+    def column(out, inputs, weights, cache, seqs):
+        key = (inputs.qkv.data_ptr(), tuple(seqs.cu_seqlens_cpu.tolist()), weights.num_heads)
         if prepared.get("key") != key:
-            w = args["weights"]
-            settings = LayerSettings(input_dtype=args["qkv"].dtype, head_dim=w.head_dim, lower_bound=w.lower_bound)
-            prepared.update(key=key, plan=planner(args["cu_seqlens"], args["cu_seqlens_cpu"], args["qkv"].shape[0],
-                                                  w.num_heads, settings))
-        fn(out=out, **args, step_plan=prepared["plan"])
+            settings = LayerSettings(input_dtype=inputs.qkv.dtype, head_dim=weights.head_dim,
+                                     lower_bound=weights.lower_bound)
+            prepared.update(key=key, plan=planner(seqs.cu_seqlens, seqs.cu_seqlens_cpu, inputs.qkv.shape[0],
+                                                  weights.num_heads, settings))
+        fn(inputs, weights, cache, seqs, out, step_plan=prepared["plan"])
 
     column.__name__ = getattr(fn, "__name__", "column")
     return column
@@ -113,12 +113,15 @@ def load_columns() -> dict:
     return cols
 
 
-def fla_core(out, qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, cu_seqlens, state_indices,
-             has_initial_state, conv_layout, cu_seqlens_cpu, _prepared={}):
+def fla_core(out, inputs, weights, cache, seqs, _prepared={}):
     """FLA's chunk_kda alone, inputs prepared once per case outside the timing (see the docstring)."""
     from fla.ops.kda import chunk_kda
 
     from kdaserve.backends.adapters.fla import _gate_args
+
+    qkv, g1, beta_logits, _ = inputs
+    recurrent_state = cache.recurrent_state
+    cu_seqlens, state_indices, _, cu_seqlens_cpu = seqs
 
     key = (qkv.data_ptr(), recurrent_state.data_ptr(), tuple(qkv.shape))
     if _prepared.get("key") != key:
@@ -195,17 +198,16 @@ def stage_breakdown(case: KDACase, config=None) -> dict:
     from kdaserve.ops.chunk.core import DEFAULT_CONFIG, ChunkPlan, workspace_dtype
     from kdaserve.ops.conv import causal_conv_varlen_fwd
 
-    a = case.prefill_args()
-    y = torch.empty(case.qkv.shape, dtype=workspace_dtype(case.qkv.dtype), device="cuda")
+    c = case
+    y = torch.empty(c.qkv.shape, dtype=workspace_dtype(c.qkv.dtype), device="cuda")
 
     def conv():
-        causal_conv_varlen_fwd(a["qkv"], a["weights"].conv_weight, a["conv_state"], a["cu_seqlens"], a["state_indices"],
-                               a["has_initial_state"], "SD", cu_seqlens_cpu=a["cu_seqlens_cpu"], out=y)
+        causal_conv_varlen_fwd(c.qkv, c.weights.conv_weight, c.conv_state, c.cu_seqlens, c.state_indices,
+                               c.has_initial_state, "SD", cu_seqlens_cpu=c.cu_seqlens_cpu, out=y)
 
     conv()
-    plan = ChunkPlan(y, a["g1"], a["beta_logits"], a["g2"], a["weights"], a["recurrent_state"], a["cu_seqlens"],
-                     a["state_indices"], a["has_initial_state"], case.new_out(), a["cu_seqlens_cpu"],
-                     config or DEFAULT_CONFIG)
+    plan = ChunkPlan(y, c.g1, c.beta_logits, c.g2, c.weights, c.recurrent_state, c.cu_seqlens, c.state_indices,
+                     c.has_initial_state, case.new_out(), c.cu_seqlens_cpu, config or DEFAULT_CONFIG)
     plan.run()
     torch.cuda.synchronize()
     stages = {"conv": conv, "gate": plan.gate, "intra": plan.intra, "state": plan.state, "output": plan.output}
@@ -249,8 +251,10 @@ def run_sweep(shapes: list[str], gate: str = "bounded") -> None:
         case = gpu_case(parse_shape(shape), 32, gate=gate)
         cells = []
         for cfg in configs.values():
-            def fn(out, qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, cu_seqlens, state_indices,
-                   has_initial_state, conv_layout, cu_seqlens_cpu, _cfg=cfg):
+            def fn(out, inputs, weights, cache, seqs, _cfg=cfg):
+                qkv, g1, beta_logits, g2 = inputs
+                conv_state, recurrent_state, conv_layout = cache
+                cu_seqlens, state_indices, has_initial_state, cu_seqlens_cpu = seqs
                 y = torch.empty(qkv.shape, dtype=workspace_dtype(qkv.dtype), device=qkv.device)
                 causal_conv_varlen_fwd(qkv, weights.conv_weight, conv_state, cu_seqlens, state_indices, has_initial_state,
                                        conv_layout, cu_seqlens_cpu=cu_seqlens_cpu, out=y)

@@ -41,7 +41,7 @@ from kdaserve.backends.requirements import LayerSettings
 from kdaserve.ops.chunk import kda_prefill_chunk
 from kdaserve.ops.conv import causal_conv_varlen_fwd
 from kdaserve.ops.flash import kda_prefill_flash
-from kdaserve.ops.types import KDAWeights
+from kdaserve.ops.types import KDACache, KDAInputs, KDAWeights, PrefillSeqs
 
 DEVICE = torch.device("meta")
 SHAPES = ("1x64", "4x64", "16x1024", "1x65536")
@@ -109,17 +109,16 @@ def metadata_step(seq_lens: list[int], H: int = 32, D: int = 128, dtype=torch.bf
     )
     cu = torch.tensor([0] + seq_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     return dict(
-        qkv=proj[:, : 3 * P], g1=act, beta_logits=proj[:, 3 * P :], g2=act, weights=weights,
-        conv_state=empty(N + 1, 3, 3 * P, dtype=dtype), recurrent_state=empty(N + 1, H, D, D),
-        cu_seqlens=cu.to(DEVICE), state_indices=empty(N, dtype=torch.int32),
-        has_initial_state=empty(N, dtype=torch.bool), out=act, conv_layout="SD", cu_seqlens_cpu=cu,
+        inputs=KDAInputs(proj[:, : 3 * P], act, proj[:, 3 * P :], act), weights=weights,
+        cache=KDACache(empty(N + 1, 3, 3 * P, dtype=dtype), empty(N + 1, H, D, D)),
+        seqs=PrefillSeqs(cu.to(DEVICE), empty(N, dtype=torch.int32), empty(N, dtype=torch.bool), cu), out=act,
     )
 
 
-def conv_only(qkv, weights, conv_state, cu_seqlens, state_indices, has_initial_state, out, conv_layout,
-              cu_seqlens_cpu, step_plan=None, **_):
-    causal_conv_varlen_fwd(qkv, weights.conv_weight, conv_state, cu_seqlens, state_indices, has_initial_state,
-                           conv_layout, cu_seqlens_cpu=cu_seqlens_cpu, out=qkv, tables=step_plan)
+def conv_only(inputs, weights, cache, seqs, out, step_plan=None):
+    causal_conv_varlen_fwd(inputs.qkv, weights.conv_weight, cache.conv_state, seqs.cu_seqlens, seqs.state_indices,
+                           seqs.has_initial_state, cache.conv_layout, cu_seqlens_cpu=seqs.cu_seqlens_cpu, out=inputs.qkv,
+                           tables=step_plan)
 
 
 def planned(fn, planner):
@@ -128,11 +127,11 @@ def planned(fn, planner):
     plans: dict[int, object] = {}
 
     def call(**step):
-        key = id(step["cu_seqlens_cpu"])  # one plan per step (the steps stay alive for the whole run)
+        seqs, w, qkv = step["seqs"], step["weights"], step["inputs"].qkv
+        key = id(seqs.cu_seqlens_cpu)  # one plan per step (the steps stay alive for the whole run)
         if key not in plans:
-            w = step["weights"]
-            settings = LayerSettings(input_dtype=step["qkv"].dtype, head_dim=w.head_dim, lower_bound=w.lower_bound)
-            plans[key] = planner(step["cu_seqlens"], step["cu_seqlens_cpu"], step["qkv"].shape[0], w.num_heads, settings)
+            settings = LayerSettings(input_dtype=qkv.dtype, head_dim=w.head_dim, lower_bound=w.lower_bound)
+            plans[key] = planner(seqs.cu_seqlens, seqs.cu_seqlens_cpu, qkv.shape[0], w.num_heads, settings)
         fn(**step, step_plan=plans[key])
 
     return call

@@ -79,7 +79,7 @@ NEW = dict(cost_step_full_us=3.0, cost_step_seg_us=2.1, cost_scan_step_us=5.0, c
 for H, lens in [(64, [8192]), (64, [32768]), (64, [131072]), (32, [32768]), (16, [131072]), (96, [8192])]:
     inp = gpu_inputs(H, lens)
     for name, cfg in (("current", {}), ("measured constants", NEW)):
-        plan = flash_step_plan(inp["cu_seqlens"], inp["cu_seqlens_cpu"], sum(lens), H, 128, True,
+        plan = flash_step_plan(inp["seqs"].cu_seqlens, inp["seqs"].cu_seqlens_cpu, sum(lens), H, 128, True,
                                config=dataclasses.replace(DEFAULT_CONFIG, **cfg))
         fn = lambda: kda_prefill_flash(**inp, step_plan=plan)
         fn(); torch.cuda.synchronize()

@@ -20,6 +20,7 @@ from kdaserve.ops.flash import flash_step_plan, kda_prefill_flash
 from kdaserve.ops.flash.config import DEFAULT_CONFIG as CONFIG
 from kdaserve.ops.flash.plan import build_plan, full_rounds, segmented_rounds
 from kdaserve.ops.flash.prefill import FlashPrefill
+from kdaserve.ops.types import KDACache, KDAInputs, PrefillSeqs
 from kdaserve.testing.inputs import make_kda_weights
 
 SHAPES = [  # (heads, sequence lengths): the issue's goal shapes
@@ -40,18 +41,13 @@ def gpu_inputs(H: int, lens: list[int], D: int = 128, seed: int = 0) -> dict:
     weights = make_kda_weights(H, D, device=dev, generator=torch.Generator().manual_seed(seed))
     cu = torch.zeros(N + 1, dtype=torch.int32)
     cu[1:] = torch.tensor(lens).cumsum(0)
-    return dict(
-        qkv=proj[:, : 3 * P], beta_logits=proj[:, 3 * P :],
-        g1=torch.randn(T, H, D, device=dev, dtype=bf, generator=g),
-        g2=torch.randn(T, H, D, device=dev, dtype=bf, generator=g),
-        weights=weights,
-        conv_state=torch.randn(N + 1, 3, 3 * P, device=dev, dtype=bf, generator=g),
-        recurrent_state=torch.randn(N + 1, H, D, D, device=dev, generator=g) * 0.2,
-        cu_seqlens=cu.to(dev), cu_seqlens_cpu=cu,
-        state_indices=torch.arange(1, N + 1, dtype=torch.int32, device=dev),
-        has_initial_state=torch.ones(N, dtype=torch.bool, device=dev),
-        out=torch.empty(T, H, D, device=dev, dtype=bf),
-    )
+    inputs = KDAInputs(proj[:, : 3 * P], torch.randn(T, H, D, device=dev, dtype=bf, generator=g), proj[:, 3 * P :],
+                       torch.randn(T, H, D, device=dev, dtype=bf, generator=g))
+    cache = KDACache(torch.randn(N + 1, 3, 3 * P, device=dev, dtype=bf, generator=g),
+                     torch.randn(N + 1, H, D, D, device=dev, generator=g) * 0.2)
+    seqs = PrefillSeqs(cu.to(dev), torch.arange(1, N + 1, dtype=torch.int32, device=dev),
+                       torch.ones(N, dtype=torch.bool, device=dev), cu)
+    return dict(inputs=inputs, weights=weights, cache=cache, seqs=seqs, out=torch.empty(T, H, D, device=dev, dtype=bf))
 
 
 def variants(lens: list[int]) -> list[tuple[str, dict, int | None]]:
@@ -81,7 +77,7 @@ def stages(inp: dict, segment_len: int | None) -> dict:
     step.run()
     torch.cuda.synchronize()
     plan = lambda: build_plan(step.cu, step.T, step.N, step.C, step.plan.segment_len if step.plan.segmented else None,  # noqa: E731
-                              inp["cu_seqlens_cpu"])
+                              inp["seqs"].cu_seqlens_cpu)
     fns = {"plan": plan, "prepare": step.prepare}
     if step.plan.segmented:
         fns.update(maps=step.segment_maps, scan=step.scan, correct=step.segment_output)
@@ -138,7 +134,7 @@ def main() -> None:
         best = None
         for name, cfg, seg in variants(lens)[: 2 if args.quick else None]:
             # One plan per step, as the engine builds it: the timed calls are the layers' work.
-            plan = flash_step_plan(inp["cu_seqlens"], inp["cu_seqlens_cpu"], T, H, inp["weights"].head_dim,
+            plan = flash_step_plan(inp["seqs"].cu_seqlens, inp["seqs"].cu_seqlens_cpu, T, H, inp["weights"].head_dim,
                                    inp["weights"].lower_bound is not None, config=dataclasses.replace(CONFIG, **cfg),
                                    segment_len=seg)
             fn = lambda inp=inp, plan=plan: kda_prefill_flash(**inp, step_plan=plan)  # noqa: E731

@@ -11,7 +11,7 @@ import torch
 
 from kdaserve.backends.requirements import LayerSettings, Machine
 from kdaserve.backends.resolver import ResolvedBackend, describe_settings, resolve_backend
-from kdaserve.backends.step import DecodePlan, KDAStepMetadata, KDAStepPlan
+from kdaserve.backends.step import DecodeSeqs, KDAStepMetadata, KDAStepPlan, PrefillSeqs
 
 logger = logging.getLogger("kdaserve.backends")
 
@@ -48,11 +48,11 @@ class KDABackends:
             return None
         prefill = decode = None
         if meta.num_prefills:
-            prefill = self.prefill.plan_prefill(meta.prefill_cu_seqlens, meta.prefill_cu_seqlens_cpu,
-                                                meta.prefill_state_indices, meta.prefill_has_initial_state,
-                                                meta.num_prefill_tokens, self.num_heads, self.settings)
+            seqs = PrefillSeqs(meta.prefill_cu_seqlens, meta.prefill_state_indices, meta.prefill_has_initial_state,
+                               meta.prefill_cu_seqlens_cpu)
+            prefill = self.prefill.plan_prefill(seqs, meta.num_prefill_tokens, self.num_heads, self.settings)
         if meta.num_decodes:
-            decode = DecodePlan(meta.decode_state_indices, meta.spec_state_indices, meta.num_accepted_tokens)
+            decode = DecodeSeqs(meta.decode_state_indices, meta.spec_state_indices, meta.num_accepted_tokens)
         return KDAStepPlan(prefill, decode)
 
 

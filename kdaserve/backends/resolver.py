@@ -16,7 +16,7 @@ from typing import Callable
 from kdaserve.backends import registry
 from kdaserve.backends.registry import BackendSpec
 from kdaserve.backends.requirements import LayerSettings, Machine, dtype_name, unmet_requirements
-from kdaserve.backends.step import DecodePlan, KDACache, KDAInputs, PrefillPlan
+from kdaserve.backends.step import DecodeSeqs, KDACache, KDAInputs, PrefillPlan, PrefillSeqs
 
 logger = logging.getLogger("kdaserve.backends")
 
@@ -50,21 +50,18 @@ class ResolvedBackend:
     def graph_capturable(self) -> bool:
         return self.spec.graph_capturable
 
-    def plan_prefill(self, cu_seqlens, cu_seqlens_cpu, state_indices, has_initial_state, num_tokens: int,
-                     num_heads: int, settings: LayerSettings) -> PrefillPlan:
+    def plan_prefill(self, seqs: PrefillSeqs, num_tokens: int, num_heads: int, settings: LayerSettings) -> PrefillPlan:
         """The step's prefill plan, with what this backend prepares once for all layers."""
-        tables = None if self.planner is None else self.planner(cu_seqlens, cu_seqlens_cpu, num_tokens, num_heads, settings)
-        return PrefillPlan(cu_seqlens, cu_seqlens_cpu, state_indices, has_initial_state, tables)
+        tables = None if self.planner is None else self.planner(
+            seqs.cu_seqlens, seqs.cu_seqlens_cpu, num_tokens, num_heads, settings)
+        return PrefillPlan(seqs, tables)
 
     def prefill(self, inputs: KDAInputs, weights, cache: KDACache, plan: PrefillPlan, out) -> None:
         extra = {} if plan.tables is None else {"step_plan": plan.tables}
-        self.fn(inputs.qkv, inputs.g1, inputs.beta_logits, inputs.g2, weights, cache.conv_state, cache.recurrent_state,
-                plan.cu_seqlens, plan.state_indices, plan.has_initial_state, out, conv_layout=cache.conv_layout,
-                cu_seqlens_cpu=plan.cu_seqlens_cpu, **extra)
+        self.fn(inputs, weights, cache, plan.seqs, out, **extra)
 
-    def decode(self, inputs: KDAInputs, weights, cache: KDACache, plan: DecodePlan, out) -> None:
-        self.fn(inputs.qkv, inputs.g1, inputs.beta_logits, inputs.g2, weights, cache.conv_state, cache.recurrent_state,
-                plan.state_indices, out, conv_layout=cache.conv_layout, **plan.spec_kwargs())
+    def decode(self, inputs: KDAInputs, weights, cache: KDACache, seqs: DecodeSeqs, out) -> None:
+        self.fn(inputs, weights, cache, seqs, out)
 
     def conv_weight_decode_layout(self) -> Callable | None:
         """`fn(conv_weight, out=None)` building the derived conv-weight layout, if the backend reads one."""

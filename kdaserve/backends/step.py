@@ -1,12 +1,13 @@
-"""The typed objects a KDA backend is called with, instead of a dozen loose tensors:
+"""A step as the KDA backends see it:
 
-    plan = backend.plan_prefill(metadata, num_heads)     # once per step, before the layers run
-    backend.prefill(inputs, weights, cache, plan, out)   # each layer
-    backend.decode(inputs, weights, cache, plan, out)
+    plan = backends.plan_step(metadata)                         # once per step, before the layers
+    backends.prefill.prefill(inputs, weights, cache, plan.prefill, out)   # each layer
+    backends.decode.decode(inputs, weights, cache, plan.decode, out)
 
-`KDAInputs` are the step's projections (views into the layer's GEMM output), `KDACache` the
-layer's pools, the plans the step's metadata plus what the backend prepared for it once (host
-tables, device work tables, launch choices). Metadata semantics: docs/kda-semantics.md section 3.
+`KDAStepMetadata` is what the engine knows of the step (docs/kda-semantics.md section 3); the plan
+holds its sequences (kdaserve.ops.types: PrefillSeqs, DecodeSeqs) and what the prefill backend
+prepared for them once (host tables, device work tables, launch choices). `KDAInputs` and
+`KDACache` are the op-level types every entry point takes.
 """
 
 from __future__ import annotations
@@ -15,6 +16,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from kdaserve.ops.types import DecodeSeqs, KDACache, KDAInputs, PrefillSeqs
+
+__all__ = ["DecodeSeqs", "KDACache", "KDAInputs", "KDAStepMetadata", "KDAStepPlan", "PrefillPlan", "PrefillSeqs"]
 
 
 @dataclass(slots=True)
@@ -42,48 +47,13 @@ class KDAStepMetadata:
         return self.num_decode_tokens + self.num_prefill_tokens
 
 
-@dataclass(slots=True)
-class KDAInputs:
-    qkv: torch.Tensor          # [T, 3P], columns contiguous (a column slice of the projection)
-    g1: torch.Tensor           # [T, H, D] or [T, P]: forget-gate logits
-    beta_logits: torch.Tensor  # [T, H]
-    g2: torch.Tensor           # [T, H, D] or [T, P]: output-gate logits
-
-    def rows(self, rows: slice) -> "KDAInputs":
-        return KDAInputs(self.qkv[rows], self.g1[rows], self.beta_logits[rows], self.g2[rows])
-
-
-@dataclass(slots=True)
-class KDACache:
-    conv_state: torch.Tensor       # SD [slots, W-1+S, 3P] or DS [slots, 3P, W-1+S]
-    recurrent_state: torch.Tensor  # [slots, H, V, K]
-    conv_layout: str = "SD"
-
-
 @dataclass(frozen=True, slots=True)
 class PrefillPlan:
-    """The prefill sequences of one step, and the backend's tables for them (None: the backend
-    prepares nothing ahead, or builds per call)."""
+    """The prefill sequences of one step, and what the backend prepared for them once (its
+    `step_plan`; None: nothing, the backend builds per call)."""
 
-    cu_seqlens: torch.Tensor              # [N+1] int32, relative to the prefill tokens
-    cu_seqlens_cpu: torch.Tensor | None   # its host copy (grids without a device sync)
-    state_indices: torch.Tensor           # [N] int32, <= 0: padding
-    has_initial_state: torch.Tensor       # [N] bool
+    seqs: PrefillSeqs
     tables: Any = None
-
-
-@dataclass(frozen=True, slots=True)
-class DecodePlan:
-    """The decode (or speculative verify) sequences of one step."""
-
-    state_indices: torch.Tensor                     # [N] int32
-    spec_state_indices: torch.Tensor | None = None  # [N, S+1] int32 (speculative only)
-    num_accepted_tokens: torch.Tensor | None = None  # [N] int32 (speculative only)
-
-    def spec_kwargs(self) -> dict:
-        if self.spec_state_indices is None:
-            return {}
-        return dict(spec_state_indices=self.spec_state_indices, num_accepted_tokens=self.num_accepted_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,4 +61,4 @@ class KDAStepPlan:
     """One step's plans for both parts (None where the step has no such sequences)."""
 
     prefill: PrefillPlan | None = None
-    decode: DecodePlan | None = None
+    decode: DecodeSeqs | None = None

@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 
 from kdaserve.backends import Machine, ResolvedBackend, resolve_backend
-from kdaserve.backends.step import KDACache, KDAInputs
+from kdaserve.backends.step import KDACache, KDAInputs, PrefillSeqs
 from kdaserve.layers.kda import KDALayer
 from kdaserve.layers.kda_routing import make_kda_metadata, run_kda_step
 from kdaserve.layers.kda_weights import random_kda_checkpoint
@@ -218,10 +218,11 @@ class Parity:
                 s = slice(t + p0, t + p1)
                 cu = torch.tensor([0, p1 - p0], dtype=torch.int32)
                 kda_prefill_reference(
-                    qkv[s].double(), g1[s].double(), beta[s].double(), g2[s].double(), self.weights, pools64.conv, pools64.rec,
-                    cu.to(self.dev), torch.tensor([slot], dtype=torch.int32, device=self.dev),
-                    torch.tensor([h or p0 > 0], device=self.dev), out[s], conv_layout=self.cfg.conv_layout,
-                    cu_seqlens_cpu=cu, chunk_size=64,
+                    KDAInputs(qkv[s].double(), g1[s].double(), beta[s].double(), g2[s].double()), self.weights,
+                    KDACache(pools64.conv, pools64.rec, self.cfg.conv_layout),
+                    PrefillSeqs(cu.to(self.dev), torch.tensor([slot], dtype=torch.int32, device=self.dev),
+                                torch.tensor([h or p0 > 0], device=self.dev), cu),
+                    out[s], chunk_size=64,
                 )
             t += length
         return out

@@ -23,7 +23,7 @@ import torch
 
 from kdaserve.ops.chain import kda_decode_chain
 from kdaserve.ops.fused import kda_decode_fused
-from kdaserve.ops.types import KDAWeights
+from kdaserve.ops.types import DecodeSeqs, KDACache, KDAInputs, KDAWeights
 
 FUSED_MAX_HEAD_STEPS: int | None = None  # plain decode (one token per sequence); None: always fused
 FUSED_MAX_VERIFY_HEAD_STEPS = 512        # speculative verify (several tokens per sequence)
@@ -40,23 +40,11 @@ def uses_fused(num_sequences: int, num_heads: int, tokens_per_sequence: int = 1,
 
 
 def kda_decode_adaptive(
-    qkv: torch.Tensor,
-    g1: torch.Tensor,
-    beta_logits: torch.Tensor,
-    g2: torch.Tensor,
-    weights: KDAWeights,
-    conv_state: torch.Tensor,
-    recurrent_state: torch.Tensor,
-    state_indices: torch.Tensor,
-    out: torch.Tensor,
-    *,
-    conv_layout: str = "SD",
-    spec_state_indices: torch.Tensor | None = None,
-    num_accepted_tokens: torch.Tensor | None = None,
+    inputs: KDAInputs, weights: KDAWeights, cache: KDACache, seqs: DecodeSeqs, out: torch.Tensor,
 ) -> None:
     """The contract of kda_decode_reference; both paths check their inputs themselves."""
+    state_indices, spec_state_indices, _ = seqs
     tokens = 1 if spec_state_indices is None else spec_state_indices.shape[-1]
     use = uses_fused(state_indices.shape[0], weights.num_heads, tokens, verify=spec_state_indices is not None)
     decode = kda_decode_fused if use else kda_decode_chain
-    decode(qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, state_indices, out,
-           conv_layout=conv_layout, spec_state_indices=spec_state_indices, num_accepted_tokens=num_accepted_tokens)
+    decode(inputs, weights, cache, seqs, out)

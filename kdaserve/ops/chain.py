@@ -19,26 +19,16 @@ from kdaserve.ops.checks import check_decode_step
 from kdaserve.ops.conv import causal_conv_update_fwd
 from kdaserve.ops.norm import gated_rms_norm_fwd
 from kdaserve.ops.recurrent import kda_recurrent_fwd
-from kdaserve.ops.types import KDAWeights
+from kdaserve.ops.types import DecodeSeqs, KDACache, KDAInputs, KDAWeights
 
 
 def kda_decode_chain(
-    qkv: torch.Tensor,
-    g1: torch.Tensor,
-    beta_logits: torch.Tensor,
-    g2: torch.Tensor,
-    weights: KDAWeights,
-    conv_state: torch.Tensor,
-    recurrent_state: torch.Tensor,
-    state_indices: torch.Tensor,
-    out: torch.Tensor,
-    *,
-    conv_layout: str = "SD",
-    spec_state_indices: torch.Tensor | None = None,
-    num_accepted_tokens: torch.Tensor | None = None,
+    inputs: KDAInputs, weights: KDAWeights, cache: KDACache, seqs: DecodeSeqs, out: torch.Tensor,
 ) -> None:
-    T, H, D, N, m = check_decode_step(qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, state_indices, out,
-                                      conv_layout, spec_state_indices, num_accepted_tokens)
+    qkv, g1, beta_logits, g2 = inputs
+    conv_state, recurrent_state, conv_layout = cache
+    state_indices, spec_state_indices, num_accepted_tokens = seqs
+    T, H, D, N, m = check_decode_step(inputs, weights, cache, seqs, out)
     if N == 0:
         return
     y = torch.empty(qkv.shape, dtype=torch.float32, device=qkv.device)

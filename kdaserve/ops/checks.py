@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from kdaserve.ops.types import KDAWeights, check_conv_layout, conv_state_rows
+from kdaserve.ops.types import DecodeSeqs, KDACache, KDAInputs, KDAWeights, PrefillSeqs, check_conv_layout, conv_state_rows
 
 
 def _fail(msg: str) -> None:
@@ -149,23 +149,17 @@ def check_decode(
     return N, S1
 
 
-def check_prefill_step(
-    qkv, g1, beta_logits, g2, weights: KDAWeights, conv_state, recurrent_state, cu_seqlens, state_indices,
-    has_initial_state, out, conv_layout: str, cu_seqlens_cpu: torch.Tensor | None = None,
-) -> tuple[int, int, int, int]:
-    """Every check of a prefill entry point (the calling convention of kda_prefill_reference);
-    returns (T, H, D, N)."""
-    T, H, D = check_common(qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, out, conv_layout)
-    return T, H, D, check_prefill(T, cu_seqlens, state_indices, has_initial_state, cu_seqlens_cpu)
+def check_prefill_step(inputs: KDAInputs, weights: KDAWeights, cache: KDACache, seqs: PrefillSeqs,
+                       out: torch.Tensor) -> tuple[int, int, int, int]:
+    """Every check of a prefill entry point; returns (T, H, D, N)."""
+    T, H, D = check_common(*inputs, weights, cache.conv_state, cache.recurrent_state, out, cache.conv_layout)
+    return T, H, D, check_prefill(T, *seqs)
 
 
-def check_decode_step(
-    qkv, g1, beta_logits, g2, weights: KDAWeights, conv_state, recurrent_state, state_indices, out,
-    conv_layout: str, spec_state_indices: torch.Tensor | None = None, num_accepted_tokens: torch.Tensor | None = None,
-) -> tuple[int, int, int, int, int]:
-    """Every check of a decode entry point (the calling convention of kda_decode_reference);
-    returns (T, H, D, N, tokens per sequence)."""
-    T, H, D = check_common(qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, out, conv_layout)
-    rows = conv_state_rows(conv_state, conv_layout).shape[1]
-    N, m = check_decode(T, state_indices, spec_state_indices, num_accepted_tokens, rows, weights.conv_width)
+def check_decode_step(inputs: KDAInputs, weights: KDAWeights, cache: KDACache, seqs: DecodeSeqs,
+                      out: torch.Tensor) -> tuple[int, int, int, int, int]:
+    """Every check of a decode entry point; returns (T, H, D, N, tokens per sequence)."""
+    T, H, D = check_common(*inputs, weights, cache.conv_state, cache.recurrent_state, out, cache.conv_layout)
+    rows = conv_state_rows(cache.conv_state, cache.conv_layout).shape[1]
+    N, m = check_decode(T, *seqs, rows, weights.conv_width)
     return T, H, D, N, m

@@ -1,4 +1,12 @@
-"""Types shared by every KDA op: the layer's weights as kernels see them, and cache layouts."""
+"""Types shared by every KDA op: what an entry point is called with.
+
+    kda_prefill_X(inputs, weights, cache, seqs, out, ...)    seqs: PrefillSeqs
+    kda_decode_X(inputs, weights, cache, seqs, out, ...)     seqs: DecodeSeqs
+
+`KDAInputs` are the step's projections (views into the layer's GEMM output), `KDAWeights` the
+layer's tensors after the projections, `KDACache` its pools, the seqs the step's sequences
+(docs/kda-semantics.md sections 2 and 3).
+"""
 
 from __future__ import annotations
 
@@ -42,6 +50,55 @@ class KDAWeights:
     @property
     def conv_width(self) -> int:
         return self.conv_weight.shape[1]
+
+
+@dataclass(slots=True)
+class KDAInputs:
+    qkv: torch.Tensor          # [T, 3P], columns contiguous (a column slice of the projection)
+    g1: torch.Tensor           # [T, H, D] or [T, P]: forget-gate logits
+    beta_logits: torch.Tensor  # [T, H]
+    g2: torch.Tensor           # [T, H, D] or [T, P]: output-gate logits
+
+    def rows(self, rows: slice) -> "KDAInputs":
+        return KDAInputs(self.qkv[rows], self.g1[rows], self.beta_logits[rows], self.g2[rows])
+
+    def __iter__(self):  # qkv, g1, beta_logits, g2 = inputs
+        return iter((self.qkv, self.g1, self.beta_logits, self.g2))
+
+
+@dataclass(slots=True)
+class KDACache:
+    conv_state: torch.Tensor       # SD [slots, W-1+S, 3P] or DS [slots, 3P, W-1+S]
+    recurrent_state: torch.Tensor  # [slots, H, V, K]
+    conv_layout: str = "SD"
+
+    def __iter__(self):  # conv_state, recurrent_state, conv_layout = cache
+        return iter((self.conv_state, self.recurrent_state, self.conv_layout))
+
+
+@dataclass(slots=True)
+class PrefillSeqs:
+    """The prefill sequences of a step."""
+
+    cu_seqlens: torch.Tensor              # [N+1] int32, relative to the step's tokens
+    state_indices: torch.Tensor           # [N] int32, <= 0: padding (nothing read or written)
+    has_initial_state: torch.Tensor       # [N] bool
+    cu_seqlens_cpu: torch.Tensor | None = None  # the host copy: grids without a device sync
+
+    def __iter__(self):  # cu_seqlens, state_indices, has_initial_state, cu_seqlens_cpu = seqs
+        return iter((self.cu_seqlens, self.state_indices, self.has_initial_state, self.cu_seqlens_cpu))
+
+
+@dataclass(slots=True)
+class DecodeSeqs:
+    """The decode (one token each) or speculative-verify (S+1 tokens each) sequences of a step."""
+
+    state_indices: torch.Tensor                      # [N] int32, <= 0: padding
+    spec_state_indices: torch.Tensor | None = None   # [N, S+1] int32 (speculative only)
+    num_accepted_tokens: torch.Tensor | None = None  # [N] int32 (speculative only)
+
+    def __iter__(self):  # state_indices, spec_state_indices, num_accepted_tokens = seqs
+        return iter((self.state_indices, self.spec_state_indices, self.num_accepted_tokens))
 
 
 def check_conv_layout(layout: str) -> None:

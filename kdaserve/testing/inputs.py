@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kdaserve.ops.types import KDAWeights, check_conv_layout
+from kdaserve.ops.types import DecodeSeqs, KDACache, KDAInputs, KDAWeights, PrefillSeqs, check_conv_layout
 
 
 @dataclass
@@ -59,20 +59,28 @@ class KDACase:
         c.recurrent_state = self.recurrent_state.clone()
         return c
 
-    def prefill_args(self) -> dict:
-        return dict(
-            qkv=self.qkv, g1=self.g1, beta_logits=self.beta_logits, g2=self.g2, weights=self.weights,
-            conv_state=self.conv_state, recurrent_state=self.recurrent_state, cu_seqlens=self.cu_seqlens,
-            state_indices=self.state_indices, has_initial_state=self.has_initial_state,
-            conv_layout=self.conv_layout, cu_seqlens_cpu=self.cu_seqlens_cpu,
-        )
+    @property
+    def inputs(self) -> KDAInputs:
+        return KDAInputs(self.qkv, self.g1, self.beta_logits, self.g2)
 
-    def decode_args(self) -> dict:
-        return dict(
-            qkv=self.qkv, g1=self.g1, beta_logits=self.beta_logits, g2=self.g2, weights=self.weights,
-            conv_state=self.conv_state, recurrent_state=self.recurrent_state,
-            state_indices=self.state_indices, conv_layout=self.conv_layout,
-        )
+    @property
+    def cache(self) -> KDACache:
+        return KDACache(self.conv_state, self.recurrent_state, self.conv_layout)
+
+    @property
+    def prefill_seqs(self) -> PrefillSeqs:
+        return PrefillSeqs(self.cu_seqlens, self.state_indices, self.has_initial_state, self.cu_seqlens_cpu)
+
+    def prefill_args(self) -> dict:
+        """The keyword arguments of a prefill entry point (all but `out`), from the case as it is now."""
+        return dict(inputs=self.inputs, weights=self.weights, cache=self.cache, seqs=self.prefill_seqs)
+
+    def decode_args(self, spec_state_indices: torch.Tensor | None = None,
+                    num_accepted_tokens: torch.Tensor | None = None) -> dict:
+        """The keyword arguments of a decode entry point (all but `out`); a verify step with the
+        speculative slots given."""
+        return dict(inputs=self.inputs, weights=self.weights, cache=self.cache,
+                    seqs=DecodeSeqs(self.state_indices, spec_state_indices, num_accepted_tokens))
 
 
 def _is_view_of(t: torch.Tensor, base: torch.Tensor) -> bool:

@@ -34,9 +34,10 @@ def run_prefill(fn, case: KDACase, out_dtype=None, **kw) -> torch.Tensor:
     return out
 
 
-def run_decode(fn, case: KDACase, out_dtype=None, **kw) -> torch.Tensor:
+def run_decode(fn, case: KDACase, out_dtype=None, spec_state_indices=None, num_accepted_tokens=None, **kw) -> torch.Tensor:
+    """A decode step of `case` (a verify step with the speculative slots given) into a NaN output."""
     out = case.new_out(out_dtype)
-    fn(out=out, **case.decode_args(), **kw)
+    fn(out=out, **case.decode_args(spec_state_indices, num_accepted_tokens), **kw)
     return out
 
 

@@ -14,24 +14,22 @@ SMALL = dict(heads=1, head_dim=8, hidden=16, lengths=[9, 3], decode_steps=2, mix
 
 
 def off_by(rel):
-    def decode(*args, **kw):
-        kda_decode_reference(*args, **kw)
-        out = args[8]
+    def decode(inputs, weights, cache, seqs, out):
+        kda_decode_reference(inputs, weights, cache, seqs, out)
         out.mul_(1 + rel)
 
     return decode
 
 
-def touches_last_slot(*args, **kw):
-    kda_decode_reference(*args, **kw)
-    rec = args[6]
-    rec[-1].add_(1.0)  # the last slot is never in a batch
+def touches_last_slot(inputs, weights, cache, seqs, out):
+    kda_decode_reference(inputs, weights, cache, seqs, out)
+    cache.recurrent_state[-1].add_(1.0)  # the last slot is never in a batch
 
 
-def corrupts_conv(*args, **kw):
-    kda_prefill_reference(*args, **kw)
-    rows = conv_state_rows(args[5], kw.get("conv_layout", "SD"))
-    rows[args[8].long()] += 1e-3
+def corrupts_conv(inputs, weights, cache, seqs, out, **kw):
+    kda_prefill_reference(inputs, weights, cache, seqs, out, **kw)
+    rows = conv_state_rows(cache.conv_state, cache.conv_layout)
+    rows[seqs.state_indices.long()] += 1e-3
 
 
 @pytest.fixture

@@ -28,12 +28,13 @@ def toy_layout(conv_weight, out=None):
     return out
 
 
-def toy_decode(qkv, g1, beta_logits, g2, weights, *args, **kw):
+def toy_decode(inputs, weights, cache, seqs, out):
     """The reference decode, but reading the conv weight ONLY from the derived copy: a stale copy
     gives a wrong result."""
     derived = weights.conv_weight_decode
     merged = derived.permute(0, 2, 1).reshape(-1, derived.shape[1])
-    kda_decode_reference(qkv, g1, beta_logits, g2, dataclasses.replace(weights, conv_weight=merged.to(weights.conv_weight.dtype)), *args, **kw)
+    kda_decode_reference(inputs, dataclasses.replace(weights, conv_weight=merged.to(weights.conv_weight.dtype)), cache,
+                         seqs, out)
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ from kdaserve.layers.kda import KDALayer
 from kdaserve.layers.kda_routing import make_kda_metadata, step_route
 from kdaserve.layers.kda_weights import random_kda_checkpoint
 from kdaserve.ops.reference import kda_decode_reference, kda_prefill_reference
+from kdaserve.ops.types import DecodeSeqs, KDACache, KDAInputs, PrefillSeqs
 from kdaserve.testing import assert_rel_close, assert_slots_untouched
 
 HID, H, D, W = 32, 2, 8, 4
@@ -47,7 +48,7 @@ def spy(layer):
 
     def wrap(kind, fn):
         def f(*args, **kw):
-            calls.append((kind, kw))
+            calls.append((kind, args))
             return fn(*args, **kw)
 
         return f
@@ -119,16 +120,17 @@ def test_speculative_steps_take_the_recurrent_path(with_prefill):
     out = torch.full((meta.num_tokens, H, D), float("nan"), dtype=torch.float64)
     route = layer._forward(qkv, g1, beta, g2, out)
     assert route == ("mixed" if with_prefill else "speculative")
-    assert calls[0][0] == "decode" and calls[0][1]["spec_state_indices"] is meta.spec_state_indices
-    assert calls[0][1]["num_accepted_tokens"] is meta.num_accepted_tokens
+    seqs = calls[0][1][3]  # (inputs, weights, cache, seqs, out)
+    assert calls[0][0] == "decode" and seqs.spec_state_indices is meta.spec_state_indices
+    assert seqs.num_accepted_tokens is meta.num_accepted_tokens
     assert [c[0] for c in calls[1:]] == (["prefill"] if with_prefill else [])
 
     # The same numbers as the reference verify called directly on the same inputs and pools.
     nd = meta.num_decode_tokens
     ref_out = torch.full((nd, H, D), float("nan"), dtype=torch.float64)
     conv, rec = conv0.clone(), rec0.clone()
-    kda_decode_reference(qkv[:nd], g1[:nd], beta[:nd], g2[:nd], layer.kda_weights, conv, rec, meta.decode_state_indices,
-                         ref_out, spec_state_indices=meta.spec_state_indices, num_accepted_tokens=meta.num_accepted_tokens)
+    kda_decode_reference(KDAInputs(qkv[:nd], g1[:nd], beta[:nd], g2[:nd]), layer.kda_weights, KDACache(conv, rec),
+                         DecodeSeqs(meta.decode_state_indices, meta.spec_state_indices, meta.num_accepted_tokens), ref_out)
     valid = torch.tensor([True] * 3 + [False] * 3 + [True] * 3)
     assert_rel_close(out[:nd][valid], ref_out[valid], 1e-12, "speculative verify through the layer")
     assert torch.isnan(out[:nd][~valid]).all(), "padding rows of a verify step were written"
@@ -198,6 +200,7 @@ def test_forward_follows_the_checkpoint_layout():
     assert torch.equal(w.conv_weight, torch.cat([ckpt[f"{c}_conv1d.weight"][:, 0] for c in "qkv"]).float())
     assert torch.equal(w.dt_bias, ckpt["dt_bias"].view(H, D).float())
     core = torch.empty(8, H, D, dtype=torch.float64)
-    kda_prefill_reference(qkv, g1, b, g2, w, conv, rec, meta.prefill_cu_seqlens, meta.prefill_state_indices,
-                          meta.prefill_has_initial_state, core, cu_seqlens_cpu=meta.prefill_cu_seqlens_cpu)
+    kda_prefill_reference(KDAInputs(qkv, g1, b, g2), w, KDACache(conv, rec),
+                          PrefillSeqs(meta.prefill_cu_seqlens, meta.prefill_state_indices, meta.prefill_has_initial_state,
+                                      meta.prefill_cu_seqlens_cpu), core)
     assert_rel_close(y, core.view(8, P) @ ckpt["o_proj.weight"].T, 1e-12, "layer output")

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from kdaserve.ops.chain import kda_decode_chain
+from kdaserve.ops.types import DecodeSeqs
 from kdaserve.ops.reference import kda_prefill_reference
 from kdaserve.testing import make_kda_case, tolerance_for
 from kdaserve.testing.properties import check_decode_matches_reference, check_long_decode, check_spec_resume, run_decode
@@ -66,7 +67,7 @@ def test_rejects_bad_metadata():
     case = make_kda_case([1] * 2, H=1, D=16, seed=33)
     with pytest.raises(ValueError, match="one token per sequence"):
         kda_decode_chain(
-            out=case.new_out(), **{**case.decode_args(), "state_indices": case.state_indices[:1]})
+            out=case.new_out(), **{**case.decode_args(), "seqs": DecodeSeqs(case.state_indices[:1])})
 
 
 # ---------------------------------------------------------------- GPU: bf16, real shapes, graphs

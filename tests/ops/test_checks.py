@@ -4,6 +4,8 @@ The host copy `cu_seqlens_cpu` sizes every prefill grid and token range (chunk t
 blocks, flash plan): a copy that disagrees with the step's T would make kernels read and write past
 the step's rows (the interpreter crashed with heap corruption), so it is checked on the host."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -42,17 +44,17 @@ def test_check_prefill_wants_the_host_copy_on_the_host():
                       cu_seqlens_cpu=cu.cuda())
 
 
-def _conv_varlen(qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, cu_seqlens, state_indices,
-                 has_initial_state, out, *, conv_layout, cu_seqlens_cpu):
-    causal_conv_varlen_fwd(qkv, weights.conv_weight, conv_state, cu_seqlens, state_indices, has_initial_state,
-                           conv_layout, cu_seqlens_cpu=cu_seqlens_cpu)
+def _conv_varlen(inputs, weights, cache, seqs, out):
+    causal_conv_varlen_fwd(inputs.qkv, weights.conv_weight, cache.conv_state, seqs.cu_seqlens, seqs.state_indices,
+                           seqs.has_initial_state, cache.conv_layout, cu_seqlens_cpu=seqs.cu_seqlens_cpu)
 
 
 @pytest.mark.parametrize("fn", [kda_prefill_chunk, kda_prefill_flash, _conv_varlen], ids=["chunk", "flash", "conv_varlen"])
 def test_prefill_entry_points_refuse_a_host_copy_past_T_before_any_write(fn):
     case = make_kda_case([5, 3], H=2, D=16, seed=1, device=DEV)
     conv0, rec0 = case.conv_state.clone(), case.recurrent_state.clone()
-    args = {**case.prefill_args(), "cu_seqlens_cpu": torch.tensor([0, 5, 20], **I32)}
+    args = case.prefill_args()
+    args["seqs"] = replace(args["seqs"], cu_seqlens_cpu=torch.tensor([0, 5, 20], **I32))
     with pytest.raises(ValueError, match="cu_seqlens_cpu must run from 0 to T = 8"):
         fn(out=case.new_out(), **args)
     assert torch.equal(case.conv_state, conv0) and torch.equal(case.recurrent_state, rec0)

@@ -180,7 +180,7 @@ def test_conv_history_longer_than_a_chunk(host_cu):
     with and without the host cu_seqlens (plan sizes then upper bounds)."""
     case = make_kda_case([5, 40, 1, 37, 17], H=2, D=16, conv_width=18, seed=22)
     chunk16 = configured(UNSEGMENTED, chunk=16)
-    fn = chunk16 if host_cu else (lambda **a: chunk16(**{**a, "cu_seqlens_cpu": None}))
+    fn = chunk16 if host_cu else (lambda seqs, **a: chunk16(seqs=dataclasses.replace(seqs, cu_seqlens_cpu=None), **a))
     check_prefill_matches_reference(fn, case, 1e-5)
 
 
@@ -326,7 +326,8 @@ def test_gpu_split_prefill_and_mixed_batch(segment_len):
 def test_gpu_no_host_sync_without_host_cu_seqlens():
     case = _gpu_case([3000, 500, 64], 4, seed=15)
     out = case.new_out()
-    args = {**case.prefill_args(), "cu_seqlens_cpu": None}
+    case.cu_seqlens_cpu = None
+    args = case.prefill_args()
     for seg in (0, 512):
         kda_prefill_flash(out=out, **args, segment_len=seg)  # compile first
         torch.cuda.synchronize()

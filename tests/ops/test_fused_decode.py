@@ -8,6 +8,8 @@ GPU tests.
 
 import functools
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -189,13 +191,13 @@ def test_bad_inputs_raise_clear_errors():
     w3 = make_kda_weights(2, 16, conv_width=3, device=DEV)
     with pytest.raises(ValueError, match=r"supports conv widths \(4,\), got W = 3"):
         kda_decode_fused(out=out, **{**args, "weights": w3,
-                                     "conv_state": case.conv_state[:, :2].contiguous()})
+                                     "cache": replace(args["cache"], conv_state=case.conv_state[:, :2].contiguous())})
     bad = make_kda_weights(2, 16, device=DEV)
     bad.conv_weight_decode = torch.zeros(3, 4, 31, device=DEV)
     with pytest.raises(ValueError, match="conv_weight_decode"):
         kda_decode_fused(out=out, **{**args, "weights": bad})
     with pytest.raises(ValueError, match="K contiguous"):
-        kda_decode_fused(out=out, **{**args, "recurrent_state": case.recurrent_state.transpose(2, 3)})
+        kda_decode_fused(out=out, **{**args, "cache": replace(args["cache"], recurrent_state=case.recurrent_state.transpose(2, 3))})
     with pytest.raises(ValueError, match="out must be viewable"):
         kda_decode_fused(out=out.transpose(1, 2).contiguous().transpose(1, 2), **args)
     with pytest.raises(ValueError, match="block_v must be a power of two"):
@@ -215,7 +217,7 @@ def test_spec_step_with_fewer_drafts_than_the_conv_pool_holds_is_refused():
     accepted = torch.ones(2, dtype=torch.int32, device=DEV)
     conv0, rec0 = case.conv_state.clone(), case.recurrent_state.clone()
     with pytest.raises(ValueError, match=r"S\+1 = 4 tokens"):
-        kda_decode_fused(out=case.new_out(), **case.decode_args(), spec_state_indices=spec, num_accepted_tokens=accepted)
+        kda_decode_fused(out=case.new_out(), **case.decode_args(spec, accepted))
     assert torch.equal(case.conv_state, conv0) and torch.equal(case.recurrent_state, rec0)
 
 
@@ -314,7 +316,7 @@ def test_gpu_cuda_graph_replay_equals_eager(spec_tokens, config):
         case, kw = make_kda_case([1] * N, dtype=torch.bfloat16, seed=24, **GPU_SHAPE), {}
     with_fused_decode_layout(case)
     out = case.new_out()
-    args = dict(out=out, **case.decode_args(), **kw)
+    args = dict(out=out, **case.decode_args(**kw))
     fn(**args)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

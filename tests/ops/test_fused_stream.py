@@ -106,8 +106,7 @@ def test_stream_refuses_verify_and_bad_pipelines():
     spec = torch.tensor([s for s in range(1, 20) if s not in used][:4], dtype=torch.int32).view(2, 2).to(DEV)
     accepted = torch.ones(2, dtype=torch.int32, device=DEV)
     with pytest.raises(ValueError, match="plain decode only"):
-        launch_fused_decode(STREAMS["s3"], out=spec_case.new_out(), **spec_case.decode_args(),
-                            spec_state_indices=spec, num_accepted_tokens=accepted)
+        launch_fused_decode(STREAMS["s3"], out=spec_case.new_out(), **spec_case.decode_args(spec, accepted))
 
 
 @pytest.mark.parametrize("backend", ["fused", "adaptive"])

@@ -31,7 +31,7 @@ from kdaserve.ops.flash import DEFAULT_CONFIG, flash_step_plan, kda_prefill_flas
 from kdaserve.ops.flash.plan import build_plan
 from kdaserve.ops.flash.prefill import FlashPrefill
 from kdaserve.ops.host_tables import host_offsets, tables_to_device
-from kdaserve.ops.types import KDAWeights
+from kdaserve.ops.types import KDACache, KDAInputs, KDAWeights, PrefillSeqs
 from kdaserve.testing import make_kda_case
 
 META = torch.device("meta")
@@ -72,31 +72,32 @@ def meta_step(seq_lens, H=4, D=16, dtype=torch.bfloat16, cu_seqlens_cpu=None):
     w = KDAWeights(conv_weight=torch.empty(3 * P, 4, device=META), A_log=torch.empty(H, device=META),
                    dt_bias=torch.empty(H, D, device=META), norm_weight=torch.empty(D, device=META))
     cu = cu_seqlens_cpu if cu_seqlens_cpu is not None else torch.tensor([0] + seq_lens).cumsum(0).to(torch.int32)
-    return dict(qkv=proj[:, : 3 * P], g1=act, beta_logits=proj[:, 3 * P :], g2=act, weights=w,
-                conv_state=torch.empty(N + 1, 3, 3 * P, dtype=dtype, device=META),
-                recurrent_state=torch.empty(N + 1, H, D, D, device=META), cu_seqlens=torch.empty(N + 1, dtype=torch.int32, device=META),
-                state_indices=torch.empty(N, dtype=torch.int32, device=META),
-                has_initial_state=torch.empty(N, dtype=torch.bool, device=META), out=act, conv_layout="SD",
-                cu_seqlens_cpu=cu)
+    return dict(inputs=KDAInputs(proj[:, : 3 * P], act, proj[:, 3 * P :], act), weights=w,
+                cache=KDACache(torch.empty(N + 1, 3, 3 * P, dtype=dtype, device=META),
+                               torch.empty(N + 1, H, D, D, device=META)),
+                seqs=PrefillSeqs(torch.empty(N + 1, dtype=torch.int32, device=META),
+                                 torch.empty(N, dtype=torch.int32, device=META),
+                                 torch.empty(N, dtype=torch.bool, device=META), cu),
+                out=act)
 
 
-def conv_only(qkv, weights, conv_state, cu_seqlens, state_indices, has_initial_state, out, conv_layout, cu_seqlens_cpu,
-              step_plan=None, **_):
-    causal_conv_varlen_fwd(qkv, weights.conv_weight, conv_state, cu_seqlens, state_indices, has_initial_state,
-                           conv_layout, cu_seqlens_cpu=cu_seqlens_cpu, out=qkv, tables=step_plan)
+def conv_only(inputs, weights, cache, seqs, out, step_plan=None):
+    causal_conv_varlen_fwd(inputs.qkv, weights.conv_weight, cache.conv_state, seqs.cu_seqlens, seqs.state_indices,
+                           seqs.has_initial_state, cache.conv_layout, cu_seqlens_cpu=seqs.cu_seqlens_cpu, out=inputs.qkv,
+                           tables=step_plan)
 
 
 def plan_conv(step):
-    return conv_step_tables(host_offsets(step["cu_seqlens_cpu"]), META)
+    return conv_step_tables(host_offsets(step["seqs"].cu_seqlens_cpu), META)
 
 
 def plan_chunk(step):
-    return chunk_step_plan(step["cu_seqlens_cpu"], META)
+    return chunk_step_plan(step["seqs"].cu_seqlens_cpu, META)
 
 
 def plan_flash(step, **kw):
-    H, D = step["weights"].num_heads, step["weights"].head_dim
-    return flash_step_plan(step["cu_seqlens"], step["cu_seqlens_cpu"], step["qkv"].shape[0], H, D, True, **kw)
+    H, D, seqs = step["weights"].num_heads, step["weights"].head_dim, step["seqs"]
+    return flash_step_plan(seqs.cu_seqlens, seqs.cu_seqlens_cpu, step["inputs"].qkv.shape[0], H, D, True, **kw)
 
 
 def plan_cost(planner, step, launches):
@@ -160,8 +161,8 @@ def test_conv_and_chunk_tables_follow_a_host_buffer_refilled_in_place(launches):
     for lens in ([40, 24], [24, 40], [40, 24]):
         cu[1] = lens[0]  # in place
         case = make_kda_case(lens, H=1, D=16, seed=3)
-        args = {**case.prefill_args(), "cu_seqlens_cpu": cu}
-        kda_prefill_chunk(out=case.new_out(), **args)
+        case.cu_seqlens_cpu = cu
+        kda_prefill_chunk(out=case.new_out(), **case.prefill_args())
         seq, t0 = token_block_table(cu, BLOCK_T)
         out_args = _launch_args(launches, "conv_varlen_out_kernel")
         assert torch.equal(out_args[13], seq) and torch.equal(out_args[14], t0), f"stale conv blocks for {lens}"
@@ -179,8 +180,8 @@ def test_flash_plan_follows_a_host_buffer_refilled_in_place():
     for first in (50, 27, 50):
         cu[1] = first
         case = make_kda_case([first, 77 - first], H=1, D=16, seed=4)
-        args = {**case.prefill_args(), "cu_seqlens_cpu": cu}
-        step = FlashPrefill(out=case.new_out(), **args)
+        case.cu_seqlens_cpu = cu
+        step = FlashPrefill(out=case.new_out(), **case.prefill_args())
         fresh = build_plan(case.cu_seqlens, 77, 2, step.C, None, cu.clone())
         for name in ("chunk_seq", "chunk_tok", "seg_seq", "seg_tok", "seg_end", "seg_chunk", "seq_seg0"):
             assert torch.equal(getattr(step.plan, name), getattr(fresh, name)), f"stale plan {name} for {first}"

@@ -2,6 +2,8 @@
 
 import functools
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -125,11 +127,11 @@ def test_bad_shapes_raise_clear_errors():
     case = make_kda_case([3, 2])
     args = case.prefill_args()
     with pytest.raises(ValueError, match=r"beta_logits must be \[T, H\]"):
-        kda_prefill_reference(out=case.new_out(), **{**args, "beta_logits": case.beta_logits[:, :2]})
+        kda_prefill_reference(out=case.new_out(), **{**args, "inputs": replace(args["inputs"], beta_logits=case.beta_logits[:, :2])})
     with pytest.raises(ValueError, match=r"cu_seqlens must be \[N\+1\]"):
-        kda_prefill_reference(out=case.new_out(), **{**args, "cu_seqlens": case.cu_seqlens[:2]})
+        kda_prefill_reference(out=case.new_out(), **{**args, "seqs": replace(args["seqs"], cu_seqlens=case.cu_seqlens[:2])})
     with pytest.raises(ValueError, match="conv_layout"):
-        kda_prefill_reference(out=case.new_out(), **{**args, "conv_layout": "DSD"})
+        kda_prefill_reference(out=case.new_out(), **{**args, "cache": replace(args["cache"], conv_layout="DSD")})
     with pytest.raises(ValueError, match="one token per sequence"):
         kda_decode_reference(out=case.new_out(), **case.decode_args())
 

@@ -22,7 +22,7 @@ import torch
 
 from kdaserve.backends.adapters.state_io import gather_states, scatter_states
 from kdaserve.ops.checks import check_decode_step, check_prefill_step
-from kdaserve.ops.types import KDAWeights
+from kdaserve.ops.types import DecodeSeqs, KDACache, KDAInputs, KDAWeights, PrefillSeqs
 
 CHUNK = 64  # AITER's KDA prefill chunk size
 
@@ -45,18 +45,18 @@ def chunk_tables(cu_seqlens_cpu: torch.Tensor, device) -> tuple[torch.Tensor, to
 
 
 def kda_prefill_aiter(
-    qkv, g1, beta_logits, g2, weights: KDAWeights, conv_state, recurrent_state, cu_seqlens, state_indices,
-    has_initial_state, out, *, conv_layout: str = "SD", cu_seqlens_cpu: torch.Tensor | None = None,
-    step_plan=None,
+    inputs: KDAInputs, weights: KDAWeights, cache: KDACache, seqs: PrefillSeqs, out: torch.Tensor, *, step_plan=None,
 ) -> None:
+    qkv, g1, beta_logits, g2 = inputs
+    conv_state, recurrent_state, conv_layout = cache
+    cu_seqlens, state_indices, has_initial_state, cu_seqlens_cpu = seqs
     from aiter.ops.triton.attention.chunk_kda import chunk_kda
 
     from kdaserve.ops.conv import causal_conv_varlen_fwd
     from kdaserve.ops.norm import gated_rms_norm_fwd
 
     _require_params(chunk_kda, ("chunk_indices", "chunk_offsets", "initial_state", "output_final_state", "out"), "chunk_kda")
-    T, H, D, _ = check_prefill_step(qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, cu_seqlens,
-                                    state_indices, has_initial_state, out, conv_layout, cu_seqlens_cpu)
+    T, H, D, _ = check_prefill_step(inputs, weights, cache, seqs, out)
     if weights.lower_bound is None:
         raise ValueError("aiter prefill computes the bounded gate only; this layer's gate is unbounded")
     if T == 0:
@@ -79,9 +79,11 @@ def kda_prefill_aiter(
 
 
 def kda_decode_aiter(
-    qkv, g1, beta_logits, g2, weights: KDAWeights, conv_state, recurrent_state, state_indices, out, *,
-    conv_layout: str = "SD", spec_state_indices: torch.Tensor | None = None, num_accepted_tokens: torch.Tensor | None = None,
+    inputs: KDAInputs, weights: KDAWeights, cache: KDACache, seqs: DecodeSeqs, out: torch.Tensor,
 ) -> None:
+    qkv, g1, beta_logits, g2 = inputs
+    conv_state, recurrent_state, conv_layout = cache
+    state_indices, spec_state_indices, num_accepted_tokens = seqs
     from aiter.ops.triton.attention.kda import fused_recurrent_kda
 
     from kdaserve.ops.conv import causal_conv_update_fwd
@@ -89,8 +91,7 @@ def kda_decode_aiter(
 
     _require_params(fused_recurrent_kda, ("ssm_state_indices", "num_accepted_tokens", "pad_slot_guard", "state_v_first",
                                           "inplace_final_state", "out"), "fused_recurrent_kda")
-    T, H, D, N, m = check_decode_step(qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, state_indices, out,
-                                      conv_layout, spec_state_indices, num_accepted_tokens)
+    T, H, D, N, m = check_decode_step(inputs, weights, cache, seqs, out)
     if N == 0:
         return
     if recurrent_state.dtype != torch.float32:

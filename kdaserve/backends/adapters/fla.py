@@ -24,7 +24,7 @@ import torch
 
 from kdaserve.backends.adapters.state_io import gather_states, scatter_states
 from kdaserve.ops.checks import check_decode_step, check_prefill_step
-from kdaserve.ops.types import KDAWeights
+from kdaserve.ops.types import DecodeSeqs, KDACache, KDAInputs, KDAWeights, PrefillSeqs
 
 os.environ.setdefault("FLA_FLASH_KDA", "0")
 
@@ -53,12 +53,12 @@ def _gate_args(weights: KDAWeights) -> dict:
 
 
 def kda_prefill_fla(
-    qkv, g1, beta_logits, g2, weights: KDAWeights, conv_state, recurrent_state, cu_seqlens, state_indices,
-    has_initial_state, out, *, conv_layout: str = "SD", cu_seqlens_cpu: torch.Tensor | None = None,
-    step_plan=None,
+    inputs: KDAInputs, weights: KDAWeights, cache: KDACache, seqs: PrefillSeqs, out: torch.Tensor, *, step_plan=None,
 ) -> None:
-    T, H, D, _ = check_prefill_step(qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, cu_seqlens,
-                                    state_indices, has_initial_state, out, conv_layout, cu_seqlens_cpu)
+    qkv, g1, beta_logits, g2 = inputs
+    conv_state, recurrent_state, conv_layout = cache
+    cu_seqlens, state_indices, has_initial_state, cu_seqlens_cpu = seqs
+    T, H, D, _ = check_prefill_step(inputs, weights, cache, seqs, out)
     if T == 0:
         return
     chunk_kda, _, rms_norm_gated = _fla()
@@ -79,11 +79,12 @@ def kda_prefill_fla(
 
 
 def kda_decode_fla(
-    qkv, g1, beta_logits, g2, weights: KDAWeights, conv_state, recurrent_state, state_indices, out, *,
-    conv_layout: str = "SD", spec_state_indices: torch.Tensor | None = None, num_accepted_tokens: torch.Tensor | None = None,
+    inputs: KDAInputs, weights: KDAWeights, cache: KDACache, seqs: DecodeSeqs, out: torch.Tensor,
 ) -> None:
-    T, H, D, N, m = check_decode_step(qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, state_indices, out,
-                                      conv_layout, spec_state_indices, num_accepted_tokens)
+    qkv, g1, beta_logits, g2 = inputs
+    conv_state, recurrent_state, conv_layout = cache
+    state_indices, spec_state_indices, num_accepted_tokens = seqs
+    T, H, D, N, m = check_decode_step(inputs, weights, cache, seqs, out)
     if N == 0:
         return
     _, fused_recurrent, rms_norm_gated = _fla()

@@ -13,21 +13,21 @@ import torch
 
 from kdaserve.backends.adapters.state_io import gather_states, scatter_states
 from kdaserve.ops.checks import check_prefill_step
-from kdaserve.ops.types import KDAWeights
+from kdaserve.ops.types import KDACache, KDAInputs, KDAWeights, PrefillSeqs
 
 
 def kda_prefill_flashkda(
-    qkv, g1, beta_logits, g2, weights: KDAWeights, conv_state, recurrent_state, cu_seqlens, state_indices,
-    has_initial_state, out, *, conv_layout: str = "SD", cu_seqlens_cpu: torch.Tensor | None = None,
-    step_plan=None,
+    inputs: KDAInputs, weights: KDAWeights, cache: KDACache, seqs: PrefillSeqs, out: torch.Tensor, *, step_plan=None,
 ) -> None:
+    qkv, g1, beta_logits, g2 = inputs
+    conv_state, recurrent_state, conv_layout = cache
+    cu_seqlens, state_indices, has_initial_state, cu_seqlens_cpu = seqs
     import flash_kda
 
     from kdaserve.ops.conv import causal_conv_varlen_fwd
     from kdaserve.ops.norm import gated_rms_norm_fwd
 
-    T, H, D, _ = check_prefill_step(qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, cu_seqlens,
-                                    state_indices, has_initial_state, out, conv_layout, cu_seqlens_cpu)
+    T, H, D, _ = check_prefill_step(inputs, weights, cache, seqs, out)
     if weights.lower_bound is None:
         raise ValueError("flashkda computes the bounded gate only (lower_bound in [-5, 0)); this layer's gate is unbounded")
     if T == 0:

@@ -20,7 +20,7 @@ from kdaserve.ops.limits import CHUNK as CHUNK_LIMITS
 from kdaserve.ops.chunk.tables import ChunkTables
 from kdaserve.ops.conv import ConvTables, causal_conv_varlen_fwd, conv_step_tables
 from kdaserve.ops.host_tables import host_offsets
-from kdaserve.ops.types import KDAWeights
+from kdaserve.ops.types import KDACache, KDAInputs, KDAWeights, PrefillSeqs
 
 interpreter_compat.install()
 
@@ -39,20 +39,8 @@ def chunk_step_plan(cu_seqlens_cpu: torch.Tensor, device: torch.device) -> Chunk
 
 
 def kda_prefill_chunk(
-    qkv: torch.Tensor,
-    g1: torch.Tensor,
-    beta_logits: torch.Tensor,
-    g2: torch.Tensor,
-    weights: KDAWeights,
-    conv_state: torch.Tensor,
-    recurrent_state: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    state_indices: torch.Tensor,
-    has_initial_state: torch.Tensor,
-    out: torch.Tensor,
+    inputs: KDAInputs, weights: KDAWeights, cache: KDACache, seqs: PrefillSeqs, out: torch.Tensor,
     *,
-    conv_layout: str = "SD",
-    cu_seqlens_cpu: torch.Tensor | None = None,
     config: ChunkConfig = DEFAULT_CONFIG,
     step_plan: ChunkStepPlan | None = None,
 ) -> None:
@@ -64,10 +52,12 @@ def kda_prefill_chunk(
     (their output rows are not written, no state is read or written). `step_plan`: the step's
     tables from `chunk_step_plan`, built once for all layers; None builds them for this call.
     """
+    qkv, g1, beta_logits, g2 = inputs
+    conv_state, recurrent_state, conv_layout = cache
+    cu_seqlens, state_indices, has_initial_state, cu_seqlens_cpu = seqs
     if cu_seqlens_cpu is None:  # a device->host sync: callers in the hot path pass the host copy
         cu_seqlens_cpu = cu_seqlens if cu_seqlens.device.type == "cpu" else cu_seqlens.cpu()
-    T, H, D, _ = check_prefill_step(qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, cu_seqlens,
-                                    state_indices, has_initial_state, out, conv_layout, cu_seqlens_cpu)
+    T, H, D, _ = check_prefill_step(inputs, weights, cache, seqs, out)
     CHUNK_LIMITS.check(head_dim=D, lower_bound=weights.lower_bound, input_dtype=qkv.dtype,
                        state_dtype=recurrent_state.dtype)
     # The conv writes its output straight in the workspace dtype (fp16 for bf16 inputs: core.py).

@@ -29,7 +29,7 @@ from kdaserve.ops.flash.prepare import flash_prepare_kernel
 from kdaserve.ops.flash.recurrence import flash_recurrence_kernel
 from kdaserve.ops.flash.scan import flash_scan_kernel
 from kdaserve.ops.host_tables import host_offsets
-from kdaserve.ops.types import KDAWeights, conv_state_rows
+from kdaserve.ops.types import KDACache, KDAInputs, KDAWeights, PrefillSeqs, conv_state_rows
 
 
 
@@ -138,20 +138,8 @@ def resolve_segment_len(segment_len: int | None, T: int, N: int, H: int, D: int,
 
 
 def kda_prefill_flash(
-    qkv: torch.Tensor,
-    g1: torch.Tensor,
-    beta_logits: torch.Tensor,
-    g2: torch.Tensor,
-    weights: KDAWeights,
-    conv_state: torch.Tensor,
-    recurrent_state: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    state_indices: torch.Tensor,
-    has_initial_state: torch.Tensor,
-    out: torch.Tensor,
+    inputs: KDAInputs, weights: KDAWeights, cache: KDACache, seqs: PrefillSeqs, out: torch.Tensor,
     *,
-    conv_layout: str = "SD",
-    cu_seqlens_cpu: torch.Tensor | None = None,
     segment_len: int | None = None,
     config: FlashConfig = DEFAULT_CONFIG,
     step_plan: FlashStepPlan | None = None,
@@ -161,21 +149,20 @@ def kda_prefill_flash(
     None = automatic, 0 = off, n > 0 = segments of n tokens (rounded up to the chunk size).
     `step_plan`: the step's `flash_step_plan`, built once for all layers (it carries its config and
     segment choice); None builds one for this call from `config` and `segment_len`."""
-    step = FlashPrefill(qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, cu_seqlens, state_indices,
-                        has_initial_state, out, conv_layout=conv_layout, cu_seqlens_cpu=cu_seqlens_cpu,
-                        segment_len=segment_len, config=config, step_plan=step_plan)
-    step.run()
+    FlashPrefill(inputs, weights, cache, seqs, out, segment_len=segment_len, config=config, step_plan=step_plan).run()
 
 
 class FlashPrefill:
     """One prefill step: checks, plan and workspaces at construction, then one method per launch
     (so tools/tune_flash.py can time each stage alone). `run()` is the whole step."""
 
-    def __init__(self, qkv, g1, beta_logits, g2, weights: KDAWeights, conv_state, recurrent_state, cu_seqlens,
-                 state_indices, has_initial_state, out, *, conv_layout="SD", cu_seqlens_cpu=None, segment_len=None,
-                 config: FlashConfig = DEFAULT_CONFIG, step_plan: FlashStepPlan | None = None):
-        T, H, D, N = check_prefill_step(qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, cu_seqlens,
-                                        state_indices, has_initial_state, out, conv_layout, cu_seqlens_cpu)
+    def __init__(self, inputs: KDAInputs, weights: KDAWeights, cache: KDACache, seqs: PrefillSeqs, out: torch.Tensor,
+                 *, segment_len: int | None = None, config: FlashConfig = DEFAULT_CONFIG,
+                 step_plan: FlashStepPlan | None = None):
+        qkv, g1, beta_logits, g2 = inputs
+        conv_state, recurrent_state, conv_layout = cache
+        cu_seqlens, state_indices, has_initial_state, cu_seqlens_cpu = seqs
+        T, H, D, N = check_prefill_step(inputs, weights, cache, seqs, out)
         self.g1v, self.g2v, self.outv = check_flash_inputs(qkv, weights, recurrent_state, g1, g2, out, D)
         self.T, self.H, self.D, self.N = T, H, D, N
         if step_plan is None:

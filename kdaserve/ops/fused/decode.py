@@ -21,7 +21,7 @@ from kdaserve.ops.checks import check_decode_step
 from kdaserve.ops.fused.conv_weight import fused_conv_weight_layout
 from kdaserve.ops.fused.decode_kernel import WS_SENTINEL, kda_fused_decode_kernel
 from kdaserve.ops.fused.stream_kernel import kda_fused_stream_kernel
-from kdaserve.ops.types import KDAWeights, conv_state_rows
+from kdaserve.ops.types import DecodeSeqs, KDACache, KDAInputs, KDAWeights, conv_state_rows
 
 IO_DTYPES = FUSED.input_dtypes
 
@@ -151,47 +151,18 @@ def _as_heads(t: torch.Tensor, T: int, H: int, D: int, name: str) -> torch.Tenso
     return v if v.stride(2) == 1 else v.contiguous()
 
 
-def kda_decode_fused(
-    qkv: torch.Tensor,
-    g1: torch.Tensor,
-    beta_logits: torch.Tensor,
-    g2: torch.Tensor,
-    weights: KDAWeights,
-    conv_state: torch.Tensor,
-    recurrent_state: torch.Tensor,
-    state_indices: torch.Tensor,
-    out: torch.Tensor,
-    *,
-    conv_layout: str = "SD",
-    spec_state_indices: torch.Tensor | None = None,
-    num_accepted_tokens: torch.Tensor | None = None,
-) -> None:
+def kda_decode_fused(inputs: KDAInputs, weights: KDAWeights, cache: KDACache, seqs: DecodeSeqs, out: torch.Tensor) -> None:
     """One launch per layer per step; see the module docstring and kda_decode_reference."""
-    launch_fused_decode(
-        None, qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, state_indices, out,
-        conv_layout=conv_layout, spec_state_indices=spec_state_indices, num_accepted_tokens=num_accepted_tokens,
-    )
+    launch_fused_decode(None, inputs, weights, cache, seqs, out)
 
 
-def launch_fused_decode(
-    config: FusedDecodeConfig | None,
-    qkv: torch.Tensor,
-    g1: torch.Tensor,
-    beta_logits: torch.Tensor,
-    g2: torch.Tensor,
-    weights: KDAWeights,
-    conv_state: torch.Tensor,
-    recurrent_state: torch.Tensor,
-    state_indices: torch.Tensor,
-    out: torch.Tensor,
-    *,
-    conv_layout: str = "SD",
-    spec_state_indices: torch.Tensor | None = None,
-    num_accepted_tokens: torch.Tensor | None = None,
-) -> None:
+def launch_fused_decode(config: FusedDecodeConfig | None, inputs: KDAInputs, weights: KDAWeights, cache: KDACache,
+                        seqs: DecodeSeqs, out: torch.Tensor) -> None:
     """kda_decode_fused with an explicit launch shape (None = default_config); benchmarks sweep it."""
-    T, H, D, N, tokens = check_decode_step(qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, state_indices,
-                                           out, conv_layout, spec_state_indices, num_accepted_tokens)
+    qkv, g1, beta_logits, g2 = inputs
+    conv_state, recurrent_state, conv_layout = cache
+    state_indices, spec_state_indices, num_accepted_tokens = seqs
+    T, H, D, N, tokens = check_decode_step(inputs, weights, cache, seqs, out)
     rows = conv_state_rows(conv_state, conv_layout)
     W = weights.conv_width
     FUSED.check(head_dim=D, lower_bound=weights.lower_bound, input_dtype=qkv.dtype, state_dtype=recurrent_state.dtype,

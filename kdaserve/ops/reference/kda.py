@@ -22,7 +22,7 @@ from kdaserve.ops.reference.conv import causal_conv_update, causal_conv_varlen
 from kdaserve.ops.reference.gates import beta_sigmoid, kda_gate, l2norm_qk
 from kdaserve.ops.reference.norm import gated_rms_norm
 from kdaserve.ops.reference.recurrence import kda_recurrent_spec, kda_recurrent_varlen
-from kdaserve.ops.types import KDAWeights
+from kdaserve.ops.types import DecodeSeqs, KDACache, KDAInputs, KDAWeights, PrefillSeqs
 
 
 def kda_qkv_prepare(y: torch.Tensor, H: int, D: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -41,26 +41,16 @@ def _finish(o, g2, weights, out, valid_rows):
 
 
 def kda_prefill_reference(
-    qkv: torch.Tensor,
-    g1: torch.Tensor,
-    beta_logits: torch.Tensor,
-    g2: torch.Tensor,
-    weights: KDAWeights,
-    conv_state: torch.Tensor,
-    recurrent_state: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    state_indices: torch.Tensor,
-    has_initial_state: torch.Tensor,
-    out: torch.Tensor,
+    inputs: KDAInputs, weights: KDAWeights, cache: KDACache, seqs: PrefillSeqs, out: torch.Tensor,
     *,
-    conv_layout: str = "SD",
-    cu_seqlens_cpu: torch.Tensor | None = None,
     chunk_size: int | None = None,
 ) -> None:
     """Varlen prefill (any lengths, mixed steps included). chunk_size=None runs the token loop;
     16/32/64 run the chunked form (same result, much faster for long sequences)."""
-    T, H, D, _ = check_prefill_step(qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, cu_seqlens,
-                                    state_indices, has_initial_state, out, conv_layout, cu_seqlens_cpu)
+    qkv, g1, beta_logits, g2 = inputs
+    conv_state, recurrent_state, conv_layout = cache
+    cu_seqlens, state_indices, has_initial_state, cu_seqlens_cpu = seqs
+    T, H, D, _ = check_prefill_step(inputs, weights, cache, seqs, out)
     y = causal_conv_varlen(qkv, weights.conv_weight, conv_state, cu_seqlens, state_indices, has_initial_state, conv_layout)
     q, k, v = kda_qkv_prepare(y, H, D)
     gk = kda_gate(g1.reshape(T, H, D), weights.A_log, weights.dt_bias, weights.lower_bound)
@@ -75,26 +65,16 @@ def kda_prefill_reference(
 
 
 def kda_decode_reference(
-    qkv: torch.Tensor,
-    g1: torch.Tensor,
-    beta_logits: torch.Tensor,
-    g2: torch.Tensor,
-    weights: KDAWeights,
-    conv_state: torch.Tensor,
-    recurrent_state: torch.Tensor,
-    state_indices: torch.Tensor,
-    out: torch.Tensor,
-    *,
-    conv_layout: str = "SD",
-    spec_state_indices: torch.Tensor | None = None,
-    num_accepted_tokens: torch.Tensor | None = None,
+    inputs: KDAInputs, weights: KDAWeights, cache: KDACache, seqs: DecodeSeqs, out: torch.Tensor,
 ) -> None:
     """One token per sequence, or S+1 per sequence for a speculative verify (`spec_state_indices`
     [N, S+1] with `num_accepted_tokens` [N]). The conv state lives in slot `state_indices[n]`;
     the recurrent state in `state_indices[n]`, or per token in `spec_state_indices` when verifying.
     Rows whose slot is <= 0 are padding: nothing is read or written for them, `out` included."""
-    T, H, D, N, m = check_decode_step(qkv, g1, beta_logits, g2, weights, conv_state, recurrent_state, state_indices, out,
-                                      conv_layout, spec_state_indices, num_accepted_tokens)
+    qkv, g1, beta_logits, g2 = inputs
+    conv_state, recurrent_state, conv_layout = cache
+    state_indices, spec_state_indices, num_accepted_tokens = seqs
+    T, H, D, N, m = check_decode_step(inputs, weights, cache, seqs, out)
     y = causal_conv_update(qkv, weights.conv_weight, conv_state, state_indices, num_accepted_tokens, conv_layout)
     q, k, v = kda_qkv_prepare(y, H, D)
     gk = kda_gate(g1.reshape(T, H, D), weights.A_log, weights.dt_bias, weights.lower_bound)
