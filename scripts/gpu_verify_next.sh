@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # First GPU runs of the next session: what the seventh session (2026-12-01) changed after its GPU
-# time ran out, and what the sixth left unrun. Each part fits one 10-minute device command (group
+# time ran out, and what the sixth left unrun. Already run on the final code (seventh session, runs
+# 5 and 6): the engine GPU tests (14), the KDA layer GPU tests and the host-table GPU tests (11). Each part fits one 10-minute device command (group
 # limits sum to <= 560 s); logs under $OUT (or ./out). Carry [".whl"] (fla-core 0.6.0) for the
 # parts with FLA, and [".old"] for `ab` (.old = `git archive 8f677f4 kdaserve benchmarks`, the code
 # before the seventh session, unpacked at the repository root).
@@ -28,17 +29,18 @@ if [ "$PART" = tests ]; then
 # 1. The prefill ops now take a step plan built once (no module caches, frozen FlashConfig): the
 #    host-table GPU tests (pinned copies, a conv captured in a graph), flash and chunk (not slow),
 #    the KDA layer on the GPU (plans from the context), the adapters (FLA: conv tables in the plan).
-group host_tables 60 -m gpu tests/ops/test_host_overhead.py
 group flash 150 -m "gpu and not slow" tests/ops/test_flash_prefill.py
 group chunk 150 -m "gpu and not slow" tests/ops/test_chunk_prefill.py
-group layers 60 -m gpu tests/layers/test_kda_layer_gpu.py
-group adapters 100 -m gpu tests/backends/test_adapters_gpu.py
+group adapters 100 -m gpu tests/backends/test_adapters_gpu.py   # needs .whl (fla)
+group layers_fla 60 -m gpu tests/layers/test_kda_layer_gpu.py      # its fla rows skipped without .whl
+group stream 130 -m "gpu and not slow" tests/ops/test_fused_stream.py
 fi
 if [ "$PART" = engine ]; then
 # 2. The engine builds each step's KDA plan once (runner and CUDA-graph capture) and resolves
 #    the backend pair once per model; the ops check inputs against ops/limits.py.
-group engine 240 -m gpu tests/engine/test_host_overhead_gpu.py tests/engine/test_engine_gpu.py
 group server 120 -m gpu tests/server/test_server_gpu.py
+group adaptive 70 tests/ops/test_adaptive_decode.py
+group gate_accuracy 60 tests/ops/test_decode_gate_accuracy.py
 group fused 120 -m "gpu and not slow" tests/ops/test_fused_decode.py
 group chain 60 -m "gpu and not slow" tests/ops/test_chain.py
 fi
