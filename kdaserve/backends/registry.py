@@ -60,7 +60,7 @@ def _op_limits(op: str, base: list[Requirement]) -> Callable[[], tuple[Requireme
 
         lim = BY_OP[op]
         return tuple(base) + (
-            rq.input_dtypes(*lim.input_dtypes), *(() if lim.bf16_interpreted else (rq.no_bf16_in_interpreter(),)),
+            rq.input_dtypes(*lim.input_dtypes), *(() if lim.bf16_in_interpreter else (rq.no_bf16_in_interpreter(),)),
             rq.head_dims(*lim.head_dims), rq.gates(*lim.gates), rq.lower_bound_range(LOWER_BOUND_MIN, 0.0),
             rq.state_dtypes(*lim.state_dtypes), rq.conv_layouts(*lim.conv_layouts),
             *((rq.conv_widths(*lim.conv_widths),) if lim.conv_widths else ()), rq.speculative(lim.speculative),

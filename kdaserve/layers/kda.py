@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kdaserve.backends import KDABackendChoice, KDABackends, LayerSettings, ResolvedBackend, resolve_kda_backends
+from kdaserve.backends import KDABackendChoice, KDABackends, LayerSettings, Machine, ResolvedBackend, resolve_kda_backends
 from kdaserve.backends.step import KDACache, KDAInputs
 from kdaserve.layers.context import get_context
 from kdaserve.layers.kda_routing import run_kda_step
@@ -101,7 +101,7 @@ class KDALayer(nn.Module):
         )
         if backends is None:
             choice = KDABackendChoice(prefill_backend, decode_backend, state_dtype, conv_layout)
-            backends = resolve_kda_backends(choice, self.settings, H, log=False)
+            backends = resolve_kda_backends(choice, self.settings, H, Machine.detect(device), log=False)
         elif (backends.settings, backends.num_heads) != (self.settings, H):
             raise ValueError(f"layer {layer_idx}: the KDA backends were resolved for {backends.num_heads} heads and "
                              f"{backends.settings}, but this layer has {H} heads and {self.settings}; resolve them "

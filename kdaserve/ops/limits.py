@@ -31,8 +31,8 @@ def _names(dtypes) -> str:
 
 @dataclass(frozen=True)
 class OpLimits:
-    """The inputs an op accepts. `bf16_interpreted`: Triton 3.6's interpreter computes bf16 dots
-    wrongly, so ops with bf16 dots refuse bf16 inputs there."""
+    """The inputs an op accepts. `bf16_in_interpreter`: False for ops with bf16 dots, which Triton
+    3.6's interpreter computes wrongly (they refuse bf16 inputs there)."""
 
     name: str
     input_dtypes: tuple[torch.dtype, ...]
@@ -42,7 +42,7 @@ class OpLimits:
     conv_layouts: tuple[str, ...] = ("SD", "DS")
     conv_widths: tuple[int, ...] | None = None       # None: any width
     speculative: bool = True
-    bf16_interpreted: bool = True
+    bf16_in_interpreter: bool = True
 
     def check(self, *, head_dim: int, lower_bound: float | None, input_dtype: torch.dtype | None = None,
               state_dtype: torch.dtype | None = None, conv_width: int | None = None) -> None:
@@ -66,8 +66,8 @@ POWERS_OF_TWO_16_TO_128 = (16, 32, 64, 128)
 
 # chunk: K = V = D in one tile per program; D = 256 would need a [256, 256] state block per output
 # program (128 KB of shared memory), which no Hopper config fits.
-CHUNK = OpLimits("chunk prefill", (F32, F16, BF16), POWERS_OF_TWO_16_TO_128, bf16_interpreted=False)
-FLASH = OpLimits("flash prefill", (BF16, F16, F32), POWERS_OF_TWO_16_TO_128, bf16_interpreted=False)
+CHUNK = OpLimits("chunk prefill", (F32, F16, BF16), POWERS_OF_TWO_16_TO_128, bf16_in_interpreter=False)
+FLASH = OpLimits("flash prefill", (BF16, F16, F32), POWERS_OF_TWO_16_TO_128, bf16_in_interpreter=False)
 CHAIN = OpLimits("chain decode", (F32, F16, BF16), POWERS_OF_TWO_16_TO_128 + (256,))
 # fused: the width-4 conv window is unrolled in the kernel.
 FUSED = OpLimits("fused decode", (F32, F16, BF16), POWERS_OF_TWO_16_TO_128, conv_widths=(4,))

@@ -291,3 +291,14 @@ def test_gpu_conv_captured_in_a_graph_replays_right_after_pinned_memory_is_recyc
     graph.replay()
     torch.cuda.synchronize()
     assert junk and torch.equal(out, eager)
+
+
+def test_a_plan_of_another_step_is_refused_before_any_write():
+    """Tables built for other lengths (same sequence and token counts) would put each conv window
+    in the wrong sequence: conv and chunk refuse them by value, as flash does its plan."""
+    case = make_kda_case([40, 24], H=1, D=16, seed=6)
+    other = chunk_step_plan(torch.tensor([0, 24, 64], dtype=torch.int32), torch.device("cpu"))
+    rec, conv = case.recurrent_state.clone(), case.conv_state.clone()
+    with pytest.raises(ValueError, match=r"lengths \(0, 24, 64\).*lengths \(0, 40, 64\)"):
+        kda_prefill_chunk(out=case.new_out(), **case.prefill_args(), step_plan=other)
+    assert torch.equal(case.recurrent_state, rec) and torch.equal(case.conv_state, conv)

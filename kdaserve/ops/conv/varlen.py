@@ -119,9 +119,11 @@ def causal_conv_varlen_fwd(
         raise ValueError(f"has_initial_state must be [N] = [{N}], got {tuple(has_initial_state.shape)}")
     T, C = x.shape
     if tables is not None:
-        if len(tables.offsets) != N + 1 or tables.offsets[-1] != T:
+        here = host_offsets(cu_seqlens_cpu) if cu_seqlens_cpu is not None else None
+        if len(tables.offsets) != N + 1 or tables.offsets[-1] != T or (here is not None and here != tables.offsets):
             raise ValueError(f"conv tables were built for a step of {len(tables.offsets) - 1} sequences and "
-                             f"{tables.offsets[-1]} tokens, not this one ({N} and {T}); build them for this step")
+                             f"{tables.offsets[-1]} tokens (lengths {tables.offsets}), not this one ({N} and {T}"
+                             f"{f', lengths {here}' if here is not None else ''}); build them for this step")
     else:
         offsets = check_cu_seqlens_cpu(cu_seqlens_cpu, N, T)
     L, W = rows.shape[1], weight.shape[1]
