@@ -1,16 +1,11 @@
-"""The `adaptive` decode backend: `fused` or `chain`, whichever the H200 measured faster for the step.
+"""The `adaptive` decode backend: `fused` or `chain`, whichever is faster for the step's shape.
 
-History and evidence (docs/perf-notes.md): with only the split launch shapes, the single launch won
-while a step was latency-bound (up to 1.56x at one sequence) and tied the chain at about 512
-head-steps (sequences x heads x tokens per sequence); above, the chain was 7-12% faster (fp32
-state) and up to 23% (bf16), because each V-split program redid its head's conv and meeting cost.
-The `stream` launch shape of `fused` (one program per head, state tiles through a cp.async
-pipeline; default from 256 heads) removed that: on the H200 at 32 heads fused is now the faster of
-the two at every measured size of a plain decode (N = 1, 8, 64, 128, 256, 512; fp32 state 1.04-1.54x
-chain, bf16 1.14-1.67x; "Decode, stream shape"), so plain decode always takes `fused`.
-Speculative verify has no stream shape (its state tile stays in registers across the tokens), so
-it keeps the old crossover: fused up to 512 head-steps (11.0 vs chain 13.3 us at 1 x 32 heads x 4
-tokens; 40.5 vs 39.0 us at 8 sequences).
+The rule (the evidence: docs/perf-notes.md, the decode sections): a plain decode always takes
+`fused` (with its `stream` shape it is the faster of the two at every measured size); a
+speculative verify, which has no stream shape (its state tile stays in registers across the
+tokens), takes `fused` up to FUSED_MAX_VERIFY_HEAD_STEPS head-steps (sequences x heads x tokens
+per sequence) and `chain` above, where the V-split programs' repeated conv and meeting cost more
+than the launches they save.
 
 The choice reads shapes only (host integers), so no device value is read, a captured CUDA graph
 holds exactly one of the two paths, and replay pays nothing for the choice. The thresholds are the

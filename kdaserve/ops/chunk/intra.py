@@ -31,9 +31,8 @@ so every warp computes the same product and holds both operands (255 registers, 
 ptxas sm_90). Wide (default): row block I against the chunk's first 16 (I + 1) tokens (padded to
 a power of two) in ONE dot per matrix, the warps splitting its 32-64 columns, with the same
 factors (anchor at block I's first token; see _wide_row_block); A goes through an fp32 scratch
-and comes back as 16x16 blocks after one barrier (216-255 registers, no spill; 14% faster intra
-on the H200, docs/perf-notes.md). A 64-row-tile design (intra_full.py) faulted or ran 23% slower
-on the H200 and was removed (docs/chunk-prefill.md).
+and comes back as 16x16 blocks after one barrier (216-255 registers, no spill; the faster form,
+docs/perf-notes.md; designs tried and dropped: docs/chunk-prefill.md).
 """
 
 from __future__ import annotations

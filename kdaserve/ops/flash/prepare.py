@@ -165,8 +165,7 @@ def _prepare_chunk(
     carries none of that code or its registers.
 
     In the order that keeps the fewest [C, D] tiles live (K1 is occupancy-bound: registers decide
-    how many programs share an SM; measured on the H200 against the previous order of all three
-    convs first: K1 6-8% faster on 16 x 1K and 8 x 1K): the gate first, then k, q and v each
+    how many programs share an SM; the timings: docs/flash-prefill.md): the gate first, then k, q and v each
     convolved when first needed and dropped after their last use, Kd and Qg stored at once.
     Two exponentials per element: e_up = e^(g - a) in e^(+-40) (C = 16) or e^(+-80) (C = 32), its
     reciprocal, and e^a per channel give every factor without overflow."""
@@ -218,8 +217,7 @@ def _prepare_chunk_unbounded(
     """One chunk of one head, unbounded gate: every chunk in one launch, the conv history decided
     per chunk. The exact column loop needs q, k and g at once, so no order frees registers here;
     this layout (the three convs inside one per-chunk branch) spills least of those tried (sm_90:
-    92 bytes, against 272-360 with the bounded path's split launches; the single-kernel version
-    before the split had 36 and measured 2% faster on the H200: docs/flash-prefill.md)."""
+    92 bytes, against 272-360 with the bounded path's split launches; docs/flash-prefill.md)."""
     rows = tl.arange(0, C)
     cols = tl.arange(0, D)
     ri = rows[:, None]

@@ -76,7 +76,8 @@ def default_config(head_dim: int, tokens_per_seq: int, programs: int, state_byte
                    verify: bool | None = None) -> FusedDecodeConfig:
     """Launch shape by the number of heads in the step (`programs` = N*H) and the state's element
     size; `verify` (default: more than one token per sequence) says the step is a speculative
-    verify, which a verify with no drafts is too (one token, state in the spec slots). From the H200 sweep of benchmarks/bench_decode.py (docs/perf-notes.md, 2026-11-30):
+    verify, which a verify with no drafts is too (one token, state in the spec slots). The rule, from
+benchmarks/bench_decode.py's sweep (docs/perf-notes.md):
     - few heads are latency-bound: each head's rows go to D/8 one-warp programs (fp32: up to 512
       heads, bf16: up to 128, both below STREAM_FROM_HEADS), conv windows kept in registers;
     - many heads are bandwidth-bound: [64, K] tiles of 4 warps for an fp32 state, [32, K] for a
@@ -85,11 +86,10 @@ def default_config(head_dim: int, tokens_per_seq: int, programs: int, state_byte
       (STREAM_FP32 / STREAM_BF16; see STREAM_FROM_HEADS for the evidence);
     - speculative verify: one-warp [8, K] tiles up to 128 heads, else [32, K] (its tile stays in
       registers across the S+1 tokens, so [64, K] would not fit).
-    Split heads meet by the arrival counter (MEET_BY_POLLING = False). Polling was 5-10% faster in
-    the H200 sweep, but it assumes programs of a 1-D grid are dispatched in order (a waiting
-    program must never block the launch of a sibling it waits for), which no vendor guarantees:
-    a serving runtime that may hang or emit NaN on another GPU or driver is not worth 5-10%.
-    Set it to True only on hardware where that assumption is known to hold."""
+    Split heads meet by the arrival counter (MEET_BY_POLLING = False). Polling is faster, but it
+    assumes programs of a 1-D grid are dispatched in order (a waiting program must never block the
+    launch of a sibling it waits for), which no vendor guarantees: a runtime that may hang or emit
+    NaN on another GPU or driver is not worth it. True only where that assumption is known to hold."""
     if verify if verify is not None else tokens_per_seq > 1:
         if programs <= 128:
             return FusedDecodeConfig(block_v=min(head_dim, 8), num_warps=1, spin=MEET_BY_POLLING)

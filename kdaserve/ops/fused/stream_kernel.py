@@ -5,7 +5,7 @@ Why (docs/fused-decode.md, "Performance"): the split shapes give each V-slice pr
 copy of the head's q/k conv, l2norm and gate, and split heads meet through a workspace (an
 arrival counter's fence + atomic round trip, or the finisher's wait). That lengthens every
 program's life while its slot on the SM holds few state bytes in flight, so they move the state
-7-12% slower than `chain`'s recurrence, whose [32, K] programs do nothing but the state. Here:
+slower than `chain`'s recurrence, whose [32, K] programs do nothing but the state. Here:
 - one program per head computes q, k, v, the gate and beta once (no redundancy), rewrites the
   head's conv window at once (it is the only reader), and needs no workspace, counter or wait:
   it holds all D outputs of the head for the gated RMSNorm itself;
