@@ -165,7 +165,7 @@ def _prepare_chunk(
     carries none of that code or its registers.
 
     In the order that keeps the fewest [C, D] tiles live (K1 is occupancy-bound: registers decide
-    how many programs share an SM; the timings: docs/flash-prefill.md): the gate first, then k, q and v each
+    how many programs share an SM; timings: docs/perf-notes.md, "Flash K1"): the gate first, then k, q and v each
     convolved when first needed and dropped after their last use, Kd and Qg stored at once.
     Two exponentials per element: e_up = e^(g - a) in e^(+-40) (C = 16) or e^(+-80) (C = 32), its
     reciprocal, and e^a per channel give every factor without overflow."""
