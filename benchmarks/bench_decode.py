@@ -50,27 +50,21 @@ from kdaserve.testing.inputs import make_kda_weights
 D = 128
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 SWEEP = {  # fused launch shapes: "whole" = one program per head; "bvX wY" = D/X programs of Y warps per
-    # head meeting through an arrival counter; "+spin": the head's last pid polls instead; "+sf": state
-    # stored before the arrival
+    # head meeting through an arrival counter; "+sf": state stored before the arrival
     "whole w8": FusedDecodeConfig(None, 8),
     "bv64 w4": FusedDecodeConfig(64, 4),
-    "bv64 w4+spin": FusedDecodeConfig(64, 4, spin=True),
     "bv32 w4": FusedDecodeConfig(32, 4),
-    "bv32 w4+spin": FusedDecodeConfig(32, 4, spin=True),
     "bv32 w4+sf": FusedDecodeConfig(32, 4, store_first=True),
     "bv16 w4": FusedDecodeConfig(16, 4),
-    "bv16 w4+spin": FusedDecodeConfig(16, 4, spin=True),
     "bv8 w1": FusedDecodeConfig(8, 1),
-    "bv8 w1+spin": FusedDecodeConfig(8, 1, spin=True),
-    "bv4 w1+spin": FusedDecodeConfig(4, 1, spin=True),
+    "bv4 w1": FusedDecodeConfig(4, 1),
     # "stream ...": one program per head streaming [bvX, K] tiles (stream_kernel.py, plain decode
     # only), for the bandwidth-bound steps (docs/fused-decode.md); the table says what sZ/pfN mean.
     **STREAM_SHAPES,
 }
 SWEEP_BATCHES = {torch.float32: (1, 2, 4, 8, 16, 32, 64, 128, 512), torch.bfloat16: (1, 8, 64, 512)}
 VERIFY = {"default": None, "whole w8": FusedDecodeConfig(None, 8), "bv32 w4": FusedDecodeConfig(32, 4),
-          "bv32 w4+spin": FusedDecodeConfig(32, 4, spin=True), "bv16 w4": FusedDecodeConfig(16, 4),
-          "bv8 w1+spin": FusedDecodeConfig(8, 1, spin=True)}
+          "bv16 w4": FusedDecodeConfig(16, 4), "bv8 w1": FusedDecodeConfig(8, 1)}
 
 
 class Step:

@@ -60,7 +60,7 @@ def fused_kernel(cfg: FusedDecodeConfig, state: str = "*fp32", H: int = 32, D: i
         return compile_for_sm90(kda_fused_stream_kernel, types, const, cfg.num_warps, 3)
     const = dict(H=H, D=D, L=3 + tokens - 1, TOKENS=tokens, SCALE=D**-0.5, IS_SPEC=tokens > 1, BOUNDED_GATE=True,
                  BV=bv, WIN_REGS=bv <= 16 if cfg.window_regs is None else cfg.window_regs,
-                 STORE_FIRST=cfg.store_first, SPIN=cfg.spin)
+                 STORE_FIRST=cfg.store_first)
     return compile_for_sm90(kda_fused_decode_kernel, types, const, cfg.num_warps, 3)
 
 
@@ -81,9 +81,7 @@ def main(D: int = 128) -> None:
         print(f"chain recurrence bv32 w4 {state[1:]}: {rep} {occ} state in flight/SM<={flight:.0f} KiB {vector_io(k)}",
               flush=True)
     shapes = {"bv8 w1": FusedDecodeConfig(8, 1), "bv16 w4": FusedDecodeConfig(16, 4), "bv32 w4": FusedDecodeConfig(32, 4),
-              "bv32 w4+spin": FusedDecodeConfig(32, 4, spin=True), "bv64 w4": FusedDecodeConfig(64, 4),
-              "bv64 w4+spin": FusedDecodeConfig(64, 4, spin=True),
-              **STREAM_SHAPES}
+              "bv64 w4": FusedDecodeConfig(64, 4), **STREAM_SHAPES}
     for state in ("*fp32", "*bf16"):
         for name, cfg in shapes.items():
             k = fused_kernel(cfg, state, D=D)

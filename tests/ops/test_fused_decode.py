@@ -32,7 +32,6 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = dict(H=2, D=16, device=DEV)
 WHOLE_HEAD = functools.partial(launch_fused_decode, FusedDecodeConfig(block_v=None, num_warps=4))
 SPLIT4 = functools.partial(launch_fused_decode, FusedDecodeConfig(block_v=4, num_warps=2))  # 4 programs per head
-SPIN4 = functools.partial(launch_fused_decode, FusedDecodeConfig(block_v=4, num_warps=2, spin=True))
 
 
 
@@ -59,7 +58,7 @@ def test_matches_reference_with_padding_rows(layout, gate):
 
 
 @pytest.mark.parametrize("layout", ["SD", "DS"])
-@pytest.mark.parametrize("fn", [WHOLE_HEAD, SPLIT4, SPIN4], ids=["whole_head", "split4", "spin4"])
+@pytest.mark.parametrize("fn", [WHOLE_HEAD, SPLIT4], ids=["whole_head", "split4"])
 def test_launch_shapes_match_reference(layout, fn):
     """One program per head, and a head split over 4 programs (workspace + last-arriving program
     normalizes and rewrites the q/k conv window), equal the reference."""
@@ -71,7 +70,7 @@ def test_split_leaves_the_workspace_at_rest():
     """After every launch (both ways a split head meets) the counters are 0 and the o rows hold the
     sentinel again (no memset launch; CUDA graphs replay on them); later steps still match."""
     from kdaserve.ops.fused.decode_kernel import WS_SENTINEL
-    for step, fn in enumerate([SPLIT4, SPIN4, SPLIT4]):
+    for step, fn in enumerate([SPLIT4, SPLIT4]):
         case = make_kda_case([1] * 4, seed=30 + step, **SMALL)
         check_decode_matches_reference(fn, with_padding_rows(case, 1), 1e-5)
         counters, o = split_workspace(case.qkv.device, 1, 1)
@@ -126,7 +125,7 @@ def test_plain_decode_on_a_pool_sized_for_drafts():
 
 
 @pytest.mark.parametrize("layout", ["SD", "DS"])
-@pytest.mark.parametrize("fn", [kda_decode_fused, SPLIT4, SPIN4], ids=["default", "split4", "spin4"])
+@pytest.mark.parametrize("fn", [kda_decode_fused, SPLIT4], ids=["default", "split4"])
 def test_spec_verify_matches_reference(layout, fn):
     """S+1 tokens per sequence: start from spec[n, accepted-1], state after token t into spec[n, t];
     a padding row (first slot 0) and a draft slot of -1 (not stored) included."""
@@ -146,7 +145,7 @@ def test_spec_verify_then_resume_equals_accepted_only_run(accepted):
     check_spec_resume(kda_prefill_reference, kda_decode_fused, accepted, 1e-5, S=3, **SMALL)
 
 
-@pytest.mark.parametrize("fn", [SPLIT4, SPIN4], ids=["split4", "spin4"])
+@pytest.mark.parametrize("fn", [SPLIT4], ids=["split4"])
 def test_spec_resume_ds_layout_split(fn):
     check_spec_resume(kda_prefill_reference, fn, 2, 1e-5, S=2, conv_layout="DS", **SMALL)
 
@@ -227,10 +226,9 @@ GPU_SHAPE = dict(H=16, D=128, device="cuda")
 
 
 GPU_SHAPES = {  # every launch shape the default rule or the benchmark sweep can pick, both ways of meeting
-    "whole_w8": FusedDecodeConfig(None, 8), "bv4_w1_spin": FusedDecodeConfig(4, 1, spin=True),
-    "bv8_w1": FusedDecodeConfig(8, 1), "bv8_w1_spin": FusedDecodeConfig(8, 1, spin=True),
-    "bv32_w4": FusedDecodeConfig(32, 4), "bv32_w4_spin": FusedDecodeConfig(32, 4, spin=True),
-    "bv32_w4_sf": FusedDecodeConfig(32, 4, store_first=True), "bv64_w4_spin": FusedDecodeConfig(64, 4, spin=True),
+    "whole_w8": FusedDecodeConfig(None, 8), "bv4_w1": FusedDecodeConfig(4, 1),
+    "bv8_w1": FusedDecodeConfig(8, 1), "bv32_w4": FusedDecodeConfig(32, 4),
+    "bv32_w4_sf": FusedDecodeConfig(32, 4, store_first=True), "bv64_w4": FusedDecodeConfig(64, 4),
 }
 
 
@@ -261,8 +259,7 @@ def test_gpu_launch_shapes_over_consecutive_steps(name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [FusedDecodeConfig(32, 4), FusedDecodeConfig(32, 4, spin=True),
-                                    FusedDecodeConfig(8, 1, spin=True)], ids=["bv32", "bv32_spin", "bv8_spin"])
+@pytest.mark.parametrize("config", [FusedDecodeConfig(32, 4), FusedDecodeConfig(8, 1)], ids=["bv32", "bv8"])
 def test_gpu_split_heads_over_several_waves(config):
     """300 sequences x 32 heads x D/block_v programs: far more than one wave, so siblings of a head
     run on different SMs at different times."""
@@ -279,8 +276,8 @@ def test_gpu_bf16_state_matches_reference():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["SD", "DS"])
-@pytest.mark.parametrize("config", [None, FusedDecodeConfig(None, 8), FusedDecodeConfig(32, 4, spin=True)],
-                         ids=["default", "whole", "bv32_spin"])
+@pytest.mark.parametrize("config", [None, FusedDecodeConfig(None, 8), FusedDecodeConfig(32, 4)],
+                         ids=["default", "whole", "bv32"])
 def test_gpu_spec_verify(layout, config):
     fn = functools.partial(launch_fused_decode, config)
     case, spec, accepted = _spec_case(9, 3, seed=22, dtype=torch.bfloat16, conv_layout=layout, **GPU_SHAPE)
@@ -300,9 +297,9 @@ def test_gpu_matches_chain():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("spec_tokens, config", [(0, None), (0, FusedDecodeConfig(32, 4, spin=True)), (2, None),
-                                                 (2, FusedDecodeConfig(None, 8)), (2, FusedDecodeConfig(16, 4, spin=True))],
-                         ids=["decode", "decode_spin", "verify", "verify_whole", "verify_spin"])
+@pytest.mark.parametrize("spec_tokens, config", [(0, None), (0, FusedDecodeConfig(32, 4)), (2, None),
+                                                 (2, FusedDecodeConfig(None, 8)), (2, FusedDecodeConfig(16, 4))],
+                         ids=["decode", "decode_bv32", "verify", "verify_whole", "verify_bv16"])
 def test_gpu_cuda_graph_replay_equals_eager(spec_tokens, config):
     """Capture one step, then replay it on fresh inputs copied into the captured buffers: the same
     result as an eager call on a copy of the pools (plain decode at N*H = 384 takes the split path:
@@ -371,13 +368,13 @@ from kdaserve.ops.fused.decode_kernel import kda_fused_decode_kernel as kernel
 
 params = list(inspect.signature(kernel.fn).parameters)
 bf, f32, i32 = "*bf16", "*fp32", "*i32"
-# (BV, warps, tokens, state, spin): the default shapes (decode small/large, bf16 large, verify) and the whole head
-for bv, warps, tokens, state, spin in ((8, 1, 1, f32, True), (64, 4, 1, f32, True), (32, 4, 4, bf, False), (128, 8, 1, f32, False)):
+# (BV, warps, tokens, state): the default shapes (decode small/large, bf16 large, verify) and the whole head
+for bv, warps, tokens, state in ((8, 1, 1, f32), (64, 4, 1, f32), (32, 4, 4, bf), (128, 8, 1, f32)):
     types = dict(qkv=bf, g1=bf, beta_logits=bf, g2=bf, conv_w=f32, A_log=f32, dt_bias=f32, norm_w=f32, conv_state=bf,
                  state=state, state_indices=i32, spec_indices=i32, num_accepted=i32, out=bf, ws_o=i32, ws_count=i32,
                  lower_bound="fp32", norm_eps="fp32")
     const = dict(H=32, D=128, L=2 + tokens, TOKENS=tokens, SCALE=128**-0.5, IS_SPEC=tokens > 1, BOUNDED_GATE=True, BV=bv,
-                 WIN_REGS=bv <= 16, STORE_FIRST=False, SPIN=spin)
+                 WIN_REGS=bv <= 16, STORE_FIRST=False)
     sig = {p: "constexpr" if p in const else types.get(p, "i32") for p in params}
     div16 = [p for p in params if p not in const and (types.get(p, "").startswith("*") or p.startswith("stride"))]
     src = ASTSource(kernel, sig, constexprs={(params.index(k),): v for k, v in const.items()},
@@ -386,7 +383,7 @@ for bv, warps, tokens, state, spin in ((8, 1, 1, f32, True), (64, 4, 1, f32, Tru
     # The state tile must move in 16-byte accesses (the kernel is bound by state traffic).
     assert re.search(r"ld\.global[^\n]*\.v4", ptx) and re.search(r"st\.global[^\n]*\.v4", ptx), "state not vectorized"
     if bv < 128:  # the split heads meet as designed
-        assert ("ld.volatile" in ptx) == spin and ("atom.global.gpu.acq_rel" in ptx) == (not spin), (bv, spin)
+        assert "ld.volatile" not in ptx and "atom.global.gpu.acq_rel" in ptx, bv  # arrival counter, no polling
 print("ok")
 '''
 

@@ -36,8 +36,7 @@ class FusedDecodeConfig:
     num_warps: int = 4
     # Knobs of split shapes (benchmarks/bench_decode.py sweeps them):
     window_regs: bool | None = None  # conv rows rewritten from registers, not re-read (None: block_v <= 16)
-    store_first: bool = False  # counter only: store the state tile before the arrival (the release waits for it)
-    spin: bool = False  # meet by the head's last pid polling the workspace (else an arrival counter)
+    store_first: bool = False  # store the state tile before the arrival (the release waits for it)
     # The `stream` shape (plain decode only, stream_kernel.py): one program per head streams its
     # state in [block_v, K] tiles; no workspace, no meeting. Tiles ahead of the computed one:
     # `stages` >= 2: stages-1 through shared memory (Triton's pipeliner, cp.async), after 1 +
@@ -48,7 +47,6 @@ class FusedDecodeConfig:
     prefetch: int = 0
 
 
-MEET_BY_POLLING = False
 # Plain decode steps of at least this many heads (N*H) take the `stream` shape (stream_kernel.py):
 # from there on it is the fastest shape measured, below it the split shapes are (numbers:
 # docs/perf-notes.md, "Decode, stream shape"). 0 disables it.
@@ -86,28 +84,26 @@ benchmarks/bench_decode.py's sweep (docs/perf-notes.md):
       (STREAM_FP32 / STREAM_BF16; see STREAM_FROM_HEADS for the evidence);
     - speculative verify: one-warp [8, K] tiles up to 128 heads, else [32, K] (its tile stays in
       registers across the S+1 tokens, so [64, K] would not fit).
-    Split heads meet by the arrival counter (MEET_BY_POLLING = False). Polling is faster, but it
-    assumes programs of a 1-D grid are dispatched in order (a waiting program must never block the
-    launch of a sibling it waits for), which no vendor guarantees: a runtime that may hang or emit
-    NaN on another GPU or driver is not worth it. True only where that assumption is known to hold."""
+    Split heads meet by an arrival counter, never by one program waiting for another (that would
+    need in-order dispatch of the grid, which no vendor guarantees)."""
     if verify if verify is not None else tokens_per_seq > 1:
         if programs <= 128:
-            return FusedDecodeConfig(block_v=min(head_dim, 8), num_warps=1, spin=MEET_BY_POLLING)
-        return FusedDecodeConfig(block_v=min(head_dim, 32), num_warps=4, spin=MEET_BY_POLLING)
+            return FusedDecodeConfig(block_v=min(head_dim, 8), num_warps=1)
+        return FusedDecodeConfig(block_v=min(head_dim, 32), num_warps=4)
     if STREAM_FROM_HEADS and programs >= STREAM_FROM_HEADS:
         cfg = STREAM_FP32 if state_bytes >= 4 else STREAM_BF16
         return replace(cfg, block_v=min(head_dim, cfg.block_v))
     if programs <= (512 if state_bytes >= 4 else 128):
-        return FusedDecodeConfig(block_v=min(head_dim, 8), num_warps=1, spin=MEET_BY_POLLING)
+        return FusedDecodeConfig(block_v=min(head_dim, 8), num_warps=1)
     if state_bytes >= 4:
-        return FusedDecodeConfig(block_v=min(head_dim, 64), num_warps=4, spin=MEET_BY_POLLING)
-    return FusedDecodeConfig(block_v=min(head_dim, 32), num_warps=4, spin=MEET_BY_POLLING)
+        return FusedDecodeConfig(block_v=min(head_dim, 64), num_warps=4)
+    return FusedDecodeConfig(block_v=min(head_dim, 32), num_warps=4)
 
 
 # ---- split workspace -------------------------------------------------------------------------
 # When D // block_v > 1 programs share a head, each writes its fp32 o-tile (as int32 bits) into the
-# head's row of `o`; the program that finishes the head (the last to bump the head's counter, or
-# with spin the head's highest pid, polling the row) normalizes, then puts the row back to rest.
+# head's row of `o`; the program that finishes the head (the last to bump the head's counter)
+# normalizes, then puts the row back to rest.
 # Rules:
 # - At rest (between launches) every counter is 0 and every `o` element holds WS_SENTINEL (each
 #   launch leaves them so), so no memset launch is needed and the buffers stay valid inside CUDA
@@ -242,6 +238,6 @@ def launch_fused_decode(config: FusedDecodeConfig | None, inputs: KDAInputs, wei
         H=H, D=D, L=rows.shape[1], TOKENS=tokens, SCALE=D**-0.5,
         IS_SPEC=spec_state_indices is not None, BOUNDED_GATE=lb is not None,
         BV=block_v, WIN_REGS=block_v <= 16 if cfg.window_regs is None else cfg.window_regs,
-        STORE_FIRST=cfg.store_first, SPIN=cfg.spin,
+        STORE_FIRST=cfg.store_first,
         num_warps=cfg.num_warps,
     )

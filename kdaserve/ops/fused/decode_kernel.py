@@ -11,20 +11,14 @@ need nothing from each other; what they share is:
 - the gated RMSNorm, which needs all V outputs of the head. With SPLIT == 1 the program has them.
   With SPLIT > 1 each program writes its fp32 o-tile (as int32 bits) into the head's workspace row,
   and one program of the head *finishes* it: reads the whole row, writes the normalized output,
-  rewrites the q/k conv window and puts the row back to rest (all WS_SENTINEL). Two ways to pick it:
-  * SPIN = False (arrival counter): after a CTA barrier (every thread's stores precede it) each
-    program bumps the head's counter (acq_rel); the one that sees SPLIT-1 finishes and zeroes the
-    counter. No waiting anywhere, but every program pays a fence and an atomic round trip.
-  * SPIN = True (polling): the head's highest pid finishes; it polls the row (volatile loads) until
-    no sentinel is left. The other programs just store and exit. This relies on the hardware
-    dispatching a 1D grid's programs in pid order, so that the siblings a finisher waits for (lower
-    pids) are already running and never wait themselves (the assumption CUTLASS's serial split-K and
-    stream-K make). SPIN_LIMIT bounds the polling: a schedule that broke the assumption would give
-    NaN outputs for that head after ~seconds instead of a hang.
+  rewrites the q/k conv window and puts the row back to rest (all WS_SENTINEL). The finisher is
+  picked by an arrival counter: after a CTA barrier (every thread's stores precede it) each
+  program bumps the head's counter (acq_rel); the one that sees SPLIT-1 finishes and zeroes the
+  counter. No program ever waits on another (waiting would need the hardware to dispatch a grid
+  in order, which nothing guarantees), at the price of a fence and an atomic round trip each.
 - the conv window of the head's q and k channels: all SPLIT programs read it, so only the finisher
-  rewrites it, after it knows every sibling is done (counter: their reads precede their release;
-  polling: each sibling's o values depend on its window reads, so those were complete before its
-  o-tile could be stored). Each program rewrites its own v channels' window.
+  rewrites it, after it knows every sibling is done (their reads precede their release). Each
+  program rewrites its own v channels' window.
 
 Why one pass over the state suffices: with S' = S * exp(gk) (decay along K),
     u = beta * (v - S' k),   S'' = S' + u k^T,   o = S'' q = S' q + u (k . q),
@@ -69,22 +63,12 @@ def _log_decay(g1_ptr, dt_bias_ptr, a_log, lower_bound, BOUNDED_GATE: tl.constex
 
 
 WS_SENTINEL: tl.constexpr = tl.constexpr(0x7FA5A5A5)  # a signalling-NaN payload: no fp32 result has it
-SPIN_LIMIT: tl.constexpr = tl.constexpr(1 << 22)  # polls (~1 s): a bound, so a broken schedule cannot hang
 
 
 @triton.jit
-def _ws_read(ptr, SPIN: tl.constexpr):
-    """A workspace row written by other programs: .cg reads from L2, never from this SM's L1; with
-    SPIN, volatile reads repeated until no element holds the sentinel."""
-    if SPIN:
-        bits = tl.load(ptr, volatile=True)
-        polls = 0
-        while (tl.sum((bits == WS_SENTINEL).to(tl.int32), 0) > 0) & (polls < SPIN_LIMIT):
-            bits = tl.load(ptr, volatile=True)
-            polls += 1
-    else:
-        bits = tl.load(ptr, cache_modifier=".cg")
-    return bits
+def _ws_read(ptr):
+    """A workspace row written by other programs: .cg reads from L2, never from this SM's L1."""
+    return tl.load(ptr, cache_modifier=".cg")
 
 
 @triton.jit
@@ -153,14 +137,12 @@ def kda_fused_decode_kernel(
     lower_bound, norm_eps,
     H: tl.constexpr, D: tl.constexpr, L: tl.constexpr, TOKENS: tl.constexpr, SCALE: tl.constexpr,
     IS_SPEC: tl.constexpr, BOUNDED_GATE: tl.constexpr, BV: tl.constexpr,
-    WIN_REGS: tl.constexpr, STORE_FIRST: tl.constexpr, SPIN: tl.constexpr,
+    WIN_REGS: tl.constexpr, STORE_FIRST: tl.constexpr,
 ):
     """WIN_REGS: the conv rows are rewritten from the window registers (no reload, for
     latency-bound shapes) instead of re-read from L1/L2 (frees registers for occupancy).
     STORE_FIRST: with SPLIT > 1, the state tile is stored before the arrival (the release then
-    waits for it) instead of after it.
-    SPIN: how a split head's programs meet (see the module docstring): False = arrival counter,
-    True = the head's highest-pid program polls the workspace row until no sentinel is left."""
+    waits for it) instead of after it."""
     P: tl.constexpr = H * D
     SPLIT: tl.constexpr = D // BV
     pid = tl.program_id(0)
@@ -246,9 +228,9 @@ def kda_fused_decode_kernel(
 
     active = conv_on | rec_on
     ws_row = ws_o + head.to(tl.int64) * TOKENS * D
-    if (STORE_FIRST or SPLIT == 1 or SPIN) and not IS_SPEC:  # (verify stored per token above)
+    if (STORE_FIRST or SPLIT == 1) and not IS_SPEC:  # (verify stored per token above)
         tl.store(s_head + read_slot * stride_s_slot + s_tile, S.to(state.dtype.element_ty), mask=rec_on)
-    if SPLIT > 1 and not SPIN:
+    if SPLIT > 1:
         # Arrive: every thread's workspace stores (and window reads) precede thread 0's release.
         tl.debug_barrier()
         arrived = tl.atomic_add(ws_count + head, 1, sem="acq_rel", scope="gpu", mask=active)
@@ -266,24 +248,17 @@ def kda_fused_decode_kernel(
         _rewrite_conv(cs_slot, stride_cs_row, stride_cs_chan, qkv, stride_qkv_t, qk, conv_on, i_n, offset,
                       hqk0, hqk1, hqk2, L, TOKENS, WIN_REGS)
     else:
-        if SPIN:
-            # The head's highest pid finishes: its siblings have lower pids, so they were dispatched
-            # no later and never wait on anything; it polls until their o-tiles are all in (each
-            # tile's values depend on its program's q/k window reads, so those are done too).
-            finisher = (i_v == SPLIT - 1) & active
-            tl.debug_barrier()  # this program's own tile stores are performed before it polls
-        else:
-            finisher = (arrived == SPLIT - 1) & active  # last to arrive: all o-tiles in, all windows read
+        finisher = (arrived == SPLIT - 1) & active  # last to arrive: all o-tiles in, all windows read
         if finisher:
             if TOKENS == 1:  # in flight together with the conv rows the rewrite re-reads
-                o_bits = _ws_read(ws_row + d, SPIN)
+                o_bits = _ws_read(ws_row + d)
             _rewrite_conv(cs_slot, stride_cs_row, stride_cs_chan, qkv, stride_qkv_t, qk, conv_on, i_n, offset,
                           hqk0, hqk1, hqk2, L, TOKENS, WIN_REGS)
             for j in tl.static_range(TOKENS):
                 tn = i_n * TOKENS + j
                 if TOKENS > 1:
                     gate_w = _gate_w(g2 + tn * stride_g2_t + i_h * stride_g2_h + d, w_norm)
-                    o_bits = _ws_read(ws_row + j * D + d, SPIN)
+                    o_bits = _ws_read(ws_row + j * D + d)
                 _gated_norm_store(o_bits.to(tl.float32, bitcast=True), gate_w,
                                   out + tn * stride_o_t + i_h * stride_o_h + d, rec_on, norm_eps, D)
             # Back to rest for the next launch: every thread has read the row (barrier), then the
@@ -291,5 +266,4 @@ def kda_fused_decode_kernel(
             tl.debug_barrier()
             for j in tl.static_range(TOKENS):
                 tl.store(ws_row + j * D + d, tl.full([D], WS_SENTINEL, tl.int32))
-            if not SPIN:
-                tl.store(ws_count + head, 0)
+            tl.store(ws_count + head, 0)
