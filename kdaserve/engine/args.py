@@ -10,6 +10,8 @@ import dataclasses
 import types
 import typing
 
+import torch
+
 from kdaserve.engine.config import EngineConfig
 
 
@@ -33,19 +35,19 @@ def add_engine_args(parser: argparse.ArgumentParser, **defaults) -> argparse.Arg
     (a benchmark may default to the `bench` model, say)."""
     group = parser.add_argument_group("engine")
     for f in dataclasses.fields(EngineConfig):
-        meta = f.metadata
+        meta, flag = f.metadata, _flag_name(f)
         default = defaults.get(f.name, f.default)
         if isinstance(default, bool):
             # A flag that flips the default: --enforce-eager sets True, --no-warmup sets False.
-            group.add_argument(_flag_name(f), dest=f.name, action="store_false" if default else "store_true",
+            group.add_argument(flag, dest=f.name, action="store_false" if default else "store_true",
                                default=default, help=meta["help"])
             continue
-        shown = str(default).removeprefix("torch.") if default is not None else None
-        flag = _flag_name(f)
-        group.add_argument(flag, dest=f.name, type=_scalar_type(f), default=shown if shown is not None and
-                           not isinstance(default, (int, float)) else default,
+        if isinstance(default, torch.dtype):  # parsed like the flag's value: "float32", not torch.float32
+            default = str(default).removeprefix("torch.")
+        group.add_argument(flag, dest=f.name, type=_scalar_type(f), default=default,
                            metavar=flag.removeprefix("--").replace("-", "_").upper(),
-                           help=meta["help"] + (f" (default: {shown})" if shown is not None else ""), **meta["argparse"])
+                           help=meta["help"] + (f" (default: {default})" if default is not None else ""),
+                           **meta["argparse"])
     return parser
 
 
