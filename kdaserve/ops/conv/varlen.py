@@ -118,14 +118,12 @@ def causal_conv_varlen_fwd(
     if has_initial_state.shape != (N,):
         raise ValueError(f"has_initial_state must be [N] = [{N}], got {tuple(has_initial_state.shape)}")
     T, C = x.shape
-    if tables is not None:
-        here = host_offsets(cu_seqlens_cpu) if cu_seqlens_cpu is not None else None
-        if len(tables.offsets) != N + 1 or tables.offsets[-1] != T or (here is not None and here != tables.offsets):
-            raise ValueError(f"conv tables were built for a step of {len(tables.offsets) - 1} sequences and "
-                             f"{tables.offsets[-1]} tokens (lengths {tables.offsets}), not this one ({N} and {T}"
-                             f"{f', lengths {here}' if here is not None else ''}); build them for this step")
-    else:
-        offsets = check_cu_seqlens_cpu(cu_seqlens_cpu, N, T)
+    offsets = check_cu_seqlens_cpu(cu_seqlens_cpu, N, T)
+    if tables is not None and (len(tables.offsets) != N + 1 or tables.offsets[-1] != T
+                               or (offsets is not None and offsets != tables.offsets)):
+        raise ValueError(f"conv tables were built for a step of {len(tables.offsets) - 1} sequences and "
+                         f"{tables.offsets[-1]} tokens (lengths {tables.offsets}), not this one ({N} and {T}"
+                         f"{f', lengths {offsets}' if offsets is not None else ''}); build them for this step")
     L, W = rows.shape[1], weight.shape[1]
     y = out if out is not None else torch.empty_like(x, memory_format=torch.contiguous_format)
     if T == 0 or N == 0:
