@@ -1,7 +1,8 @@
 """What each prefill backend prepares once per step, before its layers run (BackendSpec.planner):
 `plan(cu_seqlens, cu_seqlens_cpu, num_tokens, num_heads, settings) -> tables`, passed to every
-layer's call as `step_plan`. Without the host copy of cu_seqlens nothing is prepared (None: each
-call then builds what it needs, as tests and tools do). Ops are imported when first used."""
+layer's call as `step_plan`. The table-based planners need the host copy of cu_seqlens and
+prepare nothing without it (None: each call then builds what it needs, as tests and tools do);
+flash's plan is built on the device and needs no host copy. Ops are imported when first used."""
 
 from __future__ import annotations
 

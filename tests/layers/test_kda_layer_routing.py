@@ -9,7 +9,7 @@ import torch
 
 from kdaserve.layers.context import Context, KDAStepMetadata, reset_context, set_context
 from kdaserve.layers.kda import KDALayer
-from kdaserve.layers.kda_routing import make_kda_metadata, step_route
+from kdaserve.layers.kda_routing import make_kda_metadata, run_kda_step, step_route
 from kdaserve.layers.kda_weights import random_kda_checkpoint
 from kdaserve.ops.reference import kda_decode_reference, kda_prefill_reference
 from kdaserve.ops.types import DecodeSeqs, KDACache, KDAInputs, PrefillSeqs
@@ -180,6 +180,22 @@ def test_token_count_must_match_the_metadata():
     layer.conv_state = layer.recurrent_state = None
     with pytest.raises(ValueError, match="bind_cache"):
         run(layer, make_kda_metadata(decode_slots=[1, 2]), torch.randn(2, HID, dtype=torch.float64))
+
+
+def test_a_step_without_its_plan_is_refused_by_name():
+    """run_kda_step needs the step's plan for each part it runs (backends.plan_step(meta))."""
+    layer = make_layer()
+    x = torch.randn(2, HID, dtype=torch.float64)
+    qkv, beta, g1, g2 = layer.project(x)
+    out = torch.empty(2, H, D, dtype=torch.float64)
+    inputs = KDAInputs(qkv, g1, beta, g2)
+    decode_meta = make_kda_metadata(decode_slots=[1, 2])
+    with pytest.raises(ValueError, match=r"decodes without a decode plan \(backends.plan_step\(meta\)\)"):
+        run_kda_step(decode_meta, None, inputs, layer.kda_weights, layer.cache, out, layer.backends)
+    prefill_meta = make_kda_metadata(prefill_lens=[2], prefill_slots=[3], prefill_has_initial_state=[False])
+    decode_only = layer.backends.plan_step(decode_meta)  # a plan of the wrong kind
+    with pytest.raises(ValueError, match="prefills without a prefill plan"):
+        run_kda_step(prefill_meta, decode_only, inputs, layer.kda_weights, layer.cache, out, layer.backends)
 
 
 def test_forward_follows_the_checkpoint_layout():

@@ -32,7 +32,6 @@ from kdaserve.ops.host_tables import host_offsets
 from kdaserve.ops.types import KDACache, KDAInputs, KDAWeights, PrefillSeqs, conv_state_rows
 
 
-
 @dataclass(frozen=True, slots=True)
 class FlashStepPlan:
     """What a prefill step needs before its layers run: the work tables (built on the device by one
