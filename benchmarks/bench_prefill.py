@@ -2,8 +2,7 @@
 
 Columns, side by side in one run on the same inputs (bf16 q|k|v, fp32 state pool, D = 128,
 lower_bound -5 (--gate unbounded: Kimi-Linear's gate), every sequence resuming from its slot's state):
-  chunk  kdaserve.ops.chunk.kda_prefill_chunk
-  flash  kdaserve.ops.flash.kda_prefill_flash (only when that module exists)
+  flash  kdaserve.ops.flash.kda_prefill_flash
   fla    FLA 0.6.0 `chunk_kda` as a serving engine must call it, through
          kdaserve.backends.adapters.fla.kda_prefill_fla: our Triton varlen conv, chunk_kda with the
          gate, l2norm and beta sigmoid in the kernel (what FLA supports), initial states gathered
@@ -13,13 +12,12 @@ lower_bound -5 (--gate unbounded: Kimi-Linear's gate), every sequence resuming f
          publish, and the strictest baseline: our columns do strictly more work than this one.
 The conv and the gated RMSNorm are INCLUDED in every column but fla-core.
 
-Also printed: agreement of every column with the fp64 reference on a small mixed step, a per-stage
-breakdown of `chunk` at 32 heads (conv, gate, intra, state, output), and with --sweep the launch
-shapes of `chunk` (kdaserve.ops.chunk.core.ChunkConfig).
+Also printed: agreement of every column with the fp64 reference on a small mixed step (flash's
+per-kernel breakdown: benchmarks/profile_prefill.py).
 
 Run (H200; FLA's first-call autotuning per head count is most of it: ~2 min per head count with
 every default shape, ~8 min for the whole default grid; split it across calls when time is short):
-    PYTHONPATH=$PWD python benchmarks/bench_prefill.py --no-agreement --no-stages [--device-time] \
+    PYTHONPATH=$PWD python benchmarks/bench_prefill.py --no-agreement [--device-time] \
         [--heads 16 32 64 96] [--shapes 1x8K 8x1K 16x1K 64x512 1x32K 1x64K 1x128K]
 """
 
@@ -91,16 +89,9 @@ def with_step_plan(fn, planner):
 
 
 def load_columns() -> dict:
-    cols = {}
-    from kdaserve.ops.chunk import kda_prefill_chunk
+    from kdaserve.ops.flash import kda_prefill_flash
 
-    cols["chunk"] = with_step_plan(kda_prefill_chunk, planners.chunk_plan)
-    try:
-        from kdaserve.ops.flash import kda_prefill_flash
-
-        cols["flash"] = with_step_plan(kda_prefill_flash, planners.flash_plan)
-    except ImportError:
-        pass
+    cols = {"flash": with_step_plan(kda_prefill_flash, planners.flash_plan)}
     try:
         import fla.ops.kda  # noqa: F401  (fail here, not inside the timing loop)
 
@@ -193,88 +184,13 @@ def agreement(cols: dict) -> None:
         print(f"vs fp64 reference, {gate} gate, H=32, lens [700, 1, 64, 300] (rel RMS): " + "; ".join(parts), flush=True)
 
 
-def stage_breakdown(case: KDACase, config=None) -> dict:
-    """ms of each launch of `chunk` (conv, then the four core stages), each timed on its own."""
-    from kdaserve.ops.chunk.core import DEFAULT_CONFIG, ChunkPlan, workspace_dtype
-    from kdaserve.ops.conv import causal_conv_varlen_fwd
-
-    c = case
-    y = torch.empty(c.qkv.shape, dtype=workspace_dtype(c.qkv.dtype), device="cuda")
-
-    def conv():
-        causal_conv_varlen_fwd(c.qkv, c.weights.conv_weight, c.conv_state, c.cu_seqlens, c.state_indices,
-                               c.has_initial_state, "SD", cu_seqlens_cpu=c.cu_seqlens_cpu, out=y)
-
-    conv()
-    plan = ChunkPlan(y, c.g1, c.beta_logits, c.g2, c.weights, c.recurrent_state, c.cu_seqlens, c.state_indices,
-                     c.has_initial_state, case.new_out(), c.cu_seqlens_cpu, config or DEFAULT_CONFIG)
-    plan.run()
-    torch.cuda.synchronize()
-    stages = {"conv": conv, "gate": plan.gate, "intra": plan.intra, "state": plan.state, "output": plan.output}
-    return {k: triton.testing.do_bench(f, warmup=5, rep=25, return_mode="median") for k, f in stages.items()}
-
-
-def sweep_configs() -> dict:
-    from kdaserve.ops.chunk.core import ChunkConfig
-
-    return {
-        "default": ChunkConfig(),
-        "bv16 w4 s2": ChunkConfig(state_bv=16, state_warps=4, state_stages=2),
-        "bv16 w4 s3": ChunkConfig(state_bv=16, state_warps=4, state_stages=3),
-        "bv32 w4 s2": ChunkConfig(state_bv=32, state_warps=4, state_stages=2),
-        "bv32 w4 s3": ChunkConfig(state_bv=32, state_warps=4, state_stages=3),
-        "bv32 w8 s2": ChunkConfig(state_bv=32, state_warps=8, state_stages=2),
-        "bv64 w4 s2": ChunkConfig(state_bv=64, state_warps=4, state_stages=2),
-        "bv64 w8 s2": ChunkConfig(state_bv=64, state_warps=8, state_stages=2),
-        # The intra stage (ChunkConfig's comments): the default is "blocked" (diagonal inverses by
-        # recursive blocking at tf32) + wide (A by row blocks, one dot against every earlier
-        # column); "orig" is the original (forward substitution, "ieee" inverse, one dot per block
-        # pair). 4 warps: two programs per SM (48-220 B of spill, ptxas).
-        "intra orig": ChunkConfig(intra_inverse="substitution", intra_wide=False),
-        "intra blocked pairs": ChunkConfig(intra_wide=False),
-        "intra wide subst": ChunkConfig(intra_inverse="substitution"),
-        "intra wide subst tf32": ChunkConfig(intra_inverse="substitution", intra_inverse_tf32=True),
-        "intra w4": ChunkConfig(intra_warps=4),
-        "output w8": ChunkConfig(output_warps=8),
-    }
-
-
-def run_sweep(shapes: list[str], gate: str = "bounded") -> None:
-    from kdaserve.ops.chunk.core import kda_chunk_core, workspace_dtype
-    from kdaserve.ops.conv import causal_conv_varlen_fwd
-
-    configs = sweep_configs()
-    print(f"\nchunk launch shapes, H=32, {gate} gate: ms per call (conv included)")
-    print("| shape | " + " | ".join(configs) + " |")
-    print("|---|" + "---|" * len(configs))
-    for shape in shapes:
-        case = gpu_case(parse_shape(shape), 32, gate=gate)
-        cells = []
-        for cfg in configs.values():
-            def fn(out, inputs, weights, cache, seqs, _cfg=cfg):
-                qkv, g1, beta_logits, g2 = inputs
-                conv_state, recurrent_state, conv_layout = cache
-                cu_seqlens, state_indices, has_initial_state, cu_seqlens_cpu = seqs
-                y = torch.empty(qkv.shape, dtype=workspace_dtype(qkv.dtype), device=qkv.device)
-                causal_conv_varlen_fwd(qkv, weights.conv_weight, conv_state, cu_seqlens, state_indices, has_initial_state,
-                                       conv_layout, cu_seqlens_cpu=cu_seqlens_cpu, out=y)
-                kda_chunk_core(y, g1, beta_logits, g2, weights, recurrent_state, cu_seqlens, state_indices,
-                               has_initial_state, out, cu_seqlens_cpu=cu_seqlens_cpu, config=_cfg)
-            cells.append(f"{bench_ms(fn, case):.3f}")
-        print(f"| {shape} | " + " | ".join(cells) + " |", flush=True)
-        del case
-        torch.cuda.empty_cache()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--heads", type=int, nargs="+", default=[32, 16, 64, 96])
     ap.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), help="NxL, e.g. 1x8K 16x1K 64x512")
     ap.add_argument("--no-agreement", action="store_true")
-    ap.add_argument("--no-stages", action="store_true")
     ap.add_argument("--device-time", action="store_true",
                     help="also the kernels' device time per column (torch.profiler): ratios immune to host gaps")
-    ap.add_argument("--sweep", action="store_true", help="also time ChunkConfig launch shapes at H=32")
     ap.add_argument("--gate", choices=("bounded", "unbounded"), default="bounded",
                     help="forget gate of the timed cases: GLM's bounded one (LB = -5) or Kimi-Linear's unbounded one")
     args = ap.parse_args()
@@ -292,7 +208,7 @@ def main() -> None:
           + ", ".join(f"{k} {host_us(fn, tiny):.0f}" for k, fn in cols.items()), flush=True)
     del tiny
 
-    rows, dev_rows, stages = [], [], []
+    rows, dev_rows = [], []
     for H in args.heads:
         for shape in args.shapes:
             case = gpu_case(parse_shape(shape), H, gate=args.gate)
@@ -301,23 +217,10 @@ def main() -> None:
             rows.append((H, shape, T, times))
             if args.device_time:
                 dev_rows.append((H, shape, T, {name: device_ms(fn, case) for name, fn in cols.items()}))
-            if H == 32 and not args.no_stages:
-                stages.append((shape, stage_breakdown(case)))
             del case
             torch.cuda.empty_cache()
             print(f"  done H={H} {shape}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in times.items())
                   + f" ({time.time() - t0:.0f} s)", flush=True)
-
-    if args.sweep:
-        run_sweep([s for s in args.shapes if s != "1x64K"] or args.shapes, args.gate)
-
-    if stages:
-        names = list(stages[0][1])
-        print("\nchunk stages at H=32: ms (each launch timed alone)")
-        print("| shape | " + " | ".join(names) + " | sum |")
-        print("|---|" + "---|" * (len(names) + 1))
-        for shape, st in stages:
-            print(f"| {shape} | " + " | ".join(f"{st[k]:.3f}" for k in names) + f" | {sum(st.values()):.3f} |")
 
     title = f"prefill, bf16 inputs, fp32 state, D={D}, {args.gate} gate: ms per call"
     print_table(rows, list(cols), f"{title}, wall time (do_bench median) [{time.time() - t0:.0f} s total]")

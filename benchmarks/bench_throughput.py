@@ -1,8 +1,8 @@
 """Offline serving throughput of the `bench` model per KDA backend pair, and the decode step time
 at a fixed batch against its memory floor.
 
-    python benchmarks/bench_throughput.py                       # chunk+chain, flash+fused, fla+fla
-    python benchmarks/bench_throughput.py --pairs chunk+chain,auto+auto --num-requests 64
+    python benchmarks/bench_throughput.py                       # flash+fused, flash+chain, fla+fla
+    python benchmarks/bench_throughput.py --pairs flash+chain,auto+auto --num-requests 64
 
 For each pair (prefill+decode backend): build the engine (CUDA graphs captured), warm up, run
 `--num-requests` requests of `--input-len` random prompt tokens and exactly `--output-len` output
@@ -181,7 +181,7 @@ def decode_step(llm: LLM, args) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--pairs", default="chunk+chain,flash+fused,fla+fla",
+    ap.add_argument("--pairs", default="flash+fused,flash+chain,fla+fla",
                     help="comma-separated prefill+decode backend pairs (auto+auto allowed)")
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--input-len", type=int, default=1024)

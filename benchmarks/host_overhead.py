@@ -16,7 +16,7 @@ first call on a new step (the first layer), and per call: kernel launches, devic
 (allocations, copies, small kernels: each is a CUDA API call on a GPU host) and host->device copies.
 
     PYTHONPATH=$PWD python3 benchmarks/host_overhead.py            # the table (~1 min)
-    PYTHONPATH=$PWD python3 benchmarks/host_overhead.py --profile chunk:4x64   # cProfile of one column
+    PYTHONPATH=$PWD python3 benchmarks/host_overhead.py --profile flash:4x64   # cProfile of one column
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from kdaserve.backends import planners
 from kdaserve.backends.requirements import LayerSettings
-from kdaserve.ops.chunk import kda_prefill_chunk
 from kdaserve.ops.conv import causal_conv_varlen_fwd
 from kdaserve.ops.flash import kda_prefill_flash
 from kdaserve.ops.types import KDACache, KDAInputs, KDAWeights, PrefillSeqs
@@ -137,7 +136,7 @@ def planned(fn, planner):
     return call
 
 
-COLUMNS = {"chunk": planned(kda_prefill_chunk, planners.chunk_plan), "flash": planned(kda_prefill_flash, planners.flash_plan),
+COLUMNS = {"flash": planned(kda_prefill_flash, planners.flash_plan),
            "conv": planned(conv_only, planners.conv_tables)}
 
 

@@ -4,7 +4,6 @@ Columns (same inputs, one run; see bench_prefill.py for the inputs):
   fla-arm   kdaserve.backends.adapters.fla.kda_prefill_fla (conv + chunk_kda + gather/scatter + norm)
   fla-core  FLA 0.6.0 `chunk_kda` alone on contiguous q/k/v, a dense initial state and the host
             cu_seqlens: the kernel-only number other projects report (no conv, no norm, no pool)
-  chunk     kdaserve.ops.chunk.kda_prefill_chunk
   flash     kdaserve.ops.flash.kda_prefill_flash (automatic segmenting; flash-seg0 = never segment)
 
 For each column: median ms (do_bench) and a table of kernels with their device µs per call,
@@ -59,10 +58,6 @@ def columns(case, want: list[str]) -> dict:
                 cols["fla-core"] = fla_core_fn(case)
         except ImportError as e:
             print(f"fla columns skipped: {e}")
-    if "chunk" in want:
-        from kdaserve.ops.chunk import kda_prefill_chunk
-
-        cols["chunk"] = with_step_plan(kda_prefill_chunk, planners.chunk_plan)
     if "flash" in want or "flash-seg0" in want:
         from kdaserve.ops.flash import kda_prefill_flash
 
@@ -100,7 +95,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--heads", type=int, nargs="+", default=[32])
     ap.add_argument("--shapes", nargs="+", default=["1x8K", "16x1K"])
-    ap.add_argument("--columns", nargs="+", default=["fla-arm", "fla-core", "chunk", "flash", "flash-seg0"])
+    ap.add_argument("--columns", nargs="+", default=["fla-arm", "fla-core", "flash", "flash-seg0"])
     args = ap.parse_args()
     summary = []
     for H in args.heads:

@@ -1,6 +1,6 @@
 """KDA backends: names -> implementations, each stating its requirements; the resolver.
 
-Prefill: auto, reference, chunk, flash, fla, flashkda, aiter.
+Prefill: auto, reference, flash, fla, flashkda, aiter.
 Decode:  auto, reference, chain, fused, fla, aiter.
 """
 

@@ -20,13 +20,6 @@ def conv_tables(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | None, n
     return None if cu_seqlens_cpu is None else conv_step_tables(host_offsets(cu_seqlens_cpu), cu_seqlens.device)
 
 
-def chunk_plan(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | None, num_tokens: int, num_heads: int,
-               settings: LayerSettings):
-    from kdaserve.ops.chunk import chunk_step_plan
-
-    return None if cu_seqlens_cpu is None else chunk_step_plan(cu_seqlens_cpu, cu_seqlens.device)
-
-
 def flash_plan(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | None, num_tokens: int, num_heads: int,
                settings: LayerSettings):
     from kdaserve.ops.flash import flash_step_plan

@@ -119,10 +119,6 @@ _SPECS: list[BackendSpec] = [
     BackendSpec("reference", "prefill", "torch reference (chunk-64 form), any device", _reference_prefill, _fixed(),
                 graph_capturable=False),
     BackendSpec(
-        "chunk", "prefill", "Triton, chunk-64 multi-kernel", _attr("kdaserve.ops.chunk", "kda_prefill_chunk"),
-        _op_limits("chunk", TRITON + [rq.implementation("kdaserve.ops.chunk")]), planner=_planner("chunk_plan"),
-    ),
-    BackendSpec(
         "flash", "prefill", "Triton, fused few-kernel chunked prefill", _attr("kdaserve.ops.flash", "kda_prefill_flash"),
         _op_limits("flash", TRITON + [rq.implementation("kdaserve.ops.flash")]), planner=_planner("flash_plan"),
     ),
@@ -189,9 +185,9 @@ _SPECS: list[BackendSpec] = [
 # Fastest first, per platform; `auto` takes the first eligible one. FLA is the baseline we beat;
 # the reference always qualifies, so `auto` never fails.
 AUTO_ORDER: dict[str, dict[str, tuple[str, ...]]] = {
-    "cuda": {"prefill": ("flash", "chunk", "fla", "reference"),
+    "cuda": {"prefill": ("flash", "fla", "reference"),
              "decode": ("adaptive", "fused", "chain", "fla", "reference")},
-    "rocm": {"prefill": ("aiter", "flash", "chunk", "fla", "reference"), "decode": ("aiter", "fused", "chain", "fla", "reference")},
+    "rocm": {"prefill": ("aiter", "flash", "fla", "reference"), "decode": ("aiter", "fused", "chain", "fla", "reference")},
     # On the CPU even with TRITON_INTERPRET=1: the interpreter is far slower than torch.
     "cpu": {"prefill": ("reference",), "decode": ("reference",)},
 }
@@ -223,5 +219,5 @@ def get_spec(phase: str, name: str) -> BackendSpec | None:
 for _spec in _SPECS:
     register_backend(_spec)
 
-PREFILL_BACKENDS = ("auto", "reference", "chunk", "flash", "fla", "flashkda", "aiter")
+PREFILL_BACKENDS = ("auto", "reference", "flash", "fla", "flashkda", "aiter")
 DECODE_BACKENDS = ("auto", "reference", "chain", "fused", "adaptive", "fla", "aiter")

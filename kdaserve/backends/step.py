@@ -34,7 +34,7 @@ class KDAStepMetadata:
     num_prefills: int = 0
     num_prefill_tokens: int = 0
     prefill_cu_seqlens: torch.Tensor | None = None      # [num_prefills+1] int32, relative to the prefill part
-    prefill_cu_seqlens_cpu: torch.Tensor | None = None  # host copy (chunk tables without a sync)
+    prefill_cu_seqlens_cpu: torch.Tensor | None = None  # host copy (conv tables without a sync)
     prefill_state_indices: torch.Tensor | None = None   # [num_prefills] int32
     prefill_has_initial_state: torch.Tensor | None = None  # [num_prefills] bool
 

@@ -2,7 +2,7 @@
 
 Every KDA layer of a step calls prefill with the same lengths (48+ layers in real models, no CUDA
 graphs for prefill), so the tables that depend only on the lengths are part of the step's plan,
-built once per step before the layers run (conv_step_tables, chunk_step_plan, flash_step_plan)
+built once per step before the layers run (conv_step_tables, flash_step_plan)
 and passed to each layer; nothing here remembers a step.
 
 Why numpy to build them, not torch: torch's CPU `repeat_interleave` runs a parallel region with

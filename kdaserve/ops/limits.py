@@ -64,12 +64,11 @@ class OpLimits:
 
 POWERS_OF_TWO_16_TO_128 = (16, 32, 64, 128)
 
-# chunk: K = V = D in one tile per program; D = 256 would need a [256, 256] state block per output
-# program (128 KB of shared memory), which no Hopper config fits.
-CHUNK = OpLimits("chunk prefill", (F32, F16, BF16), POWERS_OF_TWO_16_TO_128, bf16_in_interpreter=False)
+# flash: K = V = D in one tile per program; D = 256 would need a [256, 256] fp32 state block per
+# program, which no Hopper config fits in registers or shared memory.
 FLASH = OpLimits("flash prefill", (BF16, F16, F32), POWERS_OF_TWO_16_TO_128, bf16_in_interpreter=False)
 CHAIN = OpLimits("chain decode", (F32, F16, BF16), POWERS_OF_TWO_16_TO_128 + (256,))
 # fused: the width-4 conv window is unrolled in the kernel.
 FUSED = OpLimits("fused decode", (F32, F16, BF16), POWERS_OF_TWO_16_TO_128, conv_widths=(4,))
 
-BY_OP = {"chunk": CHUNK, "flash": FLASH, "chain": CHAIN, "fused": FUSED}
+BY_OP = {"flash": FLASH, "chain": CHAIN, "fused": FUSED}

@@ -1,5 +1,5 @@
-"""(I + A)^-1 of a strictly lower-triangular tile in registers: the chunk inverse of the WY form,
-shared by the `flash` prepare kernel and the `chunk` intra kernels."""
+"""(I + A)^-1 of a strictly lower-triangular tile in registers: the chunk inverse of the WY form
+in the `flash` prepare kernel."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ def unit_lower_inverse(A, N: tl.constexpr, LOG2N: tl.constexpr, PREC: tl.constex
     2b-block ((T_b A_off)^2 = 0 makes this exact). Every product is of entries of the final inverse
     and of A, both bounded: no cancellation (unlike a doubling product of powers of A, whose
     entries grow combinatorially when keys are correlated), so the dots may run at tf32 (the
-    numerics are argued in docs/flash-prefill.md and docs/chunk-prefill.md). No memory round trip,
+    numerics are argued in docs/flash-prefill.md). No memory round trip,
     no barrier: LOG2N - 1 levels of two dependent [N, N] dots."""
     r = tl.arange(0, N)
     ri = r[:, None]

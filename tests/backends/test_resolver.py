@@ -26,7 +26,7 @@ from kdaserve.backends import (
 from kdaserve.backends import requirements as rq
 from kdaserve.backends.registry import get_spec
 
-OURS = {"kdaserve.ops.chunk": "", "kdaserve.ops.flash": "", "kdaserve.ops.chain": "", "kdaserve.ops.fused": "", "kdaserve.ops.conv": ""}
+OURS = {"kdaserve.ops.flash": "", "kdaserve.ops.chain": "", "kdaserve.ops.fused": "", "kdaserve.ops.conv": ""}
 H200 = Machine("cuda", cuda_capability=(9, 0), modules={"triton": "3.6.0", "fla": "0.6.0", "einops": "0.8.1", **OURS})
 H200_ALL = Machine("cuda", cuda_capability=(9, 0), modules={**H200.modules, "flash_kda": "0.1.0"})
 MI355 = Machine("rocm", rocm_arch="gfx950", modules={
@@ -50,7 +50,7 @@ def test_unknown_name_lists_the_valid_names(phase):
 
 
 def test_backend_names_are_the_issue_lists():
-    assert backend_names("prefill") == ("reference", "chunk", "flash", "fla", "flashkda", "aiter")
+    assert backend_names("prefill") == ("reference", "flash", "fla", "flashkda", "aiter")
     assert backend_names("decode") == ("reference", "chain", "fused", "adaptive", "fla", "aiter")
 
 
@@ -105,7 +105,7 @@ def test_triton_backends_need_a_gpu_or_the_interpreter():
 def test_interpreter_refuses_bf16_for_tl_dot_backends():
     settings = LayerSettings(input_dtype=torch.bfloat16)
     with pytest.raises(BackendUnavailableError, match="interpreter"):
-        resolve_backend("prefill", "chunk", settings, CPU_INTERP)
+        resolve_backend("prefill", "flash", settings, CPU_INTERP)
 
 
 @pytest.mark.parametrize(
@@ -117,7 +117,7 @@ def test_interpreter_refuses_bf16_for_tl_dot_backends():
         (MI300, GPU_LAYER, "flash", "fused"),
         (CPU, CPU_LAYER, "reference", "reference"),
         (CPU_INTERP, CPU_LAYER, "reference", "reference"),
-        # head size 256: flash, chunk (their declarations) and fused (state in registers) stop at 128.
+        # head size 256: flash (its declaration) and fused (state in registers) stop at 128.
         (H200, LayerSettings(head_dim=256), "fla", "chain"),
         # head size 48 (not a power of two): only the reference.
         (H200, LayerSettings(head_dim=48), "reference", "reference"),
@@ -136,7 +136,7 @@ def test_auto_without_our_kernels_falls_to_fla_then_reference():
     no_ours = Machine("cuda", cuda_capability=(9, 0), modules={"triton": "3.6.0", "fla": "0.6.0", "einops": "0.8", "kdaserve.ops.conv": ""})
     name, skipped = choose_auto("prefill", GPU_LAYER, no_ours)
     assert name == "fla"
-    assert [s.split(":")[0] for s in skipped] == ["flash", "chunk"]
+    assert [s.split(":")[0] for s in skipped] == ["flash"]
     old_fla = Machine("cuda", cuda_capability=(9, 0), modules={"triton": "3.6.0", "fla": "0.5.1", "einops": "0.8"})
     name, skipped = choose_auto("decode", GPU_LAYER, old_fla)
     assert name == "reference"
@@ -144,7 +144,7 @@ def test_auto_without_our_kernels_falls_to_fla_then_reference():
 
 
 def test_auto_orders_match_the_issue():
-    assert AUTO_ORDER["cuda"] == {"prefill": ("flash", "chunk", "fla", "reference"), "decode": ("adaptive", "fused", "chain", "fla", "reference")}
+    assert AUTO_ORDER["cuda"] == {"prefill": ("flash", "fla", "reference"), "decode": ("adaptive", "fused", "chain", "fla", "reference")}
     assert AUTO_ORDER["cpu"] == {"prefill": ("reference",), "decode": ("reference",)}
     assert AUTO_ORDER["rocm"]["prefill"][0] == "aiter" and AUTO_ORDER["rocm"]["decode"][0] == "aiter"
 
@@ -234,7 +234,7 @@ def test_auto_passes_over_a_backend_that_fails_to_import_with_a_warning(caplog, 
     assert any("toy: failed to import" in rec.getMessage() for rec in caplog.records if rec.levelno == logging.INFO)
 
 
-@pytest.mark.parametrize("phase,name,op", [("prefill", "chunk", "chunk"), ("prefill", "flash", "flash"),
+@pytest.mark.parametrize("phase,name,op", [("prefill", "flash", "flash"),
                                            ("decode", "chain", "chain"), ("decode", "fused", "fused")])
 def test_declared_requirements_and_the_runtime_check_agree(phase, name, op):
     """The registry derives a Triton backend's requirements from kdaserve/ops/limits.py, and the

@@ -29,8 +29,8 @@ def _no_leaks(llm):
 
 @pytest.mark.parametrize("decode", ["chain", "fused", "adaptive"])
 def test_cuda_graph_decode_equals_eager_and_batch_equals_alone(decode):
-    eager = _tiny("chunk", decode, enforce_eager=True)
-    graphs = _tiny("chunk", decode)
+    eager = _tiny("flash", decode, enforce_eager=True)
+    graphs = _tiny("flash", decode)
     assert graphs.engine.runner.graphs is not None and eager.engine.runner.graphs is None
     want = _ids(eager.generate(PROMPTS, GREEDY, use_tqdm=False))
     got = _ids(graphs.generate(PROMPTS, GREEDY, use_tqdm=False))      # 4 rows replay the bucket of 4
@@ -44,20 +44,20 @@ def test_cuda_graph_decode_equals_eager_and_batch_equals_alone(decode):
 
 def test_triton_backends_agree_with_the_reference():
     ref = _ids(_tiny("reference", "reference", enforce_eager=True).generate(PROMPTS, GREEDY, use_tqdm=False))
-    tri = _ids(_tiny("chunk", "chain").generate(PROMPTS, GREEDY, use_tqdm=False))
+    tri = _ids(_tiny("flash", "chain").generate(PROMPTS, GREEDY, use_tqdm=False))
     # fp32 everywhere, but Triton dots may use TF32: demand agreement on most tokens, not all.
     same = sum(a == b for r, t in zip(ref, tri) for a, b in zip(r, t))
     assert same >= 0.9 * sum(map(len, ref)), (ref, tri)
 
 
 def test_chunked_prefill_and_preemption_on_gpu():
-    base = _ids(_tiny("chunk", "chain").generate(PROMPTS, GREEDY, use_tqdm=False))
-    chunked = _tiny("chunk", "chain", max_num_batched_tokens=24)
+    base = _ids(_tiny("flash", "chain").generate(PROMPTS, GREEDY, use_tqdm=False))
+    chunked = _tiny("flash", "chain", max_num_batched_tokens=24)
     assert _ids(chunked.generate(PROMPTS, GREEDY, use_tqdm=False)) == base
     # Four 15-token prompts growing to 39 tokens need 12 blocks of 16; the pool has 6.
     prompts = [f"Req {i} is here." for i in range(4)]
-    want = [_ids(_tiny("chunk", "chain").generate([p], GREEDY, use_tqdm=False))[0] for p in prompts]
-    tight = _tiny("chunk", "chain", num_kv_blocks=7, max_model_len=96)
+    want = [_ids(_tiny("flash", "chain").generate([p], GREEDY, use_tqdm=False))[0] for p in prompts]
+    tight = _tiny("flash", "chain", num_kv_blocks=7, max_model_len=96)
     assert _ids(tight.generate(prompts, GREEDY, use_tqdm=False)) == want
     assert tight.engine.counters["preemptions"] > 0
     _no_leaks(tight)

@@ -22,7 +22,7 @@ def _gen(prefill, decode, **kw):
     return [o.output_token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("prefill, decode", [("reference", "chain"), ("reference", "fused"), ("chunk", "chain")])
+@pytest.mark.parametrize("prefill, decode", [("reference", "chain"), ("reference", "fused"), ("flash", "chain")])
 def test_triton_backends_in_the_engine_match_the_reference(prefill, decode):
     want = _gen("reference", "reference")
     assert _gen(prefill, decode, max_num_batched_tokens=12) == want

@@ -34,7 +34,7 @@ class TritonCompiles:
 
 def _tiny(decode="chain", **kw) -> LLMEngine:
     # fp32 keeps greedy comparisons free of bf16 rounding flips.
-    kw = {"max_num_seqs": 16, "max_model_len": 256, "kda_prefill_backend": "chunk", "kda_decode_backend": decode, **kw}
+    kw = {"max_num_seqs": 16, "max_model_len": 256, "kda_prefill_backend": "flash", "kda_decode_backend": decode, **kw}
     return LLMEngine("tiny", device="cuda", dtype="float32", **kw)
 
 
@@ -137,7 +137,7 @@ def test_bench_model_after_the_warm_up_a_bench_run_compiles_nothing():
     assert compiled.names == [], "compiled after the warm-up:\n" + "\n".join(compiled.names)
 
 
-@pytest.mark.parametrize("pair", [("chunk", "chain"), ("flash", "fused")])
+@pytest.mark.parametrize("pair", [("flash", "chain"), ("flash", "fused")])
 def test_after_the_warm_up_a_served_workload_compiles_nothing(pair):
     """Requests of assorted lengths arriving while others decode (prefill, mixed and decode steps
     of many sizes): every kernel variant they need was compiled by the warm-up."""

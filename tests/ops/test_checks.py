@@ -1,7 +1,7 @@
 """Shared entry-point checks (kdaserve/ops/checks.py): metadata only, no device sync.
 
-The host copy `cu_seqlens_cpu` sizes every prefill grid and token range (chunk tables, conv token
-blocks, flash plan): a copy that disagrees with the step's T would make kernels read and write past
+The host copy `cu_seqlens_cpu` sizes every prefill grid and token range (conv token blocks,
+flash plan): a copy that disagrees with the step's T would make kernels read and write past
 the step's rows (the interpreter crashed with heap corruption), so it is checked on the host."""
 
 from dataclasses import replace
@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from kdaserve.ops.checks import check_prefill
-from kdaserve.ops.chunk import kda_prefill_chunk
 from kdaserve.ops.conv import causal_conv_varlen_fwd
 from kdaserve.ops.flash import kda_prefill_flash
 from kdaserve.testing import make_kda_case
@@ -49,7 +48,7 @@ def _conv_varlen(inputs, weights, cache, seqs, out):
                            seqs.has_initial_state, cache.conv_layout, cu_seqlens_cpu=seqs.cu_seqlens_cpu)
 
 
-@pytest.mark.parametrize("fn", [kda_prefill_chunk, kda_prefill_flash, _conv_varlen], ids=["chunk", "flash", "conv_varlen"])
+@pytest.mark.parametrize("fn", [kda_prefill_flash, _conv_varlen], ids=["flash", "conv_varlen"])
 def test_prefill_entry_points_refuse_a_host_copy_past_T_before_any_write(fn):
     case = make_kda_case([5, 3], H=2, D=16, seed=1, device=DEV)
     conv0, rec0 = case.conv_state.clone(), case.recurrent_state.clone()

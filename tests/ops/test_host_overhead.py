@@ -1,7 +1,7 @@
 """Host-side cost structure of the prefill entry points (no timing: benchmarks/host_overhead.py).
 
 A serving engine calls prefill once per KDA layer per step with the same lengths, so whatever
-depends only on the lengths (conv token blocks, chunk tables, the flash plan and segment choice) is
+depends only on the lengths (conv token blocks, the flash plan and segment choice) is
 built once per step, as the step's plan, and handed to every layer: these tests pin the launches
 and host->device copies of building a plan and of a layer's call with it, and that a step with
 other lengths, even in the same host buffer, never gets stale tables.
@@ -22,9 +22,6 @@ from kdaserve.ops import checks
 from kdaserve.ops.checks import check_cu_seqlens_cpu
 import dataclasses
 
-from kdaserve.ops.chunk import chunk_step_plan, kda_prefill_chunk
-from kdaserve.ops.chunk.core import CHUNK, chunk_tables
-from kdaserve.ops.chunk.tables import host_chunk_tables
 from kdaserve.ops.conv import causal_conv_varlen_fwd, conv_step_tables
 from kdaserve.ops.conv.varlen import BLOCK_T, token_block_table
 from kdaserve.ops.flash import DEFAULT_CONFIG, flash_step_plan, kda_prefill_flash
@@ -91,10 +88,6 @@ def plan_conv(step):
     return conv_step_tables(host_offsets(step["seqs"].cu_seqlens_cpu), META)
 
 
-def plan_chunk(step):
-    return chunk_step_plan(step["seqs"].cu_seqlens_cpu, META)
-
-
 def plan_flash(step, **kw):
     H, D, seqs = step["weights"].num_heads, step["weights"].head_dim, step["seqs"]
     return flash_step_plan(seqs.cu_seqlens, seqs.cu_seqlens_cpu, step["inputs"].qkv.shape[0], H, D, True, **kw)
@@ -120,17 +113,14 @@ def per_call(fn, step, launches):
     "fn, planner, plan_launches, plan_copies, work",
     [
         (conv_only, plan_conv, [], 1, ["conv_varlen_out_kernel", "conv_varlen_state_kernel"]),
-        (kda_prefill_chunk, plan_chunk, [], 2, ["conv_varlen_out_kernel", "conv_varlen_state_kernel",
-                                                "chunk_gate_cumsum_kernel", "chunk_intra_kernel",
-                                                "chunk_state_pass_kernel", "chunk_output_norm_kernel"]),
         (kda_prefill_flash, plan_flash, ["flash_plan_kernel"], 0,
          ["flash_prepare_kernel", "flash_prepare_kernel", "flash_recurrence_kernel"]),
     ],
-    ids=["conv", "chunk", "flash"],
+    ids=["conv", "flash"],
 )
 def test_a_step_plan_is_built_once_and_every_layer_only_launches_its_work(launches, fn, planner, plan_launches,
                                                                            plan_copies, work):
-    """Building the plan costs the tables' one pinned copy (conv, chunk) or the plan launch (flash);
+    """Building the plan costs the tables' one pinned copy (conv) or the plan launch (flash);
     each layer's call with it launches the work only and copies nothing. Without a plan a call
     builds its own (tests, tools), at the plan's cost again."""
     step = meta_step([3, 104, 1])
@@ -154,7 +144,7 @@ def _launch_args(launches, name):
     return next(args for n, _, args in reversed(launches) if n == name)
 
 
-def test_conv_and_chunk_tables_follow_a_host_buffer_refilled_in_place(launches):
+def test_conv_tables_follow_a_host_buffer_refilled_in_place(launches):
     """Engines refill one cu_seqlens_cpu buffer every step: same tensor, same N and T, other
     lengths. The same grid sizes, so only the tables' contents tell a stale cache apart."""
     cu = torch.tensor([0, 40, 64], dtype=torch.int32)
@@ -162,14 +152,10 @@ def test_conv_and_chunk_tables_follow_a_host_buffer_refilled_in_place(launches):
         cu[1] = lens[0]  # in place
         case = make_kda_case(lens, H=1, D=16, seed=3)
         case.cu_seqlens_cpu = cu
-        kda_prefill_chunk(out=case.new_out(), **case.prefill_args())
+        conv_only(out=case.new_out(), **case.prefill_args())
         seq, t0 = token_block_table(cu, BLOCK_T)
         out_args = _launch_args(launches, "conv_varlen_out_kernel")
         assert torch.equal(out_args[13], seq) and torch.equal(out_args[14], t0), f"stale conv blocks for {lens}"
-        chunks, first = host_chunk_tables(cu, CHUNK)
-        tables = chunk_tables(cu, torch.device("cpu"))
-        assert torch.equal(tables.chunks, chunks) and torch.equal(tables.seq_first_chunk, first), f"stale chunk tables for {lens}"
-        assert torch.equal(_launch_args(launches, "chunk_gate_cumsum_kernel")[8], chunks)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs the plan kernel on CPU tensors: interpreter only")
@@ -238,7 +224,7 @@ def test_gpu_host_tables_are_copied_from_pinned_memory():
                 sources.extend(a for a in args if isinstance(a, torch.Tensor) and a.device.type == "cpu")
             return result
 
-    for fn in (kda_prefill_chunk, kda_prefill_flash):
+    for fn in (conv_only, kda_prefill_flash):
         case = make_kda_case([37, 129, 4], H=2, D=64, dtype=torch.bfloat16, device="cuda", seed=5)
         with Record():
             fn(out=case.new_out(), **case.prefill_args())
@@ -264,7 +250,7 @@ def test_under_graph_capture_the_pinned_source_of_a_table_copy_is_kept(monkeypat
 
 @pytest.mark.gpu
 def test_gpu_conv_captured_in_a_graph_replays_right_after_pinned_memory_is_recycled():
-    """Chunk/conv prefill captured in a CUDA graph: its token-block table is copied from a pinned
+    """Conv prefill captured in a CUDA graph: its token-block table is copied from a pinned
     buffer by a captured memcpy. Fill many fresh pinned buffers of that size with garbage (what the
     allocator recycles freed blocks into), then replay: the output must equal the eager one."""
     case = make_kda_case([37, 129, 4], H=2, D=16, device="cuda", has_initial_state=False, seed=11)
@@ -295,10 +281,10 @@ def test_gpu_conv_captured_in_a_graph_replays_right_after_pinned_memory_is_recyc
 
 def test_a_plan_of_another_step_is_refused_before_any_write():
     """Tables built for other lengths (same sequence and token counts) would put each conv window
-    in the wrong sequence: conv and chunk refuse them by value, as flash does its plan."""
+    in the wrong sequence: conv refuses them by value, as flash does its plan."""
     case = make_kda_case([40, 24], H=1, D=16, seed=6)
-    other = chunk_step_plan(torch.tensor([0, 24, 64], dtype=torch.int32), torch.device("cpu"))
+    other = conv_step_tables(host_offsets(torch.tensor([0, 24, 64], dtype=torch.int32)), torch.device("cpu"))
     rec, conv = case.recurrent_state.clone(), case.conv_state.clone()
     with pytest.raises(ValueError, match=r"lengths \(0, 24, 64\).*lengths \(0, 40, 64\)"):
-        kda_prefill_chunk(out=case.new_out(), **case.prefill_args(), step_plan=other)
+        conv_only(out=case.new_out(), **case.prefill_args(), step_plan=other)
     assert torch.equal(case.recurrent_state, rec) and torch.equal(case.conv_state, conv)
