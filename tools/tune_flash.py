@@ -54,10 +54,7 @@ def variants(lens: list[int]) -> list[tuple[str, dict, int | None]]:
     longest = max(lens)
     v = [("auto", {}, None), ("no-seg", {}, 0),
          ("k1-8warps", {"prepare_warps": 8}, 0), ("k2-2stages", {"recur_stages": 2}, 0),
-         ("k1-maxnreg168", {"prepare_maxnreg": 168}, 0), ("chunk16", {"chunk": 16}, 0),
-         # K1 is occupancy-bound at 8 warps per SM (docs/flash-prefill.md, Performance): at C = 16 a
-         # 128-register cap fits 4 programs (16 warps) per SM for 200 bytes of spills.
-         ("chunk16-k1-maxnreg128", {"chunk": 16, "prepare_maxnreg": 128}, 0),
+         ("chunk16", {"chunk": 16}, 0),
          # One segment per sequence through the segmented kernels: V split over 2 programs (no
          # fused norm: o_loc in fp32, then the correction pass only normalizes).
          ("split-v", {}, 1 << 24), ("split-v-c16", {"chunk": 16}, 1 << 24)]

@@ -18,7 +18,6 @@ class FlashConfig:
     # instructions per token than 16; the unbounded gate always uses 16.
     chunk: int = 32
     prepare_warps: int = 4        # K1, one program per (chunk, head): fewer warp-instructions than 8
-    prepare_maxnreg: int | None = None  # cap K1's registers for more resident programs (spills)
     # Unbounded gate: K1 forms A and Aqk on tensor cores with per-half anchors (prepare.py,
     # _intra_anchored_halves) in chunks whose halves each span at most `unbounded_anchor_spread`
     # of cumulative log-decay (170: factors within e^(+-85), normal fp32/tf32 numbers), the exact

@@ -255,7 +255,6 @@ class FlashPrefill:
             BOUNDED=lb is not None, PREC_TC=self.prec_tc, FAST=self.fast, FIRST=first, NFIRST=max(nfirst, 1),
             ANCHORED=lb is None and self.cfg.unbounded_anchored,
             num_warps=self.cfg.prepare_warps,
-            **({"maxnreg": self.cfg.prepare_maxnreg} if self.cfg.prepare_maxnreg else {}),
         )
 
     def _recurrence(self, grid, local_out_and_q, maps, q_off, bv, segmented, warps, stages) -> None:

@@ -54,19 +54,14 @@ STREAM_FROM_HEADS = 256
 STREAM_FP32 = FusedDecodeConfig(block_v=16, num_warps=4, stream=True, stages=4)  # 96 regs, 5 programs/SM, 3 tiles in flight each
 STREAM_BF16 = FusedDecodeConfig(block_v=16, num_warps=4, stream=True, stages=5)  # 87 regs, 5 programs/SM, 4 tiles in flight each
 # The stream shapes benchmarks/bench_decode.py's sweep times and tools/compile_check_fused.py
-# compiles: "stream bvX wY" + sZ = a Z-stage cp.async
-# pipeline (Z-1 tiles in flight through shared memory), pfN = N tiles prefetched into registers
-# (with sZ: 1+N tiles loaded into registers before the conv).
+# compiles: the defaults and the two that beat them in a row of the sweep (docs/perf-notes.md, "What
+# stays, by evidence"). "stream bvX wY" + sZ = a Z-stage cp.async pipeline (Z-1 tiles in flight
+# through shared memory), pfN = N tiles prefetched into registers.
 STREAM_SHAPES = {
-    "stream bv32 w4 pf0": FusedDecodeConfig(32, 4, stream=True, prefetch=0),
-    "stream bv32 w4 pf1": FusedDecodeConfig(32, 4, stream=True, prefetch=1),  # 220 registers: for comparison
     "stream bv16 w4 pf1": FusedDecodeConfig(16, 4, stream=True, prefetch=1),
-    "stream bv32 w4 s3": FusedDecodeConfig(32, 4, stream=True, stages=3),
     "stream bv16 w4 s4": FusedDecodeConfig(16, 4, stream=True, stages=4),  # = STREAM_FP32
     "stream bv16 w4 s5": FusedDecodeConfig(16, 4, stream=True, stages=5),  # = STREAM_BF16
     "stream bv8 w4 s5": FusedDecodeConfig(8, 4, stream=True, stages=5),
-    "stream bv8 w4 s5 pf2": FusedDecodeConfig(8, 4, stream=True, stages=5, prefetch=2),
-    "stream bv16 w2 s4": FusedDecodeConfig(16, 2, stream=True, stages=4),
 }
 
 
