@@ -34,8 +34,9 @@ group() {  # name, seconds, pytest args...: one pytest process per file (one GPU
 PART=${1:-kimi}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 if [ "$PART" = kimi ]; then
-group mla_moe 200 -m gpu tests/ops/test_mla.py tests/ops/test_moe.py
-group kimi_model 200 -m gpu tests/models/test_kimi_linear_gpu.py
+# Ran in the eighth session (run 4): the MLA/MoE GPU tests and the real-shape benchmark. Left: the
+# capacity-error test after its fix (ten million sequences; graph capture capped at 512).
+group kimi_model 150 -m gpu tests/models/test_kimi_linear_gpu.py
 fi
 if [ "$PART" = decide ]; then
 # The four stream shapes where `stream` runs (N*H >= 256), twice in back-to-back processes: the

@@ -2,8 +2,9 @@
 
 - KDA layers: a conv-state and a recurrent-state pool each, `[num_slots, ...]` as the layer's
   `cache_spec()` says; slot 0 is the null slot.
-- Full-attention layers: K and V caches `[num_kv_blocks + 1, block_size, Hkv, D]`. Block 0 is the
-  null block (zeros, never written: padding block-table entries point there). The extra last block
+- Attention layers: the tensors their `cache_shapes(num_blocks, block_size)` name, block-major:
+  K and V `[num_kv_blocks + 1, block_size, Hkv, D]` for grouped-query attention, one latent cache
+  `[num_kv_blocks + 1, block_size, L + R]` for MLA. Block 0 is the null block (zeros, never written: padding block-table entries point there). The extra last block
   is the trash block: padding rows of a CUDA-graph batch write their K/V there, so whatever they
   hold (even NaN) is never read, not even under a mask.
 
@@ -15,11 +16,10 @@ from __future__ import annotations
 import math
 
 import torch
+from torch import nn
 
-from kdaserve.models.hybrid import HybridForCausalLM
 
-
-def state_bytes_per_slot(model: HybridForCausalLM) -> int:
+def state_bytes_per_slot(model: nn.Module) -> int:
     total = 0
     for layer in model.kda_layers:
         for shape, dtype in layer.cache_spec().values():
@@ -27,18 +27,14 @@ def state_bytes_per_slot(model: HybridForCausalLM) -> int:
     return total
 
 
-def kv_bytes_per_block(model: HybridForCausalLM, block_size: int, dtype: torch.dtype) -> int:
-    per_layer = 2 * block_size * math.prod(_kv_head_shape(model)) * torch.empty((), dtype=dtype).element_size()
-    return per_layer * len(model.attention_layers)
-
-
-def _kv_head_shape(model: HybridForCausalLM) -> tuple[int, int]:
-    c = model.config
-    return c.num_key_value_heads, c.head_dim
+def kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block of `block_size` tokens takes in every attention layer's cache together."""
+    elems = sum(math.prod(s) for layer in model.attention_layers for s in layer.cache_shapes(1, block_size))
+    return elems * torch.empty((), dtype=dtype).element_size()
 
 
 class StepCaches:
-    def __init__(self, model: HybridForCausalLM, num_slots: int, num_kv_blocks: int, block_size: int, kv_dtype, device):
+    def __init__(self, model: nn.Module, num_slots: int, num_kv_blocks: int, block_size: int, kv_dtype, device):
         self.num_slots, self.num_kv_blocks, self.block_size = num_slots, num_kv_blocks, block_size
         self.kda: list[tuple[torch.Tensor, torch.Tensor]] = []
         for layer in model.kda_layers:
@@ -48,13 +44,11 @@ class StepCaches:
             rec = torch.zeros((num_slots, *rec_shape), dtype=rec_dtype, device=device)
             layer.bind_cache(conv, rec)
             self.kda.append((conv, rec))
-        self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv: list[tuple[torch.Tensor, ...]] = []
         for attn in model.attention_layers:
-            shape = attn.cache_shape(num_kv_blocks + 1, block_size)
-            k = torch.zeros(shape, dtype=kv_dtype, device=device)
-            v = torch.zeros(shape, dtype=kv_dtype, device=device)
-            attn.bind_cache(k, v)
-            self.kv.append((k, v))
+            tensors = tuple(torch.zeros(s, dtype=kv_dtype, device=device) for s in attn.cache_shapes(num_kv_blocks + 1, block_size))
+            attn.bind_cache(*tensors)
+            self.kv.append(tensors)
 
     @property
     def trash_row(self) -> int:

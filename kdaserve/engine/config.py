@@ -30,11 +30,22 @@ def _flag(help: str, name: str | None = None, **argparse_kw) -> dict:
 
 @dataclass
 class EngineConfig:
-    model: str = field(default="tiny", metadata=_flag("a built-in model (tiny, bench) or a checkpoint directory"))
+    model: str = field(default="tiny", metadata=_flag(
+        "a built-in model (tiny, bench, kimi-tiny), a released name (moonshotai/Kimi-Linear-48B-A3B-Instruct, with "
+        "--load-format dummy) or a checkpoint directory"))
+    load_format: str = field(default="auto", metadata=_flag(
+        "auto or safetensors: the checkpoint's weights; dummy: random weights at the model's real shape",
+        choices=("auto", "safetensors", "dummy")))
     kda_prefill_backend: str = field(default="auto", metadata=_flag(
         "KDA prefill backend; auto picks the fastest whose requirements hold (kdaserve info lists them)"))
     kda_decode_backend: str = field(default="auto", metadata=_flag(
         "KDA decode backend; auto picks the fastest whose requirements hold (kdaserve info lists them)"))
+    mla_backend: str = field(default="auto", metadata=_flag(
+        "MLA attention kernels: auto (Triton on a GPU, torch on a CPU), reference or triton",
+        choices=("auto", "reference", "triton")))
+    moe_backend: str = field(default="auto", metadata=_flag(
+        "mixture-of-experts kernels: auto (Triton on a GPU, torch on a CPU), reference or triton",
+        choices=("auto", "reference", "triton")))
     max_num_seqs: int = field(default=64, metadata=_flag("sequences in one running batch"))
     max_model_len: int = field(default=4096, metadata=_flag("prompt + completion tokens per request"))
     max_num_batched_tokens: int | None = field(default=None, metadata=_flag(
@@ -57,7 +68,7 @@ class EngineConfig:
         choices=("SD", "DS")))
     max_logprobs: int = field(default=20, metadata=_flag("most logprobs a request may ask for per token"))
     cuda_graph_max_batch_size: int | None = field(default=None, metadata=_flag(
-        "largest decode batch captured as a CUDA graph (default: max_num_seqs)", name="--max-cudagraph-capture-size"))
+        "largest decode batch captured as a CUDA graph (default: max_num_seqs, at most 512 as vLLM's)", name="--max-cudagraph-capture-size"))
     # Run dummy steps at startup so that kernel JIT specializations are compiled before the first
     # requests (engine/warmup.py), on a CUDA device (nothing is compiled on the CPU); graphs or not.
     warmup: bool = field(default=True, metadata=_flag(
@@ -76,6 +87,8 @@ class EngineConfig:
                 raise ValueError(f"invalid {name}: got {v!r}; expected an integer >= 1")
         if self.max_model_len < 2:
             raise ValueError(f"invalid max_model_len: got {self.max_model_len}; expected >= 2 (a prompt token and an output token)")
+        if self.load_format not in ("auto", "safetensors", "dummy"):
+            raise ValueError(f"invalid load_format: got {self.load_format!r}; expected auto, safetensors or dummy")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"invalid gpu_memory_utilization: got {self.gpu_memory_utilization}; expected a number in (0, 1]")
 

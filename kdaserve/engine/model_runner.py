@@ -22,6 +22,9 @@ from kdaserve.models.loader import load_model
 log = logging.getLogger("kdaserve.engine")
 
 _CPU_KV_BYTES = 1 << 30   # default KV-cache budget on the CPU
+# Decode batches up to this size are captured by default (each size is a graph captured at startup;
+# larger batches run eagerly, where launch overhead matters less).
+_DEFAULT_MAX_GRAPH_BATCH = 512
 
 
 @dataclass
@@ -36,7 +39,8 @@ class ModelRunner:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = config.device
-        loaded = load_model(config.model, dtype=config.dtype, device=self.device, kda=config.kda, seed=config.seed)
+        loaded = load_model(config.model, dtype=config.dtype, device=self.device, kda=config.kda, seed=config.seed,
+                            load_format=config.load_format, mla_backend=config.mla_backend, moe_backend=config.moe_backend)
         self.model = loaded.model.eval()
         self.tokenizer, self.model_config, self.model_name = loaded.tokenizer, loaded.config, loaded.name
         self.kda_backends = self.model.kda_backends  # resolved once, by the model
@@ -57,7 +61,7 @@ class ModelRunner:
             log.warning("CUDA graphs off: KDA decode backend %s cannot be captured", self.kda_backends.decode.name)
         elif config.use_cuda_graphs:
             self.graphs = DecodeGraphs(
-                self.model, max_batch_size=config.cuda_graph_max_batch_size or config.max_num_seqs,
+                self.model, max_batch_size=config.cuda_graph_max_batch_size or min(config.max_num_seqs, _DEFAULT_MAX_GRAPH_BATCH),
                 block_table_width=self.blocks_per_seq, trash_row=self.caches.trash_row,
                 hidden_size=self.model_config.hidden_size, dtype=config.dtype, device=self.device,
             )
@@ -81,15 +85,26 @@ class ModelRunner:
             return enough
         if self.device.type != "cuda":
             return max(self.blocks_per_seq + 1, min(enough, _CPU_KV_BYTES // per_block))
-        budget = self._free_gpu_bytes() - self.num_slots * state_bytes_per_slot(self.model)
-        blocks = min(enough, budget // per_block)
-        if blocks < self.blocks_per_seq + 1:
+        free = self._free_gpu_bytes()
+        per_slot = state_bytes_per_slot(self.model)
+        one_seq = (self.blocks_per_seq + 1) * per_block
+        state = self.num_slots * per_slot
+        gib = 2**30
+        if state + one_seq > free:
+            fit = max(0, (free - one_seq) // per_slot - 1) if per_slot else 0
             raise RuntimeError(
-                f"GPU memory left for the KV cache ({budget / 2**30:.2f} GiB) holds {max(blocks, 0)} blocks; one "
-                f"sequence of max_model_len={self.max_model_len} needs {self.blocks_per_seq + 1}: lower max_model_len "
-                f"or max_num_seqs, or raise gpu_memory_utilization"
-            )
-        return int(blocks)
+                f"max_num_seqs={cfg.max_num_seqs} needs {state / gib:.2f} GiB of KDA state ({per_slot / 2**20:.1f} MiB per "
+                f"sequence) plus {one_seq / gib:.2f} GiB of attention cache for one sequence of max_model_len="
+                f"{self.max_model_len}, but {max(free, 0) / gib:.2f} GiB are left after the weights and activations at "
+                f"gpu_memory_utilization={cfg.gpu_memory_utilization}: {fit} sequences fit; lower --max-num-seqs to "
+                f"at most {fit}, or --max-model-len, or raise --gpu-memory-utilization")
+        blocks = int(min(enough, (free - state) // per_block))
+        self.memory_plan = {"state_gib": state / gib, "kv_gib": blocks * per_block / gib, "kv_tokens": blocks * self.block_size,
+                            "free_gib": free / gib}
+        log.info("memory: KDA state %.2f GiB (%d slots), attention cache %.2f GiB (%d blocks, %d tokens), of %.2f GiB "
+                 "left for caches", state / gib, self.num_slots, blocks * per_block / gib, blocks, blocks * self.block_size,
+                 free / gib)
+        return blocks
 
     @torch.inference_mode()
     def _free_gpu_bytes(self) -> int:

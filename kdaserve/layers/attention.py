@@ -143,8 +143,10 @@ class FullAttention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
-    def cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        return (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+    def cache_shapes(self, num_blocks: int, block_size: int) -> list[tuple[int, ...]]:
+        """The cache tensors the engine allocates and binds (K, then V)."""
+        shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        return [shape, shape]
 
     def bind_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         self.k_cache, self.v_cache = k_cache, v_cache

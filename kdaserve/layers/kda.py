@@ -29,7 +29,7 @@ from kdaserve.backends import KDABackendChoice, KDABackends, LayerSettings, Mach
 from kdaserve.backends.step import KDACache, KDAInputs
 from kdaserve.layers.context import get_context
 from kdaserve.layers.kda_routing import run_kda_step
-from kdaserve.layers.kda_weights import CHECKPOINT_NAMES, CONV_NAMES, KDAShard
+from kdaserve.layers.kda_weights import CHECKPOINT_NAMES, CONV_NAMES, IN_PROJ_PARTS, KDAShard
 from kdaserve.ops.limits import check_lower_bound
 from kdaserve.ops.types import KDAWeights, check_conv_layout
 
@@ -183,11 +183,19 @@ class KDALayer(nn.Module):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load full checkpoint tensors by name relative to the layer (initial load, reload or an
-        in-place refit); every derived copy is refreshed. Returns the names loaded."""
+        in-place refit); every derived copy is refreshed. Returns the names loaded. The merged
+        projection may come whole (`in_proj_qkvbfg_a.weight`) or as the released parts
+        (IN_PROJ_PARTS: q_proj, k_proj, v_proj, b_proj, f_a_proj, g_a_proj)."""
         loaded = set()
         for name, tensor in weights:
+            if name in IN_PROJ_PARTS:
+                rows, part = self.shard.in_proj_part(name, tensor)
+                self.in_proj_qkvbfg_a.weight.data[rows].copy_(part)
+                loaded.add(name)
+                continue
             if name not in CHECKPOINT_NAMES:
-                raise KeyError(f"unknown KDA checkpoint tensor {name!r}; valid names: {', '.join(CHECKPOINT_NAMES)}")
+                raise KeyError(f"unknown KDA checkpoint tensor {name!r}; valid names: "
+                               f"{', '.join(CHECKPOINT_NAMES + IN_PROJ_PARTS)}")
             param = self.get_parameter(name)
             param.weight_loader(param, tensor)
             loaded.add(name)

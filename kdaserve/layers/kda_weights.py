@@ -18,6 +18,9 @@ CHECKPOINT_NAMES = (
     "A_log", "dt_bias", "o_norm.weight", "o_proj.weight",
 )
 CONV_NAMES = ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight")
+# Released checkpoints (Kimi-Linear, GLM-5.3-Flash) store the rows of in_proj_qkvbfg_a apart, in this
+# order; each is loaded into its rows of the merged projection (one GEMM at run time).
+IN_PROJ_PARTS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "b_proj.weight", "f_a_proj.weight", "g_a_proj.weight")
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,23 @@ class KDAShard:
     @property
     def in_proj_rows(self) -> int:
         return 3 * self.P + self.heads + 2 * self.head_dim
+
+    def in_proj_part(self, name: str, t: torch.Tensor) -> tuple[slice, torch.Tensor]:
+        """(rows of this rank's in_proj_qkvbfg_a, this rank's part) of a released split projection."""
+        D, Pt, Ht, P, H = self.head_dim, self.total_P, self.total_heads, self.P, self.heads
+        per_head = {"q_proj.weight": D, "k_proj.weight": D, "v_proj.weight": D, "b_proj.weight": 1}
+        if name in per_head:
+            rows = Ht * per_head[name]
+            self._expect(name, t, (rows, self.hidden_size), "[H*D, hidden]" if per_head[name] == D else "[H, hidden]")
+            i = IN_PROJ_PARTS.index(name)
+            start = i * P if i < 3 else 3 * P
+            n = P if i < 3 else H
+            return slice(start, start + n), t[self.head_slice(per_head[name])]
+        if name in ("f_a_proj.weight", "g_a_proj.weight"):  # the low-rank inputs: replicated on every rank
+            self._expect(name, t, (D, self.hidden_size), "[D, hidden]")
+            start = 3 * P + H + (D if name == "g_a_proj.weight" else 0)
+            return slice(start, start + D), t
+        raise KeyError(f"{name!r} is not a part of in_proj_qkvbfg_a; parts: {', '.join(IN_PROJ_PARTS)}")
 
     def head_slice(self, per_head: int = 1) -> slice:
         n = self.heads * per_head

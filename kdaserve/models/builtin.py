@@ -4,6 +4,9 @@ byte-level tokenizer.
 - `tiny`: runs on a CPU in seconds (tests, the README's main job without a GPU).
 - `bench`: KDA layers at GLM-5.3-Flash's per-GPU shape under 2-way tensor parallelism (32 heads of
   128, hidden 4096) with every 4th layer full attention; 8 layers keep GPU benchmarks fast.
+- `kimi-tiny`: the Kimi-Linear family (KDA with the unbounded gate, MLA, MoE) at a CPU size.
+- released names (`moonshotai/Kimi-Linear-48B-A3B-Instruct`, `-Base`): the released architecture,
+  for `--load-format dummy` (random weights at the real shape) when no checkpoint is at hand.
 """
 
 from __future__ import annotations
@@ -36,8 +39,55 @@ BUILTIN_CONFIGS: dict[str, HybridConfig] = {
 }
 
 
-def builtin_config(name: str) -> HybridConfig:
-    if name not in BUILTIN_CONFIGS:
-        raise ValueError(f"unknown built-in model {name!r}; expected one of {sorted(BUILTIN_CONFIGS)} or a checkpoint directory")
-    c = BUILTIN_CONFIGS[name]
-    return HybridConfig.from_dict(c.to_dict())   # a fresh copy callers may modify
+def builtin_config(name: str):
+    """A built-in model's configuration (random weights, byte tokenizer): a fresh copy callers may modify."""
+    c = BUILTIN_CONFIGS.get(name) or KIMI_BUILTIN_CONFIGS.get(name)
+    if c is None:
+        raise ValueError(f"unknown built-in model {name!r}; expected one of "
+                         f"{sorted(BUILTIN_CONFIGS) + sorted(KIMI_BUILTIN_CONFIGS)} or a checkpoint directory")
+    return type(c).from_dict(c.to_dict())
+
+
+# ---- Kimi-Linear: a tiny built-in for tests and CPU runs, and the released shapes ------------------
+
+def _kimi_configs():
+    from kdaserve.models.kimi_linear_config import KimiLinearConfig
+
+    tiny = KimiLinearConfig(
+        hidden_size=64, num_hidden_layers=4, vocab_size=_BYTE_VOCAB,
+        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+        linear_num_heads=2, linear_head_dim=32, num_attention_heads=4, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=16, v_head_dim=16, intermediate_size=128, moe_intermediate_size=32, first_k_dense_replace=1,
+        num_local_experts=8, num_experts_per_tok=2, n_shared_experts=1, routed_scaling_factor=2.446,
+        max_position_embeddings=8192, bos_token_id=None, eos_token_id=ByteTokenizer().eos_token_id, pad_token_id=None,
+        torch_dtype="float32", model_type="kimi_linear",
+    )
+    # Kimi-Linear-48B-A3B (Instruct and Base share the architecture): the released config.json's values.
+    kda = [i for i in range(1, 28) if i not in (4, 8, 12, 16, 20, 24, 27)]
+    released = KimiLinearConfig.from_dict({
+        "model_type": "kimi_linear", "hidden_size": 2304, "num_hidden_layers": 27, "vocab_size": 163840,
+        "intermediate_size": 9216, "moe_intermediate_size": 1024, "num_attention_heads": 32, "num_key_value_heads": 32,
+        "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "mla_use_nope": True, "num_experts": 256, "num_experts_per_token": 8, "num_shared_experts": 1,
+        "moe_renormalize": True, "moe_router_activation_func": "sigmoid", "num_expert_group": 1, "topk_group": 1,
+        "routed_scaling_factor": 2.446, "first_k_dense_replace": 1, "moe_layer_freq": 1, "rms_norm_eps": 1e-5,
+        "model_max_length": 1048576, "tie_word_embeddings": False, "bos_token_id": 163584, "eos_token_id": 163586,
+        "pad_token_id": 163839, "torch_dtype": "bfloat16",
+        "linear_attn_config": {"kda_layers": kda, "full_attn_layers": [4, 8, 12, 16, 20, 24, 27], "num_heads": 32,
+                               "head_dim": 128, "short_conv_kernel_size": 4},
+    })
+    return {"kimi-tiny": tiny}, {
+        "moonshotai/Kimi-Linear-48B-A3B-Instruct": released, "moonshotai/Kimi-Linear-48B-A3B-Base": released,
+    }
+
+
+KIMI_BUILTIN_CONFIGS, RELEASED_CONFIGS = _kimi_configs()
+
+
+def released_config(name: str):
+    """The architecture of a released model by its Hugging Face name (with or without the
+    organisation), or None; a copy callers may modify."""
+    for full, config in RELEASED_CONFIGS.items():
+        if name in (full, full.split("/", 1)[1]):
+            return type(config).from_dict(config.to_dict())
+    return None

@@ -1,9 +1,14 @@
-"""Building a model from a built-in name or a local checkpoint directory (`config.json`,
-`*.safetensors`, `tokenizer.json`), and saving one in that format."""
+"""Building a model from a built-in name, a released name or a local checkpoint directory
+(`config.json`, `*.safetensors` (sharded or not), the tokenizer), and saving one in that format.
+
+The family comes from `config.json`'s `model_type` (families.py). `load_format="dummy"` fills the
+model with random weights at its real shape through the same loader as a checkpoint (names,
+shapes and completeness are checked the same way), one tensor at a time."""
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,18 +16,20 @@ from pathlib import Path
 import torch
 
 from kdaserve.backends.kda_backends import KDABackendChoice
-from kdaserve.models.builtin import BUILTIN_CONFIGS, builtin_config
+from kdaserve.models.builtin import BUILTIN_CONFIGS, KIMI_BUILTIN_CONFIGS, builtin_config, released_config
 from kdaserve.models.config import HybridConfig
-from kdaserve.models.hybrid import HybridForCausalLM
-from kdaserve.models.random_weights import random_checkpoint
-from kdaserve.models.tokenizer import ByteTokenizer, HFTokenizer
+from kdaserve.models.families import family_of, family_of_config
+from kdaserve.models.tokenizer import ByteTokenizer, HFTokenizer, load_checkpoint_tokenizer
+
+log = logging.getLogger("kdaserve.models")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 
 @dataclass
 class LoadedModel:
-    model: HybridForCausalLM
-    tokenizer: ByteTokenizer | HFTokenizer
-    config: HybridConfig
+    model: torch.nn.Module
+    tokenizer: object
+    config: object
     name: str
 
 
@@ -40,23 +47,35 @@ def iterate_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 def load_model(
     model: str, *, dtype: torch.dtype, device, kda: KDABackendChoice | None = None, seed: int = 0,
+    load_format: str = "auto", mla_backend: str = "auto", moe_backend: str = "auto",
 ) -> LoadedModel:
-    """`model` is a built-in name (random weights from `seed`) or a checkpoint directory."""
-    if model in BUILTIN_CONFIGS:
-        config = builtin_config(model)
-        net = HybridForCausalLM(config, kda=kda, dtype=dtype, device=device)
-        net.load_weights(random_checkpoint(config, seed, dtype=dtype, device=device).items())
-        return LoadedModel(net, ByteTokenizer(), config, model)
+    """`model`: a built-in name (random weights from `seed`), a released name (its architecture;
+    weights only with load_format="dummy") or a checkpoint directory."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     path = Path(model)
-    if not (path / "config.json").is_file():
+    if model in BUILTIN_CONFIGS or model in KIMI_BUILTIN_CONFIGS:
+        config, tokenizer, name, dummy = builtin_config(model), ByteTokenizer(), model, True
+    elif (path / "config.json").is_file():
+        config_dict = json.loads((path / "config.json").read_text())
+        config = family_of(config_dict).config_from_dict(config_dict)
+        tokenizer, name, dummy = load_checkpoint_tokenizer(path, config.eos_token_id), path.name or str(path), load_format == "dummy"
+    elif (config := released_config(model)) is not None:
+        if load_format != "dummy":
+            raise ValueError(f"{model!r} is a released model whose weights are not on this machine: pass its checkpoint "
+                             f"directory as --model, or --load-format dummy for random weights at its real shape")
+        tokenizer, name, dummy = ByteTokenizer(), model, True
+        log.info("%s: random weights at the released shape (--load-format dummy), byte tokenizer", model)
+    else:
         raise ValueError(
-            f"model {model!r} is neither a built-in ({sorted(BUILTIN_CONFIGS)}) nor a directory with a config.json"
+            f"model {model!r} is neither a built-in ({sorted(BUILTIN_CONFIGS) + sorted(KIMI_BUILTIN_CONFIGS)}), a released "
+            f"name with a known architecture, nor a directory with a config.json"
         )
-    config = HybridConfig.from_json(path / "config.json")
-    net = HybridForCausalLM(config, kda=kda, dtype=dtype, device=device)
-    net.load_weights(iterate_safetensors(path))
-    tokenizer = HFTokenizer(path, config.eos_token_id) if (path / "tokenizer.json").is_file() else ByteTokenizer()
-    return LoadedModel(net, tokenizer, config, path.name or str(path))
+    family = family_of_config(config)
+    net = family.build(config, kda=kda, mla_backend=mla_backend, moe_backend=moe_backend, dtype=dtype, device=device)
+    weights = family.random_weights(config, seed, dtype=dtype, device=device) if dummy else iterate_safetensors(path)
+    net.load_weights(weights)
+    return LoadedModel(net, tokenizer, config, name)
 
 
 def save_checkpoint(
@@ -74,3 +93,6 @@ def save_checkpoint(
         (path / "tokenizer.json").write_text(tokenizer.to_tokenizers_json())
         eos = ByteTokenizer.SPECIALS[0]
         (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos}) + "\n")
+
+
+__all__ = ["HFTokenizer", "LoadedModel", "iterate_safetensors", "load_model", "save_checkpoint"]

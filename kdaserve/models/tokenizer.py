@@ -1,5 +1,5 @@
 """Tokenizers: a byte-level one for the built-in models (no files needed) and a wrapper around a
-checkpoint's `tokenizer.json` (the `tokenizers` library). Both expose what the engine and the
+checkpoint's `tokenizer.json` or tiktoken vocabulary (the `tokenizers` library). Both expose what the engine and the
 server use: encode, decode, eos_token_id, vocab_size, apply_chat_template."""
 
 from __future__ import annotations
@@ -93,11 +93,13 @@ class HFTokenizer:
     """A checkpoint's tokenizer.json; eos from config.json or tokenizer_config.json; the chat
     template from tokenizer_config.json (rendered with jinja2), else the simple one."""
 
-    def __init__(self, path: str | Path, eos_token_id: int | list[int] | None = None):
+    def __init__(self, path: str | Path, eos_token_id: int | list[int] | None = None, tokenizer=None):
+        """`tokenizer`: a `tokenizers.Tokenizer` built elsewhere (from a tiktoken vocabulary);
+        default: the directory's tokenizer.json."""
         from tokenizers import Tokenizer
 
         path = Path(path)
-        self._tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+        self._tok = tokenizer if tokenizer is not None else Tokenizer.from_file(str(path / "tokenizer.json"))
         cfg_path = path / "tokenizer_config.json"
         self._cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
         if isinstance(eos_token_id, list):
@@ -127,3 +129,17 @@ class HFTokenizer:
         return env.from_string(self.chat_template).render(
             messages=messages, add_generation_prompt=add_generation_prompt, **specials, **kwargs
         )
+
+
+def load_checkpoint_tokenizer(path: str | Path, eos_token_id=None):
+    """A checkpoint directory's tokenizer: `tokenizer.json` (the `tokenizers` library), else a
+    tiktoken vocabulary (`tiktoken.model`, Kimi's format; tiktoken_vocab.py), else the byte
+    tokenizer (checkpoints written by kdaserve's tests and tools)."""
+    path = Path(path)
+    if (path / "tokenizer.json").is_file():
+        return HFTokenizer(path, eos_token_id)
+    if (path / "tiktoken.model").is_file():
+        from kdaserve.models.tiktoken_vocab import tokenizer_from_tiktoken
+
+        return HFTokenizer(path, eos_token_id, tokenizer=tokenizer_from_tiktoken(path))
+    return ByteTokenizer()

@@ -1,0 +1,139 @@
+"""Kimi-Linear-48B-A3B at its real shape on one GPU, with random bf16 weights (`--load-format dummy`):
+memory of weights and caches, the largest batch at 8K context, TTFT of one 8K prompt, decode
+tokens/s at several batch sizes, and each decode step against its memory floor.
+
+    PYTHONPATH=$PWD python3 benchmarks/bench_kimi_linear.py [--batches 1 64 256] [--ctx 8192]
+
+Method: the engine as `kdaserve serve` runs it (CUDA graphs for decode, the auto backends: flash +
+adaptive for KDA, the Triton MLA and MoE kernels), Triton's start-up warm-up off (this script warms
+each shape before timing it). TTFT = wall time from add_request to the first token of one prompt
+alone (second of two runs; the first compiles). Decode: B sequences with `--decode-ctx`-token
+prompts held in decode; the step is timed as a CUDA-graph replay (device time, do_bench median)
+and as a whole engine step (host work and sampling included); tokens/s = B / engine step.
+
+Memory floor of a decode step = bytes that must move / the measured copy bandwidth:
+  weights: every parameter but the embedding table (lm_head, projections, norms, router), plus the
+           routed experts the step touches, estimated for uniform routing (random weights route
+           near-uniformly): E * (1 - (1 - k/E)^B) experts per MoE layer;
+  KDA state read and written (fp32), conv state, and the MLA latent rows of every context.
+Rows print as measured; the table prints last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.bench_throughput import copy_bandwidth, random_prompts  # noqa: E402
+from kdaserve.engine import LLM, SamplingParams  # noqa: E402
+from kdaserve.engine.caches import kv_bytes_per_block, state_bytes_per_slot  # noqa: E402
+
+MODEL = "moonshotai/Kimi-Linear-48B-A3B-Instruct"
+GIB = 2**30
+
+
+def param_bytes(model, skip=()) -> int:
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not any(s in n for s in skip))
+
+
+def floor_bytes(model, B: int, ctx: int, dtype) -> dict:
+    c = model.config
+    E, k = c.num_local_experts, c.num_experts_per_tok
+    expert_bytes = 3 * c.hidden_size * c.moe_intermediate_size * torch.empty((), dtype=dtype).element_size()
+    moe_layers = sum(c.is_moe_layer(i) for i in range(c.num_hidden_layers))
+    touched = E * (1 - (1 - k / E) ** B)
+    dense = param_bytes(model, skip=("embed_tokens", ".w13", ".w2"))
+    return {"weights": dense + moe_layers * touched * expert_bytes, "experts_touched": touched,
+            "state": 2 * B * state_bytes_per_slot(model), "latent": B * ctx * kv_bytes_per_block(model, 1, dtype)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=MODEL)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
+    ap.add_argument("--ctx", type=int, default=8192, help="the long prompt (TTFT, largest batch)")
+    ap.add_argument("--decode-ctx", type=int, default=512, help="prompt tokens of the decode batches")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.92)
+    args = ap.parse_args()
+    t0 = time.time()
+    bw = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()} | copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    maxb = max(args.batches)
+    llm = LLM(args.model, load_format="dummy", max_num_seqs=maxb, max_model_len=args.ctx + 64,
+              max_num_batched_tokens=args.ctx, gpu_memory_utilization=args.gpu_memory_utilization, warmup=False)
+    eng, runner = llm.engine, llm.engine.runner
+    model = runner.model
+    torch.cuda.synchronize()
+    weights = param_bytes(model)
+    plan = getattr(runner, "memory_plan", {})
+    per_slot, per_tok = state_bytes_per_slot(model), kv_bytes_per_block(model, 1, runner.config.dtype)
+    fit_8k = int(plan.get("free_gib", 0) * GIB // (per_slot + (args.ctx + 64) * per_tok))
+    print(f"built in {time.time() - t0:.0f} s: weights {weights / GIB:.2f} GiB ({weights / 2 / 1e9:.2f} B parameters), "
+          f"KDA state {plan.get('state_gib', 0):.2f} GiB ({runner.num_slots} slots, {per_slot / 2**20:.1f} MiB each), "
+          f"latent cache {plan.get('kv_gib', 0):.2f} GiB ({plan.get('kv_tokens', 0)} tokens, {per_tok} B per token), "
+          f"memory left for caches {plan.get('free_gib', 0):.2f} GiB -> {fit_8k} sequences of {args.ctx} tokens fit; "
+          f"backends {runner.kda_backends.names}", flush=True)
+
+    rows = []
+    prompt = random_prompts(1, args.ctx, seed=5)[0]
+    ttft = []
+    for _ in range(2):
+        eng.add_request(f"ttft{len(ttft)}", prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+        torch.cuda.synchronize()
+        s = time.perf_counter()
+        while eng.has_unfinished_requests():
+            eng.step()
+        torch.cuda.synchronize()
+        ttft.append(time.perf_counter() - s)
+        print(f"  TTFT {args.ctx} tokens: {ttft[-1] * 1e3:.1f} ms ({time.time() - t0:.0f} s)", flush=True)
+
+    from triton.testing import do_bench
+
+    for B in args.batches:
+        ids = [f"d{B}-{i}" for i in range(B)]
+        for rid, p in zip(ids, random_prompts(B, args.decode_ctx, seed=B)):
+            eng.add_request(rid, p, SamplingParams(max_tokens=10_000, ignore_eos=True))
+        started: set[str] = set()
+        while len(started) < B:
+            started |= {o.request_id for o in eng.step() if o.new_token_ids}
+        for _ in range(3):
+            eng.step()
+        host = []
+        for _ in range(10):
+            torch.cuda.synchronize()
+            s = time.perf_counter()
+            eng.step()
+            torch.cuda.synchronize()
+            host.append(time.perf_counter() - s)
+        step_s = statistics.median(host)
+        graph_us = float("nan")
+        if runner.graphs is not None and B in runner.graphs.graphs:
+            graph_us = do_bench(runner.graphs.graphs[B].replay, return_mode="median") * 1e3
+        f = floor_bytes(model, B, args.decode_ctx + 16, runner.config.dtype)
+        floor_us = sum(v for k, v in f.items() if k != "experts_touched") / bw * 1e6
+        rows.append((B, step_s * 1e6, graph_us, B / step_s, floor_us, f))
+        print(f"  B={B}: engine step {step_s * 1e6:.0f} us, graph {graph_us:.0f} us, {B / step_s:.0f} tok/s, floor "
+              f"{floor_us:.0f} us ({time.time() - t0:.0f} s)", flush=True)
+        for rid in ids:
+            eng.abort_request(rid)
+        eng.step()
+
+    print(f"\nKimi-Linear-48B-A3B shape, random bf16 weights, {torch.cuda.get_device_name()}, "
+          f"copy bandwidth {bw / 1e12:.2f} TB/s; TTFT {args.ctx} tokens {ttft[-1] * 1e3:.1f} ms (first run "
+          f"{ttft[0] * 1e3:.0f} ms, compiles included); {fit_8k} sequences of {args.ctx} tokens fit")
+    print("| batch | engine step us | graph step us | tok/s | floor us | graph / floor | weights MB | experts/layer | state MB | latent MB |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for B, step_us, graph_us, tps, floor_us, f in rows:
+        print(f"| {B} | {step_us:.0f} | {graph_us:.0f} | {tps:.0f} | {floor_us:.0f} | {graph_us / floor_us:.2f}x | "
+              f"{f['weights'] / 1e6:.0f} | {f['experts_touched']:.0f} | {f['state'] / 1e6:.0f} | {f['latent'] / 1e6:.0f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""Multi-head latent attention (DeepSeek-V2 style MLA) over a paged latent cache.
+
+Projections, with the released checkpoint names:
+    q          = q_proj(x)                          [T, H, Dn + R]   (or q_b_proj(norm(q_a_proj(x))) with q-LoRA)
+    c | k_pe   = kv_a_proj_with_mqa(x)              [T, L + R]
+    c          = kv_a_layernorm(c)                  the latent the cache keeps, with k_pe beside it
+    k_nope | v = kv_b_proj(c)                       [T, H, Dn + Dv]  (prefill expands the context)
+    scores     = (q_nope·k_nope + q_pe·k_pe) * (Dn + R)^-0.5, causal
+    out        = o_proj(attention)
+Kimi-Linear uses no rotary embedding (`mla_use_nope`): q_pe and k_pe are used as they are. Rotary
+variants (DeepSeek's rotated q_pe / k_pe) are not implemented yet and are refused by the config.
+
+Decode uses the absorbed form: with W_UK, W_UV the k_nope and v rows of kv_b_proj per head,
+q_latent = q_nope W_UK and out = W_UV (softmax · c), so each cached token is read once as a latent,
+never expanded. Both forms are views of kv_b_proj's weight: nothing derived to keep in sync.
+
+The cache `[num_blocks, block_size, L + R]` is bound by the engine; block 0 is the null block and
+the last block the trash block (engine/caches.py), as for grouped-query attention. The per-step
+metadata is the attention layers' (layers/attention.AttentionMetadata)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kdaserve.layers.attention import AttentionMetadata
+from kdaserve.layers.context import get_context
+from kdaserve.layers.kernel_choice import resolve_kernel_choice
+from kdaserve.layers.norm import RMSNorm
+from kdaserve.ops.mla.reference import mla_decode_reference, mla_prefill_reference
+
+
+def _linear(i: int, o: int, dtype, device) -> nn.Linear:
+    lin = nn.Linear(i, o, bias=False, dtype=dtype, device=device)
+    lin.weight.requires_grad_(False)
+    return lin
+
+
+class MLAttention(nn.Module):
+    def __init__(self, hidden_size: int, num_heads: int, *, kv_lora_rank: int, qk_nope_head_dim: int,
+                 qk_rope_head_dim: int, v_head_dim: int, q_lora_rank: int | None = None, norm_eps: float = 1e-6,
+                 layer_idx: int = 0, backend: str = "auto", dtype=None, device=None):
+        super().__init__()
+        device = torch.device(device) if device is not None else torch.empty(0).device
+        self.num_heads, self.layer_idx = num_heads, layer_idx
+        self.L, self.R, self.Dn, self.Dv = kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim
+        self.scale = (qk_nope_head_dim + qk_rope_head_dim) ** -0.5
+        self.q_lora_rank = q_lora_rank
+        q_out = num_heads * (qk_nope_head_dim + qk_rope_head_dim)
+        if q_lora_rank is None:
+            self.q_proj = _linear(hidden_size, q_out, dtype, device)
+        else:
+            self.q_a_proj = _linear(hidden_size, q_lora_rank, dtype, device)
+            self.q_a_layernorm = RMSNorm(q_lora_rank, norm_eps, dtype=dtype, device=device)
+            self.q_b_proj = _linear(q_lora_rank, q_out, dtype, device)
+        self.kv_a_proj_with_mqa = _linear(hidden_size, kv_lora_rank + qk_rope_head_dim, dtype, device)
+        self.kv_a_layernorm = RMSNorm(kv_lora_rank, norm_eps, dtype=dtype, device=device)
+        self.kv_b_proj = _linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), dtype, device)
+        self.o_proj = _linear(num_heads * v_head_dim, hidden_size, dtype, device)
+        self.backend = resolve_kernel_choice("MLA", backend, device)
+        self.cache: torch.Tensor | None = None
+
+    # ---- cache ----------------------------------------------------------------------------------
+
+    @property
+    def cache_row_width(self) -> int:
+        return self.L + self.R
+
+    def cache_shapes(self, num_blocks: int, block_size: int) -> list[tuple[int, ...]]:
+        return [(num_blocks, block_size, self.L + self.R)]
+
+    def bind_cache(self, cache: torch.Tensor) -> None:
+        if cache.dim() != 3 or cache.shape[-1] != self.L + self.R:
+            raise ValueError(f"MLA cache must be [num_blocks, block_size, {self.L + self.R}] (layer {self.layer_idx}), "
+                             f"got {list(cache.shape)}")
+        self.cache = cache
+
+    # ---- forward --------------------------------------------------------------------------------
+
+    def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_UK [H, Dn, L], W_UV [H, Dv, L]): views of kv_b_proj's weight."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.Dn + self.Dv, self.L)
+        return w[:, : self.Dn], w[:, self.Dn :]
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        T, H = hidden.shape[0], self.num_heads
+        q = self.q_proj(hidden) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+        q = q.view(T, H, self.Dn + self.R)
+        q_nope, q_pe = q[..., : self.Dn], q[..., self.Dn :]
+        kv = self.kv_a_proj_with_mqa(hidden)
+        latent, k_pe = self.kv_a_layernorm(kv[:, : self.L].contiguous()), kv[:, self.L :]
+        md: AttentionMetadata | None = get_context().attn
+        if md is None or self.cache is None:
+            # Dummy run (memory profile): the step as one causal sequence, so shapes and costs are real.
+            o = self._prefill(q_nope, q_pe, latent, k_pe, [T], [T])
+            return self.o_proj(o.reshape(T, H * self.Dv))
+        rows = torch.cat([latent, k_pe], dim=-1).to(self.cache.dtype)
+        self.cache.view(-1, self.L + self.R).index_copy_(0, md.slot_mapping, rows)
+        nd = md.num_decode_tokens
+        parts = []
+        if nd:
+            parts.append(self._decode(q_nope[:nd], q_pe[:nd], md))
+        if nd < T:
+            ctx = self.cache.view(-1, self.L + self.R)[md.prefill_kv_rows]
+            parts.append(self._prefill(q_nope[nd:], q_pe[nd:], ctx[:, : self.L].to(hidden.dtype),
+                                       ctx[:, self.L :].to(hidden.dtype), md.prefill_query_lens, md.prefill_context_lens))
+        o = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return self.o_proj(o.reshape(T, H * self.Dv))
+
+    def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        w_uk, w_uv = self._absorbed_weights()
+        q_latent = torch.einsum("bhd,hdl->bhl", q_nope, w_uk)
+        if self.backend == "triton":
+            from kdaserve.ops.mla.decode import mla_decode_triton
+
+            out_latent = mla_decode_triton(q_latent, q_pe, self.cache, md.decode_block_tables, md.decode_context_lens, self.scale)
+        else:
+            out_latent = mla_decode_reference(q_latent.to(self.cache.dtype), q_pe.to(self.cache.dtype), self.cache,
+                                              md.decode_block_tables, md.decode_context_lens, self.scale)
+        return torch.einsum("bhl,hdl->bhd", out_latent.to(q_nope.dtype), w_uv)
+
+    def _prefill(self, q_nope, q_pe, ctx_latent, ctx_pe, query_lens: list[int], context_lens: list[int]) -> torch.Tensor:
+        C, H = ctx_latent.shape[0], self.num_heads
+        kv = self.kv_b_proj(ctx_latent).view(C, H, self.Dn + self.Dv)
+        k_nope, v = kv[..., : self.Dn], kv[..., self.Dn :]
+        if self.backend == "triton":
+            from kdaserve.ops.mla.prefill import mla_prefill_triton
+
+            return mla_prefill_triton(q_nope, q_pe, k_nope, ctx_pe, v, query_lens, context_lens, self.scale)
+        return mla_prefill_reference(q_nope, q_pe, k_nope, ctx_pe, v, query_lens, context_lens, self.scale)
+
+    def extra_repr(self) -> str:
+        return (f"layer={self.layer_idx}, heads={self.num_heads}, latent={self.L}+{self.R}, nope={self.Dn}, "
+                f"v={self.Dv}, q_lora={self.q_lora_rank}, backend={self.backend}")

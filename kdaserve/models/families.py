@@ -1,0 +1,60 @@
+"""Model families by `config.json`'s `model_type`: how to parse the config, build the model and
+make random weights for it. kdaserve's own hybrid is the default (its built-ins and checkpoints
+carry `model_type` "kda_hybrid*")."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    config_from_dict: Callable
+    build: Callable           # build(config, *, kda, mla_backend, moe_backend, dtype, device) -> model
+    random_weights: Callable  # random_weights(config, seed, *, dtype, device) -> iterable of (name, tensor)
+
+
+def _hybrid() -> Family:
+    from kdaserve.models.config import HybridConfig
+    from kdaserve.models.hybrid import HybridForCausalLM
+    from kdaserve.models.random_weights import random_checkpoint
+
+    def build(config, *, kda, mla_backend, moe_backend, dtype, device):
+        return HybridForCausalLM(config, kda=kda, dtype=dtype, device=device)
+
+    def random(config, seed, *, dtype, device):
+        return random_checkpoint(config, seed, dtype=dtype, device=device).items()
+
+    return Family("kda_hybrid", HybridConfig.from_dict, build, random)
+
+
+def _kimi_linear() -> Family:
+    from kdaserve.models.kimi_linear import KimiLinearForCausalLM, random_released_tensors
+    from kdaserve.models.kimi_linear_config import KimiLinearConfig
+
+    def build(config, *, kda, mla_backend, moe_backend, dtype, device):
+        return KimiLinearForCausalLM(config, kda=kda, mla_backend=mla_backend, moe_backend=moe_backend, dtype=dtype,
+                                     device=device)
+
+    return Family("kimi_linear", KimiLinearConfig.from_dict, build, random_released_tensors)
+
+
+_FAMILIES = {"kimi_linear": _kimi_linear}
+KNOWN_MODEL_TYPES = ("kimi_linear", "kda_hybrid*")
+
+
+def family_of(config_dict: dict) -> Family:
+    """The family of a parsed config.json (its `model_type`, or its text_config's)."""
+    model_type = config_dict.get("model_type") or (config_dict.get("text_config") or {}).get("model_type") or ""
+    if model_type in _FAMILIES:
+        return _FAMILIES[model_type]()
+    if model_type.startswith("kda_hybrid") or not model_type:
+        return _hybrid()
+    raise ValueError(f"config.json has model_type {model_type!r}, which kdaserve cannot load yet; "
+                     f"known: {', '.join(KNOWN_MODEL_TYPES)}")
+
+
+def family_of_config(config) -> Family:
+    return family_of({"model_type": getattr(config, "model_type", "")})

@@ -1,0 +1,303 @@
+"""Kimi-Linear (Moonshot AI, `KimiLinearForCausalLM`): KDA layers with the unbounded gate, MLA
+layers without rotary embedding, a dense first layer and mixture-of-experts layers after it.
+
+Loaded from the **released** tensor names (not transformers' renamed ones):
+
+    model.embed_tokens.weight, model.norm.weight, lm_head.weight
+    model.layers.{i}.input_layernorm.weight, .post_attention_layernorm.weight
+    KDA  model.layers.{i}.self_attn.{q,k,v}_proj, b_proj, f_a_proj, f_b_proj, g_a_proj, g_b_proj,
+         {q,k,v}_conv1d [P, 1, W], A_log [1, 1, H, 1], dt_bias [P], o_norm, o_proj
+    MLA  model.layers.{i}.self_attn.q_proj (or q_a_proj, q_a_layernorm, q_b_proj),
+         kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj
+    MLP  model.layers.{i}.mlp.{gate,up,down}_proj                       (layers < first_k_dense_replace)
+    MoE  model.layers.{i}.block_sparse_moe.gate.weight, .gate.e_score_correction_bias,
+         .experts.{e}.w1/w2/w3.weight, .shared_experts.{gate,up,down}_proj.weight
+
+`released_shapes(config)` lists every tensor of a complete checkpoint; a checkpoint that lacks one,
+has one more, or has one of another shape is an error naming it."""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from kdaserve.backends import KDABackendChoice, LayerSettings, Machine, resolve_kda_backends
+from kdaserve.layers.embed_head import LMHead, VocabEmbedding
+from kdaserve.layers.kda_weights import IN_PROJ_PARTS
+from kdaserve.layers.mla import MLAttention
+from kdaserve.layers.mlp import SwiGLUMLP
+from kdaserve.layers.moe import MoEMLP
+from kdaserve.layers.norm import RMSNorm
+from kdaserve.models.kimi_linear_config import KimiLinearConfig
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_EXPERT = re.compile(r"block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight")
+
+
+def _kda_settings(config: KimiLinearConfig, kda: KDABackendChoice, dtype: torch.dtype) -> LayerSettings:
+    return LayerSettings(input_dtype=dtype, head_dim=config.linear_head_dim, lower_bound=None,
+                         state_dtype=kda.state_dtype, conv_layout=kda.conv_layout, num_spec_tokens=0,
+                         conv_width=config.linear_conv_kernel_dim)
+
+
+class KimiDecoderLayer(nn.Module):
+    def __init__(self, config: KimiLinearConfig, i: int, *, kda: KDABackendChoice, kda_backends, mla_backend: str,
+                 moe_backend: str, dtype, device):
+        super().__init__()
+        c, h = config, config.hidden_size
+        self.layer_idx, self.is_kda, self.is_moe = i, c.layer_types[i] == "linear_attention", c.is_moe_layer(i)
+        self.input_layernorm = RMSNorm(h, c.rms_norm_eps, dtype=dtype, device=device)
+        self.post_attention_layernorm = RMSNorm(h, c.rms_norm_eps, dtype=dtype, device=device)
+        if self.is_kda:
+            from kdaserve.layers.kda import KDALayer
+
+            self.self_attn = KDALayer(
+                h, c.linear_num_heads, c.linear_head_dim, conv_kernel_size=c.linear_conv_kernel_dim, lower_bound=None,
+                norm_eps=c.rms_norm_eps, layer_idx=i, params_dtype=dtype, device=device, state_dtype=kda.state_dtype,
+                conv_layout=kda.conv_layout, backends=kda_backends,
+            )
+        else:
+            self.self_attn = MLAttention(
+                h, c.num_attention_heads, kv_lora_rank=c.kv_lora_rank, qk_nope_head_dim=c.qk_nope_head_dim,
+                qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim, q_lora_rank=c.q_lora_rank,
+                norm_eps=c.rms_norm_eps, layer_idx=i, backend=mla_backend, dtype=dtype, device=device,
+            )
+        if self.is_moe:
+            self.block_sparse_moe = MoEMLP(h, c.router, c.moe_intermediate_size, num_shared_experts=c.n_shared_experts,
+                                           backend=moe_backend, dtype=dtype, device=device)
+        else:
+            self.mlp = SwiGLUMLP(h, c.intermediate_size, dtype=dtype, device=device)
+
+    def forward(self, positions, hidden, residual):
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden) if self.is_kda else self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return (self.block_sparse_moe(hidden) if self.is_moe else self.mlp(hidden)), residual
+
+
+class KimiLinearModel(nn.Module):
+    def __init__(self, config: KimiLinearConfig, **kw):
+        super().__init__()
+        dtype, device = kw["dtype"], kw["device"]
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(KimiDecoderLayer(config, i, **kw) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class KimiLinearForCausalLM(nn.Module):
+    """The engine's model interface: `forward(input_ids [T], positions [T]) -> hidden [T, hidden]`,
+    `compute_logits`, `kda_layers`, `attention_layers`, `kda_backends`, `load_weights`."""
+
+    def __init__(self, config: KimiLinearConfig, *, kda: KDABackendChoice | None = None, mla_backend: str = "auto",
+                 moe_backend: str = "auto", dtype=None, device=None):
+        super().__init__()
+        self.config = config
+        dtype = dtype or torch.get_default_dtype()
+        kda = kda or KDABackendChoice()
+        self.kda_backends = resolve_kda_backends(
+            kda, _kda_settings(config, kda, dtype), config.linear_num_heads,
+            Machine.detect(torch.device(device) if device is not None else None),
+        ) if config.kda_layer_ids else None
+        self.model = KimiLinearModel(config, kda=kda, kda_backends=self.kda_backends, mla_backend=mla_backend,
+                                     moe_backend=moe_backend, dtype=dtype, device=device)
+        tied = self.model.embed_tokens if config.tie_word_embeddings else None
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied, dtype=dtype, device=device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    @property
+    def kda_layers(self) -> list[nn.Module]:
+        return [l.self_attn for l in self.model.layers if l.is_kda]
+
+    @property
+    def attention_layers(self) -> list[MLAttention]:
+        return [l.self_attn for l in self.model.layers if not l.is_kda]
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return load_released_weights(self, weights)
+
+
+# ---- the released checkpoint format ---------------------------------------------------------------
+
+def released_shapes(config: KimiLinearConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a complete released checkpoint, with its shape."""
+    c = config
+    h = c.hidden_size
+    s: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
+    if not c.tie_word_embeddings:
+        s["lm_head.weight"] = (c.vocab_size, h)
+    H, D, W = c.linear_num_heads, c.linear_head_dim, c.linear_conv_kernel_dim
+    P = H * D
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        s[p + "input_layernorm.weight"] = (h,)
+        s[p + "post_attention_layernorm.weight"] = (h,)
+        a = p + "self_attn."
+        if c.layer_types[i] == "linear_attention":
+            for n, rows in (("q_proj", P), ("k_proj", P), ("v_proj", P), ("b_proj", H), ("f_a_proj", D), ("g_a_proj", D)):
+                s[a + n + ".weight"] = (rows, h)
+            s[a + "f_b_proj.weight"] = s[a + "g_b_proj.weight"] = (P, D)
+            for x in "qkv":
+                s[a + f"{x}_conv1d.weight"] = (P, 1, W)
+            s[a + "A_log"] = (1, 1, H, 1)
+            s[a + "dt_bias"] = (P,)
+            s[a + "o_norm.weight"] = (D,)
+            s[a + "o_proj.weight"] = (h, P)
+        else:
+            Hq, qk = c.num_attention_heads, c.qk_nope_head_dim + c.qk_rope_head_dim
+            if c.q_lora_rank is None:
+                s[a + "q_proj.weight"] = (Hq * qk, h)
+            else:
+                s[a + "q_a_proj.weight"] = (c.q_lora_rank, h)
+                s[a + "q_a_layernorm.weight"] = (c.q_lora_rank,)
+                s[a + "q_b_proj.weight"] = (Hq * qk, c.q_lora_rank)
+            s[a + "kv_a_proj_with_mqa.weight"] = (c.kv_lora_rank + c.qk_rope_head_dim, h)
+            s[a + "kv_a_layernorm.weight"] = (c.kv_lora_rank,)
+            s[a + "kv_b_proj.weight"] = (Hq * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank)
+            s[a + "o_proj.weight"] = (h, Hq * c.v_head_dim)
+        if c.is_moe_layer(i):
+            m, E, I = p + "block_sparse_moe.", c.num_local_experts, c.moe_intermediate_size
+            s[m + "gate.weight"] = (E, h)
+            s[m + "gate.e_score_correction_bias"] = (E,)
+            for e in range(E):
+                s[m + f"experts.{e}.w1.weight"] = s[m + f"experts.{e}.w3.weight"] = (I, h)
+                s[m + f"experts.{e}.w2.weight"] = (h, I)
+            if c.n_shared_experts:
+                Is = I * c.n_shared_experts
+                s[m + "shared_experts.gate_proj.weight"] = s[m + "shared_experts.up_proj.weight"] = (Is, h)
+                s[m + "shared_experts.down_proj.weight"] = (h, Is)
+        else:
+            s[p + "mlp.gate_proj.weight"] = s[p + "mlp.up_proj.weight"] = (c.intermediate_size, h)
+            s[p + "mlp.down_proj.weight"] = (h, c.intermediate_size)
+    return s
+
+
+def _is_skipped(name: str, config: KimiLinearConfig) -> bool:
+    """Rotary tables and layers past num_hidden_layers (multi-token-prediction heads) are not ours."""
+    if name.endswith("rotary_emb.inv_freq"):
+        return True
+    m = _LAYER.fullmatch(name)
+    return bool(m) and int(m[1]) >= config.num_hidden_layers
+
+
+def load_released_weights(model: KimiLinearForCausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    """Copy released checkpoint tensors into `model`; returns the names loaded. Unknown names, wrong
+    shapes and missing tensors are errors that name them."""
+    config = model.config
+    shapes = released_shapes(config)
+    params = dict(model.named_parameters())
+    kda_items: dict[int, list[tuple[str, torch.Tensor]]] = defaultdict(list)
+    loaded: set[str] = set()
+    unknown: list[str] = []
+    for name, tensor in weights:
+        if _is_skipped(name, config):
+            continue
+        if name not in shapes:
+            unknown.append(name)
+            continue
+        if tuple(tensor.shape) != shapes[name]:
+            raise ValueError(f"checkpoint tensor {name} has shape {list(tensor.shape)}; expected {list(shapes[name])}")
+        m = _LAYER.fullmatch(name)
+        if m is None:
+            if name == "lm_head.weight" and config.tie_word_embeddings:
+                name = "model.embed_tokens.weight"
+            params[name].copy_(tensor)
+        else:
+            i, rest = int(m[1]), m[2]
+            layer = model.model.layers[i]
+            if layer.is_kda and rest.startswith("self_attn."):
+                kda_items[i].append((rest.removeprefix("self_attn."), tensor))
+            else:
+                _load_layer_tensor(layer, rest, tensor, params, f"model.layers.{i}.")
+        loaded.add(name)
+    for i, items in kda_items.items():
+        model.model.layers[i].self_attn.load_weights(items)
+    if unknown:
+        raise ValueError(f"checkpoint has {len(unknown)} tensors Kimi-Linear does not have (released names expected), "
+                         f"e.g. {sorted(unknown)[:8]}")
+    missing = sorted(set(shapes) - loaded)
+    if missing:
+        raise ValueError(f"checkpoint lacks {len(missing)} tensors of this config, e.g. {missing[:8]}")
+    return loaded
+
+
+def _load_layer_tensor(layer: KimiDecoderLayer, rest: str, tensor: torch.Tensor, params: dict, prefix: str) -> None:
+    e = _EXPERT.fullmatch(rest)
+    if e:
+        layer.block_sparse_moe.load_expert(int(e[1]), e[2], tensor)
+        return
+    renamed = {"block_sparse_moe.gate.weight": "block_sparse_moe.gate_weight",
+               "block_sparse_moe.gate.e_score_correction_bias": "block_sparse_moe.e_score_correction_bias"}.get(rest, rest)
+    module_path, _, pname = renamed.rpartition(".")
+    parent_path, _, child = module_path.rpartition(".")
+    parent = layer.get_submodule(parent_path) if parent_path else layer
+    packed = getattr(parent, "packed_modules", {})
+    if child in packed:
+        target, shard = packed[child]
+        parent.get_submodule(target).load_shard(pname, shard, tensor)
+    else:
+        params[prefix + renamed].copy_(tensor)
+
+
+# ---- random weights at any size (tests, `--load-format dummy`) ------------------------------------
+
+def random_released_tensors(config: KimiLinearConfig, seed: int = 0, *, dtype=torch.bfloat16, device="cpu"):
+    """Random tensors under the released names, one at a time (a 48B model never exists twice in
+    memory), scaled so activations stay O(1) at any depth and the gates are realistic: exp(A_log) in
+    [1, 16], dt_bias the inverse softplus of dt in [1e-3, 1e-1] (FLA's initialisation), router
+    scores spread over the experts. Yields (name, tensor)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    layers = config.num_hidden_layers
+
+    def randn(shape, std, dt=dtype):
+        return torch.randn(shape, generator=gen, device=device, dtype=torch.float32).mul_(std).to(dt)
+
+    for name, shape in released_shapes(config).items():
+        f32 = torch.float32
+        if name.endswith("norm.weight"):
+            t = 1.0 + randn(shape, 0.1)
+        elif name.endswith("_conv1d.weight"):
+            t = randn(shape, shape[-1] ** -0.5, f32)
+        elif name.endswith(".A_log"):
+            t = torch.rand(shape, generator=gen, device=device).mul_(15).add_(1).log_()
+        elif name.endswith(".dt_bias"):
+            dt = torch.rand(shape, generator=gen, device=device).mul_(2 * 2.302585).sub_(6.907755).exp_()
+            t = dt + torch.log(-torch.expm1(-dt))
+        elif name.endswith("e_score_correction_bias"):
+            t = randn(shape, 0.05, f32)
+        elif name.endswith("gate.weight"):
+            t = randn(shape, shape[1] ** -0.5, f32)
+        elif name == "model.embed_tokens.weight":
+            t = randn(shape, 1.0)
+        elif name == "lm_head.weight":
+            t = randn(shape, 4.0 / shape[1] ** 0.5)
+        elif name.endswith(("o_proj.weight", "down_proj.weight", ".w2.weight")):
+            t = randn(shape, 1.0 / (shape[1] * 2 * layers) ** 0.5)
+        elif name.endswith(".b_proj.weight"):   # beta logits: spread beta over (0, 1)
+            t = randn(shape, 2.0 / shape[1] ** 0.5)
+        else:
+            t = randn(shape, shape[-1] ** -0.5)
+        yield name, t
+
+
+__all__ = ["IN_PROJ_PARTS", "KimiLinearConfig", "KimiLinearForCausalLM", "load_released_weights",
+           "random_released_tensors", "released_shapes"]

@@ -1,0 +1,83 @@
+"""Triton MLA decode over the paged latent cache, absorbed form (contract: reference.py).
+
+One program per (row, group of BLOCK_H heads): every head of the group scores the same latent rows,
+so each tile of `TILE` cached tokens ([TILE, L] latent + [TILE, R] key part) is read once for the
+group, with an online softmax in fp32. The loop bound is read on the device (no host sync: CUDA
+graphs capture it); rows past a context load zeros."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kdaserve.ops import interpreter_compat
+
+
+@triton.jit
+def _mla_decode_kernel(
+    ql_ptr, qp_ptr, cache_ptr, tables_ptr, lens_ptr, out_ptr, scale,
+    stride_qlb, stride_qlh, stride_qpb, stride_qph, stride_ob, stride_oh, stride_tb, stride_row,
+    H: tl.constexpr, L: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, PREC: tl.constexpr,
+):
+    b = tl.program_id(0)
+    hg = tl.program_id(1)
+    heads = hg * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = heads < H
+    offs_l = tl.arange(0, L)
+    offs_r = tl.arange(0, R)
+    ql = tl.load(ql_ptr + b * stride_qlb + heads[:, None] * stride_qlh + offs_l[None, :], mask=h_ok[:, None], other=0.0)
+    qp = tl.load(qp_ptr + b * stride_qpb + heads[:, None] * stride_qph + offs_r[None, :], mask=h_ok[:, None], other=0.0)
+    ctx = tl.load(lens_ptr + b).to(tl.int32)
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, L], tl.float32)
+    num_tiles = (ctx + TILE - 1) // TILE
+    for i in range(num_tiles):
+        t = i * TILE + tl.arange(0, TILE)
+        t_ok = t < ctx
+        blk = tl.load(tables_ptr + b * stride_tb + t // BLOCK_SIZE, mask=t_ok, other=0)
+        rows = (blk.to(tl.int64) * BLOCK_SIZE + t % BLOCK_SIZE) * stride_row
+        lat = tl.load(cache_ptr + rows[:, None] + offs_l[None, :], mask=t_ok[:, None], other=0.0)
+        pe = tl.load(cache_ptr + rows[:, None] + L + offs_r[None, :], mask=t_ok[:, None], other=0.0)
+        s = tl.dot(ql, tl.trans(lat).to(ql.dtype), input_precision=PREC)
+        s = tl.dot(qp, tl.trans(pe).to(qp.dtype), s, input_precision=PREC) * scale
+        s = tl.where(t_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(lat.dtype), lat, input_precision=PREC)
+        m = m_new
+    out = acc / tl.maximum(l, 1e-30)[:, None]
+    tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_l[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=h_ok[:, None])
+
+
+def mla_decode_triton(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
+                      context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Same contract as reference.mla_decode_reference."""
+    B, H, L = q_latent.shape
+    R = q_pe.shape[-1]
+    num_blocks, block_size, width = cache.shape
+    if width != L + R or not cache.is_contiguous():
+        raise ValueError(f"MLA decode needs a contiguous cache [blocks, block_size, L+R = {L + R}], got "
+                         f"{tuple(cache.shape)} (contiguous: {cache.is_contiguous()})")
+    for name, d in (("kv_lora_rank", L), ("the rope key part", R)):
+        if d < 16 or d & (d - 1):
+            raise ValueError(f"MLA decode needs a power-of-two {name} >= 16, got {d}")
+    interpreter_compat.install()
+    q_latent = q_latent if q_latent.stride(-1) == 1 else q_latent.contiguous()
+    q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
+    q_latent, q_pe = q_latent.to(cache.dtype), q_pe.to(cache.dtype)
+    out = torch.empty(B, H, L, dtype=cache.dtype, device=cache.device)
+    BLOCK_H = 16
+    _mla_decode_kernel[(B, triton.cdiv(H, BLOCK_H))](
+        q_latent, q_pe, cache, block_tables, context_lens, out, scale,
+        q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), out.stride(0), out.stride(1),
+        block_tables.stride(0), cache.stride(1),
+        H=H, L=L, R=R, BLOCK_H=BLOCK_H, BLOCK_SIZE=block_size, TILE=32,
+        PREC="ieee" if cache.dtype == torch.float32 else "tf32", num_warps=4 if L <= 128 else 8,
+    )
+    return out

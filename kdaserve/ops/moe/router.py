@@ -1,0 +1,63 @@
+"""Top-k routing of tokens to experts, DeepSeek-V3 style (Kimi-Linear, GLM-5.3-Flash, Ling):
+
+    logits  = x @ W_gate^T                      in fp32 (the gate weight is kept in fp32)
+    scores  = sigmoid(logits) (or softmax)
+    choice  = scores + e_score_correction_bias   (the bias only chooses, it never weights)
+    groups  : experts in `num_groups` equal groups; a group's score is the sum of its top-2
+              choice scores; only the best `topk_groups` groups may be chosen from
+    topk    = the `top_k` best choice scores among the allowed experts
+    weights = scores of the chosen experts, divided by their sum (+1e-20) when `renormalize`,
+              times `routed_scaling_factor`
+
+Plain torch: a handful of small ops on [T, E], no host sync (CUDA-graph capturable)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    num_experts: int
+    top_k: int
+    scoring: str = "sigmoid"            # "sigmoid" or "softmax"
+    num_groups: int = 1
+    topk_groups: int = 1
+    renormalize: bool = True
+    routed_scaling_factor: float = 1.0
+
+    def __post_init__(self):
+        if self.scoring not in ("sigmoid", "softmax"):
+            raise ValueError(f"router scoring must be 'sigmoid' or 'softmax', got {self.scoring!r}")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"top_k must lie in [1, num_experts = {self.num_experts}], got {self.top_k}")
+        if self.num_groups < 1 or self.num_experts % self.num_groups:
+            raise ValueError(f"num_experts ({self.num_experts}) must split into num_groups ({self.num_groups}) equal groups")
+        if not 1 <= self.topk_groups <= self.num_groups:
+            raise ValueError(f"topk_groups must lie in [1, num_groups = {self.num_groups}], got {self.topk_groups}")
+        if self.topk_groups * (self.num_experts // self.num_groups) < self.top_k:
+            raise ValueError(f"top_k = {self.top_k} experts cannot be chosen from {self.topk_groups} groups of "
+                             f"{self.num_experts // self.num_groups}")
+
+
+def route_tokens(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | None,
+                 cfg: RouterConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, hidden] -> (weights [T, top_k] fp32, expert ids [T, top_k] int64)."""
+    logits = F.linear(x.float(), gate_weight.float())
+    scores = logits.sigmoid() if cfg.scoring == "sigmoid" else logits.softmax(-1)
+    choice = scores if bias is None else scores + bias.float()
+    if cfg.num_groups > 1 and cfg.topk_groups < cfg.num_groups:
+        T = x.shape[0]
+        grouped = choice.view(T, cfg.num_groups, -1)
+        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+        keep = torch.zeros_like(group_scores, dtype=torch.bool)
+        keep.scatter_(1, group_scores.topk(cfg.topk_groups, dim=-1).indices, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(cfg.num_experts // cfg.num_groups, dim=1), float("-inf"))
+    ids = choice.topk(cfg.top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if cfg.renormalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * cfg.routed_scaling_factor, ids

@@ -1,0 +1,189 @@
+"""Kimi-Linear against transformers 5.23.0 (its pure-torch port, fp32 on the CPU): a tiny random
+checkpoint written with the **released** tensor names and config spelling, loaded by both.
+
+Log-probs of every prompt position (the engine's prompt and sample log-probs over the whole
+vocabulary) agree to relative RMS <= 1e-4, and 32 greedy tokens are identical: alone, batched,
+with chunked prefill, and with a preemption in between."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from safetensors.torch import save_file
+
+from kdaserve.engine import LLM, SamplingParams
+from kdaserve.models.kimi_linear import random_released_tensors, released_shapes
+from kdaserve.models.kimi_linear_config import KimiLinearConfig
+from kdaserve.models.loader import load_model
+from kdaserve.testing.compare import rel_rms
+
+VOCAB = 260
+REF = dict(kda_prefill_backend="reference", kda_decode_backend="reference", mla_backend="reference",
+           moe_backend="reference")
+PROMPTS = [[72, 101, 108, 108, 111, 32, 75, 68, 65], list(range(40, 77)), [7], [200 + (i * 7) % 50 for i in range(23)]]
+
+
+def tiny_config(**overrides) -> KimiLinearConfig:
+    """Two KDA layers around an MLA layer, then MLA last (as released), dense first layer, MoE after."""
+    kw = dict(hidden_size=64, num_hidden_layers=4, vocab_size=VOCAB,
+              layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+              linear_num_heads=2, linear_head_dim=32, num_attention_heads=4, kv_lora_rank=32, qk_nope_head_dim=16,
+              qk_rope_head_dim=16, v_head_dim=16, intermediate_size=96, moe_intermediate_size=32,
+              num_local_experts=8, num_experts_per_tok=3, n_shared_experts=1, routed_scaling_factor=2.446,
+              max_position_embeddings=4096, bos_token_id=None, eos_token_id=256, pad_token_id=None, torch_dtype="float32")
+    kw.update(overrides)
+    return KimiLinearConfig(**kw)
+
+
+def write_checkpoint(path, config: KimiLinearConfig, seed: int = 3, mutate=None):
+    path.mkdir(parents=True, exist_ok=True)
+    config.save(path / "config.json")
+    tensors = {k: v.contiguous() for k, v in random_released_tensors(config, seed, dtype=torch.float32)}
+    if mutate is not None:
+        mutate(tensors)
+    save_file(tensors, str(path / "model.safetensors"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("kimi") / "ckpt", tiny_config())
+
+
+@pytest.fixture(scope="module")
+def hf_model(checkpoint):
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)
+    return model.eval()
+
+
+def _dense(entry: dict) -> torch.Tensor:
+    row = torch.full((VOCAB,), float("nan"))
+    for i, v in entry["top"]:
+        row[i] = v
+    return row
+
+
+def test_the_config_is_written_in_the_released_spelling(checkpoint):
+    d = json.loads((checkpoint / "config.json").read_text())
+    assert d["model_type"] == "kimi_linear" and d["architectures"] == ["KimiLinearForCausalLM"]
+    assert d["linear_attn_config"]["kda_layers"] == [1, 3] and d["linear_attn_config"]["full_attn_layers"] == [2, 4]
+    assert d["num_experts"] == 8 and d["num_experts_per_token"] == 3 and d["moe_renormalize"] is True
+    assert KimiLinearConfig.from_dict(d).layer_types == tiny_config().layer_types
+
+
+def test_log_probs_of_every_position_match_transformers(checkpoint, hf_model):
+    llm = LLM(str(checkpoint), max_model_len=256, max_logprobs=VOCAB, **REF)
+    params = SamplingParams(max_tokens=1, prompt_logprobs=VOCAB, logprobs=VOCAB, ignore_eos=True)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outs):
+        ours = torch.stack([_dense(e) for e in out.prompt_logprobs[1:]] + [_dense(out.logprobs[0])])
+        with torch.no_grad():
+            ref = hf_model(torch.tensor([prompt])).logits[0].log_softmax(-1)
+        assert not ours.isnan().any()
+        assert rel_rms(ours, ref) <= 1e-4, (len(prompt), rel_rms(ours, ref))
+
+
+def _hf_greedy(hf_model, prompt, n=32):
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_32_greedy_tokens_match_transformers_alone_batched_chunked_and_preempted(checkpoint, hf_model):
+    want = [_hf_greedy(hf_model, p) for p in PROMPTS]
+    greedy = SamplingParams(max_tokens=32, ignore_eos=True)
+
+    def ids(llm, prompts):
+        return [o.output_token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+
+    llm = LLM(str(checkpoint), max_model_len=256, **REF)
+    assert [ids(llm, [p])[0] for p in PROMPTS] == want                         # alone
+    assert ids(llm, PROMPTS) == want                                           # batched
+    chunked = LLM(str(checkpoint), max_model_len=256, max_num_batched_tokens=8, **REF)
+    assert ids(chunked, PROMPTS) == want                                       # prompts cut into chunks of <= 8 tokens
+    # 4 prompts growing to 69 tokens want 16 blocks of 16; 9 blocks force preemptions.
+    tight = LLM(str(checkpoint), max_model_len=80, num_kv_blocks=9, block_size=16, **REF)
+    assert ids(tight, PROMPTS) == want
+    assert tight.engine.counters["preemptions"] > 0
+    stats = tight.engine.stats()
+    assert stats["state_slots_used"] == 0 and stats["kv_blocks_used"] == 0
+
+
+def test_router_matches_transformers_with_expert_groups():
+    """Grouped top-k (4 groups, 2 allowed), correction bias, renormalisation and scaling."""
+    from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearTopkRouter
+
+    from kdaserve.ops.moe.router import RouterConfig, route_tokens
+
+    cfg = transformers.KimiLinearConfig(hidden_size=32, num_local_experts=16, num_experts_per_tok=4, n_group=4,
+                                        topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True)
+    router = KimiLinearTopkRouter(cfg)
+    g = torch.Generator().manual_seed(0)
+    router.weight.data = torch.randn(16, 32, generator=g)
+    router.e_score_correction_bias.data = torch.randn(16, generator=g) * 0.3
+    x = torch.randn(50, 32, generator=g)
+    _, w_ref, ids_ref = router(x)
+    w, ids = route_tokens(x, router.weight, router.e_score_correction_bias, RouterConfig(16, 4, "sigmoid", 4, 2, True, 2.5))
+    order_ref, order = ids_ref.argsort(-1), ids.argsort(-1)
+    assert torch.equal(ids_ref.gather(1, order_ref), ids.gather(1, order))
+    torch.testing.assert_close(w_ref.gather(1, order_ref), w.gather(1, order), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 on the CPU")
+def test_triton_paths_in_the_interpreter_give_the_reference_tokens():
+    """flash prefill (chunked), fused decode, the MLA kernels and the fused MoE, through the engine."""
+    prompts, greedy = ["Hello", "The quick brown fox jumps", "KDA"], SamplingParams(max_tokens=4, ignore_eos=True)
+    kw = dict(max_num_seqs=4, max_model_len=64)
+    want = [o.output_token_ids for o in LLM("kimi-tiny", **REF, **kw).generate(prompts, greedy, use_tqdm=False)]
+    llm = LLM("kimi-tiny", kda_prefill_backend="flash", kda_decode_backend="fused", mla_backend="triton",
+              moe_backend="triton", max_num_batched_tokens=12, **kw)
+    assert [o.output_token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == want
+
+
+def _load(path):
+    return load_model(str(path), dtype=torch.float32, device="cpu", mla_backend="reference", moe_backend="reference")
+
+
+def test_bad_checkpoints_are_errors_that_name_the_tensor(tmp_path):
+    config = tiny_config()
+    write_checkpoint(tmp_path / "missing", config, mutate=lambda t: t.pop("model.layers.2.self_attn.f_b_proj.weight"))
+    with pytest.raises(ValueError, match=r"lacks 1 tensors.*layers\.2\.self_attn\.f_b_proj"):
+        _load(tmp_path / "missing")
+    write_checkpoint(tmp_path / "shape", config, mutate=lambda t: t.__setitem__(
+        "model.layers.1.self_attn.kv_b_proj.weight", torch.zeros(4 * 32, 31)))
+    with pytest.raises(ValueError, match=r"kv_b_proj.weight has shape \[128, 31\]; expected \[128, 32\]"):
+        _load(tmp_path / "shape")
+    write_checkpoint(tmp_path / "renamed", config, mutate=lambda t: t.__setitem__(
+        "model.layers.1.mlp.experts.gate_up_proj", torch.zeros(8, 64, 64)))   # transformers' name, not released
+    with pytest.raises(ValueError, match=r"does not have.*mlp\.experts\.gate_up_proj"):
+        _load(tmp_path / "renamed")
+    (tmp_path / "types").mkdir()
+    d = config.to_dict()
+    d["layer_types"] = ["linear_attention", "sliding_attention", "linear_attention", "full_attention"]
+    (tmp_path / "types" / "config.json").write_text(json.dumps(d))
+    with pytest.raises(ValueError, match=r"unknown layer types \['sliding_attention'\]"):
+        _load(tmp_path / "types")
+    d = config.to_dict()
+    d["linear_attn_config"]["kda_layers"] = [1, 3, 5]
+    (tmp_path / "types" / "config.json").write_text(json.dumps(d))
+    with pytest.raises(ValueError, match=r"lists layer 5, outside 1..4 \(the lists are 1-based\)"):
+        _load(tmp_path / "types")
+
+
+def test_released_shapes_at_the_real_size():
+    """The released architecture: 48B parameters (about 98 GB in bf16), 20 KDA + 7 MLA layers, the
+    last one MLA, a dense first layer."""
+    from kdaserve.models.builtin import released_config
+
+    c = released_config("moonshotai/Kimi-Linear-48B-A3B-Instruct")
+    assert len(c.kda_layer_ids) == 20 and c.attention_layer_ids == [3, 7, 11, 15, 19, 23, 26]
+    assert not c.is_moe_layer(0) and all(c.is_moe_layer(i) for i in range(1, 27))
+    params = sum(torch.Size(s).numel() for s in released_shapes(c).values())
+    assert 48.0e9 < params < 49.5e9, params

@@ -1,0 +1,121 @@
+"""Mixture-of-experts kernels (kdaserve/ops/moe) against the torch reference: the router's rules,
+the alignment of slots by expert, and the fused grouped GEMMs, including empty experts, one token
+per expert and every token to one expert. CPU: the interpreter in fp32; GPU: bf16 at Kimi-Linear's
+sizes (256 experts, top 8, hidden 2304, width 1024)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kdaserve.ops.moe import RouterConfig, moe_experts_reference, route_tokens
+from kdaserve.ops.moe.align import align_to_experts, max_sorted_entries
+from kdaserve.testing.compare import assert_rel_close
+
+INTERP = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 on the CPU")
+
+
+def experts(E, hidden, inter, *, device="cpu", dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(E, 2 * inter, hidden, generator=g) * hidden**-0.5
+    w2 = torch.randn(E, hidden, inter, generator=g) * inter**-0.5
+    return w13.to(device, dtype), w2.to(device, dtype)
+
+
+def test_router_rules():
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(20, 16, generator=g), torch.randn(8, 16, generator=g)
+    bias = torch.zeros(8)
+    bias[3] = 10.0                                   # the bias chooses expert 3 for every token...
+    weights, ids = route_tokens(x, w, bias, RouterConfig(8, 2, routed_scaling_factor=3.0))
+    assert (ids == 3).any(-1).all()
+    scores = torch.sigmoid(x @ w.T)                  # ...but the weight is the unbiased score, renormalised
+    want = scores.gather(1, ids) / scores.gather(1, ids).sum(-1, keepdim=True) * 3.0
+    torch.testing.assert_close(weights, want)
+    _, ids = route_tokens(x, w, None, RouterConfig(8, 2, num_groups=4, topk_groups=1))
+    assert ((ids // 2)[:, 0] == (ids // 2)[:, 1]).all()   # one group of 2 allowed: both from it
+    with pytest.raises(ValueError, match="cannot be chosen from 1 groups of 2"):
+        RouterConfig(8, 3, num_groups=4, topk_groups=1)
+
+
+@pytest.mark.parametrize("block_m", [4, 16])
+def test_alignment_groups_slots_by_expert_in_padded_blocks(block_m):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 6, (13, 3), generator=g)
+    ids[:, 0] = 5                                     # a crowded expert; expert 0..4 some empty
+    sorted_slots, block_experts = align_to_experts(ids, 6, block_m)
+    S = ids.numel()
+    assert sorted_slots.numel() == max_sorted_entries(S, 6, block_m) == block_experts.numel() * block_m
+    flat = ids.reshape(-1)
+    seen = []
+    for b, e in enumerate(block_experts.tolist()):
+        block = sorted_slots[b * block_m : (b + 1) * block_m].tolist()
+        real = [s for s in block if s < S]
+        if e < 0:
+            assert not real
+        assert all(flat[s] == e for s in real)
+        seen += real
+    assert sorted(seen) == list(range(S))            # every slot exactly once
+
+
+def _routing(T, E, k, mode, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if mode == "random":
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    elif mode == "one-expert":                        # every token's first choice is expert 0
+        ids = torch.stack([torch.cat([torch.tensor([0]), torch.randperm(E - 1, generator=g)[: k - 1] + 1]) for _ in range(T)])
+    else:                                             # "one-token-per-expert": T*k == E distinct experts
+        ids = torch.randperm(E, generator=g)[: T * k].view(T, k)
+    weights = torch.rand(T, k, generator=g) + 0.1
+    return weights, ids
+
+
+@INTERP
+@pytest.mark.parametrize("mode, T, E, k", [("random", 13, 8, 3), ("one-expert", 20, 6, 2),
+                                          ("one-token-per-expert", 4, 12, 3), ("random", 1, 16, 4)])
+def test_fused_matches_the_reference_in_the_interpreter(mode, T, E, k):
+    from kdaserve.ops.moe.fused import moe_experts_fused
+
+    w13, w2 = experts(E, 32, 48)
+    x = torch.randn(T, 32, generator=torch.Generator().manual_seed(2))
+    weights, ids = _routing(T, E, k, mode)
+    assert_rel_close(moe_experts_fused(x, w13, w2, weights, ids), moe_experts_reference(x, w13, w2, weights, ids),
+                     1e-5, f"fused MoE ({mode})")
+
+
+@INTERP
+def test_fused_clamped_swiglu_matches_the_reference():
+    from kdaserve.ops.moe.fused import moe_experts_fused
+
+    w13, w2 = experts(4, 16, 16)
+    x = torch.randn(9, 16, generator=torch.Generator().manual_seed(3)) * 4
+    weights, ids = _routing(9, 4, 2, "random")
+    want = moe_experts_reference(x, w13, w2, weights, ids, activation_limit=0.5)
+    assert_rel_close(moe_experts_fused(x, w13, w2, weights, ids, activation_limit=0.5), want, 1e-5, "clamped")
+    assert not torch.allclose(want, moe_experts_reference(x, w13, w2, weights, ids), atol=1e-3)   # the clamp bites
+
+
+def test_fused_refuses_mismatched_weights():
+    from kdaserve.ops.moe.fused import moe_experts_fused
+
+    w13, w2 = experts(4, 16, 16)
+    with pytest.raises(ValueError, match=r"w2 \[E, hidden, I\]"):
+        moe_experts_fused(torch.randn(3, 16), w13, w2[:, :, :8], torch.ones(3, 2), torch.zeros(3, 2, dtype=torch.long))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 64, 2048])
+def test_gpu_fused_at_kimi_linear_sizes(T):
+    from kdaserve.ops.moe.fused import moe_experts_fused
+
+    E, k, hidden, inter = 256, 8, 2304, 1024
+    w13, w2 = experts(E, hidden, inter, device="cuda", dtype=torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(4)
+    x = torch.randn(T, hidden, device="cuda", generator=g).bfloat16()
+    gate = torch.randn(E, hidden, device="cuda", generator=g) * hidden**-0.5
+    weights, ids = route_tokens(x, gate, None, RouterConfig(E, k, routed_scaling_factor=2.446))
+    got = moe_experts_fused(x, w13, w2, weights, ids)
+    want = moe_experts_reference(x.float(), w13.float(), w2.float(), weights, ids)
+    assert_rel_close(got.float(), want, 1e-2, f"fused MoE bf16 T={T}")
