@@ -57,15 +57,15 @@ def run(gate: str, steps: int, N: int, H: int, seed: int = 0, dev: str = "cuda")
         proj = torch.randn(N, 3 * P + H, device=dev, generator=g)
         proj[:, 3 * P :] *= 2.0
         proj = proj.to(torch.bfloat16)
-        g1 = torch.randn(N, H, D, device=dev, generator=g).to(torch.bfloat16)
-        g2 = torch.randn(N, H, D, device=dev, generator=g).to(torch.bfloat16)
+        forget_logits = torch.randn(N, H, D, device=dev, generator=g).to(torch.bfloat16)
+        output_gate_logits = torch.randn(N, H, D, device=dev, generator=g).to(torch.bfloat16)
         outs = {}
         for name, (conv, state) in pools.items():
             x = proj.double() if name == "fp64" else proj
             out = torch.empty(N, H, D, device=dev, dtype=torch.float64 if name == "fp64" else torch.float32)
             fn = kda_decode_reference if name == "fp64" else kda_decode_fused
-            inputs = KDAInputs(x[:, : 3 * P], g1.double() if name == "fp64" else g1, x[:, 3 * P :],
-                               g2.double() if name == "fp64" else g2)
+            inputs = KDAInputs(x[:, : 3 * P], forget_logits.double() if name == "fp64" else forget_logits, x[:, 3 * P :],
+                               output_gate_logits.double() if name == "fp64" else output_gate_logits)
             fn(inputs, w, KDACache(conv, state), DecodeSeqs(idx), out)
             outs[name] = out
         if step in marks:

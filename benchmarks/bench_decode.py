@@ -81,8 +81,8 @@ class Step:
         self.weights.conv_weight_decode = fused_conv_weight_layout(self.weights.conv_weight)
         self.proj = torch.randn(N, 3 * P + H + 2 * D, device=dev, generator=g).to(torch.bfloat16)
         self.qkv, self.beta = self.proj[:, : 3 * P], self.proj[:, 3 * P : 3 * P + H]
-        self.g1 = torch.randn(N, H, D, device=dev, generator=g).to(torch.bfloat16)
-        self.g2 = torch.randn(N, H, D, device=dev, generator=g).to(torch.bfloat16)
+        self.forget_logits = torch.randn(N, H, D, device=dev, generator=g).to(torch.bfloat16)
+        self.output_gate_logits = torch.randn(N, H, D, device=dev, generator=g).to(torch.bfloat16)
         slots = 1 + R * N
         self.conv_state = torch.randn(slots, 3 + spec, 3 * P, device=dev, generator=g).to(torch.bfloat16)
         self.state = (torch.randn(slots, H, D, D, device=dev, generator=g) * 0.2).to(state_dtype)
@@ -95,7 +95,7 @@ class Step:
     def args(self, r: int) -> dict:
         """A decode entry point's arguments for the r-th set of slots (built once per graph capture)."""
         spec = (self.spec[r], self.accepted) if self.S1 > 1 else (None, None)
-        return dict(inputs=KDAInputs(self.qkv, self.g1, self.beta, self.g2), weights=self.weights,
+        return dict(inputs=KDAInputs(self.qkv, self.forget_logits, self.beta, self.output_gate_logits), weights=self.weights,
                     cache=KDACache(self.conv_state, self.state), seqs=DecodeSeqs(self.indices[r], *spec), out=self.out)
 
     def state_bytes(self) -> int:
@@ -143,12 +143,12 @@ def fla_impl():
         causal_conv_update_fwd(step.qkv, w.conv_weight, step.conv_state, idx, None, "SD", out=y)
         qkv3.copy_(y.view(N, 3, 1, H, D).transpose(0, 1))
         fused_recurrent_kda_fwd(
-            q=qkv3[0], k=qkv3[1], v=qkv3[2], g=step.g1.view(N, 1, H, D), beta=beta, A_log=w.A_log,
+            q=qkv3[0], k=qkv3[1], v=qkv3[2], g=step.forget_logits.view(N, 1, H, D), beta=beta, A_log=w.A_log,
             dt_bias=w.dt_bias, scale=D**-0.5, initial_state=step.state, inplace_final_state=True,
             state_v_first=True, ssm_state_indices=idx, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
             use_beta_sigmoid_in_kernel=True, lower_bound=w.lower_bound, out=o,
         )
-        gated_rms_norm_fwd(o.view(N, H, D), step.g2, w.norm_weight, w.norm_eps, step.out, row_state_indices=idx)
+        gated_rms_norm_fwd(o.view(N, H, D), step.output_gate_logits, w.norm_weight, w.norm_eps, step.out, row_state_indices=idx)
 
     return run
 

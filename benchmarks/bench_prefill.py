@@ -54,8 +54,8 @@ def gpu_case(seq_lens: list[int], H: int, seed: int = 0, gate: str = "bounded") 
     P, T, N = H * D, sum(seq_lens), len(seq_lens)
     weights = make_kda_weights(H, D, gate=gate, device=dev, generator=torch.Generator().manual_seed(seed))
     proj = torch.randn(T, 3 * P + H + 2 * D, device=dev, generator=g).to(torch.bfloat16)
-    g1 = torch.randn(T, H, D, device=dev, generator=g).to(torch.bfloat16)
-    g2 = torch.randn(T, H, D, device=dev, generator=g).to(torch.bfloat16)
+    forget_logits = torch.randn(T, H, D, device=dev, generator=g).to(torch.bfloat16)
+    output_gate_logits = torch.randn(T, H, D, device=dev, generator=g).to(torch.bfloat16)
     slots = N + 1
     conv_state = torch.randn(slots, 3, 3 * P, device=dev, generator=g).to(torch.bfloat16)
     state = torch.randn(slots, H, D, D, device=dev, generator=g) * 0.2
@@ -63,7 +63,7 @@ def gpu_case(seq_lens: list[int], H: int, seed: int = 0, gate: str = "bounded") 
     cu[1:] = torch.tensor(seq_lens, dtype=torch.int32).cumsum(0)
     return KDACase(
         H=H, D=D, seq_lens=list(seq_lens), proj=proj, qkv=proj[:, : 3 * P], beta_logits=proj[:, 3 * P : 3 * P + H],
-        g1=g1, g2=g2, weights=weights, conv_state=conv_state, recurrent_state=state, conv_layout="SD",
+        forget_logits=forget_logits, output_gate_logits=output_gate_logits, weights=weights, conv_state=conv_state, recurrent_state=state, conv_layout="SD",
         cu_seqlens=cu.to(dev), cu_seqlens_cpu=cu, state_indices=torch.randperm(N, device=dev).add(1).to(torch.int32),
         has_initial_state=torch.ones(N, dtype=torch.bool, device=dev),
     )
@@ -110,7 +110,7 @@ def fla_core(out, inputs, weights, cache, seqs, _prepared={}):
 
     from kdaserve.backends.adapters.fla import _gate_args
 
-    qkv, g1, beta_logits, _ = inputs
+    qkv, forget_logits, beta_logits, _ = inputs
     recurrent_state = cache.recurrent_state
     cu_seqlens, state_indices, _, cu_seqlens_cpu = seqs
 
@@ -119,7 +119,7 @@ def fla_core(out, inputs, weights, cache, seqs, _prepared={}):
         T, H = qkv.shape[0], weights.num_heads
         q, k, v = (t.contiguous() for t in qkv.view(1, T, 3, H, D).unbind(2))
         _prepared.clear()
-        _prepared.update(key=key, q=q, k=k, v=v, g=g1.reshape(1, T, H, D).contiguous(),
+        _prepared.update(key=key, q=q, k=k, v=v, g=forget_logits.reshape(1, T, H, D).contiguous(),
                          beta=beta_logits.reshape(1, T, H).contiguous(),
                          h0=recurrent_state[state_indices.long()].contiguous(),
                          cu=cu_seqlens.long(), cu_cpu=cu_seqlens_cpu.long())

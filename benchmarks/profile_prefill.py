@@ -33,7 +33,7 @@ def fla_core_fn(case):
 
     T, H, D = sum(case.seq_lens), case.H, case.D
     q, k, v = (t.contiguous() for t in case.qkv.view(1, T, 3, H, D).unbind(2))
-    g = case.g1.reshape(1, T, H, D).contiguous()
+    g = case.forget_logits.reshape(1, T, H, D).contiguous()
     beta = case.beta_logits.reshape(1, T, H).contiguous()
     h0 = case.recurrent_state[case.state_indices.long()].contiguous()
     cu, cu_cpu = case.cu_seqlens.long(), case.cu_seqlens_cpu.long()

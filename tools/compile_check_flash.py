@@ -41,15 +41,15 @@ def main(sass: bool = False) -> None:
         for first in ((False, True) if bounded else (False,)):  # common launch, first chunks (conv history)
             k = compile_for_sm90(
                 flash_prepare_kernel,
-                dict(**ws, **tables, qkv_ptr=bf, g1_ptr=bf, b_ptr=bf, cw_ptr=f32, cs_ptr=bf, a_log_ptr=f32,
+                dict(**ws, **tables, qkv_ptr=bf, forget_ptr=bf, b_ptr=bf, cw_ptr=f32, cs_ptr=bf, a_log_ptr=f32,
                      dt_bias_ptr=f32, lower_bound="fp32", q_scale="fp32", anchor_spread="fp32"),
                 dict(H=32, D=128, C=C, LOG2C=log2c, W=4, BOUNDED=bounded, PREC_TC="tf32", FAST=True, FIRST=first,
-                     NFIRST=1, ANCHORED=anchored, stride_cs_ch=1, stride_g1_d=1, stride_cw_j=1),  # unit strides: what the launcher specializes
+                     NFIRST=1, ANCHORED=anchored, stride_cs_ch=1, stride_forget_d=1, stride_cw_j=1),  # unit strides: what the launcher specializes
                 num_warps=cfg.prepare_warps,
             )
             lines.append(f"prepare C={C} bounded={bounded} first={first} anchored={anchored}: {report(k)}")
 
-    rec_types = dict(**ws, **tables, s_ptr=f32, o_ptr=bf, g2_ptr=bf, nw_ptr=f32, eps="fp32", oq_ptr=f16, bm_ptr=f32,
+    rec_types = dict(**ws, **tables, s_ptr=f32, o_ptr=bf, out_gate_ptr=bf, nw_ptr=f32, eps="fp32", oq_ptr=f16, bm_ptr=f32,
                      qkv_ptr=bf, cs_ptr=bf, q_off="i64")
     for C in (16, 32):
         for seg, bv, warps, stages in ((False, 128, cfg.recur_warps, cfg.recur_stages),
@@ -67,7 +67,7 @@ def main(sass: bool = False) -> None:
     import triton.language as tl
 
     k = compile_for_sm90(flash_correct_kernel,
-                         dict(oq_ptr=f16, start_ptr=f32, o_ptr=bf, g2_ptr=bf, nw_ptr=f32, eps="fp32", cu_ptr=i32, idx_ptr=i32,
+                         dict(oq_ptr=f16, start_ptr=f32, o_ptr=bf, out_gate_ptr=bf, nw_ptr=f32, eps="fp32", cu_ptr=i32, idx_ptr=i32,
                               seg_seq_ptr=i32, seg_tok_ptr=i32, seg_end_ptr=i32, q_off="i64"),
                          dict(H=32, D=128, C=16, CPG=cfg.correct_chunks, DOT_DTYPE=tl.float16, PREC="tf32", FAST=True),
                          num_warps=cfg.correct_warps)

@@ -49,7 +49,7 @@ def tiles_in_flight(cfg: FusedDecodeConfig) -> int:
 
 def fused_kernel(cfg: FusedDecodeConfig, state: str = "*fp32", H: int = 32, D: int = 128, tokens: int = 1):
     bf = "*bf16"
-    types = dict(qkv=bf, g1=bf, beta_logits=bf, g2=bf, conv_w="*fp32", A_log="*fp32", dt_bias="*fp32", norm_w="*fp32",
+    types = dict(qkv=bf, forget_logits=bf, beta_logits=bf, output_gate_logits=bf, conv_w="*fp32", A_log="*fp32", dt_bias="*fp32", norm_w="*fp32",
                  conv_state=bf, state=state, state_indices="*i32", spec_indices="*i32", num_accepted="*i32", out=bf,
                  ws_o="*i32", ws_count="*i32", lower_bound="fp32", norm_eps="fp32")
     bv = cfg.block_v or D

@@ -177,8 +177,8 @@ class Parity:
     def _inputs(self, T: int):
         x = torch.randn(T, self.cfg.hidden, generator=self.gen, device=self.dev).to(self.cfg.dtype)
         with torch.no_grad():
-            qkv, beta, g1, g2 = self.layer.project(x)
-        return qkv, g1, beta, g2
+            qkv, beta, forget_logits, output_gate_logits = self.layer.project(x)
+        return qkv, forget_logits, beta, output_gate_logits
 
     def _initial_pools(self) -> Pools:
         spec = self.layer.cache_spec()
@@ -196,19 +196,19 @@ class Parity:
         """One step with the backend under test for its phase (the layer's reference for the other),
         planned once as the engine plans it. A plain function runs as the reference backend's entry
         point (the fp64 ground truth)."""
-        qkv, g1, beta, g2 = inputs
+        qkv, forget_logits, beta, output_gate_logits = inputs
         H, D = self.cfg.heads, self.cfg.head_dim
         out = torch.full((qkv.shape[0], H, D), float("nan"), dtype=out_dtype or self.cfg.dtype, device=self.dev)
         ref = self.layer.backends
         pair = dataclasses.replace(ref, prefill=_as_backend(prefill, ref.prefill), decode=_as_backend(decode, ref.decode))
-        run_kda_step(meta, pair.plan_step(meta), KDAInputs(qkv, g1, beta, g2), self.weights,
+        run_kda_step(meta, pair.plan_step(meta), KDAInputs(qkv, forget_logits, beta, output_gate_logits), self.weights,
                      KDACache(pools.conv, pools.rec, self.cfg.conv_layout), out, pair)
         return out
 
     def _reference_prefill_fp64(self, lengths, slots, his, inputs, pools64: Pools, t0: int = 0) -> torch.Tensor:
         """The ground truth, one sequence and at most `piece` tokens per call (exact: a split prefill
         equals the whole) so fp64 intermediates stay small at 128K tokens."""
-        qkv, g1, beta, g2 = inputs
+        qkv, forget_logits, beta, output_gate_logits = inputs
         H, D = self.cfg.heads, self.cfg.head_dim
         out = torch.empty(qkv.shape[0], H, D, dtype=torch.float64, device=self.dev)
         t = t0
@@ -218,7 +218,7 @@ class Parity:
                 s = slice(t + p0, t + p1)
                 cu = torch.tensor([0, p1 - p0], dtype=torch.int32)
                 kda_prefill_reference(
-                    KDAInputs(qkv[s].double(), g1[s].double(), beta[s].double(), g2[s].double()), self.weights,
+                    KDAInputs(qkv[s].double(), forget_logits[s].double(), beta[s].double(), output_gate_logits[s].double()), self.weights,
                     KDACache(pools64.conv, pools64.rec, self.cfg.conv_layout),
                     PrefillSeqs(cu.to(self.dev), torch.tensor([slot], dtype=torch.int32, device=self.dev),
                                 torch.tensor([h or p0 > 0], device=self.dev), cu),

@@ -257,7 +257,7 @@ class KDALayer(nn.Module):
     # ---- forward --------------------------------------------------------------------------------
 
     def project(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """hidden [T, hidden] -> (qkv [T, 3P] view, beta logits [T, H] view, g1 [T, P], g2 [T, P])."""
+        """hidden [T, hidden] -> (qkv [T, 3P] view, beta logits [T, H] view, forget_logits [T, P], output_gate_logits [T, P])."""
         H, D, P = self.num_heads, self.head_dim, self.shard.P
         proj = self.in_proj_qkvbfg_a(hidden_states)
         qkv, beta_logits = proj[:, : 3 * P], proj[:, 3 * P : 3 * P + H]
@@ -266,12 +266,12 @@ class KDALayer(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         T = hidden_states.shape[0]
-        qkv, beta_logits, g1, g2 = self.project(hidden_states)
+        qkv, beta_logits, forget_logits, output_gate_logits = self.project(hidden_states)
         core = torch.empty(T, self.num_heads, self.head_dim, dtype=self.act_dtype, device=hidden_states.device)
-        self._forward(qkv, g1, beta_logits, g2, core)
+        self._forward(qkv, forget_logits, beta_logits, output_gate_logits, core)
         return self.o_proj(core.view(T, self.shard.P))
 
-    def _forward(self, qkv, g1, beta_logits, g2, out: torch.Tensor) -> str:
+    def _forward(self, qkv, forget_logits, beta_logits, output_gate_logits, out: torch.Tensor) -> str:
         """The KDA core of one step into `out` [T, H, D], routed by the context's metadata; returns
         the route ("none", "decode", "speculative", "prefill" or "mixed"). Without metadata (profiling
         and dummy runs) no state is touched and `out` is zeroed. The step's plan comes with the
@@ -280,7 +280,7 @@ class KDALayer(nn.Module):
         meta = ctx.kda
         plan = ctx.kda_plan if ctx.kda_plan is not None else self.backends.plan_step(meta)
         route = run_kda_step(
-            meta, plan, KDAInputs(qkv, g1, beta_logits, g2), self.kda_weights, self.cache, out, self.backends,
+            meta, plan, KDAInputs(qkv, forget_logits, beta_logits, output_gate_logits), self.kda_weights, self.cache, out, self.backends,
         )
         if route == "none":
             out.zero_()

@@ -25,7 +25,7 @@ from kdaserve.ops.types import DecodeSeqs, KDACache, KDAInputs, KDAWeights
 def kda_decode_chain(
     inputs: KDAInputs, weights: KDAWeights, cache: KDACache, seqs: DecodeSeqs, out: torch.Tensor,
 ) -> None:
-    qkv, g1, beta_logits, g2 = inputs
+    qkv, forget_logits, beta_logits, output_gate_logits = inputs
     conv_state, recurrent_state, conv_layout = cache
     state_indices, spec_state_indices, num_accepted_tokens = seqs
     T, H, D, N, m = check_decode_step(inputs, weights, cache, seqs, out)
@@ -35,9 +35,9 @@ def kda_decode_chain(
     causal_conv_update_fwd(qkv, weights.conv_weight, conv_state, state_indices, num_accepted_tokens, conv_layout, out=y)
     o = torch.empty(T, H, D, dtype=torch.float32, device=qkv.device)
     kda_recurrent_fwd(
-        y, g1, beta_logits, recurrent_state, weights, o,
+        y, forget_logits, beta_logits, recurrent_state, weights, o,
         state_indices=state_indices, spec_state_indices=spec_state_indices, num_accepted_tokens=num_accepted_tokens,
     )
     row_index = state_indices if spec_state_indices is None else spec_state_indices[:, 0]
-    gated_rms_norm_fwd(o, g2, weights.norm_weight, weights.norm_eps, out,
+    gated_rms_norm_fwd(o, output_gate_logits, weights.norm_weight, weights.norm_eps, out,
                        row_state_indices=row_index, tokens_per_index=m)

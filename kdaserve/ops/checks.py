@@ -26,9 +26,9 @@ def _fail(msg: str) -> None:
 
 def check_common(
     qkv: torch.Tensor,
-    g1: torch.Tensor,
+    forget_logits: torch.Tensor,
     beta_logits: torch.Tensor,
-    g2: torch.Tensor,
+    output_gate_logits: torch.Tensor,
     weights: KDAWeights,
     conv_state: torch.Tensor,
     recurrent_state: torch.Tensor,
@@ -44,7 +44,7 @@ def check_common(
         _fail(f"qkv must be [T, 3P] = [T, {3 * P}], got {tuple(qkv.shape)}")
     if qkv.stride(1) != 1:
         _fail(f"qkv columns must be contiguous (a column slice of the projection), got strides {qkv.stride()}")
-    for name, t in (("g1", g1), ("g2", g2)):
+    for name, t in (("forget_logits", forget_logits), ("output_gate_logits", output_gate_logits)):
         if not (t.shape[0] == T and math.prod(t.shape[1:]) == P):
             _fail(f"{name} must be [T, H, D] or [T, P] with T={T}, P={P}, got {tuple(t.shape)}")
     if beta_logits.shape != (T, H):
@@ -65,7 +65,7 @@ def check_common(
     if conv_state.shape[0] != recurrent_state.shape[0]:
         _fail(f"conv_state and recurrent_state pools must have the same slot count, got {conv_state.shape[0]} and {recurrent_state.shape[0]}")
     dev = qkv.device
-    tensors = (g1, beta_logits, g2, conv_state, recurrent_state, out, weights.conv_weight)
+    tensors = (forget_logits, beta_logits, output_gate_logits, conv_state, recurrent_state, out, weights.conv_weight)
     if any(t.device != dev for t in tensors):
         devices = {t.device for t in (qkv, *tensors)}
         _fail(f"all KDA tensors must be on one device, got {sorted(map(str, devices))}")

@@ -33,7 +33,7 @@ def softplus(x):
 
 @triton.jit
 def log_decay(x, a, lower_bound, BOUNDED: tl.constexpr):
-    """The per-channel log-decay gk from x = g1 + dt_bias and a = exp(A_log):
+    """The per-channel log-decay gk from x = forget_logits + dt_bias and a = exp(A_log):
     bounded LB * sigmoid(a x) (LB = lower_bound in [-5, 0)), unbounded -a * softplus(x)."""
     if BOUNDED:
         gk = lower_bound * tl.sigmoid(a * x)

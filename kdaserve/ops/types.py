@@ -55,15 +55,15 @@ class KDAWeights:
 @dataclass(slots=True)
 class KDAInputs:
     qkv: torch.Tensor          # [T, 3P], columns contiguous (a column slice of the projection)
-    g1: torch.Tensor           # [T, H, D] or [T, P]: forget-gate logits
+    forget_logits: torch.Tensor           # [T, H, D] or [T, P]: forget-gate logits
     beta_logits: torch.Tensor  # [T, H]
-    g2: torch.Tensor           # [T, H, D] or [T, P]: output-gate logits
+    output_gate_logits: torch.Tensor           # [T, H, D] or [T, P]: output-gate logits
 
     def rows(self, rows: slice) -> "KDAInputs":
-        return KDAInputs(self.qkv[rows], self.g1[rows], self.beta_logits[rows], self.g2[rows])
+        return KDAInputs(self.qkv[rows], self.forget_logits[rows], self.beta_logits[rows], self.output_gate_logits[rows])
 
-    def __iter__(self):  # qkv, g1, beta_logits, g2 = inputs
-        return iter((self.qkv, self.g1, self.beta_logits, self.g2))
+    def __iter__(self):  # qkv, forget_logits, beta_logits, output_gate_logits = inputs
+        return iter((self.qkv, self.forget_logits, self.beta_logits, self.output_gate_logits))
 
 
 @dataclass(slots=True)

@@ -23,8 +23,8 @@ class KDACase:
     proj: torch.Tensor          # [T, 3P + H + 2D] projection output (q, k, v, b, f_a, g_a)
     qkv: torch.Tensor           # [T, 3P] view into proj
     beta_logits: torch.Tensor   # [T, H] view into proj
-    g1: torch.Tensor            # [T, H, D]
-    g2: torch.Tensor            # [T, H, D]
+    forget_logits: torch.Tensor            # [T, H, D]
+    output_gate_logits: torch.Tensor            # [T, H, D]
     weights: KDAWeights
     conv_state: torch.Tensor
     recurrent_state: torch.Tensor
@@ -61,7 +61,7 @@ class KDACase:
 
     @property
     def inputs(self) -> KDAInputs:
-        return KDAInputs(self.qkv, self.g1, self.beta_logits, self.g2)
+        return KDAInputs(self.qkv, self.forget_logits, self.beta_logits, self.output_gate_logits)
 
     @property
     def cache(self) -> KDACache:
@@ -154,8 +154,8 @@ def make_kda_case(
     qkv, beta_logits = proj[:, : 3 * P], proj[:, 3 * P : 3 * P + H]
     if not strided:
         qkv, beta_logits = qkv.contiguous(), beta_logits.contiguous()
-    g1 = torch.randn(T, H, D, generator=g).to(dtype).to(device)
-    g2 = torch.randn(T, H, D, generator=g).to(dtype).to(device)
+    forget_logits = torch.randn(T, H, D, generator=g).to(dtype).to(device)
+    output_gate_logits = torch.randn(T, H, D, generator=g).to(dtype).to(device)
 
     num_slots = 1 + N * (spec_tokens + 1) + extra_slots
     L = conv_width - 1 + spec_tokens
@@ -176,7 +176,7 @@ def make_kda_case(
     cu_cpu = torch.zeros(N + 1, dtype=torch.int32)
     cu_cpu[1:] = torch.tensor(seq_lens, dtype=torch.int32).cumsum(0)
     return KDACase(
-        H=H, D=D, seq_lens=list(seq_lens), proj=proj, qkv=qkv, beta_logits=beta_logits, g1=g1, g2=g2,
+        H=H, D=D, seq_lens=list(seq_lens), proj=proj, qkv=qkv, beta_logits=beta_logits, forget_logits=forget_logits, output_gate_logits=output_gate_logits,
         weights=weights, conv_state=conv_state, recurrent_state=recurrent_state, conv_layout=conv_layout,
         cu_seqlens=cu_cpu.to(device), cu_seqlens_cpu=cu_cpu, state_indices=state_indices,
         has_initial_state=his.to(device),

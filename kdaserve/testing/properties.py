@@ -23,7 +23,7 @@ def to_fp64(case: KDACase) -> KDACase:
     c.proj = c.proj.double()
     P = case.H * case.D
     c.qkv, c.beta_logits = c.proj[:, : 3 * P], c.proj[:, 3 * P : 3 * P + case.H]
-    c.g1, c.g2 = case.g1.double(), case.g2.double()
+    c.forget_logits, c.output_gate_logits = case.forget_logits.double(), case.output_gate_logits.double()
     c.conv_state, c.recurrent_state = c.conv_state.double(), c.recurrent_state.double()
     return c
 
@@ -120,7 +120,7 @@ def sub_case(case: KDACase, t0: int, t1: int, *, has_initial_state: bool) -> KDA
     c.proj = case.proj[t0:t1]
     P = case.H * case.D
     c.qkv, c.beta_logits = c.proj[:, : 3 * P], c.proj[:, 3 * P : 3 * P + case.H]
-    c.g1, c.g2 = case.g1[t0:t1], case.g2[t0:t1]
+    c.forget_logits, c.output_gate_logits = case.forget_logits[t0:t1], case.output_gate_logits[t0:t1]
     c.seq_lens = [t1 - t0]
     cu = torch.tensor([0, t1 - t0], dtype=torch.int32)
     c.cu_seqlens, c.cu_seqlens_cpu = cu.to(case.qkv.device), cu
@@ -181,7 +181,7 @@ def check_spec_resume(prefill_fn, decode_fn, accepted: int, tol: float, S: int =
     # Plain run over prompt ++ d[:accepted] ++ e.
     plain = base.clone()
     keep = torch.cat([torch.arange(prompt + accepted), torch.arange(prompt + S + 1, total)])
-    plain.proj, plain.g1, plain.g2 = base.proj[keep.to(dev)], base.g1[keep.to(dev)], base.g2[keep.to(dev)]
+    plain.proj, plain.forget_logits, plain.output_gate_logits = base.proj[keep.to(dev)], base.forget_logits[keep.to(dev)], base.output_gate_logits[keep.to(dev)]
     P = base.H * base.D
     plain.qkv, plain.beta_logits = plain.proj[:, : 3 * P], plain.proj[:, 3 * P : 3 * P + base.H]
     n = prompt + accepted
@@ -200,7 +200,7 @@ def check_long_decode(decode_fn, case: KDACase, steps: int, tol: float, gate_log
     """`steps` decode steps in a row on fresh inputs (errors compound through the state): every
     step's output and the final states stay within `tol` of an fp64 reference run.
 
-    gate_logits(shape, generator) -> fp32 tensor draws each step's forget-gate logits g1
+    gate_logits(shape, generator) -> fp32 tensor draws each step's forget-gate logits forget_logits
     (default: standard normal)."""
     dev = case.qkv.device
     ref_conv = case.conv_state.double()
@@ -209,13 +209,13 @@ def check_long_decode(decode_fn, case: KDACase, steps: int, tol: float, gate_log
     # benchmarks/accuracy_bf16_state.py's question, not this kernel check's.
     ref_rec = case.recurrent_state.double() if case.recurrent_state.dtype == torch.float32 else case.recurrent_state.clone()
     gen = torch.Generator(device=dev).manual_seed(41)
-    draw_g1 = gate_logits or (lambda shape, generator: torch.randn(shape, generator=generator, device=dev))
+    draw_forget_logits = gate_logits or (lambda shape, generator: torch.randn(shape, generator=generator, device=dev))
     P = case.H * case.D
     for step in range(steps):
         case.proj.copy_(torch.randn(case.proj.shape, generator=gen, device=dev))
         case.proj[:, 3 * P : 3 * P + case.H] *= 2.0
-        case.g1.copy_(draw_g1(case.g1.shape, gen))
-        case.g2.copy_(torch.randn(case.g2.shape, generator=gen, device=dev))
+        case.forget_logits.copy_(draw_forget_logits(case.forget_logits.shape, gen))
+        case.output_gate_logits.copy_(torch.randn(case.output_gate_logits.shape, generator=gen, device=dev))
         ref = to_fp64(case)
         ref.conv_state, ref.recurrent_state = ref_conv, ref_rec
         ref_out = run_decode(kda_decode_reference, ref, out_dtype=torch.float64)

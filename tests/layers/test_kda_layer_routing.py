@@ -69,13 +69,13 @@ def test_mixed_step_equals_its_sequences_run_separately(conv_layout, gate_lb):
     meta = make_kda_metadata(decode_slots=dec_slots, prefill_lens=pre_lens, prefill_slots=pre_slots,
                              prefill_has_initial_state=pre_his)
     x = torch.randn(meta.num_tokens, HID, dtype=torch.float64)
-    qkv, beta, g1, g2 = layer.project(x)  # once: the same core inputs for every run (GEMMs differ by T)
+    qkv, beta, forget_logits, output_gate_logits = layer.project(x)  # once: the same core inputs for every run (GEMMs differ by T)
     calls = spy(layer)
 
     def core(meta, t0, t1):
         set_context(Context(kda=meta))
         out = torch.full((t1 - t0, H, D), float("nan"), dtype=torch.float64)
-        layer._forward(qkv[t0:t1], g1[t0:t1], beta[t0:t1], g2[t0:t1], out)
+        layer._forward(qkv[t0:t1], forget_logits[t0:t1], beta[t0:t1], output_gate_logits[t0:t1], out)
         return out
 
     y_mixed = core(meta, 0, meta.num_tokens)
@@ -116,9 +116,9 @@ def test_speculative_steps_take_the_recurrent_path(with_prefill):
     x = torch.randn(meta.num_tokens, HID, dtype=torch.float64)
     calls = spy(layer)
     set_context(Context(kda=meta))
-    qkv, beta, g1, g2 = layer.project(x)
+    qkv, beta, forget_logits, output_gate_logits = layer.project(x)
     out = torch.full((meta.num_tokens, H, D), float("nan"), dtype=torch.float64)
-    route = layer._forward(qkv, g1, beta, g2, out)
+    route = layer._forward(qkv, forget_logits, beta, output_gate_logits, out)
     assert route == ("mixed" if with_prefill else "speculative")
     seqs = calls[0][1][3]  # (inputs, weights, cache, seqs, out)
     assert calls[0][0] == "decode" and seqs.spec_state_indices is meta.spec_state_indices
@@ -129,7 +129,7 @@ def test_speculative_steps_take_the_recurrent_path(with_prefill):
     nd = meta.num_decode_tokens
     ref_out = torch.full((nd, H, D), float("nan"), dtype=torch.float64)
     conv, rec = conv0.clone(), rec0.clone()
-    kda_decode_reference(KDAInputs(qkv[:nd], g1[:nd], beta[:nd], g2[:nd]), layer.kda_weights, KDACache(conv, rec),
+    kda_decode_reference(KDAInputs(qkv[:nd], forget_logits[:nd], beta[:nd], output_gate_logits[:nd]), layer.kda_weights, KDACache(conv, rec),
                          DecodeSeqs(meta.decode_state_indices, meta.spec_state_indices, meta.num_accepted_tokens), ref_out)
     valid = torch.tensor([True] * 3 + [False] * 3 + [True] * 3)
     assert_rel_close(out[:nd][valid], ref_out[valid], 1e-12, "speculative verify through the layer")
@@ -145,9 +145,9 @@ def test_a_step_without_metadata_touches_no_state():
     x = torch.randn(5, HID, dtype=torch.float64)
     for meta in (None, KDAStepMetadata()):
         set_context(Context(kda=meta))
-        qkv, beta, g1, g2 = layer.project(x)
+        qkv, beta, forget_logits, output_gate_logits = layer.project(x)
         out = torch.full((5, H, D), float("nan"), dtype=torch.float64)
-        assert layer._forward(qkv, g1, beta, g2, out) == "none"
+        assert layer._forward(qkv, forget_logits, beta, output_gate_logits, out) == "none"
         assert torch.equal(out, torch.zeros_like(out))
         y = run(layer, meta, x)
         assert torch.equal(y, torch.zeros_like(y))
@@ -186,9 +186,9 @@ def test_a_step_without_its_plan_is_refused_by_name():
     """run_kda_step needs the step's plan for each part it runs (backends.plan_step(meta))."""
     layer = make_layer()
     x = torch.randn(2, HID, dtype=torch.float64)
-    qkv, beta, g1, g2 = layer.project(x)
+    qkv, beta, forget_logits, output_gate_logits = layer.project(x)
     out = torch.empty(2, H, D, dtype=torch.float64)
-    inputs = KDAInputs(qkv, g1, beta, g2)
+    inputs = KDAInputs(qkv, forget_logits, beta, output_gate_logits)
     decode_meta = make_kda_metadata(decode_slots=[1, 2])
     with pytest.raises(ValueError, match=r"decodes without a decode plan \(backends.plan_step\(meta\)\)"):
         run_kda_step(decode_meta, None, inputs, layer.kda_weights, layer.cache, out, layer.backends)
@@ -211,12 +211,12 @@ def test_forward_follows_the_checkpoint_layout():
     P = H * D
     proj = x @ ckpt["in_proj_qkvbfg_a.weight"].T
     qkv, b, fa, ga = proj[:, : 3 * P], proj[:, 3 * P : 3 * P + H], proj[:, 3 * P + H : 3 * P + H + D], proj[:, 3 * P + H + D :]
-    g1, g2 = fa @ ckpt["f_b_proj.weight"].T, ga @ ckpt["g_b_proj.weight"].T
+    forget_logits, output_gate_logits = fa @ ckpt["f_b_proj.weight"].T, ga @ ckpt["g_b_proj.weight"].T
     w = layer.kda_weights
     assert torch.equal(w.conv_weight, torch.cat([ckpt[f"{c}_conv1d.weight"][:, 0] for c in "qkv"]).float())
     assert torch.equal(w.dt_bias, ckpt["dt_bias"].view(H, D).float())
     core = torch.empty(8, H, D, dtype=torch.float64)
-    kda_prefill_reference(KDAInputs(qkv, g1, b, g2), w, KDACache(conv, rec),
+    kda_prefill_reference(KDAInputs(qkv, forget_logits, b, output_gate_logits), w, KDACache(conv, rec),
                           PrefillSeqs(meta.prefill_cu_seqlens, meta.prefill_state_indices, meta.prefill_has_initial_state,
                                       meta.prefill_cu_seqlens_cpu), core)
     assert_rel_close(y, core.view(8, P) @ ckpt["o_proj.weight"].T, 1e-12, "layer output")

@@ -82,7 +82,7 @@ def test_bf16_state_pool():
 def test_strong_decay_at_the_lower_bound():
     """Every gate at LB = -5: |g| reaches 80 inside a chunk, the edge of the anchored factors."""
     case = make_kda_case([40], H=1, D=16, has_initial_state=True, seed=4)
-    case.g1.fill_(30.0)
+    case.forget_logits.fill_(30.0)
     check_prefill_matches_reference(UNSEGMENTED, case, 1e-5)
 
 
@@ -94,7 +94,7 @@ def test_unbounded_gate_with_huge_decay(anchored):
     fp32 cumsums ~1e-5 of relative precision in e^(g_t - g_i): the fp32 chunked reference
     (chunked.py) errs 1.1e-5 here, hence 3e-5."""
     case = make_kda_case([20], H=1, D=16, gate="unbounded", has_initial_state=True, seed=5)
-    case.g1.mul_(10.0)
+    case.forget_logits.mul_(10.0)
     check_prefill_matches_reference(configured(SEGMENTED, unbounded_anchored=anchored), case, 3e-5)
 
 

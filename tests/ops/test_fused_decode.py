@@ -99,10 +99,10 @@ def test_default_config_by_batch():
 
 
 def test_fp16_inputs_and_contiguous_inputs_without_decode_layout():
-    """fp16 inputs (fp32 state), contiguous q|k|v, g1/g2/out as [T, P]; conv weight derived per call."""
+    """fp16 inputs (fp32 state), contiguous q|k|v, forget_logits/output_gate_logits/out as [T, P]; conv weight derived per call."""
     case = make_kda_case([1] * 4, dtype=torch.float16, strided=False, seed=3, **SMALL)
     T, P = case.T, case.H * case.D
-    case.g1, case.g2 = case.g1.reshape(T, P), case.g2.reshape(T, P)
+    case.forget_logits, case.output_gate_logits = case.forget_logits.reshape(T, P), case.output_gate_logits.reshape(T, P)
 
     def fused_flat_out(out, **kw):
         flat = out.view(T, P)
@@ -253,8 +253,8 @@ def test_gpu_launch_shapes_over_consecutive_steps(name):
     for step in range(3):
         fresh = make_kda_case([1] * 45, dtype=torch.bfloat16, seed=60 + step, **GPU_SHAPE)
         case.proj.copy_(fresh.proj)
-        case.g1.copy_(fresh.g1)
-        case.g2.copy_(fresh.g2)
+        case.forget_logits.copy_(fresh.forget_logits)
+        case.output_gate_logits.copy_(fresh.output_gate_logits)
         check_decode_matches_reference(fn, case, tolerance_for(torch.bfloat16))
 
 
@@ -321,8 +321,8 @@ def test_gpu_cuda_graph_replay_equals_eager(spec_tokens, config):
     for step in range(3):
         fresh = make_kda_case([S1] * N, dtype=torch.bfloat16, seed=100 + step, **GPU_SHAPE)
         case.proj.copy_(fresh.proj)
-        case.g1.copy_(fresh.g1)
-        case.g2.copy_(fresh.g2)
+        case.forget_logits.copy_(fresh.forget_logits)
+        case.output_gate_logits.copy_(fresh.output_gate_logits)
         case.state_indices.copy_(case.state_indices.flip(0))  # new slot order
         case.state_indices[step] = 0  # and a padding row
         if spec_tokens:
@@ -347,7 +347,7 @@ def test_gpu_grid_beyond_65535_programs():
     out = run_decode(kda_decode_fused, case)
     last = slice(N - 10, N)  # the last programs of the grid
     sub = ref.clone()
-    sub.proj, sub.g1, sub.g2 = ref.proj[last], ref.g1[last], ref.g2[last]
+    sub.proj, sub.forget_logits, sub.output_gate_logits = ref.proj[last], ref.forget_logits[last], ref.output_gate_logits[last]
     P = H * 32
     sub.qkv, sub.beta_logits = sub.proj[:, : 3 * P], sub.proj[:, 3 * P : 3 * P + H]
     sub.state_indices, sub.seq_lens = ref.state_indices[last], [1] * 10
@@ -370,7 +370,7 @@ params = list(inspect.signature(kernel.fn).parameters)
 bf, f32, i32 = "*bf16", "*fp32", "*i32"
 # (BV, warps, tokens, state): the default shapes (decode small/large, bf16 large, verify) and the whole head
 for bv, warps, tokens, state in ((8, 1, 1, f32), (64, 4, 1, f32), (32, 4, 4, bf), (128, 8, 1, f32)):
-    types = dict(qkv=bf, g1=bf, beta_logits=bf, g2=bf, conv_w=f32, A_log=f32, dt_bias=f32, norm_w=f32, conv_state=bf,
+    types = dict(qkv=bf, forget_logits=bf, beta_logits=bf, output_gate_logits=bf, conv_w=f32, A_log=f32, dt_bias=f32, norm_w=f32, conv_state=bf,
                  state=state, state_indices=i32, spec_indices=i32, num_accepted=i32, out=bf, ws_o=i32, ws_count=i32,
                  lower_bound="fp32", norm_eps="fp32")
     const = dict(H=32, D=128, L=2 + tokens, TOKENS=tokens, SCALE=128**-0.5, IS_SPEC=tokens > 1, BOUNDED_GATE=True, BV=bv,

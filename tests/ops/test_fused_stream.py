@@ -76,8 +76,8 @@ def test_stream_consecutive_steps():
     for step in range(3):
         fresh = make_kda_case([1] * 4, seed=41 + step, **SMALL)
         case.proj.copy_(fresh.proj)
-        case.g1.copy_(fresh.g1)
-        case.g2.copy_(fresh.g2)
+        case.forget_logits.copy_(fresh.forget_logits)
+        case.output_gate_logits.copy_(fresh.output_gate_logits)
         check_decode_matches_reference(_fn("s3" if step % 2 else "pf2"), case, 1e-5)
 
 
@@ -213,8 +213,8 @@ def test_gpu_stream_cuda_graph_replay_equals_eager(name):
     for step in range(3):
         fresh = make_kda_case([1] * N, H=H, D=128, dtype=torch.bfloat16, seed=100 + step, device="cuda")
         case.proj.copy_(fresh.proj)
-        case.g1.copy_(fresh.g1)
-        case.g2.copy_(fresh.g2)
+        case.forget_logits.copy_(fresh.forget_logits)
+        case.output_gate_logits.copy_(fresh.output_gate_logits)
         case.state_indices.copy_(case.state_indices.flip(0))
         case.state_indices[step] = 0
         eager = case.clone()

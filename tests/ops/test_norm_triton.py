@@ -13,30 +13,30 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 def _inputs(T, H, D, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     o = (torch.randn(T, H, D, generator=g) * 3).to(dtype).to(DEV)
-    g2 = torch.randn(T, H, D, generator=g).to(dtype).to(DEV)
+    output_gate_logits = torch.randn(T, H, D, generator=g).to(dtype).to(DEV)
     w = (1 + 0.1 * torch.randn(D, generator=g)).to(DEV)
-    return o, g2, w
+    return o, output_gate_logits, w
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("D", [16, 32])
 def test_matches_reference(dtype, D):
-    o, g2, w = _inputs(7, 3, D, dtype)
+    o, output_gate_logits, w = _inputs(7, 3, D, dtype)
     out = nan_poison(torch.empty(7, 3, D, dtype=dtype, device=DEV))
-    gated_rms_norm_fwd(o, g2, w, 1e-5, out)
-    assert_rel_close(out, gated_rms_norm(o.double(), g2.double(), w).to(dtype), tolerance_for(dtype), "gated norm")
+    gated_rms_norm_fwd(o, output_gate_logits, w, 1e-5, out)
+    assert_rel_close(out, gated_rms_norm(o.double(), output_gate_logits.double(), w).to(dtype), tolerance_for(dtype), "gated norm")
 
 
 def test_fp32_output_from_fp16_input_keeps_fp32_math():
-    o, g2, w = _inputs(5, 2, 16, torch.float16, seed=1)
+    o, output_gate_logits, w = _inputs(5, 2, 16, torch.float16, seed=1)
     out = nan_poison(torch.empty(5, 2, 16, device=DEV))
-    gated_rms_norm_fwd(o, g2, w, 1e-5, out)
-    assert_rel_close(out, gated_rms_norm(o.double(), g2.double(), w), 1e-6, "fp32 out")
+    gated_rms_norm_fwd(o, output_gate_logits, w, 1e-5, out)
+    assert_rel_close(out, gated_rms_norm(o.double(), output_gate_logits.double(), w), 1e-6, "fp32 out")
 
 
 def test_strided_gate_and_flat_layouts_equal_contiguous_bit_for_bit():
     T, H, D = 6, 2, 16
-    o, g2, w = _inputs(T, H, D, torch.float32, seed=2)
+    o, output_gate_logits, w = _inputs(T, H, D, torch.float32, seed=2)
     buf = torch.randn(T, H * D + 5, device=DEV)
     g_view = buf[:, 3 : 3 + H * D]  # [T, P] column slice, like a projection output
     out_a = nan_poison(torch.empty(T, H, D, device=DEV))
@@ -48,38 +48,38 @@ def test_strided_gate_and_flat_layouts_equal_contiguous_bit_for_bit():
 
 def test_rows_with_null_index_are_not_written():
     T, H, D = 6, 2, 16
-    o, g2, w = _inputs(T, H, D, torch.float32, seed=3)
+    o, output_gate_logits, w = _inputs(T, H, D, torch.float32, seed=3)
     idx = torch.tensor([3, 0, 5, -1, 2, 7], dtype=torch.int32, device=DEV)
     out = nan_poison(torch.empty(T, H, D, device=DEV))
-    gated_rms_norm_fwd(o, g2, w, 1e-5, out, row_state_indices=idx)
+    gated_rms_norm_fwd(o, output_gate_logits, w, 1e-5, out, row_state_indices=idx)
     keep = idx > 0
     assert torch.isnan(out[~keep]).all()
-    assert_rel_close(out[keep], gated_rms_norm(o, g2, w)[keep], 1e-5, "valid rows")
+    assert_rel_close(out[keep], gated_rms_norm(o, output_gate_logits, w)[keep], 1e-5, "valid rows")
 
 
 def test_tokens_per_index_with_strided_index_column():
     """Speculative rows: S+1 tokens share the index spec[:, 0] (a strided column, no copy)."""
     N, m, H, D = 3, 3, 2, 16
-    o, g2, w = _inputs(N * m, H, D, torch.float32, seed=4)
+    o, output_gate_logits, w = _inputs(N * m, H, D, torch.float32, seed=4)
     spec = torch.tensor([[4, 5, 6], [0, 1, 2], [7, 8, 9]], dtype=torch.int32, device=DEV)
     out = nan_poison(torch.empty(N * m, H, D, device=DEV))
-    gated_rms_norm_fwd(o, g2, w, 1e-5, out, row_state_indices=spec[:, 0], tokens_per_index=m)
+    gated_rms_norm_fwd(o, output_gate_logits, w, 1e-5, out, row_state_indices=spec[:, 0], tokens_per_index=m)
     keep = (spec[:, :1] > 0).expand(N, m).reshape(-1)
     assert torch.isnan(out[~keep]).all()
-    assert_rel_close(out[keep], gated_rms_norm(o, g2, w)[keep], 1e-5, "valid rows")
+    assert_rel_close(out[keep], gated_rms_norm(o, output_gate_logits, w)[keep], 1e-5, "valid rows")
 
 
 def test_rejects_bad_shapes():
-    o, g2, w = _inputs(4, 2, 16, torch.float32)
-    with pytest.raises(ValueError, match="g2 must be"):
-        gated_rms_norm_fwd(o, g2[:, :1], w, 1e-5, torch.empty_like(o))
+    o, output_gate_logits, w = _inputs(4, 2, 16, torch.float32)
+    with pytest.raises(ValueError, match="output_gate_logits must be"):
+        gated_rms_norm_fwd(o, output_gate_logits[:, :1], w, 1e-5, torch.empty_like(o))
     with pytest.raises(ValueError, match="weight must be"):
-        gated_rms_norm_fwd(o, g2, w[:8], 1e-5, torch.empty_like(o))
+        gated_rms_norm_fwd(o, output_gate_logits, w[:8], 1e-5, torch.empty_like(o))
 
 
 @pytest.mark.gpu
 def test_gpu_bf16_real_shape():
-    o, g2, w = _inputs(4096, 32, 128, torch.bfloat16, seed=5)
+    o, output_gate_logits, w = _inputs(4096, 32, 128, torch.bfloat16, seed=5)
     out = nan_poison(torch.empty_like(o))
-    gated_rms_norm_fwd(o, g2, w, 1e-5, out)
-    assert_rel_close(out, gated_rms_norm(o.double(), g2.double(), w).to(torch.bfloat16), tolerance_for(torch.bfloat16), "gated norm")
+    gated_rms_norm_fwd(o, output_gate_logits, w, 1e-5, out)
+    assert_rel_close(out, gated_rms_norm(o.double(), output_gate_logits.double(), w).to(torch.bfloat16), tolerance_for(torch.bfloat16), "gated norm")

@@ -16,7 +16,7 @@ def _reference(case, y, spec=None, accepted=None):
     pool = case.recurrent_state.double()
     q, k, v = kda_qkv_prepare(y.double(), H, D)
     w = case.weights
-    gk = kda_gate(case.g1.double().reshape(T, H, D), w.A_log, w.dt_bias, w.lower_bound)
+    gk = kda_gate(case.forget_logits.double().reshape(T, H, D), w.A_log, w.dt_bias, w.lower_bound)
     beta = beta_sigmoid(case.beta_logits.double())
     if spec is None:
         cu = torch.arange(N + 1, dtype=torch.int32, device=y.device)
@@ -37,11 +37,11 @@ def _check(case, y, spec=None, accepted=None, out_dtype=torch.float32):
     before = case.recurrent_state.clone()
     out = nan_poison(torch.empty(case.T, case.H, case.D, dtype=out_dtype, device=y.device))
     if spec is None:
-        kda_recurrent_fwd(y, case.g1, case.beta_logits, case.recurrent_state, case.weights, out, state_indices=case.state_indices)
+        kda_recurrent_fwd(y, case.forget_logits, case.beta_logits, case.recurrent_state, case.weights, out, state_indices=case.state_indices)
         rows = case.state_indices > 0
         used = [s for s in case.state_indices.tolist() if s > 0]
     else:
-        kda_recurrent_fwd(y, case.g1, case.beta_logits, case.recurrent_state, case.weights, out,
+        kda_recurrent_fwd(y, case.forget_logits, case.beta_logits, case.recurrent_state, case.weights, out,
                           spec_state_indices=spec, num_accepted_tokens=accepted)
         rows = (spec[:, :1] > 0).expand(spec.shape).reshape(-1)
         used = [s for r in spec.tolist() if r[0] > 0 for s in r if s > 0]
@@ -67,16 +67,16 @@ def test_decode_bf16_state():
 
 
 def test_decode_flat_gate_and_strided_beta():
-    """g1 as [T, P], beta a column slice of the projection (strided), out in fp16."""
+    """forget_logits as [T, P], beta a column slice of the projection (strided), out in fp16."""
     case = make_kda_case([1] * 3, H=2, D=16, strided=True, seed=22, device=DEV)
     assert case.beta_logits.stride(0) != case.H
-    case.g1 = case.g1.reshape(case.T, -1)
+    case.forget_logits = case.forget_logits.reshape(case.T, -1)
     ref_case = case.clone()
     y = _conv_output(case, torch.float32)
     out_a = nan_poison(torch.empty(case.T, case.H, case.D, device=DEV))
     out_b = nan_poison(torch.empty(case.T, case.H, case.D, device=DEV))
-    kda_recurrent_fwd(y, case.g1, case.beta_logits, case.recurrent_state, case.weights, out_a, state_indices=case.state_indices)
-    kda_recurrent_fwd(y, ref_case.g1.reshape(case.T, case.H, case.D).contiguous(), ref_case.beta_logits.contiguous(),
+    kda_recurrent_fwd(y, case.forget_logits, case.beta_logits, case.recurrent_state, case.weights, out_a, state_indices=case.state_indices)
+    kda_recurrent_fwd(y, ref_case.forget_logits.reshape(case.T, case.H, case.D).contiguous(), ref_case.beta_logits.contiguous(),
                       ref_case.recurrent_state, ref_case.weights, out_b, state_indices=ref_case.state_indices)
     assert torch.equal(out_a, out_b) and torch.equal(case.recurrent_state, ref_case.recurrent_state)
 
@@ -101,7 +101,7 @@ def test_block_v_choices_agree():
     for bv in (8, 16, 32):
         c = case.clone()
         out = nan_poison(torch.empty(c.T, c.H, c.D, device=DEV))
-        kda_recurrent_fwd(y, c.g1, c.beta_logits, c.recurrent_state, c.weights, out, state_indices=c.state_indices, block_v=bv)
+        kda_recurrent_fwd(y, c.forget_logits, c.beta_logits, c.recurrent_state, c.weights, out, state_indices=c.state_indices, block_v=bv)
         outs.append((out, c.recurrent_state))
     for out, pool in outs[1:]:
         assert_rel_close(out, outs[0][0], 1e-6, "output across block_v")
@@ -113,9 +113,9 @@ def test_rejects_bad_inputs():
     y = _conv_output(case, torch.float32)
     out = torch.empty(2, 1, 16)
     with pytest.raises(ValueError, match="one token per sequence"):
-        kda_recurrent_fwd(y, case.g1, case.beta_logits, case.recurrent_state, case.weights, out, state_indices=case.state_indices[:1])
+        kda_recurrent_fwd(y, case.forget_logits, case.beta_logits, case.recurrent_state, case.weights, out, state_indices=case.state_indices[:1])
     with pytest.raises(ValueError, match="num_accepted_tokens"):
-        kda_recurrent_fwd(y, case.g1, case.beta_logits, case.recurrent_state, case.weights, out,
+        kda_recurrent_fwd(y, case.forget_logits, case.beta_logits, case.recurrent_state, case.weights, out,
                           spec_state_indices=case.state_indices.view(2, 1))
 
 

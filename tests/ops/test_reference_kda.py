@@ -29,7 +29,7 @@ def core_inputs(case):
     y = causal_conv_varlen(case.qkv, case.weights.conv_weight, case.conv_state, case.cu_seqlens,
                            case.state_indices, case.has_initial_state, case.conv_layout)
     q, k, v = kda_qkv_prepare(y, case.H, case.D)
-    gk = kda_gate(case.g1, case.weights.A_log, case.weights.dt_bias, case.weights.lower_bound)
+    gk = kda_gate(case.forget_logits, case.weights.A_log, case.weights.dt_bias, case.weights.lower_bound)
     return q, k, v, gk, beta_sigmoid(case.beta_logits)
 
 
@@ -57,7 +57,7 @@ def test_chunked_rejects_other_chunk_sizes():
 def test_chunked_stays_finite_at_lower_bound_in_fp32():
     """64-token chunks at LB=-5 reach |g| ~ 320: the chunked form must not overflow in fp32."""
     case = make_kda_case([256], H=2, D=8, has_initial_state=True)
-    case.g1.fill_(30.0)  # sigmoid -> 1: every gate at the lower bound
+    case.forget_logits.fill_(30.0)  # sigmoid -> 1: every gate at the lower bound
     ref = case.clone()
     out_c = run_prefill(functools.partial(kda_prefill_reference, chunk_size=64), case)
     out_l = run_prefill(kda_prefill_reference, ref)

@@ -18,13 +18,13 @@ def test_l2norm_scale_on_q_only():
 
 
 def test_bounded_gate_formula_and_range():
-    g1, A_log, dt = torch.randn(7, 3, 8) * 4, torch.randn(3), torch.randn(3, 8)
-    gk = kda_gate(g1, A_log, dt, lower_bound=-5.0)
-    expect = -5.0 * torch.sigmoid(A_log.exp()[:, None] * (g1 + dt))
+    forget_logits, A_log, dt = torch.randn(7, 3, 8) * 4, torch.randn(3), torch.randn(3, 8)
+    gk = kda_gate(forget_logits, A_log, dt, lower_bound=-5.0)
+    expect = -5.0 * torch.sigmoid(A_log.exp()[:, None] * (forget_logits + dt))
     torch.testing.assert_close(gk, expect)
     assert (gk <= 0).all() and (gk >= -5.0).all()
     with pytest.raises(ValueError, match="lower_bound"):
-        kda_gate(g1, A_log, dt, lower_bound=-6.0)
+        kda_gate(forget_logits, A_log, dt, lower_bound=-6.0)
 
 
 def test_bounded_gate_reaches_both_ends_of_its_range_in_fp32():
@@ -39,17 +39,17 @@ def test_bounded_gate_reaches_both_ends_of_its_range_in_fp32():
 
 
 def test_unbounded_gate_is_softplus_linear_above_20():
-    g1 = torch.tensor([[[30.0, -30.0, 0.0]]])
-    gk = kda_gate(g1, torch.zeros(1), torch.zeros(1, 3), lower_bound=None)
+    forget_logits = torch.tensor([[[30.0, -30.0, 0.0]]])
+    gk = kda_gate(forget_logits, torch.zeros(1), torch.zeros(1, 3), lower_bound=None)
     torch.testing.assert_close(gk, -torch.tensor([[[30.0, F.softplus(torch.tensor(-30.0)).item(), 0.6931472]]]))
 
 
 def test_beta_and_norm_run_in_fp32():
     assert beta_sigmoid(torch.zeros(2, dtype=torch.float16)).dtype == torch.float32
-    o, g2, w = torch.randn(4, 2, 8), torch.randn(4, 2, 8), torch.randn(8)
-    y = gated_rms_norm(o.half(), g2.half(), w)
+    o, output_gate_logits, w = torch.randn(4, 2, 8), torch.randn(4, 2, 8), torch.randn(8)
+    y = gated_rms_norm(o.half(), output_gate_logits.half(), w)
     assert y.dtype == torch.float32
-    ref = o.half().float() / (o.half().float().pow(2).mean(-1, keepdim=True) + 1e-5).sqrt() * w * torch.sigmoid(g2.half().float())
+    ref = o.half().float() / (o.half().float().pow(2).mean(-1, keepdim=True) + 1e-5).sqrt() * w * torch.sigmoid(output_gate_logits.half().float())
     torch.testing.assert_close(y, ref)
 
 

@@ -47,7 +47,7 @@ def chunk_tables(cu_seqlens_cpu: torch.Tensor, device) -> tuple[torch.Tensor, to
 def kda_prefill_aiter(
     inputs: KDAInputs, weights: KDAWeights, cache: KDACache, seqs: PrefillSeqs, out: torch.Tensor, *, step_plan=None,
 ) -> None:
-    qkv, g1, beta_logits, g2 = inputs
+    qkv, forget_logits, beta_logits, output_gate_logits = inputs
     conv_state, recurrent_state, conv_layout = cache
     cu_seqlens, state_indices, has_initial_state, cu_seqlens_cpu = seqs
     from aiter.ops.triton.attention.chunk_kda import chunk_kda
@@ -69,19 +69,19 @@ def kda_prefill_aiter(
     h0 = gather_states(recurrent_state, state_indices, keep=has_initial_state, dtype=torch.float32).contiguous()
     o = torch.empty(1, T, H, D, dtype=q.dtype, device=q.device)
     _, ht = chunk_kda(
-        q, k, v, g1.reshape(1, T, H, D), beta_logits.reshape(1, T, H), weights.A_log.float().contiguous(),
+        q, k, v, forget_logits.reshape(1, T, H, D), beta_logits.reshape(1, T, H), weights.A_log.float().contiguous(),
         weights.dt_bias.float().reshape(-1).contiguous(), float(weights.lower_bound), cu_seqlens.long().contiguous(),
         chunk_indices=chunk_indices, chunk_offsets=chunk_offsets, scale=D**-0.5, out=o, initial_state=h0,
         output_final_state=True,
     )
     scatter_states(recurrent_state, state_indices, ht, state_indices > 0)
-    gated_rms_norm_fwd(o.view(T, H, D), g2, weights.norm_weight, weights.norm_eps, out)
+    gated_rms_norm_fwd(o.view(T, H, D), output_gate_logits, weights.norm_weight, weights.norm_eps, out)
 
 
 def kda_decode_aiter(
     inputs: KDAInputs, weights: KDAWeights, cache: KDACache, seqs: DecodeSeqs, out: torch.Tensor,
 ) -> None:
-    qkv, g1, beta_logits, g2 = inputs
+    qkv, forget_logits, beta_logits, output_gate_logits = inputs
     conv_state, recurrent_state, conv_layout = cache
     state_indices, spec_state_indices, num_accepted_tokens = seqs
     from aiter.ops.triton.attention.kda import fused_recurrent_kda
@@ -106,12 +106,12 @@ def kda_decode_aiter(
         slots = torch.where(spec_state_indices[:, :1] > 0, spec_state_indices, 0).to(spec_state_indices.dtype).contiguous()
         accepted = num_accepted_tokens.clamp(1, m).to(torch.int32).contiguous()
     fused_recurrent_kda(
-        q, k, v, g1.reshape(N, m, H, D).contiguous(), beta_logits.reshape(N, m, H).contiguous(), A_log=weights.A_log.float().contiguous(),
+        q, k, v, forget_logits.reshape(N, m, H, D).contiguous(), beta_logits.reshape(N, m, H).contiguous(), A_log=weights.A_log.float().contiguous(),
         dt_bias=weights.dt_bias.float().reshape(H, D).contiguous(), initial_state=recurrent_state, scale=D**-0.5,
         output_final_state=False, inplace_final_state=True, state_v_first=True, ssm_state_indices=slots,
         num_accepted_tokens=accepted, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
         use_beta_sigmoid_in_kernel=True, lower_bound=weights.lower_bound, out=o, pad_slot_guard=True,
     )
     row_slots = state_indices if spec_state_indices is None else spec_state_indices[:, 0]
-    gated_rms_norm_fwd(o.view(T, H, D), g2, weights.norm_weight, weights.norm_eps, out,
+    gated_rms_norm_fwd(o.view(T, H, D), output_gate_logits, weights.norm_weight, weights.norm_eps, out,
                        row_state_indices=row_slots, tokens_per_index=m)

@@ -55,7 +55,7 @@ def _gate_args(weights: KDAWeights) -> dict:
 def kda_prefill_fla(
     inputs: KDAInputs, weights: KDAWeights, cache: KDACache, seqs: PrefillSeqs, out: torch.Tensor, *, step_plan=None,
 ) -> None:
-    qkv, g1, beta_logits, g2 = inputs
+    qkv, forget_logits, beta_logits, output_gate_logits = inputs
     conv_state, recurrent_state, conv_layout = cache
     cu_seqlens, state_indices, has_initial_state, cu_seqlens_cpu = seqs
     T, H, D, _ = check_prefill_step(inputs, weights, cache, seqs, out)
@@ -69,11 +69,11 @@ def kda_prefill_fla(
     q, k, v = y.view(1, T, 3, H, D).unbind(2)
     h0 = gather_states(recurrent_state, state_indices, keep=has_initial_state, dtype=torch.float32)
     o, ht = chunk_kda(
-        q=q, k=k, v=v, g=g1.reshape(1, T, H, D), beta=beta_logits.reshape(1, T, H), scale=D**-0.5, initial_state=h0,
+        q=q, k=k, v=v, g=forget_logits.reshape(1, T, H, D), beta=beta_logits.reshape(1, T, H), scale=D**-0.5, initial_state=h0,
         output_final_state=True, cu_seqlens=cu_seqlens.long(), cu_seqlens_cpu=cu_cpu, **_gate_args(weights),
     )
     scatter_states(recurrent_state, state_indices, ht, state_indices > 0)
-    y = rms_norm_gated(o.reshape(T * H, D), g2.reshape(T * H, D), weights.norm_weight, None, activation="sigmoid",
+    y = rms_norm_gated(o.reshape(T * H, D), output_gate_logits.reshape(T * H, D), weights.norm_weight, None, activation="sigmoid",
                        eps=weights.norm_eps)
     out.view(T, H, D).copy_(y.view(T, H, D))  # rows of slots <= 0 are unspecified for prefill
 
@@ -81,7 +81,7 @@ def kda_prefill_fla(
 def kda_decode_fla(
     inputs: KDAInputs, weights: KDAWeights, cache: KDACache, seqs: DecodeSeqs, out: torch.Tensor,
 ) -> None:
-    qkv, g1, beta_logits, g2 = inputs
+    qkv, forget_logits, beta_logits, output_gate_logits = inputs
     conv_state, recurrent_state, conv_layout = cache
     state_indices, spec_state_indices, num_accepted_tokens = seqs
     T, H, D, N, m = check_decode_step(inputs, weights, cache, seqs, out)
@@ -102,13 +102,13 @@ def kda_decode_fla(
     scratch = gather_states(recurrent_state, slots)  # [N*(S+1) or N, H, V, K]
     scratch_idx = torch.arange(slots.numel(), dtype=torch.int32, device=qkv.device).view(slots.shape)
     o, _ = fused_recurrent(
-        q=q, k=k, v=v, g=g1.reshape(N, m, H, D).contiguous(), beta=beta_logits.reshape(N, m, H).contiguous(),
+        q=q, k=k, v=v, g=forget_logits.reshape(N, m, H, D).contiguous(), beta=beta_logits.reshape(N, m, H).contiguous(),
         initial_state=scratch, scale=D**-0.5, inplace_final_state=True,
         ssm_state_indices=scratch_idx if spec_state_indices is not None else scratch_idx.view(N),
         num_accepted_tokens=accepted, **_gate_args(weights),
     )
     scatter_states(recurrent_state, slots, scratch, (real_row.view(N, 1) & (slots > 0)).reshape(-1))
-    y = rms_norm_gated(o.reshape(T * H, D), g2.reshape(T * H, D), weights.norm_weight, None, activation="sigmoid",
+    y = rms_norm_gated(o.reshape(T * H, D), output_gate_logits.reshape(T * H, D), weights.norm_weight, None, activation="sigmoid",
                        eps=weights.norm_eps).view(T, H, D)
     rows_real = real_row.view(N, 1).expand(N, m).reshape(T, 1, 1)
     o_view = out.view(T, H, D)

@@ -19,7 +19,7 @@ from kdaserve.ops.types import KDACache, KDAInputs, KDAWeights, PrefillSeqs
 def kda_prefill_flashkda(
     inputs: KDAInputs, weights: KDAWeights, cache: KDACache, seqs: PrefillSeqs, out: torch.Tensor, *, step_plan=None,
 ) -> None:
-    qkv, g1, beta_logits, g2 = inputs
+    qkv, forget_logits, beta_logits, output_gate_logits = inputs
     conv_state, recurrent_state, conv_layout = cache
     cu_seqlens, state_indices, has_initial_state, cu_seqlens_cpu = seqs
     import flash_kda
@@ -39,9 +39,9 @@ def kda_prefill_flashkda(
     ht = torch.empty_like(h0)
     o = torch.empty(1, T, H, D, dtype=q.dtype, device=q.device)
     flash_kda.fwd(
-        q, k, v, g1.reshape(1, T, H, D).contiguous(), beta_logits.reshape(1, T, H).contiguous(), D**-0.5, o,
+        q, k, v, forget_logits.reshape(1, T, H, D).contiguous(), beta_logits.reshape(1, T, H).contiguous(), D**-0.5, o,
         weights.A_log.float().contiguous(), weights.dt_bias.float().reshape(H, D).contiguous(), float(weights.lower_bound),
         initial_state=h0, final_state=ht, cu_seqlens=cu_seqlens.long(),
     )
     scatter_states(recurrent_state, state_indices, ht, state_indices > 0)
-    gated_rms_norm_fwd(o.view(T, H, D), g2, weights.norm_weight, weights.norm_eps, out)
+    gated_rms_norm_fwd(o.view(T, H, D), output_gate_logits, weights.norm_weight, weights.norm_eps, out)

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from kdaserve.ops import interpreter_compat
+from kdaserve.ops.precision import dot_precision
 
 
 @triton.jit
@@ -82,7 +83,7 @@ def paged_decode_attention_triton(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         HKV=Hkv, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BLOCK_SIZE=block_size, TILE=64,
         # fp32 models get exact fp32 dots; for 16-bit caches tf32 loses nothing the cache kept.
-        PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        PREC="ieee" if q.dtype == torch.float32 else dot_precision(q.device).tensor_core,
         num_warps=4,
     )
     return out

@@ -10,7 +10,9 @@ What it supports (kdaserve/ops/limits.py FLASH holds the checked values; the reg
 the backend's requirements from it):
 - platform: CUDA (developed for and tuned on H100/H200, sm_90); any CUDA GPU Triton supports
   should work (the PTX fast math of fastmath.py runs on sm_75+, plain Triton math below).
-  ROCm: untested (IEEE fp32 dots replace tf32/tf32x3 there, plain Triton math the PTX).
+  ROCm: compiles for gfx942 and gfx950 (tools/compile_check.py), not yet run on one; fp32 dots
+  take the target's precision (ops/precision.py), plain Triton math replaces the PTX, and gfx942
+  runs K2 with two pipeline stages (config.config_for).
 - inputs: bf16 or fp16 (fast path, fp16 workspace); fp32 works (IEEE dots, slow; for tests).
 - head size: K = V = D in {16, 32, 64, 128}.
 - gate: bounded ("safe", lower_bound in [-5, 0)) uses tensor cores for the in-chunk decay

@@ -9,7 +9,9 @@ variant is another FlashConfig (`dataclasses.replace(DEFAULT_CONFIG, ...)`) pass
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+import torch
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,3 +53,18 @@ class FlashConfig:
     cost_token_head_seg_ns: float = 0.35  # o_loc + q~ round trip and the correction pass
 
 DEFAULT_CONFIG = FlashConfig()
+
+
+def config_for(device: torch.device) -> FlashConfig:
+    """The default launch parameters on `device`'s architecture (tools/compile_check.py compiles
+    each target's): K2's third pipeline stage needs 84 KB of shared memory, more than gfx942's 64 KB
+    of LDS per workgroup, so MI300 runs two; the segment-map pass spills at 4 warps on sm_100 and
+    on AMD and runs 8 there. The H200 (sm_90) and everything else: the defaults."""
+    from kdaserve.ops.precision import device_target
+
+    target = device_target(device)
+    if target == "gfx942":
+        return replace(DEFAULT_CONFIG, recur_stages=2, seg_warps=8)
+    if target == "gfx950" or (target.startswith("sm_") and int(target[3:]) >= 100):
+        return replace(DEFAULT_CONFIG, seg_warps=8)
+    return DEFAULT_CONFIG

@@ -19,7 +19,7 @@ from kdaserve.ops.triton_math import rms_rstd
 def flash_correct_kernel(
     oq_ptr, start_ptr,
     o_ptr, stride_o_t, stride_o_h, stride_o_d,
-    g2_ptr, stride_g2_t, stride_g2_h, stride_g2_d,
+    out_gate_ptr, stride_out_gate_t, stride_out_gate_h, stride_out_gate_d,
     nw_ptr, eps,
     cu_ptr, idx_ptr, seg_seq_ptr, seg_tok_ptr, seg_end_ptr, q_off,
     H: tl.constexpr, D: tl.constexpr, C: tl.constexpr, CPG: tl.constexpr,
@@ -60,9 +60,9 @@ def flash_correct_kernel(
         o = tl.load(oq_ptr + row + vrows[:, None], mask=tmask, other=0.0).to(tl.float32)      # [V, C]
         qt = tl.load(oq_ptr + q_off + row + kcols[:, None], mask=tmask & later, other=0.0)    # [K, C]
         o = tl.dot(St, qt.to(DOT_DTYPE), acc=o, input_precision=PREC)
-        g2 = tl.load(g2_ptr + trow * stride_g2_t + h * stride_g2_h + vrows[:, None] * stride_g2_d,
+        output_gate_logits = tl.load(out_gate_ptr + trow * stride_out_gate_t + h * stride_out_gate_h + vrows[:, None] * stride_out_gate_d,
                      mask=tmask, other=0.0).to(tl.float32)
         rstd = rms_rstd(tl.sum(o * o, axis=0), eps, D)
-        y = o * rstd[None, :] * nw[:, None] * sigmoid_tanh(g2, FAST)
+        y = o * rstd[None, :] * nw[:, None] * sigmoid_tanh(output_gate_logits, FAST)
         tl.store(o_ptr + trow * stride_o_t + h * stride_o_h + vrows[:, None] * stride_o_d,
                  y.to(o_ptr.dtype.element_ty), mask=tmask)

@@ -22,13 +22,14 @@ import triton
 
 from kdaserve.ops.limits import FLASH
 from kdaserve.ops.checks import check_prefill_step
-from kdaserve.ops.flash.config import DEFAULT_CONFIG, FlashConfig
+from kdaserve.ops.flash.config import FlashConfig, config_for
 from kdaserve.ops.flash.correct import flash_correct_kernel
 from kdaserve.ops.flash.plan import FlashPlan, build_plan, choose_segment_len, seq_lens
 from kdaserve.ops.flash.prepare import flash_prepare_kernel
 from kdaserve.ops.flash.recurrence import flash_recurrence_kernel
 from kdaserve.ops.flash.scan import flash_scan_kernel
 from kdaserve.ops.host_tables import host_offsets
+from kdaserve.ops.precision import dot_precision
 from kdaserve.ops.types import KDACache, KDAInputs, KDAWeights, PrefillSeqs, conv_state_rows
 
 
@@ -58,12 +59,14 @@ def chunk_size_for(bounded_gate: bool, config: FlashConfig) -> int:
 
 
 def flash_step_plan(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | None, num_tokens: int, num_heads: int,
-                    head_dim: int, bounded_gate: bool, *, config: FlashConfig = DEFAULT_CONFIG,
+                    head_dim: int, bounded_gate: bool, *, config: FlashConfig | None = None,
                     segment_len: int | None = None) -> FlashStepPlan:
     """The plan of one step of `num_tokens` tokens for layers of `num_heads` x `head_dim` with this
     gate kind. `segment_len`: None = automatic, 0 = never segment, n > 0 = segments of n tokens.
     Without the host copy of cu_seqlens the sizes are upper bounds (every sequence counted as long
-    as the step) and the tables are built on the device all the same (no sync)."""
+    as the step) and the tables are built on the device all the same (no sync). `config`: None is
+    the device's default (config.config_for)."""
+    config = config if config is not None else config_for(cu_seqlens.device)
     C = chunk_size_for(bounded_gate, config)
     cu = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
     N = cu.shape[0] - 1
@@ -76,14 +79,14 @@ def flash_step_plan(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | Non
     return FlashStepPlan(plan, longest, C, num_heads, head_dim, num_tokens, config, offsets)
 
 
-def check_flash_inputs(qkv, weights: KDAWeights, recurrent_state, g1, g2, out, D: int) -> tuple[torch.Tensor, ...]:
+def check_flash_inputs(qkv, weights: KDAWeights, recurrent_state, forget_logits, output_gate_logits, out, D: int) -> tuple[torch.Tensor, ...]:
     """What flash needs beyond the common contract (metadata only, no sync); returns the
-    [T, H, D] views of g1, g2 and out the kernels take."""
+    [T, H, D] views of forget_logits, output_gate_logits and out the kernels take."""
     FLASH.check(head_dim=D, lower_bound=weights.lower_bound, input_dtype=qkv.dtype, state_dtype=recurrent_state.dtype)
     if recurrent_state.stride(3) != 1:
         raise ValueError(f"recurrent_state must have K contiguous (stride(3) == 1), got strides {recurrent_state.stride()}")
     views = []
-    for name, t in (("g1", g1), ("g2", g2), ("out", out)):
+    for name, t in (("forget_logits", forget_logits), ("output_gate_logits", output_gate_logits), ("out", out)):
         try:
             views.append(t.view(t.shape[0], weights.num_heads, D))
         except RuntimeError as e:
@@ -99,15 +102,16 @@ def _num_sms(device: torch.device) -> int:
 
 
 def dot_precisions(device: torch.device, ws_dtype: torch.dtype) -> tuple[str, str]:
-    """(tensor-core precision, exact precision) for fp32 dot operands.
+    """(tensor-core precision, exact precision) for fp32 dot operands (kdaserve/ops/precision.py).
 
-    fp32 workspaces (fp32 inputs, the interpreter's tests) use IEEE fp32 throughout. On NVIDIA the
-    fp32 dots of K1 use tf32 (10-bit mantissa like the fp16 workspace they feed) and the scan of
-    segment maps tf32x3, which is fp32-accurate (its start states feed every later output).
-    ROCm's Triton has no tf32x3: IEEE there."""
-    if ws_dtype == torch.float32 or device.type != "cuda" or torch.version.hip:
+    fp32 workspaces (fp32 inputs, the interpreter's tests) use IEEE fp32 throughout. Otherwise the
+    fp32 dots of K1 take the target's tensor-core precision (tf32 on NVIDIA: a 10-bit mantissa like
+    the fp16 workspace they feed) and the scan of segment maps its exact one (tf32x3 on NVIDIA),
+    since its start states feed every later output."""
+    if ws_dtype == torch.float32:
         return "ieee", "ieee"
-    return "tf32", "tf32x3"
+    p = dot_precision(device)
+    return p.tensor_core, p.exact
 
 
 def use_fast_math(device: torch.device) -> bool:
@@ -140,7 +144,7 @@ def kda_prefill_flash(
     inputs: KDAInputs, weights: KDAWeights, cache: KDACache, seqs: PrefillSeqs, out: torch.Tensor,
     *,
     segment_len: int | None = None,
-    config: FlashConfig = DEFAULT_CONFIG,
+    config: FlashConfig | None = None,
     step_plan: FlashStepPlan | None = None,
 ) -> None:
     """Varlen KDA prefill (conv -> l2norm/gate/beta -> delta rule -> gated RMSNorm), the contract of
@@ -156,13 +160,13 @@ class FlashPrefill:
     (so tools/tune_flash.py can time each stage alone). `run()` is the whole step."""
 
     def __init__(self, inputs: KDAInputs, weights: KDAWeights, cache: KDACache, seqs: PrefillSeqs, out: torch.Tensor,
-                 *, segment_len: int | None = None, config: FlashConfig = DEFAULT_CONFIG,
+                 *, segment_len: int | None = None, config: FlashConfig | None = None,
                  step_plan: FlashStepPlan | None = None):
-        qkv, g1, beta_logits, g2 = inputs
+        qkv, forget_logits, beta_logits, output_gate_logits = inputs
         conv_state, recurrent_state, conv_layout = cache
         cu_seqlens, state_indices, has_initial_state, cu_seqlens_cpu = seqs
         T, H, D, N = check_prefill_step(inputs, weights, cache, seqs, out)
-        self.g1v, self.g2v, self.outv = check_flash_inputs(qkv, weights, recurrent_state, g1, g2, out, D)
+        self.forget_v, self.out_gate_v, self.outv = check_flash_inputs(qkv, weights, recurrent_state, forget_logits, output_gate_logits, out, D)
         self.T, self.H, self.D, self.N = T, H, D, N
         if step_plan is None:
             step_plan = flash_step_plan(cu_seqlens, cu_seqlens_cpu, T, H, D, weights.lower_bound is not None,
@@ -242,7 +246,7 @@ class FlashPrefill:
         lb = w.lower_bound
         flash_prepare_kernel[grid](
             self.qkv, self.qkv.stride(0),
-            self.g1v, *self.g1v.stride(),
+            self.forget_v, *self.forget_v.stride(),
             self.beta_logits, *self.beta_logits.stride(),
             w.conv_weight, *w.conv_weight.stride(),
             self.rows, *self.rows.stride(),
@@ -263,7 +267,7 @@ class FlashPrefill:
             *self.ws4, self.aqk_ws, self.chunk_decay_ws,
             st, st.stride(0), st.stride(1), st.stride(2),
             self.outv, *self.outv.stride(),
-            self.g2v, *self.g2v.stride(),
+            self.out_gate_v, *self.out_gate_v.stride(),
             self.nw, float(self.weights.norm_eps),
             local_out_and_q, maps,
             self.cu, self.state_indices, self.has_initial_state,
@@ -300,7 +304,7 @@ class FlashPrefill:
         cpg = cfg.correct_chunks
         ng = self.output_groups()
         flash_correct_kernel[(plan.n_seg_ids * H, ng)](
-            self.local_out_and_q, self.segment_starts, self.outv, *self.outv.stride(), self.g2v, *self.g2v.stride(), self.nw,
+            self.local_out_and_q, self.segment_starts, self.outv, *self.outv.stride(), self.out_gate_v, *self.out_gate_v.stride(), self.nw,
             float(self.weights.norm_eps), self.cu, self.state_indices, plan.seg_seq, plan.seg_tok, plan.seg_end,
             self.T * H * D,
             H=H, D=D, C=C, CPG=cpg, DOT_DTYPE=_tl_dtype(self.ws_dtype), PREC=self.prec_tc, FAST=self.fast,

@@ -131,11 +131,11 @@ def _conv(x_ptr, stride_x, w_ptr, stride_w_c, stride_w_j, hist_ptr, stride_h_row
 
 
 @triton.jit
-def _gate_beta(g1_ptr, stride_g1_t, stride_g1_h, stride_g1_d, b_ptr, stride_b_t, stride_b_h, a_log_ptr, dt_bias_ptr,
+def _gate_beta(forget_ptr, stride_forget_t, stride_forget_h, stride_forget_d, b_ptr, stride_b_t, stride_b_h, a_log_ptr, dt_bias_ptr,
                lower_bound, h, tok, valid, rows, cols, D: tl.constexpr, C: tl.constexpr, BOUNDED: tl.constexpr,
                FAST: tl.constexpr):
     """The in-chunk cumulative log-decay g [C, D], its last row g_C and beta [C] (0 past the end)."""
-    x = tl.load(g1_ptr + tok.to(tl.int64)[:, None] * stride_g1_t + h * stride_g1_h + cols[None, :] * stride_g1_d,
+    x = tl.load(forget_ptr + tok.to(tl.int64)[:, None] * stride_forget_t + h * stride_forget_h + cols[None, :] * stride_forget_d,
                 mask=valid[:, None], other=0.0).to(tl.float32)
     x += tl.load(dt_bias_ptr + h * D + cols).to(tl.float32)[None, :]
     a = tl.exp(tl.load(a_log_ptr + h).to(tl.float32))  # one value: precise
@@ -153,7 +153,7 @@ def _gate_beta(g1_ptr, stride_g1_t, stride_g1_h, stride_g1_d, b_ptr, stride_b_t,
 
 @triton.jit
 def _prepare_chunk(
-    qkv_ptr, stride_qkv, g1_ptr, stride_g1_t, stride_g1_h, stride_g1_d, b_ptr, stride_b_t, stride_b_h,
+    qkv_ptr, stride_qkv, forget_ptr, stride_forget_t, stride_forget_h, stride_forget_d, b_ptr, stride_b_t, stride_b_h,
     cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch, a_log_ptr, dt_bias_ptr,
     w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, gam_ptr, lower_bound, q_scale, L,
     h, blk, tok, valid, seq_start, init,
@@ -176,7 +176,7 @@ def _prepare_chunk(
     P = H * D
     tile = blk * (C * D) + ri * D + cols[None, :]
     dt = w_ptr.dtype.element_ty
-    g, g_last, beta = _gate_beta(g1_ptr, stride_g1_t, stride_g1_h, stride_g1_d, b_ptr, stride_b_t, stride_b_h,
+    g, g_last, beta = _gate_beta(forget_ptr, stride_forget_t, stride_forget_h, stride_forget_d, b_ptr, stride_b_t, stride_b_h,
                                  a_log_ptr, dt_bias_ptr, lower_bound, h, tok, valid, rows, cols, D, C, True, FAST)
     anchor = 0.5 * g_last
     ea = fast_exp(anchor, FAST)[None, :]
@@ -207,7 +207,7 @@ def _prepare_chunk(
 
 @triton.jit
 def _prepare_chunk_unbounded(
-    qkv_ptr, stride_qkv, g1_ptr, stride_g1_t, stride_g1_h, stride_g1_d, b_ptr, stride_b_t, stride_b_h,
+    qkv_ptr, stride_qkv, forget_ptr, stride_forget_t, stride_forget_h, stride_forget_d, b_ptr, stride_b_t, stride_b_h,
     cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch, a_log_ptr, dt_bias_ptr,
     w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, gam_ptr, q_scale, L, anchor_spread,
     h, blk, t0, tok, valid, seq_start, init,
@@ -237,7 +237,7 @@ def _prepare_chunk_unbounded(
                        2 * P + h * D + cols, tok, valid, seq_start, init, L, W, FAST)
     q = q * (tl.rsqrt(tl.sum(q * q, axis=1) + 1e-6) * q_scale)[:, None]
     k = k * tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
-    g, g_last, beta = _gate_beta(g1_ptr, stride_g1_t, stride_g1_h, stride_g1_d, b_ptr, stride_b_t, stride_b_h,
+    g, g_last, beta = _gate_beta(forget_ptr, stride_forget_t, stride_forget_h, stride_forget_d, b_ptr, stride_b_t, stride_b_h,
                                  a_log_ptr, dt_bias_ptr, 0.0, h, tok, valid, rows, cols, D, C, False, FAST)
     eg = fast_exp(g, FAST)
     e_dn = fast_exp(g_last[None, :] - g, FAST)
@@ -270,7 +270,7 @@ def _prepare_chunk_unbounded(
 @triton.jit
 def flash_prepare_kernel(
     qkv_ptr, stride_qkv,
-    g1_ptr, stride_g1_t, stride_g1_h, stride_g1_d,
+    forget_ptr, stride_forget_t, stride_forget_h, stride_forget_d,
     b_ptr, stride_b_t, stride_b_h,
     cw_ptr, stride_cw_c, stride_cw_j,
     cs_ptr, stride_cs_slot, stride_cs_row, stride_cs_ch,
@@ -321,12 +321,12 @@ def flash_prepare_kernel(
     blk = j.to(tl.int64) * H + h
     hist = cs_ptr + slot * stride_cs_slot
     if BOUNDED:
-        _prepare_chunk(qkv_ptr, stride_qkv, g1_ptr, stride_g1_t, stride_g1_h, stride_g1_d, b_ptr, stride_b_t, stride_b_h,
+        _prepare_chunk(qkv_ptr, stride_qkv, forget_ptr, stride_forget_t, stride_forget_h, stride_forget_d, b_ptr, stride_b_t, stride_b_h,
                        cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch, a_log_ptr, dt_bias_ptr,
                        w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, gam_ptr, lower_bound, q_scale, L,
                        h, blk, tok, valid, seq_start, init, H, D, C, LOG2C, W, PREC_TC, FAST, FIRST)
     else:
-        _prepare_chunk_unbounded(qkv_ptr, stride_qkv, g1_ptr, stride_g1_t, stride_g1_h, stride_g1_d, b_ptr, stride_b_t,
+        _prepare_chunk_unbounded(qkv_ptr, stride_qkv, forget_ptr, stride_forget_t, stride_forget_h, stride_forget_d, b_ptr, stride_b_t,
                                  stride_b_h, cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch,
                                  a_log_ptr, dt_bias_ptr, w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, gam_ptr, q_scale, L,
                                  anchor_spread, h, blk, t0, tok, valid, seq_start, init, H, D, C, LOG2C, W, PREC_TC,

@@ -62,7 +62,7 @@ def flash_recurrence_kernel(
     w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, gam_ptr,
     s_ptr, stride_s_slot, stride_s_h, stride_s_v,
     o_ptr, stride_o_t, stride_o_h, stride_o_d,
-    g2_ptr, stride_g2_t, stride_g2_h, stride_g2_d,
+    out_gate_ptr, stride_out_gate_t, stride_out_gate_h, stride_out_gate_d,
     nw_ptr, eps,
     oq_ptr, bm_ptr,
     cu_ptr, idx_ptr, init_ptr,
@@ -136,10 +136,10 @@ def flash_recurrence_kernel(
             oq = oq_ptr + part * q_off + trow * (H * D) + h * D + rows[:, None]
             tl.store(oq, Ot.to(oq_ptr.dtype.element_ty), mask=tmask)
         else:
-            g2 = tl.load(g2_ptr + trow * stride_g2_t + h * stride_g2_h + rows[:, None] * stride_g2_d,
+            output_gate_logits = tl.load(out_gate_ptr + trow * stride_out_gate_t + h * stride_out_gate_h + rows[:, None] * stride_out_gate_d,
                          mask=tmask, other=0.0).to(tl.float32)
             rstd = rms_rstd(tl.sum(Ot * Ot, axis=0), eps, D)
-            y = Ot * rstd[None, :] * nw[:, None] * sigmoid_tanh(g2, FAST)
+            y = Ot * rstd[None, :] * nw[:, None] * sigmoid_tanh(output_gate_logits, FAST)
             tl.store(o_ptr + trow * stride_o_t + h * stride_o_h + rows[:, None] * stride_o_d,
                      y.to(o_ptr.dtype.element_ty), mask=tmask)
 

@@ -53,6 +53,8 @@ class FusedDecodeConfig:
 STREAM_FROM_HEADS = 256
 STREAM_FP32 = FusedDecodeConfig(block_v=16, num_warps=4, stream=True, stages=4)  # 96 regs, 5 programs/SM, 3 tiles in flight each
 STREAM_BF16 = FusedDecodeConfig(block_v=16, num_warps=4, stream=True, stages=5)  # 87 regs, 5 programs/SM, 4 tiles in flight each
+# On AMD (gfx942, gfx950) the bf16 [16, K] stream tile spills; [8, K] does not (tools/compile_check.py).
+STREAM_BF16_AMD = FusedDecodeConfig(block_v=8, num_warps=4, stream=True, stages=5)
 # The stream shapes benchmarks/bench_decode.py's sweep times and tools/compile_check_fused.py
 # compiles: the defaults and the two that beat them in a row of the sweep (docs/perf-notes.md, "What
 # stays, by evidence"). "stream bvX wY" + sZ = a Z-stage cp.async pipeline (Z-1 tiles in flight
@@ -66,7 +68,7 @@ STREAM_SHAPES = {
 
 
 def default_config(head_dim: int, tokens_per_seq: int, programs: int, state_bytes: int = 4,
-                   verify: bool | None = None) -> FusedDecodeConfig:
+                   verify: bool | None = None, amd: bool = False) -> FusedDecodeConfig:
     """Launch shape by the number of heads in the step (`programs` = N*H) and the state's element
     size; `verify` (default: more than one token per sequence) says the step is a speculative
     verify, which a verify with no drafts is too (one token, state in the spec slots). The rule, from
@@ -86,7 +88,7 @@ benchmarks/bench_decode.py's sweep (docs/perf-notes.md):
             return FusedDecodeConfig(block_v=min(head_dim, 8), num_warps=1)
         return FusedDecodeConfig(block_v=min(head_dim, 32), num_warps=4)
     if STREAM_FROM_HEADS and programs >= STREAM_FROM_HEADS:
-        cfg = STREAM_FP32 if state_bytes >= 4 else STREAM_BF16
+        cfg = STREAM_FP32 if state_bytes >= 4 else STREAM_BF16_AMD if amd else STREAM_BF16
         return replace(cfg, block_v=min(head_dim, cfg.block_v))
     if programs <= (512 if state_bytes >= 4 else 128):
         return FusedDecodeConfig(block_v=min(head_dim, 8), num_warps=1)
@@ -150,7 +152,7 @@ def kda_decode_fused(inputs: KDAInputs, weights: KDAWeights, cache: KDACache, se
 def launch_fused_decode(config: FusedDecodeConfig | None, inputs: KDAInputs, weights: KDAWeights, cache: KDACache,
                         seqs: DecodeSeqs, out: torch.Tensor) -> None:
     """kda_decode_fused with an explicit launch shape (None = default_config); benchmarks sweep it."""
-    qkv, g1, beta_logits, g2 = inputs
+    qkv, forget_logits, beta_logits, output_gate_logits = inputs
     conv_state, recurrent_state, conv_layout = cache
     state_indices, spec_state_indices, num_accepted_tokens = seqs
     T, H, D, N, tokens = check_decode_step(inputs, weights, cache, seqs, out)
@@ -166,7 +168,8 @@ def launch_fused_decode(config: FusedDecodeConfig | None, inputs: KDAInputs, wei
     # A verify with no drafts (spec [N, 1]) is still a verify: its state lives in the spec slots,
     # which only the split shapes read, so it takes the verify rule, never the stream shape.
     is_spec = spec_state_indices is not None
-    cfg = config or default_config(D, tokens, N * H, recurrent_state.element_size(), verify=is_spec)
+    cfg = config or default_config(D, tokens, N * H, recurrent_state.element_size(), verify=is_spec,
+                                   amd=recurrent_state.is_cuda and bool(torch.version.hip))
     block_v = cfg.block_v or D
     if block_v & (block_v - 1) or not 1 <= block_v <= D:
         _fail(f"block_v must be a power of two in [1, {D}], got {block_v}")
@@ -192,18 +195,18 @@ def launch_fused_decode(config: FusedDecodeConfig | None, inputs: KDAInputs, wei
             f"weights.conv_weight_decode must be contiguous fp32 [3, W, P] = [3, {W}, {H * D}] "
             f"(built by fused_conv_weight_layout), got {conv_w.dtype} {tuple(conv_w.shape)}"
         )
-    g1_v, g2_v = _as_heads(g1, T, H, D, "g1"), _as_heads(g2, T, H, D, "g2")
+    forget_v, out_gate_v = _as_heads(forget_logits, T, H, D, "forget_logits"), _as_heads(output_gate_logits, T, H, D, "output_gate_logits")
     spec = spec_state_indices if spec_state_indices is not None else state_indices.view(N, 1)
     accepted = num_accepted_tokens if num_accepted_tokens is not None else state_indices
     lb = weights.lower_bound
 
     if cfg.stream:
         kda_fused_stream_kernel[(N * H,)](
-            qkv, g1_v, beta_logits, g2_v, conv_w,
+            qkv, forget_v, beta_logits, out_gate_v, conv_w,
             weights.A_log.contiguous(), weights.dt_bias.contiguous(), weights.norm_weight.contiguous(),
             conv_state, recurrent_state, state_indices, out_v,
-            qkv.stride(0), g1_v.stride(0), g1_v.stride(1), beta_logits.stride(0), beta_logits.stride(1),
-            g2_v.stride(0), g2_v.stride(1),
+            qkv.stride(0), forget_v.stride(0), forget_v.stride(1), beta_logits.stride(0), beta_logits.stride(1),
+            out_gate_v.stride(0), out_gate_v.stride(1),
             rows.stride(0), rows.stride(1), rows.stride(2),
             recurrent_state.stride(0), recurrent_state.stride(1), recurrent_state.stride(2),
             out_v.stride(0), out_v.stride(1),
@@ -221,11 +224,11 @@ def launch_fused_decode(config: FusedDecodeConfig | None, inputs: KDAInputs, wei
         ws_count = ws_o = out_v  # unused (SPLIT == 1 compiles the workspace away)
 
     kda_fused_decode_kernel[(N * H * split,)](
-        qkv, g1_v, beta_logits, g2_v, conv_w,
+        qkv, forget_v, beta_logits, out_gate_v, conv_w,
         weights.A_log.contiguous(), weights.dt_bias.contiguous(), weights.norm_weight.contiguous(),
         conv_state, recurrent_state, state_indices, spec, accepted, out_v, ws_o, ws_count,
-        qkv.stride(0), g1_v.stride(0), g1_v.stride(1), beta_logits.stride(0), beta_logits.stride(1),
-        g2_v.stride(0), g2_v.stride(1),
+        qkv.stride(0), forget_v.stride(0), forget_v.stride(1), beta_logits.stride(0), beta_logits.stride(1),
+        out_gate_v.stride(0), out_gate_v.stride(1),
         rows.stride(0), rows.stride(1), rows.stride(2),
         recurrent_state.stride(0), recurrent_state.stride(1), recurrent_state.stride(2),
         spec.stride(0), spec.stride(1), out_v.stride(0), out_v.stride(1),

@@ -56,9 +56,9 @@ def _window(row_ptr, stride_row, mask):
 
 
 @triton.jit
-def _log_decay(g1_ptr, dt_bias_ptr, a_log, lower_bound, BOUNDED_GATE: tl.constexpr):
-    """gk = LB * sigmoid(exp(A_log) (g1 + dt_bias)) (bounded) or -exp(A_log) softplus(g1 + dt_bias)."""
-    x = tl.load(g1_ptr).to(tl.float32) + tl.load(dt_bias_ptr).to(tl.float32)
+def _log_decay(forget_ptr, dt_bias_ptr, a_log, lower_bound, BOUNDED_GATE: tl.constexpr):
+    """gk = LB * sigmoid(exp(A_log) (forget_logits + dt_bias)) (bounded) or -exp(A_log) softplus(forget_logits + dt_bias)."""
+    x = tl.load(forget_ptr).to(tl.float32) + tl.load(dt_bias_ptr).to(tl.float32)
     return log_decay(x, tl.exp(a_log), lower_bound, BOUNDED_GATE)
 
 
@@ -73,14 +73,14 @@ def _ws_read(ptr):
 
 @triton.jit
 def _gated_norm_store(o, gate_w, out_ptr, mask, norm_eps, D: tl.constexpr):
-    """out = o * rsqrt(mean(o^2) + eps) * (w * sigmoid(g2)) over the head's D outputs."""
+    """out = o * rsqrt(mean(o^2) + eps) * (w * sigmoid(output_gate_logits)) over the head's D outputs."""
     rstd = rms_rstd(tl.sum(o * o, 0), norm_eps, D)
     tl.store(out_ptr, (o * rstd * gate_w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _gate_w(g2_ptr, w_norm):
-    return tl.sigmoid(tl.load(g2_ptr).to(tl.float32)) * w_norm
+def _gate_w(out_gate_ptr, w_norm):
+    return tl.sigmoid(tl.load(out_gate_ptr).to(tl.float32)) * w_norm
 
 
 @triton.jit
@@ -128,9 +128,9 @@ def _rewrite_conv(cs_slot, stride_cs_row, stride_cs_chan, qkv, stride_qkv_t, ch,
 
 @triton.jit
 def kda_fused_decode_kernel(
-    qkv, g1, beta_logits, g2, conv_w, A_log, dt_bias, norm_w,
+    qkv, forget_logits, beta_logits, output_gate_logits, conv_w, A_log, dt_bias, norm_w,
     conv_state, state, state_indices, spec_indices, num_accepted, out, ws_o, ws_count,
-    stride_qkv_t, stride_g1_t, stride_g1_h, stride_b_t, stride_b_h, stride_g2_t, stride_g2_h,
+    stride_qkv_t, stride_forget_t, stride_forget_h, stride_b_t, stride_b_h, stride_out_gate_t, stride_out_gate_h,
     stride_cs_slot, stride_cs_row, stride_cs_chan,
     stride_s_slot, stride_s_h, stride_s_v,
     stride_spec_n, stride_spec_t, stride_o_t, stride_o_h,
@@ -163,7 +163,7 @@ def kda_fused_decode_kernel(
     a_log = tl.load(A_log + i_h).to(tl.float32)
     w_norm = tl.load(norm_w + d).to(tl.float32)
     if TOKENS == 1:
-        gate_w = _gate_w(g2 + i_n * stride_g2_t + i_h * stride_g2_h + d, w_norm)
+        gate_w = _gate_w(output_gate_logits + i_n * stride_out_gate_t + i_h * stride_out_gate_h + d, w_norm)
 
     # Slots. The conv window lives in state_indices[n]; the recurrence reads state_indices[n], or
     # when verifying spec_state_indices[n, accepted-1]. Index <= 0 = padding (CUDA-graph rows):
@@ -198,7 +198,7 @@ def kda_fused_decode_kernel(
         xq = tl.load(x_row + c, mask=conv_on, other=0.0).to(tl.float32)
         xk = tl.load(x_row + P + c, mask=conv_on, other=0.0).to(tl.float32)
         xv = tl.load(x_row + cv, mask=conv_on, other=0.0).to(tl.float32)
-        gk = _log_decay(g1 + t * stride_g1_t + i_h * stride_g1_h + d, dt_bias + i_h * D + d, a_log,
+        gk = _log_decay(forget_logits + t * stride_forget_t + i_h * stride_forget_h + d, dt_bias + i_h * D + d, a_log,
                         lower_bound, BOUNDED_GATE)
         beta = tl.sigmoid(tl.load(beta_logits + t * stride_b_t + i_h * stride_b_h).to(tl.float32))
         q = l2_normalize(_silu_conv4(wq0, wq1, wq2, wq3, hq0, hq1, hq2, xq), SCALE)
@@ -219,7 +219,7 @@ def kda_fused_decode_kernel(
             tl.store(s_head + dst * stride_s_slot + s_tile, S.to(state.dtype.element_ty), mask=rec_on & (dst > 0))
         if SPLIT == 1:
             if TOKENS > 1:
-                gate_w = _gate_w(g2 + t * stride_g2_t + i_h * stride_g2_h + d, w_norm)
+                gate_w = _gate_w(output_gate_logits + t * stride_out_gate_t + i_h * stride_out_gate_h + d, w_norm)
             _gated_norm_store(o, gate_w, out + t * stride_o_t + i_h * stride_o_h + d, rec_on, norm_eps, D)
         else:
             # As int32 bits: the at-rest sentinel is a NaN payload that arithmetic never produces.
@@ -257,7 +257,7 @@ def kda_fused_decode_kernel(
             for j in tl.static_range(TOKENS):
                 tn = i_n * TOKENS + j
                 if TOKENS > 1:
-                    gate_w = _gate_w(g2 + tn * stride_g2_t + i_h * stride_g2_h + d, w_norm)
+                    gate_w = _gate_w(output_gate_logits + tn * stride_out_gate_t + i_h * stride_out_gate_h + d, w_norm)
                     o_bits = _ws_read(ws_row + j * D + d)
                 _gated_norm_store(o_bits.to(tl.float32, bitcast=True), gate_w,
                                   out + tn * stride_o_t + i_h * stride_o_h + d, rec_on, norm_eps, D)

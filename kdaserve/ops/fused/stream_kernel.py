@@ -55,9 +55,9 @@ def _tile_step(S, i, s_ptr, mask, tiles, v2, decay, k, q, beta, kq, o2):
 
 @triton.jit
 def kda_fused_stream_kernel(
-    qkv, g1, beta_logits, g2, conv_w, A_log, dt_bias, norm_w,
+    qkv, forget_logits, beta_logits, output_gate_logits, conv_w, A_log, dt_bias, norm_w,
     conv_state, state, state_indices, out,
-    stride_qkv_t, stride_g1_t, stride_g1_h, stride_b_t, stride_b_h, stride_g2_t, stride_g2_h,
+    stride_qkv_t, stride_forget_t, stride_forget_h, stride_b_t, stride_b_h, stride_out_gate_t, stride_out_gate_h,
     stride_cs_slot, stride_cs_row, stride_cs_chan,
     stride_s_slot, stride_s_h, stride_s_v,
     stride_o_t, stride_o_h,
@@ -111,7 +111,7 @@ def kda_fused_stream_kernel(
     xq = tl.load(x_row + c, mask=on, other=0.0).to(tl.float32)
     xk = tl.load(x_row + P + c, mask=on, other=0.0).to(tl.float32)
     xv = tl.load(x_row + 2 * P + c, mask=on, other=0.0).to(tl.float32)
-    gk = _log_decay(g1 + i_n * stride_g1_t + i_h * stride_g1_h + d, dt_bias + i_h * D + d, a_log,
+    gk = _log_decay(forget_logits + i_n * stride_forget_t + i_h * stride_forget_h + d, dt_bias + i_h * D + d, a_log,
                     lower_bound, BOUNDED_GATE)
     beta = tl.sigmoid(tl.load(beta_logits + i_n * stride_b_t + i_h * stride_b_h).to(tl.float32))
     q = l2_normalize(_silu_conv4(wq0, wq1, wq2, wq3, hq0, hq1, hq2, xq), SCALE)
@@ -143,7 +143,7 @@ def kda_fused_stream_kernel(
         if PREFETCH == 0:  # the next tile only after this one is stored: one tile in flight
             S0 = _tile_load(s_base + (i + 1) * tile_step + s_tile, on, i + 1, NT)
 
-    gate_w = tl.sigmoid(tl.load(g2 + i_n * stride_g2_t + i_h * stride_g2_h + d2).to(tl.float32)) \
+    gate_w = tl.sigmoid(tl.load(output_gate_logits + i_n * stride_out_gate_t + i_h * stride_out_gate_h + d2).to(tl.float32)) \
         * tl.load(norm_w + d2).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(tl.sum(o2 * o2, 1), 0) / D + norm_eps)
     tl.store(out + i_n * stride_o_t + i_h * stride_o_h + d2, (o2 * rstd * gate_w).to(out.dtype.element_ty), mask=on)

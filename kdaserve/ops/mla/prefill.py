@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from kdaserve.ops import interpreter_compat
+from kdaserve.ops.precision import dot_precision
 from kdaserve.ops.host_tables import tables_to_device
 
 
@@ -99,6 +100,6 @@ def mla_prefill_triton(q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: torch.T
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), k_nope.stride(0), k_nope.stride(1),
         k_pe.stride(0), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         DN=DN, R=R, DV=DV, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        PREC="ieee" if q_nope.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=2,
+        PREC="ieee" if q_nope.dtype == torch.float32 else dot_precision(q_nope.device).tensor_core, num_warps=warps, num_stages=2,
     )
     return out

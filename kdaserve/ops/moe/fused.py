@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from kdaserve.ops import interpreter_compat
+from kdaserve.ops.precision import dot_precision
 from kdaserve.ops.moe.align import align_to_experts
 
 
@@ -117,7 +118,7 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
         return torch.zeros_like(x)
     BM = moe_block_m(S, E)
     sorted_slots, block_experts = align_to_experts(ids, E, BM)
-    prec = "ieee" if x.dtype == torch.float32 else "tf32"
+    prec = "ieee" if x.dtype == torch.float32 else dot_precision(x.device).tensor_core
     h = torch.empty(S, inter, dtype=x.dtype, device=x.device)
     BN1, BK1 = _block(inter, 64), _block(hidden, 64)
     _moe_gate_up_kernel[(block_experts.numel(), triton.cdiv(inter, BN1))](

@@ -1,9 +1,9 @@
-"""Gated RMSNorm per head: y = o * rsqrt(mean(o^2) + eps) * weight * sigmoid(g2), fp32 math.
+"""Gated RMSNorm per head: y = o * rsqrt(mean(o^2) + eps) * weight * sigmoid(output_gate_logits), fp32 math.
 
 Design (why):
 - One program normalizes BR rows of D (a row = one token-head), so a program moves a few KB and
   the grid (axis x) scales with T*H: small D per row would leave most lanes idle otherwise.
-- Rows are addressed as (token, head) with separate strides, so o, g2 and out may be views
+- Rows are addressed as (token, head) with separate strides, so o, output_gate_logits and out may be views
   ([T, P] or [T, H, D], column slices) without copies; only the last dim must be contiguous.
 - `row_state_indices` lets decode skip padding rows (slot <= 0) with nothing written, as the
   contract demands; `tokens_per_index` maps S+1 tokens of a speculative row to one index (and the
@@ -64,7 +64,7 @@ def as_head_view(t: torch.Tensor, T: int, H: int, D: int, name: str) -> torch.Te
 
 def gated_rms_norm_fwd(
     o: torch.Tensor,
-    g2: torch.Tensor,
+    output_gate_logits: torch.Tensor,
     weight: torch.Tensor,
     eps: float,
     out: torch.Tensor,
@@ -72,14 +72,14 @@ def gated_rms_norm_fwd(
     row_state_indices: torch.Tensor | None = None,
     tokens_per_index: int = 1,
 ) -> torch.Tensor:
-    """o [T, H, D] (any float dtype), g2 [T, H, D] or [T, P], weight [D] -> out [T, H, D] (or [T, P]).
+    """o [T, H, D] (any float dtype), output_gate_logits [T, H, D] or [T, P], weight [D] -> out [T, H, D] (or [T, P]).
 
     Rows (tokens) t with row_state_indices[t // tokens_per_index] <= 0 are not written.
     """
     _expect(o.dim() == 3, f"o must be [T, H, D], got {tuple(o.shape)}")
     T, H, D = o.shape
     o = as_head_view(o, T, H, D, "o")
-    g = as_head_view(g2, T, H, D, "g2")
+    g = as_head_view(output_gate_logits, T, H, D, "output_gate_logits")
     y = as_head_view(out, T, H, D, "out")
     _expect(weight.shape == (D,) and weight.stride(0) == 1, f"weight must be a contiguous [D] = [{D}], got {tuple(weight.shape)}")
     if row_state_indices is not None:

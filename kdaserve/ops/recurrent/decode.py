@@ -3,7 +3,7 @@
 Design (why):
 - Decode is bound by state traffic (128 KiB per token-head for fp32 read + write): the kernel
   reads each state tile once, keeps it in registers across the S+1 tokens of a verify step, and
-  writes it once per destination slot; everything else (q, k, v, g1, b) is ~1% of the bytes.
+  writes it once per destination slot; everything else (q, k, v, forget_logits, b) is ~1% of the bytes.
 - l2norm (scale on q), the gate (bounded or softplus) and beta's sigmoid are computed in-kernel
   from the raw conv output and logits: no intermediate tensors, no extra launches.
 - (sequence, head, V-tile) on grid axis x; the V-tile shrinks when few sequences run so that
@@ -35,7 +35,7 @@ def pick_block_v(num_seq_heads: int, V: int) -> int:
 
 def kda_recurrent_fwd(
     y: torch.Tensor,
-    g1: torch.Tensor,
+    forget_logits: torch.Tensor,
     beta_logits: torch.Tensor,
     recurrent_state: torch.Tensor,
     weights: KDAWeights,
@@ -46,7 +46,7 @@ def kda_recurrent_fwd(
     num_accepted_tokens: torch.Tensor | None = None,
     block_v: int | None = None,
 ) -> torch.Tensor:
-    """y [T, 3P] conv output (post-SiLU q|k|v, columns contiguous), g1 [T, H, D] or [T, P],
+    """y [T, 3P] conv output (post-SiLU q|k|v, columns contiguous), forget_logits [T, H, D] or [T, P],
     beta_logits [T, H] (any strides) -> out [T, H, V] pre-norm output (any float dtype).
 
     Decode: `state_indices` [N], T == N. Verify: `spec_state_indices` [N, S+1] and
@@ -59,7 +59,7 @@ def kda_recurrent_fwd(
             f"y must be [T, 3P] = [T, {3 * P}] with contiguous columns, got {tuple(y.shape)} strides {y.stride()}")
     T = y.shape[0]
     CHAIN.check(head_dim=D, lower_bound=weights.lower_bound, state_dtype=recurrent_state.dtype)
-    g = as_head_view(g1, T, H, D, "g1")
+    g = as_head_view(forget_logits, T, H, D, "forget_logits")
     o = as_head_view(out, T, H, D, "out")
     _expect(tuple(beta_logits.shape) == (T, H), f"beta_logits must be [T, H] = [{T}, {H}], got {tuple(beta_logits.shape)}")
     _expect(

@@ -3,7 +3,7 @@
 One program per (sequence, head, V-tile), flattened on grid axis x (axis z caps at 65,535). The
 program holds a [BV, K] tile of the fp32 state in registers for all of the sequence's tokens, so
 the state crosses HBM exactly twice per step (read once, written once per token slot). K is the
-contiguous dim of the pool: a row of K is one vector load (16-byte accesses). q, k, g1 are loaded
+contiguous dim of the pool: a row of K is one vector load (16-byte accesses). q, k, forget_logits are loaded
 whole (K) by each V-tile program and l2norm, gate and beta are recomputed there: a few hundred
 flops against the 16 KB state tile each program streams, cheaper than another launch.
 """

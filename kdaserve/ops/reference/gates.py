@@ -25,15 +25,15 @@ def l2norm_qk(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 
 def kda_gate(
-    g1: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None
+    forget_logits: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None
 ) -> torch.Tensor:
-    """Per-channel log-decay gk [T, H, D] from forget-gate logits g1 [T, H, D].
+    """Per-channel log-decay gk [T, H, D] from forget-gate logits forget_logits [T, H, D].
 
-    bounded:   gk = LB * sigmoid(exp(A_log[h]) * (g1 + dt_bias[h]))   (LB = lower_bound in [-5, 0))
-    unbounded: gk = -exp(A_log[h]) * softplus(g1 + dt_bias[h])        (lower_bound is None)
+    bounded:   gk = LB * sigmoid(exp(A_log[h]) * (forget_logits + dt_bias[h]))   (LB = lower_bound in [-5, 0))
+    unbounded: gk = -exp(A_log[h]) * softplus(forget_logits + dt_bias[h])        (lower_bound is None)
     """
-    dt = compute_dtype(g1, dt_bias)
-    x = g1.to(dt) + dt_bias.to(dt)
+    dt = compute_dtype(forget_logits, dt_bias)
+    x = forget_logits.to(dt) + dt_bias.to(dt)
     a = A_log.to(dt).exp().view(-1, 1)
     if lower_bound is None:
         return -a * F.softplus(x, beta=1.0, threshold=20.0)

@@ -4,9 +4,9 @@ implements (`kdaserve/ops/*`), so backends are interchangeable.
 
 Inputs, for T tokens of a step:
   qkv          [T, 3P] pre-conv q|k|v (a column slice of the projection output is fine)
-  g1           [T, H, D] or [T, P] forget-gate logits (f_a @ W_fb)
+  forget_logits           [T, H, D] or [T, P] forget-gate logits (f_a @ W_fb)
   beta_logits  [T, H] (a column slice of the projection output is fine)
-  g2           [T, H, D] or [T, P] output-gate logits (g_a @ W_gb)
+  output_gate_logits           [T, H, D] or [T, P] output-gate logits (g_a @ W_gb)
   conv_state   the bf16 conv-state pool (SD or DS layout), updated in place
   recurrent_state  [num_slots, H, V, K] pool (fp32 or bf16), updated in place
   out          [T, H, D] caller-provided output, written for every sequence whose slot is > 0
@@ -33,9 +33,9 @@ def kda_qkv_prepare(y: torch.Tensor, H: int, D: int) -> tuple[torch.Tensor, torc
     return q, k, v
 
 
-def _finish(o, g2, weights, out, valid_rows):
+def _finish(o, output_gate_logits, weights, out, valid_rows):
     T, H, D = o.shape
-    y = gated_rms_norm(o, g2.reshape(T, H, D), weights.norm_weight, weights.norm_eps)
+    y = gated_rms_norm(o, output_gate_logits.reshape(T, H, D), weights.norm_weight, weights.norm_eps)
     out_v = out.view(T, H, D)
     out_v[valid_rows] = y[valid_rows].to(out.dtype)
 
@@ -47,13 +47,13 @@ def kda_prefill_reference(
 ) -> None:
     """Varlen prefill (any lengths, mixed steps included). chunk_size=None runs the token loop;
     16/32/64 run the chunked form (same result, much faster for long sequences)."""
-    qkv, g1, beta_logits, g2 = inputs
+    qkv, forget_logits, beta_logits, output_gate_logits = inputs
     conv_state, recurrent_state, conv_layout = cache
     cu_seqlens, state_indices, has_initial_state, cu_seqlens_cpu = seqs
     T, H, D, _ = check_prefill_step(inputs, weights, cache, seqs, out)
     y = causal_conv_varlen(qkv, weights.conv_weight, conv_state, cu_seqlens, state_indices, has_initial_state, conv_layout)
     q, k, v = kda_qkv_prepare(y, H, D)
-    gk = kda_gate(g1.reshape(T, H, D), weights.A_log, weights.dt_bias, weights.lower_bound)
+    gk = kda_gate(forget_logits.reshape(T, H, D), weights.A_log, weights.dt_bias, weights.lower_bound)
     beta = beta_sigmoid(beta_logits)
     args = (q, k, v, gk, beta, recurrent_state, cu_seqlens, state_indices, has_initial_state)
     o = kda_recurrent_varlen(*args) if chunk_size is None else kda_chunked_varlen(*args, chunk_size=chunk_size)
@@ -61,7 +61,7 @@ def kda_prefill_reference(
     valid = torch.zeros(T, dtype=torch.bool)
     for n, slot in enumerate(state_indices.tolist()):
         valid[cu[n] : cu[n + 1]] = slot > 0
-    _finish(o, g2, weights, out, valid.to(out.device))
+    _finish(o, output_gate_logits, weights, out, valid.to(out.device))
 
 
 def kda_decode_reference(
@@ -71,13 +71,13 @@ def kda_decode_reference(
     [N, S+1] with `num_accepted_tokens` [N]). The conv state lives in slot `state_indices[n]`;
     the recurrent state in `state_indices[n]`, or per token in `spec_state_indices` when verifying.
     Rows whose slot is <= 0 are padding: nothing is read or written for them, `out` included."""
-    qkv, g1, beta_logits, g2 = inputs
+    qkv, forget_logits, beta_logits, output_gate_logits = inputs
     conv_state, recurrent_state, conv_layout = cache
     state_indices, spec_state_indices, num_accepted_tokens = seqs
     T, H, D, N, m = check_decode_step(inputs, weights, cache, seqs, out)
     y = causal_conv_update(qkv, weights.conv_weight, conv_state, state_indices, num_accepted_tokens, conv_layout)
     q, k, v = kda_qkv_prepare(y, H, D)
-    gk = kda_gate(g1.reshape(T, H, D), weights.A_log, weights.dt_bias, weights.lower_bound)
+    gk = kda_gate(forget_logits.reshape(T, H, D), weights.A_log, weights.dt_bias, weights.lower_bound)
     beta = beta_sigmoid(beta_logits)
     if spec_state_indices is None:
         cu = torch.arange(N + 1, device=qkv.device, dtype=torch.int32)
@@ -87,4 +87,4 @@ def kda_decode_reference(
     else:
         o = kda_recurrent_spec(q, k, v, gk, beta, recurrent_state, spec_state_indices, num_accepted_tokens)
         valid = (spec_state_indices[:, :1] > 0).expand(N, m).reshape(T)
-    _finish(o, g2, weights, out, valid)
+    _finish(o, output_gate_logits, weights, out, valid)

@@ -7,12 +7,12 @@ import torch
 from kdaserve.ops.reference.gates import compute_dtype
 
 
-def gated_rms_norm(o: torch.Tensor, g2: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
-    """y = o / sqrt(mean(o^2) + eps) * weight * sigmoid(g2), over the last dim, fp32 math.
+def gated_rms_norm(o: torch.Tensor, output_gate_logits: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    """y = o / sqrt(mean(o^2) + eps) * weight * sigmoid(output_gate_logits), over the last dim, fp32 math.
 
-    o, g2: [..., D]; weight: [D]. Returns fp32 (fp64 for fp64 inputs).
+    o, output_gate_logits: [..., D]; weight: [D]. Returns fp32 (fp64 for fp64 inputs).
     """
-    dt = compute_dtype(o, g2)
+    dt = compute_dtype(o, output_gate_logits)
     o = o.to(dt)
     y = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps)
-    return y * weight.to(dt) * torch.sigmoid(g2.to(dt))
+    return y * weight.to(dt) * torch.sigmoid(output_gate_logits.to(dt))

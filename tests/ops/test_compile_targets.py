@@ -1,0 +1,21 @@
+"""Every Triton kernel compiles for AMD (gfx950: MI355X, gfx942: MI300X) and NVIDIA Blackwell
+(sm_100) at a representative serving shape, on this CPU (tools/compile_check.py --quick): a kernel
+that stops compiling on one of them, spills there where the sm_90 build does not, or outgrows its
+shared memory / LDS fails CI."""
+
+from compiled_mode import run_compiled
+
+
+def test_every_kernel_compiles_for_gfx950_gfx942_and_sm100():
+    out = run_compiled(["-m", "tools.compile_check", "--arch", "gfx950,gfx942,sm_100", "--quick"], timeout=1200)
+    for target in ("gfx950", "gfx942", "sm_100"):
+        assert f"{target} flash prepare" in out and f"{target} moe down" in out and f"{target} mla decode" in out, target
+
+
+def test_precision_by_target():
+    from kdaserve.ops.precision import IEEE, precision_for_target
+
+    assert precision_for_target("sm_90").tensor_core == "tf32" and precision_for_target("sm_100").exact == "tf32x3"
+    assert precision_for_target("gfx950").tensor_core == "bf16x3" and precision_for_target("gfx950").exact == "bf16x6"
+    assert precision_for_target("gfx942").exact == "ieee"           # ROCm's Triton has no tf32x3
+    assert precision_for_target("gfx90a") == IEEE and precision_for_target("cpu") == IEEE

@@ -1,0 +1,257 @@
+"""Compile every Triton kernel of kdaserve at its serving launch shapes for a GPU architecture, on a
+machine without a GPU, and check it fits.
+
+    python -m tools.compile_check --arch sm_90          # or sm_89, sm_100, gfx942, gfx950
+    python -m tools.compile_check --arch all            # or a list: --arch gfx950,gfx942
+    python -m tools.compile_check --arch gfx950 --quick # one shape per kernel (what CI compiles)
+
+One line per kernel and shape: registers (VGPRs + AGPRs and SGPRs on AMD), spills or scratch,
+shared memory / LDS, occupancy. Exits non-zero if a kernel fails to compile, spills where the sm_90
+build does not, or needs more shared memory / LDS than the target has (tools/compile_target.py
+lists the limits). fp32 dots take the target's precision (kdaserve/ops/precision.py): `tc` and
+`exact` below stand for its tensor-core and exact choices. Shapes: bf16 serving steps, H = 32
+KDA heads of 128, Kimi-Linear's MLA and MoE sizes. Must run without TRITON_INTERPRET.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+
+import triton
+import triton.language as tl
+
+from kdaserve.ops.precision import precision_for_target
+from tools.compile_target import SHARED_LIMIT, TARGETS, compile_for, occupancy, resources
+
+BF, F16, F32, I32, B1 = "*bf16", "*fp16", "*fp32", "*i32", "*i1"
+
+
+@dataclass
+class Case:
+    name: str
+    kernel: object
+    types: dict
+    consts: dict
+    warps: int = 4
+    stages: int = 3
+    quick: bool = False          # part of the one-shape-per-kernel set
+    precision: dict = field(default_factory=dict)   # constexpr -> "tc" | "exact"
+    # The launch where a target differs, by target-name prefix ("gfx", "gfx942"):
+    # {"consts": {...}, "warps": n, "stages": n}, as the kernel's wrapper chooses it there.
+    per_target: dict = field(default_factory=dict)
+
+    def launch(self, target: str) -> tuple[dict, int, int]:
+        """(constexprs, warps, stages) as the wrapper launches the kernel on `target`."""
+        consts, warps, stages = self.constexprs(target), self.warps, self.stages
+        for prefix, o in self.per_target.items():
+            if target.startswith(prefix):
+                consts = {**consts, **o.get("consts", {})}
+                warps, stages = o.get("warps", warps), o.get("stages", stages)
+        return consts, warps, stages
+
+    def constexprs(self, target: str) -> dict:
+        p = precision_for_target(target)
+        consts = {**self.consts, **{k: (p.tensor_core if role == "tc" else p.exact) for k, role in self.precision.items()}}
+        if "FAST" in consts:   # the PTX fast-math paths: NVIDIA only, as at run time (flash/fastmath.py)
+            consts["FAST"] = target.startswith("sm_")
+        return consts
+
+
+def _flash_config_on(target: str):
+    """flash's launch parameters as config.config_for chooses them on `target`."""
+    import unittest.mock
+
+    import torch
+
+    from kdaserve.ops.flash.config import config_for
+
+    with unittest.mock.patch("kdaserve.ops.precision.device_target", lambda device: target):
+        return config_for(torch.device("cpu"))
+
+
+def _recurrence_launch(cfg, segmented: bool) -> dict:
+    if segmented:
+        return dict(warps=cfg.seg_warps, stages=cfg.seg_stages)
+    return dict(warps=cfg.recur_warps, stages=cfg.recur_stages)
+
+
+def _flash_cases() -> list[Case]:
+    from kdaserve.ops.flash.config import DEFAULT_CONFIG as cfg
+    from kdaserve.ops.flash.correct import flash_correct_kernel
+    from kdaserve.ops.flash.plan import flash_plan_kernel
+    from kdaserve.ops.flash.prepare import flash_prepare_kernel
+    from kdaserve.ops.flash.recurrence import flash_recurrence_kernel
+    from kdaserve.ops.flash.scan import flash_scan_kernel
+
+    ws = dict(w_ptr=F16, u_ptr=F16, qg_ptr=F16, kd_ptr=F16, aqk_ptr=F16, gam_ptr=F32)
+    tables = dict(cu_ptr=I32, idx_ptr=I32, init_ptr=B1, chunk_seq_ptr=I32, chunk_tok_ptr=I32, seg_seq_ptr=I32,
+                  seg_tok_ptr=I32, seg_end_ptr=I32, seg_chunk_ptr=I32, seq_seg0_ptr=I32)
+    out = [Case("flash plan", flash_plan_kernel, tables, dict(C=32, BLOCK_J=32, BLOCK_N=64), quick=True)]
+    prep_types = dict(**ws, **tables, qkv_ptr=BF, forget_ptr=BF, b_ptr=BF, cw_ptr=F32, cs_ptr=BF, a_log_ptr=F32,
+                      dt_bias_ptr=F32, lower_bound="fp32", q_scale="fp32", anchor_spread="fp32")
+    for C, bounded, anchored, first, quick in ((32, True, False, False, True), (32, True, False, True, False),
+                                               (16, False, True, False, True), (16, False, False, False, False)):
+        out.append(Case(f"flash prepare C={C} {'bounded' if bounded else 'unbounded'} first={first} anchored={anchored}",
+                        flash_prepare_kernel, prep_types,
+                        dict(H=32, D=128, C=C, LOG2C=C.bit_length() - 1, W=4, BOUNDED=bounded, FAST=False, FIRST=first,
+                             NFIRST=1, ANCHORED=anchored, stride_cs_ch=1, stride_forget_d=1, stride_cw_j=1),
+                        warps=cfg.prepare_warps, quick=quick, precision={"PREC_TC": "tc"}))
+    rec_types = dict(**ws, **tables, s_ptr=F32, o_ptr=BF, out_gate_ptr=BF, nw_ptr=F32, eps="fp32", oq_ptr=F16,
+                     bm_ptr=F32, qkv_ptr=BF, cs_ptr=BF, q_off="i64")
+    for C, seg, bv, warps, stages in ((32, False, 128, cfg.recur_warps, cfg.recur_stages),
+                                      (32, True, cfg.seg_block_v, cfg.seg_warps, cfg.seg_stages)):
+        out.append(Case(f"flash recurrence C={C} segmented={seg}", flash_recurrence_kernel, rec_types,
+                        dict(H=32, D=128, C=C, BV=bv, SEGMENTED=seg, L_PAD=4, FAST=False), warps, stages,
+                        quick=not seg, precision={"PREC": "tc"},
+                        per_target={t: _recurrence_launch(_flash_config_on(t), seg) for t in TARGETS}))
+    out.append(Case("flash scan", flash_scan_kernel, dict(bm_ptr=F32, start_ptr=F32, s_ptr=F32, idx_ptr=I32, seq_seg0_ptr=I32),
+                    dict(H=32, D=128, BV=cfg.scan_block_v), cfg.scan_warps, cfg.scan_stages, quick=True,
+                    precision={"PREC": "exact"}))
+    out.append(Case("flash correct", flash_correct_kernel,
+                    dict(oq_ptr=F16, start_ptr=F32, o_ptr=BF, out_gate_ptr=BF, nw_ptr=F32, eps="fp32", cu_ptr=I32, idx_ptr=I32,
+                         seg_seq_ptr=I32, seg_tok_ptr=I32, seg_end_ptr=I32, q_off="i64"),
+                    dict(H=32, D=128, C=32, CPG=cfg.correct_chunks, DOT_DTYPE=tl.float16, FAST=False), cfg.correct_warps,
+                    quick=True, precision={"PREC": "tc"}))
+    return out
+
+
+def _decode_cases() -> list[Case]:
+    from kdaserve.ops.fused.decode import STREAM_BF16, STREAM_BF16_AMD, STREAM_FP32, FusedDecodeConfig
+    from kdaserve.ops.fused.decode_kernel import kda_fused_decode_kernel
+    from kdaserve.ops.fused.stream_kernel import kda_fused_stream_kernel
+    from kdaserve.ops.recurrent.kernel import kda_recurrent_kernel
+
+    def fused_types(state):
+        return dict(qkv=BF, forget_logits=BF, beta_logits=BF, output_gate_logits=BF, conv_w=F32, A_log=F32, dt_bias=F32,
+                    norm_w=F32, conv_state=BF, state=state, state_indices=I32, spec_indices=I32, num_accepted=I32, out=BF,
+                    ws_o=I32, ws_count=I32, lower_bound="fp32", norm_eps="fp32")
+
+    out = []
+    for name, cfg, state, tokens, quick in (("bv8 w1", FusedDecodeConfig(8, 1), F32, 1, True),
+                                            ("bv64 w4", FusedDecodeConfig(64, 4), F32, 1, False),
+                                            ("bv32 w4 bf16 state", FusedDecodeConfig(32, 4), BF, 1, False),
+                                            ("verify S=3 bv8 w1", FusedDecodeConfig(8, 1), F32, 4, False)):
+        out.append(Case(f"fused decode {name}", kda_fused_decode_kernel, fused_types(state),
+                        dict(H=32, D=128, L=3 + tokens - 1, TOKENS=tokens, SCALE=128**-0.5, IS_SPEC=tokens > 1,
+                             BOUNDED_GATE=True, BV=cfg.block_v, WIN_REGS=cfg.block_v <= 16, STORE_FIRST=False),
+                        cfg.num_warps, quick=quick))
+    for name, cfg, state in (("stream fp32", STREAM_FP32, F32), ("stream bf16", STREAM_BF16, BF)):
+        types = {k: v for k, v in fused_types(state).items() if k not in ("spec_indices", "num_accepted", "ws_o", "ws_count")}
+        amd = {"gfx": dict(consts=dict(BV=STREAM_BF16_AMD.block_v, STAGES=STREAM_BF16_AMD.stages))} if state == BF else {}
+        out.append(Case(f"fused {name}", kda_fused_stream_kernel, types,
+                        dict(H=32, D=128, L=3, SCALE=128**-0.5, BOUNDED_GATE=False, BV=cfg.block_v, PREFETCH=cfg.prefetch,
+                             STAGES=cfg.stages, WIN_REGS=bool(cfg.window_regs)), cfg.num_warps, quick=state == F32,
+                        per_target=amd))
+    out.append(Case("chain recurrence bv32 w4", kda_recurrent_kernel,
+                    dict(y_ptr=BF, g_ptr=BF, b_ptr=BF, s_ptr=F32, o_ptr=BF, a_log_ptr=F32, dt_bias_ptr=F32, idx_ptr=I32,
+                         spec_ptr=I32, acc_ptr=I32, lower_bound="fp32", scale="fp32"),
+                    dict(M=1, K=128, V=128, BV=32, IS_SPEC=False, BOUNDED=True), quick=True))
+    return out
+
+
+def _other_cases() -> list[Case]:
+    from kdaserve.ops.attention.paged_decode import _paged_decode_kernel
+    from kdaserve.ops.conv.update import BLOCK_C as UPDATE_BC
+    from kdaserve.ops.conv.update_kernel import conv_update_kernel
+    from kdaserve.ops.conv.varlen import BLOCK_C, BLOCK_T, NUM_WARPS
+    from kdaserve.ops.conv.varlen_kernel import conv_varlen_out_kernel, conv_varlen_state_kernel
+    from kdaserve.ops.mla.decode import _mla_decode_kernel
+    from kdaserve.ops.mla.prefill import _mla_prefill_kernel
+    from kdaserve.ops.moe.fused import _moe_down_kernel, _moe_gate_up_kernel
+    from kdaserve.ops.norm.gated_rms_norm import gated_rms_norm_kernel
+
+    out = [
+        Case("conv varlen out", conv_varlen_out_kernel,
+             dict(x_ptr=BF, w_ptr=F32, state_ptr=BF, y_ptr=BF, cu_ptr=I32, idx_ptr=I32, his_ptr=B1, block_seq_ptr=I32,
+                  block_t0_ptr=I32), dict(W=4, BT=BLOCK_T, BC=BLOCK_C), NUM_WARPS, quick=True),
+        Case("conv varlen state", conv_varlen_state_kernel,
+             dict(x_ptr=BF, state_ptr=BF, cu_ptr=I32, idx_ptr=I32, his_ptr=B1), dict(BL=4, BC=BLOCK_C), quick=True),
+        Case("conv update", conv_update_kernel,
+             dict(x_ptr=BF, w_ptr=F32, state_ptr=BF, y_ptr=BF, idx_ptr=I32, acc_ptr=I32),
+             dict(W=4, BM=2, BL=4, BC=UPDATE_BC, HAS_ACCEPTED=False), quick=True),
+        Case("gated rms norm", gated_rms_norm_kernel, dict(o_ptr=BF, g_ptr=BF, w_ptr=F32, y_ptr=BF, idx_ptr=I32, eps="fp32"),
+             dict(HAS_INDEX=False, BR=16, BD=128), quick=True),
+        Case("paged decode attention D=128 G=4", _paged_decode_kernel,
+             dict(q_ptr=BF, k_ptr=BF, v_ptr=BF, tables_ptr=I32, lens_ptr=I32, out_ptr=BF, scale="fp32"),
+             dict(HKV=4, G=4, GP=16, D=128, BLOCK_SIZE=16, TILE=64), quick=True, precision={"PREC": "tc"}),
+        Case("mla decode L=512 R=64", _mla_decode_kernel,
+             dict(ql_ptr=BF, qp_ptr=BF, cache_ptr=BF, tables_ptr=I32, lens_ptr=I32, out_ptr=BF, scale="fp32"),
+             dict(H=32, L=512, R=64, BLOCK_H=16, BLOCK_SIZE=16, TILE=32), 8, quick=True, precision={"PREC": "tc"},
+             per_target={"gfx": dict(consts=dict(TILE=16), warps=4, stages=2)}),   # ops/mla/decode.launch_shape
+        Case("mla prefill Dn=128 R=64 Dv=128", _mla_prefill_kernel,
+             dict(qn_ptr=BF, qp_ptr=BF, kn_ptr=BF, kp_ptr=BF, v_ptr=BF, out_ptr=BF, blk_seq_ptr=I32, blk_start_ptr=I32,
+                  cu_q_ptr=I32, cu_k_ptr=I32, scale="fp32"),
+             dict(DN=128, R=64, DV=128, BLOCK_M=64, BLOCK_N=32), 8, 2, quick=True, precision={"PREC": "tc"}),
+    ]
+    for bm in (16, 64):
+        out.append(Case(f"moe gate_up BM={bm}", _moe_gate_up_kernel,
+                        dict(x_ptr=BF, w_ptr=BF, sorted_ptr=I32, experts_ptr=I32, h_ptr=BF),
+                        dict(TOPK=8, LIMIT=0.0, HAS_LIMIT=False, BM=bm, BN=64, BK=64), quick=bm == 16, precision={"PREC": "tc"}))
+        out.append(Case(f"moe down BM={bm}", _moe_down_kernel,
+                        dict(h_ptr=BF, w_ptr=BF, sorted_ptr=I32, experts_ptr=I32, weights_ptr=F32, y_ptr=BF),
+                        dict(BM=bm, BN=64, BK=64), quick=bm == 16, precision={"PREC": "tc"}))
+    return out
+
+
+def all_cases(quick: bool = False) -> list[Case]:
+    cases = _flash_cases() + _decode_cases() + _other_cases()
+    return [c for c in cases if c.quick] if quick else cases
+
+
+def check(target: str, cases: list[Case], baseline: dict[str, int] | None = None) -> tuple[list[str], dict[str, int]]:
+    """(problems, spill bytes by case) for one target; `baseline`: sm_90's spills by case."""
+    problems, spills = [], {}
+    for c in cases:
+        try:
+            consts, warps, stages = c.launch(target)
+            kernel = compile_for(c.kernel, c.types, consts, target, warps, stages)
+            res = resources(kernel, target)
+        except Exception as exc:  # noqa: BLE001 - report every kernel, then fail
+            print(f"{target} {c.name}: FAILED to compile: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}", flush=True)
+            problems.append(f"{target} {c.name}: does not compile")
+            continue
+        spills[c.name] = res.spill_bytes
+        notes = []
+        if res.shared_bytes > SHARED_LIMIT[target]:
+            notes.append(f"SHARED {res.shared_bytes} > {SHARED_LIMIT[target]}")
+        if res.spill_bytes and target != "sm_90" and baseline is not None and not baseline.get(c.name):
+            notes.append("SPILLS (the sm_90 build does not)")
+        prec = {k: v for k, v in c.constexprs(target).items() if k in c.precision}
+        print(f"{target} {c.name}: {res.report(target)} {occupancy(res, target, warps)}"
+              f"{' ' + str(prec) if prec else ''}{' ' + ' '.join(notes) if notes else ''}", flush=True)
+        problems += [f"{target} {c.name}: {n}" for n in notes]
+    return problems, spills
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--arch", default="sm_90", help=f"one of {', '.join(TARGETS)}, a comma-separated list, or all")
+    ap.add_argument("--quick", action="store_true", help="one serving shape per kernel")
+    args = ap.parse_args(argv)
+    if triton.knobs.runtime.interpret:
+        sys.exit("run without TRITON_INTERPRET: this compiles for the GPU")
+    targets = TARGETS if args.arch == "all" else tuple(args.arch.split(","))
+    unknown = [t for t in targets if t not in TARGETS]
+    if unknown:
+        ap.error(f"unknown architecture {unknown}; expected {', '.join(TARGETS)} or all")
+    cases = all_cases(args.quick)
+    problems, baseline = [], None
+    if any(t != "sm_90" for t in targets):
+        # sm_90 first: a spill elsewhere counts only where the sm_90 build has none.
+        probs, baseline = check("sm_90", cases)
+        problems += probs if "sm_90" in targets else []
+    for t in targets:
+        if t != "sm_90" or baseline is None:
+            probs, spills = check(t, cases, baseline)
+            problems += probs
+    if problems:
+        print(f"{len(problems)} problems:\n  " + "\n  ".join(problems))
+        return 1
+    print("ok")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
