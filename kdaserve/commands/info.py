@@ -1,4 +1,5 @@
-"""`kdaserve info`: the platform, library versions, the GPU, and which KDA backends can run here."""
+"""`kdaserve info`: the platform, library versions, the GPU, which KDA backends can run here, and
+what the MLA / MoE layers and fp32 dots use on this machine."""
 
 from __future__ import annotations
 
@@ -50,4 +51,11 @@ def run(args) -> int:
     for b in describe_backends():
         why = "; ".join(b["unmet"]) if b["unmet"] else ""
         print(f"  {b['phase']:<8} {b['name']:<10} {'yes' if b['runnable'] else 'no':<10} {why}")
+    from kdaserve.layers.kernel_choice import resolve_kernel_choice
+    from kdaserve.ops.precision import device_target, dot_precision
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    p = dot_precision(device)
+    print(f"\nMLA and MoE kernels (auto): {resolve_kernel_choice('MLA', 'auto', device)}; "
+          f"fp32 dot precision on {device_target(device)}: {p.tensor_core} (tensor-core role), {p.exact} (exact role)")
     return 0

@@ -11,6 +11,8 @@ import sys
 
 from kdaserve.engine.args import add_engine_args, engine_kwargs_from_args
 
+DEFAULT_MAX_BODY_BYTES = 32 << 20   # = kdaserve.server.access.DEFAULT_MAX_BODY_BYTES (no server import here)
+
 
 def register(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, ...)")
@@ -24,6 +26,15 @@ def register(sub) -> None:
         help="requests that may wait beyond --max-num-seqs; past that, new requests get 503",
     )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="require `Authorization: Bearer KEY` on /v1/* and the tokenizer routes (repeat for several "
+                        "keys; default: the VLLM_API_KEY or KDASERVE_API_KEY environment variable, else none)")
+    p.add_argument("--allowed-hosts", default=None,
+                   help="comma-separated Host names to answer besides loopback ones (a loopback-bound server answers "
+                        "only those: DNS-rebinding protection); on a public address, the only names answered")
+    p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="larger request bodies get 413 (default: %(default)s)")
+    p.add_argument("--enable-docs", action="store_true", help="serve the interactive /docs and /redoc pages")
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -44,11 +55,16 @@ def run(args) -> int:
         # Startup errors (unmet backend requirements, a bad checkpoint path) are for a person.
         print(f"kdaserve serve: cannot start the engine: {exc}", file=sys.stderr)
         return 1
-    app = build_app(
-        engine,
-        served_model_name=args.served_model_name,
-        model_root=args.model,
-        max_queued_requests=args.max_queued_requests,
-    )
+    from kdaserve.server.access import AccessSettings
+
+    try:
+        access = AccessSettings.for_server(args.host, args.api_key, (args.allowed_hosts or "").split(",") if args.allowed_hosts else None,
+                                           args.max_request_body_bytes)
+    except ValueError as exc:
+        print(f"kdaserve serve: {exc}", file=sys.stderr)
+        return 2
+    # Requests may name the model as served or as given to --model; /v1/models shows the served name only.
+    app = build_app(engine, served_model_name=args.served_model_name, model_root=args.model,
+                    max_queued_requests=args.max_queued_requests, access=access, enable_docs=args.enable_docs)
     serve_forever(app, args.host, args.port, log_level=args.log_level)
     return 0

@@ -7,6 +7,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from kdaserve.server.access import AccessGuard, AccessSettings
 from kdaserve.server.chat import ChatHandler
 from kdaserve.server.chat_template import render_chat
 from kdaserve.server.completions import CompletionHandler
@@ -28,8 +29,13 @@ def build_app(
     served_model_name: str | None = None,
     model_root: str | None = None,
     max_queued_requests: int = 1024,
-) -> FastAPI:
-    """An app serving `engine` (an `LLMEngine`); its engine thread runs while the app is up."""
+    access: AccessSettings | None = None,
+    enable_docs: bool = False,
+):
+    """An app serving `engine` (an `LLMEngine`); its engine thread runs while the app is up.
+    `access`: API keys, Host check and body limit (server/access.py; default: no key, no Host
+    check, the default body limit). The interactive `/docs` and `/redoc` pages only with
+    `enable_docs`; `/openapi.json` always (clients and fuzzers read it)."""
     name = served_model_name or engine.model_name
     metrics = ServerMetrics(name)
     engine_loop = EngineLoop(engine, max_queued_requests=max_queued_requests, metrics=metrics)
@@ -37,7 +43,7 @@ def build_app(
         engine_loop=engine_loop,
         tokenizer=engine.tokenizer,
         model_name=name,
-        model_root=model_root or engine.model_name,
+        model_root=model_root or name,
         max_model_len=int(engine.max_model_len),
     )
 
@@ -49,7 +55,8 @@ def build_app(
         finally:
             engine_loop.shutdown()
 
-    app = FastAPI(title="kdaserve", lifespan=lifespan)
+    app = FastAPI(title="kdaserve", lifespan=lifespan, docs_url="/docs" if enable_docs else None,
+                  redoc_url="/redoc" if enable_docs else None)
     app.state.server = state
     install_error_handlers(app)
     completions = CompletionHandler(state)
@@ -61,7 +68,7 @@ def build_app(
             "object": "model",
             "created": state.created,
             "owned_by": "kdaserve",
-            "root": state.model_root,
+            "root": state.model_name,   # never the checkpoint's path (model_root is accepted, not shown)
             "parent": None,
             "max_model_len": state.max_model_len,
         }
@@ -71,6 +78,10 @@ def build_app(
         if not engine_loop.is_alive:
             raise APIError(503, "the engine thread is not running", code="engine_unavailable")
         return Response(status_code=200)
+
+    @app.get("/ping")
+    async def ping():
+        return await health()
 
     @app.get("/v1/models")
     async def list_models():
@@ -118,4 +129,7 @@ def build_app(
 
         return JSONResponse({"version": __version__})
 
-    return app
+    app.state.access = access or AccessSettings()
+    guarded = AccessGuard(app, app.state.access)
+    guarded.state, guarded.fastapi = app.state, app   # the app's state and routes, reached through the guard
+    return guarded

@@ -21,7 +21,9 @@ _TYPE_BY_STATUS = {
     400: "invalid_request_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    401: "authentication_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     422: "invalid_request_error",
     503: "service_unavailable_error",
 }
@@ -45,8 +47,13 @@ def error_body(status: int, message: str, *, param: str | None = None, code: str
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+# Seconds a client should wait before retrying a 503 (a full queue or a restarting engine).
+RETRY_AFTER_S = 1
+
+
 def error_response(status: int, message: str, *, param: str | None = None, code: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param=param, code=code), status_code=status)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
+    return JSONResponse(error_body(status, message, param=param, code=code), status_code=status, headers=headers)
 
 
 def validation_message(errors) -> tuple[str, str | None]:
