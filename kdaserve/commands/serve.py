@@ -11,7 +11,7 @@ import sys
 
 from kdaserve.engine.args import add_engine_args, engine_kwargs_from_args
 
-DEFAULT_MAX_BODY_BYTES = 32 << 20   # = kdaserve.server.access.DEFAULT_MAX_BODY_BYTES (no server import here)
+DEFAULT_MAX_BODY_BYTES = 16 << 20   # = kdaserve.server.access.DEFAULT_MAX_BODY_BYTES (no server import here)
 
 
 def register(sub) -> None:

@@ -25,7 +25,7 @@ LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 API_KEY_ENV = ("VLLM_API_KEY", "KDASERVE_API_KEY")
 PROTECTED_PREFIXES = ("/v1/",)
 PROTECTED_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
-DEFAULT_MAX_BODY_BYTES = 32 << 20
+DEFAULT_MAX_BODY_BYTES = 16 << 20   # a 1M-token prompt as JSON token ids is ~8 MB
 
 
 @dataclass(frozen=True)

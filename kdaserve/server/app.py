@@ -107,13 +107,17 @@ def build_app(
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of `prompt` and `messages`")
         text = req.prompt if req.prompt is not None else render_chat(state.tokenizer, req.messages, req.add_generation_prompt)
-        tokens = list(state.tokenizer.encode(text))
+        tokens = state.encode(text, param="prompt" if req.prompt is not None else "messages")
         return {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens}
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
         req = await parse_body(request, DetokenizeRequest)
         check_model(state, req.model)
+        vocab = engine.vocab_size
+        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is not in the vocabulary [0, {vocab})", param="tokens")
         try:
             return {"prompt": state.tokenizer.decode(req.tokens)}
         except (ValueError, IndexError, OverflowError, TypeError) as exc:

@@ -47,7 +47,7 @@ class ChatHandler:
 
     def prompt_token_ids(self, req) -> list[int]:
         text = render_chat(self.state.tokenizer, req.messages, req.add_generation_prompt)
-        return list(self.state.tokenizer.encode(text))
+        return self.state.encode(text, param="messages")
 
     async def __call__(self, request: Request, req: ChatCompletionRequest):
         state = self.state

@@ -43,7 +43,7 @@ def normalize_prompts(state: ServerState, prompt) -> list[Prompt]:
     prompts = []
     for item in prompt:
         if isinstance(item, str):
-            prompts.append(Prompt(list(state.tokenizer.encode(item)), item))
+            prompts.append(Prompt(state.encode(item), item))
         else:
             prompts.append(Prompt(list(item), None))
     return prompts

@@ -1,7 +1,8 @@
 """Request bodies of the OpenAI-compatible API, as pydantic models.
 
-Unknown fields are ignored (clients and harnesses send many we do not use: `user`,
-`presence_penalty`, `logit_bias`, ...). Responses are plain dicts built in completions.py / chat.py:
+Types are strict (`"stream": "yes"`, `"max_tokens": "5"` or `"prompt": [true]` are 400s, as in
+OpenAI's API; an integer is still a valid float). Unknown fields are ignored (clients and harnesses
+send many we do not use: `user`, ...). Responses are plain dicts built in completions.py / chat.py:
 their shape is OpenAI's and the `openai` client parses them.
 """
 
@@ -9,15 +10,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # vLLM's cap on top log-probs per token; OpenAI's is 5 for completions, 20 for chat.
 MAX_TOP_LOGPROBS = 20
 MAX_N = 16
+# Stop strings are matched against every new piece of text of every stream: bounded in count and
+# length (OpenAI allows 4; harnesses send a few dozen at most).
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
 
 
 class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Lenient):
@@ -42,6 +47,18 @@ class _SamplingFields(_Lenient):
     echo: bool = False
     # vLLM's extension: each choice also carries `prompt_token_ids` and `token_ids`.
     return_token_ids: bool = False
+
+    @model_validator(mode="after")
+    def _bounded(self):
+        stops = self.stop_list()
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}")
+        longest = max((len(x) for x in stops), default=0)
+        if longest > MAX_STOP_STRING_CHARS:
+            raise ValueError(f"stop strings may have at most {MAX_STOP_STRING_CHARS} characters, got one of {longest}")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
 
     @property
     def include_usage(self) -> bool:

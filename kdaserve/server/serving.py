@@ -20,6 +20,8 @@ from kdaserve.server.engine_loop import EngineLoop, RequestGroup
 from kdaserve.server.errors import APIError, bad_request, error_body, validation_message
 
 Model = TypeVar("Model", bound=BaseModel)
+# Characters per token above which a text cannot fit the context whatever the tokenizer.
+MAX_CHARS_PER_TOKEN = 64
 
 
 @dataclass
@@ -33,6 +35,16 @@ class ServerState:
     max_model_len: int
     created: int = field(default_factory=lambda: int(time.time()))
     _token_text: dict[int, str] = field(default_factory=dict)
+
+    def encode(self, text: str, param: str = "prompt") -> list[int]:
+        """Token ids of `text`; 400 before tokenizing when the text is so long that its tokens cannot
+        fit max_model_len (a real token averages a few characters; MAX_CHARS_PER_TOKEN is far above
+        any vocabulary's), so a huge prompt costs the event loop nothing."""
+        limit = self.max_model_len * MAX_CHARS_PER_TOKEN
+        if len(text) > limit:
+            raise bad_request(f"the {param} has {len(text)} characters; at most {limit} ({MAX_CHARS_PER_TOKEN} per token "
+                              f"of max_model_len = {self.max_model_len}) can fit", param=param)
+        return list(self.tokenizer.encode(text))
 
     def token_text(self, token_id: int) -> str:
         """One token's text, as shown in log-probs (cached: the vocabulary is fixed)."""
@@ -49,18 +61,35 @@ def new_id(prefix: str) -> str:
 
 
 async def parse_body(request: Request, model: type[Model]) -> Model:
+    """The body as `model`: 400 for invalid JSON, JSON nested too deep to parse, strings holding a
+    lone UTF-16 surrogate (they cannot be encoded as text), and whatever the model refuses. Parsed
+    in a worker thread: a body of many megabytes does not stall the event loop."""
     raw = await request.body()
+    return await asyncio.to_thread(_parse, raw, model)
+
+
+def _parse(raw: bytes, model: type[Model]) -> Model:
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise bad_request(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise bad_request("request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise bad_request(f"request body must be a JSON object, got {type(body).__name__}")
+    try:
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad_request("request body holds a lone UTF-16 surrogate (such as \\ud800), which is no text") from None
+    except RecursionError:
+        raise bad_request("request body is nested too deeply") from None
     try:
         return model.model_validate(body)
     except ValidationError as exc:
         message, param = validation_message(exc.errors())
         raise bad_request(message, param=param) from None
+    except RecursionError:
+        raise bad_request("request body is nested too deeply") from None
 
 
 def check_model(state: ServerState, name: str | None) -> None:

@@ -1,0 +1,93 @@
+"""Bad input gets a 400 with an OpenAI-style error, never a 5xx: loose types, lone surrogates,
+JSON nested 1,000 deep, unbounded stop strings, stream_options without stream, invalid token ids."""
+
+from __future__ import annotations
+
+import pytest
+
+from kdaserve.server.protocol import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+
+
+def _error(r, status=400):
+    assert r.status_code == status, (r.status_code, r.text[:300])
+    return r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("field, value", [("prompt", [True]), ("stream", "yes"), ("max_tokens", "5"),
+                                          ("temperature", "0.5"), ("n", 1.5), ("echo", 1)])
+def test_loose_types_are_refused(client, field, value):
+    body = {"model": "tiny", "prompt": "Hi", "max_tokens": 2, field: value}
+    assert field in _error(client.post("/v1/completions", json=body))
+    ok = {"model": "tiny", "prompt": "Hi", "max_tokens": 2, "temperature": 0}   # an int is a valid float
+    assert client.post("/v1/completions", json=ok).status_code == 200
+
+
+def test_lone_surrogates_and_deep_nesting_are_400s(client):
+    raw = b'{"model": "tiny", "prompt": "a\\ud800b", "max_tokens": 2}'
+    r = client.post("/v1/completions", content=raw, headers={"Content-Type": "application/json"})
+    assert "surrogate" in _error(r)
+    deep = b'{"model": "tiny", "prompt": "x", "extra": ' + b"[" * 1000 + b"]" * 1000 + b"}"
+    r = client.post("/v1/completions", content=deep, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 or r.status_code == 200, r.text        # parsed and the extra field ignored, or refused
+    deeper = b'{"model": "tiny", "prompt": "x", "extra": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    r = client.post("/v1/completions", content=deeper, headers={"Content-Type": "application/json"})
+    assert "nested too deeply" in _error(r)
+
+
+def test_stop_strings_are_bounded(client):
+    body = {"model": "tiny", "prompt": "Hi", "max_tokens": 2}
+    many = [f"s{i}" for i in range(MAX_STOP_STRINGS + 1)]
+    assert f"at most {MAX_STOP_STRINGS} stop strings" in _error(client.post("/v1/completions", json={**body, "stop": many}))
+    long = "x" * (MAX_STOP_STRING_CHARS + 1)
+    assert "characters" in _error(client.post("/v1/completions", json={**body, "stop": [long]}))
+    assert client.post("/v1/completions", json={**body, "stop": many[:MAX_STOP_STRINGS]}).status_code == 200
+
+
+def test_stream_options_need_stream(client):
+    body = {"model": "tiny", "prompt": "Hi", "max_tokens": 2, "stream_options": {"include_usage": True}}
+    assert "stream_options" in _error(client.post("/v1/completions", json=body))
+
+
+def test_detokenize_refuses_ids_outside_the_vocabulary(client):
+    assert "not in the vocabulary" in _error(client.post("/detokenize", json={"tokens": [72, 10**9]}))
+    assert "not in the vocabulary" in _error(client.post("/detokenize", json={"tokens": [-1]}))
+    assert client.post("/detokenize", json={"tokens": [72, 105]}).json()["prompt"] == "Hi"
+
+
+def test_a_long_prompt_is_refused_by_its_character_count(client):
+    """Over max_model_len x 64 characters: 400 without tokenizing (the tokenizer never sees it)."""
+    from kdaserve.server.serving import MAX_CHARS_PER_TOKEN
+    from server_helpers import MAX_MODEL_LEN
+
+    text = "x" * (MAX_MODEL_LEN * MAX_CHARS_PER_TOKEN + 1)
+    assert "characters" in _error(client.post("/v1/completions", json={"model": "tiny", "prompt": text, "max_tokens": 2}))
+    assert "characters" in _error(client.post("/tokenize", json={"prompt": text}))
+
+
+def test_a_huge_prompt_is_refused_quickly_while_health_answers(server, client):
+    """20 MB of text: refused (413, past the default body limit) in well under a second; /health
+    answers meanwhile in under 100 ms."""
+    import threading
+    import time
+
+    import httpx
+
+    result = {}
+
+    def post():
+        with httpx.Client(base_url=server.url, timeout=60) as c:
+            start = time.monotonic()
+            result["r"] = c.post("/v1/completions", json={"model": "tiny", "prompt": "x" * 20_000_000, "max_tokens": 2})
+            result["s"] = time.monotonic() - start
+
+    t = threading.Thread(target=post)
+    t.start()
+    health = []
+    while t.is_alive():
+        start = time.monotonic()
+        assert client.get("/health").status_code == 200
+        health.append(time.monotonic() - start)
+        time.sleep(0.01)
+    t.join()
+    assert result["r"].status_code == 413 and result["s"] < 1.0, (result["r"].status_code, result["s"])
+    assert max(health, default=0) < 0.1, health
