@@ -35,11 +35,25 @@ def register(sub) -> None:
     p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="larger request bodies get 413 (default: %(default)s)")
     p.add_argument("--enable-docs", action="store_true", help="serve the interactive /docs and /redoc pages")
+    p.add_argument("--allowed-origins", default=None,
+                   help="comma-separated origins browsers may call from (CORS); default: none (no CORS headers)")
+    p.add_argument("--root-path", default="", help="the path prefix when behind a proxy that routes a sub-path here")
+    p.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key (and --ssl-certfile)")
+    p.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate (and --ssl-keyfile)")
+    p.add_argument("--uvicorn-log-level", default=None, choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="uvicorn's own log level (default: --log-level)")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as vLLM's `vllm serve MODEL` takes it (same as --model)")
     add_engine_args(p)
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    if args.model_tag is not None:
+        args.model = args.model_tag
+    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
+        print("kdaserve serve: --ssl-keyfile and --ssl-certfile go together", file=sys.stderr)
+        return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         from kdaserve.server.app import build_app
@@ -65,6 +79,8 @@ def run(args) -> int:
         return 2
     # Requests may name the model as served or as given to --model; /v1/models shows the served name only.
     app = build_app(engine, served_model_name=args.served_model_name, model_root=args.model,
-                    max_queued_requests=args.max_queued_requests, access=access, enable_docs=args.enable_docs)
-    serve_forever(app, args.host, args.port, log_level=args.log_level)
+                    max_queued_requests=args.max_queued_requests, access=access, enable_docs=args.enable_docs,
+                    allowed_origins=args.allowed_origins.split(",") if args.allowed_origins else None)
+    serve_forever(app, args.host, args.port, log_level=args.uvicorn_log_level or args.log_level, root_path=args.root_path,
+                  ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile)
     return 0

@@ -75,7 +75,8 @@ class AccessGuard:
         if s.allowed_hosts is not None and _host_name(headers.get("host", "")) not in s.allowed_hosts:
             return await _refuse(send, 400, f"Host header {headers.get('host', '')!r} is not allowed: this server answers "
                                  f"{', '.join(s.allowed_hosts)} (add names with --allowed-hosts)", "host_not_allowed")
-        if s.api_keys and (path.startswith(PROTECTED_PREFIXES) or path in PROTECTED_PATHS):
+        # A CORS preflight (OPTIONS) carries no credentials by design; it reaches no route's work.
+        if s.api_keys and scope.get("method") != "OPTIONS" and (path.startswith(PROTECTED_PREFIXES) or path in PROTECTED_PATHS):
             given = headers.get("authorization", "")
             token = given[7:] if given[:7].lower() == "bearer " else ""
             if not any(hmac.compare_digest(token.encode(), k.encode()) for k in s.api_keys):

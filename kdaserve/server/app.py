@@ -31,11 +31,13 @@ def build_app(
     max_queued_requests: int = 1024,
     access: AccessSettings | None = None,
     enable_docs: bool = False,
+    allowed_origins: list[str] | None = None,
 ):
     """An app serving `engine` (an `LLMEngine`); its engine thread runs while the app is up.
     `access`: API keys, Host check and body limit (server/access.py; default: no key, no Host
     check, the default body limit). The interactive `/docs` and `/redoc` pages only with
-    `enable_docs`; `/openapi.json` always (clients and fuzzers read it)."""
+    `enable_docs`; `/openapi.json` always (clients and fuzzers read it). CORS headers only for
+    `allowed_origins` (none by default: a web page cannot read the API's answers)."""
     name = served_model_name or engine.model_name
     metrics = ServerMetrics(name)
     engine_loop = EngineLoop(engine, max_queued_requests=max_queued_requests, metrics=metrics)
@@ -133,6 +135,11 @@ def build_app(
 
         return JSONResponse({"version": __version__})
 
+    if allowed_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type", "X-Request-Id"])
     app.state.access = access or AccessSettings()
     guarded = AccessGuard(app, app.state.access)
     guarded.state, guarded.fastapi = app.state, app   # the app's state and routes, reached through the guard

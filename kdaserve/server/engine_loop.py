@@ -152,6 +152,10 @@ class EngineLoop:
         is full (all or none: a request with several prompts is never half admitted)."""
         if not self.is_alive:
             raise APIError(503, "the engine is not running", code="engine_unavailable")
+        if len(requests) > self.max_in_flight:   # no retry can help: a 400 with the numbers
+            raise APIError(400, f"this request holds {len(requests)} sequences (prompts x n) but the server admits at most "
+                                f"{self.max_in_flight} at once (--max-num-seqs + --max-queued-requests)", param="n",
+                           code="request_too_large")
         if self.num_in_flight + len(requests) > self.max_in_flight:
             raise APIError(
                 503,

@@ -80,7 +80,10 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http_error(_: Request, exc: StarletteHTTPException):
         status = exc.status_code
         message = exc.detail if isinstance(exc.detail, str) else HTTPStatus(status).phrase
-        return error_response(status, message)
+        response = error_response(status, message)
+        for name, value in (exc.headers or {}).items():   # 405's Allow, among others
+            response.headers[name] = value
+        return response
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception):

@@ -16,16 +16,17 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def uvicorn_config(app, host: str, port: int, log_level: str = "info") -> uvicorn.Config:
+def uvicorn_config(app, host: str, port: int, log_level: str = "info", **options) -> uvicorn.Config:
+    """`options`: uvicorn's own (root_path, ssl_keyfile, ssl_certfile, ...)."""
     # timeout_graceful_shutdown: open streams must not hold a shutdown forever.
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5, **options)
 
 
-def serve_forever(app, host: str, port: int, log_level: str = "info") -> None:
+def serve_forever(app, host: str, port: int, log_level: str = "info", **options) -> None:
     """Serve until Ctrl-C / SIGTERM; uvicorn drains in-flight requests, then re-raises the
     signal, which ends here quietly instead of in a KeyboardInterrupt traceback."""
     try:
-        uvicorn.Server(uvicorn_config(app, host, port, log_level)).run()
+        uvicorn.Server(uvicorn_config(app, host, port, log_level, **options)).run()
     except KeyboardInterrupt:
         pass
 

@@ -73,11 +73,14 @@ def test_a_huge_prompt_is_refused_quickly_while_health_answers(server, client):
     import httpx
 
     result = {}
+    # Serialized before timing: the client runs in this process, and json.dumps of 20 MB would hold
+    # the GIL the server's event loop needs.
+    raw = b'{"model": "tiny", "max_tokens": 2, "prompt": "' + b"x" * 20_000_000 + b'"}'
 
     def post():
         with httpx.Client(base_url=server.url, timeout=60) as c:
             start = time.monotonic()
-            result["r"] = c.post("/v1/completions", json={"model": "tiny", "prompt": "x" * 20_000_000, "max_tokens": 2})
+            result["r"] = c.post("/v1/completions", content=raw, headers={"Content-Type": "application/json"})
             result["s"] = time.monotonic() - start
 
     t = threading.Thread(target=post)
@@ -91,3 +94,15 @@ def test_a_huge_prompt_is_refused_quickly_while_health_answers(server, client):
     t.join()
     assert result["r"].status_code == 413 and result["s"] < 1.0, (result["r"].status_code, result["s"])
     assert max(health, default=0) < 0.1, health
+
+
+def test_405_says_which_methods_are_allowed(client):
+    r = client.get("/v1/completions")
+    assert r.status_code == 405 and "POST" in r.headers.get("allow", ""), (r.status_code, dict(r.headers))
+
+
+def test_a_request_that_can_never_be_admitted_is_a_400(server, client):
+    limit = server.app.state.server.engine_loop.max_in_flight
+    prompts = limit // 16 + 1                   # prompts x n = more than the server ever admits
+    body = {"model": "tiny", "prompt": ["a"] * prompts, "n": 16, "max_tokens": 1}
+    assert "admits at most" in _error(client.post("/v1/completions", json=body))

@@ -13,9 +13,11 @@ from kdaserve.server.launch import free_port
 
 
 def test_serve_command_answers_and_stops_on_sigint():
+    """vLLM's spelling: the model as a positional argument, an API key, CORS for one origin."""
     port = free_port()
     cmd = [
-        sys.executable, "-m", "kdaserve.cli", "serve", "--model", "tiny", "--host", "127.0.0.1", "--port", str(port),
+        sys.executable, "-m", "kdaserve.cli", "serve", "tiny", "--host", "127.0.0.1", "--port", str(port),
+        "--api-key", "k-1", "--allowed-origins", "http://app.example",
         "--kda-prefill-backend", "reference", "--kda-decode-backend", "reference", "--max-num-seqs", "4",
         "--max-model-len", "128", "--device", "cpu", "--enforce-eager", "--no-warmup", "--log-level", "warning",
     ]
@@ -32,10 +34,19 @@ def test_serve_command_answers_and_stops_on_sigint():
                 pass
             assert time.monotonic() < deadline, "the server did not come up"
             time.sleep(0.2)
-        model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]
+        key = {"Authorization": "Bearer k-1"}
+        assert httpx.get(f"{url}/v1/models", timeout=10).status_code == 401
+        model = httpx.get(f"{url}/v1/models", headers=key, timeout=10).json()["data"][0]
         assert (model["id"], model["max_model_len"]) == ("tiny", 128)
+        pre = httpx.options(f"{url}/v1/completions", timeout=10, headers={
+            "Origin": "http://app.example", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type"})
+        assert pre.headers.get("access-control-allow-origin") == "http://app.example", (pre.status_code, dict(pre.headers))
+        other = httpx.options(f"{url}/v1/completions", timeout=10, headers={
+            "Origin": "http://evil.example", "Access-Control-Request-Method": "POST"})
+        assert "access-control-allow-origin" not in other.headers
         body = {"prompt": "Hi", "max_tokens": 2, "temperature": 0, "ignore_eos": True}
-        out = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+        out = httpx.post(f"{url}/v1/completions", json=body, headers=key, timeout=60).json()
         assert out["usage"]["completion_tokens"] == 2
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
