@@ -9,22 +9,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
-from server_helpers import MAX_MODEL_LEN, MAX_NUM_SEQS
-
-
-def make_engine():
-    from kdaserve.engine.llm_engine import LLMEngine
-
-    return LLMEngine(
-        "tiny",
-        kda_prefill_backend="reference",
-        kda_decode_backend="reference",
-        max_num_seqs=MAX_NUM_SEQS,
-        max_model_len=MAX_MODEL_LEN,
-        device="cpu",
-        enforce_eager=True,
-        seed=0,
-    )
+from server_helpers import make_engine
 
 
 @pytest.fixture(scope="session")

@@ -38,3 +38,19 @@ def sse_events(client, path: str, body: dict) -> list:
 def greedy(**body) -> dict:
     """A deterministic completion request body: greedy, no early EOS."""
     return {"model": "tiny", "temperature": 0, "ignore_eos": True, **body}
+
+
+def make_engine():
+    """The server tests' engine: the `tiny` model on the CPU, reference KDA backends."""
+    from kdaserve.engine.llm_engine import LLMEngine
+
+    return LLMEngine(
+        "tiny",
+        kda_prefill_backend="reference",
+        kda_decode_backend="reference",
+        max_num_seqs=MAX_NUM_SEQS,
+        max_model_len=MAX_MODEL_LEN,
+        device="cpu",
+        enforce_eager=True,
+        seed=0,
+    )

@@ -19,7 +19,7 @@ from kdaserve.server.access import AccessSettings
 def guarded():
     """A second server over the same kind of engine, with a key, the loopback Host check and a
     small body limit."""
-    from conftest import make_engine
+    from server_helpers import make_engine
 
     from kdaserve.server.app import build_app
     from kdaserve.server.launch import BackgroundServer

@@ -158,12 +158,13 @@ def test_malformed_json_unknown_model_and_routes(client):
 def test_full_queue_gets_503(server, client):
     engine_loop = server.app.state.server.engine_loop
     limit = engine_loop.max_in_flight
-    engine_loop.max_in_flight = 0
+    engine_loop.num_in_flight += limit          # as if the queue were full of other requests
     try:
         response = client.post("/v1/completions", json=OK_BODY)
         assert response.status_code == 503 and response.json()["error"]["code"] == "queue_full"
+        assert response.headers["retry-after"] == "1"
     finally:
-        engine_loop.max_in_flight = limit
+        engine_loop.num_in_flight -= limit
     assert_still_serving(client)
 
 
