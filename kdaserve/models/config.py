@@ -11,8 +11,19 @@ from pathlib import Path
 LAYER_TYPES = ("linear_attention", "full_attention")
 
 
+class JsonConfig:
+    """`from_json` / `save` for a config class with `from_dict` / `to_dict` (config.json's spelling)."""
+
+    @classmethod
+    def from_json(cls, path: str | Path):
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+
 @dataclass
-class HybridConfig:
+class HybridConfig(JsonConfig):
     hidden_size: int
     num_hidden_layers: int
     layer_types: list[str]
@@ -78,15 +89,8 @@ class HybridConfig:
         extra = {k: v for k, v in d.items() if k not in names}
         return cls(**known, extra=extra)
 
-    @classmethod
-    def from_json(cls, path: str | Path) -> "HybridConfig":
-        return cls.from_dict(json.loads(Path(path).read_text()))
-
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d.update(d.pop("extra"))
         return d
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 

@@ -11,11 +11,12 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from kdaserve.backends import KDABackendChoice, KDABackends, LayerSettings, Machine, resolve_kda_backends
+from kdaserve.backends import KDABackendChoice, KDABackends, LayerSettings
 from kdaserve.layers.attention import FullAttention
-from kdaserve.layers.embed_head import LMHead, VocabEmbedding
+from kdaserve.layers.embed_head import VocabEmbedding
 from kdaserve.layers.mlp import SwiGLUMLP
 from kdaserve.layers.norm import RMSNorm
+from kdaserve.models.causal_lm import DecoderStack, KDACausalLM
 from kdaserve.models.config import HybridConfig
 
 def _kda_layer_settings(config: HybridConfig, kda: KDABackendChoice, dtype: torch.dtype) -> LayerSettings:
@@ -69,7 +70,7 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class HybridModel(nn.Module):
+class HybridModel(DecoderStack):
     def __init__(self, config: HybridConfig, *, kda: KDABackendChoice, kda_backends: KDABackends | None, dtype, device):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
@@ -79,45 +80,17 @@ class HybridModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
 
-
-class HybridForCausalLM(nn.Module):
-    """`forward(input_ids [T], positions [T]) -> hidden [T, hidden]`, then
-    `compute_logits(hidden rows) -> fp32 logits`; per-step metadata comes from the context."""
+class HybridForCausalLM(KDACausalLM):
+    """The engine's model interface (models/causal_lm.py); per-step metadata comes from the context."""
 
     def __init__(self, config: HybridConfig, *, kda: KDABackendChoice | None = None, dtype=None, device=None):
         super().__init__()
-        self.config = config
         dtype = dtype or torch.get_default_dtype()
         kda = kda or KDABackendChoice()
-        # One resolution for every KDA layer (they share their settings), logged once.
-        self.kda_backends = resolve_kda_backends(
-            kda, _kda_layer_settings(config, kda, dtype), config.linear_num_heads,
-            Machine.detect(torch.device(device) if device is not None else None),
-        ) if "linear_attention" in config.layer_types else None
-        self.model = HybridModel(config, kda=kda, kda_backends=self.kda_backends, dtype=dtype, device=device)
-        tied = self.model.embed_tokens if config.tie_word_embeddings else None
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied, dtype=dtype, device=device)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
-
-    @property
-    def kda_layers(self) -> list[nn.Module]:
-        return [l.linear_attn for l in self.model.layers if l.is_kda]
-
-    @property
-    def attention_layers(self) -> list[FullAttention]:
-        return [l.self_attn for l in self.model.layers if not l.is_kda]
+        backends = self.resolve_backends(config, kda, _kda_layer_settings(config, kda, dtype), device)
+        self.model = HybridModel(config, kda=kda, kda_backends=backends, dtype=dtype, device=device)
+        self.add_head(dtype, device)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -25,14 +25,16 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from kdaserve.backends import KDABackendChoice, LayerSettings, Machine, resolve_kda_backends
-from kdaserve.layers.embed_head import LMHead, VocabEmbedding
+from kdaserve.backends import KDABackendChoice, LayerSettings
+from kdaserve.layers.embed_head import VocabEmbedding
 from kdaserve.layers.kda_weights import IN_PROJ_PARTS
 from kdaserve.layers.mla import MLAttention
 from kdaserve.layers.mlp import SwiGLUMLP
 from kdaserve.layers.moe import MoEMLP
 from kdaserve.layers.norm import RMSNorm
+from kdaserve.models.causal_lm import DecoderStack, KDACausalLM
 from kdaserve.models.kimi_linear_config import KimiLinearConfig
+from kdaserve.models.weight_names import load_named_tensor
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight")
@@ -72,6 +74,10 @@ class KimiDecoderLayer(nn.Module):
         else:
             self.mlp = SwiGLUMLP(h, c.intermediate_size, dtype=dtype, device=device)
 
+    @property
+    def mixer(self) -> nn.Module:
+        return self.self_attn
+
     def forward(self, positions, hidden, residual):
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
@@ -82,7 +88,7 @@ class KimiDecoderLayer(nn.Module):
         return (self.block_sparse_moe(hidden) if self.is_moe else self.mlp(hidden)), residual
 
 
-class KimiLinearModel(nn.Module):
+class KimiLinearModel(DecoderStack):
     def __init__(self, config: KimiLinearConfig, **kw):
         super().__init__()
         dtype, device = kw["dtype"], kw["device"]
@@ -90,46 +96,19 @@ class KimiLinearModel(nn.Module):
         self.layers = nn.ModuleList(KimiDecoderLayer(config, i, **kw) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
 
-
-class KimiLinearForCausalLM(nn.Module):
-    """The engine's model interface: `forward(input_ids [T], positions [T]) -> hidden [T, hidden]`,
-    `compute_logits`, `kda_layers`, `attention_layers`, `kda_backends`, `load_weights`."""
+class KimiLinearForCausalLM(KDACausalLM):
+    """The engine's model interface (models/causal_lm.py) over the released checkpoint format."""
 
     def __init__(self, config: KimiLinearConfig, *, kda: KDABackendChoice | None = None, mla_backend: str = "auto",
                  moe_backend: str = "auto", dtype=None, device=None):
         super().__init__()
-        self.config = config
         dtype = dtype or torch.get_default_dtype()
         kda = kda or KDABackendChoice()
-        self.kda_backends = resolve_kda_backends(
-            kda, _kda_settings(config, kda, dtype), config.linear_num_heads,
-            Machine.detect(torch.device(device) if device is not None else None),
-        ) if config.kda_layer_ids else None
-        self.model = KimiLinearModel(config, kda=kda, kda_backends=self.kda_backends, mla_backend=mla_backend,
+        backends = self.resolve_backends(config, kda, _kda_settings(config, kda, dtype), device)
+        self.model = KimiLinearModel(config, kda=kda, kda_backends=backends, mla_backend=mla_backend,
                                      moe_backend=moe_backend, dtype=dtype, device=device)
-        tied = self.model.embed_tokens if config.tie_word_embeddings else None
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied, dtype=dtype, device=device)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
-
-    @property
-    def kda_layers(self) -> list[nn.Module]:
-        return [l.self_attn for l in self.model.layers if l.is_kda]
-
-    @property
-    def attention_layers(self) -> list[MLAttention]:
-        return [l.self_attn for l in self.model.layers if not l.is_kda]
+        self.add_head(dtype, device)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -227,7 +206,7 @@ def load_released_weights(model: KimiLinearForCausalLM, weights: Iterable[tuple[
             if layer.is_kda and rest.startswith("self_attn."):
                 kda_items[i].append((rest.removeprefix("self_attn."), tensor))
             else:
-                _load_layer_tensor(layer, rest, tensor, params, f"model.layers.{i}.")
+                _load_layer_tensor(layer, rest, tensor, f"model.layers.{i}.")
         loaded.add(name)
     for i, items in kda_items.items():
         model.model.layers[i].self_attn.load_weights(items)
@@ -240,22 +219,15 @@ def load_released_weights(model: KimiLinearForCausalLM, weights: Iterable[tuple[
     return loaded
 
 
-def _load_layer_tensor(layer: KimiDecoderLayer, rest: str, tensor: torch.Tensor, params: dict, prefix: str) -> None:
+def _load_layer_tensor(layer: KimiDecoderLayer, rest: str, tensor: torch.Tensor, prefix: str) -> None:
     e = _EXPERT.fullmatch(rest)
     if e:
         layer.block_sparse_moe.load_expert(int(e[1]), e[2], tensor)
         return
     renamed = {"block_sparse_moe.gate.weight": "block_sparse_moe.gate_weight",
                "block_sparse_moe.gate.e_score_correction_bias": "block_sparse_moe.e_score_correction_bias"}.get(rest, rest)
-    module_path, _, pname = renamed.rpartition(".")
-    parent_path, _, child = module_path.rpartition(".")
-    parent = layer.get_submodule(parent_path) if parent_path else layer
-    packed = getattr(parent, "packed_modules", {})
-    if child in packed:
-        target, shard = packed[child]
-        parent.get_submodule(target).load_shard(pname, shard, tensor)
-    else:
-        params[prefix + renamed].copy_(tensor)
+    if not load_named_tensor(layer, renamed, tensor):
+        raise ValueError(f"{prefix}{rest}: no parameter of the model takes it")
 
 
 # ---- random weights at any size (tests, `--load-format dummy`) ------------------------------------

@@ -9,10 +9,9 @@ Both spellings are read. Unknown keys are kept in `extra`."""
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 
+from kdaserve.models.config import JsonConfig
 from kdaserve.ops.moe.router import RouterConfig
 
 MODEL_TYPE = "kimi_linear"
@@ -25,7 +24,7 @@ _ALIASES = {
 
 
 @dataclass
-class KimiLinearConfig:
+class KimiLinearConfig(JsonConfig):
     hidden_size: int
     num_hidden_layers: int
     vocab_size: int
@@ -122,10 +121,6 @@ class KimiLinearConfig:
             extra["linear_attn_config"] = lin
         return cls(**known, extra=extra)
 
-    @classmethod
-    def from_json(cls, path: str | Path) -> "KimiLinearConfig":
-        return cls.from_dict(json.loads(Path(path).read_text()))
-
     def to_dict(self) -> dict:
         """The released spelling: KDA sizes and the 1-based layer lists under linear_attn_config."""
         d = dataclasses.asdict(self)
@@ -142,9 +137,6 @@ class KimiLinearConfig:
         out["architectures"] = ["KimiLinearForCausalLM"]
         out.update(extra)
         return out
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
 
 def _layer_types_from_1_based(lin: dict, n: int) -> list[str]:

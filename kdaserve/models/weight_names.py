@@ -67,6 +67,25 @@ def _skipped(name: str, config: HybridConfig) -> bool:
     return bool(m) and int(m[1]) >= config.num_hidden_layers   # e.g. multi-token-prediction layers
 
 
+def load_named_tensor(root, name: str, tensor: torch.Tensor, params: dict | None = None) -> bool:
+    """Copy a checkpoint tensor into the parameter of `root` it names: a shard of a merged
+    parameter where the parent module declares `packed_modules` (q|k|v, gate|up), else the
+    parameter of that name. False when `root` has no such parameter."""
+    module_path, _, pname = name.rpartition(".")
+    parent_path, _, child = module_path.rpartition(".")
+    parent = root.get_submodule(parent_path) if parent_path else root
+    packed = getattr(parent, "packed_modules", {})
+    if child in packed:
+        target, shard = packed[child]
+        parent.get_submodule(target).load_shard(pname, shard, tensor)
+        return True
+    params = params if params is not None else dict(root.named_parameters())
+    if name not in params:
+        return False
+    params[name].data.copy_(tensor)
+    return True
+
+
 def route_weights(model, weights: Iterable[tuple[str, torch.Tensor]], *, strict: bool = True) -> set[str]:
     """Copy named checkpoint tensors into `model` (a HybridForCausalLM). Returns the canonical
     names loaded. strict: unknown names, wrong shapes and missing tensors are errors."""
@@ -86,18 +105,9 @@ def route_weights(model, weights: Iterable[tuple[str, torch.Tensor]], *, strict:
         if m and m[2] == "linear_attn":
             kda_items[int(m[1])].append((m[3], tensor))
             continue
-        module_path, _, pname = name.rpartition(".")
-        parent_path, _, child = module_path.rpartition(".")
-        parent = model.get_submodule(parent_path) if parent_path else model
-        packed = getattr(parent, "packed_modules", {})
-        if child in packed:
-            target, shard = packed[child]
-            parent.get_submodule(target).load_shard(pname, shard, tensor)
-        elif name == "lm_head.weight" and config.tie_word_embeddings:
+        if name == "lm_head.weight" and config.tie_word_embeddings:
             params["model.embed_tokens.weight"].data.copy_(tensor)
-        elif name in params:
-            params[name].data.copy_(tensor)
-        else:
+        elif not load_named_tensor(model, name, tensor, params):
             unexpected.append(raw_name)
             continue
         loaded.add(name)

@@ -1,0 +1,55 @@
+"""What every model family gives the engine, in one place: `forward(input_ids [T], positions [T])
+-> hidden [T, hidden]`, `compute_logits` (fp32), `kda_layers`, `attention_layers`, and the KDA
+backends resolved once for all KDA layers (they share their settings; logged once).
+
+A family subclasses it: it resolves the backends with `resolve_backends`, builds `self.model` (an
+`embed_tokens`, `layers` each with `is_kda` and `mixer`, and a final norm), then calls `add_head`."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kdaserve.backends import KDABackendChoice, KDABackends, LayerSettings, Machine, resolve_kda_backends
+from kdaserve.layers.embed_head import LMHead
+
+
+class DecoderStack(nn.Module):
+    """embed_tokens -> pre-norm decoder layers (each `layer(positions, hidden, residual) -> (hidden,
+    residual)`, the residual add fused into the next norm) -> norm. Families build the three parts."""
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class KDACausalLM(nn.Module):
+    def resolve_backends(self, config, kda: KDABackendChoice, settings: LayerSettings, device) -> KDABackends | None:
+        self.config = config
+        has_kda = "linear_attention" in config.layer_types
+        self.kda_backends = resolve_kda_backends(
+            kda, settings, config.linear_num_heads, Machine.detect(torch.device(device) if device is not None else None),
+        ) if has_kda else None
+        return self.kda_backends
+
+    def add_head(self, dtype, device) -> None:
+        c = self.config
+        tied = self.model.embed_tokens if c.tie_word_embeddings else None
+        self.lm_head = LMHead(c.vocab_size, c.hidden_size, tied_to=tied, dtype=dtype, device=device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    @property
+    def kda_layers(self) -> list[nn.Module]:
+        return [l.mixer for l in self.model.layers if l.is_kda]
+
+    @property
+    def attention_layers(self) -> list[nn.Module]:
+        return [l.mixer for l in self.model.layers if not l.is_kda]
