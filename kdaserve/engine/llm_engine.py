@@ -45,6 +45,7 @@ class LLMEngine:
         # decoded when a request finishes (or as needed for stop strings), saving host time per token.
         self.incremental_text = True
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0, "steps": 0}
+        self.last_step_tokens = 0   # tokens the last step computed (prompt + decode): vLLM's iteration tokens
 
     def warm_up(self) -> int:
         """Dummy steps that compile the kernels' specializations now rather than in the first
@@ -127,8 +128,12 @@ class LLMEngine:
                     f"resources were lost or the pools are too small"
                 )
             return outputs
+        scheduled_at = time.monotonic()
+        for seq in batch.prefills:   # a decode was scheduled before, as a prefill
+            seq.metrics.setdefault("first_scheduled_time", scheduled_at)
         result = self.runner.execute(batch)
         self.counters["steps"] += 1
+        self.last_step_tokens = len(batch.decodes) + sum(batch.num_new_tokens)
         for seq in batch.decodes:
             seq.num_computed_tokens += 1
         for seq, n in zip(batch.prefills, batch.num_new_tokens):

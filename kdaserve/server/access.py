@@ -87,7 +87,9 @@ class AccessGuard:
                 return await _refuse(send, 415, f"request bodies must be JSON (Content-Type: application/json), got "
                                      f"{headers.get('content-type') or 'no Content-Type'}", "unsupported_media_type")
             length = headers.get("content-length")
-            if length is not None and (not length.isdigit() or int(length) > s.max_body_bytes):
+            if length is not None and not length.isdigit():
+                return await _refuse(send, 400, f"Content-Length {length!r} is not a byte count", "invalid_content_length")
+            if length is not None and int(length) > s.max_body_bytes:
                 return await _refuse(send, 413, f"request body of {length} bytes exceeds the limit of {s.max_body_bytes} "
                                      f"bytes (--max-request-body-bytes)", "request_too_large")
             body, too_large = await _read_body(receive, s.max_body_bytes)

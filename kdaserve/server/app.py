@@ -39,7 +39,12 @@ def build_app(
     `enable_docs`; `/openapi.json` always (clients and fuzzers read it). CORS headers only for
     `allowed_origins` (none by default: a web page cannot read the API's answers)."""
     name = served_model_name or engine.model_name
-    metrics = ServerMetrics(name)
+    cfg = engine.config
+    metrics = ServerMetrics(name, cache_info={
+        "block_size": cfg.block_size, "num_gpu_blocks": engine.runner.num_kv_blocks,
+        "cache_dtype": str(cfg.dtype).removeprefix("torch."), "num_state_slots": engine.runner.num_slots,
+        "mamba_ssm_cache_dtype": str(cfg.state_dtype).removeprefix("torch."), "gpu_memory_utilization": cfg.gpu_memory_utilization,
+    })
     engine_loop = EngineLoop(engine, max_queued_requests=max_queued_requests, metrics=metrics)
     state = ServerState(
         engine_loop=engine_loop,

@@ -28,6 +28,7 @@ logger = logging.getLogger("kdaserve.server")
 class _Timing:
     arrival: float
     first_token: float | None = None
+    last_token: float | None = None
 
 
 class RequestGroup:
@@ -246,7 +247,7 @@ class EngineLoop:
         except Exception:  # noqa: BLE001
             logger.exception("abort_request(%s) failed", request_id)
         if self.metrics:
-            self.metrics.finished_requests.labels(finish_reason="abort").inc()
+            self.metrics.finished("abort").inc()
 
     def _step(self) -> None:
         try:
@@ -277,16 +278,20 @@ class EngineLoop:
             return
         new_tokens = len(out.new_token_ids or ())
         self.metrics.generation_tokens.inc(new_tokens)
-        if timing.first_token is None and new_tokens:
-            timing.first_token = now
-            self.metrics.time_to_first_token.observe(now - timing.arrival)
+        if new_tokens:
+            if timing.first_token is None:
+                timing.first_token = now
+                self.metrics.time_to_first_token.observe(now - timing.arrival)
+            else:
+                for _ in range(new_tokens):   # one interval per token (several when a step yields several)
+                    self.metrics.inter_token_latency.observe((now - timing.last_token) / new_tokens)
+            timing.last_token = now
         if out.finished:
             self._timings.pop(out.request_id, None)
-            self.metrics.finished_requests.labels(finish_reason=out.finish_reason or "unknown").inc()
-            self.metrics.e2e_latency.observe(now - timing.arrival)
-            n_out = len(out.output_token_ids)
-            if timing.first_token is not None and n_out > 1:
-                self.metrics.time_per_output_token.observe((now - timing.first_token) / (n_out - 1))
+            self.metrics.finished(out.finish_reason or "stop").inc()
+            # The server's arrival (before any queueing here) with the engine's own timestamps.
+            self.metrics.observe_finished({**(out.metrics or {}), "arrival_time": timing.arrival, "finish_time": now},
+                                          out.num_prompt_tokens, len(out.output_token_ids))
 
     def _fail_all(self, error: APIError) -> None:
         for request_id, (group, index) in list(self._members.items()):
@@ -302,6 +307,9 @@ class EngineLoop:
     def _refresh_gauges(self) -> None:
         if self.metrics is None:
             return
+        if self.engine.last_step_tokens:
+            self.metrics.iteration_tokens.observe(self.engine.last_step_tokens)
+            self.engine.last_step_tokens = 0
         try:
             self.metrics.update_from_stats(self.engine.stats())
         except Exception:  # noqa: BLE001 - metrics must never break serving

@@ -1,8 +1,13 @@
-"""Prometheus metrics served at `/metrics`.
+"""Prometheus metrics served at `/metrics`, under vLLM's names, labels and meanings: only the
+prefix differs (`vllm:num_requests_running` -> `kdaserve:num_requests_running`), so dashboards
+and scrapers made for vLLM need the prefix changed and nothing else (examples/grafana.json).
 
-Names follow vLLM's (`vllm:num_requests_running` -> `kdaserve:num_requests_running`) so existing
-dashboards and benchmark scrapers need only the prefix changed. Each server owns its own registry,
-so several servers (tests) can live in one process.
+Every family carries `model_name` and `engine` ("0": one engine per server); finished requests
+are counted by `finished_reason`, with a child for each reason created up front (a dashboard sees
+zeros, not a missing series). Per-request latencies use the engine's own timestamps (arrival,
+first scheduled, first token, finish). Besides vLLM's families: the KDA state pool
+(`state_slots_used` / `_total`) and the attention cache's blocks. Each server owns its own
+registry (several servers can live in one process: the tests), with the process collector.
 """
 
 from __future__ import annotations
@@ -13,94 +18,114 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    ProcessCollector,
     generate_latest,
 )
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
-
-# engine.stats() key -> gauge attribute; the first key present wins.
-_STAT_KEYS = {
-    "num_requests_running": ("num_running", "num_requests_running"),
-    "num_requests_waiting": ("num_waiting", "num_requests_waiting"),
-    "state_slots_used": ("state_slots_used", "num_state_slots_used", "slots_used"),
-    "state_slots_total": ("state_slots_total", "num_state_slots", "slots_total"),
-    "kv_blocks_used": ("kv_blocks_used", "num_kv_blocks_used"),
-    "kv_blocks_total": ("kv_blocks_total", "num_kv_blocks"),
-}
+PREFIX = "kdaserve:"
+FINISHED_REASONS = ("stop", "length", "abort")
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                    40.0, 80.0, 160.0, 640.0, 2560.0)
+_TOKEN_INTERVAL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
+                           0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000, 200000,
+                        500000, 1000000)
 
 
 class ServerMetrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, model_name: str):
-        self.registry = CollectorRegistry()
-        labels = {"model_name": model_name}
-        r = self.registry
+    def __init__(self, model_name: str, *, cache_info: dict | None = None):
+        self.registry = r = CollectorRegistry()
+        ProcessCollector(registry=r)
+        self._labels = {"model_name": model_name, "engine": "0"}
+        names = tuple(self._labels)
 
         def gauge(name, doc):
-            return Gauge(f"kdaserve:{name}", doc, registry=r, labelnames=("model_name",)).labels(**labels)
+            return Gauge(PREFIX + name, doc, names, registry=r).labels(**self._labels)
+
+        def counter(name, doc):
+            return Counter(PREFIX + name, doc, names, registry=r).labels(**self._labels)
+
+        def histogram(name, doc, buckets):
+            return Histogram(PREFIX + name, doc, names, buckets=buckets, registry=r).labels(**self._labels)
 
         self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Attention cache usage: 1 means 100 percent.")
         self.state_slots_used = gauge("state_slots_used", "KDA recurrent-state cache slots in use.")
         self.state_slots_total = gauge("state_slots_total", "KDA recurrent-state cache slots in all.")
-        self.kv_blocks_used = gauge("kv_blocks_used", "Paged KV-cache blocks in use (full-attention layers).")
-        self.kv_blocks_total = gauge("kv_blocks_total", "Paged KV-cache blocks in all.")
-        self.prompt_tokens = Counter(
-            "kdaserve:prompt_tokens", "Prompt tokens admitted.", labelnames=("model_name",), registry=r
-        ).labels(**labels)
-        self.generation_tokens = Counter(
-            "kdaserve:generation_tokens", "Tokens generated.", labelnames=("model_name",), registry=r
-        ).labels(**labels)
-        self._finished = Counter(
-            "kdaserve:request_success",
-            "Requests finished, by finish reason (stop, length, abort).",
-            labelnames=("model_name", "finish_reason"),
-            registry=r,
-        )
-        self.time_to_first_token = Histogram(
-            "kdaserve:time_to_first_token_seconds",
-            "Arrival to first generated token.",
-            labelnames=("model_name",),
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        ).labels(**labels)
-        self.time_per_output_token = Histogram(
-            "kdaserve:time_per_output_token_seconds",
-            "Mean time between output tokens of a finished request (after its first token).",
-            labelnames=("model_name",),
-            buckets=_TPOT_BUCKETS,
-            registry=r,
-        ).labels(**labels)
-        self.e2e_latency = Histogram(
-            "kdaserve:e2e_request_latency_seconds",
-            "Arrival to the last token.",
-            labelnames=("model_name",),
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        ).labels(**labels)
-        self._model_name = model_name
+        self.kv_blocks_used = gauge("kv_blocks_used", "Attention cache blocks in use.")
+        self.kv_blocks_total = gauge("kv_blocks_total", "Attention cache blocks in all.")
+        self.prompt_tokens = counter("prompt_tokens", "Prefill tokens computed.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.num_preemptions = counter("num_preemptions", "Requests preempted (their caches freed, recomputed later).")
+        self._finished = Counter(PREFIX + "request_success", "Requests finished, by finished_reason.",
+                                 names + ("finished_reason",), registry=r)
+        for reason in FINISHED_REASONS:
+            self._finished.labels(**self._labels, finished_reason=reason)
+        self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per engine step.",
+                                          _TOKEN_COUNT_BUCKETS)
+        self.time_to_first_token = histogram("time_to_first_token_seconds", "Arrival to the first token.",
+                                             _LATENCY_BUCKETS)
+        self.inter_token_latency = histogram("inter_token_latency_seconds", "Time between two tokens of a request.",
+                                             _TOKEN_INTERVAL_BUCKETS)
+        self.request_time_per_output_token = histogram(
+            "request_time_per_output_token_seconds", "Per request: (finish - first token) / (output tokens - 1).",
+            _TOKEN_INTERVAL_BUCKETS)
+        self.e2e_latency = histogram("e2e_request_latency_seconds", "Arrival to the last token.", _LATENCY_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.", _LATENCY_BUCKETS)
+        self.prefill_time = histogram("request_prefill_time_seconds", "First scheduled to the first token.",
+                                      _LATENCY_BUCKETS)
+        self.decode_time = histogram("request_decode_time_seconds", "First token to the last.", _LATENCY_BUCKETS)
+        self.inference_time = histogram("request_inference_time_seconds", "First scheduled to the last token.",
+                                        _LATENCY_BUCKETS)
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per finished request.",
+                                               _TOKEN_COUNT_BUCKETS)
+        self.request_generation_tokens = histogram("request_generation_tokens",
+                                                   "Generated tokens per finished request.", _TOKEN_COUNT_BUCKETS)
+        info = {k: str(v) for k, v in (cache_info or {}).items()}
+        Gauge(PREFIX + "cache_config_info", "The cache configuration (labels), value 1.", tuple(info),
+              registry=r).labels(**info).set(1)
+        self._last_preemptions = 0
 
-    @property
-    def finished_requests(self):
-        return _FinishedByReason(self._finished, self._model_name)
+    def finished(self, reason: str):
+        return self._finished.labels(**self._labels, finished_reason=reason)
+
+    def observe_finished(self, metrics: dict, num_prompt_tokens: int, num_output_tokens: int) -> None:
+        """A finished request's latencies from the engine's timestamps (time.monotonic)."""
+        arrival, scheduled = metrics.get("arrival_time"), metrics.get("first_scheduled_time")
+        first, finish = metrics.get("first_token_time"), metrics.get("finish_time")
+        if arrival is not None and finish is not None:
+            self.e2e_latency.observe(finish - arrival)
+        if arrival is not None and scheduled is not None:
+            self.queue_time.observe(scheduled - arrival)
+        if scheduled is not None and first is not None:
+            self.prefill_time.observe(first - scheduled)
+        if first is not None and finish is not None:
+            self.decode_time.observe(finish - first)
+            if num_output_tokens > 1:
+                self.request_time_per_output_token.observe((finish - first) / (num_output_tokens - 1))
+        if scheduled is not None and finish is not None:
+            self.inference_time.observe(finish - scheduled)
+        self.request_prompt_tokens.observe(num_prompt_tokens)
+        self.request_generation_tokens.observe(num_output_tokens)
 
     def update_from_stats(self, stats: dict) -> None:
-        for attr, keys in _STAT_KEYS.items():
-            for key in keys:
-                if key in stats and stats[key] is not None:
-                    getattr(self, attr).set(stats[key])
-                    break
+        running, waiting = stats.get("num_running"), stats.get("num_waiting")
+        if running is not None:
+            self.num_requests_running.set(running)
+        if waiting is not None:
+            self.num_requests_waiting.set(waiting)
+        for name in ("state_slots_used", "state_slots_total", "kv_blocks_used", "kv_blocks_total"):
+            if stats.get(name) is not None:
+                getattr(self, name).set(stats[name])
+        if stats.get("kv_blocks_total"):
+            self.kv_cache_usage_perc.set(stats.get("kv_blocks_used", 0) / stats["kv_blocks_total"])
+        preemptions = stats.get("preemptions")
+        if preemptions is not None and preemptions > self._last_preemptions:
+            self.num_preemptions.inc(preemptions - self._last_preemptions)
+            self._last_preemptions = preemptions
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
-
-
-class _FinishedByReason:
-    def __init__(self, counter: Counter, model_name: str):
-        self._counter = counter
-        self._model_name = model_name
-
-    def labels(self, *, finish_reason: str):
-        return self._counter.labels(model_name=self._model_name, finish_reason=finish_reason)

@@ -41,7 +41,7 @@ def idle(text: str) -> bool:
 
 
 def aborted(text: str) -> float:
-    return metric(text, "kdaserve:request_success_total", finish_reason="abort")
+    return metric(text, "kdaserve:request_success_total", finished_reason="abort")
 
 
 def test_64_concurrent_streams_complete_with_exact_token_counts(server, client):
@@ -174,7 +174,9 @@ def test_metrics_count_tokens_and_latencies(client):
     after = wait_for_metrics(client, idle)
     assert metric(after, "kdaserve:generation_tokens_total") >= metric(before, "kdaserve:generation_tokens_total") + 2
     assert metric(after, "kdaserve:prompt_tokens_total") >= metric(before, "kdaserve:prompt_tokens_total") + 5
-    for name in ("kdaserve:time_to_first_token_seconds_count", "kdaserve:time_per_output_token_seconds_count"):
+    for name in ("kdaserve:time_to_first_token_seconds_count", "kdaserve:request_time_per_output_token_seconds_count",
+                 "kdaserve:inter_token_latency_seconds_count", "kdaserve:request_queue_time_seconds_count",
+                 "kdaserve:iteration_tokens_total_count"):
         assert metric(after, name) >= metric(before, name) + 1, name
     assert metric(after, "kdaserve:state_slots_total") > 0
 

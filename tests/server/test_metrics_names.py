@@ -1,0 +1,64 @@
+"""/metrics speaks vLLM's names and labels (only the prefix differs), every family exists before the
+first request, and every query of the Grafana dashboard in examples/ names a metric the server
+exports."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from server_helpers import metric
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "examples" / "grafana.json"
+VLLM_FAMILIES = (
+    "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total",
+    "generation_tokens_total", "num_preemptions_total", "request_success_total", "iteration_tokens_total_count",
+    "time_to_first_token_seconds_count", "inter_token_latency_seconds_count", "e2e_request_latency_seconds_count",
+    "request_queue_time_seconds_count", "request_prefill_time_seconds_count", "request_decode_time_seconds_count",
+    "request_inference_time_seconds_count", "request_time_per_output_token_seconds_count",
+    "request_prompt_tokens_count", "request_generation_tokens_count", "cache_config_info",
+)
+
+
+def _sample_names(text: str) -> set[str]:
+    return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+
+
+def test_vllm_families_and_labels(client):
+    text = client.get("/metrics").text
+    names = _sample_names(text)
+    for family in VLLM_FAMILIES:
+        assert f"kdaserve:{family}" in names, family
+    for reason in ("stop", "length", "abort"):   # created up front
+        assert f'finished_reason="{reason}"' in text
+    assert 'engine="0"' in text and "finish_reason=" not in text
+    assert "process_resident_memory_bytes" in names
+
+
+def test_a_request_moves_the_per_request_histograms(client):
+    before = client.get("/metrics").text
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    assert client.post("/v1/completions", json=body).status_code == 200
+    import time
+
+    for _ in range(100):
+        after = client.get("/metrics").text
+        if metric(after, "kdaserve:request_generation_tokens_count") > metric(before, "kdaserve:request_generation_tokens_count"):
+            break
+        time.sleep(0.05)
+    for name in ("request_queue_time_seconds_count", "request_prefill_time_seconds_count",
+                 "request_decode_time_seconds_count", "request_generation_tokens_sum"):
+        assert metric(after, f"kdaserve:{name}") > metric(before, f"kdaserve:{name}"), name
+    assert metric(after, "kdaserve:request_success_total", finished_reason="length") >= 1
+
+
+def test_every_dashboard_query_names_an_exported_metric(client):
+    names = _sample_names(client.get("/metrics").text)
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    exprs.append(dashboard["templating"]["list"][0]["query"])
+    used = {m for e in exprs for m in re.findall(r"kdaserve:[a-z0-9_]+", e)}
+    assert len(used) >= 15
+    missing = sorted(m for m in used if m not in names)
+    assert not missing, missing
