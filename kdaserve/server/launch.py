@@ -22,9 +22,28 @@ def uvicorn_config(app, host: str, port: int, log_level: str = "info", **options
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5, **options)
 
 
+def raise_open_file_limit() -> int:
+    """Raise the soft limit on open files to the hard one (as vLLM does): every connection holds a
+    descriptor, and at the default 1024 a burst of clients exhausts them. Returns the soft limit."""
+    try:
+        import resource
+    except ImportError:   # not on this platform
+        return -1
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    return soft
+
+
 def serve_forever(app, host: str, port: int, log_level: str = "info", **options) -> None:
     """Serve until Ctrl-C / SIGTERM; uvicorn drains in-flight requests, then re-raises the
     signal, which ends here quietly instead of in a KeyboardInterrupt traceback."""
+    raise_open_file_limit()
     try:
         uvicorn.Server(uvicorn_config(app, host, port, log_level, **options)).run()
     except KeyboardInterrupt:

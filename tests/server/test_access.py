@@ -120,3 +120,17 @@ def test_settings_from_the_environment_and_the_bind_address(monkeypatch):
     assert "localhost" in AccessSettings.for_server("127.0.0.1").allowed_hosts
     with pytest.raises(ValueError, match="must not be empty"):
         AccessSettings(api_keys=("",))
+
+
+def test_the_open_file_limit_is_raised_to_the_hard_limit():
+    import resource
+
+    from kdaserve.server.launch import raise_open_file_limit
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, hard), hard))
+        got = raise_open_file_limit()
+        assert got == resource.getrlimit(resource.RLIMIT_NOFILE)[0] > 256
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
