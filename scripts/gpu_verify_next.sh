@@ -42,6 +42,7 @@ group fused 120 -m "gpu and not slow" tests/ops/test_fused_decode.py
 group stream 100 -m "gpu and not slow" tests/ops/test_fused_stream.py
 group chain 60 -m "gpu and not slow" tests/ops/test_chain.py
 group engine 150 tests/engine/test_engine_gpu.py
+group server 60 -m gpu tests/server/test_server_gpu.py      # the access layer and vLLM-named metrics came after run 3
 fi
 if [ "$PART" = kimi ]; then
 # Ran in the eighth session (run 4): the MLA/MoE GPU tests, two of three model GPU tests and the
