@@ -27,7 +27,6 @@ from torch import nn
 
 from kdaserve.backends import KDABackendChoice, LayerSettings
 from kdaserve.layers.embed_head import VocabEmbedding
-from kdaserve.layers.kda_weights import IN_PROJ_PARTS
 from kdaserve.layers.mla import MLAttention
 from kdaserve.layers.mlp import SwiGLUMLP
 from kdaserve.layers.moe import MoEMLP
@@ -271,5 +270,5 @@ def random_released_tensors(config: KimiLinearConfig, seed: int = 0, *, dtype=to
         yield name, t
 
 
-__all__ = ["IN_PROJ_PARTS", "KimiLinearConfig", "KimiLinearForCausalLM", "load_released_weights",
+__all__ = ["KimiLinearConfig", "KimiLinearForCausalLM", "load_released_weights",
            "random_released_tensors", "released_shapes"]
