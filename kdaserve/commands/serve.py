@@ -42,6 +42,10 @@ def register(sub) -> None:
     p.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate (and --ssl-keyfile)")
     p.add_argument("--uvicorn-log-level", default=None, choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's own log level (default: --log-level)")
+    p.add_argument("--chat-template", default=None,
+                   help="a jinja2 chat template, or the path of a file holding one, instead of the checkpoint's")
+    p.add_argument("--enable-request-id-headers", action="store_true",
+                   help="a client's X-Request-Id becomes the id of its completion (it is echoed either way)")
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="the model, as vLLM's `vllm serve MODEL` takes it (same as --model)")
     add_engine_args(p)
@@ -71,6 +75,13 @@ def run(args) -> int:
         return 1
     from kdaserve.server.access import AccessSettings
 
+    if args.chat_template:
+        from pathlib import Path
+
+        path = Path(args.chat_template)
+        # A path names a file; anything else is the template itself (as vLLM takes it).
+        engine.tokenizer.chat_template = path.read_text() if path.is_file() else args.chat_template
+
     try:
         access = AccessSettings.for_server(args.host, args.api_key, (args.allowed_hosts or "").split(",") if args.allowed_hosts else None,
                                            args.max_request_body_bytes)
@@ -80,7 +91,8 @@ def run(args) -> int:
     # Requests may name the model as served or as given to --model; /v1/models shows the served name only.
     app = build_app(engine, served_model_name=args.served_model_name, model_root=args.model,
                     max_queued_requests=args.max_queued_requests, access=access, enable_docs=args.enable_docs,
-                    allowed_origins=args.allowed_origins.split(",") if args.allowed_origins else None)
+                    allowed_origins=args.allowed_origins.split(",") if args.allowed_origins else None,
+                    request_id_headers=args.enable_request_id_headers)
     serve_forever(app, args.host, args.port, log_level=args.uvicorn_log_level or args.log_level, root_path=args.root_path,
                   ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile)
     return 0

@@ -8,6 +8,15 @@ import json
 from pathlib import Path
 
 
+def render_chat_template(template: str, messages: list[dict], add_generation_prompt: bool = True, **variables) -> str:
+    """A jinja2 chat template, rendered in jinja2's immutable sandbox (no attribute access outside
+    it, no mutation of what it is given)."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
+
+
 def _simple_chat_template(messages: list[dict], add_generation_prompt: bool = True) -> str:
     """A template for models that ship none: role markers from the byte tokenizer's specials."""
     text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
@@ -24,6 +33,7 @@ class ByteTokenizer:
         self.eos_token_id = self.special_ids["<|endoftext|>"]
         self.bos_token_id = None
         self.vocab_size = 256 + len(self.SPECIALS)
+        self.chat_template: str | None = None   # `serve --chat-template` may set one
 
     def encode(self, text: str) -> list[int]:
         ids: list[int] = []
@@ -58,7 +68,9 @@ class ByteTokenizer:
         out.append(buf.decode("utf-8", errors="replace"))
         return "".join(out)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **_) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        if self.chat_template:
+            return render_chat_template(self.chat_template, messages, add_generation_prompt, **kwargs)
         return _simple_chat_template(messages, add_generation_prompt)
 
     def to_tokenizers_json(self) -> str:
@@ -122,13 +134,8 @@ class HFTokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         if not isinstance(self.chat_template, str):
             return _simple_chat_template(messages, add_generation_prompt)
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         specials = {k: (v.get("content") if isinstance(v, dict) else v) for k, v in self._cfg.items() if k.endswith("_token")}
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **specials, **kwargs
-        )
+        return render_chat_template(self.chat_template, messages, add_generation_prompt, **specials, **kwargs)
 
 
 def load_checkpoint_tokenizer(path: str | Path, eos_token_id=None):

@@ -32,6 +32,7 @@ def build_app(
     access: AccessSettings | None = None,
     enable_docs: bool = False,
     allowed_origins: list[str] | None = None,
+    request_id_headers: bool = False,
 ):
     """An app serving `engine` (an `LLMEngine`); its engine thread runs while the app is up.
     `access`: API keys, Host check and body limit (server/access.py; default: no key, no Host
@@ -52,6 +53,7 @@ def build_app(
         model_name=name,
         model_root=model_root or name,
         max_model_len=int(engine.max_model_len),
+        request_id_headers=request_id_headers,
     )
 
     @asynccontextmanager

@@ -14,6 +14,7 @@ from kdaserve.server.serving import (
     ServerState,
     check_model,
     new_id,
+    response_and_engine_ids,
     replay_then_rest,
     resolve_max_tokens,
     response_envelope,
@@ -58,10 +59,10 @@ class ChatHandler:
         budget = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = resolve_max_tokens(state, len(prompt_ids), budget)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        request_id = new_id("chatcmpl")
+        request_id, engine_id = response_and_engine_ids(state, request, "chatcmpl")
         engine_requests = [
             (
-                f"{request_id}-{j}",
+                f"{engine_id}-{j}",
                 prompt_ids,
                 sampling_params(req, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=None, choice=j),
             )

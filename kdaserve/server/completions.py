@@ -13,6 +13,7 @@ from kdaserve.server.serving import (
     ServerState,
     check_model,
     new_id,
+    response_and_engine_ids,
     replay_then_rest,
     resolve_max_tokens,
     response_envelope,
@@ -119,7 +120,7 @@ class CompletionHandler:
         check_model(state, req.model)
         prompts = normalize_prompts(state, req.prompt)
         wants_prompt_logprobs = req.echo and req.logprobs is not None
-        request_id = new_id("cmpl")
+        request_id, engine_id = response_and_engine_ids(state, request, "cmpl")
         choices: list[Choice] = []
         engine_requests = []
         for i, prompt in enumerate(prompts):
@@ -134,7 +135,7 @@ class CompletionHandler:
                     choice=j,
                 )
                 choices.append(Choice(prompt, echo_text, score_only=max_tokens == 0))
-                engine_requests.append((f"{request_id}-{i}-{j}", prompt.token_ids, params))
+                engine_requests.append((f"{engine_id}-{i}-{j}", prompt.token_ids, params))
 
         return await run_group(
             request,

@@ -33,6 +33,7 @@ class ServerState:
     model_name: str
     model_root: str
     max_model_len: int
+    request_id_headers: bool = False   # --enable-request-id-headers: a client's X-Request-Id is the response id
     created: int = field(default_factory=lambda: int(time.time()))
     _token_text: dict[int, str] = field(default_factory=dict)
 
@@ -58,6 +59,14 @@ class ServerState:
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def response_and_engine_ids(state: ServerState, request: Request, prefix: str) -> tuple[str, str]:
+    """(the id the client sees, the stem of the engine's request ids). With request-id headers the
+    client's X-Request-Id is the response id; the engine's ids stay unique whatever clients send."""
+    engine_id = new_id(prefix)
+    given = request.headers.get("x-request-id") if state.request_id_headers else None
+    return (given if given else engine_id), engine_id
 
 
 async def parse_body(request: Request, model: type[Model]) -> Model:

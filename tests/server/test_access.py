@@ -134,3 +134,33 @@ def test_the_open_file_limit_is_raised_to_the_hard_limit():
         assert got == resource.getrlimit(resource.RLIMIT_NOFILE)[0] > 256
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_request_id_headers_make_the_client_id_the_response_id():
+    """With --enable-request-id-headers a client's X-Request-Id is the completion's id; two
+    requests with the same header still run (the engine's ids stay unique)."""
+    from server_helpers import make_engine
+
+    from kdaserve.server.app import build_app
+    from kdaserve.server.launch import BackgroundServer
+
+    with BackgroundServer(build_app(make_engine(), request_id_headers=True)) as srv, \
+            httpx.Client(base_url=srv.url, timeout=60) as c:
+        body = {"model": "tiny", "prompt": "Hi", "max_tokens": 2, "temperature": 0}
+        for _ in range(2):
+            r = c.post("/v1/completions", json=body, headers={"x-request-id": "req-7"})
+            assert r.status_code == 200 and r.json()["id"] == "req-7" and r.headers["x-request-id"] == "req-7"
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+        assert c.post("/v1/chat/completions", json=chat, headers={"x-request-id": "c-1"}).json()["id"] == "c-1"
+        assert c.post("/v1/completions", json=body).json()["id"].startswith("cmpl-")
+
+
+def test_a_chat_template_override_renders_in_the_sandbox():
+    from kdaserve.models.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    tok.chat_template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "[user] hi\n>"
+    tok.chat_template = "{{ messages.__class__.__mro__ }}"          # the sandbox refuses attribute escapes
+    with pytest.raises(Exception, match="unsafe|not safely"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
