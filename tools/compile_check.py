@@ -18,6 +18,10 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
+
+if __package__ in (None, ""):   # run as `python tools/compile_check.py`: make `tools` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import triton
 import triton.language as tl
