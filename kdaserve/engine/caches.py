@@ -4,9 +4,10 @@
   `cache_spec()` says; slot 0 is the null slot.
 - Attention layers: the tensors their `cache_shapes(num_blocks, block_size)` name, block-major:
   K and V `[num_kv_blocks + 1, block_size, Hkv, D]` for grouped-query attention, one latent cache
-  `[num_kv_blocks + 1, block_size, L + R]` for MLA. Block 0 is the null block (zeros, never written: padding block-table entries point there). The extra last block
-  is the trash block: padding rows of a CUDA-graph batch write their K/V there, so whatever they
-  hold (even NaN) is never read, not even under a mask.
+  `[num_kv_blocks + 1, block_size, L + R]` for MLA. Block 0 is the null block (zeros, never
+  written: padding block-table entries point there). The extra last block is the trash block:
+  padding rows of a CUDA-graph batch write their K/V there, so whatever they hold (even NaN) is
+  never read, not even under a mask.
 
 Everything starts zeroed: masked reads of stale rows then only ever see finite values.
 """
