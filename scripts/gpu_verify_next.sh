@@ -43,6 +43,7 @@ group stream 100 -m "gpu and not slow" tests/ops/test_fused_stream.py
 group chain 60 -m "gpu and not slow" tests/ops/test_chain.py
 group engine 150 tests/engine/test_engine_gpu.py
 group server 60 -m gpu tests/server/test_server_gpu.py      # the access layer and vLLM-named metrics came after run 3
+group mla_moe 100 -m gpu tests/ops/test_mla.py tests/ops/test_moe.py   # their dot precision now comes from ops/precision.py
 fi
 if [ "$PART" = kimi ]; then
 # Ran in the eighth session (run 4): the MLA/MoE GPU tests, two of three model GPU tests and the

@@ -41,6 +41,7 @@ class Case:
     warps: int = 4
     stages: int = 3
     quick: bool = False          # part of the one-shape-per-kernel set
+    no_spill: bool = False       # must not spill on any target, sm_90 included
     precision: dict = field(default_factory=dict)   # constexpr -> "tc" | "exact"
     # The launch where a target differs, by target-name prefix ("gfx", "gfx942"):
     # {"consts": {...}, "warps": n, "stages": n}, as the kernel's wrapper chooses it there.
@@ -63,16 +64,9 @@ class Case:
         return consts
 
 
-def _flash_config_on(target: str):
-    """flash's launch parameters as config.config_for chooses them on `target`."""
-    import unittest.mock
-
-    import torch
-
-    from kdaserve.ops.flash.config import config_for
-
-    with unittest.mock.patch("kdaserve.ops.precision.device_target", lambda device: target):
-        return config_for(torch.device("cpu"))
+def _mla_decode_launch(shape: tuple[int, int, int]) -> dict:
+    tile, warps, stages = shape
+    return dict(consts=dict(TILE=tile), warps=warps, stages=stages)
 
 
 def _recurrence_launch(cfg, segmented: bool) -> dict:
@@ -83,6 +77,7 @@ def _recurrence_launch(cfg, segmented: bool) -> dict:
 
 def _flash_cases() -> list[Case]:
     from kdaserve.ops.flash.config import DEFAULT_CONFIG as cfg
+    from kdaserve.ops.flash.config import config_for_target
     from kdaserve.ops.flash.correct import flash_correct_kernel
     from kdaserve.ops.flash.plan import flash_plan_kernel
     from kdaserve.ops.flash.prepare import flash_prepare_kernel
@@ -109,7 +104,7 @@ def _flash_cases() -> list[Case]:
         out.append(Case(f"flash recurrence C={C} segmented={seg}", flash_recurrence_kernel, rec_types,
                         dict(H=32, D=128, C=C, BV=bv, SEGMENTED=seg, L_PAD=4, FAST=False), warps, stages,
                         quick=not seg, precision={"PREC": "tc"},
-                        per_target={t: _recurrence_launch(_flash_config_on(t), seg) for t in TARGETS}))
+                        per_target={t: _recurrence_launch(config_for_target(t), seg) for t in TARGETS}))
     out.append(Case("flash scan", flash_scan_kernel, dict(bm_ptr=F32, start_ptr=F32, s_ptr=F32, idx_ptr=I32, seq_seg0_ptr=I32),
                     dict(H=32, D=128, BV=cfg.scan_block_v), cfg.scan_warps, cfg.scan_stages, quick=True,
                     precision={"PREC": "exact"}))
@@ -161,7 +156,7 @@ def _other_cases() -> list[Case]:
     from kdaserve.ops.conv.update_kernel import conv_update_kernel
     from kdaserve.ops.conv.varlen import BLOCK_C, BLOCK_T, NUM_WARPS
     from kdaserve.ops.conv.varlen_kernel import conv_varlen_out_kernel, conv_varlen_state_kernel
-    from kdaserve.ops.mla.decode import _mla_decode_kernel
+    from kdaserve.ops.mla.decode import _mla_decode_kernel, launch_shape
     from kdaserve.ops.mla.prefill import _mla_prefill_kernel
     from kdaserve.ops.moe.fused import _moe_down_kernel, _moe_gate_up_kernel
     from kdaserve.ops.norm.gated_rms_norm import gated_rms_norm_kernel
@@ -182,26 +177,29 @@ def _other_cases() -> list[Case]:
              dict(HKV=4, G=4, GP=16, D=128, BLOCK_SIZE=16, TILE=64), quick=True, precision={"PREC": "tc"}),
         Case("mla decode L=512 R=64", _mla_decode_kernel,
              dict(ql_ptr=BF, qp_ptr=BF, cache_ptr=BF, tables_ptr=I32, lens_ptr=I32, out_ptr=BF, scale="fp32"),
-             dict(H=32, L=512, R=64, BLOCK_H=16, BLOCK_SIZE=16, TILE=32), 8, quick=True, precision={"PREC": "tc"},
-             per_target={"gfx": dict(consts=dict(TILE=16), warps=4, stages=2)}),   # ops/mla/decode.launch_shape
+             dict(H=32, L=512, R=64, BLOCK_H=16, BLOCK_SIZE=16), quick=True, precision={"PREC": "tc"}, no_spill=True,
+             per_target={t: _mla_decode_launch(launch_shape(t, 512)) for t in TARGETS}),
         Case("mla prefill Dn=128 R=64 Dv=128", _mla_prefill_kernel,
              dict(qn_ptr=BF, qp_ptr=BF, kn_ptr=BF, kp_ptr=BF, v_ptr=BF, out_ptr=BF, blk_seq_ptr=I32, blk_start_ptr=I32,
                   cu_q_ptr=I32, cu_k_ptr=I32, scale="fp32"),
-             dict(DN=128, R=64, DV=128, BLOCK_M=64, BLOCK_N=32), 8, 2, quick=True, precision={"PREC": "tc"}),
+             dict(DN=128, R=64, DV=128, BLOCK_M=64, BLOCK_N=32), 8, 2, quick=True, precision={"PREC": "tc"},
+             no_spill=True),
     ]
-    for bm in (16, 64):
+    for bm in (16, 32, 64):   # ops/moe/fused.moe_block_m's choices
         out.append(Case(f"moe gate_up BM={bm}", _moe_gate_up_kernel,
                         dict(x_ptr=BF, w_ptr=BF, sorted_ptr=I32, experts_ptr=I32, h_ptr=BF),
-                        dict(TOPK=8, LIMIT=0.0, HAS_LIMIT=False, BM=bm, BN=64, BK=64), quick=bm == 16, precision={"PREC": "tc"}))
+                        dict(TOPK=8, LIMIT=0.0, HAS_LIMIT=False, BM=bm, BN=64, BK=64), quick=bm == 16, precision={"PREC": "tc"},
+                        no_spill=True))
         out.append(Case(f"moe down BM={bm}", _moe_down_kernel,
                         dict(h_ptr=BF, w_ptr=BF, sorted_ptr=I32, experts_ptr=I32, weights_ptr=F32, y_ptr=BF),
-                        dict(BM=bm, BN=64, BK=64), quick=bm == 16, precision={"PREC": "tc"}))
+                        dict(BM=bm, BN=64, BK=64), quick=bm == 16, precision={"PREC": "tc"}, no_spill=True))
     return out
 
 
-def all_cases(quick: bool = False) -> list[Case]:
+def all_cases(quick: bool = False, kernels: tuple[str, ...] = ()) -> list[Case]:
+    """Every case, or one shape per kernel (`quick`); `kernels`: only names starting with one of these."""
     cases = _flash_cases() + _decode_cases() + _other_cases()
-    return [c for c in cases if c.quick] if quick else cases
+    return [c for c in cases if (c.quick or not quick) and (not kernels or c.name.startswith(kernels))]
 
 
 def check(target: str, cases: list[Case], baseline: dict[str, int] | None = None) -> tuple[list[str], dict[str, int]]:
@@ -220,7 +218,9 @@ def check(target: str, cases: list[Case], baseline: dict[str, int] | None = None
         notes = []
         if res.shared_bytes > SHARED_LIMIT[target]:
             notes.append(f"SHARED {res.shared_bytes} > {SHARED_LIMIT[target]}")
-        if res.spill_bytes and target != "sm_90" and baseline is not None and not baseline.get(c.name):
+        if res.spill_bytes and c.no_spill:
+            notes.append("SPILLS")
+        elif res.spill_bytes and target != "sm_90" and baseline is not None and not baseline.get(c.name):
             notes.append("SPILLS (the sm_90 build does not)")
         prec = {k: v for k, v in c.constexprs(target).items() if k in c.precision}
         print(f"{target} {c.name}: {res.report(target)} {occupancy(res, target, warps)}"
@@ -233,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--arch", default="sm_90", help=f"one of {', '.join(TARGETS)}, a comma-separated list, or all")
     ap.add_argument("--quick", action="store_true", help="one serving shape per kernel")
+    ap.add_argument("--kernels", default="", help="comma-separated name prefixes (e.g. mla,moe): only those kernels")
     args = ap.parse_args(argv)
     if triton.knobs.runtime.interpret:
         sys.exit("run without TRITON_INTERPRET: this compiles for the GPU")
@@ -240,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [t for t in targets if t not in TARGETS]
     if unknown:
         ap.error(f"unknown architecture {unknown}; expected {', '.join(TARGETS)} or all")
-    cases = all_cases(args.quick)
+    cases = all_cases(args.quick, tuple(k for k in args.kernels.split(",") if k))
     problems, baseline = [], None
     if any(t != "sm_90" for t in targets):
         # sm_90 first: a spill elsewhere counts only where the sm_90 build has none.
@@ -248,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         problems += probs if "sm_90" in targets else []
     for t in targets:
         if t != "sm_90" or baseline is None:
-            probs, spills = check(t, cases, baseline)
+            probs, _ = check(t, cases, baseline)
             problems += probs
     if problems:
         print(f"{len(problems)} problems:\n  " + "\n  ".join(problems))

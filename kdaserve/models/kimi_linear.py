@@ -205,7 +205,7 @@ def load_released_weights(model: KimiLinearForCausalLM, weights: Iterable[tuple[
             if layer.is_kda and rest.startswith("self_attn."):
                 kda_items[i].append((rest.removeprefix("self_attn."), tensor))
             else:
-                _load_layer_tensor(layer, rest, tensor, f"model.layers.{i}.")
+                _load_layer_tensor(model, layer, i, rest, tensor, params)
         loaded.add(name)
     for i, items in kda_items.items():
         model.model.layers[i].self_attn.load_weights(items)
@@ -218,15 +218,15 @@ def load_released_weights(model: KimiLinearForCausalLM, weights: Iterable[tuple[
     return loaded
 
 
-def _load_layer_tensor(layer: KimiDecoderLayer, rest: str, tensor: torch.Tensor, prefix: str) -> None:
+def _load_layer_tensor(model, layer: KimiDecoderLayer, i: int, rest: str, tensor: torch.Tensor, params: dict) -> None:
     e = _EXPERT.fullmatch(rest)
     if e:
         layer.block_sparse_moe.load_expert(int(e[1]), e[2], tensor)
         return
     renamed = {"block_sparse_moe.gate.weight": "block_sparse_moe.gate_weight",
                "block_sparse_moe.gate.e_score_correction_bias": "block_sparse_moe.e_score_correction_bias"}.get(rest, rest)
-    if not load_named_tensor(layer, renamed, tensor):
-        raise ValueError(f"{prefix}{rest}: no parameter of the model takes it")
+    if not load_named_tensor(model, f"model.layers.{i}.{renamed}", tensor, params):
+        raise ValueError(f"model.layers.{i}.{rest}: no parameter of the model takes it")
 
 
 # ---- random weights at any size (tests, `--load-format dummy`) ------------------------------------

@@ -55,7 +55,8 @@ def test_flash_and_mla_launch_shapes_on_amd(rocm):
     rocm("gfx942")
     cfg = config_for(torch.device("cuda:0"))
     assert (cfg.recur_stages, cfg.seg_warps) == (2, 8)               # 64 KB of LDS; the map pass spills at 4 warps
-    assert launch_shape(torch.device("cuda:0"), 512) == (16, 4, 2)
+    assert launch_shape(precision.device_target(torch.device("cuda:0")), 512) == (16, 4, 2)
+    assert launch_shape("sm_90", 512) == (32, 8, 3)
     precision._gpu_target.cache_clear()
     rocm("gfx950")
     cfg = config_for(torch.device("cuda:0"))

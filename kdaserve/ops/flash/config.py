@@ -56,13 +56,17 @@ DEFAULT_CONFIG = FlashConfig()
 
 
 def config_for(device: torch.device) -> FlashConfig:
-    """The default launch parameters on `device`'s architecture (tools/compile_check.py compiles
-    each target's): K2's third pipeline stage needs 84 KB of shared memory, more than gfx942's 64 KB
-    of LDS per workgroup, so MI300 runs two; the segment-map pass spills at 4 warps on sm_100 and
-    on AMD and runs 8 there. The H200 (sm_90) and everything else: the defaults."""
+    """The default launch parameters on `device`'s architecture (config_for_target)."""
     from kdaserve.ops.precision import device_target
 
-    target = device_target(device)
+    return config_for_target(device_target(device))
+
+
+def config_for_target(target: str) -> FlashConfig:
+    """The default launch parameters on `target` ("sm_90", "gfx942", ...; tools/compile_check.py
+    compiles each target's): K2's third pipeline stage needs 84 KB of shared memory, more than
+    gfx942's 64 KB of LDS per workgroup, so MI300 runs two; the segment-map pass spills at 4 warps on
+    sm_100 and on AMD and runs 8 there. The H200 (sm_90) and everything else: the defaults."""
     if target == "gfx942":
         return replace(DEFAULT_CONFIG, recur_stages=2, seg_warps=8)
     if target == "gfx950" or (target.startswith("sm_") and int(target[3:]) >= 100):

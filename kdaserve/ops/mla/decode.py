@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from kdaserve.ops import interpreter_compat
-from kdaserve.ops.precision import dot_precision
+from kdaserve.ops.precision import device_target, dot_precision
 
 
 @triton.jit
@@ -56,10 +56,11 @@ def _mla_decode_kernel(
              mask=h_ok[:, None])
 
 
-def launch_shape(device: torch.device, L: int) -> tuple[int, int, int]:
-    """(tokens per tile, warps, pipeline stages): on AMD (wave64) 16-token tiles in 4 waves are
-    the shape that spills on neither gfx942 nor gfx950 at L = 512 (tools/compile_check.py)."""
-    if device.type == "cuda" and torch.version.hip:
+def launch_shape(target: str, L: int) -> tuple[int, int, int]:
+    """(tokens per tile, warps, pipeline stages) on `target` (ops/precision.device_target): on AMD
+    (wave64) 16-token tiles in 4 waves are the shape that spills on neither gfx942 nor gfx950 at
+    L = 512 (tools/compile_check.py)."""
+    if target.startswith("gfx"):
         return 16, 4, 2
     return 32, 4 if L <= 128 else 8, 3
 
@@ -82,7 +83,7 @@ def mla_decode_triton(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.T
     q_latent, q_pe = q_latent.to(cache.dtype), q_pe.to(cache.dtype)
     out = torch.empty(B, H, L, dtype=cache.dtype, device=cache.device)
     BLOCK_H = 16
-    tile, warps, stages = launch_shape(cache.device, L)
+    tile, warps, stages = launch_shape(device_target(cache.device), L)
     _mla_decode_kernel[(B, triton.cdiv(H, BLOCK_H))](
         q_latent, q_pe, cache, block_tables, context_lens, out, scale,
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), out.stride(0), out.stride(1),

@@ -86,7 +86,7 @@ def mla_prefill_triton(q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: torch.T
     if T == 0:
         return out
     # GPU: [64, 32] tiles at 8 warps are the largest measured not to spill at Kimi-Linear's head
-    # sizes (tools/compile_check_kimi.py); the interpreter takes the smallest dot tiles.
+    # sizes (tools/compile_check.py); the interpreter takes the smallest dot tiles.
     BLOCK_M, BLOCK_N, warps = (64, 32, 8) if q_nope.is_cuda else (16, 16, 4)
     seq_of_block = np.concatenate([np.full(-(-n // BLOCK_M), i, np.int32) for i, n in enumerate(query_lens)])
     start_of_block = np.concatenate([np.arange(0, n, BLOCK_M, dtype=np.int32) for n in query_lens])
