@@ -34,6 +34,14 @@ def kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) ->
     return elems * torch.empty((), dtype=dtype).element_size()
 
 
+def format_bytes(n: int) -> str:
+    """A size for an error message, in the largest binary unit that keeps it at 1 or more."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
 class StepCaches:
     def __init__(self, model: nn.Module, num_slots: int, num_kv_blocks: int, block_size: int, kv_dtype, device):
         self.num_slots, self.num_kv_blocks, self.block_size = num_slots, num_kv_blocks, block_size

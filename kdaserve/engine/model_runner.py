@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kdaserve.engine.caches import StepCaches, kv_bytes_per_block, state_bytes_per_slot
+from kdaserve.engine.caches import StepCaches, format_bytes, kv_bytes_per_block, state_bytes_per_slot
 from kdaserve.engine.config import EngineConfig
 from kdaserve.engine.cuda_graphs import DecodeGraphs
 from kdaserve.engine.sampler import Sampler, SampleResult, logprob_rows
@@ -93,13 +93,13 @@ class ModelRunner:
         if state + one_seq > free:
             fit = max(0, (free - one_seq) // per_slot - 1) if per_slot else 0
             tokens = max(0, (free - state) // per_block - 1) * self.block_size
+            shorter = f" or --max-model-len to at most {tokens}" if tokens > 0 else ""
             raise RuntimeError(
-                f"max_num_seqs={cfg.max_num_seqs} needs {state / gib:.2f} GiB of KDA state ({per_slot / 2**20:.1f} MiB per "
-                f"sequence) plus {one_seq / gib:.2f} GiB of attention cache for one sequence of max_model_len="
+                f"max_num_seqs={cfg.max_num_seqs} needs {state / gib:.2f} GiB of KDA state ({format_bytes(per_slot)} per "
+                f"sequence) plus {format_bytes(one_seq)} of attention cache for one sequence of max_model_len="
                 f"{self.max_model_len}, but {max(free, 0) / gib:.2f} GiB are left after the weights and activations at "
-                f"gpu_memory_utilization={cfg.gpu_memory_utilization}: {fit} sequences of max_model_len fit, and with "
-                f"{cfg.max_num_seqs} sequences a context of {tokens} tokens; lower --max-num-seqs to at most {fit} or "
-                f"--max-model-len to at most {tokens}, or raise --gpu-memory-utilization")
+                f"gpu_memory_utilization={cfg.gpu_memory_utilization}: {fit} sequences fit; lower --max-num-seqs to at "
+                f"most {fit}{shorter}, or raise --gpu-memory-utilization")
         blocks = int(min(enough, (free - state) // per_block))
         self.memory_plan = {"state_gib": state / gib, "kv_gib": blocks * per_block / gib, "kv_tokens": blocks * self.block_size,
                             "free_gib": free / gib}

@@ -80,3 +80,12 @@ def test_reset_refuses_while_an_id_is_in_use_and_then_restores_a_fresh_order():
     pool.free(held)
     pool.reset()
     assert [pool.allocate() for _ in range(3)] == fresh
+
+
+def test_capacity_errors_give_sizes_in_the_unit_that_fits():
+    from kdaserve.engine.caches import format_bytes
+
+    assert format_bytes(27 * 1024 + 512) == "27.50 KiB"      # kimi-tiny's state was printed "0.0 MiB"
+    assert format_bytes(41 * 2**20) == "41.00 MiB"
+    assert format_bytes(3 * 2**30) == "3.00 GiB"
+    assert format_bytes(100) == "100 B"
