@@ -25,6 +25,7 @@ class KDABackendChoice:
     decode: str = "auto"
     state_dtype: torch.dtype = torch.float32
     conv_layout: str = "SD"
+    num_spec_tokens: int = 0   # S draft tokens per verify step (speculative decoding), 0 = off
 
 
 @dataclass(frozen=True, slots=True)

@@ -100,7 +100,7 @@ class KDALayer(nn.Module):
             conv_layout=conv_layout, num_spec_tokens=num_spec_tokens, conv_width=W,
         )
         if backends is None:
-            choice = KDABackendChoice(prefill_backend, decode_backend, state_dtype, conv_layout)
+            choice = KDABackendChoice(prefill_backend, decode_backend, state_dtype, conv_layout, num_spec_tokens)
             backends = resolve_kda_backends(choice, self.settings, H, Machine.detect(device), log=False)
         elif (backends.settings, backends.num_heads) != (self.settings, H):
             raise ValueError(f"layer {layer_idx}: the KDA backends were resolved for {backends.num_heads} heads and "

@@ -21,7 +21,7 @@ from kdaserve.models.config import HybridConfig
 
 def _kda_layer_settings(config: HybridConfig, kda: KDABackendChoice, dtype: torch.dtype) -> LayerSettings:
     return LayerSettings(input_dtype=dtype, head_dim=config.linear_head_dim, lower_bound=config.linear_lower_bound,
-                         state_dtype=kda.state_dtype, conv_layout=kda.conv_layout, num_spec_tokens=0,
+                         state_dtype=kda.state_dtype, conv_layout=kda.conv_layout, num_spec_tokens=kda.num_spec_tokens,
                          conv_width=config.linear_conv_kernel_dim)
 
 
@@ -44,7 +44,7 @@ class DecoderLayer(nn.Module):
                 h, config.linear_num_heads, config.linear_head_dim,
                 conv_kernel_size=config.linear_conv_kernel_dim, lower_bound=config.linear_lower_bound,
                 layer_idx=layer_idx, params_dtype=dtype, device=device, state_dtype=kda.state_dtype,
-                conv_layout=kda.conv_layout, backends=kda_backends,
+                conv_layout=kda.conv_layout, num_spec_tokens=kda.num_spec_tokens, backends=kda_backends,
             )
         else:
             self.self_attn = FullAttention(

@@ -41,7 +41,7 @@ _EXPERT = re.compile(r"block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight")
 
 def _kda_settings(config: KimiLinearConfig, kda: KDABackendChoice, dtype: torch.dtype) -> LayerSettings:
     return LayerSettings(input_dtype=dtype, head_dim=config.linear_head_dim, lower_bound=None,
-                         state_dtype=kda.state_dtype, conv_layout=kda.conv_layout, num_spec_tokens=0,
+                         state_dtype=kda.state_dtype, conv_layout=kda.conv_layout, num_spec_tokens=kda.num_spec_tokens,
                          conv_width=config.linear_conv_kernel_dim)
 
 
@@ -59,7 +59,7 @@ class KimiDecoderLayer(nn.Module):
             self.self_attn = KDALayer(
                 h, c.linear_num_heads, c.linear_head_dim, conv_kernel_size=c.linear_conv_kernel_dim, lower_bound=None,
                 norm_eps=c.rms_norm_eps, layer_idx=i, params_dtype=dtype, device=device, state_dtype=kda.state_dtype,
-                conv_layout=kda.conv_layout, backends=kda_backends,
+                conv_layout=kda.conv_layout, num_spec_tokens=kda.num_spec_tokens, backends=kda_backends,
             )
         else:
             self.self_attn = MLAttention(
