@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kdaserve.backends.kda_backends import KDABackendChoice
+from kdaserve.engine.speculative.config import SpeculativeConfig
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16, "float64": torch.float64}
@@ -69,6 +70,10 @@ class EngineConfig:
     max_logprobs: int = field(default=20, metadata=_flag("most logprobs a request may ask for per token"))
     cuda_graph_max_batch_size: int | None = field(default=None, metadata=_flag(
         "largest decode batch captured as a CUDA graph (default: max_num_seqs, at most 512 as vLLM's)", name="--max-cudagraph-capture-size"))
+    speculative_config: dict | str | SpeculativeConfig | None = field(default=None, metadata=_flag(
+        'speculative decoding, as a JSON object in vLLM\'s spelling: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2} (prompt lookup; lossless: greedy outputs are unchanged, '
+        'sampled ones keep their distribution)'))
     # Run dummy steps at startup so that kernel JIT specializations are compiled before the first
     # requests (engine/warmup.py), on a CUDA device (nothing is compiled on the CPU); graphs or not.
     warmup: bool = field(default=True, metadata=_flag(
@@ -89,8 +94,17 @@ class EngineConfig:
             raise ValueError(f"invalid max_model_len: got {self.max_model_len}; expected >= 2 (a prompt token and an output token)")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"invalid load_format: got {self.load_format!r}; expected auto, safetensors or dummy")
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.max_num_batched_tokens < self.num_spec_tokens + 1:
+            raise ValueError(f"invalid max_num_batched_tokens: got {self.max_num_batched_tokens}; a verify step of "
+                             f"num_speculative_tokens + 1 = {self.num_spec_tokens + 1} tokens must fit")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"invalid gpu_memory_utilization: got {self.gpu_memory_utilization}; expected a number in (0, 1]")
+
+    @property
+    def num_spec_tokens(self) -> int:
+        """S draft tokens per verify step; 0 without speculative decoding."""
+        return self.speculative_config.num_speculative_tokens if self.speculative_config else 0
 
     @property
     def use_cuda_graphs(self) -> bool:
@@ -99,4 +113,5 @@ class EngineConfig:
     @property
     def kda(self) -> KDABackendChoice:
         """The KDA backend choice, frozen; the model resolves it once."""
-        return KDABackendChoice(self.kda_prefill_backend, self.kda_decode_backend, self.state_dtype, self.conv_layout)
+        return KDABackendChoice(self.kda_prefill_backend, self.kda_decode_backend, self.state_dtype, self.conv_layout,
+                                self.num_spec_tokens)

@@ -1,7 +1,11 @@
 """CUDA graphs for decode steps: one graph per batch size bucket, captured over static input and
 metadata buffers. A decode batch of n sequences replays the smallest bucket >= n; the padding
 rows point at the null state slot (KDA layers skip them), the null KV block (reads) and the trash
-KV row (writes), so they change nothing that a real sequence will ever read."""
+KV row (writes), so they change nothing that a real sequence will ever read.
+
+With speculative decoding every decode is a verify of m = S+1 tokens per sequence: the graphs are
+captured for verify steps instead (m token rows per sequence, the per-token state slots and the
+accepted counts among the static buffers), at the same batch sizes."""
 
 from __future__ import annotations
 
@@ -23,66 +27,78 @@ class DecodeStaticInputs:
     device buffer, filled each step from a pinned staging buffer by one non-blocking copy of its
     first bytes (staging.py says why, and how reuse of the pinned buffer stays safe)."""
 
-    def __init__(self, max_batch_size: int, block_table_width: int, trash_row: int, device):
-        B, self.width, self.trash_row = max_batch_size, block_table_width, trash_row
+    def __init__(self, max_batch_size: int, block_table_width: int, trash_row: int, device, tokens_per_seq: int = 1):
+        B, self.width, self.trash_row, m = max_batch_size, block_table_width, trash_row, tokens_per_seq
+        self.m = m
         i64, i32 = torch.int64, torch.int32
         # Block tables last: a step copies the layout up to its own batch's rows of them.
         self.layout = PackedLayout([
-            ("input_ids", i64, (B,)), ("positions", i64, (B,)), ("slot_mapping", i64, (B,)),
-            ("sample_rows", i64, (B,)), ("state_indices", i32, (B,)), ("context_lens", i32, (B,)),
-            ("block_tables", i32, (B, block_table_width)),
+            ("input_ids", i64, (B * m,)), ("positions", i64, (B * m,)), ("slot_mapping", i64, (B * m,)),
+            ("sample_rows", i64, (B * m,)), ("state_indices", i32, (B,)), ("context_lens", i32, (B * m,)),
+            ("verify_slots", i32, (B, m) if m > 1 else (0,)), ("num_accepted", i32, (B if m > 1 else 0,)),
+            ("block_tables", i32, (B * m, block_table_width)),
         ])
         self.buffer = torch.zeros(self.layout.nbytes, dtype=torch.uint8, device=device)
         views = self.layout.device_views(self.buffer)
         self.input_ids, self.positions, self.state_indices = views["input_ids"], views["positions"], views["state_indices"]
         self.slot_mapping, self.block_tables, self.context_lens = views["slot_mapping"], views["block_tables"], views["context_lens"]
+        self.verify_slots, self.num_accepted = views["verify_slots"], views["num_accepted"]
         self.sample_rows = views["sample_rows"]   # read outside the graph (logit rows), staged with the rest
         self.slot_mapping.fill_(trash_row)
         self.context_lens.fill_(1)
+        self.num_accepted.fill_(1)
         self.ring = StagingRing(self.layout.nbytes, torch.device(device))
         self._host_views: dict[int, tuple[object, dict]] = {}   # per ring buffer: its numpy views, made once
 
     def stage(self, step: HostStep, bs: int) -> torch.Tensor | None:
         """Write the step, padded to `bs` rows, into a pinned buffer and copy that into the static
         buffers. Returns the device index of the sample rows (None: they are rows 0..k-1)."""
-        n = step.num_decodes
+        n, m = step.num_decodes, self.m
         i, host = self.ring.acquire(self.layout.nbytes)
         cached = self._host_views.get(i)
         if cached is None or cached[0] is not host:
             cached = self._host_views[i] = (host, self.layout.host_views(host))
         h = cached[1]
-        for name, values, pad in (
-            ("input_ids", step.input_ids, 0), ("positions", step.positions, 0),
-            ("slot_mapping", step.slot_mapping, self.trash_row), ("state_indices", step.decode_slots, 0),
-            ("context_lens", step.decode_context_lens, 1),
+        for name, values, pad, rows in (
+            ("input_ids", step.input_ids, 0, m), ("positions", step.positions, 0, m),
+            ("slot_mapping", step.slot_mapping, self.trash_row, m), ("state_indices", step.decode_slots, 0, 1),
+            ("context_lens", step.decode_context_lens, 1, m),
         ):
-            h[name][:n] = values
-            h[name][n:bs] = pad
-        write_block_tables(h["block_tables"][:bs], step.decode_tables)   # padding rows: null blocks only
+            h[name][: n * rows] = values
+            h[name][n * rows : bs * rows] = pad
+        if m > 1:
+            h["verify_slots"][:n] = step.decode_verify_slots
+            h["verify_slots"][n:bs] = 0
+            h["num_accepted"][:n] = step.decode_num_accepted
+            h["num_accepted"][n:bs] = 1
+        write_block_tables(h["block_tables"][: bs * m], step.decode_tables)   # padding rows: null blocks only
         rows = step.logits.sample_rows
         staged_rows = not step.logits.sample_rows_are_leading
         if staged_rows:
             h["sample_rows"][: len(rows)] = rows
-        self.ring.submit(i, self.buffer, self.layout.end_of("block_tables", bs))
+        self.ring.submit(i, self.buffer, self.layout.end_of("block_tables", bs * m))
         return self.sample_rows[: len(rows)] if staged_rows else None
 
 
 class DecodeGraphs:
-    def __init__(self, model, *, max_batch_size: int, block_table_width: int, trash_row: int, hidden_size: int, dtype, device):
+    def __init__(self, model, *, max_batch_size: int, block_table_width: int, trash_row: int, hidden_size: int, dtype, device,
+                 tokens_per_seq: int = 1):
         self.model = model
         self.sizes = graph_batch_sizes(max_batch_size)
-        self.width = block_table_width
-        self.inputs = DecodeStaticInputs(self.sizes[-1], block_table_width, trash_row, device)
-        self.outputs = torch.zeros(self.sizes[-1], hidden_size, dtype=dtype, device=device)
+        self.width, self.m = block_table_width, tokens_per_seq
+        self.inputs = DecodeStaticInputs(self.sizes[-1], block_table_width, trash_row, device, tokens_per_seq)
+        self.outputs = torch.zeros(self.sizes[-1] * tokens_per_seq, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._capture()
 
     def _context(self, bs: int) -> Context:
-        x = self.inputs
-        kda = KDAStepMetadata(num_decodes=bs, num_decode_tokens=bs, decode_state_indices=x.state_indices[:bs])
+        x, rows = self.inputs, bs * self.m
+        kda = KDAStepMetadata(num_decodes=bs, num_decode_tokens=rows, decode_state_indices=x.state_indices[:bs])
+        if self.m > 1:
+            kda.spec_state_indices, kda.num_accepted_tokens = x.verify_slots[:bs], x.num_accepted[:bs]
         attn = AttentionMetadata(
-            slot_mapping=x.slot_mapping[:bs], num_decode_tokens=bs,
-            decode_block_tables=x.block_tables[:bs], decode_context_lens=x.context_lens[:bs],
+            slot_mapping=x.slot_mapping[:rows], num_decode_tokens=rows,
+            decode_block_tables=x.block_tables[:rows], decode_context_lens=x.context_lens[:rows],
         )
         backends = self.model.kda_backends
         return Context(kda=kda, kda_plan=backends.plan_step(kda) if backends is not None else None, attn=attn)
@@ -94,12 +110,13 @@ class DecodeGraphs:
         # Largest first, so smaller graphs fit in the memory pool the largest one reserved.
         for bs in reversed(self.sizes):
             set_context(self._context(bs))
+            rows = bs * self.m
             # Warm-up outside capture (kernel compilation, autotuning); all rows are padding here.
-            self.outputs[:bs] = self.model(ids[:bs], pos[:bs])
+            self.outputs[:rows] = self.model(ids[:rows], pos[:rows])
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool):
-                self.outputs[:bs] = self.model(ids[:bs], pos[:bs])
+                self.outputs[:rows] = self.model(ids[:rows], pos[:rows])
             if pool is None:
                 pool = graph.pool()
             self.graphs[bs] = graph
@@ -109,6 +126,7 @@ class DecodeGraphs:
     def can_run(self, step: HostStep) -> bool:
         return (
             0 < step.num_decodes <= self.sizes[-1]
+            and step.tokens_per_decode == self.m
             and not step.prefill_lens
             and step.decode_width <= self.width
         )
@@ -122,4 +140,4 @@ class DecodeGraphs:
         bs = self.bucket(step.num_decodes)
         sample_rows = self.inputs.stage(step, bs)
         self.graphs[bs].replay()
-        return self.outputs[: step.num_decodes], sample_rows
+        return self.outputs[: step.num_decode_tokens], sample_rows

@@ -42,8 +42,10 @@ class LLM:
         wanted = set(ids)
         final: dict[str, RequestOutput] = {}
         bar = _progress(len(ids)) if use_tqdm else None
-        prefill_tokens = decode_tokens = 0
+        prefill_tokens = decode_tokens = decode_steps = 0
         prefill_time = decode_time = 0.0
+        spec = self.engine.spec_stats
+        spec_before = spec.as_dict() if spec is not None else None
         while len(final) < len(ids):
             before = dict(self.engine.counters)
             t0 = time.perf_counter()
@@ -55,7 +57,7 @@ class LLM:
             if p:
                 prefill_tokens, prefill_time = prefill_tokens + p, prefill_time + dt
             else:
-                decode_tokens, decode_time = decode_tokens + g, decode_time + dt
+                decode_tokens, decode_time, decode_steps = decode_tokens + g, decode_time + dt, decode_steps + 1
             for o in outs:
                 if o.finished and o.request_id in wanted:
                     final[o.request_id] = o
@@ -70,10 +72,18 @@ class LLM:
             bar.close()
         self.last_run_stats = {
             "prefill_tokens": prefill_tokens, "prefill_time_s": prefill_time,
-            "decode_tokens": decode_tokens, "decode_time_s": decode_time,
+            "decode_tokens": decode_tokens, "decode_time_s": decode_time, "decode_steps": decode_steps,
             "prefill_tokens_per_s": prefill_tokens / prefill_time if prefill_time else 0.0,
             "decode_tokens_per_s": decode_tokens / decode_time if decode_time else 0.0,
         }
+        if spec is not None:   # this run's share of the acceptance counters
+            now = spec.as_dict()
+            for k in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"):
+                self.last_run_stats[k] = now[k] - spec_before[k]
+            drafts, drafted = self.last_run_stats["spec_decode_num_drafts"], self.last_run_stats["spec_decode_num_draft_tokens"]
+            accepted = self.last_run_stats["spec_decode_num_accepted_tokens"]
+            self.last_run_stats["spec_decode_acceptance_rate"] = accepted / drafted if drafted else None
+            self.last_run_stats["spec_decode_mean_acceptance_length"] = 1 + accepted / drafts if drafts else None
         return [final[i] for i in ids]
 
 

@@ -15,6 +15,8 @@ from kdaserve.engine.outputs import ListPrefix, RequestOutput
 from kdaserve.engine.sampling_params import SamplingParams
 from kdaserve.engine.scheduler import Scheduler
 from kdaserve.engine.sequence import Sequence
+from kdaserve.engine.speculative.ngram_proposer import NgramProposer
+from kdaserve.engine.speculative.stats import SpecDecodeStats
 from kdaserve.engine.state_pool import StateSlotPool
 from kdaserve.engine.warmup import warm_up
 
@@ -34,7 +36,11 @@ class LLMEngine:
         self.more_eos_token_ids = frozenset(t for t in (eos if isinstance(eos, list) else [eos]) if t is not None)
         self.slots = StateSlotPool(self.runner.num_slots)
         self.blocks = BlockManager(self.runner.num_kv_blocks, self.config.block_size)
-        self.scheduler = Scheduler(self.config.max_num_seqs, self.config.max_num_batched_tokens, self.slots, self.blocks)
+        self.scheduler = Scheduler(self.config.max_num_seqs, self.config.max_num_batched_tokens, self.slots, self.blocks,
+                                   num_spec_tokens=self.config.num_spec_tokens)
+        spec = self.config.speculative_config
+        self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max) if spec else None
+        self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens) if spec else None
         # After the CUDA graphs (captured by the runner), before any request. Only where kernels are
         # compiled: on the CPU (torch ops, Triton's interpreter) there is nothing to win.
         if self.config.warmup and self.config.device.type == "cuda":
@@ -95,6 +101,8 @@ class LLMEngine:
         if seq is None:
             return
         self.scheduler.finish(seq, "abort")
+        if self.proposer is not None:
+            self.proposer.forget(seq)
         self._pending.append(self._output(seq, []))
 
     def has_unfinished_requests(self) -> bool:
@@ -109,6 +117,7 @@ class LLMEngine:
             "kv_blocks_used": self.blocks.num_used,
             "kv_blocks_total": self.blocks.capacity,
             **self.counters,
+            **(self.spec_stats.as_dict() if self.spec_stats is not None else {}),
         }
 
     # -- stepping -----------------------------------------------------------------------------
@@ -117,6 +126,8 @@ class LLMEngine:
         """One scheduler step; returns outputs of the requests that progressed (new tokens,
         prompt log-probs, finished or aborted)."""
         outputs, self._pending = self._pending, []
+        if self.proposer is not None:
+            self._propose_drafts()
         batch = self.scheduler.schedule()
         self.counters["preemptions"] += len(batch.preempted)
         if batch.is_empty:
@@ -133,7 +144,7 @@ class LLMEngine:
             seq.metrics.setdefault("first_scheduled_time", scheduled_at)
         result = self.runner.execute(batch)
         self.counters["steps"] += 1
-        self.last_step_tokens = len(batch.decodes) + sum(batch.num_new_tokens)
+        self.last_step_tokens = batch.num_tokens
         for seq in batch.decodes:
             seq.num_computed_tokens += 1
         for seq, n in zip(batch.prefills, batch.num_new_tokens):
@@ -147,12 +158,45 @@ class LLMEngine:
         for i, (seq, token) in enumerate(zip(result.sample_seqs, result.sampled.token_ids)):
             self._append_token(seq, token, result.sampled.logprobs[i], now)
             touched[seq.seq_id] = seq
+        if result.accepted is not None:
+            self._apply_verified(batch, result.accepted, now, touched)
         for seq in touched.values():
             outputs.append(self._output(seq, seq.new_token_ids))
             seq.new_token_ids = []
         return outputs
 
-    def _append_token(self, seq: Sequence, token: int, logprob, now: float) -> None:
+    def _propose_drafts(self) -> None:
+        """Drafts for every running sequence whose next step is a verify, capped so that accepting
+        them all (and the token after them) stays within max_tokens and max_model_len."""
+        for seq in self.scheduler.running:
+            if seq.num_uncomputed_tokens != 1 or seq.num_computed_tokens == 0:
+                continue
+            room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
+            seq.draft_token_ids = self.proposer.propose(seq, room)
+
+    def _apply_verified(self, batch, accepted, now: float, touched: dict) -> None:
+        """A verify's outputs: the cache now holds its first token and the accepted drafts (the
+        next step resumes from the state after the last of them); every accepted token and the
+        first rejecting row's token are appended, until the request finishes."""
+        verifying = {s.seq_id for s in batch.decodes}
+        for a in accepted:
+            seq = a.seq
+            if seq.seq_id in verifying:
+                seq.num_computed_tokens += a.num_accepted_drafts
+                seq.num_accepted = 1 + a.num_accepted_drafts
+                self.spec_stats.observe(a.num_drafts, a.num_accepted_drafts)
+            seq.draft_token_ids = []
+            last = len(a.tokens) - 1
+            for k, token in enumerate(a.tokens):
+                self._append_token(seq, token, a.logprobs[k] if a.logprobs is not None else None, now, more_follow=k < last)
+                if seq.is_finished:
+                    break
+            touched[seq.seq_id] = seq
+
+    def _append_token(self, seq: Sequence, token: int, logprob, now: float, more_follow: bool = False) -> None:
+        """`more_follow`: more tokens of this step come next (a verify's), so streaming text waits
+        for the last of them (one decode of the new tokens, not one per token); stop strings and
+        the end of the request are still checked at every token."""
         seq.token_ids.append(token)
         seq.new_token_ids.append(token)
         self.counters["generation_tokens"] += 1
@@ -164,7 +208,7 @@ class LLMEngine:
         stop_token = token in p.stop_token_ids or (not p.ignore_eos and is_eos)
         reason = "stop" if stop_token else None
         done = stop_token or seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len
-        needs_text = done or self.incremental_text or bool(p.stop)
+        needs_text = done or (self.incremental_text and not more_follow) or bool(p.stop)
         # The outputs' text leaves a stop token out; bounds into token_ids, no copy of the outputs.
         text_end = seq.num_tokens - 1 if stop_token else seq.num_tokens
         if needs_text and seq.detokenizer.add(seq.token_ids, final=done, start=seq.num_prompt_tokens, end=text_end) is not None:
@@ -175,6 +219,8 @@ class LLMEngine:
             seq.metrics["finish_time"] = now
             self.scheduler.finish(seq, reason)
             self.requests.pop(seq.request_id, None)
+            if self.proposer is not None:
+                self.proposer.forget(seq)
 
     def _output(self, seq: Sequence, new_ids: list[int]) -> RequestOutput:
         """`new_ids` becomes the output's own list (callers hand over a list they drop). The lists

@@ -14,6 +14,7 @@ from kdaserve.engine.cuda_graphs import DecodeGraphs
 from kdaserve.engine.sampler import Sampler, SampleResult, logprob_rows
 from kdaserve.engine.scheduler import ScheduledBatch
 from kdaserve.engine.sequence import Sequence
+from kdaserve.engine.speculative.rejection_sampler import AcceptedTokens, RejectionSampler
 from kdaserve.engine.staging import StagingRing
 from kdaserve.engine.step_inputs import build_host_step, to_device_context
 from kdaserve.layers.context import Context, reset_context, set_context
@@ -33,6 +34,25 @@ class StepResult:
     sample_seqs: list[Sequence]
     # (sequence, prompt token index, {"token_id", "logprob", "top"}) in prompt order
     prompt_logprobs: list[tuple[Sequence, int, dict]]
+    # With speculative decoding: per sampling sequence, the tokens it accepted (sampled is empty)
+    accepted: list[AcceptedTokens] | None = None
+
+
+def capacity_error(*, max_num_seqs: int, num_spec_tokens: int, per_slot: int, state: int, one_seq: int, per_block: int,
+                   block_size: int, max_model_len: int, free: int, gpu_memory_utilization: float) -> str:
+    """What does not fit (the KDA state of every sequence's slots and the attention cache of one
+    full sequence, in `free` bytes), how many sequences would, and what to change."""
+    gib = 2**30
+    per_seq = num_spec_tokens + 1   # state slots per sequence (S+1 with speculative decoding)
+    fit = max(0, ((free - one_seq) // per_slot - 1) // per_seq) if per_slot else 0
+    tokens = max(0, (free - state) // per_block - 1) * block_size
+    shorter = f" or --max-model-len to at most {tokens}" if tokens > 0 else ""
+    spec = f", {per_seq} slots per sequence with num_speculative_tokens={num_spec_tokens}" if per_seq > 1 else ""
+    return (f"max_num_seqs={max_num_seqs} needs {state / gib:.2f} GiB of KDA state ({format_bytes(per_slot)} per "
+            f"state slot{spec}) plus {format_bytes(one_seq)} of attention cache for one sequence of max_model_len="
+            f"{max_model_len}, but {max(free, 0) / gib:.2f} GiB are left after the weights and activations at "
+            f"gpu_memory_utilization={gpu_memory_utilization}: {fit} sequences fit; lower --max-num-seqs to at "
+            f"most {fit}{shorter}, or raise --gpu-memory-utilization")
 
 
 class ModelRunner:
@@ -50,10 +70,13 @@ class ModelRunner:
             log.warning("max_model_len %d exceeds the model's max_position_embeddings; using %d",
                         config.max_model_len, self.max_model_len)
         self.blocks_per_seq = -(-self.max_model_len // self.block_size)
-        self.num_slots = config.max_num_seqs + 1
+        # One state slot per sequence, S+1 with speculative decoding (engine/speculative), + the null slot.
+        self.num_spec_tokens = config.num_spec_tokens
+        self.num_slots = config.max_num_seqs * (self.num_spec_tokens + 1) + 1
         self.num_kv_blocks = self._decide_num_kv_blocks()
         self.caches = StepCaches(self.model, self.num_slots, self.num_kv_blocks, self.block_size, config.dtype, self.device)
         self.sampler = Sampler(self.device, config.seed)
+        self.rejection_sampler = RejectionSampler(self.device, self.sampler.generator) if self.num_spec_tokens else None
         self.step_ring = StagingRing(64 << 10, self.device)   # eager steps' metadata; grows to the largest step
         self.graphs = None
         not_capturable = self.kda_backends is not None and not self.kda_backends.decode.graph_capturable
@@ -64,6 +87,7 @@ class ModelRunner:
                 self.model, max_batch_size=config.cuda_graph_max_batch_size or min(config.max_num_seqs, _DEFAULT_MAX_GRAPH_BATCH),
                 block_table_width=self.blocks_per_seq, trash_row=self.caches.trash_row,
                 hidden_size=self.model_config.hidden_size, dtype=config.dtype, device=self.device,
+                tokens_per_seq=self.num_spec_tokens + 1,
             )
 
     # -- memory -------------------------------------------------------------------------------
@@ -91,15 +115,10 @@ class ModelRunner:
         state = self.num_slots * per_slot
         gib = 2**30
         if state + one_seq > free:
-            fit = max(0, (free - one_seq) // per_slot - 1) if per_slot else 0
-            tokens = max(0, (free - state) // per_block - 1) * self.block_size
-            shorter = f" or --max-model-len to at most {tokens}" if tokens > 0 else ""
-            raise RuntimeError(
-                f"max_num_seqs={cfg.max_num_seqs} needs {state / gib:.2f} GiB of KDA state ({format_bytes(per_slot)} per "
-                f"sequence) plus {format_bytes(one_seq)} of attention cache for one sequence of max_model_len="
-                f"{self.max_model_len}, but {max(free, 0) / gib:.2f} GiB are left after the weights and activations at "
-                f"gpu_memory_utilization={cfg.gpu_memory_utilization}: {fit} sequences fit; lower --max-num-seqs to at "
-                f"most {fit}{shorter}, or raise --gpu-memory-utilization")
+            raise RuntimeError(capacity_error(
+                max_num_seqs=cfg.max_num_seqs, num_spec_tokens=self.num_spec_tokens, per_slot=per_slot, state=state,
+                one_seq=one_seq, per_block=per_block, block_size=self.block_size, max_model_len=self.max_model_len,
+                free=free, gpu_memory_utilization=cfg.gpu_memory_utilization))
         blocks = int(min(enough, (free - state) // per_block))
         self.memory_plan = {"state_gib": state / gib, "kv_gib": blocks * per_block / gib, "kv_tokens": blocks * self.block_size,
                             "free_gib": free / gib}
@@ -120,7 +139,8 @@ class ModelRunner:
         set_context(Context())   # no metadata: KDA layers touch no state
         ids = torch.zeros(T, dtype=torch.int64, device=self.device)
         hidden = self.model(ids, torch.arange(T, device=self.device))
-        self.model.compute_logits(hidden[: self.config.max_num_seqs])   # a step samples at most max_num_seqs rows
+        # A step samples at most max_num_seqs rows, (S+1) times that with speculative decoding.
+        self.model.compute_logits(hidden[: self.config.max_num_seqs * (self.num_spec_tokens + 1)])
         reset_context()
         torch.cuda.synchronize()
         activations = torch.cuda.max_memory_allocated() - before
@@ -135,7 +155,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepResult:
         width = self.blocks_per_seq if self.graphs is not None and not batch.prefills else None
-        step = build_host_step(batch, self.block_size, decode_width=width)
+        step = build_host_step(batch, self.block_size, decode_width=width, trash_row=self.caches.trash_row)
         if self.graphs is not None and self.graphs.can_run(step):
             hidden, sample_rows = self.graphs.run(step)
         else:
@@ -150,11 +170,16 @@ class ModelRunner:
                 reset_context()
         want = step.logits
         sampled = SampleResult([], [])
+        accepted = [] if want.groups is not None else None
         if want.sample_rows:
             # The rows' index was staged with the step's metadata; None: rows 0..k-1, a slice.
             rows = hidden[: len(want.sample_rows)] if sample_rows is None else hidden[sample_rows]
-            sampled = self.sampler.sample(self.model.compute_logits(rows), want.sample_seqs)
-        return StepResult(sampled, want.sample_seqs, self._prompt_logprobs(hidden, want.prompt_rows))
+            logits = self.model.compute_logits(rows)
+            if want.groups is not None:
+                accepted = self.rejection_sampler.sample(logits, want.groups)
+            else:
+                sampled = self.sampler.sample(logits, want.sample_seqs)
+        return StepResult(sampled, want.sample_seqs, self._prompt_logprobs(hidden, want.prompt_rows), accepted)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, prompt_rows: list) -> list:
         """Scored max_num_seqs rows at a time: [rows, vocab] fp32 logits of a whole scored prompt

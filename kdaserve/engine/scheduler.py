@@ -5,7 +5,11 @@ Running requests go first (oldest first), then waiting ones are admitted while t
 state slot and KV blocks allow. A step may mix decodes and prefills. When KV blocks run out, the
 newest running request is preempted by recompute: its slot and blocks return to the pools and it
 re-enters the front of the queue to prefill its prompt and outputs again (the state is rebuilt
-from scratch, so nothing stale can leak in)."""
+from scratch, so nothing stale can leak in).
+
+With speculative decoding (S > 0) every decode is a verify step of S+1 tokens (the last sampled
+token and up to S drafts, padded to S), which costs S+1 tokens of the budget and KV blocks for
+its real drafts; a request holds S+1 state slots (engine/speculative says why)."""
 
 from __future__ import annotations
 
@@ -19,17 +23,23 @@ from kdaserve.engine.state_pool import StateSlotPool
 
 @dataclass
 class ScheduledBatch:
-    """One step's work. Decodes (one token each, with history) come first in the step, then
-    prefill chunks; `num_new_tokens[i]` goes with `prefills[i]`."""
+    """One step's work. Decodes (one token each, with history; with `spec_tokens` S > 0, verifies
+    of S+1 tokens each) come first in the step, then prefill chunks; `num_new_tokens[i]` goes with
+    `prefills[i]`."""
 
     decodes: list[Sequence] = field(default_factory=list)
     prefills: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    spec_tokens: int = 0
+
+    @property
+    def tokens_per_decode(self) -> int:
+        return self.spec_tokens + 1
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decodes) + sum(self.num_new_tokens)
+        return len(self.decodes) * self.tokens_per_decode + sum(self.num_new_tokens)
 
     @property
     def sequences(self) -> list[Sequence]:
@@ -41,7 +51,12 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, slots: StateSlotPool, blocks: BlockManager):
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, slots: StateSlotPool, blocks: BlockManager,
+                 num_spec_tokens: int = 0):
+        if max_num_batched_tokens < num_spec_tokens + 1:
+            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} cannot hold one verify step of "
+                             f"{num_spec_tokens + 1} tokens; expected >= num_speculative_tokens + 1")
+        self.spec = num_spec_tokens
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.slots, self.blocks = slots, blocks
@@ -58,10 +73,21 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         i = 0
+        batch.spec_tokens = self.spec
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_uncomputed_tokens, budget)
-            need = self.blocks.extra_blocks_for(seq, seq.num_computed_tokens + n)
+            verify = self.spec and seq.num_uncomputed_tokens == 1 and seq.num_computed_tokens > 0
+            if verify:
+                n = self.spec + 1
+                kv_tokens = seq.num_computed_tokens + 1 + len(seq.draft_token_ids)
+            else:
+                n = min(seq.num_uncomputed_tokens, budget)
+                kv_tokens = seq.num_computed_tokens + n
+            # With speculation a decode is a whole verify, and a 1-token chunk with history would
+            # be one: both wait for a step with budget left.
+            if n > budget or (self.spec and not verify and n == 1 and seq.num_computed_tokens > 0):
+                break
+            need = self.blocks.extra_blocks_for(seq, kv_tokens)
             while need > self.blocks.num_free:
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -70,8 +96,8 @@ class Scheduler:
                     break
             else:
                 if need:   # a new block every block_size tokens: most decode steps need none
-                    self.blocks.grow(seq, seq.num_computed_tokens + n)
-                self._add_to_batch(batch, seq, n)
+                    self.blocks.grow(seq, kv_tokens)
+                self._add_to_batch(batch, seq, n, verify)
                 budget -= n
                 i += 1
                 continue
@@ -80,22 +106,24 @@ class Scheduler:
         while self.waiting and budget > 0 and not batch.preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             n = min(seq.num_uncomputed_tokens, budget)
-            if self.slots.num_free == 0 or not self.blocks.can_grow(seq, n):
+            if self.slots.num_free < self.spec + 1 or not self.blocks.can_grow(seq, n):
                 break
             self.waiting.popleft()
             seq.state_slot = self.slots.allocate()
+            seq.spec_slots = [self.slots.allocate() for _ in range(self.spec)]
+            seq.num_accepted = self.spec + 1   # a prefill leaves the state in state_slot
             self.blocks.grow(seq, n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            self._add_to_batch(batch, seq, n)
+            self._add_to_batch(batch, seq, n, False)
             budget -= n
         return batch
 
     @staticmethod
-    def _add_to_batch(batch: ScheduledBatch, seq: Sequence, n: int) -> None:
+    def _add_to_batch(batch: ScheduledBatch, seq: Sequence, n: int, verify: bool) -> None:
         # One token with history is a decode for the KDA layers (conv update + recurrence),
         # whether it was sampled or is the last token of a prompt chunked to its end.
-        if n == 1 and seq.num_computed_tokens > 0:
+        if verify or (n == 1 and seq.num_computed_tokens > 0):
             batch.decodes.append(seq)
         else:
             batch.prefills.append(seq)
@@ -105,6 +133,9 @@ class Scheduler:
         if seq.state_slot:
             self.slots.free(seq.state_slot)
             seq.state_slot = 0
+        for slot in seq.spec_slots:
+            self.slots.free(slot)
+        seq.spec_slots, seq.draft_token_ids = [], []
         self.blocks.free(seq)
 
     def _preempt(self, seq: Sequence) -> None:

@@ -35,6 +35,13 @@ class Sequence:
         # Tokens whose effect the caches hold (KV rows written, recurrent state advanced past them).
         self.num_computed_tokens = 0
         self.state_slot = 0                 # 0 = none (the null slot)
+        # Speculative decoding (engine/speculative): S more state slots, so that a verify step can
+        # keep the state after each of its S+1 tokens; the step resumes from
+        # verify_slots[num_accepted - 1], where verify_slots = spec_slots + [state_slot].
+        # num_accepted = S+1 after a prefill (the state is in state_slot, the conv window newest).
+        self.spec_slots: list[int] = []
+        self.num_accepted = 1
+        self.draft_token_ids: list[int] = []   # the drafts of the next verify step
         # Grows by append only; BlockManager.free replaces it with a new list (block_table_array's
         # cache relies on both).
         self.block_table: list[int] = []
@@ -75,6 +82,10 @@ class Sequence:
         if cached is None or cached[0] is not table or cached[1].shape[0] != len(table):
             cached = self._block_array = (table, np.asarray(table, dtype=np.int32))
         return cached[1]
+
+    @property
+    def verify_slots(self) -> list[int]:
+        return self.spec_slots + [self.state_slot]
 
     @property
     def num_uncomputed_tokens(self) -> int:

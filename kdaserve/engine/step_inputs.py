@@ -11,6 +11,7 @@ import torch
 
 from kdaserve.engine.scheduler import ScheduledBatch
 from kdaserve.engine.sequence import Sequence
+from kdaserve.engine.speculative.rejection_sampler import SampleGroup
 from kdaserve.engine.staging import PackedLayout, StagingRing
 from kdaserve.layers.attention import AttentionMetadata
 from kdaserve.layers.context import Context, KDAStepMetadata
@@ -24,6 +25,9 @@ class LogitsRequest:
     sample_seqs: list[Sequence] = field(default_factory=list)
     # prompt log-probs: (sequence, step row, index of the prompt token that row predicts)
     prompt_rows: list[tuple[Sequence, int, int]] = field(default_factory=list)
+    # With speculative decoding: every sampling sequence as a group of consecutive sample rows
+    # (a verify's 1 + drafts rows, a finished prefill's one), positions counted in sample_rows.
+    groups: list[SampleGroup] | None = None
 
     @property
     def sample_rows_are_leading(self) -> bool:
@@ -40,31 +44,46 @@ class HostStep:
     input_ids: np.ndarray        # [T] int64
     positions: np.ndarray        # [T] int64
     slot_mapping: np.ndarray     # [T] int64
-    num_decodes: int
+    num_decodes: int                  # decode sequences (each a verify of tokens_per_decode tokens when > 1)
     decode_slots: np.ndarray     # [num_decodes] int32
-    decode_tables: list[np.ndarray]   # [num_decodes] block tables (int32), each at most decode_width long
+    decode_tables: list[np.ndarray] | np.ndarray   # a block table (int32) per decode row, at most decode_width
+                                                   # long (verify steps: one zero-padded 2-D array)
     decode_width: int                 # block-table width of the decode rows
-    decode_context_lens: np.ndarray   # [num_decodes] int32
+    decode_context_lens: np.ndarray   # [decode rows] int32
     prefill_lens: list[int]
     prefill_context_lens: list[int]
     prefill_slots: np.ndarray    # [num_prefills] int32
     prefill_has_state: np.ndarray     # [num_prefills] bool
     prefill_kv_rows: np.ndarray  # [sum context lens] int64
     logits: LogitsRequest
+    # Speculative verify (tokens_per_decode = S+1 > 1): the attention layers see each of a verify's
+    # S+1 tokens as a decode row whose context ends at that token; the KDA layers resume each
+    # sequence from verify_slots[n, num_accepted[n] - 1] and keep the state after token t in [n, t].
+    tokens_per_decode: int = 1
+    decode_verify_slots: np.ndarray | None = None   # [num_decodes, S+1] int32
+    decode_num_accepted: np.ndarray | None = None   # [num_decodes] int32
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_decodes * self.tokens_per_decode
 
     @property
     def decode_block_tables(self) -> np.ndarray:
-        """[num_decodes, decode_width] int32, zero-padded (tests and tools; the engine writes the
+        """[decode rows, decode_width] int32, zero-padded (tests and tools; the engine writes the
         rows straight into its staging buffer)."""
-        out = np.zeros((self.num_decodes, self.decode_width), dtype=np.int32)
+        out = np.zeros((self.num_decode_tokens, self.decode_width), dtype=np.int32)
         write_block_tables(out, self.decode_tables)
         return out
 
 
-def write_block_tables(dst: np.ndarray, tables: list[np.ndarray]) -> None:
+def write_block_tables(dst: np.ndarray, tables: list[np.ndarray] | np.ndarray) -> None:
     """`dst` [>= len(tables), width]: row i = tables[i] zero-padded, rows past them all zeros
-    (0 = the null block: what padding entries and padding rows point at)."""
+    (0 = the null block: what padding entries and padding rows point at). `tables` may also be
+    one zero-padded 2-D array (verify steps: each table repeated for its S+1 rows)."""
     dst[...] = 0
+    if isinstance(tables, np.ndarray):
+        dst[: tables.shape[0], : tables.shape[1]] = tables
+        return
     for row, table in zip(dst, tables):
         row[: table.shape[0]] = table
 
@@ -75,31 +94,39 @@ def _rows(block_table: np.ndarray, start: int, end: int, block_size: int) -> np.
     return block_table[pos // block_size].astype(np.int64) * block_size + pos % block_size
 
 
-def build_host_step(batch: ScheduledBatch, block_size: int, decode_width: int | None = None) -> HostStep:
-    """`decode_width`: block-table width of the decode rows (None: the batch's longest)."""
-    logits = LogitsRequest()
+def build_host_step(batch: ScheduledBatch, block_size: int, decode_width: int | None = None, trash_row: int = 0) -> HostStep:
+    """`decode_width`: block-table width of the decode rows (None: the batch's longest).
+    `trash_row`: the KV row that padded draft positions of a verify write (read by nobody)."""
+    logits = LogitsRequest(groups=[] if batch.spec_tokens else None)
     decodes = batch.decodes
     nd = len(decodes)
-    # Decode rows: one token each, by list comprehensions (a decode step of 64 sequences is all
-    # host time; per-row numpy calls cost more than the rows' arithmetic).
-    pos = [s.num_computed_tokens for s in decodes]
-    ids = [s.token_ids[p] for s, p in zip(decodes, pos)]
-    slots_map = [s.block_table[p // block_size] * block_size + p % block_size for s, p in zip(decodes, pos)]
-    tables = [s.block_table_array() for s in decodes]
-    for row, (seq, p) in enumerate(zip(decodes, pos)):
-        if p + 1 == len(seq.token_ids):
-            logits.sample_rows.append(row)
-            logits.sample_seqs.append(seq)
-        if seq.needs_prompt_logprobs:
-            _want_prompt_logprobs(logits, seq, row, p, 1)
-    decode_lens = np.asarray(pos, dtype=np.int32) + 1
+    m = batch.tokens_per_decode
+    verify_slots = accepted = None
+    if m > 1:
+        ids, pos, slots_map, decode_lens, tables = _verify_rows(decodes, m, block_size, trash_row, logits)
+        verify_slots = np.asarray([s.verify_slots for s in decodes], dtype=np.int32).reshape(nd, m)
+        accepted = np.asarray([s.num_accepted for s in decodes], dtype=np.int32)
+    else:
+        # Decode rows: one token each, by list comprehensions (a decode step of 64 sequences is all
+        # host time; per-row numpy calls cost more than the rows' arithmetic).
+        pos = [s.num_computed_tokens for s in decodes]
+        ids = [s.token_ids[p] for s, p in zip(decodes, pos)]
+        slots_map = [s.block_table[p // block_size] * block_size + p % block_size for s, p in zip(decodes, pos)]
+        tables = [s.block_table_array() for s in decodes]
+        for row, (seq, p) in enumerate(zip(decodes, pos)):
+            if p + 1 == len(seq.token_ids):
+                logits.sample_rows.append(row)
+                logits.sample_seqs.append(seq)
+            if seq.needs_prompt_logprobs:
+                _want_prompt_logprobs(logits, seq, row, p, 1)
+        decode_lens = np.asarray(pos, dtype=np.int32) + 1
     # Prefill rows.
-    row = nd
-    kv_rows, prefill_slots_map = [], []
+    row = nd * m
+    kv_rows, prefill_slots_map, prefill_ids, prefill_pos = [], [], [], []
     for seq, n in zip(batch.prefills, batch.num_new_tokens):
         p = seq.num_computed_tokens
-        ids.extend(seq.token_ids[p : p + n])
-        pos.extend(range(p, p + n))
+        prefill_ids.extend(seq.token_ids[p : p + n])
+        prefill_pos.extend(range(p, p + n))
         table = seq.block_table_array()
         prefill_slots_map.append(_rows(table, p, p + n, block_size))
         kv_rows.append(_rows(table, 0, p + n, block_size))
@@ -109,8 +136,8 @@ def build_host_step(batch: ScheduledBatch, block_size: int, decode_width: int | 
     if prefill_slots_map:
         flat_slots = np.concatenate([flat_slots, *prefill_slots_map])
     return HostStep(
-        input_ids=np.asarray(ids, dtype=np.int64),
-        positions=np.asarray(pos, dtype=np.int64),
+        input_ids=_concat(ids, prefill_ids),
+        positions=_concat(pos, prefill_pos),
         slot_mapping=flat_slots,
         num_decodes=nd,
         decode_slots=np.asarray([s.state_slot for s in decodes], dtype=np.int32),
@@ -123,14 +150,57 @@ def build_host_step(batch: ScheduledBatch, block_size: int, decode_width: int | 
         prefill_has_state=np.asarray([s.num_computed_tokens > 0 for s in batch.prefills], dtype=np.bool_),
         prefill_kv_rows=np.concatenate(kv_rows) if kv_rows else np.zeros(0, np.int64),
         logits=logits,
+        tokens_per_decode=m,
+        decode_verify_slots=verify_slots,
+        decode_num_accepted=accepted,
     )
 
 
-def _eager_width(tables: list[np.ndarray]) -> int:
+def _concat(decode_part, prefill_part: list[int]) -> np.ndarray:
+    if not prefill_part:
+        return np.asarray(decode_part, dtype=np.int64)
+    if isinstance(decode_part, list):
+        return np.asarray(decode_part + prefill_part, dtype=np.int64)
+    return np.concatenate([decode_part, np.asarray(prefill_part, dtype=np.int64)])
+
+
+def _verify_rows(decodes: list[Sequence], m: int, block_size: int, trash_row: int, logits: LogitsRequest):
+    """Rows of verify steps: per sequence its last sampled token at position p and its j drafts
+    at p+1..p+j, then m-1-j padding rows (token 0 at position p, KV written to the trash row,
+    context p+1) that no one ever accepts. Every row up to the last draft samples. Built as
+    [N, m] arrays (a verify step of 32 sequences has 160 rows: per-row Python would cost more
+    than the rest of the step's host work)."""
+    N = len(decodes)
+    p = np.fromiter((s.num_computed_tokens for s in decodes), dtype=np.int64, count=N)
+    j = np.fromiter((len(s.draft_token_ids) for s in decodes), dtype=np.int64, count=N)
+    zeros = [0] * m
+    ids = np.array([[s.token_ids[s.num_computed_tokens], *s.draft_token_ids, *zeros[: m - 1 - len(s.draft_token_ids)]]
+                    for s in decodes], dtype=np.int64).reshape(N, m)
+    width = max((len(s.block_table) for s in decodes), default=1)
+    tables = np.zeros((N, width), dtype=np.int32)
+    for i, seq in enumerate(decodes):
+        d = seq.draft_token_ids
+        bt = seq.block_table_array()
+        tables[i, : bt.shape[0]] = bt
+        logits.groups.append(SampleGroup(seq, len(logits.sample_rows), list(d)))
+        logits.sample_rows.extend(range(i * m, i * m + len(d) + 1))
+        if seq.needs_prompt_logprobs:
+            _want_prompt_logprobs(logits, seq, i * m, int(p[i]), 1)
+    logits.sample_seqs.extend(decodes)
+    t = np.arange(m, dtype=np.int64)[None, :]
+    real = t <= j[:, None]
+    pos = np.where(real, p[:, None] + t, p[:, None])
+    block = np.take_along_axis(tables, np.where(real, pos // block_size, 0), axis=1).astype(np.int64)
+    slots = np.where(real, block * block_size + pos % block_size, trash_row)
+    ctx = np.where(real, pos + 1, p[:, None] + 1).astype(np.int32)
+    return ids.reshape(-1), pos.reshape(-1), slots.reshape(-1), ctx.reshape(-1), np.repeat(tables, m, axis=0)
+
+
+def _eager_width(tables: list[np.ndarray] | np.ndarray) -> int:
     """Block-table width of an eager step's decode rows: the longest table, rounded up to a
     multiple of 16. The width is the row stride of the paged-attention kernel, which Triton
     specializes (1, a multiple of 16, anything else); rounded, every step shares one variant."""
-    longest = max((t.shape[0] for t in tables), default=1)
+    longest = tables.shape[1] if isinstance(tables, np.ndarray) else max((t.shape[0] for t in tables), default=1)
     return -(-longest // 16) * 16
 
 
@@ -139,6 +209,8 @@ def _want_logits(logits: LogitsRequest, seq: Sequence, row: int, start: int, n: 
     reaches the end of the sequence; rows that predict a prompt token not yet scored give prompt
     log-probs (the logits at position p predict token p+1)."""
     if start + n == seq.num_tokens:
+        if logits.groups is not None:
+            logits.groups.append(SampleGroup(seq, len(logits.sample_rows), []))
         logits.sample_rows.append(row + n - 1)
         logits.sample_seqs.append(seq)
     if seq.needs_prompt_logprobs:
@@ -162,7 +234,8 @@ class DeviceStep:
 def to_device_context(step: HostStep, device: torch.device, ring: StagingRing) -> DeviceStep:
     """Eager path: the step's arrays packed into a buffer of `ring`, one non-blocking copy into a
     fresh device buffer, and the Context as views of it (decode rows first)."""
-    nd = step.num_decodes
+    nd, nrows = step.num_decodes, step.num_decode_tokens
+    spec = step.decode_verify_slots is not None
     num_prefills = len(step.prefill_lens)
     T = step.input_ids.shape[0]
     cu = np.zeros(num_prefills + 1, dtype=np.int32)
@@ -173,7 +246,8 @@ def to_device_context(step: HostStep, device: torch.device, ring: StagingRing) -
     layout = PackedLayout([
         ("input_ids", i64, (T,)), ("positions", i64, (T,)), ("slot_mapping", i64, (T,)),
         ("prefill_kv_rows", i64, step.prefill_kv_rows.shape), ("sample_rows", i64, (len(rows) if staged_rows else 0,)),
-        ("decode_slots", i32, (nd,)), ("decode_context_lens", i32, (nd,)), ("decode_block_tables", i32, (nd, step.decode_width)),
+        ("decode_slots", i32, (nd,)), ("decode_context_lens", i32, (nrows,)), ("decode_block_tables", i32, (nrows, step.decode_width)),
+        ("verify_slots", i32, step.decode_verify_slots.shape if spec else (0,)), ("num_accepted", i32, (nd if spec else 0,)),
         ("prefill_cu_seqlens", i32, (num_prefills + 1 if num_prefills else 0,)), ("prefill_slots", i32, (num_prefills,)),
         ("prefill_has_state", torch.bool, (num_prefills,)),
     ])
@@ -186,6 +260,9 @@ def to_device_context(step: HostStep, device: torch.device, ring: StagingRing) -
     if staged_rows:
         h["sample_rows"][:] = rows
     h["decode_slots"][:] = step.decode_slots
+    if spec:
+        h["verify_slots"][:] = step.decode_verify_slots
+        h["num_accepted"][:] = step.decode_num_accepted
     h["decode_context_lens"][:] = step.decode_context_lens
     write_block_tables(h["decode_block_tables"], step.decode_tables)
     if num_prefills:
@@ -197,8 +274,10 @@ def to_device_context(step: HostStep, device: torch.device, ring: StagingRing) -
     d = layout.device_views(dev)
     kda = KDAStepMetadata(
         num_decodes=nd,
-        num_decode_tokens=nd,
+        num_decode_tokens=nrows,
         decode_state_indices=d["decode_slots"] if nd else None,
+        spec_state_indices=d["verify_slots"] if spec and nd else None,
+        num_accepted_tokens=d["num_accepted"] if spec and nd else None,
         num_prefills=num_prefills,
         num_prefill_tokens=int(cu[-1]),
         prefill_cu_seqlens=d["prefill_cu_seqlens"] if num_prefills else None,
@@ -208,7 +287,7 @@ def to_device_context(step: HostStep, device: torch.device, ring: StagingRing) -
     )
     attn = AttentionMetadata(
         slot_mapping=d["slot_mapping"],
-        num_decode_tokens=nd,
+        num_decode_tokens=nrows,
         decode_block_tables=d["decode_block_tables"] if nd else None,
         decode_context_lens=d["decode_context_lens"] if nd else None,
         prefill_query_lens=step.prefill_lens,

@@ -10,7 +10,9 @@ prompt and its continuation (initial state read); for p = 4, 8, 16, ... up to ma
 prefills of p - 1 and p sequences and mixed steps with p - 1, p and p + 1 decodes (mixed steps
 run their decodes eagerly, at any batch size, outside the captured graphs' buckets); pure decode
 steps (CUDA-graph replays, or eager kernels when graphs are off); the whole token budget in one
-sequence and over several; greedy, temperature / top-k / top-p and seeded sampling, log-probs.
+sequence and over several; greedy, temperature / top-k / top-p and seeded sampling, log-probs. With
+speculative decoding every decode step is a verify step (as in serving), its sequences carrying 0
+to S drafts, so the verify kernels, graphs and the rejection sampler are what gets compiled.
 Everything is clipped to the token budget, max_num_seqs and max_model_len; a step that the KV pool
 cannot hold is skipped.
 
@@ -50,6 +52,7 @@ class Warmup:
         self.max_seqs = runner.config.max_num_seqs
         self.max_model_len = max_model_len
         self.vocab = runner.model_config.vocab_size
+        self.spec = runner.num_spec_tokens
         self.live: list[Sequence] = []
         self.steps = 0
 
@@ -57,21 +60,24 @@ class Warmup:
 
     def new(self, prompt_len: int, params: SamplingParams = GREEDY) -> Sequence | None:
         """A dummy request holding a real state slot (None when none is left)."""
-        if len(self.live) >= self.max_seqs or self.slots.num_free == 0:
+        if len(self.live) >= self.max_seqs or self.slots.num_free < self.spec + 1:
             return None
         n = max(1, min(prompt_len, self.max_model_len - 1))
         tokens = [(31 * k + 7 * len(self.live) + 3) % self.vocab for k in range(n)]
         seq = Sequence(f"warmup-{self.steps}-{len(self.live)}", tokens, params,
                        IncrementalDetokenizer(self.runner.tokenizer, []))
         seq.state_slot = self.slots.allocate()
+        seq.spec_slots = [self.slots.allocate() for _ in range(self.spec)]
+        seq.num_accepted = self.spec + 1
         seq.status = SequenceStatus.RUNNING
         self.live.append(seq)
         return seq
 
     def release(self) -> None:
         for seq in self.live:
-            self.slots.free(seq.state_slot)
-            seq.state_slot = 0
+            for slot in [seq.state_slot, *seq.spec_slots]:
+                self.slots.free(slot)
+            seq.state_slot, seq.spec_slots = 0, []
             self.blocks.free(seq)
         self.live = []
 
@@ -81,9 +87,12 @@ class Warmup:
         """One step through the model runner: `decodes` (those ready for one) first, then
         `prefills` [(seq, tokens)], clipped to the budget as the scheduler would. Returns whether
         it ran (False: nothing to run, or the KV pool cannot hold it)."""
+        m = self.spec + 1                             # tokens per decode (a verify's with speculation)
         decodes = [s for s in decodes if s is not None and s.num_uncomputed_tokens == 1
-                   and s.num_computed_tokens > 0 and s.num_tokens < self.max_model_len][: self.budget]
-        left = self.budget - len(decodes)
+                   and s.num_computed_tokens > 0 and s.num_tokens < self.max_model_len][: self.budget // m]
+        for k, s in enumerate(decodes):               # 0..S drafts, as many as fit the model length
+            s.draft_token_ids = [(5 * k + t) % self.vocab for t in range(min(k % m, self.max_model_len - s.num_tokens - 1))]
+        left = self.budget - len(decodes) * m
         chunks = []
         for seq, n in prefills:
             if seq is None or seq in decodes:
@@ -93,7 +102,7 @@ class Warmup:
             if n > 0 and not (n == 1 and seq.num_computed_tokens > 0):
                 chunks.append((seq, n))
                 left -= n
-        work = [(s, 1) for s in decodes] + chunks
+        work = [(s, 1 + len(s.draft_token_ids)) for s in decodes] + chunks   # KV rows each needs
         if not work:
             return False
         need = sum(self.blocks.extra_blocks_for(s, s.num_computed_tokens + n) for s, n in work)
@@ -101,14 +110,24 @@ class Warmup:
             return False
         for s, n in work:
             self.blocks.grow(s, s.num_computed_tokens + n)
-        batch = ScheduledBatch(decodes=decodes, prefills=[s for s, _ in chunks], num_new_tokens=[n for _, n in chunks])
+        batch = ScheduledBatch(decodes=decodes, prefills=[s for s, _ in chunks], num_new_tokens=[n for _, n in chunks],
+                               spec_tokens=self.spec)
         result = self.runner.execute(batch)
-        for s, n in work:
+        for s in decodes:
+            s.num_computed_tokens += 1
+        for s, n in chunks:
             s.num_computed_tokens += n
         for seq, index, entry in result.prompt_logprobs:
             if index == len(seq.prompt_logprobs):
                 seq.prompt_logprobs.append(entry)
-        for seq, token in zip(result.sample_seqs, result.sampled.token_ids):
+        if result.accepted is not None:
+            for a in result.accepted:
+                if a.seq in decodes:                  # a verify: its accepted drafts are computed too
+                    a.seq.num_computed_tokens += a.num_accepted_drafts
+                    a.seq.num_accepted = 1 + a.num_accepted_drafts
+                a.seq.token_ids.extend(a.tokens)
+                a.seq.draft_token_ids = []
+        for seq, token in zip(result.sample_seqs if result.accepted is None else (), result.sampled.token_ids):
             seq.token_ids.append(token)
         self.steps += 1
         return True

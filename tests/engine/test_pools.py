@@ -89,3 +89,18 @@ def test_capacity_errors_give_sizes_in_the_unit_that_fits():
     assert format_bytes(41 * 2**20) == "41.00 MiB"
     assert format_bytes(3 * 2**30) == "3.00 GiB"
     assert format_bytes(100) == "100 B"
+
+
+def test_capacity_error_counts_sequences_not_slots_and_offers_only_what_helps():
+    from kdaserve.engine.model_runner import capacity_error
+
+    kw = dict(per_slot=1 << 20, one_seq=1 << 20, per_block=1 << 10, block_size=16, max_model_len=512,
+              gpu_memory_utilization=0.9)
+    free = 100 << 20   # 99 slots beside one sequence's attention cache; slot 0 is the null slot
+    plain = capacity_error(max_num_seqs=1000, num_spec_tokens=0, state=1001 << 20, free=free, **kw)
+    assert "(1.00 MiB per state slot)" in plain and ": 98 sequences fit; lower --max-num-seqs to at most 98," in plain
+    assert "--max-model-len" not in plain, "a shorter context cannot make room when the state alone is too big"
+    spec = capacity_error(max_num_seqs=1000, num_spec_tokens=3, state=4001 << 20, free=free, **kw)
+    assert "4 slots per sequence with num_speculative_tokens=3" in spec and ": 24 sequences fit;" in spec
+    shorter = capacity_error(max_num_seqs=10, num_spec_tokens=0, state=11 << 20, free=(23 << 20) // 2, **kw)
+    assert ": 9 sequences fit" in shorter and "or --max-model-len to at most 8176," in shorter   # 511 blocks of 16

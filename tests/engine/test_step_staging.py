@@ -112,3 +112,79 @@ def test_graph_sample_rows_are_staged_when_not_leading():
     static = DecodeStaticInputs(4, 6, 999, CPU)
     rows = static.stage(step, 4)
     assert rows.tolist() == [0, 2] and rows.dtype == torch.int64
+
+
+def _verifying(n: int, S: int, offset: int = 0) -> list[Sequence]:
+    """n sequences in a verify step of S+1 tokens: sequence i carries i % (S+1) drafts."""
+    out = _decodes(n, offset)
+    for i, s in enumerate(out):
+        s.spec_slots = [100 + S * i + t for t in range(S)]
+        s.num_accepted = 1 + (i % (S + 1))
+        s.draft_token_ids = [40 + t for t in range(i % (S + 1))]
+        need = -(-(s.num_computed_tokens + 1 + len(s.draft_token_ids)) // BLOCK)
+        s.block_table += [500 + 10 * i + b for b in range(max(0, need - len(s.block_table)))]
+    return out
+
+
+def _verify_rows_by_hand(seqs, S, trash):
+    """Per sequence: its last token and drafts at positions p.., then padding rows (token 0,
+    position p, the trash row, context p+1); every block table repeated for its S+1 rows."""
+    ids, pos, slots, ctx, tables, sample = [], [], [], [], [], []
+    for i, s in enumerate(seqs):
+        p, d = s.num_computed_tokens, s.draft_token_ids
+        for t in range(S + 1):
+            real = t <= len(d)
+            q = p + t if real else p
+            ids.append(([s.token_ids[p], *d][t]) if real else 0)
+            pos.append(q)
+            slots.append(s.block_table[q // BLOCK] * BLOCK + q % BLOCK if real else trash)
+            ctx.append(q + 1 if real else p + 1)
+            tables.append(s.block_table)
+            if real:
+                sample.append(i * (S + 1) + t)
+    return ids, pos, slots, ctx, tables, sample
+
+
+@pytest.mark.parametrize("num_decodes, prefill_lens", [(4, []), (3, [5])])
+def test_verify_steps_stage_every_draft_as_a_decode_row(num_decodes, prefill_lens):
+    S, trash = 3, 999
+    seqs = _verifying(num_decodes, S)
+    prefills = [_seq(n + 2, 2, 20, 100) for n in prefill_lens]
+    batch = ScheduledBatch(decodes=seqs, prefills=prefills, num_new_tokens=list(prefill_lens), spec_tokens=S)
+    step = build_host_step(batch, BLOCK, trash_row=trash)
+    ids, pos, slots, ctx, tables, sample = _verify_rows_by_hand(seqs, S, trash)
+    nrows = num_decodes * (S + 1)
+    assert step.num_decode_tokens == nrows
+    assert step.input_ids[:nrows].tolist() == ids and step.positions[:nrows].tolist() == pos
+    assert step.slot_mapping[:nrows].tolist() == slots and step.decode_context_lens.tolist() == ctx
+    assert step.logits.sample_rows[: len(sample)] == sample
+    assert [(g.first_row, g.drafts) for g in step.logits.groups[:num_decodes]] == \
+        [(sum(len(x.draft_token_ids) + 1 for x in seqs[:i]), x.draft_token_ids) for i, x in enumerate(seqs)]
+    dev = to_device_context(step, CPU, StagingRing(8, CPU))
+    kda, attn = dev.context.kda, dev.context.attn
+    assert kda.num_decodes == num_decodes and kda.num_decode_tokens == nrows and attn.num_decode_tokens == nrows
+    assert kda.spec_state_indices.tolist() == [s.spec_slots + [s.state_slot] for s in seqs]
+    assert kda.num_accepted_tokens.tolist() == [s.num_accepted for s in seqs]
+    assert kda.decode_state_indices.tolist() == [s.state_slot for s in seqs]
+    assert [row[: len(t)].tolist() for row, t in zip(attn.decode_block_tables, tables)] == tables
+    if prefill_lens:   # the prefill chunk follows the verify rows
+        assert dev.input_ids[nrows:].tolist() == prefills[0].token_ids[2:]
+
+
+def test_graph_static_inputs_of_verify_steps_pad_whole_sequences():
+    S, trash, width = 2, 999, 8
+    static = DecodeStaticInputs(4, width, trash, CPU, tokens_per_seq=S + 1)
+    for k, (n, bs) in enumerate([(3, 4), (4, 4), (1, 1), (2, 4)]):
+        seqs = _verifying(n, S, offset=k)
+        step = build_host_step(ScheduledBatch(decodes=seqs, spec_tokens=S), BLOCK, decode_width=width, trash_row=trash)
+        ids, pos, slots, ctx, tables, _ = _verify_rows_by_hand(seqs, S, trash)
+        static.stage(step, bs)
+        real, pad = slice(0, n * (S + 1)), slice(n * (S + 1), bs * (S + 1))
+        assert static.input_ids[real].tolist() == ids and static.positions[real].tolist() == pos
+        assert static.slot_mapping[real].tolist() == slots and static.context_lens[real].tolist() == ctx
+        assert [r[: len(t)].tolist() for r, t in zip(static.block_tables[real], tables)] == tables
+        assert static.verify_slots[:n].tolist() == [s.spec_slots + [s.state_slot] for s in seqs]
+        assert static.num_accepted[:n].tolist() == [s.num_accepted for s in seqs]
+        assert (static.state_indices[n:bs] == 0).all() and (static.verify_slots[n:bs] == 0).all()
+        assert (static.num_accepted[n:bs] == 1).all() and (static.slot_mapping[pad] == trash).all()
+        assert (static.context_lens[pad] == 1).all() and (static.block_tables[pad] == 0).all()

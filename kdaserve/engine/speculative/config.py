@@ -1,0 +1,72 @@
+"""`--speculative-config`: vLLM's JSON object, e.g.
+
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+Only prompt lookup ("ngram") is built; a model-based drafter (the MTP layers of Ling-3 and
+GLM-5.3-Flash) is another `method` with its own proposer behind the same verify step."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+METHODS = ("ngram",)
+# vLLM's defaults: with neither bound given, n-grams of exactly 5 tokens; with one, both equal it.
+DEFAULT_PROMPT_LOOKUP = 5
+MAX_SPECULATIVE_TOKENS = 16   # the verify kernels keep S+1 states per sequence; past this, memory not speed
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+
+    @staticmethod
+    def parse(value) -> "SpeculativeConfig | None":
+        """From a dict, a JSON string (the flag's value) or None; a SpeculativeConfig passes through.
+        Raises ValueError saying what was wrong and what is accepted."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"invalid speculative_config: not JSON ({e.msg} at character {e.pos}); expected an "
+                                 f'object like {{"method": "ngram", "num_speculative_tokens": 4}}') from None
+        if not isinstance(value, dict):
+            raise ValueError(f"invalid speculative_config: got {type(value).__name__}; expected a JSON object")
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"invalid speculative_config: unknown keys {unknown}; expected some of {sorted(known)}")
+        method = value.get("method", "ngram")
+        if method == "[ngram]":   # vLLM accepts this spelling too
+            method = "ngram"
+        if method not in METHODS:
+            raise ValueError(f"invalid speculative_config method {method!r}; expected one of {list(METHODS)} "
+                             f"(model-based drafters are not built yet)")
+        k = value.get("num_speculative_tokens")
+        if not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"invalid speculative_config num_speculative_tokens: got {k!r}; expected an integer in "
+                             f"[1, {MAX_SPECULATIVE_TOKENS}]")
+        lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+        if lo is None and hi is None:
+            lo = hi = DEFAULT_PROMPT_LOOKUP
+        lo = hi if lo is None else lo
+        hi = lo if hi is None else hi
+        for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if not _is_int(v) or v < 1:
+                raise ValueError(f"invalid speculative_config {name}: got {v!r}; expected an integer >= 1")
+        if lo > hi:
+            raise ValueError(f"invalid speculative_config: prompt_lookup_min={lo} > prompt_lookup_max={hi}; expected min <= max")
+        return SpeculativeConfig(method, k, lo, hi)
+
+    def to_dict(self) -> dict:
+        return {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens,
+                "prompt_lookup_min": self.prompt_lookup_min, "prompt_lookup_max": self.prompt_lookup_max}
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
