@@ -75,4 +75,9 @@ def run(args) -> int:
         f"prefill: {s['prefill_tokens']} tokens in {s['prefill_time_s']:.3f} s = {s['prefill_tokens_per_s']:.1f} tok/s\n"
         f"decode:  {s['decode_tokens']} tokens in {s['decode_time_s']:.3f} s = {s['decode_tokens_per_s']:.1f} tok/s"
     )
+    if "spec_decode_num_drafts" in s:
+        rate, length = s["spec_decode_acceptance_rate"], s["spec_decode_mean_acceptance_length"]
+        print(f"speculative: {s['spec_decode_num_draft_tokens']} draft tokens in {s['spec_decode_num_drafts']} drafts, "
+              f"{s['spec_decode_num_accepted_tokens']} accepted"
+              + (f" (acceptance rate {rate:.1%}, mean acceptance length {length:.2f})" if rate is not None else ""))
     return 0

@@ -45,7 +45,7 @@ def build_app(
         "block_size": cfg.block_size, "num_gpu_blocks": engine.runner.num_kv_blocks,
         "cache_dtype": str(cfg.dtype).removeprefix("torch."), "num_state_slots": engine.runner.num_slots,
         "mamba_ssm_cache_dtype": str(cfg.state_dtype).removeprefix("torch."), "gpu_memory_utilization": cfg.gpu_memory_utilization,
-    })
+    }, num_speculative_tokens=cfg.num_spec_tokens)
     engine_loop = EngineLoop(engine, max_queued_requests=max_queued_requests, metrics=metrics)
     state = ServerState(
         engine_loop=engine_loop,

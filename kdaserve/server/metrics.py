@@ -6,7 +6,9 @@ Every family carries `model_name` and `engine` ("0": one engine per server); fin
 are counted by `finished_reason`, with a child for each reason created up front (a dashboard sees
 zeros, not a missing series). Per-request latencies use the engine's own timestamps (arrival,
 first scheduled, first token, finish). Besides vLLM's families: the KDA state pool
-(`state_slots_used` / `_total`) and the attention cache's blocks. Each server owns its own
+(`state_slots_used` / `_total`) and the attention cache's blocks. With speculative decoding,
+vLLM's `spec_decode_*` counters (drafts, drafted and accepted tokens, accepted per draft
+position, engine/speculative/stats.py). Each server owns its own
 registry (several servers can live in one process: the tests), with the process collector.
 """
 
@@ -35,7 +37,7 @@ _TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10
 class ServerMetrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, model_name: str, *, cache_info: dict | None = None):
+    def __init__(self, model_name: str, *, cache_info: dict | None = None, num_speculative_tokens: int = 0):
         self.registry = r = CollectorRegistry()
         ProcessCollector(registry=r)
         self._labels = {"model_name": model_name, "engine": "0"}
@@ -88,6 +90,17 @@ class ServerMetrics:
         Gauge(PREFIX + "cache_config_info", "The cache configuration (labels), value 1.", tuple(info),
               registry=r).labels(**info).set(1)
         self._last_preemptions = 0
+        self._spec = None
+        if num_speculative_tokens:
+            per_pos = Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos", "Accepted tokens, by draft position.",
+                              names + ("position",), registry=r)
+            self._spec = {
+                "spec_decode_num_drafts": counter("spec_decode_num_drafts", "Verifies of requests that proposed drafts."),
+                "spec_decode_num_draft_tokens": counter("spec_decode_num_draft_tokens", "Draft tokens proposed."),
+                "spec_decode_num_accepted_tokens": counter("spec_decode_num_accepted_tokens", "Draft tokens accepted."),
+                "per_pos": [per_pos.labels(**self._labels, position=str(i)) for i in range(num_speculative_tokens)],
+            }
+            self._last_spec: dict = {}
 
     def finished(self, reason: str):
         return self._finished.labels(**self._labels, finished_reason=reason)
@@ -122,10 +135,26 @@ class ServerMetrics:
                 getattr(self, name).set(stats[name])
         if stats.get("kv_blocks_total"):
             self.kv_cache_usage_perc.set(stats.get("kv_blocks_used", 0) / stats["kv_blocks_total"])
+        if self._spec is not None:
+            self._update_spec(stats)
         preemptions = stats.get("preemptions")
         if preemptions is not None and preemptions > self._last_preemptions:
             self.num_preemptions.inc(preemptions - self._last_preemptions)
             self._last_preemptions = preemptions
+
+    def _update_spec(self, stats: dict) -> None:
+        """The engine keeps running totals; the counters advance by what is new since last time."""
+        for name in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"):
+            value, last = stats.get(name), self._last_spec.get(name, 0)
+            if value is not None and value > last:
+                self._spec[name].inc(value - last)
+                self._last_spec[name] = value
+        per_pos, last = stats.get("spec_decode_num_accepted_tokens_per_pos") or [], self._last_spec.get("per_pos") or []
+        for i, (child, value) in enumerate(zip(self._spec["per_pos"], per_pos)):
+            before = last[i] if i < len(last) else 0
+            if value > before:
+                child.inc(value - before)
+        self._last_spec["per_pos"] = list(per_pos)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

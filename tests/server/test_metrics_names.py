@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 from server_helpers import metric
@@ -62,3 +63,36 @@ def test_every_dashboard_query_names_an_exported_metric(client):
     assert len(used) >= 15
     missing = sorted(m for m in used if m not in names)
     assert not missing, missing
+
+
+def test_speculative_decoding_exports_vllms_spec_decode_counters():
+    """A server with prompt-lookup speculation: a repetitive prompt drafts tokens, and the counters
+    (drafts, drafted, accepted, accepted per position) move by what the engine counted."""
+    from fastapi.testclient import TestClient
+    from server_helpers import MAX_MODEL_LEN
+
+    from kdaserve.engine.llm_engine import LLMEngine
+    from kdaserve.server.app import build_app
+
+    engine = LLMEngine("tiny", kda_prefill_backend="reference", kda_decode_backend="reference", max_num_seqs=4,
+                       max_model_len=MAX_MODEL_LEN, device="cpu",
+                       speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1})
+    with TestClient(build_app(engine)) as http:
+        body = {"model": engine.model_name, "prompt": "abcabcabcabcabcabc", "max_tokens": 12, "temperature": 0,
+                "ignore_eos": True}
+        response = http.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 12
+        stats = engine.stats()   # final: the engine counted before it delivered the last token
+        assert stats["spec_decode_num_draft_tokens"] > 0
+
+        def exported(text):
+            return [metric(text, f"kdaserve:spec_decode_{n}_total") for n in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")] \
+                + [metric(text, "kdaserve:spec_decode_num_accepted_tokens_per_pos_total", position=p) for p in range(2)]
+
+        want = [stats[f"spec_decode_{n}"] for n in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")] \
+            + stats["spec_decode_num_accepted_tokens_per_pos"]
+        deadline = time.monotonic() + 20   # the gauges refresh right after the step that delivered
+        while exported(http.get("/metrics").text) != want and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert exported(http.get("/metrics").text) == want
