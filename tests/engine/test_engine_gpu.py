@@ -73,3 +73,46 @@ def test_bench_model_serves_a_batch_with_graphs():
     assert _ids(again) == _ids(outs)   # same batch, same kernels: deterministic
     _no_leaks(llm)
     torch.cuda.synchronize()
+
+
+class _Scripted:
+    """Drafts from known outputs, wrong at a rotating position (or nowhere): every acceptance length."""
+
+    def __init__(self, outputs, k):
+        self.outputs, self.k, self.calls = outputs, k, 0
+
+    def propose(self, seq, room):
+        done = seq.num_output_tokens
+        drafts = list(self.outputs[tuple(seq.prompt_token_ids)][done : done + min(self.k, room)])
+        bad = self.calls % (self.k + 1)
+        self.calls += 1
+        if bad < len(drafts):
+            drafts[bad] = (drafts[bad] + 1) % 250   # tiny's vocabulary holds more than 250 ids
+        return drafts
+
+    def forget(self, seq):
+        pass
+
+
+@pytest.mark.parametrize("decode", ["fused", "chain"])
+def test_speculative_verify_steps_replay_cuda_graphs_and_keep_the_tokens(decode):
+    """Verify steps (S+1 = 4 tokens per sequence) replay graphs captured for them; with scripted
+    drafts accepted at every length, the tokens equal plain decoding's, eager and graphs alike."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    plain = _tiny("flash", decode)
+    prompts = [plain.tokenizer.encode(p) for p in PROMPTS]
+    want = _ids(plain.generate(prompts, GREEDY, use_tqdm=False))
+    for eager in (True, False):
+        llm = _tiny("flash", decode, speculative_config=spec, enforce_eager=eager)
+        graphs = llm.engine.runner.graphs
+        assert (graphs is None) == eager and (eager or graphs.m == 4)
+        llm.engine.proposer = _Scripted({tuple(p): w for p, w in zip(prompts, want)}, 3)
+        replays = []
+        if graphs is not None:
+            real_run = graphs.run
+            graphs.run = lambda step: replays.append(step.num_decodes) or real_run(step)
+        assert _ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == want
+        assert _ids(llm.generate(prompts[:3], GREEDY, use_tqdm=False)) == want[:3]   # a padding sequence in the bucket
+        assert eager or replays, "verify steps must replay the captured graphs"
+        assert llm.engine.stats()["spec_decode_num_accepted_tokens"] > 0
+        _no_leaks(llm)

@@ -45,5 +45,35 @@ def test_bf16_serves_a_batch_with_graphs_and_chunked_prefill():
 
 def test_too_many_sequences_is_an_error_that_says_how_many_fit():
     """Ten million sequences of kimi-tiny's ~30 KB of KDA state each cannot fit on any card."""
-    with pytest.raises(RuntimeError, match=r"max_num_seqs=10000000 needs .* GiB of KDA state \(.* KiB per sequence\) .*: \d+ sequences fit; lower --max-num-seqs to at most \d+, or raise"):
+    with pytest.raises(RuntimeError, match=r"max_num_seqs=10000000 needs .* GiB of KDA state \(.* KiB per state slot\) .*: \d+ sequences fit; lower --max-num-seqs to at most \d+, or raise"):
         LLM("kimi-tiny", device="cuda", max_num_seqs=10_000_000, max_model_len=512)
+
+
+def test_speculative_decoding_keeps_the_tokens_with_mla_and_moe_kernels():
+    """Verify steps through the Triton MLA decode kernel (each draft a row with its own context),
+    the fused MoE kernel and fused KDA verify, CUDA graphs on: the tokens of plain decoding."""
+    kw = dict(device="cuda", dtype="float32", max_num_seqs=8, max_model_len=512, **TRITON)
+    plain = LLM("kimi-tiny", **kw)
+    prompts = [plain.tokenizer.encode(p) for p in PROMPTS]
+    want = _ids(plain, prompts)
+    llm = LLM("kimi-tiny", speculative_config={"num_speculative_tokens": 2, "prompt_lookup_min": 1}, **kw)
+    assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.m == 3
+    outputs = {tuple(p): w for p, w in zip(prompts, want)}
+
+    class Scripted:
+        calls = 0
+
+        def propose(self, seq, room):
+            done = seq.num_output_tokens
+            drafts = list(outputs[tuple(seq.prompt_token_ids)][done : done + min(2, room)])
+            Scripted.calls += 1
+            if Scripted.calls % 3 < len(drafts):
+                drafts[Scripted.calls % 3] = (drafts[Scripted.calls % 3] + 1) % plain.engine.vocab_size
+            return drafts
+
+        def forget(self, seq):
+            pass
+
+    llm.engine.proposer = Scripted()
+    assert _ids(llm, prompts) == want
+    assert llm.engine.stats()["spec_decode_num_accepted_tokens"] > 0
