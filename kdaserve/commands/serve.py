@@ -46,6 +46,8 @@ def register(sub) -> None:
                    help="a jinja2 chat template, or the path of a file holding one, instead of the checkpoint's")
     p.add_argument("--enable-request-id-headers", action="store_true",
                    help="a client's X-Request-Id becomes the id of its completion (it is echoed either way)")
+    p.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help='log-probs name tokens as "token_id:{id}" instead of their text (which several tokens can share)')
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="the model, as vLLM's `vllm serve MODEL` takes it (same as --model)")
     add_engine_args(p)
@@ -92,7 +94,8 @@ def run(args) -> int:
     app = build_app(engine, served_model_name=args.served_model_name, model_root=args.model,
                     max_queued_requests=args.max_queued_requests, access=access, enable_docs=args.enable_docs,
                     allowed_origins=args.allowed_origins.split(",") if args.allowed_origins else None,
-                    request_id_headers=args.enable_request_id_headers)
+                    request_id_headers=args.enable_request_id_headers,
+                    return_tokens_as_token_ids=args.return_tokens_as_token_ids)
     serve_forever(app, args.host, args.port, log_level=args.uvicorn_log_level or args.log_level, root_path=args.root_path,
                   ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile)
     return 0

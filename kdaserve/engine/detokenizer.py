@@ -17,11 +17,13 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0     # start of the decode window
         self.read_offset = 0       # tokens whose text is already in self.text
 
-    def add(self, ids: list[int], *, final: bool = False, start: int = 0, end: int | None = None) -> str | None:
+    def add(self, ids: list[int], *, final: bool = False, start: int = 0, end: int | None = None,
+            check_stop: bool = True) -> str | None:
         """ids[start:end]: all output tokens so far (stop tokens excluded); the engine passes the
         sequence's whole token list and the bounds, so that no copy of all outputs is made per
         token. Appends the newly complete text (all of it when `final`); returns the stop string
-        hit (text trimmed before it), else None."""
+        hit (text trimmed before it), else None. `check_stop=False` (before min_tokens) appends
+        without looking for stop strings; a later call still finds one that began here."""
         end = len(ids) if end is None else end
         prefix = self.tokenizer.decode(ids[start + self.prefix_offset : start + self.read_offset])
         full = self.tokenizer.decode(ids[start + self.prefix_offset : end])
@@ -30,7 +32,7 @@ class IncrementalDetokenizer:
         old_len = len(self.text)
         self.text += full[len(prefix) :]
         self.prefix_offset, self.read_offset = self.read_offset, end - start
-        if not self.stop:
+        if not self.stop or not check_stop:
             return None
         start = max(0, old_len - self.max_stop_len + 1)
         hits = [(i, s) for s in self.stop if (i := self.text.find(s, start)) >= 0]

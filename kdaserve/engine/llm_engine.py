@@ -34,6 +34,7 @@ class LLMEngine:
         # tokenizer's eos is the first of them. Any of them ends a request.
         eos = self.runner.model_config.eos_token_id
         self.more_eos_token_ids = frozenset(t for t in (eos if isinstance(eos, list) else [eos]) if t is not None)
+        self.runner.sampler.stop_ids = frozenset(t for t in (self.eos_token_id, *self.more_eos_token_ids) if t is not None)
         self.slots = StateSlotPool(self.runner.num_slots)
         self.blocks = BlockManager(self.runner.num_kv_blocks, self.config.block_size)
         self.scheduler = Scheduler(self.config.max_num_seqs, self.config.max_num_batched_tokens, self.slots, self.blocks,
@@ -92,6 +93,11 @@ class LLMEngine:
             n = getattr(params, name)
             if n is not None and n > self.config.max_logprobs:
                 raise ValueError(f"invalid {name}: got {n}; expected at most max_logprobs={self.config.max_logprobs}")
+        if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
+            raise ValueError(f"invalid logit_bias token {max(params.logit_bias)}; expected ids in [0, {self.vocab_size})")
+        if self.proposer is not None and params.has_logits_processors:
+            raise ValueError("min_tokens, logit_bias, the penalties and min_p are not supported with speculative decoding "
+                             "yet; send them to a server without --speculative-config, or leave them at their defaults")
         return ids
 
     def abort_request(self, request_id: str) -> None:
@@ -204,14 +210,17 @@ class LLMEngine:
         if seq.logprobs is not None and logprob is not None:
             seq.logprobs.append({"token_id": token, "logprob": logprob[0], "top": logprob[1]})
         p = seq.params
+        # Before min_tokens outputs nothing but the length limits ends a request (vLLM's rule).
+        may_stop = seq.num_output_tokens >= p.min_tokens
         is_eos = token == self.eos_token_id or token in self.more_eos_token_ids
-        stop_token = token in p.stop_token_ids or (not p.ignore_eos and is_eos)
+        stop_token = may_stop and (token in p.stop_token_ids or (not p.ignore_eos and is_eos))
         reason = "stop" if stop_token else None
         done = stop_token or seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len
         needs_text = done or (self.incremental_text and not more_follow) or bool(p.stop)
         # The outputs' text leaves a stop token out; bounds into token_ids, no copy of the outputs.
         text_end = seq.num_tokens - 1 if stop_token else seq.num_tokens
-        if needs_text and seq.detokenizer.add(seq.token_ids, final=done, start=seq.num_prompt_tokens, end=text_end) is not None:
+        if needs_text and seq.detokenizer.add(seq.token_ids, final=done, start=seq.num_prompt_tokens, end=text_end,
+                                              check_stop=may_stop) is not None:
             reason = "stop"
         elif reason is None and done:
             reason = "length"

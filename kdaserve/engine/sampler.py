@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kdaserve.engine.logits_processors import apply_logits_processors, apply_min_p
 from kdaserve.engine.sequence import Sequence
 from kdaserve.engine.staging import StagingRing, stage_lists
 
@@ -74,10 +75,12 @@ def to_host(tensors: list[torch.Tensor]) -> list[list]:
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int = 0):
+    def __init__(self, device: torch.device, seed: int = 0, stop_ids: frozenset[int] = frozenset()):
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.ring = StagingRing(4 << 10, torch.device(device))   # per-row parameters, one copy a step
+        self.processor_ring = StagingRing(4 << 10, torch.device(device))   # logits processors' (row, token) pairs
+        self.stop_ids = stop_ids   # the model's end-of-sequence ids, which min_tokens holds back
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         """logits [N, V] fp32, one row per sequence in `seqs`. One host->device copy of the rows'
@@ -88,6 +91,7 @@ class Sampler:
         greedy = [p.greedy for p in params]
         random = not all(greedy)
         masked = random and any(p.top_k > 0 or p.top_p < 1.0 for p in params)
+        min_p = random and any(p.min_p > 0 for p in params)
         want = [p.logprobs for p in params]
         lp_rows = [i for i, w in enumerate(want) if w is not None]
         some_lp = 0 < len(lp_rows) < N
@@ -99,16 +103,24 @@ class Sampler:
             # Clamped on the host: a top_k past int64 (the API allows any integer) fits no tensor.
             staged["top_k"] = (torch.int64, [min(p.top_k, V) for p in params])
             staged["top_p"] = (torch.float32, [p.top_p for p in params])
+        if min_p:
+            staged["min_p"] = (torch.float32, [p.min_p for p in params])
         if some_lp:
             staged["logprob_rows"] = (torch.int64, lp_rows)
         dev = stage_lists(self.ring, logits.device, staged) if staged else {}
 
-        tokens = logits.argmax(-1)
+        # Log-probs are of the raw distribution: the processors work on a copy.
+        processed = logits
+        if any(p.has_logits_processors for p in params):
+            processed = apply_logits_processors(logits.clone(), seqs, self.stop_ids, self.processor_ring)
+        tokens = processed.argmax(-1)
         if random:
-            scaled = logits / dev["temperature"][:, None]
+            scaled = processed / dev["temperature"][:, None]
             if masked:
                 scaled = _top_k_top_p(scaled, dev["top_k"], dev["top_p"])
             probs = scaled.softmax(-1)
+            if min_p:
+                probs = apply_min_p(probs, dev["min_p"])
             race = torch.empty_like(probs)
             seeded = [i for i, s in enumerate(seqs) if s.params.seed is not None and not greedy[i]]
             race.exponential_(generator=self.generator)

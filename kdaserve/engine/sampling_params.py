@@ -15,6 +15,13 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+MAX_LOGIT_BIAS = 1024   # entries per request (OpenAI allows 300)
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
@@ -27,6 +34,14 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None       # top-n alternatives per output token; 0 = the sampled token only
     prompt_logprobs: int | None = None
+    # Logit processors, in vLLM's meaning and order (engine/logits_processors.py): min_tokens, then
+    # logit_bias, then the penalties, then temperature, min_p, top-k / top-p.
+    min_tokens: int = 0               # outputs before EOS and stop_token_ids may end the request
+    logit_bias: dict[int, float] | None = None   # added to the logits of these token ids
+    presence_penalty: float = 0.0     # subtracted once from tokens already generated
+    frequency_penalty: float = 0.0    # subtracted per occurrence in the generated tokens
+    repetition_penalty: float = 1.0   # logits of prompt and generated tokens: > 0 divided, <= 0 multiplied by it
+    min_p: float = 0.0                # drop tokens below min_p times the most likely token's probability
 
     def __post_init__(self):
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -62,6 +77,36 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or v < 0):
                 _fail(name, v, "None or an integer >= 0 (the number of top alternatives)")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            _fail("min_tokens", self.min_tokens, f"an integer in [0, max_tokens={self.max_tokens}]")
+        for name, lo, hi in (("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0)):
+            v = getattr(self, name)
+            if not _is_number(v) or not lo <= v <= hi:
+                _fail(name, v, f"a number in [{lo}, {hi}]")
+            setattr(self, name, float(v))
+        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty <= 100:
+            _fail("repetition_penalty", self.repetition_penalty, "a number in (0, 100] (1 = off)")
+        self.repetition_penalty = float(self.repetition_penalty)
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            _fail("min_p", self.min_p, "a number in [0, 1]")
+        self.min_p = float(self.min_p)
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS:
+                _fail("logit_bias", type(self.logit_bias).__name__ if not isinstance(self.logit_bias, dict) else
+                      f"{len(self.logit_bias)} entries", f"a mapping of at most {MAX_LOGIT_BIAS} token ids to numbers")
+            bias = {}
+            for k, v in self.logit_bias.items():
+                tid = int(k) if isinstance(k, str) and k.isdigit() else k   # JSON keys are strings
+                if not _is_int(tid) or tid < 0 or not _is_number(v) or not math.isfinite(v):
+                    _fail("logit_bias", {k: v}, "token ids (integers >= 0) mapped to finite numbers")
+                bias[tid] = min(100.0, max(-100.0, float(v)))   # OpenAI's range; vLLM clamps too
+            self.logit_bias = bias or None
+
+    @property
+    def has_logits_processors(self) -> bool:
+        """Whether anything changes the logits before sampling (beyond temperature, top-k/p)."""
+        return bool(self.min_tokens or self.logit_bias or self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0 or self.min_p)
 
     @property
     def greedy(self) -> bool:

@@ -33,6 +33,7 @@ def build_app(
     enable_docs: bool = False,
     allowed_origins: list[str] | None = None,
     request_id_headers: bool = False,
+    return_tokens_as_token_ids: bool = False,
 ):
     """An app serving `engine` (an `LLMEngine`); its engine thread runs while the app is up.
     `access`: API keys, Host check and body limit (server/access.py; default: no key, no Host
@@ -54,6 +55,7 @@ def build_app(
         model_root=model_root or name,
         max_model_len=int(engine.max_model_len),
         request_id_headers=request_id_headers,
+        tokens_as_ids=return_tokens_as_token_ids,
     )
 
     @asynccontextmanager

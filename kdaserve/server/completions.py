@@ -72,10 +72,26 @@ class ChoiceLogprobs:
             self.top_logprobs.append(None)
             return
         self.token_logprobs.append(entry["logprob"])
-        top = {self.state.token_text(tid): lp for tid, lp in entry.get("top") or ()}
-        # Like vLLM: the chosen token is always listed, even when outside the top n.
-        top.setdefault(text, entry["logprob"])
-        self.top_logprobs.append(top)
+        self.top_logprobs.append(self._top(token_id, text, entry))
+
+    def _top(self, token_id: int, text: str, entry: dict) -> dict[str, float]:
+        """The alternatives keyed by text, the chosen token always among them (as vLLM lists it
+        even outside the top n) with exactly its token_logprobs value. Texts are keys, and several
+        tokens can decode to the same text: the chosen token keeps its text, any other token whose
+        text is taken is keyed "token_id:{id}", so no alternative is lost."""
+        items, taken, listed = [], {text}, False
+        for tid, lp in entry.get("top") or ():   # in rank order
+            if tid == token_id:
+                items.append((text, entry["logprob"]))
+                listed = True
+                continue
+            key = self.state.token_text(tid)
+            key = key if key not in taken else f"token_id:{tid}"
+            taken.add(key)
+            items.append((key, lp))
+        if not listed:
+            items.append((text, entry["logprob"]))
+        return dict(items)
 
     def as_dict(self) -> dict:
         return {

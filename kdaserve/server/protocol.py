@@ -47,6 +47,22 @@ class _SamplingFields(_Lenient):
     echo: bool = False
     # vLLM's extension: each choice also carries `prompt_token_ids` and `token_ids`.
     return_token_ids: bool = False
+    # Logit processors (engine/logits_processors.py); ranges are checked by SamplingParams.
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int = 0
+    logit_bias: dict[str, float] | None = None
+    # Not built yet: a request that sets them gets a 400 saying so, never a silent 200.
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="after")
     def _bounded(self):
@@ -58,7 +74,24 @@ class _SamplingFields(_Lenient):
             raise ValueError(f"stop strings may have at most {MAX_STOP_STRING_CHARS} characters, got one of {longest}")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        unsupported = self.unsupported_fields()
+        if unsupported:
+            raise ValueError(f"{', '.join(unsupported)}: not supported by this server yet (structured output and tool "
+                             f"calling are being built); leave them out")
         return self
+
+    def unsupported_fields(self) -> list[str]:
+        out = []
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            out.append(f"response_format of type {self.response_format.get('type')!r}")
+        if self.tools:
+            out.append("tools")
+        if self.tool_choice not in (None, "none"):
+            out.append("tool_choice")
+        for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+            if getattr(self, name) is not None:
+                out.append(name)
+        return out
 
     @property
     def include_usage(self) -> bool:
@@ -75,6 +108,18 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _refused(self):
+        # As vLLM: best_of (several samples, the best returned) and suffix (insertion) are refused.
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of={self.best_of} is not supported (vLLM refuses it too); use n for several "
+                             f"completions and pick among them")
+        if self.suffix:
+            raise ValueError("suffix is not supported (vLLM refuses it too): completions only append to the prompt")
+        return self
 
 
 class ChatMessage(_Lenient):

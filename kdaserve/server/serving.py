@@ -34,6 +34,9 @@ class ServerState:
     model_root: str
     max_model_len: int
     request_id_headers: bool = False   # --enable-request-id-headers: a client's X-Request-Id is the response id
+    # --return-tokens-as-token-ids: tokens in log-probs as "token_id:{id}" (vLLM's form), which stays
+    # unambiguous where several tokens decode to the same text (partial UTF-8 bytes, say)
+    tokens_as_ids: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     _token_text: dict[int, str] = field(default_factory=dict)
 
@@ -49,6 +52,8 @@ class ServerState:
 
     def token_text(self, token_id: int) -> str:
         """One token's text, as shown in log-probs (cached: the vocabulary is fixed)."""
+        if self.tokens_as_ids:
+            return f"token_id:{token_id}"
         text = self._token_text.get(token_id)
         if text is None:
             text = self.tokenizer.decode([token_id])
@@ -158,6 +163,12 @@ def sampling_params(req, *, max_tokens: int, logprobs: int | None, prompt_logpro
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            min_p=req.min_p or 0.0,
+            min_tokens=req.min_tokens,
+            logit_bias=req.logit_bias,
         )
     except (ValueError, TypeError) as exc:
         raise bad_request(f"invalid sampling parameters: {exc}") from None

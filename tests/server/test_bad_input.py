@@ -3,6 +3,8 @@ JSON nested 1,000 deep, unbounded stop strings, stream_options without stream, i
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from kdaserve.server.protocol import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
@@ -106,3 +108,30 @@ def test_a_request_that_can_never_be_admitted_is_a_400(server, client):
     prompts = limit // 16 + 1                   # prompts x n = more than the server ever admits
     body = {"model": "tiny", "prompt": ["a"] * prompts, "n": 16, "max_tokens": 1}
     assert "admits at most" in _error(client.post("/v1/completions", json=body))
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"best_of": 3}, "best_of=3 is not supported"),
+    ({"suffix": "end"}, "suffix is not supported"),
+    ({"response_format": {"type": "json_object"}}, "response_format of type 'json_object'"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+    ({"guided_choice": ["a", "b"]}, "guided_choice"),
+    ({"presence_penalty": 5}, "presence_penalty: got 5.0; expected a number in"),
+    ({"min_tokens": 50}, r"min_tokens: got 50; expected an integer in \[0, max_tokens=2\]"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias"),
+])
+def test_fields_not_built_or_out_of_range_are_refused_not_ignored(client, extra, message):
+    """Fields a client sends are applied or refused with the reason, never silently dropped."""
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 2, **extra}
+    err = _error(client.post("/v1/completions", json=body))
+    assert re.search(message, err), err
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, **extra}
+    if "best_of" not in extra and "suffix" not in extra:   # completions-only fields
+        assert re.search(message, _error(client.post("/v1/chat/completions", json=chat)))
+
+
+def test_defaults_of_the_refused_fields_are_accepted(client):
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 2, "best_of": 1, "suffix": None, "tool_choice": "none",
+            "response_format": {"type": "text"}, "presence_penalty": 0, "logit_bias": {}}
+    assert client.post("/v1/completions", json=body).status_code == 200

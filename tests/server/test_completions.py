@@ -143,3 +143,38 @@ def test_n_choices_per_prompt(client):
     assert [c["index"] for c in out["choices"]] == [0, 1]
     prompt_tokens = client.post("/tokenize", json={"prompt": PROMPT}).json()["count"]
     assert out["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 6, "total_tokens": prompt_tokens + 6}
+
+
+def test_top_logprobs_keep_every_alternative_when_texts_collide():
+    """Byte tokens of a split character all decode to U+FFFD: keyed by text, three alternatives
+    became two, and the chosen token could show another token's value. The chosen token keeps its
+    text and its exact token_logprobs value; the others whose text is taken are keyed by id."""
+    from types import SimpleNamespace
+
+    from kdaserve.server.completions import ChoiceLogprobs
+
+    texts = {5: "\ufffd", 6: "\ufffd", 7: "a", 8: "\ufffd"}
+    state = SimpleNamespace(token_text=lambda t: texts[t])
+    lp = ChoiceLogprobs(state)
+    lp.add(6, {"logprob": -1.5, "top": [(5, -0.5), (7, -1.0), (6, -1.5)]})     # chosen third, shares 5's text
+    lp.add(8, {"logprob": -4.0, "top": [(5, -0.2), (6, -0.9), (7, -1.1)]})     # chosen outside the top 3
+    first, second = lp.as_dict()["top_logprobs"]
+    assert first == {"token_id:5": -0.5, "a": -1.0, "\ufffd": -1.5} and len(first) == 3
+    assert second == {"token_id:5": -0.2, "token_id:6": -0.9, "a": -1.1, "\ufffd": -4.0}
+    assert [top[text] for top, text in zip((first, second), lp.as_dict()["tokens"])] == lp.as_dict()["token_logprobs"]
+    by_id = ChoiceLogprobs(SimpleNamespace(token_text=lambda t: f"token_id:{t}"))   # --return-tokens-as-token-ids
+    by_id.add(6, {"logprob": -1.5, "top": [(5, -0.5), (7, -1.0), (6, -1.5)]})
+    assert by_id.as_dict()["top_logprobs"][0] == {"token_id:5": -0.5, "token_id:7": -1.0, "token_id:6": -1.5}
+
+
+def test_logit_processors_reach_the_engine(client):
+    """logit_bias (JSON keys are strings), min_tokens and the penalties travel to the sampler."""
+    forced = complete(client, **greedy(prompt="Hello", max_tokens=4, logit_bias={"77": 100}, return_token_ids=True))
+    assert forced["choices"][0]["token_ids"] == [77] * 4
+    held = complete(client, **greedy(prompt="Hello", max_tokens=6, logit_bias={"77": 100}, stop_token_ids=[77],
+                                     min_tokens=2, return_token_ids=True))
+    ids = held["choices"][0]["token_ids"]
+    assert 77 not in ids[:2] and len(ids) == 3 and held["choices"][0]["finish_reason"] == "stop"
+    penalized = complete(client, **greedy(prompt="Hello", max_tokens=4, logit_bias={"77": 100}, repetition_penalty=100.0,
+                                          frequency_penalty=2.0, presence_penalty=2.0, min_p=0.5, return_token_ids=True))
+    assert penalized["choices"][0]["token_ids"][0] == 77   # the first 77 is not yet penalized
