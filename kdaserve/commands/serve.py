@@ -48,6 +48,9 @@ def register(sub) -> None:
                    help="a client's X-Request-Id becomes the id of its completion (it is echoed either way)")
     p.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help='log-probs name tokens as "token_id:{id}" instead of their text (which several tokens can share)')
+    p.add_argument("--stream-write-timeout", type=float, default=30.0,
+                   help="seconds a stream may wait on a client that reads nothing; then the request is aborted and "
+                        "its slots freed (default: 30)")
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="the model, as vLLM's `vllm serve MODEL` takes it (same as --model)")
     add_engine_args(p)
@@ -95,7 +98,8 @@ def run(args) -> int:
                     max_queued_requests=args.max_queued_requests, access=access, enable_docs=args.enable_docs,
                     allowed_origins=args.allowed_origins.split(",") if args.allowed_origins else None,
                     request_id_headers=args.enable_request_id_headers,
-                    return_tokens_as_token_ids=args.return_tokens_as_token_ids)
+                    return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                    stream_write_timeout=args.stream_write_timeout)
     serve_forever(app, args.host, args.port, log_level=args.uvicorn_log_level or args.log_level, root_path=args.root_path,
                   ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile)
     return 0

@@ -20,7 +20,7 @@ from kdaserve.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from kdaserve.server.serving import ServerState, check_model, parse_body
+from kdaserve.server.serving import DEFAULT_STREAM_WRITE_TIMEOUT, ServerState, check_model, parse_body
 
 
 def build_app(
@@ -34,12 +34,15 @@ def build_app(
     allowed_origins: list[str] | None = None,
     request_id_headers: bool = False,
     return_tokens_as_token_ids: bool = False,
+    stream_write_timeout: float = DEFAULT_STREAM_WRITE_TIMEOUT,
 ):
     """An app serving `engine` (an `LLMEngine`); its engine thread runs while the app is up.
     `access`: API keys, Host check and body limit (server/access.py; default: no key, no Host
     check, the default body limit). The interactive `/docs` and `/redoc` pages only with
     `enable_docs`; `/openapi.json` always (clients and fuzzers read it). CORS headers only for
     `allowed_origins` (none by default: a web page cannot read the API's answers)."""
+    if not stream_write_timeout > 0:
+        raise ValueError(f"invalid stream_write_timeout: got {stream_write_timeout}; expected seconds > 0")
     name = served_model_name or engine.model_name
     cfg = engine.config
     metrics = ServerMetrics(name, cache_info={
@@ -56,6 +59,7 @@ def build_app(
         max_model_len=int(engine.max_model_len),
         request_id_headers=request_id_headers,
         tokens_as_ids=return_tokens_as_token_ids,
+        stream_write_timeout=stream_write_timeout,
     )
 
     @asynccontextmanager

@@ -22,6 +22,9 @@ from kdaserve.server.errors import APIError
 from kdaserve.server.metrics import ServerMetrics
 
 logger = logging.getLogger("kdaserve.server")
+# Outputs waiting for one HTTP request's handler: past this its client is not keeping up (a stream
+# nobody reads blocks the handler in `send`), and the request is aborted, its slots freed.
+MAX_PENDING_OUTPUTS = 4096
 
 
 @dataclass
@@ -40,13 +43,16 @@ class RequestGroup:
     disconnect, an error, cancellation) aborts them in the engine, freeing their slots.
     """
 
-    def __init__(self, engine_loop: EngineLoop, request_ids: list[str], loop: asyncio.AbstractEventLoop):
+    def __init__(self, engine_loop: EngineLoop, request_ids: list[str], loop: asyncio.AbstractEventLoop,
+                 max_pending: int = MAX_PENDING_OUTPUTS):
         self.request_ids = request_ids
         self._unfinished = set(range(len(request_ids)))
         self._engine_loop = engine_loop
         self._loop = loop
         self._queue: asyncio.Queue = asyncio.Queue()
         self._closed = False
+        self._max_pending = max_pending
+        self.overflowed = False
 
     @property
     def finished(self) -> bool:
@@ -58,6 +64,19 @@ class RequestGroup:
 
     # Called on the event loop.
     def _put(self, index: int, item: Any) -> None:
+        if self.overflowed:
+            return
+        if self._queue.qsize() >= self._max_pending:
+            # The handler stopped taking outputs (its client stopped reading): abort now rather
+            # than buffer a whole generation; the handler sees the error when it resumes.
+            self.overflowed = True
+            logger.warning("request %s: %d outputs not taken by its client; aborted", self.request_ids[0], self._max_pending)
+            unfinished = sorted(self._unfinished)
+            self.close()
+            self._unfinished = set(unfinished[:1])
+            self._queue.put_nowait((unfinished[0] if unfinished else 0, APIError(
+                503, f"the client did not read its stream: {self._max_pending} outputs were waiting", code="client_too_slow")))
+            return
         self._queue.put_nowait((index, item))
 
     async def next(self) -> tuple[int, Any]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -19,9 +20,13 @@ from starlette.responses import Response, StreamingResponse
 from kdaserve.server.engine_loop import EngineLoop, RequestGroup
 from kdaserve.server.errors import APIError, bad_request, error_body, validation_message
 
+logger = logging.getLogger("kdaserve.server")
+
 Model = TypeVar("Model", bound=BaseModel)
 # Characters per token above which a text cannot fit the context whatever the tokenizer.
 MAX_CHARS_PER_TOKEN = 64
+# Seconds a stream's write may wait for a client that reads nothing before the request is aborted.
+DEFAULT_STREAM_WRITE_TIMEOUT = 30.0
 
 
 @dataclass
@@ -34,6 +39,7 @@ class ServerState:
     model_root: str
     max_model_len: int
     request_id_headers: bool = False   # --enable-request-id-headers: a client's X-Request-Id is the response id
+    stream_write_timeout: float = DEFAULT_STREAM_WRITE_TIMEOUT   # --stream-write-timeout: seconds a stream may wait on a client that reads nothing
     # --return-tokens-as-token-ids: tokens in log-probs as "token_id:{id}" (vLLM's form), which stays
     # unambiguous where several tokens decode to the same text (partial UTF-8 bytes, say)
     tokens_as_ids: bool = False
@@ -234,7 +240,7 @@ async def run_group(
     try:
         if stream:
             buffered = await unless_disconnected(request, first_outputs(group, len(engine_requests)))
-            return EventStreamResponse(events(group, buffered), on_close=group.close)
+            return EventStreamResponse(events(group, buffered), on_close=group.close, write_timeout=state.stream_write_timeout)
         finals = await unless_disconnected(request, collect_finals(group, len(engine_requests)))
     except ClientGone:
         group.close()
@@ -308,21 +314,46 @@ def sse_error(exc: Exception) -> str:
 
 class EventStreamResponse(StreamingResponse):
     """Server-sent events whose `on_close` runs however the response ends: finished, client gone
-    mid-stream (Starlette cancels the body), or never started. That is what frees the slots."""
+    mid-stream (Starlette cancels the body), never started, or a client that stopped reading: a
+    write that cannot complete within `write_timeout` seconds (the socket's buffers are full)
+    aborts the request there, frees its slots and closes the connection (uvicorn logs one line
+    for the unfinished response), instead of holding them until the client reads again."""
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None],
+                 write_timeout: float = DEFAULT_STREAM_WRITE_TIMEOUT):
         super().__init__(
             content,
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
         self._on_close = on_close
+        self._write_timeout = write_timeout
+        self.timed_out = False
+
+    async def stream_response(self, send) -> None:
+        async def send_or_give_up(message) -> None:
+            try:
+                await asyncio.wait_for(send(message), self._write_timeout)
+            except asyncio.TimeoutError:
+                self.timed_out = True
+                raise _StalledClient from None
+
+        try:
+            await super().stream_response(send_or_give_up)
+        except _StalledClient:
+            logger.warning("a stream's client read nothing for %.0f s: request aborted, connection closed",
+                           self._write_timeout)
+            self._on_close()
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             self._on_close()
+
+
+class _StalledClient(Exception):
+    pass
 
 
 def gone_response() -> Response:

@@ -1,0 +1,76 @@
+"""Clients that stop reading: a stream's write that cannot complete within the write timeout aborts
+the request and frees its slots; outputs piling up for a handler that does not take them are
+capped, then the request is aborted."""
+
+from __future__ import annotations
+
+import asyncio
+
+from kdaserve.server.engine_loop import RequestGroup
+from kdaserve.server.serving import EventStreamResponse
+
+
+def test_a_stream_whose_client_reads_nothing_is_aborted_within_the_write_timeout():
+    closed = []
+
+    async def body():
+        for i in range(1000):
+            yield f"data: {i}\n\n"
+
+    async def receive():
+        await asyncio.sleep(3600)        # the client never sends a disconnect either
+
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+        if len(sent) > 3:                # the socket's buffers are full from the 4th write on
+            await asyncio.sleep(3600)
+
+    async def run():
+        response = EventStreamResponse(body(), on_close=lambda: closed.append(True), write_timeout=0.2)
+        scope = {"type": "http", "asgi": {"spec_version": "2.4"}}
+        t0 = asyncio.get_running_loop().time()
+        await asyncio.wait_for(response(scope, receive, send), 5)
+        return response, asyncio.get_running_loop().time() - t0
+
+    response, seconds = asyncio.run(run())
+    assert response.timed_out and closed and seconds < 2
+    assert sent[0]["type"] == "http.response.start" and len(sent) == 4
+    assert all(m.get("more_body", True) for m in sent[1:]), "the response is left unfinished: the connection closes"
+
+
+class _FakeLoop:
+    def __init__(self):
+        self.posted, self.released = [], 0
+
+    def _post(self, command):
+        self.posted.append(command)
+
+    def _release(self, n):
+        self.released += n
+
+
+def test_outputs_a_handler_does_not_take_are_capped_then_the_request_is_aborted():
+    class Out:
+        finished = False
+
+    async def run():
+        engine_loop = _FakeLoop()
+        group = RequestGroup(engine_loop, ["a", "b"], asyncio.get_running_loop(), max_pending=5)
+        for _ in range(5):
+            group._put(0, Out())
+        assert not group.overflowed and not engine_loop.posted
+        group._put(1, Out())                               # the 6th: over the cap
+        group._put(1, Out())                               # dropped: the request is gone
+        assert group.overflowed and engine_loop.released == 2
+        assert sorted(c[1] for c in engine_loop.posted) == ["a", "b"]   # both members aborted
+        taken = [await group.next() for _ in range(5)]
+        try:
+            await group.next()
+        except Exception as exc:                           # noqa: BLE001
+            return taken, exc
+        return taken, None
+
+    taken, error = asyncio.run(run())
+    assert len(taken) == 5 and error is not None and error.status == 503 and "did not read its stream" in error.message
