@@ -55,6 +55,14 @@ class ByteTokenizer:
                 i = j + 2
         return ids
 
+    @property
+    def special_token_strings(self) -> tuple[str, ...]:
+        return self.SPECIALS
+
+    def encode_text(self, text: str) -> list[int]:
+        """`text` as plain text: a special token's string becomes its bytes, never the token."""
+        return list(text.encode("utf-8"))
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         out, buf = [], bytearray()
         for t in ids:
@@ -124,9 +132,26 @@ class HFTokenizer:
         self.bos_token_id = None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.chat_template = self._cfg.get("chat_template")
+        self._text_tok = None
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    @property
+    def special_token_strings(self) -> tuple[str, ...]:
+        return tuple(t.content for t in self._tok.get_added_tokens_decoder().values() if t.special)
+
+    def encode_text(self, text: str) -> list[int]:
+        """`text` as plain text: special tokens' strings are split like any text, never matched.
+        A second tokenizer with that setting (built once): flipping the shared one's flag would
+        race with encodes on other threads."""
+        if self._text_tok is None:
+            from tokenizers import Tokenizer
+
+            tok = Tokenizer.from_str(self._tok.to_str())
+            tok.encode_special_tokens = True
+            self._text_tok = tok
+        return self._text_tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode([i for i in ids if 0 <= i < self.vocab_size], skip_special_tokens=skip_special_tokens)

@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse, Response
 
 from kdaserve.server.access import AccessGuard, AccessSettings
 from kdaserve.server.chat import ChatHandler
-from kdaserve.server.chat_template import render_chat
+from kdaserve.server.chat_template import chat_prompt_ids
 from kdaserve.server.completions import CompletionHandler
 from kdaserve.server.engine_loop import EngineLoop
 from kdaserve.server.errors import APIError, bad_request, install_error_handlers
@@ -121,8 +121,12 @@ def build_app(
         check_model(state, req.model)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of `prompt` and `messages`")
-        text = req.prompt if req.prompt is not None else render_chat(state.tokenizer, req.messages, req.add_generation_prompt)
-        tokens = state.encode(text, param="prompt" if req.prompt is not None else "messages")
+        if req.prompt is not None:
+            tokens = state.encode(req.prompt, param="prompt")
+        else:
+            tokens = chat_prompt_ids(state.tokenizer, req.messages, req.add_generation_prompt,
+                                     lambda text: state.encode(text, param="messages"),
+                                     lambda n: state.check_chars(n, param="messages"))
         return {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens}
 
     @app.post("/detokenize")

@@ -6,7 +6,7 @@ import time
 
 from fastapi import Request
 
-from kdaserve.server.chat_template import render_chat
+from kdaserve.server.chat_template import chat_prompt_ids
 from kdaserve.server.completions import new_logprob_entries, usage
 from kdaserve.server.errors import bad_request
 from kdaserve.server.protocol import ChatCompletionRequest
@@ -47,8 +47,9 @@ class ChatHandler:
         self.state = state
 
     def prompt_token_ids(self, req) -> list[int]:
-        text = render_chat(self.state.tokenizer, req.messages, req.add_generation_prompt)
-        return self.state.encode(text, param="messages")
+        return chat_prompt_ids(self.state.tokenizer, req.messages, req.add_generation_prompt,
+                               lambda text: self.state.encode(text, param="messages"),
+                               lambda n: self.state.check_chars(n, param="messages"))
 
     async def __call__(self, request: Request, req: ChatCompletionRequest):
         state = self.state

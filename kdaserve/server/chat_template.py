@@ -8,6 +8,10 @@ same simple template from here: each turn is `<|role|>\\n{content}\\n`, and the 
 
 from __future__ import annotations
 
+import re
+import secrets
+from collections.abc import Callable
+
 from kdaserve.server.errors import bad_request
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -42,8 +46,39 @@ def simple_chat_prompt(messages: list[dict[str, str]], add_generation_prompt: bo
     return text + ("<|assistant|>\n" if add_generation_prompt else "")
 
 
-def render_chat(tokenizer, messages, add_generation_prompt: bool = True) -> str:
+def chat_prompt_ids(tokenizer, messages, add_generation_prompt: bool, encode: Callable[[str], list[int]],
+                    check_chars: Callable[[int], None] = lambda n: None) -> list[int]:
+    """The prompt's token ids. Special tokens come only from the template: a message whose text
+    holds a special token's string (say the end-of-turn token, to forge a turn) keeps it as text.
+    Such messages are rendered as unique markers, the output split at them, the template's pieces
+    encoded as usual and the messages' text with specials as plain text. Messages without such
+    strings are encoded exactly as the whole rendered prompt (no change to tokenization).
+    `check_chars(n)` refuses a prompt of n characters before anything is tokenized."""
     plain = plain_messages(messages)
+    specials = [s for s in getattr(tokenizer, "special_token_strings", ()) if s]
+    risky = [i for i, m in enumerate(plain) if any(s in m["content"] for s in specials)]
+    if not risky or not hasattr(tokenizer, "encode_text"):
+        return encode(_render(tokenizer, plain, add_generation_prompt))
+    nonce = secrets.token_hex(8)
+    marks = {f"\ue000{nonce}:{i}\ue001": i for i in risky}
+    masked = [dict(m, content=next(k for k, v in marks.items() if v == i)) if i in risky else m for i, m in enumerate(plain)]
+    pieces = re.split("(" + "|".join(map(re.escape, marks)) + ")", _render(tokenizer, masked, add_generation_prompt))
+    found = [p for p in pieces if p in marks]
+    if sorted(found) != sorted(marks):
+        names = sorted({s for i in risky for s in specials if s in plain[i]["content"]})
+        raise bad_request(f"messages contain the control token(s) {names}, and this chat template does not copy message "
+                          f"text verbatim, so they cannot be kept as text; remove them from the messages", param="messages")
+    check_chars(sum(len(plain[marks[p]]["content"]) if p in marks else len(p) for p in pieces))
+    ids: list[int] = []
+    for piece in pieces:
+        if piece in marks:
+            ids += tokenizer.encode_text(plain[marks[piece]]["content"])
+        elif piece:
+            ids += encode(piece)
+    return ids
+
+
+def _render(tokenizer, plain: list[dict[str, str]], add_generation_prompt: bool) -> str:
     apply = getattr(tokenizer, "apply_chat_template", None)
     if apply is None:
         return simple_chat_prompt(plain, add_generation_prompt)

@@ -50,11 +50,14 @@ class ServerState:
         """Token ids of `text`; 400 before tokenizing when the text is so long that its tokens cannot
         fit max_model_len (a real token averages a few characters; MAX_CHARS_PER_TOKEN is far above
         any vocabulary's), so a huge prompt costs the event loop nothing."""
-        limit = self.max_model_len * MAX_CHARS_PER_TOKEN
-        if len(text) > limit:
-            raise bad_request(f"the {param} has {len(text)} characters; at most {limit} ({MAX_CHARS_PER_TOKEN} per token "
-                              f"of max_model_len = {self.max_model_len}) can fit", param=param)
+        self.check_chars(len(text), param)
         return list(self.tokenizer.encode(text))
+
+    def check_chars(self, num_chars: int, param: str = "prompt") -> None:
+        limit = self.max_model_len * MAX_CHARS_PER_TOKEN
+        if num_chars > limit:
+            raise bad_request(f"the {param} has {num_chars} characters; at most {limit} ({MAX_CHARS_PER_TOKEN} per token "
+                              f"of max_model_len = {self.max_model_len}) can fit", param=param)
 
     def token_text(self, token_id: int) -> str:
         """One token's text, as shown in log-probs (cached: the vocabulary is fixed)."""
