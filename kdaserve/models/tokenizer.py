@@ -4,17 +4,40 @@ server use: encode, decode, eos_token_id, vocab_size, apply_chat_template."""
 
 from __future__ import annotations
 
+import functools
 import json
+import time
 from pathlib import Path
 
+# A chat template is code from a checkpoint (or --chat-template): its output and time are bounded,
+# so a hostile or broken one costs a 400, not the server's memory (jinja2's sandbox bounds ranges,
+# not how much they print).
+MAX_TEMPLATE_OUTPUT_CHARS = 1 << 24
+MAX_TEMPLATE_SECONDS = 10.0
 
-def render_chat_template(template: str, messages: list[dict], add_generation_prompt: bool = True, **variables) -> str:
-    """A jinja2 chat template, rendered in jinja2's immutable sandbox (no attribute access outside
-    it, no mutation of what it is given)."""
+
+@functools.lru_cache(maxsize=16)
+def _compiled(template: str):
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
+    return ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(template)
+
+
+def render_chat_template(template: str, messages: list[dict], add_generation_prompt: bool = True, *,
+                         max_chars: int = MAX_TEMPLATE_OUTPUT_CHARS, max_seconds: float = MAX_TEMPLATE_SECONDS,
+                         **variables) -> str:
+    """A jinja2 chat template, rendered in jinja2's immutable sandbox (no attribute access outside
+    it, no mutation of what it is given), compiled once per template. Raises ValueError past
+    `max_chars` of output or `max_seconds` (checked as output is produced)."""
+    pieces, size, t0 = [], 0, time.monotonic()
+    for piece in _compiled(template).generate(messages=messages, add_generation_prompt=add_generation_prompt, **variables):
+        size += len(piece)
+        if size > max_chars:
+            raise ValueError(f"the chat template rendered more than {max_chars} characters")
+        if time.monotonic() - t0 > max_seconds:
+            raise ValueError(f"the chat template took more than {max_seconds:.0f} s to render")
+        pieces.append(piece)
+    return "".join(pieces)
 
 
 def _simple_chat_template(messages: list[dict], add_generation_prompt: bool = True) -> str:

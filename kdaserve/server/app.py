@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -122,11 +123,11 @@ def build_app(
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of `prompt` and `messages`")
         if req.prompt is not None:
-            tokens = state.encode(req.prompt, param="prompt")
+            tokens = await asyncio.to_thread(state.encode, req.prompt, "prompt")
         else:
-            tokens = chat_prompt_ids(state.tokenizer, req.messages, req.add_generation_prompt,
-                                     lambda text: state.encode(text, param="messages"),
-                                     lambda n: state.check_chars(n, param="messages"))
+            tokens = await asyncio.to_thread(chat_prompt_ids, state.tokenizer, req.messages, req.add_generation_prompt,
+                                             lambda text: state.encode(text, param="messages"),
+                                             lambda n: state.check_chars(n, param="messages"))
         return {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens}
 
     @app.post("/detokenize")

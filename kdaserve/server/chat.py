@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from fastapi import Request
@@ -56,7 +57,8 @@ class ChatHandler:
         check_model(state, req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
-        prompt_ids = self.prompt_token_ids(req)
+        # Rendering and tokenizing run in a worker thread: the event loop stays free for other clients.
+        prompt_ids = await asyncio.to_thread(self.prompt_token_ids, req)
         budget = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = resolve_max_tokens(state, len(prompt_ids), budget)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None

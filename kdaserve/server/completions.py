@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 
@@ -134,7 +135,8 @@ class CompletionHandler:
     async def __call__(self, request: Request, req: CompletionRequest):
         state = self.state
         check_model(state, req.model)
-        prompts = normalize_prompts(state, req.prompt)
+        # Tokenizing (up to max_model_len x 64 characters) runs in a worker thread: the loop stays free.
+        prompts = await asyncio.to_thread(normalize_prompts, state, req.prompt)
         wants_prompt_logprobs = req.echo and req.logprobs is not None
         request_id, engine_id = response_and_engine_ids(state, request, "cmpl")
         choices: list[Choice] = []
