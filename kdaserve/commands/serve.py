@@ -51,6 +51,9 @@ def register(sub) -> None:
     p.add_argument("--stream-write-timeout", type=float, default=30.0,
                    help="seconds a stream may wait on a client that reads nothing; then the request is aborted and "
                         "its slots freed (default: 30)")
+    p.add_argument("--generation-config", default="auto",
+                   help="sampling defaults: auto (the checkpoint's generation_config.json, when it has one), vllm "
+                        "(none), or a folder holding a generation_config.json; a request's own values win")
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="the model, as vLLM's `vllm serve MODEL` takes it (same as --model)")
     add_engine_args(p)
@@ -87,7 +90,10 @@ def run(args) -> int:
         # A path names a file; anything else is the template itself (as vLLM takes it).
         engine.tokenizer.chat_template = path.read_text() if path.is_file() else args.chat_template
 
+    from kdaserve.server.generation_config import load_generation_defaults
+
     try:
+        defaults = load_generation_defaults(args.generation_config, args.model)
         access = AccessSettings.for_server(args.host, args.api_key, (args.allowed_hosts or "").split(",") if args.allowed_hosts else None,
                                            args.max_request_body_bytes)
     except ValueError as exc:
@@ -99,7 +105,7 @@ def run(args) -> int:
                     allowed_origins=args.allowed_origins.split(",") if args.allowed_origins else None,
                     request_id_headers=args.enable_request_id_headers,
                     return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-                    stream_write_timeout=args.stream_write_timeout)
+                    stream_write_timeout=args.stream_write_timeout, sampling_defaults=defaults)
     serve_forever(app, args.host, args.port, log_level=args.uvicorn_log_level or args.log_level, root_path=args.root_path,
                   ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile)
     return 0

@@ -36,6 +36,7 @@ def build_app(
     request_id_headers: bool = False,
     return_tokens_as_token_ids: bool = False,
     stream_write_timeout: float = DEFAULT_STREAM_WRITE_TIMEOUT,
+    sampling_defaults: dict | None = None,
 ):
     """An app serving `engine` (an `LLMEngine`); its engine thread runs while the app is up.
     `access`: API keys, Host check and body limit (server/access.py; default: no key, no Host
@@ -61,6 +62,7 @@ def build_app(
         request_id_headers=request_id_headers,
         tokens_as_ids=return_tokens_as_token_ids,
         stream_write_timeout=stream_write_timeout,
+        sampling_defaults=dict(sampling_defaults or {}),
     )
 
     @asynccontextmanager

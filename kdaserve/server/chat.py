@@ -60,6 +60,8 @@ class ChatHandler:
         # Rendering and tokenizing run in a worker thread: the event loop stays free for other clients.
         prompt_ids = await asyncio.to_thread(self.prompt_token_ids, req)
         budget = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if budget is None and "max_tokens" in state.sampling_defaults:   # the checkpoint's max_new_tokens
+            budget = min(state.sampling_defaults["max_tokens"], max(1, state.max_model_len - len(prompt_ids)))
         max_tokens = resolve_max_tokens(state, len(prompt_ids), budget)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         request_id, engine_id = response_and_engine_ids(state, request, "chatcmpl")
@@ -67,7 +69,8 @@ class ChatHandler:
             (
                 f"{engine_id}-{j}",
                 prompt_ids,
-                sampling_params(req, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=None, choice=j),
+                sampling_params(req, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=None, choice=j,
+                                defaults=state.sampling_defaults),
             )
             for j in range(req.n)
         ]

@@ -142,7 +142,10 @@ class CompletionHandler:
         choices: list[Choice] = []
         engine_requests = []
         for i, prompt in enumerate(prompts):
-            max_tokens = resolve_max_tokens(state, len(prompt.token_ids), req.max_tokens, allow_zero=req.echo)
+            budget = req.max_tokens
+            if "max_tokens" not in req.model_fields_set and "max_tokens" in state.sampling_defaults:
+                budget = min(state.sampling_defaults["max_tokens"], max(1, state.max_model_len - len(prompt.token_ids)))
+            max_tokens = resolve_max_tokens(state, len(prompt.token_ids), budget, allow_zero=req.echo)
             echo_text = self._echo_text(prompt) if req.echo else ""
             for j in range(req.n):
                 params = sampling_params(
@@ -151,6 +154,7 @@ class CompletionHandler:
                     logprobs=req.logprobs,
                     prompt_logprobs=req.logprobs if wants_prompt_logprobs else None,
                     choice=j,
+                    defaults=state.sampling_defaults,
                 )
                 choices.append(Choice(prompt, echo_text, score_only=max_tokens == 0))
                 engine_requests.append((f"{engine_id}-{i}-{j}", prompt.token_ids, params))

@@ -39,7 +39,10 @@ class ServerState:
     model_root: str
     max_model_len: int
     request_id_headers: bool = False   # --enable-request-id-headers: a client's X-Request-Id is the response id
-    stream_write_timeout: float = DEFAULT_STREAM_WRITE_TIMEOUT   # --stream-write-timeout: seconds a stream may wait on a client that reads nothing
+    # --stream-write-timeout: seconds a stream may wait on a client that reads nothing
+    stream_write_timeout: float = DEFAULT_STREAM_WRITE_TIMEOUT
+    # --generation-config: the checkpoint's sampling defaults (server/generation_config.py)
+    sampling_defaults: dict = field(default_factory=dict)
     # --return-tokens-as-token-ids: tokens in log-probs as "token_id:{id}" (vLLM's form), which stays
     # unambiguous where several tokens decode to the same text (partial UTF-8 bytes, say)
     tokens_as_ids: bool = False
@@ -155,17 +158,25 @@ def resolve_max_tokens(state: ServerState, prompt_len: int, max_tokens: int | No
     return max_tokens
 
 
-def sampling_params(req, *, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None, choice: int):
+def sampling_params(req, *, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None, choice: int,
+                    defaults: dict | None = None):
+    """A request's SamplingParams; `defaults` (--generation-config) fill what it leaves out."""
     from kdaserve.engine.sampling_params import SamplingParams
 
     # With n > 1 and a seed, each choice gets its own seed so the choices differ, reproducibly.
     seed = None if req.seed is None else req.seed + choice
+    d = defaults or {}
+
+    def pick(name, server_default):
+        value = getattr(req, name)
+        return value if value is not None else d.get(name, server_default)
+
     try:
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=0 if req.top_k is None else req.top_k,
+            temperature=pick("temperature", 1.0),
+            top_p=pick("top_p", 1.0),
+            top_k=pick("top_k", 0),
             seed=seed,
             stop=req.stop_list(),
             stop_token_ids=list(req.stop_token_ids or []),
@@ -174,8 +185,8 @@ def sampling_params(req, *, max_tokens: int, logprobs: int | None, prompt_logpro
             prompt_logprobs=prompt_logprobs,
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-            min_p=req.min_p or 0.0,
+            repetition_penalty=pick("repetition_penalty", 1.0),
+            min_p=pick("min_p", 0.0),
             min_tokens=req.min_tokens,
             logit_bias=req.logit_bias,
         )
