@@ -54,6 +54,9 @@ def register(sub) -> None:
     p.add_argument("--generation-config", default="auto",
                    help="sampling defaults: auto (the checkpoint's generation_config.json, when it has one), vllm "
                         "(none), or a folder holding a generation_config.json; a request's own values win")
+    p.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                   help="serve GET /tokenizer_info (special tokens and chat template) for remote tokenizers such as "
+                        "lm-eval's; off by default, as in vLLM, since it shows the chat template")
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="the model, as vLLM's `vllm serve MODEL` takes it (same as --model)")
     add_engine_args(p)
@@ -105,7 +108,8 @@ def run(args) -> int:
                     allowed_origins=args.allowed_origins.split(",") if args.allowed_origins else None,
                     request_id_headers=args.enable_request_id_headers,
                     return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-                    stream_write_timeout=args.stream_write_timeout, sampling_defaults=defaults)
+                    stream_write_timeout=args.stream_write_timeout, sampling_defaults=defaults,
+                    enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint)
     serve_forever(app, args.host, args.port, log_level=args.uvicorn_log_level or args.log_level, root_path=args.root_path,
                   ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile)
     return 0

@@ -46,6 +46,11 @@ def _simple_chat_template(messages: list[dict], add_generation_prompt: bool = Tr
     return text + ("<|assistant|>\n" if add_generation_prompt else "")
 
 
+# The same as jinja2, for clients that render prompts themselves (`/tokenizer_info`).
+SIMPLE_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{% endfor %}"
+                        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
 class ByteTokenizer:
     """Token i < 256 is byte i; then a few special tokens. Text round-trips exactly (UTF-8)."""
 
@@ -81,6 +86,12 @@ class ByteTokenizer:
     @property
     def special_token_strings(self) -> tuple[str, ...]:
         return self.SPECIALS
+
+    def info(self) -> dict:
+        """What `/tokenizer_info` reports (remote tokenizers such as lm-eval's read it)."""
+        return {"tokenizer_class": type(self).__name__, "eos_token": "<|endoftext|>", "bos_token": None,
+                "pad_token": None, "unk_token": None, "chat_template": self.chat_template or SIMPLE_CHAT_TEMPLATE,
+                "vocab_size": self.vocab_size}
 
     def encode_text(self, text: str) -> list[int]:
         """`text` as plain text: a special token's string becomes its bytes, never the token."""
@@ -163,6 +174,18 @@ class HFTokenizer:
     @property
     def special_token_strings(self) -> tuple[str, ...]:
         return tuple(t.content for t in self._tok.get_added_tokens_decoder().values() if t.special)
+
+    def info(self) -> dict:
+        """What `/tokenizer_info` reports: the checkpoint's special tokens and chat template."""
+        def token(name: str) -> str | None:
+            v = self._cfg.get(name)
+            return v.get("content") if isinstance(v, dict) else v
+
+        eos = token("eos_token") or (self._tok.id_to_token(self.eos_token_id) if self.eos_token_id is not None else None)
+        return {"tokenizer_class": self._cfg.get("tokenizer_class") or type(self).__name__, "eos_token": eos,
+                "bos_token": token("bos_token"), "pad_token": token("pad_token"), "unk_token": token("unk_token"),
+                "chat_template": self.chat_template if isinstance(self.chat_template, str) else SIMPLE_CHAT_TEMPLATE,
+                "vocab_size": self.vocab_size}
 
     def encode_text(self, text: str) -> list[int]:
         """`text` as plain text: special tokens' strings are split like any text, never matched.

@@ -37,6 +37,7 @@ def build_app(
     return_tokens_as_token_ids: bool = False,
     stream_write_timeout: float = DEFAULT_STREAM_WRITE_TIMEOUT,
     sampling_defaults: dict | None = None,
+    enable_tokenizer_info_endpoint: bool = False,
 ):
     """An app serving `engine` (an `LLMEngine`); its engine thread runs while the app is up.
     `access`: API keys, Host check and body limit (server/access.py; default: no key, no Host
@@ -117,6 +118,15 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: Request):
         return await chat(request, await parse_body(request, ChatCompletionRequest))
+
+    if enable_tokenizer_info_endpoint:
+        @app.get("/tokenizer_info")
+        async def tokenizer_info():
+            """The tokenizer's special tokens and chat template, for clients that tokenize through
+            this server (lm-eval's remote tokenizer); off unless asked for, as in vLLM, since it
+            shows the chat template."""
+            info = dict(state.tokenizer.info()) if hasattr(state.tokenizer, "info") else {}
+            return {**info, "model_max_length": state.max_model_len}
 
     @app.post("/tokenize")
     async def tokenize(request: Request):

@@ -143,6 +143,8 @@ class TokenizeRequest(_Lenient):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
+    # vLLM's field; kdaserve's tokenizers never add BOS/EOS around a text, so both values give the same.
+    add_special_tokens: bool = True
 
 
 class DetokenizeRequest(_Lenient):
