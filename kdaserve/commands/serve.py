@@ -57,6 +57,13 @@ def register(sub) -> None:
     p.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                    help="serve GET /tokenizer_info (special tokens and chat template) for remote tokenizers such as "
                         "lm-eval's; off by default, as in vLLM, since it shows the chat template")
+    p.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a connection has to deliver a request's headers, from its opening or its previous "
+                        "response; then it is closed (idle and slowloris connections; default: 10)")
+    p.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                   help="uvicorn's: seconds an idle keep-alive connection stays open after a response (default: 5)")
+    p.add_argument("--limit-concurrency", type=int, default=None,
+                   help="uvicorn's: connections and tasks at once; past it new connections get 503 (default: none)")
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="the model, as vLLM's `vllm serve MODEL` takes it (same as --model)")
     add_engine_args(p)
@@ -66,6 +73,11 @@ def register(sub) -> None:
 def run(args) -> int:
     if args.model_tag is not None:
         args.model = args.model_tag
+    for flag, value in (("--header-timeout", args.header_timeout), ("--timeout-keep-alive", args.timeout_keep_alive),
+                        ("--stream-write-timeout", args.stream_write_timeout)):
+        if not value > 0:
+            print(f"kdaserve serve: {flag} must be seconds > 0, got {value}", file=sys.stderr)
+            return 2
     if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
         print("kdaserve serve: --ssl-keyfile and --ssl-certfile go together", file=sys.stderr)
         return 2
@@ -111,5 +123,6 @@ def run(args) -> int:
                     stream_write_timeout=args.stream_write_timeout, sampling_defaults=defaults,
                     enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint)
     serve_forever(app, args.host, args.port, log_level=args.uvicorn_log_level or args.log_level, root_path=args.root_path,
-                  ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile)
+                  ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, header_timeout=args.header_timeout,
+                  timeout_keep_alive=args.timeout_keep_alive, limit_concurrency=args.limit_concurrency)
     return 0

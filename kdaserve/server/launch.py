@@ -9,6 +9,8 @@ import time
 
 import uvicorn
 
+from kdaserve.server.connections import DEFAULT_HEADER_TIMEOUT, header_timeout_protocol
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -16,10 +18,13 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def uvicorn_config(app, host: str, port: int, log_level: str = "info", **options) -> uvicorn.Config:
-    """`options`: uvicorn's own (root_path, ssl_keyfile, ssl_certfile, ...)."""
+def uvicorn_config(app, host: str, port: int, log_level: str = "info", *,
+                   header_timeout: float = DEFAULT_HEADER_TIMEOUT, **options) -> uvicorn.Config:
+    """`options`: uvicorn's own (root_path, ssl_keyfile, ssl_certfile, timeout_keep_alive,
+    limit_concurrency, ...); `header_timeout`: server/connections.py."""
     # timeout_graceful_shutdown: open streams must not hold a shutdown forever.
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5, **options)
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+                          http=header_timeout_protocol(header_timeout), **options)
 
 
 def raise_open_file_limit() -> int:
@@ -53,10 +58,10 @@ def serve_forever(app, host: str, port: int, log_level: str = "info", **options)
 class BackgroundServer:
     """`with BackgroundServer(app) as srv: ... srv.url ...`: uvicorn in a thread, stopped on exit."""
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int | None = None, log_level: str = "warning"):
+    def __init__(self, app, host: str = "127.0.0.1", port: int | None = None, log_level: str = "warning", **options):
         self.host = host
         self.port = port or free_port(host)
-        self.server = uvicorn.Server(uvicorn_config(app, self.host, self.port, log_level))
+        self.server = uvicorn.Server(uvicorn_config(app, self.host, self.port, log_level, **options))
         self.thread = threading.Thread(target=self.server.run, name="kdaserve-uvicorn", daemon=True)
 
     @property
