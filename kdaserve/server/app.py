@@ -111,11 +111,11 @@ def build_app(
         check_model(state, model_id)
         return model_card()
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest))
     async def create_completion(request: Request):
         return await completions(request, await parse_body(request, CompletionRequest))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest))
     async def create_chat_completion(request: Request):
         return await chat(request, await parse_body(request, ChatCompletionRequest))
 
@@ -128,7 +128,7 @@ def build_app(
             info = dict(state.tokenizer.info()) if hasattr(state.tokenizer, "info") else {}
             return {**info, "model_max_length": state.max_model_len}
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=_json_body(TokenizeRequest))
     async def tokenize(request: Request):
         req = await parse_body(request, TokenizeRequest)
         check_model(state, req.model)
@@ -142,7 +142,7 @@ def build_app(
                                              lambda n: state.check_chars(n, param="messages"))
         return {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=_json_body(DetokenizeRequest))
     async def detokenize(request: Request):
         req = await parse_body(request, DetokenizeRequest)
         check_model(state, req.model)
@@ -174,3 +174,23 @@ def build_app(
     guarded = AccessGuard(app, app.state.access)
     guarded.state, guarded.fastapi = app.state, app   # the app's state and routes, reached through the guard
     return guarded
+
+
+def _json_body(model) -> dict:
+    """The OpenAPI description of a route's JSON body. Handlers parse bodies themselves (in a
+    worker thread, with the errors of serving.parse_body), so FastAPI cannot derive it; without it
+    clients and fuzzers see routes that take nothing. Nested models are inlined (no $refs)."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node):
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                return inline(defs[ref.rsplit("/", 1)[1]])
+            return {k: inline(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [inline(v) for v in node]
+        return node
+
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
