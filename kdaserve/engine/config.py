@@ -34,6 +34,8 @@ class EngineConfig:
     model: str = field(default="tiny", metadata=_flag(
         "a built-in model (tiny, bench, kimi-tiny), a released name (moonshotai/Kimi-Linear-48B-A3B-Instruct, with "
         "--load-format dummy) or a checkpoint directory"))
+    tokenizer: str | None = field(default=None, metadata=_flag(
+        "a directory whose tokenizer (tokenizer.json or tiktoken.model) replaces the model's"))
     load_format: str = field(default="auto", metadata=_flag(
         "auto or safetensors: the checkpoint's weights; dummy: random weights at the model's real shape",
         choices=("auto", "safetensors", "dummy")))

@@ -45,12 +45,25 @@ def iterate_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, st.get_tensor(name)
 
 
+def _tokenizer_from(directory: str, config):
+    path = Path(directory)
+    if not ((path / "tokenizer.json").is_file() or (path / "tiktoken.model").is_file()):
+        raise ValueError(f"--tokenizer {directory!r}: expected a directory holding tokenizer.json or tiktoken.model")
+    tok = load_checkpoint_tokenizer(path, config.eos_token_id)
+    if tok.vocab_size > config.vocab_size:
+        raise ValueError(f"--tokenizer {directory!r} has {tok.vocab_size} tokens but the model's vocabulary has "
+                         f"{config.vocab_size}: its ids would index past the embedding; expected at most {config.vocab_size}")
+    return tok
+
+
 def load_model(
     model: str, *, dtype: torch.dtype, device, kda: KDABackendChoice | None = None, seed: int = 0,
-    load_format: str = "auto", mla_backend: str = "auto", moe_backend: str = "auto",
+    load_format: str = "auto", mla_backend: str = "auto", moe_backend: str = "auto", tokenizer_dir: str | None = None,
 ) -> LoadedModel:
     """`model`: a built-in name (random weights from `seed`), a released name (its architecture;
-    weights only with load_format="dummy") or a checkpoint directory."""
+    weights only with load_format="dummy") or a checkpoint directory. `tokenizer_dir`: a directory
+    whose tokenizer replaces the model's (vLLM's --tokenizer; a released name with dummy weights
+    then tokenizes as the real model does)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     path = Path(model)
@@ -71,6 +84,8 @@ def load_model(
             f"model {model!r} is neither a built-in ({sorted(BUILTIN_CONFIGS) + sorted(KIMI_BUILTIN_CONFIGS)}), a released "
             f"name with a known architecture, nor a directory with a config.json"
         )
+    if tokenizer_dir is not None:
+        tokenizer = _tokenizer_from(tokenizer_dir, config)
     family = family_of_config(config)
     net = family.build(config, kda=kda, mla_backend=mla_backend, moe_backend=moe_backend, dtype=dtype, device=device)
     weights = family.random_weights(config, seed, dtype=dtype, device=device) if dummy else iterate_safetensors(path)

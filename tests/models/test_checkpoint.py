@@ -107,3 +107,21 @@ def test_every_eos_id_of_the_config_stops_generation(tmp_path):
     save_checkpoint(tmp_path, config, random_checkpoint(config, seed=0), ByteTokenizer())
     out = LLM(str(tmp_path), max_model_len=64, **REF).generate([prompt], p, use_tqdm=False)[0]
     assert out.output_token_ids == [first] and out.finish_reason == "stop"
+
+
+def test_tokenizer_flag_replaces_the_models_tokenizer(tmp_path):
+    """--tokenizer: a released name with dummy weights, or a built-in, tokenizes with the given
+    directory's tokenizer; a directory without one, or one with more ids than the model's
+    vocabulary, is a startup error saying so."""
+    save_checkpoint(tmp_path, builtin_config("tiny"), random_checkpoint(builtin_config("tiny"), seed=0), ByteTokenizer())
+    llm = LLM("tiny", tokenizer=str(tmp_path), max_model_len=64, **REF)
+    assert isinstance(llm.tokenizer, HFTokenizer) and llm.tokenizer.encode("héllo") == ByteTokenizer().encode("héllo")
+    with pytest.raises(ValueError, match="expected a directory holding tokenizer.json or tiktoken.model"):
+        LLM("tiny", tokenizer=str(tmp_path / "nowhere"), max_model_len=64, **REF)
+    from tokenizers import Tokenizer, models
+
+    big = tmp_path / "big"
+    big.mkdir()
+    Tokenizer(models.WordLevel({f"w{i}": i for i in range(400)}, unk_token="w0")).save(str(big / "tokenizer.json"))
+    with pytest.raises(ValueError, match="has 400 tokens but the model's vocabulary has 260"):
+        LLM("tiny", tokenizer=str(big), max_model_len=64, **REF)
