@@ -157,7 +157,7 @@ class CompletionHandler:
                     defaults=state.sampling_defaults,
                 )
                 choices.append(Choice(prompt, echo_text, score_only=max_tokens == 0))
-                engine_requests.append((f"{engine_id}-{i}-{j}", prompt.token_ids, params))
+                engine_requests.append((f"{engine_id}-{i}-{j}", prompt.token_ids, params, max_tokens == 0))
 
         return await run_group(
             request,

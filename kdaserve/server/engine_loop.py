@@ -32,6 +32,7 @@ class _Timing:
     arrival: float
     first_token: float | None = None
     last_token: float | None = None
+    score_only: bool = False   # echo with max_tokens 0: the one token the engine samples is hidden
 
 
 class RequestGroup:
@@ -132,6 +133,7 @@ class _Add:
     params: Any
     group: RequestGroup
     index: int
+    score_only: bool = False
     arrival: float = field(default_factory=time.monotonic)
 
 
@@ -167,9 +169,10 @@ class EngineLoop:
     def is_alive(self) -> bool:
         return self._thread.is_alive() and not self._stopping
 
-    def open_group(self, requests: list[tuple[str, list[int], Any]]) -> RequestGroup:
-        """Submit `(request_id, prompt_token_ids, params)`s together, or raise 503 when the queue
-        is full (all or none: a request with several prompts is never half admitted)."""
+    def open_group(self, requests: list[tuple]) -> RequestGroup:
+        """Submit `(request_id, prompt_token_ids, params[, score_only])`s together, or raise 503
+        when the queue is full (all or none: a request with several prompts is never half
+        admitted). A score-only request's hidden token is not counted as generated."""
         if not self.is_alive:
             raise APIError(503, "the engine is not running", code="engine_unavailable")
         if len(requests) > self.max_in_flight:   # no retry can help: a 400 with the numbers
@@ -183,9 +186,9 @@ class EngineLoop:
                 code="queue_full",
             )
         self.num_in_flight += len(requests)
-        group = RequestGroup(self, [rid for rid, _, _ in requests], asyncio.get_running_loop())
-        for index, (request_id, prompt_token_ids, params) in enumerate(requests):
-            self._post(_Add(request_id, list(prompt_token_ids), params, group, index))
+        group = RequestGroup(self, [r[0] for r in requests], asyncio.get_running_loop())
+        for index, (request_id, prompt_token_ids, params, *rest) in enumerate(requests):
+            self._post(_Add(request_id, list(prompt_token_ids), params, group, index, score_only=bool(rest and rest[0])))
         return group
 
     def _release(self, count: int) -> None:
@@ -253,7 +256,7 @@ class EngineLoop:
             command.group.deliver(command.index, APIError(500, f"engine failed to add the request: {exc}"))
             return
         self._members[command.request_id] = (command.group, command.index)
-        self._timings[command.request_id] = _Timing(command.arrival)
+        self._timings[command.request_id] = _Timing(command.arrival, score_only=command.score_only)
         if self.metrics:
             self.metrics.prompt_tokens.inc(len(command.prompt_token_ids))
 
@@ -295,7 +298,7 @@ class EngineLoop:
         timing = self._timings.get(out.request_id)
         if self.metrics is None or timing is None:
             return
-        new_tokens = len(out.new_token_ids or ())
+        new_tokens = 0 if timing.score_only else len(out.new_token_ids or ())
         self.metrics.generation_tokens.inc(new_tokens)
         if new_tokens:
             if timing.first_token is None:
@@ -310,7 +313,7 @@ class EngineLoop:
             self.metrics.finished(out.finish_reason or "stop").inc()
             # The server's arrival (before any queueing here) with the engine's own timestamps.
             self.metrics.observe_finished({**(out.metrics or {}), "arrival_time": timing.arrival, "finish_time": now},
-                                          out.num_prompt_tokens, len(out.output_token_ids))
+                                          out.num_prompt_tokens, 0 if timing.score_only else len(out.output_token_ids))
 
     def _fail_all(self, error: APIError) -> None:
         for request_id, (group, index) in list(self._members.items()):

@@ -96,3 +96,23 @@ def test_speculative_decoding_exports_vllms_spec_decode_counters():
         while exported(http.get("/metrics").text) != want and time.monotonic() < deadline:
             time.sleep(0.02)
         assert exported(http.get("/metrics").text) == want
+
+
+def test_score_only_requests_generate_no_tokens_in_the_metrics(client):
+    """echo + max_tokens 0 scores a prompt; the one token the engine samples to do it is hidden
+    from the answer, and from generation_tokens and the generated-tokens histogram too."""
+    def snapshot():
+        text = client.get("/metrics").text
+        return (metric(text, "kdaserve:generation_tokens_total"), metric(text, "kdaserve:request_generation_tokens_sum"),
+                metric(text, "kdaserve:request_success_total", finished_reason="length"),
+                metric(text, "kdaserve:prompt_tokens_total"))
+
+    before = snapshot()
+    body = {"model": "tiny", "prompt": "Score this text", "max_tokens": 0, "echo": True, "logprobs": 0}
+    assert client.post("/v1/completions", json=body).json()["usage"]["completion_tokens"] == 0
+    deadline = time.monotonic() + 20
+    while snapshot()[2] == before[2] and time.monotonic() < deadline:   # until the request is counted finished
+        time.sleep(0.02)
+    after = snapshot()
+    assert after[2] == before[2] + 1 and after[3] > before[3]
+    assert after[0] == before[0] and after[1] == before[1], (before, after)
