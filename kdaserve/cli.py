@@ -19,6 +19,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from kdaserve.commands.config_file import expand_config_file
+
+    argv = expand_config_file(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 
