@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kdaserve.engine import LLM, SamplingParams  # noqa: E402
 from kdaserve.engine.args import add_engine_args, engine_kwargs_from_args  # noqa: E402
+from kdaserve.testing.speculative import ScriptedProposer  # noqa: E402
 
 
 def prompts_for(workload: str, n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -48,20 +49,6 @@ def prompts_for(workload: str, n: int, length: int, vocab: int, seed: int) -> li
             out.append((span * (length // 64 + 1))[:length])
         return out
     return [[rng.randrange(vocab) for _ in range(length)] for _ in range(n)]
-
-
-class OracleProposer:
-    """Proposes the tokens a plain run produced: every draft is right."""
-
-    def __init__(self, outputs: dict[tuple, list[int]], k: int):
-        self.outputs, self.k = outputs, k
-
-    def propose(self, seq, room):
-        done = seq.num_output_tokens
-        return list(self.outputs[tuple(seq.prompt_token_ids)][done : done + min(self.k, room)])
-
-    def forget(self, seq):
-        pass
 
 
 def timed(llm: LLM, prompts, params) -> tuple[list, dict]:
@@ -85,7 +72,7 @@ def run(args, engine_kw: dict, batch: int, workload: str, vocab: int) -> dict:
             "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max}
     llm = LLM(**engine_kw, speculative_config=spec)
     if workload == "oracle":
-        llm.engine.proposer = OracleProposer({tuple(p): w for p, w in zip(prompts, want)}, args.num_speculative_tokens)
+        llm.engine.proposer = ScriptedProposer({tuple(p): w for p, w in zip(prompts, want)}, args.num_speculative_tokens)
     got, s = timed(llm, prompts, params)
     del llm
     gc.collect()

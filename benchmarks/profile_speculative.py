@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kdaserve.engine import LLM, SamplingParams  # noqa: E402
 from kdaserve.engine import model_runner as mr  # noqa: E402
 from kdaserve.engine.args import add_engine_args, engine_kwargs_from_args  # noqa: E402
+from kdaserve.testing.speculative import ScriptedProposer  # noqa: E402
 
 PHASES = ("propose", "schedule", "host step", "replay", "logits", "sample", "apply", "execute", "engine step")
 
@@ -63,18 +64,7 @@ def profile(engine_kw: dict, batch: int, spec: dict | None, args) -> dict:
     params = SamplingParams(max_tokens=args.skip + args.steps + 8, ignore_eos=True)
     if spec is not None:   # every draft right: the plain run's tokens
         want = [o.output_token_ids for o in LLM(**engine_kw).generate(prompts, params, use_tqdm=False)]
-        table = {tuple(p): w for p, w in zip(prompts, want)}
-        k = spec["num_speculative_tokens"]
-
-        class Oracle:
-            def propose(self, seq, room):
-                done = seq.num_output_tokens
-                return list(table[tuple(seq.prompt_token_ids)][done : done + min(k, room)])
-
-            def forget(self, seq):
-                pass
-
-        eng.proposer = Oracle()
+        eng.proposer = ScriptedProposer({tuple(p): w for p, w in zip(prompts, want)}, spec["num_speculative_tokens"])
     timers = Timers()
     if spec is not None:
         timers.wrap(eng, "_propose_drafts", "propose")

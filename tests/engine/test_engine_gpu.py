@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from kdaserve.engine import LLM, SamplingParams
+from kdaserve.testing.speculative import ScriptedProposer
 
 pytestmark = pytest.mark.gpu
 
@@ -75,25 +76,6 @@ def test_bench_model_serves_a_batch_with_graphs():
     torch.cuda.synchronize()
 
 
-class _Scripted:
-    """Drafts from known outputs, wrong at a rotating position (or nowhere): every acceptance length."""
-
-    def __init__(self, outputs, k):
-        self.outputs, self.k, self.calls = outputs, k, 0
-
-    def propose(self, seq, room):
-        done = seq.num_output_tokens
-        drafts = list(self.outputs[tuple(seq.prompt_token_ids)][done : done + min(self.k, room)])
-        bad = self.calls % (self.k + 1)
-        self.calls += 1
-        if bad < len(drafts):
-            drafts[bad] = (drafts[bad] + 1) % 250   # tiny's vocabulary holds more than 250 ids
-        return drafts
-
-    def forget(self, seq):
-        pass
-
-
 @pytest.mark.parametrize("decode", ["fused", "chain"])
 def test_speculative_verify_steps_replay_cuda_graphs_and_keep_the_tokens(decode):
     """Verify steps (S+1 = 4 tokens per sequence) replay graphs captured for them; with scripted
@@ -106,7 +88,7 @@ def test_speculative_verify_steps_replay_cuda_graphs_and_keep_the_tokens(decode)
         llm = _tiny("flash", decode, speculative_config=spec, enforce_eager=eager)
         graphs = llm.engine.runner.graphs
         assert (graphs is None) == eager and (eager or graphs.m == 4)
-        llm.engine.proposer = _Scripted({tuple(p): w for p, w in zip(prompts, want)}, 3)
+        llm.engine.proposer = ScriptedProposer({tuple(p): w for p, w in zip(prompts, want)}, 3, lambda call: call % 4)
         replays = []
         if graphs is not None:
             real_run = graphs.run

@@ -16,6 +16,7 @@ from kdaserve.engine.speculative import SpeculativeConfig
 from kdaserve.engine.speculative.ngram_proposer import NgramProposer, TokenHistory, propose_ngram
 from kdaserve.engine.speculative.rejection_sampler import RejectionSampler, SampleGroup
 from kdaserve.ops.types import conv_state_rows
+from kdaserve.testing.speculative import ScriptedProposer
 
 S = 3
 CLOSE = dict(rtol=1e-5, atol=1e-5)
@@ -51,30 +52,8 @@ def want(plain) -> list[list[int]]:
     return _ids(plain)
 
 
-class ScriptedProposer:
-    """Drafts from the known greedy continuation, with one wrong draft wherever `wrong(call)` says
-    (a position in 0..n-1, or None): acceptance then stops exactly there."""
-
-    def __init__(self, outputs: dict[tuple, list[int]], wrong):
-        self.outputs, self.wrong, self.calls = outputs, wrong, 0
-
-    def propose(self, seq, room):
-        n = min(S, room)
-        full = self.outputs[tuple(seq.prompt_token_ids)]
-        done = seq.num_output_tokens
-        drafts = list(full[done : done + n])
-        bad = self.wrong(self.calls)
-        self.calls += 1
-        if bad is not None and bad < len(drafts):
-            drafts[bad] = (drafts[bad] + 1) % 250
-        return drafts
-
-    def forget(self, seq):
-        pass
-
-
 def _scripted(llm: LLM, want, wrong) -> ScriptedProposer:
-    llm.engine.proposer = ScriptedProposer({tuple(p): w for p, w in zip(PROMPTS, want)}, wrong)
+    llm.engine.proposer = ScriptedProposer({tuple(p): w for p, w in zip(PROMPTS, want)}, S, wrong)
     return llm.engine.proposer
 
 
@@ -163,7 +142,7 @@ def test_a_rejected_draft_leaves_no_trace_in_any_cache(want):
                           max_model_len=128, max_num_seqs=2)
     spec_eng = LLMEngine("tiny", device="cpu", kda_prefill_backend="reference", kda_decode_backend="reference",
                          max_model_len=128, max_num_seqs=2, speculative_config=NGRAM)
-    spec_eng.proposer = ScriptedProposer({tuple(PROMPTS[0]): want[0]}, lambda call: [1, 0, 2][call % 3])
+    spec_eng.proposer = ScriptedProposer({tuple(PROMPTS[0]): want[0]}, S, lambda call: [1, 0, 2][call % 3])
     for eng in (plain_eng, spec_eng):
         eng.add_request("r", PROMPTS[0], GREEDY)
     sp, pl = spec_eng.requests["r"], plain_eng.requests["r"]
@@ -319,7 +298,7 @@ def test_kimi_linear_mla_latent_cache_and_moe_under_speculation():
     prompts, params = PROMPTS[:3], SamplingParams(max_tokens=16, ignore_eos=True)
     plain = _ids(LLM("kimi-tiny", **kw), prompts, params)
     llm = LLM("kimi-tiny", speculative_config=NGRAM, **kw)
-    llm.engine.proposer = ScriptedProposer({tuple(p): w for p, w in zip(prompts, plain)}, lambda call: [2, 0, None, 1][call % 4])
+    llm.engine.proposer = ScriptedProposer({tuple(p): w for p, w in zip(prompts, plain)}, S, lambda call: [2, 0, None, 1][call % 4])
     assert _ids(llm, prompts, params) == plain
     assert llm.engine.stats()["spec_decode_num_accepted_tokens"] > 0
     _no_leaks(llm)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kdaserve.engine import LLM, SamplingParams
+from kdaserve.testing.speculative import ScriptedProposer
 
 pytestmark = pytest.mark.gpu
 
@@ -58,22 +59,8 @@ def test_speculative_decoding_keeps_the_tokens_with_mla_and_moe_kernels():
     want = _ids(plain, prompts)
     llm = LLM("kimi-tiny", speculative_config={"num_speculative_tokens": 2, "prompt_lookup_min": 1}, **kw)
     assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.m == 3
-    outputs = {tuple(p): w for p, w in zip(prompts, want)}
-
-    class Scripted:
-        calls = 0
-
-        def propose(self, seq, room):
-            done = seq.num_output_tokens
-            drafts = list(outputs[tuple(seq.prompt_token_ids)][done : done + min(2, room)])
-            Scripted.calls += 1
-            if Scripted.calls % 3 < len(drafts):
-                drafts[Scripted.calls % 3] = (drafts[Scripted.calls % 3] + 1) % plain.engine.vocab_size
-            return drafts
-
-        def forget(self, seq):
-            pass
-
-    llm.engine.proposer = Scripted()
+    # Wrong at position (call + 1) % 3 of each call's drafts (2 = none of the two): every acceptance length.
+    llm.engine.proposer = ScriptedProposer({tuple(p): w for p, w in zip(prompts, want)}, 2, lambda call: (call + 1) % 3,
+                                           vocab_size=plain.engine.vocab_size)
     assert _ids(llm, prompts) == want
     assert llm.engine.stats()["spec_decode_num_accepted_tokens"] > 0
