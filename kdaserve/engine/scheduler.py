@@ -53,9 +53,6 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, slots: StateSlotPool, blocks: BlockManager,
                  num_spec_tokens: int = 0):
-        if max_num_batched_tokens < num_spec_tokens + 1:
-            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} cannot hold one verify step of "
-                             f"{num_spec_tokens + 1} tokens; expected >= num_speculative_tokens + 1")
         self.spec = num_spec_tokens
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -109,9 +106,7 @@ class Scheduler:
             if self.slots.num_free < self.spec + 1 or not self.blocks.can_grow(seq, n):
                 break
             self.waiting.popleft()
-            seq.state_slot = self.slots.allocate()
-            seq.spec_slots = [self.slots.allocate() for _ in range(self.spec)]
-            seq.num_accepted = self.spec + 1   # a prefill leaves the state in state_slot
+            self.slots.assign(seq, self.spec)
             self.blocks.grow(seq, n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -130,12 +125,8 @@ class Scheduler:
             batch.num_new_tokens.append(n)
 
     def _release(self, seq: Sequence) -> None:
-        if seq.state_slot:
-            self.slots.free(seq.state_slot)
-            seq.state_slot = 0
-        for slot in seq.spec_slots:
-            self.slots.free(slot)
-        seq.spec_slots, seq.draft_token_ids = [], []
+        self.slots.release(seq)
+        seq.draft_token_ids = []
         self.blocks.free(seq)
 
     def _preempt(self, seq: Sequence) -> None:

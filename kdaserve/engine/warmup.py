@@ -66,18 +66,14 @@ class Warmup:
         tokens = [(31 * k + 7 * len(self.live) + 3) % self.vocab for k in range(n)]
         seq = Sequence(f"warmup-{self.steps}-{len(self.live)}", tokens, params,
                        IncrementalDetokenizer(self.runner.tokenizer, []))
-        seq.state_slot = self.slots.allocate()
-        seq.spec_slots = [self.slots.allocate() for _ in range(self.spec)]
-        seq.num_accepted = self.spec + 1
+        self.slots.assign(seq, self.spec)
         seq.status = SequenceStatus.RUNNING
         self.live.append(seq)
         return seq
 
     def release(self) -> None:
         for seq in self.live:
-            for slot in [seq.state_slot, *seq.spec_slots]:
-                self.slots.free(slot)
-            seq.state_slot, seq.spec_slots = 0, []
+            self.slots.release(seq)
             self.blocks.free(seq)
         self.live = []
 
