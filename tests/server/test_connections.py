@@ -71,3 +71,15 @@ def test_keep_alive_clients_are_unaffected_and_health_answers_next_to_hundreds_o
     finally:
         for s in idle + slow:
             s.close()
+
+
+def test_timeouts_that_are_not_positive_are_refused():
+    from server_helpers import make_engine
+
+    from kdaserve.server.app import build_app
+    from kdaserve.server.connections import header_timeout_protocol
+
+    with pytest.raises(ValueError, match="invalid header timeout: got 0; expected seconds > 0"):
+        header_timeout_protocol(0)
+    with pytest.raises(ValueError, match=r"invalid stream_write_timeout: got -1\.0; expected seconds > 0"):
+        build_app(make_engine(), stream_write_timeout=-1.0)

@@ -55,3 +55,11 @@ def test_serve_command_answers_and_stops_on_sigint():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_serve_refuses_timeouts_that_are_not_positive():
+    """Checked before the engine is built: a one-line error naming the flag, exit status 2."""
+    for flag in ("--header-timeout", "--timeout-keep-alive", "--stream-write-timeout"):
+        out = subprocess.run([sys.executable, "-m", "kdaserve.cli", "serve", "tiny", flag, "0"], capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 2 and f"kdaserve serve: {flag} must be seconds > 0, got 0.0" in out.stderr, out.stderr
