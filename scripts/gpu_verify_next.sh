@@ -36,7 +36,8 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 if [ "$PART" = spec ]; then
 # The ninth session ran the speculative GPU tests and benchmarks (runs 7-12), then vectorized the
 # verify rows (step_inputs._verify_rows, a 2-D block-table array into write_block_tables) and moved
-# the capacity message into capacity_error: CPU tests pass, these GPU runs have not seen that code.
+# the capacity message into capacity_error, and the GPU tests now take their scripted drafts from
+# kdaserve/testing/speculative.py: CPU tests pass, these GPU runs have not seen that code.
 # Must show: every group rc=0; the capacity test passes (its message now says "per state slot");
 # the profile's verify "engine step" at batch 32 below run 10's 3687 µs (rows built in ~half the
 # host time), and bench_speculative's table again.
