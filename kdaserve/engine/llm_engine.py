@@ -5,6 +5,8 @@ step (a server serializes them with a lock)."""
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 
 from kdaserve.engine.block_manager import BlockManager
@@ -18,7 +20,11 @@ from kdaserve.engine.sequence import Sequence
 from kdaserve.engine.speculative.ngram_proposer import NgramProposer
 from kdaserve.engine.speculative.stats import SpecDecodeStats
 from kdaserve.engine.state_pool import StateSlotPool
+from kdaserve.engine.structured_output.params import StructuredOutputsParams
 from kdaserve.engine.warmup import warm_up
+
+
+logger = logging.getLogger("kdaserve.engine")
 
 
 class LLMEngine:
@@ -53,6 +59,8 @@ class LLMEngine:
         self.incremental_text = True
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0, "steps": 0}
         self.last_step_tokens = 0   # tokens the last step computed (prompt + decode): vLLM's iteration tokens
+        self._grammar_compiler = None   # built on the first structured request (xgrammar imported then)
+        self._grammar_lock = threading.Lock()
 
     def warm_up(self) -> int:
         """Dummy steps that compile the kernels' specializations now rather than in the first
@@ -64,6 +72,17 @@ class LLMEngine:
 
     # -- requests -----------------------------------------------------------------------------
 
+    def compile_grammar(self, params: StructuredOutputsParams):
+        """Compile (once; kept on `params`) a structured-output constraint for this model's
+        vocabulary. Thread-safe: a server calls it in worker threads before add_request, so
+        the engine's thread never waits on a compile. ValueError says what is wrong."""
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                from kdaserve.engine.structured_output.compiler import GrammarCompiler
+
+                self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self.runner.sampler.stop_ids))
+        return self._grammar_compiler.compile(params)
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None) -> None:
         """Queue a request. Raises ValueError on bad input, leaving the engine untouched."""
         params = params if params is not None else SamplingParams()
@@ -71,6 +90,9 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use; expected a new id")
         ids = self.validate_request(prompt_token_ids, params)
         seq = Sequence(request_id, ids, params, IncrementalDetokenizer(self.tokenizer, params.stop))
+        if params.structured_outputs is not None:
+            self.compile_grammar(params.structured_outputs)
+            seq.grammar = self._grammar_compiler.matcher(params.structured_outputs)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
 
@@ -98,6 +120,9 @@ class LLMEngine:
         if self.proposer is not None and params.has_logits_processors:
             raise ValueError("min_tokens, logit_bias, the penalties and min_p are not supported with speculative decoding "
                              "yet; send them to a server without --speculative-config, or leave them at their defaults")
+        if self.proposer is not None and params.structured_outputs is not None:
+            raise ValueError("structured outputs (response_format, structured_outputs, tool_choice required or named) are "
+                             "not supported with speculative decoding yet; send them to a server without --speculative-config")
         return ids
 
     def abort_request(self, request_id: str) -> None:
@@ -214,6 +239,13 @@ class LLMEngine:
         may_stop = seq.num_output_tokens >= p.min_tokens
         is_eos = token == self.eos_token_id or token in self.more_eos_token_ids
         stop_token = may_stop and (token in p.stop_token_ids or (not p.ignore_eos and is_eos))
+        if seq.grammar is not None:
+            # The grammar is complete once it accepts one of its stop tokens (the model's end tokens).
+            if not seq.grammar.accept_token(token):
+                logger.warning("request %s: token %d is outside its grammar; the request ends here", seq.request_id, token)
+                stop_token = True
+            elif seq.grammar.is_terminated():
+                stop_token = True
         reason = "stop" if stop_token else None
         done = stop_token or seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len
         needs_text = done or (self.incremental_text and not more_follow) or bool(p.stop)

@@ -14,6 +14,7 @@ import torch
 from kdaserve.engine.logits_processors import apply_logits_processors, apply_min_p
 from kdaserve.engine.sequence import Sequence
 from kdaserve.engine.staging import StagingRing, stage_lists
+from kdaserve.engine.structured_output.bitmask import apply_grammar_masks
 
 
 @dataclass
@@ -80,6 +81,7 @@ class Sampler:
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.ring = StagingRing(4 << 10, torch.device(device))   # per-row parameters, one copy a step
         self.processor_ring = StagingRing(4 << 10, torch.device(device))   # logits processors' (row, token) pairs
+        self.grammar_ring = StagingRing(64 << 10, torch.device(device))    # grammar bitmasks (structured output)
         self.stop_ids = stop_ids   # the model's end-of-sequence ids, which min_tokens holds back
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
@@ -113,6 +115,9 @@ class Sampler:
         processed = logits
         if any(p.has_logits_processors for p in params):
             processed = apply_logits_processors(logits.clone(), seqs, self.stop_ids, self.processor_ring)
+        if any(s.grammar is not None for s in seqs):
+            processed = processed.clone() if processed is logits else processed
+            apply_grammar_masks(processed, seqs, self.grammar_ring)
         tokens = processed.argmax(-1)
         if random:
             scaled = processed / dev["temperature"][:, None]

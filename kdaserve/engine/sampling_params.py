@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from kdaserve.engine.structured_output.params import StructuredOutputsParams
+
 
 def _fail(name: str, got, expected: str):
     raise ValueError(f"invalid {name}: got {got!r}; expected {expected}")
@@ -42,6 +44,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0    # subtracted per occurrence in the generated tokens
     repetition_penalty: float = 1.0   # logits of prompt and generated tokens: > 0 divided, <= 0 multiplied by it
     min_p: float = 0.0                # drop tokens below min_p times the most likely token's probability
+    # A grammar the output follows (engine/structured_output); a dict is read as its fields.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -101,6 +105,18 @@ class SamplingParams:
                     _fail("logit_bias", {k: v}, "token ids (integers >= 0) mapped to finite numbers")
                 bias[tid] = min(100.0, max(-100.0, float(v)))   # OpenAI's range; vLLM clamps too
             self.logit_bias = bias or None
+        if isinstance(self.structured_outputs, dict):
+            unknown = sorted(set(self.structured_outputs) - (set(StructuredOutputsParams.__dataclass_fields__) - {"compiled"}))
+            if unknown:
+                _fail("structured_outputs", f"fields {unknown}", "json, regex, choice, grammar, json_object, "
+                      "disable_any_whitespace, disable_additional_properties")
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                _fail("structured_outputs", type(self.structured_outputs).__name__, "a StructuredOutputsParams")
+            if self.min_tokens:
+                # Masking the end tokens while the grammar allows nothing else would leave no token to sample.
+                _fail("min_tokens", self.min_tokens, "0 with structured_outputs (the grammar decides where the output ends)")
 
     @property
     def has_logits_processors(self) -> bool:

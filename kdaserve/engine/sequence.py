@@ -50,6 +50,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.detokenizer = detokenizer
         self.generator = None               # per-request torch.Generator when params.seed is set
+        self.grammar = None                 # xgrammar matcher of params.structured_outputs (engine sets it)
         self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
         self.prompt_logprobs: list[dict | None] | None = [None] if params.prompt_logprobs is not None else None
         self.new_token_ids: list[int] = []

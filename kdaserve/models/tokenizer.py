@@ -93,6 +93,10 @@ class ByteTokenizer:
                 "pad_token": None, "unk_token": None, "chat_template": self.chat_template or SIMPLE_CHAT_TEMPLATE,
                 "vocab_size": self.vocab_size}
 
+    def token_to_id(self, token: str) -> int | None:
+        """A special token's id (bytes have no string of their own here)."""
+        return self.special_ids.get(token)
+
     def encode_text(self, text: str) -> list[int]:
         """`text` as plain text: a special token's string becomes its bytes, never the token."""
         return list(text.encode("utf-8"))
@@ -170,6 +174,14 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    @property
+    def backend(self):
+        """The `tokenizers.Tokenizer` underneath (structured output reads its vocabulary)."""
+        return self._tok
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
 
     @property
     def special_token_strings(self) -> tuple[str, ...]:
