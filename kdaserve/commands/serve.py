@@ -64,6 +64,11 @@ def register(sub) -> None:
                    help="uvicorn's: seconds an idle keep-alive connection stays open after a response (default: 5)")
     p.add_argument("--limit-concurrency", type=int, default=None,
                    help="uvicorn's: connections and tasks at once; past it new connections get 503 (default: none)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='tool_choice "auto": the model decides whether to call tools; needs --tool-call-parser')
+    p.add_argument("--tool-call-parser", default=None, choices=["kimi_k2"],
+                   help="how the model writes tool calls (kimi_k2: Kimi-K2 and Kimi-Linear's special tokens); "
+                        "used by tool_choice \"auto\"")
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="the model, as vLLM's `vllm serve MODEL` takes it (same as --model)")
     add_engine_args(p)
@@ -78,6 +83,9 @@ def run(args) -> int:
         if not value > 0:
             print(f"kdaserve serve: {flag} must be seconds > 0, got {value}", file=sys.stderr)
             return 2
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        print("kdaserve serve: --enable-auto-tool-choice needs --tool-call-parser (kimi_k2)", file=sys.stderr)
+        return 2
     if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
         print("kdaserve serve: --ssl-keyfile and --ssl-certfile go together", file=sys.stderr)
         return 2
@@ -109,6 +117,12 @@ def run(args) -> int:
 
     try:
         defaults = load_generation_defaults(args.generation_config, args.model)
+        # As vLLM: a parser without --enable-auto-tool-choice leaves tool_choice "auto" off.
+        tool_parser = args.tool_call_parser if args.enable_auto_tool_choice else None
+        if tool_parser:
+            from kdaserve.server.tool_parsers import make_tool_parser
+
+            make_tool_parser(tool_parser, engine.tokenizer)   # the tokenizer has the parser's tokens
         access = AccessSettings.for_server(args.host, args.api_key, (args.allowed_hosts or "").split(",") if args.allowed_hosts else None,
                                            args.max_request_body_bytes)
     except ValueError as exc:
@@ -121,7 +135,7 @@ def run(args) -> int:
                     request_id_headers=args.enable_request_id_headers,
                     return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                     stream_write_timeout=args.stream_write_timeout, sampling_defaults=defaults,
-                    enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint)
+                    enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint, tool_parser=tool_parser)
     serve_forever(app, args.host, args.port, log_level=args.uvicorn_log_level or args.log_level, root_path=args.root_path,
                   ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, header_timeout=args.header_timeout,
                   timeout_keep_alive=args.timeout_keep_alive, limit_concurrency=args.limit_concurrency)

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, Response
 from kdaserve.server.access import AccessGuard, AccessSettings
 from kdaserve.server.chat import ChatHandler
 from kdaserve.server.chat_template import chat_prompt_ids
+from kdaserve.server.tool_parsers import make_tool_parser
 from kdaserve.server.completions import CompletionHandler
 from kdaserve.server.engine_loop import EngineLoop
 from kdaserve.server.errors import APIError, bad_request, install_error_handlers
@@ -38,12 +39,15 @@ def build_app(
     stream_write_timeout: float = DEFAULT_STREAM_WRITE_TIMEOUT,
     sampling_defaults: dict | None = None,
     enable_tokenizer_info_endpoint: bool = False,
+    tool_parser: str | None = None,
 ):
     """An app serving `engine` (an `LLMEngine`); its engine thread runs while the app is up.
     `access`: API keys, Host check and body limit (server/access.py; default: no key, no Host
     check, the default body limit). The interactive `/docs` and `/redoc` pages only with
     `enable_docs`; `/openapi.json` always (clients and fuzzers read it). CORS headers only for
-    `allowed_origins` (none by default: a web page cannot read the API's answers)."""
+    `allowed_origins` (none by default: a web page cannot read the API's answers). `tool_parser`:
+    the parser of tool_choice "auto" (`--enable-auto-tool-choice --tool-call-parser`; ValueError
+    when unknown or the tokenizer lacks its tokens)."""
     if not stream_write_timeout > 0:
         raise ValueError(f"invalid stream_write_timeout: got {stream_write_timeout}; expected seconds > 0")
     name = served_model_name or engine.model_name
@@ -53,6 +57,7 @@ def build_app(
         "cache_dtype": str(cfg.dtype).removeprefix("torch."), "num_state_slots": engine.runner.num_slots,
         "mamba_ssm_cache_dtype": str(cfg.state_dtype).removeprefix("torch."), "gpu_memory_utilization": cfg.gpu_memory_utilization,
     }, num_speculative_tokens=cfg.num_spec_tokens)
+    parser = make_tool_parser(tool_parser, engine.tokenizer) if tool_parser else None
     engine_loop = EngineLoop(engine, max_queued_requests=max_queued_requests, metrics=metrics)
     state = ServerState(
         engine_loop=engine_loop,
@@ -64,6 +69,8 @@ def build_app(
         tokens_as_ids=return_tokens_as_token_ids,
         stream_write_timeout=stream_write_timeout,
         sampling_defaults=dict(sampling_defaults or {}),
+        tool_parser=parser,
+        tool_call_id_style=getattr(parser, "tool_call_id_style", None),
     )
 
     @asynccontextmanager

@@ -8,6 +8,7 @@ same simple template from here: each turn is `<|role|>\\n{content}\\n`, and the 
 
 from __future__ import annotations
 
+import json
 import re
 import secrets
 from collections.abc import Callable
@@ -32,13 +33,27 @@ def message_text(content) -> str:
     return "".join(texts)
 
 
-def plain_messages(messages) -> list[dict[str, str]]:
+def plain_messages(messages) -> list[dict]:
+    """Messages as the template reads them: role and content text, plus an assistant turn's
+    `tool_calls` and a tool turn's `tool_call_id` and `name` where given."""
     out = []
     for i, m in enumerate(messages):
         if m.role not in ROLES:
             raise bad_request(f"messages[{i}].role must be one of {', '.join(ROLES)}; got {m.role!r}", param="messages")
-        out.append({"role": m.role, "content": message_text(m.content)})
+        plain = {"role": m.role, "content": message_text(m.content)}
+        if getattr(m, "tool_calls", None):
+            plain["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        for key in ("tool_call_id", "name"):
+            if getattr(m, key, None) is not None:
+                plain[key] = getattr(m, key)
+        out.append(plain)
     return out
+
+
+def _structured_text(plain: list[dict], tools: list[dict] | None) -> str:
+    """Every string a template may copy besides message content: tool calls, ids, names, tools."""
+    extra = [{k: v for k, v in m.items() if k not in ("role", "content")} for m in plain]
+    return json.dumps([extra, tools or []], ensure_ascii=False)
 
 
 def simple_chat_prompt(messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
@@ -47,22 +62,30 @@ def simple_chat_prompt(messages: list[dict[str, str]], add_generation_prompt: bo
 
 
 def chat_prompt_ids(tokenizer, messages, add_generation_prompt: bool, encode: Callable[[str], list[int]],
-                    check_chars: Callable[[int], None] = lambda n: None) -> list[int]:
+                    check_chars: Callable[[int], None] = lambda n: None, tools: list[dict] | None = None) -> list[int]:
     """The prompt's token ids. Special tokens come only from the template: a message whose text
     holds a special token's string (say the end-of-turn token, to forge a turn) keeps it as text.
     Such messages are rendered as unique markers, the output split at them, the template's pieces
     encoded as usual and the messages' text with specials as plain text. Messages without such
     strings are encoded exactly as the whole rendered prompt (no change to tokenization).
-    `check_chars(n)` refuses a prompt of n characters before anything is tokenized."""
+    `check_chars(n)` refuses a prompt of n characters before anything is tokenized. `tools`
+    (OpenAI's function definitions) go to the template as its `tools` variable; they and the
+    messages' tool calls may not hold special tokens' strings (a 400: they are not copied as
+    plain text, so they could forge turns)."""
     plain = plain_messages(messages)
     specials = [s for s in getattr(tokenizer, "special_token_strings", ()) if s]
+    structured = _structured_text(plain, tools)
+    forged = sorted({s for s in specials if s in structured})
+    if forged:
+        raise bad_request(f"tools or tool calls contain the control token(s) {forged}; remove them", param="messages")
     risky = [i for i, m in enumerate(plain) if any(s in m["content"] for s in specials)]
+    extra = {"tools": tools} if tools else {}
     if not risky or not hasattr(tokenizer, "encode_text"):
-        return encode(_render(tokenizer, plain, add_generation_prompt))
+        return encode(_render(tokenizer, plain, add_generation_prompt, **extra))
     nonce = secrets.token_hex(8)
     marks = {f"\ue000{nonce}:{i}\ue001": i for i in risky}
     masked = [dict(m, content=next(k for k, v in marks.items() if v == i)) if i in risky else m for i, m in enumerate(plain)]
-    pieces = re.split("(" + "|".join(map(re.escape, marks)) + ")", _render(tokenizer, masked, add_generation_prompt))
+    pieces = re.split("(" + "|".join(map(re.escape, marks)) + ")", _render(tokenizer, masked, add_generation_prompt, **extra))
     found = [p for p in pieces if p in marks]
     if sorted(found) != sorted(marks):
         names = sorted({s for i in risky for s in specials if s in plain[i]["content"]})
@@ -78,11 +101,11 @@ def chat_prompt_ids(tokenizer, messages, add_generation_prompt: bool, encode: Ca
     return ids
 
 
-def _render(tokenizer, plain: list[dict[str, str]], add_generation_prompt: bool) -> str:
+def _render(tokenizer, plain: list[dict], add_generation_prompt: bool, **variables) -> str:
     apply = getattr(tokenizer, "apply_chat_template", None)
     if apply is None:
         return simple_chat_prompt(plain, add_generation_prompt)
     try:
-        return apply(plain, add_generation_prompt=add_generation_prompt)
+        return apply(plain, add_generation_prompt=add_generation_prompt, **variables)
     except Exception as exc:  # noqa: BLE001 - a checkpoint template may reject these messages
         raise bad_request(f"the chat template could not render these messages: {type(exc).__name__}: {exc}", param="messages") from None

@@ -10,6 +10,7 @@ from fastapi import Request
 
 from kdaserve.server.errors import bad_request
 from kdaserve.server.protocol import CompletionRequest
+from kdaserve.server.structured_outputs import compile_off_loop, structured_outputs_for
 from kdaserve.server.serving import (
     ServerState,
     check_model,
@@ -137,6 +138,8 @@ class CompletionHandler:
         check_model(state, req.model)
         # Tokenizing (up to max_model_len x 64 characters) runs in a worker thread: the loop stays free.
         prompts = await asyncio.to_thread(normalize_prompts, state, req.prompt)
+        structured, structured_param = structured_outputs_for(req)
+        await compile_off_loop(state.engine_loop.engine, structured, structured_param)
         wants_prompt_logprobs = req.echo and req.logprobs is not None
         request_id, engine_id = response_and_engine_ids(state, request, "cmpl")
         choices: list[Choice] = []
@@ -155,6 +158,7 @@ class CompletionHandler:
                     prompt_logprobs=req.logprobs if wants_prompt_logprobs else None,
                     choice=j,
                     defaults=state.sampling_defaults,
+                    structured_outputs=structured,
                 )
                 choices.append(Choice(prompt, echo_text, score_only=max_tokens == 0))
                 engine_requests.append((f"{engine_id}-{i}-{j}", prompt.token_ids, params, max_tokens == 0))

@@ -8,7 +8,7 @@ their shape is OpenAI's and the `openai` client parses them.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -19,6 +19,7 @@ MAX_N = 16
 # length (OpenAI allows 4; harnesses send a few dozen at most).
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
+MAX_TOOLS = 128   # OpenAI's limit
 
 
 class _Lenient(BaseModel):
@@ -27,6 +28,28 @@ class _Lenient(BaseModel):
 
 class StreamOptions(_Lenient):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Lenient):
+    name: str = "response"
+    description: str | None = None
+    # "schema" would shadow pydantic's BaseModel.schema: the field is named json_schema, read as "schema".
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Lenient):
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _complete(self):
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.json_schema is None):
+            raise ValueError("response_format of type json_schema needs json_schema.schema (the JSON schema)")
+        if self.type == "structural_tag":
+            raise ValueError("response_format of type structural_tag is not supported; use json_schema, json_object, "
+                             "or structured_outputs (json, regex, choice, grammar)")
+        return self
 
 
 class _SamplingFields(_Lenient):
@@ -54,11 +77,11 @@ class _SamplingFields(_Lenient):
     min_p: float | None = None
     min_tokens: int = 0
     logit_bias: dict[str, float] | None = None
-    # Not built yet: a request that sets them gets a 400 saying so, never a silent 200.
-    response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    # Structured output (server/structured_outputs.py): OpenAI's response_format or vLLM's
+    # structured_outputs (json, regex, choice, grammar, json_object); checked by the engine.
+    response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
+    # vLLM's old names, gone from vLLM too: a 400 that names the replacement, never ignored.
     guided_json: Any = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
@@ -74,24 +97,13 @@ class _SamplingFields(_Lenient):
             raise ValueError(f"stop strings may have at most {MAX_STOP_STRING_CHARS} characters, got one of {longest}")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
-        unsupported = self.unsupported_fields()
-        if unsupported:
-            raise ValueError(f"{', '.join(unsupported)}: not supported by this server yet (structured output and tool "
-                             f"calling are being built); leave them out")
-        return self
-
-    def unsupported_fields(self) -> list[str]:
-        out = []
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            out.append(f"response_format of type {self.response_format.get('type')!r}")
-        if self.tools:
-            out.append("tools")
-        if self.tool_choice not in (None, "none"):
-            out.append("tool_choice")
-        for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
             if getattr(self, name) is not None:
-                out.append(name)
-        return out
+                raise ValueError(f"{name} is no longer supported (vLLM removed it too); send structured_outputs="
+                                 f"{{\"{name.removeprefix('guided_')}\": ...}} instead")
+        if self.response_format is not None and self.response_format.type != "text" and self.structured_outputs is not None:
+            raise ValueError("response_format and structured_outputs both constrain the output; send one of them")
+        return self
 
     @property
     def include_usage(self) -> bool:
@@ -110,6 +122,9 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     best_of: int | None = None
     suffix: str | None = None
+    # Chat-only fields, refused here rather than ignored.
+    tools: Any = None
+    tool_choice: Any = None
 
     @model_validator(mode="after")
     def _refused(self):
@@ -119,7 +134,20 @@ class CompletionRequest(_SamplingFields):
                              f"completions and pick among them")
         if self.suffix:
             raise ValueError("suffix is not supported (vLLM refuses it too): completions only append to the prompt")
+        if self.tools or self.tool_choice not in (None, "none"):
+            raise ValueError("tools and tool_choice belong to /v1/chat/completions; completions have no tool calls")
         return self
+
+
+class FunctionCall(_Lenient):
+    name: str
+    arguments: str   # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Lenient):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class ChatMessage(_Lenient):
@@ -127,6 +155,29 @@ class ChatMessage(_Lenient):
     # A string, or OpenAI's list of content parts ([{"type": "text", "text": ...}]).
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None   # an assistant turn's calls
+    tool_call_id: str | None = None            # a tool turn: the call it answers
+
+
+class FunctionDefinition(_Lenient):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None   # a JSON schema of the arguments
+    strict: bool | None = None
+
+
+class ChatTool(_Lenient):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Lenient):
+    name: str
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -136,6 +187,30 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: bool = True
+    # Tool calling (server/tools.py). tool_choice defaults to "auto" with tools, "none" without.
+    tools: list[ChatTool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    @model_validator(mode="after")
+    def _tool_choice(self):
+        if self.tool_choice is None:
+            self.tool_choice = "auto" if self.tools else "none"
+        if self.tool_choice != "none" and not self.tools:
+            raise ValueError(f"tool_choice {self.tool_choice if isinstance(self.tool_choice, str) else 'naming a function'} "
+                             f"needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = [t.function.name for t in self.tools]
+            if self.tool_choice.function.name not in names:
+                raise ValueError(f"tool_choice names the function {self.tool_choice.function.name!r}, which is not in "
+                                 f"tools ({', '.join(names)})")
+        if len({t.function.name for t in self.tools or ()}) != len(self.tools or ()):
+            raise ValueError("tools must have distinct function names")
+        if self.tool_choice != "none" and (self.response_format is not None and self.response_format.type != "text"
+                                           or self.structured_outputs is not None):
+            raise ValueError("tool calls and response_format / structured_outputs both constrain the output; send "
+                             "tool_choice \"none\" or leave the format out")
+        return self
 
 
 class TokenizeRequest(_Lenient):

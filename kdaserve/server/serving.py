@@ -46,6 +46,9 @@ class ServerState:
     # --return-tokens-as-token-ids: tokens in log-probs as "token_id:{id}" (vLLM's form), which stays
     # unambiguous where several tokens decode to the same text (partial UTF-8 bytes, say)
     tokens_as_ids: bool = False
+    # --enable-auto-tool-choice --tool-call-parser: the parser of tool_choice "auto" (server/tool_parsers)
+    tool_parser: Any = None
+    tool_call_id_style: str | None = None   # the parser's id form ("kimi": functions.{name}:{index}), else random ids
     created: int = field(default_factory=lambda: int(time.time()))
     _token_text: dict[int, str] = field(default_factory=dict)
 
@@ -159,8 +162,9 @@ def resolve_max_tokens(state: ServerState, prompt_len: int, max_tokens: int | No
 
 
 def sampling_params(req, *, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None, choice: int,
-                    defaults: dict | None = None):
-    """A request's SamplingParams; `defaults` (--generation-config) fill what it leaves out."""
+                    defaults: dict | None = None, structured_outputs=None):
+    """A request's SamplingParams; `defaults` (--generation-config) fill what it leaves out;
+    `structured_outputs` (server/structured_outputs.py), compiled, shared by the n choices."""
     from kdaserve.engine.sampling_params import SamplingParams
 
     # With n > 1 and a seed, each choice gets its own seed so the choices differ, reproducibly.
@@ -189,6 +193,7 @@ def sampling_params(req, *, max_tokens: int, logprobs: int | None, prompt_logpro
             min_p=pick("min_p", 0.0),
             min_tokens=req.min_tokens,
             logit_bias=req.logit_bias,
+            structured_outputs=structured_outputs,
         )
     except (ValueError, TypeError) as exc:
         raise bad_request(f"invalid sampling parameters: {exc}") from None

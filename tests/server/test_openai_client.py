@@ -43,3 +43,22 @@ def test_errors_raise_typed_exceptions(oai):
     with pytest.raises(openai.NotFoundError):
         oai.completions.create(model="no-such-model", prompt="Hello")
     assert oai.completions.create(model="tiny", prompt="Hello", max_tokens=1).usage.completion_tokens == 1
+
+
+def test_tool_calls_and_json_schema_through_the_client(oai):
+    pytest.importorskip("xgrammar")
+    import json
+
+    no_space = {"9": -100, "10": -100, "13": -100, "32": -100}   # the random model's whitespace runs
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Tokyo"]}}, "required": ["city"]}}}]
+    out = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Weather?"}], tools=tools,
+                                      tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                      temperature=0, max_tokens=60, logit_bias=no_space)
+    call = out.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Paris", "Tokyo")
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    out = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], temperature=0,
+                                      max_tokens=60, logit_bias=no_space,
+                                      response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": schema}})
+    assert isinstance(json.loads(out.choices[0].message.content)["ok"], bool)

@@ -63,3 +63,14 @@ def test_serve_refuses_timeouts_that_are_not_positive():
         out = subprocess.run([sys.executable, "-m", "kdaserve.cli", "serve", "tiny", flag, "0"], capture_output=True,
                              text=True, timeout=120)
         assert out.returncode == 2 and f"kdaserve serve: {flag} must be seconds > 0, got 0.0" in out.stderr, out.stderr
+
+
+def test_serve_refuses_tool_flags_that_cannot_work():
+    """--enable-auto-tool-choice without a parser, and a parser whose tokens the model's tokenizer
+    lacks (the byte tokenizer has no Kimi tool-call tokens): exit status 2 with the reason."""
+    run = lambda *flags: subprocess.run([sys.executable, "-m", "kdaserve.cli", "serve", "tiny", "--device", "cpu", *flags],  # noqa: E731
+                                        capture_output=True, text=True, timeout=300)
+    out = run("--enable-auto-tool-choice")
+    assert out.returncode == 2 and "--enable-auto-tool-choice needs --tool-call-parser" in out.stderr, out.stderr
+    out = run("--enable-auto-tool-choice", "--tool-call-parser", "kimi_k2")
+    assert out.returncode == 2 and "lacks <|tool_calls_section_begin|>" in out.stderr, out.stderr
