@@ -69,6 +69,9 @@ def register(sub) -> None:
     p.add_argument("--tool-call-parser", default=None, choices=["kimi_k2"],
                    help="how the model writes tool calls (kimi_k2: Kimi-K2 and Kimi-Linear's special tokens); "
                         "used by tool_choice \"auto\"")
+    p.add_argument("--enable-per-request-metrics", action="store_true",
+                   help="each response carries vLLM's per-request `metrics` (time to first token, queue and generation "
+                        "time, mean inter-token latency, tokens per second); speculative acceptance is there regardless")
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="the model, as vLLM's `vllm serve MODEL` takes it (same as --model)")
     add_engine_args(p)
@@ -135,7 +138,8 @@ def run(args) -> int:
                     request_id_headers=args.enable_request_id_headers,
                     return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                     stream_write_timeout=args.stream_write_timeout, sampling_defaults=defaults,
-                    enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint, tool_parser=tool_parser)
+                    enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint, tool_parser=tool_parser,
+                    enable_per_request_metrics=args.enable_per_request_metrics)
     serve_forever(app, args.host, args.port, log_level=args.uvicorn_log_level or args.log_level, root_path=args.root_path,
                   ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, header_timeout=args.header_timeout,
                   timeout_keep_alive=args.timeout_keep_alive, limit_concurrency=args.limit_concurrency)

@@ -216,6 +216,11 @@ class LLMEngine:
                 seq.num_computed_tokens += a.num_accepted_drafts
                 seq.num_accepted = 1 + a.num_accepted_drafts
                 self.spec_stats.observe(a.num_drafts, a.num_accepted_drafts)
+                if a.num_drafts:
+                    if seq.spec_histogram is None:
+                        seq.spec_histogram = [0] * (self.config.num_spec_tokens + 1)
+                    seq.spec_histogram[a.num_accepted_drafts] += 1
+                    seq.num_draft_tokens += a.num_drafts
             seq.draft_token_ids = []
             last = len(a.tokens) - 1
             for k, token in enumerate(a.tokens):
@@ -278,5 +283,23 @@ class LLMEngine:
             prompt_logprobs=ListPrefix(seq.prompt_logprobs) if seq.prompt_logprobs is not None else None,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
-            metrics=dict(seq.metrics, num_preemptions=seq.num_preemptions),
+            metrics=self._metrics(seq),
         )
+
+    def _metrics(self, seq: Sequence) -> dict:
+        """Times (time.monotonic) and counts of a request; a finished one that went through verify
+        steps also gets its speculative acceptance (vLLM's per-request speculative metrics)."""
+        out = dict(seq.metrics, num_preemptions=seq.num_preemptions)
+        h = seq.spec_histogram
+        if seq.is_finished and h is not None:
+            accepted = sum(j * n for j, n in enumerate(h))
+            out["spec_decode"] = {
+                "mean_acceptance_length": 1 + accepted / sum(h),
+                "draft_acceptance_rate": accepted / seq.num_draft_tokens,
+                "acceptance_histogram": list(h),
+                "num_spec_steps": sum(h),
+                "num_accepted_draft_tokens": accepted,
+                "num_draft_tokens": seq.num_draft_tokens,
+                "num_spec_tokens": self.config.num_spec_tokens,
+            }
+        return out

@@ -42,6 +42,10 @@ class Sequence:
         self.spec_slots: list[int] = []
         self.num_accepted = 1
         self.draft_token_ids: list[int] = []   # the drafts of the next verify step
+        # Verify steps with drafts, by drafts accepted (index j: steps that accepted j), and drafts
+        # proposed: the request's own acceptance, reported in its finished output.
+        self.spec_histogram: list[int] | None = None
+        self.num_draft_tokens = 0
         # Grows by append only; BlockManager.free replaces it with a new list (block_table_array's
         # cache relies on both).
         self.block_table: list[int] = []

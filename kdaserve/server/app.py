@@ -40,6 +40,7 @@ def build_app(
     sampling_defaults: dict | None = None,
     enable_tokenizer_info_endpoint: bool = False,
     tool_parser: str | None = None,
+    enable_per_request_metrics: bool = False,
 ):
     """An app serving `engine` (an `LLMEngine`); its engine thread runs while the app is up.
     `access`: API keys, Host check and body limit (server/access.py; default: no key, no Host
@@ -71,6 +72,7 @@ def build_app(
         sampling_defaults=dict(sampling_defaults or {}),
         tool_parser=parser,
         tool_call_id_style=getattr(parser, "tool_call_id_style", None),
+        per_request_metrics=enable_per_request_metrics,
     )
 
     @asynccontextmanager

@@ -21,6 +21,7 @@ from kdaserve.server.tools import (
     tool_call,
     tool_call_id,
 )
+from kdaserve.server.request_metrics import per_request_metrics
 from kdaserve.server.serving import (
     ServerState,
     check_model,
@@ -145,7 +146,8 @@ class ChatHandler:
             choices.append(choice)
         completion_tokens = sum(len(out.output_token_ids) for out in finals)
         body = response_envelope(request_id, "chat.completion", int(time.time()), self.state.model_name, choices)
-        return {**body, "usage": usage(num_prompt_tokens, completion_tokens)}
+        metrics = per_request_metrics(finals, self.state.per_request_metrics)
+        return {**body, "usage": usage(num_prompt_tokens, completion_tokens), **({"metrics": metrics} if metrics else {})}
 
     async def _stream(self, req, request_id: str, num_prompt_tokens: int, group, buffered):
         size = len(group.request_ids)
@@ -161,7 +163,9 @@ class ChatHandler:
         chunk = stream_chunks(req, request_id, "chat.completion.chunk", self.state.model_name)
 
         try:
+            last = {}
             async for index, out in replay_then_rest(group, buffered):
+                last[index] = out
                 visible, calls = self._stream_step(req, mode, style, out, holdback, tool_states[index], num_calls[index])
                 delta = {"content": visible[sent_chars[index] :]}
                 if calls:
@@ -183,7 +187,8 @@ class ChatHandler:
                     choice["token_ids"] = list(out.new_token_ids)
                 yield chunk([choice])
             if req.include_usage:
-                yield chunk([], usage(num_prompt_tokens, completion_tokens))
+                yield chunk([], usage(num_prompt_tokens, completion_tokens),
+                            per_request_metrics(list(last.values()), self.state.per_request_metrics))
         except Exception as exc:  # noqa: BLE001 - the status line is gone; report in-band
             yield sse_error(exc)
         yield sse("[DONE]")

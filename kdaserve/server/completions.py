@@ -11,6 +11,7 @@ from fastapi import Request
 from kdaserve.server.errors import bad_request
 from kdaserve.server.protocol import CompletionRequest
 from kdaserve.server.structured_outputs import compile_off_loop, structured_outputs_for
+from kdaserve.server.request_metrics import per_request_metrics
 from kdaserve.server.serving import (
     ServerState,
     check_model,
@@ -201,7 +202,8 @@ class CompletionHandler:
                 body["token_ids"] = output_ids
             body_choices.append(body)
         body = response_envelope(request_id, "text_completion", int(time.time()), self.state.model_name, body_choices)
-        return {**body, "usage": usage(sum(len(p.token_ids) for p in prompts), completion_tokens)}
+        metrics = per_request_metrics(finals, self.state.per_request_metrics)
+        return {**body, "usage": usage(sum(len(p.token_ids) for p in prompts), completion_tokens), **({"metrics": metrics} if metrics else {})}
 
     async def _stream(self, req, request_id, prompts, choices: list[Choice], group, buffered):
         size = len(choices)
@@ -215,7 +217,9 @@ class CompletionHandler:
         chunk = stream_chunks(req, request_id, "text_completion", self.state.model_name)
 
         try:
+            last = {}
             async for index, out in replay_then_rest(group, buffered):
+                last[index] = out
                 choice = choices[index]
                 if choice.score_only:
                     text, new_ids, entries = "", [], []
@@ -246,7 +250,8 @@ class CompletionHandler:
                     body["token_ids"] = new_ids
                 yield chunk([body])
             if req.include_usage:
-                yield chunk([], usage(sum(len(p.token_ids) for p in prompts), completion_tokens))
+                yield chunk([], usage(sum(len(p.token_ids) for p in prompts), completion_tokens),
+                            per_request_metrics(list(last.values()), self.state.per_request_metrics))
         except Exception as exc:  # noqa: BLE001 - the status line is gone; report in-band
             yield sse_error(exc)
         yield sse("[DONE]")

@@ -49,6 +49,7 @@ class ServerState:
     # --enable-auto-tool-choice --tool-call-parser: the parser of tool_choice "auto" (server/tool_parsers)
     tool_parser: Any = None
     tool_call_id_style: str | None = None   # the parser's id form ("kimi": functions.{name}:{index}), else random ids
+    per_request_metrics: bool = False       # --enable-per-request-metrics: timing in each response's `metrics`
     created: int = field(default_factory=lambda: int(time.time()))
     _token_text: dict[int, str] = field(default_factory=dict)
 
@@ -316,10 +317,12 @@ def stream_chunks(req, request_id: str, obj: str, model: str) -> Callable[..., s
     asked for it (stream_options.include_usage), as OpenAI does."""
     created = int(time.time())
 
-    def chunk(choices: list, usage_: dict | None = None) -> str:
+    def chunk(choices: list, usage_: dict | None = None, metrics: dict | None = None) -> str:
         body = response_envelope(request_id, obj, created, model, choices)
         if req.include_usage:
             body["usage"] = usage_
+        if metrics:
+            body["metrics"] = metrics
         return sse(body)
 
     return chunk

@@ -69,6 +69,24 @@ def test_ngram_speculation_gives_the_tokens_of_plain_decoding(want):
     _no_leaks(llm)
 
 
+def test_each_request_reports_its_own_acceptance(want):
+    """Per-request speculative metrics (vLLM's `metrics.speculative_decoding`): consistent in
+    themselves, and summing over the requests to the engine's counters."""
+    llm = _llm(NGRAM)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    stats = llm.engine.stats()
+    reported = [o.metrics["spec_decode"] for o in outs if "spec_decode" in o.metrics]
+    assert reported, "some requests had drafts"
+    for m in reported:
+        h = m["acceptance_histogram"]
+        assert len(h) == S + 1 and sum(h) == m["num_spec_steps"] and m["num_spec_tokens"] == S
+        assert m["num_accepted_draft_tokens"] == sum(j * n for j, n in enumerate(h)) <= m["num_draft_tokens"]
+        assert m["mean_acceptance_length"] == 1 + m["num_accepted_draft_tokens"] / m["num_spec_steps"]
+    assert sum(m["num_draft_tokens"] for m in reported) == stats["spec_decode_num_draft_tokens"]
+    assert sum(m["num_accepted_draft_tokens"] for m in reported) == stats["spec_decode_num_accepted_tokens"]
+    assert sum(m["num_spec_steps"] for m in reported) == stats["spec_decode_num_drafts"]
+
+
 def test_every_acceptance_length_with_chunked_prefill(want):
     """Scripted drafts wrong at position 0, 1, 2 or nowhere, in turn: every number of accepted
     drafts occurs, in steps that mix verifies with prefill chunks (budget of 7 tokens)."""
