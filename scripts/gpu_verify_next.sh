@@ -3,10 +3,11 @@
 # fits one 10-minute device command: every group gets its own timeout, and a part stops starting
 # groups past its budget (printing "NOT RUN" for the rest). Logs under $OUT (or ./out).
 # Carry [".whl"] (fla-core 0.6.0; fastapi, starlette, pydantic(-core), uvicorn, opentelemetry-api,
-# annotated-types, typing-inspection for the server) and, for an old-vs-new comparison, [".old"]
+# annotated-types, typing-inspection for the server; xgrammar 0.2.8, apache-tvm-ffi and
+# transformers 5.23.0 with what it imports for structured output) and, for an old-vs-new comparison, [".old"]
 # (e.g. `git archive <commit> kdaserve benchmarks | tar -x -C .old`).
 # Parts owed (add one as `if [ "$PART" = name ]; then ... fi` below, with what it must show):
-#   (none)
+#   bash scripts/gpu_verify_next.sh structured   # structured output (xgrammar's Triton mask kernel, CUDA graphs)
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -31,3 +32,13 @@ group() {  # name, seconds, pytest args...: one pytest process per file (one GPU
 PART=${1:-}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 [ -z "$PART" ] && echo "name a part"
+if [ "$PART" = structured ]; then
+# Must show: the imports line, then every group rc=0 with no FAILED line (the mask applied on the
+# device by xgrammar's Triton kernel, every row and picked rows; the tiny model with CUDA graphs
+# following a regex and a JSON schema while the rows without a grammar keep their tokens); the
+# CPU-side structured tests pass there too.
+python3 -c "import xgrammar, transformers, torch; print('imports ok', transformers.__version__, torch.__version__)"
+group structured_gpu 200 tests/engine/test_structured_outputs_gpu.py
+group structured_cpu 200 tests/engine/test_structured_outputs.py
+group engine_gpu 200 tests/engine/test_engine_gpu.py
+fi

@@ -50,7 +50,8 @@ class EngineConfig:
         "mixture-of-experts kernels: auto (Triton on a GPU, torch on a CPU), reference or triton",
         choices=("auto", "reference", "triton")))
     max_num_seqs: int = field(default=64, metadata=_flag("sequences in one running batch"))
-    max_model_len: int = field(default=4096, metadata=_flag("prompt + completion tokens per request"))
+    max_model_len: int | None = field(default=None, metadata=_flag(
+        "prompt + completion tokens per request (default: the model's context, max_position_embeddings)"))
     max_num_batched_tokens: int | None = field(default=None, metadata=_flag(
         "token budget of one engine step (chunked prefill splits longer prompts); default 8192"))
     device: str | torch.device | None = field(default=None, metadata=_flag("cuda, cpu, ... (default: the GPU when there is one)"))
@@ -90,9 +91,11 @@ class EngineConfig:
             self.max_num_batched_tokens = 8192
         for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "block_size", "max_logprobs"):
             v = getattr(self, name)
+            if v is None and name == "max_model_len":   # the model's; the runner reads it from the model config
+                continue
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"invalid {name}: got {v!r}; expected an integer >= 1")
-        if self.max_model_len < 2:
+        if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"invalid max_model_len: got {self.max_model_len}; expected >= 2 (a prompt token and an output token)")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"invalid load_format: got {self.load_format!r}; expected auto, safetensors or dummy")

@@ -9,6 +9,7 @@ accepted counts among the static buffers), at the same batch sizes."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kdaserve.engine.staging import PackedLayout, StagingRing
@@ -25,7 +26,13 @@ def graph_batch_sizes(max_bs: int) -> list[int]:
 class DecodeStaticInputs:
     """The graphs' static input and metadata buffers for up to `max_batch_size` rows: views of one
     device buffer, filled each step from a pinned staging buffer by one non-blocking copy of its
-    first bytes (staging.py says why, and how reuse of the pinned buffer stays safe)."""
+    first bytes (staging.py says why, and how reuse of the pinned buffer stays safe).
+
+    The block tables are max_model_len / block_size wide (65536 columns at a 1M context), but a
+    step stages only the columns its longest table uses, packed, and one device copy puts them
+    into the static table: columns past a row's own blocks keep older values, which the attention
+    kernels never read (they stop at the row's context length), and which are block ids, never
+    out of range."""
 
     def __init__(self, max_batch_size: int, block_table_width: int, trash_row: int, device, tokens_per_seq: int = 1):
         B, self.width, self.trash_row, m = max_batch_size, block_table_width, trash_row, tokens_per_seq
@@ -41,7 +48,9 @@ class DecodeStaticInputs:
         self.buffer = torch.zeros(self.layout.nbytes, dtype=torch.uint8, device=device)
         views = self.layout.device_views(self.buffer)
         self.input_ids, self.positions, self.state_indices = views["input_ids"], views["positions"], views["state_indices"]
-        self.slot_mapping, self.block_tables, self.context_lens = views["slot_mapping"], views["block_tables"], views["context_lens"]
+        self.slot_mapping, self.context_lens = views["slot_mapping"], views["context_lens"]
+        self._packed_tables = views["block_tables"].view(-1)   # a step's [rows, used columns], packed
+        self.block_tables = torch.zeros((B * m, block_table_width), dtype=i32, device=device)
         self.verify_slots, self.num_accepted = views["verify_slots"], views["num_accepted"]
         self.sample_rows = views["sample_rows"]   # read outside the graph (logit rows), staged with the rest
         self.slot_mapping.fill_(trash_row)
@@ -71,12 +80,17 @@ class DecodeStaticInputs:
             h["verify_slots"][n:bs] = 0
             h["num_accepted"][:n] = step.decode_num_accepted
             h["num_accepted"][n:bs] = 1
-        write_block_tables(h["block_tables"][: bs * m], step.decode_tables)   # padding rows: null blocks only
+        tables = step.decode_tables
+        used = max(1, tables.shape[1] if isinstance(tables, np.ndarray) else max((t.shape[0] for t in tables), default=1))
+        packed = h["block_tables"].reshape(-1)[: bs * m * used].reshape(bs * m, used)
+        write_block_tables(packed, tables)   # padding rows: null blocks only
         rows = step.logits.sample_rows
         staged_rows = not step.logits.sample_rows_are_leading
         if staged_rows:
             h["sample_rows"][: len(rows)] = rows
-        self.ring.submit(i, self.buffer, self.layout.end_of("block_tables", bs * m))
+        offset = self.layout.fields["block_tables"][0]
+        self.ring.submit(i, self.buffer, offset + bs * m * used * 4)
+        self.block_tables[: bs * m, :used].copy_(self._packed_tables[: bs * m * used].view(bs * m, used))
         return self.sample_rows[: len(rows)] if staged_rows else None
 
 

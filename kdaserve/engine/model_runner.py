@@ -66,8 +66,9 @@ class ModelRunner:
         self.tokenizer, self.model_config, self.model_name = loaded.tokenizer, loaded.config, loaded.name
         self.kda_backends = self.model.kda_backends  # resolved once, by the model
         self.block_size = config.block_size
-        self.max_model_len = min(config.max_model_len, self.model_config.max_position_embeddings)
-        if self.max_model_len < config.max_model_len:
+        context = self.model_config.max_position_embeddings
+        self.max_model_len = context if config.max_model_len is None else min(config.max_model_len, context)
+        if config.max_model_len is not None and self.max_model_len < config.max_model_len:
             log.warning("max_model_len %d exceeds the model's max_position_embeddings; using %d",
                         config.max_model_len, self.max_model_len)
         self.blocks_per_seq = -(-self.max_model_len // self.block_size)

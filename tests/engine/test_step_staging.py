@@ -98,7 +98,10 @@ def test_graph_static_inputs_follow_changing_batch_sizes():
         assert _eq(static.context_lens[real], want["decode_context_lens"])
         assert _eq(static.block_tables[real], want["decode_block_tables"])
         assert (static.state_indices[pad] == 0).all() and (static.slot_mapping[pad] == trash).all()
-        assert (static.context_lens[pad] == 1).all() and (static.block_tables[pad] == 0).all()
+        # Padding rows point at the null block in every column the step uses; later columns may
+        # keep an older step's block ids, which no kernel reads (they stop at the context length).
+        used = max(len(s.block_table) for s in _decodes(n, offset=k))
+        assert (static.context_lens[pad] == 1).all() and (static.block_tables[pad][:, :used] == 0).all()
         assert (static.input_ids[pad] == 0).all() and (static.positions[pad] == 0).all()
 
 
@@ -187,4 +190,21 @@ def test_graph_static_inputs_of_verify_steps_pad_whole_sequences():
         assert static.num_accepted[:n].tolist() == [s.num_accepted for s in seqs]
         assert (static.state_indices[n:bs] == 0).all() and (static.verify_slots[n:bs] == 0).all()
         assert (static.num_accepted[n:bs] == 1).all() and (static.slot_mapping[pad] == trash).all()
-        assert (static.context_lens[pad] == 1).all() and (static.block_tables[pad] == 0).all()
+        used = max(len(t) for t in tables)   # columns past them may hold older block ids (never read)
+        assert (static.context_lens[pad] == 1).all() and (static.block_tables[pad][:, :used] == 0).all()
+
+
+def test_a_step_stages_only_the_block_table_columns_it_uses():
+    """At a 1M-token context the tables are 65536 columns wide: a step copies its rows' used
+    columns, not the whole width."""
+    width = 1 << 16
+    static = DecodeStaticInputs(4, width, 999, CPU)
+    sent = []
+    submit = static.ring.submit
+    static.ring.submit = lambda i, dst, nbytes: (sent.append(nbytes), submit(i, dst, nbytes))
+    seqs = _decodes(2)
+    step = build_host_step(ScheduledBatch(decodes=seqs), BLOCK, decode_width=width)
+    static.stage(step, 2)
+    used = max(len(s.block_table) for s in seqs)
+    assert sent == [static.layout.fields["block_tables"][0] + 2 * used * 4]
+    assert [static.block_tables[i, : len(s.block_table)].tolist() for i, s in enumerate(seqs)] == [s.block_table for s in seqs]
