@@ -37,6 +37,9 @@ def add_engine_args(parser: argparse.ArgumentParser, **defaults) -> argparse.Arg
     for f in dataclasses.fields(EngineConfig):
         meta, flag = f.metadata, _flag_name(f)
         default = defaults.get(f.name, f.default)
+        if meta.get("boolean_optional"):
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=meta["help"])
+            continue
         if isinstance(default, bool):
             # A flag that flips the default: --enforce-eager sets True, --no-warmup sets False.
             group.add_argument(flag, dest=f.name, action="store_false" if default else "store_true",

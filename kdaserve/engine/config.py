@@ -23,10 +23,11 @@ def parse_dtype(dtype) -> torch.dtype | None:
     return _DTYPES[dtype]
 
 
-def _flag(help: str, name: str | None = None, **argparse_kw) -> dict:
+def _flag(help: str, name: str | None = None, boolean_optional: bool = False, **argparse_kw) -> dict:
     """Field metadata for the command-line flag of an engine setting (engine/args.py reads it).
-    `name` overrides the flag derived from the field name, where vLLM calls the setting otherwise."""
-    return {"help": help, "flag": name, "argparse": argparse_kw}
+    `name` overrides the flag derived from the field name, where vLLM calls the setting otherwise;
+    `boolean_optional`: a --flag / --no-flag pair, as vLLM spells its on-by-default switches."""
+    return {"help": help, "flag": name, "argparse": argparse_kw, "boolean_optional": boolean_optional}
 
 
 @dataclass
@@ -77,6 +78,18 @@ class EngineConfig:
         'speculative decoding, as a JSON object in vLLM\'s spelling: {"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2} (prompt lookup; lossless: greedy outputs are unchanged, '
         'sampled ones keep their distribution)'))
+    enable_prefix_caching: bool = field(default=False, metadata=_flag(
+        "reuse a shared prompt prefix's attention blocks and KDA state (engine/prefix_cache); "
+        "--no-enable-prefix-caching turns it off", boolean_optional=True))
+    prefix_caching_hash_algo: str = field(default="sha256", metadata=_flag(
+        "hash of a prefix's blocks: sha256 (pickle + SHA-256) or xxhash (faster, not cryptographic; needs xxhash)",
+        choices=("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")))
+    mamba_block_size: int | None = field(default=None, metadata=_flag(
+        "prefix caching: tokens between KDA state checkpoints, a multiple of --block-size (default: 32 blocks)"))
+    prefix_cache_states: int | None = field(default=None, metadata=_flag(
+        "prefix caching: KDA state checkpoints kept (state slots beside the running requests'; default: max_num_seqs)"))
+    prefix_cache_states_per_request: int = field(default=4, metadata=_flag(
+        "prefix caching: checkpoints one request may take (the newest stay); caps what one long prompt holds"))
     # Run dummy steps at startup so that kernel JIT specializations are compiled before the first
     # requests (engine/warmup.py), on a CUDA device (nothing is compiled on the CPU); graphs or not.
     warmup: bool = field(default=True, metadata=_flag(
@@ -100,6 +113,23 @@ class EngineConfig:
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"invalid load_format: got {self.load_format!r}; expected auto, safetensors or dummy")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.mamba_block_size is None:
+            self.mamba_block_size = 32 * self.block_size
+        for name in ("mamba_block_size", "prefix_cache_states_per_request"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"invalid {name}: got {v!r}; expected an integer >= 1")
+        if self.mamba_block_size % self.block_size:
+            raise ValueError(f"invalid mamba_block_size: got {self.mamba_block_size}; expected a multiple of "
+                             f"block_size={self.block_size} (a KDA checkpoint ends where a KV block does)")
+        if self.prefix_cache_states is None:
+            self.prefix_cache_states = self.max_num_seqs if self.enable_prefix_caching else 0
+        if not isinstance(self.prefix_cache_states, int) or self.prefix_cache_states < 0:
+            raise ValueError(f"invalid prefix_cache_states: got {self.prefix_cache_states!r}; expected an integer >= 0")
+        if self.enable_prefix_caching:
+            from kdaserve.engine.prefix_cache.hashing import hash_function
+
+            hash_function(self.prefix_caching_hash_algo)   # unknown or unavailable: ValueError now
         if self.max_num_batched_tokens < self.num_spec_tokens + 1:
             raise ValueError(f"invalid max_num_batched_tokens: got {self.max_num_batched_tokens}; a verify step of "
                              f"num_speculative_tokens + 1 = {self.num_spec_tokens + 1} tokens must fit")

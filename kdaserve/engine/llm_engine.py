@@ -41,10 +41,11 @@ class LLMEngine:
         eos = self.runner.model_config.eos_token_id
         self.more_eos_token_ids = frozenset(t for t in (eos if isinstance(eos, list) else [eos]) if t is not None)
         self.runner.sampler.stop_ids = frozenset(t for t in (self.eos_token_id, *self.more_eos_token_ids) if t is not None)
-        self.slots = StateSlotPool(self.runner.num_slots)
+        self.slots = StateSlotPool(self.runner.num_running_slots)
         self.blocks = BlockManager(self.runner.num_kv_blocks, self.config.block_size)
+        self.prefix_cache = self._make_prefix_cache() if self.config.enable_prefix_caching else None
         self.scheduler = Scheduler(self.config.max_num_seqs, self.config.max_num_batched_tokens, self.slots, self.blocks,
-                                   num_spec_tokens=self.config.num_spec_tokens)
+                                   num_spec_tokens=self.config.num_spec_tokens, prefix_cache=self.prefix_cache)
         spec = self.config.speculative_config
         self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max) if spec else None
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens) if spec else None
@@ -61,6 +62,24 @@ class LLMEngine:
         self.last_step_tokens = 0   # tokens the last step computed (prompt + decode): vLLM's iteration tokens
         self._grammar_compiler = None   # built on the first structured request (xgrammar imported then)
         self._grammar_lock = threading.Lock()
+
+    def _make_prefix_cache(self):
+        from kdaserve.engine.prefix_cache import PrefixCache
+        from kdaserve.engine.prefix_cache.checkpoints import StateCheckpoints
+        from kdaserve.engine.prefix_cache.hashing import BlockHasher
+
+        cfg = self.config
+        checkpoints = StateCheckpoints(self.runner.num_running_slots, self.runner.num_checkpoint_slots)
+        return PrefixCache(self.blocks, checkpoints, BlockHasher(cfg.block_size, cfg.prefix_caching_hash_algo),
+                           cfg.mamba_block_size, cfg.prefix_cache_states_per_request, speculative=cfg.num_spec_tokens > 0)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix no running request holds (vLLM's reset_prefix_cache);
+        False when prefix caching is off."""
+        if self.prefix_cache is None:
+            return False
+        self.prefix_cache.clear()
+        return True
 
     def warm_up(self) -> int:
         """Dummy steps that compile the kernels' specializations now rather than in the first
@@ -149,7 +168,13 @@ class LLMEngine:
             "kv_blocks_total": self.blocks.capacity,
             **self.counters,
             **(self.spec_stats.as_dict() if self.spec_stats is not None else {}),
+            **(self._prefix_stats() if self.prefix_cache is not None else {}),
         }
+
+    def _prefix_stats(self) -> dict:
+        pc = self.prefix_cache
+        return {"prefix_cache_queries": pc.queries, "prefix_cache_hits": pc.hits, "prefix_cache_blocks": self.blocks.num_cached,
+                "prefix_cache_states": pc.checkpoints.num_cached, "prefix_cache_states_total": pc.checkpoints.capacity}
 
     # -- stepping -----------------------------------------------------------------------------
 
@@ -181,6 +206,8 @@ class LLMEngine:
         for seq, n in zip(batch.prefills, batch.num_new_tokens):
             seq.num_computed_tokens += n
             self.counters["prompt_tokens"] += n
+        if self.prefix_cache is not None:   # before any request of the step finishes and frees its slot
+            self.runner.copy_states(self.prefix_cache.after_step(batch))
         for seq, index, entry in result.prompt_logprobs:
             if index == len(seq.prompt_logprobs):
                 seq.prompt_logprobs.append(entry)
@@ -289,7 +316,7 @@ class LLMEngine:
     def _metrics(self, seq: Sequence) -> dict:
         """Times (time.monotonic) and counts of a request; a finished one that went through verify
         steps also gets its speculative acceptance (vLLM's per-request speculative metrics)."""
-        out = dict(seq.metrics, num_preemptions=seq.num_preemptions)
+        out = dict(seq.metrics, num_preemptions=seq.num_preemptions, num_cached_tokens=seq.num_cached_tokens)
         h = seq.spec_histogram
         if seq.is_finished and h is not None:
             accepted = sum(j * n for j, n in enumerate(h))

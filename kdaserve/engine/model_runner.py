@@ -74,7 +74,10 @@ class ModelRunner:
         self.blocks_per_seq = -(-self.max_model_len // self.block_size)
         # One state slot per sequence, S+1 with speculative decoding (engine/speculative), + the null slot.
         self.num_spec_tokens = config.num_spec_tokens
-        self.num_slots = config.max_num_seqs * (self.num_spec_tokens + 1) + 1
+        # Then the prefix cache's KDA checkpoints (engine/prefix_cache), slots apart from the running ones.
+        self.num_running_slots = config.max_num_seqs * (self.num_spec_tokens + 1) + 1
+        self.num_checkpoint_slots = config.prefix_cache_states if config.enable_prefix_caching else 0
+        self.num_slots = self.num_running_slots + self.num_checkpoint_slots
         self.num_kv_blocks = self._decide_num_kv_blocks()
         self.caches = StepCaches(self.model, self.num_slots, self.num_kv_blocks, self.block_size, config.dtype, self.device)
         self.sampler = Sampler(self.device, config.seed)
@@ -155,7 +158,20 @@ class ModelRunner:
     # -- one step -----------------------------------------------------------------------------
 
     @torch.inference_mode()
+    def copy_states(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole state slots (every KDA layer's conv window and recurrent state), src -> dst,
+        in stream order: prefix-cache checkpoints and their restores."""
+        if not pairs:
+            return
+        src = torch.tensor([p[0] for p in pairs], dtype=torch.int64).to(self.device, non_blocking=True)
+        dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64).to(self.device, non_blocking=True)
+        for conv, rec in self.caches.kda:
+            conv.index_copy_(0, dst, conv.index_select(0, src))
+            rec.index_copy_(0, dst, rec.index_select(0, src))
+
+    @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepResult:
+        self.copy_states(batch.restores)   # prefix-cache hits: their states before the step reads them
         width = self.blocks_per_seq if self.graphs is not None and not batch.prefills else None
         step = build_host_step(batch, self.block_size, decode_width=width, trash_row=self.caches.trash_row)
         if self.graphs is not None and self.graphs.can_run(step):

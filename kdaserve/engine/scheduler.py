@@ -32,6 +32,8 @@ class ScheduledBatch:
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     spec_tokens: int = 0
+    # Prefix-cache hits: (checkpoint slot, request's slot) state copies to run before the forward.
+    restores: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def tokens_per_decode(self) -> int:
@@ -52,8 +54,9 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, slots: StateSlotPool, blocks: BlockManager,
-                 num_spec_tokens: int = 0):
+                 num_spec_tokens: int = 0, prefix_cache=None):
         self.spec = num_spec_tokens
+        self.prefix = prefix_cache   # engine/prefix_cache.PrefixCache, or None
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.slots, self.blocks = slots, blocks
@@ -71,6 +74,8 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         i = 0
         batch.spec_tokens = self.spec
+        if self.prefix is not None:
+            self.prefix.checkpoints.pinned.clear()
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             verify = self.spec and seq.num_uncomputed_tokens == 1 and seq.num_computed_tokens > 0
@@ -79,6 +84,8 @@ class Scheduler:
                 kv_tokens = seq.num_computed_tokens + 1 + len(seq.draft_token_ids)
             else:
                 n = min(seq.num_uncomputed_tokens, budget)
+                if self.prefix is not None:
+                    n = self.prefix.chunk_len(seq, n)
                 kv_tokens = seq.num_computed_tokens + n
             # With speculation a decode is a whole verify, and a 1-token chunk with history would
             # be one: both wait for a step with budget left.
@@ -102,12 +109,26 @@ class Scheduler:
         # Admit waiting requests, oldest first, unless memory just ran short.
         while self.waiting and budget > 0 and not batch.preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_uncomputed_tokens, budget)
-            if self.slots.num_free < self.spec + 1 or not self.blocks.can_grow(seq, n):
+            if self.slots.num_free < self.spec + 1:
+                break
+            hit = self.prefix.find(seq) if self.prefix is not None else None
+            skip, shared = (hit.num_tokens, hit.blocks) if hit else (0, [])
+            n = min(seq.num_tokens - skip, budget)
+            if self.spec and skip and n == 1:   # it would be a verify: wait for a step with budget left
+                break
+            # The hit's blocks that no one holds count as free until sharing takes them.
+            need = self.blocks.blocks_needed(skip + n) - len(shared) + self.blocks.num_evictable_in(shared)
+            if need > self.blocks.num_free:
                 break
             self.waiting.popleft()
+            if self.prefix is not None:
+                self.prefix.count_query(seq, hit)
             self.slots.assign(seq, self.spec)
-            self.blocks.grow(seq, n)
+            if hit:
+                batch.restores.append(self.prefix.apply(seq, hit))
+            if self.prefix is not None:
+                n = self.prefix.chunk_len(seq, n)
+            self.blocks.grow(seq, seq.num_computed_tokens + n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self._add_to_batch(batch, seq, n, False)

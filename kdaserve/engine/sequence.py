@@ -50,6 +50,13 @@ class Sequence:
         # cache relies on both).
         self.block_table: list[int] = []
         self._block_array: tuple[list[int], np.ndarray] | None = None
+        # Prefix caching (engine/prefix_cache): the chained hashes of its full blocks, how many
+        # of its blocks are registered, the checkpoints it took, and the prompt tokens it found
+        # cached when admitted (usage's cached_tokens).
+        self.block_hashes: list[bytes] = []
+        self.num_registered_blocks = 0
+        self.checkpoint_keys: list[bytes] = []
+        self.num_cached_tokens = 0
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.detokenizer = detokenizer

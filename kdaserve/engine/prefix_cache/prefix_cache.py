@@ -1,0 +1,101 @@
+"""The prefix cache's decisions: what a newly admitted request can skip, where a prefill chunk
+ends so that a checkpoint can be taken, and what a step leaves cached (package docstring)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kdaserve.engine.block_manager import BlockManager
+from kdaserve.engine.prefix_cache.checkpoints import StateCheckpoints
+from kdaserve.engine.prefix_cache.hashing import BlockHasher
+from kdaserve.engine.sequence import Sequence
+
+
+@dataclass
+class PrefixHit:
+    num_tokens: int           # prompt tokens restored (a multiple of the checkpoint interval)
+    blocks: list[int]         # the cached KV blocks before them
+    checkpoint: int           # the state slot holding the KDA state after them
+
+
+class PrefixCache:
+    def __init__(self, blocks: BlockManager, checkpoints: StateCheckpoints, hasher: BlockHasher, interval: int,
+                 per_request: int, speculative: bool):
+        self.blocks, self.checkpoints, self.hasher = blocks, checkpoints, hasher
+        self.interval, self.per_request, self.speculative = interval, per_request, speculative
+        self.block_size = hasher.block_size
+        self.queries = 0   # prompt tokens looked up (vLLM's prefix_cache_queries)
+        self.hits = 0      # of them, found cached (prefix_cache_hits)
+
+    def hashes(self, seq: Sequence) -> list[bytes]:
+        return self.hasher.extend(seq.block_hashes, seq.token_ids)
+
+    def find(self, seq: Sequence) -> PrefixHit | None:
+        """The longest cached prefix of `seq` that ends on a checkpoint, leaving at least one token
+        to compute (its logits give the next token). Requests that want prompt log-probs compute
+        every prompt token."""
+        if seq.params.prompt_logprobs is not None:
+            return None
+        hashes = self.hashes(seq)
+        # With speculation the rest must be 2+ tokens: one token with history would be a verify.
+        usable = (seq.num_tokens - (2 if self.speculative else 1)) // self.block_size
+        blocks = self.blocks.cached_prefix(hashes[:usable])
+        n = len(blocks) * self.block_size // self.interval * self.interval
+        while n > 0:
+            slot = self.checkpoints.lookup(hashes[n // self.block_size - 1])
+            if slot is not None:
+                return PrefixHit(n, blocks[: n // self.block_size], slot)
+            n -= self.interval
+        return None
+
+    def count_query(self, seq: Sequence, hit: PrefixHit | None) -> None:
+        if seq.params.prompt_logprobs is None:
+            self.queries += seq.num_tokens
+            self.hits += hit.num_tokens if hit else 0
+
+    def apply(self, seq: Sequence, hit: PrefixHit) -> tuple[int, int]:
+        """Share the hit's blocks with `seq` (which holds none yet) and skip its tokens; returns the
+        (checkpoint, own slot) copy the step must run before its forward pass."""
+        self.blocks.share(seq, hit.blocks)
+        self.checkpoints.pinned.add(hit.checkpoint)
+        seq.num_computed_tokens = hit.num_tokens
+        seq.num_cached_tokens = max(seq.num_cached_tokens, hit.num_tokens)
+        return hit.checkpoint, seq.state_slot
+
+    def chunk_len(self, seq: Sequence, n: int) -> int:
+        """A prefill chunk of `n` tokens from seq.num_computed_tokens, cut at the last checkpoint
+        boundary it crosses (the state there is then the chunk's final state). A 1-token chunk
+        with history is never made with speculation (it would be a verify)."""
+        start = seq.num_computed_tokens
+        cut = (start + n) // self.interval * self.interval
+        if start < cut < start + n and not (self.speculative and cut - start == 1 and start > 0):
+            return cut - start
+        return n
+
+    def after_step(self, batch) -> list[tuple[int, int]]:
+        """Register the full blocks the step completed and checkpoint the states that reached a
+        boundary; returns the (own slot, checkpoint) copies to run after the step's forward."""
+        copies = []
+        decodes = set(id(s) for s in batch.decodes)
+        for seq in batch.sequences:
+            done = seq.num_computed_tokens
+            if not seq.state_slot:   # finished or preempted within the step
+                continue
+            hashes = self.hashes(seq)
+            self.blocks.register(seq, hashes, min(done // self.block_size, len(seq.block_table)))
+            if done % self.interval or done == 0 or (self.speculative and id(seq) in decodes):
+                continue
+            key = hashes[done // self.block_size - 1]
+            slot = self.checkpoints.take(key)
+            if slot is None:
+                continue
+            copies.append((seq.state_slot, slot))
+            seq.checkpoint_keys.append(key)
+            if len(seq.checkpoint_keys) > self.per_request:
+                self.checkpoints.drop(seq.checkpoint_keys.pop(0))
+        return copies
+
+    def clear(self) -> None:
+        """Forget everything cached that no running request holds (tests, benchmarks)."""
+        self.blocks.clear_cache()
+        self.checkpoints.clear()
