@@ -72,6 +72,8 @@ def register(sub) -> None:
     p.add_argument("--enable-per-request-metrics", action="store_true",
                    help="each response carries vLLM's per-request `metrics` (time to first token, queue and generation "
                         "time, mean inter-token latency, tokens per second); speculative acceptance is there regardless")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="usage.prompt_tokens_details.cached_tokens in responses: prompt tokens the prefix cache held")
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="the model, as vLLM's `vllm serve MODEL` takes it (same as --model)")
     add_engine_args(p)
@@ -139,7 +141,8 @@ def run(args) -> int:
                     return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                     stream_write_timeout=args.stream_write_timeout, sampling_defaults=defaults,
                     enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint, tool_parser=tool_parser,
-                    enable_per_request_metrics=args.enable_per_request_metrics)
+                    enable_per_request_metrics=args.enable_per_request_metrics,
+                    enable_prompt_tokens_details=args.enable_prompt_tokens_details)
     serve_forever(app, args.host, args.port, log_level=args.uvicorn_log_level or args.log_level, root_path=args.root_path,
                   ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, header_timeout=args.header_timeout,
                   timeout_keep_alive=args.timeout_keep_alive, limit_concurrency=args.limit_concurrency)

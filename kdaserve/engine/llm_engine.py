@@ -70,6 +70,11 @@ class LLMEngine:
 
         cfg = self.config
         checkpoints = StateCheckpoints(self.runner.num_running_slots, self.runner.num_checkpoint_slots)
+        prefill = self.runner.kda_backends.prefill.name if self.runner.kda_backends is not None else "none"
+        logger.info("prefix caching: KDA state checkpoints every %d tokens, %d checkpoint slots (at most %d per request); "
+                    "the %s prefill backend writes no interior states, so prefill chunks are cut at a checkpoint boundary "
+                    "(at most one extra step per prompt)", cfg.mamba_block_size, self.runner.num_checkpoint_slots,
+                    cfg.prefix_cache_states_per_request, prefill)
         return PrefixCache(self.blocks, checkpoints, BlockHasher(cfg.block_size, cfg.prefix_caching_hash_algo),
                            cfg.mamba_block_size, cfg.prefix_cache_states_per_request, speculative=cfg.num_spec_tokens > 0)
 

@@ -41,6 +41,7 @@ def build_app(
     enable_tokenizer_info_endpoint: bool = False,
     tool_parser: str | None = None,
     enable_per_request_metrics: bool = False,
+    enable_prompt_tokens_details: bool = False,
 ):
     """An app serving `engine` (an `LLMEngine`); its engine thread runs while the app is up.
     `access`: API keys, Host check and body limit (server/access.py; default: no key, no Host
@@ -57,6 +58,8 @@ def build_app(
         "block_size": cfg.block_size, "num_gpu_blocks": engine.runner.num_kv_blocks,
         "cache_dtype": str(cfg.dtype).removeprefix("torch."), "num_state_slots": engine.runner.num_slots,
         "mamba_ssm_cache_dtype": str(cfg.state_dtype).removeprefix("torch."), "gpu_memory_utilization": cfg.gpu_memory_utilization,
+        "enable_prefix_caching": cfg.enable_prefix_caching, "mamba_block_size": cfg.mamba_block_size,
+        "prefix_caching_hash_algo": cfg.prefix_caching_hash_algo,
     }, num_speculative_tokens=cfg.num_spec_tokens)
     parser = make_tool_parser(tool_parser, engine.tokenizer) if tool_parser else None
     engine_loop = EngineLoop(engine, max_queued_requests=max_queued_requests, metrics=metrics)
@@ -73,6 +76,7 @@ def build_app(
         tool_parser=parser,
         tool_call_id_style=getattr(parser, "tool_call_id_style", None),
         per_request_metrics=enable_per_request_metrics,
+        prompt_tokens_details=enable_prompt_tokens_details,
     )
 
     @asynccontextmanager

@@ -8,7 +8,7 @@ import time
 from fastapi import Request
 
 from kdaserve.server.chat_template import chat_prompt_ids
-from kdaserve.server.completions import new_logprob_entries, usage
+from kdaserve.server.completions import cached_tokens, new_logprob_entries, usage
 from kdaserve.server.errors import bad_request
 from kdaserve.server.protocol import ChatCompletionRequest
 from kdaserve.server.structured_outputs import compile_off_loop, structured_outputs_for
@@ -147,7 +147,8 @@ class ChatHandler:
         completion_tokens = sum(len(out.output_token_ids) for out in finals)
         body = response_envelope(request_id, "chat.completion", int(time.time()), self.state.model_name, choices)
         metrics = per_request_metrics(finals, self.state.per_request_metrics)
-        return {**body, "usage": usage(num_prompt_tokens, completion_tokens), **({"metrics": metrics} if metrics else {})}
+        cached = cached_tokens(self.state, finals, lambda i: 0)
+        return {**body, "usage": usage(num_prompt_tokens, completion_tokens, cached), **({"metrics": metrics} if metrics else {})}
 
     async def _stream(self, req, request_id: str, num_prompt_tokens: int, group, buffered):
         size = len(group.request_ids)
@@ -187,7 +188,7 @@ class ChatHandler:
                     choice["token_ids"] = list(out.new_token_ids)
                 yield chunk([choice])
             if req.include_usage:
-                yield chunk([], usage(num_prompt_tokens, completion_tokens),
+                yield chunk([], usage(num_prompt_tokens, completion_tokens, cached_tokens(self.state, list(last.values()), lambda i: 0)),
                             per_request_metrics(list(last.values()), self.state.per_request_metrics))
         except Exception as exc:  # noqa: BLE001 - the status line is gone; report in-band
             yield sse_error(exc)

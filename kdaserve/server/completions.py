@@ -203,7 +203,9 @@ class CompletionHandler:
             body_choices.append(body)
         body = response_envelope(request_id, "text_completion", int(time.time()), self.state.model_name, body_choices)
         metrics = per_request_metrics(finals, self.state.per_request_metrics)
-        return {**body, "usage": usage(sum(len(p.token_ids) for p in prompts), completion_tokens), **({"metrics": metrics} if metrics else {})}
+        cached = cached_tokens(self.state, finals, lambda i: id(choices[i].prompt))
+        return {**body, "usage": usage(sum(len(p.token_ids) for p in prompts), completion_tokens, cached),
+                **({"metrics": metrics} if metrics else {})}
 
     async def _stream(self, req, request_id, prompts, choices: list[Choice], group, buffered):
         size = len(choices)
@@ -250,7 +252,8 @@ class CompletionHandler:
                     body["token_ids"] = new_ids
                 yield chunk([body])
             if req.include_usage:
-                yield chunk([], usage(sum(len(p.token_ids) for p in prompts), completion_tokens),
+                cached = cached_tokens(self.state, [last.get(i) for i in range(len(choices))], lambda i: id(choices[i].prompt))
+                yield chunk([], usage(sum(len(p.token_ids) for p in prompts), completion_tokens, cached),
                             per_request_metrics(list(last.values()), self.state.per_request_metrics))
         except Exception as exc:  # noqa: BLE001 - the status line is gone; report in-band
             yield sse_error(exc)
@@ -263,5 +266,23 @@ def all_logprob_entries(out) -> list:
     return list(out.logprobs)
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    """OpenAI's usage; with `cached_tokens` (--enable-prompt-tokens-details) also the prompt tokens
+    the prefix cache held."""
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
+
+
+def cached_tokens(state, outs, prompt_of) -> int | None:
+    """Prompt tokens served from the prefix cache, each prompt counted once (its n choices share
+    it: the most any of them found); None unless --enable-prompt-tokens-details."""
+    if not state.prompt_tokens_details:
+        return None
+    best: dict = {}
+    for i, out in enumerate(outs):
+        if out is not None:
+            key = prompt_of(i)
+            best[key] = max(best.get(key, 0), out.metrics.get("num_cached_tokens", 0))
+    return sum(best.values())

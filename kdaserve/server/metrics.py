@@ -62,6 +62,13 @@ class ServerMetrics:
         self.prompt_tokens = counter("prompt_tokens", "Prefill tokens computed.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.num_preemptions = counter("num_preemptions", "Requests preempted (their caches freed, recomputed later).")
+        # vLLM's prefix-cache counters (tokens), created whether or not caching is on, and the
+        # prefix cache's contents (kdaserve's: the KDA state checkpoints are ours).
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.prefix_cache_blocks = gauge("prefix_cache_blocks", "Attention cache blocks registered in the prefix cache.")
+        self.prefix_cache_kda_states = gauge("prefix_cache_kda_states", "KDA state checkpoints held by the prefix cache.")
+        self._last_prefix = {"prefix_cache_queries": 0, "prefix_cache_hits": 0}
         self._finished = Counter(PREFIX + "request_success", "Requests finished, by finished_reason.",
                                  names + ("finished_reason",), registry=r)
         for reason in FINISHED_REASONS:
@@ -137,6 +144,14 @@ class ServerMetrics:
             self.kv_cache_usage_perc.set(stats.get("kv_blocks_used", 0) / stats["kv_blocks_total"])
         if self._spec is not None:
             self._update_spec(stats)
+        for name, last in self._last_prefix.items():
+            value = stats.get(name)
+            if value is not None and value > last:
+                getattr(self, name).inc(value - last)
+                self._last_prefix[name] = value
+        if stats.get("prefix_cache_blocks") is not None:
+            self.prefix_cache_blocks.set(stats["prefix_cache_blocks"])
+            self.prefix_cache_kda_states.set(stats["prefix_cache_states"])
         preemptions = stats.get("preemptions")
         if preemptions is not None and preemptions > self._last_preemptions:
             self.num_preemptions.inc(preemptions - self._last_preemptions)

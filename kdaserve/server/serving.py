@@ -50,6 +50,7 @@ class ServerState:
     tool_parser: Any = None
     tool_call_id_style: str | None = None   # the parser's id form ("kimi": functions.{name}:{index}), else random ids
     per_request_metrics: bool = False       # --enable-per-request-metrics: timing in each response's `metrics`
+    prompt_tokens_details: bool = False     # --enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens
     created: int = field(default_factory=lambda: int(time.time()))
     _token_text: dict[int, str] = field(default_factory=dict)
 
