@@ -67,6 +67,8 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         for block in seq.block_table:
+            if block not in self._refs:
+                raise RuntimeError(f"KV block {block} freed twice or never allocated")
             n = self._refs[block] - 1
             if n:
                 self._refs[block] = n

@@ -43,5 +43,11 @@ def test_no_prompt_tokens_details_by_default(client):
     body = client.post("/v1/completions", json=greedy(prompt="Hello", max_tokens=1)).json()
     assert "prompt_tokens_details" not in body["usage"]
     text = client.get("/metrics").text
-    assert "kdaserve:prefix_cache_queries_total{" in text, "created whether or not caching is on"
-    assert metric(text, "kdaserve:prefix_cache_queries_total") == 0
+    assert metric(text, "kdaserve:prefix_cache_queries_total") > 0, "prefix caching is on by default"
+
+
+def test_counters_exist_with_caching_off():
+    from kdaserve.server.metrics import ServerMetrics
+
+    text = ServerMetrics("m", cache_info={"enable_prefix_caching": False}).render().decode()
+    assert "kdaserve:prefix_cache_queries_total{" in text and "kdaserve:prefix_cache_hits_total{" in text
