@@ -233,3 +233,17 @@ def test_flags_follow_vllm():
     assert engine_kwargs_from_args(p.parse_args(["--no-enable-prefix-caching"]))["enable_prefix_caching"] is False
     args = engine_kwargs_from_args(p.parse_args(["--prefix-caching-hash-algo", "xxhash", "--mamba-block-size", "64"]))
     assert args["prefix_caching_hash_algo"] == "xxhash" and args["mamba_block_size"] == 64
+
+
+def test_kimi_linear_mla_latent_cache_and_moe_with_a_hit():
+    """Kimi-Linear's MLA latent blocks are shared like KV blocks; KDA with the unbounded gate resumes
+    from a restored checkpoint."""
+    kw = dict(device="cpu", max_model_len=256, max_num_seqs=4, mamba_block_size=32)
+    plain = LLM("kimi-tiny", enable_prefix_caching=False, **kw)
+    cached = LLM("kimi-tiny", enable_prefix_caching=True, **kw)
+    prompts = [SYSTEM[:70] + _user(i) for i in range(3)]
+    cached.generate(prompts[:1], GREEDY, use_tqdm=False)
+    got = cached.generate(prompts[1:], GREEDY, use_tqdm=False)
+    assert [_Out(o) for o in got] == _ids(plain, prompts[1:])
+    assert [o.metrics["num_cached_tokens"] for o in got] == [64, 64]
+    _drained(cached)
