@@ -46,6 +46,9 @@ class SamplingParams:
     min_p: float = 0.0                # drop tokens below min_p times the most likely token's probability
     # A grammar the output follows (engine/structured_output); a dict is read as its fields.
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's request field: mixed into the prefix cache's block hashes, so only requests with the
+    # same salt share cached prefixes (tenants cannot probe each other's prompts by timing).
+    cache_salt: str | None = None
 
     def __post_init__(self):
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -105,6 +108,9 @@ class SamplingParams:
                     _fail("logit_bias", {k: v}, "token ids (integers >= 0) mapped to finite numbers")
                 bias[tid] = min(100.0, max(-100.0, float(v)))   # OpenAI's range; vLLM clamps too
             self.logit_bias = bias or None
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt
+                                            or len(self.cache_salt) > 1024):
+            _fail("cache_salt", self.cache_salt, "None or a non-empty string of at most 1024 characters")
         if isinstance(self.structured_outputs, dict):
             unknown = sorted(set(self.structured_outputs) - (set(StructuredOutputsParams.__dataclass_fields__) - {"compiled"}))
             if unknown:

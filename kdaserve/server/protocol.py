@@ -77,6 +77,8 @@ class _SamplingFields(_Lenient):
     min_p: float | None = None
     min_tokens: int = 0
     logit_bias: dict[str, float] | None = None
+    # vLLM's: only requests with the same salt share prefix-cache entries.
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
     # Structured output (server/structured_outputs.py): OpenAI's response_format or vLLM's
     # structured_outputs (json, regex, choice, grammar, json_object); checked by the engine.
     response_format: ResponseFormat | None = None

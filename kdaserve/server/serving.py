@@ -196,6 +196,7 @@ def sampling_params(req, *, max_tokens: int, logprobs: int | None, prompt_logpro
             min_tokens=req.min_tokens,
             logit_bias=req.logit_bias,
             structured_outputs=structured_outputs,
+            cache_salt=req.cache_salt,
         )
     except (ValueError, TypeError) as exc:
         raise bad_request(f"invalid sampling parameters: {exc}") from None

@@ -247,3 +247,15 @@ def test_kimi_linear_mla_latent_cache_and_moe_with_a_hit():
     assert [_Out(o) for o in got] == _ids(plain, prompts[1:])
     assert [o.metrics["num_cached_tokens"] for o in got] == [64, 64]
     _drained(cached)
+
+
+def test_a_cache_salt_keeps_prefixes_apart():
+    llm = _llm(True)
+    prompt = SYSTEM + _user(1)
+    salted = lambda salt: SamplingParams(max_tokens=2, ignore_eos=True, cache_salt=salt)  # noqa: E731
+    llm.generate([prompt], salted("tenant-a"), use_tqdm=False)
+    assert llm.generate([prompt], salted("tenant-b"), use_tqdm=False)[0].metrics["num_cached_tokens"] == 0
+    assert llm.generate([prompt], salted(None), use_tqdm=False)[0].metrics["num_cached_tokens"] == 0
+    assert llm.generate([prompt], salted("tenant-a"), use_tqdm=False)[0].metrics["num_cached_tokens"] > 0
+    with pytest.raises(ValueError, match="cache_salt"):
+        SamplingParams(cache_salt="")

@@ -51,3 +51,14 @@ def test_counters_exist_with_caching_off():
 
     text = ServerMetrics("m", cache_info={"enable_prefix_caching": False}).render().decode()
     assert "kdaserve:prefix_cache_queries_total{" in text and "kdaserve:prefix_cache_hits_total{" in text
+
+
+def test_cache_salt_field(cached_client):
+    body = greedy(prompt="Salted prompt, long enough to span two checkpoints. " * 2, max_tokens=1, cache_salt="t1")
+    cached_client.post("/v1/completions", json=body)
+    again = cached_client.post("/v1/completions", json=body).json()
+    other = cached_client.post("/v1/completions", json={**body, "cache_salt": "t2"}).json()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    r = cached_client.post("/v1/completions", json={**body, "cache_salt": ""})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"

@@ -28,7 +28,7 @@ class PrefixCache:
         self.hits = 0      # of them, found cached (prefix_cache_hits)
 
     def hashes(self, seq: Sequence) -> list[bytes]:
-        return self.hasher.extend(seq.block_hashes, seq.token_ids)
+        return self.hasher.extend(seq.block_hashes, seq.token_ids, seq.params.cache_salt)
 
     def find(self, seq: Sequence) -> PrefixHit | None:
         """The longest cached prefix of `seq` that ends on a checkpoint, leaving at least one token
