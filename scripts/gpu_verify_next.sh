@@ -7,7 +7,7 @@
 # transformers 5.23.0 with what it imports for structured output) and, for an old-vs-new comparison, [".old"]
 # (e.g. `git archive <commit> kdaserve benchmarks | tar -x -C .old`).
 # Parts owed (add one as `if [ "$PART" = name ]; then ... fi` below, with what it must show):
-#   (none)
+#   bash scripts/gpu_verify_next.sh nano   # train the nano model (issue 22), 6 minutes
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -32,3 +32,15 @@ group() {  # name, seconds, pytest args...: one pytest process per file (one GPU
 PART=${1:-}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 [ -z "$PART" ] && echo "name a part"
+if [ "$PART" = nano ]; then
+# Issue 22's nano model: tools/train_nano.py (transformers' kimi_linear, torch autograd, bf16
+# autocast). The tenth session's attempt with FLA 0.6.0's chunk_kda installed printed no step in
+# 200 s (its first forward+backward compile), so this runs transformers' torch path (FLA's wheel
+# removed) and should be compared with an FLA run once one fits. Must show: "parameters 6.60 M",
+# step lines with tok/s and a falling loss, "held-out loss"; $OUT/nano/checkpoint/config.json,
+# model.safetensors (~13 MB, bf16, released names), tokenizer.json and $OUT/nano/train_log.json
+# come back (copy the checkpoint into the repository as the `nano` model; draw loss.png on the CPU
+# with `python -m tools.train_nano --plot DIR`).
+rm -rf /tmp/site/fla /tmp/site/fla_core-*
+timeout 540 python3 -m tools.train_nano --out "$OUT/nano" --minutes 6 --log-every 100 2>&1 | grep -v "Warning\|Writing"
+fi
