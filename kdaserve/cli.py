@@ -7,7 +7,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ("info", "demo", "parity", "generate", "serve")
+COMMANDS = ("info", "demo", "parity", "generate", "serve", "accuracy")
 
 
 def build_parser() -> argparse.ArgumentParser:

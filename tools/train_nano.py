@@ -17,7 +17,6 @@ names in bf16, `tokenizer.json`), `train_log.json` (data sizes, settings, the lo
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import sys
@@ -27,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from kdaserve.bench.accuracy import held_out
 from kdaserve.models.kimi_linear import random_released_tensors
 from kdaserve.models.kimi_linear_config import KimiLinearConfig
 from kdaserve.models.tokenizer import ByteTokenizer
@@ -52,9 +52,8 @@ def corpus(root: Path) -> tuple[list[int], list[int], dict]:
     files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
     n_train = n_held = 0
     for p in files:
-        rel = str(p.relative_to(root))
         data = list(p.read_bytes()) + [EOT]
-        if int(hashlib.sha256(rel.encode()).hexdigest(), 16) % 20 == 0:
+        if held_out(p, root):   # the split `kdaserve accuracy --stdlib-held-out` uses
             held += data
             n_held += 1
         else:

@@ -1,0 +1,86 @@
+"""`kdaserve accuracy`: paired accuracy of two configurations of one model (kdaserve/bench/accuracy.py).
+
+    kdaserve accuracy --model tiny --stdlib-held-out --b="--mamba-ssm-cache-dtype bfloat16"
+    kdaserve accuracy --a-url http://localhost:8000 --b-url http://localhost:8001 --data held_out/*.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+
+def register(sub) -> None:
+    p = sub.add_parser("accuracy", help="paired accuracy of two configurations (teacher-forced log-probs, McNemar)",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="tiny", help="the model both engine arms run (default: tiny)")
+    p.add_argument("--a", default="", help='engine flags of arm A, one string given with "=" (--a="--kda-decode-backend reference")')
+    p.add_argument("--b", default="", help='engine flags of arm B (--b="...")')
+    p.add_argument("--a-url", help="arm A is the server at this URL instead of an engine")
+    p.add_argument("--b-url", help="arm B is the server at this URL instead of an engine")
+    p.add_argument("--served-model-name", help="the model name to send to servers")
+    p.add_argument("--api-key", help="Bearer key for the servers")
+    p.add_argument("--data", nargs="*", type=Path, default=[], help="source files the next-line tasks come from")
+    p.add_argument("--stdlib-held-out", action="store_true",
+                   help="tasks from the Python stdlib files the nano model was not trained on")
+    p.add_argument("--num-tasks", type=int, default=100)
+    p.add_argument("--context-lines", type=int, default=8)
+    p.add_argument("--max-prompt-tokens", type=int, default=512)
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens a completion may take (it stops at a newline)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, help="write the whole report here")
+    p.set_defaults(func=run)
+
+
+def _engine_kwargs(model: str, flags: str) -> dict:
+    from kdaserve.engine.args import add_engine_args, engine_kwargs_from_args
+
+    parser = add_engine_args(argparse.ArgumentParser(prog="arm flags", exit_on_error=False), model=model)
+    return engine_kwargs_from_args(parser.parse_args(shlex.split(flags)))
+
+
+def run(args) -> int:
+    from kdaserve.bench import accuracy as acc
+    from kdaserve.models.tokenizer import ByteTokenizer
+
+    files = list(args.data) + (acc.stdlib_held_out_files() if args.stdlib_held_out else [])
+    if not files:
+        print("kdaserve accuracy: no task files: give --data FILES or --stdlib-held-out", file=sys.stderr)
+        return 2
+    try:
+        arms_kw = [None if url else _engine_kwargs(args.model, flags) for url, flags in ((args.a_url, args.a), (args.b_url, args.b))]
+    except (argparse.ArgumentError, SystemExit) as exc:
+        print(f"kdaserve accuracy: bad arm flags: {exc}", file=sys.stderr)
+        return 2
+    tokenizer = None
+    results = []
+    tasks = None
+    for name, url, kw in (("A", args.a_url, arms_kw[0]), ("B", args.b_url, arms_kw[1])):
+        llm = None
+        if url:
+            arm = acc.ServerArm(f"{name} {url}", url, args.served_model_name, args.api_key)
+            tokenizer = tokenizer or ByteTokenizer()   # servers take token ids; the tokenizer must be the model's
+        else:
+            from kdaserve.engine import LLM
+
+            llm = LLM(**kw)
+            tokenizer = llm.tokenizer
+            flags = args.a if name == "A" else args.b
+            arm = acc.EngineArm(f"{name} {flags or '(defaults)'}", llm)
+        if tasks is None:
+            tasks = acc.next_line_tasks(files, tokenizer.encode, args.num_tasks, args.context_lines,
+                                        args.max_prompt_tokens, args.seed)
+            if not tasks:
+                print("kdaserve accuracy: the files hold no usable lines", file=sys.stderr)
+                return 2
+        results.append(acc.measure(arm, tasks, args.max_tokens))
+        del llm
+    report = acc.compare(results[0], results[1], tasks)
+    if args.json:
+        acc.save(report, args.json)
+    print(f"\n{report['tasks']} next-line tasks, {report['gold_tokens']} gold tokens; A = {report['arms'][0]}, "
+          f"B = {report['arms'][1]}")
+    print(acc.report_table(report))
+    return 0
