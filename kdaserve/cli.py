@@ -7,7 +7,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ("info", "demo", "parity", "generate", "serve", "accuracy")
+COMMANDS = ("info", "demo", "parity", "generate", "serve", "accuracy", "ab")
 
 
 def build_parser() -> argparse.ArgumentParser:

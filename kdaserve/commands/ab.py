@@ -1,0 +1,66 @@
+"""`kdaserve ab`: interleaved A/B of two configurations of one model with an A/A noise estimate
+(kdaserve/bench/ab.py): servers started one at a time, A B B A per round.
+
+    kdaserve ab --model bench --a="--kda-decode-backend fused" --b="--kda-decode-backend chain" --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from pathlib import Path
+
+
+def register(sub) -> None:
+    p = sub.add_parser("ab", help="interleaved A/B of two configurations with an A/A noise estimate",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--a", default="", help='server/engine flags of arm A, one string given with "=" (--a="...")')
+    p.add_argument("--b", default="", help='flags of arm B (--b="...")')
+    p.add_argument("--rounds", type=int, default=3, help="A B B A rounds (at least 2 for an A/A estimate)")
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--max-concurrency", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--startup-timeout", type=float, default=600)
+    p.add_argument("--out", type=Path, default=Path("ab_results"), help="folder for the JSON and the plots")
+    p.add_argument("--no-provenance", action="store_true", help="skip the profiled run of each arm")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from kdaserve.bench import ab
+
+    if args.rounds < 2:
+        print("kdaserve ab: --rounds must be at least 2 (the A/A noise needs two A pairs)", file=sys.stderr)
+        return 2
+    flags = {"A": args.a, "B": args.b}
+    try:
+        kw = ab.engine_kwargs(args.model, args.a), ab.engine_kwargs(args.model, args.b)
+    except (argparse.ArgumentError, SystemExit) as exc:
+        print(f"kdaserve ab: bad arm flags: {exc}", file=sys.stderr)
+        return 2
+    from kdaserve.engine import LLM
+
+    probe = LLM(**{**kw[0], "max_num_seqs": 1, "warmup": False, "enforce_eager": True})
+    vocab = min(probe.engine.vocab_size, 256)
+    del probe
+    rng = random.Random(args.seed)
+    prompts = [[rng.randrange(1, vocab) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
+    prov = {} if args.no_provenance else {arm: ab.provenance(args.model, f, prompts) for arm, f in flags.items()}
+    report = ab.run(args.model, flags, prompts, args.output_len, args.rounds, args.max_concurrency,
+                    startup_timeout=args.startup_timeout)
+    report["provenance"] = prov
+    args.out.mkdir(parents=True, exist_ok=True)
+    ab.save(report, args.out / "ab.json")
+    figures = ab.plots(report, args.out)
+    for arm in prov:
+        top = ", ".join(k["name"] for k in prov[arm]["kernels"][:6])
+        print(f"{arm}: {prov[arm]['backends']}; {prov[arm]['kind']}: {top}")
+    print(f"results: {args.out / 'ab.json'}" + (f"; plots: {', '.join(str(f) for f in figures)}" if figures else ""))
+    print(f"\n{args.model}, {args.num_prompts} prompts x {args.input_len} in / {args.output_len} out, concurrency "
+          f"{args.max_concurrency}, {args.rounds} rounds of A B B A; A = {args.a or '(defaults)'}, B = {args.b or '(defaults)'}")
+    print(ab.table(report))
+    return 0
