@@ -8,6 +8,7 @@
 # (e.g. `git archive <commit> kdaserve benchmarks | tar -x -C .old`).
 # Parts owed (add one as `if [ "$PART" = name ]; then ... fi` below, with what it must show):
 #   bash scripts/gpu_verify_next.sh nano   # train the nano model (issue 22), 6 minutes
+#   bash scripts/gpu_verify_next.sh ab     # kdaserve ab at Kimi-Linear's shape (issue 22), one real A/B
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -43,4 +44,15 @@ if [ "$PART" = nano ]; then
 # with `python -m tools.train_nano --plot DIR`).
 rm -rf /tmp/site/fla /tmp/site/fla_core-*
 timeout 540 python3 -m tools.train_nano --out "$OUT/nano" --minutes 6 --log-every 100 2>&1 | grep -v "Warning\|Writing"
+fi
+if [ "$PART" = ab ]; then
+# Issue 22's real A/B: flash+fused against fla+fla at Kimi-Linear's shape (dummy weights), two
+# rounds of A B B A (8 server starts of the 48B model, ~50 s each) plus the two provenance runs.
+# Must show: every run's line, the provenance lines (A: flash_* and fused kernels; B: FLA's
+# chunk_kda / fused_recurrent kernels), and the table; $OUT/ab/ab.json and both plots come back.
+# If it runs out of time, drop --num-prompts or use --model bench.
+timeout 570 python3 -m kdaserve.cli ab --model moonshotai/Kimi-Linear-48B-A3B-Instruct \
+  --a="--load-format dummy --kda-prefill-backend flash --kda-decode-backend fused --max-num-seqs 32" \
+  --b="--load-format dummy --kda-prefill-backend fla --kda-decode-backend fla --max-num-seqs 32" \
+  --rounds 2 --num-prompts 32 --input-len 512 --output-len 64 --max-concurrency 16 --out "$OUT/ab"
 fi
