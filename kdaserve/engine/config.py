@@ -91,7 +91,8 @@ class EngineConfig:
     prefix_cache_states: int | None = field(default=None, metadata=_flag(
         "prefix caching: KDA state checkpoints kept (state slots beside the running requests'; default: max_num_seqs / 2)"))
     prefix_cache_states_per_request: int = field(default=4, metadata=_flag(
-        "prefix caching: checkpoints one request may take (the newest stay); caps what one long prompt holds"))
+        "prefix caching: checkpoints one request may take (past it: the one ending its prompt and the newest stay); "
+        "caps what one long prompt or answer holds"))
     # Run dummy steps at startup so that kernel JIT specializations are compiled before the first
     # requests (engine/warmup.py), on a CUDA device (nothing is compiled on the CPU); graphs or not.
     warmup: bool = field(default=True, metadata=_flag(

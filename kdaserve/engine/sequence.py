@@ -55,7 +55,7 @@ class Sequence:
         # cached when admitted (usage's cached_tokens).
         self.block_hashes: list[bytes] = []
         self.num_registered_blocks = 0
-        self.checkpoint_keys: list[bytes] = []
+        self.checkpoint_keys: list[tuple[int, bytes]] = []   # (token position, block hash)
         self.num_cached_tokens = 0
         self.num_preemptions = 0
         self.finish_reason: str | None = None

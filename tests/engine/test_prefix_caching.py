@@ -259,3 +259,26 @@ def test_a_cache_salt_keeps_prefixes_apart():
     assert llm.generate([prompt], salted("tenant-a"), use_tqdm=False)[0].metrics["num_cached_tokens"] > 0
     with pytest.raises(ValueError, match="cache_salt"):
         SamplingParams(cache_salt="")
+
+
+def test_a_long_answer_keeps_the_shared_prefix_checkpoint(plain):
+    """Past its cap (2 here) a request keeps the checkpoint ending its prompt's last interval and
+    its newest: the shared system prompt stays reusable after a long answer, and so does the
+    answer's end."""
+    llm = _llm(True, prefix_cache_states_per_request=2)
+    system = SYSTEM[:64]
+    first = llm.generate([system + _user(0)], SamplingParams(max_tokens=150, ignore_eos=True), use_tqdm=False)[0]
+    assert len(llm.engine.prefix_cache.checkpoints._lru) == 2
+    out = llm.generate([system + _user(1)], GREEDY, use_tqdm=False)[0]
+    assert out.metrics["num_cached_tokens"] == 64 and _Out(out) == _ids(plain, [system + _user(1)])[0]
+    turn2 = system + _user(0) + first.output_token_ids + _user(2)
+    out = llm.generate([turn2], GREEDY, use_tqdm=False)[0]
+    # The first request computed 69 + 149 tokens: its newest checkpoint is at 192.
+    assert out.metrics["num_cached_tokens"] == 192
+
+
+def test_a_cap_of_one_keeps_the_newest():
+    llm = _llm(True, prefix_cache_states_per_request=1)
+    llm.generate([SYSTEM[:64] + _user(0)], SamplingParams(max_tokens=100, ignore_eos=True), use_tqdm=False)
+    assert len(llm.engine.prefix_cache.checkpoints._lru) == 1
+    _drained(llm)

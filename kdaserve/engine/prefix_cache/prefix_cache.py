@@ -90,10 +90,20 @@ class PrefixCache:
             if slot is None:
                 continue
             copies.append((seq.state_slot, slot))
-            seq.checkpoint_keys.append(key)
+            seq.checkpoint_keys.append((done, key))
             if len(seq.checkpoint_keys) > self.per_request:
-                self.checkpoints.drop(seq.checkpoint_keys.pop(0))
+                self._drop_one(seq)
         return copies
+
+    def _drop_one(self, seq: Sequence) -> None:
+        """Past its cap a request keeps the checkpoint at the end of its prompt's last interval
+        (what other requests with the same prompt start can share: a system prompt) and its
+        newest (where its next turn resumes); of the others, the oldest goes."""
+        keys = seq.checkpoint_keys
+        in_prompt = [i for i, (pos, _) in enumerate(keys) if pos <= seq.num_prompt_tokens]
+        keep = {len(keys) - 1, in_prompt[-1] if in_prompt else -1}
+        victim = next((i for i in range(len(keys)) if i not in keep), 0)   # a cap of 1 keeps the newest only
+        self.checkpoints.drop(keys.pop(victim)[1])
 
     def clear(self) -> None:
         """Forget everything cached that no running request holds (tests, benchmarks)."""
