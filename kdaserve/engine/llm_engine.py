@@ -100,7 +100,7 @@ class LLMEngine:
         """Compile (once; kept on `params`) a structured-output constraint for this model's
         vocabulary. Thread-safe: a server calls it in worker threads before add_request, so
         the engine's thread never waits on a compile. ValueError says what is wrong."""
-        with self._grammar_lock:
+        with self._grammar_lock:   # built once; compiles then run concurrently (xgrammar's compiler is thread-safe)
             if self._grammar_compiler is None:
                 from kdaserve.engine.structured_output.compiler import GrammarCompiler
 
