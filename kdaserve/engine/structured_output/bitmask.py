@@ -1,7 +1,8 @@
 """Each step's grammar masks: the allowed-token bitmask of every row with a grammar, filled on
-the host (xgrammar; overlapping the device's forward pass), moved in one staged copy with the
-rows' indices, and applied to those rows' logits on the device (xgrammar's kernel: Triton on a
-GPU). Rows without a grammar cost nothing; a step without one skips all of it."""
+the host (xgrammar's batch fill, on several threads: one row of a 160K-token vocabulary inside a
+JSON string takes ~0.4 ms on one core; overlapping the device's forward pass), moved in one
+staged copy with the rows' indices, and applied to those rows' logits on the device (xgrammar's
+kernel: Triton on a GPU). Rows without a grammar cost nothing; a step without one skips all of it."""
 
 from __future__ import annotations
 
@@ -10,6 +11,16 @@ import torch
 
 from kdaserve.engine.sequence import Sequence
 from kdaserve.engine.staging import PackedLayout, StagingRing
+
+
+_FILLER = None
+
+
+def _batch_filler(xgr):
+    global _FILLER
+    if _FILLER is None:
+        _FILLER = xgr.BatchGrammarMatcher(max_threads="auto")
+    return _FILLER
 
 
 def apply_grammar_masks(logits: torch.Tensor, seqs: list[Sequence], ring: StagingRing) -> None:
@@ -25,9 +36,13 @@ def apply_grammar_masks(logits: torch.Tensor, seqs: list[Sequence], ring: Stagin
     layout = PackedLayout((("bitmask", torch.int32, (R, W)), ("rows", torch.int64, (R,))))
     i, host = ring.acquire(layout.nbytes)
     views = layout.host_views(host)
-    bitmask = torch.from_numpy(views["bitmask"])   # the staging memory itself: no extra host copy
-    for k, r in enumerate(rows):
-        seqs[r].grammar.fill_next_token_bitmask(bitmask, k)
+    matchers = [seqs[r].grammar for r in rows]
+    if isinstance(matchers[0], xgr.GrammarMatcher):   # into the staging memory itself: no extra host copy
+        _batch_filler(xgr).batch_fill_next_token_bitmask(matchers, views["bitmask"])
+    else:   # duck-typed matchers (tests)
+        bitmask = torch.from_numpy(views["bitmask"])
+        for k, m in enumerate(matchers):
+            m.fill_next_token_bitmask(bitmask, k)
     views["rows"][:] = np.asarray(rows, dtype=np.int64)
     dev = torch.empty(layout.nbytes, dtype=torch.uint8, device=logits.device)
     ring.submit(i, dev, layout.nbytes)
