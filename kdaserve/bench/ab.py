@@ -11,7 +11,6 @@ path with itself. Results: a JSON file with everything, plots (matplotlib), the 
 
 from __future__ import annotations
 
-import argparse
 import json
 import shlex
 import signal
@@ -23,6 +22,7 @@ from collections import Counter
 from pathlib import Path
 
 from kdaserve.bench.serve_client import benchmark
+from kdaserve.engine.args import engine_kwargs_from_flags
 from kdaserve.bench.stats import paired_difference
 
 # metric -> True when larger is better
@@ -31,20 +31,13 @@ METRICS = {"output_throughput": True, "request_throughput": True, "mean_ttft_ms"
 ORDER = ("A", "B", "B", "A")
 
 
-def engine_kwargs(model: str, flags: str) -> dict:
-    from kdaserve.engine.args import add_engine_args, engine_kwargs_from_args
-
-    parser = add_engine_args(argparse.ArgumentParser(prog="arm flags", exit_on_error=False), model=model)
-    return engine_kwargs_from_args(parser.parse_args(shlex.split(flags)))
-
-
 def provenance(model: str, flags: str, prompts: list[list[int]], top: int = 40) -> dict:
     """What ran in this arm: resolved backends, and the kernels of a short profiled generation."""
     import torch
 
     from kdaserve.engine import LLM, SamplingParams
 
-    llm = LLM(**engine_kwargs(model, flags))
+    llm = LLM(**engine_kwargs_from_flags(model, flags))
     runner = llm.engine.runner
     backends = {"kda_prefill": runner.kda_backends.prefill.name if runner.kda_backends else None,
                 "kda_decode": runner.kda_backends.decode.name if runner.kda_backends else None,

@@ -32,13 +32,14 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from kdaserve.bench import ab
+    from kdaserve.engine.args import engine_kwargs_from_flags
 
     if args.rounds < 2:
         print("kdaserve ab: --rounds must be at least 2 (the A/A noise needs two A pairs)", file=sys.stderr)
         return 2
     flags = {"A": args.a, "B": args.b}
     try:
-        kw = ab.engine_kwargs(args.model, args.a), ab.engine_kwargs(args.model, args.b)
+        kw = engine_kwargs_from_flags(args.model, args.a), engine_kwargs_from_flags(args.model, args.b)
     except (argparse.ArgumentError, SystemExit) as exc:
         print(f"kdaserve ab: bad arm flags: {exc}", file=sys.stderr)
         return 2

@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
 from pathlib import Path
 
@@ -34,15 +33,9 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _engine_kwargs(model: str, flags: str) -> dict:
-    from kdaserve.engine.args import add_engine_args, engine_kwargs_from_args
-
-    parser = add_engine_args(argparse.ArgumentParser(prog="arm flags", exit_on_error=False), model=model)
-    return engine_kwargs_from_args(parser.parse_args(shlex.split(flags)))
-
-
 def run(args) -> int:
     from kdaserve.bench import accuracy as acc
+    from kdaserve.engine.args import engine_kwargs_from_flags
     from kdaserve.models.tokenizer import ByteTokenizer
 
     files = list(args.data) + (acc.stdlib_held_out_files() if args.stdlib_held_out else [])
@@ -50,7 +43,7 @@ def run(args) -> int:
         print("kdaserve accuracy: no task files: give --data FILES or --stdlib-held-out", file=sys.stderr)
         return 2
     try:
-        arms_kw = [None if url else _engine_kwargs(args.model, flags) for url, flags in ((args.a_url, args.a), (args.b_url, args.b))]
+        arms_kw = [None if url else engine_kwargs_from_flags(args.model, flags) for url, flags in ((args.a_url, args.a), (args.b_url, args.b))]
     except (argparse.ArgumentError, SystemExit) as exc:
         print(f"kdaserve accuracy: bad arm flags: {exc}", file=sys.stderr)
         return 2

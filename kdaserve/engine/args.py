@@ -59,3 +59,13 @@ def engine_kwargs_from_args(args: argparse.Namespace, **overrides) -> dict:
     kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)}
     kw.update(overrides)
     return kw
+
+
+def engine_kwargs_from_flags(model: str, flags: str) -> dict:
+    """The EngineConfig keyword arguments of one string of engine flags (`--a="..."` of
+    `kdaserve ab` and `kdaserve accuracy`), `model` unless the flags name one. Raises
+    argparse.ArgumentError or SystemExit (argparse's) for a bad flag."""
+    import shlex
+
+    parser = add_engine_args(argparse.ArgumentParser(prog="engine flags", exit_on_error=False), model=model)
+    return engine_kwargs_from_args(parser.parse_args(shlex.split(flags)))
