@@ -9,7 +9,11 @@ from scratch, so nothing stale can leak in).
 
 With speculative decoding (S > 0) every decode is a verify step of S+1 tokens (the last sampled
 token and up to S drafts, padded to S), which costs S+1 tokens of the budget and KV blocks for
-its real drafts; a request holds S+1 state slots (engine/speculative says why)."""
+its real drafts; a request holds S+1 state slots (engine/speculative says why).
+
+With prefix caching (engine/prefix_cache) an admitted request may start past a cached prefix,
+prefill chunks end at checkpoint boundaries they cross, and a request waits while a running one
+prefills the prefix they share."""
 
 from __future__ import annotations
 
@@ -111,6 +115,8 @@ class Scheduler:
             seq = self.waiting[0]
             if self.slots.num_free < self.spec + 1:
                 break
+            if self.prefix is not None and self.prefix.should_wait(seq, self.running):
+                break   # a running request is computing this prefix: resume from it in a later step
             hit = self.prefix.find(seq) if self.prefix is not None else None
             skip, shared = (hit.num_tokens, hit.blocks) if hit else (0, [])
             n = min(seq.num_tokens - skip, budget)

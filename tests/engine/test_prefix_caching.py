@@ -282,3 +282,19 @@ def test_a_cap_of_one_keeps_the_newest():
     llm.generate([SYSTEM[:64] + _user(0)], SamplingParams(max_tokens=100, ignore_eos=True), use_tqdm=False)
     assert len(llm.engine.prefix_cache.checkpoints._lru) == 1
     _drained(llm)
+
+
+def test_samples_of_one_prompt_share_its_prefill(plain):
+    """Four samples of one long prompt: the first computes it, the others wait for its last shared
+    checkpoint and compute only the rest; an unrelated request behind them is not held up for long."""
+    llm = _llm(True)
+    prompt = SYSTEM + _user(0)
+    params = [SamplingParams(max_tokens=6, temperature=0.8, seed=s, ignore_eos=True, logprobs=0) for s in range(4)]
+    other = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=0)
+    outs = llm.generate([prompt] * 4 + [_user(7)], params + [other], use_tqdm=False)
+    want = plain.generate([prompt] * 4 + [_user(7)], params + [other], use_tqdm=False)
+    assert [_Out(o) for o in outs] == [_Out(o) for o in want]
+    hit = (len(prompt) - 1) // C * C
+    assert [o.metrics["num_cached_tokens"] for o in outs[:4]] == [0, hit, hit, hit]
+    assert llm.engine.counters["prompt_tokens"] == len(prompt) + 3 * (len(prompt) - hit) + len(_user(7))
+    _drained(llm)

@@ -48,6 +48,30 @@ class PrefixCache:
             n -= self.interval
         return None
 
+    def should_wait(self, seq: Sequence, running: list[Sequence]) -> bool:
+        """Whether `seq` should wait for a running request that is prefilling the same prefix (the
+        n samples of one request, a burst of requests with one system prompt): once that request
+        passes the last checkpoint boundary they share, `seq` resumes from it instead of
+        computing the prefix again at the same time."""
+        if seq.params.prompt_logprobs is not None:
+            return False
+        mine = self.hashes(seq)
+        per_interval = self.interval // self.block_size
+        limit = (seq.num_tokens - (2 if self.speculative else 1)) // self.interval * per_interval
+        if limit == 0:
+            return False
+        for other in running:
+            if other.num_computed_tokens >= other.num_prompt_tokens or other.params.cache_salt != seq.params.cache_salt:
+                continue   # not prefilling its prompt (or a different salt: nothing to share)
+            theirs = self.hashes(other)
+            shared = 0
+            while shared < min(limit, len(theirs)) and theirs[shared] == mine[shared]:
+                shared += 1
+            boundary = shared // per_interval * self.interval
+            if boundary and other.num_computed_tokens < boundary:
+                return True
+        return False
+
     def count_query(self, seq: Sequence, hit: PrefixHit | None) -> None:
         if seq.params.prompt_logprobs is None:
             self.queries += seq.num_tokens
