@@ -9,6 +9,7 @@
 # Parts owed (add one as `if [ "$PART" = name ]; then ... fi` below, with what it must show):
 #   bash scripts/gpu_verify_next.sh nano   # train the nano model (issue 22), 6 minutes
 #   bash scripts/gpu_verify_next.sh ab     # kdaserve ab at Kimi-Linear's shape (issue 22), one real A/B
+#   bash scripts/gpu_verify_next.sh structured_spec   # structured output under speculative decoding (issue 23)
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -55,4 +56,11 @@ timeout 570 python3 -m kdaserve.cli ab --model moonshotai/Kimi-Linear-48B-A3B-In
   --a="--load-format dummy --kda-prefill-backend flash --kda-decode-backend fused --max-num-seqs 32" \
   --b="--load-format dummy --kda-prefill-backend fla --kda-decode-backend fla --max-num-seqs 32" \
   --rounds 2 --num-prompts 32 --input-len 512 --output-len 64 --max-concurrency 16 --out "$OUT/ab"
+fi
+if [ "$PART" = structured_spec ]; then
+# Structured output under speculation was built after the last GPU run (CPU-tested). Must show:
+# rc=0, no FAILED line (the new test: verify rows masked after their drafts, CUDA-graph verify
+# steps, greedy tokens of plain decoding under the same grammar); the engine GPU tests still pass.
+group structured_gpu 120 tests/engine/test_structured_outputs_gpu.py
+group engine_gpu 150 tests/engine/test_engine_gpu.py
 fi

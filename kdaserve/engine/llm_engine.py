@@ -27,6 +27,20 @@ from kdaserve.engine.warmup import warm_up
 logger = logging.getLogger("kdaserve.engine")
 
 
+def _grammar_prefix(matcher, drafts: list[int]) -> list[int]:
+    """The drafts the grammar allows in a row (up to its end), the matcher left as it was: a
+    draft the grammar forbids could never be accepted, and the verify rows' masks assume the
+    drafts before them are valid."""
+    n = 0
+    for d in drafts:
+        if matcher.is_terminated() or not matcher.accept_token(d):
+            break
+        n += 1
+    if n:
+        matcher.rollback(n)
+    return drafts[:n]
+
+
 class LLMEngine:
     def __init__(self, model: str = "tiny", **kwargs):
         self.config = EngineConfig(model=model, **kwargs)
@@ -144,9 +158,6 @@ class LLMEngine:
         if self.proposer is not None and params.has_logits_processors:
             raise ValueError("min_tokens, logit_bias, the penalties and min_p are not supported with speculative decoding "
                              "yet; send them to a server without --speculative-config, or leave them at their defaults")
-        if self.proposer is not None and params.structured_outputs is not None:
-            raise ValueError("structured outputs (response_format, structured_outputs, tool_choice required or named) are "
-                             "not supported with speculative decoding yet; send them to a server without --speculative-config")
         return ids
 
     def abort_request(self, request_id: str) -> None:
@@ -235,7 +246,10 @@ class LLMEngine:
             if seq.num_uncomputed_tokens != 1 or seq.num_computed_tokens == 0:
                 continue
             room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
-            seq.draft_token_ids = self.proposer.propose(seq, room)
+            drafts = self.proposer.propose(seq, room)
+            if seq.grammar is not None and drafts:
+                drafts = _grammar_prefix(seq.grammar, drafts)
+            seq.draft_token_ids = drafts
 
     def _apply_verified(self, batch, accepted, now: float, touched: dict) -> None:
         """A verify's outputs: the cache now holds its first token and the accepted drafts (the

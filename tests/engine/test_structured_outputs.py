@@ -185,8 +185,19 @@ def test_bad_params_say_what_is_expected(kwargs, message):
         SamplingParams(**kwargs)
 
 
-def test_refused_with_speculative_decoding():
-    spec = LLM("tiny", device="cpu", kda_prefill_backend="reference", kda_decode_backend="reference", max_model_len=128,
-               speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2})
-    with pytest.raises(ValueError, match="speculative decoding"):
-        spec.engine.add_request("r", [1, 2, 3], SamplingParams(structured_outputs={"regex": "a"}))
+def test_with_speculative_decoding_the_tokens_are_those_without(llm):
+    """Prompt-lookup drafts under a grammar: cut to what the grammar allows, each verify row masked
+    after the drafts before it; greedy tokens equal plain decoding's under the same grammar, and
+    drafts were both proposed and accepted."""
+    spec = LLM("tiny", device="cpu", kda_prefill_backend="reference", kda_decode_backend="reference", max_model_len=256,
+               max_num_seqs=8, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                   "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    prompts = ["abcabcabcabc", "xyz xyz xyz", "1212121212"]
+    for spec_fields in ({"regex": "[a-c]{20,40}"}, {"regex": "([a-z]+ ){4,10}"},
+                        {"json": SCHEMA, "disable_any_whitespace": True}):
+        params = SamplingParams(max_tokens=60, structured_outputs=spec_fields)
+        want = [o.output_token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        got = [o.output_token_ids for o in spec.generate(prompts, params, use_tqdm=False)]
+        assert got == want, spec_fields
+    s = spec.engine.stats()
+    assert s["spec_decode_num_draft_tokens"] > s["spec_decode_num_accepted_tokens"] > 0, s

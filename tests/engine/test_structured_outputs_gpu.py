@@ -68,3 +68,17 @@ def test_grammars_with_cuda_graphs():
     obj = json.loads(outs[2].text)
     assert set(obj) == {"ok", "c"} and obj["c"] in ("a", "b")
     assert outs[1].output_token_ids == alone[1] and outs[3].output_token_ids == alone[3]
+
+
+def test_grammars_with_speculative_decoding_and_cuda_graphs():
+    """Verify rows masked after their drafts (the rejection sampler's grammar path) on the device,
+    with CUDA-graph verify steps: greedy tokens equal plain decoding's under the same grammar."""
+    kw = dict(device="cuda", dtype="float32", max_num_seqs=8, max_model_len=512)
+    plain = LLM("tiny", **kw)
+    spec = LLM("tiny", **kw, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                  "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    prompts = ["abcabcabcabc", "xyz xyz xyz", "1212121212"]
+    params = SamplingParams(max_tokens=60, structured_outputs={"regex": "([a-z]+ ){4,10}"})
+    want = [o.output_token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    assert [o.output_token_ids for o in spec.generate(prompts, params, use_tqdm=False)] == want
+    assert spec.engine.stats()["spec_decode_num_accepted_tokens"] > 0

@@ -28,6 +28,7 @@ import torch
 from kdaserve.engine.sampler import _logprob_lists, _logprob_tensors, _top_k_top_p, to_host
 from kdaserve.engine.sequence import Sequence
 from kdaserve.engine.staging import StagingRing, stage_lists
+from kdaserve.engine.structured_output.bitmask import apply_grammar_masks_to_verify_rows
 
 
 @dataclass
@@ -56,11 +57,16 @@ class RejectionSampler:
         self.device = device
         self.generator = generator           # the plain sampler's: unseeded requests share one stream
         self.ring = StagingRing(16 << 10, torch.device(device))
+        self.grammar_ring = StagingRing(64 << 10, torch.device(device))   # structured output's bitmasks
 
     def sample(self, logits: torch.Tensor, groups: list[SampleGroup]) -> list[AcceptedTokens]:
         """logits [R, V] fp32, the groups' rows (each group's rows consecutive, starting at its
         first_row). One host->device copy of per-row parameters, one device->host transfer."""
         R, V = logits.shape
+        raw = logits   # log-probs are of the model's distribution; decisions follow the grammars
+        if any(getattr(g.seq, "grammar", None) is not None for g in groups):   # (tests pass stand-in sequences)
+            logits = logits.clone()
+            apply_grammar_masks_to_verify_rows(logits, groups, self.grammar_ring)
         next_draft = [-1] * R
         for g in groups:
             next_draft[g.first_row : g.first_row + len(g.drafts)] = g.drafts
@@ -70,7 +76,7 @@ class RejectionSampler:
             # Greedy: a row emits its argmax and accepts its draft iff they are equal, which the
             # host sees from the argmax alone: nothing to stage, one transfer.
             emit = logits.argmax(-1)
-            host = to_host([emit, *(_logprob_tensors(logits, emit, top_n) if top_n is not None else [])])
+            host = to_host([emit, *(_logprob_tensors(raw, emit, top_n) if top_n is not None else [])])
             accept_h = [d == t for d, t in zip(next_draft, host[0])]
             return self._walk(groups, accept_h, host, want, top_n, R)
         params = [None] * R
@@ -104,7 +110,7 @@ class RejectionSampler:
         drawn = (residual / race.clamp_(min=1e-20)).argmax(-1)
         accept = torch.where(dev["greedy"], has_draft & (argmax == draft), accept_random)
         emit = torch.where(accept, draft, torch.where(dev["greedy"], argmax, drawn))
-        host = to_host([emit, accept, *(_logprob_tensors(logits, emit, top_n) if top_n is not None else [])])
+        host = to_host([emit, accept, *(_logprob_tensors(raw, emit, top_n) if top_n is not None else [])])
         return self._walk(groups, host[1], host[:1] + host[2:], want, top_n, R)
 
     @staticmethod

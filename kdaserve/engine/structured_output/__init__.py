@@ -11,8 +11,9 @@ request may sample next, through xgrammar (an optional dependency, imported when
 A request's matcher (one per sequence, so the `n` samples of a request advance on their own)
 accepts every sampled token; once it reaches the grammar's end (a stop token accepted), the request
 finishes with reason "stop". A preempted request keeps its matcher: its outputs are recomputed, not
-resampled. Not combined with speculative decoding or min_tokens (the engine refuses both, saying
-why)."""
+resampled. With speculative decoding, drafts are cut to what the grammar allows and each verify
+row is masked by the grammar after the drafts before it (bitmask.py). Not combined with
+min_tokens (refused, saying why)."""
 
 from kdaserve.engine.structured_output.params import StructuredOutputsParams
 

@@ -31,18 +31,60 @@ def apply_grammar_masks(logits: torch.Tensor, seqs: list[Sequence], ring: Stagin
     from kdaserve.engine.structured_output.compiler import import_xgrammar
 
     xgr = import_xgrammar()
+    matchers = [seqs[r].grammar for r in rows]
+
+    def fill(views):
+        if isinstance(matchers[0], xgr.GrammarMatcher):   # into the staging memory itself: no extra host copy
+            _batch_filler(xgr).batch_fill_next_token_bitmask(matchers, views["bitmask"])
+        else:   # duck-typed matchers (tests)
+            bitmask = torch.from_numpy(views["bitmask"])
+            for k, m in enumerate(matchers):
+                m.fill_next_token_bitmask(bitmask, k)
+
+    _stage_and_apply(xgr, logits, rows, fill, ring)
+
+
+def apply_grammar_masks_to_verify_rows(logits: torch.Tensor, groups, ring: StagingRing) -> None:
+    """Speculative verify rows (engine/speculative/rejection_sampler.SampleGroup): row t of a
+    sequence with a grammar gets the mask of its grammar after the drafts d_1..d_t, which the
+    matcher accepts for the fill and rolls back after (the engine cut the drafts to what the
+    grammar allows, so every accept succeeds)."""
+    plan = [g for g in groups if g.seq.grammar is not None]
+    if not plan:
+        return
+    from kdaserve.engine.structured_output.compiler import import_xgrammar
+
+    xgr = import_xgrammar()
+    rows = [g.first_row + t for g in plan for t in range(len(g.drafts) + 1)]
+
+    def fill(views):
+        bitmask = torch.from_numpy(views["bitmask"])
+        k = 0
+        for g in plan:
+            m, accepted = g.seq.grammar, 0
+            for t in range(len(g.drafts) + 1):
+                if t > accepted:   # a draft the grammar refused: later rows repeat the last mask
+                    bitmask[k] = bitmask[k - 1]
+                else:
+                    m.fill_next_token_bitmask(bitmask, k)
+                    if t < len(g.drafts) and m.accept_token(g.drafts[t]):
+                        accepted += 1
+                k += 1
+            if accepted:
+                m.rollback(accepted)
+
+    _stage_and_apply(xgr, logits, rows, fill, ring)
+
+
+def _stage_and_apply(xgr, logits: torch.Tensor, rows: list[int], fill, ring: StagingRing) -> None:
+    """`fill(views)` writes row k's bitmask into views["bitmask"][k] for logits row rows[k]; then
+    one staged copy and the masks applied to those rows."""
     N, V = logits.shape
     R, W = len(rows), (V + 31) // 32
     layout = PackedLayout((("bitmask", torch.int32, (R, W)), ("rows", torch.int64, (R,))))
     i, host = ring.acquire(layout.nbytes)
     views = layout.host_views(host)
-    matchers = [seqs[r].grammar for r in rows]
-    if isinstance(matchers[0], xgr.GrammarMatcher):   # into the staging memory itself: no extra host copy
-        _batch_filler(xgr).batch_fill_next_token_bitmask(matchers, views["bitmask"])
-    else:   # duck-typed matchers (tests)
-        bitmask = torch.from_numpy(views["bitmask"])
-        for k, m in enumerate(matchers):
-            m.fill_next_token_bitmask(bitmask, k)
+    fill(views)
     views["rows"][:] = np.asarray(rows, dtype=np.int64)
     dev = torch.empty(layout.nbytes, dtype=torch.uint8, device=logits.device)
     ring.submit(i, dev, layout.nbytes)
