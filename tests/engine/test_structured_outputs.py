@@ -201,3 +201,26 @@ def test_with_speculative_decoding_the_tokens_are_those_without(llm):
         assert got == want, spec_fields
     s = spec.engine.stats()
     assert s["spec_decode_num_draft_tokens"] > s["spec_decode_num_accepted_tokens"] > 0, s
+
+
+def test_verify_rows_get_the_mask_after_their_drafts(llm):
+    from types import SimpleNamespace
+
+    from kdaserve.engine.structured_output.bitmask import apply_grammar_masks_to_verify_rows
+
+    llm.engine.compile_grammar(StructuredOutputsParams(regex="a"))
+    compiler, eos = llm.engine._grammar_compiler, llm.engine.eos_token_id
+    V = llm.engine.vocab_size
+    a, b, x = ord("a"), ord("b"), ord("x")
+    m1 = compiler.matcher(StructuredOutputsParams(regex="ab"))
+    m2 = compiler.matcher(StructuredOutputsParams(regex="ab"))
+    groups = [SimpleNamespace(seq=SimpleNamespace(grammar=m1), first_row=0, drafts=[a, b, eos]),
+              SimpleNamespace(seq=SimpleNamespace(grammar=None), first_row=4, drafts=[]),
+              SimpleNamespace(seq=SimpleNamespace(grammar=m2), first_row=5, drafts=[a, x, b])]
+    logits = torch.zeros(9, V)
+    apply_grammar_masks_to_verify_rows(logits, groups, StagingRing(16, torch.device("cpu")))
+    allowed = [set(torch.nonzero(row == 0).flatten().tolist()) for row in logits]
+    assert allowed[:4] == [{a}, {b}, {eos}, {eos}], "after the grammar's end the row repeats the last mask"
+    assert allowed[4] == set(range(V)), "a row without a grammar is untouched"
+    assert allowed[5:] == [{a}, {b}, {b}, {b}], "after a refused draft the rows repeat the last mask"
+    assert m1.accept_token(a) and m2.accept_token(a), "the matchers are rolled back to where they were"

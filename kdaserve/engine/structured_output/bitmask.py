@@ -12,8 +12,7 @@ import torch
 from kdaserve.engine.sequence import Sequence
 from kdaserve.engine.staging import PackedLayout, StagingRing
 
-
-_FILLER = None
+_FILLER = None   # xgrammar's thread pool for batch fills, made on first use
 
 
 def _batch_filler(xgr):
@@ -63,7 +62,9 @@ def apply_grammar_masks_to_verify_rows(logits: torch.Tensor, groups, ring: Stagi
         for g in plan:
             m, accepted = g.seq.grammar, 0
             for t in range(len(g.drafts) + 1):
-                if t > accepted:   # a draft the grammar refused: later rows repeat the last mask
+                if t > accepted or m.is_terminated():
+                    # After a draft the grammar refused, or one that ended it, the rows are never
+                    # used (the draft is rejected, or the request ends): they repeat the last mask.
                     bitmask[k] = bitmask[k - 1]
                 else:
                     m.fill_next_token_bitmask(bitmask, k)
@@ -89,7 +90,7 @@ def _stage_and_apply(xgr, logits: torch.Tensor, rows: list[int], fill, ring: Sta
     dev = torch.empty(layout.nbytes, dtype=torch.uint8, device=logits.device)
     ring.submit(i, dev, layout.nbytes)
     d = layout.device_views(dev)
-    if R == N:
+    if rows == list(range(N)):
         xgr.apply_token_bitmask_inplace(logits, d["bitmask"], vocab_size=V)
         return
     picked = logits.index_select(0, d["rows"])
