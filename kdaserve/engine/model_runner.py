@@ -39,17 +39,21 @@ class StepResult:
 
 
 def capacity_error(*, max_num_seqs: int, num_spec_tokens: int, per_slot: int, state: int, one_seq: int, per_block: int,
-                   block_size: int, max_model_len: int, free: int, gpu_memory_utilization: float) -> str:
-    """What does not fit (the KDA state of every sequence's slots and the attention cache of one
-    full sequence, in `free` bytes), how many sequences would, and what to change."""
+                   block_size: int, max_model_len: int, free: int, gpu_memory_utilization: float,
+                   num_checkpoint_slots: int = 0) -> str:
+    """What does not fit (the KDA state of every sequence's slots and of the prefix cache's
+    checkpoint slots, and the attention cache of one full sequence, in `free` bytes), how many
+    sequences would beside those checkpoints, and what to change."""
     gib = 2**30
     per_seq = num_spec_tokens + 1   # state slots per sequence (S+1 with speculative decoding)
-    fit = max(0, ((free - one_seq) // per_slot - 1) // per_seq) if per_slot else 0
+    fit = max(0, ((free - one_seq) // per_slot - 1 - num_checkpoint_slots) // per_seq) if per_slot else 0
     tokens = max(0, (free - state) // per_block - 1) * block_size
     shorter = f" or --max-model-len to at most {tokens}" if tokens > 0 else ""
     spec = f", {per_seq} slots per sequence with num_speculative_tokens={num_spec_tokens}" if per_seq > 1 else ""
+    checkpoints = (f" with {num_checkpoint_slots} prefix-cache checkpoint slots (--prefix-cache-states)"
+                   if num_checkpoint_slots else "")
     return (f"max_num_seqs={max_num_seqs} needs {state / gib:.2f} GiB of KDA state ({format_bytes(per_slot)} per "
-            f"state slot{spec}) plus {format_bytes(one_seq)} of attention cache for one sequence of max_model_len="
+            f"state slot{spec}){checkpoints} plus {format_bytes(one_seq)} of attention cache for one sequence of max_model_len="
             f"{max_model_len}, but {max(free, 0) / gib:.2f} GiB are left after the weights and activations at "
             f"gpu_memory_utilization={gpu_memory_utilization}: {fit} sequences fit; lower --max-num-seqs to at "
             f"most {fit}{shorter}, or raise --gpu-memory-utilization")
@@ -123,7 +127,8 @@ class ModelRunner:
             raise RuntimeError(capacity_error(
                 max_num_seqs=cfg.max_num_seqs, num_spec_tokens=self.num_spec_tokens, per_slot=per_slot, state=state,
                 one_seq=one_seq, per_block=per_block, block_size=self.block_size, max_model_len=self.max_model_len,
-                free=free, gpu_memory_utilization=cfg.gpu_memory_utilization))
+                free=free, gpu_memory_utilization=cfg.gpu_memory_utilization,
+                num_checkpoint_slots=self.num_checkpoint_slots))
         blocks = int(min(enough, (free - state) // per_block))
         self.memory_plan = {"state_gib": state / gib, "kv_gib": blocks * per_block / gib, "kv_tokens": blocks * self.block_size,
                             "free_gib": free / gib}

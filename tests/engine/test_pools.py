@@ -104,3 +104,8 @@ def test_capacity_error_counts_sequences_not_slots_and_offers_only_what_helps():
     assert "4 slots per sequence with num_speculative_tokens=3" in spec and ": 24 sequences fit;" in spec
     shorter = capacity_error(max_num_seqs=10, num_spec_tokens=0, state=11 << 20, free=(23 << 20) // 2, **kw)
     assert ": 9 sequences fit" in shorter and "or --max-model-len to at most 8176," in shorter   # 511 blocks of 16
+    cached = capacity_error(max_num_seqs=1000, num_spec_tokens=0, state=1501 << 20, free=free, num_checkpoint_slots=500, **kw)
+    assert "with 500 prefix-cache checkpoint slots (--prefix-cache-states)" in cached
+    assert ": 0 sequences fit;" in cached, "the checkpoint slots take the memory first"
+    few = capacity_error(max_num_seqs=1000, num_spec_tokens=0, state=1041 << 20, free=free, num_checkpoint_slots=40, **kw)
+    assert ": 58 sequences fit;" in few   # 99 slots - 1 null - 40 checkpoints
