@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -75,12 +76,15 @@ def start_server(model: str, flags: str, startup_timeout: float) -> tuple[subpro
     port = free_port()
     cmd = [sys.executable, "-m", "kdaserve.cli", "serve", model, "--port", str(port), "--log-level", "warning",
            *shlex.split(flags)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # Its log goes to a file, not a pipe: a pipe nobody reads during the run fills up and stalls the server.
+    log = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + startup_timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the server for flags {flags!r} exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
+            log.seek(0)
+            raise RuntimeError(f"the server for flags {flags!r} exited with {proc.returncode}: {log.read()[-2000:]}")
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                 return proc, url

@@ -47,3 +47,12 @@ def test_ab_command_end_to_end(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "| output_throughput |" in printed and "within noise" in printed
     assert main(["ab", "--rounds", "1"]) == 2
+
+
+def test_a_server_that_cannot_start_says_why():
+    import pytest
+
+    from kdaserve.bench.ab import start_server
+
+    with pytest.raises(RuntimeError, match=r"exited with 2: .*--header-timeout must be seconds > 0"):
+        start_server("tiny", "--device cpu --header-timeout 0", startup_timeout=120)
