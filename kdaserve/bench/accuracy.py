@@ -97,6 +97,13 @@ class ServerArm:
             raise RuntimeError(f"{self.name}: {r.status_code} {r.text[:300]}")
         return r.json()
 
+    def encode(self, text: str) -> list[int]:
+        """The server's own tokenization (`/tokenize`): its model's tokenizer, whatever it is."""
+        r = self.client.post("/tokenize", json={"prompt": text, **({"model": self.model} if self.model else {})})
+        if r.status_code != 200:
+            raise RuntimeError(f"{self.name}: /tokenize {r.status_code} {r.text[:300]}")
+        return r.json()["tokens"]
+
     def score(self, tasks: list[Task]) -> list[list[float]]:
         out = []
         for t in tasks:

@@ -36,7 +36,6 @@ def register(sub) -> None:
 def run(args) -> int:
     from kdaserve.bench import accuracy as acc
     from kdaserve.engine.args import engine_kwargs_from_flags
-    from kdaserve.models.tokenizer import ByteTokenizer
 
     files = list(args.data) + (acc.stdlib_held_out_files() if args.stdlib_held_out else [])
     if not files:
@@ -47,23 +46,23 @@ def run(args) -> int:
     except (argparse.ArgumentError, SystemExit) as exc:
         print(f"kdaserve accuracy: bad arm flags: {exc}", file=sys.stderr)
         return 2
-    tokenizer = None
+    encode = None
     results = []
     tasks = None
     for name, url, kw in (("A", args.a_url, arms_kw[0]), ("B", args.b_url, arms_kw[1])):
         llm = None
         if url:
             arm = acc.ServerArm(f"{name} {url}", url, args.served_model_name, args.api_key)
-            tokenizer = tokenizer or ByteTokenizer()   # servers take token ids; the tokenizer must be the model's
+            encode = encode or arm.encode   # the tasks' token ids come from the model's own tokenizer
         else:
             from kdaserve.engine import LLM
 
             llm = LLM(**kw)
-            tokenizer = llm.tokenizer
+            encode = encode or llm.tokenizer.encode
             flags = args.a if name == "A" else args.b
             arm = acc.EngineArm(f"{name} {flags or '(defaults)'}", llm)
         if tasks is None:
-            tasks = acc.next_line_tasks(files, tokenizer.encode, args.num_tasks, args.context_lines,
+            tasks = acc.next_line_tasks(files, encode, args.num_tasks, args.context_lines,
                                         args.max_prompt_tokens, args.seed)
             if not tasks:
                 print("kdaserve accuracy: the files hold no usable lines", file=sys.stderr)

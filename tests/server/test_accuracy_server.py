@@ -19,3 +19,21 @@ def test_server_arms(server):
               enforce_eager=True, seed=0)   # the server's model (server_helpers.make_engine)
     local = acc.EngineArm("engine", llm).score(tasks)
     assert all(abs(x - y) < 1e-4 for la, lb in zip(a["logprobs"], local) for x, y in zip(la, lb))
+
+
+def test_server_arms_tokenize_with_the_servers_tokenizer(server):
+    arm = acc.ServerArm("A", server.url, "tiny")
+    assert arm.encode("def f():\n") == ByteTokenizer().encode("def f():\n")
+
+
+def test_the_command_against_servers(server, tmp_path, capsys):
+    import json
+
+    from kdaserve.cli import main
+
+    out = tmp_path / "r.json"
+    assert main(["accuracy", "--a-url", server.url, "--b-url", server.url, "--served-model-name", "tiny",
+                 "--data", acc.__file__, "--num-tasks", "3", "--max-tokens", "4", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["tasks"] == 3 and r["greedy_agreement"] == 1.0 and r["token_logprob_abs_diff"]["max"] == 0.0
+    assert "| greedy agreement |" in capsys.readouterr().out
