@@ -45,7 +45,10 @@ def test_ab_command_end_to_end(tmp_path, capsys):
     assert report["provenance"]["A"]["backends"]["kda_decode"] == "reference" and report["provenance"]["B"]["kernels"]
     assert (out / "ab_throughput.png").stat().st_size > 0 and (out / "ab_latency.png").stat().st_size > 0
     printed = capsys.readouterr().out
-    assert "| output_throughput |" in printed and "within noise" in printed
+    rows = [line for line in printed.splitlines() if line.startswith("| ") and not line.startswith("| metric")]
+    # Every metric gets a verdict; which one depends on this machine's timing, so the test does not fix it.
+    assert [r.split(" | ")[0][2:] for r in rows] == list(report["comparison"])
+    assert all(r.rstrip(" |").endswith(("within noise", "B better", "B worse")) for r in rows), rows
     assert main(["ab", "--rounds", "1"]) == 2
 
 
