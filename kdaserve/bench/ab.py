@@ -19,7 +19,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter
 from pathlib import Path
 
 from kdaserve.bench.serve_client import benchmark
@@ -32,36 +31,18 @@ METRICS = {"output_throughput": True, "request_throughput": True, "mean_ttft_ms"
 ORDER = ("A", "B", "B", "A")
 
 
-def provenance(model: str, flags: str, prompts: list[list[int]], top: int = 40) -> dict:
-    """What ran in this arm: resolved backends, and the kernels of a short profiled generation."""
-    import torch
-
-    from kdaserve.engine import LLM, SamplingParams
-
-    llm = LLM(**engine_kwargs_from_flags(model, flags))
-    runner = llm.engine.runner
-    backends = {"kda_prefill": runner.kda_backends.prefill.name if runner.kda_backends else None,
-                "kda_decode": runner.kda_backends.decode.name if runner.kda_backends else None,
-                "mla": llm.engine.config.mla_backend, "moe": llm.engine.config.moe_backend,
-                "cuda_graphs": runner.graphs is not None, "device": str(llm.engine.config.device)}
-    params = SamplingParams(max_tokens=8, ignore_eos=True)
-    llm.generate(prompts[:2], params, use_tqdm=False)   # compile outside the profile
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    cuda = llm.engine.config.device.type == "cuda"
-    if cuda:
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
-        llm.generate(prompts[:2], params, use_tqdm=False)
-        if cuda:
-            torch.cuda.synchronize()
-    counts: Counter = Counter()
-    for e in prof.events():
-        is_kernel = e.device_type == torch.autograd.DeviceType.CUDA
-        if (cuda and is_kernel) or (not cuda and e.name.startswith("aten::")):
-            counts[e.name] += 1
-    del llm
-    return {"backends": backends, "kind": "CUDA kernels" if cuda else "CPU ops",
-            "kernels": [{"name": n, "calls": c} for n, c in counts.most_common(top)]}
+def provenance(model: str, flags: str, prompts: list[list[int]], timeout: float = 1200) -> dict:
+    """What ran in this arm (bench/provenance.py), in a process of its own: the engine it builds
+    gives its GPU memory back when that process ends, before any server of the A/B starts."""
+    with tempfile.TemporaryDirectory() as tmp:
+        request, answer = Path(tmp) / "request.json", Path(tmp) / "answer.json"
+        request.write_text(json.dumps({"model": model, "flags": flags, "prompts": prompts[:2]}))
+        done = subprocess.run([sys.executable, "-m", "kdaserve.bench.provenance", str(request), str(answer)],
+                              capture_output=True, text=True, timeout=timeout)
+        if done.returncode != 0:
+            raise RuntimeError(f"the provenance run for flags {flags!r} exited with {done.returncode}: "
+                               f"{done.stderr[-2000:]}")
+        return json.loads(answer.read_text())
 
 
 def free_port() -> int:

@@ -43,11 +43,11 @@ def run(args) -> int:
     except (argparse.ArgumentError, SystemExit) as exc:
         print(f"kdaserve ab: bad arm flags: {exc}", file=sys.stderr)
         return 2
-    from kdaserve.engine import LLM
+    from kdaserve.models.loader import resolve_model
 
-    probe = LLM(**{**kw[0], "max_num_seqs": 1, "warmup": False, "enforce_eager": True})
-    vocab = min(probe.engine.vocab_size, 256)
-    del probe
+    # Prompt ids from the config alone: building the model here would hold its memory through the A/B.
+    config, tokenizer, _, _ = resolve_model(kw[0]["model"], kw[0]["load_format"], kw[0].get("tokenizer"))
+    vocab = min(config.vocab_size, tokenizer.vocab_size, 256)
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(1, vocab) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
     prov = {} if args.no_provenance else {arm: ab.provenance(args.model, f, prompts) for arm, f in flags.items()}

@@ -64,6 +64,16 @@ def load_model(
     weights only with load_format="dummy") or a checkpoint directory. `tokenizer_dir`: a directory
     whose tokenizer replaces the model's (vLLM's --tokenizer; a released name with dummy weights
     then tokenizes as the real model does)."""
+    config, tokenizer, name, dummy = resolve_model(model, load_format, tokenizer_dir)
+    family = family_of_config(config)
+    net = family.build(config, kda=kda, mla_backend=mla_backend, moe_backend=moe_backend, dtype=dtype, device=device)
+    weights = family.random_weights(config, seed, dtype=dtype, device=device) if dummy else iterate_safetensors(model)
+    net.load_weights(weights)
+    return LoadedModel(net, tokenizer, config, name)
+
+
+def resolve_model(model: str, load_format: str = "auto", tokenizer_dir: str | None = None):
+    """What `model` names, without building it: (config, tokenizer, display name, dummy weights?)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     path = Path(model)
@@ -86,11 +96,7 @@ def load_model(
         )
     if tokenizer_dir is not None:
         tokenizer = _tokenizer_from(tokenizer_dir, config)
-    family = family_of_config(config)
-    net = family.build(config, kda=kda, mla_backend=mla_backend, moe_backend=moe_backend, dtype=dtype, device=device)
-    weights = family.random_weights(config, seed, dtype=dtype, device=device) if dummy else iterate_safetensors(path)
-    net.load_weights(weights)
-    return LoadedModel(net, tokenizer, config, name)
+    return config, tokenizer, name, dummy
 
 
 def save_checkpoint(
