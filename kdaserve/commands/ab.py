@@ -15,7 +15,7 @@ from pathlib import Path
 def register(sub) -> None:
     p = sub.add_parser("ab", help="interleaved A/B of two configurations with an A/A noise estimate",
                        description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="tiny")
+    p.add_argument("--model", default="nano")
     p.add_argument("--a", default="", help='server/engine flags of arm A, one string given with "=" (--a="...")')
     p.add_argument("--b", default="", help='flags of arm B (--b="...")')
     p.add_argument("--rounds", type=int, default=3, help="A B B A rounds (at least 2 for an A/A estimate)")

@@ -1,6 +1,6 @@
 """`kdaserve accuracy`: paired accuracy of two configurations of one model (kdaserve/bench/accuracy.py).
 
-    kdaserve accuracy --model tiny --stdlib-held-out --b="--mamba-ssm-cache-dtype bfloat16"
+    kdaserve accuracy --stdlib-held-out --b="--mamba-ssm-cache-dtype bfloat16"
     kdaserve accuracy --a-url http://localhost:8000 --b-url http://localhost:8001 --data held_out/*.py
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 def register(sub) -> None:
     p = sub.add_parser("accuracy", help="paired accuracy of two configurations (teacher-forced log-probs, McNemar)",
                        description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="tiny", help="the model both engine arms run (default: tiny)")
+    p.add_argument("--model", default="nano", help="the model both engine arms run (default: nano, the trained one)")
     p.add_argument("--a", default="", help='engine flags of arm A, one string given with "=" (--a="--kda-decode-backend reference")')
     p.add_argument("--b", default="", help='engine flags of arm B (--b="...")')
     p.add_argument("--a-url", help="arm A is the server at this URL instead of an engine")

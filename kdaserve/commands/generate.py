@@ -1,6 +1,7 @@
 """`kdaserve generate`: offline batch generation; prints each completion, then prefill and decode
 throughput.
 
+    kdaserve generate --prompt "def fibonacci(" --max-tokens 32     # nano, the trained default
     kdaserve generate --model tiny --prompt "Hello" --prompt "KDA is" --max-tokens 32
     kdaserve generate --model bench --prompts-file prompts.txt --ignore-eos
 """
@@ -27,7 +28,7 @@ def register(sub) -> None:
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object per completion instead of text")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    add_engine_args(p)
+    add_engine_args(p, model="nano")   # the trained model shipped in the package
     p.set_defaults(func=run)
 
 

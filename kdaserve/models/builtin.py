@@ -5,16 +5,24 @@ byte-level tokenizer.
 - `bench`: KDA layers at GLM-5.3-Flash's per-GPU shape under 2-way tensor parallelism (32 heads of
   128, hidden 4096) with every 4th layer full attention; 8 layers keep GPU benchmarks fast.
 - `kimi-tiny`: the Kimi-Linear family (KDA with the unbounded gate, MLA, MoE) at a CPU size.
+- `nano`: a trained checkpoint shipped in the package (kdaserve/models/nano: the Kimi-Linear
+  family, 6.6M parameters, trained on Python's standard library with tools/train_nano.py; recipe
+  and curve in docs/evidence.md). Loaded like any checkpoint directory; the README's default.
 - released names (`moonshotai/Kimi-Linear-48B-A3B-Instruct`, `-Base`): the released architecture,
   for `--load-format dummy` (random weights at the real shape) when no checkpoint is at hand.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from kdaserve.models.config import HybridConfig
 from kdaserve.models.tokenizer import ByteTokenizer
 
 _BYTE_VOCAB = ByteTokenizer().vocab_size
+
+# Trained checkpoints shipped inside the package, by name: loaded exactly as a checkpoint directory.
+SHIPPED_CHECKPOINTS: dict[str, Path] = {"nano": Path(__file__).parent / "nano"}
 
 
 def _every_nth_full(num_layers: int, n: int) -> list[str]:

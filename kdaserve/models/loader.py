@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from kdaserve.backends.kda_backends import KDABackendChoice
-from kdaserve.models.builtin import BUILTIN_CONFIGS, KIMI_BUILTIN_CONFIGS, builtin_config, released_config
+from kdaserve.models.builtin import (BUILTIN_CONFIGS, KIMI_BUILTIN_CONFIGS, SHIPPED_CHECKPOINTS, builtin_config,
+                                     released_config)
 from kdaserve.models.config import HybridConfig
 from kdaserve.models.families import family_of, family_of_config
 from kdaserve.models.tokenizer import ByteTokenizer, HFTokenizer, load_checkpoint_tokenizer
@@ -67,7 +68,8 @@ def load_model(
     config, tokenizer, name, dummy = resolve_model(model, load_format, tokenizer_dir)
     family = family_of_config(config)
     net = family.build(config, kda=kda, mla_backend=mla_backend, moe_backend=moe_backend, dtype=dtype, device=device)
-    weights = family.random_weights(config, seed, dtype=dtype, device=device) if dummy else iterate_safetensors(model)
+    weights = (family.random_weights(config, seed, dtype=dtype, device=device) if dummy
+               else iterate_safetensors(SHIPPED_CHECKPOINTS.get(model, model)))
     net.load_weights(weights)
     return LoadedModel(net, tokenizer, config, name)
 
@@ -76,13 +78,14 @@ def resolve_model(model: str, load_format: str = "auto", tokenizer_dir: str | No
     """What `model` names, without building it: (config, tokenizer, display name, dummy weights?)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
-    path = Path(model)
+    path = Path(SHIPPED_CHECKPOINTS.get(model, model))
     if model in BUILTIN_CONFIGS or model in KIMI_BUILTIN_CONFIGS:
         config, tokenizer, name, dummy = builtin_config(model), ByteTokenizer(), model, True
     elif (path / "config.json").is_file():
         config_dict = json.loads((path / "config.json").read_text())
         config = family_of(config_dict).config_from_dict(config_dict)
-        tokenizer, name, dummy = load_checkpoint_tokenizer(path, config.eos_token_id), path.name or str(path), load_format == "dummy"
+        name = model if model in SHIPPED_CHECKPOINTS else path.name or str(path)
+        tokenizer, dummy = load_checkpoint_tokenizer(path, config.eos_token_id), load_format == "dummy"
     elif (config := released_config(model)) is not None:
         if load_format != "dummy":
             raise ValueError(f"{model!r} is a released model whose weights are not on this machine: pass its checkpoint "
@@ -91,7 +94,8 @@ def resolve_model(model: str, load_format: str = "auto", tokenizer_dir: str | No
         log.info("%s: random weights at the released shape (--load-format dummy), byte tokenizer", model)
     else:
         raise ValueError(
-            f"model {model!r} is neither a built-in ({sorted(BUILTIN_CONFIGS) + sorted(KIMI_BUILTIN_CONFIGS)}), a released "
+            f"model {model!r} is neither a built-in ({sorted(BUILTIN_CONFIGS) + sorted(KIMI_BUILTIN_CONFIGS)}), a shipped "
+            f"checkpoint ({sorted(SHIPPED_CHECKPOINTS)}), a released "
             f"name with a known architecture, nor a directory with a config.json"
         )
     if tokenizer_dir is not None:

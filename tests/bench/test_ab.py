@@ -1,5 +1,5 @@
 """`kdaserve ab`: the comparison on synthetic rounds with known answers, and the command end to end
-on the tiny model (CPU, reference backends, two flag sets): JSON, plots, provenance, table."""
+on the nano model, the default (CPU, reference backends, two flag sets): JSON, plots, provenance, table."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def test_ab_command_end_to_end(tmp_path, capsys):
 
     base = "--device cpu --kda-prefill-backend reference --kda-decode-backend reference --max-model-len 256"
     out = tmp_path / "ab"
-    assert main(["ab", "--model", "tiny", f"--a={base}", f"--b={base} --max-num-seqs 2", "--rounds", "2",
+    assert main(["ab", f"--a={base}", f"--b={base} --max-num-seqs 2", "--rounds", "2",
                  "--num-prompts", "4", "--input-len", "16", "--output-len", "4", "--max-concurrency", "4",
                  "--out", str(out)]) == 0
     report = json.loads((out / "ab.json").read_text())
