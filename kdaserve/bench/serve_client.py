@@ -32,7 +32,9 @@ async def _one(client, model: str, prompt: list[int], output_len: int) -> dict:
                 now = time.perf_counter()
                 if event.get("usage"):
                     tokens = event["usage"]["completion_tokens"]
-                if event.get("choices") and event["choices"][0].get("text"):
+                # Every chunk with a choice is a token step, its text possibly empty (a token that
+                # completes no character yet): counted as `vllm bench serve` counts it.
+                if event.get("choices"):
                     if ttft is None:
                         ttft = now - t0
                     else:
@@ -41,7 +43,9 @@ async def _one(client, model: str, prompt: list[int], output_len: int) -> dict:
     except Exception as exc:  # noqa: BLE001 - a failed request is counted, not fatal
         error = f"{type(exc).__name__}: {exc}"
     latency = time.perf_counter() - t0
-    ok = ttft is not None and not error
+    if ttft is None and not error:
+        error = "the stream ended without a token"
+    ok = not error
     return {"success": ok, "error": error, "prompt_len": len(prompt), "output_len": tokens, "ttft": ttft,
             "itls": itls, "latency": latency}
 
