@@ -54,12 +54,14 @@ def run(args) -> int:
     report = ab.run(args.model, flags, prompts, args.output_len, args.rounds, args.max_concurrency,
                     startup_timeout=args.startup_timeout)
     report["provenance"] = prov
+    only = ab.distinguishing_kernels(prov) if prov else {}
+    report["provenance_only_in_arm"] = only
+    for arm in prov:
+        names = ", ".join(f"{k['name'][:70]} x{k['calls']}" for k in only[arm][:8]) or "none (the arms ran the same kernels)"
+        print(f"{arm}: {prov[arm]['backends']}; {prov[arm]['kind']} only in {arm}: {names}")
     args.out.mkdir(parents=True, exist_ok=True)
     ab.save(report, args.out / "ab.json")
     figures = ab.plots(report, args.out)
-    for arm in prov:
-        top = ", ".join(k["name"] for k in prov[arm]["kernels"][:6])
-        print(f"{arm}: {prov[arm]['backends']}; {prov[arm]['kind']}: {top}")
     print(f"results: {args.out / 'ab.json'}" + (f"; plots: {', '.join(str(f) for f in figures)}" if figures else ""))
     print(f"\n{args.model}, {args.num_prompts} prompts x {args.input_len} in / {args.output_len} out, concurrency "
           f"{args.max_concurrency}, {args.rounds} rounds of A B B A; A = {args.a or '(defaults)'}, B = {args.b or '(defaults)'}")

@@ -43,6 +43,7 @@ def test_ab_command_end_to_end(tmp_path, capsys):
     assert [r["arm"] for r in report["runs"]] == list(ORDER) * 2
     assert all(r["result"]["completed"] == 4 and r["result"]["total_output_tokens"] == 16 for r in report["runs"])
     assert report["provenance"]["A"]["backends"]["kda_decode"] == "reference" and report["provenance"]["B"]["kernels"]
+    assert set(report["provenance_only_in_arm"]) == {"A", "B"}
     assert (out / "ab_throughput.png").stat().st_size > 0 and (out / "ab_latency.png").stat().st_size > 0
     printed = capsys.readouterr().out
     rows = [line for line in printed.splitlines() if line.startswith("| ") and not line.startswith("| metric")]
@@ -59,3 +60,14 @@ def test_a_server_that_cannot_start_says_why():
 
     with pytest.raises(RuntimeError, match=r"exited with 2: .*--header-timeout must be seconds > 0"):
         start_server("tiny", "--device cpu --header-timeout 0", startup_timeout=120)
+
+
+def test_provenance_shows_what_only_one_arm_ran():
+    from kdaserve.bench.ab import distinguishing_kernels
+
+    prov = {"A": {"kernels": [{"name": "copy", "calls": 900}, {"name": "flash_kda_k1", "calls": 3}]},
+            "B": {"kernels": [{"name": "copy", "calls": 800}, {"name": "chunk_kda_fwd", "calls": 5}]}}
+    only = distinguishing_kernels(prov)
+    assert only == {"A": [{"name": "flash_kda_k1", "calls": 3}], "B": [{"name": "chunk_kda_fwd", "calls": 5}]}
+    same = distinguishing_kernels({"A": prov["A"], "B": prov["A"]})
+    assert same == {"A": [], "B": []}
