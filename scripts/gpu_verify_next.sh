@@ -7,8 +7,7 @@
 # transformers 5.23.0 with what it imports for structured output) and, for an old-vs-new comparison, [".old"]
 # (e.g. `git archive <commit> kdaserve benchmarks | tar -x -C .old`).
 # Parts owed (add one as `if [ "$PART" = name ]; then ... fi` below, with what it must show):
-#   bash scripts/gpu_verify_next.sh ab     # kdaserve ab at Kimi-Linear's shape (issue 22), one real A/B
-#   bash scripts/gpu_verify_next.sh nano_accuracy   # fp32 vs bf16 recurrent state on the nano model (issue 22)
+#   (none: the eleventh session ran the last ones; docs/perf-notes.md "Eleventh session")
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -33,25 +32,3 @@ group() {  # name, seconds, pytest args...: one pytest process per file (one GPU
 PART=${1:-}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 [ -z "$PART" ] && echo "name a part"
-if [ "$PART" = ab ]; then
-# Issue 22's real A/B: flash+fused against fla+fla at Kimi-Linear's shape (dummy weights), two
-# rounds of A B B A (8 server starts of the 48B model, ~50 s each) plus the two provenance runs.
-# Must show: every run's line, the provenance lines (A: flash_* and fused kernels; B: FLA's
-# chunk_kda / fused_recurrent kernels), and the table; $OUT/ab/ab.json and both plots come back.
-# The provenance runs each take a process of their own (the first attempt, 2026-12-02, built them in
-# the ab process, whose memory then starved the first server). Graphs captured up to 16 rows only
-# (the concurrency) to keep the 10 starts short.
-timeout 580 python3 -m kdaserve.cli ab --model moonshotai/Kimi-Linear-48B-A3B-Instruct \
-  --a="--load-format dummy --kda-prefill-backend flash --kda-decode-backend fused --max-num-seqs 16 --max-cudagraph-capture-size 16 --max-model-len 4096" \
-  --b="--load-format dummy --kda-prefill-backend fla --kda-decode-backend fla --max-num-seqs 16 --max-cudagraph-capture-size 16 --max-model-len 4096" \
-  --rounds 2 --num-prompts 32 --input-len 512 --output-len 64 --max-concurrency 16 --out "$OUT/ab"
-fi
-if [ "$PART" = nano_accuracy ]; then
-# Issue 22's accuracy check: fp32 against bf16 recurrent state on the trained nano model, with
-# chunked prefill (prompts up to 512 tokens cut into 64-token chunks) so the state round-trips
-# through its storage dtype. Must show the table: mean/max |log-prob difference|, exact match per
-# arm, McNemar p, greedy agreement; $OUT/nano_accuracy.json comes back.
-timeout 400 python3 -m kdaserve.cli accuracy --stdlib-held-out --num-tasks 200 \
-  --a="--max-num-batched-tokens 64" --b="--max-num-batched-tokens 64 --mamba-ssm-cache-dtype bfloat16" \
-  --json "$OUT/nano_accuracy.json" 2>&1 | tail -12
-fi
