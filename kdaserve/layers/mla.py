@@ -20,6 +20,8 @@ metadata is the attention layers' (layers/attention.AttentionMetadata)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -29,6 +31,15 @@ from kdaserve.layers.context import get_context
 from kdaserve.layers.kernel_choice import resolve_kernel_choice
 from kdaserve.layers.norm import RMSNorm
 from kdaserve.ops.mla.reference import mla_decode_reference, mla_prefill_reference
+
+
+@dataclass
+class Selection:
+    """Sparse attention's choice for one step: per decode row the context positions it may see
+    ([rows, table width * block size] bool), per prefill sequence [query_len, context_len] bool."""
+
+    decode: torch.Tensor | None
+    prefill: list[torch.Tensor] | None
 
 
 def _linear(i: int, o: int, dtype, device) -> nn.Linear:
@@ -83,9 +94,19 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.num_heads, self.Dn + self.Dv, self.L)
         return w[:, : self.Dn], w[:, self.Dn :]
 
+    def select(self, hidden: torch.Tensor, q_resid: torch.Tensor | None, md: AttentionMetadata) -> Selection | None:
+        """Which context tokens each query attends to: None (all before it, causal); sparse
+        variants (layers/dsa.py) override it."""
+        return None
+
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         T, H = hidden.shape[0], self.num_heads
-        q = self.q_proj(hidden) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+        q_resid = None
+        if self.q_lora_rank is None:
+            q = self.q_proj(hidden)
+        else:
+            q_resid = self.q_a_layernorm(self.q_a_proj(hidden))
+            q = self.q_b_proj(q_resid)
         q = q.view(T, H, self.Dn + self.R)
         q_nope, q_pe = q[..., : self.Dn], q[..., self.Dn :]
         kv = self.kv_a_proj_with_mqa(hidden)
@@ -97,38 +118,42 @@ class MLAttention(nn.Module):
             return self.o_proj(o.reshape(T, H * self.Dv))
         rows = torch.cat([latent, k_pe], dim=-1).to(self.cache.dtype)
         self.cache.view(-1, self.L + self.R).index_copy_(0, md.slot_mapping, rows)
+        selection = self.select(hidden, q_resid, md)
         nd = md.num_decode_tokens
         parts = []
         if nd:
-            parts.append(self._decode(q_nope[:nd], q_pe[:nd], md))
+            parts.append(self._decode(q_nope[:nd], q_pe[:nd], md, selection.decode if selection else None))
         if nd < T:
             ctx = self.cache.view(-1, self.L + self.R)[md.prefill_kv_rows]
             parts.append(self._prefill(q_nope[nd:], q_pe[nd:], ctx[:, : self.L].to(hidden.dtype),
-                                       ctx[:, self.L :].to(hidden.dtype), md.prefill_query_lens, md.prefill_context_lens))
+                                       ctx[:, self.L :].to(hidden.dtype), md.prefill_query_lens, md.prefill_context_lens,
+                                       selection.prefill if selection else None))
         o = parts[0] if len(parts) == 1 else torch.cat(parts)
         return self.o_proj(o.reshape(T, H * self.Dv))
 
-    def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+    def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, md: AttentionMetadata,
+                allowed: torch.Tensor | None = None) -> torch.Tensor:
         w_uk, w_uv = self._absorbed_weights()
         q_latent = torch.einsum("bhd,hdl->bhl", q_nope, w_uk)
-        if self.backend == "triton":
+        if self.backend == "triton" and allowed is None:   # sparse (DSA) selections: the reference so far
             from kdaserve.ops.mla.decode import mla_decode_triton
 
             out_latent = mla_decode_triton(q_latent, q_pe, self.cache, md.decode_block_tables, md.decode_context_lens, self.scale)
         else:
             out_latent = mla_decode_reference(q_latent.to(self.cache.dtype), q_pe.to(self.cache.dtype), self.cache,
-                                              md.decode_block_tables, md.decode_context_lens, self.scale)
+                                              md.decode_block_tables, md.decode_context_lens, self.scale, allowed)
         return torch.einsum("bhl,hdl->bhd", out_latent.to(q_nope.dtype), w_uv)
 
-    def _prefill(self, q_nope, q_pe, ctx_latent, ctx_pe, query_lens: list[int], context_lens: list[int]) -> torch.Tensor:
+    def _prefill(self, q_nope, q_pe, ctx_latent, ctx_pe, query_lens: list[int], context_lens: list[int],
+                 allowed: list[torch.Tensor] | None = None) -> torch.Tensor:
         C, H = ctx_latent.shape[0], self.num_heads
         kv = self.kv_b_proj(ctx_latent).view(C, H, self.Dn + self.Dv)
         k_nope, v = kv[..., : self.Dn], kv[..., self.Dn :]
-        if self.backend == "triton":
+        if self.backend == "triton" and allowed is None:
             from kdaserve.ops.mla.prefill import mla_prefill_triton
 
             return mla_prefill_triton(q_nope, q_pe, k_nope, ctx_pe, v, query_lens, context_lens, self.scale)
-        return mla_prefill_reference(q_nope, q_pe, k_nope, ctx_pe, v, query_lens, context_lens, self.scale)
+        return mla_prefill_reference(q_nope, q_pe, k_nope, ctx_pe, v, query_lens, context_lens, self.scale, allowed)
 
     def extra_repr(self) -> str:
         return (f"layer={self.layer_idx}, heads={self.num_heads}, latent={self.L}+{self.R}, nope={self.Dn}, "
