@@ -13,12 +13,17 @@ class SwiGLUMLP(nn.Module):
     # Checkpoint names -> shard of the merged parameter.
     packed_modules = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
-    def __init__(self, hidden_size: int, intermediate_size: int, *, dtype=None, device=None):
+    def __init__(self, hidden_size: int, intermediate_size: int, *, activation_limit: float | None = None,
+                 dtype=None, device=None):
         super().__init__()
+        # GLM-5.3-Flash's clamped SwiGLU: silu(min(gate, limit)) * clamp(up, -limit, limit).
+        self.activation_limit = activation_limit
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], dtype=dtype, device=device)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, dtype=dtype, device=device)
         self.down_proj.weight.requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        if self.activation_limit is not None:
+            gate, up = gate.clamp(max=self.activation_limit), up.clamp(-self.activation_limit, self.activation_limit)
         return self.down_proj(F.silu(gate) * up)

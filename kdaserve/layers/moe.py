@@ -31,7 +31,8 @@ class MoEMLP(nn.Module):
                                         if has_correction_bias else None)
         self.w13 = nn.Parameter(torch.empty(E, 2 * I, hidden_size, dtype=dtype, device=device), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(E, hidden_size, I, dtype=dtype, device=device), requires_grad=False)
-        self.shared_experts = (SwiGLUMLP(hidden_size, I * num_shared_experts, dtype=dtype, device=device)
+        self.shared_experts = (SwiGLUMLP(hidden_size, I * num_shared_experts, activation_limit=activation_limit,
+                                         dtype=dtype, device=device)
                                if num_shared_experts else None)
         self.backend = resolve_kernel_choice("MoE", backend, device)
 

@@ -1,0 +1,111 @@
+"""MLA with DeepSeek sparse attention (DSA) and k-pool compression: GLM-5.3-Flash's attention layer.
+
+The indexer (released names `self_attn.indexer.{wq_b, wk, k_norm, weights_proj,
+index_kpool_compress_ape, index_kpool_compress_gate}`) keeps, per context token, a key and gate
+logits in a paged cache of its own — the second cache tensor of the layer, `[num_blocks,
+block_size, 2 * index_head_dim]`, under the same block table as the MLA latent — and chooses for
+every query the context tokens it attends to (ops/dsa/reference.py). A layer whose
+`indexer_types` entry is "shared" has no indexer: it reuses the choice of the full layer before it
+(`source`), made earlier in the same forward.
+
+Until the Triton scoring kernel and a sparse MLA kernel exist, the choice and the attention run in
+plain torch (ops/dsa/reference.py, ops/mla/reference.py with masks) on every device."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kdaserve.layers.attention import AttentionMetadata
+from kdaserve.layers.mla import MLAttention, Selection, _linear
+from kdaserve.ops.dsa.reference import dsa_select_reference
+
+
+class DSAIndexer(nn.Module):
+    def __init__(self, hidden_size: int, q_lora_rank: int, *, num_heads: int, head_dim: int, kpool: int, topk: int,
+                 always_select_tail: bool, dtype=None, device=None):
+        super().__init__()
+        self.num_heads, self.head_dim, self.kpool, self.topk = num_heads, head_dim, kpool, topk
+        self.always_select_tail = always_select_tail
+        self.wq_b = _linear(q_lora_rank, num_heads * head_dim, dtype, device)
+        self.wk = _linear(hidden_size, head_dim, dtype, device)
+        self.k_norm = nn.LayerNorm(head_dim, eps=1e-6, dtype=dtype, device=device)
+        self.k_norm.requires_grad_(False)
+        self.weights_proj = _linear(hidden_size, num_heads, dtype, device)
+        kw = dict(dtype=dtype, device=device)
+        self.index_kpool_compress_ape = nn.Parameter(torch.zeros(kpool, head_dim, **kw), requires_grad=False)
+        self.index_kpool_compress_gate = nn.Parameter(torch.zeros(head_dim, hidden_size, **kw), requires_grad=False)
+
+    def cache_rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the cache keeps per token: [T, 2 * head_dim] = key | gate logits."""
+        return torch.cat([self.k_norm(self.wk(hidden)), F.linear(hidden, self.index_kpool_compress_gate)], dim=-1)
+
+    def queries(self, q_resid: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(index queries [T, Hi, Di], head weights [T, Hi] fp32 with the Hi^-0.5 factor)."""
+        q = self.wq_b(q_resid).view(-1, self.num_heads, self.head_dim)
+        w = self.weights_proj(hidden).float() * self.num_heads**-0.5
+        return q, w
+
+    def select(self, q, w, rows, positions) -> torch.Tensor:
+        """q [B, n, Hi, Di], w [B, n, Hi], rows [B, C, 2 Di], positions [B, n] -> allowed [B, n, C]."""
+        Di = self.head_dim
+        return dsa_select_reference(q, w, rows[..., :Di], rows[..., Di:], self.index_kpool_compress_ape, positions,
+                                    topk=self.topk, kpool=self.kpool, always_select_tail=self.always_select_tail)
+
+
+class DSAttention(MLAttention):
+    def __init__(self, hidden_size: int, num_heads: int, *, indexer: DSAIndexer | None, **mla):
+        super().__init__(hidden_size, num_heads, **mla)
+        if self.q_lora_rank is None:
+            raise ValueError("DSA needs q-LoRA (q_lora_rank): the indexer reads the q_a_layernorm output")
+        self.indexer = indexer
+        self.source: DSAttention | None = None   # a shared layer's full layer (set by the model)
+        self.index_cache: torch.Tensor | None = None
+        self.last_selection: Selection | None = None
+
+    def cache_shapes(self, num_blocks: int, block_size: int) -> list[tuple[int, ...]]:
+        shapes = super().cache_shapes(num_blocks, block_size)
+        if self.indexer is not None:
+            shapes.append((num_blocks, block_size, 2 * self.indexer.head_dim))
+        return shapes
+
+    def bind_cache(self, cache: torch.Tensor, index_cache: torch.Tensor | None = None) -> None:
+        super().bind_cache(cache)
+        if self.indexer is not None:
+            want = 2 * self.indexer.head_dim
+            if index_cache is None or index_cache.dim() != 3 or index_cache.shape[-1] != want:
+                raise ValueError(f"DSA layer {self.layer_idx} needs an indexer cache [num_blocks, block_size, {want}], "
+                                 f"got {None if index_cache is None else list(index_cache.shape)}")
+            self.index_cache = index_cache
+
+    def select(self, hidden: torch.Tensor, q_resid: torch.Tensor | None, md: AttentionMetadata) -> Selection:
+        if self.indexer is None:
+            if self.source is None or self.source.last_selection is None:
+                raise RuntimeError(f"shared DSA layer {self.layer_idx} runs before a full indexer layer chose")
+            return self.source.last_selection
+        ix, width = self.indexer, self.index_cache.shape[-1]
+        flat = self.index_cache.view(-1, width)
+        flat.index_copy_(0, md.slot_mapping, ix.cache_rows(hidden).to(flat.dtype))
+        q, w = ix.queries(q_resid, hidden)
+        nd = md.num_decode_tokens
+        decode = prefill = None
+        if nd:
+            rows = self.index_cache[md.decode_block_tables.long()].reshape(nd, -1, width)
+            positions = (md.decode_context_lens.long() - 1)[:, None]
+            decode = ix.select(q[:nd, None], w[:nd, None], rows, positions)[:, 0]
+        if nd < q.shape[0]:
+            prefill, q0, k0 = [], nd, 0
+            for n, ctx in zip(md.prefill_query_lens, md.prefill_context_lens):
+                rows = flat[md.prefill_kv_rows[k0 : k0 + ctx]][None]
+                positions = torch.arange(ctx - n, ctx, device=q.device)[None]
+                prefill.append(ix.select(q[None, q0 : q0 + n], w[None, q0 : q0 + n], rows, positions)[0])
+                q0, k0 = q0 + n, k0 + ctx
+        self.last_selection = Selection(decode, prefill)
+        return self.last_selection
+
+    def extra_repr(self) -> str:
+        ix = self.indexer
+        kind = (f"indexer {ix.num_heads}x{ix.head_dim}, topk {ix.topk}, kpool {ix.kpool}" if ix is not None
+                else f"shared selection of layer {self.source.layer_idx if self.source else '?'}")
+        return super().extra_repr() + ", " + kind
