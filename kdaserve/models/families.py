@@ -41,8 +41,19 @@ def _kimi_linear() -> Family:
     return Family("kimi_linear", KimiLinearConfig.from_dict, build, random_released_tensors)
 
 
-_FAMILIES = {"kimi_linear": _kimi_linear}
-KNOWN_MODEL_TYPES = ("kimi_linear", "kda_hybrid*")
+def _glm5_next() -> Family:
+    from kdaserve.models.glm5_next import Glm5NextForCausalLM, random_released_tensors
+    from kdaserve.models.glm5_next_config import Glm5NextConfig
+
+    def build(config, *, kda, mla_backend, moe_backend, dtype, device):
+        return Glm5NextForCausalLM(config, kda=kda, mla_backend=mla_backend, moe_backend=moe_backend, dtype=dtype,
+                                   device=device)
+
+    return Family("glm5_next", Glm5NextConfig.from_dict, build, random_released_tensors)
+
+
+_FAMILIES = {"kimi_linear": _kimi_linear, "glm5_next": _glm5_next, "glm5_next_text": _glm5_next}
+KNOWN_MODEL_TYPES = ("kimi_linear", "glm5_next", "kda_hybrid*")
 
 
 def family_of(config_dict: dict) -> Family:

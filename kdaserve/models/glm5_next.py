@@ -1,0 +1,341 @@
+"""GLM-5.3-Flash (Z.ai, `Glm5NextForConditionalGeneration`, text part): KDA layers with the bounded
+gate, MLA layers without rotary embedding with the DSA indexer (layers/dsa.py), hyper-connections
+around every sublayer (layers/hyper_connection.py), dense first layers then mixture-of-experts,
+clamped SwiGLU everywhere (`swiglu_limit`).
+
+Loaded from the **released** tensor names (prefix `model.language_model.`, head `lm_head.weight`):
+
+    embed_tokens.weight, norm.weight
+    layers.{i}.input_layernorm.weight, .post_attention_layernorm.weight
+    layers.{i}.hc_attn_{fn,base,scale}, .hc_ffn_{fn,base,scale}              (fp32)
+    KDA  layers.{i}.self_attn.{q,k,v}_proj, b_proj, f_a_proj, f_b_proj, g_a_proj, g_b_proj,
+         {q,k,v}_conv1d [P, 1, W], A_log [H], dt_bias [P], o_norm, o_proj
+    DSA  layers.{i}.self_attn.q_a_proj, q_a_layernorm, q_b_proj, kv_a_proj_with_mqa, kv_a_layernorm,
+         kv_b_proj, o_proj; indexer.{wq_b, wk, k_norm (weight, bias), weights_proj,
+         index_kpool_compress_ape, index_kpool_compress_gate}   (no indexer in "shared" layers)
+    MLP  layers.{i}.mlp.{gate,up,down}_proj                                   ("dense" layers)
+    MoE  layers.{i}.mlp.gate.weight, .gate.e_score_correction_bias,
+         .experts.{e}.{gate,up,down}_proj.weight, .shared_experts.{gate,up,down}_proj.weight
+
+The vision tower (`model.visual.*`) is skipped with one log line; the multi-token-prediction layer
+(index num_hidden_layers, `num_nextn_predict_layers`) is skipped until the MTP drafter exists. A
+tensor this config lacks, a missing one or one of another shape is an error naming it. FP8
+block-scaled checkpoints are dequantized at load (models/fp8.py)."""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import defaultdict
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from kdaserve.backends import KDABackendChoice, LayerSettings
+from kdaserve.layers.dsa import DSAIndexer, DSAttention
+from kdaserve.layers.embed_head import VocabEmbedding
+from kdaserve.layers.hyper_connection import HyperConnection
+from kdaserve.layers.mlp import SwiGLUMLP
+from kdaserve.layers.moe import MoEMLP
+from kdaserve.layers.norm import RMSNorm
+from kdaserve.models.causal_lm import KDACausalLM
+from kdaserve.models.fp8 import dequantized_weights, fp8_block_size
+from kdaserve.models.glm5_next_config import Glm5NextConfig
+from kdaserve.models.weight_names import load_named_tensor
+
+log = logging.getLogger(__name__)
+
+PREFIX = "model.language_model."
+_LAYER = re.compile(r"model\.language_model\.layers\.(\d+)\.(.+)")
+_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+_EXPERT_PART = {"gate": "w1", "up": "w3", "down": "w2"}
+_HC = re.compile(r"hc_(attn|ffn)_(fn|base|scale)")
+
+
+def _kda_settings(config: Glm5NextConfig, kda: KDABackendChoice, dtype: torch.dtype) -> LayerSettings:
+    return LayerSettings(input_dtype=dtype, head_dim=config.linear_head_dim, lower_bound=config.linear_lower_bound,
+                         state_dtype=kda.state_dtype, conv_layout=kda.conv_layout, num_spec_tokens=kda.num_spec_tokens,
+                         conv_width=config.linear_conv_kernel_dim)
+
+
+class Glm5NextDecoderLayer(nn.Module):
+    def __init__(self, config: Glm5NextConfig, i: int, *, kda: KDABackendChoice, kda_backends, mla_backend: str,
+                 moe_backend: str, dtype, device):
+        super().__init__()
+        c, h = config, config.hidden_size
+        self.layer_idx, self.is_kda, self.is_moe = i, c.layer_types[i] == "linear_attention", c.is_moe_layer(i)
+        self.input_layernorm = RMSNorm(h, c.rms_norm_eps, dtype=dtype, device=device)
+        self.post_attention_layernorm = RMSNorm(h, c.rms_norm_eps, dtype=dtype, device=device)
+        hc = dict(sinkhorn_iters=c.hc_sinkhorn_iters, hc_eps=c.hc_eps, norm_eps=c.rms_norm_eps, device=device)
+        self.attn_hc = HyperConnection(h, c.hc_mult, **hc)
+        self.ffn_hc = HyperConnection(h, c.hc_mult, **hc)
+        if self.is_kda:
+            from kdaserve.layers.kda import KDALayer
+
+            self.self_attn = KDALayer(
+                h, c.linear_num_heads, c.linear_head_dim, conv_kernel_size=c.linear_conv_kernel_dim,
+                lower_bound=c.linear_lower_bound, norm_eps=c.rms_norm_eps, layer_idx=i, params_dtype=dtype,
+                device=device, state_dtype=kda.state_dtype, conv_layout=kda.conv_layout,
+                num_spec_tokens=kda.num_spec_tokens, backends=kda_backends,
+            )
+        else:
+            indexer = None
+            if c.indexer_types[i] == "full":
+                indexer = DSAIndexer(h, c.q_lora_rank, num_heads=c.index_n_heads, head_dim=c.index_head_dim,
+                                     kpool=c.index_kpool, topk=c.index_topk,
+                                     always_select_tail=c.index_kpool_always_select_tail, dtype=dtype, device=device)
+            self.self_attn = DSAttention(
+                h, c.num_attention_heads, indexer=indexer, kv_lora_rank=c.kv_lora_rank,
+                qk_nope_head_dim=c.qk_nope_head_dim, qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim,
+                q_lora_rank=c.q_lora_rank, norm_eps=c.rms_norm_eps, layer_idx=i, backend=mla_backend, dtype=dtype,
+                device=device,
+            )
+        if self.is_moe:
+            self.mlp = MoEMLP(h, c.router, c.moe_intermediate_size, num_shared_experts=c.n_shared_experts,
+                              activation_limit=c.swiglu_limit, backend=moe_backend, dtype=dtype, device=device)
+        else:
+            self.mlp = SwiGLUMLP(h, c.intermediate_size, activation_limit=c.swiglu_limit, dtype=dtype, device=device)
+
+    @property
+    def mixer(self) -> nn.Module:
+        return self.self_attn
+
+    def forward(self, positions: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+        post, comb, x = self.attn_hc(streams)
+        x = self.input_layernorm(x)
+        x = self.self_attn(x) if self.is_kda else self.self_attn(positions, x)
+        streams = HyperConnection.update(streams, x, post, comb)
+        post, comb, x = self.ffn_hc(streams)
+        x = self.mlp(self.post_attention_layernorm(x))
+        return HyperConnection.update(streams, x, post, comb)
+
+
+class Glm5NextModel(nn.Module):
+    def __init__(self, config: Glm5NextConfig, **kw):
+        super().__init__()
+        dtype, device = kw["dtype"], kw["device"]
+        self.hc_mult = config.hc_mult
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(Glm5NextDecoderLayer(config, i, **kw) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
+        for i, layer in enumerate(self.layers):   # a shared DSA layer reuses the selection of the layer before it
+            if not layer.is_kda and layer.self_attn.indexer is None:
+                layer.self_attn.source = self.layers[i - 1].self_attn
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        streams = x.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
+        for layer in self.layers:
+            streams = layer(positions, streams)
+        return self.norm(streams.mean(dim=1))
+
+
+class Glm5NextForCausalLM(KDACausalLM):
+    """The engine's model interface (models/causal_lm.py) over the released checkpoint format."""
+
+    def __init__(self, config: Glm5NextConfig, *, kda: KDABackendChoice | None = None, mla_backend: str = "auto",
+                 moe_backend: str = "auto", dtype=None, device=None):
+        super().__init__()
+        dtype = dtype or torch.get_default_dtype()
+        kda = kda or KDABackendChoice()
+        backends = self.resolve_backends(config, kda, _kda_settings(config, kda, dtype), device)
+        self.model = Glm5NextModel(config, kda=kda, kda_backends=backends, mla_backend=mla_backend,
+                                   moe_backend=moe_backend, dtype=dtype, device=device)
+        self.add_head(dtype, device)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return load_released_weights(self, weights)
+
+
+# ---- the released checkpoint format ---------------------------------------------------------------
+
+def released_shapes(config: Glm5NextConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a complete released checkpoint (text part), with its shape."""
+    c, h = config, config.hidden_size
+    s: dict[str, tuple[int, ...]] = {PREFIX + "embed_tokens.weight": (c.vocab_size, h), PREFIX + "norm.weight": (h,)}
+    if not c.tie_word_embeddings:
+        s["lm_head.weight"] = (c.vocab_size, h)
+    H, D, W = c.linear_num_heads, c.linear_head_dim, c.linear_conv_kernel_dim
+    P, N = H * D, c.hc_mult
+    for i in range(c.num_hidden_layers):
+        p = f"{PREFIX}layers.{i}."
+        s[p + "input_layernorm.weight"] = s[p + "post_attention_layernorm.weight"] = (h,)
+        for kind in ("attn", "ffn"):
+            s[p + f"hc_{kind}_fn"] = ((2 + N) * N, N * h)
+            s[p + f"hc_{kind}_base"] = ((2 + N) * N,)
+            s[p + f"hc_{kind}_scale"] = (3,)
+        a = p + "self_attn."
+        if c.layer_types[i] == "linear_attention":
+            for n, rows in (("q_proj", P), ("k_proj", P), ("v_proj", P), ("b_proj", H), ("f_a_proj", D), ("g_a_proj", D)):
+                s[a + n + ".weight"] = (rows, h)
+            s[a + "f_b_proj.weight"] = s[a + "g_b_proj.weight"] = (P, D)
+            for x in "qkv":
+                s[a + f"{x}_conv1d.weight"] = (P, 1, W)
+            s[a + "A_log"] = (H,)
+            s[a + "dt_bias"] = (P,)
+            s[a + "o_norm.weight"] = (D,)
+            s[a + "o_proj.weight"] = (h, P)
+        else:
+            Hq, Dn, Dv, L, Q = c.num_attention_heads, c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank, c.q_lora_rank
+            s[a + "q_a_proj.weight"] = (Q, h)
+            s[a + "q_a_layernorm.weight"] = (Q,)
+            s[a + "q_b_proj.weight"] = (Hq * Dn, Q)
+            s[a + "kv_a_proj_with_mqa.weight"] = (L, h)
+            s[a + "kv_a_layernorm.weight"] = (L,)
+            s[a + "kv_b_proj.weight"] = (Hq * (Dn + Dv), L)
+            s[a + "o_proj.weight"] = (h, Hq * Dv)
+            if c.indexer_types[i] == "full":
+                x, Hi, Di = a + "indexer.", c.index_n_heads, c.index_head_dim
+                s[x + "wq_b.weight"] = (Hi * Di, Q)
+                s[x + "wk.weight"] = (Di, h)
+                s[x + "k_norm.weight"] = s[x + "k_norm.bias"] = (Di,)
+                s[x + "weights_proj.weight"] = (Hi, h)
+                s[x + "index_kpool_compress_ape"] = (c.index_kpool, Di)
+                s[x + "index_kpool_compress_gate"] = (Di, h)
+        m = p + "mlp."
+        if c.is_moe_layer(i):
+            E, I = c.n_routed_experts, c.moe_intermediate_size
+            s[m + "gate.weight"] = (E, h)
+            s[m + "gate.e_score_correction_bias"] = (E,)
+            for e in range(E):
+                s[m + f"experts.{e}.gate_proj.weight"] = s[m + f"experts.{e}.up_proj.weight"] = (I, h)
+                s[m + f"experts.{e}.down_proj.weight"] = (h, I)
+            if c.n_shared_experts:
+                Is = I * c.n_shared_experts
+                s[m + "shared_experts.gate_proj.weight"] = s[m + "shared_experts.up_proj.weight"] = (Is, h)
+                s[m + "shared_experts.down_proj.weight"] = (h, Is)
+        else:
+            s[m + "gate_proj.weight"] = s[m + "up_proj.weight"] = (c.intermediate_size, h)
+            s[m + "down_proj.weight"] = (h, c.intermediate_size)
+    return s
+
+
+def _skipped(name: str, config: Glm5NextConfig, notes: set[str]) -> bool:
+    """The vision tower and the multi-token-prediction layer are not served (yet): one note each."""
+    if name.startswith(("model.visual.", "visual.")):
+        notes.add("the vision tower (model.visual.*): kdaserve serves the text model")
+        return True
+    m = _LAYER.fullmatch(name)
+    if m and int(m[1]) >= config.num_hidden_layers:
+        notes.add(f"layers >= {config.num_hidden_layers} (the multi-token-prediction layer): no MTP drafter yet")
+        return True
+    return False
+
+
+def load_released_weights(model: Glm5NextForCausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    """Copy released checkpoint tensors into `model`; returns the names loaded. FP8 weights with
+    their `weight_scale_inv` are dequantized first. Unknown names, wrong shapes and missing tensors
+    are errors that name them."""
+    config = model.config
+    shapes = released_shapes(config)
+    params = dict(model.named_parameters())
+    kda_items: dict[int, list[tuple[str, torch.Tensor]]] = defaultdict(list)
+    loaded: set[str] = set()
+    unknown: list[str] = []
+    notes: set[str] = set()
+    for name, tensor in dequantized_weights(weights, model.model.embed_tokens.weight.dtype, fp8_block_size(config.extra)):
+        if _skipped(name, config, notes):
+            continue
+        if name not in shapes:
+            unknown.append(name)
+            continue
+        if tuple(tensor.shape) != shapes[name]:
+            raise ValueError(f"checkpoint tensor {name} has shape {list(tensor.shape)}; expected {list(shapes[name])}")
+        m = _LAYER.fullmatch(name)
+        if m is None:
+            if name == "lm_head.weight":
+                params["lm_head.weight"].copy_(tensor)
+            else:
+                params["model." + name.removeprefix(PREFIX)].copy_(tensor)
+        else:
+            i, rest = int(m[1]), m[2]
+            layer = model.model.layers[i]
+            if layer.is_kda and rest.startswith("self_attn."):
+                kda_items[i].append((rest.removeprefix("self_attn."), tensor))
+            else:
+                _load_layer_tensor(model, layer, i, rest, tensor, params)
+        loaded.add(name)
+    for note in sorted(notes):
+        log.info("GLM-5.3-Flash checkpoint: skipped %s", note)
+    for i, items in kda_items.items():
+        model.model.layers[i].self_attn.load_weights(items)
+    if unknown:
+        raise ValueError(f"checkpoint has {len(unknown)} tensors GLM-5.3-Flash (this config) does not have "
+                         f"(released names expected), e.g. {sorted(unknown)[:8]}")
+    missing = sorted(set(shapes) - loaded)
+    if missing:
+        raise ValueError(f"checkpoint lacks {len(missing)} tensors of this config, e.g. {missing[:8]}")
+    return loaded
+
+
+def _load_layer_tensor(model, layer: Glm5NextDecoderLayer, i: int, rest: str, tensor: torch.Tensor, params: dict) -> None:
+    e = _EXPERT.fullmatch(rest)
+    if e:
+        layer.mlp.load_expert(int(e[1]), _EXPERT_PART[e[2]], tensor)
+        return
+    hc = _HC.fullmatch(rest)
+    if hc:
+        getattr(getattr(layer, f"{hc[1]}_hc"), hc[2]).copy_(tensor)
+        return
+    renamed = {"mlp.gate.weight": "mlp.gate_weight",
+               "mlp.gate.e_score_correction_bias": "mlp.e_score_correction_bias"}.get(rest, rest)
+    if not load_named_tensor(model, f"model.layers.{i}.{renamed}", tensor, params):
+        raise ValueError(f"{PREFIX}layers.{i}.{rest}: no parameter of the model takes it")
+
+
+# ---- random weights at any size (tests, `--load-format dummy`) ------------------------------------
+
+def random_released_tensors(config: Glm5NextConfig, seed: int = 0, *, dtype=torch.bfloat16, device="cpu"):
+    """Random tensors under the released names, one at a time, scaled so activations stay O(1) at
+    any depth. What transformers' initialisation would leave trivial is randomised (pool `ape`
+    and `compress_gate`, hc `base` and `scale`, `A_log`, the correction bias), so a comparison
+    exercises every term. Yields (name, tensor)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    layers = config.num_hidden_layers
+    f32 = torch.float32
+
+    def randn(shape, std, dt=dtype):
+        return torch.randn(shape, generator=gen, device=device, dtype=f32).mul_(std).to(dt)
+
+    for name, shape in released_shapes(config).items():
+        if name.endswith(("norm.weight", "k_norm.weight")):
+            t = 1.0 + randn(shape, 0.1)
+        elif name.endswith("k_norm.bias"):
+            t = randn(shape, 0.1)
+        elif name.endswith("_conv1d.weight"):
+            t = randn(shape, shape[-1] ** -0.5, f32)
+        elif name.endswith(".A_log"):
+            t = randn(shape, 0.5, f32)
+        elif name.endswith(".dt_bias"):
+            t = randn(shape, 1.0, f32)
+        elif name.endswith("e_score_correction_bias"):
+            t = randn(shape, 0.05, f32)
+        elif name.endswith("mlp.gate.weight"):
+            t = randn(shape, shape[1] ** -0.5, f32)
+        elif re.search(r"hc_(attn|ffn)_fn$", name):
+            t = randn(shape, shape[1] ** -0.5, f32)
+        elif re.search(r"hc_(attn|ffn)_base$", name):
+            t = randn(shape, 0.5, f32)
+        elif re.search(r"hc_(attn|ffn)_scale$", name):
+            t = 1.0 + randn(shape, 0.3, f32)
+        elif name.endswith("index_kpool_compress_ape"):
+            t = randn(shape, 1.0)
+        elif name.endswith("index_kpool_compress_gate"):
+            t = randn(shape, shape[1] ** -0.5)
+        elif name == PREFIX + "embed_tokens.weight":
+            t = randn(shape, 1.0)
+        elif name == "lm_head.weight":
+            t = randn(shape, 4.0 / shape[1] ** 0.5)
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            t = randn(shape, 1.0 / (shape[1] * 2 * layers) ** 0.5)
+        elif name.endswith(".b_proj.weight"):
+            t = randn(shape, 2.0 / shape[1] ** 0.5)
+        else:
+            t = randn(shape, shape[-1] ** -0.5)
+        yield name, t
+
+
+__all__ = ["Glm5NextConfig", "Glm5NextForCausalLM", "load_released_weights", "random_released_tensors",
+           "released_shapes"]

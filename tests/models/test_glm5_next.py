@@ -1,0 +1,225 @@
+"""GLM-5.3-Flash against transformers 5.23.0 (`Glm5NextForConditionalGeneration` with a tiny vision
+config, fp32 on the CPU): a tiny random checkpoint written with the **released** tensor names in the
+released nested config, loaded by both. Every term transformers' initialisation would leave trivial
+is randomised (pool ape and compress gate, hc base and scale, A_log, the correction bias).
+
+Two configs: a **sparse** one (index_topk 8 in pools of 4, prompts up to 37 tokens, so queries see
+more than topk + kpool - 1 = 11 tokens and the selection matters: a test shows the logits differ
+from dense attention) with a shared-indexer layer, and a **dense** one (index_topk covers every
+prompt). Log-probs of every position within relative RMS 1e-4 and 32 greedy tokens identical,
+alone, batched, with chunked prefill and with a preemption."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from safetensors.torch import save_file
+
+from kdaserve.engine import LLM, SamplingParams
+from kdaserve.models.glm5_next import random_released_tensors, released_shapes
+from kdaserve.models.glm5_next_config import Glm5NextConfig
+from kdaserve.testing.compare import rel_rms
+
+VOCAB = 260
+REF = dict(kda_prefill_backend="reference", kda_decode_backend="reference", mla_backend="reference",
+           moe_backend="reference")
+PROMPTS = [[72, 101, 108, 108, 111, 32, 75, 68, 65], list(range(40, 77)), [7], [200 + (i * 7) % 50 for i in range(23)]]
+TINY_VISION = {"depth": 1, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64, "out_hidden_size": 64,
+               "projection_intermediate_size": 64, "patch_size": 14, "image_size": 28}
+
+
+def tiny_config(**overrides) -> Glm5NextConfig:
+    """KDA, DSA (full indexer), DSA (shared: reuses layer 1's selection), KDA, DSA (full); dense first layer."""
+    kw = dict(hidden_size=64, num_hidden_layers=5, vocab_size=VOCAB,
+              layer_types=["linear_attention", "indexed_attention", "indexed_attention", "linear_attention",
+                           "indexed_attention"],
+              mlp_layer_types=["dense", "sparse", "sparse", "sparse", "sparse"],
+              indexer_types=["full", "full", "shared", "full", "full"],
+              linear_num_heads=2, linear_head_dim=32, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
+              kv_lora_rank=32, qk_nope_head_dim=16, v_head_dim=16, index_topk=8, index_head_dim=16, index_n_heads=8,
+              index_kpool=4, hc_mult=4, hc_sinkhorn_iters=20, intermediate_size=96, moe_intermediate_size=32,
+              n_routed_experts=8, num_experts_per_tok=3, routed_scaling_factor=2.5, swiglu_limit=1.5,
+              max_position_embeddings=4096, eos_token_id=256, pad_token_id=None, torch_dtype="float32")
+    kw.update(overrides)
+    return Glm5NextConfig(**kw)
+
+
+def write_checkpoint(path, config: Glm5NextConfig, seed: int = 3, mutate=None, extra_tensors=None):
+    """The released layout: config.json nested under text_config beside a vision config, one shard."""
+    path.mkdir(parents=True, exist_ok=True)
+    text = {**config.to_dict(), "model_type": "glm5_next_text"}
+    released = {"model_type": "glm5_next", "architectures": ["Glm5NextForConditionalGeneration"], "text_config": text,
+                "vision_config": TINY_VISION, "tie_word_embeddings": False}
+    (path / "config.json").write_text(json.dumps(released))
+    tensors = {k: v.contiguous() for k, v in random_released_tensors(config, seed, dtype=torch.float32)}
+    tensors.update(extra_tensors or {})
+    if mutate is not None:
+        mutate(tensors)
+    save_file(tensors, str(path / "model.safetensors"))
+    return path
+
+
+@pytest.fixture(scope="module", params=["sparse", "dense"])
+def case(request, tmp_path_factory):
+    config = tiny_config() if request.param == "sparse" else tiny_config(index_topk=64)
+    ckpt = write_checkpoint(tmp_path_factory.mktemp("glm") / "ckpt", config)
+    hf = transformers.Glm5NextForConditionalGeneration.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    return request.param, ckpt, hf
+
+
+def _dense(entry: dict) -> torch.Tensor:
+    row = torch.full((VOCAB,), float("nan"))
+    for i, v in entry["top"]:
+        row[i] = v
+    return row
+
+
+def _our_logprobs(llm, prompts):
+    params = SamplingParams(max_tokens=1, prompt_logprobs=VOCAB, logprobs=VOCAB, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [torch.stack([_dense(e) for e in o.prompt_logprobs[1:]] + [_dense(o.logprobs[0])]) for o in outs]
+
+
+def test_log_probs_of_every_position_match_transformers(case):
+    _, ckpt, hf = case
+    llm = LLM(str(ckpt), max_model_len=256, max_logprobs=VOCAB, **REF)
+    for prompt, ours in zip(PROMPTS, _our_logprobs(llm, PROMPTS)):
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)
+        assert not ours.isnan().any()
+        assert rel_rms(ours, ref) <= 1e-4, (len(prompt), rel_rms(ours, ref))
+
+
+def test_the_sparse_selection_changes_the_result(case, tmp_path):
+    """Guards the test above: in the sparse config the long prompt's later positions differ from
+    dense attention (same weights, topk widened), so the selection is really exercised."""
+    kind, ckpt, _ = case
+    if kind != "sparse":
+        pytest.skip("the dense config has nothing to select")
+    dense_dir = tmp_path / "dense"
+    shutil.copytree(ckpt, dense_dir)
+    d = json.loads((dense_dir / "config.json").read_text())
+    d["text_config"]["index_topk"] = 64
+    (dense_dir / "config.json").write_text(json.dumps(d))
+    long = [PROMPTS[1]]
+    sparse_lp = _our_logprobs(LLM(str(ckpt), max_model_len=256, max_logprobs=VOCAB, **REF), long)[0]
+    dense_lp = _our_logprobs(LLM(str(dense_dir), max_model_len=256, max_logprobs=VOCAB, **REF), long)[0]
+    assert torch.equal(sparse_lp[:11], dense_lp[:11]), "up to topk + kpool - 1 tokens the selection is dense"
+    assert rel_rms(sparse_lp[11:], dense_lp[11:]) > 1e-3
+
+
+def _hf_greedy(hf, prompt, n=32):
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_32_greedy_tokens_match_transformers_alone_batched_chunked_and_preempted(case):
+    _, ckpt, hf = case
+    want = [_hf_greedy(hf, p) for p in PROMPTS]
+    greedy = SamplingParams(max_tokens=32, ignore_eos=True)
+
+    def ids(llm, prompts):
+        return [o.output_token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+
+    llm = LLM(str(ckpt), max_model_len=256, **REF)
+    assert [ids(llm, [p])[0] for p in PROMPTS] == want                         # alone
+    assert ids(llm, PROMPTS) == want                                           # batched
+    chunked = LLM(str(ckpt), max_model_len=256, max_num_batched_tokens=8, **REF)
+    assert ids(chunked, PROMPTS) == want                                       # prompts cut into chunks of <= 8 tokens
+    tight = LLM(str(ckpt), max_model_len=80, num_kv_blocks=9, block_size=16, **REF)
+    assert ids(tight, PROMPTS) == want
+    assert tight.engine.counters["preemptions"] > 0
+    stats = tight.engine.stats()
+    assert stats["state_slots_used"] == 0 and stats["kv_blocks_used"] == 0
+
+
+# ---- configs and checkpoints ----------------------------------------------------------------------
+
+def test_config_forms_flat_nested_and_linear_attn_config():
+    nested = {"model_type": "glm5_next", "text_config": {"hidden_size": 64, "num_hidden_layers": 4, "vocab_size": 300,
+                                                         "mhc": True, "mla_use_nope": True, "topk_method": "noaux_tc",
+                                                         "scoring_func": "sigmoid", "moe_router_dtype": "float32",
+                                                         "num_nextn_predict_layers": 1, "num_local_experts": 16,
+                                                         "linear_attn_config": {"num_heads": 8, "head_dim": 64,
+                                                                                "short_conv_kernel_size": 4,
+                                                                                "gate_lower_bound": -4.0,
+                                                                                "kda_layers": [0, 1, 3],
+                                                                                "full_attn_layers": [2]}},
+              "eos_token_id": [5, 6], "quantization_config": {"weight_block_size": [128, 128]}}
+    c = Glm5NextConfig.from_dict(nested)
+    assert c.layer_types == ["linear_attention", "linear_attention", "indexed_attention", "linear_attention"]
+    assert (c.linear_num_heads, c.linear_head_dim, c.linear_lower_bound) == (8, 64, -4.0)
+    assert c.n_routed_experts == 16 and c.eos_token_id == [5, 6] and c.num_mtp_layers == 1
+    assert c.mlp_layer_types == ["dense", "dense", "dense", "sparse"] and c.extra["mhc"] is True
+    flat = Glm5NextConfig.from_dict({"hidden_size": 64, "num_hidden_layers": 8, "vocab_size": 300,
+                                     "layer_types": ["linear_attention"] * 3 + ["deepseek_sparse_attention"]
+                                     + ["linear_attention"] * 3 + ["full_attention"]})
+    assert flat.attention_layer_ids == [3, 7]
+    default = Glm5NextConfig()   # as released: 34 KDA + 11 attention layers, 45 in all
+    assert len(default.kda_layer_ids) == 34 and default.attention_layer_ids == list(range(3, 45, 4))
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"layer_types": ["linear_attention", "mamba", "indexed_attention", "linear_attention"]}, "unknown layer types"),
+    ({"indexer_types": ["full", "full", "full", "shared"]}, "layer 2 is not an attention layer with a full indexer"),
+    ({"qk_rope_head_dim": 64}, "no rotary"),
+    ({"linear_attn_config": {"kda_layers": [0, 1, 4], "full_attn_layers": [2]}}, "0-based"),
+])
+def test_bad_configs_are_refused_with_the_reason(bad, match):
+    base = {"hidden_size": 64, "num_hidden_layers": 4, "vocab_size": 300}
+    with pytest.raises(ValueError, match=match):
+        Glm5NextConfig.from_dict({**base, **bad})
+
+
+def _load(path):
+    from kdaserve.models.loader import load_model
+
+    return load_model(str(path), dtype=torch.float32, device="cpu", mla_backend="reference", moe_backend="reference")
+
+
+def test_bad_checkpoints_name_the_tensor(tmp_path):
+    config = tiny_config()
+    name = "model.language_model.layers.1.self_attn.indexer.wk.weight"
+    write_checkpoint(tmp_path / "missing", config, mutate=lambda t: t.pop(name))
+    with pytest.raises(ValueError, match=r"lacks 1 tensors.*indexer\.wk\.weight"):
+        _load(tmp_path / "missing")
+    hc = "model.language_model.layers.1.hc_attn_fn"
+    write_checkpoint(tmp_path / "shape", config, mutate=lambda t: t.__setitem__(hc, t[hc][:, :-1].contiguous()))
+    with pytest.raises(ValueError, match=r"hc_attn_fn has shape \[24, 255\]; expected \[24, 256\]"):
+        _load(tmp_path / "shape")
+    shared = "model.language_model.layers.2.self_attn.indexer.wk.weight"   # layer 2 shares: it has no indexer
+    write_checkpoint(tmp_path / "unknown", config, extra_tensors={shared: torch.zeros(16, 64)})
+    with pytest.raises(ValueError, match=r"does not have.*layers\.2\.self_attn\.indexer\.wk"):
+        _load(tmp_path / "unknown")
+
+
+def test_vision_tower_and_mtp_layer_are_skipped_with_one_line(tmp_path, caplog):
+    config = tiny_config()
+    extra = {"model.visual.blocks.0.attn.qkv.weight": torch.zeros(96, 32), "model.visual.merger.proj.weight": torch.zeros(4, 4),
+             "model.language_model.layers.5.eh_proj.weight": torch.zeros(64, 128)}
+    write_checkpoint(tmp_path / "ckpt", config, extra_tensors=extra)
+    with caplog.at_level(logging.INFO, logger="kdaserve.models.glm5_next"):
+        _load(tmp_path / "ckpt")
+    lines = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert sum("vision tower" in m for m in lines) == 1 and sum("multi-token-prediction" in m for m in lines) == 1
+
+
+def test_released_shapes_cover_the_released_architecture():
+    shapes = released_shapes(Glm5NextConfig(num_hidden_layers=4))
+    p = "model.language_model.layers."
+    assert shapes[p + "0.self_attn.A_log"] == (64,) and shapes[p + "0.self_attn.q_conv1d.weight"] == (8192, 1, 4)
+    assert shapes[p + "3.self_attn.kv_a_proj_with_mqa.weight"] == (512, 4096)          # no rope rows
+    assert shapes[p + "3.self_attn.q_b_proj.weight"] == (64 * 256, 1536)
+    assert shapes[p + "3.self_attn.indexer.index_kpool_compress_ape"] == (16, 128)
+    assert shapes[p + "0.hc_attn_fn"] == (24, 4 * 4096) and shapes[p + "0.mlp.gate_proj.weight"] == (12288, 4096)
+    assert shapes[p + "3.mlp.experts.287.down_proj.weight"] == (4096, 2048)
