@@ -5,10 +5,11 @@ byte-level tokenizer.
 - `bench`: KDA layers at GLM-5.3-Flash's per-GPU shape under 2-way tensor parallelism (32 heads of
   128, hidden 4096) with every 4th layer full attention; 8 layers keep GPU benchmarks fast.
 - `kimi-tiny`: the Kimi-Linear family (KDA with the unbounded gate, MLA, MoE) at a CPU size.
+- `glm-tiny`: the GLM-5.3-Flash family (bounded gate, DSA, hyper-connections) at a CPU size.
 - `nano`: a trained checkpoint shipped in the package (kdaserve/models/nano: the Kimi-Linear
   family, 6.6M parameters, trained on Python's standard library with tools/train_nano.py; recipe
   and curve in docs/evidence.md). Loaded like any checkpoint directory; the README's default.
-- released names (`moonshotai/Kimi-Linear-48B-A3B-Instruct`, `-Base`): the released architecture,
+- released names (`moonshotai/Kimi-Linear-48B-A3B-Instruct`, `-Base`, `zai-org/GLM-5.3-Flash`): the released architecture,
   for `--load-format dummy` (random weights at the real shape) when no checkpoint is at hand.
 """
 
@@ -49,10 +50,10 @@ BUILTIN_CONFIGS: dict[str, HybridConfig] = {
 
 def builtin_config(name: str):
     """A built-in model's configuration (random weights, byte tokenizer): a fresh copy callers may modify."""
-    c = BUILTIN_CONFIGS.get(name) or KIMI_BUILTIN_CONFIGS.get(name)
+    c = BUILTIN_CONFIGS.get(name) or FAMILY_BUILTIN_CONFIGS.get(name)
     if c is None:
         raise ValueError(f"unknown built-in model {name!r}; expected one of "
-                         f"{sorted(BUILTIN_CONFIGS) + sorted(KIMI_BUILTIN_CONFIGS)} or a checkpoint directory")
+                         f"{sorted(BUILTIN_CONFIGS) + sorted(FAMILY_BUILTIN_CONFIGS)} or a checkpoint directory")
     return type(c).from_dict(c.to_dict())
 
 
@@ -89,7 +90,28 @@ def _kimi_configs():
     }
 
 
-KIMI_BUILTIN_CONFIGS, RELEASED_CONFIGS = _kimi_configs()
+def _glm_configs():
+    from kdaserve.models.glm5_next_config import Glm5NextConfig
+
+    tiny = Glm5NextConfig(
+        hidden_size=64, num_hidden_layers=4, vocab_size=_BYTE_VOCAB,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "indexed_attention"],
+        linear_num_heads=2, linear_head_dim=32, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
+        kv_lora_rank=32, qk_nope_head_dim=16, v_head_dim=16, index_topk=64, index_head_dim=16, index_n_heads=4,
+        index_kpool=8, intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+        max_position_embeddings=8192, eos_token_id=ByteTokenizer().eos_token_id, pad_token_id=None,
+        torch_dtype="float32",
+    )
+    # GLM-5.3-Flash as transformers 5.23.0 describes it (no released config.json on this machine to
+    # confirm against): 45 layers (34 KDA, 11 DSA), 288 experts, one MTP layer.
+    released = Glm5NextConfig.from_dict({"model_type": "glm5_next_text", "num_nextn_predict_layers": 1})
+    return {"glm-tiny": tiny}, {"zai-org/GLM-5.3-Flash": released}
+
+
+FAMILY_BUILTIN_CONFIGS, RELEASED_CONFIGS = _kimi_configs()
+_glm_builtin, _glm_released = _glm_configs()
+FAMILY_BUILTIN_CONFIGS.update(_glm_builtin)
+RELEASED_CONFIGS.update(_glm_released)
 
 
 def released_config(name: str):

@@ -14,6 +14,7 @@ class Family:
     config_from_dict: Callable
     build: Callable           # build(config, *, kda, mla_backend, moe_backend, dtype, device) -> model
     random_weights: Callable  # random_weights(config, seed, *, dtype, device) -> iterable of (name, tensor)
+    shapes: Callable | None = None   # shapes(config) -> {checkpoint name: shape}, for the capacity check
 
 
 def _hybrid() -> Family:
@@ -31,25 +32,25 @@ def _hybrid() -> Family:
 
 
 def _kimi_linear() -> Family:
-    from kdaserve.models.kimi_linear import KimiLinearForCausalLM, random_released_tensors
+    from kdaserve.models.kimi_linear import KimiLinearForCausalLM, random_released_tensors, released_shapes
     from kdaserve.models.kimi_linear_config import KimiLinearConfig
 
     def build(config, *, kda, mla_backend, moe_backend, dtype, device):
         return KimiLinearForCausalLM(config, kda=kda, mla_backend=mla_backend, moe_backend=moe_backend, dtype=dtype,
                                      device=device)
 
-    return Family("kimi_linear", KimiLinearConfig.from_dict, build, random_released_tensors)
+    return Family("kimi_linear", KimiLinearConfig.from_dict, build, random_released_tensors, released_shapes)
 
 
 def _glm5_next() -> Family:
-    from kdaserve.models.glm5_next import Glm5NextForCausalLM, random_released_tensors
+    from kdaserve.models.glm5_next import Glm5NextForCausalLM, random_released_tensors, released_shapes
     from kdaserve.models.glm5_next_config import Glm5NextConfig
 
     def build(config, *, kda, mla_backend, moe_backend, dtype, device):
         return Glm5NextForCausalLM(config, kda=kda, mla_backend=mla_backend, moe_backend=moe_backend, dtype=dtype,
                                    device=device)
 
-    return Family("glm5_next", Glm5NextConfig.from_dict, build, random_released_tensors)
+    return Family("glm5_next", Glm5NextConfig.from_dict, build, random_released_tensors, released_shapes)
 
 
 _FAMILIES = {"kimi_linear": _kimi_linear, "glm5_next": _glm5_next, "glm5_next_text": _glm5_next}

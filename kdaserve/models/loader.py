@@ -16,8 +16,9 @@ from pathlib import Path
 import torch
 
 from kdaserve.backends.kda_backends import KDABackendChoice
-from kdaserve.models.builtin import (BUILTIN_CONFIGS, KIMI_BUILTIN_CONFIGS, SHIPPED_CHECKPOINTS, builtin_config,
+from kdaserve.models.builtin import (BUILTIN_CONFIGS, FAMILY_BUILTIN_CONFIGS, SHIPPED_CHECKPOINTS, builtin_config,
                                      released_config)
+from kdaserve.models.capacity import check_weights_fit
 from kdaserve.models.config import HybridConfig
 from kdaserve.models.families import family_of, family_of_config
 from kdaserve.models.tokenizer import ByteTokenizer, HFTokenizer, load_checkpoint_tokenizer
@@ -67,6 +68,7 @@ def load_model(
     then tokenizes as the real model does)."""
     config, tokenizer, name, dummy = resolve_model(model, load_format, tokenizer_dir)
     family = family_of_config(config)
+    check_weights_fit(name, family.shapes(config) if family.shapes else None, dtype, device)
     net = family.build(config, kda=kda, mla_backend=mla_backend, moe_backend=moe_backend, dtype=dtype, device=device)
     weights = (family.random_weights(config, seed, dtype=dtype, device=device) if dummy
                else iterate_safetensors(SHIPPED_CHECKPOINTS.get(model, model)))
@@ -79,7 +81,7 @@ def resolve_model(model: str, load_format: str = "auto", tokenizer_dir: str | No
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     path = Path(SHIPPED_CHECKPOINTS.get(model, model))
-    if model in BUILTIN_CONFIGS or model in KIMI_BUILTIN_CONFIGS:
+    if model in BUILTIN_CONFIGS or model in FAMILY_BUILTIN_CONFIGS:
         config, tokenizer, name, dummy = builtin_config(model), ByteTokenizer(), model, True
     elif (path / "config.json").is_file():
         config_dict = json.loads((path / "config.json").read_text())
@@ -94,7 +96,7 @@ def resolve_model(model: str, load_format: str = "auto", tokenizer_dir: str | No
         log.info("%s: random weights at the released shape (--load-format dummy), byte tokenizer", model)
     else:
         raise ValueError(
-            f"model {model!r} is neither a built-in ({sorted(BUILTIN_CONFIGS) + sorted(KIMI_BUILTIN_CONFIGS)}), a shipped "
+            f"model {model!r} is neither a built-in ({sorted(BUILTIN_CONFIGS) + sorted(FAMILY_BUILTIN_CONFIGS)}), a shipped "
             f"checkpoint ({sorted(SHIPPED_CHECKPOINTS)}), a released "
             f"name with a known architecture, nor a directory with a config.json"
         )

@@ -223,3 +223,64 @@ def test_released_shapes_cover_the_released_architecture():
     assert shapes[p + "3.self_attn.indexer.index_kpool_compress_ape"] == (16, 128)
     assert shapes[p + "0.hc_attn_fn"] == (24, 4 * 4096) and shapes[p + "0.mlp.gate_proj.weight"] == (12288, 4096)
     assert shapes[p + "3.mlp.experts.287.down_proj.weight"] == (4096, 2048)
+
+
+# ---- FP8 block-scaled checkpoints, capacity, the built-in ------------------------------------------
+
+def _quantize_fp8(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's format: per block the max |w| maps to FP8's max (448); returns (fp8, scale_inv)."""
+    rows, cols = w.shape
+    br, bc = -(-rows // block), -(-cols // block)
+    padded = torch.zeros(br * block, bc * block)
+    padded[:rows, :cols] = w
+    blocks = padded.view(br, block, bc, block)
+    scale_inv = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12) / 448.0
+    q = (blocks / scale_inv[:, None, :, None]).view(br * block, bc * block)[:rows, :cols]
+    return q.to(torch.float8_e4m3fn), scale_inv
+
+
+def test_fp8_block_scaled_checkpoint_loads_as_its_dequantized_weights(tmp_path):
+    from kdaserve.models.fp8 import dequantize_block_fp8
+
+    config = tiny_config()
+    config.extra["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [16, 16]}
+    quantized, dequantized = {}, {}
+
+    def fp8(tensors):
+        for name in list(tensors):
+            t = tensors[name]
+            # Linear weights are quantized, as released; norms, embeddings, the head and the router are not.
+            if (t.dim() == 2 and name.endswith("proj.weight") and "norm" not in name) or name.endswith(".wk.weight"):
+                q, s = _quantize_fp8(t, 16)
+                quantized[name], quantized[name + "_scale_inv"] = q, s
+                dequantized[name] = dequantize_block_fp8(q, s, (16, 16), torch.float32, name)
+        tensors.update(quantized)
+
+    write_checkpoint(tmp_path / "fp8", config, mutate=fp8)
+    assert len(dequantized) > 40 and any(name.endswith("experts.0.down_proj.weight") for name in dequantized)
+    write_checkpoint(tmp_path / "ref", config, mutate=lambda t: t.update(dequantized))
+    a = _our_logprobs(LLM(str(tmp_path / "fp8"), max_model_len=256, max_logprobs=VOCAB, **REF), PROMPTS[:2])
+    b = _our_logprobs(LLM(str(tmp_path / "ref"), max_model_len=256, max_logprobs=VOCAB, **REF), PROMPTS[:2])
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    name = next(iter(dequantized))
+    write_checkpoint(tmp_path / "orphan", config, mutate=lambda t: (fp8(t), t.pop(name + "_scale_inv")))
+    with pytest.raises(ValueError, match=r"FP8 weights without their _scale_inv"):
+        _load(tmp_path / "orphan")
+
+
+def test_a_model_too_large_for_the_gpu_says_so_with_the_numbers():
+    from kdaserve.models.capacity import parameter_count, weights_fit_error
+    from kdaserve.models.builtin import released_config
+
+    config = released_config("zai-org/GLM-5.3-Flash")
+    n = parameter_count(released_shapes(config))
+    assert 300e9 < n < 330e9    # ~320B as released (the vision tower and MTP layer not counted)
+    message = weights_fit_error("zai-org/GLM-5.3-Flash", n, torch.bfloat16, 141 * 2**30)
+    assert "313.3B parameters" in message and "584 GiB" in message and "141 GiB" in message and "vLLM" in message
+    assert weights_fit_error("small", 10**9, torch.bfloat16, 141 * 2**30) is None
+
+
+def test_the_glm_tiny_builtin_generates():
+    out = LLM("glm-tiny", max_model_len=128).generate(["KDA is"], SamplingParams(max_tokens=8, ignore_eos=True),
+                                                      use_tqdm=False)
+    assert len(out[0].output_token_ids) == 8

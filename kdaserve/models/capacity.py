@@ -1,0 +1,37 @@
+"""Does a model's weights fit the device before anything is built? A model of hundreds of billions
+of parameters (GLM-5.3-Flash: ~320B) would otherwise fail deep inside the allocator after minutes of
+loading; this states the numbers and the way past one GPU instead."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+GIB = 2**30
+
+
+def parameter_count(shapes: dict[str, tuple[int, ...]]) -> int:
+    return sum(math.prod(s) for s in shapes.values())
+
+
+def weights_fit_error(name: str, num_params: int, dtype: torch.dtype, device_bytes: int) -> str | None:
+    """None when the weights alone fit `device_bytes`; else the message to stop with."""
+    need = num_params * torch.empty((), dtype=dtype).element_size()
+    if need <= device_bytes:
+        return None
+    return (f"{name} has {num_params / 1e9:.1f}B parameters: {need / GIB:.0f} GiB of weights in "
+            f"{str(dtype).removeprefix('torch.')}, but this device has {device_bytes / GIB:.0f} GiB in all, so it cannot "
+            f"serve the model on one GPU (FP8 weights would still need {num_params / GIB:.0f} GiB). Serve it across "
+            f"several GPUs with vLLM and kdaserve's KDA kernels (docs/models.md, 'Past one GPU'); for kernel work on "
+            f"one GPU, use a configuration with fewer layers")
+
+
+def check_weights_fit(name: str, shapes: dict[str, tuple[int, ...]] | None, dtype: torch.dtype, device) -> None:
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if shapes is None or device.type != "cuda":
+        return
+    total = torch.cuda.get_device_properties(device).total_memory
+    message = weights_fit_error(name, parameter_count(shapes), dtype, total)
+    if message:
+        raise ValueError(message)
