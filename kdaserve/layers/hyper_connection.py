@@ -11,50 +11,51 @@ instead of one. Per sublayer (attention, then the MLP), from the streams S [T, N
     S'     = post[n] * sublayer(norm(input)) + sum_m comb[m, n] S[m]
 
 The embedding enters replicated into all N streams; the output is the final norm of their mean.
-Plain torch (CPU and GPU). Released names: `hc_attn_fn` / `hc_attn_base` / `hc_attn_scale` and
-`hc_ffn_*`, kept in fp32 as they are used."""
+Reference in plain torch, two Triton kernels per sublayer on a GPU (ops/hyper_connection/).
+Released names: `hc_attn_fn` / `hc_attn_base` / `hc_attn_scale` and `hc_ffn_*`, kept in fp32 as
+they are used."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from kdaserve.layers.kernel_choice import resolve_kernel_choice
+from kdaserve.ops.hyper_connection.reference import hc_post_reference, hc_pre_reference
 
 
 class HyperConnection(nn.Module):
     def __init__(self, hidden_size: int, hc_mult: int, *, sinkhorn_iters: int, hc_eps: float, norm_eps: float,
-                 device=None):
+                 backend: str = "auto", device=None):
         super().__init__()
+        device = torch.device(device) if device is not None else torch.empty(0).device
         self.N, self.iters, self.hc_eps, self.norm_eps = hc_mult, sinkhorn_iters, hc_eps, norm_eps
         width = (2 + hc_mult) * hc_mult
         f32 = dict(dtype=torch.float32, device=device)
         self.fn = nn.Parameter(torch.zeros(width, hc_mult * hidden_size, **f32), requires_grad=False)
         self.base = nn.Parameter(torch.zeros(width, **f32), requires_grad=False)
         self.scale = nn.Parameter(torch.ones(3, **f32), requires_grad=False)
+        # The two Triton kernels (ops/hyper_connection/triton_hc.py) need a power-of-two stream count.
+        self.backend = resolve_kernel_choice("mHC", backend, device)
+        if self.backend == "triton" and hc_mult & (hc_mult - 1):
+            raise ValueError(f"mHC backend 'triton' needs a power-of-two hc_mult, got {hc_mult}; use 'reference'")
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [T, N, D] -> (post [T, N] fp32, comb [T, N, N] fp32, the sublayer input [T, D])."""
-        T, N = streams.shape[0], self.N
-        x = streams.reshape(T, -1).float()
-        x = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.norm_eps)
-        w = F.linear(x, self.fn)
-        pre_w, post_w, comb_w = w.split([N, N, N * N], dim=-1)
-        pre_b, post_b, comb_b = self.base.split([N, N, N * N])
-        pre = torch.sigmoid(pre_w * self.scale[0] + pre_b) + self.hc_eps
-        post = 2 * torch.sigmoid(post_w * self.scale[1] + post_b)
-        comb = torch.softmax(comb_w.view(T, N, N) * self.scale[2] + comb_b.view(N, N), dim=-1) + self.hc_eps
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
-        for _ in range(self.iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.hc_eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
-        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-        return post, comb, collapsed
+        kw = dict(iters=self.iters, hc_eps=self.hc_eps, norm_eps=self.norm_eps)
+        if self.backend == "triton":
+            from kdaserve.ops.hyper_connection.triton_hc import hc_pre_triton
 
-    @staticmethod
-    def update(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+            return hc_pre_triton(streams, self.fn, self.base, self.scale, **kw)
+        return hc_pre_reference(streams, self.fn, self.base, self.scale, **kw)
+
+    def update(self, streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         """S' [T, N, D] = post[n] * out + sum_m comb[m, n] S[m] (in the streams' dtype)."""
-        dtype = streams.dtype
-        return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+        if self.backend == "triton":
+            from kdaserve.ops.hyper_connection.triton_hc import hc_post_triton
+
+            return hc_post_triton(streams, out, post, comb)
+        return hc_post_reference(streams, out, post, comb)
 
     def extra_repr(self) -> str:
-        return f"streams={self.N}, sinkhorn_iters={self.iters}"
+        return f"streams={self.N}, sinkhorn_iters={self.iters}, backend={self.backend}"

@@ -67,7 +67,8 @@ class Glm5NextDecoderLayer(nn.Module):
         self.layer_idx, self.is_kda, self.is_moe = i, c.layer_types[i] == "linear_attention", c.is_moe_layer(i)
         self.input_layernorm = RMSNorm(h, c.rms_norm_eps, dtype=dtype, device=device)
         self.post_attention_layernorm = RMSNorm(h, c.rms_norm_eps, dtype=dtype, device=device)
-        hc = dict(sinkhorn_iters=c.hc_sinkhorn_iters, hc_eps=c.hc_eps, norm_eps=c.rms_norm_eps, device=device)
+        hc = dict(sinkhorn_iters=c.hc_sinkhorn_iters, hc_eps=c.hc_eps, norm_eps=c.rms_norm_eps, device=device,
+                  backend=mla_backend)   # mHC follows --mla-backend (auto: Triton on a GPU)
         self.attn_hc = HyperConnection(h, c.hc_mult, **hc)
         self.ffn_hc = HyperConnection(h, c.hc_mult, **hc)
         if self.is_kda:
@@ -105,10 +106,10 @@ class Glm5NextDecoderLayer(nn.Module):
         post, comb, x = self.attn_hc(streams)
         x = self.input_layernorm(x)
         x = self.self_attn(x) if self.is_kda else self.self_attn(positions, x)
-        streams = HyperConnection.update(streams, x, post, comb)
+        streams = self.attn_hc.update(streams, x, post, comb)
         post, comb, x = self.ffn_hc(streams)
         x = self.mlp(self.post_attention_layernorm(x))
-        return HyperConnection.update(streams, x, post, comb)
+        return self.ffn_hc.update(streams, x, post, comb)
 
 
 class Glm5NextModel(nn.Module):

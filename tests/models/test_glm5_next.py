@@ -284,3 +284,20 @@ def test_the_glm_tiny_builtin_generates():
     out = LLM("glm-tiny", max_model_len=128).generate(["KDA is"], SamplingParams(max_tokens=8, ignore_eos=True),
                                                       use_tqdm=False)
     assert len(out[0].output_token_ids) == 8
+
+
+def test_the_triton_hyper_connections_match_transformers(case):
+    """--mla-backend triton runs mHC through its two Triton kernels (the interpreter on a CPU)."""
+    import triton
+
+    if not (torch.cuda.is_available() or triton.knobs.runtime.interpret):
+        pytest.skip("needs a GPU or TRITON_INTERPRET=1")
+    kind, ckpt, hf = case
+    if kind != "sparse":
+        pytest.skip("one config is enough for the kernels (interpreter time)")
+    llm = LLM(str(ckpt), max_model_len=256, max_logprobs=VOCAB, warmup=False, **{**REF, "mla_backend": "triton"})
+    assert llm.engine.runner.model.model.layers[0].attn_hc.backend == "triton"
+    for prompt, ours in zip(PROMPTS[:2], _our_logprobs(llm, PROMPTS[:2])):
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)
+        assert rel_rms(ours, ref) <= 1e-4, (len(prompt), rel_rms(ours, ref))
