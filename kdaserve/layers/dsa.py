@@ -8,8 +8,9 @@ every query the context tokens it attends to (ops/dsa/reference.py). A layer who
 `indexer_types` entry is "shared" has no indexer: it reuses the choice of the full layer before it
 (`source`), made earlier in the same forward.
 
-Until the Triton scoring kernel and a sparse MLA kernel exist, the choice and the attention run in
-plain torch (ops/dsa/reference.py, ops/mla/reference.py with masks) on every device."""
+The index scores run in a Triton kernel with `--mla-backend triton` (auto on a GPU:
+ops/dsa/triton_scores.py); the pool keys, the top-k and the attention over the chosen tokens run in
+torch (ops/dsa/reference.py, ops/mla/reference.py with masks) until a sparse MLA kernel exists."""
 
 from __future__ import annotations
 
@@ -19,13 +20,20 @@ from torch import nn
 
 from kdaserve.layers.attention import AttentionMetadata
 from kdaserve.layers.mla import MLAttention, Selection, _linear
-from kdaserve.ops.dsa.reference import dsa_select_reference
+from kdaserve.layers.kernel_choice import resolve_kernel_choice
+from kdaserve.ops.dsa.reference import dsa_index_scores_reference, dsa_select_reference
 
 
 class DSAIndexer(nn.Module):
     def __init__(self, hidden_size: int, q_lora_rank: int, *, num_heads: int, head_dim: int, kpool: int, topk: int,
-                 always_select_tail: bool, dtype=None, device=None):
+                 always_select_tail: bool, backend: str = "auto", dtype=None, device=None):
         super().__init__()
+        device = torch.device(device) if device is not None else torch.empty(0).device
+        # The scoring kernel (ops/dsa/triton_scores.py) takes power-of-two head sizes of 16 and more.
+        self.backend = resolve_kernel_choice("DSA indexer", backend, device)
+        if self.backend == "triton" and (head_dim < 16 or head_dim & (head_dim - 1)):
+            raise ValueError(f"DSA indexer backend 'triton' needs a power-of-two index_head_dim >= 16, got {head_dim}; "
+                             f"use 'reference'")
         self.num_heads, self.head_dim, self.kpool, self.topk = num_heads, head_dim, kpool, topk
         self.always_select_tail = always_select_tail
         self.wq_b = _linear(q_lora_rank, num_heads * head_dim, dtype, device)
@@ -50,8 +58,12 @@ class DSAIndexer(nn.Module):
     def select(self, q, w, rows, positions) -> torch.Tensor:
         """q [B, n, Hi, Di], w [B, n, Hi], rows [B, C, 2 Di], positions [B, n] -> allowed [B, n, C]."""
         Di = self.head_dim
+        scores = dsa_index_scores_reference
+        if self.backend == "triton":
+            from kdaserve.ops.dsa.triton_scores import dsa_index_scores_triton as scores
         return dsa_select_reference(q, w, rows[..., :Di], rows[..., Di:], self.index_kpool_compress_ape, positions,
-                                    topk=self.topk, kpool=self.kpool, always_select_tail=self.always_select_tail)
+                                    topk=self.topk, kpool=self.kpool, always_select_tail=self.always_select_tail,
+                                    scores=scores)
 
 
 class DSAttention(MLAttention):

@@ -85,7 +85,8 @@ class Glm5NextDecoderLayer(nn.Module):
             if c.indexer_types[i] == "full":
                 indexer = DSAIndexer(h, c.q_lora_rank, num_heads=c.index_n_heads, head_dim=c.index_head_dim,
                                      kpool=c.index_kpool, topk=c.index_topk,
-                                     always_select_tail=c.index_kpool_always_select_tail, dtype=dtype, device=device)
+                                     always_select_tail=c.index_kpool_always_select_tail, backend=mla_backend,
+                                     dtype=dtype, device=device)
             self.self_attn = DSAttention(
                 h, c.num_attention_heads, indexer=indexer, kv_lora_rank=c.kv_lora_rank,
                 qk_nope_head_dim=c.qk_nope_head_dim, qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim,

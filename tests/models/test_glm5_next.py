@@ -286,8 +286,9 @@ def test_the_glm_tiny_builtin_generates():
     assert len(out[0].output_token_ids) == 8
 
 
-def test_the_triton_hyper_connections_match_transformers(case):
-    """--mla-backend triton runs mHC through its two Triton kernels (the interpreter on a CPU)."""
+def test_the_triton_hyper_connections_and_index_scores_match_transformers(case):
+    """--mla-backend triton runs mHC through its two Triton kernels and the DSA index scores through
+    theirs (the interpreter on a CPU)."""
     import triton
 
     if not (torch.cuda.is_available() or triton.knobs.runtime.interpret):
@@ -296,7 +297,8 @@ def test_the_triton_hyper_connections_match_transformers(case):
     if kind != "sparse":
         pytest.skip("one config is enough for the kernels (interpreter time)")
     llm = LLM(str(ckpt), max_model_len=256, max_logprobs=VOCAB, warmup=False, **{**REF, "mla_backend": "triton"})
-    assert llm.engine.runner.model.model.layers[0].attn_hc.backend == "triton"
+    layers = llm.engine.runner.model.model.layers
+    assert layers[0].attn_hc.backend == "triton" and layers[1].self_attn.indexer.backend == "triton"
     for prompt, ours in zip(PROMPTS[:2], _our_logprobs(llm, PROMPTS[:2])):
         with torch.no_grad():
             ref = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)

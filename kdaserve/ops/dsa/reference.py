@@ -21,34 +21,57 @@ import torch
 import torch.nn.functional as F
 
 
-def dsa_select_reference(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, gates: torch.Tensor,
-                         ape: torch.Tensor, positions: torch.Tensor, *, topk: int, kpool: int,
-                         always_select_tail: bool = True) -> torch.Tensor:
-    """q [B, n, Hi, Di], w [B, n, Hi] fp32 (already x Hi^-0.5), keys / gates [B, C, Di] (each row's
-    context from position 0; rows past a context are never selected), ape [kpool, Di], positions
-    [B, n] int64 (each query's position, < C) -> allowed [B, n, C] bool. No host sync."""
-    B, n, Hi, Di = q.shape
-    C = keys.shape[1]
+def dsa_pool_keys(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor, kpool: int) -> torch.Tensor:
+    """keys / gates [B, C, Di] -> the complete pools' keys [B, C // kpool, Di] (keys' dtype)."""
+    B, C, Di = keys.shape
     P = C // kpool
-    allowed = torch.zeros(B, n, C, dtype=torch.bool, device=q.device)
+    pooled = slice(0, P * kpool)
+    logits = gates[:, pooled].reshape(B, P, kpool, Di).float() + ape.float()
+    probs = logits.softmax(dim=2).to(keys.dtype)
+    return (probs * keys[:, pooled].reshape(B, P, kpool, Di)).sum(dim=2)
+
+
+def dsa_index_scores_reference(q: torch.Tensor, w: torch.Tensor, pool_keys: torch.Tensor, positions: torch.Tensor,
+                               kpool: int) -> torch.Tensor:
+    """q [B, n, Hi, Di], w [B, n, Hi] fp32, pool_keys [B, P, Di], positions [B, n] -> the index
+    scores [B, n, P] fp32, pools the query may not select (not complete before it) at fp32's min."""
+    Di = q.shape[-1]
+    P = pool_keys.shape[1]
+    scores = torch.matmul(q.float(), pool_keys.transpose(-1, -2).float().unsqueeze(1))     # [B, n, Hi, P]
+    scores = F.relu(scores * Di**-0.5)
+    index = torch.matmul(w.float().unsqueeze(-2), scores).squeeze(-2)                      # [B, n, P]
+    ends = torch.arange(P, device=q.device) * kpool + (kpool - 1)
+    return index.masked_fill(ends[None, None, :] > positions.long()[..., None], torch.finfo(torch.float32).min)
+
+
+def dsa_choose(index: torch.Tensor, positions: torch.Tensor, C: int, *, topk: int, kpool: int,
+               always_select_tail: bool) -> torch.Tensor:
+    """index [B, n, P] (unselectable pools at fp32's min) -> allowed [B, n, C] bool: the best
+    min(topk / kpool, P) selectable pools and, with `always_select_tail`, the query's own incomplete pool."""
+    B, n, P = index.shape
     pos = positions.long()
+    allowed = torch.zeros(B, n, C, dtype=torch.bool, device=index.device)
     if P:
-        pooled = slice(0, P * kpool)
-        logits = gates[:, pooled].reshape(B, P, kpool, Di).float() + ape.float()
-        probs = logits.softmax(dim=2).to(keys.dtype)
-        pool_keys = (probs * keys[:, pooled].reshape(B, P, kpool, Di)).sum(dim=2)              # [B, P, Di]
-        scores = torch.matmul(q.float(), pool_keys.transpose(-1, -2).float().unsqueeze(1))     # [B, n, Hi, P]
-        scores = F.relu(scores * Di**-0.5)
-        index = torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)                              # [B, n, P]
-        ends = torch.arange(P, device=q.device) * kpool + (kpool - 1)
+        ends = torch.arange(P, device=index.device) * kpool + (kpool - 1)
         candidate = ends[None, None, :] <= pos[..., None]
-        index = index.masked_fill(~candidate, torch.finfo(index.dtype).min)
         chosen = index.topk(min(topk // kpool, P), dim=-1).indices
         picked = torch.zeros_like(candidate).scatter_(-1, chosen, candidate.gather(-1, chosen))
-        allowed[..., pooled] = picked.repeat_interleave(kpool, dim=-1)
+        allowed[..., : P * kpool] = picked.repeat_interleave(kpool, dim=-1)
     if always_select_tail:
         visible = pos + 1
         start = visible - visible.remainder(kpool)
-        t = torch.arange(C, device=q.device)
+        t = torch.arange(C, device=index.device)
         allowed |= (t >= start[..., None]) & (t < visible[..., None])
     return allowed
+
+
+def dsa_select_reference(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, gates: torch.Tensor,
+                         ape: torch.Tensor, positions: torch.Tensor, *, topk: int, kpool: int,
+                         always_select_tail: bool = True, scores=dsa_index_scores_reference) -> torch.Tensor:
+    """q [B, n, Hi, Di], w [B, n, Hi] fp32 (already x Hi^-0.5), keys / gates [B, C, Di] (each row's
+    context from position 0; rows past a context are never selected), ape [kpool, Di], positions
+    [B, n] int64 (each query's position, < C) -> allowed [B, n, C] bool. No host sync. `scores`:
+    the index-score implementation (this reference, or ops/dsa/triton_scores.py)."""
+    pool_keys = dsa_pool_keys(keys, gates, ape, kpool)
+    index = scores(q, w, pool_keys, positions, kpool)
+    return dsa_choose(index, positions, keys.shape[1], topk=topk, kpool=kpool, always_select_tail=always_select_tail)
