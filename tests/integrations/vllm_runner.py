@@ -1,0 +1,53 @@
+"""Runs vLLM (with the kdaserve plugin installed) on a checkpoint and prints what it generated as one
+JSON line: `python vllm_runner.py REQUEST.json` under the vLLM venv's python (tests/integrations/
+test_vllm_plugin.py). The request names the model, tensor_parallel_size, max_num_batched_tokens,
+the prompts (token ids), max_tokens, prompt_logprobs and additional_config."""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")          # keep vLLM's sockets on loopback
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_KIMI_K3_GEMM_AR", "0")           # the CUDA-only fused GEMM paths
+os.environ.setdefault("VLLM_ENABLE_GEMM_RS", "0")
+# collective_rpc with a function (which KDA class each worker built) needs pickle; local test runs only.
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+
+
+def _kda_layer_classes(worker) -> list[str]:
+    """In a worker: the class of every KDA layer of its model (which class vLLM really built)."""
+    model = worker.model_runner.model
+    return sorted({type(m).__name__ for m in model.modules() if "GatedDeltaNet" in type(m).__name__
+                   or "KDA" in type(m).__name__})
+
+
+def main() -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    req = json.load(open(sys.argv[1]))
+    llm = LLM(model=req["model"], dtype="float32", max_model_len=256, tensor_parallel_size=req.get("tp", 1),
+              skip_tokenizer_init=True, enforce_eager=True, gpu_memory_utilization=0.3, enable_prefix_caching=False,
+              max_num_batched_tokens=req.get("max_num_batched_tokens", 256), max_num_seqs=8,
+              additional_config=req.get("additional_config"), max_logprobs=req.get("max_logprobs", 20))
+    params = SamplingParams(max_tokens=req["max_tokens"], temperature=0, ignore_eos=True, detokenize=False,
+                            prompt_logprobs=req.get("prompt_logprobs"), logprobs=req.get("logprobs"))
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in req["prompts"]], params)
+    result = []
+    for o in outs:
+        c = o.outputs[0]
+        entry = {"tokens": list(c.token_ids)}
+        if o.prompt_logprobs is not None:   # per position: {token id: logprob}; position 0 has none
+            entry["prompt_logprobs"] = [None if d is None else {str(k): v.logprob for k, v in d.items()}
+                                        for d in o.prompt_logprobs]
+        if c.logprobs is not None:
+            entry["logprobs"] = [{str(k): v.logprob for k, v in d.items()} for d in c.logprobs]
+        result.append(entry)
+    classes = llm.collective_rpc(_kda_layer_classes)   # one list per worker (tensor-parallel rank)
+    print("RESULT " + json.dumps({"outputs": result, "kda_classes": classes}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
