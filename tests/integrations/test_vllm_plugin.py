@@ -56,7 +56,8 @@ def run_vllm(tmp_path, **request) -> tuple[dict | None, str]:
     """({"outputs": per prompt, "kda_classes": per worker}, the log) or (None, the log)."""
     req = tmp_path / "request.json"
     req.write_text(json.dumps(request))
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1" if request.get("tp", 1) == 2 else "0"}
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1" if request.get("tp", 1) == 2 else "0",
+           "VLLM_SSM_CONV_STATE_LAYOUT": request.pop("conv_layout", "SD")}
     env.pop("TRITON_INTERPRET", None)
     done = subprocess.run([VLLM_PYTHON, str(RUNNER), str(req)], capture_output=True, text=True, timeout=600, env=env)
     log = done.stdout + done.stderr
@@ -100,10 +101,24 @@ def test_tokens_and_log_probs_match_kdaserve_with_chunked_prefill(checkpoint, tm
 
 
 def test_tensor_parallel_2_gives_the_tokens_of_one_gpu(checkpoint, tmp_path):
+    """Also the other conv-state layout: DS ([dim, state_len] per slot) here, SD above."""
     tokens = [o.output_token_ids for o in _kdaserve(checkpoint, PROMPTS)]
-    run, log = run_vllm(tmp_path, model=str(checkpoint), prompts=PROMPTS, max_tokens=16, tp=2, additional_config=ASKED)
+    run, log = run_vllm(tmp_path, model=str(checkpoint), prompts=PROMPTS, max_tokens=16, tp=2, conv_layout="DS",
+                        additional_config=ASKED)
     assert run is not None, log[-4000:]
     _built_in_every_worker(run, log, 2)   # each rank runs half the heads
+    assert [r["tokens"] for r in run["outputs"]] == tokens
+
+
+def test_speculative_verify_steps_keep_the_greedy_tokens(checkpoint, tmp_path):
+    """vLLM's prompt-lookup speculation: verify steps (2-D state slots, accepted counts) through
+    kdaserve's verify path give the tokens of plain greedy decoding."""
+    prompts = [[5, 6, 7, 8] * 6, list(range(40, 77))]
+    tokens = [o.output_token_ids for o in _kdaserve(checkpoint, prompts, max_tokens=24)]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
+    run, log = run_vllm(tmp_path, model=str(checkpoint), prompts=prompts, max_tokens=24, speculative_config=spec,
+                        additional_config=ASKED)
+    assert run is not None, log[-4000:]
     assert [r["tokens"] for r in run["outputs"]] == tokens
 
 

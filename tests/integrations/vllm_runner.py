@@ -1,7 +1,7 @@
 """Runs vLLM (with the kdaserve plugin installed) on a checkpoint and prints what it generated as one
 JSON line: `python vllm_runner.py REQUEST.json` under the vLLM venv's python (tests/integrations/
 test_vllm_plugin.py). The request names the model, tensor_parallel_size, max_num_batched_tokens,
-the prompts (token ids), max_tokens, prompt_logprobs and additional_config."""
+the prompts (token ids), max_tokens, prompt_logprobs, additional_config and speculative_config."""
 
 import json
 import os
@@ -31,7 +31,8 @@ def main() -> None:
     llm = LLM(model=req["model"], dtype="float32", max_model_len=256, tensor_parallel_size=req.get("tp", 1),
               skip_tokenizer_init=True, enforce_eager=True, gpu_memory_utilization=0.3, enable_prefix_caching=False,
               max_num_batched_tokens=req.get("max_num_batched_tokens", 256), max_num_seqs=8,
-              additional_config=req.get("additional_config"), max_logprobs=req.get("max_logprobs", 20))
+              additional_config=req.get("additional_config"), max_logprobs=req.get("max_logprobs", 20),
+              speculative_config=req.get("speculative_config"))
     params = SamplingParams(max_tokens=req["max_tokens"], temperature=0, ignore_eos=True, detokenize=False,
                             prompt_logprobs=req.get("prompt_logprobs"), logprobs=req.get("logprobs"))
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in req["prompts"]], params)

@@ -84,15 +84,29 @@ class KdaserveKimiKDA(KimiGatedDeltaNetAttention):
                           norm_weight=self.o_norm.weight, lower_bound=self.gate_lower_bound, norm_eps=_VLLM_O_NORM_EPS,
                           conv_weight_decode=self._conv_weight_decode)
 
-    def _run(self, meta: KDAStepMetadata, rows: torch.Tensor | slice, mixed_qkv, g1, g2, beta, cache, weights):
-        """One part of the step (tokens `rows`) through kdaserve's router; returns its output [n, H, D]."""
+    def _run(self, meta: KDAStepMetadata, rows: torch.Tensor | slice, mixed_qkv, g1, g2, beta, cache, weights,
+             pad: tuple[torch.Tensor, int] | None = None):
+        """One part of the step (tokens `rows`) through kdaserve's router; returns its output [n, H, D].
+        `pad` = (destination row of each token, rows in all): the tokens are spread over that many
+        zero rows first (a ragged verify padded to S+1 rows per sequence) and gathered back after."""
         take = (lambda x: x[rows]) if isinstance(rows, slice) else (lambda x: x.index_select(0, rows))
-        inputs = KDAInputs(qkv=take(mixed_qkv), forget_logits=take(g1), beta_logits=take(beta),
-                           output_gate_logits=take(g2))
+        parts = [take(mixed_qkv), take(g1), take(beta), take(g2)]
+        if pad is not None:
+            dest, total = pad
+            parts = [x.new_zeros(total, *x.shape[1:]).index_copy_(0, dest, x) for x in parts]
+        inputs = KDAInputs(qkv=parts[0], forget_logits=parts[1], beta_logits=parts[2], output_gate_logits=parts[3])
         out = torch.empty(inputs.qkv.shape[0], self.local_num_heads, self.head_dim, dtype=g2.dtype, device=g2.device)
         plan = self.kdaserve_backends.plan_step(meta)
         run_kda_step(meta, plan, inputs, weights, cache, out, self.kdaserve_backends)
-        return out
+        return out if pad is None else out.index_select(0, pad[0])
+
+    @staticmethod
+    def _ragged_rows(cu: torch.Tensor, n: int, rows_per_seq: int, num_tokens: int) -> torch.Tensor:
+        """Row of each verify token when every sequence gets `rows_per_seq` rows (no host sync)."""
+        lengths = cu[1:] - cu[:-1]
+        seq = torch.repeat_interleave(torch.arange(n, device=cu.device), lengths, output_size=num_tokens)
+        within = torch.arange(num_tokens, device=cu.device) - cu[:-1].index_select(0, seq)
+        return seq * rows_per_seq + within
 
     @eager_break_during_capture
     def _forward(self, mixed_qkv: torch.Tensor, g1: torch.Tensor, g2: torch.Tensor, beta: torch.Tensor,
@@ -116,13 +130,18 @@ class KdaserveKimiKDA(KimiGatedDeltaNetAttention):
         out = core_attn_out[0, :T]
         spec_only = m.spec_sequence_masks is not None and m.num_prefills == 0 and m.num_decodes == 0
         if m.spec_sequence_masks is not None:
-            n = m.num_spec_decodes
+            n, width = m.num_spec_decodes, m.spec_state_indices_tensor.shape[1]
             slots = m.spec_state_indices_tensor[:n]
-            meta = KDAStepMetadata(num_decodes=n, num_decode_tokens=m.num_spec_decode_tokens,
-                                   decode_state_indices=slots[:, 0], spec_state_indices=slots,
-                                   num_accepted_tokens=m.num_accepted_tokens[:n])
+            meta = KDAStepMetadata(num_decodes=n, num_decode_tokens=n * width, decode_state_indices=slots[:, 0],
+                                   spec_state_indices=slots, num_accepted_tokens=m.num_accepted_tokens[:n])
             rows = slice(0, T) if spec_only else m.spec_token_indx
-            part = self._run(meta, rows, mixed_qkv, g1, g2, beta, cache, weights)
+            pad = None
+            if m.num_spec_decode_tokens != n * width:
+                # vLLM verifies fewer tokens where it found fewer drafts; kdaserve's verify takes S+1
+                # rows per sequence: the missing rows are zeros whose states land in slots past the
+                # sequence's tokens, which vLLM never resumes from (it resumes at the accepted count).
+                pad = (self._ragged_rows(m.spec_query_start_loc[: n + 1], n, width, m.num_spec_decode_tokens), n * width)
+            part = self._run(meta, rows, mixed_qkv, g1, g2, beta, cache, weights, pad)
             if spec_only:
                 out.copy_(part)
                 return
@@ -138,7 +157,26 @@ class KdaserveKimiKDA(KimiGatedDeltaNetAttention):
         else:
             meta = KDAStepMetadata(num_decodes=n_seqs, num_decode_tokens=n_seqs, decode_state_indices=slots)
         part = self._run(meta, rows, mixed_qkv, g1, g2, beta, cache, weights)
+        if m.num_prefills and self.num_spec:
+            self._history_to_front(conv_state, slots)
         if isinstance(rows, slice):
             out.copy_(part)
         else:
             out.index_copy_(0, rows, part)
+
+    def _history_to_front(self, conv_state: torch.Tensor, slots: torch.Tensor) -> None:
+        """With speculation the conv state holds W-1+S rows. kdaserve's prefill leaves the newest W-1
+        inputs at the end (where its verify resumes with S+1 accepted); vLLM's next verify resumes
+        after 1 accepted row, from the front. Move them there (no host sync: padding slots copy
+        their own rows back)."""
+        W1, S = self.conv_size - 1, self.num_spec
+        sd = not is_conv_state_dim_first()
+        idx = slots.long().clamp_min(0)
+        rows = conv_state.index_select(0, idx)
+        tail = rows[:, S:S + W1] if sd else rows[:, :, S:S + W1]
+        valid = (slots > 0).view(-1, 1, 1)
+        if sd:
+            rows[:, :W1] = torch.where(valid, tail, rows[:, :W1])
+        else:
+            rows[:, :, :W1] = torch.where(valid, tail, rows[:, :, :W1])
+        conv_state.index_copy_(0, idx, rows)
