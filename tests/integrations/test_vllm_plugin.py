@@ -122,6 +122,21 @@ def test_speculative_verify_steps_keep_the_greedy_tokens(checkpoint, tmp_path):
     assert [r["tokens"] for r in run["outputs"]] == tokens
 
 
+def test_prefix_caching_align_mode_keeps_the_tokens(checkpoint, tmp_path):
+    """vLLM's prefix caching for hybrid models ('align': states kept at block boundaries): a second
+    wave of prompts sharing a long prefix with the first resumes from cached states (prefill with
+    an initial state) and gives kdaserve's tokens."""
+    shared = [(i * 37) % 250 + 1 for i in range(64)]
+    first, second = [shared + [7, 8, 9]], [shared + [200, 201], shared + [3] * 5]
+    tokens = [o.output_token_ids for o in _kdaserve(checkpoint, first + second, max_tokens=8)]
+    run, log = run_vllm(tmp_path, model=str(checkpoint), waves=[first, second], prompts=[], max_tokens=8,
+                        enable_prefix_caching=True, engine_args={"mamba_cache_mode": "align", "block_size": 16},
+                        additional_config=ASKED)
+    assert run is not None, log[-4000:]
+    assert run["prefix_cache_hits"] >= 2 * 48, run["prefix_cache_hits"]   # the second wave's shared blocks
+    assert [r["tokens"] for r in run["outputs"]] == tokens
+
+
 def test_an_unmet_requirement_fails_at_construction_listing_it(checkpoint, tmp_path):
     asked = {"kdaserve": {"prefill_backend": "flash", "decode_backend": "reference"}}
     run, log = run_vllm(tmp_path, model=str(checkpoint), prompts=PROMPTS[:1], max_tokens=2, additional_config=asked)

@@ -28,14 +28,17 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     req = json.load(open(sys.argv[1]))
-    llm = LLM(model=req["model"], dtype="float32", max_model_len=256, tensor_parallel_size=req.get("tp", 1),
-              skip_tokenizer_init=True, enforce_eager=True, gpu_memory_utilization=0.3, enable_prefix_caching=False,
+    llm = LLM(model=req["model"], disable_log_stats=False, dtype="float32", max_model_len=256, tensor_parallel_size=req.get("tp", 1),
+              skip_tokenizer_init=True, enforce_eager=True, gpu_memory_utilization=0.3,
+              enable_prefix_caching=req.get("enable_prefix_caching", False), **req.get("engine_args", {}),
               max_num_batched_tokens=req.get("max_num_batched_tokens", 256), max_num_seqs=8,
               additional_config=req.get("additional_config"), max_logprobs=req.get("max_logprobs", 20),
               speculative_config=req.get("speculative_config"))
     params = SamplingParams(max_tokens=req["max_tokens"], temperature=0, ignore_eos=True, detokenize=False,
                             prompt_logprobs=req.get("prompt_logprobs"), logprobs=req.get("logprobs"))
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in req["prompts"]], params)
+    outs = []
+    for group in req.get("waves") or [req["prompts"]]:   # waves run one after another (prefix-cache hits)
+        outs += llm.generate([TokensPrompt(prompt_token_ids=p) for p in group], params)
     result = []
     for o in outs:
         c = o.outputs[0]
@@ -47,7 +50,8 @@ def main() -> None:
             entry["logprobs"] = [{str(k): v.logprob for k, v in d.items()} for d in c.logprobs]
         result.append(entry)
     classes = llm.collective_rpc(_kda_layer_classes)   # one list per worker (tensor-parallel rank)
-    print("RESULT " + json.dumps({"outputs": result, "kda_classes": classes}), flush=True)
+    hits = sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name == "vllm:prefix_cache_hits")
+    print("RESULT " + json.dumps({"outputs": result, "kda_classes": classes, "prefix_cache_hits": hits}), flush=True)
 
 
 if __name__ == "__main__":
