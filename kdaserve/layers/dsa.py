@@ -8,9 +8,11 @@ every query the context tokens it attends to (ops/dsa/reference.py). A layer who
 `indexer_types` entry is "shared" has no indexer: it reuses the choice of the full layer before it
 (`source`), made earlier in the same forward.
 
-The index scores run in a Triton kernel with `--mla-backend triton` (auto on a GPU:
-ops/dsa/triton_scores.py); the pool keys, the top-k and the attention over the chosen tokens run in
-torch (ops/dsa/reference.py, ops/mla/reference.py with masks) until a sparse MLA kernel exists."""
+With `--mla-backend triton` (auto on a GPU) the index scores run in a Triton kernel
+(ops/dsa/triton_scores.py) and decode rows attend through the sparse MLA kernel, which reads only
+the chosen positions (ops/mla/sparse_decode.py); the pool keys and the top-k run in torch, and
+prefill attends over the whole context with the choice as a mask (ops/mla/reference.py) until a
+sparse prefill kernel exists."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from torch import nn
 from kdaserve.layers.attention import AttentionMetadata
 from kdaserve.layers.mla import MLAttention, Selection, _linear
 from kdaserve.layers.kernel_choice import resolve_kernel_choice
-from kdaserve.ops.dsa.reference import dsa_index_scores_reference, dsa_select_reference
+from kdaserve.ops.dsa.reference import dsa_choose, dsa_choose_indices, dsa_index_scores_reference, dsa_pool_keys
 
 
 class DSAIndexer(nn.Module):
@@ -55,15 +57,24 @@ class DSAIndexer(nn.Module):
         w = self.weights_proj(hidden).float() * self.num_heads**-0.5
         return q, w
 
+    def _index_scores(self, q, w, rows, positions) -> torch.Tensor:
+        Di = self.head_dim
+        pool_keys = dsa_pool_keys(rows[..., :Di], rows[..., Di:], self.index_kpool_compress_ape, self.kpool)
+        if self.backend == "triton":
+            from kdaserve.ops.dsa.triton_scores import dsa_index_scores_triton
+
+            return dsa_index_scores_triton(q, w, pool_keys, positions, self.kpool)
+        return dsa_index_scores_reference(q, w, pool_keys, positions, self.kpool)
+
     def select(self, q, w, rows, positions) -> torch.Tensor:
         """q [B, n, Hi, Di], w [B, n, Hi], rows [B, C, 2 Di], positions [B, n] -> allowed [B, n, C]."""
-        Di = self.head_dim
-        scores = dsa_index_scores_reference
-        if self.backend == "triton":
-            from kdaserve.ops.dsa.triton_scores import dsa_index_scores_triton as scores
-        return dsa_select_reference(q, w, rows[..., :Di], rows[..., Di:], self.index_kpool_compress_ape, positions,
-                                    topk=self.topk, kpool=self.kpool, always_select_tail=self.always_select_tail,
-                                    scores=scores)
+        return dsa_choose(self._index_scores(q, w, rows, positions), positions, rows.shape[1], topk=self.topk,
+                          kpool=self.kpool, always_select_tail=self.always_select_tail)
+
+    def select_positions(self, q, w, rows, positions) -> torch.Tensor:
+        """The same choice as context positions [B, n, topk + kpool - 1] (-1: none)."""
+        return dsa_choose_indices(self._index_scores(q, w, rows, positions), positions, topk=self.topk,
+                                  kpool=self.kpool, always_select_tail=self.always_select_tail)
 
 
 class DSAttention(MLAttention):
@@ -101,11 +112,14 @@ class DSAttention(MLAttention):
         flat.index_copy_(0, md.slot_mapping, ix.cache_rows(hidden).to(flat.dtype))
         q, w = ix.queries(q_resid, hidden)
         nd = md.num_decode_tokens
-        decode = prefill = None
+        decode = prefill = decode_indices = None
         if nd:
             rows = self.index_cache[md.decode_block_tables.long()].reshape(nd, -1, width)
             positions = (md.decode_context_lens.long() - 1)[:, None]
-            decode = ix.select(q[:nd, None], w[:nd, None], rows, positions)[:, 0]
+            if self.backend == "triton":   # positions for the sparse decode kernel: no [rows, context] mask
+                decode_indices = ix.select_positions(q[:nd, None], w[:nd, None], rows, positions)[:, 0]
+            else:
+                decode = ix.select(q[:nd, None], w[:nd, None], rows, positions)[:, 0]
         if nd < q.shape[0]:
             prefill, q0, k0 = [], nd, 0
             for n, ctx in zip(md.prefill_query_lens, md.prefill_context_lens):
@@ -113,7 +127,7 @@ class DSAttention(MLAttention):
                 positions = torch.arange(ctx - n, ctx, device=q.device)[None]
                 prefill.append(ix.select(q[None, q0 : q0 + n], w[None, q0 : q0 + n], rows, positions)[0])
                 q0, k0 = q0 + n, k0 + ctx
-        self.last_selection = Selection(decode, prefill)
+        self.last_selection = Selection(decode, prefill, decode_indices)
         return self.last_selection
 
     def extra_repr(self) -> str:

@@ -40,6 +40,9 @@ class Selection:
 
     decode: torch.Tensor | None
     prefill: list[torch.Tensor] | None
+    # The decode rows' choice as context positions [rows, K] (-1: none), for the sparse kernel
+    # (ops/mla/sparse_decode.py) instead of `decode`.
+    decode_indices: torch.Tensor | None = None
 
 
 def _linear(i: int, o: int, dtype, device) -> nn.Linear:
@@ -122,7 +125,7 @@ class MLAttention(nn.Module):
         nd = md.num_decode_tokens
         parts = []
         if nd:
-            parts.append(self._decode(q_nope[:nd], q_pe[:nd], md, selection.decode if selection else None))
+            parts.append(self._decode(q_nope[:nd], q_pe[:nd], md, selection))
         if nd < T:
             ctx = self.cache.view(-1, self.L + self.R)[md.prefill_kv_rows]
             parts.append(self._prefill(q_nope[nd:], q_pe[nd:], ctx[:, : self.L].to(hidden.dtype),
@@ -132,10 +135,16 @@ class MLAttention(nn.Module):
         return self.o_proj(o.reshape(T, H * self.Dv))
 
     def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, md: AttentionMetadata,
-                allowed: torch.Tensor | None = None) -> torch.Tensor:
+                selection: Selection | None = None) -> torch.Tensor:
         w_uk, w_uv = self._absorbed_weights()
         q_latent = torch.einsum("bhd,hdl->bhl", q_nope, w_uk)
-        if self.backend == "triton" and allowed is None:   # sparse (DSA) selections: the reference so far
+        allowed = selection.decode if selection is not None else None
+        if selection is not None and selection.decode_indices is not None:   # DSA: only the chosen rows
+            from kdaserve.ops.mla.sparse_decode import mla_sparse_decode_triton
+
+            out_latent = mla_sparse_decode_triton(q_latent, q_pe, self.cache, md.decode_block_tables,
+                                                  selection.decode_indices, self.scale)
+        elif self.backend == "triton" and allowed is None:
             from kdaserve.ops.mla.decode import mla_decode_triton
 
             out_latent = mla_decode_triton(q_latent, q_pe, self.cache, md.decode_block_tables, md.decode_context_lens, self.scale)

@@ -287,8 +287,8 @@ def test_the_glm_tiny_builtin_generates():
 
 
 def test_the_triton_hyper_connections_and_index_scores_match_transformers(case):
-    """--mla-backend triton runs mHC through its two Triton kernels and the DSA index scores through
-    theirs (the interpreter on a CPU)."""
+    """--mla-backend triton runs mHC through its two Triton kernels, the DSA index scores through theirs
+    and decode attention through the sparse MLA kernel (the interpreter on a CPU)."""
     import triton
 
     if not (torch.cuda.is_available() or triton.knobs.runtime.interpret):
@@ -303,3 +303,6 @@ def test_the_triton_hyper_connections_and_index_scores_match_transformers(case):
         with torch.no_grad():
             ref = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)
         assert rel_rms(ours, ref) <= 1e-4, (len(prompt), rel_rms(ours, ref))
+    # Decode steps past topk + kpool - 1 tokens attend through the sparse MLA decode kernel.
+    out = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
+    assert out.output_token_ids == _hf_greedy(hf, PROMPTS[1], 8)

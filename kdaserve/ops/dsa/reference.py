@@ -65,6 +65,32 @@ def dsa_choose(index: torch.Tensor, positions: torch.Tensor, C: int, *, topk: in
     return allowed
 
 
+def dsa_choose_indices(index: torch.Tensor, positions: torch.Tensor, *, topk: int, kpool: int,
+                       always_select_tail: bool) -> torch.Tensor:
+    """The same choice as `dsa_choose`, as context positions: [B, n, topk + kpool - 1] int32, the
+    chosen pools' tokens then the query's incomplete pool, -1 where nothing is chosen (what a
+    sparse attention kernel reads; no [B, n, C] mask)."""
+    B, n, P = index.shape
+    pos = positions.long()
+    parts = []
+    K = min(topk // kpool, P)
+    if K:
+        ends = torch.arange(P, device=index.device) * kpool + (kpool - 1)
+        candidate = ends[None, None, :] <= pos[..., None]
+        chosen = index.topk(K, dim=-1).indices
+        ok = candidate.gather(-1, chosen)
+        tokens = chosen[..., None] * kpool + torch.arange(kpool, device=index.device)
+        parts.append(torch.where(ok[..., None], tokens, -1).flatten(-2))
+    if always_select_tail and kpool > 1:
+        visible = pos + 1
+        start = visible - visible.remainder(kpool)
+        tail = start[..., None] + torch.arange(kpool - 1, device=index.device)
+        parts.append(torch.where(tail < visible[..., None], tail, -1))
+    width = topk + (kpool - 1 if always_select_tail else 0)
+    out = torch.cat(parts, dim=-1) if parts else index.new_empty(B, n, 0, dtype=torch.long)
+    return torch.nn.functional.pad(out, (0, width - out.shape[-1]), value=-1).to(torch.int32)
+
+
 def dsa_select_reference(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, gates: torch.Tensor,
                          ape: torch.Tensor, positions: torch.Tensor, *, topk: int, kpool: int,
                          always_select_tail: bool = True, scores=dsa_index_scores_reference) -> torch.Tensor:
