@@ -9,10 +9,9 @@ every query the context tokens it attends to (ops/dsa/reference.py). A layer who
 (`source`), made earlier in the same forward.
 
 With `--mla-backend triton` (auto on a GPU) the index scores run in a Triton kernel
-(ops/dsa/triton_scores.py) and decode rows attend through the sparse MLA kernel, which reads only
-the chosen positions (ops/mla/sparse_decode.py); the pool keys and the top-k run in torch, and
-prefill attends over the whole context with the choice as a mask (ops/mla/reference.py) until a
-sparse prefill kernel exists."""
+(ops/dsa/triton_scores.py) and every query (decode rows and prefill queries alike, absorbed) attends
+through the sparse MLA kernel, which reads only the chosen cache rows (ops/mla/sparse_decode.py);
+the pool keys and the top-k run in torch. The reference path uses the choice as a mask."""
 
 from __future__ import annotations
 
@@ -120,14 +119,22 @@ class DSAttention(MLAttention):
                 decode_indices = ix.select_positions(q[:nd, None], w[:nd, None], rows, positions)[:, 0]
             else:
                 decode = ix.select(q[:nd, None], w[:nd, None], rows, positions)[:, 0]
+        prefill_rows = None
         if nd < q.shape[0]:
-            prefill, q0, k0 = [], nd, 0
+            prefill, chosen_rows, q0, k0 = [], [], nd, 0
             for n, ctx in zip(md.prefill_query_lens, md.prefill_context_lens):
-                rows = flat[md.prefill_kv_rows[k0 : k0 + ctx]][None]
+                kv_rows = md.prefill_kv_rows[k0 : k0 + ctx]
+                rows = flat[kv_rows][None]
                 positions = torch.arange(ctx - n, ctx, device=q.device)[None]
-                prefill.append(ix.select(q[None, q0 : q0 + n], w[None, q0 : q0 + n], rows, positions)[0])
+                if self.backend == "triton":   # the chosen positions as flat cache rows, for the sparse kernel
+                    pos = ix.select_positions(q[None, q0 : q0 + n], w[None, q0 : q0 + n], rows, positions)[0]
+                    chosen_rows.append(torch.where(pos >= 0, kv_rows[pos.long().clamp_min(0)], -1))
+                else:
+                    prefill.append(ix.select(q[None, q0 : q0 + n], w[None, q0 : q0 + n], rows, positions)[0])
                 q0, k0 = q0 + n, k0 + ctx
-        self.last_selection = Selection(decode, prefill, decode_indices)
+            if chosen_rows:
+                prefill_rows, prefill = torch.cat(chosen_rows), None
+        self.last_selection = Selection(decode, prefill, decode_indices, prefill_rows)
         return self.last_selection
 
     def extra_repr(self) -> str:

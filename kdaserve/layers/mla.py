@@ -43,6 +43,8 @@ class Selection:
     # The decode rows' choice as context positions [rows, K] (-1: none), for the sparse kernel
     # (ops/mla/sparse_decode.py) instead of `decode`.
     decode_indices: torch.Tensor | None = None
+    # The prefill queries' choice as flat cache rows [prefill tokens, K] (-1: none), for the same kernel.
+    prefill_rows: torch.Tensor | None = None
 
 
 def _linear(i: int, o: int, dtype, device) -> nn.Linear:
@@ -126,7 +128,9 @@ class MLAttention(nn.Module):
         parts = []
         if nd:
             parts.append(self._decode(q_nope[:nd], q_pe[:nd], md, selection))
-        if nd < T:
+        if nd < T and selection is not None and selection.prefill_rows is not None:
+            parts.append(self._sparse_prefill(q_nope[nd:], q_pe[nd:], selection.prefill_rows))
+        elif nd < T:
             ctx = self.cache.view(-1, self.L + self.R)[md.prefill_kv_rows]
             parts.append(self._prefill(q_nope[nd:], q_pe[nd:], ctx[:, : self.L].to(hidden.dtype),
                                        ctx[:, self.L :].to(hidden.dtype), md.prefill_query_lens, md.prefill_context_lens,
@@ -151,6 +155,19 @@ class MLAttention(nn.Module):
         else:
             out_latent = mla_decode_reference(q_latent.to(self.cache.dtype), q_pe.to(self.cache.dtype), self.cache,
                                               md.decode_block_tables, md.decode_context_lens, self.scale, allowed)
+        return torch.einsum("bhl,hdl->bhd", out_latent.to(q_nope.dtype), w_uv)
+
+    def _sparse_prefill(self, q_nope: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Each prefill query over its chosen cache rows only, absorbed like decode: the sparse
+        kernel with one "row" per query whose block table is its chosen flat rows (block size 1)."""
+        from kdaserve.ops.mla.sparse_decode import mla_sparse_decode_triton
+
+        w_uk, w_uv = self._absorbed_weights()
+        q_latent = torch.einsum("bhd,hdl->bhl", q_nope, w_uk)
+        K = rows.shape[1]
+        token_idx = torch.where(rows >= 0, torch.arange(K, device=rows.device, dtype=torch.int32), -1)
+        out_latent = mla_sparse_decode_triton(q_latent, q_pe, self.cache.view(-1, 1, self.L + self.R),
+                                              rows.clamp_min(0).to(torch.int32), token_idx, self.scale)
         return torch.einsum("bhl,hdl->bhd", out_latent.to(q_nope.dtype), w_uv)
 
     def _prefill(self, q_nope, q_pe, ctx_latent, ctx_pe, query_lens: list[int], context_lens: list[int],
