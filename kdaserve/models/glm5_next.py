@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import re
-from collections import defaultdict
 from collections.abc import Iterable
 
 import torch
@@ -42,6 +41,7 @@ from kdaserve.layers.norm import RMSNorm
 from kdaserve.models.causal_lm import KDACausalLM
 from kdaserve.models.fp8 import dequantized_weights, fp8_block_size
 from kdaserve.models.glm5_next_config import Glm5NextConfig
+from kdaserve.models.released import kda_layer_shapes, load_released, mla_layer_shapes
 from kdaserve.models.weight_names import load_named_tensor
 
 log = logging.getLogger(__name__)
@@ -159,8 +159,7 @@ def released_shapes(config: Glm5NextConfig) -> dict[str, tuple[int, ...]]:
     s: dict[str, tuple[int, ...]] = {PREFIX + "embed_tokens.weight": (c.vocab_size, h), PREFIX + "norm.weight": (h,)}
     if not c.tie_word_embeddings:
         s["lm_head.weight"] = (c.vocab_size, h)
-    H, D, W = c.linear_num_heads, c.linear_head_dim, c.linear_conv_kernel_dim
-    P, N = H * D, c.hc_mult
+    N = c.hc_mult
     for i in range(c.num_hidden_layers):
         p = f"{PREFIX}layers.{i}."
         s[p + "input_layernorm.weight"] = s[p + "post_attention_layernorm.weight"] = (h,)
@@ -170,27 +169,14 @@ def released_shapes(config: Glm5NextConfig) -> dict[str, tuple[int, ...]]:
             s[p + f"hc_{kind}_scale"] = (3,)
         a = p + "self_attn."
         if c.layer_types[i] == "linear_attention":
-            for n, rows in (("q_proj", P), ("k_proj", P), ("v_proj", P), ("b_proj", H), ("f_a_proj", D), ("g_a_proj", D)):
-                s[a + n + ".weight"] = (rows, h)
-            s[a + "f_b_proj.weight"] = s[a + "g_b_proj.weight"] = (P, D)
-            for x in "qkv":
-                s[a + f"{x}_conv1d.weight"] = (P, 1, W)
-            s[a + "A_log"] = (H,)
-            s[a + "dt_bias"] = (P,)
-            s[a + "o_norm.weight"] = (D,)
-            s[a + "o_proj.weight"] = (h, P)
+            s.update(kda_layer_shapes(a, h, c.linear_num_heads, c.linear_head_dim, c.linear_conv_kernel_dim,
+                                      (c.linear_num_heads,)))
         else:
-            Hq, Dn, Dv, L, Q = c.num_attention_heads, c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank, c.q_lora_rank
-            s[a + "q_a_proj.weight"] = (Q, h)
-            s[a + "q_a_layernorm.weight"] = (Q,)
-            s[a + "q_b_proj.weight"] = (Hq * Dn, Q)
-            s[a + "kv_a_proj_with_mqa.weight"] = (L, h)
-            s[a + "kv_a_layernorm.weight"] = (L,)
-            s[a + "kv_b_proj.weight"] = (Hq * (Dn + Dv), L)
-            s[a + "o_proj.weight"] = (h, Hq * Dv)
+            s.update(mla_layer_shapes(a, h, c.num_attention_heads, nope=c.qk_nope_head_dim, rope=0, v=c.v_head_dim,
+                                      kv_lora_rank=c.kv_lora_rank, q_lora_rank=c.q_lora_rank))
             if c.indexer_types[i] == "full":
                 x, Hi, Di = a + "indexer.", c.index_n_heads, c.index_head_dim
-                s[x + "wq_b.weight"] = (Hi * Di, Q)
+                s[x + "wq_b.weight"] = (Hi * Di, c.q_lora_rank)
                 s[x + "wk.weight"] = (Di, h)
                 s[x + "k_norm.weight"] = s[x + "k_norm.bias"] = (Di,)
                 s[x + "weights_proj.weight"] = (Hi, h)
@@ -231,44 +217,15 @@ def load_released_weights(model: Glm5NextForCausalLM, weights: Iterable[tuple[st
     their `weight_scale_inv` are dequantized first. Unknown names, wrong shapes and missing tensors
     are errors that name them."""
     config = model.config
-    shapes = released_shapes(config)
-    params = dict(model.named_parameters())
-    kda_items: dict[int, list[tuple[str, torch.Tensor]]] = defaultdict(list)
-    loaded: set[str] = set()
-    unknown: list[str] = []
     notes: set[str] = set()
-    for name, tensor in dequantized_weights(weights, model.model.embed_tokens.weight.dtype, fp8_block_size(config.extra)):
-        if _skipped(name, config, notes):
-            continue
-        if name not in shapes:
-            unknown.append(name)
-            continue
-        if tuple(tensor.shape) != shapes[name]:
-            raise ValueError(f"checkpoint tensor {name} has shape {list(tensor.shape)}; expected {list(shapes[name])}")
-        m = _LAYER.fullmatch(name)
-        if m is None:
-            if name == "lm_head.weight":
-                params["lm_head.weight"].copy_(tensor)
-            else:
-                params["model." + name.removeprefix(PREFIX)].copy_(tensor)
-        else:
-            i, rest = int(m[1]), m[2]
-            layer = model.model.layers[i]
-            if layer.is_kda and rest.startswith("self_attn."):
-                kda_items[i].append((rest.removeprefix("self_attn."), tensor))
-            else:
-                _load_layer_tensor(model, layer, i, rest, tensor, params)
-        loaded.add(name)
+    dense = dequantized_weights(weights, model.model.embed_tokens.weight.dtype, fp8_block_size(config.extra))
+    loaded = load_released(
+        model, dense, released_shapes(config), family="GLM-5.3-Flash (this config)", layer_name=_LAYER,
+        skip=lambda name: _skipped(name, config, notes),
+        top_param=lambda name: name if name == "lm_head.weight" else "model." + name.removeprefix(PREFIX),
+        layer_tensor=lambda i, layer, rest, tensor, params: _load_layer_tensor(model, layer, i, rest, tensor, params))
     for note in sorted(notes):
         log.info("GLM-5.3-Flash checkpoint: skipped %s", note)
-    for i, items in kda_items.items():
-        model.model.layers[i].self_attn.load_weights(items)
-    if unknown:
-        raise ValueError(f"checkpoint has {len(unknown)} tensors GLM-5.3-Flash (this config) does not have "
-                         f"(released names expected), e.g. {sorted(unknown)[:8]}")
-    missing = sorted(set(shapes) - loaded)
-    if missing:
-        raise ValueError(f"checkpoint lacks {len(missing)} tensors of this config, e.g. {missing[:8]}")
     return loaded
 
 

@@ -19,7 +19,6 @@ has one more, or has one of another shape is an error naming it."""
 from __future__ import annotations
 
 import re
-from collections import defaultdict
 from collections.abc import Iterable
 
 import torch
@@ -33,6 +32,7 @@ from kdaserve.layers.moe import MoEMLP
 from kdaserve.layers.norm import RMSNorm
 from kdaserve.models.causal_lm import DecoderStack, KDACausalLM
 from kdaserve.models.kimi_linear_config import KimiLinearConfig
+from kdaserve.models.released import kda_layer_shapes, load_released, mla_layer_shapes
 from kdaserve.models.weight_names import load_named_tensor
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -123,35 +123,17 @@ def released_shapes(config: KimiLinearConfig) -> dict[str, tuple[int, ...]]:
     s: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
     if not c.tie_word_embeddings:
         s["lm_head.weight"] = (c.vocab_size, h)
-    H, D, W = c.linear_num_heads, c.linear_head_dim, c.linear_conv_kernel_dim
-    P = H * D
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
         s[p + "input_layernorm.weight"] = (h,)
         s[p + "post_attention_layernorm.weight"] = (h,)
         a = p + "self_attn."
         if c.layer_types[i] == "linear_attention":
-            for n, rows in (("q_proj", P), ("k_proj", P), ("v_proj", P), ("b_proj", H), ("f_a_proj", D), ("g_a_proj", D)):
-                s[a + n + ".weight"] = (rows, h)
-            s[a + "f_b_proj.weight"] = s[a + "g_b_proj.weight"] = (P, D)
-            for x in "qkv":
-                s[a + f"{x}_conv1d.weight"] = (P, 1, W)
-            s[a + "A_log"] = (1, 1, H, 1)
-            s[a + "dt_bias"] = (P,)
-            s[a + "o_norm.weight"] = (D,)
-            s[a + "o_proj.weight"] = (h, P)
+            s.update(kda_layer_shapes(a, h, c.linear_num_heads, c.linear_head_dim, c.linear_conv_kernel_dim,
+                                      (1, 1, c.linear_num_heads, 1)))
         else:
-            Hq, qk = c.num_attention_heads, c.qk_nope_head_dim + c.qk_rope_head_dim
-            if c.q_lora_rank is None:
-                s[a + "q_proj.weight"] = (Hq * qk, h)
-            else:
-                s[a + "q_a_proj.weight"] = (c.q_lora_rank, h)
-                s[a + "q_a_layernorm.weight"] = (c.q_lora_rank,)
-                s[a + "q_b_proj.weight"] = (Hq * qk, c.q_lora_rank)
-            s[a + "kv_a_proj_with_mqa.weight"] = (c.kv_lora_rank + c.qk_rope_head_dim, h)
-            s[a + "kv_a_layernorm.weight"] = (c.kv_lora_rank,)
-            s[a + "kv_b_proj.weight"] = (Hq * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank)
-            s[a + "o_proj.weight"] = (h, Hq * c.v_head_dim)
+            s.update(mla_layer_shapes(a, h, c.num_attention_heads, nope=c.qk_nope_head_dim, rope=c.qk_rope_head_dim,
+                                      v=c.v_head_dim, kv_lora_rank=c.kv_lora_rank, q_lora_rank=c.q_lora_rank))
         if c.is_moe_layer(i):
             m, E, I = p + "block_sparse_moe.", c.num_local_experts, c.moe_intermediate_size
             s[m + "gate.weight"] = (E, h)
@@ -181,41 +163,14 @@ def load_released_weights(model: KimiLinearForCausalLM, weights: Iterable[tuple[
     """Copy released checkpoint tensors into `model`; returns the names loaded. Unknown names, wrong
     shapes and missing tensors are errors that name them."""
     config = model.config
-    shapes = released_shapes(config)
-    params = dict(model.named_parameters())
-    kda_items: dict[int, list[tuple[str, torch.Tensor]]] = defaultdict(list)
-    loaded: set[str] = set()
-    unknown: list[str] = []
-    for name, tensor in weights:
-        if _is_skipped(name, config):
-            continue
-        if name not in shapes:
-            unknown.append(name)
-            continue
-        if tuple(tensor.shape) != shapes[name]:
-            raise ValueError(f"checkpoint tensor {name} has shape {list(tensor.shape)}; expected {list(shapes[name])}")
-        m = _LAYER.fullmatch(name)
-        if m is None:
-            if name == "lm_head.weight" and config.tie_word_embeddings:
-                name = "model.embed_tokens.weight"
-            params[name].copy_(tensor)
-        else:
-            i, rest = int(m[1]), m[2]
-            layer = model.model.layers[i]
-            if layer.is_kda and rest.startswith("self_attn."):
-                kda_items[i].append((rest.removeprefix("self_attn."), tensor))
-            else:
-                _load_layer_tensor(model, layer, i, rest, tensor, params)
-        loaded.add(name)
-    for i, items in kda_items.items():
-        model.model.layers[i].self_attn.load_weights(items)
-    if unknown:
-        raise ValueError(f"checkpoint has {len(unknown)} tensors Kimi-Linear does not have (released names expected), "
-                         f"e.g. {sorted(unknown)[:8]}")
-    missing = sorted(set(shapes) - loaded)
-    if missing:
-        raise ValueError(f"checkpoint lacks {len(missing)} tensors of this config, e.g. {missing[:8]}")
-    return loaded
+
+    def top_param(name: str) -> str:
+        return "model.embed_tokens.weight" if name == "lm_head.weight" and config.tie_word_embeddings else name
+
+    return load_released(model, weights, released_shapes(config), family="Kimi-Linear", layer_name=_LAYER,
+                         skip=lambda name: _is_skipped(name, config), top_param=top_param,
+                         layer_tensor=lambda i, layer, rest, tensor, params: _load_layer_tensor(model, layer, i, rest,
+                                                                                                 tensor, params))
 
 
 def _load_layer_tensor(model, layer: KimiDecoderLayer, i: int, rest: str, tensor: torch.Tensor, params: dict) -> None:

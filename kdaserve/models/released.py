@@ -1,0 +1,87 @@
+"""What the families loaded from released checkpoints share (Kimi-Linear, GLM-5.3-Flash): the
+tensor shapes of a KDA layer and an MLA layer under their released names, and the loading loop
+that checks a checkpoint against the complete list of its config (an unknown name, a wrong shape
+or a missing tensor is an error that names it) and routes each tensor to its parameter."""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+
+import torch
+
+
+def kda_layer_shapes(prefix: str, hidden: int, heads: int, head_dim: int, conv_width: int,
+                     a_log_shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+    """A KDA layer's released tensors (`prefix` ends with "self_attn.")."""
+    H, D, P = heads, head_dim, heads * head_dim
+    s = {prefix + n + ".weight": (rows, hidden)
+         for n, rows in (("q_proj", P), ("k_proj", P), ("v_proj", P), ("b_proj", H), ("f_a_proj", D), ("g_a_proj", D))}
+    s[prefix + "f_b_proj.weight"] = s[prefix + "g_b_proj.weight"] = (P, D)
+    for x in "qkv":
+        s[prefix + f"{x}_conv1d.weight"] = (P, 1, conv_width)
+    s[prefix + "A_log"] = a_log_shape
+    s[prefix + "dt_bias"] = (P,)
+    s[prefix + "o_norm.weight"] = (D,)
+    s[prefix + "o_proj.weight"] = (hidden, P)
+    return s
+
+
+def mla_layer_shapes(prefix: str, hidden: int, heads: int, *, nope: int, rope: int, v: int, kv_lora_rank: int,
+                     q_lora_rank: int | None) -> dict[str, tuple[int, ...]]:
+    """An MLA layer's released tensors (q-LoRA or a plain q_proj)."""
+    qk = nope + rope
+    s: dict[str, tuple[int, ...]] = {}
+    if q_lora_rank is None:
+        s[prefix + "q_proj.weight"] = (heads * qk, hidden)
+    else:
+        s[prefix + "q_a_proj.weight"] = (q_lora_rank, hidden)
+        s[prefix + "q_a_layernorm.weight"] = (q_lora_rank,)
+        s[prefix + "q_b_proj.weight"] = (heads * qk, q_lora_rank)
+    s[prefix + "kv_a_proj_with_mqa.weight"] = (kv_lora_rank + rope, hidden)
+    s[prefix + "kv_a_layernorm.weight"] = (kv_lora_rank,)
+    s[prefix + "kv_b_proj.weight"] = (heads * (nope + v), kv_lora_rank)
+    s[prefix + "o_proj.weight"] = (hidden, heads * v)
+    return s
+
+
+def load_released(model, weights: Iterable[tuple[str, torch.Tensor]], shapes: dict[str, tuple[int, ...]], *,
+                  family: str, layer_name: re.Pattern, skip: Callable[[str], bool], top_param: Callable[[str], str],
+                  layer_tensor: Callable) -> set[str]:
+    """Copy released tensors into `model` (its `model.layers[i]` each with `is_kda`; KDA layers take
+    their `self_attn.` tensors at once through `load_weights`). `layer_name` matches a layer tensor
+    as (index, rest); other names go to the parameter `top_param(name)`; `layer_tensor(i, layer,
+    rest, tensor, params)` places the rest. Returns the names loaded."""
+    params = dict(model.named_parameters())
+    kda_items: dict[int, list[tuple[str, torch.Tensor]]] = defaultdict(list)
+    loaded: set[str] = set()
+    unknown: list[str] = []
+    for name, tensor in weights:
+        if skip(name):
+            continue
+        if name not in shapes:
+            unknown.append(name)
+            continue
+        if tuple(tensor.shape) != shapes[name]:
+            raise ValueError(f"checkpoint tensor {name} has shape {list(tensor.shape)}; expected {list(shapes[name])}")
+        m = layer_name.fullmatch(name)
+        if m is None:
+            params[top_param(name)].copy_(tensor)
+        else:
+            i, rest = int(m[1]), m[2]
+            layer = model.model.layers[i]
+            if layer.is_kda and rest.startswith("self_attn."):
+                kda_items[i].append((rest.removeprefix("self_attn."), tensor))
+            else:
+                layer_tensor(i, layer, rest, tensor, params)
+        loaded.add(name)
+    for i, items in kda_items.items():
+        model.model.layers[i].self_attn.load_weights(items)
+    if unknown:
+        raise ValueError(f"checkpoint has {len(unknown)} tensors {family} does not have (released names expected), "
+                         f"e.g. {sorted(unknown)[:8]}")
+    missing = sorted(set(shapes) - loaded)
+    if missing:
+        raise ValueError(f"checkpoint lacks {len(missing)} tensors of this config, e.g. {missing[:8]}")
+    return loaded
