@@ -76,7 +76,7 @@ def register(sub) -> None:
                    help="usage.prompt_tokens_details.cached_tokens in responses: prompt tokens the prefix cache held")
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="the model, as vLLM's `vllm serve MODEL` takes it (same as --model)")
-    add_engine_args(p)
+    add_engine_args(p, model="nano")   # the trained model shipped in the package
     p.set_defaults(func=run)
 
 
