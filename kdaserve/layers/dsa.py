@@ -6,7 +6,8 @@ logits in a paged cache of its own — the second cache tensor of the layer, `[n
 block_size, 2 * index_head_dim]`, under the same block table as the MLA latent — and chooses for
 every query the context tokens it attends to (ops/dsa/reference.py). A layer whose
 `indexer_types` entry is "shared" has no indexer: it reuses the choice of the full layer before it
-(`source`), made earlier in the same forward.
+(`source`), made earlier in the same forward. When blocks hold whole pools (block_size a multiple
+of kpool) a third cache tensor keeps each completed pool's key, written by the token completing it.
 
 With `--mla-backend triton` (auto on a GPU) the index scores run in a Triton kernel
 (ops/dsa/triton_scores.py) and every query (decode rows and prefill queries alike, absorbed) attends
@@ -56,23 +57,29 @@ class DSAIndexer(nn.Module):
         w = self.weights_proj(hidden).float() * self.num_heads**-0.5
         return q, w
 
-    def _index_scores(self, q, w, rows, positions) -> torch.Tensor:
+    def pool_keys(self, rows: torch.Tensor) -> torch.Tensor:
+        """Cache rows [B, C, 2 Di] (from position 0) -> their complete pools' keys [B, C // kpool, Di]."""
         Di = self.head_dim
-        pool_keys = dsa_pool_keys(rows[..., :Di], rows[..., Di:], self.index_kpool_compress_ape, self.kpool)
+        return dsa_pool_keys(rows[..., :Di], rows[..., Di:], self.index_kpool_compress_ape, self.kpool)
+
+    def _index_scores(self, q, w, rows, positions, pool_keys=None) -> torch.Tensor:
+        pool_keys = self.pool_keys(rows) if pool_keys is None else pool_keys
         if self.backend == "triton":
             from kdaserve.ops.dsa.triton_scores import dsa_index_scores_triton
 
             return dsa_index_scores_triton(q, w, pool_keys, positions, self.kpool)
         return dsa_index_scores_reference(q, w, pool_keys, positions, self.kpool)
 
-    def select(self, q, w, rows, positions) -> torch.Tensor:
-        """q [B, n, Hi, Di], w [B, n, Hi], rows [B, C, 2 Di], positions [B, n] -> allowed [B, n, C]."""
-        return dsa_choose(self._index_scores(q, w, rows, positions), positions, rows.shape[1], topk=self.topk,
-                          kpool=self.kpool, always_select_tail=self.always_select_tail)
+    def select(self, q, w, rows, positions, pool_keys=None) -> torch.Tensor:
+        """q [B, n, Hi, Di], w [B, n, Hi], rows [B, C, 2 Di], positions [B, n] -> allowed [B, n, C].
+        `pool_keys` [B, >= C // kpool, Di]: the pools' keys already computed (the pool cache)."""
+        return dsa_choose(self._index_scores(q, w, rows, positions, pool_keys), positions, rows.shape[1],
+                          topk=self.topk, kpool=self.kpool, always_select_tail=self.always_select_tail)
 
-    def select_positions(self, q, w, rows, positions) -> torch.Tensor:
-        """The same choice as context positions [B, n, topk + kpool - 1] (-1: none)."""
-        return dsa_choose_indices(self._index_scores(q, w, rows, positions), positions, topk=self.topk,
+    def select_positions(self, q, w, rows, positions, pool_keys=None) -> torch.Tensor:
+        """The same choice as context positions [B, n, topk + kpool - 1] (-1: none); `rows` may be
+        None when `pool_keys` are given (only the pools are read)."""
+        return dsa_choose_indices(self._index_scores(q, w, rows, positions, pool_keys), positions, topk=self.topk,
                                   kpool=self.kpool, always_select_tail=self.always_select_tail)
 
 
@@ -84,22 +91,42 @@ class DSAttention(MLAttention):
         self.indexer = indexer
         self.source: DSAttention | None = None   # a shared layer's full layer (set by the model)
         self.index_cache: torch.Tensor | None = None
+        self.pool_cache: torch.Tensor | None = None   # [blocks, block_size / kpool, Di]: completed pools' keys
         self.last_selection: Selection | None = None
 
     def cache_shapes(self, num_blocks: int, block_size: int) -> list[tuple[int, ...]]:
         shapes = super().cache_shapes(num_blocks, block_size)
         if self.indexer is not None:
-            shapes.append((num_blocks, block_size, 2 * self.indexer.head_dim))
+            ix = self.indexer
+            shapes.append((num_blocks, block_size, 2 * ix.head_dim))
+            if block_size % ix.kpool == 0:   # blocks hold whole pools: their keys are kept, not recomputed
+                shapes.append((num_blocks, block_size // ix.kpool, ix.head_dim))
         return shapes
 
-    def bind_cache(self, cache: torch.Tensor, index_cache: torch.Tensor | None = None) -> None:
+    def bind_cache(self, cache: torch.Tensor, index_cache: torch.Tensor | None = None,
+                   pool_cache: torch.Tensor | None = None) -> None:
         super().bind_cache(cache)
         if self.indexer is not None:
             want = 2 * self.indexer.head_dim
             if index_cache is None or index_cache.dim() != 3 or index_cache.shape[-1] != want:
                 raise ValueError(f"DSA layer {self.layer_idx} needs an indexer cache [num_blocks, block_size, {want}], "
                                  f"got {None if index_cache is None else list(index_cache.shape)}")
-            self.index_cache = index_cache
+            self.index_cache, self.pool_cache = index_cache, pool_cache
+
+    def _store_completed_pools(self, md: AttentionMetadata) -> None:
+        """Each token that completes a pool (its position, hence its slot, is kpool - 1 mod kpool:
+        blocks start at multiples of the block size, a multiple of kpool) writes that pool's key
+        into the pool cache; the others write to the trash block's first pool row (no host sync)."""
+        ix = self.indexer
+        kp, width = ix.kpool, self.index_cache.shape[-1]
+        slots = md.slot_mapping
+        first = (slots - (kp - 1)).clamp_min(0)
+        rows = self.index_cache.view(-1, width)[first[:, None] + torch.arange(kp, device=slots.device)]   # [T, kp, 2Di]
+        keys = ix.pool_keys(rows.reshape(1, -1, width))[0]                                             # [T, Di]
+        flat = self.pool_cache.view(-1, self.pool_cache.shape[-1])
+        trash = (self.pool_cache.shape[0] - 1) * self.pool_cache.shape[1]
+        done = (slots % kp) == kp - 1
+        flat.index_copy_(0, torch.where(done, slots // kp, trash), keys.to(flat.dtype))
 
     def select(self, hidden: torch.Tensor, q_resid: torch.Tensor | None, md: AttentionMetadata) -> Selection:
         if self.indexer is None:
@@ -109,28 +136,36 @@ class DSAttention(MLAttention):
         ix, width = self.indexer, self.index_cache.shape[-1]
         flat = self.index_cache.view(-1, width)
         flat.index_copy_(0, md.slot_mapping, ix.cache_rows(hidden).to(flat.dtype))
+        pooled = self.pool_cache is not None
+        if pooled:
+            self._store_completed_pools(md)
         q, w = ix.queries(q_resid, hidden)
         nd = md.num_decode_tokens
         decode = prefill = decode_indices = None
         if nd:
-            rows = self.index_cache[md.decode_block_tables.long()].reshape(nd, -1, width)
+            tables = md.decode_block_tables.long()
             positions = (md.decode_context_lens.long() - 1)[:, None]
+            # With the pool cache only the pools' keys are read: kpool x 2 fewer bytes than the rows.
+            keys = self.pool_cache[tables].reshape(nd, 1, -1, ix.head_dim)[:, 0] if pooled else None
+            rows = None if pooled and self.backend == "triton" else self.index_cache[tables].reshape(nd, -1, width)
             if self.backend == "triton":   # positions for the sparse decode kernel: no [rows, context] mask
-                decode_indices = ix.select_positions(q[:nd, None], w[:nd, None], rows, positions)[:, 0]
+                decode_indices = ix.select_positions(q[:nd, None], w[:nd, None], rows, positions, keys)[:, 0]
             else:
-                decode = ix.select(q[:nd, None], w[:nd, None], rows, positions)[:, 0]
+                decode = ix.select(q[:nd, None], w[:nd, None], rows, positions, keys)[:, 0]
         prefill_rows = None
         if nd < q.shape[0]:
             prefill, chosen_rows, q0, k0 = [], [], nd, 0
+            pool_flat = self.pool_cache.view(-1, ix.head_dim) if pooled else None
             for n, ctx in zip(md.prefill_query_lens, md.prefill_context_lens):
                 kv_rows = md.prefill_kv_rows[k0 : k0 + ctx]
                 rows = flat[kv_rows][None]
+                keys = pool_flat[kv_rows[ix.kpool - 1 :: ix.kpool] // ix.kpool][None] if pooled else None
                 positions = torch.arange(ctx - n, ctx, device=q.device)[None]
                 if self.backend == "triton":   # the chosen positions as flat cache rows, for the sparse kernel
-                    pos = ix.select_positions(q[None, q0 : q0 + n], w[None, q0 : q0 + n], rows, positions)[0]
+                    pos = ix.select_positions(q[None, q0 : q0 + n], w[None, q0 : q0 + n], rows, positions, keys)[0]
                     chosen_rows.append(torch.where(pos >= 0, kv_rows[pos.long().clamp_min(0)], -1))
                 else:
-                    prefill.append(ix.select(q[None, q0 : q0 + n], w[None, q0 : q0 + n], rows, positions)[0])
+                    prefill.append(ix.select(q[None, q0 : q0 + n], w[None, q0 : q0 + n], rows, positions, keys)[0])
                 q0, k0 = q0 + n, k0 + ctx
             if chosen_rows:
                 prefill_rows, prefill = torch.cat(chosen_rows), None

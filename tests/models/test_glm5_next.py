@@ -306,3 +306,21 @@ def test_the_triton_hyper_connections_and_index_scores_match_transformers(case):
     # Decode steps past topk + kpool - 1 tokens attend through the sparse MLA decode kernel.
     out = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
     assert out.output_token_ids == _hf_greedy(hf, PROMPTS[1], 8)
+
+
+def test_the_pool_key_cache_equals_recomputing_the_pools(case):
+    """Blocks that hold whole pools keep the completed pools' keys (the DSA layer's third cache
+    tensor); other block sizes recompute them from the indexer rows every step. Same choices, same
+    log-probs and tokens, with chunked prefill so pools complete across chunks and decode steps."""
+    kind, ckpt, _ = case
+    if kind != "sparse":
+        pytest.skip("the dense config chooses everything")
+    kept = LLM(str(ckpt), max_model_len=256, max_logprobs=VOCAB, max_num_batched_tokens=8, block_size=16, **REF)
+    recomputed = LLM(str(ckpt), max_model_len=256, max_logprobs=VOCAB, max_num_batched_tokens=8, block_size=6, **REF)
+    attn = lambda llm: llm.engine.runner.model.model.layers[1].self_attn   # noqa: E731
+    assert attn(kept).pool_cache is not None and attn(recomputed).pool_cache is None
+    a, b = _our_logprobs(kept, PROMPTS), _our_logprobs(recomputed, PROMPTS)
+    assert all(torch.allclose(x, y, rtol=0, atol=1e-6) for x, y in zip(a, b))
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True)
+    assert ([o.output_token_ids for o in kept.generate(PROMPTS, greedy, use_tqdm=False)]
+            == [o.output_token_ids for o in recomputed.generate(PROMPTS, greedy, use_tqdm=False)])
