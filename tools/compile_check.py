@@ -160,6 +160,9 @@ def _other_cases() -> list[Case]:
     from kdaserve.ops.mla.prefill import _mla_prefill_kernel
     from kdaserve.ops.moe.fused import _moe_down_kernel, _moe_gate_up_kernel
     from kdaserve.ops.norm.gated_rms_norm import gated_rms_norm_kernel
+    from kdaserve.ops.dsa.triton_scores import dsa_index_scores_kernel
+    from kdaserve.ops.hyper_connection.triton_hc import hc_post_kernel, hc_pre_kernel
+    from kdaserve.ops.mla.sparse_decode import _mla_sparse_decode_kernel
 
     out = [
         Case("conv varlen out", conv_varlen_out_kernel,
@@ -184,6 +187,22 @@ def _other_cases() -> list[Case]:
                   cu_q_ptr=I32, cu_k_ptr=I32, scale="fp32"),
              dict(DN=128, R=64, DV=128, BLOCK_M=64, BLOCK_N=32), 8, 2, quick=True, precision={"PREC": "tc"},
              no_spill=True),
+    ]
+    # GLM-5.3-Flash: hyper-connections (4 streams), DSA index scores (128-wide index heads), MLA
+    # over the chosen rows (latent 512, no rotary part).
+    out += [
+        Case("hc pre N=4", hc_pre_kernel, dict(s_ptr=BF, raw_ptr=F32, base_ptr=F32, scale_ptr=F32, post_ptr=F32,
+                                               comb_ptr=F32, x_ptr=BF, hc_eps="fp32", norm_eps="fp32"),
+             dict(N=4, ITERS=20, BD=1024), quick=True, no_spill=True),
+        Case("hc post N=4", hc_post_kernel, dict(s_ptr=BF, out_ptr=BF, post_ptr=F32, comb_ptr=F32, y_ptr=BF),
+             dict(N=4, BD=256), quick=True, no_spill=True),
+        Case("dsa index scores Di=128", dsa_index_scores_kernel,
+             dict(q_ptr=BF, w_ptr=F32, k_ptr=BF, pos_ptr="*i64", out_ptr=F32, scale="fp32"),
+             dict(DI=128, BM=64, BP=64, IEEE=False), quick=True),
+        Case("mla sparse decode L=512 R=0", _mla_sparse_decode_kernel,
+             dict(ql_ptr=BF, qp_ptr=BF, cache_ptr=BF, tables_ptr=I32, idx_ptr=I32, out_ptr=BF, scale="fp32"),
+             dict(H=64, L=512, R=16, HAS_PE=False, BLOCK_H=16, BLOCK_SIZE=16), quick=True, precision={"PREC": "tc"},
+             no_spill=True, per_target={t: _mla_decode_launch(launch_shape(t, 512)) for t in TARGETS}),
     ]
     for bm in (16, 32, 64):   # ops/moe/fused.moe_block_m's choices
         out.append(Case(f"moe gate_up BM={bm}", _moe_gate_up_kernel,

@@ -10,6 +10,7 @@ def test_every_kernel_compiles_for_gfx950_gfx942_and_sm100():
     out = run_compiled(["-m", "tools.compile_check", "--arch", "gfx950,gfx942,sm_100", "--quick"], timeout=1200)
     for target in ("gfx950", "gfx942", "sm_100"):
         assert f"{target} flash prepare" in out and f"{target} moe down" in out and f"{target} mla decode" in out, target
+        assert f"{target} hc pre" in out and f"{target} dsa index scores" in out and f"{target} mla sparse decode" in out
 
 
 def test_precision_by_target():
