@@ -98,8 +98,7 @@ def run(model: str, flags: dict[str, str], prompts: list[list[int]], output_len:
         warmup_prompts: int = 4, startup_timeout: float = 600, log=print) -> dict:
     """The A/B: `flags` maps "A" and "B" to engine flags. Returns the report (JSON-ready).
     Each server's untimed warm-up sends at least `concurrency` prompts, so batch shapes the timed
-    run reaches are compiled and autotuned before it (the first H200 A/B with 4 warm-up prompts timed
-    FLA's autotuning at 16 concurrent prompts: 6.6 s of TTFT in one run, ~0.24 s in the others)."""
+    run reaches are compiled and autotuned before it (docs/evidence.md)."""
     warmup_prompts = max(warmup_prompts, concurrency)
     runs = []
     for r in range(rounds):

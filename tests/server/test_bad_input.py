@@ -69,8 +69,7 @@ def test_a_long_prompt_is_refused_by_its_character_count(client):
 def test_a_huge_prompt_is_refused_quickly_while_health_answers(server, client):
     """20 MB of text: refused (413, past the default body limit) in well under a second; /health
     answers meanwhile in under 100 ms. The 20 MB come from another process: a client thread in
-    this one would hold the GIL the server's event loop needs (that, not the server, once made
-    /health take 0.36 s on a loaded 2-core CI machine)."""
+    this one would hold the GIL the server's event loop needs, timing the test, not the server."""
     import json
     import subprocess
     import sys
