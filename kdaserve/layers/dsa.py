@@ -158,8 +158,10 @@ class DSAttention(MLAttention):
             pool_flat = self.pool_cache.view(-1, ix.head_dim) if pooled else None
             for n, ctx in zip(md.prefill_query_lens, md.prefill_context_lens):
                 kv_rows = md.prefill_kv_rows[k0 : k0 + ctx]
-                rows = flat[kv_rows][None]
                 keys = pool_flat[kv_rows[ix.kpool - 1 :: ix.kpool] // ix.kpool][None] if pooled else None
+                # The indexer rows of the whole context only where the pools must be recomputed from
+                # them or the mask needs the context's width.
+                rows = None if pooled and self.backend == "triton" else flat[kv_rows][None]
                 positions = torch.arange(ctx - n, ctx, device=q.device)[None]
                 if self.backend == "triton":   # the chosen positions as flat cache rows, for the sparse kernel
                     pos = ix.select_positions(q[None, q0 : q0 + n], w[None, q0 : q0 + n], rows, positions, keys)[0]
