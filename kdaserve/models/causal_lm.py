@@ -27,8 +27,14 @@ class DecoderStack(nn.Module):
 
 
 class KDACausalLM(nn.Module):
-    def resolve_backends(self, config, kda: KDABackendChoice, settings: LayerSettings, device) -> KDABackends | None:
+    def resolve_backends(self, config, kda: KDABackendChoice, dtype: torch.dtype, device, *,
+                         lower_bound: float | None) -> KDABackends | None:
+        """The backends of every KDA layer of `config` (its linear_head_dim, linear_conv_kernel_dim,
+        the gate's `lower_bound`: None is the unbounded gate), or None without KDA layers."""
         self.config = config
+        settings = LayerSettings(input_dtype=dtype, head_dim=config.linear_head_dim, lower_bound=lower_bound,
+                                 state_dtype=kda.state_dtype, conv_layout=kda.conv_layout,
+                                 num_spec_tokens=kda.num_spec_tokens, conv_width=config.linear_conv_kernel_dim)
         has_kda = "linear_attention" in config.layer_types
         self.kda_backends = resolve_kda_backends(
             kda, settings, config.linear_num_heads, Machine.detect(torch.device(device) if device is not None else None),

@@ -31,7 +31,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from kdaserve.backends import KDABackendChoice, LayerSettings
+from kdaserve.backends import KDABackendChoice
 from kdaserve.layers.dsa import DSAIndexer, DSAttention
 from kdaserve.layers.embed_head import VocabEmbedding
 from kdaserve.layers.hyper_connection import HyperConnection
@@ -51,12 +51,6 @@ _LAYER = re.compile(r"model\.language_model\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 _EXPERT_PART = {"gate": "w1", "up": "w3", "down": "w2"}
 _HC = re.compile(r"hc_(attn|ffn)_(fn|base|scale)")
-
-
-def _kda_settings(config: Glm5NextConfig, kda: KDABackendChoice, dtype: torch.dtype) -> LayerSettings:
-    return LayerSettings(input_dtype=dtype, head_dim=config.linear_head_dim, lower_bound=config.linear_lower_bound,
-                         state_dtype=kda.state_dtype, conv_layout=kda.conv_layout, num_spec_tokens=kda.num_spec_tokens,
-                         conv_width=config.linear_conv_kernel_dim)
 
 
 class Glm5NextDecoderLayer(nn.Module):
@@ -141,7 +135,7 @@ class Glm5NextForCausalLM(KDACausalLM):
         super().__init__()
         dtype = dtype or torch.get_default_dtype()
         kda = kda or KDABackendChoice()
-        backends = self.resolve_backends(config, kda, _kda_settings(config, kda, dtype), device)
+        backends = self.resolve_backends(config, kda, dtype, device, lower_bound=config.linear_lower_bound)
         self.model = Glm5NextModel(config, kda=kda, kda_backends=backends, mla_backend=mla_backend,
                                    moe_backend=moe_backend, dtype=dtype, device=device)
         self.add_head(dtype, device)

@@ -11,19 +11,13 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from kdaserve.backends import KDABackendChoice, KDABackends, LayerSettings
+from kdaserve.backends import KDABackendChoice, KDABackends
 from kdaserve.layers.attention import FullAttention
 from kdaserve.layers.embed_head import VocabEmbedding
 from kdaserve.layers.mlp import SwiGLUMLP
 from kdaserve.layers.norm import RMSNorm
 from kdaserve.models.causal_lm import DecoderStack, KDACausalLM
 from kdaserve.models.config import HybridConfig
-
-def _kda_layer_settings(config: HybridConfig, kda: KDABackendChoice, dtype: torch.dtype) -> LayerSettings:
-    return LayerSettings(input_dtype=dtype, head_dim=config.linear_head_dim, lower_bound=config.linear_lower_bound,
-                         state_dtype=kda.state_dtype, conv_layout=kda.conv_layout, num_spec_tokens=kda.num_spec_tokens,
-                         conv_width=config.linear_conv_kernel_dim)
-
 
 def _kda_layer_class():
     from kdaserve.layers.kda import KDALayer
@@ -88,7 +82,7 @@ class HybridForCausalLM(KDACausalLM):
         super().__init__()
         dtype = dtype or torch.get_default_dtype()
         kda = kda or KDABackendChoice()
-        backends = self.resolve_backends(config, kda, _kda_layer_settings(config, kda, dtype), device)
+        backends = self.resolve_backends(config, kda, dtype, device, lower_bound=config.linear_lower_bound)
         self.model = HybridModel(config, kda=kda, kda_backends=backends, dtype=dtype, device=device)
         self.add_head(dtype, device)
 

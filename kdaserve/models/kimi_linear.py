@@ -24,7 +24,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from kdaserve.backends import KDABackendChoice, LayerSettings
+from kdaserve.backends import KDABackendChoice
 from kdaserve.layers.embed_head import VocabEmbedding
 from kdaserve.layers.mla import MLAttention
 from kdaserve.layers.mlp import SwiGLUMLP
@@ -37,12 +37,6 @@ from kdaserve.models.weight_names import load_named_tensor
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight")
-
-
-def _kda_settings(config: KimiLinearConfig, kda: KDABackendChoice, dtype: torch.dtype) -> LayerSettings:
-    return LayerSettings(input_dtype=dtype, head_dim=config.linear_head_dim, lower_bound=None,
-                         state_dtype=kda.state_dtype, conv_layout=kda.conv_layout, num_spec_tokens=kda.num_spec_tokens,
-                         conv_width=config.linear_conv_kernel_dim)
 
 
 class KimiDecoderLayer(nn.Module):
@@ -104,7 +98,7 @@ class KimiLinearForCausalLM(KDACausalLM):
         super().__init__()
         dtype = dtype or torch.get_default_dtype()
         kda = kda or KDABackendChoice()
-        backends = self.resolve_backends(config, kda, _kda_settings(config, kda, dtype), device)
+        backends = self.resolve_backends(config, kda, dtype, device, lower_bound=None)
         self.model = KimiLinearModel(config, kda=kda, kda_backends=backends, mla_backend=mla_backend,
                                      moe_backend=moe_backend, dtype=dtype, device=device)
         self.add_head(dtype, device)
