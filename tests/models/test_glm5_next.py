@@ -174,6 +174,9 @@ def test_config_forms_flat_nested_and_linear_attn_config():
     ({"indexer_types": ["full", "full", "full", "shared"]}, "layer 2 is not an attention layer with a full indexer"),
     ({"qk_rope_head_dim": 64}, "no rotary"),
     ({"linear_attn_config": {"kda_layers": [0, 1, 4], "full_attn_layers": [2]}}, "0-based"),
+    ({"index_topk": 100, "index_kpool": 16}, "multiple of index_kpool"),
+    ({"linear_attn_config": {"gate_lower_bound": None}, "linear_lower_bound": None}, "bounded gate"),
+    ({"hidden_act": "gelu"}, "only silu"),
 ])
 def test_bad_configs_are_refused_with_the_reason(bad, match):
     base = {"hidden_size": 64, "num_hidden_layers": 4, "vocab_size": 300}
@@ -266,6 +269,17 @@ def test_fp8_block_scaled_checkpoint_loads_as_its_dequantized_weights(tmp_path):
     write_checkpoint(tmp_path / "orphan", config, mutate=lambda t: (fp8(t), t.pop(name + "_scale_inv")))
     with pytest.raises(ValueError, match=r"FP8 weights without their _scale_inv"):
         _load(tmp_path / "orphan")
+
+
+def test_fp8_scales_of_the_wrong_shape_or_without_a_weight_are_named():
+    from kdaserve.models.fp8 import dequantized_weights
+
+    w = torch.ones(40, 20).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"x\.weight_scale_inv has shape \[2, 2\]; a \[40, 20\] weight in 16 x 16 "
+                                         r"blocks needs \[3, 2\]"):
+        list(dequantized_weights([("x.weight", w), ("x.weight_scale_inv", torch.ones(2, 2))], torch.float32, (16, 16)))
+    with pytest.raises(ValueError, match=r"_scale_inv tensors without an FP8 weight: \['y\.weight_scale_inv'\]"):
+        list(dequantized_weights([("y.weight_scale_inv", torch.ones(1, 1))], torch.float32))
 
 
 def test_a_model_too_large_for_the_gpu_says_so_with_the_numbers():

@@ -61,6 +61,14 @@ def test_sparse_decode_matches_the_masked_reference(R, dtype):
     torch.testing.assert_close(got.float(), ref.float(), **tol)
 
 
+def test_sizes_the_kernel_cannot_take_are_refused():
+    cache = torch.zeros(2, 4, 24 + 8)
+    with pytest.raises(ValueError, match=r"power-of-two kv_lora_rank >= 16 \(got 24\) and a rope part of 0 or a "
+                                         r"power of two >= 16 \(got 8\)"):
+        mla_sparse_decode_triton(torch.zeros(1, 2, 24), torch.zeros(1, 2, 8), cache, torch.zeros(1, 2, dtype=torch.int32),
+                                 torch.zeros(1, 3, dtype=torch.int32), 1.0)
+
+
 def test_the_choice_as_positions_equals_the_choice_as_a_mask():
     g = torch.Generator().manual_seed(1)
     B, n, C, kpool, topk = 2, 6, 90, 4, 16
