@@ -7,7 +7,7 @@
 # transformers 5.23.0 with what it imports for structured output) and, for an old-vs-new comparison, [".old"]
 # (e.g. `git archive <commit> kdaserve benchmarks | tar -x -C .old`).
 # Parts owed (add one as `if [ "$PART" = name ]; then ... fi` below, with what it must show):
-#   bash scripts/gpu_verify_next.sh glm    # GLM-5.3-Flash (issue 28): its tests on the GPU and the layer slice
+#   (none)
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -32,15 +32,3 @@ group() {  # name, seconds, pytest args...: one pytest process per file (one GPU
 PART=${1:-}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 [ -z "$PART" ] && echo "name a part"
-if [ "$PART" = glm ]; then
-# Issue 28, built after the eleventh session's last GPU run. Must show: rc=0 and no FAILED line for
-# the mHC, DSA-score and sparse MLA decode kernels (on the GPU against the references) and the GLM model tests (transformers
-# comparison on the GPU, the Triton mHC path included); then the layer-slice table (flash,fused and
-# fla,fla; prefill 8192 and decode B = 1, 64 per part against its floor). Record the table in
-# docs/perf-notes.md. If the benchmark runs out of time, drop fla,fla or --prompt to 4096.
-group hc_gpu 120 tests/ops/test_hyper_connection.py
-group dsa_gpu 120 tests/ops/test_dsa_scores.py tests/ops/test_mla_sparse_decode.py
-group glm_gpu 200 tests/models/test_glm5_next.py
-left=$(( BUDGET - ($(date +%s) - START) ))
-timeout $(( left > 30 ? left - 10 : 20 )) python3 benchmarks/bench_glm_layers.py --pairs flash,fused fla,fla 2>&1 | tail -45
-fi

@@ -158,6 +158,7 @@ def _other_cases() -> list[Case]:
     from kdaserve.ops.conv.varlen_kernel import conv_varlen_out_kernel, conv_varlen_state_kernel
     from kdaserve.ops.mla.decode import _mla_decode_kernel, launch_shape
     from kdaserve.ops.mla.prefill import _mla_prefill_kernel
+    from kdaserve.ops.mla.prefill import launch_shape as mla_prefill_shape
     from kdaserve.ops.moe.fused import _moe_down_kernel, _moe_gate_up_kernel
     from kdaserve.ops.norm.gated_rms_norm import gated_rms_norm_kernel
     from kdaserve.ops.dsa.triton_scores import dsa_index_scores_kernel
@@ -180,13 +181,15 @@ def _other_cases() -> list[Case]:
              dict(HKV=4, G=4, GP=16, D=128, BLOCK_SIZE=16, TILE=64), quick=True, precision={"PREC": "tc"}),
         Case("mla decode L=512 R=64", _mla_decode_kernel,
              dict(ql_ptr=BF, qp_ptr=BF, cache_ptr=BF, tables_ptr=I32, lens_ptr=I32, out_ptr=BF, scale="fp32"),
-             dict(H=32, L=512, R=64, BLOCK_H=16, BLOCK_SIZE=16), quick=True, precision={"PREC": "tc"}, no_spill=True,
+             dict(H=32, L=512, R=64, HAS_PE=True, BLOCK_H=16, BLOCK_SIZE=16), quick=True, precision={"PREC": "tc"},
+             no_spill=True,
              per_target={t: _mla_decode_launch(launch_shape(t, 512)) for t in TARGETS}),
         Case("mla prefill Dn=128 R=64 Dv=128", _mla_prefill_kernel,
              dict(qn_ptr=BF, qp_ptr=BF, kn_ptr=BF, kp_ptr=BF, v_ptr=BF, out_ptr=BF, blk_seq_ptr=I32, blk_start_ptr=I32,
                   cu_q_ptr=I32, cu_k_ptr=I32, scale="fp32"),
-             dict(DN=128, R=64, DV=128, BLOCK_M=64, BLOCK_N=32), 8, 2, quick=True, precision={"PREC": "tc"},
-             no_spill=True),
+             dict(DN=128, R=64, HAS_PE=True, DV=128, **dict(zip(("BLOCK_M", "BLOCK_N"), mla_prefill_shape(128, 128)))),
+             mla_prefill_shape(128, 128)[2], 2, quick=True,
+             precision={"PREC": "tc"}, no_spill=True),
     ]
     # GLM-5.3-Flash: hyper-connections (4 streams), DSA index scores (128-wide index heads), MLA
     # over the chosen rows (latent 512, no rotary part).
@@ -203,6 +206,16 @@ def _other_cases() -> list[Case]:
              dict(ql_ptr=BF, qp_ptr=BF, cache_ptr=BF, tables_ptr=I32, idx_ptr=I32, out_ptr=BF, scale="fp32"),
              dict(H=64, L=512, R=16, HAS_PE=False, BLOCK_H=16, BLOCK_SIZE=16), quick=True, precision={"PREC": "tc"},
              no_spill=True, per_target={t: _mla_decode_launch(launch_shape(t, 512)) for t in TARGETS}),
+        Case("mla decode L=512 R=0", _mla_decode_kernel,
+             dict(ql_ptr=BF, qp_ptr=BF, cache_ptr=BF, tables_ptr=I32, lens_ptr=I32, out_ptr=BF, scale="fp32"),
+             dict(H=64, L=512, R=16, HAS_PE=False, BLOCK_H=16, BLOCK_SIZE=16), quick=True, precision={"PREC": "tc"},
+             no_spill=True, per_target={t: _mla_decode_launch(launch_shape(t, 512)) for t in TARGETS}),
+        Case("mla prefill Dn=256 R=0 Dv=256", _mla_prefill_kernel,
+             dict(qn_ptr=BF, qp_ptr=BF, kn_ptr=BF, kp_ptr=BF, v_ptr=BF, out_ptr=BF, blk_seq_ptr=I32, blk_start_ptr=I32,
+                  cu_q_ptr=I32, cu_k_ptr=I32, scale="fp32"),
+             dict(DN=256, R=16, HAS_PE=False, DV=256, **dict(zip(("BLOCK_M", "BLOCK_N"), mla_prefill_shape(256, 256)))),
+             mla_prefill_shape(256, 256)[2], 2, quick=True,
+             precision={"PREC": "tc"}, no_spill=True),
     ]
     for bm in (16, 32, 64):   # ops/moe/fused.moe_block_m's choices
         out.append(Case(f"moe gate_up BM={bm}", _moe_gate_up_kernel,

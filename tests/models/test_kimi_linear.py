@@ -24,8 +24,9 @@ from kdaserve.models.loader import load_model
 from kdaserve.testing.compare import rel_rms
 
 VOCAB = 260
+# fp32 wherever the engine runs (on a GPU it would default to bf16), as transformers runs on the CPU.
 REF = dict(kda_prefill_backend="reference", kda_decode_backend="reference", mla_backend="reference",
-           moe_backend="reference")
+           moe_backend="reference", dtype="float32")
 PROMPTS = [[72, 101, 108, 108, 111, 32, 75, 68, 65], list(range(40, 77)), [7], [200 + (i * 7) % 50 for i in range(23)]]
 
 

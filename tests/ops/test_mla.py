@@ -64,10 +64,11 @@ def test_decode_reference_equals_the_expanded_form():
 
 
 @INTERP
-def test_decode_kernel_matches_the_reference_in_the_interpreter():
+@pytest.mark.parametrize("R", [16, 0], ids=["rope", "no-rope"])
+def test_decode_kernel_matches_the_reference_in_the_interpreter(R):
     from kdaserve.ops.mla.decode import mla_decode_triton
 
-    case = decode_case("cpu", torch.float32)
+    case = decode_case("cpu", torch.float32, R=R)
     got = mla_decode_triton(*case, scale=0.2)
     want = mla_decode_reference(*case, scale=0.2)
     assert_rel_close(got, want, 1e-5, "MLA decode")
@@ -76,10 +77,12 @@ def test_decode_kernel_matches_the_reference_in_the_interpreter():
 @INTERP
 @pytest.mark.parametrize("query_lens, context_lens", [([5, 1, 20], [5, 9, 33]), ([1], [1]), ([17, 3], [17, 40])],
                          ids=["mixed", "one-token", "later-chunks"])
-def test_prefill_kernel_matches_the_reference_in_the_interpreter(query_lens, context_lens):
+@pytest.mark.parametrize("R", [16, 0], ids=["rope", "no-rope"])
+def test_prefill_kernel_matches_the_reference_in_the_interpreter(query_lens, context_lens, R):
+    """R = 0: no rotary key part (GLM-5.3-Flash), the kernel skips that dot."""
     from kdaserve.ops.mla.prefill import mla_prefill_triton
 
-    case = prefill_case("cpu", torch.float32, query_lens, context_lens)
+    case = prefill_case("cpu", torch.float32, query_lens, context_lens, R=R)
     got = mla_prefill_triton(*case, query_lens, context_lens, 0.25)
     want = mla_prefill_reference(*case, query_lens, context_lens, 0.25)
     assert_rel_close(got, want, 1e-5, "MLA prefill")
@@ -95,30 +98,44 @@ def test_bad_shapes_say_what_is_needed():
     case = prefill_case("cpu", torch.float32, [4], [4], DV=24)
     with pytest.raises(ValueError, match="power-of-two v_head_dim >= 16, got 24"):
         mla_prefill_triton(*case, [4], [4], 0.1)
+    case = prefill_case("cpu", torch.float32, [4], [4], R=8)
+    with pytest.raises(ValueError, match="power-of-two qk_rope_head_dim >= 16 or 0, got 8"):
+        mla_prefill_triton(*case, [4], [4], 0.1)
+    q_lat, q_pe, cache, tables, lens = decode_case("cpu", torch.float32, R=8)
+    with pytest.raises(ValueError, match=r"rope key part that is 0 or a power of two >= 16 \(got 8\)"):
+        mla_decode_triton(q_lat, q_pe, cache, tables, lens, 0.1)
     case = prefill_case("cpu", torch.float32, [4], [3])
     with pytest.raises(ValueError, match="every context must hold its queries"):
         mla_prefill_triton(*case, [4], [3], 0.1)
 
 
+# (heads, latent, rope part, nope, v): Kimi-Linear-48B and GLM-5.3-Flash (no rotary part, 256-wide heads).
+SIZES = {"kimi": (32, 512, 64, 128, 128), "glm": (64, 512, 0, 256, 256)}
+
+
 @pytest.mark.gpu
-def test_gpu_decode_at_kimi_linear_sizes():
+@pytest.mark.parametrize("model", SIZES)
+def test_gpu_decode_at_real_sizes(model):
     from kdaserve.ops.mla.decode import mla_decode_triton
 
+    H, L, R, DN, _ = SIZES[model]
     lens = (1, 17, 700, 5, 4096, 333, 2048, 64)
-    case = decode_case("cuda", torch.bfloat16, B_lens=lens, H=32, L=512, R=64, BS=16)
-    got = mla_decode_triton(*case, scale=192**-0.5)
-    want = mla_decode_reference(*(t.float() if t.is_floating_point() else t for t in case), scale=192**-0.5)
+    case = decode_case("cuda", torch.bfloat16, B_lens=lens, H=H, L=L, R=R, BS=16)
+    got = mla_decode_triton(*case, scale=(DN + R) ** -0.5)
+    want = mla_decode_reference(*(t.float() if t.is_floating_point() else t for t in case), scale=(DN + R) ** -0.5)
     assert_rel_close(got.float(), want, 1e-2, "MLA decode bf16")
 
 
 @pytest.mark.gpu
-def test_gpu_prefill_at_kimi_linear_sizes():
+@pytest.mark.parametrize("model", SIZES)
+def test_gpu_prefill_at_real_sizes(model):
     from kdaserve.ops.mla.prefill import mla_prefill_triton
 
+    H, _, R, DN, DV = SIZES[model]
     q_lens, c_lens = [1000, 1, 300, 2048], [1000, 77, 1500, 2048]
-    case = prefill_case("cuda", torch.bfloat16, q_lens, c_lens, H=32, DN=128, R=64, DV=128)
-    got = mla_prefill_triton(*case, q_lens, c_lens, 192**-0.5)
-    want = mla_prefill_reference(*(t.float() for t in case), q_lens, c_lens, 192**-0.5)
+    case = prefill_case("cuda", torch.bfloat16, q_lens, c_lens, H=H, DN=DN, R=R, DV=DV)
+    got = mla_prefill_triton(*case, q_lens, c_lens, (DN + R) ** -0.5)
+    want = mla_prefill_reference(*(t.float() for t in case), q_lens, c_lens, (DN + R) ** -0.5)
     assert_rel_close(got.float(), want, 1e-2, "MLA prefill bf16")
 
 

@@ -19,7 +19,7 @@ from kdaserve.ops.precision import device_target, dot_precision
 def _mla_decode_kernel(
     ql_ptr, qp_ptr, cache_ptr, tables_ptr, lens_ptr, out_ptr, scale,
     stride_qlb, stride_qlh, stride_qpb, stride_qph, stride_ob, stride_oh, stride_tb, stride_row,
-    H: tl.constexpr, L: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr,
+    H: tl.constexpr, L: tl.constexpr, R: tl.constexpr, HAS_PE: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, PREC: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -29,7 +29,9 @@ def _mla_decode_kernel(
     offs_l = tl.arange(0, L)
     offs_r = tl.arange(0, R)
     ql = tl.load(ql_ptr + b * stride_qlb + heads[:, None] * stride_qlh + offs_l[None, :], mask=h_ok[:, None], other=0.0)
-    qp = tl.load(qp_ptr + b * stride_qpb + heads[:, None] * stride_qph + offs_r[None, :], mask=h_ok[:, None], other=0.0)
+    if HAS_PE:
+        qp = tl.load(qp_ptr + b * stride_qpb + heads[:, None] * stride_qph + offs_r[None, :], mask=h_ok[:, None],
+                     other=0.0)
     ctx = tl.load(lens_ptr + b).to(tl.int32)
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
@@ -41,9 +43,11 @@ def _mla_decode_kernel(
         blk = tl.load(tables_ptr + b * stride_tb + t // BLOCK_SIZE, mask=t_ok, other=0)
         rows = (blk.to(tl.int64) * BLOCK_SIZE + t % BLOCK_SIZE) * stride_row
         lat = tl.load(cache_ptr + rows[:, None] + offs_l[None, :], mask=t_ok[:, None], other=0.0)
-        pe = tl.load(cache_ptr + rows[:, None] + L + offs_r[None, :], mask=t_ok[:, None], other=0.0)
         s = tl.dot(ql, tl.trans(lat).to(ql.dtype), input_precision=PREC)
-        s = tl.dot(qp, tl.trans(pe).to(qp.dtype), s, input_precision=PREC) * scale
+        if HAS_PE:
+            pe = tl.load(cache_ptr + rows[:, None] + L + offs_r[None, :], mask=t_ok[:, None], other=0.0)
+            s = tl.dot(qp, tl.trans(pe).to(qp.dtype), s, input_precision=PREC)
+        s = s * scale
         s = tl.where(t_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         p = tl.exp(s - m_new[:, None])
@@ -74,12 +78,12 @@ def mla_decode_triton(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.T
     if width != L + R or not cache.is_contiguous():
         raise ValueError(f"MLA decode needs a contiguous cache [blocks, block_size, L+R = {L + R}], got "
                          f"{tuple(cache.shape)} (contiguous: {cache.is_contiguous()})")
-    for name, d in (("kv_lora_rank", L), ("the rope key part", R)):
-        if d < 16 or d & (d - 1):
-            raise ValueError(f"MLA decode needs a power-of-two {name} >= 16, got {d}")
+    if L < 16 or L & (L - 1) or (R != 0 and (R < 16 or R & (R - 1))):
+        raise ValueError(f"MLA decode needs a power-of-two kv_lora_rank >= 16 (got {L}) and a rope key part that "
+                         f"is 0 or a power of two >= 16 (got {R})")
     interpreter_compat.install()
     q_latent = q_latent if q_latent.stride(-1) == 1 else q_latent.contiguous()
-    q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
+    q_pe = q_pe if R == 0 or q_pe.stride(-1) == 1 else q_pe.contiguous()
     q_latent, q_pe = q_latent.to(cache.dtype), q_pe.to(cache.dtype)
     out = torch.empty(B, H, L, dtype=cache.dtype, device=cache.device)
     BLOCK_H = 16
@@ -88,7 +92,7 @@ def mla_decode_triton(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.T
         q_latent, q_pe, cache, block_tables, context_lens, out, scale,
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), cache.stride(1),
-        H=H, L=L, R=R, BLOCK_H=BLOCK_H, BLOCK_SIZE=block_size, TILE=tile,
+        H=H, L=L, R=max(R, 16), HAS_PE=R > 0, BLOCK_H=BLOCK_H, BLOCK_SIZE=block_size, TILE=tile,
         PREC="ieee" if cache.dtype == torch.float32 else dot_precision(cache.device).tensor_core, num_warps=warps,
         num_stages=stages,
     )

@@ -22,8 +22,8 @@ from kdaserve.ops.host_tables import tables_to_device
 def _mla_prefill_kernel(
     qn_ptr, qp_ptr, kn_ptr, kp_ptr, v_ptr, out_ptr, blk_seq_ptr, blk_start_ptr, cu_q_ptr, cu_k_ptr, scale,
     s_qn_t, s_qn_h, s_qp_t, s_qp_h, s_kn_t, s_kn_h, s_kp_t, s_v_t, s_v_h, s_o_t, s_o_h,
-    DN: tl.constexpr, R: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PREC: tl.constexpr,
+    DN: tl.constexpr, R: tl.constexpr, HAS_PE: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, PREC: tl.constexpr,
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -39,7 +39,8 @@ def _mla_prefill_kernel(
     rows_q = (q_beg + i).to(tl.int64)
     dn, r, dv = tl.arange(0, DN), tl.arange(0, R), tl.arange(0, DV)
     qn = tl.load(qn_ptr + rows_q[:, None] * s_qn_t + h * s_qn_h + dn[None, :], mask=i_ok[:, None], other=0.0)
-    qp = tl.load(qp_ptr + rows_q[:, None] * s_qp_t + h * s_qp_h + r[None, :], mask=i_ok[:, None], other=0.0)
+    if HAS_PE:
+        qp = tl.load(qp_ptr + rows_q[:, None] * s_qp_t + h * s_qp_h + r[None, :], mask=i_ok[:, None], other=0.0)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DV], tl.float32)
@@ -49,10 +50,12 @@ def _mla_prefill_kernel(
         j_ok = j < last
         rows_k = (k_beg + j).to(tl.int64)
         kn = tl.load(kn_ptr + rows_k[:, None] * s_kn_t + h * s_kn_h + dn[None, :], mask=j_ok[:, None], other=0.0)
-        kp = tl.load(kp_ptr + rows_k[:, None] * s_kp_t + r[None, :], mask=j_ok[:, None], other=0.0)
         vv = tl.load(v_ptr + rows_k[:, None] * s_v_t + h * s_v_h + dv[None, :], mask=j_ok[:, None], other=0.0)
         s = tl.dot(qn, tl.trans(kn), input_precision=PREC)
-        s = tl.dot(qp, tl.trans(kp), s, input_precision=PREC) * scale
+        if HAS_PE:
+            kp = tl.load(kp_ptr + rows_k[:, None] * s_kp_t + r[None, :], mask=j_ok[:, None], other=0.0)
+            s = tl.dot(qp, tl.trans(kp), s, input_precision=PREC)
+        s = s * scale
         allowed = j_ok[None, :] & (j[None, :] <= offset + i[:, None])
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
@@ -67,9 +70,16 @@ def _mla_prefill_kernel(
              mask=i_ok[:, None])
 
 
-def _pow2(d: int, what: str) -> None:
-    if d < 16 or d & (d - 1):
-        raise ValueError(f"MLA prefill needs a power-of-two {what} >= 16, got {d}")
+def launch_shape(dn: int, dv: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, warps) on the GPU: the largest tiles that do not spill on sm_90
+    (tools/compile_check.py): [64, 32] at Kimi-Linear's 128-wide heads, [64, 16] at GLM-5.3-Flash's
+    256-wide ones (its [64, 32] spills 120 bytes)."""
+    return (64, 32, 8) if dn + dv <= 256 else (64, 16, 8)
+
+
+def _pow2(d: int, what: str, zero_ok: bool = False) -> None:
+    if (d < 16 or d & (d - 1)) and not (zero_ok and d == 0):
+        raise ValueError(f"MLA prefill needs a power-of-two {what} >= 16{' or 0' if zero_ok else ''}, got {d}")
 
 
 def mla_prefill_triton(q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor,
@@ -77,17 +87,16 @@ def mla_prefill_triton(q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: torch.T
     """Same contract as reference.mla_prefill_reference (lengths are host lists)."""
     T, H, DN = q_nope.shape
     R, DV = q_pe.shape[-1], v.shape[-1]
-    for d, what in ((DN, "qk_nope_head_dim"), (R, "qk_rope_head_dim"), (DV, "v_head_dim")):
+    for d, what in ((DN, "qk_nope_head_dim"), (DV, "v_head_dim")):
         _pow2(d, what)
+    _pow2(R, "qk_rope_head_dim", zero_ok=True)   # 0: no rope part (GLM-5.3-Flash)
     if any(c < q for q, c in zip(query_lens, context_lens)):
         raise ValueError(f"every context must hold its queries: query lengths {query_lens}, context lengths {context_lens}")
     interpreter_compat.install()
     out = torch.empty(T, H, DV, dtype=q_nope.dtype, device=q_nope.device)
     if T == 0:
         return out
-    # GPU: [64, 32] tiles at 8 warps are the largest measured not to spill at Kimi-Linear's head
-    # sizes (tools/compile_check.py); the interpreter takes the smallest dot tiles.
-    BLOCK_M, BLOCK_N, warps = (64, 32, 8) if q_nope.is_cuda else (16, 16, 4)
+    BLOCK_M, BLOCK_N, warps = launch_shape(DN, DV) if q_nope.is_cuda else (16, 16, 4)   # interpreter: smallest dots
     seq_of_block = np.concatenate([np.full(-(-n // BLOCK_M), i, np.int32) for i, n in enumerate(query_lens)])
     start_of_block = np.concatenate([np.arange(0, n, BLOCK_M, dtype=np.int32) for n in query_lens])
     cu_q = np.zeros(len(query_lens) + 1, np.int32)
@@ -99,7 +108,7 @@ def mla_prefill_triton(q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: torch.T
         q_nope, q_pe, k_nope, k_pe, v, out, blk_seq, blk_start, cu_q_d, cu_k_d, scale,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), k_nope.stride(0), k_nope.stride(1),
         k_pe.stride(0), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        DN=DN, R=R, DV=DV, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        DN=DN, R=max(R, 16), HAS_PE=R > 0, DV=DV, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         PREC="ieee" if q_nope.dtype == torch.float32 else dot_precision(q_nope.device).tensor_core, num_warps=warps, num_stages=2,
     )
     return out
