@@ -36,18 +36,27 @@ def main(sass: bool = False) -> None:
     k = compile_for_sm90(flash_plan_kernel, dict(tables, cu_ptr=i32), dict(C=16, BLOCK_J=32, BLOCK_N=64))
     lines.append(f"plan: {report(k)}")
 
-    for C, log2c, bounded, anchored in ((16, 4, True, False), (16, 4, False, False), (16, 4, False, True),
-                                        (32, 5, True, False)):  # unbounded gates use C = 16
-        for first in ((False, True) if bounded else (False,)):  # common launch, first chunks (conv history)
-            k = compile_for_sm90(
-                flash_prepare_kernel,
-                dict(**ws, **tables, qkv_ptr=bf, forget_ptr=bf, b_ptr=bf, cw_ptr=f32, cs_ptr=bf, a_log_ptr=f32,
-                     dt_bias_ptr=f32, lower_bound="fp32", q_scale="fp32", anchor_spread="fp32"),
-                dict(H=32, D=128, C=C, LOG2C=log2c, W=4, BOUNDED=bounded, PREC_TC="tf32", FAST=True, FIRST=first,
-                     NFIRST=1, ANCHORED=anchored, stride_cs_ch=1, stride_forget_d=1, stride_cw_j=1),  # unit strides: what the launcher specializes
-                num_warps=cfg.prepare_warps,
-            )
-            lines.append(f"prepare C={C} bounded={bounded} first={first} anchored={anchored}: {report(k)}")
+    # (C, bounded, first, exact, flagged only, halves, blocked): every launch prefill.py makes
+    for C, bounded, first, exact, flagged, halves, blocked in ((32, True, False, False, False, False, False),
+                                                               (32, True, True, False, False, False, False),
+                                                               (16, False, False, False, False, False, False),
+                                                               (16, False, True, False, False, False, False),
+                                                               (16, False, False, False, False, True, False),
+                                                               (16, False, False, True, True, True, True),
+                                                               (16, False, False, True, True, True, False),
+                                                               (16, False, False, True, False, False, True),
+                                                               (16, False, False, True, False, False, False)):
+        k = compile_for_sm90(
+            flash_prepare_kernel,
+            dict(**ws, **tables, flag_ptr="*i8", qkv_ptr=bf, forget_ptr=bf, b_ptr=bf, cw_ptr=f32, cs_ptr=bf, a_log_ptr=f32,
+                 dt_bias_ptr=f32, lower_bound="fp32", q_scale="fp32", anchor_spread="fp32"),
+            dict(H=32, D=128, C=C, LOG2C=C.bit_length() - 1, W=4, BOUNDED=bounded, PREC_TC="tf32", FAST=True, FIRST=first,
+                 NFIRST=1, EXACT=exact, FLAGGED_ONLY=flagged, HALVES=halves, BLOCKED=blocked, stride_cs_ch=1, stride_forget_d=1,
+                 stride_cw_j=1),  # unit strides: what the launcher specializes
+            num_warps=cfg.prepare_warps,
+        )
+        lines.append(f"prepare C={C} bounded={bounded} first={first} exact={exact} flagged_only={flagged} "
+                     f"halves={halves} blocked={blocked}: {report(k)}")
 
     rec_types = dict(**ws, **tables, s_ptr=f32, o_ptr=bf, out_gate_ptr=bf, nw_ptr=f32, eps="fp32", oq_ptr=f16, bm_ptr=f32,
                      qkv_ptr=bf, cs_ptr=bf, q_off="i64")

@@ -87,32 +87,60 @@ def test_strong_decay_at_the_lower_bound():
 
 
 @cpu_only
-@pytest.mark.parametrize("anchored", [True, False], ids=["anchored-falls-back", "exact-loop"])
-def test_unbounded_gate_with_huge_decay(anchored):
-    """Unbounded gates far beyond fp32's exp range inside one chunk: the exact column path (the
-    anchored default falls back to it in the same kernel). Cumulative log-decays of hundreds cost
-    fp32 cumsums ~1e-5 of relative precision in e^(g_t - g_i): the fp32 chunked reference
-    (chunked.py) errs 1.1e-5 here, hence 3e-5."""
+@pytest.mark.parametrize("anchored, fallback", [(True, "blocked"), (True, "loop"), (False, "blocked"), (False, "loop")],
+                         ids=["anchored-falls-back-to-blocked", "anchored-falls-back-to-loop", "blocked", "exact-loop"])
+def test_unbounded_gate_with_huge_decay(anchored, fallback):
+    """Unbounded gates far beyond fp32's exp range inside one chunk: no anchor covers them, so the
+    fallback computes every chunk (the anchored default redoes the chunks its first pass flags;
+    unbounded_anchored=False runs the fallback alone). Cumulative log-decays of hundreds cost fp32
+    cumsums ~1e-5 of relative precision in e^(g_t - g_i): the fp32 chunked reference (chunked.py)
+    errs 1.1e-5 here, hence 3e-5."""
     case = make_kda_case([20], H=1, D=16, gate="unbounded", has_initial_state=True, seed=5)
     case.forget_logits.mul_(10.0)
-    check_prefill_matches_reference(configured(SEGMENTED, unbounded_anchored=anchored), case, 3e-5)
+    check_prefill_matches_reference(configured(SEGMENTED, unbounded_anchored=anchored, unbounded_fallback=fallback),
+                                    case, 3e-5)
 
 
 @cpu_only
-@pytest.mark.parametrize("anchored, spread, dtype",
-                         [(True, 170.0, torch.float32), (True, 1e30, torch.float32), (True, 1e30, torch.float16),
-                          (False, 170.0, torch.float32), (False, 170.0, torch.float16)],
-                         ids=["default-limit", "always-anchored", "always-anchored-fp16", "exact-loop",
-                              "exact-loop-fp16"])
-def test_unbounded_gate_anchored_halves(anchored, spread, dtype):
-    """CONFIG.unbounded_anchored (the default): A and Aqk of the unbounded gate on tensor cores
-    with per-half anchors. With the limit lifted every chunk takes that path (this case's decays
-    stay inside its range); fp16 inputs take the 16-bit workspace of the GPU path. The exact loop
-    (unbounded_anchored=False) keeps its own checks."""
+@pytest.mark.parametrize("anchored, first_pass, spread, dtype",
+                         [(True, "one-anchor", 170.0, torch.float32), (True, "halves", 170.0, torch.float32),
+                          (True, "halves", 1e30, torch.float32), (True, "halves", 1e30, torch.float16),
+                          (True, "one-anchor", 170.0, torch.float16),
+                          (False, "one-anchor", 170.0, torch.float32), (False, "one-anchor", 170.0, torch.float16)],
+                         # unbounded_anchored=False runs the fallback (blocked by default) alone
+                         ids=["default", "halves-first", "always-halves", "always-halves-fp16", "default-fp16",
+                              "blocked", "blocked-fp16"])
+def test_unbounded_gate_anchored(anchored, first_pass, spread, dtype):
+    """The unbounded gate's first pass (one anchor per chunk by default, or per half) and the
+    launch that redoes the chunks it flags. This case's fast heads span more decay per chunk than
+    one anchor covers, so the default redoes them with the halves (with the one-anchor limit lifted
+    the output is inf: the redo is what makes it right); with the halves' limit lifted every chunk
+    takes the halves, which this case's decays fit. fp16: the 16-bit workspace of the GPU path.
+    The fallback alone (unbounded_anchored=False) keeps its own checks."""
     case = make_kda_case([5, 40, 1, 37], H=2, D=16, gate="unbounded", dtype=dtype, conv_dtype=dtype,
                          has_initial_state=[True, False, True, True], slow_decay_heads=1, seed=23)
-    fn = configured(UNSEGMENTED, unbounded_anchored=anchored, unbounded_anchor_spread=spread)
+    fn = configured(UNSEGMENTED, unbounded_anchored=anchored, unbounded_first_pass=first_pass,
+                    unbounded_anchor_spread=spread)
     check_prefill_matches_reference(fn, case, 1e-5 if dtype == torch.float32 else tolerance_for(dtype))
+
+
+@cpu_only
+def test_unbounded_gate_one_anchor_alone():
+    """Gates weak enough for one anchor per chunk everywhere (FLA's initialisation of A and dt):
+    with the limit lifted nothing is redone, and the one-anchor pass alone matches."""
+    case = make_kda_case([5, 40, 1, 37], H=2, D=16, gate="unbounded", has_initial_state=[True, False, True, True],
+                         seed=24)
+    case.weights.A_log.copy_(torch.tensor([1.0, 16.0]).log())
+    case.weights.dt_bias.copy_(torch.linspace(1e-3, 1e-1, 32).expm1().log().view(2, 16))   # softplus^-1(dt)
+    fn = configured(UNSEGMENTED, unbounded_first_pass="one-anchor", unbounded_anchor_spread=1e30)
+    check_prefill_matches_reference(fn, case, 1e-5)
+
+
+def test_an_unknown_first_pass_or_fallback_is_refused():
+    with pytest.raises(ValueError, match="unbounded_first_pass must be 'one-anchor' or 'halves', got 'both'"):
+        dataclasses.replace(CONFIG, unbounded_first_pass="both")
+    with pytest.raises(ValueError, match="unbounded_fallback must be 'blocked' or 'loop', got 'exact'"):
+        dataclasses.replace(CONFIG, unbounded_fallback="exact")
 
 
 @cpu_only

@@ -20,12 +20,17 @@ class FlashConfig:
     # instructions per token than 16; the unbounded gate always uses 16.
     chunk: int = 32
     prepare_warps: int = 4        # K1, one program per (chunk, head): fewer warp-instructions than 8
-    # Unbounded gate: K1 forms A and Aqk on tensor cores with per-half anchors (prepare.py,
-    # _intra_anchored_halves) in chunks whose halves each span at most `unbounded_anchor_spread`
-    # of cumulative log-decay (170: factors within e^(+-85), normal fp32/tf32 numbers), the exact
-    # column loop elsewhere (faster than the loop alone: docs/perf-notes.md). False: the exact loop
-    # everywhere.
+    # Unbounded gate: K1's first pass forms A and Aqk on tensor cores around one anchor per chunk
+    # ("one-anchor", the bounded gate's code) or per half ("halves", prepare.py
+    # _intra_anchored_halves) wherever the factors' span of cumulative log-decay is at most
+    # `unbounded_anchor_spread` (170: factors within e^(+-85), normal fp32/tf32 numbers), and flags
+    # the other chunks; a second launch redoes only those (the halves where they fit after a
+    # one-anchor pass, else the fallback). unbounded_anchored = False: the fallback everywhere, in
+    # one launch. Fallback for any decay: "blocked" (prepare.py _intra_blocked: tensor-core dots
+    # between 4-row blocks, exact exponents inside them) or "loop" (the exact column loop).
     unbounded_anchored: bool = True
+    unbounded_first_pass: str = "one-anchor"
+    unbounded_fallback: str = "blocked"
     unbounded_anchor_spread: float = 170.0
     recur_warps: int = 8          # K2, one program per (sequence, head), the whole [V, K] state
     # Software-pipelined loads of the next chunk's workspace (3 stages: bitwise the same outputs as
@@ -51,6 +56,13 @@ class FlashConfig:
     cost_step_seg_us: float = 0.85   # one chunk step of the map pass (half the rows)
     cost_scan_step_us: float = 2.0   # one segment of the scan
     cost_token_head_seg_ns: float = 0.35  # o_loc + q~ round trip and the correction pass
+
+    def __post_init__(self):
+        if self.unbounded_first_pass not in ("one-anchor", "halves"):
+            raise ValueError(f"unbounded_first_pass must be 'one-anchor' or 'halves', got {self.unbounded_first_pass!r}")
+        if self.unbounded_fallback not in ("blocked", "loop"):
+            raise ValueError(f"unbounded_fallback must be 'blocked' or 'loop', got {self.unbounded_fallback!r}")
+
 
 DEFAULT_CONFIG = FlashConfig()
 

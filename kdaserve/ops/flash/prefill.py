@@ -199,6 +199,9 @@ class FlashPrefill:
         self.ws4 = self.ws.unbind(0)
         self.aqk_ws = torch.empty(nc, H, C, C, dtype=self.ws_dtype, device=dev)
         self.chunk_decay_ws = torch.empty(nc, H, D, dtype=torch.float32, device=dev)
+        # Unbounded gate: the chunks K1's first pass could not factor (prepare.py); written by
+        # every first-pass program, so never cleared.
+        self.flags = torch.empty(nc * H if weights.lower_bound is None else 1, dtype=torch.int8, device=dev)
         if self.plan.segmented:
             ns = self.plan.n_seg_ids
             # o_loc (the output from a zero start) and q~ per token (fp16: 2^-11)
@@ -231,17 +234,23 @@ class FlashPrefill:
             self.segment_output()
 
     def prepare(self) -> None:
+        """Chunks inside their sequences' new tokens, then the first chunk(s) of each sequence
+        (conv history) in a second launch; the unbounded gate then redoes the chunks those two
+        flagged, in a third (prepare.py says why)."""
         nc, H = self.plan.n_chunk_ids, self.H
         if nc == 0:
             return
-        # Bounded gate: chunks inside their sequences' new tokens, then the first chunk(s) of each
-        # sequence (conv history) in a second launch; unbounded: one launch (prepare.py says why).
-        nfirst = -(-(self.weights.conv_width - 1) // self.C) if self.weights.lower_bound is not None else 0
+        nfirst = -(-(self.weights.conv_width - 1) // self.C)
+        unbounded = self.weights.lower_bound is None
+        if unbounded and not self.cfg.unbounded_anchored:
+            self._prepare((nc * H,), False, nfirst, exact=True, flagged_only=False)
+            return
         self._prepare((nc * H,), False, nfirst)
-        if nfirst:
-            self._prepare((self.N * H * nfirst,), True, nfirst)  # the first chunk(s): conv history
+        self._prepare((self.N * H * nfirst,), True, nfirst)
+        if unbounded:
+            self._prepare((nc * H,), False, nfirst, exact=True, flagged_only=True)
 
-    def _prepare(self, grid, first: bool, nfirst: int) -> None:
+    def _prepare(self, grid, first: bool, nfirst: int, exact: bool = False, flagged_only: bool = False) -> None:
         D, C, w, plan = self.D, self.C, self.weights, self.plan
         lb = w.lower_bound
         flash_prepare_kernel[grid](
@@ -253,13 +262,21 @@ class FlashPrefill:
             w.A_log.contiguous(), w.dt_bias.contiguous(),
             self.cu, self.state_indices, self.has_initial_state,
             plan.chunk_seq, plan.chunk_tok, plan.seq_seg0, plan.seg_chunk,
-            *self.ws4, self.aqk_ws, self.chunk_decay_ws,
+            *self.ws4, self.aqk_ws, self.chunk_decay_ws, self.flags,
             float(lb if lb is not None else 0.0), D ** -0.5, self.rows.shape[1], float(self.cfg.unbounded_anchor_spread),
             H=self.H, D=D, C=C, LOG2C=C.bit_length() - 1, W=w.conv_width,
-            BOUNDED=lb is not None, PREC_TC=self.prec_tc, FAST=self.fast, FIRST=first, NFIRST=max(nfirst, 1),
-            ANCHORED=lb is None and self.cfg.unbounded_anchored,
+            BOUNDED=lb is not None, PREC_TC=self.prec_tc, FAST=self.fast, FIRST=first, NFIRST=nfirst,
+            EXACT=exact, FLAGGED_ONLY=flagged_only, HALVES=self._halves(exact),
+            BLOCKED=self.cfg.unbounded_fallback == "blocked",
             num_warps=self.cfg.prepare_warps,
         )
+
+    def _halves(self, exact: bool) -> bool:
+        """The unbounded gate's anchored halves: in the first pass when it is configured so, in the
+        exact launch after a one-anchor first pass (before the exact loop); never otherwise."""
+        if self.weights.lower_bound is not None or not self.cfg.unbounded_anchored:
+            return False
+        return (self.cfg.unbounded_first_pass == "halves") != exact
 
     def _recurrence(self, grid, local_out_and_q, maps, q_off, bv, segmented, warps, stages) -> None:
         st, plan, L = self.st, self.plan, self.rows.shape[1]

@@ -95,6 +95,40 @@ def _intra_exact(q, k, g, rows, C: tl.constexpr, FAST: tl.constexpr):
 
 
 @triton.jit
+def _intra_blocked(q, k, g, rows, C: tl.constexpr, PREC: tl.constexpr, FAST: tl.constexpr):
+    """A_kk and A_qk of _intra_exact for any decay, in blocks of B = 4 rows: a pair (t, i) with i
+    in an earlier block than t factors around g at the first row a of t's block, where both
+    factors e^(g_t - g_a) and e^(g_a - g_i) are <= 1 (an underflow means a true product below
+    fp32's range anyway): one tensor-core dot per block and matrix. Pairs inside a block take the
+    exact exponent, B columns at a time (tl.gather brings each row's j-th block column to it).
+    Factors of pairs a dot does not own are selected to zero before they are multiplied, so none
+    can overflow; entries above the diagonal are garbage the caller discards."""
+    B: tl.constexpr = 4
+    blk = rows // B
+    cols = rows[None, :]
+    akk = tl.zeros([C, C], dtype=tl.float32)
+    aqk = tl.zeros([C, C], dtype=tl.float32)
+    for r in tl.static_range(1, C // B):
+        g_a = tl.sum(tl.where(rows[:, None] == r * B, g, 0.0), axis=0)
+        mine = (blk == r)[:, None]
+        e_l = tl.where(mine, fast_exp(tl.where(mine, g - g_a[None, :], 0.0), FAST), 0.0)
+        before = (rows < r * B)[:, None]
+        kr = tl.trans(k * tl.where(before, fast_exp(tl.where(before, g_a[None, :] - g, 0.0), FAST), 0.0))
+        akk += tl.dot(k * e_l, kr, input_precision=PREC)
+        aqk += tl.dot(q * e_l, kr, input_precision=PREC)
+    for j in tl.static_range(B):
+        col = blk * B + j                                    # [C]: each row's j-th column of its block
+        idx = tl.broadcast_to(col[:, None], (C, k.shape[1]))
+        k_j = tl.gather(k, idx, axis=0)
+        e = fast_exp(tl.where((rows >= col)[:, None], g - tl.gather(g, idx, axis=0), -float("inf")), FAST)
+        kk = k_j * e
+        here = cols == col[:, None]
+        akk = tl.where(here, tl.sum(k * kk, axis=1)[:, None], akk)
+        aqk = tl.where(here, tl.sum(q * kk, axis=1)[:, None], aqk)
+    return akk, aqk
+
+
+@triton.jit
 def _intra_anchored_halves(q, k, g, g_m, g_c, rows, C: tl.constexpr, PREC: tl.constexpr, FAST: tl.constexpr):
     """A_kk and A_qk of _intra_exact on tensor cores, for a chunk whose two halves each span a
     cumulative log-decay of at most FlashConfig.unbounded_anchor_spread (the caller checks). Three
@@ -155,12 +189,15 @@ def _gate_beta(forget_ptr, stride_forget_t, stride_forget_h, stride_forget_d, b_
 def _prepare_chunk(
     qkv_ptr, stride_qkv, forget_ptr, stride_forget_t, stride_forget_h, stride_forget_d, b_ptr, stride_b_t, stride_b_h,
     cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch, a_log_ptr, dt_bias_ptr,
-    w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, gam_ptr, lower_bound, q_scale, L,
+    w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, gam_ptr, flag_ptr, lower_bound, q_scale, L, anchor_spread,
     h, blk, tok, valid, seq_start, init,
     H: tl.constexpr, D: tl.constexpr, C: tl.constexpr, LOG2C: tl.constexpr, W: tl.constexpr,
-    PREC_TC: tl.constexpr, FAST: tl.constexpr, HIST: tl.constexpr,
+    PREC_TC: tl.constexpr, FAST: tl.constexpr, HIST: tl.constexpr, BOUNDED: tl.constexpr,
 ):
-    """One chunk of one head, bounded gate. HIST: the conv window reaches before the sequence's
+    """One chunk of one head, one anchor: the bounded gate (|g| <= 5 C, always in range), or the
+    unbounded gate's first pass, which flags chunks whose decay spread |g_C| exceeds
+    `anchor_spread` in any channel (their W, U~ and Aqk may be garbage; the exact launch rewrites
+    them before the recurrence reads them). HIST: the conv window reaches before the sequence's
     first token (its first chunk), so the conv reads history rows; without, a separate inlined copy
     carries none of that code or its registers.
 
@@ -177,7 +214,9 @@ def _prepare_chunk(
     tile = blk * (C * D) + ri * D + cols[None, :]
     dt = w_ptr.dtype.element_ty
     g, g_last, beta = _gate_beta(forget_ptr, stride_forget_t, stride_forget_h, stride_forget_d, b_ptr, stride_b_t, stride_b_h,
-                                 a_log_ptr, dt_bias_ptr, lower_bound, h, tok, valid, rows, cols, D, C, True, FAST)
+                                 a_log_ptr, dt_bias_ptr, lower_bound, h, tok, valid, rows, cols, D, C, BOUNDED, FAST)
+    if not BOUNDED:
+        tl.store(flag_ptr + blk, (tl.max(-g_last, axis=0) > anchor_spread).to(tl.int8))
     anchor = 0.5 * g_last
     ea = fast_exp(anchor, FAST)[None, :]
     e_up = fast_exp(g - anchor[None, :], FAST)
@@ -206,18 +245,76 @@ def _prepare_chunk(
 
 
 @triton.jit
+def _prepare_chunk_unbounded_halves(
+    qkv_ptr, stride_qkv, forget_ptr, stride_forget_t, stride_forget_h, stride_forget_d, b_ptr, stride_b_t, stride_b_h,
+    cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch, a_log_ptr, dt_bias_ptr,
+    w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, gam_ptr, flag_ptr, q_scale, L, anchor_spread,
+    h, blk, tok, valid, seq_start, init,
+    H: tl.constexpr, D: tl.constexpr, C: tl.constexpr, LOG2C: tl.constexpr, W: tl.constexpr,
+    PREC_TC: tl.constexpr, FAST: tl.constexpr, HIST: tl.constexpr,
+):
+    """One chunk of one head, unbounded gate, A and Aqk always by the anchored halves
+    (_intra_anchored_halves); straight-line code like the bounded path's, in its order (k, q, v
+    convolved when first needed, outputs stored as soon as they exist). A chunk whose halves'
+    decay spread exceeds `anchor_spread` in any channel may get garbage in W, U~ and Aqk: it sets
+    its flag, and the exact launch (_prepare_chunk_unbounded) rewrites the chunk before the
+    recurrence reads it. The exact loop is not compiled in here: it cost registers and spills
+    in every chunk, though few chunks take it."""
+    rows = tl.arange(0, C)
+    cols = tl.arange(0, D)
+    ri = rows[:, None]
+    ci = rows[None, :]
+    P = H * D
+    tile = blk * (C * D) + ri * D + cols[None, :]
+    dt = w_ptr.dtype.element_ty
+    g, g_last, beta = _gate_beta(forget_ptr, stride_forget_t, stride_forget_h, stride_forget_d, b_ptr, stride_b_t, stride_b_h,
+                                 a_log_ptr, dt_bias_ptr, 0.0, h, tok, valid, rows, cols, D, C, False, FAST)
+    g_m = tl.sum(tl.where(ri == C // 2 - 1, g, 0.0), axis=0)
+    spread = tl.max(tl.maximum(-g_m, g_m - g_last), axis=0)
+    tl.store(flag_ptr + blk, (spread > anchor_spread).to(tl.int8))
+    second = ri >= C // 2
+    same = second == (ci >= C // 2)
+    a = tl.where(second, (0.5 * (g_m + g_last))[None, :], (0.5 * g_m)[None, :])
+    k = _conv(qkv_ptr, stride_qkv, cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch,
+              P + h * D + cols, tok, valid, seq_start, init, L, W, FAST, HIST)
+    k = k * tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
+    tl.store(kd_ptr + tile, (k * fast_exp(g_last[None, :] - g, FAST)).to(dt))   # Kd = k e^(g_C - g)
+    e_up = fast_exp(g - a, FAST)
+    kb = tl.trans(k * fast_rcp(e_up, FAST))      # k e^(a - g), as the dots' right operand
+    kx = k * fast_exp(-tl.abs(g - g_m[None, :]), FAST)
+    akk = tl.where(same, tl.dot(k * e_up, kb, input_precision=PREC_TC), tl.dot(kx, tl.trans(kx), input_precision=PREC_TC))
+    kbeta = (beta[:, None] * k) * fast_exp(g, FAST)          # beta k e^g
+    q = _conv(qkv_ptr, stride_qkv, cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch,
+              h * D + cols, tok, valid, seq_start, init, L, W, FAST, HIST)
+    q = q * (tl.rsqrt(tl.sum(q * q, axis=1) + 1e-6) * q_scale)[:, None]
+    tl.store(qg_ptr + tile, (q * fast_exp(g, FAST)).to(dt))  # Qg = q e^g
+    aqk = tl.where(same, tl.dot(q * e_up, kb, input_precision=PREC_TC),
+                   tl.dot(q * fast_exp(-tl.abs(g - g_m[None, :]), FAST), tl.trans(kx), input_precision=PREC_TC))
+    tl.store(aqk_ptr + blk * (C * C) + ri * C + ci, tl.where(ri >= ci, aqk, 0.0).to(dt))
+    A = tl.where(ri > ci, beta[:, None] * akk, 0.0)
+    Tinv = unit_lower_inverse(A, C, LOG2C, PREC_TC)
+    tl.store(w_ptr + tile, tl.dot(Tinv, kbeta, input_precision=PREC_TC).to(dt))
+    v = _conv(qkv_ptr, stride_qkv, cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch,
+              2 * P + h * D + cols, tok, valid, seq_start, init, L, W, FAST, HIST)
+    tl.store(u_ptr + tile, tl.dot(Tinv, beta[:, None] * v, input_precision=PREC_TC).to(dt))
+    tl.store(gam_ptr + blk * D + cols, _exp_accurate(g_last))
+
+
+
+@triton.jit
 def _prepare_chunk_unbounded(
     qkv_ptr, stride_qkv, forget_ptr, stride_forget_t, stride_forget_h, stride_forget_d, b_ptr, stride_b_t, stride_b_h,
     cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch, a_log_ptr, dt_bias_ptr,
     w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, gam_ptr, q_scale, L, anchor_spread,
     h, blk, t0, tok, valid, seq_start, init,
     H: tl.constexpr, D: tl.constexpr, C: tl.constexpr, LOG2C: tl.constexpr, W: tl.constexpr,
-    PREC_TC: tl.constexpr, FAST: tl.constexpr, ANCHORED: tl.constexpr,
+    PREC_TC: tl.constexpr, FAST: tl.constexpr, ANCHORED: tl.constexpr, BLOCKED: tl.constexpr,
 ):
-    """One chunk of one head, unbounded gate: every chunk in one launch, the conv history decided
-    per chunk. The exact column loop needs q, k and g at once, so no order frees registers here;
-    this layout (the three convs inside one per-chunk branch) spills least of those tried (sm_90:
-    92 bytes, against 272-360 with the bounded path's split launches; docs/flash-prefill.md)."""
+    """One chunk of one head, unbounded gate, the exact launch (one program per chunk, so the conv
+    history is decided per chunk): the anchored halves where their spread allows (ANCHORED), the
+    fallback elsewhere: the blocked factorization (BLOCKED) or the exact column loop. Both need q, k
+    and g at once, so no order frees registers here; this layout (the three convs inside one
+    per-chunk branch) spills least of those tried (docs/flash-prefill.md)."""
     rows = tl.arange(0, C)
     cols = tl.arange(0, D)
     ri = rows[:, None]
@@ -248,8 +345,12 @@ def _prepare_chunk_unbounded(
         spread = tl.max(tl.maximum(-g_m, g_m - g_last), axis=0)
         if spread <= anchor_spread:
             akk, aqk = _intra_anchored_halves(q, k, g, g_m, g_last, rows, C, PREC_TC, FAST)
+        elif BLOCKED:
+            akk, aqk = _intra_blocked(q, k, g, rows, C, PREC_TC, FAST)
         else:
             akk, aqk = _intra_exact(q, k, g, rows, C, FAST)
+    elif BLOCKED:
+        akk, aqk = _intra_blocked(q, k, g, rows, C, PREC_TC, FAST)
     else:
         akk, aqk = _intra_exact(q, k, g, rows, C, FAST)
     A = tl.where(ri > ci, beta[:, None] * akk, 0.0)
@@ -277,19 +378,26 @@ def flash_prepare_kernel(
     a_log_ptr, dt_bias_ptr,
     cu_ptr, idx_ptr, init_ptr,
     chunk_seq_ptr, chunk_tok_ptr, seq_seg0_ptr, seg_chunk_ptr,
-    w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, gam_ptr,
+    w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, gam_ptr, flag_ptr,
     lower_bound, q_scale, L, anchor_spread,
     H: tl.constexpr, D: tl.constexpr, C: tl.constexpr, LOG2C: tl.constexpr, W: tl.constexpr,
     BOUNDED: tl.constexpr, PREC_TC: tl.constexpr, FAST: tl.constexpr, FIRST: tl.constexpr, NFIRST: tl.constexpr,
-    ANCHORED: tl.constexpr,
+    EXACT: tl.constexpr, FLAGGED_ONLY: tl.constexpr, HALVES: tl.constexpr, BLOCKED: tl.constexpr,
 ):
-    """Bounded gate: two launches of this kernel cover every chunk. FIRST = False: one program per (chunk, head),
+    """Two launches of this kernel cover every chunk. FIRST = False: one program per (chunk, head),
     skipping the chunks whose conv window reaches before their sequence's first token; FIRST =
     True: one program per (sequence, head, k < NFIRST) for exactly those chunks (the k-th of each
     sequence, NFIRST = ceil((W-1) / C)), reading the history rows from the conv-state pool. Two
     straight-line kernels instead of one with a branch: ptxas schedules (and allocates registers
-    for) the common path alone, and it carries none of the history code. Unbounded gate: one launch
-    (FIRST = False) does every chunk (see _prepare_chunk_unbounded)."""
+    for) the common path alone, and it carries none of the history code.
+
+    Unbounded gate: those two launches (the first pass) factor A and Aqk around one anchor per chunk
+    (HALVES = False, the bounded path's code) or per half (HALVES = True), and flag the chunks
+    beyond that factorization's range (flag_ptr, one byte per (chunk, head)); then EXACT = True,
+    one program per (chunk, head), recomputes the flagged chunks (FLAGGED_ONLY) by the halves where
+    they fit (HALVES, after a one-anchor first pass) and the fallback elsewhere (BLOCKED: the
+    blocked factorization, else the exact column loop), or every chunk with the fallback
+    (FlashConfig.unbounded_anchored = False: the only launch)."""
     pid = tl.program_id(0)
     if FIRST:
         f = pid % NFIRST
@@ -302,6 +410,10 @@ def flash_prepare_kernel(
         n = tl.load(chunk_seq_ptr + j)
         if n < 0:
             return
+    blk = j.to(tl.int64) * H + h
+    if EXACT and FLAGGED_ONLY:
+        if tl.load(flag_ptr + blk) == 0:
+            return
     slot = tl.load(idx_ptr + n).to(tl.int64)
     if slot <= 0:
         return
@@ -313,21 +425,26 @@ def flash_prepare_kernel(
             return
     else:
         t0 = tl.load(chunk_tok_ptr + j)
-        if BOUNDED and t0 - seq_start < W - 1:  # the FIRST launch's chunk
+        if not EXACT and t0 - seq_start < W - 1:  # the FIRST launch's chunk
             return
     init = tl.load(init_ptr + n) != 0
     tok = t0 + tl.arange(0, C)
     valid = tok < seq_end
-    blk = j.to(tl.int64) * H + h
     hist = cs_ptr + slot * stride_cs_slot
-    if BOUNDED:
-        _prepare_chunk(qkv_ptr, stride_qkv, forget_ptr, stride_forget_t, stride_forget_h, stride_forget_d, b_ptr, stride_b_t, stride_b_h,
-                       cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch, a_log_ptr, dt_bias_ptr,
-                       w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, gam_ptr, lower_bound, q_scale, L,
-                       h, blk, tok, valid, seq_start, init, H, D, C, LOG2C, W, PREC_TC, FAST, FIRST)
-    else:
-        _prepare_chunk_unbounded(qkv_ptr, stride_qkv, forget_ptr, stride_forget_t, stride_forget_h, stride_forget_d, b_ptr, stride_b_t,
-                                 stride_b_h, cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch,
+    if EXACT:
+        _prepare_chunk_unbounded(qkv_ptr, stride_qkv, forget_ptr, stride_forget_t, stride_forget_h, stride_forget_d, b_ptr,
+                                 stride_b_t, stride_b_h, cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch,
                                  a_log_ptr, dt_bias_ptr, w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, gam_ptr, q_scale, L,
                                  anchor_spread, h, blk, t0, tok, valid, seq_start, init, H, D, C, LOG2C, W, PREC_TC,
-                                 FAST, ANCHORED)
+                                 FAST, HALVES, BLOCKED)
+    elif BOUNDED or not HALVES:
+        _prepare_chunk(qkv_ptr, stride_qkv, forget_ptr, stride_forget_t, stride_forget_h, stride_forget_d, b_ptr, stride_b_t,
+                       stride_b_h, cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch, a_log_ptr,
+                       dt_bias_ptr, w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, gam_ptr, flag_ptr, lower_bound, q_scale, L,
+                       anchor_spread, h, blk, tok, valid, seq_start, init, H, D, C, LOG2C, W, PREC_TC, FAST, FIRST, BOUNDED)
+    else:
+        _prepare_chunk_unbounded_halves(qkv_ptr, stride_qkv, forget_ptr, stride_forget_t, stride_forget_h, stride_forget_d,
+                                        b_ptr, stride_b_t, stride_b_h, cw_ptr, stride_cw_c, stride_cw_j, hist,
+                                        stride_cs_row, stride_cs_ch, a_log_ptr, dt_bias_ptr, w_ptr, u_ptr, qg_ptr, kd_ptr,
+                                        aqk_ptr, gam_ptr, flag_ptr, q_scale, L, anchor_spread, h, blk, tok, valid,
+                                        seq_start, init, H, D, C, LOG2C, W, PREC_TC, FAST, FIRST)
