@@ -76,7 +76,9 @@ def with_step_plan(fn, planner):
     prepared = {}
 
     def column(out, inputs, weights, cache, seqs):
-        key = (inputs.qkv.data_ptr(), tuple(seqs.cu_seqlens_cpu.tolist()), weights.num_heads)
+        # The gate kind too: a case of the other gate may reuse the freed memory of this one's inputs.
+        key = (inputs.qkv.data_ptr(), tuple(seqs.cu_seqlens_cpu.tolist()), weights.num_heads,
+               weights.lower_bound is None)
         if prepared.get("key") != key:
             settings = LayerSettings(input_dtype=inputs.qkv.dtype, head_dim=weights.head_dim,
                                      lower_bound=weights.lower_bound)

@@ -50,8 +50,8 @@ class FlashStepPlan:
 
 
 def chunk_size_for(bounded_gate: bool, config: FlashConfig) -> int:
-    """The unbounded gate keeps 16-token chunks: its anchored halves must each stay within the
-    decay spread, and its exact fallback costs O(C) per element (docs/flash-prefill.md)."""
+    """The unbounded gate keeps 16-token chunks: one anchor must span the chunk's decay, and the
+    chunks it cannot take cost the fallback (docs/flash-prefill.md)."""
     C = config.chunk if bounded_gate else 16
     if C not in (16, 32):
         raise ValueError(f"flash chunk size must be 16 or 32, got {C}")

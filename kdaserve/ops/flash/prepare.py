@@ -13,9 +13,11 @@ recurrence needs, ~1 KB per token-head. The numerics of each step are argued in
 docs/flash-prefill.md; in short:
 - A and Aqk come from one tensor-core dot each: e^(g_t - g_i) = e^(g_t - a) e^(a - g_i) with the
   anchor a = g_C / 2 in the middle of the chunk, so every factor stays within e^(+-80) for 32
-  tokens at LB = -5 (e^(+-40) for 16): fp32/tf32 range, which fp16 could not hold. The unbounded gate has no such
-  bound: it anchors each half of a 16-token chunk apart (_intra_anchored_halves) wherever the
-  halves' decay spread allows, the exact column loop elsewhere (`BOUNDED=False`).
+  tokens at LB = -5 (e^(+-40) for 16): fp32/tf32 range, which fp16 could not hold. The unbounded
+  gate has no such bound: the same one-anchor pass flags the chunks whose decay exceeds it, and a
+  third launch redoes those, anchoring each half of the 16-token chunk apart
+  (_intra_anchored_halves) where the halves' spread allows, else by the blocked fallback
+  (_intra_blocked, any decay) or the exact column loop (_intra_exact).
 - T by recursive blocking: T_2b = T_b - T_b A_off T_b doubles the solved diagonal blocks; every
   product is of bounded entries of the final inverse, unlike a Neumann/doubling product whose
   powers of A grow when decay is slow. The dots are tf32 like the others (tf32x3 would cost 14%
@@ -340,7 +342,7 @@ def _prepare_chunk_unbounded(
     e_dn = fast_exp(g_last[None, :] - g, FAST)
     if ANCHORED:
         # Both halves' decay spreads within fp32/tf32 range (per channel, the largest of them):
-        # tensor-core dots; otherwise (a very strong decay in this chunk) the exact column loop.
+        # tensor-core dots; otherwise (a very strong decay in this chunk) the fallback.
         g_m = tl.sum(tl.where(ri == C // 2 - 1, g, 0.0), axis=0)
         spread = tl.max(tl.maximum(-g_m, g_m - g_last), axis=0)
         if spread <= anchor_spread:

@@ -72,9 +72,10 @@ def _mla_prefill_kernel(
 
 def launch_shape(dn: int, dv: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, warps) on the GPU: the largest tiles that do not spill on sm_90
-    (tools/compile_check.py): [64, 32] at Kimi-Linear's 128-wide heads, [64, 16] at GLM-5.3-Flash's
-    256-wide ones (its [64, 32] spills 120 bytes)."""
-    return (64, 32, 8) if dn + dv <= 256 else (64, 16, 8)
+    (tools/compile_check.py): [64, 32] at Kimi-Linear's 128-wide heads; [32, 32] at GLM-5.3-Flash's
+    256-wide ones, which spill on none of sm_89, sm_90, sm_100, gfx942, gfx950 ([64, 32] spills
+    120 bytes on sm_90, [64, 16] 56 on sm_89)."""
+    return (64, 32, 8) if dn + dv <= 256 else (32, 32, 8)
 
 
 def _pow2(d: int, what: str, zero_ok: bool = False) -> None:
