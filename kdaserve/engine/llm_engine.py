@@ -17,6 +17,7 @@ from kdaserve.engine.outputs import ListPrefix, RequestOutput
 from kdaserve.engine.sampling_params import SamplingParams
 from kdaserve.engine.scheduler import Scheduler
 from kdaserve.engine.sequence import Sequence
+from kdaserve.engine.speculative.mtp_proposer import MtpProposer
 from kdaserve.engine.speculative.ngram_proposer import NgramProposer
 from kdaserve.engine.speculative.stats import SpecDecodeStats
 from kdaserve.engine.state_pool import StateSlotPool
@@ -25,6 +26,14 @@ from kdaserve.engine.warmup import warm_up
 
 
 logger = logging.getLogger("kdaserve.engine")
+
+
+def _make_proposer(spec):
+    if spec is None:
+        return None
+    if spec.method == "mtp":
+        return MtpProposer(spec.num_speculative_tokens)
+    return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
 
 
 def _grammar_prefix(matcher, drafts: list[int]) -> list[int]:
@@ -61,7 +70,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config.max_num_seqs, self.config.max_num_batched_tokens, self.slots, self.blocks,
                                    num_spec_tokens=self.config.num_spec_tokens, prefix_cache=self.prefix_cache)
         spec = self.config.speculative_config
-        self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max) if spec else None
+        self.proposer = _make_proposer(spec)
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens) if spec else None
         # After the CUDA graphs (captured by the runner), before any request. Only where kernels are
         # compiled: on the CPU (torch ops, Triton's interpreter) there is nothing to win.
@@ -234,6 +243,9 @@ class LLMEngine:
             touched[seq.seq_id] = seq
         if result.accepted is not None:
             self._apply_verified(batch, result.accepted, now, touched)
+        for seq, drafts in result.drafts:   # MTP: for the next verify, if the request goes on
+            if not seq.is_finished:
+                self.proposer.set_drafts(seq, drafts)
         for seq in touched.values():
             outputs.append(self._output(seq, seq.new_token_ids))
             seq.new_token_ids = []

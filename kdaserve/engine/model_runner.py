@@ -4,7 +4,7 @@ replay for pure decode steps), logits for the rows that need them, sampling and 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,6 +36,8 @@ class StepResult:
     prompt_logprobs: list[tuple[Sequence, int, dict]]
     # With speculative decoding: per sampling sequence, the tokens it accepted (sampled is empty)
     accepted: list[AcceptedTokens] | None = None
+    # Speculative method "mtp": each sampling sequence's drafts for its next verify
+    drafts: list[tuple[Sequence, list[int]]] = field(default_factory=list)
 
 
 def capacity_error(*, max_num_seqs: int, num_spec_tokens: int, per_slot: int, state: int, one_seq: int, per_block: int,
@@ -63,9 +65,11 @@ class ModelRunner:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = config.device
+        spec = config.speculative_config
+        self.mtp = spec is not None and spec.method == "mtp"   # the model's MTP layer drafts (_mtp_drafts)
         loaded = load_model(config.model, dtype=config.dtype, device=self.device, kda=config.kda, seed=config.seed,
                             load_format=config.load_format, mla_backend=config.mla_backend, moe_backend=config.moe_backend,
-                            tokenizer_dir=config.tokenizer)
+                            tokenizer_dir=config.tokenizer, mtp=self.mtp)
         self.model = loaded.model.eval()
         self.tokenizer, self.model_config, self.model_name = loaded.tokenizer, loaded.config, loaded.name
         self.kda_backends = self.model.kda_backends  # resolved once, by the model
@@ -91,6 +95,8 @@ class ModelRunner:
         not_capturable = self.kda_backends is not None and not self.kda_backends.decode.graph_capturable
         if config.use_cuda_graphs and not_capturable:
             log.warning("CUDA graphs off: KDA decode backend %s cannot be captured", self.kda_backends.decode.name)
+        elif config.use_cuda_graphs and self.mtp:
+            log.warning("CUDA graphs off: the MTP drafter's pass after each verify is not captured yet")
         elif config.use_cuda_graphs:
             self.graphs = DecodeGraphs(
                 self.model, max_batch_size=config.cuda_graph_max_batch_size or min(config.max_num_seqs, _DEFAULT_MAX_GRAPH_BATCH),
@@ -149,6 +155,8 @@ class ModelRunner:
         set_context(Context())   # no metadata: KDA layers touch no state
         ids = torch.zeros(T, dtype=torch.int64, device=self.device)
         hidden = self.model(ids, torch.arange(T, device=self.device))
+        if self.mtp:   # the drafter's pass over the same rows
+            self.model.draft_hidden(ids, torch.arange(T, device=self.device), hidden)
         # A step samples at most max_num_seqs rows, (S+1) times that with speculative decoding.
         self.model.compute_logits(hidden[: self.config.max_num_seqs * (self.num_spec_tokens + 1)])
         reset_context()
@@ -179,6 +187,7 @@ class ModelRunner:
         self.copy_states(batch.restores)   # prefix-cache hits: their states before the step reads them
         width = self.blocks_per_seq if self.graphs is not None and not batch.prefills else None
         step = build_host_step(batch, self.block_size, decode_width=width, trash_row=self.caches.trash_row)
+        dev = None
         if self.graphs is not None and self.graphs.can_run(step):
             hidden, sample_rows = self.graphs.run(step)
         else:
@@ -202,7 +211,45 @@ class ModelRunner:
                 accepted = self.rejection_sampler.sample(logits, want.groups)
             else:
                 sampled = self.sampler.sample(logits, want.sample_seqs)
-        return StepResult(sampled, want.sample_seqs, self._prompt_logprobs(hidden, want.prompt_rows), accepted)
+        drafts = self._mtp_drafts(batch, step, dev, hidden, accepted) if self.mtp else []
+        return StepResult(sampled, want.sample_seqs, self._prompt_logprobs(hidden, want.prompt_rows), accepted, drafts)
+
+    def _mtp_drafts(self, batch: ScheduledBatch, step, dev, hidden: torch.Tensor,
+                    accepted: list[AcceptedTokens]) -> list[tuple[Sequence, list[int]]]:
+        """The MTP layer over every row of the step (models/glm5_next_mtp.py): row i reads the
+        target's hidden state and the token after its own (the next prompt token, or the token
+        the step accepted there; padding and rejected rows read 0: their cache rows are
+        rewritten before anyone reads them), under the step's attention metadata, so the layer's
+        caches hold every computed position. A sampling sequence's draft is the greedy token at
+        the row of its newest token. One host read of the drafts (the step's tokens were read
+        already)."""
+        m = step.tokens_per_decode
+        by_seq = {a.seq.seq_id: a for a in accepted}
+        next_ids = torch.zeros(hidden.shape[0], dtype=torch.int64)
+        sources: list[tuple[Sequence, int]] = []
+        for i, seq in enumerate(batch.decodes):
+            toks = by_seq[seq.seq_id].tokens
+            next_ids[i * m : i * m + len(toks)] = torch.tensor(toks)
+            sources.append((seq, i * m + len(toks) - 1))
+        row = len(batch.decodes) * m
+        for seq, n in zip(batch.prefills, batch.num_new_tokens):
+            p = seq.num_computed_tokens
+            known = seq.token_ids[p + 1 : p + n + 1]   # the prompt tokens after each row
+            next_ids[row : row + len(known)] = torch.tensor(known, dtype=torch.int64)
+            if len(known) < n:   # the last row of a finished prompt: the token the step sampled
+                next_ids[row + n - 1] = by_seq[seq.seq_id].tokens[0]
+                sources.append((seq, row + n - 1))
+            row += n
+        if not sources:
+            return []
+        set_context(dev.context)
+        try:
+            out = self.model.draft_hidden(next_ids.to(self.device, non_blocking=True), dev.positions, hidden)
+        finally:
+            reset_context()
+        rows = torch.tensor([r for _, r in sources], dtype=torch.int64).to(self.device, non_blocking=True)
+        tokens = self.model.compute_logits(out[rows]).argmax(-1).tolist()
+        return [(seq, [t]) for (seq, _), t in zip(sources, tokens)]
 
     def _prompt_logprobs(self, hidden: torch.Tensor, prompt_rows: list) -> list:
         """Scored max_num_seqs rows at a time: [rows, vocab] fp32 logits of a whole scored prompt

@@ -100,7 +100,7 @@ def _glm_configs():
         kv_lora_rank=32, qk_nope_head_dim=16, v_head_dim=16, index_topk=64, index_head_dim=16, index_n_heads=4,
         index_kpool=8, intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
         max_position_embeddings=8192, eos_token_id=ByteTokenizer().eos_token_id, pad_token_id=None,
-        torch_dtype="float32",
+        torch_dtype="float32", extra={"num_nextn_predict_layers": 1},   # an MTP layer, as released
     )
     # GLM-5.3-Flash as transformers 5.23.0 describes it (no released config.json on this machine to
     # confirm against): 45 layers (34 KDA, 11 DSA), 288 experts, one MTP layer.

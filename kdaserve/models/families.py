@@ -12,8 +12,8 @@ from typing import Callable
 class Family:
     name: str
     config_from_dict: Callable
-    build: Callable           # build(config, *, kda, mla_backend, moe_backend, dtype, device) -> model
-    random_weights: Callable  # random_weights(config, seed, *, dtype, device) -> iterable of (name, tensor)
+    build: Callable           # build(config, *, kda, mla_backend, moe_backend, dtype, device, mtp) -> model
+    random_weights: Callable  # random_weights(config, seed, *, dtype, device, mtp) -> iterable of (name, tensor)
     shapes: Callable | None = None   # shapes(config) -> {checkpoint name: shape}, for the capacity check
 
 
@@ -22,10 +22,11 @@ def _hybrid() -> Family:
     from kdaserve.models.hybrid import HybridForCausalLM
     from kdaserve.models.random_weights import random_checkpoint
 
-    def build(config, *, kda, mla_backend, moe_backend, dtype, device):
+    def build(config, *, kda, mla_backend, moe_backend, dtype, device, mtp=False):
+        _no_mtp("kdaserve's hybrid", mtp)
         return HybridForCausalLM(config, kda=kda, dtype=dtype, device=device)
 
-    def random(config, seed, *, dtype, device):
+    def random(config, seed, *, dtype, device, mtp=False):
         return random_checkpoint(config, seed, dtype=dtype, device=device).items()
 
     return Family("kda_hybrid", HybridConfig.from_dict, build, random)
@@ -35,22 +36,35 @@ def _kimi_linear() -> Family:
     from kdaserve.models.kimi_linear import KimiLinearForCausalLM, random_released_tensors, released_shapes
     from kdaserve.models.kimi_linear_config import KimiLinearConfig
 
-    def build(config, *, kda, mla_backend, moe_backend, dtype, device):
+    def build(config, *, kda, mla_backend, moe_backend, dtype, device, mtp=False):
+        _no_mtp("Kimi-Linear", mtp)
         return KimiLinearForCausalLM(config, kda=kda, mla_backend=mla_backend, moe_backend=moe_backend, dtype=dtype,
                                      device=device)
 
-    return Family("kimi_linear", KimiLinearConfig.from_dict, build, random_released_tensors, released_shapes)
+    def random(config, seed, *, dtype, device, mtp=False):
+        return random_released_tensors(config, seed, dtype=dtype, device=device)
+
+    return Family("kimi_linear", KimiLinearConfig.from_dict, build, random, released_shapes)
 
 
 def _glm5_next() -> Family:
     from kdaserve.models.glm5_next import Glm5NextForCausalLM, random_released_tensors, released_shapes
     from kdaserve.models.glm5_next_config import Glm5NextConfig
 
-    def build(config, *, kda, mla_backend, moe_backend, dtype, device):
+    def build(config, *, kda, mla_backend, moe_backend, dtype, device, mtp=False):
         return Glm5NextForCausalLM(config, kda=kda, mla_backend=mla_backend, moe_backend=moe_backend, dtype=dtype,
-                                   device=device)
+                                   device=device, mtp=mtp)
 
-    return Family("glm5_next", Glm5NextConfig.from_dict, build, random_released_tensors, released_shapes)
+    def random(config, seed, *, dtype, device, mtp=False):
+        return random_released_tensors(config, seed, dtype=dtype, device=device, mtp=mtp)
+
+    return Family("glm5_next", Glm5NextConfig.from_dict, build, random, released_shapes)
+
+
+def _no_mtp(family: str, mtp: bool) -> None:
+    if mtp:
+        raise ValueError(f"speculative method 'mtp' needs a model with a multi-token-prediction layer; {family} has none: "
+                         f"use the 'ngram' method")
 
 
 _FAMILIES = {"kimi_linear": _kimi_linear, "glm5_next": _glm5_next, "glm5_next_text": _glm5_next}

@@ -18,7 +18,8 @@ Loaded from the **released** tensor names (prefix `model.language_model.`, head 
          .experts.{e}.{gate,up,down}_proj.weight, .shared_experts.{gate,up,down}_proj.weight
 
 The vision tower (`model.visual.*`) is skipped with one log line; the multi-token-prediction layer
-(index num_hidden_layers, `num_nextn_predict_layers`) is skipped until the MTP drafter exists. A
+(index num_hidden_layers, `num_nextn_predict_layers`; models/glm5_next_mtp.py) is loaded when the
+model is built with `mtp=True` (`--speculative-config '{"method": "mtp"}'`), else skipped. A
 tensor this config lacks, a missing one or one of another shape is an error naming it. FP8
 block-scaled checkpoints are dequantized at load (models/fp8.py)."""
 
@@ -41,6 +42,7 @@ from kdaserve.layers.norm import RMSNorm
 from kdaserve.models.causal_lm import KDACausalLM
 from kdaserve.models.fp8 import dequantized_weights, fp8_block_size
 from kdaserve.models.glm5_next_config import Glm5NextConfig
+from kdaserve.models.glm5_next_mtp import SHARED_COPIES, Glm5NextMTP, mtp_shapes
 from kdaserve.models.released import kda_layer_shapes, load_released, mla_layer_shapes
 from kdaserve.models.weight_names import load_named_tensor
 
@@ -131,7 +133,7 @@ class Glm5NextForCausalLM(KDACausalLM):
     """The engine's model interface (models/causal_lm.py) over the released checkpoint format."""
 
     def __init__(self, config: Glm5NextConfig, *, kda: KDABackendChoice | None = None, mla_backend: str = "auto",
-                 moe_backend: str = "auto", dtype=None, device=None):
+                 moe_backend: str = "auto", dtype=None, device=None, mtp: bool = False):
         super().__init__()
         dtype = dtype or torch.get_default_dtype()
         kda = kda or KDABackendChoice()
@@ -139,6 +141,21 @@ class Glm5NextForCausalLM(KDACausalLM):
         self.model = Glm5NextModel(config, kda=kda, kda_backends=backends, mla_backend=mla_backend,
                                    moe_backend=moe_backend, dtype=dtype, device=device)
         self.add_head(dtype, device)
+        self.mtp = None
+        if mtp:
+            if config.num_mtp_layers < 1:
+                raise ValueError("speculative method 'mtp' needs a checkpoint with a multi-token-prediction layer, but this "
+                                 "config has num_nextn_predict_layers = 0; use the 'ngram' method instead")
+            self.mtp = Glm5NextMTP(config, mla_backend=mla_backend, moe_backend=moe_backend, dtype=dtype, device=device)
+
+    @property
+    def attention_layers(self) -> list[nn.Module]:
+        """The target's attention layers, then the MTP layer's (its caches share the block tables)."""
+        return super().attention_layers + ([self.mtp.self_attn] if self.mtp is not None else [])
+
+    def draft_hidden(self, next_ids: torch.Tensor, positions: torch.Tensor, target_hidden: torch.Tensor) -> torch.Tensor:
+        """The MTP layer over a step's rows (models/glm5_next_mtp.py); compute_logits reads it."""
+        return self.mtp(self.model.embed_tokens(next_ids), positions, target_hidden)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -147,8 +164,16 @@ class Glm5NextForCausalLM(KDACausalLM):
 
 # ---- the released checkpoint format ---------------------------------------------------------------
 
-def released_shapes(config: Glm5NextConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor of a complete released checkpoint (text part), with its shape."""
+def released_shapes(config: Glm5NextConfig, mtp: bool = False) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a complete released checkpoint (text part), with its shape; `mtp`: with
+    the multi-token-prediction layer."""
+    s = _target_shapes(config)
+    if mtp:
+        s.update(mtp_shapes(config, PREFIX))
+    return s
+
+
+def _target_shapes(config: Glm5NextConfig) -> dict[str, tuple[int, ...]]:
     c, h = config, config.hidden_size
     s: dict[str, tuple[int, ...]] = {PREFIX + "embed_tokens.weight": (c.vocab_size, h), PREFIX + "norm.weight": (h,)}
     if not c.tie_word_embeddings:
@@ -194,15 +219,21 @@ def released_shapes(config: Glm5NextConfig) -> dict[str, tuple[int, ...]]:
     return s
 
 
-def _skipped(name: str, config: Glm5NextConfig, notes: set[str]) -> bool:
-    """The vision tower and the multi-token-prediction layer are not served (yet): one note each."""
+def _skipped(name: str, config: Glm5NextConfig, notes: set[str], mtp: bool) -> bool:
+    """The vision tower, and the multi-token-prediction layer unless it drafts: one note each."""
     if name.startswith(("model.visual.", "visual.")):
         notes.add("the vision tower (model.visual.*): kdaserve serves the text model")
         return True
     m = _LAYER.fullmatch(name)
     if m and int(m[1]) >= config.num_hidden_layers:
-        notes.add(f"layers >= {config.num_hidden_layers} (the multi-token-prediction layer): no MTP drafter yet")
-        return True
+        if not mtp or int(m[1]) > config.num_hidden_layers:
+            notes.add(f"layers >= {config.num_hidden_layers} (the multi-token-prediction layer): not drafting "
+                      f"(--speculative-config {{\"method\": \"mtp\"}} uses it)" if not mtp else
+                      f"layers > {config.num_hidden_layers} (further MTP layers): one drafts every step")
+            return True
+        if m[2] in SHARED_COPIES:
+            notes.add("the MTP layer's copies of the embedding and the head: the target's are used")
+            return True
     return False
 
 
@@ -213,11 +244,13 @@ def load_released_weights(model: Glm5NextForCausalLM, weights: Iterable[tuple[st
     config = model.config
     notes: set[str] = set()
     dense = dequantized_weights(weights, model.model.embed_tokens.weight.dtype, fp8_block_size(config.extra))
+    mtp = model.mtp is not None
     loaded = load_released(
-        model, dense, released_shapes(config), family="GLM-5.3-Flash (this config)", layer_name=_LAYER,
-        skip=lambda name: _skipped(name, config, notes),
+        model, dense, released_shapes(config, mtp), family="GLM-5.3-Flash (this config)", layer_name=_LAYER,
+        skip=lambda name: _skipped(name, config, notes, mtp),
         top_param=lambda name: name if name == "lm_head.weight" else "model." + name.removeprefix(PREFIX),
-        layer_tensor=lambda i, layer, rest, tensor, params: _load_layer_tensor(model, layer, i, rest, tensor, params))
+        layer_tensor=lambda i, layer, rest, tensor, params: _load_layer_tensor(model, layer, i, rest, tensor, params),
+        layer_of=lambda i: model.mtp if i == config.num_hidden_layers else model.model.layers[i])
     for note in sorted(notes):
         log.info("GLM-5.3-Flash checkpoint: skipped %s", note)
     return loaded
@@ -234,17 +267,20 @@ def _load_layer_tensor(model, layer: Glm5NextDecoderLayer, i: int, rest: str, te
         return
     renamed = {"mlp.gate.weight": "mlp.gate_weight",
                "mlp.gate.e_score_correction_bias": "mlp.e_score_correction_bias"}.get(rest, rest)
-    if not load_named_tensor(model, f"model.layers.{i}.{renamed}", tensor, params):
+    where = "mtp" if layer is model.mtp else f"model.layers.{i}"
+    if not load_named_tensor(model, f"{where}.{renamed}", tensor, params):
         raise ValueError(f"{PREFIX}layers.{i}.{rest}: no parameter of the model takes it")
 
 
 # ---- random weights at any size (tests, `--load-format dummy`) ------------------------------------
 
-def random_released_tensors(config: Glm5NextConfig, seed: int = 0, *, dtype=torch.bfloat16, device="cpu"):
+def random_released_tensors(config: Glm5NextConfig, seed: int = 0, *, dtype=torch.bfloat16, device="cpu",
+                            mtp: bool | None = None):
     """Random tensors under the released names, one at a time, scaled so activations stay O(1) at
     any depth. What transformers' initialisation would leave trivial is randomised (pool `ape`
     and `compress_gate`, hc `base` and `scale`, `A_log`, the correction bias), so a comparison
-    exercises every term. Yields (name, tensor)."""
+    exercises every term. `mtp`: with the multi-token-prediction layer (None: when the config has
+    one). Yields (name, tensor)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     layers = config.num_hidden_layers
     f32 = torch.float32
@@ -252,7 +288,8 @@ def random_released_tensors(config: Glm5NextConfig, seed: int = 0, *, dtype=torc
     def randn(shape, std, dt=dtype):
         return torch.randn(shape, generator=gen, device=device, dtype=f32).mul_(std).to(dt)
 
-    for name, shape in released_shapes(config).items():
+    mtp = config.num_mtp_layers > 0 if mtp is None else mtp
+    for name, shape in released_shapes(config, mtp).items():
         if name.endswith(("norm.weight", "k_norm.weight")):
             t = 1.0 + randn(shape, 0.1)
         elif name.endswith("k_norm.bias"):
@@ -283,6 +320,8 @@ def random_released_tensors(config: Glm5NextConfig, seed: int = 0, *, dtype=torc
             t = randn(shape, 4.0 / shape[1] ** 0.5)
         elif name.endswith(("o_proj.weight", "down_proj.weight")):
             t = randn(shape, 1.0 / (shape[1] * 2 * layers) ** 0.5)
+        elif name.endswith("eh_proj.weight"):
+            t = randn(shape, shape[1] ** -0.5)
         elif name.endswith(".b_proj.weight"):
             t = randn(shape, 2.0 / shape[1] ** 0.5)
         else:

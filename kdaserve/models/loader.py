@@ -61,16 +61,19 @@ def _tokenizer_from(directory: str, config):
 def load_model(
     model: str, *, dtype: torch.dtype, device, kda: KDABackendChoice | None = None, seed: int = 0,
     load_format: str = "auto", mla_backend: str = "auto", moe_backend: str = "auto", tokenizer_dir: str | None = None,
+    mtp: bool = False,
 ) -> LoadedModel:
     """`model`: a built-in name (random weights from `seed`), a released name (its architecture;
     weights only with load_format="dummy") or a checkpoint directory. `tokenizer_dir`: a directory
     whose tokenizer replaces the model's (vLLM's --tokenizer; a released name with dummy weights
-    then tokenizes as the real model does)."""
+    then tokenizes as the real model does). `mtp`: also the model's multi-token-prediction layer
+    (the drafter of speculative method "mtp")."""
     config, tokenizer, name, dummy = resolve_model(model, load_format, tokenizer_dir)
     family = family_of_config(config)
     check_weights_fit(name, family.shapes(config) if family.shapes else None, dtype, device)
-    net = family.build(config, kda=kda, mla_backend=mla_backend, moe_backend=moe_backend, dtype=dtype, device=device)
-    weights = (family.random_weights(config, seed, dtype=dtype, device=device) if dummy
+    net = family.build(config, kda=kda, mla_backend=mla_backend, moe_backend=moe_backend, dtype=dtype, device=device,
+                       mtp=mtp)
+    weights = (family.random_weights(config, seed, dtype=dtype, device=device, mtp=mtp) if dummy
                else iterate_safetensors(SHIPPED_CHECKPOINTS.get(model, model)))
     net.load_weights(weights)
     return LoadedModel(net, tokenizer, config, name)

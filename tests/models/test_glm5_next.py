@@ -339,3 +339,126 @@ def test_the_pool_key_cache_equals_recomputing_the_pools(case):
     greedy = SamplingParams(max_tokens=24, ignore_eos=True)
     assert ([o.output_token_ids for o in kept.generate(PROMPTS, greedy, use_tqdm=False)]
             == [o.output_token_ids for o in recomputed.generate(PROMPTS, greedy, use_tqdm=False)])
+
+
+# ---- the MTP drafter (speculative method "mtp") ------------------------------------------------
+
+MTP = dict(speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+
+
+@pytest.fixture(scope="module")
+def mtp_checkpoint(tmp_path_factory):
+    """The sparse config with its multi-token-prediction layer (index 5) in the checkpoint."""
+    config = tiny_config(extra={"num_nextn_predict_layers": 1})
+    return write_checkpoint(tmp_path_factory.mktemp("glm_mtp") / "ckpt", config, seed=7)
+
+
+def _drafts_after_each_step(llm, prompt, n):
+    """Greedy-generate n tokens one engine step at a time; every draft the MTP layer made, as
+    (the sequence's length it continues, the draft)."""
+    engine = llm.engine
+    engine.add_request("r", prompt, SamplingParams(max_tokens=n, ignore_eos=True))
+    made, tokens = [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens = out.prompt_token_ids + out.output_token_ids
+        for seq_len, drafts in list(engine.proposer._drafts.values()):
+            made.append((seq_len, drafts[0]))
+    return made, tokens
+
+
+def test_mtp_drafts_equal_a_pass_from_scratch(mtp_checkpoint):
+    """Every draft the MTP layer makes during generation (its caches filled step by step: a
+    chunked prompt, then verify steps that accept or reject) equals the draft a fresh engine makes
+    from one prefill of the same tokens: the layer's incremental caches hold what a full pass
+    would. The 37-token prompt passes topk + kpool - 1 = 11, so the sparse selection is in play."""
+    kw = dict(max_model_len=256, max_num_batched_tokens=8, **REF, **MTP)
+    made, tokens = _drafts_after_each_step(LLM(str(mtp_checkpoint), **kw), PROMPTS[1], 12)
+    assert len(made) >= 10 and len(tokens) == len(PROMPTS[1]) + 12
+    fresh = LLM(str(mtp_checkpoint), max_model_len=256, **REF, **MTP)
+    for seq_len, draft in made[::3]:
+        again, _ = _drafts_after_each_step(fresh, tokens[: seq_len - 1], 2)
+        assert again[0] == (seq_len, draft), (seq_len, again[0], draft)
+
+
+def test_mtp_speculation_is_lossless(mtp_checkpoint):
+    """Greedy tokens with MTP drafts equal those without: alone, batched, with chunked prefill and
+    with a preemption (the tight pool)."""
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True)
+    want = [o.output_token_ids for o in LLM(str(mtp_checkpoint), max_model_len=256, **REF).generate(
+        PROMPTS, greedy, use_tqdm=False)]
+    for kw in (dict(), dict(max_num_batched_tokens=8), dict(max_model_len=80, num_kv_blocks=9, block_size=16)):
+        llm = LLM(str(mtp_checkpoint), **{"max_model_len": 256, **kw}, **REF, **MTP)
+        assert [o.output_token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)] == want, kw
+        stats = llm.engine.stats()
+        assert stats["spec_decode_num_drafts"] > 0, "the drafter proposed nothing"
+    alone = LLM(str(mtp_checkpoint), max_model_len=256, **REF, **MTP)
+    assert alone.generate([PROMPTS[1]], greedy, use_tqdm=False)[0].output_token_ids == want[1]
+
+
+def test_mtp_needs_the_layer_and_one_draft_token(tmp_path, mtp_checkpoint):
+    from kdaserve.engine.speculative import SpeculativeConfig
+
+    with pytest.raises(ValueError, match="at most 1 token per step"):
+        SpeculativeConfig.parse({"method": "mtp", "num_speculative_tokens": 2})
+    no_layer = write_checkpoint(tmp_path / "no_mtp", tiny_config())
+    with pytest.raises(ValueError, match="num_nextn_predict_layers = 0"):
+        LLM(str(no_layer), max_model_len=64, **REF, **MTP)
+    with pytest.raises(ValueError, match="Kimi-Linear has none"):
+        LLM("kimi-tiny", max_model_len=64, **REF, **MTP)
+    lacking = tmp_path / "lacking"
+    shutil.copytree(mtp_checkpoint, lacking)
+    from safetensors.torch import load_file
+
+    t = load_file(str(lacking / "model.safetensors"))
+    t.pop("model.language_model.layers.5.eh_proj.weight")
+    save_file(t, str(lacking / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"lacks 1 tensors.*layers\.5\.eh_proj\.weight"):
+        LLM(str(lacking), max_model_len=64, **REF, **MTP)
+    # Without the MTP method the layer's tensors are skipped, and the model is the same.
+    assert LLM(str(mtp_checkpoint), max_model_len=64, **REF).engine.runner.model.mtp is None
+
+
+def test_the_mtp_layer_combines_embedding_and_hidden_state_as_vllm_does():
+    """With its attention and MLP silenced, the layer is shared_head.norm(eh_proj([enorm(embed of
+    the next token, zero at position 0), hnorm(target hidden)])): the order of the concatenation,
+    the norms and the position-0 rule, in vLLM's definition of GLM-5.3-Flash's MTP layer."""
+    from torch import nn
+
+    from kdaserve.models.glm5_next_mtp import Glm5NextMTP
+
+    class Silent(nn.Module):
+        def forward(self, *args):
+            return torch.zeros_like(args[-1])
+
+    torch.manual_seed(0)
+    config = tiny_config(extra={"num_nextn_predict_layers": 1})
+    mtp = Glm5NextMTP(config, mla_backend="reference", moe_backend="reference", dtype=torch.float32, device="cpu")
+    for norm in (mtp.enorm, mtp.hnorm, mtp.shared_head.norm):
+        norm.weight.copy_(1 + 0.3 * torch.randn(64))
+    mtp.eh_proj.weight.copy_(torch.randn(64, 128) / 8)
+    mtp.self_attn, mtp.mlp = Silent(), Silent()
+    e, h, positions = torch.randn(5, 64), torch.randn(5, 64), torch.tensor([0, 1, 2, 7, 0])
+
+    def rms(x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + config.rms_norm_eps) * w
+
+    e_used = torch.where((positions == 0)[:, None], 0.0, e)
+    want = rms(torch.cat([rms(e_used, mtp.enorm.weight), rms(h, mtp.hnorm.weight)], -1) @ mtp.eh_proj.weight.T,
+               mtp.shared_head.norm.weight)
+    torch.testing.assert_close(mtp(e, positions, h), want, rtol=1e-5, atol=1e-5)
+
+
+def test_mtp_speculation_with_the_triton_kernels(mtp_checkpoint):
+    """The drafter's DSA layer through the Triton indexer and sparse MLA kernels (the interpreter
+    on a CPU), the target's too: the same greedy tokens as the reference path without MTP."""
+    import triton
+
+    if not (torch.cuda.is_available() or triton.knobs.runtime.interpret):
+        pytest.skip("needs a GPU or TRITON_INTERPRET=1")
+    greedy = SamplingParams(max_tokens=8, ignore_eos=True)
+    want = [o.output_token_ids for o in LLM(str(mtp_checkpoint), max_model_len=256, **REF).generate(
+        PROMPTS[:2], greedy, use_tqdm=False)]
+    llm = LLM(str(mtp_checkpoint), max_model_len=256, warmup=False, **{**REF, "mla_backend": "triton"}, **MTP)
+    assert llm.engine.runner.model.mtp.self_attn.backend == "triton"
+    assert [o.output_token_ids for o in llm.generate(PROMPTS[:2], greedy, use_tqdm=False)] == want

@@ -2,15 +2,20 @@
 
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 
-Only prompt lookup ("ngram") is built; a model-based drafter (the MTP layers of Ling-3 and
-GLM-5.3-Flash) is another `method` with its own proposer behind the same verify step."""
+    {"method": "mtp", "num_speculative_tokens": 1}
+
+"ngram": prompt lookup (ngram_proposer.py); "mtp": the model's multi-token-prediction layer
+(GLM-5.3-Flash; mtp_proposer.py), one draft token per step for now. Both feed the same verify step."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "mtp")
+# The MTP drafter runs its layer once per step, over the step's tokens: one draft. More would need
+# draft passes over positions the next verify has not allocated yet.
+MAX_MTP_TOKENS = 1
 # vLLM's defaults: with neither bound given, n-grams of exactly 5 tokens; with one, both equal it.
 DEFAULT_PROMPT_LOOKUP = 5
 MAX_SPECULATIVE_TOKENS = 16   # the verify kernels keep S+1 states per sequence; past this, memory not speed
@@ -45,12 +50,14 @@ class SpeculativeConfig:
         if method == "[ngram]":   # vLLM accepts this spelling too
             method = "ngram"
         if method not in METHODS:
-            raise ValueError(f"invalid speculative_config method {method!r}; expected one of {list(METHODS)} "
-                             f"(model-based drafters are not built yet)")
+            raise ValueError(f"invalid speculative_config method {method!r}; expected one of {list(METHODS)}")
         k = value.get("num_speculative_tokens")
         if not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"invalid speculative_config num_speculative_tokens: got {k!r}; expected an integer in "
                              f"[1, {MAX_SPECULATIVE_TOKENS}]")
+        if method == "mtp" and k > MAX_MTP_TOKENS:
+            raise ValueError(f"invalid speculative_config: num_speculative_tokens={k} with method 'mtp'; the MTP drafter "
+                             f"proposes at most {MAX_MTP_TOKENS} token per step (more drafts per step are not built yet)")
         lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
         if lo is None and hi is None:
             lo = hi = DEFAULT_PROMPT_LOOKUP
