@@ -35,7 +35,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 if [ "$PART" = unbounded_mla ]; then
 # Must show: rc=0 and no FAILED line for the flash prefill GPU tests (the unbounded gate's blocked
 # fallback in bf16 at real sizes and the 128K slow-decay tests), the MLA
-# GPU tests with [32, 32] tiles at GLM's sizes and the GLM model tests; then the unbounded-gate
+# GPU tests with [32, 32] tiles at GLM's sizes and the GLM model tests (the MTP drafter's included); then the unbounded-gate
 # table at 64 heads (issue 20's goal 1: flash within 1.3x of the bounded gate on 16x1K and 1x8K;
 # record it in docs/perf-notes.md beside the 32-head table).
 group flash_gpu 240 tests/ops/test_flash_prefill.py

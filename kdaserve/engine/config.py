@@ -147,6 +147,13 @@ class EngineConfig:
         return self.speculative_config.num_speculative_tokens if self.speculative_config else 0
 
     @property
+    def draft_lookahead(self) -> int:
+        """Cache positions a sampling step reserves past its own for the drafter: the MTP layer's
+        passes after the first write rows at the S-1 positions after the newest token."""
+        spec = self.speculative_config
+        return spec.num_speculative_tokens - 1 if spec is not None and spec.method == "mtp" else 0
+
+    @property
     def use_cuda_graphs(self) -> bool:
         return self.device.type == "cuda" and not self.enforce_eager
 

@@ -68,7 +68,8 @@ class LLMEngine:
         self.blocks = BlockManager(self.runner.num_kv_blocks, self.config.block_size)
         self.prefix_cache = self._make_prefix_cache() if self.config.enable_prefix_caching else None
         self.scheduler = Scheduler(self.config.max_num_seqs, self.config.max_num_batched_tokens, self.slots, self.blocks,
-                                   num_spec_tokens=self.config.num_spec_tokens, prefix_cache=self.prefix_cache)
+                                   num_spec_tokens=self.config.num_spec_tokens, prefix_cache=self.prefix_cache,
+                                   lookahead=self.config.draft_lookahead, max_model_len=self.max_model_len)
         spec = self.config.speculative_config
         self.proposer = _make_proposer(spec)
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens) if spec else None

@@ -17,6 +17,7 @@ from kdaserve.engine.sequence import Sequence
 from kdaserve.engine.speculative.rejection_sampler import AcceptedTokens, RejectionSampler
 from kdaserve.engine.staging import StagingRing
 from kdaserve.engine.step_inputs import build_host_step, to_device_context
+from kdaserve.layers.attention import AttentionMetadata
 from kdaserve.layers.context import Context, reset_context, set_context
 from kdaserve.models.loader import load_model
 
@@ -220,17 +221,18 @@ class ModelRunner:
         target's hidden state and the token after its own (the next prompt token, or the token
         the step accepted there; padding and rejected rows read 0: their cache rows are
         rewritten before anyone reads them), under the step's attention metadata, so the layer's
-        caches hold every computed position. A sampling sequence's draft is the greedy token at
-        the row of its newest token. One host read of the drafts (the step's tokens were read
-        already)."""
+        caches hold every computed position. A sampling sequence's first draft is the greedy
+        token at the row of its newest token; each further draft is one more pass of the layer
+        over one row per sequence (_mtp_draft_pass). One host read per draft token (the step's
+        tokens were read already)."""
         m = step.tokens_per_decode
         by_seq = {a.seq.seq_id: a for a in accepted}
         next_ids = torch.zeros(hidden.shape[0], dtype=torch.int64)
-        sources: list[tuple[Sequence, int]] = []
+        sources: list[tuple[Sequence, int, int]] = []   # (sequence, row, position of the row)
         for i, seq in enumerate(batch.decodes):
             toks = by_seq[seq.seq_id].tokens
             next_ids[i * m : i * m + len(toks)] = torch.tensor(toks)
-            sources.append((seq, i * m + len(toks) - 1))
+            sources.append((seq, i * m + len(toks) - 1, seq.num_computed_tokens + len(toks) - 1))
         row = len(batch.decodes) * m
         for seq, n in zip(batch.prefills, batch.num_new_tokens):
             p = seq.num_computed_tokens
@@ -238,18 +240,57 @@ class ModelRunner:
             next_ids[row : row + len(known)] = torch.tensor(known, dtype=torch.int64)
             if len(known) < n:   # the last row of a finished prompt: the token the step sampled
                 next_ids[row + n - 1] = by_seq[seq.seq_id].tokens[0]
-                sources.append((seq, row + n - 1))
+                sources.append((seq, row + n - 1, p + n - 1))
             row += n
-        if not sources:
-            return []
-        set_context(dev.context)
+        set_context(dev.context)   # every step: a prompt chunk that samples nothing still fills the caches
         try:
             out = self.model.draft_hidden(next_ids.to(self.device, non_blocking=True), dev.positions, hidden)
         finally:
             reset_context()
-        rows = torch.tensor([r for _, r in sources], dtype=torch.int64).to(self.device, non_blocking=True)
-        tokens = self.model.compute_logits(out[rows]).argmax(-1).tolist()
-        return [(seq, [t]) for (seq, _), t in zip(sources, tokens)]
+        if not sources:
+            return []
+        rows = torch.tensor([r for _, r, _ in sources], dtype=torch.int64).to(self.device, non_blocking=True)
+        h = out[rows]
+        tokens = self.model.compute_logits(h).argmax(-1).tolist()
+        drafts = [[t] for t in tokens]
+        live = list(range(len(sources)))   # the sources `h` holds a row of, in order
+        for j in range(1, self.num_spec_tokens):
+            # Draft j+1 reads draft j at the position after the previous pass's, and that pass's
+            # output as its hidden state (vLLM's recycling of the MTP output). Positions past the
+            # cache rows a sequence holds (its max_model_len) end its drafts.
+            keep = [k for k, i in enumerate(live) if sources[i][2] + j < len(sources[i][0].block_table) * self.block_size]
+            if not keep:
+                break
+            if len(keep) < len(live):
+                h = h[torch.tensor(keep, device=h.device)]
+                live = [live[k] for k in keep]
+            h = self._mtp_draft_pass([sources[i][0] for i in live], [sources[i][2] + j for i in live],
+                                     [drafts[i][-1] for i in live], h)
+            for i, t in zip(live, self.model.compute_logits(h).argmax(-1).tolist()):
+                drafts[i].append(t)
+        return [(seq, d) for (seq, _, _), d in zip(sources, drafts)]
+
+    def _mtp_draft_pass(self, seqs: list[Sequence], positions: list[int], tokens: list[int],
+                        hidden: torch.Tensor) -> torch.Tensor:
+        """One more MTP step: per sequence one row at `positions[i]` (a cache row the scheduler
+        reserved: EngineConfig's MTP lookahead) reading `tokens[i]` and `hidden[i]`, attending
+        over the layer's cache up to and including that row, as a decode step does."""
+        bs = self.block_size
+        width = max(len(s.block_table) for s in seqs)
+        tables = torch.zeros(len(seqs), width, dtype=torch.int32)
+        for i, s in enumerate(seqs):
+            tables[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
+        slots = [s.block_table[q // bs] * bs + q % bs for s, q in zip(seqs, positions)]
+        to = dict(device=self.device, non_blocking=True)
+        md = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.int64).to(**to), num_decode_tokens=len(seqs),
+                               decode_block_tables=tables.to(**to),
+                               decode_context_lens=torch.tensor([q + 1 for q in positions], dtype=torch.int32).to(**to))
+        set_context(Context(attn=md))
+        try:
+            return self.model.draft_hidden(torch.tensor(tokens, dtype=torch.int64).to(**to),
+                                           torch.tensor(positions, dtype=torch.int64).to(**to), hidden)
+        finally:
+            reset_context()
 
     def _prompt_logprobs(self, hidden: torch.Tensor, prompt_rows: list) -> list:
         """Scored max_num_seqs rows at a time: [rows, vocab] fp32 logits of a whole scored prompt

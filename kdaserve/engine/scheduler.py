@@ -11,6 +11,9 @@ With speculative decoding (S > 0) every decode is a verify step of S+1 tokens (t
 token and up to S drafts, padded to S), which costs S+1 tokens of the budget and KV blocks for
 its real drafts; a request holds S+1 state slots (engine/speculative says why).
 
+With the MTP drafter a step that samples also reserves cache rows for the `lookahead` positions
+after its newest token (the drafter's further passes write there), up to max_model_len.
+
 With prefix caching (engine/prefix_cache) an admitted request may start past a cached prefix,
 prefill chunks end at checkpoint boundaries they cross, and a request waits while a running one
 prefills the prefix they share."""
@@ -58,8 +61,9 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, slots: StateSlotPool, blocks: BlockManager,
-                 num_spec_tokens: int = 0, prefix_cache=None):
+                 num_spec_tokens: int = 0, prefix_cache=None, lookahead: int = 0, max_model_len: int | None = None):
         self.spec = num_spec_tokens
+        self.lookahead, self.max_model_len = lookahead, max_model_len
         self.prefix = prefix_cache   # engine/prefix_cache.PrefixCache, or None
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -85,12 +89,14 @@ class Scheduler:
             verify = self.spec and seq.num_uncomputed_tokens == 1 and seq.num_computed_tokens > 0
             if verify:
                 n = self.spec + 1
-                kv_tokens = seq.num_computed_tokens + 1 + len(seq.draft_token_ids)
+                kv_tokens = self._with_lookahead(seq.num_computed_tokens + 1 + len(seq.draft_token_ids))
             else:
                 n = min(seq.num_uncomputed_tokens, budget)
                 if self.prefix is not None:
                     n = self.prefix.chunk_len(seq, n)
                 kv_tokens = seq.num_computed_tokens + n
+                if kv_tokens == seq.num_tokens:   # this step samples
+                    kv_tokens = self._with_lookahead(kv_tokens)
             # With speculation a decode is a whole verify, and a 1-token chunk with history would
             # be one: both wait for a step with budget left.
             if n > budget or (self.spec and not verify and n == 1 and seq.num_computed_tokens > 0):
@@ -123,7 +129,9 @@ class Scheduler:
             if self.spec and skip and n == 1:   # it would be a verify: wait for a step with budget left
                 break
             # The hit's blocks that no one holds count as free until sharing takes them.
-            need = self.blocks.blocks_needed(skip + n) - len(shared) + self.blocks.num_evictable_in(shared)
+            end = skip + n
+            need = (self.blocks.blocks_needed(self._with_lookahead(end) if end == seq.num_tokens else end) - len(shared)
+                    + self.blocks.num_evictable_in(shared))
             if need > self.blocks.num_free:
                 break
             self.waiting.popleft()
@@ -134,12 +142,19 @@ class Scheduler:
                 batch.restores.append(self.prefix.apply(seq, hit))
             if self.prefix is not None:
                 n = self.prefix.chunk_len(seq, n)
-            self.blocks.grow(seq, seq.num_computed_tokens + n)
+            end = seq.num_computed_tokens + n
+            self.blocks.grow(seq, self._with_lookahead(end) if end == seq.num_tokens else end)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self._add_to_batch(batch, seq, n, False)
             budget -= n
         return batch
+
+    def _with_lookahead(self, kv_tokens: int) -> int:
+        if not self.lookahead:
+            return kv_tokens
+        cap = self.max_model_len if self.max_model_len is not None else kv_tokens + self.lookahead
+        return max(kv_tokens, min(kv_tokens + self.lookahead, cap))
 
     @staticmethod
     def _add_to_batch(batch: ScheduledBatch, seq: Sequence, n: int, verify: bool) -> None:

@@ -344,6 +344,7 @@ def test_the_pool_key_cache_equals_recomputing_the_pools(case):
 # ---- the MTP drafter (speculative method "mtp") ------------------------------------------------
 
 MTP = dict(speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+MTP3 = dict(speculative_config={"method": "mtp", "num_speculative_tokens": 3})
 
 
 @pytest.fixture(scope="module")
@@ -363,22 +364,25 @@ def _drafts_after_each_step(llm, prompt, n):
         for out in engine.step():
             tokens = out.prompt_token_ids + out.output_token_ids
         for seq_len, drafts in list(engine.proposer._drafts.values()):
-            made.append((seq_len, drafts[0]))
+            made.append((seq_len, list(drafts)))
     return made, tokens
 
 
-def test_mtp_drafts_equal_a_pass_from_scratch(mtp_checkpoint):
+@pytest.mark.parametrize("spec", [MTP, MTP3], ids=["one-draft", "three-drafts"])
+def test_mtp_drafts_equal_a_pass_from_scratch(mtp_checkpoint, spec):
     """Every draft the MTP layer makes during generation (its caches filled step by step: a
-    chunked prompt, then verify steps that accept or reject) equals the draft a fresh engine makes
-    from one prefill of the same tokens: the layer's incremental caches hold what a full pass
-    would. The 37-token prompt passes topk + kpool - 1 = 11, so the sparse selection is in play."""
-    kw = dict(max_model_len=256, max_num_batched_tokens=8, **REF, **MTP)
+    chunked prompt, then verify steps that accept or reject; with 3 drafts, two more passes per
+    step over rows past the newest token) equals the drafts a fresh engine makes from one prefill
+    of the same tokens: the layer's incremental caches hold what a full pass would. The 37-token
+    prompt passes topk + kpool - 1 = 11, so the sparse selection is in play."""
+    kw = dict(max_model_len=256, max_num_batched_tokens=8, **REF, **spec)
     made, tokens = _drafts_after_each_step(LLM(str(mtp_checkpoint), **kw), PROMPTS[1], 12)
-    assert len(made) >= 10 and len(tokens) == len(PROMPTS[1]) + 12
-    fresh = LLM(str(mtp_checkpoint), max_model_len=256, **REF, **MTP)
-    for seq_len, draft in made[::3]:
+    k = spec["speculative_config"]["num_speculative_tokens"]
+    assert len(made) >= 4 and len(tokens) == len(PROMPTS[1]) + 12 and all(len(d) == k for _, d in made)
+    fresh = LLM(str(mtp_checkpoint), max_model_len=256, **REF, **spec)
+    for seq_len, drafts in made[::2]:
         again, _ = _drafts_after_each_step(fresh, tokens[: seq_len - 1], 2)
-        assert again[0] == (seq_len, draft), (seq_len, again[0], draft)
+        assert again[0] == (seq_len, drafts), (seq_len, again[0], drafts)
 
 
 def test_mtp_speculation_is_lossless(mtp_checkpoint):
@@ -387,8 +391,9 @@ def test_mtp_speculation_is_lossless(mtp_checkpoint):
     greedy = SamplingParams(max_tokens=24, ignore_eos=True)
     want = [o.output_token_ids for o in LLM(str(mtp_checkpoint), max_model_len=256, **REF).generate(
         PROMPTS, greedy, use_tqdm=False)]
-    for kw in (dict(), dict(max_num_batched_tokens=8), dict(max_model_len=80, num_kv_blocks=9, block_size=16)):
-        llm = LLM(str(mtp_checkpoint), **{"max_model_len": 256, **kw}, **REF, **MTP)
+    for kw, spec in ((dict(), MTP), (dict(max_num_batched_tokens=8), MTP), (dict(), MTP3),
+                     (dict(max_model_len=80, num_kv_blocks=9, block_size=16), MTP3)):
+        llm = LLM(str(mtp_checkpoint), **{"max_model_len": 256, **kw}, **REF, **spec)
         assert [o.output_token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)] == want, kw
         stats = llm.engine.stats()
         assert stats["spec_decode_num_drafts"] > 0, "the drafter proposed nothing"
@@ -396,11 +401,7 @@ def test_mtp_speculation_is_lossless(mtp_checkpoint):
     assert alone.generate([PROMPTS[1]], greedy, use_tqdm=False)[0].output_token_ids == want[1]
 
 
-def test_mtp_needs_the_layer_and_one_draft_token(tmp_path, mtp_checkpoint):
-    from kdaserve.engine.speculative import SpeculativeConfig
-
-    with pytest.raises(ValueError, match="at most 1 token per step"):
-        SpeculativeConfig.parse({"method": "mtp", "num_speculative_tokens": 2})
+def test_mtp_needs_the_layer(tmp_path, mtp_checkpoint):
     no_layer = write_checkpoint(tmp_path / "no_mtp", tiny_config())
     with pytest.raises(ValueError, match="num_nextn_predict_layers = 0"):
         LLM(str(no_layer), max_model_len=64, **REF, **MTP)
@@ -462,3 +463,22 @@ def test_mtp_speculation_with_the_triton_kernels(mtp_checkpoint):
     llm = LLM(str(mtp_checkpoint), max_model_len=256, warmup=False, **{**REF, "mla_backend": "triton"}, **MTP)
     assert llm.engine.runner.model.mtp.self_attn.backend == "triton"
     assert [o.output_token_ids for o in llm.generate(PROMPTS[:2], greedy, use_tqdm=False)] == want
+
+
+def test_the_mtp_caches_after_a_chunked_prompt_equal_one_prefill(mtp_checkpoint):
+    """The drafter's latent and indexer cache rows of every prompt position: a prompt prefilled in
+    chunks of 8 (steps that sample nothing still run the layer) against one prefill."""
+    def caches_after_prefill(**kw):
+        llm = LLM(str(mtp_checkpoint), max_model_len=256, **REF, **MTP, **kw)
+        engine = llm.engine
+        engine.add_request("r", PROMPTS[1], SamplingParams(max_tokens=2, ignore_eos=True))
+        seq = engine.requests["r"]
+        while seq.num_computed_tokens < len(PROMPTS[1]):
+            engine.step()
+        attn, bs = engine.runner.model.mtp.self_attn, engine.runner.block_size
+        pos = torch.arange(len(PROMPTS[1]))
+        rows = torch.tensor(seq.block_table)[pos // bs] * bs + pos % bs
+        return [c.view(-1, c.shape[-1])[rows] for c in (attn.cache, attn.index_cache)]
+
+    for chunked, whole in zip(caches_after_prefill(max_num_batched_tokens=8), caches_after_prefill()):
+        torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-5)

@@ -5,7 +5,7 @@
     {"method": "mtp", "num_speculative_tokens": 1}
 
 "ngram": prompt lookup (ngram_proposer.py); "mtp": the model's multi-token-prediction layer
-(GLM-5.3-Flash; mtp_proposer.py), one draft token per step for now. Both feed the same verify step."""
+(GLM-5.3-Flash; mtp_proposer.py), run once per draft token. Both feed the same verify step."""
 
 from __future__ import annotations
 
@@ -13,9 +13,6 @@ import json
 from dataclasses import dataclass
 
 METHODS = ("ngram", "mtp")
-# The MTP drafter runs its layer once per step, over the step's tokens: one draft. More would need
-# draft passes over positions the next verify has not allocated yet.
-MAX_MTP_TOKENS = 1
 # vLLM's defaults: with neither bound given, n-grams of exactly 5 tokens; with one, both equal it.
 DEFAULT_PROMPT_LOOKUP = 5
 MAX_SPECULATIVE_TOKENS = 16   # the verify kernels keep S+1 states per sequence; past this, memory not speed
@@ -55,9 +52,6 @@ class SpeculativeConfig:
         if not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"invalid speculative_config num_speculative_tokens: got {k!r}; expected an integer in "
                              f"[1, {MAX_SPECULATIVE_TOKENS}]")
-        if method == "mtp" and k > MAX_MTP_TOKENS:
-            raise ValueError(f"invalid speculative_config: num_speculative_tokens={k} with method 'mtp'; the MTP drafter "
-                             f"proposes at most {MAX_MTP_TOKENS} token per step (more drafts per step are not built yet)")
         lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
         if lo is None and hi is None:
             lo = hi = DEFAULT_PROMPT_LOOKUP
