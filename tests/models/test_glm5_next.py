@@ -482,3 +482,23 @@ def test_the_mtp_caches_after_a_chunked_prompt_equal_one_prefill(mtp_checkpoint)
 
     for chunked, whole in zip(caches_after_prefill(max_num_batched_tokens=8), caches_after_prefill()):
         torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-5)
+
+
+def test_mtp_with_a_prefix_cache_hit(mtp_checkpoint):
+    """A second request with the same prompt resumes past its cached prefix (KDA checkpoint at 32
+    tokens, the KV and the drafter's blocks shared): the same greedy tokens, the hit counted, and
+    the drafts after the hit equal those of the first request (the drafter's shared rows are
+    those a full pass writes)."""
+    kw = dict(max_model_len=256, block_size=16, mamba_block_size=32, enable_prefix_caching=True, **REF, **MTP3)
+    llm = LLM(str(mtp_checkpoint), **kw)
+    first, tokens = _drafts_after_each_step(llm, PROMPTS[1], 6)
+    engine = llm.engine
+    hits = engine.stats()["prefix_cache_hits"]
+    engine.add_request("again", PROMPTS[1], SamplingParams(max_tokens=6, ignore_eos=True))
+    second, again = [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            again = out.prompt_token_ids + out.output_token_ids
+        second += [(n, list(d)) for n, d in engine.proposer._drafts.values()]
+    assert engine.stats()["prefix_cache_hits"] > hits
+    assert again == tokens and second[0] == first[0]
