@@ -402,6 +402,11 @@ def test_mtp_speculation_is_lossless(mtp_checkpoint):
 
 
 def test_mtp_needs_the_layer(tmp_path, mtp_checkpoint):
+    from kdaserve.engine.speculative import SpeculativeConfig
+
+    # vLLM's spellings: model-specific names are deprecated aliases; k defaults to the MTP layers (1).
+    assert SpeculativeConfig.parse({"method": "glm5_next_mtp"}) == SpeculativeConfig.parse(MTP["speculative_config"])
+    assert SpeculativeConfig.parse('{"method": "mtp"}').num_speculative_tokens == 1
     no_layer = write_checkpoint(tmp_path / "no_mtp", tiny_config())
     with pytest.raises(ValueError, match="num_nextn_predict_layers = 0"):
         LLM(str(no_layer), max_model_len=64, **REF, **MTP)

@@ -10,9 +10,17 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 
+log = logging.getLogger("kdaserve.engine")
+
 METHODS = ("ngram", "mtp")
+# vLLM's model-specific MTP method names, which it accepts as deprecated spellings of "mtp".
+MTP_ALIASES = ("deepseek_mtp", "glm4_moe_mtp", "glm5_next_mtp", "qwen3_next_mtp", "bailing_hybrid_mtp",
+               "bailing_hybrid_v3_mtp", "kimi_k3_mtp")
+# vLLM's default for "mtp" is the checkpoint's num_nextn_predict_layers: 1 for GLM-5.3-Flash.
+DEFAULT_MTP_TOKENS = 1
 # vLLM's defaults: with neither bound given, n-grams of exactly 5 tokens; with one, both equal it.
 DEFAULT_PROMPT_LOOKUP = 5
 MAX_SPECULATIVE_TOKENS = 16   # the verify kernels keep S+1 states per sequence; past this, memory not speed
@@ -46,9 +54,12 @@ class SpeculativeConfig:
         method = value.get("method", "ngram")
         if method == "[ngram]":   # vLLM accepts this spelling too
             method = "ngram"
+        if method in MTP_ALIASES:   # as vLLM does
+            log.warning("speculative method %r is deprecated and replaced with 'mtp'", method)
+            method = "mtp"
         if method not in METHODS:
             raise ValueError(f"invalid speculative_config method {method!r}; expected one of {list(METHODS)}")
-        k = value.get("num_speculative_tokens")
+        k = value.get("num_speculative_tokens", DEFAULT_MTP_TOKENS if method == "mtp" else None)
         if not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"invalid speculative_config num_speculative_tokens: got {k!r}; expected an integer in "
                              f"[1, {MAX_SPECULATIVE_TOKENS}]")
