@@ -14,7 +14,8 @@ class Family:
     config_from_dict: Callable
     build: Callable           # build(config, *, kda, mla_backend, moe_backend, dtype, device, mtp) -> model
     random_weights: Callable  # random_weights(config, seed, *, dtype, device, mtp) -> iterable of (name, tensor)
-    shapes: Callable | None = None   # shapes(config) -> {checkpoint name: shape}, for the capacity check
+    shapes: Callable | None = None   # shapes(config[, mtp]) -> {checkpoint name: shape}, for the capacity check
+    has_mtp: bool = False            # can build a multi-token-prediction drafter (build(..., mtp=True))
 
 
 def _hybrid() -> Family:
@@ -23,7 +24,6 @@ def _hybrid() -> Family:
     from kdaserve.models.random_weights import random_checkpoint
 
     def build(config, *, kda, mla_backend, moe_backend, dtype, device, mtp=False):
-        _no_mtp("kdaserve's hybrid", mtp)
         return HybridForCausalLM(config, kda=kda, dtype=dtype, device=device)
 
     def random(config, seed, *, dtype, device, mtp=False):
@@ -37,7 +37,6 @@ def _kimi_linear() -> Family:
     from kdaserve.models.kimi_linear_config import KimiLinearConfig
 
     def build(config, *, kda, mla_backend, moe_backend, dtype, device, mtp=False):
-        _no_mtp("Kimi-Linear", mtp)
         return KimiLinearForCausalLM(config, kda=kda, mla_backend=mla_backend, moe_backend=moe_backend, dtype=dtype,
                                      device=device)
 
@@ -58,13 +57,7 @@ def _glm5_next() -> Family:
     def random(config, seed, *, dtype, device, mtp=False):
         return random_released_tensors(config, seed, dtype=dtype, device=device, mtp=mtp)
 
-    return Family("glm5_next", Glm5NextConfig.from_dict, build, random, released_shapes)
-
-
-def _no_mtp(family: str, mtp: bool) -> None:
-    if mtp:
-        raise ValueError(f"speculative method 'mtp' needs a model with a multi-token-prediction layer; {family} has none: "
-                         f"use the 'ngram' method")
+    return Family("glm5_next", Glm5NextConfig.from_dict, build, random, released_shapes, has_mtp=True)
 
 
 _FAMILIES = {"kimi_linear": _kimi_linear, "glm5_next": _glm5_next, "glm5_next_text": _glm5_next}

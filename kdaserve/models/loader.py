@@ -70,7 +70,11 @@ def load_model(
     (the drafter of speculative method "mtp")."""
     config, tokenizer, name, dummy = resolve_model(model, load_format, tokenizer_dir)
     family = family_of_config(config)
-    check_weights_fit(name, family.shapes(config) if family.shapes else None, dtype, device)
+    if mtp and not family.has_mtp:
+        raise ValueError(f"speculative method 'mtp' needs a model with a multi-token-prediction layer; {family.name} "
+                         f"({name}) has none: use the 'ngram' method")
+    shapes = None if family.shapes is None else family.shapes(config, True) if mtp else family.shapes(config)
+    check_weights_fit(name, shapes, dtype, device)
     net = family.build(config, kda=kda, mla_backend=mla_backend, moe_backend=moe_backend, dtype=dtype, device=device,
                        mtp=mtp)
     weights = (family.random_weights(config, seed, dtype=dtype, device=device, mtp=mtp) if dummy

@@ -290,6 +290,8 @@ def test_a_model_too_large_for_the_gpu_says_so_with_the_numbers():
     config = released_config("zai-org/GLM-5.3-Flash")
     n = parameter_count(released_shapes(config))
     assert 300e9 < n < 330e9    # ~320B as released (the vision tower and MTP layer not counted)
+    # With the MTP drafter its layer counts too (288 experts of 3 x 2048 x 4096: ~7.2B).
+    assert 7e9 < parameter_count(released_shapes(config, mtp=True)) - n < 8e9
     message = weights_fit_error("zai-org/GLM-5.3-Flash", n, torch.bfloat16, 141 * 2**30)
     assert "313.3B parameters" in message and "584 GiB" in message and "141 GiB" in message and "vLLM" in message
     assert weights_fit_error("small", 10**9, torch.bfloat16, 141 * 2**30) is None
@@ -410,7 +412,7 @@ def test_mtp_needs_the_layer(tmp_path, mtp_checkpoint):
     no_layer = write_checkpoint(tmp_path / "no_mtp", tiny_config())
     with pytest.raises(ValueError, match="num_nextn_predict_layers = 0"):
         LLM(str(no_layer), max_model_len=64, **REF, **MTP)
-    with pytest.raises(ValueError, match="Kimi-Linear has none"):
+    with pytest.raises(ValueError, match=r"kimi_linear \(kimi-tiny\) has none"):
         LLM("kimi-tiny", max_model_len=64, **REF, **MTP)
     lacking = tmp_path / "lacking"
     shutil.copytree(mtp_checkpoint, lacking)
