@@ -99,6 +99,7 @@ def variants() -> dict:
     r = functools.partial(dataclasses.replace, DEFAULT_CONFIG)
     return {"flash 1-anchor+blocked": r(unbounded_first_pass="one-anchor", unbounded_fallback="blocked"),
             "flash 1-anchor+loop": r(unbounded_first_pass="one-anchor", unbounded_fallback="loop"),
+            "flash 1-anchor+blocked, no halves": r(unbounded_first_pass="one-anchor", unbounded_redo_halves=False),
             "flash halves+blocked": r(unbounded_first_pass="halves", unbounded_fallback="blocked"),
             "flash blocked only": r(unbounded_anchored=False, unbounded_fallback="blocked")}
 

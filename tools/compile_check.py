@@ -99,6 +99,7 @@ def _flash_cases() -> list[Case]:
             ("C=16 unbounded halves", 16, False, False, False, False, True, False, False),
             ("C=16 unbounded redo: halves, else blocked", 16, False, False, True, True, True, True, False),
             ("C=16 unbounded redo: halves, else the loop", 16, False, False, True, True, True, False, False),
+            ("C=16 unbounded redo: blocked", 16, False, False, True, True, False, True, False),
             ("C=16 unbounded blocked everywhere", 16, False, False, True, False, False, True, False),
             ("C=16 unbounded exact loop everywhere", 16, False, False, True, False, False, False, False)):
         out.append(Case(f"flash prepare {name}", flash_prepare_kernel, prep_types,

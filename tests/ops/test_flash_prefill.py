@@ -104,11 +104,13 @@ def test_unbounded_gate_with_huge_decay(anchored, fallback):
 @cpu_only
 @pytest.mark.parametrize("anchored, first_pass, spread, dtype",
                          [(True, "one-anchor", 170.0, torch.float32), (True, "halves", 170.0, torch.float32),
+                          (True, "one-anchor-no-redo-halves", 170.0, torch.float32),
                           (True, "halves", 1e30, torch.float32), (True, "halves", 1e30, torch.float16),
                           (True, "one-anchor", 170.0, torch.float16),
                           (False, "one-anchor", 170.0, torch.float32), (False, "one-anchor", 170.0, torch.float16)],
                          # unbounded_anchored=False runs the fallback (blocked by default) alone
-                         ids=["default", "halves-first", "always-halves", "always-halves-fp16", "default-fp16",
+                         ids=["default", "halves-first", "redo-without-halves", "always-halves", "always-halves-fp16",
+                              "default-fp16",
                               "blocked", "blocked-fp16"])
 def test_unbounded_gate_anchored(anchored, first_pass, spread, dtype):
     """The unbounded gate's first pass (one anchor per chunk by default, or per half) and the
@@ -119,8 +121,9 @@ def test_unbounded_gate_anchored(anchored, first_pass, spread, dtype):
     The fallback alone (unbounded_anchored=False) keeps its own checks."""
     case = make_kda_case([5, 40, 1, 37], H=2, D=16, gate="unbounded", dtype=dtype, conv_dtype=dtype,
                          has_initial_state=[True, False, True, True], slow_decay_heads=1, seed=23)
-    fn = configured(UNSEGMENTED, unbounded_anchored=anchored, unbounded_first_pass=first_pass,
-                    unbounded_anchor_spread=spread)
+    redo_halves = first_pass != "one-anchor-no-redo-halves"
+    fn = configured(UNSEGMENTED, unbounded_anchored=anchored, unbounded_first_pass=first_pass.removesuffix("-no-redo-halves"),
+                    unbounded_anchor_spread=spread, unbounded_redo_halves=redo_halves)
     check_prefill_matches_reference(fn, case, 1e-5 if dtype == torch.float32 else tolerance_for(dtype))
 
 

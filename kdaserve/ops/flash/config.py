@@ -31,6 +31,9 @@ class FlashConfig:
     unbounded_anchored: bool = True
     unbounded_first_pass: str = "one-anchor"
     unbounded_fallback: str = "blocked"
+    # After a one-anchor pass, whether the redo tries the halves before the fallback (False: the
+    # fallback for every flagged chunk, cheaper where most flagged chunks are beyond the halves too).
+    unbounded_redo_halves: bool = True
     unbounded_anchor_spread: float = 170.0
     recur_warps: int = 8          # K2, one program per (sequence, head), the whole [V, K] state
     # Software-pipelined loads of the next chunk's workspace (3 stages: bitwise the same outputs as

@@ -273,10 +273,14 @@ class FlashPrefill:
 
     def _halves(self, exact: bool) -> bool:
         """The unbounded gate's anchored halves: in the first pass when it is configured so, in the
-        exact launch after a one-anchor first pass (before the exact loop); never otherwise."""
-        if self.weights.lower_bound is not None or not self.cfg.unbounded_anchored:
+        redo after a one-anchor first pass (before the fallback) unless unbounded_redo_halves is
+        off; never otherwise."""
+        cfg = self.cfg
+        if self.weights.lower_bound is not None or not cfg.unbounded_anchored:
             return False
-        return (self.cfg.unbounded_first_pass == "halves") != exact
+        if exact:
+            return cfg.unbounded_first_pass == "one-anchor" and cfg.unbounded_redo_halves
+        return cfg.unbounded_first_pass == "halves"
 
     def _recurrence(self, grid, local_out_and_q, maps, q_off, bv, segmented, warps, stages) -> None:
         st, plan, L = self.st, self.plan, self.rows.shape[1]
