@@ -246,7 +246,8 @@ class FlashPrefill:
             self._prepare((nc * H,), False, nfirst, exact=True, flagged_only=False)
             return
         self._prepare((nc * H,), False, nfirst)
-        self._prepare((self.N * H * nfirst,), True, nfirst)
+        if nfirst:   # a conv of width 1 has no history
+            self._prepare((self.N * H * nfirst,), True, nfirst)
         if unbounded:
             self._prepare((nc * H,), False, nfirst, exact=True, flagged_only=True)
 
@@ -265,7 +266,7 @@ class FlashPrefill:
             *self.ws4, self.aqk_ws, self.chunk_decay_ws, self.flags,
             float(lb if lb is not None else 0.0), D ** -0.5, self.rows.shape[1], float(self.cfg.unbounded_anchor_spread),
             H=self.H, D=D, C=C, LOG2C=C.bit_length() - 1, W=w.conv_width,
-            BOUNDED=lb is not None, PREC_TC=self.prec_tc, FAST=self.fast, FIRST=first, NFIRST=nfirst,
+            BOUNDED=lb is not None, PREC_TC=self.prec_tc, FAST=self.fast, FIRST=first, NFIRST=max(nfirst, 1),
             EXACT=exact, FLAGGED_ONLY=flagged_only, HALVES=self._halves(exact),
             BLOCKED=self.cfg.unbounded_fallback == "blocked",
             num_warps=self.cfg.prepare_warps,
