@@ -76,8 +76,9 @@ class EngineConfig:
         "largest decode batch captured as a CUDA graph (default: max_num_seqs, at most 512 as vLLM's)", name="--max-cudagraph-capture-size"))
     speculative_config: dict | str | SpeculativeConfig | None = field(default=None, metadata=_flag(
         'speculative decoding, as a JSON object in vLLM\'s spelling: {"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_max": 4, "prompt_lookup_min": 2} (prompt lookup; lossless: greedy outputs are unchanged, '
-        'sampled ones keep their distribution)'))
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2} (prompt lookup), or {"method": "mtp", "num_speculative_tokens": 2} '
+        '(the model\'s multi-token-prediction layer: GLM-5.3-Flash); lossless: greedy outputs are unchanged, sampled '
+        'ones keep their distribution'))
     # On by default, as in vLLM: on the H200 it cost nothing measurable without hits (docs/perf-notes.md,
     # "Prefix caching") and cut an 8K shared prompt's time to first token to a tenth.
     enable_prefix_caching: bool = field(default=True, metadata=_flag(
