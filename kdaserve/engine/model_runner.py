@@ -223,7 +223,7 @@ class ModelRunner:
         rewritten before anyone reads them), under the step's attention metadata, so the layer's
         caches hold every computed position. A sampling sequence's first draft is the greedy
         token at the row of its newest token; each further draft is one more pass of the layer
-        over one row per sequence (_mtp_draft_pass). One host read per draft token (the step's
+        over one row per sequence (_mtp_draft_pass). One host read for all the drafts (the step's
         tokens were read already)."""
         m = step.tokens_per_decode
         by_seq = {a.seq.seq_id: a for a in accepted}
@@ -251,8 +251,11 @@ class ModelRunner:
             return []
         rows = torch.tensor([r for _, r, _ in sources], dtype=torch.int64).to(self.device, non_blocking=True)
         h = out[rows]
-        tokens = self.model.compute_logits(h).argmax(-1).tolist()
-        drafts = [[t] for t in tokens]
+        # Drafts stay on the device until the end: each pass reads the previous pass's tokens there,
+        # and one host read returns them all.
+        drafts = torch.zeros(len(sources), self.num_spec_tokens, dtype=torch.int64, device=self.device)
+        drafts[:, 0] = self.model.compute_logits(h).argmax(-1)
+        counts = [1] * len(sources)
         live = list(range(len(sources)))   # the sources `h` holds a row of, in order
         for j in range(1, self.num_spec_tokens):
             # Draft j+1 reads draft j at the position after the previous pass's, and that pass's
@@ -264,16 +267,18 @@ class ModelRunner:
             if len(keep) < len(live):
                 h = h[torch.tensor(keep, device=h.device)]
                 live = [live[k] for k in keep]
+            index = torch.tensor(live, device=self.device)
             h = self._mtp_draft_pass([sources[i][0] for i in live], [sources[i][2] + j for i in live],
-                                     [drafts[i][-1] for i in live], h)
-            for i, t in zip(live, self.model.compute_logits(h).argmax(-1).tolist()):
-                drafts[i].append(t)
-        return [(seq, d) for (seq, _, _), d in zip(sources, drafts)]
+                                     drafts[index, j - 1], h)
+            drafts[index, j] = self.model.compute_logits(h).argmax(-1)
+            for i in live:
+                counts[i] += 1
+        return [(seq, d[:n]) for (seq, _, _), d, n in zip(sources, drafts.tolist(), counts)]
 
-    def _mtp_draft_pass(self, seqs: list[Sequence], positions: list[int], tokens: list[int],
+    def _mtp_draft_pass(self, seqs: list[Sequence], positions: list[int], tokens: torch.Tensor,
                         hidden: torch.Tensor) -> torch.Tensor:
         """One more MTP step: per sequence one row at `positions[i]` (a cache row the scheduler
-        reserved: EngineConfig's MTP lookahead) reading `tokens[i]` and `hidden[i]`, attending
+        reserved: EngineConfig's MTP lookahead) reading `tokens[i]` (on the device) and `hidden[i]`, attending
         over the layer's cache up to and including that row, as a decode step does."""
         bs = self.block_size
         width = max(len(s.block_table) for s in seqs)
@@ -287,8 +292,7 @@ class ModelRunner:
                                decode_context_lens=torch.tensor([q + 1 for q in positions], dtype=torch.int32).to(**to))
         set_context(Context(attn=md))
         try:
-            return self.model.draft_hidden(torch.tensor(tokens, dtype=torch.int64).to(**to),
-                                           torch.tensor(positions, dtype=torch.int64).to(**to), hidden)
+            return self.model.draft_hidden(tokens, torch.tensor(positions, dtype=torch.int64).to(**to), hidden)
         finally:
             reset_context()
 
