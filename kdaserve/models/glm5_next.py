@@ -42,7 +42,7 @@ from kdaserve.layers.norm import RMSNorm
 from kdaserve.models.causal_lm import KDACausalLM
 from kdaserve.models.fp8 import dequantized_weights, fp8_block_size
 from kdaserve.models.glm5_next_config import Glm5NextConfig
-from kdaserve.models.glm5_next_mtp import SHARED_COPIES, Glm5NextMTP, mtp_shapes
+from kdaserve.models.glm5_next_mtp import SHARED_COPIES, Glm5NextMTP
 from kdaserve.models.released import kda_layer_shapes, load_released, mla_layer_shapes
 from kdaserve.models.weight_names import load_named_tensor
 
@@ -169,7 +169,7 @@ def released_shapes(config: Glm5NextConfig, mtp: bool = False) -> dict[str, tupl
     the multi-token-prediction layer."""
     s = _target_shapes(config)
     if mtp:
-        s.update(mtp_shapes(config, PREFIX))
+        s.update(mtp_shapes(config))
     return s
 
 
@@ -191,33 +191,56 @@ def _target_shapes(config: Glm5NextConfig) -> dict[str, tuple[int, ...]]:
             s.update(kda_layer_shapes(a, h, c.linear_num_heads, c.linear_head_dim, c.linear_conv_kernel_dim,
                                       (c.linear_num_heads,)))
         else:
-            s.update(mla_layer_shapes(a, h, c.num_attention_heads, nope=c.qk_nope_head_dim, rope=0, v=c.v_head_dim,
-                                      kv_lora_rank=c.kv_lora_rank, q_lora_rank=c.q_lora_rank))
+            s.update(_mla_shapes(a, c))
             if c.indexer_types[i] == "full":
-                x, Hi, Di = a + "indexer.", c.index_n_heads, c.index_head_dim
-                s[x + "wq_b.weight"] = (Hi * Di, c.q_lora_rank)
-                s[x + "wk.weight"] = (Di, h)
-                s[x + "k_norm.weight"] = s[x + "k_norm.bias"] = (Di,)
-                s[x + "weights_proj.weight"] = (Hi, h)
-                s[x + "index_kpool_compress_ape"] = (c.index_kpool, Di)
-                s[x + "index_kpool_compress_gate"] = (Di, h)
+                s.update(_indexer_shapes(a + "indexer.", c))
         m = p + "mlp."
         if c.is_moe_layer(i):
-            E, I = c.n_routed_experts, c.moe_intermediate_size
-            s[m + "gate.weight"] = (E, h)
-            s[m + "gate.e_score_correction_bias"] = (E,)
-            for e in range(E):
-                s[m + f"experts.{e}.gate_proj.weight"] = s[m + f"experts.{e}.up_proj.weight"] = (I, h)
-                s[m + f"experts.{e}.down_proj.weight"] = (h, I)
-            if c.n_shared_experts:
-                Is = I * c.n_shared_experts
-                s[m + "shared_experts.gate_proj.weight"] = s[m + "shared_experts.up_proj.weight"] = (Is, h)
-                s[m + "shared_experts.down_proj.weight"] = (h, Is)
+            s.update(_moe_shapes(m, c))
         else:
             s[m + "gate_proj.weight"] = s[m + "up_proj.weight"] = (c.intermediate_size, h)
             s[m + "down_proj.weight"] = (h, c.intermediate_size)
     return s
 
+
+
+def mtp_shapes(config: Glm5NextConfig) -> dict[str, tuple[int, ...]]:
+    """The released multi-token-prediction layer's tensors (models/glm5_next_mtp.py; without the
+    copies of the target's embedding and head), with their shapes: a DSA + MoE block, no mHC."""
+    c, h = config, config.hidden_size
+    p = f"{PREFIX}layers.{c.num_hidden_layers}."
+    s: dict[str, tuple[int, ...]] = {p + n: (h,) for n in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight",
+                                                           "input_layernorm.weight", "post_attention_layernorm.weight")}
+    s[p + "eh_proj.weight"] = (h, 2 * h)
+    s.update(_mla_shapes(p + "self_attn.", c))
+    s.update(_indexer_shapes(p + "self_attn.indexer.", c))
+    s.update(_moe_shapes(p + "mlp.", c))
+    return s
+
+
+def _mla_shapes(prefix: str, c: Glm5NextConfig) -> dict[str, tuple[int, ...]]:
+    return mla_layer_shapes(prefix, c.hidden_size, c.num_attention_heads, nope=c.qk_nope_head_dim, rope=0,
+                            v=c.v_head_dim, kv_lora_rank=c.kv_lora_rank, q_lora_rank=c.q_lora_rank)
+
+
+def _indexer_shapes(x: str, c: Glm5NextConfig) -> dict[str, tuple[int, ...]]:
+    h, Hi, Di = c.hidden_size, c.index_n_heads, c.index_head_dim
+    return {x + "wq_b.weight": (Hi * Di, c.q_lora_rank), x + "wk.weight": (Di, h), x + "k_norm.weight": (Di,),
+            x + "k_norm.bias": (Di,), x + "weights_proj.weight": (Hi, h), x + "index_kpool_compress_ape": (c.index_kpool, Di),
+            x + "index_kpool_compress_gate": (Di, h)}
+
+
+def _moe_shapes(m: str, c: Glm5NextConfig) -> dict[str, tuple[int, ...]]:
+    h, E, I = c.hidden_size, c.n_routed_experts, c.moe_intermediate_size
+    s: dict[str, tuple[int, ...]] = {m + "gate.weight": (E, h), m + "gate.e_score_correction_bias": (E,)}
+    for e in range(E):
+        s[m + f"experts.{e}.gate_proj.weight"] = s[m + f"experts.{e}.up_proj.weight"] = (I, h)
+        s[m + f"experts.{e}.down_proj.weight"] = (h, I)
+    if c.n_shared_experts:
+        Is = I * c.n_shared_experts
+        s[m + "shared_experts.gate_proj.weight"] = s[m + "shared_experts.up_proj.weight"] = (Is, h)
+        s[m + "shared_experts.down_proj.weight"] = (h, Is)
+    return s
 
 def _skipped(name: str, config: Glm5NextConfig, notes: set[str], mtp: bool) -> bool:
     """The vision tower, and the multi-token-prediction layer unless it drafts: one note each."""

@@ -25,7 +25,6 @@ from kdaserve.layers.dsa import DSAIndexer, DSAttention
 from kdaserve.layers.moe import MoEMLP
 from kdaserve.layers.norm import RMSNorm
 from kdaserve.models.glm5_next_config import Glm5NextConfig
-from kdaserve.models.released import mla_layer_shapes
 
 
 class SharedHead(nn.Module):
@@ -75,34 +74,6 @@ class Glm5NextMTP(nn.Module):
 
 
 # Copies of the target's tensors some MTP checkpoints carry beside the layer: the target's are used.
+# (The layer's own tensors: glm5_next.mtp_shapes.)
 SHARED_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
 
-
-def mtp_shapes(config: Glm5NextConfig, prefix: str) -> dict[str, tuple[int, ...]]:
-    """The released MTP layer's tensors (without the shared copies), with their shapes."""
-    c, h = config, config.hidden_size
-    p = f"{prefix}layers.{c.num_hidden_layers}."
-    s: dict[str, tuple[int, ...]] = {p + n: (h,) for n in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight",
-                                                           "input_layernorm.weight", "post_attention_layernorm.weight")}
-    s[p + "eh_proj.weight"] = (h, 2 * h)
-    a = p + "self_attn."
-    s.update(mla_layer_shapes(a, h, c.num_attention_heads, nope=c.qk_nope_head_dim, rope=0, v=c.v_head_dim,
-                              kv_lora_rank=c.kv_lora_rank, q_lora_rank=c.q_lora_rank))
-    x, Hi, Di = a + "indexer.", c.index_n_heads, c.index_head_dim
-    s[x + "wq_b.weight"] = (Hi * Di, c.q_lora_rank)
-    s[x + "wk.weight"] = (Di, h)
-    s[x + "k_norm.weight"] = s[x + "k_norm.bias"] = (Di,)
-    s[x + "weights_proj.weight"] = (Hi, h)
-    s[x + "index_kpool_compress_ape"] = (c.index_kpool, Di)
-    s[x + "index_kpool_compress_gate"] = (Di, h)
-    m, E, I = p + "mlp.", c.n_routed_experts, c.moe_intermediate_size
-    s[m + "gate.weight"] = (E, h)
-    s[m + "gate.e_score_correction_bias"] = (E,)
-    for e in range(E):
-        s[m + f"experts.{e}.gate_proj.weight"] = s[m + f"experts.{e}.up_proj.weight"] = (I, h)
-        s[m + f"experts.{e}.down_proj.weight"] = (h, I)
-    if c.n_shared_experts:
-        Is = I * c.n_shared_experts
-        s[m + "shared_experts.gate_proj.weight"] = s[m + "shared_experts.up_proj.weight"] = (Is, h)
-        s[m + "shared_experts.down_proj.weight"] = (h, Is)
-    return s
