@@ -189,17 +189,6 @@ def _other_cases() -> list[Case]:
         Case("paged decode attention D=128 G=4", _paged_decode_kernel,
              dict(q_ptr=BF, k_ptr=BF, v_ptr=BF, tables_ptr=I32, lens_ptr=I32, out_ptr=BF, scale="fp32"),
              dict(HKV=4, G=4, GP=16, D=128, BLOCK_SIZE=16, TILE=64), quick=True, precision={"PREC": "tc"}),
-        Case("mla decode L=512 R=64", _mla_decode_kernel,
-             dict(ql_ptr=BF, qp_ptr=BF, cache_ptr=BF, tables_ptr=I32, lens_ptr=I32, out_ptr=BF, scale="fp32"),
-             dict(H=32, L=512, R=64, HAS_PE=True, BLOCK_H=16, BLOCK_SIZE=16), quick=True, precision={"PREC": "tc"},
-             no_spill=True,
-             per_target={t: _mla_decode_launch(launch_shape(t, 512)) for t in TARGETS}),
-        Case("mla prefill Dn=128 R=64 Dv=128", _mla_prefill_kernel,
-             dict(qn_ptr=BF, qp_ptr=BF, kn_ptr=BF, kp_ptr=BF, v_ptr=BF, out_ptr=BF, blk_seq_ptr=I32, blk_start_ptr=I32,
-                  cu_q_ptr=I32, cu_k_ptr=I32, scale="fp32"),
-             dict(DN=128, R=64, HAS_PE=True, DV=128, **dict(zip(("BLOCK_M", "BLOCK_N"), mla_prefill_shape(128, 128)))),
-             mla_prefill_shape(128, 128)[2], 2, quick=True,
-             precision={"PREC": "tc"}, no_spill=True),
     ]
     # GLM-5.3-Flash: hyper-connections (4 streams), DSA index scores (128-wide index heads), MLA
     # over the chosen rows (latent 512, no rotary part).
@@ -216,17 +205,21 @@ def _other_cases() -> list[Case]:
              dict(ql_ptr=BF, qp_ptr=BF, cache_ptr=BF, tables_ptr=I32, idx_ptr=I32, out_ptr=BF, scale="fp32"),
              dict(H=64, L=512, R=16, HAS_PE=False, BLOCK_H=16, BLOCK_SIZE=16), quick=True, precision={"PREC": "tc"},
              no_spill=True, per_target={t: _mla_decode_launch(launch_shape(t, 512)) for t in TARGETS}),
-        Case("mla decode L=512 R=0", _mla_decode_kernel,
-             dict(ql_ptr=BF, qp_ptr=BF, cache_ptr=BF, tables_ptr=I32, lens_ptr=I32, out_ptr=BF, scale="fp32"),
-             dict(H=64, L=512, R=16, HAS_PE=False, BLOCK_H=16, BLOCK_SIZE=16), quick=True, precision={"PREC": "tc"},
-             no_spill=True, per_target={t: _mla_decode_launch(launch_shape(t, 512)) for t in TARGETS}),
-        Case("mla prefill Dn=256 R=0 Dv=256", _mla_prefill_kernel,
-             dict(qn_ptr=BF, qp_ptr=BF, kn_ptr=BF, kp_ptr=BF, v_ptr=BF, out_ptr=BF, blk_seq_ptr=I32, blk_start_ptr=I32,
-                  cu_q_ptr=I32, cu_k_ptr=I32, scale="fp32"),
-             dict(DN=256, R=16, HAS_PE=False, DV=256, **dict(zip(("BLOCK_M", "BLOCK_N"), mla_prefill_shape(256, 256)))),
-             mla_prefill_shape(256, 256)[2], 2, quick=True,
-             precision={"PREC": "tc"}, no_spill=True),
     ]
+    # Dense MLA at Kimi-Linear's sizes (32 heads, rotary part 64, 128-wide heads) and GLM-5.3-Flash's
+    # (64 heads, no rotary part, 256-wide heads), each launched as its wrapper launches it.
+    for H, R, dn in ((32, 64, 128), (64, 0, 256)):
+        bm, bn, warps = mla_prefill_shape(dn, dn)
+        out.append(Case(f"mla decode L=512 R={R}", _mla_decode_kernel,
+                        dict(ql_ptr=BF, qp_ptr=BF, cache_ptr=BF, tables_ptr=I32, lens_ptr=I32, out_ptr=BF, scale="fp32"),
+                        dict(H=H, L=512, R=max(R, 16), HAS_PE=R > 0, BLOCK_H=16, BLOCK_SIZE=16), quick=True,
+                        precision={"PREC": "tc"}, no_spill=True,
+                        per_target={t: _mla_decode_launch(launch_shape(t, 512)) for t in TARGETS}))
+        out.append(Case(f"mla prefill Dn={dn} R={R} Dv={dn}", _mla_prefill_kernel,
+                        dict(qn_ptr=BF, qp_ptr=BF, kn_ptr=BF, kp_ptr=BF, v_ptr=BF, out_ptr=BF, blk_seq_ptr=I32,
+                             blk_start_ptr=I32, cu_q_ptr=I32, cu_k_ptr=I32, scale="fp32"),
+                        dict(DN=dn, R=max(R, 16), HAS_PE=R > 0, DV=dn, BLOCK_M=bm, BLOCK_N=bn), warps, 2, quick=True,
+                        precision={"PREC": "tc"}, no_spill=True))
     for bm in (16, 32, 64):   # ops/moe/fused.moe_block_m's choices
         out.append(Case(f"moe gate_up BM={bm}", _moe_gate_up_kernel,
                         dict(x_ptr=BF, w_ptr=BF, sorted_ptr=I32, experts_ptr=I32, h_ptr=BF),
