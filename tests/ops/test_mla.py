@@ -102,7 +102,8 @@ def test_bad_shapes_say_what_is_needed():
     with pytest.raises(ValueError, match="power-of-two qk_rope_head_dim >= 16 or 0, got 8"):
         mla_prefill_triton(*case, [4], [4], 0.1)
     q_lat, q_pe, cache, tables, lens = decode_case("cpu", torch.float32, R=8)
-    with pytest.raises(ValueError, match=r"rope key part that is 0 or a power of two >= 16 \(got 8\)"):
+    with pytest.raises(ValueError, match=r"MLA decode needs a power-of-two kv_lora_rank >= 16 \(got 32\) and a rope key "
+                                         r"part of 0 or a power of two >= 16 \(got 8\)"):
         mla_decode_triton(q_lat, q_pe, cache, tables, lens, 0.1)
     case = prefill_case("cpu", torch.float32, [4], [3])
     with pytest.raises(ValueError, match="every context must hold its queries"):

@@ -63,8 +63,8 @@ def test_sparse_decode_matches_the_masked_reference(R, dtype):
 
 def test_sizes_the_kernel_cannot_take_are_refused():
     cache = torch.zeros(2, 4, 24 + 8)
-    with pytest.raises(ValueError, match=r"power-of-two kv_lora_rank >= 16 \(got 24\) and a rope part of 0 or a "
-                                         r"power of two >= 16 \(got 8\)"):
+    with pytest.raises(ValueError, match=r"sparse MLA decode needs a power-of-two kv_lora_rank >= 16 \(got 24\) and a "
+                                         r"rope key part of 0 or a power of two >= 16 \(got 8\)"):
         mla_sparse_decode_triton(torch.zeros(1, 2, 24), torch.zeros(1, 2, 8), cache, torch.zeros(1, 2, dtype=torch.int32),
                                  torch.zeros(1, 3, dtype=torch.int32), 1.0)
 

@@ -69,18 +69,24 @@ def launch_shape(target: str, L: int) -> tuple[int, int, int]:
     return 32, 4 if L <= 128 else 8, 3
 
 
+def check_latent_sizes(kernel: str, cache: torch.Tensor, L: int, R: int) -> None:
+    """What the absorbed kernels (this one and sparse_decode.py) take: a contiguous latent cache
+    [blocks, block_size, L+R], L a power of two >= 16, R 0 or a power of two >= 16."""
+    if cache.shape[-1] != L + R or not cache.is_contiguous():
+        raise ValueError(f"{kernel} needs a contiguous cache [blocks, block_size, L+R = {L + R}], got "
+                         f"{tuple(cache.shape)} (contiguous: {cache.is_contiguous()})")
+    if L < 16 or L & (L - 1) or (R != 0 and (R < 16 or R & (R - 1))):
+        raise ValueError(f"{kernel} needs a power-of-two kv_lora_rank >= 16 (got {L}) and a rope key part of 0 or a "
+                         f"power of two >= 16 (got {R})")
+
+
 def mla_decode_triton(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                       context_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """Same contract as reference.mla_decode_reference."""
     B, H, L = q_latent.shape
     R = q_pe.shape[-1]
-    num_blocks, block_size, width = cache.shape
-    if width != L + R or not cache.is_contiguous():
-        raise ValueError(f"MLA decode needs a contiguous cache [blocks, block_size, L+R = {L + R}], got "
-                         f"{tuple(cache.shape)} (contiguous: {cache.is_contiguous()})")
-    if L < 16 or L & (L - 1) or (R != 0 and (R < 16 or R & (R - 1))):
-        raise ValueError(f"MLA decode needs a power-of-two kv_lora_rank >= 16 (got {L}) and a rope key part that "
-                         f"is 0 or a power of two >= 16 (got {R})")
+    check_latent_sizes("MLA decode", cache, L, R)
+    block_size = cache.shape[1]
     interpreter_compat.install()
     q_latent = q_latent if q_latent.stride(-1) == 1 else q_latent.contiguous()
     q_pe = q_pe if R == 0 or q_pe.stride(-1) == 1 else q_pe.contiguous()

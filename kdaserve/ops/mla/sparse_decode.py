@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from kdaserve.ops import interpreter_compat
-from kdaserve.ops.mla.decode import launch_shape
+from kdaserve.ops.mla.decode import check_latent_sizes, launch_shape
 from kdaserve.ops.precision import device_target, dot_precision
 
 
@@ -68,13 +68,8 @@ def mla_sparse_decode_triton(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: 
     token_idx [B, K] int32 context positions (-1: none; each row needs at least one) -> [B, H, L]."""
     B, H, L = q_latent.shape
     R = q_pe.shape[-1]
-    num_blocks, block_size, width = cache.shape
-    if width != L + R or not cache.is_contiguous():
-        raise ValueError(f"sparse MLA decode needs a contiguous cache [blocks, block_size, L+R = {L + R}], got "
-                         f"{tuple(cache.shape)} (contiguous: {cache.is_contiguous()})")
-    if L < 16 or L & (L - 1) or (R and (R < 16 or R & (R - 1))):
-        raise ValueError(f"sparse MLA decode needs a power-of-two kv_lora_rank >= 16 (got {L}) and a rope part "
-                         f"of 0 or a power of two >= 16 (got {R})")
+    check_latent_sizes("sparse MLA decode", cache, L, R)
+    block_size = cache.shape[1]
     interpreter_compat.install()
     q_latent = (q_latent if q_latent.stride(-1) == 1 else q_latent.contiguous()).to(cache.dtype)
     q_pe = (q_pe if R == 0 or q_pe.stride(-1) == 1 else q_pe.contiguous()).to(cache.dtype)
