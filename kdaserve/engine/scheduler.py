@@ -89,14 +89,12 @@ class Scheduler:
             verify = self.spec and seq.num_uncomputed_tokens == 1 and seq.num_computed_tokens > 0
             if verify:
                 n = self.spec + 1
-                kv_tokens = self._with_lookahead(seq.num_computed_tokens + 1 + len(seq.draft_token_ids))
+                kv_tokens = self._kv_end(seq, seq.num_computed_tokens + 1 + len(seq.draft_token_ids), samples=True)
             else:
                 n = min(seq.num_uncomputed_tokens, budget)
                 if self.prefix is not None:
                     n = self.prefix.chunk_len(seq, n)
-                kv_tokens = seq.num_computed_tokens + n
-                if kv_tokens == seq.num_tokens:   # this step samples
-                    kv_tokens = self._with_lookahead(kv_tokens)
+                kv_tokens = self._kv_end(seq, seq.num_computed_tokens + n)
             # With speculation a decode is a whole verify, and a 1-token chunk with history would
             # be one: both wait for a step with budget left.
             if n > budget or (self.spec and not verify and n == 1 and seq.num_computed_tokens > 0):
@@ -129,8 +127,7 @@ class Scheduler:
             if self.spec and skip and n == 1:   # it would be a verify: wait for a step with budget left
                 break
             # The hit's blocks that no one holds count as free until sharing takes them.
-            end = skip + n
-            need = (self.blocks.blocks_needed(self._with_lookahead(end) if end == seq.num_tokens else end) - len(shared)
+            need = (self.blocks.blocks_needed(self._kv_end(seq, skip + n)) - len(shared)
                     + self.blocks.num_evictable_in(shared))
             if need > self.blocks.num_free:
                 break
@@ -142,19 +139,20 @@ class Scheduler:
                 batch.restores.append(self.prefix.apply(seq, hit))
             if self.prefix is not None:
                 n = self.prefix.chunk_len(seq, n)
-            end = seq.num_computed_tokens + n
-            self.blocks.grow(seq, self._with_lookahead(end) if end == seq.num_tokens else end)
+            self.blocks.grow(seq, self._kv_end(seq, seq.num_computed_tokens + n))
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self._add_to_batch(batch, seq, n, False)
             budget -= n
         return batch
 
-    def _with_lookahead(self, kv_tokens: int) -> int:
-        if not self.lookahead:
-            return kv_tokens
-        cap = self.max_model_len if self.max_model_len is not None else kv_tokens + self.lookahead
-        return max(kv_tokens, min(kv_tokens + self.lookahead, cap))
+    def _kv_end(self, seq: Sequence, end: int, samples: bool = False) -> int:
+        """Cache rows `seq` needs for a step computing its tokens up to `end`: with the lookahead
+        when the step samples (a verify, or a chunk reaching the sequence's end), up to max_model_len."""
+        if not self.lookahead or not (samples or end == seq.num_tokens):
+            return end
+        cap = self.max_model_len if self.max_model_len is not None else end + self.lookahead
+        return max(end, min(end + self.lookahead, cap))
 
     @staticmethod
     def _add_to_batch(batch: ScheduledBatch, seq: Sequence, n: int, verify: bool) -> None:
