@@ -6,8 +6,7 @@
 # annotated-types, typing-inspection for the server; xgrammar 0.2.8, apache-tvm-ffi and
 # transformers 5.23.0 with what it imports for structured output) and, for an old-vs-new comparison, [".old"]
 # (e.g. `git archive <commit> kdaserve benchmarks | tar -x -C .old`).
-# Parts owed (add one as `if [ "$PART" = name ]; then ... fi` below, with what it must show):
-#   bash scripts/gpu_verify_next.sh unbounded_mla   # issue 20's K1 and the GLM MLA tiles, built after the twelfth session's last run
+# Parts owed (add one as `if [ "$PART" = name ]; then ... fi` below, with what it must show): none.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -32,16 +31,3 @@ group() {  # name, seconds, pytest args...: one pytest process per file (one GPU
 PART=${1:-}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 [ -z "$PART" ] && echo "name a part"
-if [ "$PART" = unbounded_mla ]; then
-# Must show: rc=0 and no FAILED line for the flash prefill GPU tests (the unbounded gate's blocked
-# fallback in bf16 at real sizes and the 128K slow-decay tests), the MLA
-# GPU tests with [32, 32] tiles at GLM's sizes and the GLM model tests (the MTP drafter's included); then the unbounded-gate
-# table at 64 heads (issue 20's goal 1: flash within 1.3x of the bounded gate on 16x1K and 1x8K;
-# record it in docs/perf-notes.md beside the 32-head table).
-group flash_gpu 240 tests/ops/test_flash_prefill.py
-group mla_gpu 90 tests/ops/test_mla.py -k gpu
-group glm_gpu 150 tests/models/test_glm5_next.py
-left=$(( BUDGET - ($(date +%s) - START) ))
-timeout $(( left > 30 ? left - 10 : 20 )) python3 benchmarks/bench_unbounded_gate.py --heads 64 --shapes 16x1K 1x8K \
-  --no-agreement 2>&1 | tail -9
-fi
