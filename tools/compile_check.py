@@ -46,6 +46,8 @@ class Case:
     # The launch where a target differs, by target-name prefix ("gfx", "gfx942"):
     # {"consts": {...}, "warps": n, "stages": n}, as the kernel's wrapper chooses it there.
     per_target: dict = field(default_factory=dict)
+    # Targets (name prefixes) the kernel is never launched on: its wrapper refuses them first.
+    not_on: tuple[str, ...] = ()
 
     def launch(self, target: str) -> tuple[dict, int, int]:
         """(constexprs, warps, stages) as the wrapper launches the kernel on `target`."""
@@ -222,12 +224,44 @@ def _other_cases() -> list[Case]:
                         precision={"PREC": "tc"}, no_spill=True))
     for bm in (16, 32, 64):   # ops/moe/fused.moe_block_m's choices
         out.append(Case(f"moe gate_up BM={bm}", _moe_gate_up_kernel,
-                        dict(x_ptr=BF, w_ptr=BF, sorted_ptr=I32, experts_ptr=I32, h_ptr=BF),
-                        dict(TOPK=8, LIMIT=0.0, HAS_LIMIT=False, BM=bm, BN=64, BK=64), quick=bm == 16, precision={"PREC": "tc"},
-                        no_spill=True))
+                        dict(x_ptr=BF, w_ptr=BF, sorted_ptr=I32, experts_ptr=I32, h_ptr=BF, xs_ptr=BF, ws_ptr=BF),
+                        dict(TOPK=8, LIMIT=0.0, HAS_LIMIT=False, BM=bm, BN=64, BK=64, FP8=False, BLOCK_ROWS=1),
+                        quick=bm == 16, precision={"PREC": "tc"}, no_spill=True))
         out.append(Case(f"moe down BM={bm}", _moe_down_kernel,
-                        dict(h_ptr=BF, w_ptr=BF, sorted_ptr=I32, experts_ptr=I32, weights_ptr=F32, y_ptr=BF),
-                        dict(BM=bm, BN=64, BK=64), quick=bm == 16, precision={"PREC": "tc"}, no_spill=True))
+                        dict(h_ptr=BF, w_ptr=BF, sorted_ptr=I32, experts_ptr=I32, weights_ptr=F32, y_ptr=BF, hs_ptr=BF,
+                             ws_ptr=BF),
+                        dict(BM=bm, BN=64, BK=64, FP8=False, BLOCK_ROWS=1), quick=bm == 16, precision={"PREC": "tc"},
+                        no_spill=True))
+    return out + _fp8_cases()
+
+
+def _fp8_cases() -> list[Case]:
+    """Block-scaled FP8 (GLM-5.3-Flash's release, 128 x 128 blocks): the activation quantizer, the
+    linear GEMM at its tile choices (ops/fp8/block_gemm.gemm_tiles) and the FP8 expert GEMMs. Only
+    for targets with OCP FP8 dots (not gfx942, whose FP8 is the fnuz kind)."""
+    from kdaserve.ops.fp8.block_gemm import _block_fp8_gemm_kernel, gemm_warps
+    from kdaserve.ops.fp8.quant import _quantize_group_kernel
+    from kdaserve.ops.moe.fused import _moe_down_kernel, _moe_gate_up_kernel, fp8_tiles
+
+    F8, no = "*fp8e4nv", ("gfx942",)
+    out = [Case("fp8 quantize group=128", _quantize_group_kernel, dict(x_ptr=BF, q_ptr=F8, s_ptr=F32),
+                dict(GROUP=128, FMAX=448.0, FLOOR=1e-10), 1, quick=True, no_spill=True, not_on=no)]
+    for bm, bn in ((16, 32), (16, 128), (64, 64)):
+        out.append(Case(f"fp8 gemm BM={bm} BN={bn}", _block_fp8_gemm_kernel,
+                        dict(a_ptr=F8, as_ptr=F32, w_ptr=F8, ws_ptr=F32, bias_ptr=BF, c_ptr=BF),
+                        dict(BLOCK_ROWS=128, HAS_BIAS=False, BM=bm, BN=bn, BK=128), gemm_warps(bm, bn), quick=bm == 64,
+                        no_spill=True, not_on=no))
+    for bm in (16, 32, 64):   # moe_block_m's choices
+        bn, warps = fp8_tiles(bm)
+        out.append(Case(f"fp8 moe gate_up BM={bm}", _moe_gate_up_kernel,
+                        dict(x_ptr=F8, w_ptr=F8, sorted_ptr=I32, experts_ptr=I32, h_ptr=BF, xs_ptr=F32, ws_ptr=F32),
+                        dict(TOPK=8, LIMIT=10.0, HAS_LIMIT=True, BM=bm, BN=bn, BK=128, FP8=True, BLOCK_ROWS=128),
+                        warps, quick=bm == 16, precision={"PREC": "tc"}, no_spill=True, not_on=no))
+        out.append(Case(f"fp8 moe down BM={bm}", _moe_down_kernel,
+                        dict(h_ptr=F8, w_ptr=F8, sorted_ptr=I32, experts_ptr=I32, weights_ptr=F32, y_ptr=BF, hs_ptr=F32,
+                             ws_ptr=F32),
+                        dict(BM=bm, BN=bn, BK=128, FP8=True, BLOCK_ROWS=128), warps, quick=bm == 16,
+                        precision={"PREC": "tc"}, no_spill=True, not_on=no))
     return out
 
 
@@ -241,6 +275,9 @@ def check(target: str, cases: list[Case], baseline: dict[str, int] | None = None
     """(problems, spill bytes by case) for one target; `baseline`: sm_90's spills by case."""
     problems, spills = [], {}
     for c in cases:
+        if target.startswith(c.not_on or ("\0",)):
+            print(f"{target} {c.name}: not launched there", flush=True)
+            continue
         try:
             consts, warps, stages = c.launch(target)
             kernel = compile_for(c.kernel, c.types, consts, target, warps, stages)

@@ -17,16 +17,19 @@ import triton
 import triton.language as tl
 
 from kdaserve.ops import interpreter_compat
+from kdaserve.ops.fp8.quant import quantize_per_token_group
+from kdaserve.ops.fp8.reference import FP8
 from kdaserve.ops.precision import dot_precision
 from kdaserve.ops.moe.align import align_to_experts
 
 
 @triton.jit
 def _moe_gate_up_kernel(
-    x_ptr, w_ptr, sorted_ptr, experts_ptr, h_ptr,
-    S, HIDDEN, INTER, stride_x, stride_we, stride_wn, stride_h,
+    x_ptr, w_ptr, sorted_ptr, experts_ptr, h_ptr, xs_ptr, ws_ptr,
+    S, HIDDEN, INTER, stride_x, stride_we, stride_wn, stride_h, stride_xs, stride_wse, stride_wsn,
     TOPK: tl.constexpr, LIMIT: tl.constexpr, HAS_LIMIT: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+    FP8: tl.constexpr, BLOCK_ROWS: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -39,6 +42,9 @@ def _moe_gate_up_kernel(
     cols = pid_n * BN + tl.arange(0, BN)
     col_ok = cols < INTER
     w_base = w_ptr + e.to(tl.int64) * stride_we
+    if FP8:   # block scales: one per (token, K block) for x, per (row block, K block) for W
+        gate_scales = ws_ptr + e.to(tl.int64) * stride_wse + (cols // BLOCK_ROWS) * stride_wsn
+        up_scales = ws_ptr + e.to(tl.int64) * stride_wse + ((cols + INTER) // BLOCK_ROWS) * stride_wsn
     acc_g = tl.zeros([BM, BN], tl.float32)
     acc_u = tl.zeros([BM, BN], tl.float32)
     for k0 in range(0, HIDDEN, BK):
@@ -47,8 +53,14 @@ def _moe_gate_up_kernel(
         a = tl.load(x_ptr + tokens[:, None] * stride_x + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
         wg = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0)
         wu = tl.load(w_base + (cols + INTER)[None, :] * stride_wn + ks[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-        acc_g = tl.dot(a, wg, acc_g, input_precision=PREC)
-        acc_u = tl.dot(a, wu, acc_u, input_precision=PREC)
+        if FP8:
+            kb = k0 // BK
+            sa = tl.load(xs_ptr + tokens * stride_xs + kb, mask=valid, other=0.0)[:, None]
+            acc_g += tl.dot(a, wg) * sa * tl.load(gate_scales + kb, mask=col_ok, other=0.0)[None, :]
+            acc_u += tl.dot(a, wu) * sa * tl.load(up_scales + kb, mask=col_ok, other=0.0)[None, :]
+        else:
+            acc_g = tl.dot(a, wg, acc_g, input_precision=PREC)
+            acc_u = tl.dot(a, wu, acc_u, input_precision=PREC)
     if HAS_LIMIT:
         acc_g = tl.minimum(acc_g, LIMIT)
         acc_u = tl.minimum(tl.maximum(acc_u, -LIMIT), LIMIT)
@@ -59,9 +71,10 @@ def _moe_gate_up_kernel(
 
 @triton.jit
 def _moe_down_kernel(
-    h_ptr, w_ptr, sorted_ptr, experts_ptr, weights_ptr, y_ptr,
-    S, HIDDEN, INTER, stride_h, stride_we, stride_wn, stride_y,
+    h_ptr, w_ptr, sorted_ptr, experts_ptr, weights_ptr, y_ptr, hs_ptr, ws_ptr,
+    S, HIDDEN, INTER, stride_h, stride_we, stride_wn, stride_y, stride_hs, stride_wse, stride_wsn,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+    FP8: tl.constexpr, BLOCK_ROWS: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -74,13 +87,20 @@ def _moe_down_kernel(
     cols = pid_n * BN + tl.arange(0, BN)
     col_ok = cols < HIDDEN
     w_base = w_ptr + e.to(tl.int64) * stride_we
+    if FP8:
+        w_scales = ws_ptr + e.to(tl.int64) * stride_wse + (cols // BLOCK_ROWS) * stride_wsn
     acc = tl.zeros([BM, BN], tl.float32)
     for k0 in range(0, INTER, BK):
         ks = k0 + tl.arange(0, BK)
         k_ok = ks < INTER
         a = tl.load(h_ptr + rows[:, None] * stride_h + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-        acc = tl.dot(a, w, acc, input_precision=PREC)
+        if FP8:
+            kb = k0 // BK
+            acc += (tl.dot(a, w) * tl.load(hs_ptr + rows * stride_hs + kb, mask=valid, other=0.0)[:, None]
+                    * tl.load(w_scales + kb, mask=col_ok, other=0.0)[None, :])
+        else:
+            acc = tl.dot(a, w, acc, input_precision=PREC)
     acc *= tl.load(weights_ptr + rows, mask=valid, other=0.0)[:, None]
     tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=valid[:, None] & col_ok[None, :])
@@ -97,9 +117,21 @@ def moe_block_m(num_slots: int, num_experts: int) -> int:
     return 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
 
 
+def fp8_tiles(block_m: int) -> tuple[int, int]:
+    """(BN, warps) of both FP8 expert kernels. A program holds its fp32 accumulators and the scaled
+    dot results beside them (gate|up: four [BM, BN] tiles): past BM = 16, BN = 64 spills on sm_89
+    and gfx950 (tools/compile_check); BN = 32 spills on no target."""
+    return (64, 4) if block_m <= 16 else (32, 4)
+
+
 def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                      ids: torch.Tensor, activation_limit: float | None = None) -> torch.Tensor:
-    """Same contract as ops/moe/reference.moe_experts_reference: x [T, hidden] -> [T, hidden]."""
+                      ids: torch.Tensor, activation_limit: float | None = None, *,
+                      w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+                      block: tuple[int, int] | None = None) -> torch.Tensor:
+    """Same contract as ops/moe/reference.moe_experts_reference: x [T, hidden] -> [T, hidden].
+    FP8 experts (w13, w2 in float8_e4m3fn with their block scales [E, rows / br, cols / bc]) take
+    x and the SiLU product quantized per token and group of bc columns (ops/fp8); the definition
+    is ops/moe/reference.moe_experts_fp8_reference."""
     T, hidden = x.shape
     E, two_inter, hidden_w = w13.shape
     inter = two_inter // 2
@@ -107,6 +139,9 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
         raise ValueError(f"fused MoE needs x [T, hidden], w13 [E, 2I, hidden], w2 [E, hidden, I] and [T, k] weights/ids; "
                          f"got x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}, "
                          f"weights {tuple(weights.shape)}, ids {tuple(ids.shape)}")
+    fp8 = w13.dtype == FP8
+    if fp8:
+        _check_fp8_experts(w13, w2, w13_scale, w2_scale, block)
     interpreter_compat.install()
     k = ids.shape[1]
     S = T * k
@@ -120,17 +155,45 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     sorted_slots, block_experts = align_to_experts(ids, E, BM)
     prec = "ieee" if x.dtype == torch.float32 else dot_precision(x.device).tensor_core
     h = torch.empty(S, inter, dtype=x.dtype, device=x.device)
-    BN1, BK1 = _block(inter, 64), _block(hidden, 64)
+    if fp8:
+        a, a_scale = quantize_per_token_group(x, block[1])
+        ws13, ws2, br = w13_scale, w2_scale, block[0]
+        BK1 = BK2 = block[1]
+    else:   # the scale arguments are unused: any tensor stands in
+        a, a_scale, ws13, ws2, br = x, h, h, h, 1
+        BK1, BK2 = _block(hidden, 64), _block(inter, 64)
+    BN1, warps1 = fp8_tiles(BM) if fp8 else (_block(inter, 64), 4)
     _moe_gate_up_kernel[(block_experts.numel(), triton.cdiv(inter, BN1))](
-        x, w13, sorted_slots, block_experts, h, S, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
+        a, w13, sorted_slots, block_experts, h, a_scale, ws13,
+        S, hidden, inter, a.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
+        a_scale.stride(0), ws13.stride(0), ws13.stride(1) if fp8 else 0,
         TOPK=k, LIMIT=float(activation_limit or 0.0), HAS_LIMIT=activation_limit is not None,
-        BM=BM, BN=BN1, BK=BK1, PREC=prec, num_warps=4,
+        BM=BM, BN=BN1, BK=BK1, PREC=prec, FP8=fp8, BLOCK_ROWS=br, num_warps=warps1,
     )
+    hq, h_scale = quantize_per_token_group(h, block[1]) if fp8 else (h, h)
     y = torch.empty(S, hidden, dtype=torch.float32 if x.dtype == torch.float32 else x.dtype, device=x.device)
-    BN2, BK2 = _block(hidden, 64), _block(inter, 64)
+    BN2 = fp8_tiles(BM)[0] if fp8 else _block(hidden, 64)
     _moe_down_kernel[(block_experts.numel(), triton.cdiv(hidden, BN2))](
-        h, w2, sorted_slots, block_experts, weights.reshape(-1).float().contiguous(), y,
-        S, hidden, inter, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        BM=BM, BN=BN2, BK=BK2, PREC=prec, num_warps=4,
+        hq, w2, sorted_slots, block_experts, weights.reshape(-1).float().contiguous(), y, h_scale, ws2,
+        S, hidden, inter, hq.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+        h_scale.stride(0), ws2.stride(0), ws2.stride(1) if fp8 else 0,
+        BM=BM, BN=BN2, BK=BK2, PREC=prec, FP8=fp8, BLOCK_ROWS=br, num_warps=4,
     )
     return y.view(T, k, hidden).sum(1, dtype=torch.float32).to(out_dtype)
+
+
+def _check_fp8_experts(w13, w2, w13_scale, w2_scale, block) -> None:
+    E, two_inter, hidden = w13.shape
+    if w2.dtype != FP8 or w13_scale is None or w2_scale is None or block is None:
+        raise ValueError("FP8 experts need w13 and w2 in float8_e4m3fn with w13_scale, w2_scale and the block size")
+    br, bc = block
+    want13 = (E, triton.cdiv(two_inter, br), triton.cdiv(hidden, bc))
+    want2 = (E, triton.cdiv(hidden, br), triton.cdiv(two_inter // 2, bc))
+    if tuple(w13_scale.shape) != want13 or tuple(w2_scale.shape) != want2:
+        raise ValueError(f"FP8 expert scales for {br} x {bc} blocks must be w13 {list(want13)} and w2 {list(want2)}; "
+                         f"got {list(w13_scale.shape)} and {list(w2_scale.shape)}")
+    if (two_inter // 2) % br:
+        raise ValueError(f"FP8 experts need the expert width ({two_inter // 2}) to be a multiple of the block's "
+                         f"{br} rows (the gate and up halves must not share a scale block)")
+    if bc < 16 or bc & (bc - 1):
+        raise ValueError(f"the weight's column block must be a power of two >= 16 (one K step), got {bc}")

@@ -32,3 +32,29 @@ def moe_experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
         y = F.linear(h, w2[e]).float() * weights.reshape(-1)[slots, None].float()
         out.index_add_(0, tokens, y)
     return out.to(x.dtype)
+
+
+def moe_experts_fp8_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                              ids: torch.Tensor, activation_limit: float | None, w13_scale: torch.Tensor,
+                              w2_scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """FP8 block-scaled experts as the fused path computes them: x quantized per token and group
+    of block[1] columns, the SiLU product rounded to x's dtype and quantized the same way, weights
+    dequantized (ops/fp8/reference.py); sums in fp32."""
+    from kdaserve.ops.fp8.reference import dequantize_blocks, quantize_per_token_group_reference
+
+    def rounded(t: torch.Tensor) -> torch.Tensor:   # quantize per token group, back to fp32
+        q, s = quantize_per_token_group_reference(t, block[1])
+        return dequantize_blocks(q, s, (1, block[1]))
+
+    W13, W2 = dequantize_blocks(w13, w13_scale, block), dequantize_blocks(w2, w2_scale, block)
+    T, k = ids.shape
+    xd = rounded(x)
+    out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
+    flat_ids = ids.reshape(-1)
+    for e in flat_ids.unique().tolist():
+        slots = (flat_ids == e).nonzero().squeeze(1)
+        tokens = slots // k
+        h = swiglu(xd[tokens] @ W13[e].T, activation_limit).to(x.dtype)
+        y = (rounded(h) @ W2[e].T) * weights.reshape(-1)[slots, None].float()
+        out.index_add_(0, tokens, y.to(x.dtype).float() if x.dtype != torch.float32 else y)
+    return out.to(x.dtype)
