@@ -1,32 +1,103 @@
-"""A linear layer whose weight is several checkpoint tensors stacked along the output dim
-(q|k|v, gate|up): one GEMM instead of several. Each shard is written by `load_shard`."""
+"""Linear layers that take checkpoint tensors directly: `MergedLinear`, whose weight is several
+checkpoint tensors stacked along the output dim (q|k|v, gate|up: one GEMM instead of several, each
+shard written by `load_shard`), and `Fp8Linear`, one block-scaled FP8 weight.
+
+With `fp8_block` (rows, cols) a layer keeps its weight as released in FP8 (DeepSeek-V3's format)
+with `weight_scale_inv`, one fp32 factor per block, and runs the block-scaled FP8 GEMM
+(ops/fp8/block_gemm.py; on a CPU without the Triton interpreter, the dequantized torch
+definition). A merged FP8 weight needs every shard to be a whole number of row blocks, so shards
+never share a scale."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import triton
 from torch import nn
+
+from kdaserve.ops.fp8.reference import FP8
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ bias) for a block-scaled FP8 weight: the Triton GEMM where Triton runs (a GPU, or
+    the interpreter on a CPU), else the torch definition."""
+    if x.is_cuda or triton.knobs.runtime.interpret:
+        from kdaserve.ops.fp8.block_gemm import block_fp8_linear
+
+        return block_fp8_linear(x, weight, scale_inv, block, bias)
+    from kdaserve.ops.fp8.reference import block_fp8_linear_reference
+
+    return block_fp8_linear_reference(x.reshape(-1, x.shape[-1]), weight, scale_inv, block, bias).view(
+        *x.shape[:-1], weight.shape[0])
 
 
 class MergedLinear(nn.Module):
-    def __init__(self, in_features: int, shard_sizes: list[int], *, bias: bool = False, dtype=None, device=None):
+    def __init__(self, in_features: int, shard_sizes: list[int], *, bias: bool = False, dtype=None, device=None,
+                 fp8_block: tuple[int, int] | None = None):
         super().__init__()
         self.in_features, self.shard_sizes = in_features, list(shard_sizes)
         self.offsets = [sum(shard_sizes[:i]) for i in range(len(shard_sizes) + 1)]
+        self.fp8_block = fp8_block
         out = self.offsets[-1]
-        self.weight = nn.Parameter(torch.empty(out, in_features, dtype=dtype, device=device), requires_grad=False)
+        if fp8_block is not None:
+            br, bc = fp8_block
+            if any(n % br for n in shard_sizes):
+                raise ValueError(f"an FP8 merged weight needs shards of whole {br}-row blocks, got {shard_sizes}")
+            self.weight = nn.Parameter(torch.empty(out, in_features, dtype=FP8, device=device), requires_grad=False)
+            self.weight_scale_inv = nn.Parameter(
+                torch.empty(out // br, triton.cdiv(in_features, bc), dtype=torch.float32, device=device), requires_grad=False)
+        else:
+            self.weight = nn.Parameter(torch.empty(out, in_features, dtype=dtype, device=device), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out, dtype=dtype, device=device), requires_grad=False) if bias else None
 
     def load_shard(self, param_name: str, shard: int, tensor: torch.Tensor) -> None:
-        """Copy one checkpoint tensor into rows [offsets[shard], offsets[shard+1]) of weight/bias."""
-        param = self.weight if param_name == "weight" else self.bias
+        """Copy one checkpoint tensor into rows [offsets[shard], offsets[shard+1]) of weight/bias
+        (of weight_scale_inv's row blocks for an FP8 weight's scale)."""
+        param = getattr(self, param_name, None)
         if param is None:
             raise ValueError(f"checkpoint has a {param_name!r} for a linear layer built without one")
         lo, hi = self.offsets[shard], self.offsets[shard + 1]
+        if param_name == "weight_scale_inv":
+            lo, hi = lo // self.fp8_block[0], hi // self.fp8_block[0]
         expected = (hi - lo, *param.shape[1:])
         if tuple(tensor.shape) != expected:
             raise ValueError(f"shard {shard} of {param_name} must have shape {expected}, got {tuple(tensor.shape)}")
+        if param.dtype == FP8 and tensor.dtype != FP8:
+            raise ValueError(f"shard {shard} of an FP8 weight arrived as {tensor.dtype}; it must come quantized with its "
+                             f"weight_scale_inv")
         param.data[lo:hi].copy_(tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8_block is not None:
+            return fp8_linear(x, self.weight, self.weight_scale_inv, self.fp8_block, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+
+class Fp8Linear(nn.Module):
+    """A bias-free linear layer with a block-scaled FP8 weight [out, in] and its scales."""
+
+    def __init__(self, in_features: int, out_features: int, block: tuple[int, int], *, device=None):
+        super().__init__()
+        br, bc = block
+        self.block = block
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8, device=device), requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(
+            torch.empty(triton.cdiv(out_features, br), triton.cdiv(in_features, bc), dtype=torch.float32, device=device),
+            requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight, self.weight_scale_inv, self.block)
+
+    def extra_repr(self) -> str:
+        out, inp = self.weight.shape
+        return f"in_features={inp}, out_features={out}, fp8 blocks={self.block}"
+
+
+def make_linear(in_features: int, out_features: int, *, dtype, device, fp8_block: tuple[int, int] | None = None) -> nn.Module:
+    """A bias-free projection: FP8 when `fp8_block` is given, else nn.Linear in `dtype`."""
+    if fp8_block is not None:
+        return Fp8Linear(in_features, out_features, fp8_block, device=device)
+    lin = nn.Linear(in_features, out_features, bias=False, dtype=dtype, device=device)
+    lin.weight.requires_grad_(False)
+    return lin

@@ -29,6 +29,7 @@ from torch import nn
 from kdaserve.layers.attention import AttentionMetadata
 from kdaserve.layers.context import get_context
 from kdaserve.layers.kernel_choice import resolve_kernel_choice
+from kdaserve.layers.linear import make_linear
 from kdaserve.layers.norm import RMSNorm
 from kdaserve.ops.mla.reference import mla_decode_reference, mla_prefill_reference
 
@@ -47,16 +48,15 @@ class Selection:
     prefill_rows: torch.Tensor | None = None
 
 
-def _linear(i: int, o: int, dtype, device) -> nn.Linear:
-    lin = nn.Linear(i, o, bias=False, dtype=dtype, device=device)
-    lin.weight.requires_grad_(False)
-    return lin
+def _linear(i: int, o: int, dtype, device, fp8_block: tuple[int, int] | None = None) -> nn.Module:
+    return make_linear(i, o, dtype=dtype, device=device, fp8_block=fp8_block)
 
 
 class MLAttention(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, *, kv_lora_rank: int, qk_nope_head_dim: int,
                  qk_rope_head_dim: int, v_head_dim: int, q_lora_rank: int | None = None, norm_eps: float = 1e-6,
-                 layer_idx: int = 0, backend: str = "auto", dtype=None, device=None):
+                 layer_idx: int = 0, backend: str = "auto", dtype=None, device=None,
+                 fp8_block: tuple[int, int] | None = None):
         super().__init__()
         device = torch.device(device) if device is not None else torch.empty(0).device
         self.num_heads, self.layer_idx = num_heads, layer_idx
@@ -65,15 +65,17 @@ class MLAttention(nn.Module):
         self.q_lora_rank = q_lora_rank
         q_out = num_heads * (qk_nope_head_dim + qk_rope_head_dim)
         if q_lora_rank is None:
-            self.q_proj = _linear(hidden_size, q_out, dtype, device)
+            self.q_proj = _linear(hidden_size, q_out, dtype, device, fp8_block)
         else:
-            self.q_a_proj = _linear(hidden_size, q_lora_rank, dtype, device)
+            self.q_a_proj = _linear(hidden_size, q_lora_rank, dtype, device, fp8_block)
             self.q_a_layernorm = RMSNorm(q_lora_rank, norm_eps, dtype=dtype, device=device)
-            self.q_b_proj = _linear(q_lora_rank, q_out, dtype, device)
-        self.kv_a_proj_with_mqa = _linear(hidden_size, kv_lora_rank + qk_rope_head_dim, dtype, device)
+            self.q_b_proj = _linear(q_lora_rank, q_out, dtype, device, fp8_block)
+        self.kv_a_proj_with_mqa = _linear(hidden_size, kv_lora_rank + qk_rope_head_dim, dtype, device, fp8_block)
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, norm_eps, dtype=dtype, device=device)
+        # kv_b_proj stays in `dtype` even from an FP8 checkpoint: decode reads it as the absorbed
+        # W_UK, W_UV views.
         self.kv_b_proj = _linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), dtype, device)
-        self.o_proj = _linear(num_heads * v_head_dim, hidden_size, dtype, device)
+        self.o_proj = _linear(num_heads * v_head_dim, hidden_size, dtype, device, fp8_block)
         self.backend = resolve_kernel_choice("MLA", backend, device)
         self.cache: torch.Tensor | None = None
 

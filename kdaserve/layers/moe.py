@@ -12,14 +12,15 @@ from torch import nn
 
 from kdaserve.layers.kernel_choice import resolve_kernel_choice
 from kdaserve.layers.mlp import SwiGLUMLP
-from kdaserve.ops.moe.reference import moe_experts_reference
+from kdaserve.ops.fp8.reference import FP8
+from kdaserve.ops.moe.reference import moe_experts_fp8_reference, moe_experts_reference
 from kdaserve.ops.moe.router import RouterConfig, route_tokens
 
 
 class MoEMLP(nn.Module):
     def __init__(self, hidden_size: int, router: RouterConfig, expert_intermediate_size: int, *,
                  num_shared_experts: int = 0, has_correction_bias: bool = True, activation_limit: float | None = None,
-                 backend: str = "auto", dtype=None, device=None):
+                 backend: str = "auto", dtype=None, device=None, fp8_block: tuple[int, int] | None = None):
         super().__init__()
         device = torch.device(device) if device is not None else torch.empty(0).device
         E, I = router.num_experts, expert_intermediate_size
@@ -29,27 +30,56 @@ class MoEMLP(nn.Module):
         self.gate_weight = nn.Parameter(torch.zeros(E, hidden_size, **f32), requires_grad=False)
         self.e_score_correction_bias = (nn.Parameter(torch.zeros(E, **f32), requires_grad=False)
                                         if has_correction_bias else None)
-        self.w13 = nn.Parameter(torch.empty(E, 2 * I, hidden_size, dtype=dtype, device=device), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(E, hidden_size, I, dtype=dtype, device=device), requires_grad=False)
+        self.fp8_block = fp8_block
+        wdt = FP8 if fp8_block is not None else dtype
+        self.w13 = nn.Parameter(torch.empty(E, 2 * I, hidden_size, dtype=wdt, device=device), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(E, hidden_size, I, dtype=wdt, device=device), requires_grad=False)
+        if fp8_block is not None:   # one scale per block of each expert's gate|up and down weights
+            br, bc = fp8_block
+            if I % br:
+                raise ValueError(f"FP8 experts need the expert width ({I}) to be a multiple of the {br}-row block")
+            self.w13_scale_inv = nn.Parameter(torch.empty(E, 2 * I // br, -(-hidden_size // bc), **f32), requires_grad=False)
+            self.w2_scale_inv = nn.Parameter(torch.empty(E, -(-hidden_size // br), -(-I // bc), **f32), requires_grad=False)
         self.shared_experts = (SwiGLUMLP(hidden_size, I * num_shared_experts, activation_limit=activation_limit,
-                                         dtype=dtype, device=device)
+                                         dtype=dtype, device=device, fp8_block=fp8_block)
                                if num_shared_experts else None)
         self.backend = resolve_kernel_choice("MoE", backend, device)
 
-    def load_expert(self, expert: int, which: str, tensor: torch.Tensor) -> None:
-        """One released expert tensor: which = w1 (gate), w3 (up) or w2 (down)."""
+    def load_expert(self, expert: int, which: str, tensor: torch.Tensor, scale: bool = False) -> None:
+        """One released expert tensor: which = w1 (gate), w3 (up) or w2 (down); `scale`: its
+        weight_scale_inv (FP8 experts)."""
         E, I, h = self.router.num_experts, self.intermediate_size, self.hidden_size
         if not 0 <= expert < E:
             raise ValueError(f"expert index {expert} out of range: the model has {E} routed experts")
-        want = (h, I) if which == "w2" else (I, h)
-        if tuple(tensor.shape) != want:
-            raise ValueError(f"expert {expert} {which}.weight must be {list(want)}, got {list(tensor.shape)}")
-        target = {"w1": self.w13[expert, :I], "w3": self.w13[expert, I:], "w2": self.w2[expert]}[which]
+        if scale:
+            if self.fp8_block is None:
+                raise ValueError(f"expert {expert} {which}.weight_scale_inv: these experts are not FP8")
+            Ib = I // self.fp8_block[0]
+            w13, w2 = self.w13_scale_inv, self.w2_scale_inv
+            target = {"w1": w13[expert, :Ib], "w3": w13[expert, Ib:], "w2": w2[expert]}[which]
+        else:
+            w13, w2 = self.w13, self.w2
+            target = {"w1": w13[expert, :I], "w3": w13[expert, I:], "w2": w2[expert]}[which]
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise ValueError(f"expert {expert} {which}.weight{'_scale_inv' if scale else ''} must be {list(target.shape)}, "
+                             f"got {list(tensor.shape)}")
+        if target.dtype == FP8 and tensor.dtype != FP8:
+            raise ValueError(f"expert {expert} {which}.weight arrived as {tensor.dtype}; FP8 experts take it quantized")
         target.copy_(tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route_tokens(x, self.gate_weight, self.e_score_correction_bias, self.router)
-        if self.backend == "triton":
+        if self.fp8_block is not None:
+            scales = (self.w13_scale_inv, self.w2_scale_inv)
+            if self.backend == "triton":
+                from kdaserve.ops.moe.fused import moe_experts_fused
+
+                out = moe_experts_fused(x, self.w13, self.w2, weights, ids, self.activation_limit,
+                                        w13_scale=scales[0], w2_scale=scales[1], block=self.fp8_block)
+            else:
+                out = moe_experts_fp8_reference(x, self.w13, self.w2, weights, ids, self.activation_limit, *scales,
+                                                self.fp8_block)
+        elif self.backend == "triton":
             from kdaserve.ops.moe.fused import moe_experts_fused
 
             out = moe_experts_fused(x, self.w13, self.w2, weights, ids, self.activation_limit)
@@ -62,4 +92,5 @@ class MoEMLP(nn.Module):
     def extra_repr(self) -> str:
         r = self.router
         return (f"experts={r.num_experts} (top {r.top_k}, {r.scoring}, groups {r.topk_groups}/{r.num_groups}, "
-                f"scale {r.routed_scaling_factor}), width={self.intermediate_size}, backend={self.backend}")
+                f"scale {r.routed_scaling_factor}), width={self.intermediate_size}, backend={self.backend}"
+                + (f", fp8 blocks={self.fp8_block}" if self.fp8_block else ""))

@@ -3,14 +3,22 @@ weight `X.weight` [rows, cols] in float8_e4m3fn comes with `X.weight_scale_inv` 
 ceil(cols / bc)] in fp32, one factor per br x bc block (`quantization_config.weight_block_size`,
 128 x 128 as released); the real weight is weight * scale_inv of its block.
 
-Here the weights are dequantized once at load into the model's dtype (no FP8 GEMM yet), so every
-device runs them. A weight without its scale, or a scale without its weight, is an error naming it."""
+Where FP8 dots run (CUDA capability 8.9 and up: Ada, Hopper, Blackwell) a family keeps the weights
+of its big projections in FP8 with their scales and runs block-scaled FP8 GEMMs (layers/linear.py,
+layers/moe.py); every other weight, and every weight elsewhere, is dequantized once at load into
+the model's dtype. `KDASERVE_FP8_WEIGHTS` overrides the choice: `keep` (also on a CPU, through the
+Triton interpreter or the torch definition), `dequantize`, or `auto` (the default). A kept weight
+that arrives unquantized is quantized at load (max|block| / 448 scales, as the release does). A
+weight without its scale, or a scale without its weight, is an error naming it."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import os
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
+
+from kdaserve.ops.fp8.reference import quantize_blocks
 
 SCALE_SUFFIX = "_scale_inv"
 FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2") if hasattr(torch, n))
@@ -26,36 +34,81 @@ def fp8_block_size(config_extra: dict) -> tuple[int, int]:
     return int(block[0]), int(block[1])
 
 
-def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], dtype: torch.dtype,
-                         name: str = "weight") -> torch.Tensor:
+FP8_POLICY_ENV = "KDASERVE_FP8_WEIGHTS"
+
+
+def is_fp8_checkpoint(config_extra: dict) -> bool:
+    q = config_extra.get("quantization_config") or (config_extra.get("outer_config") or {}).get("quantization_config") or {}
+    return q.get("quant_method") == "fp8"
+
+
+def kept_fp8_block(config_extra: dict, device) -> tuple[int, int] | None:
+    """The block size when this model keeps FP8 weights on `device`, else None (dequantize)."""
+    if not is_fp8_checkpoint(config_extra):
+        return None
+    policy = os.environ.get(FP8_POLICY_ENV, "auto")
+    if policy not in ("auto", "keep", "dequantize"):
+        raise ValueError(f"{FP8_POLICY_ENV}={policy!r}: expected auto, keep or dequantize")
+    if policy == "dequantize":
+        return None
+    device = torch.device(device) if device is not None else torch.empty(0).device
+    fp8_dots = (device.type == "cuda" and torch.version.hip is None
+                and torch.cuda.get_device_capability(device) >= (8, 9))
+    return fp8_block_size(config_extra) if policy == "keep" or fp8_dots else None
+
+
+def _check_scale(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], name: str) -> None:
     rows, cols = weight.shape
     br, bc = block
     want = (-(-rows // br), -(-cols // bc))
     if tuple(scale_inv.shape) != want:
         raise ValueError(f"{name}{SCALE_SUFFIX} has shape {list(scale_inv.shape)}; a [{rows}, {cols}] weight in "
                          f"{br} x {bc} blocks needs {list(want)}")
+
+
+def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], dtype: torch.dtype,
+                         name: str = "weight") -> torch.Tensor:
+    _check_scale(weight, scale_inv, block, name)
+    rows, cols = weight.shape
+    br, bc = block
     scale = scale_inv.float().repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
     return (weight.float() * scale).to(dtype)
 
 
 def dequantized_weights(weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
-                        block: tuple[int, int] = (128, 128)) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors with FP8 weights dequantized and their scales consumed. A weight
-    and its scale may arrive in either order (different shards)."""
+                        block: tuple[int, int] = (128, 128),
+                        keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors with FP8 weights dequantized and their scales consumed, except the
+    weights `keep` names: those come out as FP8 with their `_scale_inv` (quantized here if they
+    arrive unquantized). A weight and its scale may arrive in either order (different shards)."""
+    keep = keep or (lambda name: False)
     weights_waiting: dict[str, torch.Tensor] = {}
     scales_waiting: dict[str, torch.Tensor] = {}
+
+    def pair(base: str, w: torch.Tensor, scale: torch.Tensor):
+        if not keep(base):
+            yield base, dequantize_block_fp8(w, scale, block, dtype, base)
+            return
+        _check_scale(w, scale, block, base)
+        yield base, w
+        yield base + SCALE_SUFFIX, scale.float()
+
     for name, t in weights:
         if name.endswith(SCALE_SUFFIX):
             base = name.removesuffix(SCALE_SUFFIX)
             if base in weights_waiting:
-                yield base, dequantize_block_fp8(weights_waiting.pop(base), t, block, dtype, base)
+                yield from pair(base, weights_waiting.pop(base), t)
             else:
                 scales_waiting[base] = t
         elif t.dtype in FP8_DTYPES:
             if name in scales_waiting:
-                yield name, dequantize_block_fp8(t, scales_waiting.pop(name), block, dtype, name)
+                yield from pair(name, t, scales_waiting.pop(name))
             else:
                 weights_waiting[name] = t
+        elif keep(name):
+            q, scale = quantize_blocks(t, block)
+            yield name, q
+            yield name + SCALE_SUFFIX, scale
         else:
             yield name, t
     if weights_waiting:

@@ -20,8 +20,13 @@ Loaded from the **released** tensor names (prefix `model.language_model.`, head 
 The vision tower (`model.visual.*`) is skipped with one log line; the multi-token-prediction layer
 (index num_hidden_layers, `num_nextn_predict_layers`; models/glm5_next_mtp.py) is loaded when the
 model is built with `mtp=True` (`--speculative-config '{"method": "mtp"}'`), else skipped. A
-tensor this config lacks, a missing one or one of another shape is an error naming it. FP8
-block-scaled checkpoints are dequantized at load (models/fp8.py)."""
+tensor this config lacks, a missing one or one of another shape is an error naming it.
+
+FP8 block-scaled checkpoints (models/fp8.py): where FP8 dots run, the projections of the MLPs (dense,
+routed and shared experts) and of the attention layers (q_a, q_b, kv_a, o; kv_b_proj stays
+dequantized: decode reads it as absorbed views) stay in FP8 with their `weight_scale_inv` and run
+block-scaled FP8 GEMMs (`fp8_kept`); the KDA layers' and the indexer's projections, and everything
+elsewhere, are dequantized at load."""
 
 from __future__ import annotations
 
@@ -40,7 +45,7 @@ from kdaserve.layers.mlp import SwiGLUMLP
 from kdaserve.layers.moe import MoEMLP
 from kdaserve.layers.norm import RMSNorm
 from kdaserve.models.causal_lm import KDACausalLM
-from kdaserve.models.fp8 import dequantized_weights, fp8_block_size
+from kdaserve.models.fp8 import SCALE_SUFFIX, dequantized_weights, fp8_block_size, kept_fp8_block
 from kdaserve.models.glm5_next_config import Glm5NextConfig
 from kdaserve.models.glm5_next_mtp import SHARED_COPIES, Glm5NextMTP
 from kdaserve.models.released import kda_layer_shapes, load_released, mla_layer_shapes
@@ -50,14 +55,18 @@ log = logging.getLogger(__name__)
 
 PREFIX = "model.language_model."
 _LAYER = re.compile(r"model\.language_model\.layers\.(\d+)\.(.+)")
-_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight(_scale_inv)?")
+# Layer tensors kept in FP8 (with their scales) when the model keeps FP8 weights; attention
+# projections only in attention layers (a KDA layer's o_proj is dequantized).
+_FP8_MLP = re.compile(r"mlp\.(?:experts\.\d+\.|shared_experts\.)?(?:gate|up|down)_proj\.weight")
+_FP8_ATTN = re.compile(r"self_attn\.(?:q_a_proj|q_b_proj|q_proj|kv_a_proj_with_mqa|o_proj)\.weight")
 _EXPERT_PART = {"gate": "w1", "up": "w3", "down": "w2"}
 _HC = re.compile(r"hc_(attn|ffn)_(fn|base|scale)")
 
 
 class Glm5NextDecoderLayer(nn.Module):
     def __init__(self, config: Glm5NextConfig, i: int, *, kda: KDABackendChoice, kda_backends, mla_backend: str,
-                 moe_backend: str, dtype, device):
+                 moe_backend: str, dtype, device, fp8_block: tuple[int, int] | None = None):
         super().__init__()
         c, h = config, config.hidden_size
         self.layer_idx, self.is_kda, self.is_moe = i, c.layer_types[i] == "linear_attention", c.is_moe_layer(i)
@@ -87,13 +96,15 @@ class Glm5NextDecoderLayer(nn.Module):
                 h, c.num_attention_heads, indexer=indexer, kv_lora_rank=c.kv_lora_rank,
                 qk_nope_head_dim=c.qk_nope_head_dim, qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim,
                 q_lora_rank=c.q_lora_rank, norm_eps=c.rms_norm_eps, layer_idx=i, backend=mla_backend, dtype=dtype,
-                device=device,
+                device=device, fp8_block=fp8_block,
             )
         if self.is_moe:
             self.mlp = MoEMLP(h, c.router, c.moe_intermediate_size, num_shared_experts=c.n_shared_experts,
-                              activation_limit=c.swiglu_limit, backend=moe_backend, dtype=dtype, device=device)
+                              activation_limit=c.swiglu_limit, backend=moe_backend, dtype=dtype, device=device,
+                              fp8_block=fp8_block)
         else:
-            self.mlp = SwiGLUMLP(h, c.intermediate_size, activation_limit=c.swiglu_limit, dtype=dtype, device=device)
+            self.mlp = SwiGLUMLP(h, c.intermediate_size, activation_limit=c.swiglu_limit, dtype=dtype, device=device,
+                                 fp8_block=fp8_block)
 
     @property
     def mixer(self) -> nn.Module:
@@ -138,15 +149,17 @@ class Glm5NextForCausalLM(KDACausalLM):
         dtype = dtype or torch.get_default_dtype()
         kda = kda or KDABackendChoice()
         backends = self.resolve_backends(config, kda, dtype, device, lower_bound=config.linear_lower_bound)
+        self.fp8_block = fp8_kept(config, device)
         self.model = Glm5NextModel(config, kda=kda, kda_backends=backends, mla_backend=mla_backend,
-                                   moe_backend=moe_backend, dtype=dtype, device=device)
+                                   moe_backend=moe_backend, dtype=dtype, device=device, fp8_block=self.fp8_block)
         self.add_head(dtype, device)
         self.mtp = None
         if mtp:
             if config.num_mtp_layers < 1:
                 raise ValueError("speculative method 'mtp' needs a checkpoint with a multi-token-prediction layer, but this "
                                  "config has num_nextn_predict_layers = 0; use the 'ngram' method instead")
-            self.mtp = Glm5NextMTP(config, mla_backend=mla_backend, moe_backend=moe_backend, dtype=dtype, device=device)
+            self.mtp = Glm5NextMTP(config, mla_backend=mla_backend, moe_backend=moe_backend, dtype=dtype, device=device,
+                                   fp8_block=self.fp8_block)
 
     @property
     def attention_layers(self) -> list[nn.Module]:
@@ -164,13 +177,42 @@ class Glm5NextForCausalLM(KDACausalLM):
 
 # ---- the released checkpoint format ---------------------------------------------------------------
 
-def released_shapes(config: Glm5NextConfig, mtp: bool = False) -> dict[str, tuple[int, ...]]:
+def released_shapes(config: Glm5NextConfig, mtp: bool = False,
+                    fp8_block: tuple[int, int] | None = None) -> dict[str, tuple[int, ...]]:
     """Every tensor of a complete released checkpoint (text part), with its shape; `mtp`: with
-    the multi-token-prediction layer."""
+    the multi-token-prediction layer; `fp8_block`: with the `weight_scale_inv` of every weight
+    the model keeps in FP8."""
     s = _target_shapes(config)
     if mtp:
         s.update(mtp_shapes(config))
+    if fp8_block is not None:
+        br, bc = fp8_block
+        s.update({name + SCALE_SUFFIX: (-(-s[name][0] // br), -(-s[name][1] // bc))
+                  for name in list(s) if keeps_fp8(config, name)})
     return s
+
+
+def fp8_kept(config: Glm5NextConfig, device) -> tuple[int, int] | None:
+    """The FP8 block size when this model keeps FP8 weights on `device` (models/fp8.py), else
+    None. Merged gate|up weights need expert and MLP widths of whole row blocks."""
+    block = kept_fp8_block(config.extra, device)
+    widths = (config.intermediate_size, config.moe_intermediate_size)
+    if block is not None and any(w % block[0] for w in widths):
+        log.warning("FP8 weights dequantized: MLP widths %s are not multiples of the %d-row block", widths, block[0])
+        return None
+    return block
+
+
+def keeps_fp8(config: Glm5NextConfig, name: str) -> bool:
+    """Whether a model that keeps FP8 weights keeps this released tensor in FP8."""
+    m = _LAYER.fullmatch(name)
+    if m is None:
+        return False
+    i, rest = int(m[1]), m[2]
+    if _FP8_MLP.fullmatch(rest):
+        return True
+    attention = i >= config.num_hidden_layers or config.layer_types[i] != "linear_attention"
+    return attention and _FP8_ATTN.fullmatch(rest) is not None
 
 
 def _target_shapes(config: Glm5NextConfig) -> dict[str, tuple[int, ...]]:
@@ -266,10 +308,12 @@ def load_released_weights(model: Glm5NextForCausalLM, weights: Iterable[tuple[st
     are errors that name them."""
     config = model.config
     notes: set[str] = set()
-    dense = dequantized_weights(weights, model.model.embed_tokens.weight.dtype, fp8_block_size(config.extra))
+    block = model.fp8_block
+    dense = dequantized_weights(weights, model.model.embed_tokens.weight.dtype, block or fp8_block_size(config.extra),
+                                keep=(lambda name: keeps_fp8(config, name)) if block else None)
     mtp = model.mtp is not None
     loaded = load_released(
-        model, dense, released_shapes(config, mtp), family="GLM-5.3-Flash (this config)", layer_name=_LAYER,
+        model, dense, released_shapes(config, mtp, block), family="GLM-5.3-Flash (this config)", layer_name=_LAYER,
         skip=lambda name: _skipped(name, config, notes, mtp),
         top_param=lambda name: name if name == "lm_head.weight" else "model." + name.removeprefix(PREFIX),
         layer_tensor=lambda i, layer, rest, tensor, params: _load_layer_tensor(model, layer, i, rest, tensor, params),
@@ -282,7 +326,7 @@ def load_released_weights(model: Glm5NextForCausalLM, weights: Iterable[tuple[st
 def _load_layer_tensor(model, layer: Glm5NextDecoderLayer, i: int, rest: str, tensor: torch.Tensor, params: dict) -> None:
     e = _EXPERT.fullmatch(rest)
     if e:
-        layer.mlp.load_expert(int(e[1]), _EXPERT_PART[e[2]], tensor)
+        layer.mlp.load_expert(int(e[1]), _EXPERT_PART[e[2]], tensor, scale=e[3] is not None)
         return
     hc = _HC.fullmatch(rest)
     if hc:
