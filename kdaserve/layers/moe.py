@@ -20,7 +20,8 @@ from kdaserve.ops.moe.router import RouterConfig, route_tokens
 class MoEMLP(nn.Module):
     def __init__(self, hidden_size: int, router: RouterConfig, expert_intermediate_size: int, *,
                  num_shared_experts: int = 0, has_correction_bias: bool = True, activation_limit: float | None = None,
-                 backend: str = "auto", dtype=None, device=None, fp8_block: tuple[int, int] | None = None):
+                 backend: str = "auto", dtype=None, device=None, fp8_block: tuple[int, int] | None = None,
+                 shared_fp8_block: tuple[int, int] | None = None):
         super().__init__()
         device = torch.device(device) if device is not None else torch.empty(0).device
         E, I = router.num_experts, expert_intermediate_size
@@ -41,7 +42,7 @@ class MoEMLP(nn.Module):
             self.w13_scale_inv = nn.Parameter(torch.empty(E, 2 * I // br, -(-hidden_size // bc), **f32), requires_grad=False)
             self.w2_scale_inv = nn.Parameter(torch.empty(E, -(-hidden_size // br), -(-I // bc), **f32), requires_grad=False)
         self.shared_experts = (SwiGLUMLP(hidden_size, I * num_shared_experts, activation_limit=activation_limit,
-                                         dtype=dtype, device=device, fp8_block=fp8_block)
+                                         dtype=dtype, device=device, fp8_block=shared_fp8_block)
                                if num_shared_experts else None)
         self.backend = resolve_kernel_choice("MoE", backend, device)
 

@@ -3,11 +3,14 @@ weight `X.weight` [rows, cols] in float8_e4m3fn comes with `X.weight_scale_inv` 
 ceil(cols / bc)] in fp32, one factor per br x bc block (`quantization_config.weight_block_size`,
 128 x 128 as released); the real weight is weight * scale_inv of its block.
 
-Where FP8 dots run (CUDA capability 8.9 and up: Ada, Hopper, Blackwell) a family keeps the weights
-of its big projections in FP8 with their scales and runs block-scaled FP8 GEMMs (layers/linear.py,
-layers/moe.py); every other weight, and every weight elsewhere, is dequantized once at load into
-the model's dtype. `KDASERVE_FP8_WEIGHTS` overrides the choice: `keep` (also on a CPU, through the
-Triton interpreter or the torch definition), `dequantize`, or `auto` (the default). A kept weight
+`KDASERVE_FP8_WEIGHTS` chooses what stays FP8 (with its scales, run by block-scaled FP8 GEMMs:
+layers/linear.py, layers/moe.py); everything else is dequantized once at load into the model's dtype:
+- `auto` (the default): the routed experts, where FP8 dots run (CUDA capability 8.9 and up). On an
+  H200 the FP8 expert GEMMs beat bf16 at decode (1.1-1.5x) and tie at prefill, while the FP8
+  linear GEMM still loses to cuBLAS in bf16 (0.2-0.7x; docs/perf-notes.md, thirteenth session).
+- `keep`: the experts and the family's big linear projections, on any device (a CPU runs the
+  Triton interpreter or the torch definition): half the weight memory, for now slower linears.
+- `dequantize`: nothing. A kept weight
 that arrives unquantized is quantized at load (max|block| / 448 scales, as the release does). A
 weight without its scale, or a scale without its weight, is an error naming it."""
 
@@ -42,13 +45,19 @@ def is_fp8_checkpoint(config_extra: dict) -> bool:
     return q.get("quant_method") == "fp8"
 
 
-def kept_fp8_block(config_extra: dict, device) -> tuple[int, int] | None:
-    """The block size when this model keeps FP8 weights on `device`, else None (dequantize)."""
-    if not is_fp8_checkpoint(config_extra):
-        return None
+def fp8_policy() -> str:
     policy = os.environ.get(FP8_POLICY_ENV, "auto")
     if policy not in ("auto", "keep", "dequantize"):
         raise ValueError(f"{FP8_POLICY_ENV}={policy!r}: expected auto, keep or dequantize")
+    return policy
+
+
+def kept_fp8_block(config_extra: dict, device) -> tuple[int, int] | None:
+    """The block size when this model keeps FP8 experts on `device`, else None (dequantize);
+    `fp8_policy() == "keep"` keeps the linear projections too."""
+    if not is_fp8_checkpoint(config_extra):
+        return None
+    policy = fp8_policy()
     if policy == "dequantize":
         return None
     device = torch.device(device) if device is not None else torch.empty(0).device

@@ -22,11 +22,11 @@ The vision tower (`model.visual.*`) is skipped with one log line; the multi-toke
 model is built with `mtp=True` (`--speculative-config '{"method": "mtp"}'`), else skipped. A
 tensor this config lacks, a missing one or one of another shape is an error naming it.
 
-FP8 block-scaled checkpoints (models/fp8.py): where FP8 dots run, the projections of the MLPs (dense,
-routed and shared experts) and of the attention layers (q_a, q_b, kv_a, o; kv_b_proj stays
-dequantized: decode reads it as absorbed views) stay in FP8 with their `weight_scale_inv` and run
-block-scaled FP8 GEMMs (`fp8_kept`); the KDA layers' and the indexer's projections, and everything
-elsewhere, are dequantized at load."""
+FP8 block-scaled checkpoints (models/fp8.py): where FP8 dots run the routed experts stay in FP8
+with their `weight_scale_inv` and run block-scaled FP8 GEMMs; with KDASERVE_FP8_WEIGHTS=keep so do
+the projections of the dense and shared-expert MLPs and of the attention layers (q_a, q_b, kv_a,
+o; kv_b_proj stays dequantized: decode reads it as absorbed views). The KDA layers' and the
+indexer's projections, and everything else, are dequantized at load."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ from kdaserve.layers.mlp import SwiGLUMLP
 from kdaserve.layers.moe import MoEMLP
 from kdaserve.layers.norm import RMSNorm
 from kdaserve.models.causal_lm import KDACausalLM
-from kdaserve.models.fp8 import SCALE_SUFFIX, dequantized_weights, fp8_block_size, kept_fp8_block
+from kdaserve.models.fp8 import SCALE_SUFFIX, dequantized_weights, fp8_block_size, fp8_policy, kept_fp8_block
 from kdaserve.models.glm5_next_config import Glm5NextConfig
 from kdaserve.models.glm5_next_mtp import SHARED_COPIES, Glm5NextMTP
 from kdaserve.models.released import kda_layer_shapes, load_released, mla_layer_shapes
@@ -58,7 +58,8 @@ _LAYER = re.compile(r"model\.language_model\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight(_scale_inv)?")
 # Layer tensors kept in FP8 (with their scales) when the model keeps FP8 weights; attention
 # projections only in attention layers (a KDA layer's o_proj is dequantized).
-_FP8_MLP = re.compile(r"mlp\.(?:experts\.\d+\.|shared_experts\.)?(?:gate|up|down)_proj\.weight")
+_FP8_EXPERT = re.compile(r"mlp\.experts\.\d+\.(?:gate|up|down)_proj\.weight")
+_FP8_MLP = re.compile(r"mlp\.(?:shared_experts\.)?(?:gate|up|down)_proj\.weight")
 _FP8_ATTN = re.compile(r"self_attn\.(?:q_a_proj|q_b_proj|q_proj|kv_a_proj_with_mqa|o_proj)\.weight")
 _EXPERT_PART = {"gate": "w1", "up": "w3", "down": "w2"}
 _HC = re.compile(r"hc_(attn|ffn)_(fn|base|scale)")
@@ -66,7 +67,8 @@ _HC = re.compile(r"hc_(attn|ffn)_(fn|base|scale)")
 
 class Glm5NextDecoderLayer(nn.Module):
     def __init__(self, config: Glm5NextConfig, i: int, *, kda: KDABackendChoice, kda_backends, mla_backend: str,
-                 moe_backend: str, dtype, device, fp8_block: tuple[int, int] | None = None):
+                 moe_backend: str, dtype, device, fp8_block: tuple[int, int] | None = None,
+                 fp8_linear_block: tuple[int, int] | None = None):
         super().__init__()
         c, h = config, config.hidden_size
         self.layer_idx, self.is_kda, self.is_moe = i, c.layer_types[i] == "linear_attention", c.is_moe_layer(i)
@@ -96,15 +98,15 @@ class Glm5NextDecoderLayer(nn.Module):
                 h, c.num_attention_heads, indexer=indexer, kv_lora_rank=c.kv_lora_rank,
                 qk_nope_head_dim=c.qk_nope_head_dim, qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim,
                 q_lora_rank=c.q_lora_rank, norm_eps=c.rms_norm_eps, layer_idx=i, backend=mla_backend, dtype=dtype,
-                device=device, fp8_block=fp8_block,
+                device=device, fp8_block=fp8_linear_block,
             )
         if self.is_moe:
             self.mlp = MoEMLP(h, c.router, c.moe_intermediate_size, num_shared_experts=c.n_shared_experts,
                               activation_limit=c.swiglu_limit, backend=moe_backend, dtype=dtype, device=device,
-                              fp8_block=fp8_block)
+                              fp8_block=fp8_block, shared_fp8_block=fp8_linear_block)
         else:
             self.mlp = SwiGLUMLP(h, c.intermediate_size, activation_limit=c.swiglu_limit, dtype=dtype, device=device,
-                                 fp8_block=fp8_block)
+                                 fp8_block=fp8_linear_block)
 
     @property
     def mixer(self) -> nn.Module:
@@ -150,8 +152,10 @@ class Glm5NextForCausalLM(KDACausalLM):
         kda = kda or KDABackendChoice()
         backends = self.resolve_backends(config, kda, dtype, device, lower_bound=config.linear_lower_bound)
         self.fp8_block = fp8_kept(config, device)
+        self.fp8_linear_block = self.fp8_block if fp8_policy() == "keep" else None
+        fp8 = dict(fp8_block=self.fp8_block, fp8_linear_block=self.fp8_linear_block)
         self.model = Glm5NextModel(config, kda=kda, kda_backends=backends, mla_backend=mla_backend,
-                                   moe_backend=moe_backend, dtype=dtype, device=device, fp8_block=self.fp8_block)
+                                   moe_backend=moe_backend, dtype=dtype, device=device, **fp8)
         self.add_head(dtype, device)
         self.mtp = None
         if mtp:
@@ -159,7 +163,7 @@ class Glm5NextForCausalLM(KDACausalLM):
                 raise ValueError("speculative method 'mtp' needs a checkpoint with a multi-token-prediction layer, but this "
                                  "config has num_nextn_predict_layers = 0; use the 'ngram' method instead")
             self.mtp = Glm5NextMTP(config, mla_backend=mla_backend, moe_backend=moe_backend, dtype=dtype, device=device,
-                                   fp8_block=self.fp8_block)
+                                   **fp8)
 
     @property
     def attention_layers(self) -> list[nn.Module]:
@@ -177,18 +181,18 @@ class Glm5NextForCausalLM(KDACausalLM):
 
 # ---- the released checkpoint format ---------------------------------------------------------------
 
-def released_shapes(config: Glm5NextConfig, mtp: bool = False,
-                    fp8_block: tuple[int, int] | None = None) -> dict[str, tuple[int, ...]]:
+def released_shapes(config: Glm5NextConfig, mtp: bool = False, fp8_block: tuple[int, int] | None = None,
+                    fp8_linears: bool = False) -> dict[str, tuple[int, ...]]:
     """Every tensor of a complete released checkpoint (text part), with its shape; `mtp`: with
     the multi-token-prediction layer; `fp8_block`: with the `weight_scale_inv` of every weight
-    the model keeps in FP8."""
+    the model keeps in FP8 (the experts; the linear projections too with `fp8_linears`)."""
     s = _target_shapes(config)
     if mtp:
         s.update(mtp_shapes(config))
     if fp8_block is not None:
         br, bc = fp8_block
         s.update({name + SCALE_SUFFIX: (-(-s[name][0] // br), -(-s[name][1] // bc))
-                  for name in list(s) if keeps_fp8(config, name)})
+                  for name in list(s) if keeps_fp8(config, name, fp8_linears)})
     return s
 
 
@@ -200,15 +204,24 @@ def fp8_kept(config: Glm5NextConfig, device) -> tuple[int, int] | None:
     if block is not None and any(w % block[0] for w in widths):
         log.warning("FP8 weights dequantized: MLP widths %s are not multiples of the %d-row block", widths, block[0])
         return None
+    on_gpu = torch.device(device).type == "cuda" if device is not None else torch.cuda.is_available()
+    if block is not None and on_gpu and block[1] < 32:
+        log.warning("FP8 weights dequantized: FP8 dots take K steps of at least 32, the checkpoint's blocks are %s", block)
+        return None
     return block
 
 
-def keeps_fp8(config: Glm5NextConfig, name: str) -> bool:
-    """Whether a model that keeps FP8 weights keeps this released tensor in FP8."""
+def keeps_fp8(config: Glm5NextConfig, name: str, linears: bool = False) -> bool:
+    """Whether a model that keeps FP8 experts (`linears`: and linear projections) keeps this
+    released tensor in FP8."""
     m = _LAYER.fullmatch(name)
     if m is None:
         return False
     i, rest = int(m[1]), m[2]
+    if _FP8_EXPERT.fullmatch(rest):
+        return True
+    if not linears:
+        return False
     if _FP8_MLP.fullmatch(rest):
         return True
     attention = i >= config.num_hidden_layers or config.layer_types[i] != "linear_attention"
@@ -308,12 +321,13 @@ def load_released_weights(model: Glm5NextForCausalLM, weights: Iterable[tuple[st
     are errors that name them."""
     config = model.config
     notes: set[str] = set()
-    block = model.fp8_block
+    block, linears = model.fp8_block, model.fp8_linear_block is not None
     dense = dequantized_weights(weights, model.model.embed_tokens.weight.dtype, block or fp8_block_size(config.extra),
-                                keep=(lambda name: keeps_fp8(config, name)) if block else None)
+                                keep=(lambda name: keeps_fp8(config, name, linears)) if block else None)
     mtp = model.mtp is not None
     loaded = load_released(
-        model, dense, released_shapes(config, mtp, block), family="GLM-5.3-Flash (this config)", layer_name=_LAYER,
+        model, dense, released_shapes(config, mtp, block, linears), family="GLM-5.3-Flash (this config)",
+        layer_name=_LAYER,
         skip=lambda name: _skipped(name, config, notes, mtp),
         top_param=lambda name: name if name == "lm_head.weight" else "model." + name.removeprefix(PREFIX),
         layer_tensor=lambda i, layer, rest, tensor, params: _load_layer_tensor(model, layer, i, rest, tensor, params),

@@ -37,7 +37,7 @@ class Glm5NextMTP(nn.Module):
     is_kda = False
 
     def __init__(self, config: Glm5NextConfig, *, mla_backend: str, moe_backend: str, dtype, device,
-                 fp8_block: tuple[int, int] | None = None):
+                 fp8_block: tuple[int, int] | None = None, fp8_linear_block: tuple[int, int] | None = None):
         super().__init__()
         c, h = config, config.hidden_size
         self.layer_idx = c.num_hidden_layers
@@ -54,10 +54,10 @@ class Glm5NextMTP(nn.Module):
             h, c.num_attention_heads, indexer=indexer, kv_lora_rank=c.kv_lora_rank, qk_nope_head_dim=c.qk_nope_head_dim,
             qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim, q_lora_rank=c.q_lora_rank,
             norm_eps=c.rms_norm_eps, layer_idx=self.layer_idx, backend=mla_backend, dtype=dtype, device=device,
-            fp8_block=fp8_block)
+            fp8_block=fp8_linear_block)
         self.mlp = MoEMLP(h, c.router, c.moe_intermediate_size, num_shared_experts=c.n_shared_experts,
                           activation_limit=c.swiglu_limit, backend=moe_backend, dtype=dtype, device=device,
-                          fp8_block=fp8_block)
+                          fp8_block=fp8_block, shared_fp8_block=fp8_linear_block)
         self.shared_head = SharedHead(h, c.rms_norm_eps, dtype, device)
 
     @property

@@ -81,6 +81,15 @@ def test_the_linear_gemm_keeps_leading_dims_and_takes_strided_rows():
     assert_rel_close(got.reshape(6, 32), block_fp8_linear_reference(x.reshape(6, 64), w, s, (16, 32)), 1e-5, "strided")
 
 
+@pytest.mark.gpu
+def test_gpu_gemm_refuses_column_blocks_below_32():
+    from kdaserve.ops.fp8.block_gemm import block_fp8_linear
+
+    w, s = fp8_weight(32, 64, (16, 16), device="cuda")
+    with pytest.raises(ValueError, match="at least 32"):
+        block_fp8_linear(torch.randn(4, 64, device="cuda"), w, s, (16, 16))
+
+
 def test_the_gemm_refuses_wrong_scales_and_dtypes():
     from kdaserve.ops.fp8.block_gemm import block_fp8_gemm
 
@@ -174,5 +183,7 @@ def test_gpu_fp8_experts_at_glm_sizes(T):
     gate = torch.randn(E, hidden, generator=_gen(13)).cuda() * hidden**-0.5
     weights, ids = route_tokens(x, gate, None, RouterConfig(E, k, routed_scaling_factor=2.5))
     got = moe_experts_fused(x, w13, w2, weights, ids, 10.0, w13_scale=s13, w2_scale=s2, block=block)
-    want = moe_experts_fp8_reference(x.float(), w13, w2, weights, ids, 10.0, s13, s2, block)
-    assert_rel_close(got.float(), want, 1e-2, f"FP8 experts bf16 T={T}")
+    # The definition in bf16: the SiLU product is rounded to bf16 before it is quantized, as the
+    # kernel stores it (in fp32 the FP8 codes move and the results differ by ~1%).
+    want = moe_experts_fp8_reference(x, w13, w2, weights, ids, 10.0, s13, s2, block)
+    assert_rel_close(got.float(), want.float(), 1e-3, f"FP8 experts bf16 T={T}")

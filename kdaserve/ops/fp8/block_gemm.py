@@ -64,6 +64,11 @@ def gemm_tiles(M: int, N: int, sms: int = 132) -> tuple[int, int]:
     return BM, 32
 
 
+def min_column_block(device: torch.device) -> int:
+    """FP8 tensor-core dots take K >= 32 (the interpreter takes 16)."""
+    return 32 if device.type == "cuda" else 16
+
+
 def gemm_warps(BM: int, BN: int) -> int:
     """Each K step's dot result is scaled before it is added, so a program holds two [BM, BN] fp32
     tiles, and its [BM, 128] and [128, BN] tiles of operand addresses: from 64 x 64 on, four warps
@@ -84,8 +89,9 @@ def block_fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor
     if tuple(x_scale.shape) != (M, triton.cdiv(K, bc)) or tuple(scale_inv.shape) != (triton.cdiv(N, br), triton.cdiv(K, bc)):
         raise ValueError(f"scales for {br} x {bc} blocks must be x [{M}, {triton.cdiv(K, bc)}] and weight "
                          f"[{triton.cdiv(N, br)}, {triton.cdiv(K, bc)}]; got {list(x_scale.shape)} and {list(scale_inv.shape)}")
-    if bc < 16 or bc & (bc - 1):
-        raise ValueError(f"the weight's column block must be a power of two >= 16 (one K step), got {bc}")
+    if bc < min_column_block(xq.device) or bc & (bc - 1):
+        raise ValueError(f"the weight's column block (one K step) must be a power of two of at least "
+                         f"{min_column_block(xq.device)} on {xq.device.type}, got {bc}")
     if xq.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("block FP8 GEMM needs x and weight with contiguous rows")
     interpreter_compat.install()

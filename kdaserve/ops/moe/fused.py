@@ -141,7 +141,7 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
                          f"weights {tuple(weights.shape)}, ids {tuple(ids.shape)}")
     fp8 = w13.dtype == FP8
     if fp8:
-        _check_fp8_experts(w13, w2, w13_scale, w2_scale, block)
+        _check_fp8_experts(w13, w2, w13_scale, w2_scale, block, x.device)
     interpreter_compat.install()
     k = ids.shape[1]
     S = T * k
@@ -182,7 +182,9 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     return y.view(T, k, hidden).sum(1, dtype=torch.float32).to(out_dtype)
 
 
-def _check_fp8_experts(w13, w2, w13_scale, w2_scale, block) -> None:
+def _check_fp8_experts(w13, w2, w13_scale, w2_scale, block, device) -> None:
+    from kdaserve.ops.fp8.block_gemm import min_column_block
+
     E, two_inter, hidden = w13.shape
     if w2.dtype != FP8 or w13_scale is None or w2_scale is None or block is None:
         raise ValueError("FP8 experts need w13 and w2 in float8_e4m3fn with w13_scale, w2_scale and the block size")
@@ -195,5 +197,6 @@ def _check_fp8_experts(w13, w2, w13_scale, w2_scale, block) -> None:
     if (two_inter // 2) % br:
         raise ValueError(f"FP8 experts need the expert width ({two_inter // 2}) to be a multiple of the block's "
                          f"{br} rows (the gate and up halves must not share a scale block)")
-    if bc < 16 or bc & (bc - 1):
-        raise ValueError(f"the weight's column block must be a power of two >= 16 (one K step), got {bc}")
+    if bc < min_column_block(device) or bc & (bc - 1):
+        raise ValueError(f"the weight's column block (one K step) must be a power of two of at least "
+                         f"{min_column_block(device)} on {device.type}, got {bc}")
