@@ -5,6 +5,7 @@ tensor throughput (prefill).
 
     python benchmarks/bench_fp8_gemm.py            # every shape
     python benchmarks/bench_fp8_gemm.py --tokens 1 64
+    python benchmarks/bench_fp8_gemm.py --sweep    # the linear GEMM's tile configs, best per shape
 
 Linear: torch's bf16 matmul (cuBLAS) vs block_fp8_linear. Experts: the fused MoE kernels in bf16 vs
 FP8, 64 of GLM's 288 experts (top 8; the bytes scale with the experts the batch touches)."""
@@ -26,14 +27,51 @@ LINEARS = {"mlp gate|up": (2 * DENSE, HIDDEN), "mlp down": (HIDDEN, DENSE), "att
            "attn q_b": (64 * 256, 1536)}
 
 
+# (BM, BN, warps, stages) tried by --sweep: spill-free on sm_90 (tools/compile_check's resources).
+SWEEP = {"decode": [(16, 32, 4, 4), (16, 32, 4, 6), (16, 64, 4, 4), (16, 64, 4, 6), (16, 128, 4, 3), (16, 128, 4, 4),
+                    (32, 64, 4, 4), (32, 128, 4, 4), (64, 64, 4, 3), (64, 64, 4, 4)],
+         "prefill": [(64, 64, 4, 4), (64, 128, 4, 3), (64, 128, 8, 3), (64, 128, 4, 4), (128, 64, 4, 3), (128, 128, 8, 3),
+                     (64, 256, 8, 3)]}
+
+
 def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=50)
+
+
+def sweep(tokens: list[int]) -> None:
+    from kdaserve.ops.fp8.block_gemm import block_fp8_gemm, gemm_config
+    from kdaserve.ops.fp8.quant import quantize_per_token_group
+
+    block = (128, 128)
+    print(f"\n{torch.cuda.get_device_name()}; the GEMM alone (activations quantized beforehand), ms, do_bench median")
+    print("| op | shape | default config | default ms | best config | best ms | bf16 ms | best vs bf16 |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, (N, K) in LINEARS.items():
+        w = torch.randn(N, K, device="cuda") * K**-0.5
+        wb, (wq, ws) = w.bfloat16(), quantize_blocks(w, block)
+        for T in tokens:
+            x = torch.randn(T, K, device="cuda").bfloat16()
+            xq, xs = quantize_per_token_group(x, 128)
+            times = {}
+            for config in SWEEP["decode" if T <= 64 else "prefill"]:
+                times[config] = bench(lambda: block_fp8_gemm(xq, xs, wq, ws, block, torch.bfloat16, config=config))
+            best = min(times, key=times.get)
+            default = gemm_config(T)
+            td = times.get(default) or bench(lambda: block_fp8_gemm(xq, xs, wq, ws, block, torch.bfloat16))
+            tb = bench(lambda: x @ wb.T)
+            print(f"| {name} | {T}x{N}x{K} | {default} | {td:.4f} | {best} | {times[best]:.4f} | {tb:.4f} | "
+                  f"{tb / times[best]:.2f}x |", flush=True)
+            print("  all: " + ", ".join(f"{c}: {t:.4f}" for c, t in sorted(times.items(), key=lambda kv: kv[1])), flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 256, 4096])
+    ap.add_argument("--sweep", action="store_true", help="time the linear GEMM's tile configs instead")
     args = ap.parse_args()
+    if args.sweep:
+        sweep(args.tokens)
+        return
     torch.manual_seed(0)
     block = (128, 128)
     rows = []

@@ -237,20 +237,20 @@ def _other_cases() -> list[Case]:
 
 def _fp8_cases() -> list[Case]:
     """Block-scaled FP8 (GLM-5.3-Flash's release, 128 x 128 blocks): the activation quantizer, the
-    linear GEMM at its tile choices (ops/fp8/block_gemm.gemm_tiles) and the FP8 expert GEMMs. Only
+    linear GEMM at its tile choices (ops/fp8/block_gemm.GEMM_CONFIGS) and the FP8 expert GEMMs. Only
     for targets with OCP FP8 dots (not gfx942, whose FP8 is the fnuz kind)."""
-    from kdaserve.ops.fp8.block_gemm import _block_fp8_gemm_kernel, gemm_warps
+    from kdaserve.ops.fp8.block_gemm import GEMM_CONFIGS, _block_fp8_gemm_kernel
     from kdaserve.ops.fp8.quant import _quantize_group_kernel
     from kdaserve.ops.moe.fused import _moe_down_kernel, _moe_gate_up_kernel, fp8_tiles
 
     F8, no = "*fp8e4nv", ("gfx942",)
     out = [Case("fp8 quantize group=128", _quantize_group_kernel, dict(x_ptr=BF, q_ptr=F8, s_ptr=F32),
                 dict(GROUP=128, FMAX=448.0, FLOOR=1e-10), 1, quick=True, no_spill=True, not_on=no)]
-    for bm, bn in ((16, 32), (16, 128), (64, 64)):
+    for bm, bn, warps, stages in GEMM_CONFIGS.values():
         out.append(Case(f"fp8 gemm BM={bm} BN={bn}", _block_fp8_gemm_kernel,
                         dict(a_ptr=F8, as_ptr=F32, w_ptr=F8, ws_ptr=F32, bias_ptr=BF, c_ptr=BF),
-                        dict(BLOCK_ROWS=128, HAS_BIAS=False, BM=bm, BN=bn, BK=128), gemm_warps(bm, bn), quick=bm == 64,
-                        no_spill=True, not_on=no))
+                        dict(BLOCK_ROWS=128, HAS_BIAS=False, EVEN_K=True, BM=bm, BN=bn, BK=128), warps, stages,
+                        quick=bm == 64 and bn == 64, no_spill=True, not_on=no))
     for bm in (16, 32, 64):   # moe_block_m's choices
         bn, warps = fp8_tiles(bm)
         out.append(Case(f"fp8 moe gate_up BM={bm}", _moe_gate_up_kernel,

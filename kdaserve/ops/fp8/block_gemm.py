@@ -3,9 +3,9 @@ token and K group on the fly (quant.py); each K block is one FP8 tensor-core dot
 is scaled by the rows' activation scales and the columns' weight scales before it is accumulated.
 
 One program per (BM rows, BN output columns) tile; BK = the weight's column block, so a program
-reads one activation scale per row and one weight scale per column for each K step. Tiles: small
-BM for decode-sized batches (the weight is read once per BM rows: the cost there is its bytes),
-BN shrinks until the grid fills the card."""
+reads one activation scale per row and one weight scale per column for each K step. Tiles by batch
+size (GEMM_CONFIGS): small BM for decode-sized batches (the weight is read once per BM rows: the
+cost there is its bytes), large tiles for prefill (tensor throughput)."""
 
 from __future__ import annotations
 
@@ -22,46 +22,54 @@ from kdaserve.ops.fp8.reference import FP8
 def _block_fp8_gemm_kernel(
     a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, c_ptr,
     M, N, K, stride_a, stride_as, stride_w, stride_ws, stride_c,
-    BLOCK_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rows = pid_m * BM + tl.arange(0, BM)
     cols = pid_n * BN + tl.arange(0, BN)
-    row_ok = rows < M
-    col_ok = cols < N
-    rows64 = tl.where(row_ok, rows, 0).to(tl.int64)
-    cols64 = tl.where(col_ok, cols, 0).to(tl.int64)
-    a_rows = a_ptr + rows64[:, None] * stride_a
-    w_cols = w_ptr + cols64[None, :] * stride_w
-    a_scales = as_ptr + rows64 * stride_as
-    w_scales = ws_ptr + (cols64 // BLOCK_ROWS) * stride_ws
+    # Rows and columns past the edge wrap around instead of being masked: the loads stay unmasked
+    # (fewer predicate registers, straight pipelining) and the store drops them.
+    rows_in = (rows % M).to(tl.int64)
+    cols_in = (cols % N).to(tl.int64)
+    ks = tl.arange(0, BK)
+    a_tile = a_ptr + rows_in[:, None] * stride_a + ks[None, :]
+    w_tile = w_ptr + cols_in[None, :] * stride_w + ks[:, None]
+    a_scales = as_ptr + rows_in * stride_as
+    w_scales = ws_ptr + (cols_in // BLOCK_ROWS) * stride_ws
     acc = tl.zeros([BM, BN], tl.float32)
     for kb in range(0, tl.cdiv(K, BK)):
-        ks = kb * BK + tl.arange(0, BK)
-        k_ok = ks < K
-        a = tl.load(a_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_cols + ks[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-        sa = tl.load(a_scales + kb, mask=row_ok, other=0.0)
-        sw = tl.load(w_scales + kb, mask=col_ok, other=0.0)
+        if EVEN_K:
+            a = tl.load(a_tile)
+            w = tl.load(w_tile)
+        else:
+            k_ok = kb * BK + ks < K
+            a = tl.load(a_tile, mask=k_ok[None, :], other=0.0)
+            w = tl.load(w_tile, mask=k_ok[:, None], other=0.0)
+        sa = tl.load(a_scales + kb)
+        sw = tl.load(w_scales + kb)
         acc += tl.dot(a, w) * sa[:, None] * sw[None, :]
+        a_tile += BK
+        w_tile += BK
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols64, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(c_ptr + rows64[:, None] * stride_c + cols64[None, :], acc.to(c_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])
+        acc += tl.load(bias_ptr + cols_in).to(tl.float32)[None, :]
+    out = c_ptr + rows.to(tl.int64)[:, None] * stride_c + cols.to(tl.int64)[None, :]
+    tl.store(out, acc.to(c_ptr.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
 
 
-def gemm_tiles(M: int, N: int, sms: int = 132) -> tuple[int, int]:
-    """(BM, BN): BM follows the batch; BN the largest of 128/64/32 that still gives every SM a
-    program (decode steps have few row tiles, so the columns must supply the parallelism). Past
-    BM = 16, BN stops at 64: a [64, 128] program spills on sm_100 even at eight warps."""
-    BM = 16 if M <= 16 else 32 if M <= 32 else 64
-    m_tiles = triton.cdiv(M, BM)
-    for BN in ((128, 64) if BM == 16 else (64,)):
-        if m_tiles * triton.cdiv(N, BN) >= sms:
-            return BM, BN
-    return BM, 32
+# (BM, BN, warps, stages) by batch size: one table, chosen by the H200 sweep of
+# benchmarks/bench_fp8_gemm.py --sweep (docs/perf-notes.md), each checked spill-free by
+# tools/compile_check.
+GEMM_CONFIGS = {16: (16, 64, 4, 4), 32: (32, 64, 4, 4), 64: (64, 64, 4, 3), 256: (64, 128, 4, 3),
+                None: (64, 128, 8, 3)}
+
+
+def gemm_config(M: int) -> tuple[int, int, int, int]:
+    for bound, config in GEMM_CONFIGS.items():
+        if bound is not None and M <= bound:
+            return config
+    return GEMM_CONFIGS[None]
 
 
 def min_column_block(device: torch.device) -> int:
@@ -69,17 +77,12 @@ def min_column_block(device: torch.device) -> int:
     return 32 if device.type == "cuda" else 16
 
 
-def gemm_warps(BM: int, BN: int) -> int:
-    """Each K step's dot result is scaled before it is added, so a program holds two [BM, BN] fp32
-    tiles, and its [BM, 128] and [128, BN] tiles of operand addresses: from 64 x 64 on, four warps
-    spill (sm_100), eight do not."""
-    return 8 if BM * BN >= 64 * 64 else 4
-
-
 def block_fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
-                   block: tuple[int, int], out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+                   block: tuple[int, int], out_dtype: torch.dtype, bias: torch.Tensor | None = None,
+                   config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """xq [M, K] FP8 with x_scale [M, ceil(K / bc)], weight [N, K] FP8 with scale_inv
-    [ceil(N / br), ceil(K / bc)] -> [M, N] in out_dtype."""
+    [ceil(N / br), ceil(K / bc)] -> [M, N] in out_dtype. `config`: (BM, BN, warps, stages) instead
+    of GEMM_CONFIGS' (benchmark sweeps)."""
     M, K = xq.shape
     N = weight.shape[0]
     br, bc = block
@@ -98,21 +101,22 @@ def block_fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor
     out = torch.empty(M, N, dtype=out_dtype, device=xq.device)
     if M == 0:
         return out
-    BM, BN = gemm_tiles(M, N)
+    BM, BN, warps, stages = config or gemm_config(M)
     _block_fp8_gemm_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN))](
         xq, x_scale, weight, scale_inv, bias if bias is not None else out, out,
         M, N, K, xq.stride(0), x_scale.stride(0), weight.stride(0), scale_inv.stride(0), out.stride(0),
-        BLOCK_ROWS=br, HAS_BIAS=bias is not None, BM=BM, BN=BN, BK=bc, num_warps=gemm_warps(BM, BN), num_stages=3,
+        BLOCK_ROWS=br, HAS_BIAS=bias is not None, EVEN_K=K % bc == 0, BM=BM, BN=BN, BK=bc,
+        num_warps=warps, num_stages=stages,
     )
     return out
 
 
 def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
-                     bias: torch.Tensor | None = None) -> torch.Tensor:
+                     bias: torch.Tensor | None = None, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """x [..., K] in bf16/fp16/fp32 -> x W^T (+ bias) [..., N] in x's dtype, W block-scaled FP8."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     xq, xs = quantize_per_token_group(x2, block[1])
-    return block_fp8_gemm(xq, xs, weight, scale_inv, block, x.dtype, bias).view(*lead, weight.shape[0])
+    return block_fp8_gemm(xq, xs, weight, scale_inv, block, x.dtype, bias, config).view(*lead, weight.shape[0])
