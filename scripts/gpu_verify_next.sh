@@ -6,8 +6,7 @@
 # annotated-types, typing-inspection for the server; xgrammar 0.2.8, apache-tvm-ffi and
 # transformers 5.23.0 with what it imports for structured output) and, for an old-vs-new comparison, [".old"]
 # (e.g. `git archive <commit> kdaserve benchmarks | tar -x -C .old`).
-# Parts owed (add one as `if [ "$PART" = name ]; then ... fi` below, with what it must show):
-#   bash scripts/gpu_verify_next.sh fp8   # issue 28's FP8 GEMMs after the fixes of the thirteenth session's run 3
+# Parts owed (add one as `if [ "$PART" = name ]; then ... fi` below, with what it must show): none.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -32,14 +31,3 @@ group() {  # name, seconds, pytest args...: one pytest process per file (one GPU
 PART=${1:-}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 [ -z "$PART" ] && echo "name a part"
-if [ "$PART" = fp8 ]; then
-# Must show: rc=0 and no FAILED line: the FP8 quantizer, linear GEMM and expert GEMMs at GLM's sizes
-# (tests/ops/test_fp8.py GPU tests, the expert test against the bf16 definition within 1e-3), the
-# GLM FP8 checkpoint tests (32-wide blocks; kept experts and linears close to the dequantized
-# model), the MoE tests unchanged; then the FP8 GEMM table (compare with the perf-notes run 3 table).
-group fp8_ops 200 tests/ops/test_fp8.py
-group moe_gpu 90 tests/ops/test_moe.py -k gpu
-group glm_fp8 150 tests/models/test_glm5_next.py -k "fp8 or mtp_speculation"
-left=$(( BUDGET - ($(date +%s) - START) ))
-timeout $(( left > 30 ? left - 10 : 20 )) python3 benchmarks/bench_fp8_gemm.py 2>&1 | tail -20
-fi

@@ -5,9 +5,10 @@ ceil(cols / bc)] in fp32, one factor per br x bc block (`quantization_config.wei
 
 `KDASERVE_FP8_WEIGHTS` chooses what stays FP8 (with its scales, run by block-scaled FP8 GEMMs:
 layers/linear.py, layers/moe.py); everything else is dequantized once at load into the model's dtype:
-- `auto` (the default): the routed experts, where FP8 dots run (CUDA capability 8.9 and up). On an
-  H200 the FP8 expert GEMMs beat bf16 at decode (1.1-1.5x) and tie at prefill, while the FP8
-  linear GEMM still loses to cuBLAS in bf16 (0.2-0.7x; docs/perf-notes.md, thirteenth session).
+- `auto` (the default): the routed experts, where FP8 dots run (CUDA capability 8.9 and up): half
+  their memory (most of a MoE model's bytes) at the bf16 experts' speed (0.84-1.5x on an H200),
+  while the FP8 linear projections, with their separate activation-quantization launch, are still
+  slower than cuBLAS in bf16 (docs/perf-notes.md, thirteenth session).
 - `keep`: the experts and the family's big linear projections, on any device (a CPU runs the
   Triton interpreter or the torch definition): half the weight memory, for now slower linears.
 - `dequantize`: nothing. A kept weight
