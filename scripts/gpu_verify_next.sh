@@ -6,7 +6,8 @@
 # annotated-types, typing-inspection for the server; xgrammar 0.2.8, apache-tvm-ffi and
 # transformers 5.23.0 with what it imports for structured output) and, for an old-vs-new comparison, [".old"]
 # (e.g. `git archive <commit> kdaserve benchmarks | tar -x -C .old`).
-# Parts owed (add one as `if [ "$PART" = name ]; then ... fi` below, with what it must show): none.
+# Parts owed (add one as `if [ "$PART" = name ]; then ... fi` below, with what it must show):
+#   bash scripts/gpu_verify_next.sh mtp_graphs   # issue 28: the MTP drafter after CUDA-graph verify steps (thirteenth session, after its GPU time)
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -31,3 +32,16 @@ group() {  # name, seconds, pytest args...: one pytest process per file (one GPU
 PART=${1:-}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 [ -z "$PART" ] && echo "name a part"
+if [ "$PART" = mtp_graphs ]; then
+# Must show: rc=0 and no FAILED line for the GLM model tests, the new
+# test_gpu_mtp_with_cuda_graphs_is_lossless among them (graphs on, greedy tokens equal to eager MTP
+# and to no speculation); then `kdaserve generate` on glm-tiny with MTP, graphs on vs
+# --enforce-eager: its throughput line for what the graphs save (record it in docs/perf-notes.md).
+group glm_gpu 300 tests/models/test_glm5_next.py
+left=$(( BUDGET - ($(date +%s) - START) ))
+for eager in "" --enforce-eager; do
+  timeout $(( left > 60 ? left / 2 - 10 : 20 )) python3 -m kdaserve.cli generate --model glm-tiny $eager \
+    --prompt "KDA is" --prompt "The state of a linear attention layer" --max-tokens 256 \
+    --speculative-config '{"method": "mtp", "num_speculative_tokens": 2}' 2>&1 | tail -4
+done
+fi

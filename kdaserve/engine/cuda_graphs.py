@@ -148,6 +148,15 @@ class DecodeGraphs:
     def bucket(self, n: int) -> int:
         return next(b for b in self.sizes if b >= n)
 
+    def attention_context(self, step: HostStep) -> tuple[Context, torch.Tensor]:
+        """(attention context, positions) of the real rows of the step just replayed, as views of
+        the static buffers: what a pass after the graph (the MTP drafter's) runs under. Valid until
+        the next step stages its inputs (stream order keeps the pass before that copy)."""
+        x, rows = self.inputs, step.num_decode_tokens
+        attn = AttentionMetadata(slot_mapping=x.slot_mapping[:rows], num_decode_tokens=rows,
+                                 decode_block_tables=x.block_tables[:rows], decode_context_lens=x.context_lens[:rows])
+        return Context(attn=attn), x.positions[:rows]
+
     def run(self, step: HostStep) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Replay the decode step; returns the hidden states of its real rows and the device
         index of its sample rows (None: rows 0..k-1)."""

@@ -96,8 +96,6 @@ class ModelRunner:
         not_capturable = self.kda_backends is not None and not self.kda_backends.decode.graph_capturable
         if config.use_cuda_graphs and not_capturable:
             log.warning("CUDA graphs off: KDA decode backend %s cannot be captured", self.kda_backends.decode.name)
-        elif config.use_cuda_graphs and self.mtp:
-            log.warning("CUDA graphs off: the MTP drafter's pass after each verify is not captured yet")
         elif config.use_cuda_graphs:
             self.graphs = DecodeGraphs(
                 self.model, max_batch_size=config.cuda_graph_max_batch_size or min(config.max_num_seqs, _DEFAULT_MAX_GRAPH_BATCH),
@@ -188,9 +186,10 @@ class ModelRunner:
         self.copy_states(batch.restores)   # prefix-cache hits: their states before the step reads them
         width = self.blocks_per_seq if self.graphs is not None and not batch.prefills else None
         step = build_host_step(batch, self.block_size, decode_width=width, trash_row=self.caches.trash_row)
-        dev = None
         if self.graphs is not None and self.graphs.can_run(step):
             hidden, sample_rows = self.graphs.run(step)
+            # The MTP drafter runs eagerly after the replay, under the replayed step's metadata.
+            context, positions = self.graphs.attention_context(step) if self.mtp else (None, None)
         else:
             dev = to_device_context(step, self.device, self.step_ring)
             sample_rows = dev.sample_rows
@@ -201,6 +200,7 @@ class ModelRunner:
                 hidden = self.model(dev.input_ids, dev.positions)
             finally:
                 reset_context()
+            context, positions = dev.context, dev.positions
         want = step.logits
         sampled = SampleResult([], [])
         accepted = [] if want.groups is not None else None
@@ -212,10 +212,10 @@ class ModelRunner:
                 accepted = self.rejection_sampler.sample(logits, want.groups)
             else:
                 sampled = self.sampler.sample(logits, want.sample_seqs)
-        drafts = self._mtp_drafts(batch, step, dev, hidden, accepted) if self.mtp else []
+        drafts = self._mtp_drafts(batch, step, context, positions, hidden, accepted) if self.mtp else []
         return StepResult(sampled, want.sample_seqs, self._prompt_logprobs(hidden, want.prompt_rows), accepted, drafts)
 
-    def _mtp_drafts(self, batch: ScheduledBatch, step, dev, hidden: torch.Tensor,
+    def _mtp_drafts(self, batch: ScheduledBatch, step, context: Context, positions: torch.Tensor, hidden: torch.Tensor,
                     accepted: list[AcceptedTokens]) -> list[tuple[Sequence, list[int]]]:
         """The MTP layer over every row of the step (models/glm5_next_mtp.py): row i reads the
         target's hidden state and the token after its own (the next prompt token, or the token
@@ -242,9 +242,9 @@ class ModelRunner:
                 next_ids[row + n - 1] = by_seq[seq.seq_id].tokens[0]
                 sources.append((seq, row + n - 1, p + n - 1))
             row += n
-        set_context(dev.context)   # every step: a prompt chunk that samples nothing still fills the caches
+        set_context(context)   # every step: a prompt chunk that samples nothing still fills the caches
         try:
-            out = self.model.draft_hidden(next_ids.to(self.device, non_blocking=True), dev.positions, hidden)
+            out = self.model.draft_hidden(next_ids.to(self.device, non_blocking=True), positions, hidden)
         finally:
             reset_context()
         if not sources:

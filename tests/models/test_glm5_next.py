@@ -447,6 +447,25 @@ def test_mtp_speculation_is_lossless(mtp_checkpoint):
     assert alone.generate([PROMPTS[1]], greedy, use_tqdm=False)[0].output_token_ids == want[1]
 
 
+@pytest.mark.gpu
+def test_gpu_mtp_with_cuda_graphs_is_lossless(mtp_checkpoint):
+    """The verify steps replay CUDA graphs and the MTP passes run after them under the replayed
+    step's metadata: the same greedy tokens as eager MTP and as no speculation (Triton kernels,
+    fp32, batched, 1 and 3 drafts)."""
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True)
+    gpu = dict(max_model_len=256, dtype="float32")
+    want = [o.output_token_ids for o in LLM(str(mtp_checkpoint), enforce_eager=True, **gpu).generate(
+        PROMPTS, greedy, use_tqdm=False)]
+    for spec in (MTP, MTP3):
+        eager = LLM(str(mtp_checkpoint), enforce_eager=True, **gpu, **spec)
+        graphs = LLM(str(mtp_checkpoint), **gpu, **spec)
+        assert graphs.engine.runner.graphs is not None, "CUDA graphs are off"
+        got_eager = [o.output_token_ids for o in eager.generate(PROMPTS, greedy, use_tqdm=False)]
+        got = [o.output_token_ids for o in graphs.generate(PROMPTS, greedy, use_tqdm=False)]
+        assert got == got_eager == want, spec
+        assert graphs.engine.stats()["spec_decode_num_drafts"] > 0, "the drafter proposed nothing"
+
+
 def test_mtp_needs_the_layer(tmp_path, mtp_checkpoint):
     from kdaserve.engine.speculative import SpeculativeConfig
 
