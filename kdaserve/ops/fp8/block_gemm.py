@@ -61,7 +61,7 @@ def _block_fp8_gemm_kernel(
 # (BM, BN, warps, stages) by batch size, from the H200 sweep of `benchmarks/bench_fp8_gemm.py
 # --sweep` over GLM-5.3-Flash's linear shapes (docs/perf-notes.md, thirteenth session): at one token
 # (16, 64, 4, 6) is within 8% of each shape's best; up to 64 tokens (64, 64, 4, 3) has the lowest
-# sum; prefill (64, 128, 4, 3) is best on every shape (eight warps at that tile: 1.5-1.8x slower).
+# sum; prefill (64, 128, 4, 3) is best on every shape (eight warps at that tile: 1.55-1.75x slower).
 # Each is spill-free on every target (tools/compile_check).
 GEMM_CONFIGS = {16: (16, 64, 4, 6), 32: (32, 64, 4, 4), 64: (64, 64, 4, 3), None: (64, 128, 4, 3)}
 
@@ -96,8 +96,8 @@ def block_fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor
     if bc < min_column_block(xq.device) or bc & (bc - 1):
         raise ValueError(f"the weight's column block (one K step) must be a power of two of at least "
                          f"{min_column_block(xq.device)} on {xq.device.type}, got {bc}")
-    if xq.stride(1) != 1 or weight.stride(1) != 1:
-        raise ValueError("block FP8 GEMM needs x and weight with contiguous rows")
+    if xq.stride(1) != 1 or weight.stride(1) != 1 or x_scale.stride(1) != 1 or scale_inv.stride(1) != 1:
+        raise ValueError("block FP8 GEMM needs x, the weight and both scales with contiguous rows")
     interpreter_compat.install()
     out = torch.empty(M, N, dtype=out_dtype, device=xq.device)
     if M == 0:
