@@ -8,6 +8,7 @@
 # (e.g. `git archive <commit> kdaserve benchmarks | tar -x -C .old`).
 # Parts owed (add one as `if [ "$PART" = name ]; then ... fi` below, with what it must show):
 #   bash scripts/gpu_verify_next.sh mtp_graphs   # issue 28: the MTP drafter after CUDA-graph verify steps (thirteenth session, after its GPU time)
+#   bash scripts/gpu_verify_next.sh moe_mla      # issue 21 goal 5: the MoE and MLA kernels against their floors and the torch path
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -44,4 +45,10 @@ for eager in "" --enforce-eager; do
     --prompt "KDA is" --prompt "The state of a linear attention layer" --max-tokens 256 \
     --speculative-config '{"method": "mtp", "num_speculative_tokens": 2}' 2>&1 | tail -4
 done
+fi
+if [ "$PART" = moe_mla ]; then
+# Must show: the table of benchmarks/bench_moe_mla.py (Kimi-Linear's sizes; decode at batch 1-256
+# against the bytes floor, prefill at 1K and 8K tokens against the bf16 tensor rate, the torch path
+# beside each). Record it in docs/perf-notes.md under issue 21 with what limits each row.
+timeout $(( BUDGET - 20 )) python3 benchmarks/bench_moe_mla.py 2>&1 | tail -16
 fi

@@ -1,0 +1,120 @@
+"""The MoE and MLA kernels at Kimi-Linear's sizes against their own floors and side by side with
+the plain torch path (issue "Fast at the real shape", goal 5), on one GPU:
+
+- decode at batch 1..256: ms per call (do_bench median, device time of the call incl. its small
+  launches), and the call's floor = bytes that must move / the measured copy bandwidth
+  (MoE: the routed experts the batch touches, their gate|up and down weights; MLA: every context's
+  latent rows, 8K tokens each by default);
+- prefill at 1K..8K tokens: ms and the fraction of the card's dense bf16 tensor rate (989 TFLOP/s
+  on an H200: MoE 2 x 3 x hidden x width flops per routed token; MLA causal attention flops).
+
+    PYTHONPATH=$PWD python3 benchmarks/bench_moe_mla.py [--batches 1 8 64 256] [--prefill 1024 8192] [--ctx 8192]
+
+torch: ops/moe/reference.py's loop over experts and ops/mla/reference.py's gathers and einsums, the
+definitions the kernels are tested against (no torch.compile). Rows print as measured; the table
+prints last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.bench_throughput import copy_bandwidth  # noqa: E402
+from kdaserve.ops.mla.decode import mla_decode_triton  # noqa: E402
+from kdaserve.ops.mla.prefill import mla_prefill_triton  # noqa: E402
+from kdaserve.ops.mla.reference import mla_decode_reference, mla_prefill_reference  # noqa: E402
+from kdaserve.ops.moe import RouterConfig, moe_experts_reference, route_tokens  # noqa: E402
+from kdaserve.ops.moe.fused import moe_experts_fused  # noqa: E402
+
+# Kimi-Linear-48B-A3B: 256 experts (top 8) of width 1024 on hidden 2304; MLA with 32 heads, latent
+# 512, rotary 64, nope and value heads 128.
+HIDDEN, E, K, WIDTH = 2304, 256, 8, 1024
+HEADS, LATENT, ROPE, NOPE, V = 32, 512, 64, 128, 128
+PEAK_BF16 = 989e12
+BF = torch.bfloat16
+
+
+def bench(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=5, rep=40)
+
+
+def moe_rows(batches, prefill, bw, torch_max):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w13 = (torch.randn(E, 2 * WIDTH, HIDDEN, device="cuda", generator=g) * HIDDEN**-0.5).to(BF)
+    w2 = (torch.randn(E, HIDDEN, WIDTH, device="cuda", generator=g) * WIDTH**-0.5).to(BF)
+    gate = torch.randn(E, HIDDEN, device="cuda", generator=g) * HIDDEN**-0.5
+    router = RouterConfig(E, K, routed_scaling_factor=2.446)
+    for step, T in [("decode", b) for b in batches] + [("prefill", t) for t in prefill]:
+        x = torch.randn(T, HIDDEN, device="cuda", generator=g).to(BF)
+        weights, ids = route_tokens(x, gate, None, router)
+        touched = ids.unique().numel()
+        ms = bench(lambda: moe_experts_fused(x, w13, w2, weights, ids))
+        mt = bench(lambda: moe_experts_reference(x, w13, w2, weights, ids)) if T <= torch_max else float("nan")
+        nbytes = touched * 3 * HIDDEN * WIDTH * 2
+        flops = 2 * 3 * HIDDEN * WIDTH * T * K
+        floor = nbytes / bw * 1e3 if step == "decode" else flops / PEAK_BF16 * 1e3
+        yield ("MoE", step, T, f"{touched} experts", ms, mt, floor)
+
+
+def _paged(B, ctx, bs=16):
+    g = torch.Generator(device="cuda").manual_seed(1)
+    blocks = -(-ctx // bs)
+    cache = torch.randn(B * blocks + 1, bs, LATENT + ROPE, device="cuda", generator=g).to(BF)
+    tables = (torch.arange(B * blocks, device="cuda", dtype=torch.int32) + 1).view(B, blocks)
+    lens = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
+    return cache, tables, lens
+
+
+def mla_rows(batches, prefill, ctx, bw, torch_max):
+    scale = (NOPE + ROPE) ** -0.5
+    g = torch.Generator(device="cuda").manual_seed(2)
+    for B in batches:
+        cache, tables, lens = _paged(B, ctx)
+        q_lat = torch.randn(B, HEADS, LATENT, device="cuda", generator=g).to(BF)
+        q_pe = torch.randn(B, HEADS, ROPE, device="cuda", generator=g).to(BF)
+        ms = bench(lambda: mla_decode_triton(q_lat, q_pe, cache, tables, lens, scale))
+        mt = bench(lambda: mla_decode_reference(q_lat, q_pe, cache, tables, lens, scale)) if B <= torch_max else float("nan")
+        floor = B * ctx * (LATENT + ROPE) * 2 / bw * 1e3
+        yield ("MLA", "decode", B, f"ctx {ctx}", ms, mt, floor)
+        del cache
+    for T in prefill:
+        q_n = torch.randn(T, HEADS, NOPE, device="cuda", generator=g).to(BF)
+        q_p = torch.randn(T, HEADS, ROPE, device="cuda", generator=g).to(BF)
+        k_n = torch.randn(T, HEADS, NOPE, device="cuda", generator=g).to(BF)
+        k_p = torch.randn(T, ROPE, device="cuda", generator=g).to(BF)
+        v = torch.randn(T, HEADS, V, device="cuda", generator=g).to(BF)
+        ms = bench(lambda: mla_prefill_triton(q_n, q_p, k_n, k_p, v, [T], [T], scale))
+        mt = bench(lambda: mla_prefill_reference(q_n, q_p, k_n, k_p, v, [T], [T], scale)) if T <= 4096 else float("nan")
+        flops = 2 * HEADS * T * T / 2 * (NOPE + ROPE + V)   # causal: half the score matrix, QK^T and PV
+        yield ("MLA", "prefill", T, "one sequence", ms, mt, flops / PEAK_BF16 * 1e3)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
+    ap.add_argument("--prefill", type=int, nargs="+", default=[1024, 8192])
+    ap.add_argument("--ctx", type=int, default=8192, help="context tokens per sequence in MLA decode")
+    ap.add_argument("--torch-max", type=int, default=64, help="time the torch path up to this batch (it is slow)")
+    args = ap.parse_args()
+    bw = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s, bf16 peak {PEAK_BF16 / 1e12:.0f} TFLOP/s")
+    rows = []
+    for row in list(moe_rows(args.batches, args.prefill, bw, args.torch_max)) + list(
+            mla_rows(args.batches, args.prefill, args.ctx, bw, args.torch_max)):
+        rows.append(row)
+        print(row, flush=True)
+    print("\n| kernel | step | batch / tokens | what | triton ms | torch ms | floor ms | triton x floor | torch / triton |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for kernel, step, n, what, ms, mt, floor in rows:
+        print(f"| {kernel} | {step} | {n} | {what} | {ms:.4f} | {mt:.4f} | {floor:.4f} | {ms / floor:.2f}x | {mt / ms:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
