@@ -70,7 +70,7 @@ class ModelRunner:
         self.mtp = spec is not None and spec.method == "mtp"   # the model's MTP layer drafts (_mtp_drafts)
         loaded = load_model(config.model, dtype=config.dtype, device=self.device, kda=config.kda, seed=config.seed,
                             load_format=config.load_format, mla_backend=config.mla_backend, moe_backend=config.moe_backend,
-                            tokenizer_dir=config.tokenizer, mtp=self.mtp)
+                            tokenizer_dir=config.tokenizer, mtp=self.mtp, quantization=config.quantization)
         self.model = loaded.model.eval()
         self.tokenizer, self.model_config, self.model_name = loaded.tokenizer, loaded.config, loaded.name
         self.kda_backends = self.model.kda_backends  # resolved once, by the model

@@ -16,6 +16,7 @@ class Family:
     random_weights: Callable  # random_weights(config, seed, *, dtype, device, mtp) -> iterable of (name, tensor)
     shapes: Callable | None = None   # shapes(config[, mtp]) -> {checkpoint name: shape}, for the capacity check
     has_mtp: bool = False            # can build a multi-token-prediction drafter (build(..., mtp=True))
+    has_fp8: bool = False            # can keep block-scaled FP8 weights (build(..., quantization="fp8"))
 
 
 def _hybrid() -> Family:
@@ -50,14 +51,14 @@ def _glm5_next() -> Family:
     from kdaserve.models.glm5_next import Glm5NextForCausalLM, random_released_tensors, released_shapes
     from kdaserve.models.glm5_next_config import Glm5NextConfig
 
-    def build(config, *, kda, mla_backend, moe_backend, dtype, device, mtp=False):
+    def build(config, *, kda, mla_backend, moe_backend, dtype, device, mtp=False, quantization=None):
         return Glm5NextForCausalLM(config, kda=kda, mla_backend=mla_backend, moe_backend=moe_backend, dtype=dtype,
-                                   device=device, mtp=mtp)
+                                   device=device, mtp=mtp, quantization=quantization)
 
     def random(config, seed, *, dtype, device, mtp=False):
         return random_released_tensors(config, seed, dtype=dtype, device=device, mtp=mtp)
 
-    return Family("glm5_next", Glm5NextConfig.from_dict, build, random, released_shapes, has_mtp=True)
+    return Family("glm5_next", Glm5NextConfig.from_dict, build, random, released_shapes, has_mtp=True, has_fp8=True)
 
 
 _FAMILIES = {"kimi_linear": _kimi_linear, "glm5_next": _glm5_next, "glm5_next_text": _glm5_next}

@@ -12,7 +12,8 @@ layers/linear.py, layers/moe.py); everything else is dequantized once at load in
 - `keep`: the experts and the family's big linear projections, on any device (a CPU runs the
   Triton interpreter or the torch definition): half the weight memory, for now slower linears.
 - `dequantize`: nothing.
-A kept weight that arrives unquantized is quantized at load (max|block| / 448 scales, as the
+`--quantization fp8` (models/glm5_next.py) keeps the experts and linears whatever the policy and
+the checkpoint. A kept weight that arrives unquantized is quantized at load (max|block| / 448 scales, as the
 release does). A weight without its scale, or a scale without its weight, is an error naming it."""
 
 from __future__ import annotations

@@ -146,13 +146,18 @@ class Glm5NextForCausalLM(KDACausalLM):
     """The engine's model interface (models/causal_lm.py) over the released checkpoint format."""
 
     def __init__(self, config: Glm5NextConfig, *, kda: KDABackendChoice | None = None, mla_backend: str = "auto",
-                 moe_backend: str = "auto", dtype=None, device=None, mtp: bool = False):
+                 moe_backend: str = "auto", dtype=None, device=None, mtp: bool = False,
+                 quantization: str | None = None):
         super().__init__()
         dtype = dtype or torch.get_default_dtype()
         kda = kda or KDABackendChoice()
         backends = self.resolve_backends(config, kda, dtype, device, lower_bound=config.linear_lower_bound)
-        self.fp8_block = fp8_kept(config, device)
-        self.fp8_linear_block = self.fp8_block if fp8_policy() == "keep" else None
+        forced = quantization == "fp8"   # --quantization fp8: experts and linears, whatever the checkpoint
+        self.fp8_block = fp8_kept(config, device, forced)
+        self.fp8_linear_block = self.fp8_block if forced or fp8_policy() == "keep" else None
+        if self.fp8_block is not None:
+            log.info("GLM-5.3-Flash: FP8 weights (%d x %d blocks) for the routed experts%s", *self.fp8_block,
+                     " and the linear projections" if self.fp8_linear_block else "")
         fp8 = dict(fp8_block=self.fp8_block, fp8_linear_block=self.fp8_linear_block)
         self.model = Glm5NextModel(config, kda=kda, kda_backends=backends, mla_backend=mla_backend,
                                    moe_backend=moe_backend, dtype=dtype, device=device, **fp8)
@@ -196,17 +201,24 @@ def released_shapes(config: Glm5NextConfig, mtp: bool = False, fp8_block: tuple[
     return s
 
 
-def fp8_kept(config: Glm5NextConfig, device) -> tuple[int, int] | None:
+def fp8_kept(config: Glm5NextConfig, device, forced: bool = False) -> tuple[int, int] | None:
     """The FP8 block size when this model keeps FP8 weights on `device` (models/fp8.py), else
-    None. Merged gate|up weights need expert and MLP widths of whole row blocks."""
-    block = kept_fp8_block(config.extra, device)
-    widths = (config.intermediate_size, config.moe_intermediate_size)
-    if block is not None and any(w % block[0] for w in widths):
-        log.warning("FP8 weights dequantized: MLP widths %s are not multiples of the %d-row block", widths, block[0])
+    None. Merged gate|up weights need expert and MLP widths of whole row blocks, and FP8 dots K
+    steps of at least 32: where they do not hold, an FP8 checkpoint is dequantized (with a log
+    line) and `forced` (--quantization fp8) is an error naming both."""
+    block = fp8_block_size(config.extra) if forced else kept_fp8_block(config.extra, device)
+    if block is None:
         return None
+    widths = (config.intermediate_size, config.moe_intermediate_size)
     on_gpu = torch.device(device).type == "cuda" if device is not None else torch.cuda.is_available()
-    if block is not None and on_gpu and block[1] < 32:
-        log.warning("FP8 weights dequantized: FP8 dots take K steps of at least 32, the checkpoint's blocks are %s", block)
+    unmet = ([f"the MLP widths {widths} must be multiples of the {block[0]}-row block"]
+             if any(w % block[0] for w in widths) else [])
+    if on_gpu and block[1] < 32:
+        unmet.append(f"FP8 dots take K steps of at least 32, the blocks are {block}")
+    if unmet and forced:
+        raise ValueError(f"--quantization fp8 cannot run this model: {'; '.join(unmet)}")
+    if unmet:
+        log.warning("FP8 weights dequantized: %s", "; ".join(unmet))
         return None
     return block
 

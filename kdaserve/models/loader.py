@@ -61,22 +61,27 @@ def _tokenizer_from(directory: str, config):
 def load_model(
     model: str, *, dtype: torch.dtype, device, kda: KDABackendChoice | None = None, seed: int = 0,
     load_format: str = "auto", mla_backend: str = "auto", moe_backend: str = "auto", tokenizer_dir: str | None = None,
-    mtp: bool = False,
+    mtp: bool = False, quantization: str | None = None,
 ) -> LoadedModel:
     """`model`: a built-in name (random weights from `seed`), a released name (its architecture;
     weights only with load_format="dummy") or a checkpoint directory. `tokenizer_dir`: a directory
     whose tokenizer replaces the model's (vLLM's --tokenizer; a released name with dummy weights
     then tokenizes as the real model does). `mtp`: also the model's multi-token-prediction layer
-    (the drafter of speculative method "mtp")."""
+    (the drafter of speculative method "mtp"). `quantization`: "fp8" for block-scaled FP8 weights
+    (families with `has_fp8`), None for the checkpoint's own format."""
     config, tokenizer, name, dummy = resolve_model(model, load_format, tokenizer_dir)
     family = family_of_config(config)
+    if quantization is not None and not family.has_fp8:
+        raise ValueError(f"--quantization {quantization}: {family.name} ({name}) has no FP8 path yet; GLM-5.3-Flash "
+                         f"(glm5_next) has one. Leave --quantization unset to serve it in its dtype")
     if mtp and not family.has_mtp:
         raise ValueError(f"speculative method 'mtp' needs a model with a multi-token-prediction layer; {family.name} "
                          f"({name}) has none: use the 'ngram' method")
     shapes = None if family.shapes is None else family.shapes(config, True) if mtp else family.shapes(config)
     check_weights_fit(name, shapes, dtype, device)
+    extra = dict(quantization=quantization) if quantization is not None else {}
     net = family.build(config, kda=kda, mla_backend=mla_backend, moe_backend=moe_backend, dtype=dtype, device=device,
-                       mtp=mtp)
+                       mtp=mtp, **extra)
     weights = (family.random_weights(config, seed, dtype=dtype, device=device, mtp=mtp) if dummy
                else iterate_safetensors(SHIPPED_CHECKPOINTS.get(model, model)))
     net.load_weights(weights)

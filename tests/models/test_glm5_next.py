@@ -312,6 +312,35 @@ def test_fp8_kept_weights_run_block_scaled_gemms(tmp_path, monkeypatch):
         assert rel_rms(t, d) < 0.035, "kept FP8 vs the dequantized model (log-probs)"
 
 
+def test_quantization_fp8_quantizes_an_unquantized_checkpoint_at_load(tmp_path, monkeypatch):
+    """vLLM's --quantization fp8: the experts and linear projections of a checkpoint in full
+    precision are quantized at load (the config's blocks here, 128 x 128 by default) and run as
+    the same checkpoint released in FP8 does; families without an FP8 path and sizes FP8 cannot
+    take are refused at startup, saying why."""
+    import triton
+
+    from kdaserve.ops.fp8.reference import FP8
+
+    if not (torch.cuda.is_available() or triton.knobs.runtime.interpret):
+        pytest.skip("needs a GPU or TRITON_INTERPRET=1")
+    _, fp8_path, ref_path, _, _ = _fp8_checkpoints(tmp_path)
+    monkeypatch.setenv("KDASERVE_FP8_WEIGHTS", "keep")
+    released = _our_logprobs(LLM(str(fp8_path), max_model_len=256, max_logprobs=VOCAB, warmup=False, **REF), PROMPTS[:2])
+    monkeypatch.delenv("KDASERVE_FP8_WEIGHTS")
+    llm = LLM(str(ref_path), max_model_len=256, max_logprobs=VOCAB, warmup=False, quantization="fp8", **REF)
+    layers = llm.engine.runner.model.model.layers
+    assert layers[1].mlp.w13.dtype == FP8 and layers[1].self_attn.q_b_proj.weight.dtype == FP8
+    for a, b in zip(_our_logprobs(llm, PROMPTS[:2]), released):
+        assert_rel_close(a, b, 1e-4, "quantized at load vs released in FP8")
+    with pytest.raises(ValueError, match=r"kimi_linear \(kimi-tiny\) has no FP8 path yet"):
+        LLM("kimi-tiny", max_model_len=64, quantization="fp8", **REF)
+    with pytest.raises(ValueError, match=r"--quantization fp8 cannot run this model: the MLP widths \(128, 32\) must be "
+                                         r"multiples of the 128-row block"):
+        LLM("glm-tiny", max_model_len=64, quantization="fp8", **REF)
+    with pytest.raises(ValueError, match="invalid quantization: got 'int4'"):
+        LLM("glm-tiny", max_model_len=64, quantization="int4", **REF)
+
+
 def test_fp8_scales_of_the_wrong_shape_or_without_a_weight_are_named():
     from kdaserve.models.fp8 import dequantized_weights
 
