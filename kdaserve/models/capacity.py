@@ -5,6 +5,7 @@ loading; this states the numbers and the way past one GPU instead."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -15,23 +16,29 @@ def parameter_count(shapes: dict[str, tuple[int, ...]]) -> int:
     return sum(math.prod(s) for s in shapes.values())
 
 
-def weights_fit_error(name: str, num_params: int, dtype: torch.dtype, device_bytes: int) -> str | None:
-    """None when the weights alone fit `device_bytes`; else the message to stop with."""
-    need = num_params * torch.empty((), dtype=dtype).element_size()
+def weights_fit_error(name: str, num_params: int, dtype: torch.dtype, device_bytes: int,
+                      fp8_params: int = 0) -> str | None:
+    """None when the weights alone fit `device_bytes`; else the message to stop with.
+    `fp8_params`: how many of them stay FP8 (one byte each)."""
+    need = (num_params - fp8_params) * torch.empty((), dtype=dtype).element_size() + fp8_params
     if need <= device_bytes:
         return None
-    return (f"{name} has {num_params / 1e9:.1f}B parameters: {need / GIB:.0f} GiB of weights in "
-            f"{str(dtype).removeprefix('torch.')}, but this device has {device_bytes / GIB:.0f} GiB in all, so it cannot "
+    kept = f" ({fp8_params / 1e9:.1f}B of them in FP8)" if fp8_params else ""
+    return (f"{name} has {num_params / 1e9:.1f}B parameters{kept}: {need / GIB:.0f} GiB of weights in "
+            f"{str(dtype).removeprefix('torch.')}{' and FP8' if fp8_params else ''}, but this device has {device_bytes / GIB:.0f} GiB in all, so it cannot "
             f"serve the model on one GPU (FP8 weights would still need {num_params / GIB:.0f} GiB). Serve it across "
             f"several GPUs with vLLM and kdaserve's KDA kernels (docs/models.md, 'Past one GPU'); for kernel work on "
             f"one GPU, use a configuration with fewer layers")
 
 
-def check_weights_fit(name: str, shapes: dict[str, tuple[int, ...]] | None, dtype: torch.dtype, device) -> None:
+def check_weights_fit(name: str, shapes: dict[str, tuple[int, ...]] | None, dtype: torch.dtype, device,
+                      fp8: Callable[[str], bool] | None = None) -> None:
+    """`fp8`: which checkpoint tensors the model keeps in FP8."""
     device = torch.device(device) if device is not None else torch.device("cpu")
     if shapes is None or device.type != "cuda":
         return
     total = torch.cuda.get_device_properties(device).total_memory
-    message = weights_fit_error(name, parameter_count(shapes), dtype, total)
+    fp8_params = parameter_count({n: s for n, s in shapes.items() if fp8(n)}) if fp8 is not None else 0
+    message = weights_fit_error(name, parameter_count(shapes), dtype, total, fp8_params)
     if message:
         raise ValueError(message)

@@ -17,6 +17,9 @@ class Family:
     shapes: Callable | None = None   # shapes(config[, mtp]) -> {checkpoint name: shape}, for the capacity check
     has_mtp: bool = False            # can build a multi-token-prediction drafter (build(..., mtp=True))
     has_fp8: bool = False            # can keep block-scaled FP8 weights (build(..., quantization="fp8"))
+    # fp8_tensors(config, device, quantization) -> which checkpoint tensors the model will keep in
+    # FP8 (None: none), for the capacity check before anything is built.
+    fp8_tensors: Callable | None = None
 
 
 def _hybrid() -> Family:
@@ -48,7 +51,7 @@ def _kimi_linear() -> Family:
 
 
 def _glm5_next() -> Family:
-    from kdaserve.models.glm5_next import Glm5NextForCausalLM, random_released_tensors, released_shapes
+    from kdaserve.models.glm5_next import Glm5NextForCausalLM, fp8_tensors, random_released_tensors, released_shapes
     from kdaserve.models.glm5_next_config import Glm5NextConfig
 
     def build(config, *, kda, mla_backend, moe_backend, dtype, device, mtp=False, quantization=None):
@@ -58,7 +61,8 @@ def _glm5_next() -> Family:
     def random(config, seed, *, dtype, device, mtp=False):
         return random_released_tensors(config, seed, dtype=dtype, device=device, mtp=mtp)
 
-    return Family("glm5_next", Glm5NextConfig.from_dict, build, random, released_shapes, has_mtp=True, has_fp8=True)
+    return Family("glm5_next", Glm5NextConfig.from_dict, build, random, released_shapes, has_mtp=True, has_fp8=True,
+                  fp8_tensors=fp8_tensors)
 
 
 _FAMILIES = {"kimi_linear": _kimi_linear, "glm5_next": _glm5_next, "glm5_next_text": _glm5_next}

@@ -152,9 +152,7 @@ class Glm5NextForCausalLM(KDACausalLM):
         dtype = dtype or torch.get_default_dtype()
         kda = kda or KDABackendChoice()
         backends = self.resolve_backends(config, kda, dtype, device, lower_bound=config.linear_lower_bound)
-        forced = quantization == "fp8"   # --quantization fp8: experts and linears, whatever the checkpoint
-        self.fp8_block = fp8_kept(config, device, forced)
-        self.fp8_linear_block = self.fp8_block if forced or fp8_policy() == "keep" else None
+        self.fp8_block, self.fp8_linear_block = fp8_blocks(config, device, quantization)
         if self.fp8_block is not None:
             log.info("GLM-5.3-Flash: FP8 weights (%d x %d blocks) for the routed experts%s", *self.fp8_block,
                      " and the linear projections" if self.fp8_linear_block else "")
@@ -199,6 +197,20 @@ def released_shapes(config: Glm5NextConfig, mtp: bool = False, fp8_block: tuple[
         s.update({name + SCALE_SUFFIX: (-(-s[name][0] // br), -(-s[name][1] // bc))
                   for name in list(s) if keeps_fp8(config, name, fp8_linears)})
     return s
+
+
+def fp8_blocks(config: Glm5NextConfig, device, quantization: str | None) -> tuple[tuple[int, int] | None, ...]:
+    """(block of the FP8 experts, block of the FP8 linear projections), None where they are not
+    FP8: `--quantization fp8` keeps both whatever the checkpoint; else models/fp8.py's policy."""
+    forced = quantization == "fp8"
+    block = fp8_kept(config, device, forced)
+    return block, block if forced or fp8_policy() == "keep" else None
+
+
+def fp8_tensors(config: Glm5NextConfig, device, quantization: str | None):
+    """Which released tensors a model built so keeps in FP8 (the capacity check's question)."""
+    experts, linears = fp8_blocks(config, device, quantization)
+    return (lambda name: keeps_fp8(config, name, linears is not None)) if experts else None
 
 
 def fp8_kept(config: Glm5NextConfig, device, forced: bool = False) -> tuple[int, int] | None:

@@ -78,7 +78,8 @@ def load_model(
         raise ValueError(f"speculative method 'mtp' needs a model with a multi-token-prediction layer; {family.name} "
                          f"({name}) has none: use the 'ngram' method")
     shapes = None if family.shapes is None else family.shapes(config, True) if mtp else family.shapes(config)
-    check_weights_fit(name, shapes, dtype, device)
+    fp8 = family.fp8_tensors(config, device, quantization) if family.fp8_tensors is not None else None
+    check_weights_fit(name, shapes, dtype, device, fp8)
     extra = dict(quantization=quantization) if quantization is not None else {}
     net = family.build(config, kda=kda, mla_backend=mla_backend, moe_backend=moe_backend, dtype=dtype, device=device,
                        mtp=mtp, **extra)

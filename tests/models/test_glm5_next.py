@@ -368,6 +368,15 @@ def test_a_model_too_large_for_the_gpu_says_so_with_the_numbers():
     message = weights_fit_error("zai-org/GLM-5.3-Flash", n, torch.bfloat16, 141 * 2**30)
     assert "313.3B parameters" in message and "584 GiB" in message and "141 GiB" in message and "vLLM" in message
     assert weights_fit_error("small", 10**9, torch.bfloat16, 141 * 2**30) is None
+    # With its experts and linears in FP8 (--quantization fp8) the weights take one byte each.
+    from kdaserve.models.glm5_next import keeps_fp8
+
+    shapes = released_shapes(config)
+    fp8 = parameter_count({name: s for name, s in shapes.items() if keeps_fp8(config, name, True)})
+    assert 300e9 < fp8 < n
+    message = weights_fit_error("zai-org/GLM-5.3-Flash", n, torch.bfloat16, 141 * 2**30, fp8)
+    assert "(307.0B of them in FP8): 298 GiB of weights in bfloat16 and FP8" in message
+    assert weights_fit_error("half", 2 * 10**9, torch.bfloat16, 3 * 2**30, 2 * 10**9) is None   # fits only in FP8
 
 
 def test_the_glm_tiny_builtin_generates():
