@@ -37,17 +37,18 @@ def _hybrid() -> Family:
 
 
 def _kimi_linear() -> Family:
-    from kdaserve.models.kimi_linear import KimiLinearForCausalLM, random_released_tensors, released_shapes
+    from kdaserve.models.kimi_linear import KimiLinearForCausalLM, fp8_tensors, random_released_tensors, released_shapes
     from kdaserve.models.kimi_linear_config import KimiLinearConfig
 
-    def build(config, *, kda, mla_backend, moe_backend, dtype, device, mtp=False):
+    def build(config, *, kda, mla_backend, moe_backend, dtype, device, mtp=False, quantization=None):
         return KimiLinearForCausalLM(config, kda=kda, mla_backend=mla_backend, moe_backend=moe_backend, dtype=dtype,
-                                     device=device)
+                                     device=device, quantization=quantization)
 
     def random(config, seed, *, dtype, device, mtp=False):
         return random_released_tensors(config, seed, dtype=dtype, device=device)
 
-    return Family("kimi_linear", KimiLinearConfig.from_dict, build, random, released_shapes)
+    return Family("kimi_linear", KimiLinearConfig.from_dict, build, random, released_shapes, has_fp8=True,
+                  fp8_tensors=fp8_tensors)
 
 
 def _glm5_next() -> Family:

@@ -18,12 +18,15 @@ release does). A weight without its scale, or a scale without its weight, is an 
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
 from kdaserve.ops.fp8.reference import quantize_blocks
+
+log = logging.getLogger(__name__)
 
 SCALE_SUFFIX = "_scale_inv"
 FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2") if hasattr(torch, n))
@@ -66,6 +69,43 @@ def kept_fp8_block(config_extra: dict, device) -> tuple[int, int] | None:
     fp8_dots = (device.type == "cuda" and torch.version.hip is None
                 and torch.cuda.get_device_capability(device) >= (8, 9))
     return fp8_block_size(config_extra) if policy == "keep" or fp8_dots else None
+
+
+def fp8_blocks(config_extra: dict, widths: tuple[int, ...], device, quantization: str | None, family: str,
+               ) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
+    """(block of the FP8 experts, block of the FP8 linear projections), None where they are not
+    FP8. `--quantization fp8` keeps both whatever the checkpoint; else the policy above decides.
+    Merged gate|up weights need MLP `widths` of whole row blocks and FP8 dots K steps of at least
+    32: where they do not hold, an FP8 checkpoint is dequantized (with a log line) and
+    --quantization fp8 is an error naming both."""
+    forced = quantization == "fp8"
+    block = fp8_block_size(config_extra) if forced else kept_fp8_block(config_extra, device)
+    if block is None:
+        return None, None
+    on_gpu = torch.device(device).type == "cuda" if device is not None else torch.cuda.is_available()
+    unmet = ([f"the MLP widths {widths} must be multiples of the {block[0]}-row block"]
+             if any(w % block[0] for w in widths) else [])
+    if on_gpu and block[1] < 32:
+        unmet.append(f"FP8 dots take K steps of at least 32, the blocks are {block}")
+    if unmet and forced:
+        raise ValueError(f"--quantization fp8 cannot run this model: {'; '.join(unmet)}")
+    if unmet:
+        log.warning("FP8 weights dequantized: %s", "; ".join(unmet))
+        return None, None
+    linears = block if forced or fp8_policy() == "keep" else None
+    log.info("%s: FP8 weights (%d x %d blocks) for the routed experts%s", family, *block,
+             " and the linear projections" if linears else "")
+    return block, linears
+
+
+def with_scales(shapes: dict[str, tuple[int, ...]], block: tuple[int, int] | None,
+                keep: Callable[[str], bool]) -> dict[str, tuple[int, ...]]:
+    """`shapes` plus the `weight_scale_inv` of every tensor `keep` names (none without a block)."""
+    if block is None:
+        return shapes
+    br, bc = block
+    return {**shapes, **{name + SCALE_SUFFIX: (-(-shapes[name][0] // br), -(-shapes[name][1] // bc))
+                         for name in shapes if keep(name)}}
 
 
 def _check_scale(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], name: str) -> None:

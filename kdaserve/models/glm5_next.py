@@ -45,7 +45,8 @@ from kdaserve.layers.mlp import SwiGLUMLP
 from kdaserve.layers.moe import MoEMLP
 from kdaserve.layers.norm import RMSNorm
 from kdaserve.models.causal_lm import KDACausalLM
-from kdaserve.models.fp8 import SCALE_SUFFIX, dequantized_weights, fp8_block_size, fp8_policy, kept_fp8_block
+from kdaserve.models.fp8 import dequantized_weights, fp8_block_size, with_scales
+from kdaserve.models.fp8 import fp8_blocks as fp8_decision
 from kdaserve.models.glm5_next_config import Glm5NextConfig
 from kdaserve.models.glm5_next_mtp import SHARED_COPIES, Glm5NextMTP
 from kdaserve.models.released import kda_layer_shapes, load_released, mla_layer_shapes
@@ -153,9 +154,6 @@ class Glm5NextForCausalLM(KDACausalLM):
         kda = kda or KDABackendChoice()
         backends = self.resolve_backends(config, kda, dtype, device, lower_bound=config.linear_lower_bound)
         self.fp8_block, self.fp8_linear_block = fp8_blocks(config, device, quantization)
-        if self.fp8_block is not None:
-            log.info("GLM-5.3-Flash: FP8 weights (%d x %d blocks) for the routed experts%s", *self.fp8_block,
-                     " and the linear projections" if self.fp8_linear_block else "")
         fp8 = dict(fp8_block=self.fp8_block, fp8_linear_block=self.fp8_linear_block)
         self.model = Glm5NextModel(config, kda=kda, kda_backends=backends, mla_backend=mla_backend,
                                    moe_backend=moe_backend, dtype=dtype, device=device, **fp8)
@@ -192,47 +190,19 @@ def released_shapes(config: Glm5NextConfig, mtp: bool = False, fp8_block: tuple[
     s = _target_shapes(config)
     if mtp:
         s.update(mtp_shapes(config))
-    if fp8_block is not None:
-        br, bc = fp8_block
-        s.update({name + SCALE_SUFFIX: (-(-s[name][0] // br), -(-s[name][1] // bc))
-                  for name in list(s) if keeps_fp8(config, name, fp8_linears)})
-    return s
+    return with_scales(s, fp8_block, lambda name: keeps_fp8(config, name, fp8_linears))
 
 
 def fp8_blocks(config: Glm5NextConfig, device, quantization: str | None) -> tuple[tuple[int, int] | None, ...]:
-    """(block of the FP8 experts, block of the FP8 linear projections), None where they are not
-    FP8: `--quantization fp8` keeps both whatever the checkpoint; else models/fp8.py's policy."""
-    forced = quantization == "fp8"
-    block = fp8_kept(config, device, forced)
-    return block, block if forced or fp8_policy() == "keep" else None
+    """(block of the FP8 experts, block of the FP8 linear projections), None where not FP8."""
+    return fp8_decision(config.extra, (config.intermediate_size, config.moe_intermediate_size), device, quantization,
+                        "GLM-5.3-Flash")
 
 
 def fp8_tensors(config: Glm5NextConfig, device, quantization: str | None):
     """Which released tensors a model built so keeps in FP8 (the capacity check's question)."""
     experts, linears = fp8_blocks(config, device, quantization)
     return (lambda name: keeps_fp8(config, name, linears is not None)) if experts else None
-
-
-def fp8_kept(config: Glm5NextConfig, device, forced: bool = False) -> tuple[int, int] | None:
-    """The FP8 block size when this model keeps FP8 weights on `device` (models/fp8.py), else
-    None. Merged gate|up weights need expert and MLP widths of whole row blocks, and FP8 dots K
-    steps of at least 32: where they do not hold, an FP8 checkpoint is dequantized (with a log
-    line) and `forced` (--quantization fp8) is an error naming both."""
-    block = fp8_block_size(config.extra) if forced else kept_fp8_block(config.extra, device)
-    if block is None:
-        return None
-    widths = (config.intermediate_size, config.moe_intermediate_size)
-    on_gpu = torch.device(device).type == "cuda" if device is not None else torch.cuda.is_available()
-    unmet = ([f"the MLP widths {widths} must be multiples of the {block[0]}-row block"]
-             if any(w % block[0] for w in widths) else [])
-    if on_gpu and block[1] < 32:
-        unmet.append(f"FP8 dots take K steps of at least 32, the blocks are {block}")
-    if unmet and forced:
-        raise ValueError(f"--quantization fp8 cannot run this model: {'; '.join(unmet)}")
-    if unmet:
-        log.warning("FP8 weights dequantized: %s", "; ".join(unmet))
-        return None
-    return block
 
 
 def keeps_fp8(config: Glm5NextConfig, name: str, linears: bool = False) -> bool:

@@ -14,7 +14,12 @@ Loaded from the **released** tensor names (not transformers' renamed ones):
          .experts.{e}.w1/w2/w3.weight, .shared_experts.{gate,up,down}_proj.weight
 
 `released_shapes(config)` lists every tensor of a complete checkpoint; a checkpoint that lacks one,
-has one more, or has one of another shape is an error naming it."""
+has one more, or has one of another shape is an error naming it.
+
+FP8 (models/fp8.py): with `--quantization fp8` the routed experts and the projections of the dense
+and shared-expert MLPs and of the MLA layers (q, q_a, q_b, kv_a, o; not kv_b) are kept in
+block-scaled FP8, quantized at load when the checkpoint is in full precision; an FP8 checkpoint
+follows KDASERVE_FP8_WEIGHTS (its experts kept where FP8 dots run)."""
 
 from __future__ import annotations
 
@@ -31,17 +36,24 @@ from kdaserve.layers.mlp import SwiGLUMLP
 from kdaserve.layers.moe import MoEMLP
 from kdaserve.layers.norm import RMSNorm
 from kdaserve.models.causal_lm import DecoderStack, KDACausalLM
+from kdaserve.models.fp8 import dequantized_weights, fp8_block_size, with_scales
+from kdaserve.models.fp8 import fp8_blocks as fp8_decision
 from kdaserve.models.kimi_linear_config import KimiLinearConfig
 from kdaserve.models.released import kda_layer_shapes, load_released, mla_layer_shapes
 from kdaserve.models.weight_names import load_named_tensor
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-_EXPERT = re.compile(r"block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight")
+_EXPERT = re.compile(r"block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight(_scale_inv)?")
+# What stays FP8 when the model keeps FP8 weights; attention projections only in MLA layers.
+_FP8_EXPERT = re.compile(r"block_sparse_moe\.experts\.\d+\.w[123]\.weight")
+_FP8_MLP = re.compile(r"(?:mlp|block_sparse_moe\.shared_experts)\.(?:gate|up|down)_proj\.weight")
+_FP8_ATTN = re.compile(r"self_attn\.(?:q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|o_proj)\.weight")
 
 
 class KimiDecoderLayer(nn.Module):
     def __init__(self, config: KimiLinearConfig, i: int, *, kda: KDABackendChoice, kda_backends, mla_backend: str,
-                 moe_backend: str, dtype, device):
+                 moe_backend: str, dtype, device, fp8_block: tuple[int, int] | None = None,
+                 fp8_linear_block: tuple[int, int] | None = None):
         super().__init__()
         c, h = config, config.hidden_size
         self.layer_idx, self.is_kda, self.is_moe = i, c.layer_types[i] == "linear_attention", c.is_moe_layer(i)
@@ -60,12 +72,14 @@ class KimiDecoderLayer(nn.Module):
                 h, c.num_attention_heads, kv_lora_rank=c.kv_lora_rank, qk_nope_head_dim=c.qk_nope_head_dim,
                 qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim, q_lora_rank=c.q_lora_rank,
                 norm_eps=c.rms_norm_eps, layer_idx=i, backend=mla_backend, dtype=dtype, device=device,
+                fp8_block=fp8_linear_block,
             )
         if self.is_moe:
             self.block_sparse_moe = MoEMLP(h, c.router, c.moe_intermediate_size, num_shared_experts=c.n_shared_experts,
-                                           backend=moe_backend, dtype=dtype, device=device)
+                                           backend=moe_backend, dtype=dtype, device=device, fp8_block=fp8_block,
+                                           shared_fp8_block=fp8_linear_block)
         else:
-            self.mlp = SwiGLUMLP(h, c.intermediate_size, dtype=dtype, device=device)
+            self.mlp = SwiGLUMLP(h, c.intermediate_size, dtype=dtype, device=device, fp8_block=fp8_linear_block)
 
     @property
     def mixer(self) -> nn.Module:
@@ -94,13 +108,15 @@ class KimiLinearForCausalLM(KDACausalLM):
     """The engine's model interface (models/causal_lm.py) over the released checkpoint format."""
 
     def __init__(self, config: KimiLinearConfig, *, kda: KDABackendChoice | None = None, mla_backend: str = "auto",
-                 moe_backend: str = "auto", dtype=None, device=None):
+                 moe_backend: str = "auto", dtype=None, device=None, quantization: str | None = None):
         super().__init__()
         dtype = dtype or torch.get_default_dtype()
         kda = kda or KDABackendChoice()
         backends = self.resolve_backends(config, kda, dtype, device, lower_bound=None)
+        self.fp8_block, self.fp8_linear_block = fp8_blocks(config, device, quantization)
         self.model = KimiLinearModel(config, kda=kda, kda_backends=backends, mla_backend=mla_backend,
-                                     moe_backend=moe_backend, dtype=dtype, device=device)
+                                     moe_backend=moe_backend, dtype=dtype, device=device, fp8_block=self.fp8_block,
+                                     fp8_linear_block=self.fp8_linear_block)
         self.add_head(dtype, device)
 
     @torch.no_grad()
@@ -110,8 +126,38 @@ class KimiLinearForCausalLM(KDACausalLM):
 
 # ---- the released checkpoint format ---------------------------------------------------------------
 
-def released_shapes(config: KimiLinearConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor of a complete released checkpoint, with its shape."""
+def fp8_blocks(config: KimiLinearConfig, device, quantization: str | None) -> tuple[tuple[int, int] | None, ...]:
+    """(block of the FP8 experts, block of the FP8 linear projections), None where not FP8."""
+    return fp8_decision(config.extra, (config.intermediate_size, config.moe_intermediate_size), device, quantization,
+                        "Kimi-Linear")
+
+
+def fp8_tensors(config: KimiLinearConfig, device, quantization: str | None):
+    """Which released tensors a model built so keeps in FP8 (the capacity check's question)."""
+    experts, linears = fp8_blocks(config, device, quantization)
+    return (lambda name: keeps_fp8(config, name, linears is not None)) if experts else None
+
+
+def keeps_fp8(config: KimiLinearConfig, name: str, linears: bool = False) -> bool:
+    """Whether a model that keeps FP8 experts (`linears`: and linear projections) keeps this
+    released tensor in FP8."""
+    m = _LAYER.fullmatch(name)
+    if m is None:
+        return False
+    i, rest = int(m[1]), m[2]
+    if _FP8_EXPERT.fullmatch(rest):
+        return True
+    if not linears:
+        return False
+    if _FP8_MLP.fullmatch(rest):
+        return True
+    return config.layer_types[i] != "linear_attention" and _FP8_ATTN.fullmatch(rest) is not None
+
+
+def released_shapes(config: KimiLinearConfig, fp8_block: tuple[int, int] | None = None,
+                    fp8_linears: bool = False) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a complete released checkpoint, with its shape; `fp8_block`: with the
+    `weight_scale_inv` of every weight the model keeps in FP8 (the linears too with `fp8_linears`)."""
     c = config
     h = c.hidden_size
     s: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
@@ -142,7 +188,7 @@ def released_shapes(config: KimiLinearConfig) -> dict[str, tuple[int, ...]]:
         else:
             s[p + "mlp.gate_proj.weight"] = s[p + "mlp.up_proj.weight"] = (c.intermediate_size, h)
             s[p + "mlp.down_proj.weight"] = (h, c.intermediate_size)
-    return s
+    return with_scales(s, fp8_block, lambda name: keeps_fp8(config, name, fp8_linears))
 
 
 def _is_skipped(name: str, config: KimiLinearConfig) -> bool:
@@ -161,7 +207,10 @@ def load_released_weights(model: KimiLinearForCausalLM, weights: Iterable[tuple[
     def top_param(name: str) -> str:
         return "model.embed_tokens.weight" if name == "lm_head.weight" and config.tie_word_embeddings else name
 
-    return load_released(model, weights, released_shapes(config), family="Kimi-Linear", layer_name=_LAYER,
+    block, linears = model.fp8_block, model.fp8_linear_block is not None
+    weights = dequantized_weights(weights, model.model.embed_tokens.weight.dtype, block or fp8_block_size(config.extra),
+                                  keep=(lambda name: keeps_fp8(config, name, linears)) if block else None)
+    return load_released(model, weights, released_shapes(config, block, linears), family="Kimi-Linear", layer_name=_LAYER,
                          skip=lambda name: _is_skipped(name, config), top_param=top_param,
                          layer_tensor=lambda i, layer, rest, tensor, params: _load_layer_tensor(model, layer, i, rest,
                                                                                                  tensor, params))
@@ -170,7 +219,7 @@ def load_released_weights(model: KimiLinearForCausalLM, weights: Iterable[tuple[
 def _load_layer_tensor(model, layer: KimiDecoderLayer, i: int, rest: str, tensor: torch.Tensor, params: dict) -> None:
     e = _EXPERT.fullmatch(rest)
     if e:
-        layer.block_sparse_moe.load_expert(int(e[1]), e[2], tensor)
+        layer.block_sparse_moe.load_expert(int(e[1]), e[2], tensor, scale=e[3] is not None)
         return
     renamed = {"block_sparse_moe.gate.weight": "block_sparse_moe.gate_weight",
                "block_sparse_moe.gate.e_score_correction_bias": "block_sparse_moe.e_score_correction_bias"}.get(rest, rest)

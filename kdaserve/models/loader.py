@@ -73,7 +73,8 @@ def load_model(
     family = family_of_config(config)
     if quantization is not None and not family.has_fp8:
         raise ValueError(f"--quantization {quantization}: {family.name} ({name}) has no FP8 path yet; GLM-5.3-Flash "
-                         f"(glm5_next) has one. Leave --quantization unset to serve it in its dtype")
+                         f"(glm5_next) and Kimi-Linear (kimi_linear) have one. Leave --quantization unset to serve it "
+                         f"in its dtype")
     if mtp and not family.has_mtp:
         raise ValueError(f"speculative method 'mtp' needs a model with a multi-token-prediction layer; {family.name} "
                          f"({name}) has none: use the 'ngram' method")

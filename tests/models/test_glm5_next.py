@@ -332,8 +332,8 @@ def test_quantization_fp8_quantizes_an_unquantized_checkpoint_at_load(tmp_path, 
     assert layers[1].mlp.w13.dtype == FP8 and layers[1].self_attn.q_b_proj.weight.dtype == FP8
     for a, b in zip(_our_logprobs(llm, PROMPTS[:2]), released):
         assert_rel_close(a, b, 1e-4, "quantized at load vs released in FP8")
-    with pytest.raises(ValueError, match=r"kimi_linear \(kimi-tiny\) has no FP8 path yet"):
-        LLM("kimi-tiny", max_model_len=64, quantization="fp8", **REF)
+    with pytest.raises(ValueError, match=r"kda_hybrid \(tiny\) has no FP8 path yet"):
+        LLM("tiny", max_model_len=64, quantization="fp8", **REF)
     with pytest.raises(ValueError, match=r"--quantization fp8 cannot run this model: the MLP widths \(128, 32\) must be "
                                          r"multiples of the 128-row block"):
         LLM("glm-tiny", max_model_len=64, quantization="fp8", **REF)
