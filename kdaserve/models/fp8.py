@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -96,6 +98,44 @@ def fp8_blocks(config_extra: dict, widths: tuple[int, ...], device, quantization
     log.info("%s: FP8 weights (%d x %d blocks) for the routed experts%s", family, *block,
              " and the linear projections" if linears else "")
     return block, linears
+
+
+@dataclass(frozen=True)
+class Fp8Layout:
+    """Which released tensors of a model family stay FP8: by their name inside a layer (`layer`
+    matches (index, rest)), the routed experts' always, the dense and shared MLPs' and the
+    attention layers' projections with the linears. One per family (models/glm5_next.py,
+    models/kimi_linear.py)."""
+
+    family: str
+    layer: re.Pattern
+    experts: re.Pattern
+    mlps: re.Pattern
+    attention: re.Pattern
+    is_attention_layer: Callable[[object, int], bool]   # (config, layer index)
+    widths: Callable[[object], tuple[int, ...]]        # the MLP widths merged gate|up weights split
+
+    def keeps(self, config, name: str, linears: bool = False) -> bool:
+        """Whether a model keeping FP8 experts (`linears`: and linear projections) keeps `name` FP8."""
+        m = self.layer.fullmatch(name)
+        if m is None:
+            return False
+        i, rest = int(m[1]), m[2]
+        if self.experts.fullmatch(rest):
+            return True
+        if not linears:
+            return False
+        return bool(self.mlps.fullmatch(rest)) or (self.is_attention_layer(config, i)
+                                                   and self.attention.fullmatch(rest) is not None)
+
+    def blocks(self, config, device, quantization: str | None) -> tuple[tuple[int, int] | None, ...]:
+        """(block of the FP8 experts, block of the FP8 linear projections), None where not FP8."""
+        return fp8_blocks(config.extra, self.widths(config), device, quantization, self.family)
+
+    def tensors(self, config, device, quantization: str | None) -> Callable[[str], bool] | None:
+        """Which released tensors a model built so keeps in FP8 (the capacity check's question)."""
+        experts, linears = self.blocks(config, device, quantization)
+        return (lambda name: self.keeps(config, name, linears is not None)) if experts else None
 
 
 def with_scales(shapes: dict[str, tuple[int, ...]], block: tuple[int, int] | None,

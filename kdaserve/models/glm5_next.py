@@ -23,9 +23,10 @@ model is built with `mtp=True` (`--speculative-config '{"method": "mtp"}'`), els
 tensor this config lacks, a missing one or one of another shape is an error naming it.
 
 FP8 block-scaled checkpoints (models/fp8.py): where FP8 dots run the routed experts stay in FP8
-with their `weight_scale_inv` and run block-scaled FP8 GEMMs; with KDASERVE_FP8_WEIGHTS=keep so do
-the projections of the dense and shared-expert MLPs and of the attention layers (q_a, q_b, kv_a,
-o; kv_b_proj stays dequantized: decode reads it as absorbed views). The KDA layers' and the
+with their `weight_scale_inv` and run block-scaled FP8 GEMMs; with KDASERVE_FP8_WEIGHTS=keep or
+--quantization fp8 (which also quantizes a full-precision checkpoint at load) so do the
+projections of the dense and shared-expert MLPs and of the attention layers (q_a, q_b, kv_a, o;
+kv_b_proj stays dequantized: decode reads it as absorbed views; FP8_LAYOUT names them). The KDA layers' and the
 indexer's projections, and everything else, are dequantized at load."""
 
 from __future__ import annotations
@@ -45,8 +46,7 @@ from kdaserve.layers.mlp import SwiGLUMLP
 from kdaserve.layers.moe import MoEMLP
 from kdaserve.layers.norm import RMSNorm
 from kdaserve.models.causal_lm import KDACausalLM
-from kdaserve.models.fp8 import dequantized_weights, fp8_block_size, with_scales
-from kdaserve.models.fp8 import fp8_blocks as fp8_decision
+from kdaserve.models.fp8 import Fp8Layout, dequantized_weights, fp8_block_size, with_scales
 from kdaserve.models.glm5_next_config import Glm5NextConfig
 from kdaserve.models.glm5_next_mtp import SHARED_COPIES, Glm5NextMTP
 from kdaserve.models.released import kda_layer_shapes, load_released, mla_layer_shapes
@@ -58,10 +58,15 @@ PREFIX = "model.language_model."
 _LAYER = re.compile(r"model\.language_model\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight(_scale_inv)?")
 # Layer tensors kept in FP8 (with their scales) when the model keeps FP8 weights; attention
-# projections only in attention layers (a KDA layer's o_proj is dequantized).
-_FP8_EXPERT = re.compile(r"mlp\.experts\.\d+\.(?:gate|up|down)_proj\.weight")
-_FP8_MLP = re.compile(r"mlp\.(?:shared_experts\.)?(?:gate|up|down)_proj\.weight")
-_FP8_ATTN = re.compile(r"self_attn\.(?:q_a_proj|q_b_proj|q_proj|kv_a_proj_with_mqa|o_proj)\.weight")
+# projections only in attention layers (a KDA layer's o_proj is dequantized), the MTP layer's too.
+FP8_LAYOUT = Fp8Layout(
+    "GLM-5.3-Flash", _LAYER,
+    experts=re.compile(r"mlp\.experts\.\d+\.(?:gate|up|down)_proj\.weight"),
+    mlps=re.compile(r"mlp\.(?:shared_experts\.)?(?:gate|up|down)_proj\.weight"),
+    attention=re.compile(r"self_attn\.(?:q_a_proj|q_b_proj|q_proj|kv_a_proj_with_mqa|o_proj)\.weight"),
+    is_attention_layer=lambda c, i: i >= c.num_hidden_layers or c.layer_types[i] != "linear_attention",
+    widths=lambda c: (c.intermediate_size, c.moe_intermediate_size))
+keeps_fp8, fp8_tensors = FP8_LAYOUT.keeps, FP8_LAYOUT.tensors
 _EXPERT_PART = {"gate": "w1", "up": "w3", "down": "w2"}
 _HC = re.compile(r"hc_(attn|ffn)_(fn|base|scale)")
 
@@ -153,7 +158,7 @@ class Glm5NextForCausalLM(KDACausalLM):
         dtype = dtype or torch.get_default_dtype()
         kda = kda or KDABackendChoice()
         backends = self.resolve_backends(config, kda, dtype, device, lower_bound=config.linear_lower_bound)
-        self.fp8_block, self.fp8_linear_block = fp8_blocks(config, device, quantization)
+        self.fp8_block, self.fp8_linear_block = FP8_LAYOUT.blocks(config, device, quantization)
         fp8 = dict(fp8_block=self.fp8_block, fp8_linear_block=self.fp8_linear_block)
         self.model = Glm5NextModel(config, kda=kda, kda_backends=backends, mla_backend=mla_backend,
                                    moe_backend=moe_backend, dtype=dtype, device=device, **fp8)
@@ -191,35 +196,6 @@ def released_shapes(config: Glm5NextConfig, mtp: bool = False, fp8_block: tuple[
     if mtp:
         s.update(mtp_shapes(config))
     return with_scales(s, fp8_block, lambda name: keeps_fp8(config, name, fp8_linears))
-
-
-def fp8_blocks(config: Glm5NextConfig, device, quantization: str | None) -> tuple[tuple[int, int] | None, ...]:
-    """(block of the FP8 experts, block of the FP8 linear projections), None where not FP8."""
-    return fp8_decision(config.extra, (config.intermediate_size, config.moe_intermediate_size), device, quantization,
-                        "GLM-5.3-Flash")
-
-
-def fp8_tensors(config: Glm5NextConfig, device, quantization: str | None):
-    """Which released tensors a model built so keeps in FP8 (the capacity check's question)."""
-    experts, linears = fp8_blocks(config, device, quantization)
-    return (lambda name: keeps_fp8(config, name, linears is not None)) if experts else None
-
-
-def keeps_fp8(config: Glm5NextConfig, name: str, linears: bool = False) -> bool:
-    """Whether a model that keeps FP8 experts (`linears`: and linear projections) keeps this
-    released tensor in FP8."""
-    m = _LAYER.fullmatch(name)
-    if m is None:
-        return False
-    i, rest = int(m[1]), m[2]
-    if _FP8_EXPERT.fullmatch(rest):
-        return True
-    if not linears:
-        return False
-    if _FP8_MLP.fullmatch(rest):
-        return True
-    attention = i >= config.num_hidden_layers or config.layer_types[i] != "linear_attention"
-    return attention and _FP8_ATTN.fullmatch(rest) is not None
 
 
 def _target_shapes(config: Glm5NextConfig) -> dict[str, tuple[int, ...]]:

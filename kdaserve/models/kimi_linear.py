@@ -36,8 +36,7 @@ from kdaserve.layers.mlp import SwiGLUMLP
 from kdaserve.layers.moe import MoEMLP
 from kdaserve.layers.norm import RMSNorm
 from kdaserve.models.causal_lm import DecoderStack, KDACausalLM
-from kdaserve.models.fp8 import dequantized_weights, fp8_block_size, with_scales
-from kdaserve.models.fp8 import fp8_blocks as fp8_decision
+from kdaserve.models.fp8 import Fp8Layout, dequantized_weights, fp8_block_size, with_scales
 from kdaserve.models.kimi_linear_config import KimiLinearConfig
 from kdaserve.models.released import kda_layer_shapes, load_released, mla_layer_shapes
 from kdaserve.models.weight_names import load_named_tensor
@@ -45,9 +44,14 @@ from kdaserve.models.weight_names import load_named_tensor
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight(_scale_inv)?")
 # What stays FP8 when the model keeps FP8 weights; attention projections only in MLA layers.
-_FP8_EXPERT = re.compile(r"block_sparse_moe\.experts\.\d+\.w[123]\.weight")
-_FP8_MLP = re.compile(r"(?:mlp|block_sparse_moe\.shared_experts)\.(?:gate|up|down)_proj\.weight")
-_FP8_ATTN = re.compile(r"self_attn\.(?:q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|o_proj)\.weight")
+FP8_LAYOUT = Fp8Layout(
+    "Kimi-Linear", _LAYER,
+    experts=re.compile(r"block_sparse_moe\.experts\.\d+\.w[123]\.weight"),
+    mlps=re.compile(r"(?:mlp|block_sparse_moe\.shared_experts)\.(?:gate|up|down)_proj\.weight"),
+    attention=re.compile(r"self_attn\.(?:q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|o_proj)\.weight"),
+    is_attention_layer=lambda c, i: c.layer_types[i] != "linear_attention",
+    widths=lambda c: (c.intermediate_size, c.moe_intermediate_size))
+keeps_fp8, fp8_tensors = FP8_LAYOUT.keeps, FP8_LAYOUT.tensors
 
 
 class KimiDecoderLayer(nn.Module):
@@ -113,7 +117,7 @@ class KimiLinearForCausalLM(KDACausalLM):
         dtype = dtype or torch.get_default_dtype()
         kda = kda or KDABackendChoice()
         backends = self.resolve_backends(config, kda, dtype, device, lower_bound=None)
-        self.fp8_block, self.fp8_linear_block = fp8_blocks(config, device, quantization)
+        self.fp8_block, self.fp8_linear_block = FP8_LAYOUT.blocks(config, device, quantization)
         self.model = KimiLinearModel(config, kda=kda, kda_backends=backends, mla_backend=mla_backend,
                                      moe_backend=moe_backend, dtype=dtype, device=device, fp8_block=self.fp8_block,
                                      fp8_linear_block=self.fp8_linear_block)
@@ -125,34 +129,6 @@ class KimiLinearForCausalLM(KDACausalLM):
 
 
 # ---- the released checkpoint format ---------------------------------------------------------------
-
-def fp8_blocks(config: KimiLinearConfig, device, quantization: str | None) -> tuple[tuple[int, int] | None, ...]:
-    """(block of the FP8 experts, block of the FP8 linear projections), None where not FP8."""
-    return fp8_decision(config.extra, (config.intermediate_size, config.moe_intermediate_size), device, quantization,
-                        "Kimi-Linear")
-
-
-def fp8_tensors(config: KimiLinearConfig, device, quantization: str | None):
-    """Which released tensors a model built so keeps in FP8 (the capacity check's question)."""
-    experts, linears = fp8_blocks(config, device, quantization)
-    return (lambda name: keeps_fp8(config, name, linears is not None)) if experts else None
-
-
-def keeps_fp8(config: KimiLinearConfig, name: str, linears: bool = False) -> bool:
-    """Whether a model that keeps FP8 experts (`linears`: and linear projections) keeps this
-    released tensor in FP8."""
-    m = _LAYER.fullmatch(name)
-    if m is None:
-        return False
-    i, rest = int(m[1]), m[2]
-    if _FP8_EXPERT.fullmatch(rest):
-        return True
-    if not linears:
-        return False
-    if _FP8_MLP.fullmatch(rest):
-        return True
-    return config.layer_types[i] != "linear_attention" and _FP8_ATTN.fullmatch(rest) is not None
-
 
 def released_shapes(config: KimiLinearConfig, fp8_block: tuple[int, int] | None = None,
                     fp8_linears: bool = False) -> dict[str, tuple[int, ...]]:
