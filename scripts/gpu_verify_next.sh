@@ -7,7 +7,7 @@
 # transformers 5.23.0 with what it imports for structured output) and, for an old-vs-new comparison, [".old"]
 # (e.g. `git archive <commit> kdaserve benchmarks | tar -x -C .old`).
 # Parts owed (add one as `if [ "$PART" = name ]; then ... fi` below, with what it must show):
-#   bash scripts/gpu_verify_next.sh mtp_graphs   # issue 28: the MTP drafter after CUDA-graph verify steps (thirteenth session, after its GPU time)
+#   bash scripts/gpu_verify_next.sh mtp_graphs   # issue 28: the MTP drafter after CUDA-graph verify steps, --quantization fp8 (thirteenth session, after its GPU time)
 #   bash scripts/gpu_verify_next.sh moe_mla      # issue 21 goal 5: the MoE and MLA kernels against their floors and the torch path
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
@@ -36,9 +36,11 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 if [ "$PART" = mtp_graphs ]; then
 # Must show: rc=0 and no FAILED line for the GLM model tests, the new
 # test_gpu_mtp_with_cuda_graphs_is_lossless among them (graphs on, greedy tokens equal to eager MTP
-# and to no speculation); then `kdaserve generate` on glm-tiny with MTP, graphs on vs
+# and to no speculation), and for the Kimi-Linear model tests (--quantization fp8 with the FP8
+# GEMMs on the GPU: test_quantization_fp8_keeps_experts_mlps_and_mla_projections_in_fp8); then `kdaserve generate` on glm-tiny with MTP, graphs on vs
 # --enforce-eager: its throughput line for what the graphs save (record it in docs/perf-notes.md).
 group glm_gpu 300 tests/models/test_glm5_next.py
+group kimi_gpu 120 tests/models/test_kimi_linear.py
 left=$(( BUDGET - ($(date +%s) - START) ))
 for eager in "" --enforce-eager; do
   timeout $(( left > 60 ? left / 2 - 10 : 20 )) python3 -m kdaserve.cli generate --model glm-tiny $eager \
