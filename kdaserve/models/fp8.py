@@ -74,7 +74,7 @@ def kept_fp8_block(config_extra: dict, device) -> tuple[int, int] | None:
 
 
 def fp8_blocks(config_extra: dict, widths: tuple[int, ...], device, quantization: str | None, family: str,
-               ) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
+               say: bool = True) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
     """(block of the FP8 experts, block of the FP8 linear projections), None where they are not
     FP8. `--quantization fp8` keeps both whatever the checkpoint; else the policy above decides.
     Merged gate|up weights need MLP `widths` of whole row blocks and FP8 dots K steps of at least
@@ -95,8 +95,9 @@ def fp8_blocks(config_extra: dict, widths: tuple[int, ...], device, quantization
         log.warning("FP8 weights dequantized: %s", "; ".join(unmet))
         return None, None
     linears = block if forced or fp8_policy() == "keep" else None
-    log.info("%s: FP8 weights (%d x %d blocks) for the routed experts%s", family, *block,
-             " and the linear projections" if linears else "")
+    if say:   # once per model: the capacity check asks the same question quietly
+        log.info("%s: FP8 weights (%d x %d blocks) for the routed experts%s", family, *block,
+                 " and the linear projections" if linears else "")
     return block, linears
 
 
@@ -128,13 +129,13 @@ class Fp8Layout:
         return bool(self.mlps.fullmatch(rest)) or (self.is_attention_layer(config, i)
                                                    and self.attention.fullmatch(rest) is not None)
 
-    def blocks(self, config, device, quantization: str | None) -> tuple[tuple[int, int] | None, ...]:
+    def blocks(self, config, device, quantization: str | None, say: bool = True) -> tuple[tuple[int, int] | None, ...]:
         """(block of the FP8 experts, block of the FP8 linear projections), None where not FP8."""
-        return fp8_blocks(config.extra, self.widths(config), device, quantization, self.family)
+        return fp8_blocks(config.extra, self.widths(config), device, quantization, self.family, say)
 
     def tensors(self, config, device, quantization: str | None) -> Callable[[str], bool] | None:
         """Which released tensors a model built so keeps in FP8 (the capacity check's question)."""
-        experts, linears = self.blocks(config, device, quantization)
+        experts, linears = self.blocks(config, device, quantization, say=False)
         return (lambda name: self.keeps(config, name, linears is not None)) if experts else None
 
 
