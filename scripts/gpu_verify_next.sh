@@ -9,6 +9,7 @@
 # Parts owed (add one as `if [ "$PART" = name ]; then ... fi` below, with what it must show):
 #   bash scripts/gpu_verify_next.sh mtp_graphs   # issue 28: the MTP drafter after CUDA-graph verify steps, --quantization fp8 (thirteenth session, after its GPU time)
 #   bash scripts/gpu_verify_next.sh moe_mla      # issue 21 goal 5: the MoE and MLA kernels against their floors and the torch path
+#   bash scripts/gpu_verify_next.sh graphs       # the CUDA-graph engine tests after DecodeGraphs' metadata moved into one helper
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -53,4 +54,10 @@ if [ "$PART" = moe_mla ]; then
 # against the bytes floor, prefill at 1K and 8K tokens against the bf16 tensor rate, the torch path
 # beside each). Record it in docs/perf-notes.md under issue 21 with what limits each row.
 timeout $(( BUDGET - 20 )) python3 benchmarks/bench_moe_mla.py 2>&1 | tail -16
+fi
+if [ "$PART" = graphs ]; then
+# Must show: rc=0 and no FAILED line: graph decode equals eager (test_engine_gpu.py), the Kimi-Linear
+# engine at its real shape with graphs (test_kimi_linear_gpu.py).
+group engine_gpu 300 tests/engine/test_engine_gpu.py
+group kimi_gpu 240 tests/models/test_kimi_linear_gpu.py
 fi

@@ -110,12 +110,15 @@ class DecodeGraphs:
         kda = KDAStepMetadata(num_decodes=bs, num_decode_tokens=rows, decode_state_indices=x.state_indices[:bs])
         if self.m > 1:
             kda.spec_state_indices, kda.num_accepted_tokens = x.verify_slots[:bs], x.num_accepted[:bs]
-        attn = AttentionMetadata(
-            slot_mapping=x.slot_mapping[:rows], num_decode_tokens=rows,
-            decode_block_tables=x.block_tables[:rows], decode_context_lens=x.context_lens[:rows],
-        )
         backends = self.model.kda_backends
-        return Context(kda=kda, kda_plan=backends.plan_step(kda) if backends is not None else None, attn=attn)
+        return Context(kda=kda, kda_plan=backends.plan_step(kda) if backends is not None else None,
+                       attn=self._attention(rows))
+
+    def _attention(self, rows: int) -> AttentionMetadata:
+        """The attention metadata of the first `rows` rows of the static buffers."""
+        x = self.inputs
+        return AttentionMetadata(slot_mapping=x.slot_mapping[:rows], num_decode_tokens=rows,
+                                 decode_block_tables=x.block_tables[:rows], decode_context_lens=x.context_lens[:rows])
 
     @torch.inference_mode()
     def _capture(self) -> None:
@@ -152,10 +155,8 @@ class DecodeGraphs:
         """(attention context, positions) of the real rows of the step just replayed, as views of
         the static buffers: what a pass after the graph (the MTP drafter's) runs under. Valid until
         the next step stages its inputs (stream order keeps the pass before that copy)."""
-        x, rows = self.inputs, step.num_decode_tokens
-        attn = AttentionMetadata(slot_mapping=x.slot_mapping[:rows], num_decode_tokens=rows,
-                                 decode_block_tables=x.block_tables[:rows], decode_context_lens=x.context_lens[:rows])
-        return Context(attn=attn), x.positions[:rows]
+        rows = step.num_decode_tokens
+        return Context(attn=self._attention(rows)), self.inputs.positions[:rows]
 
     def run(self, step: HostStep) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Replay the decode step; returns the hidden states of its real rows and the device
