@@ -23,10 +23,10 @@ def weights_fit_error(name: str, num_params: int, dtype: torch.dtype, device_byt
     need = (num_params - fp8_params) * torch.empty((), dtype=dtype).element_size() + fp8_params
     if need <= device_bytes:
         return None
-    kept = f" ({fp8_params / 1e9:.1f}B of them in FP8)" if fp8_params else ""
+    kept, formats = ((f" ({fp8_params / 1e9:.1f}B of them in FP8)", " and FP8") if fp8_params else ("", ""))
     return (f"{name} has {num_params / 1e9:.1f}B parameters{kept}: {need / GIB:.0f} GiB of weights in "
-            f"{str(dtype).removeprefix('torch.')}{' and FP8' if fp8_params else ''}, but this device has {device_bytes / GIB:.0f} GiB in all, so it cannot "
-            f"serve the model on one GPU (FP8 weights would still need {num_params / GIB:.0f} GiB). Serve it across "
+            f"{str(dtype).removeprefix('torch.')}{formats}, but this device has {device_bytes / GIB:.0f} GiB in all, "
+            f"so it cannot serve the model on one GPU (FP8 weights would still need {num_params / GIB:.0f} GiB). Serve it across "
             f"several GPUs with vLLM and kdaserve's KDA kernels (docs/models.md, 'Past one GPU'); for kernel work on "
             f"one GPU, use a configuration with fewer layers")
 

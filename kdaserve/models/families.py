@@ -12,13 +12,13 @@ from typing import Callable
 class Family:
     name: str
     config_from_dict: Callable
-    build: Callable           # build(config, *, kda, mla_backend, moe_backend, dtype, device, mtp) -> model
+    build: Callable           # build(config, *, kda, mla_backend, moe_backend, dtype, device, mtp, quantization) -> model
     random_weights: Callable  # random_weights(config, seed, *, dtype, device, mtp) -> iterable of (name, tensor)
     shapes: Callable | None = None   # shapes(config[, mtp]) -> {checkpoint name: shape}, for the capacity check
     has_mtp: bool = False            # can build a multi-token-prediction drafter (build(..., mtp=True))
-    has_fp8: bool = False            # can keep block-scaled FP8 weights (build(..., quantization="fp8"))
     # fp8_tensors(config, device, quantization) -> which checkpoint tensors the model will keep in
-    # FP8 (None: none), for the capacity check before anything is built.
+    # FP8 (None: none), for the capacity check before anything is built. None here: the family has
+    # no FP8 path (build(..., quantization="fp8") is refused before it is called).
     fp8_tensors: Callable | None = None
 
 
@@ -27,7 +27,7 @@ def _hybrid() -> Family:
     from kdaserve.models.hybrid import HybridForCausalLM
     from kdaserve.models.random_weights import random_checkpoint
 
-    def build(config, *, kda, mla_backend, moe_backend, dtype, device, mtp=False):
+    def build(config, *, kda, mla_backend, moe_backend, dtype, device, mtp=False, quantization=None):
         return HybridForCausalLM(config, kda=kda, dtype=dtype, device=device)
 
     def random(config, seed, *, dtype, device, mtp=False):
@@ -47,7 +47,7 @@ def _kimi_linear() -> Family:
     def random(config, seed, *, dtype, device, mtp=False):
         return random_released_tensors(config, seed, dtype=dtype, device=device)
 
-    return Family("kimi_linear", KimiLinearConfig.from_dict, build, random, released_shapes, has_fp8=True,
+    return Family("kimi_linear", KimiLinearConfig.from_dict, build, random, released_shapes,
                   fp8_tensors=fp8_tensors)
 
 
@@ -62,7 +62,7 @@ def _glm5_next() -> Family:
     def random(config, seed, *, dtype, device, mtp=False):
         return random_released_tensors(config, seed, dtype=dtype, device=device, mtp=mtp)
 
-    return Family("glm5_next", Glm5NextConfig.from_dict, build, random, released_shapes, has_mtp=True, has_fp8=True,
+    return Family("glm5_next", Glm5NextConfig.from_dict, build, random, released_shapes, has_mtp=True,
                   fp8_tensors=fp8_tensors)
 
 

@@ -6,15 +6,15 @@ ceil(cols / bc)] in fp32, one factor per br x bc block (`quantization_config.wei
 `KDASERVE_FP8_WEIGHTS` chooses what stays FP8 (with its scales, run by block-scaled FP8 GEMMs:
 layers/linear.py, layers/moe.py); everything else is dequantized once at load into the model's dtype:
 - `auto` (the default): the routed experts, where FP8 dots run (CUDA capability 8.9 and up): half
-  their memory (most of a MoE model's bytes) at the bf16 experts' speed (0.84-1.5x on an H200),
-  while the FP8 linear projections, with their separate activation-quantization launch, are still
-  slower than cuBLAS in bf16 (docs/perf-notes.md, thirteenth session).
+  their memory (most of a MoE model's bytes) at about the bf16 experts' speed, while the FP8
+  linear projections, with their separate activation-quantization launch, are still slower than
+  cuBLAS in bf16 (docs/models.md has the measurements).
 - `keep`: the experts and the family's big linear projections, on any device (a CPU runs the
   Triton interpreter or the torch definition): half the weight memory, for now slower linears.
 - `dequantize`: nothing.
-`--quantization fp8` (models/glm5_next.py) keeps the experts and linears whatever the policy and
-the checkpoint. A kept weight that arrives unquantized is quantized at load (max|block| / 448 scales, as the
-release does). A weight without its scale, or a scale without its weight, is an error naming it."""
+`--quantization fp8` keeps the experts and linears whatever the policy and the checkpoint. A kept
+weight that arrives unquantized is quantized at load (max|block| / 448 scales, as the release
+does). A weight without its scale, or a scale without its weight, is an error naming it."""
 
 from __future__ import annotations
 
@@ -81,10 +81,11 @@ def fp8_blocks(config_extra: dict, widths: tuple[int, ...], device, quantization
     32: where they do not hold, an FP8 checkpoint is dequantized (with a log line) and
     --quantization fp8 is an error naming both."""
     forced = quantization == "fp8"
+    device = torch.device(device) if device is not None else torch.empty(0).device
     block = fp8_block_size(config_extra) if forced else kept_fp8_block(config_extra, device)
     if block is None:
         return None, None
-    on_gpu = torch.device(device).type == "cuda" if device is not None else torch.cuda.is_available()
+    on_gpu = device.type == "cuda"
     unmet = ([f"the MLP widths {widths} must be multiples of the {block[0]}-row block"]
              if any(w % block[0] for w in widths) else [])
     if on_gpu and block[1] < 32:
@@ -138,15 +139,21 @@ class Fp8Layout:
         experts, linears = self.blocks(config, device, quantization, say=False)
         return (lambda name: self.keeps(config, name, linears is not None)) if experts else None
 
+    def with_scales(self, config, shapes: dict[str, tuple[int, ...]], block: tuple[int, int] | None,
+                    linears: bool) -> dict[str, tuple[int, ...]]:
+        """`shapes` plus the `weight_scale_inv` of every tensor kept in FP8 (none without a block)."""
+        if block is None:
+            return shapes
+        br, bc = block
+        return {**shapes, **{name + SCALE_SUFFIX: (-(-shapes[name][0] // br), -(-shapes[name][1] // bc))
+                             for name in shapes if self.keeps(config, name, linears)}}
 
-def with_scales(shapes: dict[str, tuple[int, ...]], block: tuple[int, int] | None,
-                keep: Callable[[str], bool]) -> dict[str, tuple[int, ...]]:
-    """`shapes` plus the `weight_scale_inv` of every tensor `keep` names (none without a block)."""
-    if block is None:
-        return shapes
-    br, bc = block
-    return {**shapes, **{name + SCALE_SUFFIX: (-(-shapes[name][0] // br), -(-shapes[name][1] // bc))
-                         for name in shapes if keep(name)}}
+    def checkpoint_weights(self, model, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """A checkpoint's tensors as `model` (built with this layout's `blocks`) takes them: kept
+        weights FP8 with their scales, the rest dequantized into the embedding's dtype."""
+        config, block, linears = model.config, model.fp8_block, model.fp8_linear_block is not None
+        return dequantized_weights(weights, model.model.embed_tokens.weight.dtype, block or fp8_block_size(config.extra),
+                                   keep=(lambda name: self.keeps(config, name, linears)) if block else None)
 
 
 def _check_scale(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], name: str) -> None:

@@ -26,8 +26,8 @@ FP8 block-scaled checkpoints (models/fp8.py): where FP8 dots run the routed expe
 with their `weight_scale_inv` and run block-scaled FP8 GEMMs; with KDASERVE_FP8_WEIGHTS=keep or
 --quantization fp8 (which also quantizes a full-precision checkpoint at load) so do the
 projections of the dense and shared-expert MLPs and of the attention layers (q_a, q_b, kv_a, o;
-kv_b_proj stays dequantized: decode reads it as absorbed views; FP8_LAYOUT names them). The KDA layers' and the
-indexer's projections, and everything else, are dequantized at load."""
+kv_b_proj stays dequantized: decode reads it as absorbed views; FP8_LAYOUT names them). The KDA
+layers' and the indexer's projections, and everything else, are dequantized at load."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ from kdaserve.layers.mlp import SwiGLUMLP
 from kdaserve.layers.moe import MoEMLP
 from kdaserve.layers.norm import RMSNorm
 from kdaserve.models.causal_lm import KDACausalLM
-from kdaserve.models.fp8 import Fp8Layout, dequantized_weights, fp8_block_size, with_scales
+from kdaserve.models.fp8 import Fp8Layout
 from kdaserve.models.glm5_next_config import Glm5NextConfig
 from kdaserve.models.glm5_next_mtp import SHARED_COPIES, Glm5NextMTP
 from kdaserve.models.released import kda_layer_shapes, load_released, mla_layer_shapes
@@ -195,7 +195,7 @@ def released_shapes(config: Glm5NextConfig, mtp: bool = False, fp8_block: tuple[
     s = _target_shapes(config)
     if mtp:
         s.update(mtp_shapes(config))
-    return with_scales(s, fp8_block, lambda name: keeps_fp8(config, name, fp8_linears))
+    return FP8_LAYOUT.with_scales(config, s, fp8_block, fp8_linears)
 
 
 def _target_shapes(config: Glm5NextConfig) -> dict[str, tuple[int, ...]]:
@@ -291,12 +291,11 @@ def load_released_weights(model: Glm5NextForCausalLM, weights: Iterable[tuple[st
     are errors that name them."""
     config = model.config
     notes: set[str] = set()
-    block, linears = model.fp8_block, model.fp8_linear_block is not None
-    dense = dequantized_weights(weights, model.model.embed_tokens.weight.dtype, block or fp8_block_size(config.extra),
-                                keep=(lambda name: keeps_fp8(config, name, linears)) if block else None)
+    dense = FP8_LAYOUT.checkpoint_weights(model, weights)
     mtp = model.mtp is not None
     loaded = load_released(
-        model, dense, released_shapes(config, mtp, block, linears), family="GLM-5.3-Flash (this config)",
+        model, dense, released_shapes(config, mtp, model.fp8_block, model.fp8_linear_block is not None),
+        family="GLM-5.3-Flash (this config)",
         layer_name=_LAYER,
         skip=lambda name: _skipped(name, config, notes, mtp),
         top_param=lambda name: name if name == "lm_head.weight" else "model." + name.removeprefix(PREFIX),

@@ -36,7 +36,7 @@ from kdaserve.layers.mlp import SwiGLUMLP
 from kdaserve.layers.moe import MoEMLP
 from kdaserve.layers.norm import RMSNorm
 from kdaserve.models.causal_lm import DecoderStack, KDACausalLM
-from kdaserve.models.fp8 import Fp8Layout, dequantized_weights, fp8_block_size, with_scales
+from kdaserve.models.fp8 import Fp8Layout
 from kdaserve.models.kimi_linear_config import KimiLinearConfig
 from kdaserve.models.released import kda_layer_shapes, load_released, mla_layer_shapes
 from kdaserve.models.weight_names import load_named_tensor
@@ -164,7 +164,7 @@ def released_shapes(config: KimiLinearConfig, fp8_block: tuple[int, int] | None 
         else:
             s[p + "mlp.gate_proj.weight"] = s[p + "mlp.up_proj.weight"] = (c.intermediate_size, h)
             s[p + "mlp.down_proj.weight"] = (h, c.intermediate_size)
-    return with_scales(s, fp8_block, lambda name: keeps_fp8(config, name, fp8_linears))
+    return FP8_LAYOUT.with_scales(config, s, fp8_block, fp8_linears)
 
 
 def _is_skipped(name: str, config: KimiLinearConfig) -> bool:
@@ -183,10 +183,9 @@ def load_released_weights(model: KimiLinearForCausalLM, weights: Iterable[tuple[
     def top_param(name: str) -> str:
         return "model.embed_tokens.weight" if name == "lm_head.weight" and config.tie_word_embeddings else name
 
-    block, linears = model.fp8_block, model.fp8_linear_block is not None
-    weights = dequantized_weights(weights, model.model.embed_tokens.weight.dtype, block or fp8_block_size(config.extra),
-                                  keep=(lambda name: keeps_fp8(config, name, linears)) if block else None)
-    return load_released(model, weights, released_shapes(config, block, linears), family="Kimi-Linear", layer_name=_LAYER,
+    weights = FP8_LAYOUT.checkpoint_weights(model, weights)
+    shapes = released_shapes(config, model.fp8_block, model.fp8_linear_block is not None)
+    return load_released(model, weights, shapes, family="Kimi-Linear", layer_name=_LAYER,
                          skip=lambda name: _is_skipped(name, config), top_param=top_param,
                          layer_tensor=lambda i, layer, rest, tensor, params: _load_layer_tensor(model, layer, i, rest,
                                                                                                  tensor, params))

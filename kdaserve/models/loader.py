@@ -68,10 +68,10 @@ def load_model(
     whose tokenizer replaces the model's (vLLM's --tokenizer; a released name with dummy weights
     then tokenizes as the real model does). `mtp`: also the model's multi-token-prediction layer
     (the drafter of speculative method "mtp"). `quantization`: "fp8" for block-scaled FP8 weights
-    (families with `has_fp8`), None for the checkpoint's own format."""
+    (families with an FP8 path), None for the checkpoint's own format."""
     config, tokenizer, name, dummy = resolve_model(model, load_format, tokenizer_dir)
     family = family_of_config(config)
-    if quantization is not None and not family.has_fp8:
+    if quantization is not None and family.fp8_tensors is None:
         raise ValueError(f"--quantization {quantization}: {family.name} ({name}) has no FP8 path yet; GLM-5.3-Flash "
                          f"(glm5_next) and Kimi-Linear (kimi_linear) have one. Leave --quantization unset to serve it "
                          f"in its dtype")
@@ -81,9 +81,8 @@ def load_model(
     shapes = None if family.shapes is None else family.shapes(config, True) if mtp else family.shapes(config)
     fp8 = family.fp8_tensors(config, device, quantization) if family.fp8_tensors is not None else None
     check_weights_fit(name, shapes, dtype, device, fp8)
-    extra = dict(quantization=quantization) if quantization is not None else {}
     net = family.build(config, kda=kda, mla_backend=mla_backend, moe_backend=moe_backend, dtype=dtype, device=device,
-                       mtp=mtp, **extra)
+                       mtp=mtp, quantization=quantization)
     weights = (family.random_weights(config, seed, dtype=dtype, device=device, mtp=mtp) if dummy
                else iterate_safetensors(SHIPPED_CHECKPOINTS.get(model, model)))
     net.load_weights(weights)
