@@ -54,7 +54,8 @@ class MoEMLP(nn.Module):
             raise ValueError(f"expert index {expert} out of range: the model has {E} routed experts")
         if scale:
             if self.fp8_block is None:
-                raise ValueError(f"expert {expert} {which}.weight_scale_inv: these experts are not FP8")
+                raise ValueError(f"expert {expert} {which}.weight_scale_inv: these experts are not FP8, so the scale must be "
+                                 f"applied at load (models/fp8.dequantized_weights) or the experts built with fp8_block")
             Ib = I // self.fp8_block[0]
             w13, w2 = self.w13_scale_inv, self.w2_scale_inv
             target = {"w1": w13[expert, :Ib], "w3": w13[expert, Ib:], "w2": w2[expert]}[which]

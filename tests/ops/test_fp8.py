@@ -188,3 +188,22 @@ def test_gpu_fp8_experts_at_glm_sizes(T):
     # on a rounding boundary flips a code (6%) now and then: 5e-7 at 64 tokens, 5e-3 at 2048 (H200).
     want = moe_experts_fp8_reference(x, w13, w2, weights, ids, 10.0, s13, s2, block)
     assert_rel_close(got.float(), want.float(), 1e-2, f"FP8 experts bf16 T={T}")
+
+
+def test_fp8_kernels_refuse_inputs_they_cannot_take_and_say_what_would_do():
+    from kdaserve.ops.fp8.block_gemm import block_fp8_gemm
+    from kdaserve.ops.fp8.quant import quantize_per_token_group
+    from kdaserve.ops.moe.fused import moe_experts_fused
+
+    with pytest.raises(ValueError, match="group must be a power of two >= 16, got 24"):
+        quantize_per_token_group(torch.randn(2, 48), 24)
+    with pytest.raises(ValueError, match=r"\[T, K\] tensor with contiguous rows"):
+        quantize_per_token_group(torch.randn(48, 2).T, 16)
+    w, s = fp8_weight(32, 64, (16, 32))
+    xq, xs = quantize_per_token_group_reference(torch.randn(4, 64), 32)
+    with pytest.raises(ValueError, match="both scales with contiguous rows"):
+        block_fp8_gemm(xq, xs, w, s.T.contiguous().T, (16, 32), torch.float32)
+    w13, s13, w2, s2 = fp8_experts(4, 32, 24, (16, 16))     # width 24: the gate and up halves would share a block
+    weights, ids = _routing(3, 4, 2)
+    with pytest.raises(ValueError, match=r"expert width \(24\) to be a multiple of the block's 16 rows"):
+        moe_experts_fused(torch.randn(3, 32), w13, w2, weights, ids, w13_scale=s13, w2_scale=s2, block=(16, 16))
