@@ -58,10 +58,8 @@ def _block_fp8_gemm_kernel(
     tl.store(out, acc.to(c_ptr.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
 
 
-# (BM, BN, warps, stages) by batch size, from the H200 sweep of `benchmarks/bench_fp8_gemm.py
-# --sweep` over GLM-5.3-Flash's linear shapes (docs/perf-notes.md, thirteenth session): at one token
-# (16, 64, 4, 6) is within 8% of each shape's best; up to 64 tokens (64, 64, 4, 3) has the lowest
-# sum; prefill (64, 128, 4, 3) is best on every shape (eight warps at that tile: 1.55-1.75x slower).
+# (BM, BN, warps, stages) by batch size, chosen by the H200 sweep of `benchmarks/bench_fp8_gemm.py
+# --sweep` over GLM-5.3-Flash's linear shapes (docs/perf-notes.md): one token, up to 64, prefill.
 # Each is spill-free on every target (tools/compile_check).
 GEMM_CONFIGS = {16: (16, 64, 4, 6), 32: (32, 64, 4, 4), 64: (64, 64, 4, 3), None: (64, 128, 4, 3)}
 
