@@ -1,14 +1,16 @@
 """The MoE and MLA kernels at Kimi-Linear's sizes against their own floors and side by side with
 the plain torch path (issue "Fast at the real shape", goal 5), on one GPU:
 
-- decode at batch 1..256: ms per call (do_bench median, device time of the call incl. its small
-  launches), and the call's floor = bytes that must move / the measured copy bandwidth
+- decode at batch 1..256: ms per call, eager (do_bench median: with the host's launch gaps) and
+  replayed from a CUDA graph as the engine runs decode (do_bench_cudagraph median: device time),
+  and the call's floor = bytes that must move / the measured copy bandwidth
   (MoE: the routed experts the batch touches, their gate|up and down weights; MLA: every context's
   latent rows, 8K tokens each by default);
 - prefill at 1K..8K tokens: ms and the fraction of the card's dense bf16 tensor rate (989 TFLOP/s
   on an H200: MoE 2 x 3 x hidden x width flops per routed token; MLA causal attention flops).
 
     PYTHONPATH=$PWD python3 benchmarks/bench_moe_mla.py [--batches 1 8 64 256] [--prefill 1024 8192] [--ctx 8192]
+        [--sweep]   # MLA decode: heads per program x context splits, graph-replayed, one table
 
 torch: ops/moe/reference.py's loop over experts and ops/mla/reference.py's gathers and einsums, the
 definitions the kernels are tested against (no torch.compile). Rows print as measured; the table
@@ -45,6 +47,11 @@ def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=5, rep=40)
 
 
+def bench_graph(fn) -> float:
+    fn()   # compile outside the capture
+    return triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median")
+
+
 def moe_rows(batches, prefill, bw, torch_max):
     g = torch.Generator(device="cuda").manual_seed(0)
     w13 = (torch.randn(E, 2 * WIDTH, HIDDEN, device="cuda", generator=g) * HIDDEN**-0.5).to(BF)
@@ -55,12 +62,14 @@ def moe_rows(batches, prefill, bw, torch_max):
         x = torch.randn(T, HIDDEN, device="cuda", generator=g).to(BF)
         weights, ids = route_tokens(x, gate, None, router)
         touched = ids.unique().numel()
-        ms = bench(lambda: moe_experts_fused(x, w13, w2, weights, ids))
+        call = lambda: moe_experts_fused(x, w13, w2, weights, ids)   # noqa: E731
+        ms = bench(call)
+        mg = bench_graph(call) if step == "decode" else float("nan")
         mt = bench(lambda: moe_experts_reference(x, w13, w2, weights, ids)) if T <= torch_max else float("nan")
         nbytes = touched * 3 * HIDDEN * WIDTH * 2
         flops = 2 * 3 * HIDDEN * WIDTH * T * K
         floor = nbytes / bw * 1e3 if step == "decode" else flops / PEAK_BF16 * 1e3
-        yield ("MoE", step, T, f"{touched} experts", ms, mt, floor)
+        yield ("MoE", step, T, f"{touched} experts", ms, mg, mt, floor)
 
 
 def _paged(B, ctx, bs=16):
@@ -79,10 +88,11 @@ def mla_rows(batches, prefill, ctx, bw, torch_max):
         cache, tables, lens = _paged(B, ctx)
         q_lat = torch.randn(B, HEADS, LATENT, device="cuda", generator=g).to(BF)
         q_pe = torch.randn(B, HEADS, ROPE, device="cuda", generator=g).to(BF)
-        ms = bench(lambda: mla_decode_triton(q_lat, q_pe, cache, tables, lens, scale))
+        call = lambda: mla_decode_triton(q_lat, q_pe, cache, tables, lens, scale)   # noqa: E731
+        ms, mg = bench(call), bench_graph(call)
         mt = bench(lambda: mla_decode_reference(q_lat, q_pe, cache, tables, lens, scale)) if B <= torch_max else float("nan")
         floor = B * ctx * (LATENT + ROPE) * 2 / bw * 1e3
-        yield ("MLA", "decode", B, f"ctx {ctx}", ms, mt, floor)
+        yield ("MLA", "decode", B, f"ctx {ctx}", ms, mg, mt, floor)
         del cache
     for T in prefill:
         q_n = torch.randn(T, HEADS, NOPE, device="cuda", generator=g).to(BF)
@@ -93,7 +103,40 @@ def mla_rows(batches, prefill, ctx, bw, torch_max):
         ms = bench(lambda: mla_prefill_triton(q_n, q_p, k_n, k_p, v, [T], [T], scale))
         mt = bench(lambda: mla_prefill_reference(q_n, q_p, k_n, k_p, v, [T], [T], scale)) if T <= 4096 else float("nan")
         flops = 2 * HEADS * T * T / 2 * (NOPE + ROPE + V)   # causal: half the score matrix, QK^T and PV
-        yield ("MLA", "prefill", T, "one sequence", ms, mt, flops / PEAK_BF16 * 1e3)
+        yield ("MLA", "prefill", T, "one sequence", ms, float("nan"), mt, flops / PEAK_BF16 * 1e3)
+
+
+def mla_decode_sweep(batches, ctx, bw) -> None:
+    """Heads per program x context splits (1 = the one-launch kernel, "auto" = choose_splits),
+    graph-replayed device time; the table prints at the end."""
+    from kdaserve.ops.mla.decode import choose_splits, launch_shape
+    from kdaserve.ops.precision import device_target
+
+    scale = (NOPE + ROPE) ** -0.5
+    g = torch.Generator(device="cuda").manual_seed(3)
+    rows = []
+    for B in batches:
+        cache, tables, lens = _paged(B, ctx)
+        q_lat = torch.randn(B, HEADS, LATENT, device="cuda", generator=g).to(BF)
+        q_pe = torch.randn(B, HEADS, ROPE, device="cuda", generator=g).to(BF)
+        floor = B * ctx * (LATENT + ROPE) * 2 / bw * 1e3
+        tile = launch_shape(device_target(cache.device), LATENT)[0]
+        for bh in (16, 32):
+            auto = choose_splits(cache.device, B, -(-HEADS // bh), tables.shape[1] * 16, tile)
+            for splits in sorted({1, max(1, auto // 2), auto, min(64, auto * 2)}):
+                try:
+                    ms = bench_graph(lambda: mla_decode_triton(q_lat, q_pe, cache, tables, lens, scale,
+                                                               num_splits=splits, block_h=bh))
+                except Exception as e:   # noqa: BLE001 - a variant that does not compile is a row, not an abort
+                    print(f"B={B} block_h={bh} splits={splits}: {type(e).__name__}: {str(e)[:120]}")
+                    ms = float("nan")
+                rows.append((B, bh, splits, splits == auto, ms, floor))
+                print(rows[-1], flush=True)
+        del cache
+    print("\n| batch | heads per program | splits | chosen | graph ms | floor ms | x floor |")
+    print("|---|---|---|---|---|---|---|")
+    for B, bh, splits, chosen, ms, floor in rows:
+        print(f"| {B} | {bh} | {splits} | {'yes' if chosen else ''} | {ms:.4f} | {floor:.4f} | {ms / floor:.2f}x |")
 
 
 def main() -> None:
@@ -102,18 +145,25 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, nargs="+", default=[1024, 8192])
     ap.add_argument("--ctx", type=int, default=8192, help="context tokens per sequence in MLA decode")
     ap.add_argument("--torch-max", type=int, default=64, help="time the torch path up to this batch (it is slow)")
+    ap.add_argument("--sweep", action="store_true", help="MLA decode launch variants instead of the main table")
     args = ap.parse_args()
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s, bf16 peak {PEAK_BF16 / 1e12:.0f} TFLOP/s")
+    if args.sweep:
+        mla_decode_sweep(args.batches, args.ctx, bw)
+        return
     rows = []
     for row in list(moe_rows(args.batches, args.prefill, bw, args.torch_max)) + list(
             mla_rows(args.batches, args.prefill, args.ctx, bw, args.torch_max)):
         rows.append(row)
         print(row, flush=True)
-    print("\n| kernel | step | batch / tokens | what | triton ms | torch ms | floor ms | triton x floor | torch / triton |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for kernel, step, n, what, ms, mt, floor in rows:
-        print(f"| {kernel} | {step} | {n} | {what} | {ms:.4f} | {mt:.4f} | {floor:.4f} | {ms / floor:.2f}x | {mt / ms:.2f}x |")
+    print("\n| kernel | step | batch / tokens | what | triton ms | triton graph ms | torch ms | floor ms | triton x floor "
+          "| torch / triton |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for kernel, step, n, what, ms, mg, mt, floor in rows:
+        best = ms if mg != mg else mg   # the graph's device time where there is one (decode)
+        print(f"| {kernel} | {step} | {n} | {what} | {ms:.4f} | {mg:.4f} | {mt:.4f} | {floor:.4f} | {best / floor:.2f}x "
+              f"| {mt / ms:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -168,7 +168,7 @@ def _other_cases() -> list[Case]:
     from kdaserve.ops.conv.update_kernel import conv_update_kernel
     from kdaserve.ops.conv.varlen import BLOCK_C, BLOCK_T, NUM_WARPS
     from kdaserve.ops.conv.varlen_kernel import conv_varlen_out_kernel, conv_varlen_state_kernel
-    from kdaserve.ops.mla.decode import _mla_decode_kernel, launch_shape
+    from kdaserve.ops.mla.decode import _mla_decode_kernel, _mla_merge_kernel, launch_shape
     from kdaserve.ops.mla.prefill import _mla_prefill_kernel
     from kdaserve.ops.mla.prefill import launch_shape as mla_prefill_shape
     from kdaserve.ops.moe.fused import _moe_down_kernel, _moe_gate_up_kernel
@@ -212,16 +212,20 @@ def _other_cases() -> list[Case]:
     # (64 heads, no rotary part, 256-wide heads), each launched as its wrapper launches it.
     for H, R, dn in ((32, 64, 128), (64, 0, 256)):
         bm, bn, warps = mla_prefill_shape(dn, dn)
-        out.append(Case(f"mla decode L=512 R={R}", _mla_decode_kernel,
-                        dict(ql_ptr=BF, qp_ptr=BF, cache_ptr=BF, tables_ptr=I32, lens_ptr=I32, out_ptr=BF, scale="fp32"),
-                        dict(H=H, L=512, R=max(R, 16), HAS_PE=R > 0, BLOCK_H=16, BLOCK_SIZE=16), quick=True,
-                        precision={"PREC": "tc"}, no_spill=True,
-                        per_target={t: _mla_decode_launch(launch_shape(t, 512)) for t in TARGETS}))
+        for split in (False, True):   # one launch; flash decoding's partials (then the merge)
+            out.append(Case(f"mla decode L=512 R={R}{' split' if split else ''}", _mla_decode_kernel,
+                            dict(ql_ptr=BF, qp_ptr=BF, cache_ptr=BF, tables_ptr=I32, lens_ptr=I32, out_ptr=BF,
+                                 part_ptr=F32, lse_ptr=F32, scale="fp32"),
+                            dict(H=H, L=512, R=max(R, 16), HAS_PE=R > 0, BLOCK_H=16, BLOCK_SIZE=16, SPLIT=split),
+                            quick=True, precision={"PREC": "tc"}, no_spill=True,
+                            per_target={t: _mla_decode_launch(launch_shape(t, 512)) for t in TARGETS}))
         out.append(Case(f"mla prefill Dn={dn} R={R} Dv={dn}", _mla_prefill_kernel,
                         dict(qn_ptr=BF, qp_ptr=BF, kn_ptr=BF, kp_ptr=BF, v_ptr=BF, out_ptr=BF, blk_seq_ptr=I32,
                              blk_start_ptr=I32, cu_q_ptr=I32, cu_k_ptr=I32, scale="fp32"),
                         dict(DN=dn, R=max(R, 16), HAS_PE=R > 0, DV=dn, BLOCK_M=bm, BLOCK_N=bn), warps, 2, quick=True,
                         precision={"PREC": "tc"}, no_spill=True))
+    out.append(Case("mla decode merge L=512", _mla_merge_kernel, dict(part_ptr=F32, lse_ptr=F32, out_ptr=BF),
+                    dict(H=32, L=512, SPLITS=64), quick=True, no_spill=True))
     for bm in (16, 32, 64):   # ops/moe/fused.moe_block_m's choices
         out.append(Case(f"moe gate_up BM={bm}", _moe_gate_up_kernel,
                         dict(x_ptr=BF, w_ptr=BF, sorted_ptr=I32, experts_ptr=I32, h_ptr=BF, xs_ptr=BF, ws_ptr=BF),

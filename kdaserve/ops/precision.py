@@ -56,5 +56,14 @@ def _gpu_target(index: int) -> str:
     return f"sm_{major}{minor}"
 
 
+@functools.lru_cache(maxsize=None)
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors (compute units on AMD) of a GPU; 132 (an H200) for the interpreter,
+    so CPU tests plan launches as the GPU would."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132
+
+
 def dot_precision(device: torch.device) -> DotPrecision:
     return precision_for_target(device_target(device))

@@ -75,6 +75,33 @@ def test_decode_kernel_matches_the_reference_in_the_interpreter(R):
 
 
 @INTERP
+@pytest.mark.parametrize("splits", [2, 3, 9], ids=lambda n: f"{n}-splits")
+def test_split_context_decode_matches_the_reference_in_the_interpreter(splits):
+    """Flash decoding: each row's tiles divided among `splits` programs, merged by their log-sum-exp.
+    9 splits of 32-token tiles leave most splits of the short rows empty (the padding row's 1 token,
+    the 5-token row); heads (3) not a multiple of the group (16)."""
+    from kdaserve.ops.mla.decode import mla_decode_triton
+
+    case = decode_case("cpu", torch.float32, B_lens=(1, 17, 70, 5, 300, 33))
+    got = mla_decode_triton(*case, scale=0.2, num_splits=splits)
+    want = mla_decode_reference(*case, scale=0.2)
+    assert_rel_close(got, want, 1e-5, f"MLA decode, {splits} splits")
+
+
+def test_splits_are_chosen_from_shapes_alone():
+    """Few rows over long tables split (enough programs for two waves), many rows or short tables do
+    not, and the count never exceeds the table's tiles / MIN_SPLIT_TILES or MAX_SPLITS."""
+    from kdaserve.ops.mla.decode import MAX_SPLITS, choose_splits
+
+    gpu = torch.device("cpu")   # planned as for 132 multiprocessors
+    assert choose_splits(gpu, 1, 2, 8192, 32) == MAX_SPLITS
+    assert choose_splits(gpu, 8, 2, 8192, 32) == 17
+    assert choose_splits(gpu, 256, 2, 8192, 32) == 1
+    assert choose_splits(gpu, 1, 2, 256, 32) == 2
+    assert choose_splits(gpu, 1, 2, 64, 32) == 1
+
+
+@INTERP
 @pytest.mark.parametrize("query_lens, context_lens", [([5, 1, 20], [5, 9, 33]), ([1], [1]), ([17, 3], [17, 40])],
                          ids=["mixed", "one-token", "later-chunks"])
 @pytest.mark.parametrize("R", [16, 0], ids=["rope", "no-rope"])
@@ -122,9 +149,10 @@ def test_gpu_decode_at_real_sizes(model):
     H, L, R, DN, _ = SIZES[model]
     lens = (1, 17, 700, 5, 4096, 333, 2048, 64)
     case = decode_case("cuda", torch.bfloat16, B_lens=lens, H=H, L=L, R=R, BS=16)
-    got = mla_decode_triton(*case, scale=(DN + R) ** -0.5)
     want = mla_decode_reference(*(t.float() if t.is_floating_point() else t for t in case), scale=(DN + R) ** -0.5)
-    assert_rel_close(got.float(), want, 1e-2, "MLA decode bf16")
+    for splits in (None, 1, 7):   # the chosen count (8 rows: split), one launch, a count that leaves splits empty
+        got = mla_decode_triton(*case, scale=(DN + R) ** -0.5, num_splits=splits)
+        assert_rel_close(got.float(), want, 1e-2, f"MLA decode bf16, splits {splits}")
 
 
 @pytest.mark.gpu

@@ -29,7 +29,7 @@ from kdaserve.ops.flash.prepare import flash_prepare_kernel
 from kdaserve.ops.flash.recurrence import flash_recurrence_kernel
 from kdaserve.ops.flash.scan import flash_scan_kernel
 from kdaserve.ops.host_tables import host_offsets
-from kdaserve.ops.precision import dot_precision
+from kdaserve.ops.precision import dot_precision, num_sms
 from kdaserve.ops.types import KDACache, KDAInputs, KDAWeights, PrefillSeqs, conv_state_rows
 
 
@@ -94,13 +94,6 @@ def check_flash_inputs(qkv, weights: KDAWeights, recurrent_state, forget_logits,
     return tuple(views)
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # the interpreter: plan as for an H200, so CPU tests exercise the same choices
-
-
 def dot_precisions(device: torch.device, ws_dtype: torch.dtype) -> tuple[str, str]:
     """(tensor-core precision, exact precision) for fp32 dot operands (kdaserve/ops/precision.py).
 
@@ -132,7 +125,7 @@ def resolve_segment_len(segment_len: int | None, T: int, N: int, H: int, D: int,
                         config: FlashConfig) -> int | None:
     """None: automatic; 0: never segment; > 0: force segments of that many tokens (tests)."""
     if segment_len is None:
-        return choose_segment_len(T, N, H, D, chunk, cu_seqlens_cpu, _num_sms(device), config)
+        return choose_segment_len(T, N, H, D, chunk, cu_seqlens_cpu, num_sms(device), config)
     if segment_len == 0:
         return None
     if segment_len < 0:
