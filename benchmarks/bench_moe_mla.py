@@ -49,6 +49,7 @@ def bench(fn) -> float:
 
 def bench_graph(fn) -> float:
     fn()   # compile outside the capture
+    torch.cuda.synchronize()   # the benchmark's side stream does not wait for the inputs' writes
     return triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median")
 
 
@@ -106,37 +107,50 @@ def mla_rows(batches, prefill, ctx, bw, torch_max):
         yield ("MLA", "prefill", T, "one sequence", ms, float("nan"), mt, flops / PEAK_BF16 * 1e3)
 
 
+LAUNCHES = ((32, 8, 3), (64, 8, 2), (64, 8, 3), (32, 4, 3), (64, 4, 2))   # (tile, warps, stages)
+
+
 def mla_decode_sweep(batches, ctx, bw) -> None:
-    """Heads per program x context splits (1 = the one-launch kernel, "auto" = choose_splits),
-    graph-replayed device time; the table prints at the end."""
-    from kdaserve.ops.mla.decode import choose_splits, launch_shape
+    """Heads per program x context splits (1 = the one-launch kernel) x launch shapes (tile, warps,
+    stages); graph-replayed device time.
+    The table prints at the end; "chosen" marks what mla_decode_triton does by default."""
+    from kdaserve.ops.mla.decode import choose_splits, dense_launch
     from kdaserve.ops.precision import device_target
 
     scale = (NOPE + ROPE) ** -0.5
     g = torch.Generator(device="cuda").manual_seed(3)
+    *default_launch, auto_bh = dense_launch(device_target(torch.device("cuda")), LATENT)
+    default_launch = tuple(default_launch)
     rows = []
+
+    def run(B, bh, splits, launch, chosen, call_args, floor):
+        try:
+            ms = bench_graph(lambda: mla_decode_triton(*call_args, scale, num_splits=splits, block_h=bh, launch=launch))
+        except Exception as e:   # noqa: BLE001 - a variant that does not compile is a row, not an abort
+            print(f"B={B} block_h={bh} splits={splits} launch={launch}: {type(e).__name__}: {str(e)[:120]}")
+            ms = float("nan")
+        rows.append((B, bh, splits, launch, chosen, ms, floor))
+        print(rows[-1], flush=True)
+        return ms
+
     for B in batches:
         cache, tables, lens = _paged(B, ctx)
         q_lat = torch.randn(B, HEADS, LATENT, device="cuda", generator=g).to(BF)
         q_pe = torch.randn(B, HEADS, ROPE, device="cuda", generator=g).to(BF)
+        args = (q_lat, q_pe, cache, tables, lens)
         floor = B * ctx * (LATENT + ROPE) * 2 / bw * 1e3
-        tile = launch_shape(device_target(cache.device), LATENT)[0]
+        max_splits = -(-tables.shape[1] * 16 // default_launch[0])
         for bh in (16, 32):
-            auto = choose_splits(cache.device, B, -(-HEADS // bh), tables.shape[1] * 16, tile)
-            for splits in sorted({1, max(1, auto // 2), auto, min(64, auto * 2)}):
-                try:
-                    ms = bench_graph(lambda: mla_decode_triton(q_lat, q_pe, cache, tables, lens, scale,
-                                                               num_splits=splits, block_h=bh))
-                except Exception as e:   # noqa: BLE001 - a variant that does not compile is a row, not an abort
-                    print(f"B={B} block_h={bh} splits={splits}: {type(e).__name__}: {str(e)[:120]}")
-                    ms = float("nan")
-                rows.append((B, bh, splits, splits == auto, ms, floor))
-                print(rows[-1], flush=True)
-        del cache
-    print("\n| batch | heads per program | splits | chosen | graph ms | floor ms | x floor |")
-    print("|---|---|---|---|---|---|---|")
-    for B, bh, splits, chosen, ms, floor in rows:
-        print(f"| {B} | {bh} | {splits} | {'yes' if chosen else ''} | {ms:.4f} | {floor:.4f} | {ms / floor:.2f}x |")
+            auto = choose_splits(cache.device, B, -(-HEADS // bh), tables.shape[1] * 16, default_launch[0])
+            for launch in LAUNCHES:
+                for splits in sorted({1, 2, 4, 8, 16, 32, 64, auto} & set(range(1, max_splits + 1))):
+                    run(B, bh, splits, launch, (bh, splits, launch) == (auto_bh, auto, default_launch), args, floor)
+        del cache, args
+    print("\n| batch | heads per program | splits | tile, warps, stages | chosen | graph ms | floor ms | x floor |")
+    print("|---|---|---|---|---|---|---|---|")
+    for B, bh, splits, launch, chosen, ms, floor in rows:
+        print(f"| {B} | {bh} | {splits} | {launch} | {'yes' if chosen else ''} | {ms:.4f} | {floor:.4f} | "
+              f"{ms / floor:.2f}x |")
 
 
 def main() -> None:

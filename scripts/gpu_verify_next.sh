@@ -7,7 +7,7 @@
 # transformers 5.23.0 with what it imports for structured output) and, for an old-vs-new comparison, [".old"]
 # (e.g. `git archive <commit> kdaserve benchmarks | tar -x -C .old`).
 # Parts owed (add one as `if [ "$PART" = name ]; then ... fi` below, with what it must show):
-#   bash scripts/gpu_verify_next.sh mla_split    # issue 21: MLA decode split over the context (fourteenth session)
+#   (none)
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -32,12 +32,3 @@ group() {  # name, seconds, pytest args...: one pytest process per file (one GPU
 PART=${1:-}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 [ -z "$PART" ] && echo "name a part"
-if [ "$PART" = mla_split ]; then
-# Must show: rc=0 and no FAILED line for the MLA GPU tests (decode at Kimi's and GLM's sizes with
-# the chosen split count, one launch and 7 splits); the main table of bench_moe_mla.py (MLA decode
-# graph ms well under the previous 0.67-0.71 ms at batch 1-64); the sweep table (heads per program
-# 16/32 x splits: the chosen count near the best row at each batch). Record both in perf-notes.
-group mla_gpu 200 tests/ops/test_mla.py -k gpu
-timeout 200 python3 benchmarks/bench_moe_mla.py 2>&1 | tail -15
-timeout $(( BUDGET - ($(date +%s) - START) - 10 )) python3 benchmarks/bench_moe_mla.py --sweep 2>&1 | grep -v "^(" | tail -25
-fi

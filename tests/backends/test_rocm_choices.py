@@ -48,7 +48,7 @@ def test_machine_and_precision_follow_the_architecture(rocm, arch):
 
 def test_flash_and_mla_launch_shapes_on_amd(rocm):
     from kdaserve.ops.flash.config import DEFAULT_CONFIG, config_for
-    from kdaserve.ops.mla.decode import launch_shape
+    from kdaserve.ops.mla.decode import dense_launch, launch_shape
 
     from kdaserve.ops.fused.decode import STREAM_BF16, STREAM_BF16_AMD, default_config
 
@@ -57,6 +57,9 @@ def test_flash_and_mla_launch_shapes_on_amd(rocm):
     assert (cfg.recur_stages, cfg.seg_warps) == (2, 8)               # 64 KB of LDS; the map pass spills at 4 warps
     assert launch_shape(precision.device_target(torch.device("cuda:0")), 512) == (16, 4, 2)
     assert launch_shape("sm_90", 512) == (32, 8, 3)
+    assert dense_launch(precision.device_target(torch.device("cuda:0")), 512) == (16, 4, 2, 16)
+    assert dense_launch("sm_90", 512) == (64, 4, 2, 32)      # Hopper's shared memory: 2 x 64-token tiles
+    assert dense_launch("sm_89", 512) == (32, 8, 3, 16)
     precision._gpu_target.cache_clear()
     rocm("gfx950")
     cfg = config_for(torch.device("cuda:0"))

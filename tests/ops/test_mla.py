@@ -89,13 +89,13 @@ def test_split_context_decode_matches_the_reference_in_the_interpreter(splits):
 
 
 def test_splits_are_chosen_from_shapes_alone():
-    """Few rows over long tables split (enough programs for two waves), many rows or short tables do
-    not, and the count never exceeds the table's tiles / MIN_SPLIT_TILES or MAX_SPLITS."""
+    """Few rows over long tables split (as many as fit one wave of two programs per multiprocessor),
+    many rows or short tables do not, and the count never exceeds the table's tiles / MIN_SPLIT_TILES or MAX_SPLITS."""
     from kdaserve.ops.mla.decode import MAX_SPLITS, choose_splits
 
     gpu = torch.device("cpu")   # planned as for 132 multiprocessors
     assert choose_splits(gpu, 1, 2, 8192, 32) == MAX_SPLITS
-    assert choose_splits(gpu, 8, 2, 8192, 32) == 17
+    assert choose_splits(gpu, 8, 2, 8192, 32) == 16   # 8 x 2 x 16 = 256 programs: one wave of 2 x 132
     assert choose_splits(gpu, 256, 2, 8192, 32) == 1
     assert choose_splits(gpu, 1, 2, 256, 32) == 2
     assert choose_splits(gpu, 1, 2, 64, 32) == 1

@@ -113,24 +113,37 @@ def check_latent_sizes(kernel: str, cache: torch.Tensor, L: int, R: int) -> None
                          f"power of two >= 16 (got {R})")
 
 
-# Splits: enough programs for SPLIT_WAVES per multiprocessor, each split at least MIN_SPLIT_TILES
-# tiles of the widest table (fewer, and writing and merging the partials costs more than it
+def dense_launch(target: str, L: int) -> tuple[int, int, int, int]:
+    """(tokens per tile, warps, stages, heads per program) of the dense decode on `target`. On
+    Hopper and later at L >= 256, 32 heads per program read each latent tile once for twice the
+    heads, and 64-token tiles in 4 warps, 2 stages, two programs per SM, were the fastest of the
+    sweep at every batch (docs/perf-notes.md, fourteenth session; the shape spills a few bytes on
+    sm_90, and the spill-free 8-warp shape was 1.0-1.3x slower); it needs Hopper's shared memory.
+    Elsewhere: launch_shape with 16 heads."""
+    if target.startswith("sm_") and int(target[3:]) >= 90 and L >= 256:
+        return 64, 4, 2, 32
+    return (*launch_shape(target, L), 16)
+
+
+# Splits: as many as keep all programs within one wave of SPLIT_SLOTS_PER_SM programs per
+# multiprocessor (a partial second wave cost up to 1.5x in the sweep), each split at least
+# MIN_SPLIT_TILES tiles of the widest table (writing and merging partials costs more than it
 # spreads), at most MAX_SPLITS (the merge's loop and the partials' memory).
-SPLIT_WAVES, MIN_SPLIT_TILES, MAX_SPLITS = 2, 4, 64
+SPLIT_SLOTS_PER_SM, MIN_SPLIT_TILES, MAX_SPLITS = 2, 4, 64
 
 
 def choose_splits(device: torch.device, rows: int, head_groups: int, table_tokens: int, tile: int) -> int:
     """Context splits per (row, head group) from host-known shapes only (no look at the lengths)."""
-    programs = max(1, rows * head_groups)
-    want = -(-SPLIT_WAVES * num_sms(device) // programs)
-    return max(1, min(want, MAX_SPLITS, -(-table_tokens // tile) // MIN_SPLIT_TILES))
+    fit = SPLIT_SLOTS_PER_SM * num_sms(device) // max(1, rows * head_groups)
+    return max(1, min(fit, MAX_SPLITS, -(-table_tokens // tile) // MIN_SPLIT_TILES))
 
 
 def mla_decode_triton(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                       context_lens: torch.Tensor, scale: float, *, num_splits: int | None = None,
-                      block_h: int = 16) -> torch.Tensor:
-    """Same contract as reference.mla_decode_reference. `num_splits` (default: choose_splits) and
-    `block_h` (heads per program) are for tests and benchmark sweeps."""
+                      block_h: int | None = None, launch: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """Same contract as reference.mla_decode_reference. `num_splits` (default: choose_splits),
+    `block_h` (heads per program) and `launch` (tile, warps, stages), default dense_launch, are for
+    tests and benchmark sweeps."""
     B, H, L = q_latent.shape
     R = q_pe.shape[-1]
     check_latent_sizes("MLA decode", cache, L, R)
@@ -140,7 +153,9 @@ def mla_decode_triton(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.T
     q_pe = q_pe if R == 0 or q_pe.stride(-1) == 1 else q_pe.contiguous()
     q_latent, q_pe = q_latent.to(cache.dtype), q_pe.to(cache.dtype)
     out = torch.empty(B, H, L, dtype=cache.dtype, device=cache.device)
-    tile, warps, stages = launch_shape(device_target(cache.device), L)
+    *default, default_bh = dense_launch(device_target(cache.device), L)
+    tile, warps, stages = launch or default
+    block_h = block_h or min(default_bh, max(16, triton.next_power_of_2(H)))
     groups = triton.cdiv(H, block_h)
     if num_splits is None:
         num_splits = choose_splits(cache.device, B, groups, block_tables.shape[1] * block_size, tile)
