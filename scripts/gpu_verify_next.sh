@@ -7,7 +7,7 @@
 # transformers 5.23.0 with what it imports for structured output) and, for an old-vs-new comparison, [".old"]
 # (e.g. `git archive <commit> kdaserve benchmarks | tar -x -C .old`).
 # Parts owed (add one as `if [ "$PART" = name ]; then ... fi` below, with what it must show):
-#   (none)
+#   bash scripts/gpu_verify_next.sh moe_align    # issue 21: MoE slot alignment in one launch (fourteenth session, after its GPU time)
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -32,3 +32,13 @@ group() {  # name, seconds, pytest args...: one pytest process per file (one GPU
 PART=${1:-}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 [ -z "$PART" ] && echo "name a part"
+if [ "$PART" = moe_align ]; then
+# Must show: rc=0 and no FAILED line for the MoE GPU tests (the fused experts at Kimi's sizes now
+# align in one launch: decode-sized batches take it, 8K-token prefill the torch path) and the
+# Kimi-Linear engine at its real shape with graphs; the main table of bench_moe_mla.py: the "MoE
+# align" rows (kernel graph ms under the torch path's at batch 1-256) and MoE decode at batch 1
+# under the fourteenth session's 0.0975 ms (graph). Record both in docs/perf-notes.md.
+group moe_gpu 200 tests/ops/test_moe.py -k gpu
+group kimi_gpu 150 tests/models/test_kimi_linear_gpu.py
+timeout 200 python3 benchmarks/bench_moe_mla.py --prefill 8192 2>&1 | tail -20
+fi

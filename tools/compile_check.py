@@ -176,6 +176,7 @@ def _other_cases() -> list[Case]:
     from kdaserve.ops.mla.decode import _mla_decode_kernel, _mla_merge_kernel, dense_launch, launch_shape
     from kdaserve.ops.mla.prefill import _mla_prefill_kernel
     from kdaserve.ops.mla.prefill import launch_shape as mla_prefill_shape
+    from kdaserve.ops.moe.align import _align_kernel
     from kdaserve.ops.moe.fused import _moe_down_kernel, _moe_gate_up_kernel
     from kdaserve.ops.norm.gated_rms_norm import gated_rms_norm_kernel
     from kdaserve.ops.dsa.triton_scores import dsa_index_scores_kernel
@@ -234,6 +235,8 @@ def _other_cases() -> list[Case]:
                         precision={"PREC": "tc"}, no_spill=True))
     out.append(Case("mla decode merge L=512", _mla_merge_kernel, dict(part_ptr=F32, lse_ptr=F32, out_ptr=BF),
                     dict(H=32, L=512, SPLITS=64), quick=True, no_spill=True))
+    out.append(Case("moe align E=256", _align_kernel, dict(ids_ptr="*i64", sorted_ptr=I32, block_experts_ptr=I32),
+                    dict(E=256, E_P=256, BM=16, BLOCK_S=32), 4, 1, quick=True, no_spill=True))
     for bm in (16, 32, 64):   # ops/moe/fused.moe_block_m's choices
         out.append(Case(f"moe gate_up BM={bm}", _moe_gate_up_kernel,
                         dict(x_ptr=BF, w_ptr=BF, sorted_ptr=I32, experts_ptr=I32, h_ptr=BF, xs_ptr=BF, ws_ptr=BF),

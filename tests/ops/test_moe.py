@@ -60,6 +60,25 @@ def test_alignment_groups_slots_by_expert_in_padded_blocks(block_m):
     assert sorted(seen) == list(range(S))            # every slot exactly once
 
 
+@INTERP
+@pytest.mark.parametrize("T, k, E, block_m", [(13, 3, 6, 4), (1, 8, 256, 16), (64, 8, 256, 16), (5, 2, 7, 32),
+                                              (300, 8, 256, 64), (3, 1, 1, 16), (512, 8, 256, 16)],
+                         ids=["small", "decode-1", "decode-64", "odd-experts", "prefill-300", "one-expert", "kernel-max"])
+def test_one_launch_alignment_equals_the_torch_path(T, k, E, block_m):
+    """The Triton alignment (decode's path on a GPU) gives the torch path's tables exactly: slots of
+    one expert in slot order, padding S, -1 past the end; output buffers start as junk."""
+    from kdaserve.ops.moe.align import KERNEL_MAX_SLOTS
+
+    assert T * k <= KERNEL_MAX_SLOTS
+    g = torch.Generator().manual_seed(T * 31 + E)
+    ids = torch.randint(0, E, (T, k), generator=g)
+    if T > 4:
+        ids[: T // 2, 0] = E - 1                      # one crowded expert, others empty
+    want = align_to_experts(ids, E, block_m, use_kernel=False)
+    got = align_to_experts(ids, E, block_m, use_kernel=True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def _routing(T, E, k, mode, seed=0):
     g = torch.Generator().manual_seed(seed)
     if mode == "random":
@@ -119,3 +138,19 @@ def test_gpu_fused_at_kimi_linear_sizes(T):
     got = moe_experts_fused(x, w13, w2, weights, ids)
     want = moe_experts_reference(x.float(), w13.float(), w2.float(), weights, ids)
     assert_rel_close(got.float(), want, 1e-2, f"fused MoE bf16 T={T}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 8, 64, 256, 512])
+def test_gpu_one_launch_alignment_equals_the_torch_path(T):
+    """Compiled (not the interpreter): the kernel's tables equal the torch path's at decode sizes,
+    on the router's own choices (256 experts, top 8), for every block size fused MoE picks."""
+    E, k, hidden = 256, 8, 2304
+    g = torch.Generator(device="cuda").manual_seed(T)
+    x = torch.randn(T, hidden, device="cuda", generator=g).bfloat16()
+    gate = torch.randn(E, hidden, device="cuda", generator=g) * hidden**-0.5
+    _, ids = route_tokens(x, gate, None, RouterConfig(E, k))
+    for block_m in (16, 32, 64):
+        want = align_to_experts(ids, E, block_m, use_kernel=False)
+        got = align_to_experts(ids, E, block_m, use_kernel=True)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), block_m
