@@ -116,15 +116,22 @@ def _flash_cases() -> list[Case]:
                         warps=cfg.prepare_warps, quick=quick, precision={"PREC_TC": "tc"}))
     rec_types = dict(**ws, **tables, s_ptr=F32, o_ptr=BF, out_gate_ptr=BF, nw_ptr=F32, eps="fp32", oq_ptr=F16,
                      bm_ptr=F32, qkv_ptr=BF, cs_ptr=BF, q_off="i64")
-    for C, seg, bv, warps, stages in ((32, False, 128, cfg.recur_warps, cfg.recur_stages),
-                                      (32, True, cfg.seg_block_v, cfg.seg_warps, cfg.seg_stages)):
-        out.append(Case(f"flash recurrence C={C} segmented={seg}", flash_recurrence_kernel, rec_types,
-                        dict(H=32, D=128, C=C, BV=bv, SEGMENTED=seg, L_PAD=4, FAST=False), warps, stages,
-                        quick=not seg, precision={"PREC": "tc"},
+    rec_types.update(ck_off_ptr=I32, ck_slot_ptr=I32)
+    # NCK = 4: the state checkpoints of prefix caching (four per sequence), compiled in.
+    for C, seg, bv, warps, stages, nck in ((32, False, 128, cfg.recur_warps, cfg.recur_stages, 0),
+                                           (32, True, cfg.seg_block_v, cfg.seg_warps, cfg.seg_stages, 0),
+                                           (32, False, 128, cfg.recur_warps, cfg.recur_stages, 4),
+                                           (32, True, cfg.seg_block_v, cfg.seg_warps, cfg.seg_stages, 4)):
+        out.append(Case(f"flash recurrence C={C} segmented={seg}{' checkpoints' if nck else ''}", flash_recurrence_kernel,
+                        rec_types, dict(H=32, D=128, C=C, BV=bv, SEGMENTED=seg, L_PAD=4, FAST=False, NCK=nck), warps,
+                        stages, quick=not seg and not nck, precision={"PREC": "tc"},
                         per_target={t: _recurrence_launch(config_for_target(t), seg) for t in TARGETS}))
-    out.append(Case("flash scan", flash_scan_kernel, dict(bm_ptr=F32, start_ptr=F32, s_ptr=F32, idx_ptr=I32, seq_seg0_ptr=I32),
-                    dict(H=32, D=128, BV=cfg.scan_block_v), cfg.scan_warps, cfg.scan_stages, quick=True,
-                    precision={"PREC": "exact"}))
+    for nck in (0, 4):
+        out.append(Case(f"flash scan{' checkpoints' if nck else ''}", flash_scan_kernel,
+                        dict(bm_ptr=F32, start_ptr=F32, s_ptr=F32, idx_ptr=I32, seq_seg0_ptr=I32, ck_off_ptr=I32,
+                             ck_slot_ptr=I32, SL="i32"),
+                        dict(H=32, D=128, BV=cfg.scan_block_v, NCK=nck), cfg.scan_warps, cfg.scan_stages, quick=not nck,
+                        precision={"PREC": "exact"}))
     out.append(Case("flash correct", flash_correct_kernel,
                     dict(oq_ptr=F16, start_ptr=F32, o_ptr=BF, out_gate_ptr=BF, nw_ptr=F32, eps="fp32", cu_ptr=I32, idx_ptr=I32,
                          seg_seq_ptr=I32, seg_tok_ptr=I32, seg_end_ptr=I32, q_off="i64"),

@@ -77,6 +77,31 @@ class KDACache:
 
 
 @dataclass(slots=True)
+class CheckpointRequests:
+    """State checkpoints a prefill takes in the same launch (prefix caching): sequence n's
+    recurrent state and conv window (the raw tokens before the point) as they are after
+    `offsets[n, j]` of its new tokens, copied into state slot `slots[n, j]`. Offsets are interior
+    (0 < offset < the sequence's new tokens) and multiples of the backend's chunk; -1 pads a row.
+    The host copy decides the launch plan (no device read)."""
+
+    offsets: torch.Tensor                     # [N, K] int32 on the device, K a power of two
+    slots: torch.Tensor                       # [N, K] int32
+    offsets_cpu: tuple[tuple[int, ...], ...]  # per sequence, its offsets
+
+    @classmethod
+    def build(cls, per_seq: list[list[tuple[int, int]]], device) -> "CheckpointRequests":
+        """From [(offset, slot), ...] per sequence."""
+        most = max((len(p) for p in per_seq), default=1)
+        K = max(2, 1 << (most - 1).bit_length())   # a power of two: the kernels' vector width
+        off = torch.full((len(per_seq), K), -1, dtype=torch.int32)
+        slot = torch.zeros((len(per_seq), K), dtype=torch.int32)
+        for n, pairs in enumerate(per_seq):
+            for j, (o, sl) in enumerate(pairs):
+                off[n, j], slot[n, j] = o, sl
+        return cls(off.to(device), slot.to(device), tuple(tuple(o for o, _ in p) for p in per_seq))
+
+
+@dataclass(slots=True)
 class PrefillSeqs:
     """The prefill sequences of a step."""
 
@@ -84,6 +109,7 @@ class PrefillSeqs:
     state_indices: torch.Tensor           # [N] int32, <= 0: padding (nothing read or written)
     has_initial_state: torch.Tensor       # [N] bool
     cu_seqlens_cpu: torch.Tensor | None = None  # the host copy: grids without a device sync
+    checkpoints: CheckpointRequests | None = None   # prefix caching: states to copy mid-prefill
 
     def __iter__(self):  # cu_seqlens, state_indices, has_initial_state, cu_seqlens_cpu = seqs
         return iter((self.cu_seqlens, self.state_indices, self.has_initial_state, self.cu_seqlens_cpu))

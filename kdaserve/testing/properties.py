@@ -224,3 +224,47 @@ def check_long_decode(decode_fn, case: KDACase, steps: int, tol: float, gate_log
     slots = case.state_indices.tolist()
     assert_rel_close(case.recurrent_state[slots], ref_rec[slots], tol, f"state after {steps} steps")
     assert torch.equal(case.conv_state.double(), ref_conv), "conv states drifted from the reference"
+
+
+def check_prefill_checkpoints(prefill_fn, case: KDACase, offsets: list[list[int]], tol: float) -> None:
+    """State checkpoints taken inside a prefill (prefix caching): sequence n's checkpoint after
+    offsets[n][j] of its new tokens, in a free slot, holds the state the fp64 reference reaches
+    after just those tokens (from the sequence's initial state) and, bit for bit, the conv rows
+    it leaves; the step's outputs, final states and conv states equal a run without checkpoints
+    bit for bit; every other slot is untouched."""
+    from kdaserve.ops.types import CheckpointRequests, PrefillSeqs
+
+    used = [s for s in case.state_indices.tolist() if s > 0]
+    free = [s for s in range(1, case.recurrent_state.shape[0]) if s not in used]
+    pairs, want = [], {}
+    cu = case.cu_seqlens_cpu.tolist()
+    for n, offs in enumerate(offsets):
+        row = []
+        for o in offs:
+            slot = free.pop(0)
+            row.append((o, slot))
+            alone = to_fp64(case)
+            one = sub_case(alone, cu[n], cu[n] + o, has_initial_state=bool(case.has_initial_state[n]))
+            one.state_indices = case.state_indices[n : n + 1]
+            run_prefill(kda_prefill_reference, one, out_dtype=torch.float64)
+            own = int(case.state_indices[n])
+            want[slot] = (one.recurrent_state[own], conv_state_rows(one.conv_state, case.conv_layout)[own])
+        pairs.append(row)
+    plain = case.clone()
+    out_plain = run_prefill(prefill_fn, plain)
+    before_rec, before_conv = case.recurrent_state.clone(), case.conv_state.clone()
+    ck = CheckpointRequests.build(pairs, case.qkv.device)
+    out = case.new_out()
+    seqs = PrefillSeqs(case.cu_seqlens, case.state_indices, case.has_initial_state, case.cu_seqlens_cpu, ck)
+    prefill_fn(out=out, inputs=case.inputs, weights=case.weights, cache=case.cache, seqs=seqs)
+    rows = valid_rows(case)
+    assert torch.equal(out[rows], out_plain[rows]), "checkpoints changed the prefill output"
+    assert torch.equal(case.recurrent_state[used], plain.recurrent_state[used]), "checkpoints changed the final states"
+    assert torch.equal(case.conv_state[used], plain.conv_state[used]), "checkpoints changed the conv states"
+    cs = conv_state_rows(case.conv_state, case.conv_layout)
+    for slot, (state, conv) in want.items():
+        assert_rel_close(case.recurrent_state[slot], state, tol, f"checkpoint state in slot {slot}")
+        assert torch.equal(cs[slot].double(), conv.to(cs.dtype).double()), f"checkpoint conv rows in slot {slot}"
+    touched = used + list(want)
+    assert_slots_untouched(before_rec, case.recurrent_state, touched, "recurrent_state")
+    assert_slots_untouched(before_conv, case.conv_state, touched, "conv_state")

@@ -47,6 +47,7 @@ class FlashStepPlan:
     num_tokens: int
     config: FlashConfig
     offsets: tuple[int, ...] | None   # the host cu_seqlens it was built from, when known
+    checkpoint_offsets: tuple[tuple[int, ...], ...] | None = None   # the state checkpoints it plans for
 
 
 def chunk_size_for(bounded_gate: bool, config: FlashConfig) -> int:
@@ -60,12 +61,15 @@ def chunk_size_for(bounded_gate: bool, config: FlashConfig) -> int:
 
 def flash_step_plan(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | None, num_tokens: int, num_heads: int,
                     head_dim: int, bounded_gate: bool, *, config: FlashConfig | None = None,
-                    segment_len: int | None = None) -> FlashStepPlan:
+                    segment_len: int | None = None,
+                    checkpoint_offsets: tuple[tuple[int, ...], ...] | None = None) -> FlashStepPlan:
     """The plan of one step of `num_tokens` tokens for layers of `num_heads` x `head_dim` with this
     gate kind. `segment_len`: None = automatic, 0 = never segment, n > 0 = segments of n tokens.
     Without the host copy of cu_seqlens the sizes are upper bounds (every sequence counted as long
     as the step) and the tables are built on the device all the same (no sync). `config`: None is
-    the device's default (config.config_for)."""
+    the device's default (config.config_for). `checkpoint_offsets` (CheckpointRequests.offsets_cpu):
+    the automatic segments are shortened until every checkpoint past a sequence's first segment
+    falls on a segment start, where the scan knows the state."""
     config = config if config is not None else config_for(cu_seqlens.device)
     C = chunk_size_for(bounded_gate, config)
     cu = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
@@ -73,10 +77,31 @@ def flash_step_plan(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | Non
     if N == 0:
         return FlashStepPlan(None, 0, C, num_heads, head_dim, num_tokens, config, (0,))
     seg_len = resolve_segment_len(segment_len, num_tokens, N, num_heads, head_dim, C, cu_seqlens_cpu, cu.device, config)
+    if checkpoint_offsets and seg_len is not None:
+        seg_len = segment_len_for_checkpoints(seg_len, checkpoint_offsets, C, config, forced=bool(segment_len))
     plan = build_plan(cu, num_tokens, N, C, seg_len, cu_seqlens_cpu)
     offsets = host_offsets(cu_seqlens_cpu) if cu_seqlens_cpu is not None else None
     longest = max(seq_lens(offsets)) if offsets is not None else num_tokens
-    return FlashStepPlan(plan, longest, C, num_heads, head_dim, num_tokens, config, offsets)
+    return FlashStepPlan(plan, longest, C, num_heads, head_dim, num_tokens, config, offsets,
+                         checkpoint_offsets if checkpoint_offsets else None)
+
+
+def segment_len_for_checkpoints(seg_len: int, checkpoint_offsets, C: int, config: FlashConfig, *,
+                                forced: bool) -> int | None:
+    """The longest segment length up to `seg_len` (a multiple of C) at which every checkpoint
+    offset lies in its sequence's first segment or on a segment start; None (no segments) when
+    that is shorter than the config's shortest segment. A forced length must fit as it is."""
+    seg_len = -(-seg_len // C) * C
+    every = {o for offs in checkpoint_offsets for o in offs}
+    for cand in range(seg_len, 0, -C):
+        if all(o < cand or o % cand == 0 for o in every):
+            if forced and cand != seg_len:
+                raise ValueError(f"segments of {seg_len} tokens put state checkpoints {sorted(every)} inside a "
+                                 f"later segment; choose a length that divides them (or one that holds them all)")
+            return cand if cand >= config.seg_min_tokens or forced else None
+        if cand < config.seg_min_tokens and not forced:
+            return None
+    return None
 
 
 def check_flash_inputs(qkv, weights: KDAWeights, recurrent_state, forget_logits, output_gate_logits, out, D: int) -> tuple[torch.Tensor, ...]:
@@ -161,9 +186,14 @@ class FlashPrefill:
         T, H, D, N = check_prefill_step(inputs, weights, cache, seqs, out)
         self.forget_v, self.out_gate_v, self.outv = check_flash_inputs(qkv, weights, recurrent_state, forget_logits, output_gate_logits, out, D)
         self.T, self.H, self.D, self.N = T, H, D, N
+        ck = seqs.checkpoints
+        ck_offsets = ck.offsets_cpu if ck is not None and any(ck.offsets_cpu) else None
         if step_plan is None:
             step_plan = flash_step_plan(cu_seqlens, cu_seqlens_cpu, T, H, D, weights.lower_bound is not None,
-                                        config=config, segment_len=segment_len)
+                                        config=config, segment_len=segment_len, checkpoint_offsets=ck_offsets)
+        elif step_plan.checkpoint_offsets != ck_offsets:
+            raise ValueError(f"the flash step plan was built for state checkpoints at {step_plan.checkpoint_offsets}, "
+                             f"this call takes them at {ck_offsets}; build it with this step's checkpoints")
         elif (step_plan.num_tokens, step_plan.num_heads, step_plan.head_dim, step_plan.chunk) != (
                 T, H, D, chunk_size_for(weights.lower_bound is not None, step_plan.config)) or (
                 cu_seqlens_cpu is not None and step_plan.offsets is not None
@@ -186,6 +216,7 @@ class FlashPrefill:
         self.nw = weights.norm_weight.contiguous()
         self.plan, self.longest = step_plan.plan, step_plan.longest
         C = self.C
+        self.ck = self._check_checkpoints(ck, ck_offsets, step_plan, N)
 
         nc = self.plan.n_chunk_ids
         self.ws = torch.empty(4, nc, H, C, D, dtype=self.ws_dtype, device=dev)  # W, U~, Qg, Kd
@@ -202,6 +233,27 @@ class FlashPrefill:
             # each segment's affine map S_end = S_start B + M (B, M)
             self.segment_maps_ws = torch.empty(ns, 2, H, D, D, dtype=torch.float32, device=dev)
             self.segment_starts = torch.empty(ns, H, D, D, dtype=torch.float32, device=dev)
+
+    def _check_checkpoints(self, ck, ck_offsets, step_plan: FlashStepPlan, N: int):
+        """(offsets, slots, width) for the kernels, or None: no checkpoints this step."""
+        if ck_offsets is None:
+            return None
+        C, L = self.C, self.rows.shape[1]
+        if len(ck_offsets) != N or tuple(ck.offsets.shape) != tuple(ck.slots.shape) or ck.offsets.shape[0] != N:
+            raise ValueError(f"state checkpoints must be [N = {N}, K] offsets and slots with {N} host rows, got "
+                             f"{tuple(ck.offsets.shape)}, {tuple(ck.slots.shape)} and {len(ck_offsets)} rows")
+        if L > C:
+            raise ValueError(f"flash writes a checkpoint's conv window from the step's tokens only: it needs conv rows "
+                             f"(width - 1 + speculative tokens = {L}) of at most its chunk ({C})")
+        lens = seq_lens(step_plan.offsets) if step_plan.offsets is not None else None
+        for n, offs in enumerate(ck_offsets):
+            bad = [o for o in offs if o <= 0 or o % C or (lens is not None and o >= lens[n])]
+            if bad:
+                raise ValueError(f"sequence {n}: state checkpoint offsets must be interior (0 < offset < "
+                                 f"{lens[n] if lens else 'its new tokens'}) multiples of the chunk ({C}); got {bad}")
+        off = ck.offsets if ck.offsets.dtype == torch.int32 else ck.offsets.to(torch.int32)
+        slots = ck.slots if ck.slots.dtype == torch.int32 else ck.slots.to(torch.int32)
+        return off.contiguous(), slots.contiguous(), off.shape[1]
 
     def output_groups(self) -> int:
         """Chunk groups per segment in the segment output pass (its grid's axis y)."""
@@ -288,9 +340,17 @@ class FlashPrefill:
             self.cu, self.state_indices, self.has_initial_state,
             plan.seg_seq, plan.seg_tok, plan.seg_end, plan.seg_chunk,
             self.qkv, self.qkv.stride(0), self.rows, *self.rows.stride(), L, q_off,
+            *self._ck_args(),
             H=self.H, D=self.D, C=self.C, BV=bv, SEGMENTED=segmented, L_PAD=triton.next_power_of_2(L),
-            PREC=self.prec_tc, FAST=self.fast, num_warps=warps, num_stages=stages,
+            PREC=self.prec_tc, FAST=self.fast, NCK=self._nck(), num_warps=warps, num_stages=stages,
         )
+
+    def _ck_args(self) -> tuple:
+        # Without checkpoints the kernels compile the code out (NCK = 0); any int32 table stands in.
+        return self.ck[:2] if self.ck is not None else (self.cu, self.cu)
+
+    def _nck(self) -> int:
+        return self.ck[2] if self.ck is not None else 0
 
     def recurrence(self) -> None:
         """Unsegmented: one program per (sequence, head), fused norm, states in place."""
@@ -310,7 +370,8 @@ class FlashPrefill:
         sbv = min(cfg.scan_block_v, D)
         flash_scan_kernel[(self.N * H * (D // sbv),)](
             self.segment_maps_ws, self.segment_starts, st, st.stride(0), st.stride(1), st.stride(2), self.state_indices, self.plan.seq_seg0,
-            H=H, D=D, BV=sbv, PREC=self.prec_exact, num_warps=cfg.scan_warps, num_stages=cfg.scan_stages,
+            *self._ck_args(), self.plan.segment_len,
+            H=H, D=D, BV=sbv, PREC=self.prec_exact, NCK=self._nck(), num_warps=cfg.scan_warps, num_stages=cfg.scan_stages,
         )
 
     def segment_output(self) -> None:

@@ -20,6 +20,13 @@ Two uses:
   identity with v = 0, which yields the segment's transition M (S_end = S_start M + B) and
   q~_t = M_t q_t (o_t = o_loc_t + S_start q~_t). o_loc and q~ go to the 16-bit workspace, B and
   M to fp32, for scan.py and correct.py.
+
+State checkpoints (prefix caching, NCK > 0): sequence n asks for copies of its state and conv
+window at chunk ends `ck_off[n, :]` tokens into its new tokens, into slots `ck_slot[n, :]` (offset
+-1: none). At such a chunk end a program writes the checkpoint's conv rows (the raw tokens before
+it: all in this step, since offsets are at least C > L), and the state where it knows the true
+one: always unsegmented, in a sequence's first segment when segmented; the scan writes the others,
+which fall on segment starts (the step plan makes them).
 """
 
 from __future__ import annotations
@@ -68,8 +75,9 @@ def flash_recurrence_kernel(
     cu_ptr, idx_ptr, init_ptr,
     seg_seq_ptr, seg_tok_ptr, seg_end_ptr, seg_chunk_ptr,
     qkv_ptr, stride_qkv, cs_ptr, stride_cs_slot, stride_cs_row, stride_cs_ch, L, q_off,
+    ck_off_ptr, ck_slot_ptr,
     H: tl.constexpr, D: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
-    SEGMENTED: tl.constexpr, L_PAD: tl.constexpr, PREC: tl.constexpr, FAST: tl.constexpr,
+    SEGMENTED: tl.constexpr, L_PAD: tl.constexpr, PREC: tl.constexpr, FAST: tl.constexpr, NCK: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
     NV: tl.constexpr = D // BV
@@ -142,6 +150,15 @@ def flash_recurrence_kernel(
             y = Ot * rstd[None, :] * nw[:, None] * sigmoid_tanh(output_gate_logits, FAST)
             tl.store(o_ptr + trow * stride_o_t + h * stride_o_h + rows[:, None] * stride_o_d,
                      y.to(o_ptr.dtype.element_ty), mask=tmask)
+        if NCK > 0:   # a checkpoint's state, where this program holds the true one
+            if first & (part == 0):
+                end = tok0 - seq_start + c * C + C   # this chunk's end, in tokens into the sequence
+                ks = tl.arange(0, NCK)
+                hit = tl.load(ck_off_ptr + n * NCK + ks) == end
+                ck = tl.sum(tl.where(hit, tl.load(ck_slot_ptr + n * NCK + ks), 0)).to(tl.int64)
+                if ck > 0:
+                    tl.store(s_ptr + ck * stride_s_slot + h * stride_s_h + rows[:, None] * stride_s_v + kcols[None, :],
+                             S.to(s_ptr.dtype.element_ty))
 
     if SEGMENTED:
         if last & first:
@@ -151,6 +168,14 @@ def flash_recurrence_kernel(
             tl.store(bm, S)
     else:
         tl.store(state_tile, S.to(s_ptr.dtype.element_ty))
+    if (NCK > 0) & (part == 0) & (vs == 0):   # the checkpoints' conv rows: inputs only, outside the chunk loop
+        for j in tl.static_range(NCK):
+            end = tl.load(ck_off_ptr + n * NCK + j)
+            ck = tl.load(ck_slot_ptr + n * NCK + j).to(tl.int64)
+            if (ck > 0) & (end > tok0 - seq_start) & (end <= tok1 - seq_start):
+                for part_qkv in tl.static_range(3):
+                    write_conv_state(qkv_ptr, stride_qkv, cs_ptr + ck * stride_cs_slot, stride_cs_row, stride_cs_ch,
+                                     part_qkv * H * D + h * D, seq_start, end, False, L, D, L_PAD)
     if last & (part == 0) & (vs == 0):
         hist = cs_ptr + slot * stride_cs_slot
         P = H * D

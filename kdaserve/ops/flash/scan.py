@@ -6,6 +6,8 @@ segments in order: start_{s+1} = start_s M_s + B_s, beginning with the first seg
 (computed from the true initial state, so it needs no map), and writes the last end state into the
 pool. The product is one [BV, K] x [K, K] dot per segment in tf32x3 (fp32-accurate on tensor
 cores): these states feed every later output of the sequence, so they get full precision.
+A segment start that is one of the sequence's state checkpoints (recurrence.py, NCK > 0) is also
+written into its checkpoint slot.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ def flash_scan_kernel(
     bm_ptr, start_ptr,
     s_ptr, stride_s_slot, stride_s_h, stride_s_v,
     idx_ptr, seq_seg0_ptr,
-    H: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+    ck_off_ptr, ck_slot_ptr, SL,
+    H: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, NCK: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
     NV: tl.constexpr = D // BV
@@ -40,6 +43,13 @@ def flash_scan_kernel(
     S = tl.load(bm_ptr + ((s0.to(tl.int64) * 2 + 0) * H + h) * (D * D) + tile)
     for s in range(s0 + 1, s1):
         tl.store(start_ptr + (s * H + h).to(tl.int64) * (D * D) + tile, S)
+        if NCK > 0:
+            ks = tl.arange(0, NCK)
+            hit = tl.load(ck_off_ptr + n * NCK + ks) == (s - s0) * SL
+            ck = tl.sum(tl.where(hit, tl.load(ck_slot_ptr + n * NCK + ks), 0)).to(tl.int64)
+            if ck > 0:
+                tl.store(s_ptr + ck * stride_s_slot + h * stride_s_h + rows[:, None] * stride_s_v + kcols[None, :],
+                         S.to(s_ptr.dtype.element_ty))
         M = tl.load(bm_ptr + ((s * 2 + 1) * H + h).to(tl.int64) * (D * D) + mrow[:, None] * D + kcols[None, :])
         B = tl.load(bm_ptr + ((s * 2 + 0) * H + h).to(tl.int64) * (D * D) + tile)
         S = tl.dot(S, M, acc=B, input_precision=PREC)
