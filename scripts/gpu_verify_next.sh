@@ -8,6 +8,7 @@
 # (e.g. `git archive <commit> kdaserve benchmarks | tar -x -C .old`).
 # Parts owed (add one as `if [ "$PART" = name ]; then ... fi` below, with what it must show):
 #   bash scripts/gpu_verify_next.sh moe_align    # issue 21: MoE slot alignment in one launch (fourteenth session, after its GPU time)
+#   bash scripts/gpu_verify_next.sh checkpoints  # issue 26: state checkpoints inside flash's launch (fourteenth session, after its GPU time)
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -41,4 +42,15 @@ if [ "$PART" = moe_align ]; then
 group moe_gpu 200 tests/ops/test_moe.py -k gpu
 group kimi_gpu 150 tests/models/test_kimi_linear_gpu.py
 timeout 200 python3 benchmarks/bench_moe_mla.py --prefill 8192 2>&1 | tail -20
+fi
+if [ "$PART" = checkpoints ]; then
+# Must show: rc=0 and no FAILED line for flash's GPU tests (test_gpu_checkpoints_inside_the_launch:
+# bf16, 32 heads, segmented automatic plan, both gates) and the prefix-caching GPU tests (flash
+# now writes the checkpoints a prompt crosses; CUDA graphs); then bench_checkpoint_cost.py: the
+# cost of checkpoints every 512 tokens (issue goal: at most 3% of prefill time; the checkpoint
+# variants of K2 spill 200 bytes on sm_90 in the compile check, the plain one 8) and
+# bench_prefix_caching.py's TTFT table against docs/prefix-caching.md's. Record in perf-notes.
+group flash_gpu 240 tests/ops/test_flash_prefill.py -k "gpu and checkpoints"
+group prefix_gpu 150 tests/engine/test_prefix_caching_gpu.py
+timeout 150 python3 benchmarks/bench_checkpoint_cost.py 2>&1 | tail -12
 fi

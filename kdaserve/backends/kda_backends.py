@@ -50,7 +50,7 @@ class KDABackends:
         prefill = decode = None
         if meta.num_prefills:
             seqs = PrefillSeqs(meta.prefill_cu_seqlens, meta.prefill_state_indices, meta.prefill_has_initial_state,
-                               meta.prefill_cu_seqlens_cpu)
+                               meta.prefill_cu_seqlens_cpu, meta.prefill_checkpoints)
             prefill = self.prefill.plan_prefill(seqs, meta.num_prefill_tokens, self.num_heads, self.settings)
         if meta.num_decodes:
             decode = DecodeSeqs(meta.decode_state_indices, meta.spec_state_indices, meta.num_accepted_tokens)

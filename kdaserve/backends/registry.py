@@ -42,6 +42,9 @@ class BackendSpec:
     # what the backend prepares once per step (passed to every layer's call as `step_plan=`);
     # None: nothing to prepare.
     planner: Callable[[], Callable] | None = None
+    # Prefill: takes prefix caching's state checkpoints (PrefillSeqs.checkpoints) inside the step;
+    # otherwise the engine cuts prefill chunks at checkpoint boundaries and copies the states.
+    takes_checkpoints: bool = False
     extra: dict = field(default_factory=dict)
 
 
@@ -117,10 +120,11 @@ OUR_CONV = [rq.implementation("kdaserve.ops.conv")]
 _SPECS: list[BackendSpec] = [
     # ---- prefill -------------------------------------------------------------------------------
     BackendSpec("reference", "prefill", "torch reference (chunk-64 form), any device", _reference_prefill, _fixed(),
-                graph_capturable=False),
+                graph_capturable=False, takes_checkpoints=True),
     BackendSpec(
         "flash", "prefill", "Triton, fused few-kernel chunked prefill", _attr("kdaserve.ops.flash", "kda_prefill_flash"),
         _op_limits("flash", TRITON + [rq.implementation("kdaserve.ops.flash")]), planner=_planner("flash_plan"),
+        takes_checkpoints=True,
     ),
     BackendSpec(
         "fla", "prefill", "flash-linear-attention chunk_kda (+ our Triton conv, FLA's gated norm)",

@@ -52,9 +52,18 @@ class ResolvedBackend:
 
     def plan_prefill(self, seqs: PrefillSeqs, num_tokens: int, num_heads: int, settings: LayerSettings) -> PrefillPlan:
         """The step's prefill plan, with what this backend prepares once for all layers."""
+        ck = seqs.checkpoints
+        if ck is not None and not self.spec.takes_checkpoints:
+            raise ValueError(f"the {self.name} prefill backend takes no state checkpoints inside a step; the engine "
+                             f"cuts its prefill chunks at checkpoint boundaries instead")
+        offsets = ck.offsets_cpu if ck is not None and any(ck.offsets_cpu) else None
         tables = None if self.planner is None else self.planner(
-            seqs.cu_seqlens, seqs.cu_seqlens_cpu, num_tokens, num_heads, settings)
+            seqs.cu_seqlens, seqs.cu_seqlens_cpu, num_tokens, num_heads, settings, checkpoint_offsets=offsets)
         return PrefillPlan(seqs, tables)
+
+    @property
+    def takes_checkpoints(self) -> bool:
+        return self.spec.takes_checkpoints
 
     def prefill(self, inputs: KDAInputs, weights, cache: KDACache, plan: PrefillPlan, out) -> None:
         extra = {} if plan.tables is None else {"step_plan": plan.tables}

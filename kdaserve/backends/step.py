@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from kdaserve.ops.types import DecodeSeqs, KDACache, KDAInputs, PrefillSeqs
+from kdaserve.ops.types import CheckpointRequests, DecodeSeqs, KDACache, KDAInputs, PrefillSeqs
 
 __all__ = ["DecodeSeqs", "KDACache", "KDAInputs", "KDAStepMetadata", "KDAStepPlan", "PrefillPlan", "PrefillSeqs"]
 
@@ -37,6 +37,7 @@ class KDAStepMetadata:
     prefill_cu_seqlens_cpu: torch.Tensor | None = None  # host copy (conv tables without a sync)
     prefill_state_indices: torch.Tensor | None = None   # [num_prefills] int32
     prefill_has_initial_state: torch.Tensor | None = None  # [num_prefills] bool
+    prefill_checkpoints: CheckpointRequests | None = None  # prefix caching: states to copy mid-prefill
 
     @property
     def is_speculative(self) -> bool:

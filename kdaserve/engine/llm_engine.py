@@ -94,13 +94,20 @@ class LLMEngine:
 
         cfg = self.config
         checkpoints = StateCheckpoints(self.runner.num_running_slots, self.runner.num_checkpoint_slots)
-        prefill = self.runner.kda_backends.prefill.name if self.runner.kda_backends is not None else "none"
+        backends = self.runner.kda_backends
+        prefill = backends.prefill.name if backends is not None else "none"
+        # flash writes a checkpoint's conv window from the step's tokens: its rows must fit a chunk.
+        in_step = (backends is not None and backends.prefill.takes_checkpoints
+                   and backends.settings.conv_width - 1 + backends.settings.num_spec_tokens <= 16)
+        how = ("writes the checkpoints a prefill chunk crosses inside its launch" if in_step else
+               "writes no interior states, so prefill chunks are cut at a checkpoint boundary (at most one extra step "
+               "per prompt)")
         logger.info("prefix caching: KDA state checkpoints every %d tokens, %d checkpoint slots (at most %d per request); "
-                    "the %s prefill backend writes no interior states, so prefill chunks are cut at a checkpoint boundary "
-                    "(at most one extra step per prompt)", cfg.mamba_block_size, self.runner.num_checkpoint_slots,
-                    cfg.prefix_cache_states_per_request, prefill)
+                    "the %s prefill backend %s", cfg.mamba_block_size, self.runner.num_checkpoint_slots,
+                    cfg.prefix_cache_states_per_request, prefill, how)
         return PrefixCache(self.blocks, checkpoints, BlockHasher(cfg.block_size, cfg.prefix_caching_hash_algo),
-                           cfg.mamba_block_size, cfg.prefix_cache_states_per_request, speculative=cfg.num_spec_tokens > 0)
+                           cfg.mamba_block_size, cfg.prefix_cache_states_per_request, speculative=cfg.num_spec_tokens > 0,
+                           in_step=in_step)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix no running request holds (vLLM's reset_prefix_cache);

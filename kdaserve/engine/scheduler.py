@@ -15,8 +15,8 @@ With the MTP drafter a step that samples also reserves cache rows for the `looka
 after its newest token (the drafter's further passes write there), up to max_model_len.
 
 With prefix caching (engine/prefix_cache) an admitted request may start past a cached prefix,
-prefill chunks end at checkpoint boundaries they cross, and a request waits while a running one
-prefills the prefix they share."""
+prefill chunks take the checkpoints they cross inside the step (or, for backends that cannot, end
+at them), and a request waits while a running one prefills the prefix they share."""
 
 from __future__ import annotations
 
@@ -41,6 +41,8 @@ class ScheduledBatch:
     spec_tokens: int = 0
     # Prefix-cache hits: (checkpoint slot, request's slot) state copies to run before the forward.
     restores: list[tuple[int, int]] = field(default_factory=list)
+    # Prefix-cache checkpoints the prefill writes inside its launch: per prefill, (offset, slot)s.
+    checkpoints: list[list[tuple[int, int]]] | None = None
 
     @property
     def tokens_per_decode(self) -> int:
@@ -144,6 +146,8 @@ class Scheduler:
             self.running.append(seq)
             self._add_to_batch(batch, seq, n, False)
             budget -= n
+        if self.prefix is not None and self.prefix.in_step and batch.prefills:
+            batch.checkpoints = [self.prefix.step_checkpoints(s, n) for s, n in zip(batch.prefills, batch.num_new_tokens)]
         return batch
 
     def _kv_end(self, seq: Sequence, end: int, samples: bool = False) -> int:

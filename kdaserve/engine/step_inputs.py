@@ -15,6 +15,7 @@ from kdaserve.engine.speculative.rejection_sampler import SampleGroup
 from kdaserve.engine.staging import PackedLayout, StagingRing
 from kdaserve.layers.attention import AttentionMetadata
 from kdaserve.layers.context import Context, KDAStepMetadata
+from kdaserve.ops.types import CheckpointRequests
 
 
 @dataclass
@@ -62,6 +63,8 @@ class HostStep:
     tokens_per_decode: int = 1
     decode_verify_slots: np.ndarray | None = None   # [num_decodes, S+1] int32
     decode_num_accepted: np.ndarray | None = None   # [num_decodes] int32
+    # Prefix caching: per prefill, the (offset, checkpoint slot)s its launch writes; None: none.
+    prefill_checkpoints: list[list[tuple[int, int]]] | None = None
 
     @property
     def num_decode_tokens(self) -> int:
@@ -153,6 +156,7 @@ def build_host_step(batch: ScheduledBatch, block_size: int, decode_width: int | 
         tokens_per_decode=m,
         decode_verify_slots=verify_slots,
         decode_num_accepted=accepted,
+        prefill_checkpoints=batch.checkpoints if batch.checkpoints and any(batch.checkpoints) else None,
     )
 
 
@@ -243,6 +247,9 @@ def to_device_context(step: HostStep, device: torch.device, ring: StagingRing) -
     rows = step.logits.sample_rows
     staged_rows = not step.logits.sample_rows_are_leading
     i64, i32 = torch.int64, torch.int32
+    ck = step.prefill_checkpoints
+    ck_width = max(2, 1 << (max(len(p) for p in ck) - 1).bit_length()) if ck else 0   # CheckpointRequests' width
+    ck_shape = (num_prefills, ck_width) if ck else (0,)
     layout = PackedLayout([
         ("input_ids", i64, (T,)), ("positions", i64, (T,)), ("slot_mapping", i64, (T,)),
         ("prefill_kv_rows", i64, step.prefill_kv_rows.shape), ("sample_rows", i64, (len(rows) if staged_rows else 0,)),
@@ -250,6 +257,7 @@ def to_device_context(step: HostStep, device: torch.device, ring: StagingRing) -
         ("verify_slots", i32, step.decode_verify_slots.shape if spec else (0,)), ("num_accepted", i32, (nd if spec else 0,)),
         ("prefill_cu_seqlens", i32, (num_prefills + 1 if num_prefills else 0,)), ("prefill_slots", i32, (num_prefills,)),
         ("prefill_has_state", torch.bool, (num_prefills,)),
+        ("checkpoint_offsets", i32, ck_shape), ("checkpoint_slots", i32, ck_shape),
     ])
     buf, host = ring.acquire(layout.nbytes)
     h = layout.host_views(host)
@@ -269,6 +277,12 @@ def to_device_context(step: HostStep, device: torch.device, ring: StagingRing) -
         h["prefill_cu_seqlens"][:] = cu
     h["prefill_slots"][:] = step.prefill_slots
     h["prefill_has_state"][:] = step.prefill_has_state
+    if ck:
+        h["checkpoint_offsets"][:] = -1
+        h["checkpoint_slots"][:] = 0
+        for n, pairs in enumerate(ck):
+            for j, (offset, slot) in enumerate(pairs):
+                h["checkpoint_offsets"][n, j], h["checkpoint_slots"][n, j] = offset, slot
     dev = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
     ring.submit(buf, dev, layout.nbytes)
     d = layout.device_views(dev)
@@ -284,6 +298,8 @@ def to_device_context(step: HostStep, device: torch.device, ring: StagingRing) -
         prefill_cu_seqlens_cpu=torch.from_numpy(cu) if num_prefills else None,
         prefill_state_indices=d["prefill_slots"] if num_prefills else None,
         prefill_has_initial_state=d["prefill_has_state"] if num_prefills else None,
+        prefill_checkpoints=CheckpointRequests(d["checkpoint_offsets"], d["checkpoint_slots"],
+                                               tuple(tuple(o for o, _ in p) for p in ck)) if ck else None,
     )
     attn = AttentionMetadata(
         slot_mapping=d["slot_mapping"],

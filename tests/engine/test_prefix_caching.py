@@ -110,15 +110,15 @@ def test_multi_turn_chat_reuses_the_answer(plain):
 
 
 def test_prompts_that_diverge_inside_a_block(plain):
-    """`a` (100 tokens, one chunk) leaves a checkpoint at 96 (its chunk is cut there). A prompt
-    that leaves it inside the block after 96 resumes at 96; one that leaves it before 96 finds
-    no checkpoint on its shared part (the fallback takes one per chunk) and computes everything."""
+    """`a` (100 tokens, one chunk) leaves checkpoints at 32, 64 and 96, written by the prefill
+    itself (the reference backend takes them inside the step). A prompt that leaves it inside the
+    block after 96 resumes at 96; one that leaves it at 70 resumes at 64."""
     llm = _llm(True)
     a = SYSTEM[:100]
     late = SYSTEM[:99] + [251] + SYSTEM[100:110]
     early = SYSTEM[:70] + [251] + SYSTEM[71:100]
     assert _ids(llm, [a]) == _ids(plain, [a])
-    for b, cached in ((late, 96), (early, 0)):
+    for b, cached in ((late, 96), (early, 64)):
         out = llm.generate([b], GREEDY, use_tqdm=False)[0]
         assert _Out(out) == _ids(plain, [b])[0]
         assert out.metrics["num_cached_tokens"] == cached
@@ -250,7 +250,8 @@ def test_kimi_linear_mla_latent_cache_and_moe_with_a_hit():
 
 
 def test_a_cache_salt_keeps_prefixes_apart():
-    llm = _llm(True)
+    """(Checkpoint slots for the three tenants' 4 each: none evicts another's.)"""
+    llm = _llm(True, prefix_cache_states=12)
     prompt = SYSTEM + _user(1)
     salted = lambda salt: SamplingParams(max_tokens=2, ignore_eos=True, cache_salt=salt)  # noqa: E731
     llm.generate([prompt], salted("tenant-a"), use_tqdm=False)

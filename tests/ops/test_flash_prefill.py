@@ -415,3 +415,16 @@ def test_segments_shorten_until_checkpoints_fall_on_their_starts():
     assert segment_len_for_checkpoints(32, ((16, 32, 64),), 16, cfg, forced=True) == 32
     with pytest.raises(ValueError, match=r"segments of 32 tokens put state checkpoints \[16, 48\]"):
         segment_len_for_checkpoints(32, ((16, 48),), 16, cfg, forced=True)
+
+
+@gpu
+@pytest.mark.parametrize("gate", ["bounded", "unbounded"])
+def test_gpu_checkpoints_inside_the_launch(gate):
+    """bf16 at real sizes (32 heads, D = 128) with the automatic plan: two sequences over few
+    heads, so the step is segmented and the segments give way to checkpoints every 512 tokens."""
+    from kdaserve.testing.properties import check_prefill_checkpoints
+
+    case = make_kda_case([2100, 700], H=32, D=128, dtype=torch.bfloat16, conv_dtype=torch.bfloat16, gate=gate,
+                         device="cuda", has_initial_state=[True, False], extra_slots=6, seed=12)
+    check_prefill_checkpoints(kda_prefill_flash, case, [[512, 1024, 1536, 2048], [512]],
+                              tolerance_for(torch.bfloat16))

@@ -13,10 +13,10 @@ Two caches make a prefix reusable, and both must hold it:
 A hit (prefix_cache.py) restores the longest prefix that ends on a checkpoint: the blocks before it
 are shared, the checkpoint is copied into the request's own state slot (a state is written as the
 request goes on, so it is never shared), and only the rest is prefilled. Checkpoints are taken
-where a scheduled prefill chunk ends on a boundary (a chunk that crosses one is cut there: at most
-one extra step per prompt, the fallback for prefill kernels that cannot write interior states) and
-where a decode crosses one (so a chat's answer is reusable by its next turn). With speculative
-decoding only prefill ends are checkpointed: a verify's state may be a rejected draft's.
+inside the prefill launch at every boundary a chunk crosses (backends that take CheckpointRequests;
+for the others a chunk that crosses one is cut there, at most one extra step per boundary), where a
+chunk ends on one, and where a decode crosses one (so a chat's answer is reusable by its next
+turn). With speculative decoding decode steps take none: a verify's state may be a rejected draft's.
 """
 
 from kdaserve.engine.prefix_cache.prefix_cache import PrefixCache

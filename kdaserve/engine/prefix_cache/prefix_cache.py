@@ -18,11 +18,19 @@ class PrefixHit:
     checkpoint: int           # the state slot holding the KDA state after them
 
 
+# Interior checkpoints sit this many tokens apart from a chunk's start (a multiple of every
+# prefill chunk a backend uses: flash's 16 and 32); other boundaries cut the chunk.
+CHECKPOINT_ALIGN = 32
+
+
 class PrefixCache:
     def __init__(self, blocks: BlockManager, checkpoints: StateCheckpoints, hasher: BlockHasher, interval: int,
-                 per_request: int, speculative: bool):
+                 per_request: int, speculative: bool, in_step: bool = False):
+        """`in_step`: the prefill backend writes checkpoints inside its launch (CheckpointRequests),
+        so a chunk is cut only at boundaries it cannot take that way."""
         self.blocks, self.checkpoints, self.hasher = blocks, checkpoints, hasher
         self.interval, self.per_request, self.speculative = interval, per_request, speculative
+        self.in_step = in_step
         self.block_size = hasher.block_size
         self.queries = 0   # prompt tokens looked up (vLLM's prefix_cache_queries)
         self.hits = 0      # of them, found cached (prefix_cache_hits)
@@ -87,18 +95,52 @@ class PrefixCache:
         return hit.checkpoint, seq.state_slot
 
     def chunk_len(self, seq: Sequence, n: int) -> int:
-        """A prefill chunk of `n` tokens from seq.num_computed_tokens, cut at the last checkpoint
-        boundary it crosses (the state there is then the chunk's final state). A 1-token chunk
-        with history is never made with speculation (it would be a verify)."""
+        """A prefill chunk of `n` tokens from seq.num_computed_tokens, cut at a checkpoint boundary
+        it crosses (the state there is then the chunk's final state): the last one, or with
+        in-step checkpoints the first one the backend cannot take (not CHECKPOINT_ALIGN tokens
+        from the start). A 1-token chunk with history is never made with speculation (it would be
+        a verify)."""
         start = seq.num_computed_tokens
-        cut = (start + n) // self.interval * self.interval
-        if start < cut < start + n and not (self.speculative and cut - start == 1 and start > 0):
+        if self.in_step:
+            cut = next((b for b in self._interior(start, n) if (b - start) % CHECKPOINT_ALIGN), None)
+        else:
+            cut = (start + n) // self.interval * self.interval
+        if cut is not None and start < cut < start + n and not (self.speculative and cut - start == 1 and start > 0):
             return cut - start
         return n
+
+    def _interior(self, start: int, n: int) -> range:
+        """Checkpoint boundaries strictly inside a chunk of n tokens from `start`."""
+        return range((start // self.interval + 1) * self.interval, start + n, self.interval)
+
+    def step_checkpoints(self, seq: Sequence, n: int) -> list[tuple[int, int]]:
+        """The (offset into the chunk, checkpoint slot) pairs the prefill of this chunk writes
+        inside its launch (in_step backends): every interior boundary, each a slot taken now and
+        hidden from lookups until after_step (the forward fills it)."""
+        if not self.in_step:
+            return []
+        start = seq.num_computed_tokens
+        hashes = None
+        pairs = []
+        for b in self._interior(start, n):
+            if (b - start) % CHECKPOINT_ALIGN:
+                break   # chunk_len cut the chunk before any such boundary
+            hashes = hashes if hashes is not None else self.hashes(seq)
+            key = hashes[b // self.block_size - 1]
+            slot = self.checkpoints.take(key, pending=True)
+            if slot is None:
+                continue
+            pairs.append((b - start, slot))
+            seq.checkpoint_keys.append((b, key))
+            if len(seq.checkpoint_keys) > self.per_request:
+                dropped = self._drop_one(seq, untake=True)
+                pairs = [p for p in pairs if p[0] != dropped - start]   # not written after all
+        return pairs
 
     def after_step(self, batch) -> list[tuple[int, int]]:
         """Register the full blocks the step completed and checkpoint the states that reached a
         boundary; returns the (own slot, checkpoint) copies to run after the step's forward."""
+        self.checkpoints.pending.clear()   # the forward pass has written them
         copies = []
         decodes = set(id(s) for s in batch.decodes)
         for seq in batch.sequences:
@@ -119,15 +161,18 @@ class PrefixCache:
                 self._drop_one(seq)
         return copies
 
-    def _drop_one(self, seq: Sequence) -> None:
+    def _drop_one(self, seq: Sequence, untake: bool = False) -> int:
         """Past its cap a request keeps the checkpoint at the end of its prompt's last interval
         (what other requests with the same prompt start can share: a system prompt) and its
-        newest (where its next turn resumes); of the others, the oldest goes."""
+        newest (where its next turn resumes); of the others, the oldest goes. Returns its
+        position. `untake`: it may be one this step's prefill was to write (step_checkpoints)."""
         keys = seq.checkpoint_keys
         in_prompt = [i for i, (pos, _) in enumerate(keys) if pos <= seq.num_prompt_tokens]
         keep = {len(keys) - 1, in_prompt[-1] if in_prompt else -1}
         victim = next((i for i in range(len(keys)) if i not in keep), 0)   # a cap of 1 keeps the newest only
-        self.checkpoints.drop(keys.pop(victim)[1])
+        pos, key = keys.pop(victim)
+        self.checkpoints.drop(key, untake=untake)
+        return pos
 
     def clear(self) -> None:
         """Forget everything cached that no running request holds (tests, benchmarks)."""

@@ -1,0 +1,79 @@
+"""What prefix caching's in-launch state checkpoints cost flash: one KDA layer's prefill with and
+without checkpoints every `--interval` tokens of each sequence (into spare slots of the pool), ms,
+same inputs, one process, do_bench median; the step plan (segments shortened to the checkpoints)
+built once per case outside the timing, as the engine builds it once per step. Issue goal: at most
+3% of prefill time.
+
+    PYTHONPATH=$PWD python benchmarks/bench_checkpoint_cost.py [--heads 32] [--shapes 1x8K 16x1K 1x32K 64x512]
+        [--interval 512] [--gate bounded unbounded]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.bench_prefill import bench_ms, gpu_case, parse_shape  # noqa: E402
+from kdaserve.ops.flash import flash_step_plan, kda_prefill_flash  # noqa: E402
+from kdaserve.ops.types import CheckpointRequests, PrefillSeqs  # noqa: E402
+
+
+def with_checkpoints(case, interval: int):
+    """The case with spare slots for every interior multiple of `interval` in each sequence."""
+    per_seq, nxt = [], case.recurrent_state.shape[0]
+    for n in case.seq_lens:
+        offs = list(range(interval, n, interval))
+        per_seq.append([(o, nxt + j) for j, o in enumerate(offs)])
+        nxt += len(offs)
+    extra = nxt - case.recurrent_state.shape[0]
+    case.recurrent_state = torch.cat([case.recurrent_state, case.recurrent_state[:1].expand(extra, -1, -1, -1).clone()])
+    case.conv_state = torch.cat([case.conv_state, case.conv_state[:1].expand(extra, -1, -1).clone()])
+    return CheckpointRequests.build(per_seq, case.qkv.device), sum(len(p) for p in per_seq)
+
+
+def timed(case, ck) -> float:
+    with_ck = PrefillSeqs(case.cu_seqlens, case.state_indices, case.has_initial_state, case.cu_seqlens_cpu, ck)
+    offsets = ck.offsets_cpu if ck is not None else None
+    plan = flash_step_plan(case.cu_seqlens, case.cu_seqlens_cpu, case.T, case.H, case.D,
+                           case.weights.lower_bound is not None, checkpoint_offsets=offsets)
+
+    def fn(out, inputs, weights, cache, seqs):   # bench_ms passes the case's seqs: take ours, with the checkpoints
+        kda_prefill_flash(inputs, weights, cache, with_ck, out, step_plan=plan)
+
+    fn.__name__ = "flash+checkpoints" if ck is not None else "flash"
+    return bench_ms(fn, case), plan.plan.segment_len if plan.plan.segmented else 0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--heads", type=int, nargs="+", default=[32])
+    ap.add_argument("--shapes", nargs="+", default=["1x8K", "16x1K", "1x32K", "64x512"])
+    ap.add_argument("--interval", type=int, default=512)
+    ap.add_argument("--gate", nargs="+", default=["bounded", "unbounded"])
+    args = ap.parse_args()
+    rows = []
+    for gate in args.gate:
+        for H in args.heads:
+            for shape in args.shapes:
+                case = gpu_case(parse_shape(shape), H, gate=gate)
+                ck, count = with_checkpoints(case, args.interval)
+                base, seg0 = timed(case, None)
+                with_ck, seg1 = timed(case, ck)
+                rows.append((gate, H, shape, count, base, with_ck, seg0, seg1))
+                print(rows[-1], flush=True)
+                del case
+    print(f"\n| gate | heads | shape | checkpoints (every {args.interval}) | flash ms | with checkpoints ms | cost | "
+          "segment len without / with |")
+    print("|---|---|---|---|---|---|---|---|")
+    for gate, H, shape, count, base, with_ck, seg0, seg1 in rows:
+        print(f"| {gate} | {H} | {shape} | {count} | {base:.3f} | {with_ck:.3f} | {(with_ck / base - 1) * 100:+.1f}% | "
+              f"{seg0 or '-'} / {seg1 or '-'} |")
+
+
+if __name__ == "__main__":
+    main()
