@@ -37,8 +37,9 @@ if [ "$PART" = moe_align ]; then
 # Must show: rc=0 and no FAILED line for the MoE GPU tests (the fused experts at Kimi's sizes now
 # align in one launch: decode-sized batches take it, 8K-token prefill the torch path) and the
 # Kimi-Linear engine at its real shape with graphs; the main table of bench_moe_mla.py: the "MoE
-# align" rows (kernel graph ms under the torch path's at batch 1-256) and MoE decode at batch 1
-# under the fourteenth session's 0.0975 ms (graph). Record both in docs/perf-notes.md.
+# align" rows (kernel vs torch path, graphed, at batch 1-256: set ops/moe/align.KERNEL_MAX_SLOTS,
+# now 128 slots = batch 16, to the crossover) and MoE decode at batch 1 under the fourteenth
+# session's 0.0975 ms (graph). Record both in docs/perf-notes.md.
 group moe_gpu 200 tests/ops/test_moe.py -k gpu
 group kimi_gpu 150 tests/models/test_kimi_linear_gpu.py
 timeout 200 python3 benchmarks/bench_moe_mla.py --prefill 8192 2>&1 | tail -20

@@ -63,13 +63,10 @@ def test_alignment_groups_slots_by_expert_in_padded_blocks(block_m):
 @INTERP
 @pytest.mark.parametrize("T, k, E, block_m", [(13, 3, 6, 4), (1, 8, 256, 16), (64, 8, 256, 16), (5, 2, 7, 32),
                                               (300, 8, 256, 64), (3, 1, 1, 16), (512, 8, 256, 16)],
-                         ids=["small", "decode-1", "decode-64", "odd-experts", "prefill-300", "one-expert", "kernel-max"])
+                         ids=["small", "decode-1", "decode-64", "odd-experts", "prefill-300", "one-expert", "4096-slots"])
 def test_one_launch_alignment_equals_the_torch_path(T, k, E, block_m):
     """The Triton alignment (decode's path on a GPU) gives the torch path's tables exactly: slots of
     one expert in slot order, padding S, -1 past the end; output buffers start as junk."""
-    from kdaserve.ops.moe.align import KERNEL_MAX_SLOTS
-
-    assert T * k <= KERNEL_MAX_SLOTS
     g = torch.Generator().manual_seed(T * 31 + E)
     ids = torch.randint(0, E, (T, k), generator=g)
     if T > 4:

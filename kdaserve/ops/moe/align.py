@@ -9,10 +9,11 @@ data: no device->host sync, and a CUDA graph can capture it; blocks past the end
 and return at once.
 
 Two implementations with identical results (slots of one expert in slot order): up to
-KERNEL_MAX_SLOTS slots (decode, small prefills) one Triton program does it in one launch, since
-at decode the ~20 small torch launches of the general path cost more than the experts' GEMMs
-(docs/perf-notes.md, fourteenth session); past it, the torch path (a sort), where one program
-would be the slow part.
+KERNEL_MAX_SLOTS slots (small decode batches) one Triton program does it in one launch, since at
+batch 1 the ~20 small torch launches of the general path cost more than the experts' GEMMs
+(docs/perf-notes.md, fourteenth session); past it, the torch path (a sort). One program walks
+the slots serially, so its time grows with them: the threshold is set low until the benchmark's
+"MoE align" rows (bench_moe_mla.py) give the crossover on a GPU.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import triton.language as tl
 
 from kdaserve.ops import interpreter_compat
 
-KERNEL_MAX_SLOTS = 4096
+KERNEL_MAX_SLOTS = 128
 
 
 def max_sorted_entries(num_slots: int, num_experts: int, block_m: int) -> int:
