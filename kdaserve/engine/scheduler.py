@@ -41,8 +41,10 @@ class ScheduledBatch:
     spec_tokens: int = 0
     # Prefix-cache hits: (checkpoint slot, request's slot) state copies to run before the forward.
     restores: list[tuple[int, int]] = field(default_factory=list)
-    # Prefix-cache checkpoints the prefill writes inside its launch: per prefill, (offset, slot)s.
+    # Prefix-cache checkpoints the prefill writes inside its launch: per prefill, (offset, slot)s,
+    # staged `checkpoint_width` wide (fixed per engine: one compiled kernel variant).
     checkpoints: list[list[tuple[int, int]]] | None = None
+    checkpoint_width: int = 0
 
     @property
     def tokens_per_decode(self) -> int:
@@ -59,6 +61,12 @@ class ScheduledBatch:
     @property
     def is_empty(self) -> bool:
         return not self.decodes and not self.prefills
+
+
+def checkpoint_width(per_request: int) -> int:
+    """Columns of a step's checkpoint table: a step takes at most `per_request` per sequence (the
+    cap drops the rest before the forward); a power of two, the kernels' vector width."""
+    return max(2, 1 << (per_request - 1).bit_length())
 
 
 class Scheduler:
@@ -148,6 +156,7 @@ class Scheduler:
             budget -= n
         if self.prefix is not None and self.prefix.in_step and batch.prefills:
             batch.checkpoints = [self.prefix.step_checkpoints(s, n) for s, n in zip(batch.prefills, batch.num_new_tokens)]
+            batch.checkpoint_width = checkpoint_width(self.prefix.per_request)
         return batch
 
     def _kv_end(self, seq: Sequence, end: int, samples: bool = False) -> int:

@@ -65,6 +65,7 @@ class HostStep:
     decode_num_accepted: np.ndarray | None = None   # [num_decodes] int32
     # Prefix caching: per prefill, the (offset, checkpoint slot)s its launch writes; None: none.
     prefill_checkpoints: list[list[tuple[int, int]]] | None = None
+    checkpoint_width: int = 0    # columns of their staged table (ScheduledBatch.checkpoint_width)
 
     @property
     def num_decode_tokens(self) -> int:
@@ -157,6 +158,7 @@ def build_host_step(batch: ScheduledBatch, block_size: int, decode_width: int | 
         decode_verify_slots=verify_slots,
         decode_num_accepted=accepted,
         prefill_checkpoints=batch.checkpoints if batch.checkpoints and any(batch.checkpoints) else None,
+        checkpoint_width=batch.checkpoint_width,
     )
 
 
@@ -248,7 +250,7 @@ def to_device_context(step: HostStep, device: torch.device, ring: StagingRing) -
     staged_rows = not step.logits.sample_rows_are_leading
     i64, i32 = torch.int64, torch.int32
     ck = step.prefill_checkpoints
-    ck_width = max(2, 1 << (max(len(p) for p in ck) - 1).bit_length()) if ck else 0   # CheckpointRequests' width
+    ck_width = max(step.checkpoint_width, 2, 1 << (max(len(p) for p in ck) - 1).bit_length()) if ck else 0
     ck_shape = (num_prefills, ck_width) if ck else (0,)
     layout = PackedLayout([
         ("input_ids", i64, (T,)), ("positions", i64, (T,)), ("slot_mapping", i64, (T,)),

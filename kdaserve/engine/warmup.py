@@ -10,7 +10,7 @@ prompt and its continuation (initial state read); for p = 4, 8, 16, ... up to ma
 prefills of p - 1 and p sequences and mixed steps with p - 1, p and p + 1 decodes (mixed steps
 run their decodes eagerly, at any batch size, outside the captured graphs' buckets); pure decode
 steps (CUDA-graph replays, or eager kernels when graphs are off); the whole token budget in one
-sequence and over several; greedy, temperature / top-k / top-p and seeded sampling, log-probs. With
+sequence and over several (with prefix caching on, again with in-launch checkpoints); greedy, temperature / top-k / top-p and seeded sampling, log-probs. With
 speculative decoding every decode step is a verify step (as in serving), its sequences carrying 0
 to S drafts, so the verify kernels, graphs and the rejection sampler are what gets compiled.
 Everything is clipped to the token budget, max_num_seqs and max_model_len; a step that the KV pool
@@ -31,7 +31,7 @@ from kdaserve.engine.block_manager import BlockManager
 from kdaserve.engine.detokenizer import IncrementalDetokenizer
 from kdaserve.engine.model_runner import ModelRunner
 from kdaserve.engine.sampling_params import SamplingParams
-from kdaserve.engine.scheduler import ScheduledBatch
+from kdaserve.engine.scheduler import ScheduledBatch, checkpoint_width
 from kdaserve.engine.sequence import Sequence, SequenceStatus
 from kdaserve.engine.state_pool import StateSlotPool
 
@@ -79,7 +79,7 @@ class Warmup:
 
     # -- steps --------------------------------------------------------------------------------
 
-    def step(self, decodes=(), prefills=()) -> bool:
+    def step(self, decodes=(), prefills=(), checkpoints: bool = False) -> bool:
         """One step through the model runner: `decodes` (those ready for one) first, then
         `prefills` [(seq, tokens)], clipped to the budget as the scheduler would. Returns whether
         it ran (False: nothing to run, or the KV pool cannot hold it)."""
@@ -108,6 +108,8 @@ class Warmup:
             self.blocks.grow(s, s.num_computed_tokens + n)
         batch = ScheduledBatch(decodes=decodes, prefills=[s for s, _ in chunks], num_new_tokens=[n for _, n in chunks],
                                spec_tokens=self.spec)
+        if checkpoints:
+            self.with_checkpoints(batch)
         result = self.runner.execute(batch)
         for s in decodes:
             s.num_computed_tokens += 1
@@ -128,8 +130,22 @@ class Warmup:
         self.steps += 1
         return True
 
-    def prefill(self, *seqs: Sequence | None) -> bool:
-        return self.step(prefills=[(s, s.num_uncomputed_tokens) for s in seqs if s is not None])
+    def prefill(self, *seqs: Sequence | None, checkpoints: bool = False) -> bool:
+        return self.step(prefills=[(s, s.num_uncomputed_tokens) for s in seqs if s is not None], checkpoints=checkpoints)
+
+    def with_checkpoints(self, batch: ScheduledBatch) -> None:
+        """Prefix caching's in-launch checkpoints (the kernels' variants that write them): every
+        32 tokens of each prefill into the checkpoint slots (nothing is cached yet, so nothing
+        reads what lands there), as wide as the engine stages them."""
+        first, count = self.runner.num_running_slots, self.runner.num_checkpoint_slots
+        backends = self.runner.kda_backends
+        if (not count or backends is None or not backends.prefill.takes_checkpoints
+                or backends.settings.conv_width - 1 + backends.settings.num_spec_tokens > 16):   # as the engine decides
+            return
+        cap = self.runner.config.prefix_cache_states_per_request
+        batch.checkpoints = [[(o, first + (j % count)) for j, o in enumerate(range(32, n, 32)[:cap])]
+                             for n in batch.num_new_tokens]
+        batch.checkpoint_width = checkpoint_width(cap)
 
     def run(self) -> None:
         B, L = self.budget, self.max_model_len - 1
@@ -160,11 +176,12 @@ class Warmup:
             if p >= self.max_seqs:
                 break
             p *= 2
-        self.prefill(self.new(min(B, L)))             # the whole budget: long-sequence plans
-        self.release()
-        k = max(1, min(8, self.max_seqs))
-        self.prefill(*[self.new(min(L, max(B // k, 1))) for _ in range(k)])
-        self.release()
+        for checkpoints in (False, True):   # with prefix caching's in-launch checkpoints too
+            self.prefill(self.new(min(B, L)), checkpoints=checkpoints)   # the whole budget: long-sequence plans
+            self.release()
+            k = max(1, min(8, self.max_seqs))
+            self.prefill(*[self.new(min(L, max(B // k, 1))) for _ in range(k)], checkpoints=checkpoints)
+            self.release()
 
     def batch_sizes(self, p: int) -> None:
         """Batches around p (a power of two >= 4): wrappers derive launch constants from the

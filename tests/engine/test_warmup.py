@@ -132,3 +132,24 @@ def test_warm_up_refuses_pools_that_are_in_use():
     with pytest.raises(RuntimeError, match=r"1 state slot\(s\) .* in use: finish or abort"):
         warm_up(engine.runner, engine.slots, engine.blocks, engine.max_model_len)
     engine.slots.free(slot)
+
+
+def test_with_prefix_caching_the_checkpoint_kernels_are_warmed_and_nothing_is_cached():
+    """With prefix caching on, the long prefills run again with in-launch checkpoints (the kernel
+    variants a first long prompt would compile), as wide as the engine stages them; nothing ends
+    up cached and later outputs are those of an engine without the warm-up."""
+    plain, warmed = _engine(enable_prefix_caching=True), _engine(enable_prefix_caching=True)
+    widths, real = [], warmed.runner.execute
+
+    def execute(batch):
+        if batch.checkpoints:
+            widths.append(batch.checkpoint_width)
+            assert all(0 < o < n and o % 32 == 0 for pairs, n in zip(batch.checkpoints, batch.num_new_tokens)
+                       for o, _ in pairs)
+        return real(batch)
+
+    warmed.runner.execute = execute
+    warmed.warm_up()
+    assert widths and set(widths) == {4}   # the per-request cap (4)
+    assert warmed.stats()["prefix_cache_states"] == 0
+    assert _run(warmed) == _run(plain)
