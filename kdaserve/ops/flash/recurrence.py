@@ -23,10 +23,11 @@ Two uses:
 
 State checkpoints (prefix caching, NCK > 0): sequence n asks for copies of its state and conv
 window at chunk ends `ck_off[n, :]` tokens into its new tokens, into slots `ck_slot[n, :]` (offset
--1: none). At such a chunk end a program writes the checkpoint's conv rows (the raw tokens before
-it: all in this step, since offsets are at least C > L), and the state where it knows the true
-one: always unsegmented, in a sequence's first segment when segmented; the scan writes the others,
-which fall on segment starts (the step plan makes them).
+-1: none). At such a chunk end a program stores the state where it holds the true one: always
+unsegmented, in a sequence's first segment when segmented; the scan stores the others, which fall
+on segment starts (the step plan makes them). After its chunk loop the program whose segment holds
+a checkpoint writes its conv rows: the raw tokens before it, all in this step (offsets are at
+least C, the conv rows at most C: the wrapper checks).
 """
 
 from __future__ import annotations
