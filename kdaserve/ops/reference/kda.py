@@ -47,10 +47,9 @@ def kda_prefill_reference(
 ) -> None:
     """Varlen prefill (any lengths, mixed steps included). chunk_size=None runs the token loop;
     16/32/64 run the chunked form (same result, much faster for long sequences). State
-    checkpoints (seqs.checkpoints) are taken by running the step in pieces cut at them."""
+    checkpoints (seqs.checkpoints) are computed apart, before the step (_take_checkpoints)."""
     if seqs.checkpoints is not None and any(seqs.checkpoints.offsets_cpu):
-        _prefill_in_pieces(inputs, weights, cache, seqs, out, chunk_size)
-        return
+        _take_checkpoints(inputs, weights, cache, seqs, chunk_size)
     qkv, forget_logits, beta_logits, output_gate_logits = inputs
     conv_state, recurrent_state, conv_layout = cache
     cu_seqlens, state_indices, has_initial_state, cu_seqlens_cpu = seqs
@@ -68,38 +67,42 @@ def kda_prefill_reference(
     _finish(o, output_gate_logits, weights, out, valid.to(out.device))
 
 
-def _prefill_in_pieces(inputs: KDAInputs, weights: KDAWeights, cache: KDACache, seqs: PrefillSeqs, out: torch.Tensor,
-                       chunk_size: int | None) -> None:
-    """The definition of a checkpoint: round r prefills every sequence's r-th piece (the tokens
-    between its checkpoints) from the state the previous round left, then copies the states of
-    the sequences whose piece ended on a checkpoint into the checkpoint slots."""
+def _take_checkpoints(inputs: KDAInputs, weights: KDAWeights, cache: KDACache, seqs: PrefillSeqs,
+                      chunk_size: int | None) -> None:
+    """The definition of a checkpoint, on copies of the sequences' own slots (so the step's own
+    outputs and states do not depend on whether checkpoints were asked for): round r prefills every
+    sequence's r-th piece (the tokens up to its next checkpoint) from the state the previous round
+    left, then copies the states reached into the checkpoint slots."""
     from kdaserve.ops.types import conv_state_rows
 
     cu = (seqs.cu_seqlens_cpu if seqs.cu_seqlens_cpu is not None else seqs.cu_seqlens).tolist()
-    N, dev = len(cu) - 1, inputs.qkv.device
+    dev = inputs.qkv.device
     slots_of = seqs.checkpoints.slots.tolist()
-    cuts = [[0, *offs, cu[n + 1] - cu[n]] for n, offs in enumerate(seqs.checkpoints.offsets_cpu)]
-    has_state = seqs.has_initial_state.clone()
-    conv_rows = conv_state_rows(cache.conv_state, cache.conv_layout)
-    for r in range(max(len(c) for c in cuts) - 1):
-        members = [n for n in range(N) if r + 1 < len(cuts[n])]
-        rows = torch.cat([torch.arange(cu[n] + cuts[n][r], cu[n] + cuts[n][r + 1]) for n in members]).to(dev)
-        lens = torch.tensor([cuts[n][r + 1] - cuts[n][r] for n in members], dtype=torch.int32)
+    owners = [n for n, offs in enumerate(seqs.checkpoints.offsets_cpu) if offs and int(seqs.state_indices[n]) > 0]
+    if not owners:
+        return
+    own = torch.tensor([0] + [int(seqs.state_indices[n]) for n in owners], device=dev)
+    scratch = KDACache(cache.conv_state[own].clone(), cache.recurrent_state[own].clone(), cache.conv_layout)
+    rows_of = conv_state_rows(cache.conv_state, cache.conv_layout)
+    scratch_rows = conv_state_rows(scratch.conv_state, cache.conv_layout)
+    cuts = {n: [0, *seqs.checkpoints.offsets_cpu[n]] for n in owners}
+    has_state = seqs.has_initial_state[torch.tensor(owners, device=dev)].clone()
+    for r in range(max(len(c) for c in cuts.values()) - 1):
+        members = [i for i, n in enumerate(owners) if r + 1 < len(cuts[n])]
+        rows = torch.cat([torch.arange(cu[owners[i]] + cuts[owners[i]][r], cu[owners[i]] + cuts[owners[i]][r + 1])
+                          for i in members]).to(dev)
+        lens = torch.tensor([cuts[owners[i]][r + 1] - cuts[owners[i]][r] for i in members], dtype=torch.int32)
         piece_cu = torch.zeros(len(members) + 1, dtype=torch.int32)
         piece_cu[1:] = lens.cumsum(0)
         idx = torch.tensor(members, device=dev)
-        part = PrefillSeqs(piece_cu.to(dev), seqs.state_indices[idx], has_state[idx], piece_cu)
-        piece_out = out.new_empty((rows.numel(), *out.shape[1:]))
-        kda_prefill_reference(KDAInputs(*(t[rows] for t in inputs)), weights, cache, part, piece_out,
-                              chunk_size=chunk_size)
-        out[rows] = piece_out
+        part = PrefillSeqs(piece_cu.to(dev), (idx + 1).to(torch.int32), has_state[idx], piece_cu)
+        out = torch.empty(rows.numel(), weights.num_heads, weights.head_dim, dtype=inputs.qkv.dtype, device=dev)
+        kda_prefill_reference(KDAInputs(*(t[rows] for t in inputs)), weights, scratch, part, out, chunk_size=chunk_size)
         has_state[idx] = True
-        for n in members:
-            own = int(seqs.state_indices[n])
-            if r + 2 < len(cuts[n]) and own > 0:   # the piece ended on checkpoint r
-                ck = slots_of[n][r]
-                cache.recurrent_state[ck] = cache.recurrent_state[own]
-                conv_rows[ck] = conv_rows[own]
+        for i in members:
+            ck = slots_of[owners[i]][r]
+            cache.recurrent_state[ck] = scratch.recurrent_state[i + 1]
+            rows_of[ck] = scratch_rows[i + 1]
 
 
 def kda_decode_reference(
