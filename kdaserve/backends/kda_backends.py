@@ -39,6 +39,13 @@ class KDABackends:
     num_heads: int
 
     @property
+    def takes_checkpoints_in_step(self) -> bool:
+        """Whether prefix caching's checkpoints go inside the prefill launch: the backend takes
+        them, and the conv rows (width - 1 + speculative tokens) fit flash's smallest chunk (16),
+        from whose tokens it writes a checkpoint's conv window."""
+        return self.prefill.takes_checkpoints and self.settings.conv_width - 1 + self.settings.num_spec_tokens <= 16
+
+    @property
     def names(self) -> str:
         return f"{self.prefill.name}+{self.decode.name}"
 

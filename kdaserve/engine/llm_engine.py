@@ -96,9 +96,7 @@ class LLMEngine:
         checkpoints = StateCheckpoints(self.runner.num_running_slots, self.runner.num_checkpoint_slots)
         backends = self.runner.kda_backends
         prefill = backends.prefill.name if backends is not None else "none"
-        # flash writes a checkpoint's conv window from the step's tokens: its rows must fit a chunk.
-        in_step = (backends is not None and backends.prefill.takes_checkpoints
-                   and backends.settings.conv_width - 1 + backends.settings.num_spec_tokens <= 16)
+        in_step = backends is not None and backends.takes_checkpoints_in_step
         how = ("writes the checkpoints a prefill chunk crosses inside its launch" if in_step else
                "writes no interior states, so prefill chunks are cut at a checkpoint boundary (at most one extra step "
                "per prompt)")

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from kdaserve.engine.block_manager import BlockManager
 from kdaserve.engine.sequence import Sequence, SequenceStatus
 from kdaserve.engine.state_pool import StateSlotPool
+from kdaserve.ops.types import checkpoint_table_width
 
 
 @dataclass
@@ -61,12 +62,6 @@ class ScheduledBatch:
     @property
     def is_empty(self) -> bool:
         return not self.decodes and not self.prefills
-
-
-def checkpoint_width(per_request: int) -> int:
-    """Columns of a step's checkpoint table: a step takes at most `per_request` per sequence (the
-    cap drops the rest before the forward); a power of two, the kernels' vector width."""
-    return max(2, 1 << (per_request - 1).bit_length())
 
 
 class Scheduler:
@@ -156,7 +151,8 @@ class Scheduler:
             budget -= n
         if self.prefix is not None and self.prefix.in_step and batch.prefills:
             batch.checkpoints = [self.prefix.step_checkpoints(s, n) for s, n in zip(batch.prefills, batch.num_new_tokens)]
-            batch.checkpoint_width = checkpoint_width(self.prefix.per_request)
+            # A step takes at most the per-request cap per sequence (the cap drops the rest first).
+            batch.checkpoint_width = checkpoint_table_width(self.prefix.per_request)
         return batch
 
     def _kv_end(self, seq: Sequence, end: int, samples: bool = False) -> int:

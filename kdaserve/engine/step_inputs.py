@@ -15,7 +15,7 @@ from kdaserve.engine.speculative.rejection_sampler import SampleGroup
 from kdaserve.engine.staging import PackedLayout, StagingRing
 from kdaserve.layers.attention import AttentionMetadata
 from kdaserve.layers.context import Context, KDAStepMetadata
-from kdaserve.ops.types import CheckpointRequests
+from kdaserve.ops.types import CheckpointRequests, checkpoint_table_width
 
 
 @dataclass
@@ -250,7 +250,7 @@ def to_device_context(step: HostStep, device: torch.device, ring: StagingRing) -
     staged_rows = not step.logits.sample_rows_are_leading
     i64, i32 = torch.int64, torch.int32
     ck = step.prefill_checkpoints
-    ck_width = max(step.checkpoint_width, 2, 1 << (max(len(p) for p in ck) - 1).bit_length()) if ck else 0
+    ck_width = max(step.checkpoint_width, checkpoint_table_width(max(len(p) for p in ck))) if ck else 0
     ck_shape = (num_prefills, ck_width) if ck else (0,)
     layout = PackedLayout([
         ("input_ids", i64, (T,)), ("positions", i64, (T,)), ("slot_mapping", i64, (T,)),

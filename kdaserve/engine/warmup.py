@@ -31,7 +31,8 @@ from kdaserve.engine.block_manager import BlockManager
 from kdaserve.engine.detokenizer import IncrementalDetokenizer
 from kdaserve.engine.model_runner import ModelRunner
 from kdaserve.engine.sampling_params import SamplingParams
-from kdaserve.engine.scheduler import ScheduledBatch, checkpoint_width
+from kdaserve.engine.scheduler import ScheduledBatch
+from kdaserve.ops.types import checkpoint_table_width
 from kdaserve.engine.sequence import Sequence, SequenceStatus
 from kdaserve.engine.state_pool import StateSlotPool
 
@@ -139,13 +140,12 @@ class Warmup:
         reads what lands there), as wide as the engine stages them."""
         first, count = self.runner.num_running_slots, self.runner.num_checkpoint_slots
         backends = self.runner.kda_backends
-        if (not count or backends is None or not backends.prefill.takes_checkpoints
-                or backends.settings.conv_width - 1 + backends.settings.num_spec_tokens > 16):   # as the engine decides
+        if not count or backends is None or not backends.takes_checkpoints_in_step:
             return
         cap = self.runner.config.prefix_cache_states_per_request
         batch.checkpoints = [[(o, first + (j % count)) for j, o in enumerate(range(32, n, 32)[:cap])]
                              for n in batch.num_new_tokens]
-        batch.checkpoint_width = checkpoint_width(cap)
+        batch.checkpoint_width = checkpoint_table_width(cap)
 
     def run(self) -> None:
         B, L = self.budget, self.max_model_len - 1

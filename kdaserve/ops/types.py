@@ -76,6 +76,12 @@ class KDACache:
         return iter((self.conv_state, self.recurrent_state, self.conv_layout))
 
 
+def checkpoint_table_width(most: int) -> int:
+    """Columns of a CheckpointRequests table holding up to `most` checkpoints per sequence: a
+    power of two of at least 2 (the kernels' vector width)."""
+    return max(2, 1 << (max(most, 1) - 1).bit_length())
+
+
 @dataclass(slots=True)
 class CheckpointRequests:
     """State checkpoints a prefill takes in the same launch (prefix caching): sequence n's
@@ -91,8 +97,7 @@ class CheckpointRequests:
     @classmethod
     def build(cls, per_seq: list[list[tuple[int, int]]], device) -> "CheckpointRequests":
         """From [(offset, slot), ...] per sequence."""
-        most = max((len(p) for p in per_seq), default=1)
-        K = max(2, 1 << (most - 1).bit_length())   # a power of two: the kernels' vector width
+        K = checkpoint_table_width(max((len(p) for p in per_seq), default=1))
         off = torch.full((len(per_seq), K), -1, dtype=torch.int32)
         slot = torch.zeros((len(per_seq), K), dtype=torch.int32)
         for n, pairs in enumerate(per_seq):
