@@ -14,7 +14,7 @@ import torch
 
 import triton
 
-from kdaserve.ops.flash import kda_prefill_flash
+from kdaserve.ops.flash import flash_step_plan, kda_prefill_flash
 from kdaserve.ops.flash.plan import build_plan, choose_segment_len
 from kdaserve.ops.flash.config import DEFAULT_CONFIG as CONFIG
 from kdaserve.testing import assert_rel_close, make_kda_case, tolerance_for
@@ -428,3 +428,28 @@ def test_gpu_checkpoints_inside_the_launch(gate):
                          device="cuda", has_initial_state=[True, False], extra_slots=6, seed=12)
     check_prefill_checkpoints(kda_prefill_flash, case, [[512, 1024, 1536, 2048], [512]],
                               tolerance_for(torch.bfloat16))
+
+
+@pytest.mark.parametrize("offsets, message", [([[20], []], r"sequence 0: .*multiples of the chunk \(16\); got \[20\]"),
+                                              ([[], [40]], r"sequence 1: .*0 < offset < 40.*got \[40\]")])
+def test_bad_checkpoints_say_what_is_needed(offsets, message):
+    """Offsets off the chunk grid or not inside the sequence are refused before any launch; a step
+    plan built for other checkpoints too; a backend that takes none says the engine cuts chunks."""
+    from kdaserve.backends.registry import get_spec
+    from kdaserve.backends.resolver import ResolvedBackend
+    from kdaserve.ops.types import CheckpointRequests, PrefillSeqs
+
+    case = make_kda_case([64, 40], H=2, D=16, extra_slots=4, seed=13)
+    ck = CheckpointRequests.build([[(o, 5 + i) for i, o in enumerate(offs)] for offs in offsets], "cpu")
+    seqs = PrefillSeqs(case.cu_seqlens, case.state_indices, case.has_initial_state, case.cu_seqlens_cpu, ck)
+    before = case.recurrent_state.clone()
+    with pytest.raises(ValueError, match=message):
+        kda_prefill_flash(case.inputs, case.weights, case.cache, seqs, case.new_out(), segment_len=0,
+                          config=dataclasses.replace(CONFIG, chunk=16))
+    assert torch.equal(before, case.recurrent_state)
+    plan = flash_step_plan(case.cu_seqlens, case.cu_seqlens_cpu, case.T, 2, 16, True)
+    with pytest.raises(ValueError, match="built for state checkpoints at None"):
+        kda_prefill_flash(case.inputs, case.weights, case.cache, seqs, case.new_out(), step_plan=plan)
+    fla = ResolvedBackend("prefill", "fla", "fla", lambda *a, **k: None, get_spec("prefill", "fla"))
+    with pytest.raises(ValueError, match="takes no state checkpoints inside a step; the engine cuts"):
+        fla.plan_prefill(seqs, case.T, 2, None)
