@@ -115,10 +115,9 @@ def check_latent_sizes(kernel: str, cache: torch.Tensor, L: int, R: int) -> None
 
 def dense_launch(target: str, L: int) -> tuple[int, int, int, int]:
     """(tokens per tile, warps, stages, heads per program) of the dense decode on `target`. On
-    Hopper and later at L >= 256, 32 heads per program read each latent tile once for twice the
-    heads, and 64-token tiles in 4 warps, 2 stages, two programs per SM, were the fastest of the
-    sweep at every batch (docs/perf-notes.md, fourteenth session; the shape spills a few bytes on
-    sm_90, and the spill-free 8-warp shape was 1.0-1.3x slower); it needs Hopper's shared memory.
+    Hopper and later at L >= 256: 32 heads per program (each latent tile read once for twice the
+    heads), 64-token tiles in 4 warps and 2 stages, two programs per SM: the sweep's fastest
+    (docs/perf-notes.md), though it spills a few bytes on sm_90; it needs Hopper's shared memory.
     Elsewhere: launch_shape with 16 heads."""
     if target.startswith("sm_") and int(target[3:]) >= 90 and L >= 256:
         return 64, 4, 2, 32
