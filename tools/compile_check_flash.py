@@ -60,19 +60,23 @@ def main(sass: bool = False) -> None:
 
     rec_types = dict(**ws, **tables, s_ptr=f32, o_ptr=bf, out_gate_ptr=bf, nw_ptr=f32, eps="fp32", oq_ptr=f16, bm_ptr=f32,
                      qkv_ptr=bf, cs_ptr=bf, q_off="i64")
+    checkpoints = dict(ck_off_ptr=i32, ck_slot_ptr=i32, ck_maps_ptr=f32)   # prefix caching's variants (NCK > 0)
     for C in (16, 32):
         for seg, bv, warps, stages in ((False, 128, cfg.recur_warps, cfg.recur_stages),
                                        (True, cfg.seg_block_v, cfg.seg_warps, cfg.seg_stages)):
-            k = compile_for_sm90(flash_recurrence_kernel, rec_types,
-                                 dict(H=32, D=128, C=C, BV=bv, SEGMENTED=seg, L_PAD=4, PREC="tf32", FAST=True),
-                                 num_warps=warps, num_stages=stages)
-            wg = "wgmma" if "wgmma" in k.asm["ptx"] else "mma.sync"
-            lines.append(f"recurrence C={C} segmented={seg} BV={bv} warps={warps}: {report(k)} {wg}")
+            for nck in (0, 4):
+                k = compile_for_sm90(flash_recurrence_kernel, dict(rec_types, **checkpoints),
+                                     dict(H=32, D=128, C=C, BV=bv, SEGMENTED=seg, L_PAD=4, PREC="tf32", FAST=True, NCK=nck),
+                                     num_warps=warps, num_stages=stages)
+                wg = "wgmma" if "wgmma" in k.asm["ptx"] else "mma.sync"
+                lines.append(f"recurrence C={C} segmented={seg} BV={bv} warps={warps} NCK={nck}: {report(k)} {wg}")
 
-    k = compile_for_sm90(flash_scan_kernel, dict(bm_ptr=f32, start_ptr=f32, s_ptr=f32, idx_ptr=i32, seq_seg0_ptr=i32),
-                         dict(H=32, D=128, BV=cfg.scan_block_v, PREC="tf32x3"), num_warps=cfg.scan_warps,
-                         num_stages=cfg.scan_stages)
-    lines.append(f"scan: {report(k)}")
+    for nck in (0, 4):
+        k = compile_for_sm90(flash_scan_kernel, dict(bm_ptr=f32, start_ptr=f32, s_ptr=f32, idx_ptr=i32, seq_seg0_ptr=i32,
+                                                     **checkpoints),
+                             dict(H=32, D=128, BV=cfg.scan_block_v, PREC="tf32x3", NCK=nck), num_warps=cfg.scan_warps,
+                             num_stages=cfg.scan_stages)
+        lines.append(f"scan NCK={nck}: {report(k)}")
     import triton.language as tl
 
     k = compile_for_sm90(flash_correct_kernel,

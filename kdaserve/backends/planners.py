@@ -1,7 +1,6 @@
 """What each prefill backend prepares once per step, before its layers run (BackendSpec.planner):
-`plan(cu_seqlens, cu_seqlens_cpu, num_tokens, num_heads, settings, checkpoint_offsets=None) -> tables`,
-passed to every layer's call as `step_plan` (`checkpoint_offsets`: the step's state checkpoints,
-CheckpointRequests.offsets_cpu, for backends that take them). The table-based planners need the host copy of cu_seqlens and
+`plan(cu_seqlens, cu_seqlens_cpu, num_tokens, num_heads, settings) -> tables`, passed to every
+layer's call as `step_plan`. The table-based planners need the host copy of cu_seqlens and
 prepare nothing without it (None: each call then builds what it needs, as tests and tools do);
 flash's plan is built on the device and needs no host copy. Ops are imported when first used."""
 
@@ -13,7 +12,7 @@ from kdaserve.backends.requirements import LayerSettings
 
 
 def conv_tables(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | None, num_tokens: int, num_heads: int,
-                settings: LayerSettings, checkpoint_offsets=None):
+                settings: LayerSettings):
     """Backends that run our varlen conv before another library's core (fla, flashkda, aiter)."""
     from kdaserve.ops.conv import conv_step_tables
     from kdaserve.ops.host_tables import host_offsets
@@ -22,8 +21,8 @@ def conv_tables(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | None, n
 
 
 def flash_plan(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | None, num_tokens: int, num_heads: int,
-               settings: LayerSettings, checkpoint_offsets=None):
+               settings: LayerSettings):
     from kdaserve.ops.flash import flash_step_plan
 
     return flash_step_plan(cu_seqlens, cu_seqlens_cpu, num_tokens, num_heads, settings.head_dim,
-                           settings.lower_bound is not None, checkpoint_offsets=checkpoint_offsets)
+                           settings.lower_bound is not None)

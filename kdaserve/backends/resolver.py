@@ -56,9 +56,8 @@ class ResolvedBackend:
         if ck is not None and not self.spec.takes_checkpoints:
             raise ValueError(f"the {self.name} prefill backend takes no state checkpoints inside a step; the engine "
                              f"cuts its prefill chunks at checkpoint boundaries instead")
-        offsets = ck.offsets_cpu if ck is not None and any(ck.offsets_cpu) else None
         tables = None if self.planner is None else self.planner(
-            seqs.cu_seqlens, seqs.cu_seqlens_cpu, num_tokens, num_heads, settings, checkpoint_offsets=offsets)
+            seqs.cu_seqlens, seqs.cu_seqlens_cpu, num_tokens, num_heads, settings)
         return PrefillPlan(seqs, tables)
 
     @property

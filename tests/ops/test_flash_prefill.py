@@ -383,38 +383,21 @@ def test_gpu_128k_sequence_slow_decay_heads(gate, segment_len):
 @cpu_only
 @pytest.mark.parametrize("gate, layout, segment_len, chunk",
                          [("bounded", "SD", 0, 16), ("bounded", "DS", 0, 32), ("unbounded", "SD", 0, 16),
-                          ("bounded", "SD", 32, 16), ("unbounded", "DS", 32, 16)],
+                          ("bounded", "SD", 32, 16), ("unbounded", "DS", 48, 16)],
                          ids=["bounded", "bounded-C32-DS", "unbounded", "segmented", "segmented-unbounded"])
 def test_checkpoints_inside_the_launch(gate, layout, segment_len, chunk):
     """Prefix caching's state checkpoints, written by the prefill launch itself: after the first
     chunk, in the middle, at the last chunk end before a partial chunk, for a sequence with and one
-    without history; a third sequence takes none. Segments of 32 tokens: the states at 32 and 64
-    come from the scan (segment starts), at 16 from the first segment's map pass."""
+    without history; a third sequence takes none. Segmented, each kind of place: in the first
+    segment (the map pass holds the true state), on a later segment's start (the scan's start
+    state) and inside a later segment (the scan composes the map pass's partial maps): 16, 32 /
+    48, 64 with 32-token segments; 16, 32 / 48 / 64 with 48-token ones."""
     from kdaserve.testing.properties import check_prefill_checkpoints
 
     case = make_kda_case([70, 40, 21], H=2, D=16, gate=gate, conv_layout=layout, spec_tokens=1,
                          has_initial_state=[True, False, True], extra_slots=8, seed=11)
-    offsets = [[32, 64], [32], []] if chunk == 32 else [[16, 32, 64], [16, 32], []] if segment_len else \
-        [[16, 32, 48, 64], [16, 32], []]
+    offsets = [[32, 64], [32], []] if chunk == 32 else [[16, 32, 48, 64], [16, 32], []]
     check_prefill_checkpoints(flash(segment_len if segment_len else 0, chunk=chunk), case, offsets, 1e-5)
-
-
-def test_segments_shorten_until_checkpoints_fall_on_their_starts():
-    """The automatic segment length gives way to the checkpoints (the scan writes states only at
-    segment starts); below the config's shortest segment the step is not segmented; a forced
-    length that does not fit is an error naming the offsets."""
-    from kdaserve.ops.flash.prefill import segment_len_for_checkpoints
-
-    cfg = dataclasses.replace(CONFIG, seg_min_tokens=512)
-    assert segment_len_for_checkpoints(2048, ((512, 1024, 1536),), 16, cfg, forced=False) == 2048      # all in the first
-    assert segment_len_for_checkpoints(2048, ((512, 1024, 1536, 2560),), 16, cfg, forced=False) == 512
-    assert segment_len_for_checkpoints(2048, ((512, 1024, 2048, 4096),), 16, cfg, forced=False) == 2048
-    assert segment_len_for_checkpoints(2048, ((512, 1024, 2048, 3072),), 16, cfg, forced=False) == 1024
-    assert segment_len_for_checkpoints(4096, ((4000,),), 16, cfg, forced=False) == 4096      # in the first segment
-    assert segment_len_for_checkpoints(1024, ((1040, 1072),), 16, cfg, forced=False) is None   # only 16 fits
-    assert segment_len_for_checkpoints(32, ((16, 32, 64),), 16, cfg, forced=True) == 32
-    with pytest.raises(ValueError, match=r"segments of 32 tokens put state checkpoints \[16, 48\]"):
-        segment_len_for_checkpoints(32, ((16, 48),), 16, cfg, forced=True)
 
 
 @gpu
@@ -433,8 +416,8 @@ def test_gpu_checkpoints_inside_the_launch(gate):
 @pytest.mark.parametrize("offsets, message", [([[20], []], r"sequence 0: .*multiples of the chunk \(16\); got \[20\]"),
                                               ([[], [40]], r"sequence 1: .*0 < offset < 40.*got \[40\]")])
 def test_bad_checkpoints_say_what_is_needed(offsets, message):
-    """Offsets off the chunk grid or not inside the sequence are refused before any launch; a step
-    plan built for other checkpoints too; a backend that takes none says the engine cuts chunks."""
+    """Offsets off the chunk grid or not inside the sequence are refused before any launch; a
+    backend that takes none says the engine cuts chunks."""
     from kdaserve.backends.registry import get_spec
     from kdaserve.backends.resolver import ResolvedBackend
     from kdaserve.ops.types import CheckpointRequests, PrefillSeqs
@@ -447,9 +430,6 @@ def test_bad_checkpoints_say_what_is_needed(offsets, message):
         kda_prefill_flash(case.inputs, case.weights, case.cache, seqs, case.new_out(), segment_len=0,
                           config=dataclasses.replace(CONFIG, chunk=16))
     assert torch.equal(before, case.recurrent_state)
-    plan = flash_step_plan(case.cu_seqlens, case.cu_seqlens_cpu, case.T, 2, 16, True)
-    with pytest.raises(ValueError, match="built for state checkpoints at None"):
-        kda_prefill_flash(case.inputs, case.weights, case.cache, seqs, case.new_out(), step_plan=plan)
     fla = ResolvedBackend("prefill", "fla", "fla", lambda *a, **k: None, get_spec("prefill", "fla"))
     with pytest.raises(ValueError, match="takes no state checkpoints inside a step; the engine cuts"):
         fla.plan_prefill(seqs, case.T, 2, None)

@@ -47,7 +47,6 @@ class FlashStepPlan:
     num_tokens: int
     config: FlashConfig
     offsets: tuple[int, ...] | None   # the host cu_seqlens it was built from, when known
-    checkpoint_offsets: tuple[tuple[int, ...], ...] | None = None   # the state checkpoints it plans for
 
 
 def chunk_size_for(bounded_gate: bool, config: FlashConfig) -> int:
@@ -61,15 +60,13 @@ def chunk_size_for(bounded_gate: bool, config: FlashConfig) -> int:
 
 def flash_step_plan(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | None, num_tokens: int, num_heads: int,
                     head_dim: int, bounded_gate: bool, *, config: FlashConfig | None = None,
-                    segment_len: int | None = None,
-                    checkpoint_offsets: tuple[tuple[int, ...], ...] | None = None) -> FlashStepPlan:
+                    segment_len: int | None = None) -> FlashStepPlan:
     """The plan of one step of `num_tokens` tokens for layers of `num_heads` x `head_dim` with this
     gate kind. `segment_len`: None = automatic, 0 = never segment, n > 0 = segments of n tokens.
     Without the host copy of cu_seqlens the sizes are upper bounds (every sequence counted as long
     as the step) and the tables are built on the device all the same (no sync). `config`: None is
-    the device's default (config.config_for). `checkpoint_offsets` (CheckpointRequests.offsets_cpu):
-    the automatic segments are shortened until every checkpoint past a sequence's first segment
-    falls on a segment start, where the scan knows the state."""
+    the device's default (config.config_for). State checkpoints do not change it: the kernels
+    write them wherever they fall (recurrence.py)."""
     config = config if config is not None else config_for(cu_seqlens.device)
     C = chunk_size_for(bounded_gate, config)
     cu = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
@@ -77,31 +74,10 @@ def flash_step_plan(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | Non
     if N == 0:
         return FlashStepPlan(None, 0, C, num_heads, head_dim, num_tokens, config, (0,))
     seg_len = resolve_segment_len(segment_len, num_tokens, N, num_heads, head_dim, C, cu_seqlens_cpu, cu.device, config)
-    if checkpoint_offsets and seg_len is not None:
-        seg_len = segment_len_for_checkpoints(seg_len, checkpoint_offsets, C, config, forced=bool(segment_len))
     plan = build_plan(cu, num_tokens, N, C, seg_len, cu_seqlens_cpu)
     offsets = host_offsets(cu_seqlens_cpu) if cu_seqlens_cpu is not None else None
     longest = max(seq_lens(offsets)) if offsets is not None else num_tokens
-    return FlashStepPlan(plan, longest, C, num_heads, head_dim, num_tokens, config, offsets,
-                         checkpoint_offsets if checkpoint_offsets else None)
-
-
-def segment_len_for_checkpoints(seg_len: int, checkpoint_offsets, C: int, config: FlashConfig, *,
-                                forced: bool) -> int | None:
-    """The longest segment length up to `seg_len` (a multiple of C) at which every checkpoint
-    offset lies in its sequence's first segment or on a segment start; None (no segments) when
-    that is shorter than the config's shortest segment. A forced length must fit as it is."""
-    seg_len = -(-seg_len // C) * C
-    every = {o for offs in checkpoint_offsets for o in offs}
-    for cand in range(seg_len, 0, -C):
-        if all(o < cand or o % cand == 0 for o in every):
-            if forced and cand != seg_len:
-                raise ValueError(f"segments of {seg_len} tokens put state checkpoints {sorted(every)} inside a "
-                                 f"later segment; choose a length that divides them (or one that holds them all)")
-            return cand if cand >= config.seg_min_tokens or forced else None
-        if cand < config.seg_min_tokens and not forced:
-            return None
-    return None
+    return FlashStepPlan(plan, longest, C, num_heads, head_dim, num_tokens, config, offsets)
 
 
 def check_flash_inputs(qkv, weights: KDAWeights, recurrent_state, forget_logits, output_gate_logits, out, D: int) -> tuple[torch.Tensor, ...]:
@@ -190,10 +166,7 @@ class FlashPrefill:
         ck_offsets = ck.offsets_cpu if ck is not None and any(ck.offsets_cpu) else None
         if step_plan is None:
             step_plan = flash_step_plan(cu_seqlens, cu_seqlens_cpu, T, H, D, weights.lower_bound is not None,
-                                        config=config, segment_len=segment_len, checkpoint_offsets=ck_offsets)
-        elif step_plan.checkpoint_offsets != ck_offsets:
-            raise ValueError(f"the flash step plan was built for state checkpoints at {step_plan.checkpoint_offsets}, "
-                             f"this call takes them at {ck_offsets}; build it with this step's checkpoints")
+                                        config=config, segment_len=segment_len)
         elif (step_plan.num_tokens, step_plan.num_heads, step_plan.head_dim, step_plan.chunk) != (
                 T, H, D, chunk_size_for(weights.lower_bound is not None, step_plan.config)) or (
                 cu_seqlens_cpu is not None and step_plan.offsets is not None
@@ -217,6 +190,7 @@ class FlashPrefill:
         self.plan, self.longest = step_plan.plan, step_plan.longest
         C = self.C
         self.ck = self._check_checkpoints(ck, ck_offsets, step_plan, N)
+        self.checkpoint_maps = None
 
         nc = self.plan.n_chunk_ids
         self.ws = torch.empty(4, nc, H, C, D, dtype=self.ws_dtype, device=dev)  # W, U~, Qg, Kd
@@ -233,6 +207,10 @@ class FlashPrefill:
             # each segment's affine map S_end = S_start B + M (B, M)
             self.segment_maps_ws = torch.empty(ns, 2, H, D, D, dtype=torch.float32, device=dev)
             self.segment_starts = torch.empty(ns, H, D, D, dtype=torch.float32, device=dev)
+            # a checkpoint inside a later segment: that segment's (B, M) up to it, for the scan
+            # (fp32 like the segment maps; every table column has room, few sequences segment)
+            self.checkpoint_maps = None if self.ck is None else torch.empty(
+                N * self.ck[2], 2, H, D, D, dtype=torch.float32, device=dev)
 
     def _check_checkpoints(self, ck, ck_offsets, step_plan: FlashStepPlan, N: int):
         """(offsets, slots, width) for the kernels, or None: no checkpoints this step."""
@@ -346,8 +324,11 @@ class FlashPrefill:
         )
 
     def _ck_args(self) -> tuple:
-        # Without checkpoints the kernels compile the code out (NCK = 0); any int32 table stands in.
-        return self.ck[:2] if self.ck is not None else (self.cu, self.cu)
+        # Without checkpoints the kernels compile the code out (NCK = 0); any tables stand in.
+        if self.ck is None:
+            return self.cu, self.cu, self.chunk_decay_ws
+        maps = self.checkpoint_maps
+        return (*self.ck[:2], maps if maps is not None else self.chunk_decay_ws)
 
     def _nck(self) -> int:
         return self.ck[2] if self.ck is not None else 0

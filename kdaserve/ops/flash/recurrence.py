@@ -24,10 +24,13 @@ Two uses:
 State checkpoints (prefix caching, NCK > 0): sequence n asks for copies of its state and conv
 window at chunk ends `ck_off[n, :]` tokens into its new tokens, into slots `ck_slot[n, :]` (offset
 -1: none). At such a chunk end a program stores the state where it holds the true one: always
-unsegmented, in a sequence's first segment when segmented; the scan stores the others, which fall
-on segment starts (the step plan makes them). After its chunk loop the program whose segment holds
-a checkpoint writes its conv rows: the raw tokens before it, all in this step (offsets are at
-least C, the conv rows at most C: the wrapper checks).
+unsegmented, in a sequence's first segment when segmented. Inside a later segment both parts store
+what they hold there (B_o and M_o, fp32, in `ck_maps[n * NCK + j]`), and the scan, which knows
+the segment's start, writes S_start M_o + B_o; at a segment start it writes the start itself. So
+the segments never depend on where checkpoints fall, and a step's outputs are the same with or
+without them. After its chunk loop the program whose segment holds a checkpoint writes its conv
+rows: the raw tokens before it, all in this step (offsets are at least C, the conv rows at most C:
+the wrapper checks).
 """
 
 from __future__ import annotations
@@ -76,7 +79,7 @@ def flash_recurrence_kernel(
     cu_ptr, idx_ptr, init_ptr,
     seg_seq_ptr, seg_tok_ptr, seg_end_ptr, seg_chunk_ptr,
     qkv_ptr, stride_qkv, cs_ptr, stride_cs_slot, stride_cs_row, stride_cs_ch, L, q_off,
-    ck_off_ptr, ck_slot_ptr,
+    ck_off_ptr, ck_slot_ptr, ck_maps_ptr,
     H: tl.constexpr, D: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
     SEGMENTED: tl.constexpr, L_PAD: tl.constexpr, PREC: tl.constexpr, FAST: tl.constexpr, NCK: tl.constexpr = 0,
 ):
@@ -151,15 +154,20 @@ def flash_recurrence_kernel(
             y = Ot * rstd[None, :] * nw[:, None] * sigmoid_tanh(output_gate_logits, FAST)
             tl.store(o_ptr + trow * stride_o_t + h * stride_o_h + rows[:, None] * stride_o_d,
                      y.to(o_ptr.dtype.element_ty), mask=tmask)
-        if NCK > 0:   # a checkpoint's state, where this program holds the true one
-            if first & (part == 0):
-                end = tok0 - seq_start + c * C + C   # this chunk's end, in tokens into the sequence
-                ks = tl.arange(0, NCK)
-                hit = tl.load(ck_off_ptr + n * NCK + ks) == end
-                ck = tl.sum(tl.where(hit, tl.load(ck_slot_ptr + n * NCK + ks), 0)).to(tl.int64)
-                if ck > 0:
+        if NCK > 0:   # a checkpoint at this chunk's end: the true state, or this segment's map up to it
+            end = tok0 - seq_start + c * C + C   # this chunk's end, in tokens into the sequence
+            ks = tl.arange(0, NCK)
+            hit = tl.load(ck_off_ptr + n * NCK + ks) == end
+            ck = tl.sum(tl.where(hit, tl.load(ck_slot_ptr + n * NCK + ks), 0)).to(tl.int64)
+            if ck > 0:
+                if first & (part == 0):
                     tl.store(s_ptr + ck * stride_s_slot + h * stride_s_h + rows[:, None] * stride_s_v + kcols[None, :],
                              S.to(s_ptr.dtype.element_ty))
+                elif SEGMENTED:
+                    if end < tok1 - seq_start:   # inside a later segment (a segment end is the next one's start)
+                        j = tl.sum(tl.where(hit, ks, 0)).to(tl.int64)
+                        tl.store(ck_maps_ptr + ((n.to(tl.int64) * NCK + j) * 2 + part) * (H * D * D) + h * (D * D)
+                                 + rows[:, None] * D + kcols[None, :], S)
 
     if SEGMENTED:
         if last & first:
