@@ -12,8 +12,10 @@ Two implementations with identical results (slots of one expert in slot order): 
 KERNEL_MAX_SLOTS slots (small decode batches) one Triton program does it in one launch, since at
 batch 1 the ~20 small torch launches of the general path cost more than the experts' GEMMs
 (docs/perf-notes.md, fourteenth session); past it, the torch path (a sort). One program walks
-the slots serially, so its time grows with them: the threshold is set low until the benchmark's
-"MoE align" rows (bench_moe_mla.py) give the crossover on a GPU.
+the slots serially, so its time grows with them: on an H200 (bench_moe_mla.py's "MoE align"
+rows, 256 experts, top 8, both graphed) the kernel is 2.1x faster at 512 slots and 0.69x at 2048,
+crossing near 1300; the threshold sits below that, at batch 128 (docs/perf-notes.md, fifteenth
+session).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import triton.language as tl
 
 from kdaserve.ops import interpreter_compat
 
-KERNEL_MAX_SLOTS = 128
+KERNEL_MAX_SLOTS = 1024
 
 
 def max_sorted_entries(num_slots: int, num_experts: int, block_m: int) -> int:
