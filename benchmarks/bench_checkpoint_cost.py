@@ -1,11 +1,14 @@
 """What prefix caching's in-launch state checkpoints cost flash: one KDA layer's prefill with and
 without checkpoints every `--interval` tokens of each sequence (into spare slots of the pool), ms,
-same inputs, one process, do_bench median; the step plan (segments shortened to the checkpoints)
+same inputs, one process, do_bench median; the step plan (the same with or without checkpoints)
 built once per case outside the timing, as the engine builds it once per step. Issue goal: at most
 3% of prefill time.
 
     PYTHONPATH=$PWD python benchmarks/bench_checkpoint_cost.py [--heads 32] [--shapes 1x8K 16x1K 1x32K 64x512]
-        [--interval 512] [--gate bounded unbounded]
+        [--interval 512] [--gate bounded unbounded] [--stages]
+
+`--stages` adds a second table: each launch (FlashPrefill's methods, timed one by one) with and
+without the checkpoints, to show which stage the cost lands in.
 """
 
 from __future__ import annotations
@@ -15,11 +18,13 @@ import sys
 from pathlib import Path
 
 import torch
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_prefill import bench_ms, gpu_case, parse_shape  # noqa: E402
 from kdaserve.ops.flash import flash_step_plan, kda_prefill_flash  # noqa: E402
+from kdaserve.ops.flash.prefill import FlashPrefill  # noqa: E402
 from kdaserve.ops.types import CheckpointRequests, PrefillSeqs  # noqa: E402
 
 
@@ -38,9 +43,8 @@ def with_checkpoints(case, interval: int):
 
 def timed(case, ck) -> float:
     with_ck = PrefillSeqs(case.cu_seqlens, case.state_indices, case.has_initial_state, case.cu_seqlens_cpu, ck)
-    offsets = ck.offsets_cpu if ck is not None else None
     plan = flash_step_plan(case.cu_seqlens, case.cu_seqlens_cpu, case.T, case.H, case.D,
-                           case.weights.lower_bound is not None, checkpoint_offsets=offsets)
+                           case.weights.lower_bound is not None)
 
     def fn(out, inputs, weights, cache, seqs):   # bench_ms passes the case's seqs: take ours, with the checkpoints
         kda_prefill_flash(inputs, weights, cache, with_ck, out, step_plan=plan)
@@ -49,30 +53,52 @@ def timed(case, ck) -> float:
     return bench_ms(fn, case), plan.plan.segment_len if plan.plan.segmented else 0
 
 
+def stage_ms(case, ck) -> dict[str, float]:
+    """Median ms of each launch of one step, timed alone (each reruns on the pool it left)."""
+    seqs = PrefillSeqs(case.cu_seqlens, case.state_indices, case.has_initial_state, case.cu_seqlens_cpu, ck)
+    plan = flash_step_plan(case.cu_seqlens, case.cu_seqlens_cpu, case.T, case.H, case.D,
+                           case.weights.lower_bound is not None)
+    step = FlashPrefill(case.inputs, case.weights, case.cache, seqs, case.new_out(), step_plan=plan)
+    names = ["prepare"] + (["segment_maps", "scan", "segment_output"] if plan.plan.segmented else ["recurrence"])
+    step.run()   # compile outside the timing
+    torch.cuda.synchronize()
+    return {name: triton.testing.do_bench(getattr(step, name), warmup=10, rep=40, return_mode="median")
+            for name in names}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--heads", type=int, nargs="+", default=[32])
     ap.add_argument("--shapes", nargs="+", default=["1x8K", "16x1K", "1x32K", "64x512"])
     ap.add_argument("--interval", type=int, default=512)
     ap.add_argument("--gate", nargs="+", default=["bounded", "unbounded"])
+    ap.add_argument("--stages", action="store_true", help="also time each launch with and without checkpoints")
     args = ap.parse_args()
-    rows = []
+    rows, stage_rows = [], []
     for gate in args.gate:
         for H in args.heads:
             for shape in args.shapes:
                 case = gpu_case(parse_shape(shape), H, gate=gate)
                 ck, count = with_checkpoints(case, args.interval)
-                base, seg0 = timed(case, None)
-                with_ck, seg1 = timed(case, ck)
-                rows.append((gate, H, shape, count, base, with_ck, seg0, seg1))
+                base, seg = timed(case, None)
+                with_ck, _ = timed(case, ck)
+                rows.append((gate, H, shape, count, base, with_ck, seg))
                 print(rows[-1], flush=True)
+                if args.stages:
+                    plain, ckd = stage_ms(case, None), stage_ms(case, ck)
+                    stage_rows += [(gate, H, shape, name, plain[name], ckd[name]) for name in plain]
                 del case
     print(f"\n| gate | heads | shape | checkpoints (every {args.interval}) | flash ms | with checkpoints ms | cost | "
-          "segment len without / with |")
+          "segment len |")
     print("|---|---|---|---|---|---|---|---|")
-    for gate, H, shape, count, base, with_ck, seg0, seg1 in rows:
+    for gate, H, shape, count, base, with_ck, seg in rows:
         print(f"| {gate} | {H} | {shape} | {count} | {base:.3f} | {with_ck:.3f} | {(with_ck / base - 1) * 100:+.1f}% | "
-              f"{seg0 or '-'} / {seg1 or '-'} |")
+              f"{seg or '-'} |")
+    if stage_rows:
+        print("\n| gate | heads | shape | launch | ms | with checkpoints ms | difference ms |")
+        print("|---|---|---|---|---|---|---|")
+        for gate, H, shape, name, plain, ckd in stage_rows:
+            print(f"| {gate} | {H} | {shape} | {name} | {plain:.4f} | {ckd:.4f} | {ckd - plain:+.4f} |")
 
 
 if __name__ == "__main__":
