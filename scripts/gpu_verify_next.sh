@@ -9,6 +9,7 @@
 # Parts owed (add one as `if [ "$PART" = name ]; then ... fi` below, with what it must show):
 #   bash scripts/gpu_verify_next.sh moe_threshold      # issue 21: the alignment kernel up to 1024 slots (fifteenth session)
 #   bash scripts/gpu_verify_next.sh checkpoint_stages  # issue 26: where in-launch checkpoints cost flash 5-9% on one long prompt
+#   bash scripts/gpu_verify_next.sh serving_host       # issue 21 goal 2: ITL through the server against the engine's step
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -52,4 +53,14 @@ if [ "$PART" = checkpoint_stages ]; then
 # check), the scan (serial compositions, one [BV, K] x [K, K] tf32x3 dot per checkpoint inside a
 # segment), or prepare (unchanged code: should show nothing). Record in docs/perf-notes.md.
 timeout 400 python3 benchmarks/bench_checkpoint_cost.py --shapes 1x8K 1x32K --stages 2>&1 | tail -24
+fi
+if [ "$PART" = serving_host ]; then
+# Must show: bench_serving_host.py's two tables on this machine's host (needs the server wheels in
+# .whl): (1) a fixed 2.5 ms device time (the host's Python alone; on the CPU machine ITL median was
+# 1.14-1.17x the engine alone at 64 streams) and (2) the real `bench` model on the H200 with CUDA
+# graphs at 64 streams: ITL median / engine alone (issue 21 goal 2: at most 1.15x; 8.0 ms vs a
+# 2.5 ms step through `vllm bench serve` on 2026-12-01). If (2) is far above (1), rerun it with
+# --profile and record where the event loop's time goes. Record in docs/perf-notes.md.
+timeout 200 python3 benchmarks/bench_serving_host.py --rounds 2 2>&1 | tail -6
+timeout 350 python3 benchmarks/bench_serving_host.py --rounds 2 --model bench 2>&1 | tail -6
 fi

@@ -5,9 +5,9 @@ so the newest text is held back while it decodes to a trailing U+FFFD. Two ways 
 text, with the same result:
 
 - a checkpoint's tokenizer (a `tokenizers.Tokenizer` behind HFTokenizer.backend) decodes through
-  the library's `DecodeStream`: one call into Rust for a step's new tokens, about a quarter of the
-  host time per token of the window below (docs/perf-notes.md, fifteenth session), which the
-  engine spends once per sequence per step;
+  the library's `DecodeStream`: one call into Rust for a step's new tokens instead of two
+  decodes, which the engine pays once per sequence per step (benchmarks/bench_detokenizer.py;
+  docs/perf-notes.md, fifteenth session);
 - any other tokenizer (the built-in byte tokenizer) decodes a window: the tokens since the previous
   emitted text plus the window before them (so merges across the boundary come out right), keeping
   the cost per token constant.
