@@ -10,6 +10,7 @@
 #   bash scripts/gpu_verify_next.sh moe_threshold      # issue 21: the alignment kernel up to 1024 slots (fifteenth session)
 #   bash scripts/gpu_verify_next.sh checkpoint_stages  # issue 26: where in-launch checkpoints cost flash 5-9% on one long prompt
 #   bash scripts/gpu_verify_next.sh serving_host       # issue 21 goal 2: ITL through the server against the engine's step
+#   bash scripts/gpu_verify_next.sh vllm_layouts       # issue 30: the plugin's step on vLLM's layouts, bf16, flash + fused
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -63,4 +64,11 @@ if [ "$PART" = serving_host ]; then
 # --profile and record where the event loop's time goes. Record in docs/perf-notes.md.
 timeout 200 python3 benchmarks/bench_serving_host.py --rounds 2 2>&1 | tail -6
 timeout 350 python3 benchmarks/bench_serving_host.py --rounds 2 --model bench 2>&1 | tail -6
+fi
+if [ "$PART" = vllm_layouts ]; then
+# Must show: rc=0 and no FAILED line: the vLLM plugin's step (kdaserve_vllm/gdn_step.py) on vLLM's
+# exact layouts (strided views of the fused projection, CUDA-graph padding rows, padding slots -1,
+# a ragged verify) through flash prefill and fused decode / verify, bf16, 32 heads x 128, both conv
+# layouts: bit for bit the same step on contiguous copies, no padding row or outside slot written.
+group vllm_layouts 200 tests/integrations/test_vllm_layouts.py -k gpu
 fi

@@ -1,7 +1,9 @@
 """Runs vLLM (with the kdaserve plugin installed) on a checkpoint and prints what it generated as one
 JSON line: `python vllm_runner.py REQUEST.json` under the vLLM venv's python (tests/integrations/
-test_vllm_plugin.py). The request names the model, tensor_parallel_size, max_num_batched_tokens,
-the prompts (token ids), max_tokens, prompt_logprobs, additional_config and speculative_config."""
+test_vllm_plugin*.py). The request names the model, dtype, tensor_parallel_size,
+max_num_batched_tokens, the prompts (token ids), max_tokens, prompt_logprobs, additional_config,
+speculative_config and, for a GLM checkpoint, `probe_hidden` (hidden states whose projections and
+KDA weights each plugin layer reports)."""
 
 import json
 import os
@@ -23,12 +25,31 @@ def _kda_layer_classes(worker) -> list[str]:
                    or "KDA" in type(m).__name__})
 
 
+def _glm_kda_probe(worker, hidden: list) -> dict:
+    """In a worker: per GLM KDA layer of the plugin, its projections of `hidden` and the weights it
+    hands kdaserve (KDAWeights), as lists."""
+    import torch
+
+    out = {}
+    for m in worker.model_runner.model.modules():
+        if type(m).__name__ != "KdaserveGlmKDA":
+            continue
+        with torch.no_grad():
+            qkv, g1, beta, g2 = m.kdaserve_project(torch.tensor(hidden, dtype=m.o_norm.weight.dtype))
+            w = m._kda_weights()
+        tensors = dict(qkv=qkv, forget=g1[0], beta=beta[0], gate=g2, conv_weight=w.conv_weight, A_log=w.A_log,
+                       dt_bias=w.dt_bias, norm_weight=w.norm_weight)
+        out[m.prefix] = {k: t.float().flatten().tolist() for k, t in tensors.items()} | {
+            "lower_bound": w.lower_bound, "norm_eps": w.norm_eps}
+    return out
+
+
 def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     req = json.load(open(sys.argv[1]))
-    llm = LLM(model=req["model"], disable_log_stats=False, dtype="float32", max_model_len=256, tensor_parallel_size=req.get("tp", 1),
+    llm = LLM(model=req["model"], disable_log_stats=False, dtype=req.get("dtype", "float32"), max_model_len=256, tensor_parallel_size=req.get("tp", 1),
               skip_tokenizer_init=True, enforce_eager=True, gpu_memory_utilization=0.3,
               enable_prefix_caching=req.get("enable_prefix_caching", False), **req.get("engine_args", {}),
               max_num_batched_tokens=req.get("max_num_batched_tokens", 256), max_num_seqs=8,
@@ -50,8 +71,10 @@ def main() -> None:
             entry["logprobs"] = [{str(k): v.logprob for k, v in d.items()} for d in c.logprobs]
         result.append(entry)
     classes = llm.collective_rpc(_kda_layer_classes)   # one list per worker (tensor-parallel rank)
+    probe = llm.collective_rpc(_glm_kda_probe, args=(req["probe_hidden"],)) if req.get("probe_hidden") else None
     hits = sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name == "vllm:prefix_cache_hits")
-    print("RESULT " + json.dumps({"outputs": result, "kda_classes": classes, "prefix_cache_hits": hits}), flush=True)
+    print("RESULT " + json.dumps({"outputs": result, "kda_classes": classes, "prefix_cache_hits": hits,
+                                  "glm_probe": probe}), flush=True)
 
 
 if __name__ == "__main__":
