@@ -96,6 +96,9 @@ def test_each_layer_projects_and_hands_kdaserve_what_its_own_glm_layer_has(check
             got = torch.tensor(theirs[name]).view(t.shape)
             assert_rel_close(got.double(), t.double(), 2e-3, f"layer {layer.layer_idx} {name}")
         assert theirs["lower_bound"] == w.lower_bound and theirs["norm_eps"] == w.norm_eps
+        # kdaserve's prefill writes no in-launch checkpoints for vLLM: the layer must promise none
+        # (on a CPU vLLM's own choice is Triton already; the override matters where FlashKDA runs)
+        assert theirs["vllm_prefill"] == "triton" and theirs["checkpoint_alignment"] is None
 
 
 def test_decode_continues_the_state_that_chunked_prefill_left(checkpoint, tmp_path):

@@ -40,7 +40,8 @@ def _glm_kda_probe(worker, hidden: list) -> dict:
         tensors = dict(qkv=qkv, forget=g1[0], beta=beta[0], gate=g2, conv_weight=w.conv_weight, A_log=w.A_log,
                        dt_bias=w.dt_bias, norm_weight=w.norm_weight)
         out[m.prefix] = {k: t.float().flatten().tolist() for k, t in tensors.items()} | {
-            "lower_bound": w.lower_bound, "norm_eps": w.norm_eps}
+            "lower_bound": w.lower_bound, "norm_eps": w.norm_eps, "vllm_prefill": m.kda_prefill_backend,
+            "checkpoint_alignment": m.get_kv_cache_spec(worker.vllm_config).prefill_checkpoint_alignment}
     return out
 
 

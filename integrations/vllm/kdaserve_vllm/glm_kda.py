@@ -26,6 +26,15 @@ class KdaserveGlmKDA(KdaserveKDACore, Glm5NextLinearAttention):
         super().__init__(config, vllm_config, prefix)
         self._kdaserve_setup(vllm_config, self.kda_lower_bound)
         self._kdaserve_conv = None
+        if self.kdaserve_backends is not None and "prefill" not in self.kdaserve_vllm_phases:
+            # vLLM's FlashKDA prefill (its choice on Hopper for bf16, D = 128, bounded gate) writes
+            # prefix-caching checkpoints inside its launch, and the KV cache spec promises them
+            # (prefill_checkpoint_alignment). kdaserve's prefill runs instead and writes none, so
+            # the layer must not promise them: as vLLM's Triton prefill, whose checkpoints vLLM
+            # takes by cutting prefills at block boundaries ('align' mode).
+            self.kda_prefill_backend = "triton"
+            self._flashkda_buffer_specs = None
+            self._checkpoint_exporter = None
 
     def _conv_weight(self) -> torch.Tensor:
         if self._kdaserve_conv is None:   # after vLLM loaded the weights (they never change after)
