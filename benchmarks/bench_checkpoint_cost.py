@@ -5,7 +5,7 @@ built once per case outside the timing, as the engine builds it once per step. I
 3% of prefill time.
 
     PYTHONPATH=$PWD python benchmarks/bench_checkpoint_cost.py [--heads 32] [--shapes 1x8K 16x1K 1x32K 64x512]
-        [--interval 512] [--gate bounded unbounded] [--stages]
+        [--interval 512] [--cap 4] [--gate bounded unbounded] [--stages]
 
 `--stages` adds a second table: each launch (FlashPrefill's methods, timed one by one) with and
 without the checkpoints, to show which stage the cost lands in.
@@ -28,11 +28,14 @@ from kdaserve.ops.flash.prefill import FlashPrefill  # noqa: E402
 from kdaserve.ops.types import CheckpointRequests, PrefillSeqs  # noqa: E402
 
 
-def with_checkpoints(case, interval: int):
-    """The case with spare slots for every interior multiple of `interval` in each sequence."""
+def with_checkpoints(case, interval: int, cap: int | None = None):
+    """The case with spare slots for every interior multiple of `interval` in each sequence, or
+    for its last `cap` of them (what the engine writes in one step: --prefix-cache-states-per-
+    request, default 4, drops the oldest)."""
     per_seq, nxt = [], case.recurrent_state.shape[0]
     for n in case.seq_lens:
         offs = list(range(interval, n, interval))
+        offs = offs[-cap:] if cap else offs
         per_seq.append([(o, nxt + j) for j, o in enumerate(offs)])
         nxt += len(offs)
     extra = nxt - case.recurrent_state.shape[0]
@@ -71,6 +74,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, nargs="+", default=[32])
     ap.add_argument("--shapes", nargs="+", default=["1x8K", "16x1K", "1x32K", "64x512"])
     ap.add_argument("--interval", type=int, default=512)
+    ap.add_argument("--cap", type=int, default=None, help="only each sequence's last N checkpoints (the engine's cap)")
     ap.add_argument("--gate", nargs="+", default=["bounded", "unbounded"])
     ap.add_argument("--stages", action="store_true", help="also time each launch with and without checkpoints")
     args = ap.parse_args()
@@ -79,7 +83,7 @@ def main() -> None:
         for H in args.heads:
             for shape in args.shapes:
                 case = gpu_case(parse_shape(shape), H, gate=gate)
-                ck, count = with_checkpoints(case, args.interval)
+                ck, count = with_checkpoints(case, args.interval, args.cap)
                 base, seg = timed(case, None)
                 with_ck, _ = timed(case, ck)
                 rows.append((gate, H, shape, count, base, with_ck, seg))

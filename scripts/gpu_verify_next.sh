@@ -53,7 +53,9 @@ if [ "$PART" = checkpoint_stages ]; then
 # which launch to fix: the map pass (the checkpoint variant's spills and shared memory: compile
 # check), the scan (serial compositions, one [BV, K] x [K, K] tf32x3 dot per checkpoint inside a
 # segment), or prepare (unchanged code: should show nothing). Record in docs/perf-notes.md.
-timeout 400 python3 benchmarks/bench_checkpoint_cost.py --shapes 1x8K 1x32K --stages 2>&1 | tail -24
+timeout 300 python3 benchmarks/bench_checkpoint_cost.py --shapes 1x8K 1x32K --stages 2>&1 | tail -24
+# and what the engine writes in one step (each request's last 4 boundaries, its default cap):
+timeout 200 python3 benchmarks/bench_checkpoint_cost.py --shapes 1x8K 1x32K 16x1K --cap 4 2>&1 | tail -10
 fi
 if [ "$PART" = serving_host ]; then
 # Must show: bench_serving_host.py's two tables on this machine's host (needs the server wheels in
