@@ -391,12 +391,13 @@ def test_checkpoints_inside_the_launch(gate, layout, segment_len, chunk):
     without history; a third sequence takes none. Segmented, each kind of place: in the first
     segment (the map pass holds the true state), on a later segment's start (the scan's start
     state) and inside a later segment (the scan composes the map pass's partial maps): 16, 32 /
-    48, 64 with 32-token segments; 16, 32 / 48 / 64 with 48-token ones."""
+    48, 64 with 32-token segments; 16, 32 / 48 / 64 with 48-token ones; the sequence without
+    history takes one inside its second segment too (48 of 60 with 32-token segments)."""
     from kdaserve.testing.properties import check_prefill_checkpoints
 
-    case = make_kda_case([70, 40, 21], H=2, D=16, gate=gate, conv_layout=layout, spec_tokens=1,
+    case = make_kda_case([70, 60, 21], H=2, D=16, gate=gate, conv_layout=layout, spec_tokens=1,
                          has_initial_state=[True, False, True], extra_slots=8, seed=11)
-    offsets = [[32, 64], [32], []] if chunk == 32 else [[16, 32, 48, 64], [16, 32], []]
+    offsets = [[32, 64], [32], []] if chunk == 32 else [[16, 32, 48, 64], [16, 48], []]
     check_prefill_checkpoints(flash(segment_len if segment_len else 0, chunk=chunk), case, offsets, 1e-5)
 
 
