@@ -12,10 +12,8 @@ Two implementations with identical results (slots of one expert in slot order): 
 KERNEL_MAX_SLOTS slots (small decode batches) one Triton program does it in one launch, since at
 batch 1 the ~20 small torch launches of the general path cost more than the experts' GEMMs
 (docs/perf-notes.md, fourteenth session); past it, the torch path (a sort). One program walks
-the slots serially, so its time grows with them: on an H200 (bench_moe_mla.py's "MoE align"
-rows, 256 experts, top 8, both graphed) the kernel is 2.1x faster at 512 slots and 0.69x at 2048,
-crossing near 1300; the threshold sits below that, at batch 128 (docs/perf-notes.md, fifteenth
-session).
+the slots serially, so its time grows with them: the threshold sits below the crossover that
+bench_moe_mla.py's "MoE align" rows show on an H200 (docs/perf-notes.md, fifteenth session).
 """
 
 from __future__ import annotations
