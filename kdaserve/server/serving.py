@@ -356,8 +356,8 @@ class EventStreamResponse(StreamingResponse):
 
     async def stream_response(self, send) -> None:
         async def send_or_give_up(message) -> None:
-            # asyncio.timeout, not wait_for: wait_for runs every write in a task of its own, which
-            # costs the event loop ~7 µs per write (two writes per token of every stream).
+            # asyncio.timeout, not wait_for: wait_for runs every write in a task of its own, a cost
+            # the event loop pays twice per token of every stream.
             try:
                 async with asyncio.timeout(self._write_timeout):
                     await send(message)

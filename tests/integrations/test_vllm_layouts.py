@@ -72,9 +72,7 @@ def _check(kind: str, H: int, D: int, dtype, dev, prefill: str, decode: str, con
     exact = prefill != "reference"
     S = 2 if kind == "verify" else 0
     g = torch.Generator(device="cpu").manual_seed(seed)
-    weights = make_kda_weights(H, D, generator=g)
-    weights = type(weights)(**{f: (getattr(weights, f).to(dev) if torch.is_tensor(getattr(weights, f)) else getattr(weights, f))
-                               for f in weights.__dataclass_fields__})
+    weights = make_kda_weights(H, D, device=dev, generator=g)
     settings = LayerSettings(input_dtype=dtype, head_dim=D, lower_bound=weights.lower_bound, state_dtype=torch.float32,
                              conv_layout=conv_layout, num_spec_tokens=S, conv_width=4)
     choice = KDABackendChoice(prefill=prefill, decode=decode, conv_layout=conv_layout, num_spec_tokens=S)
@@ -91,8 +89,6 @@ def _check(kind: str, H: int, D: int, dtype, dev, prefill: str, decode: str, con
     conv_shape = (SLOTS, rows, 3 * P) if conv_layout == "SD" else (SLOTS, 3 * P, rows)
     conv = torch.randn(conv_shape, generator=g).to(dtype).to(dev)
     rec = (torch.randn(SLOTS, H, D, D, generator=g) * 0.1).to(dev)
-    if conv_layout == "DS":   # vLLM's DS pool: [slots, 3P, rows] laid out dim-first
-        conv = conv.contiguous()
 
     def run(strided: bool):
         c, r = conv.clone(), rec.clone()
