@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
 
@@ -74,6 +75,10 @@ def register(sub) -> None:
                         "time, mean inter-token latency, tokens per second); speculative acceptance is there regardless")
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="usage.prompt_tokens_details.cached_tokens in responses: prompt tokens the prefix cache held")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine in a process of its own, as vLLM runs its engine core (default), so the "
+                        "server's per-token HTTP work and the engine's steps do not share one interpreter lock; "
+                        "--no-engine-process steps it in a thread of the server's process")
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="the model, as vLLM's `vllm serve MODEL` takes it (same as --model)")
     add_engine_args(p, model="nano")   # the trained model shipped in the package
@@ -104,7 +109,12 @@ def run(args) -> int:
     from kdaserve.engine.llm_engine import LLMEngine
 
     try:
-        engine = LLMEngine(**engine_kwargs_from_args(args))
+        if args.engine_process:
+            from kdaserve.server.engine_process import EngineProcess
+
+            engine = EngineProcess(engine_kwargs_from_args(args), log_level=args.log_level.upper())
+        else:
+            engine = LLMEngine(**engine_kwargs_from_args(args))
     except (ValueError, RuntimeError, FileNotFoundError) as exc:
         # Startup errors (unmet backend requirements, a bad checkpoint path) are for a person.
         print(f"kdaserve serve: cannot start the engine: {exc}", file=sys.stderr)

@@ -13,7 +13,8 @@ from kdaserve.server.chat import ChatHandler
 from kdaserve.server.chat_template import chat_prompt_ids
 from kdaserve.server.tool_parsers import make_tool_parser
 from kdaserve.server.completions import CompletionHandler
-from kdaserve.server.engine_loop import EngineLoop
+from kdaserve.server.engine_loop import EngineLoop, ProcessEngineLoop
+from kdaserve.server.engine_process import EngineProcess
 from kdaserve.server.errors import APIError, bad_request, install_error_handlers
 from kdaserve.server.metrics import ServerMetrics
 from kdaserve.server.protocol import (
@@ -43,7 +44,8 @@ def build_app(
     enable_per_request_metrics: bool = False,
     enable_prompt_tokens_details: bool = False,
 ):
-    """An app serving `engine` (an `LLMEngine`); its engine thread runs while the app is up.
+    """An app serving `engine`: an `LLMEngine` (stepped by a thread of this process while the app
+    is up) or an `EngineProcess` (its own process; closed when the app stops).
     `access`: API keys, Host check and body limit (server/access.py; default: no key, no Host
     check, the default body limit). The interactive `/docs` and `/redoc` pages only with
     `enable_docs`; `/openapi.json` always (clients and fuzzers read it). CORS headers only for
@@ -62,7 +64,9 @@ def build_app(
         "prefix_caching_hash_algo": cfg.prefix_caching_hash_algo,
     }, num_speculative_tokens=cfg.num_spec_tokens)
     parser = make_tool_parser(tool_parser, engine.tokenizer) if tool_parser else None
-    engine_loop = EngineLoop(engine, max_queued_requests=max_queued_requests, metrics=metrics)
+    # An EngineProcess (kdaserve serve's default) steps in its own process; an LLMEngine in a thread here.
+    loop_type = ProcessEngineLoop if isinstance(engine, EngineProcess) else EngineLoop
+    engine_loop = loop_type(engine, max_queued_requests=max_queued_requests, metrics=metrics)
     state = ServerState(
         engine_loop=engine_loop,
         tokenizer=engine.tokenizer,
@@ -108,7 +112,7 @@ def build_app(
     @app.get("/health")
     async def health():
         if not engine_loop.is_alive:
-            raise APIError(503, "the engine thread is not running", code="engine_unavailable")
+            raise APIError(503, "the engine is not running", code="engine_unavailable")
         return Response(status_code=200)
 
     @app.get("/ping")

@@ -33,6 +33,7 @@ class _Timing:
     first_token: float | None = None
     last_token: float | None = None
     score_only: bool = False   # echo with max_tokens 0: the one token the engine samples is hidden
+    admitted: bool = False     # its prompt tokens are counted (an engine in its own process: at its first output)
 
 
 class RequestGroup:
@@ -50,7 +51,9 @@ class RequestGroup:
         self._unfinished = set(range(len(request_ids)))
         self._engine_loop = engine_loop
         self._loop = loop
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self._queue: asyncio.Queue = asyncio.Queue()   # holders [index, item, outputs merged into it]
+        self._waiting: dict[int, list] = {}             # index -> its output's holder still in the queue
+        self._pending = 0                               # outputs delivered and not yet taken
         self._closed = False
         self._max_pending = max_pending
         self.overflowed = False
@@ -61,29 +64,47 @@ class RequestGroup:
 
     # Called from the engine thread.
     def deliver(self, index: int, item: Any) -> None:
-        _call_in_loop(self._loop, self._queue.put_nowait, (index, item))
+        _call_in_loop(self._loop, self._put, index, item)
 
     # Called on the event loop.
     def _put(self, index: int, item: Any) -> None:
         if self.overflowed:
             return
-        if self._queue.qsize() >= self._max_pending:
+        if self._pending >= self._max_pending:
             # The handler stopped taking outputs (its client stopped reading): abort now rather
-            # than buffer a whole generation; the handler sees the error when it resumes.
+            # than let the request run on for nobody; the handler sees the error when it resumes.
             self.overflowed = True
             logger.warning("request %s: %d outputs not taken by its client; aborted", self.request_ids[0], self._max_pending)
             unfinished = sorted(self._unfinished)
             self.close()
             self._unfinished = set(unfinished[:1])
-            self._queue.put_nowait((unfinished[0] if unfinished else 0, APIError(
-                503, f"the client did not read its stream: {self._max_pending} outputs were waiting", code="client_too_slow")))
+            self._queue.put_nowait([unfinished[0] if unfinished else 0, APIError(
+                503, f"the client did not read its stream: {self._max_pending} outputs were waiting", code="client_too_slow"), 0])
             return
-        self._queue.put_nowait((index, item))
+        self._pending += 1
+        holder = self._waiting.get(index)
+        if holder is not None and not isinstance(item, BaseException):
+            # The handler has not taken this member's last output yet (it is writing other
+            # streams): one output for both, as vLLM's output collector does. An output holds
+            # everything so far; only its new tokens are a delta. One SSE chunk then carries
+            # both steps' tokens, so a server that falls behind writes fewer, larger chunks.
+            item.new_token_ids = holder[1].new_token_ids + item.new_token_ids
+            holder[1] = item
+            holder[2] += 1
+            return
+        holder = [index, item, 1]
+        if not isinstance(item, BaseException):
+            self._waiting[index] = holder
+        self._queue.put_nowait(holder)
 
     async def next(self) -> tuple[int, Any]:
         if not self._unfinished:
             raise StopAsyncIteration
-        index, item = await self._queue.get()
+        holder = await self._queue.get()
+        index, item, merged = holder
+        self._pending -= merged
+        if self._waiting.get(index) is holder:
+            del self._waiting[index]
         if isinstance(item, BaseException):
             self._unfinished.discard(index)  # the engine thread already dropped it
             raise item
@@ -336,3 +357,132 @@ class EngineLoop:
             self.metrics.update_from_stats(self.engine.stats())
         except Exception:  # noqa: BLE001 - metrics must never break serving
             logger.debug("engine.stats() failed", exc_info=True)
+
+
+class ProcessEngineLoop(EngineLoop):
+    """The same API for an engine in its own process (server/engine_process.py): commands go to
+    it through a sender thread (a large prompt never blocks the event loop on a full pipe), and a
+    reader thread takes each step's outputs, rebuilds them (server/output_wire.py), keeps the
+    metrics and hands them to the event loop in one wake-up per step, as the engine thread does
+    in-process. The members and timings are shared by the event loop (add, abort) and the reader
+    (outputs), under one lock."""
+
+    def __init__(self, engine, *, max_queued_requests: int = 1024, metrics: ServerMetrics | None = None):
+        from kdaserve.server.output_wire import OutputDecoder
+
+        super().__init__(engine, max_queued_requests=max_queued_requests, metrics=metrics)
+        self._decoder = OutputDecoder()
+        self._lock = threading.Lock()
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._read, name="kdaserve-engine-outputs", daemon=True)
+        self._sender = threading.Thread(target=self._send_commands, name="kdaserve-engine-commands", daemon=True)
+
+    def start(self) -> None:
+        self._sender.start()
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._outbox.put(None)
+        self._sender.join(timeout)
+        self.engine.close(timeout=max(timeout, 1.0))   # the reader sees the pipe close and ends
+        self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping and self.engine.is_alive
+
+    # ---- event-loop side -------------------------------------------------------------------
+    def _post(self, command) -> None:
+        if isinstance(command, _Add):
+            with self._lock:
+                self._members[command.request_id] = (command.group, command.index)
+                self._timings[command.request_id] = _Timing(command.arrival, score_only=command.score_only)
+                self._decoder.begin(command.request_id, command.prompt_token_ids)
+            self._outbox.put(("add", command.request_id, command.prompt_token_ids, command.params))
+            return
+        request_id = command[1]
+        with self._lock:
+            known = self._members.pop(request_id, None) is not None
+            self._timings.pop(request_id, None)
+            self._decoder.forget(request_id)
+        if known:
+            self._outbox.put(("abort", request_id))
+            if self.metrics:
+                self.metrics.finished("abort").inc()
+
+    def _send_commands(self) -> None:
+        while (message := self._outbox.get()) is not None:
+            try:
+                self.engine.send(message)
+            except (OSError, ValueError):   # the engine process is gone; the reader reports it
+                return
+
+    # ---- reader thread ---------------------------------------------------------------------
+    def _read(self) -> None:
+        reason = APIError(503, "the server is shutting down", code="shutting_down")
+        try:
+            while True:
+                message = self.engine.recv()
+                if message[0] == "step":
+                    self._take_step(*message[1:])
+                elif message[0] == "step_failed":
+                    logger.error("engine step failed; failing the requests in flight: %s", message[1])
+                    self.last_error = message[1]
+                    self._fail_all(APIError(500, f"engine step failed: {message[1]}", code="engine_error"))
+        except (EOFError, OSError):
+            if not self._stopping:
+                self.last_error = f"the engine process exited (exit code {self.engine.process.exitcode})"
+                logger.error("%s; /health now answers 503", self.last_error)
+                reason = APIError(503, f"the engine stopped: {self.last_error}", code="engine_unavailable")
+        finally:
+            self._stopping = True
+            self._fail_all(reason)
+
+    def _take_step(self, wires: list, rejections: list, stats: dict, step_tokens: int) -> None:
+        now = time.monotonic()
+        deliveries = []
+        with self._lock:
+            for request_id, message in rejections:
+                member = self._members.pop(request_id, None)
+                self._timings.pop(request_id, None)
+                self._decoder.forget(request_id)
+                if member is not None:
+                    deliveries.append((*member, APIError(400, message)))
+            for wire in wires:
+                member = self._members.get(wire[0])
+                if member is None:
+                    continue  # aborted while the step ran
+                out = self._decoder.decode(wire)
+                self._observe(out, now)
+                if out.finished:
+                    del self._members[out.request_id]
+                deliveries.append((*member, out))
+        if deliveries:
+            _call_in_loop(deliveries[0][0]._loop, _deliver_all, deliveries)
+        self.engine.last_stats = stats
+        if self.metrics is not None:
+            if step_tokens:
+                self.metrics.iteration_tokens.observe(step_tokens)
+            try:
+                self.metrics.update_from_stats(stats)
+            except Exception:  # noqa: BLE001 - metrics must never break serving
+                logger.debug("update_from_stats failed", exc_info=True)
+
+    def _observe(self, out, now: float) -> None:
+        timing = self._timings.get(out.request_id)
+        if self.metrics is not None and timing is not None and not timing.admitted:
+            timing.admitted = True   # counted once the engine took it (a rejected prompt is not)
+            self.metrics.prompt_tokens.inc(len(out.prompt_token_ids))
+        super()._observe(out, now)
+
+    def _fail_all(self, error: APIError) -> None:
+        with self._lock:
+            members = list(self._members.values())
+            for request_id in list(self._members):
+                self._decoder.forget(request_id)
+                self._outbox.put(("abort", request_id))
+            self._members.clear()
+            self._timings.clear()
+        for group, index in members:
+            group.deliver(index, error)

@@ -1,5 +1,5 @@
-"""One real server for all server tests: the `tiny` model on CPU (reference KDA backends), served by
-uvicorn on a free 127.0.0.1 port in a background thread, stopped at the end of the session."""
+"""One real server per way of running the engine for all server tests: the `tiny` model on CPU
+(reference KDA backends), served by uvicorn on a free 127.0.0.1 port in a background thread."""
 
 from __future__ import annotations
 
@@ -9,17 +9,26 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
-from server_helpers import make_engine
+import functools
+
+from server_helpers import fail_step_when, make_engine, make_engine_process
 
 
-@pytest.fixture(scope="session")
-def server():
+@pytest.fixture(scope="session", params=["thread", "process"])
+def server(request, tmp_path_factory):
+    """Every server test runs against both ways of running the engine: a thread of the server's
+    process (`--no-engine-process`) and a process of its own (kdaserve serve's default)."""
     from kdaserve.server.app import build_app
     from kdaserve.server.launch import BackgroundServer
 
-    app = build_app(make_engine(), max_queued_requests=256)
+    fail_flag = tmp_path_factory.mktemp("engine") / "fail-next-step"
+    if request.param == "process":
+        engine = make_engine_process(setup=functools.partial(fail_step_when, flag=str(fail_flag)))
+    else:
+        engine = make_engine()
+    app = build_app(engine, max_queued_requests=256)
     with BackgroundServer(app) as srv:
-        srv.app = app
+        srv.app, srv.mode, srv.fail_flag = app, request.param, fail_flag
         yield srv
 
 

@@ -40,17 +40,44 @@ def greedy(**body) -> dict:
     return {"model": "tiny", "temperature": 0, "ignore_eos": True, **body}
 
 
+ENGINE_KWARGS = dict(
+    model="tiny",
+    kda_prefill_backend="reference",
+    kda_decode_backend="reference",
+    max_num_seqs=MAX_NUM_SEQS,
+    max_model_len=MAX_MODEL_LEN,
+    device="cpu",
+    enforce_eager=True,
+    seed=0,
+)
+
+
 def make_engine():
     """The server tests' engine: the `tiny` model on the CPU, reference KDA backends."""
     from kdaserve.engine.llm_engine import LLMEngine
 
-    return LLMEngine(
-        "tiny",
-        kda_prefill_backend="reference",
-        kda_decode_backend="reference",
-        max_num_seqs=MAX_NUM_SEQS,
-        max_model_len=MAX_MODEL_LEN,
-        device="cpu",
-        enforce_eager=True,
-        seed=0,
-    )
+    return LLMEngine(**ENGINE_KWARGS)
+
+
+def make_engine_process(setup=None, **overrides):
+    """The same engine in its own process (kdaserve serve's default; server/engine_process.py);
+    `setup` runs on the engine there."""
+    from kdaserve.server.engine_process import EngineProcess
+
+    return EngineProcess({**ENGINE_KWARGS, **overrides}, setup=setup)
+
+
+def fail_step_when(engine, flag: str) -> None:
+    """For an engine in its own process: its next step raises once the file `flag` exists (the
+    file is removed), as a bug or a device error would."""
+    import os
+
+    step = engine.step
+
+    def maybe_failing_step():
+        if os.path.exists(flag):
+            os.remove(flag)
+            raise RuntimeError("injected step failure")
+        return step()
+
+    engine.step = maybe_failing_step

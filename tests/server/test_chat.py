@@ -43,8 +43,9 @@ def test_chat_streaming(client):
     events = sse_events(client, "/v1/chat/completions", {**body, "stream": True, "stream_options": {"include_usage": True}})
     assert events[-1] == "[DONE]" and events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == 4
     token_events = events[:-2]
-    assert len(token_events) == 4 and all(e["object"] == "chat.completion.chunk" for e in token_events)
+    # A chunk per step's new tokens (merged when the handler fell behind, as in vLLM).
+    assert 1 <= len(token_events) <= 4 and all(e["object"] == "chat.completion.chunk" for e in token_events)
     deltas = [e["choices"][0]["delta"] for e in token_events]
     assert deltas[0]["role"] == "assistant" and all("role" not in d for d in deltas[1:])
     assert "".join(d["content"] for d in deltas) == whole
-    assert [e["choices"][0]["finish_reason"] for e in token_events] == [None, None, None, "length"]
+    assert [e["choices"][0]["finish_reason"] for e in token_events] == [None] * (len(token_events) - 1) + ["length"]

@@ -36,17 +36,19 @@ def test_completion_answer_and_usage(client):
 
 
 def test_streaming_equals_non_streaming(client):
-    body = greedy(prompt=PROMPT, max_tokens=5)
-    whole = complete(client, **body)["choices"][0]["text"]
+    body = greedy(prompt=PROMPT, max_tokens=5, return_token_ids=True)
+    whole = complete(client, **body)["choices"][0]
     events = sse_events(client, "/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": True}})
     assert events[-1] == "[DONE]"
     usage_event = events[-2]
     assert usage_event["choices"] == [] and usage_event["usage"]["completion_tokens"] == 5
     token_events = events[:-2]
-    # One message per generated token; finish_reason only on the last.
-    assert len(token_events) == 5
-    assert [e["choices"][0]["finish_reason"] for e in token_events] == [None] * 4 + ["length"]
-    assert "".join(e["choices"][0]["text"] for e in token_events) == whole
+    # A message per step's new tokens (several steps' when the handler fell behind: merged, as in
+    # vLLM); finish_reason only on the last.
+    assert 1 <= len(token_events) <= 5 and all(e["choices"][0]["token_ids"] for e in token_events)
+    assert [e["choices"][0]["finish_reason"] for e in token_events] == [None] * (len(token_events) - 1) + ["length"]
+    assert "".join(e["choices"][0]["text"] for e in token_events) == whole["text"]
+    assert sum((e["choices"][0]["token_ids"] for e in token_events), []) == whole["token_ids"]
     # Without include_usage: no usage message at all.
     plain = sse_events(client, "/v1/completions", {**body, "stream": True})
     assert plain[-1] == "[DONE]" and all(e == "[DONE]" or e["choices"] for e in plain)
@@ -83,7 +85,7 @@ def test_echo_with_logprobs_agrees_with_generation(client):
 def test_echo_streams_prompt_first(client):
     events = sse_events(client, "/v1/completions", {**greedy(prompt=PROMPT, max_tokens=2), "echo": True, "stream": True})
     texts = [e["choices"][0]["text"] for e in events[:-1]]
-    assert texts[0].startswith(PROMPT) and len(texts) == 2
+    assert texts[0].startswith(PROMPT) and len(texts) in (1, 2)   # one when the two steps were merged
 
 
 def test_stop_string(client):

@@ -55,17 +55,20 @@ def test_outputs_a_handler_does_not_take_are_capped_then_the_request_is_aborted(
     class Out:
         finished = False
 
+        def __init__(self, token):
+            self.new_token_ids = [token]
+
     async def run():
         engine_loop = _FakeLoop()
         group = RequestGroup(engine_loop, ["a", "b"], asyncio.get_running_loop(), max_pending=5)
-        for _ in range(5):
-            group._put(0, Out())
+        for token in range(5):
+            group._put(0, Out(token))                      # merged: one output for member 0
         assert not group.overflowed and not engine_loop.posted
-        group._put(1, Out())                               # the 6th: over the cap
-        group._put(1, Out())                               # dropped: the request is gone
+        group._put(1, Out(9))                              # the 6th: over the cap
+        group._put(1, Out(9))                              # dropped: the request is gone
         assert group.overflowed and engine_loop.released == 2
         assert sorted(c[1] for c in engine_loop.posted) == ["a", "b"]   # both members aborted
-        taken = [await group.next() for _ in range(5)]
+        taken = await group.next()
         try:
             await group.next()
         except Exception as exc:                           # noqa: BLE001
@@ -73,4 +76,35 @@ def test_outputs_a_handler_does_not_take_are_capped_then_the_request_is_aborted(
         return taken, None
 
     taken, error = asyncio.run(run())
-    assert len(taken) == 5 and error is not None and error.status == 503 and "did not read its stream" in error.message
+    assert taken[0] == 0 and taken[1].new_token_ids == [0, 1, 2, 3, 4]
+    assert error is not None and error.status == 503 and "did not read its stream" in error.message
+
+
+def test_outputs_a_handler_has_not_taken_yet_merge_per_member():
+    """A handler behind its engine gets one output per member with every new token since the
+    last it took (fewer, larger SSE chunks), in order, and errors after the outputs before them."""
+    from kdaserve.engine.outputs import RequestOutput
+    from kdaserve.server.errors import APIError
+
+    def out(ids, new, finished=False):
+        return RequestOutput("r", [1], ids, new, "", finished, "length" if finished else None)
+
+    async def run():
+        group = RequestGroup(_FakeLoop(), ["a", "b"], asyncio.get_running_loop())
+        group._put(0, out([5], [5]))
+        group._put(1, out([7], [7]))
+        group._put(0, out([5, 6], [6]))
+        group._put(0, out([5, 6, 8], [8], finished=True))
+        first = [await group.next(), await group.next()]
+        group._put(1, out([7, 9], [9]))
+        group._put(1, APIError(500, "engine step failed"))
+        second = await group.next()
+        try:
+            await group.next()
+        except APIError as exc:
+            return first, second, exc
+
+    first, second, error = asyncio.run(run())
+    assert [(i, o.new_token_ids, o.output_token_ids, o.finished) for i, o in first] == [
+        (0, [5, 6, 8], [5, 6, 8], True), (1, [7], [7], False)]
+    assert (second[0], second[1].new_token_ids) == (1, [9]) and error.status == 500

@@ -28,6 +28,11 @@ class StructuredOutputsParams:
     # The compiled grammar, set once (engine or server) and shared by the n samples of a request.
     compiled: object = field(default=None, repr=False, compare=False)
 
+    def __getstate__(self) -> dict:
+        # xgrammar's compiled grammars do not pickle: a copy (an engine in another process) carries
+        # the source and compiles its own (its compiler caches by source).
+        return {**self.__dict__, "compiled": None}
+
     def __post_init__(self):
         given = [k for k in KINDS if getattr(self, k) is not None]
         if len(given) != 1:
