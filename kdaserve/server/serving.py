@@ -355,32 +355,45 @@ class EventStreamResponse(StreamingResponse):
         self.timed_out = False
 
     async def stream_response(self, send) -> None:
-        async def send_or_give_up(message) -> None:
-            # asyncio.timeout, not wait_for: wait_for runs every write in a task of its own, a cost
-            # the event loop pays twice per token of every stream.
-            try:
-                async with asyncio.timeout(self._write_timeout):
-                    await send(message)
-            except TimeoutError:
-                self.timed_out = True
-                raise _StalledClient from None
+        # One watchdog per stream, not a timer per write: a write records when it started, and a
+        # check every quarter of the timeout cancels the stream once one has waited too long.
+        # (asyncio.timeout around every write cost a timer's creation and cancellation per token
+        # of every stream.) The cancellation is this task's own, turned into the stall as
+        # asyncio.timeout does.
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        started: list = [None]
 
+        async def timed_send(message) -> None:
+            started[0] = loop.time()
+            await send(message)
+            started[0] = None
+
+        def check() -> None:
+            nonlocal watchdog
+            if started[0] is not None and loop.time() - started[0] >= self._write_timeout:
+                self.timed_out = True
+                task.cancel()
+                return
+            watchdog = loop.call_later(self._write_timeout / 4, check)
+
+        watchdog = loop.call_later(self._write_timeout / 4, check)
         try:
-            await super().stream_response(send_or_give_up)
-        except _StalledClient:
+            await super().stream_response(timed_send)
+        except asyncio.CancelledError:
+            if not self.timed_out or task.uncancel() > 0:   # someone else's cancellation as well
+                raise
             logger.warning("a stream's client read nothing for %.0f s: request aborted, connection closed",
                            self._write_timeout)
             self._on_close()
+        finally:
+            watchdog.cancel()
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             self._on_close()
-
-
-class _StalledClient(Exception):
-    pass
 
 
 def gone_response() -> Response:
