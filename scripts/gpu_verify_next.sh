@@ -6,11 +6,9 @@
 # annotated-types, typing-inspection for the server; xgrammar 0.2.8, apache-tvm-ffi and
 # transformers 5.23.0 with what it imports for structured output) and, for an old-vs-new comparison, [".old"]
 # (e.g. `git archive <commit> kdaserve benchmarks | tar -x -C .old`).
-# Parts owed (add one as `if [ "$PART" = name ]; then ... fi` below, with what it must show):
-#   bash scripts/gpu_verify_next.sh moe_threshold      # issue 21: the alignment kernel up to 1024 slots (fifteenth session)
-#   bash scripts/gpu_verify_next.sh checkpoint_stages  # issue 26: where in-launch checkpoints cost flash 5-9% on one long prompt
-#   bash scripts/gpu_verify_next.sh serving_host       # issue 21 goal 2: ITL through the server against the engine's step
-#   bash scripts/gpu_verify_next.sh vllm_layouts       # issue 30: the plugin's step on vLLM's layouts, bf16, flash + fused
+# Parts owed (add one as `if [ "$PART" = name ]; then ... fi` below, with what it must show): none
+# (the sixteenth session ran moe_threshold, checkpoint_stages, serving_host and vllm_layouts; their
+# numbers are in docs/perf-notes.md).
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -35,42 +33,3 @@ group() {  # name, seconds, pytest args...: one pytest process per file (one GPU
 PART=${1:-}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 [ -z "$PART" ] && echo "name a part"
-if [ "$PART" = moe_threshold ]; then
-# Must show: rc=0 and no FAILED line for the fused MoE at Kimi's sizes (T = 64 now aligns with the
-# one-launch kernel: KERNEL_MAX_SLOTS went from 128 to 1024 slots after the fifteenth session's
-# "MoE align" rows) and the Kimi-Linear engine at its real shape with graphs; then bench_moe_mla's
-# MoE decode rows at batch 32, 64, 128: each at most its fifteenth-session value (0.6557, 0.8865 ms
-# graphed, torch-path alignment then) and the "MoE align" kernel column under the torch column up
-# to batch 128. Record in docs/perf-notes.md (the reference table "MoE and MLA kernels").
-group moe_fused 150 tests/ops/test_moe.py -k "gpu and fused"
-group kimi_gpu 150 tests/models/test_kimi_linear_gpu.py
-timeout 200 python3 benchmarks/bench_moe_mla.py --prefill 1024 --batches 32 64 128 2>&1 | grep -E "^\| (kernel|MoE)"
-fi
-if [ "$PART" = checkpoint_stages ]; then
-# Must show: the second table of bench_checkpoint_cost.py --stages: each launch's ms with and
-# without checkpoints every 512 tokens at 1x8K and 1x32K, both gates (the whole step: +8.8% /
-# +8.5% bounded, +4.8% / +6.4% unbounded in the fifteenth session; the issue's goal 3%). It says
-# which launch to fix: the map pass (the checkpoint variant's spills and shared memory: compile
-# check), the scan (serial compositions, one [BV, K] x [K, K] tf32x3 dot per checkpoint inside a
-# segment), or prepare (unchanged code: should show nothing). Record in docs/perf-notes.md.
-timeout 300 python3 benchmarks/bench_checkpoint_cost.py --shapes 1x8K 1x32K --stages 2>&1 | tail -24
-# and what the engine writes in one step (each request's last 4 boundaries, its default cap):
-timeout 200 python3 benchmarks/bench_checkpoint_cost.py --shapes 1x8K 1x32K 16x1K --cap 4 2>&1 | tail -10
-fi
-if [ "$PART" = serving_host ]; then
-# Must show: bench_serving_host.py's two tables on this machine's host (needs the server wheels in
-# .whl): (1) a fixed 2.5 ms device time (the host's Python alone; on the CPU machine ITL median was
-# 1.14-1.17x the engine alone at 64 streams) and (2) the real `bench` model on the H200 with CUDA
-# graphs at 64 streams: ITL median / engine alone (issue 21 goal 2: at most 1.15x; 8.0 ms vs a
-# 2.5 ms step through `vllm bench serve` on 2026-12-01). If (2) is far above (1), rerun it with
-# --profile and record where the event loop's time goes. Record in docs/perf-notes.md.
-timeout 200 python3 benchmarks/bench_serving_host.py --rounds 2 2>&1 | tail -6
-timeout 350 python3 benchmarks/bench_serving_host.py --rounds 2 --model bench 2>&1 | tail -6
-fi
-if [ "$PART" = vllm_layouts ]; then
-# Must show: rc=0 and no FAILED line: the vLLM plugin's step (kdaserve_vllm/gdn_step.py) on vLLM's
-# exact layouts (strided views of the fused projection, CUDA-graph padding rows, padding slots -1,
-# a ragged verify) through flash prefill and fused decode / verify, bf16, 32 heads x 128, both conv
-# layouts: bit for bit the same step on contiguous copies, no padding row or outside slot written.
-group vllm_layouts 200 tests/integrations/test_vllm_layouts.py -k gpu
-fi
