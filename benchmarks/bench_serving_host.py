@@ -16,8 +16,10 @@ in another process opens `--streams` streaming completions at once and stamps ev
 Reported: the engine's step period in steady decode (in a thread: the interval between execute
 calls of steps without prefills; in its own process: between the arrivals of steps' outputs), the
 clients' median / p90 ITL (interval between a stream's chunks), and ITL / the same engine's step
-alone (no server, measured first in a process of its own). The goal of issue 21 is ITL <= 1.15x
-the step (on the GPU machine's host; this prints what this host does).
+alone (no server, measured first in a process of its own); and the CPU time per SSE chunk of the
+event loop's thread and of the whole server process (with the engine in a thread, its host work
+is in the latter). The goal of issue 21 is ITL <= 1.15x the step (on the GPU machine's host;
+this prints what this host does).
 
     PYTHONPATH=$PWD python benchmarks/bench_serving_host.py [--streams 64] [--device-ms 2.5]
         [--max-tokens 128] [--rounds 3] [--profile FILE] [--model bench] [--no-engine-process]
@@ -37,6 +39,7 @@ import json
 import multiprocessing as mp
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -143,6 +146,14 @@ def alone_main(kwargs: dict, device_s: float | None, streams: int, max_tokens: i
     out.put(engine_alone(engine, streams, max_tokens, calls))
 
 
+def loop_cpu_seconds(loop) -> float:
+    """CPU time of the event loop's thread so far (read on that thread)."""
+    done, box = threading.Event(), []
+    loop.call_soon_threadsafe(lambda: (box.append(time.thread_time()), done.set()))
+    done.wait(10)
+    return box[0]
+
+
 def stamp_outputs(engine_loop, calls: list[float]) -> None:
     """An engine in its own process: stamp each step's outputs as the server receives them (the
     same period in steady decode, where every step yields one output per stream)."""
@@ -215,11 +226,16 @@ def main() -> None:
                 loop_profile = cProfile.Profile()
                 srv.server.servers[0].get_loop().call_soon_threadsafe(loop_profile.enable)
             calls.clear()
+            loop = srv.server.servers[0].get_loop()
+            cpu0 = loop_cpu_seconds(loop), time.process_time()
             q = ctx.Queue()
             p = ctx.Process(target=client, args=(srv.url, engine.model_name, args.streams, args.max_tokens, q, args.client))
             p.start()
             stamps = q.get()
             p.join()
+            chunks = sum(len(s) for s in stamps)
+            loop_us, process_us = ((loop_cpu_seconds(loop) - cpu0[0]) / chunks * 1e6,
+                                   (time.process_time() - cpu0[1]) / chunks * 1e6)
             # Steady decode: the steps while every stream is past its first token and none has ended.
             first = max(s[1] for s in stamps if len(s) > 1)
             last = min(s[-2] for s in stamps if len(s) > 1)
@@ -230,9 +246,10 @@ def main() -> None:
             tpot = [(w[-1] - w[0]) / (len(w) - 1) for s in stamps if len(w := [t for t in s if first <= t <= last]) > 1]
             step, med, p90, mean = (statistics.median(steps) * 1e3, statistics.median(itl) * 1e3,
                                     statistics.quantiles(itl, n=10)[-1] * 1e3, statistics.median(tpot) * 1e3)
-            rows.append((r, len(steps), step, med, p90, mean))
+            rows.append((r, len(steps), step, med, p90, mean, loop_us, process_us))
             print(json.dumps({"round": r, "steps": len(steps), "step_ms": step, "itl_median_ms": med, "itl_p90_ms": p90,
-                              "stream_mean_itl_ms": mean}), flush=True)
+                              "stream_mean_itl_ms": mean, "loop_cpu_us_per_chunk": loop_us,
+                              "server_process_cpu_us_per_chunk": process_us}), flush=True)
             if loop_profile is not None:
                 srv.server.servers[0].get_loop().call_soon_threadsafe(loop_profile.disable)
                 time.sleep(0.2)
@@ -242,10 +259,12 @@ def main() -> None:
     print(f"\n{args.streams} streams, {args.max_tokens} tokens each, {what} (this host); "
           f"the engine alone (no server, same batch): {alone:.2f} ms per step")
     print("| round | steady steps | engine step in the server ms | ITL median ms | ITL p90 ms | ITL / engine alone "
-          "| stream mean ITL ms (median of streams) | mean ITL / engine alone |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r, n, step, med, p90, mean in rows:
-        print(f"| {r} | {n} | {step:.2f} | {med:.2f} | {p90:.2f} | {med / alone:.2f}x | {mean:.2f} | {mean / alone:.2f}x |")
+          "| stream mean ITL ms (median of streams) | mean ITL / engine alone | event loop CPU µs per chunk "
+          "| server process CPU µs per chunk |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r, n, step, med, p90, mean, loop_us, process_us in rows:
+        print(f"| {r} | {n} | {step:.2f} | {med:.2f} | {p90:.2f} | {med / alone:.2f}x | {mean:.2f} | {mean / alone:.2f}x "
+              f"| {loop_us:.1f} | {process_us:.1f} |")
 
 
 def engine_alone(engine, streams: int, max_tokens: int, calls: list[float]) -> float:
