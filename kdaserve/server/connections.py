@@ -16,17 +16,29 @@ logger = logging.getLogger("kdaserve.server")
 DEFAULT_HEADER_TIMEOUT = 10.0
 
 
-def _base_protocol() -> type:
-    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+def http_protocol(name: str = "auto") -> type:
+    """uvicorn's HTTP protocol class by uvicorn's name: "auto" (httptools when installed, else
+    h11), "h11" or "httptools"."""
+    if name == "auto":
+        from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-    return AutoHTTPProtocol
+        return AutoHTTPProtocol
+    if name == "h11":
+        from uvicorn.protocols.http.h11_impl import H11Protocol
+
+        return H11Protocol
+    if name == "httptools":
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol   # ImportError without httptools
+
+        return HttpToolsProtocol
+    raise ValueError(f"invalid HTTP protocol {name!r}; expected auto, h11 or httptools")
 
 
 def header_timeout_protocol(header_timeout: float, base: type | None = None) -> type[asyncio.Protocol]:
     """uvicorn's HTTP protocol class with the header deadline (pass it as uvicorn's `http`)."""
     if not header_timeout > 0:
         raise ValueError(f"invalid header timeout: got {header_timeout}; expected seconds > 0")
-    base = base or _base_protocol()
+    base = base or http_protocol()
 
     class HeaderDeadlineProtocol(base):
         _deadline: asyncio.TimerHandle | None = None

@@ -9,7 +9,7 @@ import time
 
 import uvicorn
 
-from kdaserve.server.connections import DEFAULT_HEADER_TIMEOUT, header_timeout_protocol
+from kdaserve.server.connections import DEFAULT_HEADER_TIMEOUT, header_timeout_protocol, http_protocol
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -19,12 +19,14 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def uvicorn_config(app, host: str, port: int, log_level: str = "info", *,
-                   header_timeout: float = DEFAULT_HEADER_TIMEOUT, **options) -> uvicorn.Config:
+                   header_timeout: float = DEFAULT_HEADER_TIMEOUT, http: str = "auto", **options) -> uvicorn.Config:
     """`options`: uvicorn's own (root_path, ssl_keyfile, ssl_certfile, timeout_keep_alive,
-    limit_concurrency, ...); `header_timeout`: server/connections.py."""
+    limit_concurrency, loop, ...); `header_timeout`: server/connections.py; `http`: uvicorn's
+    protocol name (auto: httptools when installed, the `serve` extra's choice: it parses and frames
+    a stream's chunks with less Python than h11)."""
     # timeout_graceful_shutdown: open streams must not hold a shutdown forever.
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
-                          http=header_timeout_protocol(header_timeout), **options)
+                          http=header_timeout_protocol(header_timeout, http_protocol(http)), **options)
 
 
 def raise_open_file_limit() -> int:

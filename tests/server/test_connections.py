@@ -12,14 +12,19 @@ import pytest
 from kdaserve.server.launch import BackgroundServer, raise_open_file_limit
 
 
-@pytest.fixture(scope="module")
-def guarded():
+@pytest.fixture(scope="module", params=["h11", "httptools"])
+def guarded(request):
+    """Both of uvicorn's HTTP protocols: the header deadline hooks into each."""
     from server_helpers import make_engine
 
     from kdaserve.server.app import build_app
 
+    if request.param == "httptools":
+        pytest.importorskip("httptools")
     raise_open_file_limit()
-    with BackgroundServer(build_app(make_engine()), header_timeout=0.5) as srv:
+    with BackgroundServer(build_app(make_engine()), header_timeout=0.5, http=request.param) as srv:
+        base = srv.server.config.http_protocol_class.__mro__[1].__name__   # HeaderDeadline<base> over uvicorn's
+        assert base == {"h11": "H11Protocol", "httptools": "HttpToolsProtocol"}[request.param]
         yield srv
 
 
