@@ -129,7 +129,7 @@ def _flash_cases() -> list[Case]:
     for nck in (0, 4):
         out.append(Case(f"flash scan{' checkpoints' if nck else ''}", flash_scan_kernel,
                         dict(bm_ptr=F32, start_ptr=F32, s_ptr=F32, idx_ptr=I32, seq_seg0_ptr=I32, ck_off_ptr=I32,
-                             ck_slot_ptr=I32, SL="i32"),
+                             ck_slot_ptr=I32, ck_maps_ptr=F32, SL="i32"),
                         dict(H=32, D=128, BV=cfg.scan_block_v, NCK=nck), cfg.scan_warps, cfg.scan_stages, quick=not nck,
                         precision={"PREC": "exact"}))
     out.append(Case("flash correct", flash_correct_kernel,
