@@ -396,6 +396,10 @@ class ProcessEngineLoop(EngineLoop):
     def _post(self, command) -> None:
         if isinstance(command, _Add):
             with self._lock:
+                if self._stopping:   # the reader failed everything just now: nobody would answer this one
+                    command.group.deliver(command.index, APIError(
+                        503, f"the engine stopped: {self.last_error or 'the server is shutting down'}", code="engine_unavailable"))
+                    return
                 self._members[command.request_id] = (command.group, command.index)
                 self._timings[command.request_id] = _Timing(command.arrival, score_only=command.score_only)
                 self._decoder.begin(command.request_id, command.prompt_token_ids)
@@ -436,7 +440,8 @@ class ProcessEngineLoop(EngineLoop):
                 logger.error("%s; /health now answers 503", self.last_error)
                 reason = APIError(503, f"the engine stopped: {self.last_error}", code="engine_unavailable")
         finally:
-            self._stopping = True
+            with self._lock:   # no member registers after this (see _post)
+                self._stopping = True
             self._fail_all(reason)
 
     def _take_step(self, wires: list, rejections: list, stats: dict, step_tokens: int) -> None:

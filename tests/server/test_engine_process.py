@@ -94,3 +94,27 @@ def test_closing_the_app_stops_the_engine_process():
     while engine.process.is_alive() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert engine.process.exitcode == 0
+
+
+def test_a_request_posted_as_the_engine_process_ends_gets_an_error_not_silence():
+    """The reader fails every member when the engine process ends; a request that passed the
+    liveness check just before must not register after that and wait forever."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from kdaserve.server.engine_loop import ProcessEngineLoop, RequestGroup, _Add
+
+    engine = SimpleNamespace(max_num_seqs=4)
+
+    async def run():
+        loop = ProcessEngineLoop(engine)
+        loop._stopping, loop.last_error = True, "the engine process exited (exit code -9)"
+        group = RequestGroup(loop, ["a"], asyncio.get_running_loop())
+        loop._post(_Add("a", [1, 2], SamplingParams(), group, 0))
+        try:
+            await asyncio.wait_for(group.next(), 5)
+        except Exception as exc:  # noqa: BLE001
+            return exc, loop._members
+
+    error, members = asyncio.run(run())
+    assert error.status == 503 and "exit code -9" in error.message and not members
