@@ -147,6 +147,12 @@ def _deliver_all(deliveries: list) -> None:
         group._put(index, out)
 
 
+def _send_all(deliveries: list) -> None:
+    """A step's deliveries (all to one event loop): one wake-up of it per step, not one per request."""
+    if deliveries:
+        _call_in_loop(deliveries[0][0]._loop, _deliver_all, deliveries)
+
+
 @dataclass
 class _Add:
     request_id: str
@@ -300,8 +306,15 @@ class EngineLoop:
             self.last_error = f"{type(exc).__name__}: {exc}"
             self._fail_all(APIError(500, f"engine step failed: {self.last_error}", code="engine_error"))
             return
-        now = time.monotonic()
         deliveries = []
+        self._route(outputs, deliveries)
+        _send_all(deliveries)
+        self._refresh_gauges()
+
+    def _route(self, outputs, deliveries: list) -> None:
+        """Each output of a member to its group (appended to `deliveries`), observed in the
+        metrics; a finished member leaves."""
+        now = time.monotonic()
         for out in outputs:
             member = self._members.get(out.request_id)
             if member is None:
@@ -310,10 +323,6 @@ class EngineLoop:
             if out.finished:
                 del self._members[out.request_id]
             deliveries.append((*member, out))
-        if deliveries:
-            # One wake-up of the event loop per step, not one per request.
-            _call_in_loop(deliveries[0][0]._loop, _deliver_all, deliveries)
-        self._refresh_gauges()
 
     def _observe(self, out, now: float) -> None:
         timing = self._timings.get(out.request_id)
@@ -350,13 +359,23 @@ class EngineLoop:
     def _refresh_gauges(self) -> None:
         if self.metrics is None:
             return
-        if self.engine.last_step_tokens:
-            self.metrics.iteration_tokens.observe(self.engine.last_step_tokens)
-            self.engine.last_step_tokens = 0
+        tokens, self.engine.last_step_tokens = self.engine.last_step_tokens, 0
         try:
-            self.metrics.update_from_stats(self.engine.stats())
+            stats = self.engine.stats()
         except Exception:  # noqa: BLE001 - metrics must never break serving
             logger.debug("engine.stats() failed", exc_info=True)
+            return
+        self._gauges_from(stats, tokens)
+
+    def _gauges_from(self, stats: dict, step_tokens: int) -> None:
+        if self.metrics is None:
+            return
+        if step_tokens:
+            self.metrics.iteration_tokens.observe(step_tokens)
+        try:
+            self.metrics.update_from_stats(stats)
+        except Exception:  # noqa: BLE001 - metrics must never break serving
+            logger.debug("update_from_stats failed", exc_info=True)
 
 
 class ProcessEngineLoop(EngineLoop):
@@ -445,7 +464,6 @@ class ProcessEngineLoop(EngineLoop):
             self._fail_all(reason)
 
     def _take_step(self, wires: list, rejections: list, stats: dict, step_tokens: int) -> None:
-        now = time.monotonic()
         deliveries = []
         with self._lock:
             for request_id, message in rejections:
@@ -454,25 +472,11 @@ class ProcessEngineLoop(EngineLoop):
                 self._decoder.forget(request_id)
                 if member is not None:
                     deliveries.append((*member, APIError(400, message)))
-            for wire in wires:
-                member = self._members.get(wire[0])
-                if member is None:
-                    continue  # aborted while the step ran
-                out = self._decoder.decode(wire)
-                self._observe(out, now)
-                if out.finished:
-                    del self._members[out.request_id]
-                deliveries.append((*member, out))
-        if deliveries:
-            _call_in_loop(deliveries[0][0]._loop, _deliver_all, deliveries)
+            # The decoder knows exactly the members (begun and forgotten with them): None for the rest.
+            self._route((out for out in map(self._decoder.decode, wires) if out is not None), deliveries)
+        _send_all(deliveries)
         self.engine.last_stats = stats
-        if self.metrics is not None:
-            if step_tokens:
-                self.metrics.iteration_tokens.observe(step_tokens)
-            try:
-                self.metrics.update_from_stats(stats)
-            except Exception:  # noqa: BLE001 - metrics must never break serving
-                logger.debug("update_from_stats failed", exc_info=True)
+        self._gauges_from(stats, step_tokens)
 
     def _observe(self, out, now: float) -> None:
         timing = self._timings.get(out.request_id)
