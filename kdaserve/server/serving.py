@@ -303,8 +303,11 @@ class ClientGone(Exception):
     """The client disconnected before its answer was ready."""
 
 
+_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
 def sse(data: dict | str) -> str:
-    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    payload = data if isinstance(data, str) else _json(data)
     return f"data: {payload}\n\n"
 
 
@@ -318,14 +321,17 @@ def stream_chunks(req, request_id: str, obj: str, model: str) -> Callable[..., s
     creation time; the `usage` field is on every chunk (null until the last) only when the client
     asked for it (stream_options.include_usage), as OpenAI does."""
     created = int(time.time())
+    # The envelope is the same on every chunk: its JSON is written once (a stream writes one chunk
+    # per step, so the encoder's work per chunk is the event loop's, times the streams).
+    envelope = _json(response_envelope(request_id, obj, created, model, []))
+    head = "data: " + envelope[: envelope.rindex("[]")]
+    include_usage = req.include_usage
 
     def chunk(choices: list, usage_: dict | None = None, metrics: dict | None = None) -> str:
-        body = response_envelope(request_id, obj, created, model, choices)
-        if req.include_usage:
-            body["usage"] = usage_
+        tail = ',"usage":' + _json(usage_) if include_usage else ""
         if metrics:
-            body["metrics"] = metrics
-        return sse(body)
+            tail += ',"metrics":' + _json(metrics)
+        return f"{head}{_json(choices)}{tail}}}\n\n"
 
     return chunk
 
