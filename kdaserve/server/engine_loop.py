@@ -475,7 +475,6 @@ class ProcessEngineLoop(EngineLoop):
             # The decoder knows exactly the members (begun and forgotten with them): None for the rest.
             self._route((out for out in map(self._decoder.decode, wires) if out is not None), deliveries)
         _send_all(deliveries)
-        self.engine.last_stats = stats
         self._gauges_from(stats, step_tokens)
 
     def _observe(self, out, now: float) -> None:

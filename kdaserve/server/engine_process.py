@@ -2,10 +2,10 @@
 and the engine's steps no longer share one interpreter lock.
 
 Why: in one process every stream's per-token Python (SSE chunk, JSON, HTTP write) and the engine's
-host work (scheduling, step inputs, token appending, detokenizing) take turns on the GIL; with 64
-streams on an H200 the `bench` model's step took twice as long inside the server as alone. Here the
-engine process steps as fast as it would alone, and the API process formats and writes the outputs
-of one step while the engine computes the next.
+host work (scheduling, step inputs, token appending, detokenizing) take turns on the GIL, so the
+engine's step grows with the number of streams (measurements: docs/server.md, docs/perf-notes.md).
+Here the engine process steps as it would alone, and the API process formats and writes the
+outputs of one step while the engine computes the next.
 
 `EngineProcess` is the API process's handle: it starts the engine process (spawned: CUDA cannot be
 forked), waits for its "ready" (or its startup error, raised here as RuntimeError with the
@@ -68,8 +68,6 @@ class EngineProcess:
         self.model_name, self.config, self.tokenizer = info["model_name"], info["config"], info["tokenizer"]
         self.max_model_len, self.vocab_size, self.stop_ids = info["max_model_len"], info["vocab_size"], info["stop_ids"]
         self.runner = SimpleNamespace(num_kv_blocks=info["num_kv_blocks"], num_slots=info["num_slots"])
-        self.last_step_tokens = 0
-        self.last_stats: dict = info["stats"]
 
     # Called from one thread at a time per direction (the loop's sender thread; its reader thread).
     def send(self, message: tuple) -> None:
@@ -82,9 +80,6 @@ class EngineProcess:
     @property
     def is_alive(self) -> bool:
         return self.process.is_alive()
-
-    def stats(self) -> dict:
-        return self.last_stats
 
     def compile_grammar(self, params):
         """As LLMEngine.compile_grammar, with a compiler of the API process's own."""
@@ -127,7 +122,7 @@ def _engine_main(engine_kwargs: dict, commands, outputs, setup, log_level) -> No
         info = {"model_name": engine.model_name, "config": engine.config, "tokenizer": engine.tokenizer,
                 "max_model_len": int(engine.max_model_len), "vocab_size": int(engine.vocab_size),
                 "stop_ids": sorted(engine.runner.sampler.stop_ids), "num_kv_blocks": engine.runner.num_kv_blocks,
-                "num_slots": engine.runner.num_slots, "stats": engine.stats()}
+                "num_slots": engine.runner.num_slots}
     except Exception as exc:  # noqa: BLE001 - the API process raises it as the startup error
         if not isinstance(exc, (ValueError, RuntimeError, FileNotFoundError)):   # not a startup check: a bug
             logging.getLogger("kdaserve.engine").exception("the engine failed to start")

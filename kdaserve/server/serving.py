@@ -361,11 +361,10 @@ class EventStreamResponse(StreamingResponse):
         self.timed_out = False
 
     async def stream_response(self, send) -> None:
-        # One watchdog per stream, not a timer per write: a write records when it started, and a
-        # check every quarter of the timeout cancels the stream once one has waited too long.
-        # (asyncio.timeout around every write cost a timer's creation and cancellation per token
-        # of every stream.) The cancellation is this task's own, turned into the stall as
-        # asyncio.timeout does.
+        # One watchdog per stream, not a timer per write (asyncio.timeout around each write creates
+        # and cancels a timer per token of every stream): a write records when it started, and a
+        # check every quarter of the timeout cancels the stream once one has waited too long. The
+        # cancellation is this task's own, turned into the stall as asyncio.timeout does.
         loop = asyncio.get_running_loop()
         task = asyncio.current_task()
         started: list = [None]

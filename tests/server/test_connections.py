@@ -88,3 +88,10 @@ def test_timeouts_that_are_not_positive_are_refused():
         header_timeout_protocol(0)
     with pytest.raises(ValueError, match=r"invalid stream_write_timeout: got -1\.0; expected seconds > 0"):
         build_app(make_engine(), stream_write_timeout=-1.0)
+
+
+def test_an_unknown_http_protocol_is_refused_with_the_names_that_exist():
+    from kdaserve.server.connections import http_protocol
+
+    with pytest.raises(ValueError, match="invalid HTTP protocol 'h2'; expected auto, h11 or httptools"):
+        http_protocol("h2")
