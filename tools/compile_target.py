@@ -37,13 +37,14 @@ def default_divisible(name: str, ty: str) -> bool:
 
 
 def compile_for(fn, types: dict, constexprs: dict, target: str, num_warps: int = 4, num_stages: int = 3,
-                divisible=default_divisible):
+                divisible=default_divisible, maxnreg: int | None = None):
     params = list(inspect.signature(fn.fn).parameters)
     sig = {p: "constexpr" if p in constexprs else types.get(p, "i32") for p in params}
     div16 = [p for p in params if p not in constexprs and divisible(p, sig[p])]
     src = ASTSource(fn, sig, constexprs={(params.index(k),): v for k, v in constexprs.items()},
                     attrs={(params.index(p),): [["tt.divisibility", 16]] for p in div16})
-    return triton.compile(src, target=gpu_target(target), options=dict(num_warps=num_warps, num_stages=num_stages))
+    return triton.compile(src, target=gpu_target(target), options=dict(num_warps=num_warps, num_stages=num_stages,
+                                                                          **({"maxnreg": maxnreg} if maxnreg else {})))
 
 
 @dataclass

@@ -23,8 +23,8 @@ ARCH = 90
 
 
 def compile_for_sm90(fn, types: dict, constexprs: dict, num_warps: int = 4, num_stages: int = 3,
-                     divisible: Callable[[str, str], bool] = default_divisible):
-    return compile_for(fn, types, constexprs, "sm_90", num_warps, num_stages, divisible)
+                     divisible: Callable[[str, str], bool] = default_divisible, maxnreg: int | None = None):
+    return compile_for(fn, types, constexprs, "sm_90", num_warps, num_stages, divisible, maxnreg)
 
 
 def ptxas_report(kernel) -> str:
