@@ -3,7 +3,8 @@
 Columns, on the same inputs (bench_prefill.gpu_case: bf16 q|k|v, fp32 state pool, D = 128, conv and
 gated norm included but in fla-core):
   bounded     flash with the bounded gate (lower bound -5, same A_log, dt_bias and logits): the bar
-  <variant>   flash with the unbounded gate, for each K1 first pass (FlashConfig.unbounded_first_pass)
+  <variant>   flash with the unbounded gate: the default (clamped K1, 16-token chunks, 32 where the
+              step is segmented, 168-register cap) and variants of it (FlashConfig)
   fla         FLA 0.6.0 through kdaserve's adapter (the serving path), unbounded gate
   fla-core    FLA's chunk_kda alone (bench_prefill.fla_core), unbounded gate
 
@@ -11,9 +12,10 @@ Gate regimes (no trained Kimi-Linear weights here), g = -exp(A_log) softplus(f +
   default     the benchmark's: exp(A_log) uniform in [1, 16], dt_bias ~ N(0, 0.5)
   fla-init    FLA's initialisation: A uniform in [1, 16], dt = softplus(dt_bias) log-uniform in [1e-3, 1e-1]
   strong      every head exp(A_log) = 16, dt_bias = 1: ~22 of log-decay per token
-For each regime: the fraction of 16-token (chunk, head) pairs that leave the one-anchor first pass
-(|g_C| > 170 in some channel), and of those the fraction the halves cannot take either (the exact
-loop), computed from the gate in torch.
+For each regime, computed from the gate in torch, over 16-token (chunk, head) pairs: the fraction
+one anchor could not take without the clamp (|g_C| > 170 in some channel: what the earlier
+one-anchor pass sent to its exact fallback), and the fraction where the clamped K1 clamps some
+token's log-decay (below -unbounded_decay_clamp). No chunk leaves the clamped K1's path.
 
 Also: the first call's wall time per column (compilation; run in a fresh process with an empty
 Triton cache to see it whole), K1's device time per variant (torch.profiler), and agreement with
@@ -37,8 +39,8 @@ from benchmarks.bench_prefill import bench_ms, fla_core, gpu_case, parse_shape, 
 from kdaserve.backends import planners
 from kdaserve.ops.flash import flash_step_plan, kda_prefill_flash
 from kdaserve.ops.flash.config import DEFAULT_CONFIG
+from kdaserve.ops.flash.config import ONE_ANCHOR_SPREAD as SPREAD
 
-SPREAD = DEFAULT_CONFIG.unbounded_anchor_spread
 REGIMES = ("default", "fla-init", "strong")
 
 
@@ -62,25 +64,20 @@ def set_regime(weights, regime: str, seed: int = 0) -> None:
 
 
 def leave_fractions(case, C: int = 16) -> tuple[float, float]:
-    """(fraction of (chunk, head) pairs beyond one anchor, fraction beyond the halves too), over
-    every chunk of every sequence, from the gate in fp32 as K1 computes it."""
+    """(fraction of (chunk, head) pairs beyond one anchor without the clamp, fraction with a clamped
+    token), over every chunk of every sequence, from the gate in fp32 as K1 computes it."""
     w = case.weights
     x = case.forget_logits.float().view(-1, case.H, case.D) + w.dt_bias.float()
     gk = -torch.exp(w.A_log.float())[:, None] * torch.nn.functional.softplus(x)
-    one, both, total = 0, 0, 0
+    beyond, clamped, total = 0, 0, 0
     starts = [0] + list(torch.tensor(case.seq_lens).cumsum(0).tolist())
     for a, b in zip(starts[:-1], starts[1:]):
-        n = b - a
-        pad = -n % C
+        pad = -(b - a) % C
         seq = torch.nn.functional.pad(gk[a:b], (0, 0, 0, 0, 0, pad)).view(-1, C, case.H, case.D)
-        g = seq.cumsum(1)
-        g_last, g_m = g[:, -1], g[:, C // 2 - 1]
-        beyond_one = (-g_last).amax(-1) > SPREAD                                    # [chunks, H]
-        beyond_halves = torch.maximum(-g_m, g_m - g_last).amax(-1) > SPREAD
-        one += int(beyond_one.sum())
-        both += int((beyond_one & beyond_halves).sum())
-        total += beyond_one.numel()
-    return one / total, both / total
+        beyond += int(((-seq.sum(1)).amax(-1) > SPREAD).sum())
+        clamped += int((seq < -DEFAULT_CONFIG.unbounded_decay_clamp).flatten(-1).any(-1).any(1).sum())
+        total += seq.shape[0] * case.H
+    return beyond / total, clamped / total
 
 
 def flash_column(config):
@@ -91,17 +88,17 @@ def flash_column(config):
 
 
 def variants() -> dict:
-    """The unbounded gate's K1 variants this code has (older code: its one default): first pass x
-    fallback, and the fallback alone."""
+    """The default and the variants of it this code has (older code: its one default)."""
     names = {f.name for f in dataclasses.fields(DEFAULT_CONFIG)}
-    if "unbounded_fallback" not in names:
+    if "unbounded_intra" not in names:
         return {"flash": DEFAULT_CONFIG}
     r = functools.partial(dataclasses.replace, DEFAULT_CONFIG)
-    return {"flash 1-anchor+blocked": r(unbounded_first_pass="one-anchor", unbounded_fallback="blocked"),
-            "flash 1-anchor+loop": r(unbounded_first_pass="one-anchor", unbounded_fallback="loop"),
-            "flash 1-anchor+blocked, no halves": r(unbounded_first_pass="one-anchor", unbounded_redo_halves=False),
-            "flash halves+blocked": r(unbounded_first_pass="halves", unbounded_fallback="blocked"),
-            "flash blocked only": r(unbounded_anchored=False, unbounded_fallback="blocked")}
+    return {"flash (default)": DEFAULT_CONFIG,
+            "flash chunk 16": r(unbounded_chunk=16, unbounded_segmented_chunk=16),
+            "flash chunk 32": r(unbounded_chunk=32, unbounded_segmented_chunk=32),
+            "flash no register cap": r(unbounded_prepare_maxnreg=0),
+            "flash nested": r(unbounded_intra="nested", unbounded_segmented_chunk=16),
+            "flash nested, chunk 32": r(unbounded_intra="nested", unbounded_chunk=32, unbounded_segmented_chunk=32)}
 
 
 def k1_device_us(fn, case, calls: int = 5) -> float:
@@ -139,8 +136,16 @@ def main() -> None:
     ap.add_argument("--regimes", nargs="+", default=list(REGIMES), choices=REGIMES)
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--no-agreement", action="store_true")
+    ap.add_argument("--variants", nargs="+", default=None,
+                    help="flash variants to run (names as in the table, without 'flash '); default: all")
     args = ap.parse_args()
-    flash_cols = {name: flash_column(cfg) for name, cfg in variants().items()}
+    chosen = variants()
+    if args.variants is not None:
+        unknown = [v for v in args.variants if f"flash {v}" not in chosen]
+        if unknown:
+            ap.error(f"unknown variants {unknown}; known: {[n.removeprefix('flash ') for n in chosen]}")
+        chosen = {f"flash {v}": chosen[f"flash {v}"] for v in args.variants}
+    flash_cols = {name: flash_column(cfg) for name, cfg in chosen.items()}
     bounded_col = with_step_plan(kda_prefill_flash, planners.flash_plan)
     fla_cols = {}
     if not args.no_fla:
@@ -166,8 +171,8 @@ def main() -> None:
                 case = gpu_case(lens, H, gate="unbounded")
                 set_regime(case.weights, regime)
                 bounded = dataclasses.replace(case, weights=dataclasses.replace(case.weights, lower_bound=-5.0))
-                one, both = leave_fractions(case)
-                row = {"H": H, "shape": shape, "regime": regime, "beyond one anchor": one, "beyond halves": both}
+                beyond, clamped = leave_fractions(case)
+                row = {"H": H, "shape": shape, "regime": regime, "beyond one anchor": beyond, "clamped": clamped}
                 cols = [("bounded", bounded_col, bounded)] + [(n, c, case) for n, c in {**flash_cols, **fla_cols}.items()]
                 for name, fn, c in cols:
                     if name not in first_calls:
@@ -182,13 +187,13 @@ def main() -> None:
     print("\nfirst call (s, compile included; a fresh process and an empty cache see all of it): "
           + ", ".join(f"{k} {v:.1f}" for k, v in first_calls.items()))
     names = list(flash_cols) + list(fla_cols)
-    head = ["H", "shape", "regime", "left 1-anchor", "left halves", "bounded"] + names
+    head = ["H", "shape", "regime", "beyond 1 anchor", "clamped", "bounded"] + names
     head += [f"{n} / bounded" for n in flash_cols] + [f"fla / {n}" for n in flash_cols if fla_cols]
     head += [f"fla-core / {n}" for n in flash_cols if fla_cols] + ["K1 bounded"] + [f"K1 {n}" for n in flash_cols]
-    print(f"\nms per prefill (do_bench median); K1 = device ms of the prepare launches; 'left': fraction of (chunk, head) pairs\n"
+    print(f"\nms per prefill (do_bench median); K1 = device ms of the prepare launches; 'beyond 1 anchor', 'clamped': fractions of 16-token (chunk, head) pairs\n"
           f"| {' | '.join(head)} |\n|{'---|' * len(head)}")
     for r in rows:
-        cells = [str(r["H"]), r["shape"], r["regime"], f"{r['beyond one anchor']:.1%}", f"{r['beyond halves']:.1%}",
+        cells = [str(r["H"]), r["shape"], r["regime"], f"{r['beyond one anchor']:.1%}", f"{r['clamped']:.1%}",
                  f"{r['bounded']:.3f}"] + [f"{r.get(n, float('nan')):.3f}" for n in names]
         cells += [f"{r[n] / r['bounded']:.2f}x" for n in flash_cols]
         if fla_cols:

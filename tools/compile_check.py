@@ -95,28 +95,27 @@ def _flash_cases() -> list[Case]:
     tables = dict(cu_ptr=I32, idx_ptr=I32, init_ptr=B1, chunk_seq_ptr=I32, chunk_tok_ptr=I32, seg_seq_ptr=I32,
                   seg_tok_ptr=I32, seg_end_ptr=I32, seg_chunk_ptr=I32, seq_seg0_ptr=I32)
     out = [Case("flash plan", flash_plan_kernel, tables, dict(C=32, BLOCK_J=32, BLOCK_N=64), quick=True)]
-    prep_types = dict(**ws, **tables, flag_ptr="*i8", qkv_ptr=BF, forget_ptr=BF, b_ptr=BF, cw_ptr=F32, cs_ptr=BF,
-                      a_log_ptr=F32, dt_bias_ptr=F32, lower_bound="fp32", q_scale="fp32", anchor_spread="fp32")
-    # (name, C, bounded, first, exact, flagged only, halves, blocked): every launch prefill.py makes.
-    for name, C, bounded, first, exact, flagged, halves, blocked, quick in (
-            ("C=32 bounded", 32, True, False, False, False, False, False, True),
-            ("C=32 bounded first chunks", 32, True, True, False, False, False, False, False),
-            ("C=16 unbounded one-anchor", 16, False, False, False, False, False, False, True),
-            ("C=16 unbounded one-anchor first chunks", 16, False, True, False, False, False, False, False),
-            ("C=16 unbounded halves", 16, False, False, False, False, True, False, False),
-            ("C=16 unbounded redo: halves, else blocked", 16, False, False, True, True, True, True, False),
-            ("C=16 unbounded redo: halves, else the loop", 16, False, False, True, True, True, False, False),
-            ("C=16 unbounded redo: blocked", 16, False, False, True, True, False, True, False),
-            ("C=16 unbounded blocked everywhere", 16, False, False, True, False, False, True, False),
-            ("C=16 unbounded exact loop everywhere", 16, False, False, True, False, False, False, False)):
+    prep_types = dict(**ws, **tables, qkv_ptr=BF, forget_ptr=BF, b_ptr=BF, cw_ptr=F32, cs_ptr=BF, a_log_ptr=F32,
+                      dt_bias_ptr=F32, lower_bound="fp32", q_scale="fp32", decay_clamp="fp32")
+    # (name, C, bounded, first chunks, nested): every launch prefill.py makes (the unbounded gate:
+    # clamped, one anchor at C = 16 or joined halves at 32, or nested).
+    for name, C, bounded, first, nested, quick in (
+            ("C=32 bounded", 32, True, False, False, True),
+            ("C=32 bounded first chunks", 32, True, True, False, False),
+            ("C=16 unbounded clamped", 16, False, False, False, True),
+            ("C=16 unbounded clamped first chunks", 16, False, True, False, False),
+            ("C=32 unbounded clamped (joined halves)", 32, False, False, False, False),
+            ("C=32 unbounded clamped (joined halves) first chunks", 32, False, True, False, False),
+            ("C=16 unbounded nested", 16, False, False, True, False),
+            ("C=16 unbounded nested first chunks", 16, False, True, True, False),
+            ("C=32 unbounded nested", 32, False, False, True, False)):
         out.append(Case(f"flash prepare {name}", flash_prepare_kernel, prep_types,
                         dict(H=32, D=128, C=C, LOG2C=C.bit_length() - 1, W=4, BOUNDED=bounded, FAST=False, FIRST=first,
-                             NFIRST=1, EXACT=exact, FLAGGED_ONLY=flagged, HALVES=halves, BLOCKED=blocked, stride_cs_ch=1,
-                             stride_forget_d=1, stride_cw_j=1),
+                             NFIRST=1, NESTED=nested, stride_cs_ch=1, stride_forget_d=1, stride_cw_j=1),
                         warps=cfg.prepare_warps, quick=quick, precision={"PREC_TC": "tc"}))
     rec_types = dict(**ws, **tables, s_ptr=F32, o_ptr=BF, out_gate_ptr=BF, nw_ptr=F32, eps="fp32", oq_ptr=F16,
                      bm_ptr=F32, qkv_ptr=BF, cs_ptr=BF, q_off="i64")
-    rec_types.update(ck_off_ptr=I32, ck_slot_ptr=I32)
+    rec_types.update(ck_off_ptr=I32, ck_slot_ptr=I32, ck_maps_ptr=F32)
     # NCK = 4: the state checkpoints of prefix caching (four per sequence), compiled in.
     for C, seg, bv, warps, stages, nck in ((32, False, 128, cfg.recur_warps, cfg.recur_stages, 0),
                                            (32, True, cfg.seg_block_v, cfg.seg_warps, cfg.seg_stages, 0),

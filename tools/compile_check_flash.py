@@ -36,27 +36,21 @@ def main(sass: bool = False) -> None:
     k = compile_for_sm90(flash_plan_kernel, dict(tables, cu_ptr=i32), dict(C=16, BLOCK_J=32, BLOCK_N=64))
     lines.append(f"plan: {report(k)}")
 
-    # (C, bounded, first, exact, flagged only, halves, blocked): every launch prefill.py makes
-    for C, bounded, first, exact, flagged, halves, blocked in ((32, True, False, False, False, False, False),
-                                                               (32, True, True, False, False, False, False),
-                                                               (16, False, False, False, False, False, False),
-                                                               (16, False, True, False, False, False, False),
-                                                               (16, False, False, False, False, True, False),
-                                                               (16, False, False, True, True, True, True),
-                                                               (16, False, False, True, True, True, False),
-                                                               (16, False, False, True, False, False, True),
-                                                               (16, False, False, True, False, False, False)):
+    # (C, bounded, first chunks, nested): every launch prefill.py makes (the unbounded gate: clamped,
+    # one anchor at C = 16 or joined halves at 32, or nested), with the register cap it launches with
+    for C, bounded, first, nested in ((32, True, False, False), (32, True, True, False), (16, False, False, False),
+                                      (16, False, True, False), (32, False, False, False), (32, False, True, False),
+                                      (16, False, False, True), (16, False, True, True), (32, False, False, True)):
         k = compile_for_sm90(
             flash_prepare_kernel,
-            dict(**ws, **tables, flag_ptr="*i8", qkv_ptr=bf, forget_ptr=bf, b_ptr=bf, cw_ptr=f32, cs_ptr=bf, a_log_ptr=f32,
-                 dt_bias_ptr=f32, lower_bound="fp32", q_scale="fp32", anchor_spread="fp32"),
+            dict(**ws, **tables, qkv_ptr=bf, forget_ptr=bf, b_ptr=bf, cw_ptr=f32, cs_ptr=bf, a_log_ptr=f32, dt_bias_ptr=f32,
+                 lower_bound="fp32", q_scale="fp32", decay_clamp="fp32"),
             dict(H=32, D=128, C=C, LOG2C=C.bit_length() - 1, W=4, BOUNDED=bounded, PREC_TC="tf32", FAST=True, FIRST=first,
-                 NFIRST=1, EXACT=exact, FLAGGED_ONLY=flagged, HALVES=halves, BLOCKED=blocked, stride_cs_ch=1, stride_forget_d=1,
-                 stride_cw_j=1),  # unit strides: what the launcher specializes
-            num_warps=cfg.prepare_warps,
+                 NFIRST=1, NESTED=nested, stride_cs_ch=1, stride_forget_d=1, stride_cw_j=1),  # unit strides: as launched
+            num_warps=cfg.prepare_warps, maxnreg=None if bounded else (cfg.unbounded_prepare_maxnreg or None),
         )
-        lines.append(f"prepare C={C} bounded={bounded} first={first} exact={exact} flagged_only={flagged} "
-                     f"halves={halves} blocked={blocked}: {report(k)}")
+        kind = "bounded" if bounded else ("nested" if nested else "clamped")
+        lines.append(f"prepare C={C} {kind} first={first}: {report(k)}")
 
     rec_types = dict(**ws, **tables, s_ptr=f32, o_ptr=bf, out_gate_ptr=bf, nw_ptr=f32, eps="fp32", oq_ptr=f16, bm_ptr=f32,
                      qkv_ptr=bf, cs_ptr=bf, q_off="i64")

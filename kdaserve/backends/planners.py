@@ -25,4 +25,4 @@ def flash_plan(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | None, nu
     from kdaserve.ops.flash import flash_step_plan
 
     return flash_step_plan(cu_seqlens, cu_seqlens_cpu, num_tokens, num_heads, settings.head_dim,
-                           settings.lower_bound is not None)
+                           settings.lower_bound is not None, input_dtype=settings.input_dtype)

@@ -87,63 +87,71 @@ def test_strong_decay_at_the_lower_bound():
 
 
 @cpu_only
-@pytest.mark.parametrize("anchored, fallback", [(True, "blocked"), (True, "loop"), (False, "blocked"), (False, "loop")],
-                         ids=["anchored-falls-back-to-blocked", "anchored-falls-back-to-loop", "blocked", "exact-loop"])
-def test_unbounded_gate_with_huge_decay(anchored, fallback):
-    """Unbounded gates far beyond fp32's exp range inside one chunk: no anchor covers them, so the
-    fallback computes every chunk (the anchored default redoes the chunks its first pass flags;
-    unbounded_anchored=False runs the fallback alone). Cumulative log-decays of hundreds cost fp32
-    cumsums ~1e-5 of relative precision in e^(g_t - g_i): the fp32 chunked reference (chunked.py)
-    errs 1.1e-5 here, hence 3e-5."""
-    case = make_kda_case([20], H=1, D=16, gate="unbounded", has_initial_state=True, seed=5)
-    case.forget_logits.mul_(10.0)
-    check_prefill_matches_reference(configured(SEGMENTED, unbounded_anchored=anchored, unbounded_fallback=fallback),
-                                    case, 3e-5)
-
-
-@cpu_only
-@pytest.mark.parametrize("anchored, first_pass, spread, dtype",
-                         [(True, "one-anchor", 170.0, torch.float32), (True, "halves", 170.0, torch.float32),
-                          (True, "one-anchor-no-redo-halves", 170.0, torch.float32),
-                          (True, "halves", 1e30, torch.float32), (True, "halves", 1e30, torch.float16),
-                          (True, "one-anchor", 170.0, torch.float16),
-                          (False, "one-anchor", 170.0, torch.float32), (False, "one-anchor", 170.0, torch.float16)],
-                         # unbounded_anchored=False runs the fallback (blocked by default) alone
-                         ids=["default", "halves-first", "redo-without-halves", "always-halves", "always-halves-fp16",
-                              "default-fp16",
-                              "blocked", "blocked-fp16"])
-def test_unbounded_gate_anchored(anchored, first_pass, spread, dtype):
-    """The unbounded gate's first pass (one anchor per chunk by default, or per half) and the
-    launch that redoes the chunks it flags. This case's fast heads span more decay per chunk than
-    one anchor covers, so the default redoes them with the halves (with the one-anchor limit lifted
-    the output is inf: the redo is what makes it right); with the halves' limit lifted every chunk
-    takes the halves, which this case's decays fit. fp16: the 16-bit workspace of the GPU path.
-    The fallback alone (unbounded_anchored=False) keeps its own checks."""
-    case = make_kda_case([5, 40, 1, 37], H=2, D=16, gate="unbounded", dtype=dtype, conv_dtype=dtype,
+@pytest.mark.parametrize("intra, chunk", [("nested", 16), ("nested", 32), ("clamped", 16), ("clamped", 32)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_unbounded_gate(intra, chunk, dtype):
+    """The unbounded gate's K1, every chunk in one pass: mixed decays with a slow-decay head, partial
+    chunks and 1-token sequences. nested: exact for any decay, at both chunk sizes; fp16 takes fp16
+    dot operands (every factor <= 1). clamped: one anchor per chunk (16) or per half chunk, joined
+    (32), on a clamped decay with a 16-bit workspace; an fp32 workspace takes nested instead (so the
+    fp32 cases are the nested pass again, by design). Most of these tokens' decays are clamped."""
+    case = make_kda_case([5, 40, 1, 70], H=2, D=16, gate="unbounded", dtype=dtype, conv_dtype=dtype,
                          has_initial_state=[True, False, True, True], slow_decay_heads=1, seed=23)
-    redo_halves = first_pass != "one-anchor-no-redo-halves"
-    fn = configured(UNSEGMENTED, unbounded_anchored=anchored, unbounded_first_pass=first_pass.removesuffix("-no-redo-halves"),
-                    unbounded_anchor_spread=spread, unbounded_redo_halves=redo_halves)
+    fn = configured(UNSEGMENTED, unbounded_intra=intra, unbounded_chunk=chunk)
     check_prefill_matches_reference(fn, case, 1e-5 if dtype == torch.float32 else tolerance_for(dtype))
 
 
 @cpu_only
-def test_unbounded_gate_one_anchor_alone():
-    """Gates weak enough for one anchor per chunk everywhere (FLA's initialisation of A and dt):
-    with the limit lifted nothing is redone, and the one-anchor pass alone matches."""
-    case = make_kda_case([5, 40, 1, 37], H=2, D=16, gate="unbounded", has_initial_state=[True, False, True, True],
-                         seed=24)
-    case.weights.A_log.copy_(torch.tensor([1.0, 16.0]).log())
-    case.weights.dt_bias.copy_(torch.linspace(1e-3, 1e-1, 32).expm1().log().view(2, 16))   # softplus^-1(dt)
-    fn = configured(UNSEGMENTED, unbounded_first_pass="one-anchor", unbounded_anchor_spread=1e30)
-    check_prefill_matches_reference(fn, case, 1e-5)
+@pytest.mark.parametrize("intra, chunk, segment_len, dtype",
+                         [("nested", 16, 0, torch.float32), ("nested", 16, 16, torch.float32),
+                          ("nested", 32, 0, torch.float32), ("nested", 32, 32, torch.float32),
+                          ("clamped", 16, 0, torch.float16), ("clamped", 16, 16, torch.float16),
+                          ("clamped", 32, 0, torch.float16), ("clamped", 32, 32, torch.float16),
+                          ("nested", 16, 0, torch.float16)],
+                         ids=["nested", "nested-segmented", "nested-chunk32", "nested-chunk32-segmented",
+                              "clamped-fp16", "clamped-fp16-segmented", "clamped-chunk32-fp16",
+                              "clamped-chunk32-fp16-segmented", "nested-fp16"])
+def test_unbounded_gate_with_huge_decay(intra, chunk, segment_len, dtype):
+    """Decays far beyond fp32's exp range inside one chunk, so no single anchor could take them: the
+    nested anchors are exact; the clamped pass (16-bit) keeps within its tolerance though nearly
+    every token is clamped. Cumulative log-decays of hundreds cost fp32 cumsums ~1e-5 of relative
+    precision in e^(g_t - g_i): the fp32 chunked reference (chunked.py) errs 1.1e-5 here, hence
+    3e-5."""
+    case = make_kda_case([20, 45], H=1, D=16, gate="unbounded", dtype=dtype, conv_dtype=dtype, has_initial_state=True,
+                         seed=5)
+    case.forget_logits.mul_(10.0)
+    fn = configured(flash(segment_len), unbounded_intra=intra, unbounded_chunk=chunk)
+    check_prefill_matches_reference(fn, case, 3e-5 if dtype == torch.float32 else tolerance_for(dtype))
 
 
-def test_an_unknown_first_pass_or_fallback_is_refused():
-    with pytest.raises(ValueError, match="unbounded_first_pass must be 'one-anchor' or 'halves', got 'both'"):
-        dataclasses.replace(CONFIG, unbounded_first_pass="both")
-    with pytest.raises(ValueError, match="unbounded_fallback must be 'blocked' or 'loop', got 'exact'"):
-        dataclasses.replace(CONFIG, unbounded_fallback="exact")
+def test_an_unknown_unbounded_config_is_refused():
+    with pytest.raises(ValueError, match="unbounded_intra must be 'clamped' or 'nested', got 'halves'"):
+        dataclasses.replace(CONFIG, unbounded_intra="halves")
+    with pytest.raises(ValueError, match="unbounded_chunk must be 16 or 32, got 64"):
+        dataclasses.replace(CONFIG, unbounded_chunk=64)
+    with pytest.raises(ValueError, match="unbounded_segmented_chunk must be 16 or 32, got 8"):
+        dataclasses.replace(CONFIG, unbounded_segmented_chunk=8)
+    for clamp in (11.0, 0.0):
+        with pytest.raises(ValueError, match=rf"unbounded_decay_clamp must be in \(0, 10.625\] \(one anchor spans 16 "
+                                             rf"clamped tokens within e\^\(\+-85\)\), got {clamp}"):
+            dataclasses.replace(CONFIG, unbounded_decay_clamp=clamp)
+
+
+@cpu_only
+@pytest.mark.parametrize("lens, H, chunk", [([8192], 32, 32), ([32768], 64, 32), ([1024] * 16, 32, 16), ([512] * 64, 32, 16)])
+def test_unbounded_chunk_follows_segmentation(lens, H, chunk):
+    """The unbounded gate's automatic plan: 32-token chunks (the joined halves) where flash would
+    segment the step at 16, few long sequences (at 32 the cost model decides again whether to
+    segment); 16 elsewhere, and for fp32 inputs (the nested K1). The bounded gate: its chunk
+    always."""
+    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    plan = flash_step_plan(cu, cu, sum(lens), H, 128, False, config=CONFIG)
+    assert plan.chunk == chunk and (chunk == 32 or not plan.plan.segmented)
+    assert flash_step_plan(cu, cu, sum(lens), H, 128, True, config=CONFIG).chunk == CONFIG.chunk
+    forced = flash_step_plan(cu, cu, sum(lens), H, 128, False, config=CONFIG, segment_len=1024)
+    assert forced.chunk == CONFIG.unbounded_chunk and forced.plan.segmented
+    fp32 = flash_step_plan(cu, cu, sum(lens), H, 128, False, config=CONFIG, input_dtype=torch.float32)
+    assert fp32.chunk == CONFIG.unbounded_chunk
 
 
 @cpu_only
@@ -324,14 +332,16 @@ def test_gpu_matches_reference(gate, layout, segment_len):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("anchored, segment_len", [(True, None), (True, 256), (False, None)],
-                         ids=["anchored", "anchored-segmented", "exact-loop"])
-def test_gpu_unbounded_gate_anchored_halves(anchored, segment_len):
-    """The unbounded gate's two K1 paths on the GPU (tf32 dots, fast exp): bf16 contract, mixed lengths."""
+@pytest.mark.parametrize("intra, chunk, segment_len", [("clamped", 16, 0), ("clamped", 32, 0), ("clamped", 16, 256),
+                                                       ("clamped", 32, 256), ("nested", 16, None)])
+def test_gpu_unbounded_gate(intra, chunk, segment_len):
+    """The unbounded gate's K1 paths on the GPU (tf32 dots, fast exp, the register cap): bf16
+    contract, mixed lengths, both chunk sizes, segmented or not, and the exact nested pass."""
     lens = [1000, 1, 77, 2048, 16, 300]
     case = _gpu_case(lens, 4, gate="unbounded", conv_layout="DS", slow_decay_heads=1, seed=16,
                      has_initial_state=[True, False, True, False, True, True])
-    check_prefill_matches_reference(flash(segment_len, unbounded_anchored=anchored), case, BF16, chunk_size=_ref_chunk(lens))
+    fn = flash(segment_len, unbounded_intra=intra, unbounded_chunk=chunk, unbounded_segmented_chunk=chunk)
+    check_prefill_matches_reference(fn, case, BF16, chunk_size=_ref_chunk(lens))
 
 
 @pytest.mark.gpu
@@ -375,7 +385,7 @@ def test_gpu_no_host_sync_without_host_cu_seqlens():
 @pytest.mark.parametrize("gate, segment_len", [("bounded", None), ("bounded", 0), ("unbounded", None)])
 def test_gpu_128k_sequence_slow_decay_heads(gate, segment_len):
     """One 128K-token sequence, half the heads slow-decaying: precision must hold at full length
-    (the unbounded gate: anchored halves with the exact fallback, 16-token chunks)."""
+    (the unbounded gate: clamped, segmented, so in 32-token chunks of joined halves)."""
     case = _gpu_case([131072], 2, gate=gate, slow_decay_heads=1, has_initial_state=True, seed=16)
     check_prefill_matches_reference(flash(segment_len), case, BF16, chunk_size=64)
 
@@ -383,8 +393,9 @@ def test_gpu_128k_sequence_slow_decay_heads(gate, segment_len):
 @cpu_only
 @pytest.mark.parametrize("gate, layout, segment_len, chunk",
                          [("bounded", "SD", 0, 16), ("bounded", "DS", 0, 32), ("unbounded", "SD", 0, 16),
-                          ("bounded", "SD", 32, 16), ("unbounded", "DS", 48, 16)],
-                         ids=["bounded", "bounded-C32-DS", "unbounded", "segmented", "segmented-unbounded"])
+                          ("bounded", "SD", 32, 16), ("unbounded", "DS", 48, 16), ("unbounded", "DS", 32, 32)],
+                         ids=["bounded", "bounded-C32-DS", "unbounded", "segmented", "segmented-unbounded",
+                              "segmented-unbounded-C32"])
 def test_checkpoints_inside_the_launch(gate, layout, segment_len, chunk):
     """Prefix caching's state checkpoints, written by the prefill launch itself: after the first
     chunk, in the middle, at the last chunk end before a partial chunk, for a sequence with and one
@@ -398,7 +409,8 @@ def test_checkpoints_inside_the_launch(gate, layout, segment_len, chunk):
     case = make_kda_case([70, 60, 21], H=2, D=16, gate=gate, conv_layout=layout, spec_tokens=1,
                          has_initial_state=[True, False, True], extra_slots=8, seed=11)
     offsets = [[32, 64], [32], []] if chunk == 32 else [[16, 32, 48, 64], [16, 48], []]
-    check_prefill_checkpoints(flash(segment_len if segment_len else 0, chunk=chunk), case, offsets, 1e-5)
+    check_prefill_checkpoints(flash(segment_len if segment_len else 0, chunk=chunk, unbounded_chunk=chunk), case, offsets,
+                              1e-5)
 
 
 @gpu
@@ -414,6 +426,7 @@ def test_gpu_checkpoints_inside_the_launch(gate):
                               tolerance_for(torch.bfloat16))
 
 
+@cpu_only   # CPU tensors: the step plan's kernel needs the interpreter
 @pytest.mark.parametrize("offsets, message", [([[20], []], r"sequence 0: .*multiples of the chunk \(16\); got \[20\]"),
                                               ([[], [40]], r"sequence 1: .*0 < offset < 40.*got \[40\]")])
 def test_bad_checkpoints_say_what_is_needed(offsets, message):

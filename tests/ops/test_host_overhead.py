@@ -290,14 +290,14 @@ def test_a_plan_of_another_step_is_refused_before_any_write():
     assert torch.equal(case.recurrent_state, rec) and torch.equal(case.conv_state, conv)
 
 
-@pytest.mark.parametrize("anchored, prepares", [(True, 3), (False, 1)], ids=["first-pass-then-redo", "fallback-only"])
-def test_unbounded_gate_launches(launches, anchored, prepares):
-    """The unbounded gate's K1: the one-anchor pass (common chunks, then first chunks) and the
-    launch that redoes the flagged chunks; with unbounded_anchored=False the fallback alone."""
+@pytest.mark.parametrize("intra", ["clamped", "nested"])
+def test_unbounded_gate_launches(launches, intra):
+    """The unbounded gate's K1 launches like the bounded gate's, whichever intra-chunk factors:
+    common chunks, then first chunks; nothing redone."""
     step = meta_step([3, 104, 1])
     step["weights"].lower_bound = None
-    cfg = dataclasses.replace(DEFAULT_CONFIG, unbounded_anchored=anchored)
+    cfg = dataclasses.replace(DEFAULT_CONFIG, unbounded_intra=intra)
     H, D, seqs = step["weights"].num_heads, step["weights"].head_dim, step["seqs"]
     plan = flash_step_plan(seqs.cu_seqlens, seqs.cu_seqlens_cpu, step["inputs"].qkv.shape[0], H, D, False, config=cfg)
     names, _ = per_call(lambda **a: kda_prefill_flash(**a, step_plan=plan), step, launches)
-    assert names == ["flash_prepare_kernel"] * prepares + ["flash_recurrence_kernel"]
+    assert names == ["flash_prepare_kernel"] * 2 + ["flash_recurrence_kernel"]

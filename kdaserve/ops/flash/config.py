@@ -14,27 +14,35 @@ from dataclasses import dataclass, replace
 import torch
 
 
+# The widest span of cumulative log-decay one anchor can factor: every factor within e^(+-85),
+# normal fp32/tf32 numbers (e^88 overflows).
+ONE_ANCHOR_SPREAD = 170.0
+
+
 @dataclass(frozen=True, slots=True)
 class FlashConfig:
     # Tokens per chunk, the serial step of the recurrence: 32 halves K2's steps for a few more K1
-    # instructions per token than 16; the unbounded gate always uses 16.
+    # instructions per token than 16. The unbounded gate's: `unbounded_chunk`.
     chunk: int = 32
     prepare_warps: int = 4        # K1, one program per (chunk, head): fewer warp-instructions than 8
-    # Unbounded gate: K1's first pass forms A and Aqk on tensor cores around one anchor per chunk
-    # ("one-anchor", the bounded gate's code) or per half ("halves", prepare.py
-    # _intra_anchored_halves) wherever the factors' span of cumulative log-decay is at most
-    # `unbounded_anchor_spread` (170: factors within e^(+-85), normal fp32/tf32 numbers), and flags
-    # the other chunks; a second launch redoes only those (the halves where they fit after a
-    # one-anchor pass, else the fallback). unbounded_anchored = False: the fallback everywhere, in
-    # one launch. Fallback for any decay: "blocked" (prepare.py _intra_blocked: tensor-core dots
-    # between 4-row blocks, exact exponents inside them) or "loop" (the exact column loop).
-    unbounded_anchored: bool = True
-    unbounded_first_pass: str = "one-anchor"
-    unbounded_fallback: str = "blocked"
-    # After a one-anchor pass, whether the redo tries the halves before the fallback (False: the
-    # fallback for every flagged chunk, cheaper where most flagged chunks are beyond the halves too).
-    unbounded_redo_halves: bool = True
-    unbounded_anchor_spread: float = 170.0
+    # Unbounded gate (Kimi-Linear's; docs/flash-prefill.md, "The unbounded gate"), K1's intra-chunk
+    # factors in one pass for every chunk: "clamped" (16-bit workspaces; fp32 ones take "nested")
+    # clamps each token's log-decay at -unbounded_decay_clamp inside the chunk's factors, so one
+    # anchor spans 16 tokens (16 x clamp <= 170: factors within e^(+-85), normal fp32/tf32 numbers);
+    # a factor that crosses a clamped token is below e^-clamp both truly and as computed, under the
+    # 16-bit rounding. "nested" (prepare.py _intra_nested): exact for any decay, dearer.
+    unbounded_intra: str = "clamped"
+    unbounded_decay_clamp: float = 10.0
+    # The unbounded gate's K1 register cap (0: the compiler's choice): at 4 warps, 168 registers let
+    # 3 programs share an SM instead of 2, for a few spills (NVIDIA only: config_for_target).
+    unbounded_prepare_maxnreg: int = 168
+    # Tokens per chunk with the unbounded gate. The clamped K1 at 32 joins two anchored halves
+    # (prepare.py _prepare_chunk_pair): a dearer K1 for half the recurrence's steps, which pays
+    # where the recurrence's serial chain is the bound, i.e. in the steps flash segments (few long
+    # sequences): unbounded_segmented_chunk there, unbounded_chunk elsewhere. fp32 inputs (the
+    # nested K1) keep unbounded_chunk: nested at 32 spills on sm_90 and exceeds gfx942's VGPRs.
+    unbounded_chunk: int = 16
+    unbounded_segmented_chunk: int = 32
     recur_warps: int = 8          # K2, one program per (sequence, head), the whole [V, K] state
     # Software-pipelined loads of the next chunk's workspace (3 stages: bitwise the same outputs as
     # 2, faster at many heads; 84 KB of shared memory; docs/perf-notes.md).
@@ -61,10 +69,14 @@ class FlashConfig:
     cost_token_head_seg_ns: float = 0.35  # o_loc + q~ round trip and the correction pass
 
     def __post_init__(self):
-        if self.unbounded_first_pass not in ("one-anchor", "halves"):
-            raise ValueError(f"unbounded_first_pass must be 'one-anchor' or 'halves', got {self.unbounded_first_pass!r}")
-        if self.unbounded_fallback not in ("blocked", "loop"):
-            raise ValueError(f"unbounded_fallback must be 'blocked' or 'loop', got {self.unbounded_fallback!r}")
+        if self.unbounded_intra not in ("clamped", "nested"):
+            raise ValueError(f"unbounded_intra must be 'clamped' or 'nested', got {self.unbounded_intra!r}")
+        for name in ("unbounded_chunk", "unbounded_segmented_chunk"):
+            if getattr(self, name) not in (16, 32):
+                raise ValueError(f"{name} must be 16 or 32, got {getattr(self, name)}")
+        if not 0 < self.unbounded_decay_clamp <= ONE_ANCHOR_SPREAD / 16:
+            raise ValueError(f"unbounded_decay_clamp must be in (0, {ONE_ANCHOR_SPREAD / 16}] (one anchor spans 16 "
+                             f"clamped tokens within e^(+-{ONE_ANCHOR_SPREAD / 2:g})), got {self.unbounded_decay_clamp}")
 
 
 DEFAULT_CONFIG = FlashConfig()
@@ -81,9 +93,12 @@ def config_for_target(target: str) -> FlashConfig:
     """The default launch parameters on `target` ("sm_90", "gfx942", ...; tools/compile_check.py
     compiles each target's): K2's third pipeline stage needs 84 KB of shared memory, more than
     gfx942's 64 KB of LDS per workgroup, so MI300 runs two; the segment-map pass spills at 4 warps on
-    sm_100 and on AMD and runs 8 there. The H200 (sm_90) and everything else: the defaults."""
+    sm_100 and on AMD and runs 8 there; AMD's compiler has no register cap (Triton refuses the
+    maxnreg option there). The H200 (sm_90) and everything else: the defaults."""
     if target == "gfx942":
-        return replace(DEFAULT_CONFIG, recur_stages=2, seg_warps=8)
-    if target == "gfx950" or (target.startswith("sm_") and int(target[3:]) >= 100):
+        return replace(DEFAULT_CONFIG, recur_stages=2, seg_warps=8, unbounded_prepare_maxnreg=0)
+    if target == "gfx950":
+        return replace(DEFAULT_CONFIG, seg_warps=8, unbounded_prepare_maxnreg=0)
+    if target.startswith("sm_") and int(target[3:]) >= 100:
         return replace(DEFAULT_CONFIG, seg_warps=8)
     return DEFAULT_CONFIG

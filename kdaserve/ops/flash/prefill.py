@@ -50,23 +50,33 @@ class FlashStepPlan:
 
 
 def chunk_size_for(bounded_gate: bool, config: FlashConfig) -> int:
-    """The unbounded gate keeps 16-token chunks: one anchor must span the chunk's decay, and the
-    chunks it cannot take cost the fallback (docs/flash-prefill.md)."""
-    C = config.chunk if bounded_gate else 16
+    """The unbounded gate's own chunk size (FlashConfig.unbounded_chunk; flash_step_plan takes
+    unbounded_segmented_chunk instead for a step it segments, docs/flash-prefill.md)."""
+    C = config.chunk if bounded_gate else config.unbounded_chunk
     if C not in (16, 32):
         raise ValueError(f"flash chunk size must be 16 or 32, got {C}")
     return C
 
 
+def chunk_sizes_for(bounded_gate: bool, config: FlashConfig) -> tuple[int, ...]:
+    """Every chunk size a step plan may take for this gate."""
+    if bounded_gate:
+        return (chunk_size_for(True, config),)
+    return (config.unbounded_chunk, config.unbounded_segmented_chunk)
+
+
 def flash_step_plan(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | None, num_tokens: int, num_heads: int,
                     head_dim: int, bounded_gate: bool, *, config: FlashConfig | None = None,
-                    segment_len: int | None = None) -> FlashStepPlan:
+                    segment_len: int | None = None, input_dtype: torch.dtype | None = None) -> FlashStepPlan:
     """The plan of one step of `num_tokens` tokens for layers of `num_heads` x `head_dim` with this
     gate kind. `segment_len`: None = automatic, 0 = never segment, n > 0 = segments of n tokens.
     Without the host copy of cu_seqlens the sizes are upper bounds (every sequence counted as long
     as the step) and the tables are built on the device all the same (no sync). `config`: None is
     the device's default (config.config_for). State checkpoints do not change it: the kernels
-    write them wherever they fall (recurrence.py)."""
+    write them wherever they fall (recurrence.py). `input_dtype`: the layers' q|k|v dtype (None:
+    16-bit); fp32 inputs keep the unbounded gate's 16-token chunks in segmented steps, since their
+    exact nested K1 at 32 costs more registers than its halved recurrence saves (and more VGPRs
+    than gfx942 has)."""
     config = config if config is not None else config_for(cu_seqlens.device)
     C = chunk_size_for(bounded_gate, config)
     cu = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
@@ -74,6 +84,12 @@ def flash_step_plan(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | Non
     if N == 0:
         return FlashStepPlan(None, 0, C, num_heads, head_dim, num_tokens, config, (0,))
     seg_len = resolve_segment_len(segment_len, num_tokens, N, num_heads, head_dim, C, cu_seqlens_cpu, cu.device, config)
+    clamped = config.unbounded_intra == "clamped" and input_dtype != torch.float32
+    if not bounded_gate and clamped and segment_len is None and seg_len and config.unbounded_segmented_chunk != C:
+        # Few long sequences: the recurrence's chain of chunk steps is the bound, so longer chunks
+        # (K1 joins two anchored halves) pay for their dearer K1 there, and only there.
+        C = config.unbounded_segmented_chunk
+        seg_len = resolve_segment_len(None, num_tokens, N, num_heads, head_dim, C, cu_seqlens_cpu, cu.device, config)
     plan = build_plan(cu, num_tokens, N, C, seg_len, cu_seqlens_cpu)
     offsets = host_offsets(cu_seqlens_cpu) if cu_seqlens_cpu is not None else None
     longest = max(seq_lens(offsets)) if offsets is not None else num_tokens
@@ -166,9 +182,9 @@ class FlashPrefill:
         ck_offsets = ck.offsets_cpu if ck is not None and any(ck.offsets_cpu) else None
         if step_plan is None:
             step_plan = flash_step_plan(cu_seqlens, cu_seqlens_cpu, T, H, D, weights.lower_bound is not None,
-                                        config=config, segment_len=segment_len)
-        elif (step_plan.num_tokens, step_plan.num_heads, step_plan.head_dim, step_plan.chunk) != (
-                T, H, D, chunk_size_for(weights.lower_bound is not None, step_plan.config)) or (
+                                        config=config, segment_len=segment_len, input_dtype=qkv.dtype)
+        elif (step_plan.num_tokens, step_plan.num_heads, step_plan.head_dim) != (T, H, D) or (
+                step_plan.chunk not in chunk_sizes_for(weights.lower_bound is not None, step_plan.config)) or (
                 cu_seqlens_cpu is not None and step_plan.offsets is not None
                 and step_plan.offsets != host_offsets(cu_seqlens_cpu)):
             raise ValueError(f"the flash step plan was built for another step ({step_plan.num_tokens} tokens x "
@@ -197,9 +213,6 @@ class FlashPrefill:
         self.ws4 = self.ws.unbind(0)
         self.aqk_ws = torch.empty(nc, H, C, C, dtype=self.ws_dtype, device=dev)
         self.chunk_decay_ws = torch.empty(nc, H, D, dtype=torch.float32, device=dev)
-        # Unbounded gate: the chunks K1's first pass could not factor (prepare.py); written by
-        # every first-pass program, so never cleared.
-        self.flags = torch.empty(nc * H if weights.lower_bound is None else 1, dtype=torch.int8, device=dev)
         if self.plan.segmented:
             ns = self.plan.n_seg_ids
             # o_loc (the output from a zero start) and q~ per token (fp16: 2^-11)
@@ -258,23 +271,16 @@ class FlashPrefill:
 
     def prepare(self) -> None:
         """Chunks inside their sequences' new tokens, then the first chunk(s) of each sequence
-        (conv history) in a second launch; the unbounded gate then redoes the chunks those two
-        flagged, in a third (prepare.py says why)."""
+        (conv history) in a second launch (prepare.py says why)."""
         nc, H = self.plan.n_chunk_ids, self.H
         if nc == 0:
             return
         nfirst = -(-(self.weights.conv_width - 1) // self.C)
-        unbounded = self.weights.lower_bound is None
-        if unbounded and not self.cfg.unbounded_anchored:
-            self._prepare((nc * H,), False, nfirst, exact=True, flagged_only=False)
-            return
         self._prepare((nc * H,), False, nfirst)
         if nfirst:   # a conv of width 1 has no history
             self._prepare((self.N * H * nfirst,), True, nfirst)
-        if unbounded:
-            self._prepare((nc * H,), False, nfirst, exact=True, flagged_only=True)
 
-    def _prepare(self, grid, first: bool, nfirst: int, exact: bool = False, flagged_only: bool = False) -> None:
+    def _prepare(self, grid, first: bool, nfirst: int) -> None:
         D, C, w, plan = self.D, self.C, self.weights, self.plan
         lb = w.lower_bound
         flash_prepare_kernel[grid](
@@ -286,25 +292,27 @@ class FlashPrefill:
             w.A_log.contiguous(), w.dt_bias.contiguous(),
             self.cu, self.state_indices, self.has_initial_state,
             plan.chunk_seq, plan.chunk_tok, plan.seq_seg0, plan.seg_chunk,
-            *self.ws4, self.aqk_ws, self.chunk_decay_ws, self.flags,
-            float(lb if lb is not None else 0.0), D ** -0.5, self.rows.shape[1], float(self.cfg.unbounded_anchor_spread),
+            *self.ws4, self.aqk_ws, self.chunk_decay_ws,
+            float(lb if lb is not None else 0.0), D ** -0.5, self.rows.shape[1], float(self.cfg.unbounded_decay_clamp),
             H=self.H, D=D, C=C, LOG2C=C.bit_length() - 1, W=w.conv_width,
             BOUNDED=lb is not None, PREC_TC=self.prec_tc, FAST=self.fast, FIRST=first, NFIRST=max(nfirst, 1),
-            EXACT=exact, FLAGGED_ONLY=flagged_only, HALVES=self._halves(exact),
-            BLOCKED=self.cfg.unbounded_fallback == "blocked",
-            num_warps=self.cfg.prepare_warps,
+            NESTED=lb is None and self._unbounded_intra() == "nested",
+            num_warps=self.cfg.prepare_warps, **self._prepare_maxnreg(),
         )
 
-    def _halves(self, exact: bool) -> bool:
-        """The unbounded gate's anchored halves: in the first pass when it is configured so, in the
-        redo after a one-anchor first pass (before the fallback) unless unbounded_redo_halves is
-        off; never otherwise."""
-        cfg = self.cfg
-        if self.weights.lower_bound is not None or not cfg.unbounded_anchored:
-            return False
-        if exact:
-            return cfg.unbounded_first_pass == "one-anchor" and cfg.unbounded_redo_halves
-        return cfg.unbounded_first_pass == "halves"
+    def _prepare_maxnreg(self) -> dict:
+        """The unbounded gate's register cap, where there is one: NVIDIA's compiler (AMD's and the
+        interpreter refuse the option)."""
+        n = self.cfg.unbounded_prepare_maxnreg
+        native = not triton.knobs.runtime.interpret and not torch.version.hip
+        return {"maxnreg": n} if n and self.weights.lower_bound is None and native else {}
+
+    def _unbounded_intra(self) -> str:
+        """The configured intra-chunk factorization, except that an fp32 workspace takes the exact
+        nested one for the clamped one: the clamp's error (below e^-clamp) is under 16-bit
+        rounding, not fp32's."""
+        p = self.cfg.unbounded_intra
+        return "nested" if p == "clamped" and self.ws_dtype == torch.float32 else p
 
     def _recurrence(self, grid, local_out_and_q, maps, q_off, bv, segmented, warps, stages) -> None:
         st, plan, L = self.st, self.plan, self.rows.shape[1]

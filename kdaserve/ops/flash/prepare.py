@@ -14,10 +14,10 @@ docs/flash-prefill.md; in short:
 - A and Aqk come from one tensor-core dot each: e^(g_t - g_i) = e^(g_t - a) e^(a - g_i) with the
   anchor a = g_C / 2 in the middle of the chunk, so every factor stays within e^(+-80) for 32
   tokens at LB = -5 (e^(+-40) for 16): fp32/tf32 range, which fp16 could not hold. The unbounded
-  gate has no such bound: the same one-anchor pass flags the chunks whose decay exceeds it, and a
-  third launch redoes those, anchoring each half of the 16-token chunk apart
-  (_intra_anchored_halves) where the halves' spread allows, else by the blocked fallback
-  (_intra_blocked, any decay) or the exact column loop (_intra_exact).
+  gate has no such bound. With 16-bit workspaces it clamps each token's log-decay at -10 inside
+  the chunk's factors (a factor across a clamped token is below e^-10 both truly and as computed,
+  under 16-bit rounding), so one anchor spans 16 tokens; 32-token chunks join two anchored halves
+  (_prepare_chunk_pair). Exact for any decay (fp32 workspaces): nested anchors (_intra_nested).
 - T by recursive blocking: T_2b = T_b - T_b A_off T_b doubles the solved diagonal blocks; every
   product is of bounded entries of the final inverse, unlike a Neumann/doubling product whose
   powers of A grow when decay is slow. The dots are tf32 like the others (tf32x3 would cost 14%
@@ -79,80 +79,44 @@ def _conv_silu_no_history(x_ptr, stride_x, w_ptr, stride_w_c, stride_w_j, ch, to
 
 
 @triton.jit
-def _intra_exact(q, k, g, rows, C: tl.constexpr, FAST: tl.constexpr):
-    """A_kk[t,i] = sum_c k_t k_i e^(g_t - g_i), A_qk likewise, column by column with the exact
-    exponent (any decay, no anchor); zero above the diagonal."""
-    cols = rows[None, :]
-    akk = tl.zeros([C, C], dtype=tl.float32)
-    aqk = tl.zeros([C, C], dtype=tl.float32)
-    for i in tl.static_range(C):
-        sel = rows[:, None] == i
-        k_i = tl.sum(tl.where(sel, k, 0.0), axis=0)
-        g_i = tl.sum(tl.where(sel, g, 0.0), axis=0)
-        e = fast_exp(tl.where(rows[:, None] >= i, g - g_i[None, :], -float("inf")), FAST)
-        kk = k_i[None, :] * e
-        akk = tl.where(cols == i, tl.sum(k * kk, axis=1)[:, None], akk)
-        aqk = tl.where(cols == i, tl.sum(q * kk, axis=1)[:, None], aqk)
-    return akk, aqk
+def _block_anchor(g, C: tl.constexpr, LEVEL: tl.constexpr):
+    NB: tl.constexpr = C >> (LEVEL + 1)
+    BB: tl.constexpr = 2 << LEVEL
+    g3 = tl.reshape(g, (NB, BB, g.shape[1]))
+    jj = tl.arange(0, BB)[None, :, None]
+    a = tl.sum(tl.where(jj == (1 << LEVEL) - 1, g3, 0.0), axis=1)
+    return tl.reshape(tl.broadcast_to(a[:, None, :], (NB, BB, g.shape[1])), g.shape)
 
 
 @triton.jit
-def _intra_blocked(q, k, g, rows, C: tl.constexpr, PREC: tl.constexpr, FAST: tl.constexpr):
-    """A_kk and A_qk of _intra_exact for any decay, in blocks of B = 4 rows: a pair (t, i) with i
-    in an earlier block than t factors around g at the first row a of t's block, where both
-    factors e^(g_t - g_a) and e^(g_a - g_i) are <= 1 (an underflow means a true product below
-    fp32's range anyway): one tensor-core dot per block and matrix. Pairs inside a block take the
-    exact exponent, B columns at a time (tl.gather brings each row's j-th block column to it).
-    Factors of pairs a dot does not own are selected to zero before they are multiplied, so none
-    can overflow; entries above the diagonal are garbage the caller discards."""
-    B: tl.constexpr = 4
-    blk = rows // B
-    cols = rows[None, :]
+def _intra_nested(q, k, g, gk, rows, C: tl.constexpr, LOG2C: tl.constexpr, OPDT: tl.constexpr, PREC: tl.constexpr,
+                  FAST: tl.constexpr):
+    """A_kk[t,i] = sum_c k_t k_i e^(g_t - g_i) and A_qk likewise (i <= t; the module docstring) for
+    any decay, all on tensor cores, by nested anchors. A pair
+    (t, i), i < t, whose row numbers first differ in bit l lies in one aligned block of 2^(l+1)
+    rows, t in its second half and i in its first; around g at the last row a of that first half
+    both factors e^(g_t - g_a) and e^(g_a - g_i) are <= 1, since g never increases along a chunk
+    (an underflow means a true product below the operands' range anyway, a negligible term). So
+    one dot per level l and matrix, of the rows scaled by their level-l factor (a row's anchor at
+    level l depends on the row alone, for both roles), whose entries are kept where the pair's
+    highest differing bit is l: every pair once, whatever the decay. Every factor is at most 1, so
+    the operands fit fp16 (OPDT; the workspace's type) as well as fp32, and no entry selected away
+    can be inf."""
+    ri = rows[:, None]
+    ci = rows[None, :]
+    diff = ri ^ ci
     akk = tl.zeros([C, C], dtype=tl.float32)
-    aqk = tl.zeros([C, C], dtype=tl.float32)
-    for r in tl.static_range(1, C // B):
-        g_a = tl.sum(tl.where(rows[:, None] == r * B, g, 0.0), axis=0)
-        mine = (blk == r)[:, None]
-        e_l = tl.where(mine, fast_exp(tl.where(mine, g - g_a[None, :], 0.0), FAST), 0.0)
-        before = (rows < r * B)[:, None]
-        kr = tl.trans(k * tl.where(before, fast_exp(tl.where(before, g_a[None, :] - g, 0.0), FAST), 0.0))
-        akk += tl.dot(k * e_l, kr, input_precision=PREC)
-        aqk += tl.dot(q * e_l, kr, input_precision=PREC)
-    for j in tl.static_range(B):
-        col = blk * B + j                                    # [C]: each row's j-th column of its block
-        idx = tl.broadcast_to(col[:, None], (C, k.shape[1]))
-        k_j = tl.gather(k, idx, axis=0)
-        e = fast_exp(tl.where((rows >= col)[:, None], g - tl.gather(g, idx, axis=0), -float("inf")), FAST)
-        kk = k_j * e
-        here = cols == col[:, None]
-        akk = tl.where(here, tl.sum(k * kk, axis=1)[:, None], akk)
-        aqk = tl.where(here, tl.sum(q * kk, axis=1)[:, None], aqk)
-    return akk, aqk
-
-
-@triton.jit
-def _intra_anchored_halves(q, k, g, g_m, g_c, rows, C: tl.constexpr, PREC: tl.constexpr, FAST: tl.constexpr):
-    """A_kk and A_qk of _intra_exact on tensor cores, for a chunk whose two halves each span a
-    cumulative log-decay of at most FlashConfig.unbounded_anchor_spread (the caller checks). Three
-    factorizations of e^(g_t - g_i), each exact where it is used (h = C/2; g_m, g_c = g at rows h-1,
-    the halves' border, and C-1):
-    - same half: anchor a = the half's mid-point of g (g_m / 2, or (g_m + g_c) / 2): factors
-      e^(g_t - a) and e^(a - g_i) lie within e^(+-spread/2), fp32/tf32 range;
-    - row in the second half, column in the first: anchor g_m, both factors e^(-|g - g_m|) <= 1
-      (any decay: an underflow means a true product below fp32's range anyway).
-    Entries of the other pairings (and above the diagonal) may be garbage or inf: the caller
-    selects, never multiplies, them away."""
-    H2: tl.constexpr = C // 2
-    second = rows >= H2
-    a = tl.where(second[:, None], (0.5 * (g_m + g_c))[None, :], (0.5 * g_m)[None, :])
-    e_up = fast_exp(g - a, FAST)
-    r_up = fast_rcp(e_up, FAST)
-    e_x = fast_exp(-tl.abs(g - g_m[None, :]), FAST)
-    kb = tl.trans(k * r_up)
-    kx = k * e_x
-    same = second[:, None] == second[None, :]
-    akk = tl.where(same, tl.dot(k * e_up, kb, input_precision=PREC), tl.dot(kx, tl.trans(kx), input_precision=PREC))
-    aqk = tl.where(same, tl.dot(q * e_up, kb, input_precision=PREC), tl.dot(q * e_x, tl.trans(kx), input_precision=PREC))
+    aqk = tl.where(ri == ci, tl.sum(q * k, axis=1)[:, None], 0.0)     # the diagonal: e^0
+    for l in tl.static_range(LOG2C):
+        if l == 0:
+            # e^(g_t - g_(t-1)) for odd t; an even i is its own anchor
+            f = tl.where((((rows & 1) == 1))[:, None], fast_exp(gk, FAST), 1.0)
+        else:
+            f = fast_exp(-tl.abs(g - _block_anchor(g, C, l)), FAST)
+        kf = (k * f).to(OPDT)
+        mine = ((diff >> l) == 1) & (ri > ci)        # pairs whose highest differing bit is l
+        akk = tl.where(mine, tl.dot(kf, tl.trans(kf), input_precision=PREC), akk)
+        aqk = tl.where(mine, tl.dot((q * f).to(OPDT), tl.trans(kf), input_precision=PREC), aqk)
     return akk, aqk
 
 
@@ -169,8 +133,11 @@ def _conv(x_ptr, stride_x, w_ptr, stride_w_c, stride_w_j, hist_ptr, stride_h_row
 @triton.jit
 def _gate_beta(forget_ptr, stride_forget_t, stride_forget_h, stride_forget_d, b_ptr, stride_b_t, stride_b_h, a_log_ptr, dt_bias_ptr,
                lower_bound, h, tok, valid, rows, cols, D: tl.constexpr, C: tl.constexpr, BOUNDED: tl.constexpr,
-               FAST: tl.constexpr):
-    """The in-chunk cumulative log-decay g [C, D], its last row g_C and beta [C] (0 past the end)."""
+               FAST: tl.constexpr, decay_clamp=0.0, CLAMPED: tl.constexpr = False):
+    """The in-chunk cumulative log-decay g [C, D], its last row g_C, beta [C] (0 past the end), the
+    per-token log-decay gk [C, D] it sums, and the chunk's true decay g_end [D]. CLAMPED (the
+    unbounded gate's clamped pass): g sums max(gk, -decay_clamp) instead, so its spread within the
+    chunk is at most C * decay_clamp; g_end stays the true sum (the chunk decay compounds)."""
     x = tl.load(forget_ptr + tok.to(tl.int64)[:, None] * stride_forget_t + h * stride_forget_h + cols[None, :] * stride_forget_d,
                 mask=valid[:, None], other=0.0).to(tl.float32)
     x += tl.load(dt_bias_ptr + h * D + cols).to(tl.float32)[None, :]
@@ -180,28 +147,32 @@ def _gate_beta(forget_ptr, stride_forget_t, stride_forget_h, stride_forget_d, b_
     else:
         gk = -a * softplus(x)
     gk = tl.where(valid[:, None], gk, 0.0)
+    if CLAMPED:
+        g_end = tl.sum(gk, axis=0)
+        gk = tl.maximum(gk, -decay_clamp)
     g = tl.cumsum(gk, axis=0)
     g_last = tl.sum(tl.where(rows[:, None] == C - 1, g, 0.0), axis=0)
+    if not CLAMPED:
+        g_end = g_last
     bl = tl.load(b_ptr + tok.to(tl.int64) * stride_b_t + h * stride_b_h, mask=valid, other=0.0).to(tl.float32)
     beta = tl.where(valid, fast_sigmoid(bl, FAST), 0.0)
-    return g, g_last, beta
+    return g, g_last, beta, gk, g_end
 
 
 @triton.jit
 def _prepare_chunk(
     qkv_ptr, stride_qkv, forget_ptr, stride_forget_t, stride_forget_h, stride_forget_d, b_ptr, stride_b_t, stride_b_h,
     cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch, a_log_ptr, dt_bias_ptr,
-    w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, gam_ptr, flag_ptr, lower_bound, q_scale, L, anchor_spread,
+    w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, gam_ptr, lower_bound, q_scale, L, decay_clamp,
     h, blk, tok, valid, seq_start, init,
     H: tl.constexpr, D: tl.constexpr, C: tl.constexpr, LOG2C: tl.constexpr, W: tl.constexpr,
     PREC_TC: tl.constexpr, FAST: tl.constexpr, HIST: tl.constexpr, BOUNDED: tl.constexpr,
 ):
     """One chunk of one head, one anchor: the bounded gate (|g| <= 5 C, always in range), or the
-    unbounded gate's first pass, which flags chunks whose decay spread |g_C| exceeds
-    `anchor_spread` in any channel (their W, U~ and Aqk may be garbage; the exact launch rewrites
-    them before the recurrence reads them). HIST: the conv window reaches before the sequence's
-    first token (its first chunk), so the conv reads history rows; without, a separate inlined copy
-    carries none of that code or its registers.
+    unbounded gate clamped (BOUNDED = False: every token's log-decay clamped at -decay_clamp, so
+    |g_C| <= 16 x 10; the chunk decay gam stays the true one). HIST: the conv window reaches
+    before the sequence's first token (its first chunk), so the conv reads history rows; without,
+    a separate inlined copy carries none of that code or its registers.
 
     In the order that keeps the fewest [C, D] tiles live (K1 is occupancy-bound: registers decide
     how many programs share an SM; timings: docs/perf-notes.md, "Flash K1"): the gate first, then k, q and v each
@@ -215,10 +186,9 @@ def _prepare_chunk(
     P = H * D
     tile = blk * (C * D) + ri * D + cols[None, :]
     dt = w_ptr.dtype.element_ty
-    g, g_last, beta = _gate_beta(forget_ptr, stride_forget_t, stride_forget_h, stride_forget_d, b_ptr, stride_b_t, stride_b_h,
-                                 a_log_ptr, dt_bias_ptr, lower_bound, h, tok, valid, rows, cols, D, C, BOUNDED, FAST)
-    if not BOUNDED:
-        tl.store(flag_ptr + blk, (tl.max(-g_last, axis=0) > anchor_spread).to(tl.int8))
+    g, g_last, beta, _, g_end = _gate_beta(forget_ptr, stride_forget_t, stride_forget_h, stride_forget_d, b_ptr, stride_b_t,
+                                           stride_b_h, a_log_ptr, dt_bias_ptr, lower_bound, h, tok, valid, rows, cols, D, C,
+                                           BOUNDED, FAST, decay_clamp, not BOUNDED)
     anchor = 0.5 * g_last
     ea = fast_exp(anchor, FAST)[None, :]
     e_up = fast_exp(g - anchor[None, :], FAST)
@@ -243,25 +213,123 @@ def _prepare_chunk(
     v = _conv(qkv_ptr, stride_qkv, cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch,
               2 * P + h * D + cols, tok, valid, seq_start, init, L, W, FAST, HIST)
     tl.store(u_ptr + tile, tl.dot(Tinv, beta[:, None] * v, input_precision=PREC_TC).to(dt))
-    tl.store(gam_ptr + blk * D + cols, _exp_accurate(g_last))
+    tl.store(gam_ptr + blk * D + cols, _exp_accurate(g_end))
 
 
 @triton.jit
-def _prepare_chunk_unbounded_halves(
+def _one_anchor(q, k, g, g_last, beta, rows, C: tl.constexpr, LOG2C: tl.constexpr, PREC_TC: tl.constexpr,
+                FAST: tl.constexpr):
+    """One chunk's factors around one anchor, the midpoint of its decay (every exponent within
+    e^(+-spread/2)): Qg = q e^g, Kd = k e^(g_C - g), X = beta k e^g, Aqk (zero above the diagonal)
+    and T^-1 = (I + strictly lower(beta A_kk))^-1."""
+    ri = rows[:, None]
+    ci = rows[None, :]
+    anchor = 0.5 * g_last
+    ea = fast_exp(anchor, FAST)[None, :]
+    e_up = fast_exp(g - anchor[None, :], FAST)
+    kb = k * fast_rcp(e_up, FAST)   # k e^(a - g)
+    ke = k * e_up                   # k e^(g - a)
+    qe = q * e_up
+    akk = tl.dot(ke, tl.trans(kb), input_precision=PREC_TC)
+    aqk = tl.dot(qe, tl.trans(kb), input_precision=PREC_TC)
+    Tinv = unit_lower_inverse(tl.where(ri > ci, beta[:, None] * akk, 0.0), C, LOG2C, PREC_TC)
+    return qe * ea, kb * ea, (beta[:, None] * ke) * ea, tl.where(ri >= ci, aqk, 0.0), Tinv
+
+
+@triton.jit
+def _prepare_chunk_pair(
     qkv_ptr, stride_qkv, forget_ptr, stride_forget_t, stride_forget_h, stride_forget_d, b_ptr, stride_b_t, stride_b_h,
     cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch, a_log_ptr, dt_bias_ptr,
-    w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, gam_ptr, flag_ptr, q_scale, L, anchor_spread,
+    w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, gam_ptr, q_scale, L, decay_clamp,
+    h, blk, t0, seq_end, seq_start, init,
+    H: tl.constexpr, D: tl.constexpr, C: tl.constexpr, LOG2C: tl.constexpr, W: tl.constexpr,
+    PREC_TC: tl.constexpr, FAST: tl.constexpr, HIST: tl.constexpr,
+):
+    """One C-token chunk of one head (C = 32), unbounded gate, clamped pass: its two halves a and b
+    each by one anchor on the clamped decay (as _prepare_chunk at C/2, every factor in range), then
+    joined into the chunk's workspace so the recurrence takes C-token steps. With G_a, G_b the
+    halves' true decays (e^G <= 1) and ' marking a half's own factors:
+      Qg_b = Qg_b' e^(G_a),  Kd_a = Kd_a' e^(G_b),  gam = e^(G_a + G_b),
+      Aqk_ba = Qg_b' Kd_a'^T (a row of b, a column of a: e^(g_t - g_i) exactly, factors <= 1),
+    and T = [[T_a, 0], [B, T_b]] with B = X_b' Kd_a'^T, so by the block inverse
+      W_b = T_b^-1 (X_b' e^(G_a) - B W_a),  U_b = T_b^-1 (beta_b v_b - B U_a).
+    Every dot is [C/2, C/2] or [C/2, D]: the registers of a C/2 chunk plus W_a, U_a and Kd_a', where
+    one [C, D] tile's factorization by halves spilled (docs/flash-prefill.md)."""
+    HC: tl.constexpr = C // 2
+    rows = tl.arange(0, HC)
+    cols = tl.arange(0, D)
+    ri = rows[:, None]
+    ci = rows[None, :]
+    P = H * D
+    tile = blk * (C * D) + ri * D + cols[None, :]        # half a's rows; half b's: + HC * D
+    sq = blk * (C * C) + ri * C + ci                     # Aqk's [a, a] block; [b, b]: + HC * (C + 1)
+    dt = w_ptr.dtype.element_ty
+    tok_a = t0 + rows
+    tok_b = tok_a + HC
+    valid_a = tok_a < seq_end
+    valid_b = tok_b < seq_end
+    g_a, gl_a, beta_a, _, G_a = _gate_beta(forget_ptr, stride_forget_t, stride_forget_h, stride_forget_d, b_ptr, stride_b_t,
+                                           stride_b_h, a_log_ptr, dt_bias_ptr, 0.0, h, tok_a, valid_a, rows, cols, D, HC,
+                                           False, FAST, decay_clamp, True)
+    g_b, gl_b, beta_b, _, G_b = _gate_beta(forget_ptr, stride_forget_t, stride_forget_h, stride_forget_d, b_ptr, stride_b_t,
+                                           stride_b_h, a_log_ptr, dt_bias_ptr, 0.0, h, tok_b, valid_b, rows, cols, D, HC,
+                                           False, FAST, decay_clamp, True)
+    eGa = _exp_accurate(G_a)[None, :]
+    eGb = _exp_accurate(G_b)[None, :]
+    tl.store(gam_ptr + blk * D + cols, _exp_accurate(G_a + G_b))
+    # half a
+    k = _conv(qkv_ptr, stride_qkv, cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch,
+              P + h * D + cols, tok_a, valid_a, seq_start, init, L, W, FAST, HIST)
+    k = k * tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
+    q = _conv(qkv_ptr, stride_qkv, cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch,
+              h * D + cols, tok_a, valid_a, seq_start, init, L, W, FAST, HIST)
+    q = q * (tl.rsqrt(tl.sum(q * q, axis=1) + 1e-6) * q_scale)[:, None]
+    qg, kd_a, x, aqk, Tinv = _one_anchor(q, k, g_a, gl_a, beta_a, rows, HC, LOG2C - 1, PREC_TC, FAST)
+    tl.store(qg_ptr + tile, qg.to(dt))
+    tl.store(kd_ptr + tile, (kd_a * eGb).to(dt))
+    tl.store(aqk_ptr + sq, aqk.to(dt))
+    tl.store(aqk_ptr + sq + HC, tl.zeros([HC, HC], dtype=dt))   # [a, b]: above the diagonal
+    w_a = tl.dot(Tinv, x, input_precision=PREC_TC)
+    tl.store(w_ptr + tile, w_a.to(dt))
+    v = _conv(qkv_ptr, stride_qkv, cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch,
+              2 * P + h * D + cols, tok_a, valid_a, seq_start, init, L, W, FAST, HIST)
+    u_a = tl.dot(Tinv, beta_a[:, None] * v, input_precision=PREC_TC)
+    tl.store(u_ptr + tile, u_a.to(dt))
+    # half b, then the joins
+    k = _conv(qkv_ptr, stride_qkv, cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch,
+              P + h * D + cols, tok_b, valid_b, seq_start, init, L, W, FAST, HIST)
+    k = k * tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
+    q = _conv(qkv_ptr, stride_qkv, cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch,
+              h * D + cols, tok_b, valid_b, seq_start, init, L, W, FAST, HIST)
+    q = q * (tl.rsqrt(tl.sum(q * q, axis=1) + 1e-6) * q_scale)[:, None]
+    qg, kd, x, aqk, Tinv = _one_anchor(q, k, g_b, gl_b, beta_b, rows, HC, LOG2C - 1, PREC_TC, FAST)
+    tl.store(qg_ptr + tile + HC * D, (qg * eGa).to(dt))
+    tl.store(kd_ptr + tile + HC * D, kd.to(dt))
+    tl.store(aqk_ptr + sq + HC * (C + 1), aqk.to(dt))
+    kda_t = tl.trans(kd_a)
+    tl.store(aqk_ptr + sq + HC * C, tl.dot(qg, kda_t, input_precision=PREC_TC).to(dt))
+    B = tl.dot(x, kda_t, input_precision=PREC_TC)
+    x = x * eGa - tl.dot(B, w_a, input_precision=PREC_TC)
+    tl.store(w_ptr + tile + HC * D, tl.dot(Tinv, x, input_precision=PREC_TC).to(dt))
+    v = _conv(qkv_ptr, stride_qkv, cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch,
+              2 * P + h * D + cols, tok_b, valid_b, seq_start, init, L, W, FAST, HIST)
+    v = beta_b[:, None] * v - tl.dot(B, u_a, input_precision=PREC_TC)
+    tl.store(u_ptr + tile + HC * D, tl.dot(Tinv, v, input_precision=PREC_TC).to(dt))
+
+
+@triton.jit
+def _prepare_chunk_nested(
+    qkv_ptr, stride_qkv, forget_ptr, stride_forget_t, stride_forget_h, stride_forget_d, b_ptr, stride_b_t, stride_b_h,
+    cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch, a_log_ptr, dt_bias_ptr,
+    w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, gam_ptr, q_scale, L,
     h, blk, tok, valid, seq_start, init,
     H: tl.constexpr, D: tl.constexpr, C: tl.constexpr, LOG2C: tl.constexpr, W: tl.constexpr,
     PREC_TC: tl.constexpr, FAST: tl.constexpr, HIST: tl.constexpr,
 ):
-    """One chunk of one head, unbounded gate, A and Aqk always by the anchored halves
-    (_intra_anchored_halves); straight-line code like the bounded path's, in its order (k, q, v
-    convolved when first needed, outputs stored as soon as they exist). A chunk whose halves'
-    decay spread exceeds `anchor_spread` in any channel may get garbage in W, U~ and Aqk: it sets
-    its flag, and the exact launch (_prepare_chunk_unbounded) rewrites the chunk before the
-    recurrence reads it. The exact loop is not compiled in here: it cost registers and spills
-    in every chunk, though few chunks take it."""
+    """One chunk of one head, unbounded gate, in one pass for any decay: A and Aqk by nested
+    anchors (_intra_nested), no clamp, no anchor range to exceed. Straight-line code in the bounded
+    path's order (k, q, v convolved when first needed, outputs stored as soon as they exist); every
+    other factor is e^(something <= 0): Qg = q e^g, Kd = k e^(g_C - g), W from beta k e^g."""
     rows = tl.arange(0, C)
     cols = tl.arange(0, D)
     ri = rows[:, None]
@@ -269,104 +337,25 @@ def _prepare_chunk_unbounded_halves(
     P = H * D
     tile = blk * (C * D) + ri * D + cols[None, :]
     dt = w_ptr.dtype.element_ty
-    g, g_last, beta = _gate_beta(forget_ptr, stride_forget_t, stride_forget_h, stride_forget_d, b_ptr, stride_b_t, stride_b_h,
+    g, g_last, beta, gk, _ = _gate_beta(forget_ptr, stride_forget_t, stride_forget_h, stride_forget_d, b_ptr, stride_b_t, stride_b_h,
                                  a_log_ptr, dt_bias_ptr, 0.0, h, tok, valid, rows, cols, D, C, False, FAST)
-    g_m = tl.sum(tl.where(ri == C // 2 - 1, g, 0.0), axis=0)
-    spread = tl.max(tl.maximum(-g_m, g_m - g_last), axis=0)
-    tl.store(flag_ptr + blk, (spread > anchor_spread).to(tl.int8))
-    second = ri >= C // 2
-    same = second == (ci >= C // 2)
-    a = tl.where(second, (0.5 * (g_m + g_last))[None, :], (0.5 * g_m)[None, :])
     k = _conv(qkv_ptr, stride_qkv, cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch,
               P + h * D + cols, tok, valid, seq_start, init, L, W, FAST, HIST)
     k = k * tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
     tl.store(kd_ptr + tile, (k * fast_exp(g_last[None, :] - g, FAST)).to(dt))   # Kd = k e^(g_C - g)
-    e_up = fast_exp(g - a, FAST)
-    kb = tl.trans(k * fast_rcp(e_up, FAST))      # k e^(a - g), as the dots' right operand
-    kx = k * fast_exp(-tl.abs(g - g_m[None, :]), FAST)
-    akk = tl.where(same, tl.dot(k * e_up, kb, input_precision=PREC_TC), tl.dot(kx, tl.trans(kx), input_precision=PREC_TC))
-    kbeta = (beta[:, None] * k) * fast_exp(g, FAST)          # beta k e^g
     q = _conv(qkv_ptr, stride_qkv, cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch,
               h * D + cols, tok, valid, seq_start, init, L, W, FAST, HIST)
     q = q * (tl.rsqrt(tl.sum(q * q, axis=1) + 1e-6) * q_scale)[:, None]
-    tl.store(qg_ptr + tile, (q * fast_exp(g, FAST)).to(dt))  # Qg = q e^g
-    aqk = tl.where(same, tl.dot(q * e_up, kb, input_precision=PREC_TC),
-                   tl.dot(q * fast_exp(-tl.abs(g - g_m[None, :]), FAST), tl.trans(kx), input_precision=PREC_TC))
+    eg = fast_exp(g, FAST)
+    tl.store(qg_ptr + tile, (q * eg).to(dt))                                    # Qg = q e^g
+    akk, aqk = _intra_nested(q, k, g, gk, rows, C, LOG2C, dt, PREC_TC, FAST)
     tl.store(aqk_ptr + blk * (C * C) + ri * C + ci, tl.where(ri >= ci, aqk, 0.0).to(dt))
     A = tl.where(ri > ci, beta[:, None] * akk, 0.0)
     Tinv = unit_lower_inverse(A, C, LOG2C, PREC_TC)
-    tl.store(w_ptr + tile, tl.dot(Tinv, kbeta, input_precision=PREC_TC).to(dt))
+    tl.store(w_ptr + tile, tl.dot(Tinv, (beta[:, None] * k) * eg, input_precision=PREC_TC).to(dt))
     v = _conv(qkv_ptr, stride_qkv, cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch,
               2 * P + h * D + cols, tok, valid, seq_start, init, L, W, FAST, HIST)
     tl.store(u_ptr + tile, tl.dot(Tinv, beta[:, None] * v, input_precision=PREC_TC).to(dt))
-    tl.store(gam_ptr + blk * D + cols, _exp_accurate(g_last))
-
-
-
-@triton.jit
-def _prepare_chunk_unbounded(
-    qkv_ptr, stride_qkv, forget_ptr, stride_forget_t, stride_forget_h, stride_forget_d, b_ptr, stride_b_t, stride_b_h,
-    cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch, a_log_ptr, dt_bias_ptr,
-    w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, gam_ptr, q_scale, L, anchor_spread,
-    h, blk, t0, tok, valid, seq_start, init,
-    H: tl.constexpr, D: tl.constexpr, C: tl.constexpr, LOG2C: tl.constexpr, W: tl.constexpr,
-    PREC_TC: tl.constexpr, FAST: tl.constexpr, ANCHORED: tl.constexpr, BLOCKED: tl.constexpr,
-):
-    """One chunk of one head, unbounded gate, the exact launch (one program per chunk, so the conv
-    history is decided per chunk): the anchored halves where their spread allows (ANCHORED), the
-    fallback elsewhere: the blocked factorization (BLOCKED) or the exact column loop. Both need q, k
-    and g at once, so no order frees registers here; this layout (the three convs inside one
-    per-chunk branch) spills least of those tried (docs/flash-prefill.md)."""
-    rows = tl.arange(0, C)
-    cols = tl.arange(0, D)
-    ri = rows[:, None]
-    ci = rows[None, :]
-    P = H * D
-    if t0 - seq_start >= W - 1:
-        q = _conv_silu_no_history(qkv_ptr, stride_qkv, cw_ptr, stride_cw_c, stride_cw_j, h * D + cols, tok, valid, W, FAST)
-        k = _conv_silu_no_history(qkv_ptr, stride_qkv, cw_ptr, stride_cw_c, stride_cw_j, P + h * D + cols, tok, valid, W, FAST)
-        v = _conv_silu_no_history(qkv_ptr, stride_qkv, cw_ptr, stride_cw_c, stride_cw_j, 2 * P + h * D + cols, tok, valid, W,
-                                  FAST)
-    else:
-        q = _conv_silu(qkv_ptr, stride_qkv, cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch,
-                       h * D + cols, tok, valid, seq_start, init, L, W, FAST)
-        k = _conv_silu(qkv_ptr, stride_qkv, cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch,
-                       P + h * D + cols, tok, valid, seq_start, init, L, W, FAST)
-        v = _conv_silu(qkv_ptr, stride_qkv, cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch,
-                       2 * P + h * D + cols, tok, valid, seq_start, init, L, W, FAST)
-    q = q * (tl.rsqrt(tl.sum(q * q, axis=1) + 1e-6) * q_scale)[:, None]
-    k = k * tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
-    g, g_last, beta = _gate_beta(forget_ptr, stride_forget_t, stride_forget_h, stride_forget_d, b_ptr, stride_b_t, stride_b_h,
-                                 a_log_ptr, dt_bias_ptr, 0.0, h, tok, valid, rows, cols, D, C, False, FAST)
-    eg = fast_exp(g, FAST)
-    e_dn = fast_exp(g_last[None, :] - g, FAST)
-    if ANCHORED:
-        # Both halves' decay spreads within fp32/tf32 range (per channel, the largest of them):
-        # tensor-core dots; otherwise (a very strong decay in this chunk) the fallback.
-        g_m = tl.sum(tl.where(ri == C // 2 - 1, g, 0.0), axis=0)
-        spread = tl.max(tl.maximum(-g_m, g_m - g_last), axis=0)
-        if spread <= anchor_spread:
-            akk, aqk = _intra_anchored_halves(q, k, g, g_m, g_last, rows, C, PREC_TC, FAST)
-        elif BLOCKED:
-            akk, aqk = _intra_blocked(q, k, g, rows, C, PREC_TC, FAST)
-        else:
-            akk, aqk = _intra_exact(q, k, g, rows, C, FAST)
-    elif BLOCKED:
-        akk, aqk = _intra_blocked(q, k, g, rows, C, PREC_TC, FAST)
-    else:
-        akk, aqk = _intra_exact(q, k, g, rows, C, FAST)
-    A = tl.where(ri > ci, beta[:, None] * akk, 0.0)
-    aqk = tl.where(ri >= ci, aqk, 0.0)
-    Tinv = unit_lower_inverse(A, C, LOG2C, PREC_TC)
-    w = tl.dot(Tinv, (beta[:, None] * k) * eg, input_precision=PREC_TC)
-    u = tl.dot(Tinv, beta[:, None] * v, input_precision=PREC_TC)
-    tile = blk * (C * D) + ri * D + cols[None, :]
-    dt = w_ptr.dtype.element_ty
-    tl.store(w_ptr + tile, w.to(dt))
-    tl.store(u_ptr + tile, u.to(dt))
-    tl.store(qg_ptr + tile, (q * eg).to(dt))
-    tl.store(kd_ptr + tile, (k * e_dn).to(dt))
-    tl.store(aqk_ptr + blk * (C * C) + ri * C + ci, aqk.to(dt))
     tl.store(gam_ptr + blk * D + cols, _exp_accurate(g_last))
 
 
@@ -380,11 +369,11 @@ def flash_prepare_kernel(
     a_log_ptr, dt_bias_ptr,
     cu_ptr, idx_ptr, init_ptr,
     chunk_seq_ptr, chunk_tok_ptr, seq_seg0_ptr, seg_chunk_ptr,
-    w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, gam_ptr, flag_ptr,
-    lower_bound, q_scale, L, anchor_spread,
+    w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, gam_ptr,
+    lower_bound, q_scale, L, decay_clamp,
     H: tl.constexpr, D: tl.constexpr, C: tl.constexpr, LOG2C: tl.constexpr, W: tl.constexpr,
     BOUNDED: tl.constexpr, PREC_TC: tl.constexpr, FAST: tl.constexpr, FIRST: tl.constexpr, NFIRST: tl.constexpr,
-    EXACT: tl.constexpr, FLAGGED_ONLY: tl.constexpr, HALVES: tl.constexpr, BLOCKED: tl.constexpr,
+    NESTED: tl.constexpr,
 ):
     """Two launches of this kernel cover every chunk. FIRST = False: one program per (chunk, head),
     skipping the chunks whose conv window reaches before their sequence's first token; FIRST =
@@ -393,13 +382,9 @@ def flash_prepare_kernel(
     straight-line kernels instead of one with a branch: ptxas schedules (and allocates registers
     for) the common path alone, and it carries none of the history code.
 
-    Unbounded gate: those two launches (the first pass) factor A and Aqk around one anchor per chunk
-    (HALVES = False, the bounded path's code) or per half (HALVES = True), and flag the chunks
-    beyond that factorization's range (flag_ptr, one byte per (chunk, head)); then EXACT = True,
-    one program per (chunk, head), recomputes the flagged chunks (FLAGGED_ONLY) by the halves where
-    they fit (HALVES, after a one-anchor first pass) and the fallback elsewhere (BLOCKED: the
-    blocked factorization, else the exact column loop), or every chunk with the fallback
-    (FlashConfig.unbounded_anchored = False: the only launch)."""
+    Unbounded gate (BOUNDED = False), every chunk in the same two launches: clamped (16-bit
+    workspaces) by one anchor per chunk at C = 16, or per half chunk, joined, at C = 32; or, with
+    NESTED, exactly for any decay by nested anchors (fp32 workspaces, or by choice)."""
     pid = tl.program_id(0)
     if FIRST:
         f = pid % NFIRST
@@ -413,9 +398,6 @@ def flash_prepare_kernel(
         if n < 0:
             return
     blk = j.to(tl.int64) * H + h
-    if EXACT and FLAGGED_ONLY:
-        if tl.load(flag_ptr + blk) == 0:
-            return
     slot = tl.load(idx_ptr + n).to(tl.int64)
     if slot <= 0:
         return
@@ -427,26 +409,24 @@ def flash_prepare_kernel(
             return
     else:
         t0 = tl.load(chunk_tok_ptr + j)
-        if not EXACT and t0 - seq_start < W - 1:  # the FIRST launch's chunk
+        if t0 - seq_start < W - 1:  # the FIRST launch's chunk
             return
     init = tl.load(init_ptr + n) != 0
     tok = t0 + tl.arange(0, C)
     valid = tok < seq_end
     hist = cs_ptr + slot * stride_cs_slot
-    if EXACT:
-        _prepare_chunk_unbounded(qkv_ptr, stride_qkv, forget_ptr, stride_forget_t, stride_forget_h, stride_forget_d, b_ptr,
-                                 stride_b_t, stride_b_h, cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch,
-                                 a_log_ptr, dt_bias_ptr, w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, gam_ptr, q_scale, L,
-                                 anchor_spread, h, blk, t0, tok, valid, seq_start, init, H, D, C, LOG2C, W, PREC_TC,
-                                 FAST, HALVES, BLOCKED)
-    elif BOUNDED or not HALVES:
+    if NESTED:
+        _prepare_chunk_nested(qkv_ptr, stride_qkv, forget_ptr, stride_forget_t, stride_forget_h, stride_forget_d, b_ptr,
+                              stride_b_t, stride_b_h, cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch,
+                              a_log_ptr, dt_bias_ptr, w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, gam_ptr, q_scale, L, h, blk,
+                              tok, valid, seq_start, init, H, D, C, LOG2C, W, PREC_TC, FAST, FIRST)
+    elif not BOUNDED and C == 32:
+        _prepare_chunk_pair(qkv_ptr, stride_qkv, forget_ptr, stride_forget_t, stride_forget_h, stride_forget_d, b_ptr,
+                            stride_b_t, stride_b_h, cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch,
+                            a_log_ptr, dt_bias_ptr, w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, gam_ptr, q_scale, L, decay_clamp,
+                            h, blk, t0, seq_end, seq_start, init, H, D, C, LOG2C, W, PREC_TC, FAST, FIRST)
+    else:
         _prepare_chunk(qkv_ptr, stride_qkv, forget_ptr, stride_forget_t, stride_forget_h, stride_forget_d, b_ptr, stride_b_t,
                        stride_b_h, cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch, a_log_ptr,
-                       dt_bias_ptr, w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, gam_ptr, flag_ptr, lower_bound, q_scale, L,
-                       anchor_spread, h, blk, tok, valid, seq_start, init, H, D, C, LOG2C, W, PREC_TC, FAST, FIRST, BOUNDED)
-    else:
-        _prepare_chunk_unbounded_halves(qkv_ptr, stride_qkv, forget_ptr, stride_forget_t, stride_forget_h, stride_forget_d,
-                                        b_ptr, stride_b_t, stride_b_h, cw_ptr, stride_cw_c, stride_cw_j, hist,
-                                        stride_cs_row, stride_cs_ch, a_log_ptr, dt_bias_ptr, w_ptr, u_ptr, qg_ptr, kd_ptr,
-                                        aqk_ptr, gam_ptr, flag_ptr, q_scale, L, anchor_spread, h, blk, tok, valid,
-                                        seq_start, init, H, D, C, LOG2C, W, PREC_TC, FAST, FIRST)
+                       dt_bias_ptr, w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, gam_ptr, lower_bound, q_scale, L, decay_clamp,
+                       h, blk, tok, valid, seq_start, init, H, D, C, LOG2C, W, PREC_TC, FAST, FIRST, BOUNDED)
