@@ -23,6 +23,8 @@ Sections (each row is printed as soon as it is measured, so a cut-off run still 
           rule is derived from
   table   default fused vs chain vs FLA at 16/32/64 heads, N = 1..512, fp32 and bf16 state
   verify  speculative verify (S=3) at H=32, fused shapes vs chain
+  gate    the default fused launch with the unbounded gate (Kimi-Linear's) against the bounded one,
+          H=32, N = 1, 8, 64, 512, both state dtypes, same inputs
   goals   issue 4's goals, each PASS/MISS
 
 Run (H200, < 2.5 min):  PYTHONPATH=$PWD python benchmarks/bench_decode.py
@@ -71,13 +73,13 @@ class Step:
     """One decode step's inputs for N sequences and pools holding R disjoint slot sets."""
 
     def __init__(self, H: int, N: int, R: int, state_dtype: torch.dtype, seed: int = 0, dev: str = "cuda",
-                 spec: int = 0):
+                 spec: int = 0, gate: str = "bounded"):
         """spec = S > 0: a speculative verify step of S+1 tokens per sequence, S+1 state slots each."""
         g = torch.Generator(device=dev).manual_seed(seed)
         P = H * D
         self.H, self.N, self.R, self.S1 = H, N, R, spec + 1
         N, T = N * self.S1, N * self.S1  # slots per replica, tokens
-        self.weights = make_kda_weights(H, D, device=dev, generator=torch.Generator().manual_seed(seed))
+        self.weights = make_kda_weights(H, D, gate=gate, device=dev, generator=torch.Generator().manual_seed(seed))
         self.weights.conv_weight_decode = fused_conv_weight_layout(self.weights.conv_weight)
         self.proj = torch.randn(N, 3 * P + H + 2 * D, device=dev, generator=g).to(torch.bfloat16)
         self.qkv, self.beta = self.proj[:, : 3 * P], self.proj[:, 3 * P : 3 * P + H]
@@ -241,6 +243,24 @@ def run_verify(chain, t0: float, S: int = 3) -> None:
     print(f"  verify done ({time.time() - t0:.0f} s)", flush=True)
 
 
+def run_gate(t0: float) -> None:
+    """The default fused launch, unbounded gate vs bounded, at H=32 on the same inputs and pools."""
+    print("\nfused decode, unbounded gate vs bounded, H=32: us per call (TB/s of state traffic)", flush=True)
+    print("| state | N | bounded | unbounded | unbounded / bounded |\n|---|---|---|---|---|", flush=True)
+    for state_dtype in (torch.float32, torch.bfloat16):
+        for N in (1, 8, 64, 512):
+            t = {}
+            for gate in ("bounded", "unbounded"):
+                step = Step(32, N, replicas(N, 32, state_dtype), state_dtype, gate=gate)
+                t[gate] = time_per_call(fused_impl(), step)
+                nbytes = step.state_bytes()
+                del step
+                torch.cuda.empty_cache()
+            print(f"| {str(state_dtype)[6:]} | {N} | {cell(t['bounded'], nbytes)} | {cell(t['unbounded'], nbytes)} | "
+                  f"{t['unbounded'] / t['bounded']:.3f}x |", flush=True)
+    print(f"  gate done ({time.time() - t0:.0f} s)", flush=True)
+
+
 def run_table(impls: dict, heads, batches, t0: float) -> list:
     names = list(impls)
     head = "| state | H | N | " + " | ".join(names) + (" | fused vs chain |" if "chain" in impls else " |")
@@ -274,7 +294,7 @@ def main() -> None:
                     help="sweep only the fused shapes whose name contains one of these (e.g. stream 'bv64 w4')")
     ap.add_argument("--sweep-batches", type=int, nargs="+", default=None,
                     help="sweep only these N (default: fp32 1..512, bf16 1, 8, 64, 512)")
-    ap.add_argument("--sections", nargs="+", default=["sweep", "table", "verify"], choices=["sweep", "table", "verify"])
+    ap.add_argument("--sections", nargs="+", default=["sweep", "table", "verify"], choices=["sweep", "table", "verify", "gate"])
     args = ap.parse_args()
     t0 = time.time()
     impls = {"fused": fused_impl(), "chain": chain_impl(), "adaptive": adaptive_impl(), "fla": fla_impl()}
@@ -292,6 +312,8 @@ def main() -> None:
     rows = run_table(impls, args.heads, args.batches, t0) if "table" in args.sections else []
     if "verify" in args.sections:
         run_verify(impls.get("chain"), t0)
+    if "gate" in args.sections:
+        run_gate(t0)
     if rows:  # the table again, whole, last
         names = list(impls)
         print(f"\ndecode step per layer under CUDA-graph replay, D={D}: us per call (TB/s of state traffic); "
