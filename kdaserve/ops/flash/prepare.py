@@ -295,12 +295,13 @@ def _prepare_chunk_pair(
               2 * P + h * D + cols, tok_a, valid_a, seq_start, init, L, W, FAST, HIST)
     u_a = tl.dot(Tinv, beta_a[:, None] * v, input_precision=PREC_TC)
     tl.store(u_ptr + tile, u_a.to(dt))
-    # half b, then the joins
+    # half b, then the joins; its conv window reaches before the sequence only if W - 1 > C/2
+    HIST_B: tl.constexpr = HIST and W - 1 > HC
     k = _conv(qkv_ptr, stride_qkv, cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch,
-              P + h * D + cols, tok_b, valid_b, seq_start, init, L, W, FAST, HIST)
+              P + h * D + cols, tok_b, valid_b, seq_start, init, L, W, FAST, HIST_B)
     k = k * tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
     q = _conv(qkv_ptr, stride_qkv, cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch,
-              h * D + cols, tok_b, valid_b, seq_start, init, L, W, FAST, HIST)
+              h * D + cols, tok_b, valid_b, seq_start, init, L, W, FAST, HIST_B)
     q = q * (tl.rsqrt(tl.sum(q * q, axis=1) + 1e-6) * q_scale)[:, None]
     qg, kd, x, aqk, Tinv = _one_anchor(q, k, g_b, gl_b, beta_b, rows, HC, LOG2C - 1, PREC_TC, FAST)
     tl.store(qg_ptr + tile + HC * D, (qg * eGa).to(dt))
@@ -312,7 +313,7 @@ def _prepare_chunk_pair(
     x = x * eGa - tl.dot(B, w_a, input_precision=PREC_TC)
     tl.store(w_ptr + tile + HC * D, tl.dot(Tinv, x, input_precision=PREC_TC).to(dt))
     v = _conv(qkv_ptr, stride_qkv, cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch,
-              2 * P + h * D + cols, tok_b, valid_b, seq_start, init, L, W, FAST, HIST)
+              2 * P + h * D + cols, tok_b, valid_b, seq_start, init, L, W, FAST, HIST_B)
     v = beta_b[:, None] * v - tl.dot(B, u_a, input_precision=PREC_TC)
     tl.store(u_ptr + tile + HC * D, tl.dot(Tinv, v, input_precision=PREC_TC).to(dt))
 
