@@ -16,8 +16,9 @@ the backend's requirements from it):
 - inputs: bf16 or fp16 (fast path, fp16 workspace); fp32 works (IEEE dots, slow; for tests).
 - head size: K = V = D in {16, 32, 64, 128}.
 - gate: bounded ("safe", lower_bound in [-5, 0)) uses tensor cores for the in-chunk decay
-  matrices at 32-token chunks; the unbounded gate uses 16-token chunks, tensor cores with
-  per-half anchors where a chunk's decay spread allows, an exact (slower) column loop elsewhere.
+  matrices at 32-token chunks; the unbounded gate the same in one pass, on a log-decay clamped
+  per token inside the chunk's factors (16-bit inputs; 16-token chunks, 32 joined from two halves
+  where the step is segmented), or exact nested anchors (fp32 inputs).
 - recurrent state pool: fp32 or bf16, K contiguous; conv-state pool: SD or DS layout, any dtype.
 - conv width W: any (4 in the supported models).
 - varlen without a host sync; `cu_seqlens_cpu` only sharpens the grid sizes.
