@@ -237,6 +237,21 @@ def _one_anchor(q, k, g, g_last, beta, rows, C: tl.constexpr, LOG2C: tl.constexp
 
 
 @triton.jit
+def _qk_normed(qkv_ptr, stride_qkv, cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch, h, cols, tok, valid,
+               seq_start, init, L, q_scale, H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, FAST: tl.constexpr,
+               HIST: tl.constexpr):
+    """A tile's q (l2-normalized, times the D^-0.5 scale) and k (l2-normalized), after conv + SiLU."""
+    P = H * D
+    k = _conv(qkv_ptr, stride_qkv, cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch,
+              P + h * D + cols, tok, valid, seq_start, init, L, W, FAST, HIST)
+    k = k * tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
+    q = _conv(qkv_ptr, stride_qkv, cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch,
+              h * D + cols, tok, valid, seq_start, init, L, W, FAST, HIST)
+    q = q * (tl.rsqrt(tl.sum(q * q, axis=1) + 1e-6) * q_scale)[:, None]
+    return q, k
+
+
+@triton.jit
 def _prepare_chunk_pair(
     qkv_ptr, stride_qkv, forget_ptr, stride_forget_t, stride_forget_h, stride_forget_d, b_ptr, stride_b_t, stride_b_h,
     cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch, a_log_ptr, dt_bias_ptr,
@@ -278,12 +293,8 @@ def _prepare_chunk_pair(
     eGb = _exp_accurate(G_b)[None, :]
     tl.store(gam_ptr + blk * D + cols, _exp_accurate(G_a + G_b))
     # half a
-    k = _conv(qkv_ptr, stride_qkv, cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch,
-              P + h * D + cols, tok_a, valid_a, seq_start, init, L, W, FAST, HIST)
-    k = k * tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
-    q = _conv(qkv_ptr, stride_qkv, cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch,
-              h * D + cols, tok_a, valid_a, seq_start, init, L, W, FAST, HIST)
-    q = q * (tl.rsqrt(tl.sum(q * q, axis=1) + 1e-6) * q_scale)[:, None]
+    q, k = _qk_normed(qkv_ptr, stride_qkv, cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch, h, cols,
+                      tok_a, valid_a, seq_start, init, L, q_scale, H, D, W, FAST, HIST)
     qg, kd_a, x, aqk, Tinv = _one_anchor(q, k, g_a, gl_a, beta_a, rows, HC, LOG2C - 1, PREC_TC, FAST)
     tl.store(qg_ptr + tile, qg.to(dt))
     tl.store(kd_ptr + tile, (kd_a * eGb).to(dt))
@@ -297,12 +308,8 @@ def _prepare_chunk_pair(
     tl.store(u_ptr + tile, u_a.to(dt))
     # half b, then the joins; its conv window reaches before the sequence only if W - 1 > C/2
     HIST_B: tl.constexpr = HIST and W - 1 > HC
-    k = _conv(qkv_ptr, stride_qkv, cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch,
-              P + h * D + cols, tok_b, valid_b, seq_start, init, L, W, FAST, HIST_B)
-    k = k * tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
-    q = _conv(qkv_ptr, stride_qkv, cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch,
-              h * D + cols, tok_b, valid_b, seq_start, init, L, W, FAST, HIST_B)
-    q = q * (tl.rsqrt(tl.sum(q * q, axis=1) + 1e-6) * q_scale)[:, None]
+    q, k = _qk_normed(qkv_ptr, stride_qkv, cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch, h, cols,
+                      tok_b, valid_b, seq_start, init, L, q_scale, H, D, W, FAST, HIST_B)
     qg, kd, x, aqk, Tinv = _one_anchor(q, k, g_b, gl_b, beta_b, rows, HC, LOG2C - 1, PREC_TC, FAST)
     tl.store(qg_ptr + tile + HC * D, (qg * eGa).to(dt))
     tl.store(kd_ptr + tile + HC * D, kd.to(dt))
