@@ -37,7 +37,7 @@ def one_gate(gate: str, H: int) -> None:
         torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         total += dt
-        parts.append(f"{shape} {dt:.1f}")
+        parts.append(f"{dt:.1f}")
     print(f"| {gate} | {H} | {' | '.join(parts)} | {total:.1f} |", flush=True)
 
 

@@ -65,6 +65,13 @@ def chunk_sizes_for(bounded_gate: bool, config: FlashConfig) -> tuple[int, ...]:
     return (config.unbounded_chunk, config.unbounded_segmented_chunk)
 
 
+def unbounded_intra_for(config: FlashConfig, input_dtype: torch.dtype | None) -> str:
+    """The unbounded gate's intra-chunk factors for these inputs (None: 16-bit): the configured
+    ones, except that fp32 inputs (fp32 workspaces) take the exact nested ones for the clamped
+    ones, since the clamp's error (below e^-clamp) is under 16-bit rounding, not fp32's."""
+    return "nested" if config.unbounded_intra == "clamped" and input_dtype == torch.float32 else config.unbounded_intra
+
+
 def flash_step_plan(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | None, num_tokens: int, num_heads: int,
                     head_dim: int, bounded_gate: bool, *, config: FlashConfig | None = None,
                     segment_len: int | None = None, input_dtype: torch.dtype | None = None) -> FlashStepPlan:
@@ -84,7 +91,7 @@ def flash_step_plan(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | Non
     if N == 0:
         return FlashStepPlan(None, 0, C, num_heads, head_dim, num_tokens, config, (0,))
     seg_len = resolve_segment_len(segment_len, num_tokens, N, num_heads, head_dim, C, cu_seqlens_cpu, cu.device, config)
-    clamped = config.unbounded_intra == "clamped" and input_dtype != torch.float32
+    clamped = unbounded_intra_for(config, input_dtype) == "clamped"
     if not bounded_gate and clamped and segment_len is None and seg_len and config.unbounded_segmented_chunk != C:
         # Few long sequences: the recurrence's chain of chunk steps is the bound, so longer chunks
         # (K1 joins two anchored halves) pay for their dearer K1 there, and only there.
@@ -296,7 +303,7 @@ class FlashPrefill:
             float(lb if lb is not None else 0.0), D ** -0.5, self.rows.shape[1], float(self.cfg.unbounded_decay_clamp),
             H=self.H, D=D, C=C, LOG2C=C.bit_length() - 1, W=w.conv_width,
             BOUNDED=lb is not None, PREC_TC=self.prec_tc, FAST=self.fast, FIRST=first, NFIRST=max(nfirst, 1),
-            NESTED=lb is None and self._unbounded_intra() == "nested",
+            NESTED=lb is None and unbounded_intra_for(self.cfg, self.qkv.dtype) == "nested",
             num_warps=self.cfg.prepare_warps, **self._prepare_maxnreg(),
         )
 
@@ -306,13 +313,6 @@ class FlashPrefill:
         n = self.cfg.unbounded_prepare_maxnreg
         native = not triton.knobs.runtime.interpret and not torch.version.hip
         return {"maxnreg": n} if n and self.weights.lower_bound is None and native else {}
-
-    def _unbounded_intra(self) -> str:
-        """The configured intra-chunk factorization, except that an fp32 workspace takes the exact
-        nested one for the clamped one: the clamp's error (below e^-clamp) is under 16-bit
-        rounding, not fp32's."""
-        p = self.cfg.unbounded_intra
-        return "nested" if p == "clamped" and self.ws_dtype == torch.float32 else p
 
     def _recurrence(self, grid, local_out_and_q, maps, q_off, bv, segmented, warps, stages) -> None:
         st, plan, L = self.st, self.plan, self.rows.shape[1]
