@@ -11,6 +11,7 @@ the plain torch path (issue "Fast at the real shape", goal 5), on one GPU:
 
     PYTHONPATH=$PWD python3 benchmarks/bench_moe_mla.py [--batches 1 8 64 256] [--prefill 1024 8192] [--ctx 8192]
         [--sweep]   # MLA decode: heads per program x context splits, graph-replayed, one table
+        [--sweep-moe]   # MoE: launch shapes (rows per program, tiles, warps, stages, grid order)
 
 torch: ops/moe/reference.py's loop over experts and ops/mla/reference.py's gathers and einsums,
 the definitions the kernels are tested against (no torch.compile), eager. "MoE align" rows: the
@@ -35,7 +36,8 @@ from kdaserve.ops.mla.prefill import mla_prefill_triton  # noqa: E402
 from kdaserve.ops.mla.reference import mla_decode_reference, mla_prefill_reference  # noqa: E402
 from kdaserve.ops.moe import RouterConfig, moe_experts_reference, route_tokens  # noqa: E402
 from kdaserve.ops.moe.align import align_to_experts  # noqa: E402
-from kdaserve.ops.moe.fused import moe_block_m, moe_experts_fused  # noqa: E402
+from kdaserve.ops.moe.fused import MoeTiles, moe_block_m, moe_experts_fused, moe_tiles  # noqa: E402
+from kdaserve.ops.precision import device_target  # noqa: E402
 
 # Kimi-Linear-48B-A3B: 256 experts (top 8) of width 1024 on hidden 2304; MLA with 32 heads, latent
 # 512, rotary 64, nope and value heads 128.
@@ -160,6 +162,74 @@ def mla_decode_sweep(batches, ctx, bw) -> None:
               f"{ms / floor:.2f}x |")
 
 
+# Launch shapes the sweep crosses: (rows per program, gate_up and down (BN, BK, warps, stages)).
+SWEEP_SHAPES = {   # None: moe_block_m's rows
+    "decode": ([None], [(64, 64, 4, 3), (64, 128, 8, 3), (64, 128, 4, 3), (64, 128, 8, 4), (32, 128, 4, 3)],
+               [(64, 64, 4, 3), (128, 128, 8, 3), (64, 128, 4, 3), (64, 128, 8, 3)]),
+    "prefill": ([None, 64, 128], [(64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 8, 4), (64, 64, 8, 3)],
+                [(64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 4, 3), (256, 64, 8, 4)]),
+}
+
+
+def kernel_ms(fn, calls: int = 5) -> dict[str, float]:
+    """Device ms per call of the two expert GEMMs and of everything else (alignment, the sum)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    out = {"gate_up": 0.0, "down": 0.0, "rest": 0.0}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            part = "gate_up" if "gate_up" in e.name else "down" if "_moe_down" in e.name else "rest"
+            out[part] += getattr(e, "device_time_total", 0.0) / 1e3 / calls
+    return out
+
+
+def moe_sweep(batches, prefill, bw) -> None:
+    """The fused MoE path's launch shapes at Kimi-Linear's sizes: per step, the default and the
+    cross product of SWEEP_SHAPES (decode: moe_block_m's rows, graph-replayed), with each kernel's
+    device time (torch.profiler). Whole-call ms; the table prints last."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w13 = (torch.randn(E, 2 * WIDTH, HIDDEN, device="cuda", generator=g) * HIDDEN**-0.5).to(BF)
+    w2 = (torch.randn(E, HIDDEN, WIDTH, device="cuda", generator=g) * WIDTH**-0.5).to(BF)
+    gate = torch.randn(E, HIDDEN, device="cuda", generator=g) * HIDDEN**-0.5
+    router = RouterConfig(E, K, routed_scaling_factor=2.446)
+    rows = []
+    for step, T in [("decode", b) for b in batches] + [("prefill", t) for t in prefill]:
+        x = torch.randn(T, HIDDEN, device="cuda", generator=g).to(BF)
+        weights, ids = route_tokens(x, gate, None, router)
+        touched = ids.unique().numel()
+        floor = (touched * 3 * HIDDEN * WIDTH * 2 / bw if step == "decode" else 2 * 3 * HIDDEN * WIDTH * T * K / PEAK_BF16) * 1e3
+        default = moe_tiles(T * K, E, HIDDEN, WIDTH, False, device_target(x.device))
+        want = moe_experts_fused(x, w13, w2, weights, ids, tiles=default).float()
+        timer = bench_graph if step == "decode" else bench
+        bms, gate_ups, downs = SWEEP_SHAPES[step]
+        variants = [("default", default)] + [
+            (f"BM {bm}, gate_up {gu}, down {dn}", MoeTiles(bm, gu, dn))
+            for bm in sorted({b or moe_block_m(T * K, E) for b in bms}) for gu in gate_ups for dn in downs]
+        for name, tiles in variants:
+            call = lambda: moe_experts_fused(x, w13, w2, weights, ids, tiles=tiles)   # noqa: B023, E731
+            try:
+                got = call().float()
+                err = ((got - want).norm() / want.norm()).item()
+                ms, parts = timer(call), kernel_ms(call)
+            except Exception as e:   # noqa: BLE001 - a shape that does not compile is a row, not an abort
+                print(f"{step} {T} {name}: {type(e).__name__}: {str(e)[:120]}")
+                ms, err, parts = float("nan"), float("nan"), {"gate_up": float("nan"), "down": float("nan"), "rest": float("nan")}
+            rows.append((step, T, name, ms, parts, floor, err))
+            print(rows[-1], flush=True)
+    print("\n| step | batch / tokens | variant | ms | gate_up ms | down ms | rest ms | floor ms | x floor | % of bf16 peak "
+          "| rel. diff vs default |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for step, T, name, ms, parts, floor, err in rows:
+        peak = f"{floor / ms * 100:.0f}%" if step == "prefill" else ""
+        print(f"| {step} | {T} | {name} | {ms:.4f} | {parts['gate_up']:.4f} | {parts['down']:.4f} | {parts['rest']:.4f} "
+              f"| {floor:.4f} | {ms / floor:.2f}x | {peak} | {err:.1e} |")
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
@@ -167,11 +237,15 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=8192, help="context tokens per sequence in MLA decode")
     ap.add_argument("--torch-max", type=int, default=64, help="time the torch path up to this batch (it is slow)")
     ap.add_argument("--sweep", action="store_true", help="MLA decode launch variants instead of the main table")
+    ap.add_argument("--sweep-moe", action="store_true", help="MoE launch shapes instead of the main table")
     args = ap.parse_args()
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s, bf16 peak {PEAK_BF16 / 1e12:.0f} TFLOP/s")
     if args.sweep:
         mla_decode_sweep(args.batches, args.ctx, bw)
+        return
+    if args.sweep_moe:
+        moe_sweep(args.batches, args.prefill, bw)
         return
     rows = []
     for row in list(moe_rows(args.batches, args.prefill, bw, args.torch_max)) + list(

@@ -183,7 +183,6 @@ def _other_cases() -> list[Case]:
     from kdaserve.ops.mla.prefill import _mla_prefill_kernel
     from kdaserve.ops.mla.prefill import launch_shape as mla_prefill_shape
     from kdaserve.ops.moe.align import _align_kernel
-    from kdaserve.ops.moe.fused import _moe_down_kernel, _moe_gate_up_kernel
     from kdaserve.ops.norm.gated_rms_norm import gated_rms_norm_kernel
     from kdaserve.ops.dsa.triton_scores import dsa_index_scores_kernel
     from kdaserve.ops.hyper_connection.triton_hc import hc_post_kernel, hc_pre_kernel
@@ -243,17 +242,33 @@ def _other_cases() -> list[Case]:
                     dict(H=32, L=512, SPLITS=64), quick=True, no_spill=True))
     out.append(Case("moe align E=256", _align_kernel, dict(ids_ptr="*i64", sorted_ptr=I32, block_experts_ptr=I32),
                     dict(E=256, E_P=256, BM=16, BLOCK_S=32), 4, 1, quick=True, no_spill=True))
-    for bm in (16, 32, 64):   # ops/moe/fused.moe_block_m's choices
-        out.append(Case(f"moe gate_up BM={bm}", _moe_gate_up_kernel,
-                        dict(x_ptr=BF, w_ptr=BF, sorted_ptr=I32, experts_ptr=I32, h_ptr=BF, xs_ptr=BF, ws_ptr=BF),
-                        dict(TOPK=8, LIMIT=0.0, HAS_LIMIT=False, BM=bm, BN=64, BK=64, FP8=False, BLOCK_ROWS=1),
-                        quick=bm == 16, precision={"PREC": "tc"}, no_spill=True))
-        out.append(Case(f"moe down BM={bm}", _moe_down_kernel,
-                        dict(h_ptr=BF, w_ptr=BF, sorted_ptr=I32, experts_ptr=I32, weights_ptr=F32, y_ptr=BF, hs_ptr=BF,
-                             ws_ptr=BF),
-                        dict(BM=bm, BN=64, BK=64, FP8=False, BLOCK_ROWS=1), quick=bm == 16, precision={"PREC": "tc"},
-                        no_spill=True))
+    for slots, label in ((64, "decode BM=16"), (8192, "BM=32"), (65536, "prefill")):   # moe_tiles' regimes at E = 256
+        out += _moe_cases(slots, label)
     return out + _fp8_cases()
+
+
+def _moe_cases(slots: int, label: str) -> list[Case]:
+    """The two bf16 expert GEMMs of a step of `slots` (token, expert) pairs over Kimi-Linear's 256
+    experts (hidden 2304, width 1024), on each target as ops/moe/fused.moe_tiles launches them there."""
+    from kdaserve.ops.moe.fused import _moe_down_kernel, _moe_gate_up_kernel, moe_tiles
+
+    def launch(t: str, which: str) -> dict:
+        tiles = moe_tiles(slots, 256, 2304, 1024, False, t)
+        bn, bk, warps, stages = getattr(tiles, which)
+        return {"consts": dict(BM=tiles.block_m, BN=bn, BK=bk), "warps": warps, "stages": stages or (2 if t.startswith("gfx") else 3)}
+
+    common = dict(FP8=False, BLOCK_ROWS=1, EVEN_K=True)
+    return [
+        Case(f"moe gate_up {label}", _moe_gate_up_kernel,
+             dict(x_ptr=BF, w_ptr=BF, sorted_ptr=I32, experts_ptr=I32, h_ptr=BF, xs_ptr=BF, ws_ptr=BF),
+             dict(TOPK=8, LIMIT=0.0, HAS_LIMIT=False, **common, **launch("sm_90", "gate_up")["consts"]),
+             quick=slots == 64, precision={"PREC": "tc"}, no_spill=True,
+             per_target={t: launch(t, "gate_up") for t in TARGETS}),
+        Case(f"moe down {label}", _moe_down_kernel,
+             dict(h_ptr=BF, w_ptr=BF, sorted_ptr=I32, experts_ptr=I32, weights_ptr=F32, y_ptr=BF, hs_ptr=BF, ws_ptr=BF),
+             dict(**common, **launch("sm_90", "down")["consts"]), quick=slots == 64, precision={"PREC": "tc"},
+             no_spill=True, per_target={t: launch(t, "down") for t in TARGETS}),
+    ]
 
 
 def _fp8_cases() -> list[Case]:
@@ -276,12 +291,12 @@ def _fp8_cases() -> list[Case]:
         bn, warps = fp8_tiles(bm)
         out.append(Case(f"fp8 moe gate_up BM={bm}", _moe_gate_up_kernel,
                         dict(x_ptr=F8, w_ptr=F8, sorted_ptr=I32, experts_ptr=I32, h_ptr=BF, xs_ptr=F32, ws_ptr=F32),
-                        dict(TOPK=8, LIMIT=10.0, HAS_LIMIT=True, BM=bm, BN=bn, BK=128, FP8=True, BLOCK_ROWS=128),
+                        dict(TOPK=8, LIMIT=10.0, HAS_LIMIT=True, BM=bm, BN=bn, BK=128, FP8=True, BLOCK_ROWS=128, EVEN_K=True),
                         warps, quick=bm == 16, precision={"PREC": "tc"}, no_spill=True, not_on=no))
         out.append(Case(f"fp8 moe down BM={bm}", _moe_down_kernel,
                         dict(h_ptr=F8, w_ptr=F8, sorted_ptr=I32, experts_ptr=I32, weights_ptr=F32, y_ptr=BF, hs_ptr=F32,
                              ws_ptr=F32),
-                        dict(BM=bm, BN=bn, BK=128, FP8=True, BLOCK_ROWS=128), warps, quick=bm == 16,
+                        dict(BM=bm, BN=bn, BK=128, FP8=True, BLOCK_ROWS=128, EVEN_K=True), warps, quick=bm == 16,
                         precision={"PREC": "tc"}, no_spill=True, not_on=no))
     return out
 

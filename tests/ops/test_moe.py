@@ -102,6 +102,21 @@ def test_fused_matches_the_reference_in_the_interpreter(mode, T, E, k):
 
 
 @INTERP
+@pytest.mark.parametrize("tiles", [
+    (16, (16, 16, 4, 2), (16, 32, 4, 3)),    # K stepped by 16 and 32: no K mask (EVEN_K)
+    (32, (32, 16, 4, 1), (16, 16, 4, 1)),    # two experts' rows in one block's reach, narrow tiles
+    (16, (16, 32, 4, 2), (16, 64, 4, 2)),    # K steps wider than hidden (48) and I (32): masked
+], ids=["even-k", "wide-rows", "masked-k"])
+def test_fused_matches_the_reference_at_every_launch_shape(tiles):
+    from kdaserve.ops.moe.fused import MoeTiles, moe_experts_fused
+
+    w13, w2 = experts(6, 48, 32)
+    x = torch.randn(11, 48, generator=torch.Generator().manual_seed(5))
+    weights, ids = _routing(11, 6, 3, "random")
+    got = moe_experts_fused(x, w13, w2, weights, ids, tiles=MoeTiles(*tiles))
+    assert_rel_close(got, moe_experts_reference(x, w13, w2, weights, ids), 1e-5, f"fused MoE at {tiles}")
+
+@INTERP
 def test_fused_clamped_swiglu_matches_the_reference():
     from kdaserve.ops.moe.fused import moe_experts_fused
 

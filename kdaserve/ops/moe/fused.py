@@ -12,6 +12,8 @@ The final sum is a reshape and a sum over k: no atomics, so results do not depen
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -19,8 +21,18 @@ import triton.language as tl
 from kdaserve.ops import interpreter_compat
 from kdaserve.ops.fp8.quant import quantize_per_token_group
 from kdaserve.ops.fp8.reference import FP8
-from kdaserve.ops.precision import dot_precision
+from kdaserve.ops.precision import device_target, dot_precision
 from kdaserve.ops.moe.align import align_to_experts
+
+
+@triton.jit
+def _block_of_program(n_blocks):
+    """(row block, column block) of this program in a 1-D grid, column blocks fastest: the programs
+    in flight share their rows (gathered activations, read from DRAM once instead of once per
+    column block) and an expert's weights (its few row blocks run side by side). Row blocks
+    fastest measured 1.2x slower at 2K-8K tokens (docs/perf-notes.md)."""
+    pid = tl.program_id(0)
+    return pid // n_blocks, pid % n_blocks
 
 
 @triton.jit
@@ -29,10 +41,9 @@ def _moe_gate_up_kernel(
     S, HIDDEN, INTER, stride_x, stride_we, stride_wn, stride_h, stride_xs, stride_wse, stride_wsn,
     TOPK: tl.constexpr, LIMIT: tl.constexpr, HAS_LIMIT: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
-    FP8: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+    FP8: tl.constexpr, BLOCK_ROWS: tl.constexpr, EVEN_K: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_m, pid_n = _block_of_program(tl.cdiv(INTER, BN))
     e = tl.load(experts_ptr + pid_m)
     if e < 0:
         return
@@ -49,7 +60,7 @@ def _moe_gate_up_kernel(
     acc_u = tl.zeros([BM, BN], tl.float32)
     for k0 in range(0, HIDDEN, BK):
         ks = k0 + tl.arange(0, BK)
-        k_ok = ks < HIDDEN
+        k_ok = (ks < HIDDEN) | EVEN_K   # no K mask where BK divides K: a mask on K stops Triton's load pipelining
         a = tl.load(x_ptr + tokens[:, None] * stride_x + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
         wg = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0)
         wu = tl.load(w_base + (cols + INTER)[None, :] * stride_wn + ks[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0)
@@ -74,10 +85,9 @@ def _moe_down_kernel(
     h_ptr, w_ptr, sorted_ptr, experts_ptr, weights_ptr, y_ptr, hs_ptr, ws_ptr,
     S, HIDDEN, INTER, stride_h, stride_we, stride_wn, stride_y, stride_hs, stride_wse, stride_wsn,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
-    FP8: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+    FP8: tl.constexpr, BLOCK_ROWS: tl.constexpr, EVEN_K: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_m, pid_n = _block_of_program(tl.cdiv(HIDDEN, BN))
     e = tl.load(experts_ptr + pid_m)
     if e < 0:
         return
@@ -92,7 +102,7 @@ def _moe_down_kernel(
     acc = tl.zeros([BM, BN], tl.float32)
     for k0 in range(0, INTER, BK):
         ks = k0 + tl.arange(0, BK)
-        k_ok = ks < INTER
+        k_ok = (ks < INTER) | EVEN_K
         a = tl.load(h_ptr + rows[:, None] * stride_h + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0)
         if FP8:
@@ -124,14 +134,49 @@ def fp8_tiles(block_m: int) -> tuple[int, int]:
     return (64, 4) if block_m <= 16 else (32, 4)
 
 
+@dataclass(frozen=True)
+class MoeTiles:
+    """One launch shape of the two expert GEMMs: rows per program (each expert's run of sorted
+    slots is padded to a multiple of it) and, per kernel, (columns, K step, warps, stages; None =
+    the backend's default)."""
+    block_m: int
+    gate_up: tuple[int, int, int, int | None]
+    down: tuple[int, int, int, int | None]
+
+
+# Targets with Hopper's 227 KB of shared memory per program, where the measured shapes below fit
+# ("cpu": the interpreter plans as an H200 does, as ops/precision.num_sms does).
+WIDE_TILE_TARGETS = ("sm_90", "sm_100", "sm_103", "cpu")
+
+
+def moe_tiles(num_slots: int, num_experts: int, hidden: int, inter: int, fp8: bool, target: str,
+              fp8_k: int = 128) -> MoeTiles:
+    """The launch shape the fused path takes for a step of `num_slots` (token, expert) pairs on
+    `target` (ops/precision.device_target). From the H200 sweep (bench_moe_mla.py --sweep-moe,
+    docs/perf-notes.md): steps of up to 48 slots per expert (decode) step K by 128 (6-11% less time
+    at batch 1-256 than by 64, graph-replayed); larger steps (prefill) take 128 rows per program, gate|up tiles of
+    2 x 128 columns and down tiles of 256 in 8 warps and 4 stages (1.5x at 8K tokens over 64 x 64
+    tiles). Elsewhere 64 x 64 tiles in the backend's default stages, which fit every target."""
+    bm = moe_block_m(num_slots, num_experts)
+    if fp8:
+        bn, warps = fp8_tiles(bm)
+        return MoeTiles(bm, (bn, fp8_k, warps, None), (bn, fp8_k, 4, None))
+    if target not in WIDE_TILE_TARGETS:
+        return MoeTiles(bm, (_block(inter, 64), _block(hidden, 64), 4, None), (_block(hidden, 64), _block(inter, 64), 4, None))
+    if bm < 64:
+        return MoeTiles(bm, (_block(inter, 64), _block(hidden, 128), 4, 3), (_block(hidden, 64), _block(inter, 128), 4, 3))
+    return MoeTiles(128, (_block(inter, 128), _block(hidden, 64), 8, 4), (_block(hidden, 256), _block(inter, 64), 8, 4))
+
+
 def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                       ids: torch.Tensor, activation_limit: float | None = None, *,
                       w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
-                      block: tuple[int, int] | None = None) -> torch.Tensor:
+                      block: tuple[int, int] | None = None, tiles: MoeTiles | None = None) -> torch.Tensor:
     """Same contract as ops/moe/reference.moe_experts_reference: x [T, hidden] -> [T, hidden].
     FP8 experts (w13, w2 in float8_e4m3fn with their block scales [E, rows / br, cols / bc]) take
     x and the SiLU product quantized per token and group of bc columns (ops/fp8); the definition
-    is ops/moe/reference.moe_experts_fp8_reference."""
+    is ops/moe/reference.moe_experts_fp8_reference. `tiles`: a launch shape other than
+    moe_tiles' (benchmarks; an FP8 K step must equal the scale block's columns)."""
     T, hidden = x.shape
     E, two_inter, hidden_w = w13.shape
     inter = two_inter // 2
@@ -151,33 +196,35 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     w2 = w2 if w2.stride(2) == 1 else w2.contiguous()
     if S == 0:
         return torch.zeros_like(x)
-    BM = moe_block_m(S, E)
+    t = tiles or moe_tiles(S, E, hidden, inter, fp8, device_target(x.device), block[1] if fp8 else 128)
+    BM, (BN1, BK1, warps1, stages1), (BN2, BK2, warps2, stages2) = t.block_m, t.gate_up, t.down
+    if fp8 and (BK1, BK2) != (block[1], block[1]):
+        raise ValueError(f"FP8 experts step K by the scale block's {block[1]} columns; tiles asked {BK1} and {BK2}")
     sorted_slots, block_experts = align_to_experts(ids, E, BM)
+    m_blocks = block_experts.numel()
     prec = "ieee" if x.dtype == torch.float32 else dot_precision(x.device).tensor_core
     h = torch.empty(S, inter, dtype=x.dtype, device=x.device)
     if fp8:
         a, a_scale = quantize_per_token_group(x, block[1])
         ws13, ws2, br = w13_scale, w2_scale, block[0]
-        BK1 = BK2 = block[1]
     else:   # the scale arguments are unused: any tensor stands in
         a, a_scale, ws13, ws2, br = x, h, h, h, 1
-        BK1, BK2 = _block(hidden, 64), _block(inter, 64)
-    BN1, warps1 = fp8_tiles(BM) if fp8 else (_block(inter, 64), 4)
-    _moe_gate_up_kernel[(block_experts.numel(), triton.cdiv(inter, BN1))](
+    _moe_gate_up_kernel[(m_blocks * triton.cdiv(inter, BN1),)](
         a, w13, sorted_slots, block_experts, h, a_scale, ws13,
         S, hidden, inter, a.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
         a_scale.stride(0), ws13.stride(0), ws13.stride(1) if fp8 else 0,
         TOPK=k, LIMIT=float(activation_limit or 0.0), HAS_LIMIT=activation_limit is not None,
-        BM=BM, BN=BN1, BK=BK1, PREC=prec, FP8=fp8, BLOCK_ROWS=br, num_warps=warps1,
+        BM=BM, BN=BN1, BK=BK1, PREC=prec, FP8=fp8, BLOCK_ROWS=br, EVEN_K=hidden % BK1 == 0,
+        num_warps=warps1, num_stages=stages1,
     )
     hq, h_scale = quantize_per_token_group(h, block[1]) if fp8 else (h, h)
     y = torch.empty(S, hidden, dtype=torch.float32 if x.dtype == torch.float32 else x.dtype, device=x.device)
-    BN2 = fp8_tiles(BM)[0] if fp8 else _block(hidden, 64)
-    _moe_down_kernel[(block_experts.numel(), triton.cdiv(hidden, BN2))](
+    _moe_down_kernel[(m_blocks * triton.cdiv(hidden, BN2),)](
         hq, w2, sorted_slots, block_experts, weights.reshape(-1).float().contiguous(), y, h_scale, ws2,
         S, hidden, inter, hq.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
         h_scale.stride(0), ws2.stride(0), ws2.stride(1) if fp8 else 0,
-        BM=BM, BN=BN2, BK=BK2, PREC=prec, FP8=fp8, BLOCK_ROWS=br, num_warps=4,
+        BM=BM, BN=BN2, BK=BK2, PREC=prec, FP8=fp8, BLOCK_ROWS=br, EVEN_K=inter % BK2 == 0,
+        num_warps=warps2, num_stages=stages2,
     )
     return y.view(T, k, hidden).sum(1, dtype=torch.float32).to(out_dtype)
 
