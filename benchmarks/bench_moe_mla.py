@@ -11,7 +11,8 @@ the plain torch path (issue "Fast at the real shape", goal 5), on one GPU:
 
     PYTHONPATH=$PWD python3 benchmarks/bench_moe_mla.py [--batches 1 8 64 256] [--prefill 1024 8192] [--ctx 8192]
         [--sweep]   # MLA decode: heads per program x context splits, graph-replayed, one table
-        [--sweep-moe]   # MoE: launch shapes (rows per program, tiles, warps, stages, grid order)
+        [--sweep-moe]   # MoE: launch shapes (rows per program, tiles, warps, stages)
+        [--sweep-mla-prefill]   # MLA prefill: tiles, warps, stages; Kimi-Linear's and GLM's heads
 
 torch: ops/moe/reference.py's loop over experts and ops/mla/reference.py's gathers and einsums,
 the definitions the kernels are tested against (no torch.compile), eager. "MoE align" rows: the
@@ -230,6 +231,43 @@ def moe_sweep(batches, prefill, bw) -> None:
         print(f"| {step} | {T} | {name} | {ms:.4f} | {parts['gate_up']:.4f} | {parts['down']:.4f} | {parts['rest']:.4f} "
               f"| {floor:.4f} | {ms / floor:.2f}x | {peak} | {err:.1e} |")
 
+MLA_PREFILL_SHAPES = ((64, 32, 8, 2), (64, 32, 8, 3), (64, 64, 8, 2), (128, 32, 8, 2), (128, 64, 8, 2), (128, 32, 8, 3),
+                      (64, 64, 4, 2), (32, 32, 8, 2))   # (BLOCK_M, BLOCK_N, warps, stages)
+
+
+def mla_prefill_sweep(prefill) -> None:
+    """MLA prefill launch shapes, one sequence per step, Kimi-Linear's heads (32 x (128 + 64 rotary),
+    values 128) and GLM-5.3-Flash's (64 x 256, no rotary part); do_bench median. The table prints last."""
+    from kdaserve.ops.mla.prefill import launch_shape
+
+    g = torch.Generator(device="cuda").manual_seed(4)
+    rows = []
+    for heads, nope, rope, vd in ((HEADS, NOPE, ROPE, V), (64, 256, 0, 256)):
+        scale = (nope + rope) ** -0.5
+        default = launch_shape(device_target(torch.device("cuda")), nope, vd)
+        for T in prefill:
+            q_n = torch.randn(T, heads, nope, device="cuda", generator=g).to(BF)
+            q_p = torch.randn(T, heads, rope, device="cuda", generator=g).to(BF)
+            k_n = torch.randn(T, heads, nope, device="cuda", generator=g).to(BF)
+            k_p = torch.randn(T, rope, device="cuda", generator=g).to(BF)
+            v = torch.randn(T, heads, vd, device="cuda", generator=g).to(BF)
+            want = mla_prefill_triton(q_n, q_p, k_n, k_p, v, [T], [T], scale).float()
+            flops = 2 * heads * T * T / 2 * (nope + rope + vd)
+            for shape in (default, *[s for s in MLA_PREFILL_SHAPES if s != default]):
+                call = lambda: mla_prefill_triton(q_n, q_p, k_n, k_p, v, [T], [T], scale, launch=shape)   # noqa: B023, E731
+                try:
+                    err = ((call().float() - want).norm() / want.norm()).item()
+                    ms = bench(call)
+                except Exception as e:   # noqa: BLE001 - a shape that does not fit is a row, not an abort
+                    print(f"{heads}x{nope}+{rope} T={T} {shape}: {type(e).__name__}: {str(e)[:120]}")
+                    ms, err = float("nan"), float("nan")
+                rows.append((f"{heads} x ({nope} + {rope})", T, shape, shape == default, ms, flops / PEAK_BF16 * 1e3, err))
+                print(rows[-1], flush=True)
+    print("\n| heads | tokens | BLOCK_M, BLOCK_N, warps, stages | default | ms | % of bf16 peak | rel. diff vs default |")
+    print("|---|---|---|---|---|---|---|")
+    for heads, T, shape, chosen, ms, floor, err in rows:
+        print(f"| {heads} | {T} | {shape} | {'yes' if chosen else ''} | {ms:.4f} | {floor / ms * 100:.0f}% | {err:.1e} |")
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
@@ -238,6 +276,7 @@ def main() -> None:
     ap.add_argument("--torch-max", type=int, default=64, help="time the torch path up to this batch (it is slow)")
     ap.add_argument("--sweep", action="store_true", help="MLA decode launch variants instead of the main table")
     ap.add_argument("--sweep-moe", action="store_true", help="MoE launch shapes instead of the main table")
+    ap.add_argument("--sweep-mla-prefill", action="store_true", help="MLA prefill launch shapes instead of the main table")
     args = ap.parse_args()
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s, bf16 peak {PEAK_BF16 / 1e12:.0f} TFLOP/s")
@@ -246,6 +285,9 @@ def main() -> None:
         return
     if args.sweep_moe:
         moe_sweep(args.batches, args.prefill, bw)
+        return
+    if args.sweep_mla_prefill:
+        mla_prefill_sweep(args.prefill)
         return
     rows = []
     for row in list(moe_rows(args.batches, args.prefill, bw, args.torch_max)) + list(

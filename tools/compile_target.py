@@ -32,8 +32,10 @@ def gpu_target(target: str) -> GPUTarget:
 
 
 def default_divisible(name: str, ty: str) -> bool:
-    """What the launcher specializes at run time: 16-byte aligned pointers, strides divisible by 16."""
-    return ty.startswith("*") or name.startswith("stride")
+    """What the launcher specializes at run time: 16-byte aligned pointers, strides divisible by 16
+    (named `stride*` or `s_*`). Leaving a stride unmarked changes the build: the MLA prefill's
+    loads were not pipelined in this check's build until its `s_*` strides were marked."""
+    return ty.startswith("*") or name.startswith(("stride", "s_"))
 
 
 def compile_for(fn, types: dict, constexprs: dict, target: str, num_warps: int = 4, num_stages: int = 3,

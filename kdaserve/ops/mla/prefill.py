@@ -14,8 +14,21 @@ import triton
 import triton.language as tl
 
 from kdaserve.ops import interpreter_compat
-from kdaserve.ops.precision import dot_precision
+from kdaserve.ops.precision import device_target, dot_precision
 from kdaserve.ops.host_tables import tables_to_device
+
+
+@triton.jit
+def _online_softmax_step(s, vv, m, l, acc, PREC: tl.constexpr):
+    """Fold one key block's scaled scores `s` (-inf where not allowed) and values into the running
+    max `m`, sum `l` and output `acc`; a row with no allowed key so far keeps m = -inf."""
+    m_new = tl.maximum(m, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m - m_safe)
+    l = l * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision=PREC)
+    return m_new, l, acc
 
 
 @triton.jit
@@ -25,8 +38,8 @@ def _mla_prefill_kernel(
     DN: tl.constexpr, R: tl.constexpr, HAS_PE: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, PREC: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    h = tl.program_id(1)
+    h = tl.program_id(0)
+    pid = tl.program_id(1)
     n = tl.load(blk_seq_ptr + pid)
     m0 = tl.load(blk_start_ptr + pid)
     q_beg = tl.load(cu_q_ptr + n)
@@ -45,7 +58,20 @@ def _mla_prefill_kernel(
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DV], tl.float32)
     last = tl.minimum(ctx, offset + m0 + BLOCK_M)        # keys this block may see
-    for j0 in range(0, last, BLOCK_N):
+    # Keys before `full` are visible to every query row of the block: that loop has no masks, so
+    # Triton pipelines its loads (a mask that changes with the loop's key block stops it), and
+    # only the diagonal's few blocks take the masked loop.
+    full = (offset + m0 + 1) // BLOCK_N * BLOCK_N
+    for j0 in range(0, full, BLOCK_N):
+        rows_k = (k_beg + j0 + tl.arange(0, BLOCK_N)).to(tl.int64)
+        kn = tl.load(kn_ptr + rows_k[:, None] * s_kn_t + h * s_kn_h + dn[None, :])
+        vv = tl.load(v_ptr + rows_k[:, None] * s_v_t + h * s_v_h + dv[None, :])
+        s = tl.dot(qn, tl.trans(kn), input_precision=PREC)
+        if HAS_PE:
+            kp = tl.load(kp_ptr + rows_k[:, None] * s_kp_t + r[None, :])
+            s = tl.dot(qp, tl.trans(kp), s, input_precision=PREC)
+        m, l, acc = _online_softmax_step(s * scale, vv, m, l, acc, PREC)
+    for j0 in range(full, last, BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
         j_ok = j < last
         rows_k = (k_beg + j).to(tl.int64)
@@ -55,27 +81,27 @@ def _mla_prefill_kernel(
         if HAS_PE:
             kp = tl.load(kp_ptr + rows_k[:, None] * s_kp_t + r[None, :], mask=j_ok[:, None], other=0.0)
             s = tl.dot(qp, tl.trans(kp), s, input_precision=PREC)
-        s = s * scale
         allowed = j_ok[None, :] & (j[None, :] <= offset + i[:, None])
-        s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m - m_safe)
-        l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision=PREC)
-        m = m_new
+        m, l, acc = _online_softmax_step(tl.where(allowed, s * scale, float("-inf")), vv, m, l, acc, PREC)
     out = acc / tl.maximum(l, 1e-30)[:, None]
     tl.store(out_ptr + rows_q[:, None] * s_o_t + h * s_o_h + dv[None, :], out.to(out_ptr.dtype.element_ty),
              mask=i_ok[:, None])
 
 
-def launch_shape(dn: int, dv: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, warps) on the GPU: the largest tiles that do not spill on sm_90
-    (tools/compile_check.py): [64, 32] at Kimi-Linear's 128-wide heads; [32, 32] at GLM-5.3-Flash's
-    256-wide ones, which spill on none of sm_89, sm_90, sm_100, gfx942, gfx950 ([64, 32] spills
-    120 bytes on sm_90, [64, 16] 56 on sm_89)."""
-    return (64, 32, 8) if dn + dv <= 256 else (32, 32, 8)
+# Targets with Hopper's 227 KB of shared memory per program, where the measured shapes fit.
+WIDE_TILE_TARGETS = ("sm_90", "sm_100", "sm_103")
+
+
+def launch_shape(target: str, dn: int, dv: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, warps, stages) on `target` (ops/precision.device_target). Hopper-class:
+    the fastest of the H200 sweep (bench_moe_mla.py --sweep-mla-prefill, docs/perf-notes.md), at
+    Kimi-Linear's 128-wide heads [64, 64] in 4 warps (1.8x [64, 32] in 8 at 8K tokens), at
+    GLM-5.3-Flash's 256-wide ones [128, 64] in 8 (5.8x [32, 32]; it spills 12 bytes on sm_90 and
+    is still 5% faster than [128, 32] in 3 stages, which does not). Elsewhere the largest tiles
+    that spill on none of sm_89, gfx942, gfx950 (tools/compile_check.py)."""
+    if target in WIDE_TILE_TARGETS:
+        return (64, 64, 4, 2) if dn + dv <= 256 else (128, 64, 8, 2)
+    return (64, 32, 8, 2) if dn + dv <= 256 else (32, 32, 8, 2)
 
 
 def _pow2(d: int, what: str, zero_ok: bool = False) -> None:
@@ -84,8 +110,10 @@ def _pow2(d: int, what: str, zero_ok: bool = False) -> None:
 
 
 def mla_prefill_triton(q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor,
-                       v: torch.Tensor, query_lens: list[int], context_lens: list[int], scale: float) -> torch.Tensor:
-    """Same contract as reference.mla_prefill_reference (lengths are host lists)."""
+                       v: torch.Tensor, query_lens: list[int], context_lens: list[int], scale: float, *,
+                       launch: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """Same contract as reference.mla_prefill_reference (lengths are host lists). `launch`:
+    (BLOCK_M, BLOCK_N, warps, stages) other than launch_shape's (benchmarks)."""
     T, H, DN = q_nope.shape
     R, DV = q_pe.shape[-1], v.shape[-1]
     for d, what in ((DN, "qk_nope_head_dim"), (DV, "v_head_dim")):
@@ -97,19 +125,28 @@ def mla_prefill_triton(q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: torch.T
     out = torch.empty(T, H, DV, dtype=q_nope.dtype, device=q_nope.device)
     if T == 0:
         return out
-    BLOCK_M, BLOCK_N, warps = launch_shape(DN, DV) if q_nope.is_cuda else (16, 16, 4)   # interpreter: smallest dots
+    if launch is None:   # interpreter: the smallest dots
+        launch = launch_shape(device_target(q_nope.device), DN, DV) if q_nope.is_cuda else (16, 16, 4, 1)
+    BLOCK_M, BLOCK_N, warps, stages = launch
     seq_of_block = np.concatenate([np.full(-(-n // BLOCK_M), i, np.int32) for i, n in enumerate(query_lens)])
     start_of_block = np.concatenate([np.arange(0, n, BLOCK_M, dtype=np.int32) for n in query_lens])
+    # The blocks that see the most keys first (heads fastest in the grid), so the causal tail of
+    # short blocks fills the last wave instead of a long block running alone at the end.
+    ctx, qlen = np.asarray(context_lens, np.int64), np.asarray(query_lens, np.int64)
+    keys = np.minimum(ctx[seq_of_block], ctx[seq_of_block] - qlen[seq_of_block] + start_of_block + BLOCK_M)
+    order = np.argsort(-keys, kind="stable")
+    seq_of_block, start_of_block = seq_of_block[order], start_of_block[order]
     cu_q = np.zeros(len(query_lens) + 1, np.int32)
     np.cumsum(query_lens, out=cu_q[1:])
     cu_k = np.zeros(len(context_lens) + 1, np.int32)
     np.cumsum(context_lens, out=cu_k[1:])
     blk_seq, blk_start, cu_q_d, cu_k_d = tables_to_device([seq_of_block, start_of_block, cu_q, cu_k], q_nope.device)
-    _mla_prefill_kernel[(seq_of_block.shape[0], H)](
+    _mla_prefill_kernel[(H, seq_of_block.shape[0])](
         q_nope, q_pe, k_nope, k_pe, v, out, blk_seq, blk_start, cu_q_d, cu_k_d, scale,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), k_nope.stride(0), k_nope.stride(1),
         k_pe.stride(0), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         DN=DN, R=max(R, 16), HAS_PE=R > 0, DV=DV, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        PREC="ieee" if q_nope.dtype == torch.float32 else dot_precision(q_nope.device).tensor_core, num_warps=warps, num_stages=2,
+        PREC="ieee" if q_nope.dtype == torch.float32 else dot_precision(q_nope.device).tensor_core,
+        num_warps=warps, num_stages=stages,
     )
     return out
