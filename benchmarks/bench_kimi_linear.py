@@ -1,14 +1,16 @@
 """Kimi-Linear-48B-A3B at its real shape on one GPU, with random bf16 weights (`--load-format dummy`):
-memory of weights and caches, the largest batch at 8K context, TTFT of one 8K prompt, decode
-tokens/s at several batch sizes, and each decode step against its memory floor.
+memory of weights and caches, the largest batch at 8K context, TTFT of one prompt per `--ttft`
+length (default: --ctx) and its device time per layer kind (torch.profiler), decode tokens/s at
+several batch sizes, and each decode step against its memory floor.
 
-    PYTHONPATH=$PWD python3 benchmarks/bench_kimi_linear.py [--batches 1 64 256] [--ctx 8192]
+    PYTHONPATH=$PWD python3 benchmarks/bench_kimi_linear.py [--batches 1 64 256] [--ctx 8192] [--ttft 8192 32768]
 
 Method: the engine as `kdaserve serve` runs it (CUDA graphs for decode, the auto backends: flash +
 adaptive for KDA, the Triton MLA and MoE kernels), Triton's start-up warm-up off (this script warms
 each shape before timing it). TTFT = wall time from add_request to the first token of one prompt
-alone (second of two runs; the first compiles). Decode: B sequences with `--decode-ctx`-token
-prompts held in decode; the step is timed as a CUDA-graph replay (device time, do_bench median)
+alone (second of two runs, each its own random prompt, so no prefix is cached; the first
+compiles); the breakdown per layer kind profiles a third. Decode: B sequences with
+`--decode-ctx`-token prompts held in decode; the step is timed as a CUDA-graph replay (device time, do_bench median)
 and as a whole engine step (host work and sampling included); tokens/s = B / engine step.
 
 Memory floor of a decode step = bytes that must move / the measured copy bandwidth:
@@ -54,20 +56,55 @@ def floor_bytes(model, B: int, ctx: int, dtype) -> dict:
             "state": 2 * B * state_bytes_per_slot(model), "latent": B * ctx * kv_bytes_per_block(model, 1, dtype)}
 
 
+# Kernel name -> layer kind, first match wins (the Triton kernels' names; cuBLAS GEMMs by theirs).
+KINDS = (("MoE experts (grouped GEMMs, alignment kernel)", ("_moe_", "_align_kernel")), ("MLA attention", ("_mla_",)),
+         ("KDA (flash: conv, core, gated norm in its kernels)", ("flash_", "conv_", "gated_rms_norm")),
+         ("GEMMs (projections, shared experts, router, head)", ("gemm", "cutlass", "nvjet", "xmma", "cublas")))
+OTHER = "other (norms, rotary, routing, elementwise, sampling)"
+
+
+def prefill_breakdown(eng, prompt) -> tuple[dict[str, float], list[tuple[str, float]]]:
+    """Device ms of one prefill of `prompt` (warm), summed per layer kind from torch.profiler, and
+    the kernels of the "other" kind, largest first."""
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile
+
+    eng.add_request("breakdown", prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        while eng.has_unfinished_requests():
+            eng.step()
+        torch.cuda.synchronize()
+    out, other = {k: 0.0 for k, _ in KINDS} | {OTHER: 0.0}, Counter()
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        ms = getattr(e, "device_time_total", 0.0) / 1e3
+        kind = next((k for k, subs in KINDS if any(sub in e.name.lower() for sub in subs)), OTHER)
+        out[kind] += ms
+        if kind == OTHER:
+            other[e.name[:90]] += ms
+    out["total"] = sum(out.values())
+    return out, other.most_common(12)
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=MODEL)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
     ap.add_argument("--ctx", type=int, default=8192, help="the long prompt (TTFT, largest batch)")
     ap.add_argument("--decode-ctx", type=int, default=512, help="prompt tokens of the decode batches")
+    ap.add_argument("--ttft", type=int, nargs="+", default=None, help="prompt lengths to time (default: --ctx)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.92)
     args = ap.parse_args()
     t0 = time.time()
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()} | copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     maxb = max(args.batches)
-    llm = LLM(args.model, load_format="dummy", max_num_seqs=maxb, max_model_len=args.ctx + 64,
-              max_num_batched_tokens=args.ctx, gpu_memory_utilization=args.gpu_memory_utilization, warmup=False)
+    lengths = args.ttft or [args.ctx]
+    longest = max(lengths + [args.ctx])
+    llm = LLM(args.model, load_format="dummy", max_num_seqs=maxb, max_model_len=longest + 64,
+              max_num_batched_tokens=longest, gpu_memory_utilization=args.gpu_memory_utilization, warmup=False)
     eng, runner = llm.engine, llm.engine.runner
     model = runner.model
     torch.cuda.synchronize()
@@ -82,17 +119,26 @@ def main() -> None:
           f"backends {runner.kda_backends.names}", flush=True)
 
     rows = []
-    prompt = random_prompts(1, args.ctx, seed=5)[0]
-    ttft = []
-    for _ in range(2):
-        eng.add_request(f"ttft{len(ttft)}", prompt, SamplingParams(max_tokens=1, ignore_eos=True))
-        torch.cuda.synchronize()
-        s = time.perf_counter()
-        while eng.has_unfinished_requests():
-            eng.step()
-        torch.cuda.synchronize()
-        ttft.append(time.perf_counter() - s)
-        print(f"  TTFT {args.ctx} tokens: {ttft[-1] * 1e3:.1f} ms ({time.time() - t0:.0f} s)", flush=True)
+    ttfts, kinds = {}, {}
+    for n in lengths:
+        # A fresh random prompt per run: with prefix caching on (the default) a repeated prompt
+        # would be served from its cached prefix instead of prefilled.
+        prompts = random_prompts(3, n, seed=5 + n)
+        ttft = []
+        for prompt in prompts[:2]:
+            eng.add_request(f"ttft{n}-{len(ttft)}", prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+            torch.cuda.synchronize()
+            s = time.perf_counter()
+            while eng.has_unfinished_requests():
+                eng.step()
+            torch.cuda.synchronize()
+            ttft.append(time.perf_counter() - s)
+            print(f"  TTFT {n} tokens: {ttft[-1] * 1e3:.1f} ms ({time.time() - t0:.0f} s)", flush=True)
+        ttfts[n] = ttft
+        kinds[n], top_other = prefill_breakdown(eng, prompts[2])
+        print(f"  prefill of {n} tokens by layer kind (device ms): "
+              + ", ".join(f"{k} {v:.2f}" for k, v in kinds[n].items()), flush=True)
+        print(f"  the largest of '{OTHER}':\n" + "\n".join(f"    {ms:8.2f} ms  {name}" for name, ms in top_other))
 
     from triton.testing import do_bench
 
@@ -125,9 +171,14 @@ def main() -> None:
             eng.abort_request(rid)
         eng.step()
 
+    print("\n| prefill of one prompt, by layer kind (device ms) | " + " | ".join(f"{n} tokens" for n in lengths) + " |")
+    print("|---|" + "---|" * len(lengths))
+    for k in kinds[lengths[0]]:
+        print(f"| {k} | " + " | ".join(f"{kinds[n][k]:.2f}" for n in lengths) + " |")
     print(f"\nKimi-Linear-48B-A3B shape, random bf16 weights, {torch.cuda.get_device_name()}, "
-          f"copy bandwidth {bw / 1e12:.2f} TB/s; TTFT {args.ctx} tokens {ttft[-1] * 1e3:.1f} ms (first run "
-          f"{ttft[0] * 1e3:.0f} ms, compiles included); {fit_8k} sequences of {args.ctx} tokens fit")
+          f"copy bandwidth {bw / 1e12:.2f} TB/s; TTFT " + "; ".join(
+              f"{n} tokens {t[-1] * 1e3:.1f} ms (first run {t[0] * 1e3:.0f} ms, compiles included)" for n, t in ttfts.items())
+          + f"; {fit_8k} sequences of {args.ctx} tokens fit")
     print("| batch | engine step us | graph step us | tok/s | floor us | graph / floor | weights MB | experts/layer | state MB | latent MB |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for B, step_us, graph_us, tps, floor_us, f in rows:

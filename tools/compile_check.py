@@ -189,6 +189,8 @@ def _other_cases() -> list[Case]:
     from kdaserve.ops.mla.prefill import launch_shape as mla_prefill_shape
     from kdaserve.ops.moe.align import _align_kernel
     from kdaserve.ops.norm.gated_rms_norm import gated_rms_norm_kernel
+    from kdaserve.ops.norm.rms_norm import launch_shape as rms_norm_shape
+    from kdaserve.ops.norm.rms_norm import rms_norm_kernel
     from kdaserve.ops.dsa.triton_scores import dsa_index_scores_kernel
     from kdaserve.ops.hyper_connection.triton_hc import hc_post_kernel, hc_pre_kernel
     from kdaserve.ops.mla.sparse_decode import _mla_sparse_decode_kernel
@@ -202,6 +204,10 @@ def _other_cases() -> list[Case]:
         Case("conv update", conv_update_kernel,
              dict(x_ptr=BF, w_ptr=F32, state_ptr=BF, y_ptr=BF, idx_ptr=I32, acc_ptr=I32),
              dict(W=4, BM=2, BL=4, BC=UPDATE_BC, HAS_ACCEPTED=False), quick=True),
+        Case("rms norm + residual D=2304", rms_norm_kernel,
+             dict(x_ptr=BF, r_ptr=BF, w_ptr=BF, y_ptr=BF, ro_ptr=BF, eps="fp32"),
+             dict(HAS_RESIDUAL=True, BR=rms_norm_shape(2304)[0], BD=rms_norm_shape(2304)[1]), rms_norm_shape(2304)[2],
+             quick=True, no_spill=True),
         Case("gated rms norm", gated_rms_norm_kernel, dict(o_ptr=BF, g_ptr=BF, w_ptr=F32, y_ptr=BF, idx_ptr=I32, eps="fp32"),
              dict(HAS_INDEX=False, BR=16, BD=128), quick=True),
         Case("paged decode attention D=128 G=4", _paged_decode_kernel,

@@ -1,16 +1,26 @@
-"""RMSNorm, optionally fused with the residual add that precedes it in a pre-norm decoder layer."""
+"""RMSNorm, optionally fused with the residual add that precedes it in a pre-norm decoder layer.
+
+The torch path below is the definition; on a GPU (`auto`) one Triton kernel does the add and the
+norm in one pass over the rows (ops/norm/rms_norm.py)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from kdaserve.layers.kernel_choice import KERNEL_CHOICES, resolve_kernel_choice
+
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-6, *, dtype: torch.dtype | None = None, device=None):
+    def __init__(self, hidden_size: int, eps: float = 1e-6, *, dtype: torch.dtype | None = None, device=None,
+                 backend: str = "auto"):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False)
+        if backend not in KERNEL_CHOICES:
+            raise ValueError(f"unknown RMSNorm backend {backend!r}; expected one of {', '.join(KERNEL_CHOICES)}")
+        # `auto` follows the inputs' device at each call (a norm may be built before its device is known).
+        self.backend = backend if backend == "auto" else resolve_kernel_choice("RMSNorm", backend, self.weight.device)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -22,6 +32,10 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without `residual`: norm(x). With it: (norm(x + residual), x + residual), the new residual
         stream kept in x's dtype, as the next layer's pre-norm needs both."""
+        if self.backend == "triton" or (self.backend == "auto" and x.is_cuda):
+            from kdaserve.ops.norm.rms_norm import rms_norm_fwd
+
+            return rms_norm_fwd(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         residual = (x.float() + residual.float()).to(x.dtype)
