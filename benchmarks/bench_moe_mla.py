@@ -92,6 +92,13 @@ def _paged(B, ctx, bs=16):
     return cache, tables, lens
 
 
+def mla_prefill_inputs(T: int, heads: int, nope: int, rope: int, vd: int, g) -> tuple[torch.Tensor, ...]:
+    """Random bf16 (q_nope, q_pe, k_nope, k_pe, v) of one T-token sequence; k_pe shared by the heads."""
+    def r(*shape):
+        return torch.randn(*shape, device="cuda", generator=g).to(BF)
+    return r(T, heads, nope), r(T, heads, rope), r(T, heads, nope), r(T, rope), r(T, heads, vd)
+
+
 def mla_rows(batches, prefill, ctx, bw, torch_max):
     scale = (NOPE + ROPE) ** -0.5
     g = torch.Generator(device="cuda").manual_seed(2)
@@ -106,11 +113,7 @@ def mla_rows(batches, prefill, ctx, bw, torch_max):
         yield ("MLA", "decode", B, f"ctx {ctx}", ms, mg, mt, floor)
         del cache
     for T in prefill:
-        q_n = torch.randn(T, HEADS, NOPE, device="cuda", generator=g).to(BF)
-        q_p = torch.randn(T, HEADS, ROPE, device="cuda", generator=g).to(BF)
-        k_n = torch.randn(T, HEADS, NOPE, device="cuda", generator=g).to(BF)
-        k_p = torch.randn(T, ROPE, device="cuda", generator=g).to(BF)
-        v = torch.randn(T, HEADS, V, device="cuda", generator=g).to(BF)
+        q_n, q_p, k_n, k_p, v = mla_prefill_inputs(T, HEADS, NOPE, ROPE, V, g)
         ms = bench(lambda: mla_prefill_triton(q_n, q_p, k_n, k_p, v, [T], [T], scale))
         mt = bench(lambda: mla_prefill_reference(q_n, q_p, k_n, k_p, v, [T], [T], scale)) if T <= 4096 else float("nan")
         flops = 2 * HEADS * T * T / 2 * (NOPE + ROPE + V)   # causal: half the score matrix, QK^T and PV
@@ -246,11 +249,7 @@ def mla_prefill_sweep(prefill) -> None:
         scale = (nope + rope) ** -0.5
         default = launch_shape(device_target(torch.device("cuda")), nope, vd)
         for T in prefill:
-            q_n = torch.randn(T, heads, nope, device="cuda", generator=g).to(BF)
-            q_p = torch.randn(T, heads, rope, device="cuda", generator=g).to(BF)
-            k_n = torch.randn(T, heads, nope, device="cuda", generator=g).to(BF)
-            k_p = torch.randn(T, rope, device="cuda", generator=g).to(BF)
-            v = torch.randn(T, heads, vd, device="cuda", generator=g).to(BF)
+            q_n, q_p, k_n, k_p, v = mla_prefill_inputs(T, heads, nope, rope, vd, g)
             want = mla_prefill_triton(q_n, q_p, k_n, k_p, v, [T], [T], scale).float()
             flops = 2 * heads * T * T / 2 * (nope + rope + vd)
             for shape in (default, *[s for s in MLA_PREFILL_SHAPES if s != default]):

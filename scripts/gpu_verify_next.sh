@@ -7,7 +7,9 @@
 # transformers 5.23.0 with what it imports for structured output) and, for an old-vs-new comparison, [".old"]
 # (e.g. `git archive <commit> kdaserve benchmarks | tar -x -C .old`).
 # Parts owed (add one as `if [ "$PART" = name ]; then ... fi` below, with what it must show):
-#   (none)
+#   norm_kernel   the fused RMSNorm (ops/norm/rms_norm.py) and the MLA prefill's new launch shapes
+#                 ran inside Kimi-Linear's GPU tests and the engine's; GLM-5.3-Flash's models (the
+#                 256-wide MLA heads' (128, 64, 8, 2) shape, mHC around the norms, MTP) have not.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -32,3 +34,10 @@ group() {  # name, seconds, pytest args...: one pytest process per file (one GPU
 PART=${1:-}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 [ -z "$PART" ] && echo "name a part"
+
+if [ "$PART" = norm_kernel ]; then
+  # Must show: every test passed (GLM-5.3-Flash against transformers in fp32 and its bf16 GPU paths
+  # with the kernel norm; MTP with CUDA graphs lossless), prefix caching's GPU tests unchanged.
+  group glm5_next 300 tests/models/test_glm5_next.py
+  group prefix_caching 150 tests/engine/test_prefix_caching_gpu.py
+fi

@@ -56,6 +56,11 @@ def _gpu_target(index: int) -> str:
     return f"sm_{major}{minor}"
 
 
+# Targets with 227 KB of shared memory per program (Hopper, Blackwell's data-center parts): launch
+# shapes measured on an H200 that need it are taken only there. "cpu" (the interpreter) plans as an
+# H200 does, as num_sms does.
+WIDE_SHARED_MEMORY_TARGETS = ("sm_90", "sm_100", "sm_103", "cpu")
+
 @functools.lru_cache(maxsize=None)
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors (compute units on AMD) of a GPU; 132 (an H200) for the interpreter,

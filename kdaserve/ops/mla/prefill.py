@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from kdaserve.ops import interpreter_compat
-from kdaserve.ops.precision import device_target, dot_precision
+from kdaserve.ops.precision import WIDE_SHARED_MEMORY_TARGETS, device_target, dot_precision
 from kdaserve.ops.host_tables import tables_to_device
 
 
@@ -88,10 +88,6 @@ def _mla_prefill_kernel(
              mask=i_ok[:, None])
 
 
-# Targets with Hopper's 227 KB of shared memory per program, where the measured shapes fit.
-WIDE_TILE_TARGETS = ("sm_90", "sm_100", "sm_103")
-
-
 def launch_shape(target: str, dn: int, dv: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, warps, stages) on `target` (ops/precision.device_target). Hopper-class:
     the fastest of the H200 sweep (bench_moe_mla.py --sweep-mla-prefill, docs/perf-notes.md), at
@@ -99,7 +95,7 @@ def launch_shape(target: str, dn: int, dv: int) -> tuple[int, int, int, int]:
     GLM-5.3-Flash's 256-wide ones [128, 64] in 8 (5.8x [32, 32]; it spills 12 bytes on sm_90 and
     is still 5% faster than [128, 32] in 3 stages, which does not). Elsewhere the largest tiles
     that spill on none of sm_89, gfx942, gfx950 (tools/compile_check.py)."""
-    if target in WIDE_TILE_TARGETS:
+    if target in WIDE_SHARED_MEMORY_TARGETS:
         return (64, 64, 4, 2) if dn + dv <= 256 else (128, 64, 8, 2)
     return (64, 32, 8, 2) if dn + dv <= 256 else (32, 32, 8, 2)
 

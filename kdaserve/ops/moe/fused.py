@@ -1,7 +1,8 @@
 """The fused MoE path: two grouped GEMMs over the step's slots sorted by expert (align.py).
 
     gate_up: h[s]   = silu(x[s // k] W1[e]^T) * (x[s // k] W3[e]^T)       one program per
-             (block of block_m sorted slots of expert e, block of the intermediate width)
+             (block of block_m sorted slots of expert e, block of the intermediate width),
+             column blocks fastest in a 1-D grid
     down:    y[s]   = w[s] * h[s] W2[e]^T                                  same, over hidden
     out[t]  = sum_j y[t*k + j]                                             in fp32, in torch
 
@@ -21,7 +22,7 @@ import triton.language as tl
 from kdaserve.ops import interpreter_compat
 from kdaserve.ops.fp8.quant import quantize_per_token_group
 from kdaserve.ops.fp8.reference import FP8
-from kdaserve.ops.precision import device_target, dot_precision
+from kdaserve.ops.precision import WIDE_SHARED_MEMORY_TARGETS, device_target, dot_precision
 from kdaserve.ops.moe.align import align_to_experts
 
 
@@ -144,24 +145,20 @@ class MoeTiles:
     down: tuple[int, int, int, int | None]
 
 
-# Targets with Hopper's 227 KB of shared memory per program, where the measured shapes below fit
-# ("cpu": the interpreter plans as an H200 does, as ops/precision.num_sms does).
-WIDE_TILE_TARGETS = ("sm_90", "sm_100", "sm_103", "cpu")
-
-
 def moe_tiles(num_slots: int, num_experts: int, hidden: int, inter: int, fp8: bool, target: str,
               fp8_k: int = 128) -> MoeTiles:
     """The launch shape the fused path takes for a step of `num_slots` (token, expert) pairs on
     `target` (ops/precision.device_target). From the H200 sweep (bench_moe_mla.py --sweep-moe,
     docs/perf-notes.md): steps of up to 48 slots per expert (decode) step K by 128 (6-11% less time
-    at batch 1-256 than by 64, graph-replayed); larger steps (prefill) take 128 rows per program, gate|up tiles of
-    2 x 128 columns and down tiles of 256 in 8 warps and 4 stages (1.5x at 8K tokens over 64 x 64
-    tiles). Elsewhere 64 x 64 tiles in the backend's default stages, which fit every target."""
+    at batch 1-256 than by 64, graph-replayed); larger steps (prefill) take 128 rows per program,
+    gate|up tiles of 2 x 128 columns and down tiles of 256 in 8 warps and 4 stages (1.5x at 8K
+    tokens over 64 x 64 tiles). These need Hopper-class shared memory; elsewhere 64 x 64 tiles in
+    the backend's default stages, which fit every target."""
     bm = moe_block_m(num_slots, num_experts)
     if fp8:
         bn, warps = fp8_tiles(bm)
         return MoeTiles(bm, (bn, fp8_k, warps, None), (bn, fp8_k, 4, None))
-    if target not in WIDE_TILE_TARGETS:
+    if target not in WIDE_SHARED_MEMORY_TARGETS:
         return MoeTiles(bm, (_block(inter, 64), _block(hidden, 64), 4, None), (_block(hidden, 64), _block(inter, 64), 4, None))
     if bm < 64:
         return MoeTiles(bm, (_block(inter, 64), _block(hidden, 128), 4, 3), (_block(hidden, 64), _block(inter, 128), 4, 3))
