@@ -17,7 +17,8 @@ the plain torch path (issue "Fast at the real shape", goal 5), on one GPU:
 torch: ops/moe/reference.py's loop over experts and ops/mla/reference.py's gathers and einsums,
 the definitions the kernels are tested against (no torch.compile), eager. "MoE align" rows: the
 slot alignment alone, the one-launch kernel against the torch path (torch column), both
-graph-replayed. Rows print as measured; the table prints last.
+graph-replayed. "MoE route" rows: routing (logits GEMM, then the one-launch kernel or the torch
+path in the torch column), graph-replayed at decode, eager at prefill. Rows print as measured; the table prints last.
 """
 
 from __future__ import annotations
@@ -76,6 +77,13 @@ def moe_rows(batches, prefill, bw, torch_max):
         flops = 2 * 3 * HIDDEN * WIDTH * T * K
         floor = nbytes / bw * 1e3 if step == "decode" else flops / PEAK_BF16 * 1e3
         yield ("MoE", step, T, f"{touched} experts", ms, mg, mt, floor)
+        # Routing alone (logits GEMM included, Kimi's correction bias): the one-launch kernel after the
+        # logits vs the torch path; graphed at decode, eager at prefill.
+        bias = torch.randn(E, device="cuda", generator=torch.Generator(device="cuda").manual_seed(T)) * 0.1
+        timer = bench_graph if step == "decode" else bench
+        route = [lambda kernel=kernel: route_tokens(x, gate, bias, router, use_kernel=kernel) for kernel in (True, False)]
+        yield ("MoE route", step, T, f"kernel vs torch path ({'graph' if step == 'decode' else 'eager'})",
+               bench(route[0]), timer(route[0]) if step == "decode" else float("nan"), timer(route[1]), float("nan"))
         if step == "decode":   # the alignment alone: the one-launch kernel vs the torch path, both graphed
             bm = moe_block_m(T * K, E)
             kernel = lambda: align_to_experts(ids, E, bm, use_kernel=True)   # noqa: E731

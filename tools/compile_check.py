@@ -188,6 +188,8 @@ def _other_cases() -> list[Case]:
     from kdaserve.ops.mla.prefill import _mla_prefill_kernel
     from kdaserve.ops.mla.prefill import launch_shape as mla_prefill_shape
     from kdaserve.ops.moe.align import _align_kernel
+    from kdaserve.ops.moe.fused import _moe_sum_kernel
+    from kdaserve.ops.moe.router_kernel import _route_kernel
     from kdaserve.ops.norm.gated_rms_norm import gated_rms_norm_kernel
     from kdaserve.ops.norm.rms_norm import launch_shape as rms_norm_shape
     from kdaserve.ops.norm.rms_norm import rms_norm_kernel
@@ -254,6 +256,12 @@ def _other_cases() -> list[Case]:
                         per_target={t: _mla_prefill_launch(mla_prefill_shape(t, dn, dn)) for t in TARGETS}))
     out.append(Case("mla decode merge L=512", _mla_merge_kernel, dict(part_ptr=F32, lse_ptr=F32, out_ptr=BF),
                     dict(H=32, L=512, SPLITS=64), quick=True, no_spill=True))
+    out.append(Case("moe route E=256 k=8", _route_kernel,
+                    dict(logits_ptr=F32, bias_ptr=F32, w_ptr=F32, ids_ptr="*i64", scale="fp32"),
+                    dict(K=8, K_P=8, E_P=256, BT=16, SOFTMAX=False, HAS_BIAS=True, RENORMALIZE=True), 4, 1,
+                    quick=True, no_spill=True))
+    out.append(Case("moe sum over k=8", _moe_sum_kernel, dict(y_ptr=BF, out_ptr=BF), dict(TOPK=8, BT=4, BH=256), 4,
+                    quick=True, no_spill=True))
     out.append(Case("moe align E=256", _align_kernel, dict(ids_ptr="*i64", sorted_ptr=I32, block_experts_ptr=I32),
                     dict(E=256, E_P=256, BM=16, BLOCK_S=32), 4, 1, quick=True, no_spill=True))
     for slots, label in ((64, "decode BM=16"), (8192, "BM=32"), (65536, "prefill")):   # moe_tiles' regimes at E = 256

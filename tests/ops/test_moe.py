@@ -40,6 +40,31 @@ def test_router_rules():
         RouterConfig(8, 3, num_groups=4, topk_groups=1)
 
 
+
+@INTERP
+@pytest.mark.parametrize("T, E, k, scoring, with_bias, renormalize", [
+    (37, 256, 8, "sigmoid", True, True),     # Kimi-Linear's router: 256 experts, top 8, correction bias
+    (5, 12, 3, "softmax", False, True),      # softmax scores, experts not a power of two
+    (1, 64, 6, "sigmoid", True, False),      # one token, no renormalization
+    (20, 8, 1, "softmax", True, True),       # top 1
+], ids=["kimi", "softmax-odd", "one-token-raw", "top-1"])
+def test_routing_kernel_equals_the_torch_path(T, E, k, scoring, with_bias, renormalize):
+    """Same experts in the same (descending) order, same weights; the bias chooses, never weights."""
+    g = torch.Generator().manual_seed(T * 7 + E)
+    x, w = torch.randn(T, 32, generator=g), torch.randn(E, 32, generator=g) * 0.3
+    bias = torch.randn(E, generator=g) * 0.5 if with_bias else None
+    cfg = RouterConfig(E, k, scoring, renormalize=renormalize, routed_scaling_factor=2.446)
+    want_w, want_ids = route_tokens(x, w, bias, cfg, use_kernel=False)
+    got_w, got_ids = route_tokens(x, w, bias, cfg, use_kernel=True)
+    assert torch.equal(got_ids, want_ids) and got_ids.dtype == torch.int64
+    torch.testing.assert_close(got_w, want_w, rtol=1e-6, atol=1e-7)
+
+
+def test_routing_kernel_refuses_groups():
+    x, w = torch.randn(3, 16), torch.randn(8, 16)
+    with pytest.raises(ValueError, match=r"does not restrict experts to groups \(1 of 4\)"):
+        route_tokens(x, w, None, RouterConfig(8, 2, num_groups=4, topk_groups=1), use_kernel=True)
+
 @pytest.mark.parametrize("block_m", [4, 16])
 def test_alignment_groups_slots_by_expert_in_padded_blocks(block_m):
     g = torch.Generator().manual_seed(1)

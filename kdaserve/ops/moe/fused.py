@@ -4,11 +4,12 @@
              (block of block_m sorted slots of expert e, block of the intermediate width),
              column blocks fastest in a 1-D grid
     down:    y[s]   = w[s] * h[s] W2[e]^T                                  same, over hidden
-    out[t]  = sum_j y[t*k + j]                                             in fp32, in torch
+    out[t]  = sum_j y[t*k + j]                                             in fp32, one pass
 
 Each expert's weights are read once per block of its tokens, and the gate and up halves of one
 intermediate column block are computed by the same program (the SiLU product is its epilogue).
-The final sum is a reshape and a sum over k: no atomics, so results do not depend on timing.
+The final sum reads each token's k rows in choice order: no atomics, so results do not depend on
+timing.
 """
 
 from __future__ import annotations
@@ -117,6 +118,21 @@ def _moe_down_kernel(
              mask=valid[:, None] & col_ok[None, :])
 
 
+@triton.jit
+def _moe_sum_kernel(y_ptr, out_ptr, T, HIDDEN, stride_y, stride_out,
+                    TOPK: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr):
+    """out[t] = sum_j y[t*k + j] in fp32, in choice order, rounded once to out's dtype: one pass
+    instead of torch's fp32 sum and its cast (two kernels, an fp32 intermediate)."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    cols = tl.program_id(1) * BH + tl.arange(0, BH)
+    mask = (t < T)[:, None] & (cols < HIDDEN)[None, :]
+    acc = tl.zeros([BT, BH], tl.float32)
+    for j in tl.static_range(TOPK):
+        acc += tl.load(y_ptr + (t.to(tl.int64) * TOPK + j)[:, None] * stride_y + cols[None, :], mask=mask,
+                       other=0.0).to(tl.float32)
+    tl.store(out_ptr + t.to(tl.int64)[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 def _block(n: int, cap: int) -> int:
     return max(16, min(cap, triton.next_power_of_2(n)))
 
@@ -223,7 +239,11 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
         BM=BM, BN=BN2, BK=BK2, PREC=prec, FP8=fp8, BLOCK_ROWS=br, EVEN_K=inter % BK2 == 0,
         num_warps=warps2, num_stages=stages2,
     )
-    return y.view(T, k, hidden).sum(1, dtype=torch.float32).to(out_dtype)
+    out = torch.empty(T, hidden, dtype=out_dtype, device=x.device)
+    BH = _block(hidden, 256)
+    _moe_sum_kernel[(triton.cdiv(T, 4), triton.cdiv(hidden, BH))](
+        y, out, T, hidden, y.stride(0), out.stride(0), TOPK=k, BT=4, BH=BH, num_warps=4)
+    return out
 
 
 def _check_fp8_experts(w13, w2, w13_scale, w2_scale, block, device) -> None:

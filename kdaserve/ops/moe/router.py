@@ -9,7 +9,8 @@
     weights = scores of the chosen experts, divided by their sum (+1e-20) when `renormalize`,
               times `routed_scaling_factor`
 
-Plain torch: a handful of small ops on [T, E], no host sync (CUDA-graph capturable)."""
+Plain torch: a handful of small ops on [T, E], no host sync (CUDA-graph capturable); on a GPU
+everything after the logits is one Triton launch (router_kernel.py) where routing is not grouped."""
 
 from __future__ import annotations
 
@@ -44,12 +45,24 @@ class RouterConfig:
 
 
 def route_tokens(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | None,
-                 cfg: RouterConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, hidden] -> (weights [T, top_k] fp32, expert ids [T, top_k] int64)."""
+                 cfg: RouterConfig, *, use_kernel: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, hidden] -> (weights [T, top_k] fp32, expert ids [T, top_k] int64). After the logits,
+    `use_kernel`: None = one Triton launch on a GPU (router_kernel.py) unless routing is restricted
+    to groups, the torch path below otherwise; True / False force one (tests)."""
     logits = F.linear(x.float(), gate_weight.float())
+    grouped = cfg.num_groups > 1 and cfg.topk_groups < cfg.num_groups
+    if use_kernel is None:
+        use_kernel = x.is_cuda and not grouped
+    if use_kernel:
+        if grouped:
+            raise ValueError(f"the routing kernel does not restrict experts to groups ({cfg.topk_groups} of "
+                             f"{cfg.num_groups}); route with use_kernel=False or None")
+        from kdaserve.ops.moe.router_kernel import route_from_logits
+
+        return route_from_logits(logits, bias, cfg.top_k, cfg.scoring, cfg.renormalize, cfg.routed_scaling_factor)
     scores = logits.sigmoid() if cfg.scoring == "sigmoid" else logits.softmax(-1)
     choice = scores if bias is None else scores + bias.float()
-    if cfg.num_groups > 1 and cfg.topk_groups < cfg.num_groups:
+    if grouped:
         T = x.shape[0]
         grouped = choice.view(T, cfg.num_groups, -1)
         group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)

@@ -1,0 +1,80 @@
+"""The router after its logits in one Triton launch: scores, the bias that only chooses, the top-k,
+the chosen scores renormalized and scaled (the definition: router.route_tokens' torch path).
+
+The torch path is ~8 kernels per MoE layer (sigmoid, the bias add, top-k, gather, sum, divide,
+scale): at decode, launches and their gaps in a CUDA graph; at 8K-token prefill the top-k alone
+was 2.8 ms of Kimi-Linear's 26 layers (docs/perf-notes.md, nineteenth session). One program routes
+BT tokens; each holds its row of E scores and picks the k best by k rounds of (max, first index of
+the max, mask it out), so the experts come in descending choice order as torch.topk gives them
+(ties, which random fp32 scores do not make, go to the lower expert id). Routing restricted to
+groups (num_groups > 1 with topk_groups < num_groups) is not done here: route_tokens keeps the
+torch path for it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kdaserve.ops import interpreter_compat
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr, stride_l, bias_ptr, w_ptr, ids_ptr, T, E, scale,
+    K: tl.constexpr, K_P: tl.constexpr, E_P: tl.constexpr, BT: tl.constexpr,
+    SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
+):
+    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    cols = tl.arange(0, E_P)
+    row_ok = rows < T
+    col_ok = cols < E
+    logits = tl.load(logits_ptr + rows.to(tl.int64)[:, None] * stride_l + cols[None, :],
+                     mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+    logits = tl.where(col_ok[None, :], logits, float("-inf"))   # padding rows stay finite, columns out
+    if SOFTMAX:
+        e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+        scores = e / tl.sum(e, axis=1)[:, None]
+    else:
+        scores = 1.0 / (1.0 + tl.exp(-logits))
+    choice = scores
+    if HAS_BIAS:
+        choice = choice + tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    choice = tl.where(col_ok[None, :], choice, float("-inf"))
+    picks = tl.arange(0, K_P)
+    weights = tl.zeros([BT, K_P], tl.float32)
+    ids = tl.zeros([BT, K_P], tl.int32)
+    for j in tl.static_range(K):
+        best = tl.max(choice, axis=1)
+        idx = tl.min(tl.where(choice == best[:, None], cols[None, :], E_P), axis=1)
+        hit = cols[None, :] == idx[:, None]
+        w = tl.sum(tl.where(hit, scores, 0.0), axis=1)
+        weights = tl.where(picks[None, :] == j, w[:, None], weights)
+        ids = tl.where(picks[None, :] == j, idx[:, None], ids)
+        choice = tl.where(hit, float("-inf"), choice)
+    if RENORMALIZE:
+        weights = weights / (tl.sum(weights, axis=1)[:, None] + 1e-20)
+    out = rows.to(tl.int64)[:, None] * K + picks[None, :]
+    mask = row_ok[:, None] & (picks < K)[None, :]
+    tl.store(w_ptr + out, weights * scale, mask=mask)
+    tl.store(ids_ptr + out, ids.to(tl.int64), mask=mask)
+
+
+def route_from_logits(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, scoring: str,
+                      renormalize: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] fp32 -> (weights [T, top_k] fp32, ids [T, top_k] int64), ungrouped routing."""
+    interpreter_compat.install()
+    T, E = logits.shape
+    logits = logits if logits.stride(1) == 1 else logits.contiguous()
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
+    if T:
+        E_P = max(16, triton.next_power_of_2(E))
+        BT = max(1, min(16, 4096 // E_P))
+        _route_kernel[(triton.cdiv(T, BT),)](
+            logits, logits.stride(0), bias if bias is not None else logits, weights, ids, T, E, float(scale),
+            K=top_k, K_P=max(2, triton.next_power_of_2(top_k)), E_P=E_P, BT=BT, SOFTMAX=scoring == "softmax",
+            HAS_BIAS=bias is not None, RENORMALIZE=renormalize, num_warps=4,
+        )
+    return weights, ids
