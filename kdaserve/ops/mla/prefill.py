@@ -93,11 +93,14 @@ def launch_shape(target: str, dn: int, dv: int) -> tuple[int, int, int, int]:
     the fastest of the H200 sweep (bench_moe_mla.py --sweep-mla-prefill, docs/perf-notes.md), at
     Kimi-Linear's 128-wide heads [64, 64] in 4 warps (1.8x [64, 32] in 8 at 8K tokens), at
     GLM-5.3-Flash's 256-wide ones [128, 64] in 8 (5.8x [32, 32]; it spills 12 bytes on sm_90 and
-    is still 5% faster than [128, 32] in 3 stages, which does not). Elsewhere the largest tiles
-    that spill on none of sm_89, gfx942, gfx950 (tools/compile_check.py)."""
+    is still 5% faster than [128, 32] in 3 stages, which does not). Elsewhere (not timed) tiles
+    that spill on none of sm_89, gfx942, gfx950 (tools/compile_check.py; [32, 32] in 8 warps
+    spills 20 bytes on sm_89 at 256-wide heads, in 4 warps none)."""
     if target in WIDE_SHARED_MEMORY_TARGETS:
         return (64, 64, 4, 2) if dn + dv <= 256 else (128, 64, 8, 2)
-    return (64, 32, 8, 2) if dn + dv <= 256 else (32, 32, 8, 2)
+    if dn + dv <= 256:
+        return 64, 32, 8, 2
+    return (32, 32, 8, 2) if target.startswith("gfx") else (32, 32, 4, 2)
 
 
 def _pow2(d: int, what: str, zero_ok: bool = False) -> None:
