@@ -137,6 +137,15 @@ def test_bad_shapes_say_what_is_needed():
         mla_prefill_triton(*case, [4], [3], 0.1)
 
 
+
+def test_prefill_says_when_a_step_has_more_query_blocks_than_the_grid_holds(monkeypatch):
+    import kdaserve.ops.mla.prefill as prefill
+
+    monkeypatch.setattr(prefill, "MAX_QUERY_BLOCKS", 2)   # the real cap (65535) needs millions of tokens
+    case = prefill_case("cpu", torch.float32, [40, 20], [40, 20])
+    with pytest.raises(ValueError, match=r"at most 2 blocks of 16 queries in one call .* got 5 for 60 tokens"):
+        prefill.mla_prefill_triton(*case, [40, 20], [40, 20], 0.1)
+
 # (heads, latent, rope part, nope, v): Kimi-Linear-48B and GLM-5.3-Flash (no rotary part, 256-wide heads).
 SIZES = {"kimi": (32, 512, 64, 128, 128), "glm": (64, 512, 0, 256, 256)}
 

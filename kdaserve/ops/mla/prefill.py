@@ -103,6 +103,11 @@ def launch_shape(target: str, dn: int, dv: int) -> tuple[int, int, int, int]:
     return (32, 32, 8, 2) if target.startswith("gfx") else (32, 32, 4, 2)
 
 
+# The grid's second axis (blocks of queries) holds at most 65535 programs: 4M query tokens of one
+# step at 64 per block, far above any step's token budget.
+MAX_QUERY_BLOCKS = 65535
+
+
 def _pow2(d: int, what: str, zero_ok: bool = False) -> None:
     if (d < 16 or d & (d - 1)) and not (zero_ok and d == 0):
         raise ValueError(f"MLA prefill needs a power-of-two {what} >= 16{' or 0' if zero_ok else ''}, got {d}")
@@ -140,6 +145,9 @@ def mla_prefill_triton(q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: torch.T
     cu_k = np.zeros(len(context_lens) + 1, np.int32)
     np.cumsum(context_lens, out=cu_k[1:])
     blk_seq, blk_start, cu_q_d, cu_k_d = tables_to_device([seq_of_block, start_of_block, cu_q, cu_k], q_nope.device)
+    if seq_of_block.shape[0] > MAX_QUERY_BLOCKS:
+        raise ValueError(f"MLA prefill takes at most {MAX_QUERY_BLOCKS} blocks of {BLOCK_M} queries in one call (the "
+                         f"grid's second axis), got {seq_of_block.shape[0]} for {T} tokens; split the step")
     _mla_prefill_kernel[(H, seq_of_block.shape[0])](
         q_nope, q_pe, k_nope, k_pe, v, out, blk_seq, blk_start, cu_q_d, cu_k_d, scale,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), k_nope.stride(0), k_nope.stride(1),
