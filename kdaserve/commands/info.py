@@ -56,6 +56,6 @@ def run(args) -> int:
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     p = dot_precision(device)
-    print(f"\nMLA and MoE kernels (auto): {resolve_kernel_choice('MLA', 'auto', device)}; "
+    print(f"\nMLA, MoE (routing included) and RMSNorm kernels (auto): {resolve_kernel_choice('MLA', 'auto', device)}; "
           f"fp32 dot precision on {device_target(device)}: {p.tensor_core} (tensor-core role), {p.exact} (exact role)")
     return 0
