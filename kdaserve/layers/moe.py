@@ -70,7 +70,10 @@ class MoEMLP(nn.Module):
         target.copy_(tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route_tokens(x, self.gate_weight, self.e_score_correction_bias, self.router)
+        # Routing follows the experts' backend: the reference routes in torch; the Triton backend in
+        # the routing kernel (grouped routing has none), on a GPU or in the interpreter.
+        weights, ids = route_tokens(x, self.gate_weight, self.e_score_correction_bias, self.router,
+                                    use_kernel=self.backend == "triton" and not self.router.grouped)
         if self.fp8_block is not None:
             scales = (self.w13_scale_inv, self.w2_scale_inv)
             if self.backend == "triton":

@@ -43,6 +43,11 @@ class RouterConfig:
             raise ValueError(f"top_k = {self.top_k} experts cannot be chosen from {self.topk_groups} groups of "
                              f"{self.num_experts // self.num_groups}")
 
+    @property
+    def grouped(self) -> bool:
+        """Whether routing is restricted to the best `topk_groups` of `num_groups` groups."""
+        return self.num_groups > 1 and self.topk_groups < self.num_groups
+
 
 def route_tokens(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | None,
                  cfg: RouterConfig, *, use_kernel: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,7 +55,7 @@ def route_tokens(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor 
     `use_kernel`: None = one Triton launch on a GPU (router_kernel.py) unless routing is restricted
     to groups, the torch path below otherwise; True / False force one (tests)."""
     logits = F.linear(x.float(), gate_weight.float())
-    grouped = cfg.num_groups > 1 and cfg.topk_groups < cfg.num_groups
+    grouped = cfg.grouped
     if use_kernel is None:
         use_kernel = x.is_cuda and not grouped
     if use_kernel:
