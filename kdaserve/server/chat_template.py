@@ -82,8 +82,11 @@ def chat_prompt_ids(tokenizer, messages, add_generation_prompt: bool, encode: Ca
     extra = {"tools": tools} if tools else {}
     if not risky or not hasattr(tokenizer, "encode_text"):
         return encode(_render(tokenizer, plain, add_generation_prompt, **extra))
+    # "KddK": letters of both cases in an order that upper, lower, title, capitalize and swapcase all
+    # change, so a template that changes the case of message text changes the marker too (a hex
+    # nonce alone has no letter in 1 of ~1850 draws: the templates test failed on one).
     nonce = secrets.token_hex(8)
-    marks = {f"\ue000{nonce}:{i}\ue001": i for i in risky}
+    marks = {f"\ue000KddK{nonce}:{i}\ue001": i for i in risky}
     masked = [dict(m, content=next(k for k, v in marks.items() if v == i)) if i in risky else m for i, m in enumerate(plain)]
     pieces = re.split("(" + "|".join(map(re.escape, marks)) + ")", _render(tokenizer, masked, add_generation_prompt, **extra))
     found = [p for p in pieces if p in marks]
