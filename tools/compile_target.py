@@ -33,8 +33,8 @@ def gpu_target(target: str) -> GPUTarget:
 
 def default_divisible(name: str, ty: str) -> bool:
     """What the launcher specializes at run time: 16-byte aligned pointers, strides divisible by 16
-    (named `stride*` or `s_*`). Leaving a stride unmarked changes the build: the MLA prefill's
-    loads were not pipelined in this check's build until its `s_*` strides were marked."""
+    (named `stride*` or `s_*`). A stride left unmarked gives another build than the GPU's (loads
+    not pipelined, other registers and spills)."""
     return ty.startswith("*") or name.startswith(("stride", "s_"))
 
 

@@ -61,6 +61,7 @@ def _gpu_target(index: int) -> str:
 # H200 does, as num_sms does.
 WIDE_SHARED_MEMORY_TARGETS = ("sm_90", "sm_100", "sm_103", "cpu")
 
+
 @functools.lru_cache(maxsize=None)
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors (compute units on AMD) of a GPU; 132 (an H200) for the interpreter,

@@ -83,8 +83,8 @@ def chat_prompt_ids(tokenizer, messages, add_generation_prompt: bool, encode: Ca
     if not risky or not hasattr(tokenizer, "encode_text"):
         return encode(_render(tokenizer, plain, add_generation_prompt, **extra))
     # "KddK": letters of both cases in an order that upper, lower, title, capitalize and swapcase all
-    # change, so a template that changes the case of message text changes the marker too (a hex
-    # nonce alone has no letter in 1 of ~1850 draws: the templates test failed on one).
+    # change, so a template that changes the case of message text always changes the marker too
+    # (a hex nonce may hold no letter).
     nonce = secrets.token_hex(8)
     marks = {f"\ue000KddK{nonce}:{i}\ue001": i for i in risky}
     masked = [dict(m, content=next(k for k, v in marks.items() if v == i)) if i in risky else m for i, m in enumerate(plain)]

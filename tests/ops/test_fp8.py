@@ -207,3 +207,10 @@ def test_fp8_kernels_refuse_inputs_they_cannot_take_and_say_what_would_do():
     weights, ids = _routing(3, 4, 2)
     with pytest.raises(ValueError, match=r"expert width \(24\) to be a multiple of the block's 16 rows"):
         moe_experts_fused(torch.randn(3, 32), w13, w2, weights, ids, w13_scale=s13, w2_scale=s2, block=(16, 16))
+    from kdaserve.ops.moe.fused import MoeTiles
+
+    w13, s13, w2, s2 = fp8_experts(4, 32, 32, (16, 16))
+    tiles = MoeTiles(16, (16, 32, 4, None), (16, 16, 4, None))   # gate_up would step K by 32, across two scale blocks
+    with pytest.raises(ValueError, match="FP8 experts step K by the scale block's 16 columns; tiles asked 32 and 16"):
+        moe_experts_fused(torch.randn(3, 32), w13, w2, weights, ids, w13_scale=s13, w2_scale=s2, block=(16, 16),
+                          tiles=tiles)

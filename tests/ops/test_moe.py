@@ -129,7 +129,7 @@ def test_fused_matches_the_reference_in_the_interpreter(mode, T, E, k):
 @INTERP
 @pytest.mark.parametrize("tiles", [
     (16, (16, 16, 4, 2), (16, 32, 4, 3)),    # K stepped by 16 and 32: no K mask (EVEN_K)
-    (32, (32, 16, 4, 1), (16, 16, 4, 1)),    # two experts' rows in one block's reach, narrow tiles
+    (32, (32, 16, 4, 1), (16, 16, 4, 1)),    # 32 rows per program (mostly padding here), narrow tiles
     (16, (16, 32, 4, 2), (16, 64, 4, 2)),    # K steps wider than hidden (48) and I (32): masked
 ], ids=["even-k", "wide-rows", "masked-k"])
 def test_fused_matches_the_reference_at_every_launch_shape(tiles):

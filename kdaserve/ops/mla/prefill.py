@@ -90,12 +90,10 @@ def _mla_prefill_kernel(
 
 def launch_shape(target: str, dn: int, dv: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, warps, stages) on `target` (ops/precision.device_target). Hopper-class:
-    the fastest of the H200 sweep (bench_moe_mla.py --sweep-mla-prefill, docs/perf-notes.md), at
-    Kimi-Linear's 128-wide heads [64, 64] in 4 warps (1.8x [64, 32] in 8 at 8K tokens), at
-    GLM-5.3-Flash's 256-wide ones [128, 64] in 8 (5.8x [32, 32]; it spills 12 bytes on sm_90 and
-    is still 5% faster than [128, 32] in 3 stages, which does not). Elsewhere (not timed) tiles
-    that spill on none of sm_89, gfx942, gfx950 (tools/compile_check.py; [32, 32] in 8 warps
-    spills 20 bytes on sm_89 at 256-wide heads, in 4 warps none)."""
+    the fastest of bench_moe_mla.py --sweep-mla-prefill on an H200 (docs/perf-notes.md), [64, 64]
+    in 4 warps at Kimi-Linear's 128-wide heads, [128, 64] in 8 at GLM-5.3-Flash's 256-wide ones
+    (a few bytes of spills on sm_90, the fastest all the same). Elsewhere (not timed) tiles that
+    spill on none of sm_89, gfx942, gfx950 (tools/compile_check.py)."""
     if target in WIDE_SHARED_MEMORY_TARGETS:
         return (64, 64, 4, 2) if dn + dv <= 256 else (128, 64, 8, 2)
     if dn + dv <= 256:
@@ -133,6 +131,9 @@ def mla_prefill_triton(q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: torch.T
         launch = launch_shape(device_target(q_nope.device), DN, DV) if q_nope.is_cuda else (16, 16, 4, 1)
     BLOCK_M, BLOCK_N, warps, stages = launch
     seq_of_block = np.concatenate([np.full(-(-n // BLOCK_M), i, np.int32) for i, n in enumerate(query_lens)])
+    if seq_of_block.shape[0] > MAX_QUERY_BLOCKS:
+        raise ValueError(f"MLA prefill takes at most {MAX_QUERY_BLOCKS} blocks of {BLOCK_M} queries in one call (the "
+                         f"grid's second axis), got {seq_of_block.shape[0]} for {T} tokens; split the step")
     start_of_block = np.concatenate([np.arange(0, n, BLOCK_M, dtype=np.int32) for n in query_lens])
     # The blocks that see the most keys first (heads fastest in the grid), so the causal tail of
     # short blocks fills the last wave instead of a long block running alone at the end.
@@ -145,9 +146,6 @@ def mla_prefill_triton(q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: torch.T
     cu_k = np.zeros(len(context_lens) + 1, np.int32)
     np.cumsum(context_lens, out=cu_k[1:])
     blk_seq, blk_start, cu_q_d, cu_k_d = tables_to_device([seq_of_block, start_of_block, cu_q, cu_k], q_nope.device)
-    if seq_of_block.shape[0] > MAX_QUERY_BLOCKS:
-        raise ValueError(f"MLA prefill takes at most {MAX_QUERY_BLOCKS} blocks of {BLOCK_M} queries in one call (the "
-                         f"grid's second axis), got {seq_of_block.shape[0]} for {T} tokens; split the step")
     _mla_prefill_kernel[(H, seq_of_block.shape[0])](
         q_nope, q_pe, k_nope, k_pe, v, out, blk_seq, blk_start, cu_q_d, cu_k_d, scale,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), k_nope.stride(0), k_nope.stride(1),

@@ -31,8 +31,7 @@ from kdaserve.ops.moe.align import align_to_experts
 def _block_of_program(n_blocks):
     """(row block, column block) of this program in a 1-D grid, column blocks fastest: the programs
     in flight share their rows (gathered activations, read from DRAM once instead of once per
-    column block) and an expert's weights (its few row blocks run side by side). Row blocks
-    fastest measured 1.2x slower at 2K-8K tokens (docs/perf-notes.md)."""
+    column block) and an expert's weights (its few row blocks run side by side)."""
     pid = tl.program_id(0)
     return pid // n_blocks, pid % n_blocks
 
@@ -164,12 +163,11 @@ class MoeTiles:
 def moe_tiles(num_slots: int, num_experts: int, hidden: int, inter: int, fp8: bool, target: str,
               fp8_k: int = 128) -> MoeTiles:
     """The launch shape the fused path takes for a step of `num_slots` (token, expert) pairs on
-    `target` (ops/precision.device_target). From the H200 sweep (bench_moe_mla.py --sweep-moe,
-    docs/perf-notes.md): steps of up to 48 slots per expert (decode) step K by 128 (6-11% less time
-    at batch 1-256 than by 64, graph-replayed); larger steps (prefill) take 128 rows per program,
-    gate|up tiles of 2 x 128 columns and down tiles of 256 in 8 warps and 4 stages (1.5x at 8K
-    tokens over 64 x 64 tiles). These need Hopper-class shared memory; elsewhere 64 x 64 tiles in
-    the backend's default stages, which fit every target."""
+    `target` (ops/precision.device_target), the fastest of bench_moe_mla.py --sweep-moe on an H200
+    (docs/perf-notes.md): steps of up to 48 slots per expert (decode) step K by 128; larger steps
+    (prefill) take 128 rows per program, gate|up tiles of 2 x 128 columns and down tiles of 256 in
+    8 warps and 4 stages. These need Hopper-class shared memory; elsewhere 64 x 64 tiles in the
+    backend's default stages, which fit every target."""
     bm = moe_block_m(num_slots, num_experts)
     if fp8:
         bn, warps = fp8_tiles(bm)

@@ -69,8 +69,8 @@ def route_tokens(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor 
     choice = scores if bias is None else scores + bias.float()
     if grouped:
         T = x.shape[0]
-        grouped = choice.view(T, cfg.num_groups, -1)
-        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+        by_group = choice.view(T, cfg.num_groups, -1)
+        group_scores = by_group.topk(min(2, by_group.shape[-1]), dim=-1).values.sum(-1)
         keep = torch.zeros_like(group_scores, dtype=torch.bool)
         keep.scatter_(1, group_scores.topk(cfg.topk_groups, dim=-1).indices, True)
         choice = choice.masked_fill(~keep.repeat_interleave(cfg.num_experts // cfg.num_groups, dim=1), float("-inf"))

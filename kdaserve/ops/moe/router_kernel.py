@@ -2,8 +2,7 @@
 the chosen scores renormalized and scaled (the definition: router.route_tokens' torch path).
 
 The torch path is ~8 kernels per MoE layer (sigmoid, the bias add, top-k, gather, sum, divide,
-scale): at decode, launches and their gaps in a CUDA graph; at 8K-token prefill the top-k alone
-was 2.8 ms of Kimi-Linear's 26 layers (docs/perf-notes.md, nineteenth session). One program routes
+scale), each a launch and a gap in a CUDA graph at decode. One program routes
 BT tokens; each holds its row of E scores and picks the k best by k rounds of (max, first index of
 the max, mask it out), so the experts come in descending choice order as torch.topk gives them
 (ties, which random fp32 scores do not make, go to the lower expert id). Routing restricted to

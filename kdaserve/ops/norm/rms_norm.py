@@ -5,9 +5,7 @@
 
 the definition is layers/norm.RMSNorm's torch path (the model families' reference). One pass over
 the rows, where the torch path launches ~7 kernels (upcasts, the add, the square, the mean, the
-products, the downcast) that each read or write the rows: at Kimi-Linear's 8K-token prefill,
-kernels of those kinds were the largest part of the device time outside the layers' own kernels
-and GEMMs (docs/perf-notes.md, nineteenth session).
+products, the downcast) that each read or write the rows (what that cost: docs/perf-notes.md).
 
 One program normalizes BR rows of D; rows may be strided (a column slice of a wider tensor), the
 last dim must be contiguous.
