@@ -98,6 +98,11 @@ class EngineConfig:
     prefix_cache_states_per_request: int = field(default=4, metadata=_flag(
         "prefix caching: checkpoints one request may take (past it: the one ending its prompt and the newest stay); "
         "caps what one long prompt or answer holds"))
+    async_scheduling: bool | None = field(default=None, metadata=_flag(
+        "queue a decode step before the previous step's tokens are read back, so that the host's work per step "
+        "runs while the device computes (steps with prefills, grammars, penalties or min_tokens run one at a time); "
+        "default: on, except with speculative decoding, which it does not support yet; --no-async-scheduling "
+        "turns it off", boolean_optional=True))
     # Run dummy steps at startup so that kernel JIT specializations are compiled before the first
     # requests (engine/warmup.py), on a CUDA device (nothing is compiled on the CPU); graphs or not.
     warmup: bool = field(default=True, metadata=_flag(
@@ -145,6 +150,11 @@ class EngineConfig:
         if self.max_num_batched_tokens < self.num_spec_tokens + 1:
             raise ValueError(f"invalid max_num_batched_tokens: got {self.max_num_batched_tokens}; a verify step of "
                              f"num_speculative_tokens + 1 = {self.num_spec_tokens + 1} tokens must fit")
+        if self.async_scheduling and self.speculative_config is not None:
+            raise ValueError("async_scheduling is not supported with speculative decoding yet; drop --async-scheduling "
+                             "or --speculative-config")
+        if self.async_scheduling is None:
+            self.async_scheduling = self.speculative_config is None
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"invalid gpu_memory_utilization: got {self.gpu_memory_utilization}; expected a number in (0, 1]")
 

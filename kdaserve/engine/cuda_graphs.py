@@ -18,6 +18,12 @@ from kdaserve.layers.attention import AttentionMetadata
 from kdaserve.layers.context import Context, KDAStepMetadata, reset_context, set_context
 
 
+def gather_inputs(ids: torch.Tensor, source: torch.Tensor) -> None:
+    """ids[i] = source[ids[i]], in stream order: an overlapped step's inputs, staged as rows of
+    the step before's sampled tokens (on the device, never read by the host)."""
+    ids.copy_(source.index_select(0, ids))
+
+
 def graph_batch_sizes(max_bs: int) -> list[int]:
     sizes = [b for b in (1, 2, 4, 8) if b < max_bs] + list(range(16, max_bs, 16))
     return sorted(set(sizes + [max_bs]))
@@ -158,10 +164,13 @@ class DecodeGraphs:
         rows = step.num_decode_tokens
         return Context(attn=self._attention(rows)), self.inputs.positions[:rows]
 
-    def run(self, step: HostStep) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run(self, step: HostStep, input_source: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Replay the decode step; returns the hidden states of its real rows and the device
-        index of its sample rows (None: rows 0..k-1)."""
+        index of its sample rows (None: rows 0..k-1). `input_source`: the step's input ids were
+        staged as rows of this device tensor (async scheduling), gathered before the replay."""
         bs = self.bucket(step.num_decodes)
         sample_rows = self.inputs.stage(step, bs)
+        if input_source is not None:
+            gather_inputs(self.inputs.input_ids[: step.num_decodes], input_source)
         self.graphs[bs].replay()
         return self.outputs[: step.num_decode_tokens], sample_rows

@@ -82,7 +82,11 @@ class LLMEngine:
         # Text of every output as it streams. Offline generation (LLM) turns it off: text is then
         # decoded when a request finishes (or as needed for stop strings), saving host time per token.
         self.incremental_text = True
-        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0, "steps": 0}
+        # overlapped_steps: steps queued before the tokens of the step before were read (async scheduling).
+        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0, "steps": 0, "overlapped_steps": 0}
+        # Async scheduling: the step queued on the device whose tokens the next step() reads.
+        self.async_scheduling = self.config.async_scheduling
+        self._inflight = None
         self.last_step_tokens = 0   # tokens the last step computed (prompt + decode): vLLM's iteration tokens
         self._grammar_compiler = None   # built on the first structured request (xgrammar imported then)
         self._grammar_lock = threading.Lock()
@@ -187,7 +191,7 @@ class LLMEngine:
         self._pending.append(self._output(seq, []))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending)
+        return self.scheduler.has_unfinished() or bool(self._pending) or self._inflight is not None
 
     def stats(self) -> dict:
         return {
@@ -211,8 +215,18 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One scheduler step; returns outputs of the requests that progressed (new tokens,
-        prompt log-probs, finished or aborted)."""
+        prompt log-probs, finished or aborted).
+
+        With async scheduling (EngineConfig.async_scheduling) a decode step's successor is
+        queued on the device before the step's own tokens are read back, so the host's work on
+        them (appending, stop checks, text, outputs) and the next step's preparation run while
+        the device computes: a call then returns the outputs of the step before it, and one step
+        stays in flight between calls (_complete_overlapped)."""
         outputs, self._pending = self._pending, []
+        prev, self._inflight = self._inflight, None
+        if prev is not None and self._complete_overlapped(*prev, outputs):
+            return outputs
+        # Nothing in flight (or the step before needed more than a decode batch): a step as is.
         if self.proposer is not None:
             self._propose_drafts()
         batch = self.scheduler.schedule()
@@ -226,10 +240,43 @@ class LLMEngine:
                     f"resources were lost or the pools are too small"
                 )
             return outputs
+        self._complete_overlapped(batch, self._launch(batch), outputs)
+        return outputs
+
+    def _can_overlap(self, batch, result) -> bool:
+        """Whether the step after `batch` may be queued before its tokens are read: a decode
+        step whose every row samples (tokens on the device), with no sampling that depends on the
+        tokens before it (grammars, penalties, min_tokens) and no prompt log-probs."""
+        return (self.async_scheduling and not batch.prefills and result.accepted is None and not result.prompt_logprobs
+                and getattr(result.sampled, "tokens", None) is not None
+                and len(result.sample_seqs) == len(batch.decodes)
+                and not any(s.grammar is not None or s.params.has_logits_processors for s in batch.decodes))
+
+    def _complete_overlapped(self, batch, result, outputs: list) -> bool:
+        """Complete the queued step `batch`, first queueing the next decode step on its device
+        tokens where it can (_can_overlap, Scheduler.schedule_after), so that the host reads
+        and handles `batch`'s tokens while the next step runs. False where nothing was queued:
+        the next step needs the scheduler's full pass (admissions, preemption, a prefill)."""
+        nxt = self.scheduler.schedule_after(result.sample_seqs) if self._can_overlap(batch, result) else None
+        if nxt is None:
+            self._complete(batch, result, outputs)
+            return False
+        self._inflight = (nxt, self._launch(nxt, result.sampled.tokens))
+        self.counters["overlapped_steps"] += 1
+        self._complete(batch, result, outputs)
+        # The next step's input tokens are on the host now: its prefix-cache bookkeeping, whose
+        # state copies must reach the stream before any later step does.
+        self._after_forward(nxt)
+        if all(s.is_finished for s in nxt.decodes):   # every request of it ended meanwhile: nothing to read
+            self._inflight = None
+        return True
+
+    def _launch(self, batch, input_source=None):
+        """Queue `batch` on the device and count what it computes."""
         scheduled_at = time.monotonic()
         for seq in batch.prefills:   # a decode was scheduled before, as a prefill
             seq.metrics.setdefault("first_scheduled_time", scheduled_at)
-        result = self.runner.execute(batch)
+        result = self.runner.execute(batch, input_source)
         self.counters["steps"] += 1
         self.last_step_tokens = batch.num_tokens
         for seq in batch.decodes:
@@ -237,15 +284,31 @@ class LLMEngine:
         for seq, n in zip(batch.prefills, batch.num_new_tokens):
             seq.num_computed_tokens += n
             self.counters["prompt_tokens"] += n
-        if self.prefix_cache is not None:   # before any request of the step finishes and frees its slot
+        if batch.input_rows is None:   # an overlapped step's inputs reach the host later (_complete_overlapped)
+            self._after_forward(batch)
+        return result
+
+    def _after_forward(self, batch) -> None:
+        """Prefix caching: the full blocks the step completed and its checkpoints' state copies,
+        queued behind its forward pass, before any request of it finishes and frees its slot."""
+        if self.prefix_cache is not None:
             self.runner.copy_states(self.prefix_cache.after_step(batch))
+
+    def _complete(self, batch, result, outputs: list) -> None:
+        """Read `batch`'s results (waiting for its tokens), append them and report the requests
+        it advanced. Requests that ended while it ran (aborted, or stopped by the step before,
+        with async scheduling) drop their token."""
         for seq, index, entry in result.prompt_logprobs:
             if index == len(seq.prompt_logprobs):
                 seq.prompt_logprobs.append(entry)
         touched = {s.seq_id: s for s, _, _ in result.prompt_logprobs}
+        sampled = result.sampled
+        tokens, logprobs = sampled.token_ids, sampled.logprobs
         now = time.monotonic()
-        for i, (seq, token) in enumerate(zip(result.sample_seqs, result.sampled.token_ids)):
-            self._append_token(seq, token, result.sampled.logprobs[i], now)
+        for seq, token, logprob in zip(result.sample_seqs, tokens, logprobs):   # empty after a verify
+            if seq.is_finished:
+                continue
+            self._append_token(seq, token, logprob, now)
             touched[seq.seq_id] = seq
         if result.accepted is not None:
             self._apply_verified(batch, result.accepted, now, touched)
@@ -255,7 +318,6 @@ class LLMEngine:
         for seq in touched.values():
             outputs.append(self._output(seq, seq.new_token_ids))
             seq.new_token_ids = []
-        return outputs
 
     def _propose_drafts(self) -> None:
         """Drafts for every running sequence whose next step is a verify, capped so that accepting

@@ -10,8 +10,8 @@ import torch
 
 from kdaserve.engine.caches import StepCaches, format_bytes, kv_bytes_per_block, state_bytes_per_slot
 from kdaserve.engine.config import EngineConfig
-from kdaserve.engine.cuda_graphs import DecodeGraphs
-from kdaserve.engine.sampler import Sampler, SampleResult, logprob_rows
+from kdaserve.engine.cuda_graphs import DecodeGraphs, gather_inputs
+from kdaserve.engine.sampler import PendingSample, Sampler, SampleResult, logprob_rows
 from kdaserve.engine.scheduler import ScheduledBatch
 from kdaserve.engine.sequence import Sequence
 from kdaserve.engine.speculative.rejection_sampler import AcceptedTokens, RejectionSampler
@@ -31,7 +31,8 @@ _DEFAULT_MAX_GRAPH_BATCH = 512
 
 @dataclass
 class StepResult:
-    sampled: SampleResult
+    # token_ids / logprobs per sampling sequence; a PendingSample also has them on the device
+    sampled: SampleResult | PendingSample
     sample_seqs: list[Sequence]
     # (sequence, prompt token index, {"token_id", "logprob", "top"}) in prompt order
     prompt_logprobs: list[tuple[Sequence, int, dict]]
@@ -182,16 +183,23 @@ class ModelRunner:
             rec.index_copy_(0, dst, rec.index_select(0, src))
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> StepResult:
+    def execute(self, batch: ScheduledBatch, input_source: torch.Tensor | None = None) -> StepResult:
+        """Queue the step on the device; nothing waits for it (the sampled tokens arrive through
+        StepResult.sampled, a PendingSample). `input_source`: with batch.input_rows (async
+        scheduling), the step before's sampled tokens on the device, which the decodes read."""
+        if (batch.input_rows is None) != (input_source is None):
+            raise ValueError("a step with input_rows needs the device tokens they index (input_source), and only it")
         self.copy_states(batch.restores)   # prefix-cache hits: their states before the step reads them
         width = self.blocks_per_seq if self.graphs is not None and not batch.prefills else None
         step = build_host_step(batch, self.block_size, decode_width=width, trash_row=self.caches.trash_row)
         if self.graphs is not None and self.graphs.can_run(step):
-            hidden, sample_rows = self.graphs.run(step)
+            hidden, sample_rows = self.graphs.run(step, input_source)
             # The MTP drafter runs eagerly after the replay, under the replayed step's metadata.
             context, positions = self.graphs.attention_context(step) if self.mtp else (None, None)
         else:
             dev = to_device_context(step, self.device, self.step_ring)
+            if input_source is not None:
+                gather_inputs(dev.input_ids[: step.num_decodes], input_source)
             sample_rows = dev.sample_rows
             if self.kda_backends is not None:  # once per step, for every KDA layer
                 dev.context.kda_plan = self.kda_backends.plan_step(dev.context.kda)

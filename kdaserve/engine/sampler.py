@@ -64,6 +64,56 @@ def _logprob_lists(chosen: list, top_v: list, top_i: list, num_top: list[int]) -
     return out
 
 
+class PendingSample:
+    """A step's sampled tokens (and log-probs) on their way to the host. `tokens` is the device
+    tensor at once: an overlapped next step reads its inputs from it (engine/llm_engine.py,
+    async scheduling). `token_ids` and `logprobs` are host lists on first read, which waits for
+    the one device->host copy started behind the sampling -- not for the whole stream, so work
+    queued after the sampling (the next step) keeps running while the host reads them."""
+
+    def __init__(self, tokens: torch.Tensor, lp_parts: list[torch.Tensor] | None = None, lp_rows: list[int] = (),
+                 num_top: list[int] = ()):
+        self.tokens = tokens
+        self._lp_rows, self._num_top = list(lp_rows), list(num_top)
+        parts = [tokens, *(lp_parts or [])]
+        self._sizes = [t.numel() for t in parts]
+        # One transfer for everything: float64 holds fp32 values and token ids (< 2**53) exactly.
+        flat = torch.cat([t.reshape(-1).to(torch.float64) for t in parts]) if lp_parts else tokens
+        on_gpu = tokens.device.type == "cuda"
+        self._host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=on_gpu)
+        self._host.copy_(flat, non_blocking=on_gpu)
+        self._event = None
+        if on_gpu:
+            self._event = torch.cuda.Event()
+            self._event.record(torch.cuda.current_stream(tokens.device))
+        self._result: SampleResult | None = None
+
+    def result(self) -> SampleResult:
+        if self._result is None:
+            if self._event is not None:
+                self._event.synchronize()
+            flat = self._host.tolist()
+            n = self._sizes[0]
+            lp: list = [None] * n
+            if self._lp_rows:
+                at, host = n, []
+                for size in self._sizes[1:]:
+                    host.append(flat[at : at + size])
+                    at += size
+                for i, r in zip(self._lp_rows, _logprob_lists(*host, self._num_top)):
+                    lp[i] = r
+            self._result = SampleResult([int(t) for t in flat[:n]], lp)
+        return self._result
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.result().token_ids
+
+    @property
+    def logprobs(self) -> list:
+        return self.result().logprobs
+
+
 def to_host(tensors: list[torch.Tensor]) -> list[list]:
     """Each tensor as a flat host list, in ONE device->host transfer (each .tolist() is a sync):
     all go through float64, exact for fp32 values and for integers below 2**53 (token ids)."""
@@ -84,10 +134,11 @@ class Sampler:
         self.grammar_ring = StagingRing(64 << 10, torch.device(device))    # grammar bitmasks (structured output)
         self.stop_ids = stop_ids   # the model's end-of-sequence ids, which min_tokens holds back
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> PendingSample:
         """logits [N, V] fp32, one row per sequence in `seqs`. One host->device copy of the rows'
         parameters (none when every row is greedy and all or no rows want log-probs) and one
-        device->host transfer of the results."""
+        device->host transfer of the results, which the caller waits for only when it reads them
+        (PendingSample)."""
         N, V = logits.shape
         params = [s.params for s in seqs]
         greedy = [p.greedy for p in params]
@@ -137,11 +188,8 @@ class Sampler:
             # An exact 0 from the race would turn 0/0 into NaN, which argmax would pick.
             drawn = (probs / race.clamp_(min=1e-20)).argmax(-1)
             tokens = torch.where(dev["greedy"], tokens, drawn)
-        lp: list = [None] * N
         if not lp_rows:
-            return SampleResult(tokens.tolist(), lp)
+            return PendingSample(tokens)
         idx = dev["logprob_rows"] if some_lp else slice(None)
-        host = to_host([tokens, *_logprob_tensors(logits[idx], tokens[idx], max(want[i] for i in lp_rows))])
-        for i, r in zip(lp_rows, _logprob_lists(*host[1:], [want[i] for i in lp_rows])):
-            lp[i] = r
-        return SampleResult([int(t) for t in host[0]], lp)
+        parts = _logprob_tensors(logits[idx], tokens[idx], max(want[i] for i in lp_rows))
+        return PendingSample(tokens, parts, lp_rows, [want[i] for i in lp_rows])

@@ -46,6 +46,9 @@ class ScheduledBatch:
     # staged `checkpoint_width` wide (fixed per engine: one compiled kernel variant).
     checkpoints: list[list[tuple[int, int]]] | None = None
     checkpoint_width: int = 0
+    # Async scheduling (schedule_after): the decodes' input tokens are the step before's sampled
+    # tokens, still on the device; decode i reads row input_rows[i] of them. None: from token_ids.
+    input_rows: list[int] | None = None
 
     @property
     def tokens_per_decode(self) -> int:
@@ -154,6 +157,40 @@ class Scheduler:
             # A step takes at most the per-request cap per sequence (the cap drops the rest first).
             batch.checkpoint_width = checkpoint_table_width(self.prefix.per_request)
         return batch
+
+    def schedule_after(self, sampling: list[Sequence]) -> ScheduledBatch | None:
+        """The next step while the current one is still running (async scheduling): every
+        running request decodes the token the current step samples for it, which only the device
+        knows yet (`sampling`: the current step's sampling sequences, in its sample order). None
+        where that step needs more than such a decode batch: requests to admit, a running request
+        the current step does not sample for, KV blocks short (preemption), the token budget
+        exceeded, speculative decoding or the drafter's lookahead. Requests that the current
+        step's token ends by length (max_tokens, max_model_len) are left out; those it ends
+        otherwise (a stop token or string, an abort) decode once more for nothing, and the
+        engine drops that token."""
+        if self.spec or self.lookahead or not self.running:
+            return None
+        if self.waiting and len(self.running) < self.max_num_seqs:
+            return None
+        row_of = {id(s): i for i, s in enumerate(sampling)}
+        decodes, rows = [], []
+        for seq in self.running:
+            row = row_of.get(id(seq))
+            if row is None or seq.num_uncomputed_tokens:
+                return None
+            # After the current step's token: num_tokens + 1 tokens, num_output_tokens + 1 outputs.
+            if seq.num_output_tokens + 1 >= seq.params.max_tokens or (
+                    self.max_model_len is not None and seq.num_tokens + 1 >= self.max_model_len):
+                continue
+            decodes.append(seq)
+            rows.append(row)
+        if not decodes or len(decodes) > self.max_num_batched_tokens:
+            return None
+        if sum(self.blocks.extra_blocks_for(s, s.num_computed_tokens + 1) for s in decodes) > self.blocks.num_free:
+            return None
+        for seq in decodes:
+            self.blocks.grow(seq, seq.num_computed_tokens + 1)
+        return ScheduledBatch(decodes=decodes, input_rows=rows)
 
     def _kv_end(self, seq: Sequence, end: int, samples: bool = False) -> int:
         """Cache rows `seq` needs for a step computing its tokens up to `end`: with the lookahead

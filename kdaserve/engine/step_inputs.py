@@ -114,15 +114,23 @@ def build_host_step(batch: ScheduledBatch, block_size: int, decode_width: int | 
         # Decode rows: one token each, by list comprehensions (a decode step of 64 sequences is all
         # host time; per-row numpy calls cost more than the rows' arithmetic).
         pos = [s.num_computed_tokens for s in decodes]
-        ids = [s.token_ids[p] for s, p in zip(decodes, pos)]
         slots_map = [s.block_table[p // block_size] * block_size + p % block_size for s, p in zip(decodes, pos)]
         tables = [s.block_table_array() for s in decodes]
-        for row, (seq, p) in enumerate(zip(decodes, pos)):
-            if p + 1 == len(seq.token_ids):
-                logits.sample_rows.append(row)
-                logits.sample_seqs.append(seq)
-            if seq.needs_prompt_logprobs:
-                _want_prompt_logprobs(logits, seq, row, p, 1)
+        if batch.input_rows is not None:
+            # Async scheduling: the inputs are the step before's sampled tokens, on the device;
+            # the ids stage the row of each in them (ModelRunner.execute gathers), and every
+            # row samples (scheduler.schedule_after schedules nothing else).
+            ids = batch.input_rows
+            logits.sample_rows.extend(range(nd))
+            logits.sample_seqs.extend(decodes)
+        else:
+            ids = [s.token_ids[p] for s, p in zip(decodes, pos)]
+            for row, (seq, p) in enumerate(zip(decodes, pos)):
+                if p + 1 == len(seq.token_ids):
+                    logits.sample_rows.append(row)
+                    logits.sample_seqs.append(seq)
+                if seq.needs_prompt_logprobs:
+                    _want_prompt_logprobs(logits, seq, row, p, 1)
         decode_lens = np.asarray(pos, dtype=np.int32) + 1
     # Prefill rows.
     row = nd * m

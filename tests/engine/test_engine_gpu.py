@@ -92,7 +92,7 @@ def test_speculative_verify_steps_replay_cuda_graphs_and_keep_the_tokens(decode)
         replays = []
         if graphs is not None:
             real_run = graphs.run
-            graphs.run = lambda step: replays.append(step.num_decodes) or real_run(step)
+            graphs.run = lambda step, *source: replays.append(step.num_decodes) or real_run(step, *source)
         assert _ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == want
         assert _ids(llm.generate(prompts[:3], GREEDY, use_tqdm=False)) == want[:3]   # a padding sequence in the bucket
         assert eager or replays, "verify steps must replay the captured graphs"

@@ -61,7 +61,7 @@ def test_graph_decode_with_staged_inputs_equals_eager_as_batch_sizes_change(deco
     assert graphs.runner.graphs is not None and graphs.runner.step_ring.pinned
     replayed = []
     real_run = graphs.runner.graphs.run
-    graphs.runner.graphs.run = lambda step: replayed.append(step.num_decodes) or real_run(step)
+    graphs.runner.graphs.run = lambda step, *source: replayed.append(step.num_decodes) or real_run(step, *source)
     want, got = _arrivals(eager), _arrivals(graphs)
     assert len(set(replayed)) >= 8, replayed          # many batch sizes went through the graphs
     assert set(got) == set(want)
@@ -74,10 +74,12 @@ def test_graph_decode_with_staged_inputs_equals_eager_as_batch_sizes_change(deco
     assert s["state_slots_used"] == 0 and s["kv_blocks_used"] == 0
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "one_at_a_time"])
 @pytest.mark.parametrize("eager", [False, True])
-def test_a_decode_step_synchronizes_once(eager):
-    """Only the sampled tokens' transfer waits for the device: no blocking metadata copies."""
-    engine = _tiny(enforce_eager=eager)
+def test_a_decode_step_never_synchronizes_the_stream(eager, async_scheduling):
+    """Only the sampled tokens' transfer is waited for, on its own event (sampler.PendingSample):
+    no stream or device synchronization, no blocking copy (torch's sync debug mode reports each)."""
+    engine = _tiny(enforce_eager=eager, async_scheduling=async_scheduling)
     for i in range(5):
         engine.add_request(f"r{i}", [5 + i] * (4 + i), SamplingParams(max_tokens=40, ignore_eos=True))
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.requests.values()):
@@ -93,7 +95,8 @@ def test_a_decode_step_synchronizes_once(eager):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
-    assert len(syncs) == 4, syncs
+    assert syncs == []
+    assert (engine.counters["overlapped_steps"] >= 4) == async_scheduling
 
 
 def test_warm_up_runs_at_startup_and_changes_nothing(caplog):

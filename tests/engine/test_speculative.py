@@ -156,8 +156,9 @@ def test_a_rejected_draft_leaves_no_trace_in_any_cache(want):
     that of plain decoding at the same number of computed tokens: the KDA recurrent state (in the
     slot the next step resumes from), the conv window, and the KV rows of every computed position.
     Equal up to fp32 rounding (the projections see other row counts); a draft's trace is O(0.1)."""
+    # Caches are compared between steps: no step may still be in flight (async scheduling).
     plain_eng = LLMEngine("tiny", device="cpu", kda_prefill_backend="reference", kda_decode_backend="reference",
-                          max_model_len=128, max_num_seqs=2)
+                          max_model_len=128, max_num_seqs=2, async_scheduling=False)
     spec_eng = LLMEngine("tiny", device="cpu", kda_prefill_backend="reference", kda_decode_backend="reference",
                          max_model_len=128, max_num_seqs=2, speculative_config=NGRAM)
     spec_eng.proposer = ScriptedProposer({tuple(PROMPTS[0]): want[0]}, S, lambda call: [1, 0, 2][call % 3])

@@ -38,14 +38,14 @@ def _recording(engine: LLMEngine) -> list:
     """Wrap the runner so that every step's batch shape is recorded."""
     seen, real = [], engine.runner.execute
 
-    def execute(batch):
+    def execute(batch, *source):   # source: an overlapped step's device inputs (async scheduling)
         seen.append(dict(
             decodes=len(batch.decodes), prefill_lens=list(batch.num_new_tokens), seqs=len(batch.sequences),
             continued=[s.num_computed_tokens > 0 for s in batch.prefills],
             last_position=max([s.num_computed_tokens for s in batch.decodes]
                               + [s.num_computed_tokens + n - 1 for s, n in zip(batch.prefills, batch.num_new_tokens)]),
         ))
-        return real(batch)
+        return real(batch, *source)
 
     engine.runner.execute = execute
     return seen
@@ -141,12 +141,12 @@ def test_with_prefix_caching_the_checkpoint_kernels_are_warmed_and_nothing_is_ca
     plain, warmed = _engine(enable_prefix_caching=True), _engine(enable_prefix_caching=True)
     widths, real = [], warmed.runner.execute
 
-    def execute(batch):
+    def execute(batch, *source):
         if batch.checkpoints:
             widths.append(batch.checkpoint_width)
             assert all(0 < o < n and o % 32 == 0 for pairs, n in zip(batch.checkpoints, batch.num_new_tokens)
                        for o, _ in pairs)
-        return real(batch)
+        return real(batch, *source)
 
     warmed.runner.execute = execute
     warmed.warm_up()
