@@ -9,8 +9,10 @@ docs/perf-notes.md.
 
 How: the real engine (scheduler, host step building, token appending, detokenizing, outputs) and
 the real app (uvicorn, FastAPI), the `nano` model's tokenizer; only `ModelRunner.execute` is
-replaced: it builds the host step as the real one does, sleeps `--device-ms` (the GIL released,
-like a GPU step) and returns the next token of a fixed text for every sampling sequence. A client
+replaced: it builds the host step as the real one does and returns the next token of a fixed text
+for every sampling sequence, readable `--device-ms` after the fake device (one step at a time)
+took the step up: reading them sooner sleeps (the GIL released, like a host waiting for a GPU), so
+async scheduling overlaps the host's work with that time as with a GPU's. A client
 in another process opens `--streams` streaming completions at once and stamps every SSE chunk.
 Reported: the engine's step period in steady decode (in a thread: the interval between execute
 calls of steps without prefills; in its own process: between the arrivals of steps' outputs), the
@@ -96,21 +98,44 @@ def client(url: str, model: str, streams: int, max_tokens: int, out: mp.Queue, k
     out.put(asyncio.run(main()))
 
 
+class _FakePendingSample:
+    """A fixed-time device's sampled tokens: ready `device_s` after the device took the step up
+    (it runs one step at a time), as a GPU's PendingSample; reading them waits until then."""
+
+    def __init__(self, tokens: list[int], ready_at: float):
+        import torch
+
+        self.tokens = torch.tensor(tokens, dtype=torch.int64)   # what an overlapped next step reads
+        self._ids, self._ready_at = tokens, ready_at
+
+    @property
+    def token_ids(self) -> list[int]:
+        wait = self._ready_at - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)   # the GIL released, like a host waiting for a GPU
+        return self._ids
+
+    @property
+    def logprobs(self) -> list:
+        return [None] * len(self._ids)
+
+
 def fake_device(engine, device_s: float, calls: list[float]) -> None:
     from kdaserve.engine.model_runner import StepResult
-    from kdaserve.engine.sampler import SampleResult
     from kdaserve.engine.step_inputs import build_host_step
 
     runner = engine.runner
+    busy_until = [0.0]
 
-    def execute(batch):
+    def execute(batch, input_source=None):
+        now = time.monotonic()
         if not batch.prefills:
-            calls.append(time.monotonic())
+            calls.append(now)
         step = build_host_step(batch, runner.block_size, trash_row=runner.caches.trash_row)
-        time.sleep(device_s)
+        busy_until[0] = max(now, busy_until[0]) + device_s
         seqs = step.logits.sample_seqs
         tokens = [TEXT[s.num_output_tokens % len(TEXT)] for s in seqs]
-        return StepResult(SampleResult(tokens, [None] * len(tokens)), seqs, [])
+        return StepResult(_FakePendingSample(tokens, busy_until[0]), seqs, [])
 
     runner.execute = execute
 
@@ -118,10 +143,10 @@ def fake_device(engine, device_s: float, calls: list[float]) -> None:
 def stamp_steps(engine, calls: list[float]) -> None:
     execute = engine.runner.execute
 
-    def stamped(batch):
+    def stamped(batch, *source):
         if not batch.prefills:
             calls.append(time.monotonic())
-        return execute(batch)
+        return execute(batch, *source)
 
     engine.runner.execute = stamped
 
@@ -180,6 +205,8 @@ def main() -> None:
                          "a thread of the server's process. The engine step is then stamped where its outputs arrive")
     ap.add_argument("--client", choices=["raw", "httpx"], default="raw",
                     help="the streaming client: a lean asyncio one (default) or httpx's")
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                    help="the engine's async scheduling (default on, as served); --no-async-scheduling: one step at a time")
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval in ms for this run (Python's default: 5 ms)")
     args = ap.parse_args()
@@ -199,6 +226,7 @@ def main() -> None:
     else:   # the real model on this machine's device, CUDA graphs as served
         kwargs = dict(model=args.model, max_num_seqs=args.streams, max_model_len=args.max_tokens + 64, seed=0)
         device_s = None
+    kwargs["async_scheduling"] = args.async_scheduling
     ctx = mp.get_context("spawn")
     if args.engine_process:
         from kdaserve.server.engine_process import EngineProcess

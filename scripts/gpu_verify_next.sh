@@ -7,12 +7,10 @@
 # transformers 5.23.0 with what it imports for structured output) and, for an old-vs-new comparison, [".old"]
 # (e.g. `git archive <commit> kdaserve benchmarks | tar -x -C .old`).
 # Parts owed (add one as `if [ "$PART" = name ]; then ... fi` below, with what it must show):
-#   norm_kernel   the fused RMSNorm (ops/norm/rms_norm.py) and the MLA prefill's new launch shapes
-#                 ran inside Kimi-Linear's GPU tests and the engine's; GLM-5.3-Flash's models (the
-#                 256-wide MLA heads' (128, 64, 8, 2) shape, mHC around the norms, MTP) have not.
-#   moe_route_sum the router after its logits in one Triton launch (ops/moe/router_kernel.py) and the
-#                 MoE sum over the k choices in one (ops/moe/fused._moe_sum_kernel): interpreter-tested
-#                 only; written after the nineteenth session's device time ran out.
+#   async_sched   async scheduling (EngineConfig.async_scheduling, on by default): the next decode step
+#                 queued on the device tokens of the one before (gathered into the graphs' static
+#                 inputs or the eager step's buffer), tokens read back through pinned memory and an
+#                 event (sampler.PendingSample). CPU-tested only before this part.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -38,23 +36,15 @@ PART=${1:-}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 [ -z "$PART" ] && echo "name a part"
 
-if [ "$PART" = norm_kernel ]; then
-  # Must show: every test passed (GLM-5.3-Flash against transformers in fp32 and its bf16 GPU paths
-  # with the kernel norm; MTP with CUDA graphs lossless), prefix caching's GPU tests unchanged.
-  group glm5_next 300 tests/models/test_glm5_next.py
-  group prefix_caching 150 tests/engine/test_prefix_caching_gpu.py
-fi
-
-if [ "$PART" = moe_route_sum ]; then
-  # Must show: every test passed; in bench_moe_mla's table the "MoE route" rows' torch / triton >= 1.0
-  # at every batch (decode, graphed) and at 2K / 8K tokens (eager) -- where it is below 1.0, route_tokens
-  # must keep the torch path there (make its use_kernel rule depend on T) -- and the MoE rows no slower
-  # than the reference table's (graph 0.0420 / 0.2195 / 0.7636 / 0.9352 ms at batch 1 / 8 / 64 / 256;
-  # prefill 1.2002 / 2.3593 ms at 2K / 8K); bench_kimi_linear: TTFT 8K and the "other" kind against the
-  # reference table's run 9 (152.7 ms, 17.4 ms), the graph step at batch 1 / 64 against 3674 / 20341 us.
-  # Numbers into docs/perf-notes.md.
-  group moe 150 tests/ops/test_moe.py
-  group kimi_linear 100 tests/models/test_kimi_linear_gpu.py
-  timeout 90 python3 benchmarks/bench_moe_mla.py --batches 1 8 64 256 --prefill 2048 8192 2>&1 | tee "$OUT/moe_mla.log" | grep "^| MoE"
-  timeout 150 python3 benchmarks/bench_kimi_linear.py --batches 1 64 --ttft 8192 2>&1 | tee "$OUT/kimi.log" | tail -20
+if [ "$PART" = async_sched ]; then
+  # Must show: every test passed (async vs one step at a time equal on the GPU, graphs and eager;
+  # the engine's GPU tests with async scheduling on by default); in bench_serving_host's tables the
+  # engine alone with async scheduling at most the step without it, and the ITL / engine alone of
+  # both. Numbers into docs/perf-notes.md.
+  group async 150 tests/engine/test_async_scheduling.py
+  group engine_gpu 200 tests/engine/test_engine_gpu.py
+  group host_overhead 150 tests/engine/test_host_overhead_gpu.py
+  for a in --async-scheduling --no-async-scheduling; do
+    timeout 110 python3 benchmarks/bench_serving_host.py --model bench --rounds 2 $a 2>&1 | tee -a "$OUT/serving.log" | grep -E "alone|^\| [01] "
+  done
 fi
