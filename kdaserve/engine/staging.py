@@ -8,11 +8,11 @@ the transfer runs.
 The hazard of a non-blocking copy is its source: the DMA reads the pinned buffer when the stream
 gets to it, possibly after the host has returned and started writing the next step into that same
 buffer. Hence a ring of pinned buffers with one CUDA event per buffer, recorded right after the
-copy that reads it; a buffer is only handed out again after its event has completed. In a steady
-engine every step ends with the sampled tokens' device->host transfer (a stream sync), so the wait
-costs nothing; it matters for steps that end without one (prefill chunks that sample no row), after
-which the host may run ahead of the stream. Two buffers let the host fill one while the other's
-copy is still pending.
+copy that reads it; a buffer is only handed out again after its event has completed. The host
+waits for every step's sampled tokens, and with async scheduling at most one step is queued past
+them, so a buffer's copy (two steps back) has run by the time it comes round again and the wait
+costs nothing; it matters where the host runs further ahead (prefill chunks that sample no row).
+Two buffers let the host fill one while the other's copy is still pending.
 """
 
 from __future__ import annotations
