@@ -82,9 +82,10 @@ def _mla_prefill_launch(shape: tuple[int, int, int, int]) -> dict:
 
 
 def _recurrence_launch(cfg, segmented: bool) -> dict:
+    consts = dict(CK_PIECES=cfg.checkpoint_pieces)
     if segmented:
-        return dict(warps=cfg.seg_warps, stages=cfg.seg_stages)
-    return dict(warps=cfg.recur_warps, stages=cfg.recur_stages)
+        return dict(consts=consts, warps=cfg.seg_warps, stages=cfg.seg_stages)
+    return dict(consts=consts, warps=cfg.recur_warps, stages=cfg.recur_stages)
 
 
 def _flash_cases() -> list[Case]:

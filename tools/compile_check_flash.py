@@ -60,7 +60,8 @@ def main(sass: bool = False) -> None:
                                        (True, cfg.seg_block_v, cfg.seg_warps, cfg.seg_stages)):
             for nck in (0, 4):
                 k = compile_for_sm90(flash_recurrence_kernel, dict(rec_types, **checkpoints),
-                                     dict(H=32, D=128, C=C, BV=bv, SEGMENTED=seg, L_PAD=4, PREC="tf32", FAST=True, NCK=nck),
+                                     dict(H=32, D=128, C=C, BV=bv, SEGMENTED=seg, L_PAD=4, PREC="tf32", FAST=True, NCK=nck,
+                                          CK_PIECES=cfg.checkpoint_pieces),
                                      num_warps=warps, num_stages=stages)
                 wg = "wgmma" if "wgmma" in k.asm["ptx"] else "mma.sync"
                 lines.append(f"recurrence C={C} segmented={seg} BV={bv} warps={warps} NCK={nck}: {report(k)} {wg}")

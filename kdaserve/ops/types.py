@@ -87,7 +87,8 @@ class CheckpointRequests:
     """State checkpoints a prefill takes in the same launch (prefix caching): sequence n's
     recurrent state and conv window (the raw tokens before the point) as they are after
     `offsets[n, j]` of its new tokens, copied into state slot `slots[n, j]`. Offsets are interior
-    (0 < offset < the sequence's new tokens) and multiples of the backend's chunk; -1 pads a row.
+    (0 < offset < the sequence's new tokens), increasing, and multiples of the backend's chunk;
+    -1 pads a row.
     The host copy decides the launch plan (no device read)."""
 
     offsets: torch.Tensor                     # [N, K] int32 on the device, K a power of two

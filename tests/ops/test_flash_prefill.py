@@ -396,7 +396,8 @@ def test_gpu_128k_sequence_slow_decay_heads(gate, segment_len):
                           ("bounded", "SD", 32, 16), ("unbounded", "DS", 48, 16), ("unbounded", "DS", 32, 32)],
                          ids=["bounded", "bounded-C32-DS", "unbounded", "segmented", "segmented-unbounded",
                               "segmented-unbounded-C32"])
-def test_checkpoints_inside_the_launch(gate, layout, segment_len, chunk):
+@pytest.mark.parametrize("pieces", [True, False], ids=["pieces", "in_loop"])   # NVIDIA's build, AMD's
+def test_checkpoints_inside_the_launch(gate, layout, segment_len, chunk, pieces):
     """Prefix caching's state checkpoints, written by the prefill launch itself: after the first
     chunk, in the middle, at the last chunk end before a partial chunk, for a sequence with and one
     without history; a third sequence takes none. Segmented, each kind of place: in the first
@@ -409,8 +410,8 @@ def test_checkpoints_inside_the_launch(gate, layout, segment_len, chunk):
     case = make_kda_case([70, 60, 21], H=2, D=16, gate=gate, conv_layout=layout, spec_tokens=1,
                          has_initial_state=[True, False, True], extra_slots=8, seed=11)
     offsets = [[32, 64], [32], []] if chunk == 32 else [[16, 32, 48, 64], [16, 48], []]
-    check_prefill_checkpoints(flash(segment_len if segment_len else 0, chunk=chunk, unbounded_chunk=chunk), case, offsets,
-                              1e-5)
+    check_prefill_checkpoints(flash(segment_len if segment_len else 0, chunk=chunk, unbounded_chunk=chunk,
+                                    checkpoint_pieces=pieces), case, offsets, 1e-5)
 
 
 @gpu
@@ -428,7 +429,8 @@ def test_gpu_checkpoints_inside_the_launch(gate):
 
 @cpu_only   # CPU tensors: the step plan's kernel needs the interpreter
 @pytest.mark.parametrize("offsets, message", [([[20], []], r"sequence 0: .*multiples of the chunk \(16\); got \[20\]"),
-                                              ([[], [40]], r"sequence 1: .*0 < offset < 40.*got \[40\]")])
+                                              ([[], [40]], r"sequence 1: .*0 < offset < 40.*got \[40\]"),
+                                              ([[32, 16], []], r"sequence 0: .*must increase; got \[32, 16\]")])
 def test_bad_checkpoints_say_what_is_needed(offsets, message):
     """Offsets off the chunk grid or not inside the sequence are refused before any launch; a
     backend that takes none says the engine cuts chunks."""

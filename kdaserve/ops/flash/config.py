@@ -50,9 +50,15 @@ class FlashConfig:
     seg_block_v: int = 64         # rows of the state per program in the segment-map pass
     seg_warps: int = 4
     seg_stages: int = 2
-    scan_block_v: int = 32        # rows per program in the scan of segment maps
+    # Rows per program in the scan of segment maps. 16 builds without spills (32: 16 / 128 bytes
+    # with checkpoints at sm_90) but made 4 checkpoints at 1x8K cost more (docs/perf-notes.md).
+    scan_block_v: int = 32
     scan_warps: int = 8
     scan_stages: int = 1          # the [K, K] fp32 map is 64 KB of shared memory per stage
+    # Checkpointing recurrence variants run their chunks in pieces between checkpoints (stores
+    # outside the chunk loop: NVIDIA's build then needs no more shared memory than without them);
+    # False: a store inside the loop, which needs less LDS on AMD (tools/compile_check).
+    checkpoint_pieces: bool = True
     correct_chunks: int = 8       # chunks per program in the correction (output) pass
     correct_warps: int = 4
     # Segmenting long sequences pays when few (sequence, head) pairs leave SMs idle; plan.py's
@@ -94,11 +100,12 @@ def config_for_target(target: str) -> FlashConfig:
     compiles each target's): K2's third pipeline stage needs 84 KB of shared memory, more than
     gfx942's 64 KB of LDS per workgroup, so MI300 runs two; the segment-map pass spills at 4 warps on
     sm_100 and on AMD and runs 8 there; AMD's compiler has no register cap (Triton refuses the
-    maxnreg option there). The H200 (sm_90) and everything else: the defaults."""
+    maxnreg option there); AMD's checkpoint variants store inside the chunk loop (checkpoint_pieces).
+    The H200 (sm_90) and everything else: the defaults."""
     if target == "gfx942":
-        return replace(DEFAULT_CONFIG, recur_stages=2, seg_warps=8, unbounded_prepare_maxnreg=0)
+        return replace(DEFAULT_CONFIG, recur_stages=2, seg_warps=8, unbounded_prepare_maxnreg=0, checkpoint_pieces=False)
     if target == "gfx950":
-        return replace(DEFAULT_CONFIG, seg_warps=8, unbounded_prepare_maxnreg=0)
+        return replace(DEFAULT_CONFIG, seg_warps=8, unbounded_prepare_maxnreg=0, checkpoint_pieces=False)
     if target.startswith("sm_") and int(target[3:]) >= 100:
         return replace(DEFAULT_CONFIG, seg_warps=8)
     return DEFAULT_CONFIG

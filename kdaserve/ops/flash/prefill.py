@@ -249,6 +249,8 @@ class FlashPrefill:
             if bad:
                 raise ValueError(f"sequence {n}: state checkpoint offsets must be interior (0 < offset < "
                                  f"{lens[n] if lens else 'its new tokens'}) multiples of the chunk ({C}); got {bad}")
+            if any(a >= b for a, b in zip(offs, offs[1:])):   # the kernel runs the chunks in pieces between them
+                raise ValueError(f"sequence {n}: state checkpoint offsets must increase; got {list(offs)}")
         off = ck.offsets if ck.offsets.dtype == torch.int32 else ck.offsets.to(torch.int32)
         slots = ck.slots if ck.slots.dtype == torch.int32 else ck.slots.to(torch.int32)
         return off.contiguous(), slots.contiguous(), off.shape[1]
@@ -328,7 +330,8 @@ class FlashPrefill:
             self.qkv, self.qkv.stride(0), self.rows, *self.rows.stride(), L, q_off,
             *self._ck_args(),
             H=self.H, D=self.D, C=self.C, BV=bv, SEGMENTED=segmented, L_PAD=triton.next_power_of_2(L),
-            PREC=self.prec_tc, FAST=self.fast, NCK=self._nck(), num_warps=warps, num_stages=stages,
+            PREC=self.prec_tc, FAST=self.fast, NCK=self._nck(), CK_PIECES=self.cfg.checkpoint_pieces,
+            num_warps=warps, num_stages=stages,
         )
 
     def _ck_args(self) -> tuple:

@@ -28,7 +28,8 @@ unsegmented, in a sequence's first segment when segmented. Inside a later segmen
 what they hold there (B_o and M_o, fp32, in `ck_maps[n * NCK + j]`), and the scan, which knows
 the segment's start, writes S_start M_o + B_o; at a segment start it writes the start itself. So
 the segments never depend on where checkpoints fall, and a step's outputs are the same with or
-without them. After its chunk loop the program whose segment holds a checkpoint writes its conv
+without them. The chunk loop runs in pieces that end at the
+checkpoints, so that the stores sit between pieces, not in the loop. After its chunk loop the program whose segment holds a checkpoint writes its conv
 rows: the raw tokens before it, all in this step (offsets are at least C, the conv rows at most C:
 the wrapper checks).
 """
@@ -69,6 +70,64 @@ def write_conv_state(
 
 
 @triton.jit
+def _chunk(S, chunk, t0, tok1, h, part, rows, kcols, crow,
+           w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, gam_ptr, oq_ptr, q_off,
+           o_ptr, stride_o_t, stride_o_h, stride_o_d,
+           out_gate_ptr, stride_out_gate_t, stride_out_gate_h, stride_out_gate_d, nw, eps,
+           H: tl.constexpr, D: tl.constexpr, C: tl.constexpr, SEGMENTED: tl.constexpr, PREC: tl.constexpr,
+           FAST: tl.constexpr):
+    """One chunk (tokens t0.. of workspace chunk `chunk`): its outputs (local and q~, or final and
+    normed), and the state after it."""
+    blk = chunk * H + h
+    base = blk * (C * D)
+    wT = tl.load(w_ptr + base + crow[None, :] * D + kcols[:, None])                  # [K, C]
+    uT = tl.load(u_ptr + base + crow[None, :] * D + rows[:, None], mask=part == 0, other=0.0)  # [BV, C]
+    qT = tl.load(qg_ptr + base + crow[None, :] * D + kcols[:, None])                 # [K, C]
+    aT = tl.load(aqk_ptr + blk * (C * C) + crow[None, :] * C + crow[:, None])       # [C(i), C(t)]
+    kd = tl.load(kd_ptr + base + crow[:, None] * D + kcols[None, :])                 # [C, K]
+    gam = tl.load(gam_ptr + blk * D + kcols)
+
+    dt = w_ptr.dtype.element_ty
+    Sh = S.to(dt)
+    Ut = uT.to(tl.float32) - tl.dot(Sh, wT, input_precision=PREC)
+    Uh = Ut.to(dt)
+    Ot = tl.dot(Sh, qT, input_precision=PREC)
+    Ot = tl.dot(Uh, aT, acc=Ot, input_precision=PREC)
+    S = S * gam[None, :]
+    S = tl.dot(Uh, kd, acc=S, input_precision=PREC)
+
+    toks = t0 + crow
+    tmask = (toks < tok1)[None, :]
+    trow = toks.to(tl.int64)[None, :]
+    if SEGMENTED:
+        oq = oq_ptr + part * q_off + trow * (H * D) + h * D + rows[:, None]
+        tl.store(oq, Ot.to(oq_ptr.dtype.element_ty), mask=tmask)
+    else:
+        output_gate_logits = tl.load(out_gate_ptr + trow * stride_out_gate_t + h * stride_out_gate_h + rows[:, None] * stride_out_gate_d,
+                     mask=tmask, other=0.0).to(tl.float32)
+        rstd = rms_rstd(tl.sum(Ot * Ot, axis=0), eps, D)
+        y = Ot * rstd[None, :] * nw[:, None] * sigmoid_tanh(output_gate_logits, FAST)
+        tl.store(o_ptr + trow * stride_o_t + h * stride_o_h + rows[:, None] * stride_o_d,
+                 y.to(o_ptr.dtype.element_ty), mask=tmask)
+    return S
+
+
+@triton.jit
+def _checkpoint(S, o, ck, j, n, h, part, first, seg_end, rows, kcols,
+                s_ptr, stride_s_slot, stride_s_h, stride_s_v, ck_maps_ptr,
+                H: tl.constexpr, D: tl.constexpr, NCK: tl.constexpr, SEGMENTED: tl.constexpr):
+    """Checkpoint j (slot ck) at `o` tokens into sequence n: the true state where this program
+    holds it, else (inside a later segment) this segment's map up to it, for the scan."""
+    if first & (part == 0):
+        tl.store(s_ptr + ck * stride_s_slot + h * stride_s_h + rows[:, None] * stride_s_v + kcols[None, :],
+                 S.to(s_ptr.dtype.element_ty))
+    elif SEGMENTED:
+        if o < seg_end:   # a segment's end is the next one's start (the scan writes it)
+            tl.store(ck_maps_ptr + ((n.to(tl.int64) * NCK + j) * 2 + part) * (H * D * D) + h * (D * D)
+                     + rows[:, None] * D + kcols[None, :], S)
+
+
+@triton.jit
 def flash_recurrence_kernel(
     w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, gam_ptr,
     s_ptr, stride_s_slot, stride_s_h, stride_s_v,
@@ -82,6 +141,7 @@ def flash_recurrence_kernel(
     ck_off_ptr, ck_slot_ptr, ck_maps_ptr,
     H: tl.constexpr, D: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
     SEGMENTED: tl.constexpr, L_PAD: tl.constexpr, PREC: tl.constexpr, FAST: tl.constexpr, NCK: tl.constexpr = 0,
+    CK_PIECES: tl.constexpr = True,
 ):
     pid = tl.program_id(0)
     NV: tl.constexpr = D // BV
@@ -117,57 +177,59 @@ def flash_recurrence_kernel(
     state_tile = s_ptr + slot * stride_s_slot + h * stride_s_h + rows[:, None] * stride_s_v + kcols[None, :]
     S = tl.load(state_tile, mask=first & init & (part == 0), other=0.0).to(tl.float32)
     S = tl.where((rows[:, None] == kcols[None, :]) & (part == 1), 1.0, S)
-    dt = w_ptr.dtype.element_ty
-    if not SEGMENTED:
+    if SEGMENTED:
+        nw = tl.zeros([BV], tl.float32)   # unused: the output pass norms
+    else:
         nw = tl.load(nw_ptr + rows).to(tl.float32)
 
     chunk0 = tl.load(seg_chunk_ptr + s).to(tl.int64)
     n_chunks = (tok1 - tok0 + C - 1) // C
-    for c in range(n_chunks):
-        blk = (chunk0 + c) * H + h
-        base = blk * (C * D)
-        wT = tl.load(w_ptr + base + crow[None, :] * D + kcols[:, None])                  # [K, C]
-        uT = tl.load(u_ptr + base + crow[None, :] * D + rows[:, None], mask=part == 0, other=0.0)  # [BV, C]
-        qT = tl.load(qg_ptr + base + crow[None, :] * D + kcols[:, None])                 # [K, C]
-        aT = tl.load(aqk_ptr + blk * (C * C) + crow[None, :] * C + crow[:, None])       # [C(i), C(t)]
-        kd = tl.load(kd_ptr + base + crow[:, None] * D + kcols[None, :])                 # [C, K]
-        gam = tl.load(gam_ptr + blk * D + kcols)
-
-        Sh = S.to(dt)
-        Ut = uT.to(tl.float32) - tl.dot(Sh, wT, input_precision=PREC)
-        Uh = Ut.to(dt)
-        Ot = tl.dot(Sh, qT, input_precision=PREC)
-        Ot = tl.dot(Uh, aT, acc=Ot, input_precision=PREC)
-        S = S * gam[None, :]
-        S = tl.dot(Uh, kd, acc=S, input_precision=PREC)
-
-        toks = tok0 + c * C + crow
-        tmask = (toks < tok1)[None, :]
-        trow = toks.to(tl.int64)[None, :]
-        if SEGMENTED:
-            oq = oq_ptr + part * q_off + trow * (H * D) + h * D + rows[:, None]
-            tl.store(oq, Ot.to(oq_ptr.dtype.element_ty), mask=tmask)
-        else:
-            output_gate_logits = tl.load(out_gate_ptr + trow * stride_out_gate_t + h * stride_out_gate_h + rows[:, None] * stride_out_gate_d,
-                         mask=tmask, other=0.0).to(tl.float32)
-            rstd = rms_rstd(tl.sum(Ot * Ot, axis=0), eps, D)
-            y = Ot * rstd[None, :] * nw[:, None] * sigmoid_tanh(output_gate_logits, FAST)
-            tl.store(o_ptr + trow * stride_o_t + h * stride_o_h + rows[:, None] * stride_o_d,
-                     y.to(o_ptr.dtype.element_ty), mask=tmask)
-        if NCK > 0:   # a checkpoint at this chunk's end: the true state, or this segment's map up to it
+    if NCK == 0:
+        for c in range(n_chunks):
+            S = _chunk(S, chunk0 + c, tok0 + c * C, tok1, h, part, rows, kcols, crow,
+                       w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, gam_ptr, oq_ptr, q_off,
+                       o_ptr, stride_o_t, stride_o_h, stride_o_d,
+                       out_gate_ptr, stride_out_gate_t, stride_out_gate_h, stride_out_gate_d, nw, eps,
+                       H, D, C, SEGMENTED, PREC, FAST)
+    elif CK_PIECES:
+        # Checkpoints (offsets in increasing order, chunk ends: the wrapper checks): the chunks run
+        # in pieces that end at this segment's checkpoints, and a checkpoint's state is stored
+        # between pieces, outside the chunk loop. A store inside it made NVIDIA's build convert S's
+        # layout in every chunk (more shared memory, spills: compile_check's numbers).
+        seg_lo = tok0 - seq_start
+        c0 = seg_lo * 0   # chunks done (a tensor: it is carried through the loop)
+        for i in range(NCK + 1):   # piece i ends at checkpoint i; the last piece at the segment's end
+            live = i < NCK
+            o = tl.load(ck_off_ptr + n * NCK + i, mask=live, other=-1)
+            ck = tl.load(ck_slot_ptr + n * NCK + i, mask=live, other=0).to(tl.int64)
+            takes = (ck > 0) & (o > seg_lo + c0 * C) & (o <= seg_lo + n_chunks * C) & ((o - seg_lo) % C == 0)
+            c1 = tl.where(takes, (o - seg_lo) // C, tl.where(live, c0, n_chunks))
+            for c in range(c0, c1):   # one chunk loop in the kernel: one set of pipelined buffers
+                S = _chunk(S, chunk0 + c, tok0 + c * C, tok1, h, part, rows, kcols, crow,
+                           w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, gam_ptr, oq_ptr, q_off,
+                           o_ptr, stride_o_t, stride_o_h, stride_o_d,
+                           out_gate_ptr, stride_out_gate_t, stride_out_gate_h, stride_out_gate_d, nw, eps,
+                           H, D, C, SEGMENTED, PREC, FAST)
+            c0 = c1
+            if takes:
+                _checkpoint(S, o, ck, i, n, h, part, first, tok1 - seq_start, rows, kcols,
+                            s_ptr, stride_s_slot, stride_s_h, stride_s_v, ck_maps_ptr, H, D, NCK, SEGMENTED)
+    else:
+        # The same, a chunk at a time with the store inside the loop: on AMD the pieces' build
+        # needs more LDS (gfx942's unsegmented variant past its 64 KB) than this one.
+        for c in range(n_chunks):
+            S = _chunk(S, chunk0 + c, tok0 + c * C, tok1, h, part, rows, kcols, crow,
+                       w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, gam_ptr, oq_ptr, q_off,
+                       o_ptr, stride_o_t, stride_o_h, stride_o_d,
+                       out_gate_ptr, stride_out_gate_t, stride_out_gate_h, stride_out_gate_d, nw, eps,
+                       H, D, C, SEGMENTED, PREC, FAST)
             end = tok0 - seq_start + c * C + C   # this chunk's end, in tokens into the sequence
             ks = tl.arange(0, NCK)
             hit = tl.load(ck_off_ptr + n * NCK + ks) == end
             ck = tl.sum(tl.where(hit, tl.load(ck_slot_ptr + n * NCK + ks), 0)).to(tl.int64)
             if ck > 0:
-                if first & (part == 0):
-                    tl.store(s_ptr + ck * stride_s_slot + h * stride_s_h + rows[:, None] * stride_s_v + kcols[None, :],
-                             S.to(s_ptr.dtype.element_ty))
-                elif SEGMENTED:
-                    if end < tok1 - seq_start:   # inside a later segment (a segment end is the next one's start)
-                        j = tl.sum(tl.where(hit, ks, 0)).to(tl.int64)
-                        tl.store(ck_maps_ptr + ((n.to(tl.int64) * NCK + j) * 2 + part) * (H * D * D) + h * (D * D)
-                                 + rows[:, None] * D + kcols[None, :], S)
+                _checkpoint(S, end, ck, tl.sum(tl.where(hit, ks, 0)), n, h, part, first, tok1 - seq_start, rows,
+                            kcols, s_ptr, stride_s_slot, stride_s_h, stride_s_v, ck_maps_ptr, H, D, NCK, SEGMENTED)
 
     if SEGMENTED:
         if last & first:
