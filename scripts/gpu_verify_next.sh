@@ -7,10 +7,9 @@
 # transformers 5.23.0 with what it imports for structured output) and, for an old-vs-new comparison, [".old"]
 # (e.g. `git archive <commit> kdaserve benchmarks | tar -x -C .old`).
 # Parts owed (add one as `if [ "$PART" = name ]; then ... fi` below, with what it must show):
-#   async_sched   async scheduling (EngineConfig.async_scheduling, on by default): the next decode step
-#                 queued on the device tokens of the one before (gathered into the graphs' static
-#                 inputs or the eager step's buffer), tokens read back through pinned memory and an
-#                 event (sampler.PendingSample). CPU-tested only before this part.
+#   checkpoint_pieces  flash's checkpoint variant with its chunk loop in pieces between checkpoints
+#                 (recurrence.py, CK_PIECES) beside the scan at 32 rows per program: each ran on the
+#                 H200 (twentieth session, runs 5-7), the combination not.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -36,15 +35,11 @@ PART=${1:-}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 [ -z "$PART" ] && echo "name a part"
 
-if [ "$PART" = async_sched ]; then
-  # Must show: every test passed (async vs one step at a time equal on the GPU, graphs and eager;
-  # the engine's GPU tests with async scheduling on by default); in bench_serving_host's tables the
-  # engine alone with async scheduling at most the step without it, and the ITL / engine alone of
-  # both. Numbers into docs/perf-notes.md.
-  group async 150 tests/engine/test_async_scheduling.py
-  group engine_gpu 200 tests/engine/test_engine_gpu.py
-  group host_overhead 150 tests/engine/test_host_overhead_gpu.py
-  for a in --async-scheduling --no-async-scheduling; do
-    timeout 110 python3 benchmarks/bench_serving_host.py --model bench --rounds 2 $a 2>&1 | tee -a "$OUT/serving.log" | grep -E "alone|^\| [01] "
-  done
+if [ "$PART" = checkpoint_pieces ]; then
+  # Must show: every test passed; bench_checkpoint_cost's cost column at or under the twentieth
+  # session's run 5 (bounded 1x8K +3.1%, 1x32K +0.8%, 16x1K +2.3%; unbounded +2.3 / +0.8 / +2.9%),
+  # the segment_maps row's difference ~+0.007 ms. Numbers into docs/perf-notes.md (issue 26's 3%).
+  group flash_gpu 200 tests/ops/test_flash_prefill.py -k gpu
+  group prefix_caching 90 tests/engine/test_prefix_caching_gpu.py
+  timeout 150 python3 benchmarks/bench_checkpoint_cost.py --shapes 1x8K 1x32K 16x1K --cap 4 --stages 2>&1 | tee "$OUT/ck.log" | grep "^| "
 fi
