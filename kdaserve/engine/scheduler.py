@@ -162,15 +162,17 @@ class Scheduler:
         """The next step while the current one is still running (async scheduling): every
         running request decodes the token the current step samples for it, which only the device
         knows yet (`sampling`: the current step's sampling sequences, in its sample order). None
-        where that step needs more than such a decode batch: requests to admit, a running request
-        the current step does not sample for, KV blocks short (preemption), the token budget
-        exceeded, speculative decoding or the drafter's lookahead. Requests that the current
+        where that step needs more than such a decode batch: a request that may be admitted (one
+        waits, and a slot and a block are free), a running request the current step does not
+        sample for, KV blocks short (preemption), the token budget exceeded, speculative
+        decoding or the drafter's lookahead. Requests that the current
         step's token ends by length (max_tokens, max_model_len) are left out; those it ends
         otherwise (a stop token or string, an abort) decode once more for nothing, and the
         engine drops that token."""
         if self.spec or self.lookahead or not self.running:
             return None
-        if self.waiting and len(self.running) < self.max_num_seqs:
+        admissible = len(self.running) < self.max_num_seqs and self.slots.num_free > self.spec and self.blocks.num_free
+        if self.waiting and admissible:
             return None
         row_of = {id(s): i for i, s in enumerate(sampling)}
         decodes, rows = [], []

@@ -215,3 +215,27 @@ def test_on_a_gpu_outputs_equal_one_step_at_a_time(eager):
     _same(got, want, aborted=["aborted"])
     assert async_eng.counters["overlapped_steps"] >= 10
     _drained(async_eng)
+
+
+def test_a_request_that_cannot_be_admitted_does_not_stop_the_overlap():
+    """Every KV block held by the running requests: the waiting one cannot be admitted, so the
+    decode steps stay overlapped until blocks come back; then it is admitted as usual."""
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    prompts = {f"r{i}": ([i + 3] * 16, params) for i in range(4)}   # 16 tokens: one full block each
+    eng = _engine(True, num_kv_blocks=7, max_model_len=64)           # 6 blocks: 3 requests of 17-32 tokens
+    streamed = {rid: [] for rid in prompts}
+    for rid in ("r0", "r1", "r2"):
+        eng.add_request(rid, *prompts[rid])
+    for out in eng.step():                                           # their prefills
+        streamed[out.request_id] += out.new_token_ids
+    eng.add_request("r3", *prompts["r3"])
+    overlapped_while_waiting = 0
+    while eng.has_unfinished_requests():
+        before, waiting = eng.counters["overlapped_steps"], bool(eng.scheduler.waiting)
+        for out in eng.step():
+            streamed[out.request_id] += out.new_token_ids
+        overlapped_while_waiting += waiting and eng.counters["overlapped_steps"] > before
+    assert overlapped_while_waiting >= 5
+    want = _drive(_engine(False), prompts, {0: list(prompts)}, {})
+    assert streamed == {rid: want[rid][0] for rid in prompts}
+    _drained(eng)
