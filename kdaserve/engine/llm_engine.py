@@ -87,6 +87,9 @@ class LLMEngine:
         # Async scheduling: the step queued on the device whose tokens the next step() reads.
         self.async_scheduling = self.config.async_scheduling
         self._inflight = None
+        logger.info("async scheduling: %s", "on (a decode step is queued before the previous step's tokens are read)"
+                    if self.async_scheduling else
+                    "off (speculative decoding runs one step at a time)" if self.proposer is not None else "off")
         self.last_step_tokens = 0   # tokens the last step computed (prompt + decode): vLLM's iteration tokens
         self._grammar_compiler = None   # built on the first structured request (xgrammar imported then)
         self._grammar_lock = threading.Lock()
