@@ -101,8 +101,9 @@ class EngineConfig:
     async_scheduling: bool | None = field(default=None, metadata=_flag(
         "queue a decode step before the previous step's tokens are read back, so that the host's work per step "
         "runs while the device computes (steps with prefills, grammars, penalties or min_tokens run one at a time); "
-        "default: on, except with speculative decoding, which it does not support yet; --no-async-scheduling "
-        "turns it off", boolean_optional=True))
+        "default: on with a GPU, except with speculative decoding, which it does not support yet (on a CPU the "
+        "device works in the host's own thread: nothing to overlap); --no-async-scheduling turns it off",
+        boolean_optional=True))
     # Run dummy steps at startup so that kernel JIT specializations are compiled before the first
     # requests (engine/warmup.py), on a CUDA device (nothing is compiled on the CPU); graphs or not.
     warmup: bool = field(default=True, metadata=_flag(
@@ -154,7 +155,7 @@ class EngineConfig:
             raise ValueError("async_scheduling is not supported with speculative decoding yet; drop --async-scheduling "
                              "or --speculative-config")
         if self.async_scheduling is None:
-            self.async_scheduling = self.speculative_config is None
+            self.async_scheduling = self.speculative_config is None and self.device.type == "cuda"
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"invalid gpu_memory_utilization: got {self.gpu_memory_utilization}; expected a number in (0, 1]")
 

@@ -185,12 +185,14 @@ def test_preemption_with_a_step_queued():
 
 
 def test_the_setting_follows_vllm():
-    assert EngineConfig(device="cpu").async_scheduling is True
-    assert EngineConfig(device="cpu", async_scheduling=False).async_scheduling is False
+    assert EngineConfig(device="cuda").async_scheduling is True    # the default where the device runs apart
+    assert EngineConfig(device="cpu").async_scheduling is False    # torch on a CPU runs in the host's thread
+    assert EngineConfig(device="cpu", async_scheduling=True).async_scheduling is True
+    assert EngineConfig(device="cuda", async_scheduling=False).async_scheduling is False
     ngram = {"method": "ngram", "num_speculative_tokens": 2}
-    assert EngineConfig(device="cpu", speculative_config=ngram).async_scheduling is False
+    assert EngineConfig(device="cuda", speculative_config=ngram).async_scheduling is False
     with pytest.raises(ValueError, match="not supported with speculative decoding"):
-        EngineConfig(device="cpu", speculative_config=ngram, async_scheduling=True)
+        EngineConfig(device="cuda", speculative_config=ngram, async_scheduling=True)
     from kdaserve.engine.args import add_engine_args, engine_kwargs_from_args
     import argparse
 
