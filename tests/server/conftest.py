@@ -17,13 +17,16 @@ from server_helpers import fail_step_when, make_engine, make_engine_process
 @pytest.fixture(scope="session", params=["thread", "process"])
 def server(request, tmp_path_factory):
     """Every server test runs against both ways of running the engine: a thread of the server's
-    process (`--no-engine-process`) and a process of its own (kdaserve serve's default)."""
+    process (`--no-engine-process`) and a process of its own (kdaserve serve's default). The
+    process runs with async scheduling, as `serve` does on a GPU (a CPU's default is off), so
+    the API sees a step queued behind every decode step: outputs of two steps in one call,
+    tokens of requests that ended dropped, aborts while a step is queued."""
     from kdaserve.server.app import build_app
     from kdaserve.server.launch import BackgroundServer
 
     fail_flag = tmp_path_factory.mktemp("engine") / "fail-next-step"
     if request.param == "process":
-        engine = make_engine_process(setup=functools.partial(fail_step_when, flag=str(fail_flag)))
+        engine = make_engine_process(setup=functools.partial(fail_step_when, flag=str(fail_flag)), async_scheduling=True)
     else:
         engine = make_engine()
     app = build_app(engine, max_queued_requests=256)
