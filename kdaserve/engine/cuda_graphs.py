@@ -13,15 +13,9 @@ import numpy as np
 import torch
 
 from kdaserve.engine.staging import PackedLayout, StagingRing
-from kdaserve.engine.step_inputs import HostStep, write_block_tables
+from kdaserve.engine.step_inputs import HostStep, gather_inputs, write_block_tables
 from kdaserve.layers.attention import AttentionMetadata
 from kdaserve.layers.context import Context, KDAStepMetadata, reset_context, set_context
-
-
-def gather_inputs(ids: torch.Tensor, source: torch.Tensor) -> None:
-    """ids[i] = source[ids[i]], in stream order: an overlapped step's inputs, staged as rows of
-    the step before's sampled tokens (on the device, never read by the host)."""
-    ids.copy_(source.index_select(0, ids))
 
 
 def graph_batch_sizes(max_bs: int) -> list[int]:

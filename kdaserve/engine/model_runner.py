@@ -10,13 +10,13 @@ import torch
 
 from kdaserve.engine.caches import StepCaches, format_bytes, kv_bytes_per_block, state_bytes_per_slot
 from kdaserve.engine.config import EngineConfig
-from kdaserve.engine.cuda_graphs import DecodeGraphs, gather_inputs
+from kdaserve.engine.cuda_graphs import DecodeGraphs
 from kdaserve.engine.sampler import PendingSample, Sampler, SampleResult, logprob_rows
 from kdaserve.engine.scheduler import ScheduledBatch
 from kdaserve.engine.sequence import Sequence
 from kdaserve.engine.speculative.rejection_sampler import AcceptedTokens, RejectionSampler
 from kdaserve.engine.staging import StagingRing
-from kdaserve.engine.step_inputs import build_host_step, to_device_context
+from kdaserve.engine.step_inputs import build_host_step, gather_inputs, to_device_context
 from kdaserve.layers.attention import AttentionMetadata
 from kdaserve.layers.context import Context, reset_context, set_context
 from kdaserve.models.loader import load_model

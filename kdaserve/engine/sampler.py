@@ -92,17 +92,12 @@ class PendingSample:
         if self._result is None:
             if self._event is not None:
                 self._event.synchronize()
-            flat = self._host.tolist()
-            n = self._sizes[0]
-            lp: list = [None] * n
+            tokens, *host = _split(self._host.tolist(), self._sizes)
+            lp: list = [None] * len(tokens)
             if self._lp_rows:
-                at, host = n, []
-                for size in self._sizes[1:]:
-                    host.append(flat[at : at + size])
-                    at += size
                 for i, r in zip(self._lp_rows, _logprob_lists(*host, self._num_top)):
                     lp[i] = r
-            self._result = SampleResult([int(t) for t in flat[:n]], lp)
+            self._result = SampleResult([int(t) for t in tokens], lp)
         return self._result
 
     @property
@@ -118,10 +113,15 @@ def to_host(tensors: list[torch.Tensor]) -> list[list]:
     """Each tensor as a flat host list, in ONE device->host transfer (each .tolist() is a sync):
     all go through float64, exact for fp32 values and for integers below 2**53 (token ids)."""
     flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors]).tolist()
+    return _split(flat, [t.numel() for t in tensors])
+
+
+def _split(flat: list, sizes: list[int]) -> list[list]:
+    """`flat` cut into consecutive lists of `sizes` elements (tensors sent in one transfer)."""
     out, at = [], 0
-    for t in tensors:
-        out.append(flat[at : at + t.numel()])
-        at += t.numel()
+    for size in sizes:
+        out.append(flat[at : at + size])
+        at += size
     return out
 
 

@@ -245,6 +245,12 @@ class DeviceStep:
     sample_rows: torch.Tensor | None   # [num sample rows] int64; None: rows 0..n-1 (take a slice)
 
 
+def gather_inputs(ids: torch.Tensor, source: torch.Tensor) -> None:
+    """ids[i] = source[ids[i]], in stream order: an overlapped step's inputs, staged as rows of
+    the step before's sampled tokens (on the device, never read by the host)."""
+    ids.copy_(source.index_select(0, ids))
+
+
 def to_device_context(step: HostStep, device: torch.device, ring: StagingRing) -> DeviceStep:
     """Eager path: the step's arrays packed into a buffer of `ring`, one non-blocking copy into a
     fresh device buffer, and the Context as views of it (decode rows first)."""

@@ -184,6 +184,22 @@ def test_preemption_with_a_step_queued():
     _drained(tight)
 
 
+def test_a_step_and_its_device_inputs_come_together():
+    """ModelRunner.execute refuses a batch whose inputs are rows of device tokens without those
+    tokens, and device tokens for a batch that reads its inputs from the host."""
+    from kdaserve.engine.scheduler import ScheduledBatch
+
+    eng = _engine(True)
+    eng.add_request("r", PROMPTS[0], SamplingParams(max_tokens=4, ignore_eos=True))
+    eng.step()
+    seq = eng.requests["r"]
+    message = "a step with input_rows needs the device tokens they index"
+    with pytest.raises(ValueError, match=message):
+        eng.runner.execute(ScheduledBatch(decodes=[seq], input_rows=[0]))
+    with pytest.raises(ValueError, match=message):
+        eng.runner.execute(ScheduledBatch(decodes=[seq]), torch.zeros(1, dtype=torch.int64))
+
+
 def test_the_setting_follows_vllm():
     assert EngineConfig(device="cuda").async_scheduling is True    # the default where the device runs apart
     assert EngineConfig(device="cpu").async_scheduling is False    # torch on a CPU runs in the host's thread

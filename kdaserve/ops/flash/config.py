@@ -50,8 +50,8 @@ class FlashConfig:
     seg_block_v: int = 64         # rows of the state per program in the segment-map pass
     seg_warps: int = 4
     seg_stages: int = 2
-    # Rows per program in the scan of segment maps. 16 builds without spills (32: 16 / 128 bytes
-    # with checkpoints at sm_90) but made 4 checkpoints at 1x8K cost more (docs/perf-notes.md).
+    # Rows per program in the scan of segment maps: 32, the faster with checkpoints on the H200
+    # although 16 builds without spills (docs/perf-notes.md).
     scan_block_v: int = 32
     scan_warps: int = 8
     scan_stages: int = 1          # the [K, K] fp32 map is 64 KB of shared memory per stage
