@@ -5,15 +5,17 @@ built once per case outside the timing, as the engine builds it once per step. I
 3% of prefill time.
 
     PYTHONPATH=$PWD python benchmarks/bench_checkpoint_cost.py [--heads 32] [--shapes 1x8K 16x1K 1x32K 64x512]
-        [--interval 512] [--cap 4] [--gate bounded unbounded] [--stages]
+        [--interval 512] [--cap 4] [--gate bounded unbounded] [--stages] [--config scan_stages=2 ...]
 
 `--stages` adds a second table: each launch (FlashPrefill's methods, timed one by one) with and
-without the checkpoints, to show which stage the cost lands in.
+without the checkpoints, to show which stage the cost lands in. `--config` (repeatable): time each
+case under these FlashConfig variants too (comma-separated field=value), beside the default.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -24,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_prefill import bench_ms, gpu_case, parse_shape  # noqa: E402
 from kdaserve.ops.flash import flash_step_plan, kda_prefill_flash  # noqa: E402
+from kdaserve.ops.flash.config import FlashConfig, config_for  # noqa: E402
 from kdaserve.ops.flash.prefill import FlashPrefill  # noqa: E402
 from kdaserve.ops.types import CheckpointRequests, PrefillSeqs  # noqa: E402
 
@@ -44,10 +47,30 @@ def with_checkpoints(case, interval: int, cap: int | None = None):
     return CheckpointRequests.build(per_seq, case.qkv.device), sum(len(p) for p in per_seq)
 
 
-def timed(case, ck) -> float:
+def parse_config(text: str, device: torch.device) -> FlashConfig:
+    """The device's FlashConfig with `field=value,...` replaced (values typed as the field's default)."""
+    base = config_for(device)
+    if text == "default":
+        return base
+    fields = {f.name: type(getattr(base, f.name)) for f in dataclasses.fields(base)}
+    changes = {}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        if name not in fields:
+            raise SystemExit(f"--config: no FlashConfig field {name!r}; fields: {', '.join(fields)}")
+        kind = fields[name]
+        changes[name] = value.lower() in ("1", "true", "yes") if kind is bool else kind(value)
+    return dataclasses.replace(base, **changes)
+
+
+def step_plan(case, cfg: FlashConfig):
+    return flash_step_plan(case.cu_seqlens, case.cu_seqlens_cpu, case.T, case.H, case.D,
+                           case.weights.lower_bound is not None, config=cfg)
+
+
+def timed(case, ck, cfg: FlashConfig) -> float:
     with_ck = PrefillSeqs(case.cu_seqlens, case.state_indices, case.has_initial_state, case.cu_seqlens_cpu, ck)
-    plan = flash_step_plan(case.cu_seqlens, case.cu_seqlens_cpu, case.T, case.H, case.D,
-                           case.weights.lower_bound is not None)
+    plan = step_plan(case, cfg)
 
     def fn(out, inputs, weights, cache, seqs):   # bench_ms passes the case's seqs: take ours, with the checkpoints
         kda_prefill_flash(inputs, weights, cache, with_ck, out, step_plan=plan)
@@ -56,11 +79,10 @@ def timed(case, ck) -> float:
     return bench_ms(fn, case), plan.plan.segment_len if plan.plan.segmented else 0
 
 
-def stage_ms(case, ck) -> dict[str, float]:
+def stage_ms(case, ck, cfg: FlashConfig) -> dict[str, float]:
     """Median ms of each launch of one step, timed alone (each reruns on the pool it left)."""
     seqs = PrefillSeqs(case.cu_seqlens, case.state_indices, case.has_initial_state, case.cu_seqlens_cpu, ck)
-    plan = flash_step_plan(case.cu_seqlens, case.cu_seqlens_cpu, case.T, case.H, case.D,
-                           case.weights.lower_bound is not None)
+    plan = step_plan(case, cfg)
     step = FlashPrefill(case.inputs, case.weights, case.cache, seqs, case.new_out(), step_plan=plan)
     names = ["prepare"] + (["segment_maps", "scan", "segment_output"] if plan.plan.segmented else ["recurrence"])
     step.run()   # compile outside the timing
@@ -77,32 +99,37 @@ def main() -> None:
     ap.add_argument("--cap", type=int, default=None, help="only each sequence's last N checkpoints (the engine's cap)")
     ap.add_argument("--gate", nargs="+", default=["bounded", "unbounded"])
     ap.add_argument("--stages", action="store_true", help="also time each launch with and without checkpoints")
+    ap.add_argument("--config", action="append", default=[],
+                    help="a FlashConfig variant to time beside the default, e.g. scan_stages=2,scan_block_v=16")
     args = ap.parse_args()
+    device = torch.device("cuda")
+    configs = [(text, parse_config(text, device)) for text in ["default", *args.config]]
     rows, stage_rows = [], []
     for gate in args.gate:
         for H in args.heads:
             for shape in args.shapes:
                 case = gpu_case(parse_shape(shape), H, gate=gate)
                 ck, count = with_checkpoints(case, args.interval, args.cap)
-                base, seg = timed(case, None)
-                with_ck, _ = timed(case, ck)
-                rows.append((gate, H, shape, count, base, with_ck, seg))
-                print(rows[-1], flush=True)
-                if args.stages:
-                    plain, ckd = stage_ms(case, None), stage_ms(case, ck)
-                    stage_rows += [(gate, H, shape, name, plain[name], ckd[name]) for name in plain]
+                for label, cfg in configs:
+                    base, seg = timed(case, None, cfg)
+                    with_ck, _ = timed(case, ck, cfg)
+                    rows.append((label, gate, H, shape, count, base, with_ck, seg))
+                    print(rows[-1], flush=True)
+                    if args.stages:
+                        plain, ckd = stage_ms(case, None, cfg), stage_ms(case, ck, cfg)
+                        stage_rows += [(label, gate, H, shape, name, plain[name], ckd[name]) for name in plain]
                 del case
-    print(f"\n| gate | heads | shape | checkpoints (every {args.interval}) | flash ms | with checkpoints ms | cost | "
-          "segment len |")
-    print("|---|---|---|---|---|---|---|---|")
-    for gate, H, shape, count, base, with_ck, seg in rows:
-        print(f"| {gate} | {H} | {shape} | {count} | {base:.3f} | {with_ck:.3f} | {(with_ck / base - 1) * 100:+.1f}% | "
-              f"{seg or '-'} |")
+    print(f"\n| config | gate | heads | shape | checkpoints (every {args.interval}) | flash ms | with checkpoints ms | "
+          "cost | segment len |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for label, gate, H, shape, count, base, with_ck, seg in rows:
+        print(f"| {label} | {gate} | {H} | {shape} | {count} | {base:.3f} | {with_ck:.3f} | "
+              f"{(with_ck / base - 1) * 100:+.1f}% | {seg or '-'} |")
     if stage_rows:
-        print("\n| gate | heads | shape | launch | ms | with checkpoints ms | difference ms |")
-        print("|---|---|---|---|---|---|---|")
-        for gate, H, shape, name, plain, ckd in stage_rows:
-            print(f"| {gate} | {H} | {shape} | {name} | {plain:.4f} | {ckd:.4f} | {ckd - plain:+.4f} |")
+        print("\n| config | gate | heads | shape | launch | ms | with checkpoints ms | difference ms |")
+        print("|---|---|---|---|---|---|---|---|")
+        for label, gate, H, shape, name, plain, ckd in stage_rows:
+            print(f"| {label} | {gate} | {H} | {shape} | {name} | {plain:.4f} | {ckd:.4f} | {ckd - plain:+.4f} |")
 
 
 if __name__ == "__main__":
