@@ -24,6 +24,7 @@ this prints what this host does).
 
     PYTHONPATH=$PWD python benchmarks/bench_serving_host.py [--streams 64] [--device-ms 2.5]
         [--max-tokens 128] [--rounds 3] [--profile FILE] [--model bench] [--no-engine-process]
+        [--api-server-count N]
 
 `--profile FILE`: a cProfile (pstats file) of the event loop's thread over the last round.
 `--model NAME`: the real model on this machine's device instead (a GPU: CUDA graphs, the engine's
@@ -207,6 +208,10 @@ def main() -> None:
                     help="the streaming client: a lean asyncio one (default) or httpx's")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                     help="the engine's async scheduling (default on, as served); --no-async-scheduling: one step at a time")
+    ap.add_argument("--api-server-count", type=int, default=1,
+                    help="API server processes sharing the engine process (kdaserve serve --api-server-count); with "
+                         "more than one, the steps are not stamped (ITL against the engine alone) and the CPU per chunk "
+                         "is the API processes' together")
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval in ms for this run (Python's default: 5 ms)")
     args = ap.parse_args()
@@ -237,6 +242,8 @@ def main() -> None:
         p.start()
         alone = q.get()
         p.join()
+        if args.api_server_count > 1:
+            return api_servers_main(args, kwargs, device_s, alone)
         engine = EngineProcess(kwargs, setup=functools.partial(prepare, device_s=device_s), log_level="WARNING")
         app = build_app(engine)
         stamp_outputs(app.state.server.engine_loop, calls)
@@ -292,6 +299,69 @@ def main() -> None:
     for r, n, step, med, p90, mean, loop_us, process_us in rows:
         print(f"| {r} | {n} | {step:.2f} | {med:.2f} | {p90:.2f} | {med / alone:.2f}x | {mean:.2f} | {mean / alone:.2f}x "
               f"| {loop_us:.1f} | {process_us:.1f} |")
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux: /proc)."""
+    import os
+
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def api_servers_main(args, kwargs: dict, device_s: float | None, alone: float) -> None:
+    """The engine process behind `--api-server-count` API server processes (server/api_servers.py)."""
+    import httpx
+
+    from kdaserve.server.api_servers import APIServers
+    from kdaserve.server.engine_process import EngineProcess
+    from kdaserve.server.launch import free_port
+
+    n = args.api_server_count
+    engine = EngineProcess(kwargs, setup=functools.partial(prepare, device_s=device_s), log_level="WARNING",
+                           api_clients=n)
+    servers = APIServers(engine, n, {}, "127.0.0.1", free_port(), log_level="warning")
+    ctx = mp.get_context("spawn")
+    rows = []
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{servers.url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise SystemExit("the API servers did not come up")
+            time.sleep(0.2)
+        for r in range(args.rounds):
+            cpu0 = sum(process_cpu_seconds(p.pid) for p in servers.processes)
+            q = ctx.Queue()
+            p = ctx.Process(target=client, args=(servers.url, engine.model_name, args.streams, args.max_tokens, q, args.client))
+            p.start()
+            stamps = q.get()
+            p.join()
+            chunks = sum(len(s) for s in stamps)
+            cpu_us = (sum(process_cpu_seconds(p.pid) for p in servers.processes) - cpu0) / chunks * 1e6
+            first = max(s[1] for s in stamps if len(s) > 1)
+            last = min(s[-2] for s in stamps if len(s) > 1)
+            itl = [b - a for s in stamps for a, b in zip(s, s[1:]) if first <= a and b <= last]
+            tpot = [(w[-1] - w[0]) / (len(w) - 1) for s in stamps if len(w := [t for t in s if first <= t <= last]) > 1]
+            med, p90, mean = (statistics.median(itl) * 1e3, statistics.quantiles(itl, n=10)[-1] * 1e3,
+                              statistics.median(tpot) * 1e3)
+            rows.append((r, med, p90, mean, cpu_us))
+            print(json.dumps({"round": r, "itl_median_ms": med, "itl_p90_ms": p90, "stream_mean_itl_ms": mean,
+                              "api_processes_cpu_us_per_chunk": cpu_us}), flush=True)
+    finally:
+        servers.stop()
+    what = f"model {args.model}" if args.model else f"device time {args.device_ms} ms per step"
+    print(f"\n{args.streams} streams, {args.max_tokens} tokens each, {what} (this host), engine in its own process, "
+          f"{n} API server processes; the engine alone (no server, same batch): {alone:.2f} ms per step")
+    print("| round | ITL median ms | ITL p90 ms | ITL / engine alone | stream mean ITL ms (median of streams) "
+          "| mean ITL / engine alone | API processes' CPU µs per chunk |")
+    print("|---|---|---|---|---|---|---|")
+    for r, med, p90, mean, cpu_us in rows:
+        print(f"| {r} | {med:.2f} | {p90:.2f} | {med / alone:.2f}x | {mean:.2f} | {mean / alone:.2f}x | {cpu_us:.1f} |")
 
 
 def engine_alone(engine, streams: int, max_tokens: int, calls: list[float]) -> float:

@@ -79,6 +79,10 @@ def register(sub) -> None:
                    help="run the engine in a process of its own, as vLLM runs its engine core (default), so the "
                         "server's per-token HTTP work and the engine's steps do not share one interpreter lock; "
                         "--no-engine-process steps it in a thread of the server's process")
+    p.add_argument("--api-server-count", "-asc", type=int, default=1,
+                   help="API server processes in front of the one engine process, as vLLM's: they share the port and "
+                        "split the streams (each stream's per-token HTTP work is Python; at many streams one process "
+                        "falls behind the engine). Needs --engine-process (default: 1)")
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="the model, as vLLM's `vllm serve MODEL` takes it (same as --model)")
     add_engine_args(p, model="nano")   # the trained model shipped in the package
@@ -96,6 +100,13 @@ def run(args) -> int:
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         print("kdaserve serve: --enable-auto-tool-choice needs --tool-call-parser (kimi_k2)", file=sys.stderr)
         return 2
+    if args.api_server_count < 1:
+        print(f"kdaserve serve: --api-server-count must be at least 1, got {args.api_server_count}", file=sys.stderr)
+        return 2
+    if args.api_server_count > 1 and not args.engine_process:
+        print("kdaserve serve: --api-server-count > 1 needs the engine in its own process (drop --no-engine-process)",
+              file=sys.stderr)
+        return 2
     if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
         print("kdaserve serve: --ssl-keyfile and --ssl-certfile go together", file=sys.stderr)
         return 2
@@ -112,7 +123,8 @@ def run(args) -> int:
         if args.engine_process:
             from kdaserve.server.engine_process import EngineProcess
 
-            engine = EngineProcess(engine_kwargs_from_args(args), log_level=args.log_level.upper())
+            engine = EngineProcess(engine_kwargs_from_args(args), log_level=args.log_level.upper(),
+                                   api_clients=args.api_server_count)
         else:
             engine = LLMEngine(**engine_kwargs_from_args(args))
     except (ValueError, RuntimeError, FileNotFoundError) as exc:
@@ -144,16 +156,29 @@ def run(args) -> int:
         print(f"kdaserve serve: {exc}", file=sys.stderr)
         return 2
     # Requests may name the model as served or as given to --model; /v1/models shows the served name only.
-    app = build_app(engine, served_model_name=args.served_model_name, model_root=args.model,
-                    max_queued_requests=args.max_queued_requests, access=access, enable_docs=args.enable_docs,
-                    allowed_origins=args.allowed_origins.split(",") if args.allowed_origins else None,
-                    request_id_headers=args.enable_request_id_headers,
-                    return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-                    stream_write_timeout=args.stream_write_timeout, sampling_defaults=defaults,
-                    enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint, tool_parser=tool_parser,
-                    enable_per_request_metrics=args.enable_per_request_metrics,
-                    enable_prompt_tokens_details=args.enable_prompt_tokens_details)
-    serve_forever(app, args.host, args.port, log_level=args.uvicorn_log_level or args.log_level, root_path=args.root_path,
-                  ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, header_timeout=args.header_timeout,
-                  timeout_keep_alive=args.timeout_keep_alive, limit_concurrency=args.limit_concurrency)
+    app_kwargs = dict(served_model_name=args.served_model_name, model_root=args.model,
+                      max_queued_requests=args.max_queued_requests, access=access, enable_docs=args.enable_docs,
+                      allowed_origins=args.allowed_origins.split(",") if args.allowed_origins else None,
+                      request_id_headers=args.enable_request_id_headers,
+                      return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                      stream_write_timeout=args.stream_write_timeout, sampling_defaults=defaults,
+                      enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint, tool_parser=tool_parser,
+                      enable_per_request_metrics=args.enable_per_request_metrics,
+                      enable_prompt_tokens_details=args.enable_prompt_tokens_details)
+    uvicorn_options = dict(log_level=args.uvicorn_log_level or args.log_level, root_path=args.root_path,
+                           ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, header_timeout=args.header_timeout,
+                           timeout_keep_alive=args.timeout_keep_alive, limit_concurrency=args.limit_concurrency)
+    if args.api_server_count > 1:
+        from kdaserve.server.api_servers import APIServers
+
+        try:
+            servers = APIServers(engine, args.api_server_count, app_kwargs, args.host, args.port,
+                                 log_level=args.log_level, uvicorn_options=uvicorn_options)
+        except OSError as exc:
+            engine.close()
+            print(f"kdaserve serve: {exc}", file=sys.stderr)
+            return 1
+        return servers.wait()
+    app = build_app(engine, **app_kwargs)
+    serve_forever(app, args.host, args.port, **uvicorn_options)
     return 0

@@ -14,7 +14,7 @@ from kdaserve.server.chat_template import chat_prompt_ids
 from kdaserve.server.tool_parsers import make_tool_parser
 from kdaserve.server.completions import CompletionHandler
 from kdaserve.server.engine_loop import EngineLoop, ProcessEngineLoop
-from kdaserve.server.engine_process import EngineProcess
+from kdaserve.server.engine_process import EngineClient
 from kdaserve.server.errors import APIError, bad_request, install_error_handlers
 from kdaserve.server.metrics import ServerMetrics
 from kdaserve.server.protocol import (
@@ -43,15 +43,21 @@ def build_app(
     tool_parser: str | None = None,
     enable_per_request_metrics: bool = False,
     enable_prompt_tokens_details: bool = False,
+    api_server: tuple[int, int] = (0, 1),
 ):
     """An app serving `engine`: an `LLMEngine` (stepped by a thread of this process while the app
-    is up) or an `EngineProcess` (its own process; closed when the app stops).
+    is up), an `EngineProcess` (its own process; stopped when the app stops) or one of its
+    `EngineClient`s (closed when the app stops; the engine process serves on).
     `access`: API keys, Host check and body limit (server/access.py; default: no key, no Host
     check, the default body limit). The interactive `/docs` and `/redoc` pages only with
     `enable_docs`; `/openapi.json` always (clients and fuzzers read it). CORS headers only for
     `allowed_origins` (none by default: a web page cannot read the API's answers). `tool_parser`:
     the parser of tool_choice "auto" (`--enable-auto-tool-choice --tool-call-parser`; ValueError
-    when unknown or the tokenizer lacks its tokens)."""
+    when unknown or the tokenizer lacks its tokens). `api_server`: (index, count) of this app among
+    the API server processes sharing one engine (`--api-server-count`, server/api_servers.py):
+    each admits its share of the request limit, the metrics are the processes' sum, and the
+    engine-wide counters are kept by the first."""
+    index, count = api_server
     if not stream_write_timeout > 0:
         raise ValueError(f"invalid stream_write_timeout: got {stream_write_timeout}; expected seconds > 0")
     name = served_model_name or engine.model_name
@@ -62,11 +68,12 @@ def build_app(
         "mamba_ssm_cache_dtype": str(cfg.state_dtype).removeprefix("torch."), "gpu_memory_utilization": cfg.gpu_memory_utilization,
         "enable_prefix_caching": cfg.enable_prefix_caching, "mamba_block_size": cfg.mamba_block_size,
         "prefix_caching_hash_algo": cfg.prefix_caching_hash_algo,
-    }, num_speculative_tokens=cfg.num_spec_tokens)
+    }, num_speculative_tokens=cfg.num_spec_tokens, multiprocess=count > 1, engine_counters=index == 0)
     parser = make_tool_parser(tool_parser, engine.tokenizer) if tool_parser else None
-    # An EngineProcess (kdaserve serve's default) steps in its own process; an LLMEngine in a thread here.
-    loop_type = ProcessEngineLoop if isinstance(engine, EngineProcess) else EngineLoop
-    engine_loop = loop_type(engine, max_queued_requests=max_queued_requests, metrics=metrics)
+    # An EngineProcess or one of its clients (kdaserve serve's default) steps in its own process; an
+    # LLMEngine in a thread here.
+    loop_type = ProcessEngineLoop if isinstance(engine, EngineClient) else EngineLoop
+    engine_loop = loop_type(engine, max_queued_requests=max_queued_requests, metrics=metrics, api_server_count=count)
     state = ServerState(
         engine_loop=engine_loop,
         tokenizer=engine.tokenizer,

@@ -167,11 +167,15 @@ class _Add:
 class EngineLoop:
     """Runs an `LLMEngine` in its own thread and admits requests up to a queue limit."""
 
-    def __init__(self, engine, *, max_queued_requests: int = 1024, metrics: ServerMetrics | None = None):
+    def __init__(self, engine, *, max_queued_requests: int = 1024, metrics: ServerMetrics | None = None,
+                 api_server_count: int = 1):
         self.engine = engine
-        # Requests in flight beyond the engine's batch: past this, new ones get 503.
+        # Requests in flight beyond the engine's batch: past this, new ones get 503. Several API
+        # server processes share the limit evenly (each admits its share of the engine's).
         max_num_seqs = getattr(engine, "max_num_seqs", None) or getattr(getattr(engine, "config", None), "max_num_seqs", 0)
-        self.max_in_flight = int(max_num_seqs or 0) + max_queued_requests
+        self.max_in_flight = -(-(int(max_num_seqs or 0) + max_queued_requests) // api_server_count)
+        self._limit_source = "--max-num-seqs + --max-queued-requests" + (
+            f", shared by {api_server_count} API server processes" if api_server_count > 1 else "")
         self.metrics = metrics
         self.num_in_flight = 0  # touched only on the event loop
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -204,7 +208,7 @@ class EngineLoop:
             raise APIError(503, "the engine is not running", code="engine_unavailable")
         if len(requests) > self.max_in_flight:   # no retry can help: a 400 with the numbers
             raise APIError(400, f"this request holds {len(requests)} sequences (prompts x n) but the server admits at most "
-                                f"{self.max_in_flight} at once (--max-num-seqs + --max-queued-requests)", param="n",
+                                f"{self.max_in_flight} at once ({self._limit_source})", param="n",
                            code="request_too_large")
         if self.num_in_flight + len(requests) > self.max_in_flight:
             raise APIError(
@@ -386,10 +390,12 @@ class ProcessEngineLoop(EngineLoop):
     in-process. The members and timings are shared by the event loop (add, abort) and the reader
     (outputs), under one lock."""
 
-    def __init__(self, engine, *, max_queued_requests: int = 1024, metrics: ServerMetrics | None = None):
+    def __init__(self, engine, *, max_queued_requests: int = 1024, metrics: ServerMetrics | None = None,
+                 api_server_count: int = 1):
         from kdaserve.server.output_wire import OutputDecoder
 
-        super().__init__(engine, max_queued_requests=max_queued_requests, metrics=metrics)
+        super().__init__(engine, max_queued_requests=max_queued_requests, metrics=metrics,
+                         api_server_count=api_server_count)
         self._decoder = OutputDecoder()
         self._lock = threading.Lock()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -449,13 +455,16 @@ class ProcessEngineLoop(EngineLoop):
                 message = self.engine.recv()
                 if message[0] == "step":
                     self._take_step(*message[1:])
+                elif message[0] == "detached":   # this API process left the engine (EngineClient.close)
+                    return
                 elif message[0] == "step_failed":
                     logger.error("engine step failed; failing the requests in flight: %s", message[1])
                     self.last_error = message[1]
                     self._fail_all(APIError(500, f"engine step failed: {message[1]}", code="engine_error"))
         except (EOFError, OSError):
             if not self._stopping:
-                self.last_error = f"the engine process exited (exit code {self.engine.process.exitcode})"
+                code = self.engine.exitcode
+                self.last_error = "the engine process exited" + (f" (exit code {code})" if code is not None else "")
                 logger.error("%s; /health now answers 503", self.last_error)
                 reason = APIError(503, f"the engine stopped: {self.last_error}", code="engine_unavailable")
         finally:

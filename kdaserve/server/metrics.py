@@ -10,9 +10,19 @@ first scheduled, first token, finish). Besides vLLM's families: the KDA state po
 vLLM's `spec_decode_*` counters (drafts, drafted and accepted tokens, accepted per draft
 position, engine/speculative/stats.py). Each server owns its own
 registry (several servers can live in one process: the tests), with the process collector.
+
+Several API server processes on one engine (`--api-server-count`) use prometheus_client's
+multiprocess mode, as vLLM does: each process writes its values to files under
+PROMETHEUS_MULTIPROC_DIR (set before prometheus_client is imported: server/api_servers.py) and
+`/metrics` in any of them shows the sum of the counters and histograms over all, the engine's
+gauges as last set (every process gets the same stats). The counters that follow the engine's own
+totals (preemptions, prefix-cache queries and hits, speculative decoding) and the step-size
+histogram are kept by the first process only, so they are not counted once per process.
 """
 
 from __future__ import annotations
+
+import os
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -37,14 +47,21 @@ _TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10
 class ServerMetrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, model_name: str, *, cache_info: dict | None = None, num_speculative_tokens: int = 0):
+    def __init__(self, model_name: str, *, cache_info: dict | None = None, num_speculative_tokens: int = 0,
+                 multiprocess: bool = False, engine_counters: bool = True):
+        if multiprocess and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            raise ValueError("multiprocess metrics need PROMETHEUS_MULTIPROC_DIR set before prometheus_client is imported")
+        self.multiprocess, self.engine_counters = multiprocess, engine_counters
         self.registry = r = CollectorRegistry()
-        ProcessCollector(registry=r)
+        if not multiprocess:   # per-process figures: no meaning summed over processes
+            ProcessCollector(registry=r)
         self._labels = {"model_name": model_name, "engine": "0"}
         names = tuple(self._labels)
+        # The engine's gauges: every process sets the same values, so the latest one stands.
+        gauge_mode = {"multiprocess_mode": "mostrecent"} if multiprocess else {}
 
         def gauge(name, doc):
-            return Gauge(PREFIX + name, doc, names, registry=r).labels(**self._labels)
+            return Gauge(PREFIX + name, doc, names, registry=r, **gauge_mode).labels(**self._labels)
 
         def counter(name, doc):
             return Counter(PREFIX + name, doc, names, registry=r).labels(**self._labels)
@@ -95,7 +112,7 @@ class ServerMetrics:
                                                    "Generated tokens per finished request.", _TOKEN_COUNT_BUCKETS)
         info = {k: str(v) for k, v in (cache_info or {}).items()}
         Gauge(PREFIX + "cache_config_info", "The cache configuration (labels), value 1.", tuple(info),
-              registry=r).labels(**info).set(1)
+              registry=r, **gauge_mode).labels(**info).set(1)
         self._last_preemptions = 0
         self._spec = None
         if num_speculative_tokens:
@@ -142,6 +159,11 @@ class ServerMetrics:
                 getattr(self, name).set(stats[name])
         if stats.get("kv_blocks_total"):
             self.kv_cache_usage_perc.set(stats.get("kv_blocks_used", 0) / stats["kv_blocks_total"])
+        if stats.get("prefix_cache_blocks") is not None:
+            self.prefix_cache_blocks.set(stats["prefix_cache_blocks"])
+            self.prefix_cache_kda_states.set(stats["prefix_cache_states"])
+        if not self.engine_counters:
+            return
         if self._spec is not None:
             self._update_spec(stats)
         for name, last in self._last_prefix.items():
@@ -149,9 +171,6 @@ class ServerMetrics:
             if value is not None and value > last:
                 getattr(self, name).inc(value - last)
                 self._last_prefix[name] = value
-        if stats.get("prefix_cache_blocks") is not None:
-            self.prefix_cache_blocks.set(stats["prefix_cache_blocks"])
-            self.prefix_cache_kda_states.set(stats["prefix_cache_states"])
         preemptions = stats.get("preemptions")
         if preemptions is not None and preemptions > self._last_preemptions:
             self.num_preemptions.inc(preemptions - self._last_preemptions)
@@ -172,4 +191,10 @@ class ServerMetrics:
         self._last_spec["per_pos"] = list(per_pos)
 
     def render(self) -> bytes:
+        if self.multiprocess:   # every API server process's values
+            from prometheus_client import multiprocess
+
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+            return generate_latest(registry)
         return generate_latest(self.registry)

@@ -1,0 +1,132 @@
+"""Several API server processes in front of one engine process (vLLM's `--api-server-count`).
+
+Why: with the engine in its own process, the API process is what bounds inter-token latency at
+many streams: every stream costs one SSE chunk per step of Python (the completion handler, JSON,
+Starlette's send path, the socket write), ~30-40 µs of CPU on the H200's host, so 64 streams need
+more than a decode step of one interpreter (docs/perf-notes.md). N processes split the streams.
+
+How: this (the parent) process starts the engine process with N connections
+(engine_process.EngineProcess(api_clients=N)), binds the listening socket once and spawns N API
+server processes that share it (the kernel hands each new connection to one of them); each runs
+the same app (app.build_app with `api_server=(i, N)`) on its own connection to the engine. The
+parent then only watches: if any of them exits unexpectedly it stops the rest (a server that half
+works is worse than one that is down: a supervisor restarts it whole). Ctrl-C or SIGTERM drains
+the API servers (uvicorn's graceful shutdown), then stops the engine.
+
+Metrics: prometheus_client's multiprocess mode in a temporary directory (server/metrics.py),
+removed on exit. Limits per process: `--max-num-seqs + --max-queued-requests` split evenly.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import shutil
+import signal
+import socket
+import tempfile
+
+logger = logging.getLogger("kdaserve.server")
+# Seconds the API servers get to drain their streams on shutdown before they are killed.
+DRAIN_TIMEOUT = 15.0
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The listening socket every API server process accepts on (as uvicorn would bind it)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+class APIServers:
+    """`APIServers(engine, count, app_kwargs, host, port, uvicorn_options)`: spawns the API server
+    processes on `engine`'s connections (an EngineProcess made with `api_clients=count`); `wait()`
+    blocks until Ctrl-C / SIGTERM or until one of them (or the engine) exits; `stop()` drains and
+    stops all, the engine last. Also usable from a benchmark: `url`, then `stop()`."""
+
+    def __init__(self, engine, count: int, app_kwargs: dict, host: str, port: int, *, log_level: str = "info",
+                 uvicorn_options: dict | None = None, sock: socket.socket | None = None):
+        clients = engine.clients()
+        if len(clients) != count:
+            raise ValueError(f"the engine process has {len(clients)} connections for {count} API servers")
+        self.engine, self.host = engine, host
+        self.sock = sock or bind_socket(host, port)
+        self.port = self.sock.getsockname()[1]
+        self._metrics_dir = tempfile.mkdtemp(prefix="kdaserve-metrics-")
+        # Read by prometheus_client when it is first imported, in each spawned process.
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = self._metrics_dir
+        ctx = mp.get_context("spawn")
+        self.processes = [ctx.Process(target=_api_server_main, name=f"kdaserve-api-server-{i}", daemon=False,
+                                      args=(i, count, clients[i], app_kwargs, self.sock, host, self.port, log_level,
+                                            dict(uvicorn_options or {})))
+                          for i in range(count)]
+        for p in self.processes:
+            p.start()
+        logger.info("%d API server processes on %s (one engine process)", count, self.url)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def wait(self) -> int:
+        """Until Ctrl-C / SIGTERM (0) or until an API server or the engine exits on its own (1)."""
+        def on_signal(signum, frame):
+            raise KeyboardInterrupt
+
+        previous = signal.signal(signal.SIGTERM, on_signal)
+        try:
+            sentinels = {p.sentinel: p.name for p in self.processes}
+            sentinels[self.engine.process.sentinel] = "the engine process"
+            ready = mp.connection.wait(list(sentinels))
+            names = ", ".join(sentinels[s] for s in ready)
+            logger.error("%s exited; stopping the server", names)
+            return 1
+        except KeyboardInterrupt:
+            return 0
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            self.stop()
+
+    def stop(self) -> None:
+        """Drain and stop the API servers, then the engine. SIGTERM starts uvicorn's graceful
+        shutdown (after a Ctrl-C, which reached them with the process group, it changes nothing)."""
+        for p in self.processes:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGTERM)
+        for p in self.processes:
+            p.join(DRAIN_TIMEOUT)
+            if p.is_alive():
+                logger.warning("%s did not stop within %.0f s; killing it", p.name, DRAIN_TIMEOUT)
+                p.kill()
+                p.join(5)
+        self.engine.close()
+        self.sock.close()
+        os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        shutil.rmtree(self._metrics_dir, ignore_errors=True)
+
+
+def _api_server_main(index: int, count: int, client, app_kwargs: dict, sock: socket.socket, host: str, port: int,
+                     log_level: str, uvicorn_options: dict) -> None:
+    logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s %(levelname)s %(name)s[api {index}]: %(message)s")
+    import uvicorn
+
+    from kdaserve.server.app import build_app
+    from kdaserve.server.launch import raise_open_file_limit, uvicorn_config
+
+    raise_open_file_limit()
+    app = build_app(client, **app_kwargs, api_server=(index, count))
+    server = uvicorn.Server(uvicorn_config(app, host, port, uvicorn_options.pop("log_level", log_level), **uvicorn_options))
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass

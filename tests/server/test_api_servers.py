@@ -1,0 +1,183 @@
+"""Several API server processes on one engine process (`kdaserve serve --api-server-count N`,
+server/api_servers.py): each connection gets only its own requests' outputs, a connection that
+leaves takes only its own requests with it, the served outputs equal one process's, /metrics sums
+the processes, the request limit is shared, and the whole server stops cleanly."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from kdaserve.engine import LLMEngine, SamplingParams
+from kdaserve.server.engine_loop import EngineLoop
+from kdaserve.server.engine_process import EngineProcess
+from kdaserve.server.launch import free_port
+from server_helpers import ENGINE_KWARGS
+
+
+def _recv(client, deadline: float) -> tuple:
+    """The next message, or a failure at `deadline` (not a hang)."""
+    assert client._outputs.poll(max(deadline - time.monotonic(), 0)), "no message from the engine in time"
+    return client.recv()
+
+
+def _collect(client, want: set[str], timeout: float = 120) -> tuple[dict, list, dict]:
+    """Read `client`'s step messages until every request in `want` finished: (request id ->
+    output ids, every request id seen, the engine's stats after the last step)."""
+    ids, seen, stats = {}, [], None
+    deadline = time.monotonic() + timeout
+    while want - {r for r, (_, done) in ids.items() if done}:
+        message = _recv(client, deadline)
+        assert message[0] == "step", message
+        stats = message[3]
+        for wire in message[1]:
+            request_id, new_ids, finished = wire[0], wire[1], wire[5]
+            seen.append(request_id)
+            old, _ = ids.get(request_id, ([], False))
+            ids[request_id] = (old + list(new_ids), finished)
+    return {r: v[0] for r, v in ids.items()}, seen, stats
+
+
+def test_each_connection_gets_its_own_outputs_and_leaving_aborts_only_its_own():
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompts = {"a": list(b"first prompt"), "b": list(b"second"), "c": list(b"third one here")}
+    reference = LLMEngine(**ENGINE_KWARGS)
+    want = {}
+    for request_id, ids in prompts.items():
+        reference.add_request(request_id, ids, params)
+    while reference.has_unfinished_requests():
+        for out in reference.step():
+            if out.finished:
+                want[out.request_id] = list(out.output_token_ids)
+
+    engine = EngineProcess(ENGINE_KWARGS, api_clients=2)
+    try:
+        first, second = engine.clients()
+        first.send(("add", "a", prompts["a"], params))
+        first.send(("add", "b", prompts["b"], params))
+        second.send(("add", "c", prompts["c"], params))
+        second.send(("abort", "a"))   # not its own: ignored
+        got_first, seen_first, _ = _collect(first, {"a", "b"})
+        got_second, seen_second, _ = _collect(second, {"c"})
+        assert set(seen_first) == {"a", "b"} and set(seen_second) == {"c"}
+        assert got_first == {"a": want["a"], "b": want["b"]} and got_second == {"c": want["c"]}
+
+        # The second API process leaves with a long request running: only that one is aborted.
+        second.send(("add", "d", prompts["c"], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)))
+        first.send(("add", "e", prompts["a"], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)))
+        deadline = time.monotonic() + 60
+        while True:   # both running
+            message = _recv(second, deadline)
+            if message[0] == "step" and message[1]:
+                break
+        second.close()
+        while _recv(second, deadline)[0] != "detached":
+            pass
+        got, _, stats = _collect(first, {"e"})
+        assert len(got["e"]) == 30
+        # d (70 tokens to go) is not running on: nothing runs once e finished, every slot is back.
+        assert (stats["num_running"], stats["num_waiting"], stats["state_slots_used"]) == (0, 0, 0), stats
+    finally:
+        engine.close()
+    assert engine.process.exitcode == 0
+
+
+def test_the_request_limit_is_shared_by_the_api_servers():
+    class Engine:
+        max_num_seqs = 8
+
+    assert EngineLoop(Engine(), max_queued_requests=9).max_in_flight == 17
+    assert EngineLoop(Engine(), max_queued_requests=9, api_server_count=2).max_in_flight == 9   # ceil(17 / 2)
+    assert EngineLoop(Engine(), max_queued_requests=0, api_server_count=4).max_in_flight == 2
+
+
+def _serve(*flags: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "kdaserve.cli", "serve", "tiny", "--host", "127.0.0.1", "--port", str(port),
+           "--kda-prefill-backend", "reference", "--kda-decode-backend", "reference", "--max-num-seqs", "8",
+           "--max-model-len", "128", "--device", "cpu", "--enforce-eager", "--no-warmup", "--log-level", "warning", *flags]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while True:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "the server did not come up"
+        time.sleep(0.2)
+
+
+def _metric(text: str, name: str, **labels) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} {labels} not in /metrics")
+
+
+def _stream(url: str, i: int) -> str:
+    """One streaming completion on a connection of its own; its text."""
+    body = {"model": "tiny", "prompt": f"stream {i}: ", "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    text = []
+    with httpx.Client(timeout=120) as client, client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                text.append(json.loads(line[6:])["choices"][0]["text"])
+    return "".join(text)
+
+
+def test_serve_with_two_api_servers_answers_sums_metrics_and_stops():
+    streams = 16
+    proc, url = _serve("--api-server-count", "2")
+    try:
+        with concurrent.futures.ThreadPoolExecutor(streams) as pool:
+            texts = list(pool.map(lambda i: _stream(url, i), range(streams)))
+        # The same requests one at a time give the same greedy texts (whichever process served them).
+        for i in (0, 7, 15):
+            body = {"model": "tiny", "prompt": f"stream {i}: ", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+            assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"] == texts[i]
+        # A client that leaves mid-stream: its request is aborted, its slot freed.
+        body = {"model": "tiny", "prompt": "left", "max_tokens": 100, "temperature": 0, "ignore_eos": True, "stream": True}
+        with httpx.Client(timeout=60) as client, client.stream("POST", f"{url}/v1/completions", json=body) as response:
+            next(response.iter_lines())
+        # /metrics from either process (connections land on either): the sum over both.
+        deadline = time.monotonic() + 30
+        while True:
+            text = httpx.get(f"{url}/metrics", timeout=10).text
+            done = _metric(text, "kdaserve:request_success_total", finished_reason="length")
+            aborted = _metric(text, "kdaserve:request_success_total", finished_reason="abort")
+            if (done, aborted) == (streams + 3, 1) and _metric(text, "kdaserve:num_requests_running") == 0:
+                break
+            assert time.monotonic() < deadline, (done, aborted)
+            time.sleep(0.2)
+        assert _metric(text, "kdaserve:generation_tokens_total") >= (streams + 3) * 12
+        assert _metric(text, "kdaserve:state_slots_used") == 0
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        out = proc.stdout.read()
+        assert "Traceback" not in out, out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--api-server-count", "0"), "--api-server-count must be at least 1, got 0"),
+    (("--api-server-count", "2", "--no-engine-process"), "--api-server-count > 1 needs the engine in its own process"),
+])
+def test_serve_refuses_api_server_counts_that_cannot_work(flags, message):
+    out = subprocess.run([sys.executable, "-m", "kdaserve.cli", "serve", "tiny", "--device", "cpu", *flags],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and message in out.stderr, out.stderr
