@@ -27,6 +27,7 @@ import shutil
 import signal
 import socket
 import tempfile
+import time
 
 logger = logging.getLogger("kdaserve.server")
 # Seconds the API servers get to drain their streams on shutdown before they are killed.
@@ -66,13 +67,25 @@ class APIServers:
         # Read by prometheus_client when it is first imported, in each spawned process.
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = self._metrics_dir
         ctx = mp.get_context("spawn")
+        self._ready = [ctx.Event() for _ in range(count)]
         self.processes = [ctx.Process(target=_api_server_main, name=f"kdaserve-api-server-{i}", daemon=False,
                                       args=(i, count, clients[i], app_kwargs, self.sock, host, self.port, log_level,
-                                            dict(uvicorn_options or {})))
+                                            dict(uvicorn_options or {}), self._ready[i]))
                           for i in range(count)]
         for p in self.processes:
             p.start()
-        logger.info("%d API server processes on %s (one engine process)", count, self.url)
+        logger.info("%d API server processes starting on %s (one engine process)", count, self.url)
+
+    def wait_ready(self, timeout: float = 300.0) -> bool:
+        """Until every API server process accepts connections (True), or one exited or `timeout`
+        passed (False). Until then the ones up take every connection (the socket is shared)."""
+        deadline = time.monotonic() + timeout
+        for p, ready in zip(self.processes, self._ready):
+            while not ready.wait(0.1):
+                if not p.is_alive() or time.monotonic() > deadline:
+                    return False
+        logger.info("%d API server processes ready on %s", len(self.processes), self.url)
+        return True
 
     @property
     def url(self) -> str:
@@ -85,6 +98,7 @@ class APIServers:
 
         previous = signal.signal(signal.SIGTERM, on_signal)
         try:
+            self.wait_ready()
             sentinels = {p.sentinel: p.name for p in self.processes}
             sentinels[self.engine.process.sentinel] = "the engine process"
             ready = mp.connection.wait(list(sentinels))
@@ -116,7 +130,7 @@ class APIServers:
 
 
 def _api_server_main(index: int, count: int, client, app_kwargs: dict, sock: socket.socket, host: str, port: int,
-                     log_level: str, uvicorn_options: dict) -> None:
+                     log_level: str, uvicorn_options: dict, ready) -> None:
     logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s %(levelname)s %(name)s[api {index}]: %(message)s")
     import uvicorn
 
@@ -125,7 +139,13 @@ def _api_server_main(index: int, count: int, client, app_kwargs: dict, sock: soc
 
     raise_open_file_limit()
     app = build_app(client, **app_kwargs, api_server=(index, count))
-    server = uvicorn.Server(uvicorn_config(app, host, port, uvicorn_options.pop("log_level", log_level), **uvicorn_options))
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets=sockets)
+            if not self.should_exit:
+                ready.set()
+
+    server = Server(uvicorn_config(app, host, port, uvicorn_options.pop("log_level", log_level), **uvicorn_options))
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:
