@@ -6,8 +6,8 @@ Starlette's send path, the socket write), ~30-40 µs of CPU on the H200's host, 
 more than a decode step of one interpreter (docs/perf-notes.md). N processes split the streams.
 
 How: this (the parent) process starts the engine process with N connections
-(engine_process.EngineProcess(api_clients=N)), binds the listening socket once and spawns N API
-server processes that share it (the kernel hands each new connection to one of them); each runs
+(engine_process.EngineProcess(api_clients=N)), binds a listening socket per API server process on
+the one port (SO_REUSEPORT: the kernel spreads the connections) and spawns the N processes; each runs
 the same app (app.build_app with `api_server=(i, N)`) on its own connection to the engine. The
 parent then only watches: if any of them exits unexpectedly it stops the rest (a server that half
 works is worse than one that is down: a supervisor restarts it whole). Ctrl-C or SIGTERM drains
@@ -34,19 +34,31 @@ logger = logging.getLogger("kdaserve.server")
 DRAIN_TIMEOUT = 15.0
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    """The listening socket every API server process accepts on (as uvicorn would bind it)."""
+def bind_sockets(host: str, port: int, count: int) -> list[socket.socket]:
+    """A listening socket per API server process, all on one port (SO_REUSEPORT: the kernel
+    spreads new connections over them by their addresses' hash). One socket shared by all would
+    hand a burst of connections to whichever process wakes first: asyncio accepts up to its
+    backlog per wake-up, so 64 streams opened at once can all land on one process. Where the
+    platform lacks SO_REUSEPORT, one shared socket."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    reuse_port = getattr(socket, "SO_REUSEPORT", None)
+    sockets = []
     try:
-        sock.bind((host, port))
+        for _ in range(count if reuse_port is not None else 1):
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse_port is not None:
+                sock.setsockopt(socket.SOL_SOCKET, reuse_port, 1)
+            sock.bind((host, port))
+            port = sock.getsockname()[1]   # port 0: the others take the one the first got
+            sock.listen(2048)
+            sock.set_inheritable(True)
     except OSError as exc:
-        sock.close()
+        for sock in sockets:
+            sock.close()
         raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
+    return sockets * count if len(sockets) == 1 else sockets
 
 
 class APIServers:
@@ -56,20 +68,20 @@ class APIServers:
     stops all, the engine last. Also usable from a benchmark: `url`, then `stop()`."""
 
     def __init__(self, engine, count: int, app_kwargs: dict, host: str, port: int, *, log_level: str = "info",
-                 uvicorn_options: dict | None = None, sock: socket.socket | None = None):
+                 uvicorn_options: dict | None = None):
         clients = engine.clients()
         if len(clients) != count:
             raise ValueError(f"the engine process has {len(clients)} connections for {count} API servers")
         self.engine, self.host = engine, host
-        self.sock = sock or bind_socket(host, port)
-        self.port = self.sock.getsockname()[1]
+        self.sockets = bind_sockets(host, port, count)
+        self.port = self.sockets[0].getsockname()[1]
         self._metrics_dir = tempfile.mkdtemp(prefix="kdaserve-metrics-")
         # Read by prometheus_client when it is first imported, in each spawned process.
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = self._metrics_dir
         ctx = mp.get_context("spawn")
         self._ready = [ctx.Event() for _ in range(count)]
         self.processes = [ctx.Process(target=_api_server_main, name=f"kdaserve-api-server-{i}", daemon=False,
-                                      args=(i, count, clients[i], app_kwargs, self.sock, host, self.port, log_level,
+                                      args=(i, count, clients[i], app_kwargs, self.sockets[i], host, self.port, log_level,
                                             dict(uvicorn_options or {}), self._ready[i]))
                           for i in range(count)]
         for p in self.processes:
@@ -78,7 +90,8 @@ class APIServers:
 
     def wait_ready(self, timeout: float = 300.0) -> bool:
         """Until every API server process accepts connections (True), or one exited or `timeout`
-        passed (False). Until then the ones up take every connection (the socket is shared)."""
+        passed (False). Until then a connection the kernel gives to one not yet up waits in its
+        socket's backlog."""
         deadline = time.monotonic() + timeout
         for p, ready in zip(self.processes, self._ready):
             while not ready.wait(0.1):
@@ -124,7 +137,8 @@ class APIServers:
                 p.kill()
                 p.join(5)
         self.engine.close()
-        self.sock.close()
+        for sock in set(self.sockets):
+            sock.close()
         os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
         shutil.rmtree(self._metrics_dir, ignore_errors=True)
 

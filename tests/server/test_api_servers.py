@@ -98,6 +98,39 @@ def test_the_request_limit_is_shared_by_the_api_servers():
     assert EngineLoop(Engine(), max_queued_requests=0, api_server_count=4).max_in_flight == 2
 
 
+def test_a_burst_of_connections_spreads_over_the_api_servers_sockets():
+    """64 connections opened at once land on every one of 3 sockets (each API server process
+    accepts on its own): one shared socket would let the first process to wake take them all."""
+    import socket
+
+    from kdaserve.server.api_servers import bind_sockets
+
+    sockets = bind_sockets("127.0.0.1", 0, 3)
+    clients = []
+    try:
+        assert len({s.fileno() for s in sockets}) == 3 and len({s.getsockname()[1] for s in sockets}) == 1
+        port = sockets[0].getsockname()[1]
+        clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(64)]
+        accepted = []
+        for s in sockets:
+            s.setblocking(False)
+            count = 0
+            while True:
+                try:
+                    conn, _ = s.accept()
+                except BlockingIOError:
+                    break
+                conn.close()
+                count += 1
+            accepted.append(count)
+        assert sum(accepted) == 64 and min(accepted) > 0, accepted
+    finally:
+        for c in clients:
+            c.close()
+        for s in sockets:
+            s.close()
+
+
 def _serve(*flags: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "kdaserve.cli", "serve", "tiny", "--host", "127.0.0.1", "--port", str(port),
