@@ -7,9 +7,7 @@
 # transformers 5.23.0 with what it imports for structured output) and, for an old-vs-new comparison, [".old"]
 # (e.g. `git archive <commit> kdaserve benchmarks | tar -x -C .old`).
 # Parts owed (add one as `if [ "$PART" = name ]; then ... fi` below, with what it must show):
-#   checkpoint_pieces  flash's checkpoint variant with its chunk loop in pieces between checkpoints
-#                 (recurrence.py, CK_PIECES) beside the scan at 32 rows per program: each ran on the
-#                 H200 (twentieth session, runs 5-7), the combination not.
+#   (none)
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -35,11 +33,3 @@ PART=${1:-}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 [ -z "$PART" ] && echo "name a part"
 
-if [ "$PART" = checkpoint_pieces ]; then
-  # Must show: every test passed; bench_checkpoint_cost's cost column at or under the twentieth
-  # session's run 5 (bounded 1x8K +3.1%, 1x32K +0.8%, 16x1K +2.3%; unbounded +2.3 / +0.8 / +2.9%),
-  # the segment_maps row's difference ~+0.007 ms. Numbers into docs/perf-notes.md (issue 26's 3%).
-  group flash_gpu 200 tests/ops/test_flash_prefill.py -k gpu
-  group prefix_caching 90 tests/engine/test_prefix_caching_gpu.py
-  timeout 150 python3 benchmarks/bench_checkpoint_cost.py --shapes 1x8K 1x32K 16x1K --cap 4 --stages 2>&1 | tee "$OUT/ck.log" | grep "^| "
-fi
