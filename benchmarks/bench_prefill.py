@@ -10,7 +10,10 @@ lower_bound -5 (--gate unbounded: Kimi-Linear's gate), every sequence resuming f
   fla-core  `chunk_kda` ALONE: contiguous q/k/v (post-conv), initial states already gathered,
          host cu_seqlens given; no conv, no norm, no pool. The kernel-only number other projects
          publish, and the strictest baseline: our columns do strictly more work than this one.
-The conv and the gated RMSNorm are INCLUDED in every column but fla-core.
+  flashkda-core  FlashKDA (`tokenspeed-flashkda`: CUTLASS, Hopper) `fwd` ALONE on the same prepared
+         inputs as fla-core: the fastest KDA core we can measure at many (sequence, head) pairs
+         (bounded gate only: its lower bound must be in [-5, 0]). Optional: skipped when not installed.
+The conv and the gated RMSNorm are INCLUDED in every column but the -core ones.
 
 Also printed: agreement of every column with the fp64 reference on a small mixed step (flash's
 per-kernel breakdown: benchmarks/profile_prefill.py).
@@ -103,7 +106,50 @@ def load_columns() -> dict:
         cols["fla-core"] = fla_core
     except ImportError as e:
         print(f"fla column skipped: {e}")
+    try:
+        import flash_kda  # noqa: F401
+
+        cols["flashkda-core"] = flashkda_core
+    except ImportError as e:
+        print(f"flashkda-core column skipped: {e}")
     return cols
+
+
+CORE_COLUMNS = ("fla", "fla-core", "flashkda-core")   # the baselines: every other column is ours
+
+
+def _core_inputs(inputs, weights, cache, seqs, prepared: dict) -> dict:
+    """Contiguous post-conv q, k, v (here the projection's columns: the conv is not part of a
+    core), gate and beta logits, the initial states gathered; made once per case."""
+    qkv, forget_logits, beta_logits, _ = inputs
+    recurrent_state = cache.recurrent_state
+    cu_seqlens, state_indices, _, cu_seqlens_cpu = seqs
+    key = (qkv.data_ptr(), recurrent_state.data_ptr(), tuple(qkv.shape))
+    if prepared.get("key") != key:
+        T, H = qkv.shape[0], weights.num_heads
+        q, k, v = (t.contiguous() for t in qkv.view(1, T, 3, H, D).unbind(2))
+        prepared.clear()
+        prepared.update(key=key, q=q, k=k, v=v, g=forget_logits.reshape(1, T, H, D).contiguous(),
+                        beta=beta_logits.reshape(1, T, H).contiguous(),
+                        h0=recurrent_state[state_indices.long()].contiguous(),
+                        cu=cu_seqlens.long(), cu_cpu=cu_seqlens_cpu.long())
+    return prepared
+
+
+def flashkda_core(out, inputs, weights, cache, seqs, _prepared={}):
+    """FlashKDA's fwd alone, on fla-core's inputs (prepared once per case outside the timing); its
+    output and final states into buffers of its own made with them."""
+    import flash_kda
+
+    if weights.lower_bound is None:
+        raise ValueError("FlashKDA takes the bounded gate only (a lower bound in [-5, 0])")
+    p = _core_inputs(inputs, weights, cache, seqs, _prepared)
+    if "o" not in p:
+        p.update(o=torch.empty_like(p["v"]), ht=torch.empty_like(p["h0"]), A_log=weights.A_log.float().contiguous(),
+                 dt_bias=weights.dt_bias.reshape(weights.num_heads, D).float().contiguous())
+    flash_kda.fwd(p["q"], p["k"], p["v"], p["g"], p["beta"], D**-0.5, p["o"], p["A_log"], p["dt_bias"],
+                  float(weights.lower_bound), initial_state=p["h0"], final_state=p["ht"], cu_seqlens=p["cu"])
+    return p["o"]
 
 
 def fla_core(out, inputs, weights, cache, seqs, _prepared={}):
@@ -112,22 +158,26 @@ def fla_core(out, inputs, weights, cache, seqs, _prepared={}):
 
     from kdaserve.backends.adapters.fla import _gate_args
 
-    qkv, forget_logits, beta_logits, _ = inputs
-    recurrent_state = cache.recurrent_state
-    cu_seqlens, state_indices, _, cu_seqlens_cpu = seqs
+    p = _core_inputs(inputs, weights, cache, seqs, _prepared)
+    o, _ = chunk_kda(q=p["q"], k=p["k"], v=p["v"], g=p["g"], beta=p["beta"], scale=D**-0.5, initial_state=p["h0"],
+                     output_final_state=True, cu_seqlens=p["cu"], cu_seqlens_cpu=p["cu_cpu"], **_gate_args(weights))
+    return o
 
-    key = (qkv.data_ptr(), recurrent_state.data_ptr(), tuple(qkv.shape))
-    if _prepared.get("key") != key:
-        T, H = qkv.shape[0], weights.num_heads
-        q, k, v = (t.contiguous() for t in qkv.view(1, T, 3, H, D).unbind(2))
-        _prepared.clear()
-        _prepared.update(key=key, q=q, k=k, v=v, g=forget_logits.reshape(1, T, H, D).contiguous(),
-                         beta=beta_logits.reshape(1, T, H).contiguous(),
-                         h0=recurrent_state[state_indices.long()].contiguous(),
-                         cu=cu_seqlens.long(), cu_cpu=cu_seqlens_cpu.long())
-    p = _prepared
-    chunk_kda(q=p["q"], k=p["k"], v=p["v"], g=p["g"], beta=p["beta"], scale=D**-0.5, initial_state=p["h0"],
-              output_final_state=True, cu_seqlens=p["cu"], cu_seqlens_cpu=p["cu_cpu"], **_gate_args(weights))
+
+def core_agreement(cols: dict, case: KDACase) -> None:
+    """The core columns on one case against each other (same inputs, same math): relative RMS of
+    their outputs, so a core that computes something else is seen, not timed."""
+    cores = {name: fn for name, fn in cols.items() if name.endswith("-core")}
+    if len(cores) < 2:
+        return
+    try:
+        outs = {name: fn(out=case.new_out(), **case.prefill_args()).float() for name, fn in cores.items()}
+    except Exception as e:  # noqa: BLE001 - bench_ms reports the failing column; the run goes on
+        print(f"core agreement not checked: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        return
+    first, *others = outs
+    print("core agreement (relative RMS of outputs): " + ", ".join(
+        f"{name} vs {first} {rel_rms(outs[name], outs[first]):.2e}" for name in others), flush=True)
 
 
 def host_us(fn, case: KDACase, calls: int = 30) -> float:
@@ -202,7 +252,7 @@ def main() -> None:
           "| conv + gated norm included in every column",
           flush=True)
     if not args.no_agreement:
-        agreement({k: v for k, v in cols.items() if k != "fla-core"})
+        agreement({k: v for k, v in cols.items() if not k.endswith("-core")})
         print(f"  agreement done ({time.time() - t0:.0f} s)", flush=True)
 
     tiny = gpu_case([64] * 4, 32)
@@ -214,6 +264,8 @@ def main() -> None:
     for H in args.heads:
         for shape in args.shapes:
             case = gpu_case(parse_shape(shape), H, gate=args.gate)
+            if not rows:
+                core_agreement(cols, case)
             T = sum(case.seq_lens)
             times = {name: bench_ms(fn, case) for name, fn in cols.items()}
             rows.append((H, shape, T, times))
@@ -247,8 +299,8 @@ def device_ms(fn, case: KDACase) -> float:
 
 def print_table(rows: list, names: list[str], title: str) -> None:
     """One row per (heads, shape): ms (M tokens/s) per column, then every ours-vs-FLA ratio."""
-    ours = [n for n in names if n not in ("fla", "fla-core")]
-    bases = [n for n in ("fla", "fla-core") if n in names]
+    ours = [n for n in names if n not in CORE_COLUMNS]
+    bases = [n for n in CORE_COLUMNS if n in names]
     ratio_names = [(o, b) for b in bases for o in ours]
     print(f"\n{title}; 'x vs b' = b ms / x ms (> 1: x is faster)")
     print("| heads | shape | tokens | " + " | ".join(names + [f"{o} vs {b}" for o, b in ratio_names]) + " |")
