@@ -206,6 +206,54 @@ def test_serve_with_two_api_servers_answers_sums_metrics_and_stops():
             proc.wait()
 
 
+def _children(pid: int) -> list[int]:
+    """Child processes of `pid` (Linux /proc)."""
+    from pathlib import Path
+
+    kids = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        kids += [int(k) for k in (task / "children").read_text().split()]
+    return sorted(kids)
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return stat[0] != "Z"   # a zombie is dead, only not yet reaped
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the API server processes through /proc")
+def test_an_api_server_that_dies_stops_the_whole_server():
+    """A half-working server would take connections it cannot answer: when one API server process
+    dies, the parent stops the other and the engine, and exits 1."""
+    import os
+
+    proc, url = _serve("--api-server-count", "2")
+    try:
+        deadline = time.monotonic() + 60
+        while True:   # spawned in order: resource tracker, engine, the API servers (the last two)
+            spawned = [k for k in _children(proc.pid) if b"spawn_main" in open(f"/proc/{k}/cmdline", "rb").read()]
+            if len(spawned) >= 3:
+                break
+            assert time.monotonic() < deadline, spawned
+            time.sleep(0.2)
+        os.kill(spawned[-1], signal.SIGKILL)
+        assert proc.wait(timeout=60) == 1
+        deadline = time.monotonic() + 30
+        while any(_alive(k) for k in spawned):
+            assert time.monotonic() < deadline, [k for k in spawned if _alive(k)]
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 @pytest.mark.parametrize("flags, message", [
     (("--api-server-count", "0"), "--api-server-count must be at least 1, got 0"),
     (("--api-server-count", "2", "--no-engine-process"), "--api-server-count > 1 needs the engine in its own process"),
