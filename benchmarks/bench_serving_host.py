@@ -316,8 +316,35 @@ def process_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def open_sockets(pid: int) -> int:
+    """Sockets a process holds now (Linux: /proc): its listening one and its connections."""
+    import os
+
+    count = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            count += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
+        except OSError:
+            pass
+    return count
+
+
+def engine_steps(url: str) -> float:
+    """Engine steps so far, from /metrics (iteration_tokens_total's count: the first API process
+    observes every step)."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("kdaserve:iteration_tokens_total_count"))
+
+
 def api_servers_main(args, kwargs: dict, device_s: float | None, alone: float) -> None:
-    """The engine process behind `--api-server-count` API server processes (server/api_servers.py)."""
+    """The engine process behind `--api-server-count` API server processes (server/api_servers.py).
+    Besides the client's view: the engine's mean step period over each round (its steps from
+    /metrics over the round's span) and the most connections each API process held at once, sampled
+    every 5 ms (so a slow round can be told from an engine that slowed and from streams spread
+    unevenly; connections of the previous round still closing count too)."""
     from kdaserve.server.api_servers import APIServers
     from kdaserve.server.engine_process import EngineProcess
     from kdaserve.server.launch import free_port
@@ -339,11 +366,26 @@ def api_servers_main(args, kwargs: dict, device_s: float | None, alone: float) -
         p.join()
         for r in range(args.rounds):
             cpu0 = sum(process_cpu_seconds(p.pid) for p in servers.processes)
+            steps0 = engine_steps(servers.url)
+            held = [0] * n
+            sampling = threading.Event()
+
+            def sample():
+                while not sampling.wait(0.005):
+                    for i, proc in enumerate(servers.processes):
+                        held[i] = max(held[i], open_sockets(proc.pid) - 1)   # less the listening socket
+
+            sampler = threading.Thread(target=sample, daemon=True)
+            sampler.start()
             q = ctx.Queue()
             p = ctx.Process(target=client, args=(servers.url, engine.model_name, args.streams, args.max_tokens, q, args.client))
             p.start()
             stamps = q.get()
             p.join()
+            sampling.set()
+            sampler.join()
+            span = max(s[-1] for s in stamps) - min(s[0] for s in stamps)
+            step_ms = span / max(engine_steps(servers.url) - steps0, 1) * 1e3
             chunks = sum(len(s) for s in stamps)
             cpu_us = (sum(process_cpu_seconds(p.pid) for p in servers.processes) - cpu0) / chunks * 1e6
             first = max(s[1] for s in stamps if len(s) > 1)
@@ -352,19 +394,22 @@ def api_servers_main(args, kwargs: dict, device_s: float | None, alone: float) -
             tpot = [(w[-1] - w[0]) / (len(w) - 1) for s in stamps if len(w := [t for t in s if first <= t <= last]) > 1]
             med, p90, mean = (statistics.median(itl) * 1e3, statistics.quantiles(itl, n=10)[-1] * 1e3,
                               statistics.median(tpot) * 1e3)
-            rows.append((r, med, p90, mean, cpu_us))
+            rows.append((r, med, p90, mean, cpu_us, step_ms, held))
             print(json.dumps({"round": r, "itl_median_ms": med, "itl_p90_ms": p90, "stream_mean_itl_ms": mean,
-                              "api_processes_cpu_us_per_chunk": cpu_us}), flush=True)
+                              "api_processes_cpu_us_per_chunk": cpu_us, "engine_mean_step_ms": step_ms,
+                              "connections_per_process": held}), flush=True)
     finally:
         servers.stop()
     what = f"model {args.model}" if args.model else f"device time {args.device_ms} ms per step"
     print(f"\n{args.streams} streams, {args.max_tokens} tokens each, {what} (this host), engine in its own process, "
           f"{n} API server processes; the engine alone (no server, same batch): {alone:.2f} ms per step")
     print("| round | ITL median ms | ITL p90 ms | ITL / engine alone | stream mean ITL ms (median of streams) "
-          "| mean ITL / engine alone | API processes' CPU µs per chunk |")
-    print("|---|---|---|---|---|---|---|")
-    for r, med, p90, mean, cpu_us in rows:
-        print(f"| {r} | {med:.2f} | {p90:.2f} | {med / alone:.2f}x | {mean:.2f} | {mean / alone:.2f}x | {cpu_us:.1f} |")
+          "| mean ITL / engine alone | API processes' CPU µs per chunk | engine mean step ms (round) "
+          "| most connections per API process |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r, med, p90, mean, cpu_us, step_ms, held in rows:
+        print(f"| {r} | {med:.2f} | {p90:.2f} | {med / alone:.2f}x | {mean:.2f} | {mean / alone:.2f}x | {cpu_us:.1f} "
+              f"| {step_ms:.2f} | {' / '.join(map(str, held))} |")
 
 
 def engine_alone(engine, streams: int, max_tokens: int, calls: list[float]) -> float:

@@ -7,7 +7,9 @@
 # transformers 5.23.0 with what it imports for structured output) and, for an old-vs-new comparison, [".old"]
 # (e.g. `git archive <commit> kdaserve benchmarks | tar -x -C .old`).
 # Parts owed (add one as `if [ "$PART" = name ]; then ... fi` below, with what it must show):
-#   (none)
+#   api_servers_spread  bench_serving_host.py's new columns for several API processes (the engine's
+#                 mean step per round, connections per process): why one invocation of two API
+#                 processes ran at 1.42x while two others ran at 1.00-1.24x (issue 21 goal 2).
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -33,3 +35,15 @@ PART=${1:-}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 [ -z "$PART" ] && echo "name a part"
 
+if [ "$PART" = api_servers_spread ]; then
+  # Must show, per invocation: whether the slow rounds come with a slower engine step (the
+  # "engine mean step ms" column above the "alone" figure) or with connections spread unevenly
+  # (e.g. 40 / 24); numbers into docs/perf-notes.md ("Serving path"). Four invocations of two API
+  # processes, one of one, each about 60-80 s with the bench model's start-up.
+  i=0
+  for n in 2 1 2 2 2; do
+    i=$((i + 1))
+    timeout 100 python3 benchmarks/bench_serving_host.py --model bench --rounds 3 --api-server-count $n > "$OUT/asc_$i.log" 2>&1
+    echo "== invocation $i, api-server-count $n rc=$?"; grep "^| [0-9]\|streams" "$OUT/asc_$i.log"
+  done
+fi
