@@ -122,6 +122,18 @@ class _FakePendingSample:
         return [None] * len(self._ids)
 
 
+def run_client(url: str, model: str, streams: int, max_tokens: int, kind: str) -> list[list[float]]:
+    """The client in a process of its own (its Python must not share the server's interpreter):
+    each stream's chunk arrival times."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=client, args=(url, model, streams, max_tokens, q, kind))
+    p.start()
+    stamps = q.get()
+    p.join()
+    return stamps
+
+
 def fake_device(engine, device_s: float, calls: list[float]) -> None:
     from kdaserve.engine.model_runner import StepResult
     from kdaserve.engine.step_inputs import build_host_step
@@ -252,16 +264,11 @@ def main() -> None:
         engine = prepare(LLMEngine(**kwargs), device_s, calls)
         alone = engine_alone(engine, args.streams, args.max_tokens, calls)
         app = build_app(engine)
-    ctx = mp.get_context("spawn")
     rows = []
     loop_profile = None
     with BackgroundServer(app) as srv:
         # One round not reported (as with several API processes): past the first requests' costs.
-        q = ctx.Queue()
-        p = ctx.Process(target=client, args=(srv.url, engine.model_name, args.streams, 16, q, args.client))
-        p.start()
-        q.get()
-        p.join()
+        run_client(srv.url, engine.model_name, args.streams, 16, args.client)
         for r in range(args.rounds):
             if args.profile and r == args.rounds - 1:   # the event loop's thread, last round only
                 loop_profile = cProfile.Profile()
@@ -269,11 +276,7 @@ def main() -> None:
             calls.clear()
             loop = srv.server.servers[0].get_loop()
             cpu0 = loop_cpu_seconds(loop), time.process_time()
-            q = ctx.Queue()
-            p = ctx.Process(target=client, args=(srv.url, engine.model_name, args.streams, args.max_tokens, q, args.client))
-            p.start()
-            stamps = q.get()
-            p.join()
+            stamps = run_client(srv.url, engine.model_name, args.streams, args.max_tokens, args.client)
             chunks = sum(len(s) for s in stamps)
             loop_us, process_us = ((loop_cpu_seconds(loop) - cpu0[0]) / chunks * 1e6,
                                    (time.process_time() - cpu0[1]) / chunks * 1e6)
@@ -353,17 +356,12 @@ def api_servers_main(args, kwargs: dict, device_s: float | None, alone: float) -
     engine = EngineProcess(kwargs, setup=functools.partial(prepare, device_s=device_s), log_level="WARNING",
                            api_clients=n)
     servers = APIServers(engine, n, {}, "127.0.0.1", free_port(), log_level="warning")
-    ctx = mp.get_context("spawn")
     rows = []
     try:
         if not servers.wait_ready():
             raise SystemExit("the API servers did not come up")
         # One round not reported: every process past its first requests (imports, schema builds).
-        q = ctx.Queue()
-        p = ctx.Process(target=client, args=(servers.url, engine.model_name, args.streams, 16, q, args.client))
-        p.start()
-        q.get()
-        p.join()
+        run_client(servers.url, engine.model_name, args.streams, 16, args.client)
         for r in range(args.rounds):
             cpu0 = sum(process_cpu_seconds(p.pid) for p in servers.processes)
             steps0 = engine_steps(servers.url)
@@ -377,11 +375,7 @@ def api_servers_main(args, kwargs: dict, device_s: float | None, alone: float) -
 
             sampler = threading.Thread(target=sample, daemon=True)
             sampler.start()
-            q = ctx.Queue()
-            p = ctx.Process(target=client, args=(servers.url, engine.model_name, args.streams, args.max_tokens, q, args.client))
-            p.start()
-            stamps = q.get()
-            p.join()
+            stamps = run_client(servers.url, engine.model_name, args.streams, args.max_tokens, args.client)
             sampling.set()
             sampler.join()
             span = max(s[-1] for s in stamps) - min(s[0] for s in stamps)
