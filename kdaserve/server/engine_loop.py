@@ -171,9 +171,10 @@ class EngineLoop:
                  api_server_count: int = 1):
         self.engine = engine
         # Requests in flight beyond the engine's batch: past this, new ones get 503. Several API
-        # server processes share the limit evenly (each admits its share of the engine's).
+        # server processes share the limit evenly.
         max_num_seqs = getattr(engine, "max_num_seqs", None) or getattr(getattr(engine, "config", None), "max_num_seqs", 0)
-        self.max_in_flight = -(-(int(max_num_seqs or 0) + max_queued_requests) // api_server_count)
+        # Rounded down (at least 1 each), so that together they admit no more than one process would.
+        self.max_in_flight = max((int(max_num_seqs or 0) + max_queued_requests) // api_server_count, 1)
         self._limit_source = "--max-num-seqs + --max-queued-requests" + (
             f", shared by {api_server_count} API server processes" if api_server_count > 1 else "")
         self.metrics = metrics

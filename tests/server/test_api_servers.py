@@ -94,8 +94,9 @@ def test_the_request_limit_is_shared_by_the_api_servers():
         max_num_seqs = 8
 
     assert EngineLoop(Engine(), max_queued_requests=9).max_in_flight == 17
-    assert EngineLoop(Engine(), max_queued_requests=9, api_server_count=2).max_in_flight == 9   # ceil(17 / 2)
+    assert EngineLoop(Engine(), max_queued_requests=9, api_server_count=2).max_in_flight == 8   # 2 x 8 <= 17
     assert EngineLoop(Engine(), max_queued_requests=0, api_server_count=4).max_in_flight == 2
+    assert EngineLoop(Engine(), max_queued_requests=0, api_server_count=16).max_in_flight == 1   # never 0
 
 
 def test_a_burst_of_connections_spreads_over_the_api_servers_sockets():
