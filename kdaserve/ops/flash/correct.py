@@ -11,8 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kdaserve.ops.flash.fastmath import sigmoid_tanh
-from kdaserve.ops.triton_math import rms_rstd
+from kdaserve.ops.flash.output_norm import store_gated_norm
 
 
 @triton.jit
@@ -60,9 +59,5 @@ def flash_correct_kernel(
         o = tl.load(oq_ptr + row + vrows[:, None], mask=tmask, other=0.0).to(tl.float32)      # [V, C]
         qt = tl.load(oq_ptr + q_off + row + kcols[:, None], mask=tmask & later, other=0.0)    # [K, C]
         o = tl.dot(St, qt.to(DOT_DTYPE), acc=o, input_precision=PREC)
-        output_gate_logits = tl.load(out_gate_ptr + trow * stride_out_gate_t + h * stride_out_gate_h + vrows[:, None] * stride_out_gate_d,
-                     mask=tmask, other=0.0).to(tl.float32)
-        rstd = rms_rstd(tl.sum(o * o, axis=0), eps, D)
-        y = o * rstd[None, :] * nw[:, None] * sigmoid_tanh(output_gate_logits, FAST)
-        tl.store(o_ptr + trow * stride_o_t + h * stride_o_h + vrows[:, None] * stride_o_d,
-                 y.to(o_ptr.dtype.element_ty), mask=tmask)
+        store_gated_norm(o, trow, tmask, h, vrows, nw, eps, out_gate_ptr, stride_out_gate_t, stride_out_gate_h,
+                         stride_out_gate_d, o_ptr, stride_o_t, stride_o_h, stride_o_d, D, FAST)

@@ -39,8 +39,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kdaserve.ops.flash.fastmath import sigmoid_tanh
-from kdaserve.ops.triton_math import rms_rstd
+from kdaserve.ops.flash.output_norm import store_gated_norm
 
 
 @triton.jit
@@ -103,12 +102,8 @@ def _chunk(S, chunk, t0, tok1, h, part, rows, kcols, crow,
         oq = oq_ptr + part * q_off + trow * (H * D) + h * D + rows[:, None]
         tl.store(oq, Ot.to(oq_ptr.dtype.element_ty), mask=tmask)
     else:
-        output_gate_logits = tl.load(out_gate_ptr + trow * stride_out_gate_t + h * stride_out_gate_h + rows[:, None] * stride_out_gate_d,
-                     mask=tmask, other=0.0).to(tl.float32)
-        rstd = rms_rstd(tl.sum(Ot * Ot, axis=0), eps, D)
-        y = Ot * rstd[None, :] * nw[:, None] * sigmoid_tanh(output_gate_logits, FAST)
-        tl.store(o_ptr + trow * stride_o_t + h * stride_o_h + rows[:, None] * stride_o_d,
-                 y.to(o_ptr.dtype.element_ty), mask=tmask)
+        store_gated_norm(Ot, trow, tmask, h, rows, nw, eps, out_gate_ptr, stride_out_gate_t, stride_out_gate_h,
+                         stride_out_gate_d, o_ptr, stride_o_t, stride_o_h, stride_o_d, D, FAST)
     return S
 
 
