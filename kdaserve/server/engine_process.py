@@ -235,8 +235,9 @@ class _EngineCore:
                 if self.engine.has_unfinished_requests():
                     self._step(rejections)
                 else:
+                    stats = self.engine.stats() if rejections else None
                     for client, rejected in rejections.items():
-                        self._send(client, ("step", [], rejected, self.engine.stats(), 0))
+                        self._send(client, ("step", [], rejected, stats, 0))
                     self._wake.wait()
         finally:
             self._abort_all()
@@ -340,9 +341,10 @@ class _EngineCore:
         except Exception as exc:  # noqa: BLE001 - one bad step must not take the engine down
             logger.exception("engine step failed; aborting the requests in flight")
             self._abort_all()
-            for client in range(len(self._outputs)):   # the pools are empty now
+            stats = self.engine.stats()   # the pools are empty now
+            for client in range(len(self._outputs)):
                 self._send(client, ("step_failed", f"{type(exc).__name__}: {exc}"))
-                self._send(client, ("step", [], rejections.get(client, []), self.engine.stats(), 0))
+                self._send(client, ("step", [], rejections.get(client, []), stats, 0))
             return
         by_client: list[list] = [[] for _ in self._outputs]
         for out in outputs:
