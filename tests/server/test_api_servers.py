@@ -255,6 +255,40 @@ def test_an_api_server_that_dies_stops_the_whole_server():
             proc.wait()
 
 
+def test_settings_that_cannot_work_are_refused_with_the_reason():
+    import os
+
+    from kdaserve.server.metrics import ServerMetrics
+
+    with pytest.raises(ValueError, match="api_clients must be at least 1, got 0"):
+        EngineProcess(ENGINE_KWARGS, api_clients=0)
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        with pytest.raises(ValueError, match="multiprocess metrics need PROMETHEUS_MULTIPROC_DIR"):
+            ServerMetrics("tiny", multiprocess=True)
+
+
+def test_a_port_in_use_is_a_one_line_error():
+    """Another program listens on the port: the server says so and exits 1, its engine stopped."""
+    import socket
+
+    from kdaserve.server.api_servers import bind_sockets
+
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    try:
+        with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port}"):
+            bind_sockets("127.0.0.1", port, 2)
+        out = subprocess.run([sys.executable, "-m", "kdaserve.cli", "serve", "tiny", "--device", "cpu", "--enforce-eager",
+                              "--no-warmup", "--kda-prefill-backend", "reference", "--kda-decode-backend", "reference",
+                              "--host", "127.0.0.1", "--port", str(port), "--api-server-count", "2"],
+                             capture_output=True, text=True, timeout=180)
+        assert out.returncode == 1 and f"kdaserve serve: cannot listen on 127.0.0.1:{port}" in out.stderr, out.stderr
+    finally:
+        busy.close()
+
+
 @pytest.mark.parametrize("flags, message", [
     (("--api-server-count", "0"), "--api-server-count must be at least 1, got 0"),
     (("--api-server-count", "2", "--no-engine-process"), "--api-server-count > 1 needs the engine in its own process"),
