@@ -40,6 +40,7 @@ import cProfile
 import functools
 import json
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import threading
@@ -51,7 +52,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 TEXT = b"def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n"
 
 
-def client(url: str, model: str, streams: int, max_tokens: int, out: mp.Queue, kind: str = "raw") -> None:
+def client(url: str, model: str, streams: int, max_tokens: int, out: mp.Queue, kind: str = "raw",
+           cpus: set[int] | None = None) -> None:
+    if cpus:
+        pin(os.getpid(), cpus)
     """`kind` "raw": a lean asyncio HTTP/1.1 client (so that the client's own Python is not what
     bunches the chunks); "httpx": httpx's streaming client."""
 
@@ -122,12 +126,13 @@ class _FakePendingSample:
         return [None] * len(self._ids)
 
 
-def run_client(url: str, model: str, streams: int, max_tokens: int, kind: str) -> list[list[float]]:
+def run_client(url: str, model: str, streams: int, max_tokens: int, kind: str,
+               cpus: set[int] | None = None) -> list[list[float]]:
     """The client in a process of its own (its Python must not share the server's interpreter):
     each stream's chunk arrival times."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=client, args=(url, model, streams, max_tokens, q, kind))
+    p = ctx.Process(target=client, args=(url, model, streams, max_tokens, q, kind, cpus))
     p.start()
     stamps = q.get()
     p.join()
@@ -225,6 +230,10 @@ def main() -> None:
                     help="API server processes sharing the engine process (kdaserve serve --api-server-count); with "
                          "more than one, the steps are not stamped (ITL against the engine alone) and the CPU per chunk "
                          "is the API processes' together")
+    ap.add_argument("--pin", action="store_true",
+                    help="pin the engine process to two cores, each API process to one, the client to the rest "
+                         "(taken through the several-API-processes path, also with one): does the OS's placement "
+                         "of processes explain the spread between invocations?")
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval in ms for this run (Python's default: 5 ms)")
     args = ap.parse_args()
@@ -255,7 +264,7 @@ def main() -> None:
         p.start()
         alone = q.get()
         p.join()
-        if args.api_server_count > 1:
+        if args.api_server_count > 1 or args.pin:
             return api_servers_main(args, kwargs, device_s, alone)
         engine = EngineProcess(kwargs, setup=functools.partial(prepare, device_s=device_s), log_level="WARNING")
         app = build_app(engine)
@@ -332,6 +341,26 @@ def open_sockets(pid: int) -> int:
     return count
 
 
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of a process onto `cpus` (Linux: sched_setaffinity applies to one thread, so
+    each of /proc/PID/task; threads started later inherit it)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except OSError:   # a thread that ended meanwhile
+            pass
+
+
+def pinning(n: int) -> tuple[set[int], list[set[int]], set[int]]:
+    """`--pin`'s split of this process's cores: the engine process two (its loop and the threads
+    that copy results), each API process one, the client and this process the rest."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < n + 4:
+        raise SystemExit(f"--pin needs at least {n + 4} cores (engine 2, one per API process, 2 for the client); "
+                         f"this process may use {len(cores)}")
+    return set(cores[:2]), [{c} for c in cores[2:2 + n]], set(cores[2 + n:])
+
+
 def engine_steps(url: str) -> float:
     """Engine steps so far, from /metrics (iteration_tokens_total's count: the first API process
     observes every step)."""
@@ -357,11 +386,20 @@ def api_servers_main(args, kwargs: dict, device_s: float | None, alone: float) -
                            api_clients=n)
     servers = APIServers(engine, n, {}, "127.0.0.1", free_port(), log_level="warning")
     rows = []
+    client_cpus = None
     try:
         if not servers.wait_ready():
             raise SystemExit("the API servers did not come up")
+        if args.pin:
+            engine_cpus, api_cpus, client_cpus = pinning(n)
+            pin(engine.process.pid, engine_cpus)
+            for proc, cpus in zip(servers.processes, api_cpus):
+                pin(proc.pid, cpus)
+            pin(os.getpid(), client_cpus)
+            print(f"pinned: engine {sorted(engine_cpus)}, API processes {[sorted(c) for c in api_cpus]}, "
+                  f"client and benchmark {sorted(client_cpus)}", flush=True)
         # One round not reported: every process past its first requests (imports, schema builds).
-        run_client(servers.url, engine.model_name, args.streams, 16, args.client)
+        run_client(servers.url, engine.model_name, args.streams, 16, args.client, client_cpus)
         for r in range(args.rounds):
             cpu0 = sum(process_cpu_seconds(p.pid) for p in servers.processes)
             steps0 = engine_steps(servers.url)
@@ -375,7 +413,7 @@ def api_servers_main(args, kwargs: dict, device_s: float | None, alone: float) -
 
             sampler = threading.Thread(target=sample, daemon=True)
             sampler.start()
-            stamps = run_client(servers.url, engine.model_name, args.streams, args.max_tokens, args.client)
+            stamps = run_client(servers.url, engine.model_name, args.streams, args.max_tokens, args.client, client_cpus)
             sampling.set()
             sampler.join()
             span = max(s[-1] for s in stamps) - min(s[0] for s in stamps)
@@ -396,7 +434,7 @@ def api_servers_main(args, kwargs: dict, device_s: float | None, alone: float) -
         servers.stop()
     what = f"model {args.model}" if args.model else f"device time {args.device_ms} ms per step"
     print(f"\n{args.streams} streams, {args.max_tokens} tokens each, {what} (this host), engine in its own process, "
-          f"{n} API server processes; the engine alone (no server, same batch): {alone:.2f} ms per step")
+          f"{n} API server processes{' (pinned)' if args.pin else ''}; the engine alone (no server, same batch): {alone:.2f} ms per step")
     print("| round | ITL median ms | ITL p90 ms | ITL / engine alone | stream mean ITL ms (median of streams) "
           "| mean ITL / engine alone | API processes' CPU µs per chunk | engine mean step ms (round) "
           "| most connections per API process |")
