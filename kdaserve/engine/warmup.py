@@ -14,7 +14,9 @@ sequence and over several (with prefix caching on, again with in-launch checkpoi
 speculative decoding every decode step is a verify step (as in serving), its sequences carrying 0
 to S drafts, so the verify kernels, graphs and the rejection sampler are what gets compiled.
 Everything is clipped to the token budget, max_num_seqs and max_model_len; a step that the KV pool
-cannot hold is skipped.
+cannot hold is skipped. The launchers that make several launches (flash's prefill, the fused MoE)
+compile their kernels in parallel on a thread pool before launching them (ops/compile_ahead.py;
+$KDASERVE_COMPILE_THREADS=1 compiles each at its first launch instead).
 
 The steps borrow real state slots and KV blocks from the engine's pools and give them back; the
 pools are then reset to a fresh pool's order (and must be empty, else this raises). What the steps
@@ -32,6 +34,7 @@ from kdaserve.engine.detokenizer import IncrementalDetokenizer
 from kdaserve.engine.model_runner import ModelRunner
 from kdaserve.engine.sampling_params import SamplingParams
 from kdaserve.engine.scheduler import ScheduledBatch
+from kdaserve.ops.compile_ahead import warm_up_compiles
 from kdaserve.ops.types import checkpoint_table_width
 from kdaserve.engine.sequence import Sequence, SequenceStatus
 from kdaserve.engine.state_pool import StateSlotPool
@@ -213,7 +216,8 @@ def warm_up(runner: ModelRunner, slots: StateSlotPool, blocks: BlockManager, max
     rng_state = generator.get_state()
     w = Warmup(runner, slots, blocks, max_model_len)
     try:
-        w.run()
+        with warm_up_compiles():   # each launcher's kernels compile in parallel (ops/compile_ahead.py)
+            w.run()
     finally:
         w.release()
         generator.set_state(rng_state)

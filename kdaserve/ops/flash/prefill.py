@@ -22,6 +22,7 @@ import triton
 
 from kdaserve.ops.limits import FLASH
 from kdaserve.ops.checks import check_prefill_step
+from kdaserve.ops.compile_ahead import compiles_ahead, compiling_ahead
 from kdaserve.ops.flash.config import FlashConfig, config_for
 from kdaserve.ops.flash.correct import flash_correct_kernel
 from kdaserve.ops.flash.plan import FlashPlan, build_plan, choose_segment_len, seq_lens
@@ -199,6 +200,7 @@ class FlashPrefill:
                              f"{step_plan.offsets}), not this call's {T} x {H} x {D} with the "
                              f"{'bounded' if weights.lower_bound is not None else 'unbounded'} gate; build it for this step")
         self.cfg, self.C = step_plan.config, step_plan.chunk
+        self.call = (inputs, weights, cache, seqs, out)   # for the sibling variants compiled ahead
         if N == 0:
             return
         dev = qkv.device
@@ -259,6 +261,7 @@ class FlashPrefill:
         """Chunk groups per segment in the segment output pass (its grid's axis y)."""
         return max(-(-min(self.plan.segment_len, self.longest) // (self.cfg.correct_chunks * self.C)), 1)
 
+    @compiles_ahead   # at warm-up, its 2-4 kernels compile in parallel (ops/compile_ahead.py)
     def run(self) -> None:
         if self.N == 0:
             return
@@ -277,6 +280,39 @@ class FlashPrefill:
             self.segment_maps()
             self.scan()
             self.segment_output()
+        if compiling_ahead():
+            self._compile_sibling()
+
+    def _compile_sibling(self) -> None:
+        """In a compile-ahead pass (nothing launches): also the kernels of the path this step did
+        not take, segmented or not (with the unbounded gate also the other chunk size), so that a
+        layer's first prefill at warm-up compiles all its variants at once instead of two rounds
+        at two steps (perf-notes, twenty-second session). Compiled for its first sequence alone:
+        the kernels' arguments specialize the same (strides, pointer alignment, multiples of 16),
+        and the workspaces stay those of one sequence. Needs the host copy of cu_seqlens; without
+        it, or with checkpoints (their offsets belong to this step's chunk size), nothing more."""
+        if self.call is None:   # a sibling itself
+            return
+        inputs, weights, cache, seqs, out = self.call
+        if seqs.cu_seqlens_cpu is None or self._nck():
+            return
+        n0 = int(seqs.cu_seqlens_cpu[1]) - int(seqs.cu_seqlens_cpu[0])
+        if n0 < 1:
+            return
+        bounded = weights.lower_bound is not None
+        segmented = not self.plan.segmented
+        C = self.cfg.unbounded_segmented_chunk if segmented and not bounded and \
+            unbounded_intra_for(self.cfg, self.qkv.dtype) == "clamped" else chunk_size_for(bounded, self.cfg)
+        first = slice(int(seqs.cu_seqlens_cpu[0]), int(seqs.cu_seqlens_cpu[0]) + n0)
+        cu = (seqs.cu_seqlens[:2] - seqs.cu_seqlens[0]).to(torch.int32)
+        cu_cpu = seqs.cu_seqlens_cpu[:2] - seqs.cu_seqlens_cpu[0]
+        one = PrefillSeqs(cu, seqs.state_indices[:1], seqs.has_initial_state[:1], cu_cpu)
+        seg_len = -(-n0 // C) * C if segmented else None   # one segment: the segmented kernels
+        plan = FlashStepPlan(build_plan(cu, n0, 1, C, seg_len, cu_cpu), n0, C, self.H, self.D, n0, self.cfg,
+                             host_offsets(cu_cpu))
+        sibling = FlashPrefill(inputs.rows(first), weights, cache, one, out[first], step_plan=plan)
+        sibling.call = None
+        sibling.run()
 
     def prepare(self) -> None:
         """Chunks inside their sequences' new tokens, then the first chunk(s) of each sequence

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from kdaserve.ops import interpreter_compat
+from kdaserve.ops.compile_ahead import compiles_ahead
 from kdaserve.ops.fp8.quant import quantize_per_token_group
 from kdaserve.ops.fp8.reference import FP8
 from kdaserve.ops.precision import WIDE_SHARED_MEMORY_TARGETS, device_target, dot_precision
@@ -179,6 +180,7 @@ def moe_tiles(num_slots: int, num_experts: int, hidden: int, inter: int, fp8: bo
     return MoeTiles(128, (_block(inter, 128), _block(hidden, 64), 8, 4), (_block(hidden, 256), _block(inter, 64), 8, 4))
 
 
+@compiles_ahead   # at warm-up: align, gate-up, down and sum kernels compile in parallel (ops/compile_ahead.py)
 def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                       ids: torch.Tensor, activation_limit: float | None = None, *,
                       w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
