@@ -7,12 +7,7 @@
 # transformers 5.23.0 with what it imports for structured output) and, for an old-vs-new comparison, [".old"]
 # (e.g. `git archive <commit> kdaserve benchmarks | tar -x -C .old`).
 # Parts owed (add one as `if [ "$PART" = name ]; then ... fi` below, with what it must show):
-#   api_servers_spread  bench_serving_host.py's new columns for several API processes (the engine's
-#                 mean step per round, connections per process): why one invocation of two API
-#                 processes ran at 1.42x while two others ran at 1.00-1.24x (issue 21 goal 2); and
-#                 with --pin (engine, API processes and client on cores of their own) against without.
-#   compile_ahead the warm-up's parallel compile (ops/compile_ahead.py): its GPU tests, and start-up
-#                 compile per gate with one compile thread and with the cores (issue 20 goal 5).
+#   (none owed)
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -37,28 +32,3 @@ group() {  # name, seconds, pytest args...: one pytest process per file (one GPU
 PART=${1:-}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 [ -z "$PART" ] && echo "name a part"
-
-if [ "$PART" = api_servers_spread ]; then
-  # Must show, per invocation: whether the slow rounds come with a slower engine step (the
-  # "engine mean step ms" column above the "alone" figure) or with connections spread unevenly
-  # (e.g. 40 / 24); numbers into docs/perf-notes.md ("Serving path"). Four invocations of two API
-  # processes, one of one, each about 60-80 s with the bench model's start-up.
-  # With --pin: if pinned invocations are all near 1.0x while unpinned ones still spread, the
-  # spread is the OS's placement of the processes.
-  i=0
-  for v in "2" "2 --pin" "2" "2 --pin" "1 --pin"; do
-    i=$((i + 1))
-    timeout 100 python3 benchmarks/bench_serving_host.py --model bench --rounds 3 --api-server-count $v > "$OUT/asc_$i.log" 2>&1
-    echo "== invocation $i, api-server-count $v rc=$?"; grep "^| [0-9]\|streams\|pinned" "$OUT/asc_$i.log"
-  done
-fi
-
-if [ "$PART" = compile_ahead ]; then
-  # Must show: test_compile_ahead.py's GPU tests pass (the compile pass writes nothing; results
-  # equal the reference / a plain call); start-up compile with the cores below one thread for both
-  # gates, and whether the unbounded gate's is at most the bounded gate's (issue 20 goal 5); the
-  # engine's start-up (bench model, both gates) with one thread and with the cores.
-  group compile_ahead 120 tests/ops/test_compile_ahead.py
-  timeout 150 python3 benchmarks/bench_compile_time.py --threads 1 auto 2>&1 | tail -6
-  timeout 280 python3 benchmarks/bench_compile_time.py --engine bench --threads 1 auto 2>&1 | grep "^|"
-fi
