@@ -119,6 +119,8 @@ class _FakePendingSample:
         wait = self._ready_at - time.monotonic()
         if wait > 0:
             time.sleep(wait)   # the GIL released, like a host waiting for a GPU
+            if _active_trace is not None:
+                _active_trace.wait += wait
         return self._ids
 
     @property
@@ -170,23 +172,135 @@ def stamp_steps(engine, calls: list[float]) -> None:
     engine.runner.execute = stamped
 
 
-def prepare(engine, device_s: float | None, calls: list[float] | None = None):
-    """The fixed device time (`device_s`) or the real device warmed up, steps stamped into `calls`."""
+class StepTrace:
+    """`--trace`: where the engine process's time goes, step by step. Per step: its start, the
+    engine's step() (scheduling, launching, reading the previous step's tokens, outputs), the
+    part of it spent waiting for the device (the sampled tokens' copy), and, in the server, the
+    engine core's whole step (step() plus encoding the outputs and writing them to the API
+    processes' pipes). The benchmark asks for the rows by creating PATH.req; a thread of the
+    engine process answers by writing PATH (JSON) and starts over."""
+
+    def __init__(self, path: str | None):
+        self.path, self.rows, self.wait, self.step_s = path, [], 0.0, 0.0
+
+    def install(self, engine, in_server: bool) -> None:
+        from kdaserve.engine import sampler
+
+        global _active_trace
+        _active_trace = trace = self
+        result = sampler.PendingSample.result
+
+        def timed_result(pending):
+            if pending._result is not None:
+                return result(pending)
+            t0 = time.perf_counter()
+            try:
+                return result(pending)
+            finally:
+                trace.wait += time.perf_counter() - t0
+
+        sampler.PendingSample.result = timed_result
+        step = engine.step
+
+        def timed_step():
+            t0 = time.perf_counter()
+            try:
+                return step()
+            finally:
+                trace.step_s = time.perf_counter() - t0
+                if not in_server:
+                    trace.rows.append((t0, trace.step_s, trace.step_s, trace.wait))
+                    trace.wait = 0.0
+
+        engine.step = timed_step
+        if in_server:
+            from kdaserve.server import engine_process
+
+            core_step = engine_process._EngineCore._step
+
+            def timed_core_step(core, rejections):
+                t0 = time.perf_counter()
+                trace.wait = 0.0
+                try:
+                    return core_step(core, rejections)
+                finally:
+                    trace.rows.append((t0, time.perf_counter() - t0, trace.step_s, trace.wait))
+
+            engine_process._EngineCore._step = timed_core_step
+            threading.Thread(target=self._answer, daemon=True).start()
+
+    def _answer(self) -> None:
+        req = Path(self.path + ".req")
+        while True:
+            time.sleep(0.02)
+            if req.exists():
+                rows, self.rows = self.rows, []
+                tmp = Path(self.path + ".tmp")
+                tmp.write_text(json.dumps(rows))
+                tmp.rename(self.path)
+                req.unlink()
+
+    @staticmethod
+    def ask(path: str) -> list:
+        """The rows since the last ask (from the benchmark's process)."""
+        out = Path(path)
+        out.unlink(missing_ok=True)
+        Path(path + ".req").touch()
+        deadline = time.monotonic() + 10
+        while not out.exists():
+            if time.monotonic() > deadline:
+                raise RuntimeError("the engine process did not answer the trace request")
+            time.sleep(0.01)
+        return json.loads(out.read_text())
+
+    @staticmethod
+    def summary(rows: list) -> dict:
+        """Medians in ms over the steps: the period between step starts, the engine core's step,
+        the engine's step(), the device wait in it, what the core adds (encode + pipe writes), the
+        host work (core step less the wait) and the time between steps (inbox, waking)."""
+        if len(rows) < 3:
+            return {}
+        med = lambda xs: statistics.median(xs) * 1e3   # noqa: E731
+        starts = [r[0] for r in rows]
+        periods = [b - a for a, b in zip(starts, starts[1:])]
+        return {"period": med(periods), "core_step": med([r[1] for r in rows]), "engine_step": med([r[2] for r in rows]),
+                "device_wait": med([r[3] for r in rows]), "encode_send": med([r[1] - r[2] for r in rows]),
+                "host": med([r[1] - r[3] for r in rows]),
+                "between": med([p - r[1] for p, r in zip(periods, rows)]), "steps": len(rows)}
+
+
+_active_trace: StepTrace | None = None   # the fake device's waits count as device waits too
+TRACE_COLUMNS = ("period", "core_step", "engine_step", "device_wait", "encode_send", "host", "between")
+
+
+def trace_cells(summary: dict) -> str:
+    return " | ".join(f"{summary[c]:.2f}" if c in summary else "-" for c in TRACE_COLUMNS)
+
+
+def prepare(engine, device_s: float | None, calls: list[float] | None = None, trace: str | None = None,
+            in_server: bool = True):
+    """The fixed device time (`device_s`) or the real device warmed up, steps stamped into `calls`;
+    `trace`: a StepTrace answering at that path."""
     calls = [] if calls is None else calls
     if device_s is not None:
         fake_device(engine, device_s, calls)
     else:
         engine.warm_up()
         stamp_steps(engine, calls)
+    if trace is not None:
+        engine.step_trace = StepTrace(trace)
+        engine.step_trace.install(engine, in_server)
     return engine
 
 
-def alone_main(kwargs: dict, device_s: float | None, streams: int, max_tokens: int, out: mp.Queue) -> None:
+def alone_main(kwargs: dict, device_s: float | None, streams: int, max_tokens: int, out: mp.Queue,
+               trace: bool = False) -> None:
     from kdaserve.engine.llm_engine import LLMEngine
 
     calls: list[float] = []
-    engine = prepare(LLMEngine(**kwargs), device_s, calls)
-    out.put(engine_alone(engine, streams, max_tokens, calls))
+    engine = prepare(LLMEngine(**kwargs), device_s, calls, trace="alone" if trace else None, in_server=False)
+    alone = engine_alone(engine, streams, max_tokens, calls)
+    out.put((alone, StepTrace.summary(engine.step_trace.rows) if trace else {}))
 
 
 def loop_cpu_seconds(loop) -> float:
@@ -234,6 +348,9 @@ def main() -> None:
                     help="pin the engine process to two cores, each API process to one, the client to the rest "
                          "(taken through the several-API-processes path, also with one): does the OS's placement "
                          "of processes explain the spread between invocations?")
+    ap.add_argument("--trace", action="store_true",
+                    help="time the engine process's steps: step(), its device wait, encoding and pipe writes, between "
+                         "steps (taken through the several-API-processes path, also with one)")
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval in ms for this run (Python's default: 5 ms)")
     args = ap.parse_args()
@@ -260,12 +377,12 @@ def main() -> None:
 
         # The bar in a process of its own (one engine on the device at a time), then the served one.
         q = ctx.Queue()
-        p = ctx.Process(target=alone_main, args=(kwargs, device_s, args.streams, args.max_tokens, q))
+        p = ctx.Process(target=alone_main, args=(kwargs, device_s, args.streams, args.max_tokens, q, args.trace))
         p.start()
-        alone = q.get()
+        alone, alone_trace = q.get()
         p.join()
-        if args.api_server_count > 1 or args.pin:
-            return api_servers_main(args, kwargs, device_s, alone)
+        if args.api_server_count > 1 or args.pin or args.trace:
+            return api_servers_main(args, kwargs, device_s, alone, alone_trace)
         engine = EngineProcess(kwargs, setup=functools.partial(prepare, device_s=device_s), log_level="WARNING")
         app = build_app(engine)
         stamp_outputs(app.state.server.engine_loop, calls)
@@ -371,7 +488,7 @@ def engine_steps(url: str) -> float:
                if line.startswith("kdaserve:iteration_tokens_total_count"))
 
 
-def api_servers_main(args, kwargs: dict, device_s: float | None, alone: float) -> None:
+def api_servers_main(args, kwargs: dict, device_s: float | None, alone: float, alone_trace: dict) -> None:
     """The engine process behind `--api-server-count` API server processes (server/api_servers.py).
     Besides the client's view: the engine's mean step period over each round (its steps from
     /metrics over the round's span) and the most connections each API process held at once, sampled
@@ -381,8 +498,11 @@ def api_servers_main(args, kwargs: dict, device_s: float | None, alone: float) -
     from kdaserve.server.engine_process import EngineProcess
     from kdaserve.server.launch import free_port
 
+    import tempfile
+
     n = args.api_server_count
-    engine = EngineProcess(kwargs, setup=functools.partial(prepare, device_s=device_s), log_level="WARNING",
+    trace = os.path.join(tempfile.mkdtemp(prefix="kdaserve-trace-"), "steps.json") if args.trace else None
+    engine = EngineProcess(kwargs, setup=functools.partial(prepare, device_s=device_s, trace=trace), log_level="WARNING",
                            api_clients=n)
     servers = APIServers(engine, n, {}, "127.0.0.1", free_port(), log_level="warning")
     rows = []
@@ -403,6 +523,8 @@ def api_servers_main(args, kwargs: dict, device_s: float | None, alone: float) -
         for r in range(args.rounds):
             cpu0 = sum(process_cpu_seconds(p.pid) for p in servers.processes)
             steps0 = engine_steps(servers.url)
+            if trace:
+                StepTrace.ask(trace)   # the rows so far: dropped
             held = [0] * n
             sampling = threading.Event()
 
@@ -416,6 +538,7 @@ def api_servers_main(args, kwargs: dict, device_s: float | None, alone: float) -
             stamps = run_client(servers.url, engine.model_name, args.streams, args.max_tokens, args.client, client_cpus)
             sampling.set()
             sampler.join()
+            steps_trace = StepTrace.summary(StepTrace.ask(trace)) if trace else {}
             span = max(s[-1] for s in stamps) - min(s[0] for s in stamps)
             step_ms = span / max(engine_steps(servers.url) - steps0, 1) * 1e3
             chunks = sum(len(s) for s in stamps)
@@ -426,10 +549,10 @@ def api_servers_main(args, kwargs: dict, device_s: float | None, alone: float) -
             tpot = [(w[-1] - w[0]) / (len(w) - 1) for s in stamps if len(w := [t for t in s if first <= t <= last]) > 1]
             med, p90, mean = (statistics.median(itl) * 1e3, statistics.quantiles(itl, n=10)[-1] * 1e3,
                               statistics.median(tpot) * 1e3)
-            rows.append((r, med, p90, mean, cpu_us, step_ms, held))
+            rows.append((r, med, p90, mean, cpu_us, step_ms, held, steps_trace))
             print(json.dumps({"round": r, "itl_median_ms": med, "itl_p90_ms": p90, "stream_mean_itl_ms": mean,
                               "api_processes_cpu_us_per_chunk": cpu_us, "engine_mean_step_ms": step_ms,
-                              "connections_per_process": held}), flush=True)
+                              "connections_per_process": held, "engine_process_trace_ms": steps_trace}), flush=True)
     finally:
         servers.stop()
     what = f"model {args.model}" if args.model else f"device time {args.device_ms} ms per step"
@@ -439,9 +562,17 @@ def api_servers_main(args, kwargs: dict, device_s: float | None, alone: float) -
           "| mean ITL / engine alone | API processes' CPU µs per chunk | engine mean step ms (round) "
           "| most connections per API process |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for r, med, p90, mean, cpu_us, step_ms, held in rows:
+    for r, med, p90, mean, cpu_us, step_ms, held, _ in rows:
         print(f"| {r} | {med:.2f} | {p90:.2f} | {med / alone:.2f}x | {mean:.2f} | {mean / alone:.2f}x | {cpu_us:.1f} "
               f"| {step_ms:.2f} | {' / '.join(map(str, held))} |")
+    if trace:
+        print(f"\nThe engine process per step, medians in ms (StepTrace): period between step starts; the core's step "
+              f"(step() + encoding and pipe writes); step(); its device wait; encode + send; host work (core step less "
+              f"the wait); between steps.")
+        print(f"| round | {' | '.join(TRACE_COLUMNS)} |\n|---|{'---|' * len(TRACE_COLUMNS)}")
+        print(f"| alone | {trace_cells(alone_trace)} |")
+        for r, *_, steps_trace in rows:
+            print(f"| {r} | {trace_cells(steps_trace)} |")
 
 
 def engine_alone(engine, streams: int, max_tokens: int, calls: list[float]) -> float:

@@ -7,7 +7,10 @@
 # transformers 5.23.0 with what it imports for structured output) and, for an old-vs-new comparison, [".old"]
 # (e.g. `git archive <commit> kdaserve benchmarks | tar -x -C .old`).
 # Parts owed (add one as `if [ "$PART" = name ]; then ... fi` below, with what it must show):
-#   (none owed)
+#   engine_warmup  the engine GPU tests over the warm-up's parallel compile and prefix caching's
+#                 per-step fast path (nothing compiles after the warm-up; greedy outputs unchanged).
+#   serving_trace  bench_serving_host.py --trace: where the engine process's time goes per step in
+#                 the server against alone (issue 21 goal 2).
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -32,3 +35,23 @@ group() {  # name, seconds, pytest args...: one pytest process per file (one GPU
 PART=${1:-}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 [ -z "$PART" ] && echo "name a part"
+
+if [ "$PART" = serving_trace ]; then
+  # Must show, per round: the engine process's period against alone, split into step() (its
+  # device wait and host work) and what the core adds (encoding, pipe writes) and between steps,
+  # so a slow round names the part that grew.
+  i=0
+  for v in "1" "2" "2" "1"; do
+    i=$((i + 1))
+    timeout 110 python3 benchmarks/bench_serving_host.py --model bench --rounds 3 --trace --api-server-count $v > "$OUT/st_$i.log" 2>&1
+    echo "== invocation $i, api-server-count $v rc=$?"; grep "^| \(alone\|[0-9]\)" "$OUT/st_$i.log"
+  done
+fi
+
+if [ "$PART" = engine_warmup ]; then
+  # Must show: every test passes (test_host_overhead_gpu: the warm-up runs and changes nothing, a
+  # bench run and a served workload after it compile nothing; prefix caching on the GPU).
+  group host_overhead 330 tests/engine/test_host_overhead_gpu.py
+  group prefix_gpu 150 tests/engine/test_prefix_caching_gpu.py
+  group kimi_gpu 150 tests/models/test_kimi_linear_gpu.py
+fi

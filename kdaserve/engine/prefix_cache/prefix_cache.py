@@ -147,9 +147,13 @@ class PrefixCache:
             done = seq.num_computed_tokens
             if not seq.state_slot:   # finished or preempted within the step
                 continue
+            full = min(done // self.block_size, len(seq.block_table))
+            checkpoint = done and not done % self.interval and not (self.speculative and id(seq) in decodes)
+            if full <= seq.num_registered_blocks and not checkpoint:
+                continue   # most decode steps: no block filled, no boundary (hashes extend when needed)
             hashes = self.hashes(seq)
-            self.blocks.register(seq, hashes, min(done // self.block_size, len(seq.block_table)))
-            if done % self.interval or done == 0 or (self.speculative and id(seq) in decodes):
+            self.blocks.register(seq, hashes, full)
+            if not checkpoint:
                 continue
             key = hashes[done // self.block_size - 1]
             slot = self.checkpoints.take(key)
