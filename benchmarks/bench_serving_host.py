@@ -294,12 +294,24 @@ def prepare(engine, device_s: float | None, calls: list[float] | None = None, tr
 
 
 def alone_main(kwargs: dict, device_s: float | None, streams: int, max_tokens: int, out: mp.Queue,
-               trace: bool = False) -> None:
+               trace: bool = False, profile: int = 0) -> None:
     from kdaserve.engine.llm_engine import LLMEngine
 
     calls: list[float] = []
     engine = prepare(LLMEngine(**kwargs), device_s, calls, trace="alone" if trace else None, in_server=False)
     alone = engine_alone(engine, streams, max_tokens, calls)
+    if profile:   # a second run under cProfile: where the engine's host time goes, per step
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+        engine_alone(engine, streams, max_tokens, calls)
+        prof.disable()
+        print(f"\nThe engine alone under cProfile ({streams} streams x {max_tokens} tokens; times inflated by the "
+              f"profiler): top {profile} by own time, then by cumulative time", flush=True)
+        stats = pstats.Stats(prof)
+        stats.sort_stats("tottime").print_stats(profile)
+        stats.sort_stats("cumulative").print_stats(profile)
     out.put((alone, StepTrace.summary(engine.step_trace.rows) if trace else {}))
 
 
@@ -348,6 +360,8 @@ def main() -> None:
                     help="pin the engine process to two cores, each API process to one, the client to the rest "
                          "(taken through the several-API-processes path, also with one): does the OS's placement "
                          "of processes explain the spread between invocations?")
+    ap.add_argument("--profile-alone", type=int, default=0, metavar="N",
+                    help="print the N functions with the most time of a second run of the engine alone under cProfile")
     ap.add_argument("--trace", action="store_true",
                     help="time the engine process's steps: step(), its device wait, encoding and pipe writes, between "
                          "steps (taken through the several-API-processes path, also with one)")
@@ -377,7 +391,8 @@ def main() -> None:
 
         # The bar in a process of its own (one engine on the device at a time), then the served one.
         q = ctx.Queue()
-        p = ctx.Process(target=alone_main, args=(kwargs, device_s, args.streams, args.max_tokens, q, args.trace))
+        p = ctx.Process(target=alone_main, args=(kwargs, device_s, args.streams, args.max_tokens, q, args.trace,
+                                                 args.profile_alone))
         p.start()
         alone, alone_trace = q.get()
         p.join()

@@ -39,12 +39,15 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 if [ "$PART" = serving_trace ]; then
   # Must show, per round: the engine process's period against alone, split into step() (its
   # device wait and host work) and what the core adds (encoding, pipe writes) and between steps,
-  # so a slow round names the part that grew.
+  # so a slow round names the part that grew; with .old (the code before the host-time changes,
+  # `git archive 33133db kdaserve benchmarks | tar -x -C .old`, this bench script copied in)
+  # alternating, the engine's host work per step alone, old against new, in one command.
   i=0
-  for v in "1" "2" "2" "1"; do
-    i=$((i + 1))
-    timeout 110 python3 benchmarks/bench_serving_host.py --model bench --rounds 3 --trace --api-server-count $v > "$OUT/st_$i.log" 2>&1
-    echo "== invocation $i, api-server-count $v rc=$?"; grep "^| \(alone\|[0-9]\)" "$OUT/st_$i.log"
+  for v in "new 2" "old 2" "new 2" "old 2" "new 1"; do
+    set -- $v; i=$((i + 1))
+    root=.; [ "$1" = old ] && root=.old
+    timeout 110 python3 $root/benchmarks/bench_serving_host.py --model bench --rounds 2 --trace --api-server-count $2 > "$OUT/st_$i.log" 2>&1
+    echo "== invocation $i, $1 code, api-server-count $2 rc=$?"; grep "^| [0-9]\|^| alone" "$OUT/st_$i.log"
   done
 fi
 

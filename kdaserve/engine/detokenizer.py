@@ -4,13 +4,12 @@ Text grows token by token; a token can end inside a multi-byte character (byte-l
 so the newest text is held back while it decodes to a trailing U+FFFD. Two ways to find the new
 text, with the same result:
 
-- a checkpoint's tokenizer (a `tokenizers.Tokenizer` behind HFTokenizer.backend) decodes through
-  the library's `DecodeStream`: one call into Rust for a step's new tokens instead of two
-  decodes, which the engine pays once per sequence per step (benchmarks/bench_detokenizer.py;
-  docs/perf-notes.md, fifteenth session);
-- any other tokenizer (the built-in byte tokenizer) decodes a window: the tokens since the previous
-  emitted text plus the window before them (so merges across the boundary come out right), keeping
-  the cost per token constant.
+- a checkpoint's tokenizer (a `tokenizers.Tokenizer` behind HFTokenizer.backend) and the built-in
+  byte tokenizer (ByteTokenizer.detokenizer_backend) decode through the library's `DecodeStream`:
+  one call into Rust for a step's new tokens instead of two decodes, which the engine pays once per
+  sequence per step (benchmarks/bench_detokenizer.py; docs/perf-notes.md, fifteenth session);
+- any other tokenizer decodes a window: the tokens since the previous emitted text plus the window
+  before them (so merges across the boundary come out right), keeping the cost per token constant.
 
 At the end of a request, text still held back (a character the output cut in half) is emitted as
 the window gives it, U+FFFD included, so the final text is the whole output's."""
@@ -29,7 +28,7 @@ class IncrementalDetokenizer:
         self.text = ""
         self.prefix_offset = 0     # start of the decode window
         self.read_offset = 0       # tokens whose text is already in self.text
-        backend = getattr(tokenizer, "backend", None)
+        backend = getattr(tokenizer, "detokenizer_backend", None) or getattr(tokenizer, "backend", None)
         self._backend = backend if isinstance(backend, Tokenizer) else None
         self._stream = DecodeStream(skip_special_tokens=True) if self._backend is not None else None
         self._fed = 0              # tokens given to the stream

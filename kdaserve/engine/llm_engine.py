@@ -369,8 +369,11 @@ class LLMEngine:
         if seq.logprobs is not None and logprob is not None:
             seq.logprobs.append({"token_id": token, "logprob": logprob[0], "top": logprob[1]})
         p = seq.params
+        # Lengths read once (this runs per token of every running request: the engine's host time).
+        num_tokens = len(seq.token_ids)
+        num_output = num_tokens - seq.num_prompt_tokens
         # Before min_tokens outputs nothing but the length limits ends a request (vLLM's rule).
-        may_stop = seq.num_output_tokens >= p.min_tokens
+        may_stop = num_output >= p.min_tokens
         is_eos = token == self.eos_token_id or token in self.more_eos_token_ids
         stop_token = may_stop and (token in p.stop_token_ids or (not p.ignore_eos and is_eos))
         if seq.grammar is not None:
@@ -381,10 +384,10 @@ class LLMEngine:
             elif seq.grammar.is_terminated():
                 stop_token = True
         reason = "stop" if stop_token else None
-        done = stop_token or seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len
+        done = stop_token or num_output >= p.max_tokens or num_tokens >= self.max_model_len
         needs_text = done or (self.incremental_text and not more_follow) or bool(p.stop)
         # The outputs' text leaves a stop token out; bounds into token_ids, no copy of the outputs.
-        text_end = seq.num_tokens - 1 if stop_token else seq.num_tokens
+        text_end = num_tokens - 1 if stop_token else num_tokens
         if needs_text and seq.detokenizer.add(seq.token_ids, final=done, start=seq.num_prompt_tokens, end=text_end,
                                               check_stop=may_stop) is not None:
             reason = "stop"
@@ -411,7 +414,7 @@ class LLMEngine:
             logprobs=ListPrefix(seq.logprobs) if seq.logprobs is not None else None,
             prompt_logprobs=ListPrefix(seq.prompt_logprobs) if seq.prompt_logprobs is not None else None,
             num_prompt_tokens=seq.num_prompt_tokens,
-            num_output_tokens=seq.num_output_tokens,
+            num_output_tokens=len(seq.token_ids) - seq.num_prompt_tokens,
             metrics=self._metrics(seq),
         )
 

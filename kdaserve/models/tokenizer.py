@@ -87,6 +87,20 @@ class ByteTokenizer:
     def special_token_strings(self) -> tuple[str, ...]:
         return self.SPECIALS
 
+    @property
+    def detokenizer_backend(self):
+        """The same tokenizer as a `tokenizers.Tokenizer` (to_tokenizers_json), for the engine's
+        incremental detokenizer: it then takes one DecodeStream call per sequence and step, as
+        with a checkpoint's tokenizer, instead of two window decodes in Python (engine/
+        detokenizer.py; the same text, tested). Not `backend`: structured output reads that one
+        as a checkpoint's vocabulary, and the byte vocabulary has its own path there."""
+        tok = self.__dict__.get("_detokenizer_backend")
+        if tok is None:
+            from tokenizers import Tokenizer
+
+            tok = self._detokenizer_backend = Tokenizer.from_str(self.to_tokenizers_json())
+        return tok
+
     def info(self) -> dict:
         """What `/tokenizer_info` reports (remote tokenizers such as lm-eval's read it)."""
         return {"tokenizer_class": type(self).__name__, "eos_token": "<|endoftext|>", "bos_token": None,
