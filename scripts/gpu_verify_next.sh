@@ -7,10 +7,7 @@
 # transformers 5.23.0 with what it imports for structured output) and, for an old-vs-new comparison, [".old"]
 # (e.g. `git archive <commit> kdaserve benchmarks | tar -x -C .old`).
 # Parts owed (add one as `if [ "$PART" = name ]; then ... fi` below, with what it must show):
-#   engine_warmup  the engine GPU tests over the warm-up's parallel compile and prefix caching's
-#                 per-step fast path (nothing compiles after the warm-up; greedy outputs unchanged).
-#   serving_trace  bench_serving_host.py --trace: where the engine process's time goes per step in
-#                 the server against alone (issue 21 goal 2).
+#   (none owed)
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -35,26 +32,3 @@ group() {  # name, seconds, pytest args...: one pytest process per file (one GPU
 PART=${1:-}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 [ -z "$PART" ] && echo "name a part"
-
-if [ "$PART" = serving_trace ]; then
-  # Must show, per round: the engine process's period against alone, split into step() (its
-  # device wait and host work) and what the core adds (encoding, pipe writes) and between steps,
-  # so a slow round names the part that grew; with .old (the code before the host-time changes,
-  # `git archive 33133db kdaserve benchmarks | tar -x -C .old`, this bench script copied in)
-  # alternating, the engine's host work per step alone, old against new, in one command.
-  i=0
-  for v in "new 2" "old 2" "new 2" "old 2" "new 1"; do
-    set -- $v; i=$((i + 1))
-    root=.; [ "$1" = old ] && root=.old
-    timeout 110 python3 $root/benchmarks/bench_serving_host.py --model bench --rounds 2 --trace --api-server-count $2 > "$OUT/st_$i.log" 2>&1
-    echo "== invocation $i, $1 code, api-server-count $2 rc=$?"; grep "^| [0-9]\|^| alone" "$OUT/st_$i.log"
-  done
-fi
-
-if [ "$PART" = engine_warmup ]; then
-  # Must show: every test passes (test_host_overhead_gpu: the warm-up runs and changes nothing, a
-  # bench run and a served workload after it compile nothing; prefix caching on the GPU).
-  group host_overhead 330 tests/engine/test_host_overhead_gpu.py
-  group prefix_gpu 150 tests/engine/test_prefix_caching_gpu.py
-  group kimi_gpu 150 tests/models/test_kimi_linear_gpu.py
-fi
