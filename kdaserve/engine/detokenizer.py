@@ -28,7 +28,9 @@ class IncrementalDetokenizer:
         self.text = ""
         self.prefix_offset = 0     # start of the decode window
         self.read_offset = 0       # tokens whose text is already in self.text
-        backend = getattr(tokenizer, "detokenizer_backend", None) or getattr(tokenizer, "backend", None)
+        backend = getattr(tokenizer, "detokenizer_backend", None)
+        if backend is None:
+            backend = getattr(tokenizer, "backend", None)
         self._backend = backend if isinstance(backend, Tokenizer) else None
         self._stream = DecodeStream(skip_special_tokens=True) if self._backend is not None else None
         self._fed = 0              # tokens given to the stream
