@@ -61,6 +61,40 @@ def bind_sockets(host: str, port: int, count: int) -> list[socket.socket]:
     return sockets * count if len(sockets) == 1 else sockets
 
 
+METRICS_DIR_PREFIX = "kdaserve-metrics-"
+
+
+def sweep_stale_metrics_dirs(root: str) -> list[str]:
+    """Remove the metrics directories (`kdaserve-metrics-<pid>-*`) of servers whose process is
+    gone: a server stopped cleanly removes its own, one killed (SIGKILL, a crash) cannot. A
+    directory whose pid is alive (even another program that reused it), or that is not ours to
+    remove, stays. Returns the ones removed."""
+    removed = []
+    for name in os.listdir(root):
+        if not name.startswith(METRICS_DIR_PREFIX):
+            continue
+        pid = name[len(METRICS_DIR_PREFIX):].split("-", 1)[0]
+        path = os.path.join(root, name)
+        if not pid.isdigit() or not os.path.isdir(path) or _alive(int(pid)):
+            continue
+        try:
+            shutil.rmtree(path)
+            removed.append(path)
+        except OSError:   # another user's, or removed meanwhile
+            pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # someone else's process
+        return True
+    return True
+
+
 class APIServers:
     """`APIServers(engine, count, app_kwargs, host, port, uvicorn_options)`: spawns the API server
     processes on `engine`'s connections (an EngineProcess made with `api_clients=count`); `wait()`
@@ -75,7 +109,8 @@ class APIServers:
         self.engine, self.host = engine, host
         self.sockets = bind_sockets(host, port, count)
         self.port = self.sockets[0].getsockname()[1]
-        self._metrics_dir = tempfile.mkdtemp(prefix="kdaserve-metrics-")
+        sweep_stale_metrics_dirs(tempfile.gettempdir())
+        self._metrics_dir = tempfile.mkdtemp(prefix=f"{METRICS_DIR_PREFIX}{os.getpid()}-")
         # Read by prometheus_client when it is first imported, in each spawned process.
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = self._metrics_dir
         ctx = mp.get_context("spawn")

@@ -297,3 +297,23 @@ def test_serve_refuses_api_server_counts_that_cannot_work(flags, message):
     out = subprocess.run([sys.executable, "-m", "kdaserve.cli", "serve", "tiny", "--device", "cpu", *flags],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and message in out.stderr, out.stderr
+
+
+def test_metrics_directories_of_servers_that_died_are_swept(tmp_path):
+    """A server killed before its clean stop leaves its prometheus directory behind; the next
+    server removes those whose process is gone, and nothing else."""
+    import os
+
+    from kdaserve.server.api_servers import METRICS_DIR_PREFIX, sweep_stale_metrics_dirs
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(gone.stdout)
+    dead = tmp_path / f"{METRICS_DIR_PREFIX}{dead_pid}-abc"
+    alive = tmp_path / f"{METRICS_DIR_PREFIX}{os.getpid()}-def"
+    other = tmp_path / "kdaserve-metrics-notapid"
+    unrelated = tmp_path / f"something-{dead_pid}"
+    for d in (dead, alive, other, unrelated):
+        d.mkdir()
+        (d / "counter_1.db").write_bytes(b"x")
+    assert sweep_stale_metrics_dirs(str(tmp_path)) == [str(dead)]
+    assert not dead.exists() and alive.exists() and other.exists() and unrelated.exists()
