@@ -360,6 +360,8 @@ def main() -> None:
                     help="pin the engine process to two cores, each API process to one, the client to the rest "
                          "(taken through the several-API-processes path, also with one): does the OS's placement "
                          "of processes explain the spread between invocations?")
+    ap.add_argument("--stream-interval", type=int, default=1,
+                    help="the engine's --stream-interval (tokens per streamed chunk; ITL is then per chunk)")
     ap.add_argument("--profile-alone", type=int, default=0, metavar="N",
                     help="print the N functions with the most time of a second run of the engine alone under cProfile")
     ap.add_argument("--trace", action="store_true",
@@ -385,6 +387,7 @@ def main() -> None:
         kwargs = dict(model=args.model, max_num_seqs=args.streams, max_model_len=args.max_tokens + 64, seed=0)
         device_s = None
     kwargs["async_scheduling"] = args.async_scheduling
+    kwargs["stream_interval"] = args.stream_interval
     ctx = mp.get_context("spawn")
     if args.engine_process:
         from kdaserve.server.engine_process import EngineProcess
@@ -557,14 +560,16 @@ def api_servers_main(args, kwargs: dict, device_s: float | None, alone: float, a
             span = max(s[-1] for s in stamps) - min(s[0] for s in stamps)
             step_ms = span / max(engine_steps(servers.url) - steps0, 1) * 1e3
             chunks = sum(len(s) for s in stamps)
-            cpu_us = (sum(process_cpu_seconds(p.pid) for p in servers.processes) - cpu0) / chunks * 1e6
+            cpu_s = sum(process_cpu_seconds(p.pid) for p in servers.processes) - cpu0
+            cpu_us = cpu_s / chunks * 1e6
+            token_us = cpu_s / (args.streams * args.max_tokens) * 1e6
             first = max(s[1] for s in stamps if len(s) > 1)
             last = min(s[-2] for s in stamps if len(s) > 1)
             itl = [b - a for s in stamps for a, b in zip(s, s[1:]) if first <= a and b <= last]
             tpot = [(w[-1] - w[0]) / (len(w) - 1) for s in stamps if len(w := [t for t in s if first <= t <= last]) > 1]
             med, p90, mean = (statistics.median(itl) * 1e3, statistics.quantiles(itl, n=10)[-1] * 1e3,
                               statistics.median(tpot) * 1e3)
-            rows.append((r, med, p90, mean, cpu_us, step_ms, held, steps_trace))
+            rows.append((r, med, p90, mean, cpu_us, step_ms, held, steps_trace, token_us))
             print(json.dumps({"round": r, "itl_median_ms": med, "itl_p90_ms": p90, "stream_mean_itl_ms": mean,
                               "api_processes_cpu_us_per_chunk": cpu_us, "engine_mean_step_ms": step_ms,
                               "connections_per_process": held, "engine_process_trace_ms": steps_trace}), flush=True)
@@ -574,12 +579,12 @@ def api_servers_main(args, kwargs: dict, device_s: float | None, alone: float, a
     print(f"\n{args.streams} streams, {args.max_tokens} tokens each, {what} (this host), engine in its own process, "
           f"{n} API server processes{' (pinned)' if args.pin else ''}; the engine alone (no server, same batch): {alone:.2f} ms per step")
     print("| round | ITL median ms | ITL p90 ms | ITL / engine alone | stream mean ITL ms (median of streams) "
-          "| mean ITL / engine alone | API processes' CPU µs per chunk | engine mean step ms (round) "
+          "| mean ITL / engine alone | API processes' CPU µs per chunk | per token | engine mean step ms (round) "
           "| most connections per API process |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r, med, p90, mean, cpu_us, step_ms, held, _ in rows:
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r, med, p90, mean, cpu_us, step_ms, held, _, token_us in rows:
         print(f"| {r} | {med:.2f} | {p90:.2f} | {med / alone:.2f}x | {mean:.2f} | {mean / alone:.2f}x | {cpu_us:.1f} "
-              f"| {step_ms:.2f} | {' / '.join(map(str, held))} |")
+              f"| {token_us:.1f} | {step_ms:.2f} | {' / '.join(map(str, held))} |")
     if trace:
         print(f"\nThe engine process per step, medians in ms (StepTrace): period between step starts; the core's step "
               f"(step() + encoding and pipe writes); step(); its device wait; encode + send; host work (core step less "

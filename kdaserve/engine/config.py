@@ -104,6 +104,10 @@ class EngineConfig:
         "default: on with a GPU, except with speculative decoding, which it does not support yet (on a CPU the "
         "device works in the host's own thread: nothing to overlap); --no-async-scheduling turns it off",
         boolean_optional=True))
+    stream_interval: int = field(default=1, metadata=_flag(
+        "tokens batched into each output of a request before it is reported (vLLM's): 1 reports every token; "
+        "larger values report every N tokens (the first token and the end at once), less host work per token "
+        "at many streams; a request's stream_interval may raise it"))
     # Run dummy steps at startup so that kernel JIT specializations are compiled before the first
     # requests (engine/warmup.py), on a CUDA device (nothing is compiled on the CPU); graphs or not.
     warmup: bool = field(default=True, metadata=_flag(
@@ -116,11 +120,12 @@ class EngineConfig:
         self.state_dtype = parse_dtype(self.state_dtype) or torch.float32
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = 8192
-        for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "block_size", "max_logprobs"):
+        for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "block_size", "max_logprobs",
+                     "stream_interval"):
             v = getattr(self, name)
             if v is None and name == "max_model_len":   # the model's; the runner reads it from the model config
                 continue
-            if not isinstance(v, int) or v < 1:
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"invalid {name}: got {v!r}; expected an integer >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"invalid max_model_len: got {self.max_model_len}; expected >= 2 (a prompt token and an output token)")

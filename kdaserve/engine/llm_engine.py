@@ -150,6 +150,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use; expected a new id")
         ids = self.validate_request(prompt_token_ids, params)
         seq = Sequence(request_id, ids, params, IncrementalDetokenizer(self.tokenizer, params.stop))
+        seq.stream_interval = max(seq.stream_interval, self.config.stream_interval)
         if params.structured_outputs is not None:
             self.compile_grammar(params.structured_outputs)
             seq.grammar = self._grammar_compiler.matcher(params.structured_outputs)
@@ -191,7 +192,8 @@ class LLMEngine:
         self.scheduler.finish(seq, "abort")
         if self.proposer is not None:
             self.proposer.forget(seq)
-        self._pending.append(self._output(seq, []))
+        self._pending.append(self._output(seq, seq.new_token_ids))   # tokens a stream interval held back
+        seq.new_token_ids = []
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending) or self._inflight is not None
@@ -319,8 +321,12 @@ class LLMEngine:
             if not seq.is_finished:
                 self.proposer.set_drafts(seq, drafts)
         for seq in touched.values():
-            outputs.append(self._output(seq, seq.new_token_ids))
+            new = seq.new_token_ids
+            if new and seq.streamed and len(new) < seq.stream_interval and not seq.is_finished:
+                continue   # --stream-interval: these tokens go out with a later output
+            outputs.append(self._output(seq, new))
             seq.new_token_ids = []
+            seq.streamed = seq.streamed or bool(new)
 
     def _propose_drafts(self) -> None:
         """Drafts for every running sequence whose next step is a verify, capped so that accepting

@@ -49,6 +49,10 @@ class SamplingParams:
     # vLLM's request field: mixed into the prefix cache's block hashes, so only requests with the
     # same salt share cached prefixes (tenants cannot probe each other's prompts by timing).
     cache_salt: str | None = None
+    # vLLM's request field: tokens batched into each streamed output; raises the engine's
+    # --stream-interval for this request (never lowers it). The first token's output and the last
+    # are sent at once.
+    stream_interval: int | None = None
 
     def __post_init__(self):
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -108,6 +112,8 @@ class SamplingParams:
                     _fail("logit_bias", {k: v}, "token ids (integers >= 0) mapped to finite numbers")
                 bias[tid] = min(100.0, max(-100.0, float(v)))   # OpenAI's range; vLLM clamps too
             self.logit_bias = bias or None
+        if self.stream_interval is not None and (not _is_int(self.stream_interval) or self.stream_interval < 1):
+            _fail("stream_interval", self.stream_interval, "None or an integer >= 1 (tokens per streamed output)")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt
                                             or len(self.cache_salt) > 1024):
             _fail("cache_salt", self.cache_salt, "None or a non-empty string of at most 1024 characters")

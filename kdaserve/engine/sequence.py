@@ -64,7 +64,11 @@ class Sequence:
         self.grammar = None                 # xgrammar matcher of params.structured_outputs (engine sets it)
         self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
         self.prompt_logprobs: list[dict | None] | None = [None] if params.prompt_logprobs is not None else None
-        self.new_token_ids: list[int] = []
+        self.new_token_ids: list[int] = []  # appended since the request's last output
+        # Tokens per output (the engine's --stream-interval, raised by the request's) and whether
+        # an output with tokens went out yet (the first token's is never held back).
+        self.stream_interval = max(1, params.stream_interval or 1)
+        self.streamed = False
         self.metrics = {"arrival_time": time.monotonic()}
 
     def __len__(self) -> int:

@@ -79,6 +79,10 @@ class _SamplingFields(_Lenient):
     logit_bias: dict[str, float] | None = None
     # vLLM's: only requests with the same salt share prefix-cache entries.
     cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
+    # vLLM's: tokens batched into each streamed chunk; raises the server's --stream-interval for
+    # this request (values below it count as it); the first and last chunks go at once. Ignored
+    # without `stream`.
+    stream_interval: int | None = Field(default=None, ge=1)
     # Structured output (server/structured_outputs.py): OpenAI's response_format or vLLM's
     # structured_outputs (json, regex, choice, grammar, json_object); checked by the engine.
     response_format: ResponseFormat | None = None

@@ -197,6 +197,7 @@ def sampling_params(req, *, max_tokens: int, logprobs: int | None, prompt_logpro
             logit_bias=req.logit_bias,
             structured_outputs=structured_outputs,
             cache_salt=req.cache_salt,
+            stream_interval=req.stream_interval if req.stream else None,
         )
     except (ValueError, TypeError) as exc:
         raise bad_request(f"invalid sampling parameters: {exc}") from None

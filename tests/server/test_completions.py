@@ -180,3 +180,20 @@ def test_logit_processors_reach_the_engine(client):
     penalized = complete(client, **greedy(prompt="Hello", max_tokens=4, logit_bias={"77": 100}, repetition_penalty=100.0,
                                           frequency_penalty=2.0, presence_penalty=2.0, min_p=0.5, return_token_ids=True))
     assert penalized["choices"][0]["token_ids"][0] == 77   # the first 77 is not yet penalized
+
+
+def test_stream_interval_batches_tokens_into_chunks(client):
+    """vLLM's request field: the first token at once, then chunks of at least 3 tokens (a chunk
+    may merge more where the handler fell behind), the last with what is left; the same tokens and
+    text as without streaming. Without `stream` it changes nothing; below 1 it is a 400."""
+    body = greedy(prompt=PROMPT, max_tokens=10, return_token_ids=True)
+    whole = complete(client, **body)["choices"][0]
+    events = sse_events(client, "/v1/completions", {**body, "stream": True, "stream_interval": 3})
+    assert events[-1] == "[DONE]"
+    chunks = [e["choices"][0] for e in events[:-1]]
+    assert len(chunks) <= 4 and all(len(c["token_ids"]) >= 3 for c in chunks[1:-1])
+    assert sum((c["token_ids"] for c in chunks), []) == whole["token_ids"]
+    assert "".join(c["text"] for c in chunks) == whole["text"] and chunks[-1]["finish_reason"] == "length"
+    assert complete(client, **body, stream_interval=3)["choices"][0]["text"] == whole["text"]
+    r = client.post("/v1/completions", json={**body, "stream": True, "stream_interval": 0})
+    assert r.status_code == 400 and "stream_interval" in r.text
