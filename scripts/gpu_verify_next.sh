@@ -7,7 +7,9 @@
 # transformers 5.23.0 with what it imports for structured output) and, for an old-vs-new comparison, [".old"]
 # (e.g. `git archive <commit> kdaserve benchmarks | tar -x -C .old`).
 # Parts owed (add one as `if [ "$PART" = name ]; then ... fi` below, with what it must show):
-#   (none owed)
+#   stream_interval  --stream-interval (built after the device time ran out, twenty-second session):
+#                 the server's GPU tests, and the serving path at 64 streams with N = 1 and 4
+#                 (issue 21 goal 2: the API processes' CPU per token and the engine's encode + send).
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -32,3 +34,16 @@ group() {  # name, seconds, pytest args...: one pytest process per file (one GPU
 PART=${1:-}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 [ -z "$PART" ] && echo "name a part"
+
+if [ "$PART" = stream_interval ]; then
+  # Must show: tests/server/test_server_gpu.py passes; per invocation, the API processes' CPU per
+  # token ("per token" column) and the engine process's encode + send per step (--trace) lower at
+  # N = 4 than at N = 1 in the same command (ITL is then per chunk of 4 tokens: compare per token).
+  group server_gpu 200 tests/server/test_server_gpu.py
+  i=0
+  for n in 1 4 1 4; do
+    i=$((i + 1))
+    timeout 90 python3 benchmarks/bench_serving_host.py --model bench --rounds 2 --trace --api-server-count 2 --stream-interval $n > "$OUT/si_$i.log" 2>&1
+    echo "== invocation $i, stream-interval $n rc=$?"; grep "^| [0-9]\|^| alone" "$OUT/si_$i.log"
+  done
+fi
