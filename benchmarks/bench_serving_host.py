@@ -575,6 +575,10 @@ def api_servers_main(args, kwargs: dict, device_s: float | None, alone: float, a
                               "connections_per_process": held, "engine_process_trace_ms": steps_trace}), flush=True)
     finally:
         servers.stop()
+        if trace:
+            import shutil
+
+            shutil.rmtree(os.path.dirname(trace), ignore_errors=True)
     what = f"model {args.model}" if args.model else f"device time {args.device_ms} ms per step"
     print(f"\n{args.streams} streams, {args.max_tokens} tokens each, {what} (this host), engine in its own process, "
           f"{n} API server processes{' (pinned)' if args.pin else ''}; the engine alone (no server, same batch): {alone:.2f} ms per step")
