@@ -203,13 +203,13 @@ class StepTrace:
         step = engine.step
 
         def timed_step():
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 return step()
             finally:
                 trace.step_s = time.perf_counter() - t0
                 if not in_server:
-                    trace.rows.append((t0, trace.step_s, trace.step_s, trace.wait))
+                    trace.rows.append((t0, trace.step_s, trace.step_s, trace.wait, time.thread_time() - c0))
                     trace.wait = 0.0
 
         engine.step = timed_step
@@ -219,12 +219,12 @@ class StepTrace:
             core_step = engine_process._EngineCore._step
 
             def timed_core_step(core, rejections):
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 trace.wait = 0.0
                 try:
                     return core_step(core, rejections)
                 finally:
-                    trace.rows.append((t0, time.perf_counter() - t0, trace.step_s, trace.wait))
+                    trace.rows.append((t0, time.perf_counter() - t0, trace.step_s, trace.wait, time.thread_time() - c0))
 
             engine_process._EngineCore._step = timed_core_step
             threading.Thread(target=self._answer, daemon=True).start()
@@ -257,7 +257,9 @@ class StepTrace:
     def summary(rows: list) -> dict:
         """Medians in ms over the steps: the period between step starts, the engine core's step,
         the engine's step(), the device wait in it, what the core adds (encode + pipe writes), the
-        host work (core step less the wait) and the time between steps (inbox, waking)."""
+        host work (core step less the wait), the CPU time the engine's thread got in the core step
+        (below the host work: the thread waited for a core or for the GIL; equal: it ran slower)
+        and the time between steps (inbox, waking)."""
         if len(rows) < 3:
             return {}
         med = lambda xs: statistics.median(xs) * 1e3   # noqa: E731
@@ -265,12 +267,12 @@ class StepTrace:
         periods = [b - a for a, b in zip(starts, starts[1:])]
         return {"period": med(periods), "core_step": med([r[1] for r in rows]), "engine_step": med([r[2] for r in rows]),
                 "device_wait": med([r[3] for r in rows]), "encode_send": med([r[1] - r[2] for r in rows]),
-                "host": med([r[1] - r[3] for r in rows]),
+                "host": med([r[1] - r[3] for r in rows]), "core_cpu": med([r[4] for r in rows]),
                 "between": med([p - r[1] for p, r in zip(periods, rows)]), "steps": len(rows)}
 
 
 _active_trace: StepTrace | None = None   # the fake device's waits count as device waits too
-TRACE_COLUMNS = ("period", "core_step", "engine_step", "device_wait", "encode_send", "host", "between")
+TRACE_COLUMNS = ("period", "core_step", "engine_step", "device_wait", "encode_send", "host", "core_cpu", "between")
 
 
 def trace_cells(summary: dict) -> str:
@@ -592,10 +594,10 @@ def api_servers_main(args, kwargs: dict, device_s: float | None, alone: float, a
     if trace:
         print(f"\nThe engine process per step, medians in ms (StepTrace): period between step starts; the core's step "
               f"(step() + encoding and pipe writes); step(); its device wait; encode + send; host work (core step less "
-              f"the wait); between steps.")
+              f"the wait); the engine thread's CPU time in the core step; between steps.")
         print(f"| round | {' | '.join(TRACE_COLUMNS)} |\n|---|{'---|' * len(TRACE_COLUMNS)}")
         print(f"| alone | {trace_cells(alone_trace)} |")
-        for r, *_, steps_trace in rows:
+        for r, *_, steps_trace, _token_us in rows:
             print(f"| {r} | {trace_cells(steps_trace)} |")
 
 
