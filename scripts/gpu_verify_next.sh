@@ -38,7 +38,9 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 if [ "$PART" = stream_interval ]; then
   # Must show: tests/server/test_server_gpu.py passes; per invocation, the API processes' CPU per
   # token ("per token" column) and the engine process's encode + send per step (--trace) lower at
-  # N = 4 than at N = 1 in the same command (ITL is then per chunk of 4 tokens: compare per token).
+  # N = 4 than at N = 1 in the same command (ITL is then per chunk of 4 tokens: compare per token);
+  # and the trace's core_cpu column against host: where host work in the server exceeds the engine
+  # thread's CPU time, the thread waited (for a core or the GIL) rather than ran slower.
   group server_gpu 200 tests/server/test_server_gpu.py
   i=0
   for n in 1 4 1 4; do
