@@ -67,7 +67,7 @@ class Sequence:
         self.new_token_ids: list[int] = []  # appended since the request's last output
         # Tokens per output (the engine's --stream-interval, raised by the request's) and whether
         # an output with tokens went out yet (the first token's is never held back).
-        self.stream_interval = max(1, params.stream_interval or 1)
+        self.stream_interval = params.stream_interval or 1
         self.streamed = False
         self.metrics = {"arrival_time": time.monotonic()}
 

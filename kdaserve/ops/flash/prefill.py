@@ -73,6 +73,16 @@ def unbounded_intra_for(config: FlashConfig, input_dtype: torch.dtype | None) ->
     return "nested" if config.unbounded_intra == "clamped" and input_dtype == torch.float32 else config.unbounded_intra
 
 
+def segmented_chunk_for(bounded_gate: bool, config: FlashConfig, input_dtype: torch.dtype | None) -> int:
+    """The chunk size of a step flash segments automatically: the unbounded gate's clamped K1 takes
+    unbounded_segmented_chunk there (few long sequences: the recurrence's chain of chunk steps is
+    the bound, so longer chunks, whose K1 joins two anchored halves, pay for their dearer K1 there,
+    and only there); otherwise the gate's own chunk size."""
+    if not bounded_gate and unbounded_intra_for(config, input_dtype) == "clamped":
+        return config.unbounded_segmented_chunk
+    return chunk_size_for(bounded_gate, config)
+
+
 def flash_step_plan(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | None, num_tokens: int, num_heads: int,
                     head_dim: int, bounded_gate: bool, *, config: FlashConfig | None = None,
                     segment_len: int | None = None, input_dtype: torch.dtype | None = None) -> FlashStepPlan:
@@ -92,11 +102,8 @@ def flash_step_plan(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | Non
     if N == 0:
         return FlashStepPlan(None, 0, C, num_heads, head_dim, num_tokens, config, (0,))
     seg_len = resolve_segment_len(segment_len, num_tokens, N, num_heads, head_dim, C, cu_seqlens_cpu, cu.device, config)
-    clamped = unbounded_intra_for(config, input_dtype) == "clamped"
-    if not bounded_gate and clamped and segment_len is None and seg_len and config.unbounded_segmented_chunk != C:
-        # Few long sequences: the recurrence's chain of chunk steps is the bound, so longer chunks
-        # (K1 joins two anchored halves) pay for their dearer K1 there, and only there.
-        C = config.unbounded_segmented_chunk
+    if segment_len is None and seg_len and segmented_chunk_for(bounded_gate, config, input_dtype) != C:
+        C = segmented_chunk_for(bounded_gate, config, input_dtype)
         seg_len = resolve_segment_len(None, num_tokens, N, num_heads, head_dim, C, cu_seqlens_cpu, cu.device, config)
     plan = build_plan(cu, num_tokens, N, C, seg_len, cu_seqlens_cpu)
     offsets = host_offsets(cu_seqlens_cpu) if cu_seqlens_cpu is not None else None
@@ -301,8 +308,7 @@ class FlashPrefill:
             return
         bounded = weights.lower_bound is not None
         segmented = not self.plan.segmented
-        C = self.cfg.unbounded_segmented_chunk if segmented and not bounded and \
-            unbounded_intra_for(self.cfg, self.qkv.dtype) == "clamped" else chunk_size_for(bounded, self.cfg)
+        C = segmented_chunk_for(bounded, self.cfg, self.qkv.dtype) if segmented else chunk_size_for(bounded, self.cfg)
         first = slice(int(seqs.cu_seqlens_cpu[0]), int(seqs.cu_seqlens_cpu[0]) + n0)
         cu = (seqs.cu_seqlens[:2] - seqs.cu_seqlens[0]).to(torch.int32)
         cu_cpu = seqs.cu_seqlens_cpu[:2] - seqs.cu_seqlens_cpu[0]
