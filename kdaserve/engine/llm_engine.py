@@ -82,6 +82,12 @@ class LLMEngine:
         # Text of every output as it streams. Offline generation (LLM) turns it off: text is then
         # decoded when a request finishes (or as needed for stop strings), saving host time per token.
         self.incremental_text = True
+        # Whether this engine makes every output's text. The server's engine process turns it off:
+        # then only requests with stop strings get text here (they need it to end), the others'
+        # outputs carry text None and the API processes detokenize them (server/output_wire.py),
+        # as vLLM's front end does: detokenizing is a quarter of a decode step's host work, and
+        # the engine process is the one serial part of the serving path, the API processes many.
+        self.detokenize = True
         # overlapped_steps: steps queued before the tokens of the step before were read (async scheduling).
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0, "steps": 0, "overlapped_steps": 0}
         # Async scheduling: the step queued on the device whose tokens the next step() reads.
@@ -391,7 +397,7 @@ class LLMEngine:
                 stop_token = True
         reason = "stop" if stop_token else None
         done = stop_token or num_output >= p.max_tokens or num_tokens >= self.max_model_len
-        needs_text = done or (self.incremental_text and not more_follow) or bool(p.stop)
+        needs_text = bool(p.stop) or (self.detokenize and (done or (self.incremental_text and not more_follow)))
         # The outputs' text leaves a stop token out; bounds into token_ids, no copy of the outputs.
         text_end = num_tokens - 1 if stop_token else num_tokens
         if needs_text and seq.detokenizer.add(seq.token_ids, final=done, start=seq.num_prompt_tokens, end=text_end,
@@ -414,7 +420,7 @@ class LLMEngine:
             prompt_token_ids=seq.prompt_token_ids,
             output_token_ids=ListPrefix(seq.token_ids, seq.num_prompt_tokens),
             new_token_ids=new_ids,
-            text=seq.detokenizer.text,
+            text=seq.detokenizer.text if self.detokenize or seq.params.stop else None,
             finished=seq.is_finished,
             finish_reason=seq.finish_reason,
             logprobs=ListPrefix(seq.logprobs) if seq.logprobs is not None else None,
@@ -426,7 +432,15 @@ class LLMEngine:
 
     def _metrics(self, seq: Sequence) -> dict:
         """Times (time.monotonic) and counts of a request; a finished one that went through verify
-        steps also gets its speculative acceptance (vLLM's per-request speculative metrics)."""
+        steps also gets its speculative acceptance (vLLM's per-request speculative metrics).
+
+        One dict for every output until something in it changes (times are only ever added, so
+        their count tells): outputs must not modify it. The output wire sends it only when it is
+        a new one (server/output_wire.py)."""
+        key = (len(seq.metrics), seq.num_preemptions, seq.num_cached_tokens, seq.is_finished)
+        made = seq.metrics_out
+        if made is not None and made[0] == key:
+            return made[1]
         out = dict(seq.metrics, num_preemptions=seq.num_preemptions, num_cached_tokens=seq.num_cached_tokens)
         h = seq.spec_histogram
         if seq.is_finished and h is not None:
@@ -440,4 +454,5 @@ class LLMEngine:
                 "num_draft_tokens": seq.num_draft_tokens,
                 "num_spec_tokens": self.config.num_spec_tokens,
             }
+        seq.metrics_out = (key, out)
         return out

@@ -52,7 +52,8 @@ class RequestOutput:
         prompt_token_ids: list[int],
         output_token_ids: list[int] | ListPrefix,
         new_token_ids: list[int],              # this step
-        text: str,                             # all output text so far, stop strings trimmed
+        text: str | None,                      # all output text so far, stop strings trimmed; None:
+                                               # not made (LLMEngine.detokenize off), the receiver's to make
         finished: bool,
         finish_reason: str | None = None,      # "stop" | "length" | "abort" | None
         logprobs: list[dict] | ListPrefix | None = None,

@@ -69,7 +69,8 @@ class Sequence:
         # an output with tokens went out yet (the first token's is never held back).
         self.stream_interval = params.stream_interval or 1
         self.streamed = False
-        self.metrics = {"arrival_time": time.monotonic()}
+        self.metrics = {"arrival_time": time.monotonic()}   # times are only ever added to it
+        self.metrics_out: tuple | None = None   # LLMEngine._metrics: (what it was made from, the outputs' dict)
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -397,7 +397,7 @@ class ProcessEngineLoop(EngineLoop):
 
         super().__init__(engine, max_queued_requests=max_queued_requests, metrics=metrics,
                          api_server_count=api_server_count)
-        self._decoder = OutputDecoder()
+        self._decoder = OutputDecoder(getattr(engine, "tokenizer", None))   # for the text the engine process leaves to us
         self._lock = threading.Lock()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._read, name="kdaserve-engine-outputs", daemon=True)

@@ -206,6 +206,8 @@ class _EngineCore:
         from kdaserve.server.output_wire import OutputEncoder
 
         self.engine, self._control = engine, control
+        # Text only where a stop string needs it: the API processes detokenize the rest (output_wire.py).
+        engine.detokenize = False
         self._commands = [c for c, _ in connections]
         self._outputs = [o for _, o in connections]
         self._live = [True] * len(connections)   # main thread only

@@ -7,11 +7,20 @@ rebuilds outputs equal to the engine's own (`RequestOutput.__eq__`).
 
 The engine's per-request lists only grow by append (outputs.ListPrefix); the text may shrink once,
 when a stop string completes and is trimmed, so it travels as (length kept, new tail).
+
+The engine process makes text only for requests with stop strings (LLMEngine.detokenize off): the
+others' outputs have text None, sent as "kept None", and the decoder detokenizes their tokens here,
+with the engine's own detokenizer and its rules (a stop token's text left out, the text held back
+at the end flushed when the request ends by length or stop, not when aborted), so the outputs are
+the ones an engine that makes all text would give.
 """
 
 from __future__ import annotations
 
+from kdaserve.engine.detokenizer import IncrementalDetokenizer
 from kdaserve.engine.outputs import ListPrefix, RequestOutput
+
+NO_TEXT = None   # "kept" of an output the engine made no text for: the decoder detokenizes it
 
 
 def _tail(value, start: int) -> list:
@@ -25,12 +34,13 @@ class OutputEncoder:
     """In the engine process: one wire tuple per output, the delta since that request's last."""
 
     def __init__(self):
-        self._sent: dict[str, list] = {}   # request id -> [output ids, log-probs, prompt log-probs, text]
+        # request id -> [output ids, log-probs, prompt log-probs, text, the metrics dict sent last]
+        self._sent: dict[str, list] = {}
 
     def encode(self, out: RequestOutput) -> tuple:
         sent = self._sent.get(out.request_id)
         if sent is None:
-            sent = self._sent[out.request_id] = [0, 0, 0, ""]
+            sent = self._sent[out.request_id] = [0, 0, 0, "", None]
         ids = _tail(out._output_token_ids, sent[0])
         sent[0] += len(ids)
         logprobs = None if out._logprobs is None else _tail(out._logprobs, sent[1])
@@ -40,23 +50,37 @@ class OutputEncoder:
         if prompt_logprobs is not None:
             sent[2] += len(prompt_logprobs)
         text, before = out.text, sent[3]
-        keep = len(before) if text.startswith(before) else 0
-        sent[3] = text
+        if text is None:
+            keep = tail = NO_TEXT
+        else:
+            keep = len(before) if text.startswith(before) else 0
+            tail = text[keep:]
+            sent[3] = text
+        # The engine hands the same metrics dict to a request's outputs until it changes (LLMEngine._metrics).
+        metrics = out.metrics
+        if metrics is sent[4]:
+            metrics = None
+        else:
+            sent[4] = metrics
         if out.finished:
             del self._sent[out.request_id]
-        return (out.request_id, ids, out.new_token_ids, keep, text[keep:], out.finished, out.finish_reason,
-                logprobs, prompt_logprobs, out.num_prompt_tokens, out.num_output_tokens, out.metrics)
+        return (out.request_id, ids, out.new_token_ids, keep, tail, out.finished, out.finish_reason,
+                logprobs, prompt_logprobs, out.num_prompt_tokens, out.num_output_tokens, metrics)
 
 
 class OutputDecoder:
     """In the API process: rebuilds full outputs from the deltas; `begin` when a request is sent,
-    `forget` when the API process stops listening to it (finished outputs forget themselves)."""
+    `forget` when the API process stops listening to it (finished outputs forget themselves).
+    `tokenizer`: the engine's, for the outputs it sends without text."""
 
-    def __init__(self):
-        self._acc: dict[str, list] = {}   # request id -> [prompt ids, output ids, log-probs, prompt log-probs, text]
+    def __init__(self, tokenizer=None):
+        self._tokenizer = tokenizer
+        # request id -> [prompt ids, output ids, log-probs, prompt log-probs, text, detokenizer or None,
+        # metrics]
+        self._acc: dict[str, list] = {}
 
     def begin(self, request_id: str, prompt_token_ids: list[int]) -> None:
-        self._acc[request_id] = [prompt_token_ids, [], None, None, ""]
+        self._acc[request_id] = [prompt_token_ids, [], None, None, "", None, {}]
 
     def forget(self, request_id: str) -> None:
         self._acc.pop(request_id, None)
@@ -74,10 +98,38 @@ class OutputDecoder:
                 if acc[slot] is None:
                     acc[slot] = []
                 acc[slot].extend(delta)
-        acc[4] = acc[4][:keep] + tail if keep < len(acc[4]) else acc[4] + tail
+        if keep is NO_TEXT:
+            acc[4] = self._detokenize(acc, len(ids), finished, reason)
+        else:
+            acc[4] = acc[4][:keep] + tail if keep < len(acc[4]) else acc[4] + tail
+        if metrics is None:   # as in the request's output before
+            metrics = acc[6]
+        else:
+            acc[6] = metrics
         if finished:
             del self._acc[request_id]
         return RequestOutput(request_id, acc[0], ListPrefix(acc[1]), new_ids, acc[4], finished, reason,
                              ListPrefix(acc[2]) if acc[2] is not None else None,
                              ListPrefix(acc[3]) if acc[3] is not None else None,
                              num_prompt, num_output, metrics)
+
+    def _detokenize(self, acc: list, num_new: int, finished: bool, reason: str | None) -> str:
+        """The text of an output the engine made none for, as LLMEngine._append_token makes it:
+        token by token (several tokens in one decode would hold back all of their text when the
+        last of them ends inside a character), the end flushed when the request ends by length
+        or stop, not when aborted, and a "stop" token's own text left out (without stop strings a
+        "stop" is a stop token: end of sequence, stop_token_ids, the grammar's end)."""
+        detok = acc[5]
+        if detok is None:
+            if self._tokenizer is None:
+                raise ValueError("an output without text reached an OutputDecoder that has no tokenizer")
+            detok = acc[5] = IncrementalDetokenizer(self._tokenizer, [])
+        ids = acc[1]
+        final = finished and reason != "abort"
+        last = len(ids) - 1 if finished and reason == "stop" else len(ids)
+        ends = list(range(len(ids) - num_new + 1, last + 1))
+        if final and not ends:   # only the stop token is new: the flush alone
+            ends = [last]
+        for end in ends:
+            detok.add(ids, final=final and end == last, end=end, check_stop=False)
+        return detok.text

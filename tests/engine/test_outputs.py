@@ -32,6 +32,21 @@ def test_outputs_read_late_show_their_own_step(engine):
     assert seen == 9
 
 
+def test_outputs_share_a_metrics_dict_only_while_it_is_unchanged(engine):
+    """LLMEngine._metrics hands one dict to a request's outputs until a time is added or a count
+    changes (the output wire sends it only when new): a later change makes a new dict and never
+    reaches the outputs before it."""
+    engine.add_request("m", list(b"Metrics"), SamplingParams(max_tokens=6, ignore_eos=True))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    first, *middle, final = outs
+    assert "first_token_time" in first.metrics and "finish_time" not in first.metrics
+    assert all(o.metrics is first.metrics for o in middle)
+    assert "finish_time" in final.metrics and final.metrics is not first.metrics
+    assert "finish_time" not in first.metrics and set(final.metrics) - set(first.metrics) == {"finish_time"}
+
+
 def test_a_step_copies_no_list_of_everything_so_far(engine, monkeypatch):
     seqs = []
     real_add = type(engine.scheduler).add

@@ -44,6 +44,59 @@ def test_outputs_cross_as_deltas_and_come_back_equal():
     assert back == outs
 
 
+def _run(engine, requests: list, abort_at: dict) -> list[RequestOutput]:
+    for request_id, prompt, params in requests:
+        engine.add_request(request_id, prompt, params)
+    outs, steps = [], 0
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+        steps += 1
+        for request_id in abort_at.get(steps, ()):
+            engine.abort_request(request_id)
+    return outs
+
+
+def test_text_the_engine_process_leaves_to_the_api_process_is_the_engines_own():
+    """The engine process makes text only for requests with stop strings (LLMEngine.detokenize
+    off); the API process's decoder detokenizes the others. Every output (text included) equals
+    the output of an engine that makes all text: random bytes (characters cut in half, held back
+    and flushed at the end), a stop token left out of the text, several tokens per output
+    (--stream-interval), an abort holding tokens back, a stop string, log-probs."""
+    probe = LLMEngine(**ENGINE_KWARGS)
+    prompt = list(b"Text made elsewhere")
+    first = _run(probe, [("p", prompt, SamplingParams(max_tokens=12, ignore_eos=True))], {})[-1].output_token_ids
+    stop_text = probe.tokenizer.decode(first[5:7])
+    requests = [
+        ("plain", prompt, SamplingParams(max_tokens=12, ignore_eos=True, logprobs=1)),
+        ("sampled", list(b"Random bytes"), SamplingParams(max_tokens=40, ignore_eos=True, temperature=1.0, seed=3)),
+        ("stop-token", prompt, SamplingParams(max_tokens=12, stop_token_ids=[first[4]])),
+        ("interval", list(b"Held back"), SamplingParams(max_tokens=11, ignore_eos=True, temperature=1.0, seed=5,
+                                                          stream_interval=3)),
+        ("aborted", list(b"Cut short"), SamplingParams(max_tokens=50, ignore_eos=True, temperature=1.0, seed=7,
+                                                         stream_interval=4)),
+        ("stop-string", prompt, SamplingParams(max_tokens=12, ignore_eos=True, stop=[stop_text])),
+    ]
+    abort_at = {6: ["aborted"]}
+    reference = _run(LLMEngine(**ENGINE_KWARGS), requests, abort_at)
+    engine = LLMEngine(**ENGINE_KWARGS)
+    engine.detokenize = False
+    made = _run(engine, requests, abort_at)
+    assert [o.text is None for o in made] == [o.request_id != "stop-string" for o in made]   # left to the decoder
+    encoder, decoder = OutputEncoder(), OutputDecoder(engine.tokenizer)
+    for request_id, ids, _ in requests:
+        decoder.begin(request_id, ids)
+    back = [decoder.decode(w) for w in pickle.loads(pickle.dumps([encoder.encode(o) for o in made]))]
+    reasons = {o.request_id: o.finish_reason for o in reference if o.finished}
+    assert reasons == {"plain": "length", "sampled": "length", "stop-token": "stop", "interval": "length",
+                       "aborted": "abort", "stop-string": "stop"}
+    # Characters cut in half by an output's last token were held back (and later flushed).
+    assert any(not o.finished and o.text != engine.tokenizer.decode(o.output_token_ids) for o in reference)
+    fields = [f for f in RequestOutput._FIELDS if f != "metrics"]   # times differ between two engines
+    for b, r in zip(back, reference, strict=True):
+        assert [getattr(b, f) for f in fields] == [getattr(r, f) for f in fields], r.request_id
+    assert [b.metrics for b in back] == [m.metrics for m in made]
+
+
 def test_text_that_shrinks_when_a_stop_string_completes():
     made = [RequestOutput("s", [1], [5], [5], "ab", False), RequestOutput("s", [1], [5, 6], [6], "ab<st", False),
             RequestOutput("s", [1], [5, 6, 7], [7], "ab", True, "stop")]
