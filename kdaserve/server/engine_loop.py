@@ -11,6 +11,7 @@ engine computes.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import queue
 import threading
@@ -51,7 +52,11 @@ class RequestGroup:
         self._unfinished = set(range(len(request_ids)))
         self._engine_loop = engine_loop
         self._loop = loop
-        self._queue: asyncio.Queue = asyncio.Queue()   # holders [index, item, outputs merged into it]
+        # Holders [index, item, outputs merged into it] in arrival order, and the future the one
+        # reader (the handler) awaits while there are none: asyncio.Queue's generality costs
+        # three times as much per output, paid per token of every stream.
+        self._ready: collections.deque = collections.deque()
+        self._reader: asyncio.Future | None = None
         self._waiting: dict[int, list] = {}             # index -> its output's holder still in the queue
         self._pending = 0                               # outputs delivered and not yet taken
         self._closed = False
@@ -78,7 +83,7 @@ class RequestGroup:
             unfinished = sorted(self._unfinished)
             self.close()
             self._unfinished = set(unfinished[:1])
-            self._queue.put_nowait([unfinished[0] if unfinished else 0, APIError(
+            self._push([unfinished[0] if unfinished else 0, APIError(
                 503, f"the client did not read its stream: {self._max_pending} outputs were waiting", code="client_too_slow"), 0])
             return
         self._pending += 1
@@ -95,12 +100,23 @@ class RequestGroup:
         holder = [index, item, 1]
         if not isinstance(item, BaseException):
             self._waiting[index] = holder
-        self._queue.put_nowait(holder)
+        self._push(holder)
+
+    def _push(self, holder: list) -> None:
+        self._ready.append(holder)
+        reader = self._reader
+        if reader is not None:
+            self._reader = None
+            if not reader.done():   # (cancelled: its handler is gone)
+                reader.set_result(None)
 
     async def next(self) -> tuple[int, Any]:
         if not self._unfinished:
             raise StopAsyncIteration
-        holder = await self._queue.get()
+        while not self._ready:
+            self._reader = self._loop.create_future()
+            await self._reader
+        holder = self._ready.popleft()
         index, item, merged = holder
         self._pending -= merged
         if self._waiting.get(index) is holder:
@@ -320,21 +336,25 @@ class EngineLoop:
         """Each output of a member to its group (appended to `deliveries`), observed in the
         metrics; a finished member leaves."""
         now = time.monotonic()
+        generated = 0
         for out in outputs:
             member = self._members.get(out.request_id)
             if member is None:
                 continue  # aborted while the step ran
-            self._observe(out, now)
+            generated += self._observe(out, now)
             if out.finished:
                 del self._members[out.request_id]
             deliveries.append((*member, out))
+        if generated:   # once per step, not per output (a metric update is a lock, or a file write)
+            self.metrics.generation_tokens.inc(generated)
 
-    def _observe(self, out, now: float) -> None:
+    def _observe(self, out, now: float) -> int:
+        """An output in the metrics (latencies; a finished request's figures); returns its new
+        tokens for the step's count of generated tokens."""
         timing = self._timings.get(out.request_id)
         if self.metrics is None or timing is None:
-            return
+            return 0
         new_tokens = 0 if timing.score_only else len(out.new_token_ids or ())
-        self.metrics.generation_tokens.inc(new_tokens)
         if new_tokens:
             if timing.first_token is None:
                 timing.first_token = now
@@ -349,6 +369,7 @@ class EngineLoop:
             # The server's arrival (before any queueing here) with the engine's own timestamps.
             self.metrics.observe_finished({**(out.metrics or {}), "arrival_time": timing.arrival, "finish_time": now},
                                           out.num_prompt_tokens, 0 if timing.score_only else len(out.output_token_ids))
+        return new_tokens
 
     def _fail_all(self, error: APIError) -> None:
         for request_id, (group, index) in list(self._members.items()):
@@ -487,12 +508,12 @@ class ProcessEngineLoop(EngineLoop):
         _send_all(deliveries)
         self._gauges_from(stats, step_tokens)
 
-    def _observe(self, out, now: float) -> None:
+    def _observe(self, out, now: float) -> int:
         timing = self._timings.get(out.request_id)
         if self.metrics is not None and timing is not None and not timing.admitted:
             timing.admitted = True   # counted once the engine took it (a rejected prompt is not)
             self.metrics.prompt_tokens.inc(len(out.prompt_token_ids))
-        super()._observe(out, now)
+        return super()._observe(out, now)
 
     def _fail_all(self, error: APIError) -> None:
         with self._lock:

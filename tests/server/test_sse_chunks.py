@@ -25,3 +25,20 @@ def test_chunks_are_the_whole_objects_json(include_usage):
         if metrics:
             body["metrics"] = metrics
         assert got == sse(body)
+
+
+def test_the_chunk_encoder_writes_what_the_standard_encoder_writes():
+    """serving._json builds the C encoder once: the text must be JSONEncoder's, to the byte, for
+    what chunks hold (non-ASCII and escapes, -inf log-probs, nesting, big and tiny numbers)."""
+    import math
+
+    from kdaserve.server.serving import _json
+
+    standard = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+    cases = [[{"index": 0, "text": 'h\u00e9\u2028\n"\\\ud83d\ude00', "logprobs": None, "finish_reason": None}],
+             {"content": [{"token": "a", "logprob": -math.inf, "top_logprobs": [{"token": "b", "logprob": -1.5e-300}]}]},
+             {"n": 2**70, "f": 0.1, "b": [True, False, None], "t": (1, 2), "e": {}}, [], "text", 3, None]
+    for obj in cases:
+        assert _json(obj) == standard(obj)
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        _json([object()])
