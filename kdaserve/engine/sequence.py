@@ -109,8 +109,14 @@ class Sequence:
         return len(self.token_ids) - self.num_computed_tokens
 
     @property
-    def is_finished(self) -> bool:
-        return self.status == SequenceStatus.FINISHED
+    def status(self) -> SequenceStatus:
+        return self._status
+
+    @status.setter
+    def status(self, value: SequenceStatus) -> None:
+        self._status = value
+        # A plain attribute, not a property: read several times per request and step.
+        self.is_finished = value is SequenceStatus.FINISHED
 
     @property
     def needs_prompt_logprobs(self) -> bool:

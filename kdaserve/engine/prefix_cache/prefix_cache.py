@@ -142,13 +142,13 @@ class PrefixCache:
         boundary; returns the (own slot, checkpoint) copies to run after the step's forward."""
         self.checkpoints.pending.clear()   # the forward pass has written them
         copies = []
-        decodes = set(id(s) for s in batch.decodes)
+        decodes = set(id(s) for s in batch.decodes) if self.speculative else ()
         for seq in batch.sequences:
             done = seq.num_computed_tokens
             if not seq.state_slot:   # finished or preempted within the step
                 continue
             full = min(done // self.block_size, len(seq.block_table))
-            checkpoint = done and not done % self.interval and not (self.speculative and id(seq) in decodes)
+            checkpoint = done and not done % self.interval and id(seq) not in decodes
             if full <= seq.num_registered_blocks and not checkpoint:
                 continue   # most decode steps: no block filled, no boundary (hashes extend when needed)
             hashes = self.hashes(seq)
