@@ -27,7 +27,6 @@ from kdaserve.server.serving import (
     check_model,
     new_id,
     response_and_engine_ids,
-    replay_then_rest,
     resolve_max_tokens,
     response_envelope,
     run_group,
@@ -102,7 +101,7 @@ class ChatHandler:
             state,
             engine_requests,
             stream=req.stream,
-            events=lambda group, buffered: self._stream(req, request_id, len(prompt_ids), group, buffered),
+            events=lambda group: self._stream(req, request_id, len(prompt_ids), group),
             answer=lambda finals: self._response(req, request_id, len(prompt_ids), finals),
         )
 
@@ -150,7 +149,7 @@ class ChatHandler:
         cached = cached_tokens(self.state, finals, lambda i: 0)
         return {**body, "usage": usage(num_prompt_tokens, completion_tokens, cached), **({"metrics": metrics} if metrics else {})}
 
-    async def _stream(self, req, request_id: str, num_prompt_tokens: int, group, buffered):
+    async def _stream(self, req, request_id: str, num_prompt_tokens: int, group):
         size = len(group.request_ids)
         sent_chars = [0] * size
         sent_tokens = [0] * size
@@ -165,7 +164,7 @@ class ChatHandler:
 
         try:
             last = {}
-            async for index, out in replay_then_rest(group, buffered):
+            async for index, out in group:
                 last[index] = out
                 visible, calls = self._stream_step(req, mode, style, out, holdback, tool_states[index], num_calls[index])
                 delta = {"content": visible[sent_chars[index] :]}

@@ -17,7 +17,6 @@ from kdaserve.server.serving import (
     check_model,
     new_id,
     response_and_engine_ids,
-    replay_then_rest,
     resolve_max_tokens,
     response_envelope,
     run_group,
@@ -169,7 +168,7 @@ class CompletionHandler:
             state,
             engine_requests,
             stream=req.stream,
-            events=lambda group, buffered: self._stream(req, request_id, prompts, choices, group, buffered),
+            events=lambda group: self._stream(req, request_id, prompts, choices, group),
             answer=lambda finals: self._response(req, request_id, prompts, choices, finals),
         )
 
@@ -207,7 +206,7 @@ class CompletionHandler:
         return {**body, "usage": usage(sum(len(p.token_ids) for p in prompts), completion_tokens, cached),
                 **({"metrics": metrics} if metrics else {})}
 
-    async def _stream(self, req, request_id, prompts, choices: list[Choice], group, buffered):
+    async def _stream(self, req, request_id, prompts, choices: list[Choice], group):
         size = len(choices)
         started = [False] * size
         sent_chars = [0] * size
@@ -220,7 +219,7 @@ class CompletionHandler:
 
         try:
             last = {}
-            async for index, out in replay_then_rest(group, buffered):
+            async for index, out in group:
                 last[index] = out
                 choice = choices[index]
                 if choice.score_only:

@@ -41,7 +41,8 @@ class RequestGroup:
     """The engine requests behind one HTTP request (prompts x `n`), seen from the event loop.
 
     Iterating yields `(index, RequestOutput)` in the order the engine produced them, until every
-    member finished; an error for a member (bad input -> APIError 400) is raised from the iteration.
+    member finished, only outputs with progress (new tokens, or the end); an error for a member
+    (bad input -> APIError 400) is raised from the iteration.
     Use it as an async context manager: leaving the block while members still run (client
     disconnect, an error, cancellation) aborts them in the engine, freeing their slots.
     """
@@ -75,6 +76,8 @@ class RequestGroup:
     def _put(self, index: int, item: Any) -> None:
         if self.overflowed:
             return
+        if not isinstance(item, BaseException) and not item.new_token_ids and not item.finished:
+            return   # no progress (a prompt chunk's log-probs): the next output holds everything so far
         if self._pending >= self._max_pending:
             # The handler stopped taking outputs (its client stopped reading): abort now rather
             # than let the request run on for nobody; the handler sees the error when it resumes.
@@ -110,8 +113,14 @@ class RequestGroup:
             if not reader.done():   # (cancelled: its handler is gone)
                 reader.set_result(None)
 
+    def replay(self, taken: list[tuple[int, Any]]) -> None:
+        """Put outputs taken from the group back in front, in order (serving.run_group waits for
+        every member's first output before it answers, then streams from the first)."""
+        for index, out in reversed(taken):
+            self._ready.appendleft([index, out, 0])
+
     async def next(self) -> tuple[int, Any]:
-        if not self._unfinished:
+        if not self._unfinished and not self._ready:
             raise StopAsyncIteration
         while not self._ready:
             self._reader = self._loop.create_future()

@@ -215,29 +215,16 @@ def streamable_text(out, holdback: int) -> str:
     return out.text[: max(0, len(out.text) - holdback)]
 
 
-def has_progress(out) -> bool:
-    return bool(out.new_token_ids) or out.finished
-
-
 async def first_outputs(group: RequestGroup, size: int) -> list[tuple[int, Any]]:
     """Wait until every member produced a token or finished, so errors in admitting any of them
     (bad token ids...) still become an HTTP status; returns what arrived, in order, to replay."""
     seen: set[int] = set()
     buffered = []
     while len(seen) < size:
-        index, out = await group.next()
-        if has_progress(out):
-            seen.add(index)
-            buffered.append((index, out))
+        index, out = await group.next()   # a group yields only outputs with progress
+        seen.add(index)
+        buffered.append((index, out))
     return buffered
-
-
-async def replay_then_rest(group: RequestGroup, buffered) -> AsyncIterator[tuple[int, Any]]:
-    for item in buffered:
-        yield item
-    async for index, out in group:
-        if has_progress(out):
-            yield index, out
 
 
 async def collect_finals(group: RequestGroup, size: int) -> list[Any]:
@@ -253,7 +240,7 @@ async def run_group(
     engine_requests: list,
     *,
     stream: bool,
-    events: Callable[[RequestGroup, list], AsyncIterator[str]],
+    events: Callable[[RequestGroup], AsyncIterator[str]],
     answer: Callable[[list], dict],
 ):
     """Admit the engine requests of one HTTP request and answer: an SSE stream (`events`), once
@@ -262,8 +249,8 @@ async def run_group(
     group = state.engine_loop.open_group(engine_requests)
     try:
         if stream:
-            buffered = await unless_disconnected(request, first_outputs(group, len(engine_requests)))
-            return EventStreamResponse(events(group, buffered), on_close=group.close, write_timeout=state.stream_write_timeout)
+            group.replay(await unless_disconnected(request, first_outputs(group, len(engine_requests))))
+            return EventStreamResponse(events(group), on_close=group.close, write_timeout=state.stream_write_timeout)
         finals = await unless_disconnected(request, collect_finals(group, len(engine_requests)))
     except ClientGone:
         group.close()

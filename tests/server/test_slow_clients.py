@@ -108,3 +108,30 @@ def test_outputs_a_handler_has_not_taken_yet_merge_per_member():
     assert [(i, o.new_token_ids, o.output_token_ids, o.finished) for i, o in first] == [
         (0, [5, 6, 8], [5, 6, 8], True), (1, [7], [7], False)]
     assert (second[0], second[1].new_token_ids) == (1, [9]) and error.status == 500
+
+
+def test_a_group_yields_progress_only_and_replays_what_was_taken_first():
+    """Outputs with no new token that do not end the member (a prompt chunk's log-probs) never
+    reach the handler; outputs taken to wait for every member's first token (run_group) come
+    back first, in order, and the group still ends after the last member finished."""
+    from kdaserve.engine.outputs import RequestOutput
+
+    def out(ids, new, finished=False):
+        return RequestOutput("r", [1], ids, new, "", finished, "length" if finished else None)
+
+    async def run():
+        group = RequestGroup(_FakeLoop(), ["a", "b"], asyncio.get_running_loop())
+        group._put(0, out([], []))                          # no progress: dropped
+        group._put(1, out([7], [7], finished=True))
+        taken = [await group.next()]
+        group._put(0, out([5], [5]))
+        taken.append(await group.next())
+        group._put(0, out([5, 6], [6], finished=True))
+        group.replay(taken)
+        streamed = [(i, o.new_token_ids) async for i, o in group]
+        done = RequestGroup(_FakeLoop(), ["c"], asyncio.get_running_loop())   # ended before the replay
+        done._put(0, out([3], [3], finished=True))
+        done.replay([await done.next()])
+        return streamed, [(i, o.new_token_ids) async for i, o in done]
+
+    assert asyncio.run(run()) == ([(1, [7]), (0, [5]), (0, [6])], [(0, [3])])
