@@ -261,7 +261,7 @@ class LLMEngine:
         return (self.async_scheduling and not batch.prefills and result.accepted is None and not result.prompt_logprobs
                 and getattr(result.sampled, "tokens", None) is not None
                 and len(result.sample_seqs) == len(batch.decodes)
-                and not any(s.grammar is not None or s.params.has_logits_processors for s in batch.decodes))
+                and not any([s.logits_processed for s in batch.decodes]))
 
     def _complete_overlapped(self, batch, result, outputs: list) -> bool:
         """Complete the queued step `batch`, first queueing the next decode step on its device

@@ -70,6 +70,10 @@ class Sequence:
         self.stream_interval = params.stream_interval or 1
         self.streamed = False
         self.metrics = {"arrival_time": time.monotonic()}   # times are only ever added to it
+        # What sampling needs, read per step (the params do not change once a request is added):
+        # anything that changes the logits (processors, a grammar), and the plain greedy argmax.
+        self.logits_processed = params.has_logits_processors or params.structured_outputs is not None
+        self.plain_greedy = params.greedy and params.logprobs is None and not self.logits_processed
         self.metrics_out: tuple | None = None   # LLMEngine._metrics: (what it was made from, the outputs' dict)
 
     def __len__(self) -> int:

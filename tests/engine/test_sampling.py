@@ -153,3 +153,27 @@ def test_a_vanishing_temperature_samples_the_argmax():
     for t in (1e-6, 1e-39, 1e-320):
         seq = Sequence("x", [1], SamplingParams(temperature=t), IncrementalDetokenizer(ByteTokenizer(), []))
         assert Sampler(torch.device("cpu"), seed=0).sample(logits, [seq]).token_ids == [1], t
+
+
+def test_only_plain_greedy_batches_take_the_argmax_shortcut():
+    """Sampler.sample answers a batch of plain greedy rows with the argmax alone; a greedy row
+    whose logits something changes (min_tokens holding the end token back, a logit bias) or that
+    wants log-probs must still go the whole way."""
+    tok = ByteTokenizer()
+    eos = tok.eos_token_id
+    logits = torch.full((3, tok.vocab_size), -5.0)
+    logits[:, eos] = 5.0
+    logits[:, 7] = 4.0
+
+    def seq(**kw):
+        return Sequence("x", [1], SamplingParams(**kw), IncrementalDetokenizer(tok, []))
+
+    sampler = Sampler(torch.device("cpu"), seed=0, stop_ids=frozenset({eos}))
+    plain = [seq(), seq(), seq()]
+    assert all(s.plain_greedy for s in plain)
+    assert sampler.sample(logits, plain).token_ids == [eos] * 3
+    held = [seq(), seq(min_tokens=3), seq(logit_bias={9: 100.0})]
+    assert not any(s.plain_greedy for s in held[1:])
+    assert sampler.sample(logits, held).token_ids == [eos, 7, 9]
+    scored = sampler.sample(logits, [seq(), seq(logprobs=1), seq()])
+    assert scored.token_ids == [eos] * 3 and scored.logprobs[1] is not None and scored.logprobs[0] is None
