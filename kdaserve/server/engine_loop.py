@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kdaserve.server.errors import APIError
-from kdaserve.server.metrics import ServerMetrics
+from kdaserve.server.metrics import ServerMetrics, observe_many
 
 logger = logging.getLogger("kdaserve.server")
 # Outputs waiting for one HTTP request's handler: past this its client is not keeping up (a stream
@@ -346,20 +346,25 @@ class EngineLoop:
         metrics; a finished member leaves."""
         now = time.monotonic()
         generated = 0
+        intervals: list[float] = []
         for out in outputs:
             member = self._members.get(out.request_id)
             if member is None:
                 continue  # aborted while the step ran
-            generated += self._observe(out, now)
+            generated += self._observe(out, now, intervals)
             if out.finished:
                 del self._members[out.request_id]
             deliveries.append((*member, out))
-        if generated:   # once per step, not per output (a metric update is a lock, or a file write)
+        # Once per step, not per output (a metric update is a lock, or a file write).
+        if generated:
             self.metrics.generation_tokens.inc(generated)
+        if intervals:
+            observe_many(self.metrics.inter_token_latency, intervals)
 
-    def _observe(self, out, now: float) -> int:
+    def _observe(self, out, now: float, intervals: list[float]) -> int:
         """An output in the metrics (latencies; a finished request's figures); returns its new
-        tokens for the step's count of generated tokens."""
+        tokens for the step's count of generated tokens, and adds its inter-token intervals to
+        `intervals` (observed together, once per step)."""
         timing = self._timings.get(out.request_id)
         if self.metrics is None or timing is None:
             return 0
@@ -368,9 +373,8 @@ class EngineLoop:
             if timing.first_token is None:
                 timing.first_token = now
                 self.metrics.time_to_first_token.observe(now - timing.arrival)
-            else:
-                for _ in range(new_tokens):   # one interval per token (several when a step yields several)
-                    self.metrics.inter_token_latency.observe((now - timing.last_token) / new_tokens)
+            else:   # one interval per token (several when a step yields several)
+                intervals.extend([(now - timing.last_token) / new_tokens] * new_tokens)
             timing.last_token = now
         if out.finished:
             self._timings.pop(out.request_id, None)
@@ -517,12 +521,12 @@ class ProcessEngineLoop(EngineLoop):
         _send_all(deliveries)
         self._gauges_from(stats, step_tokens)
 
-    def _observe(self, out, now: float) -> int:
+    def _observe(self, out, now: float, intervals: list[float]) -> int:
         timing = self._timings.get(out.request_id)
         if self.metrics is not None and timing is not None and not timing.admitted:
             timing.admitted = True   # counted once the engine took it (a rejected prompt is not)
             self.metrics.prompt_tokens.inc(len(out.prompt_token_ids))
-        return super()._observe(out, now)
+        return super()._observe(out, now, intervals)
 
     def _fail_all(self, error: APIError) -> None:
         with self._lock:

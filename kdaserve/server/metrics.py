@@ -22,6 +22,7 @@ histogram are kept by the first process only, so they are not counted once per p
 
 from __future__ import annotations
 
+import bisect
 import os
 
 from prometheus_client import (
@@ -42,6 +43,26 @@ _TOKEN_INTERVAL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.02
                            0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000, 200000,
                         500000, 1000000)
+
+
+def observe_many(histogram, values: list[float]) -> None:
+    """`histogram.observe(v)` for each value, with one update per bucket the values fall in and
+    one of the sum: a step's inter-token latencies (one per stream) fall in a bucket or two, and
+    each update is a lock (a file write in multiprocess mode, 2 us), paid per token of every
+    stream. Through prometheus_client's Histogram fields where it has them (0.20-0.26 do), else
+    one observe per value."""
+    bounds, buckets, total = (getattr(histogram, name, None) for name in ("_upper_bounds", "_buckets", "_sum"))
+    if bounds is None or buckets is None or total is None:
+        for value in values:
+            histogram.observe(value)
+        return
+    counts: dict[int, int] = {}
+    for value in values:
+        i = bisect.bisect_left(bounds, value)   # the first bound >= value, as observe's scan finds it
+        counts[i] = counts.get(i, 0) + 1
+    total.inc(sum(values))
+    for i, n in counts.items():
+        buckets[i].inc(n)
 
 
 class ServerMetrics:

@@ -9,6 +9,8 @@ import re
 import time
 from pathlib import Path
 
+import pytest
+
 from server_helpers import metric
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "examples" / "grafana.json"
@@ -116,3 +118,48 @@ def test_score_only_requests_generate_no_tokens_in_the_metrics(client):
     after = snapshot()
     assert after[2] == before[2] + 1 and after[3] > before[3]
     assert after[0] == before[0] and after[1] == before[1], (before, after)
+
+
+_OBSERVE_MANY_CHECK = """
+import math
+from prometheus_client import CollectorRegistry, Histogram
+from kdaserve.server.metrics import observe_many
+values = [0.001, 0.0012, 0.0012, 0.005, 0.03, 0.03, 1e-9, -0.5, 80.0, 81.0, math.inf, 0.0]
+registry = CollectorRegistry()
+one = Histogram("one_seconds", "d", ["m"], buckets=(0.001, 0.0025, 0.005, 0.03, 80.0), registry=registry).labels(m="x")
+many = Histogram("many_seconds", "d", ["m"], buckets=(0.001, 0.0025, 0.005, 0.03, 80.0), registry=registry).labels(m="x")
+for v in values:
+    one.observe(v)
+observe_many(many, values[:5])
+observe_many(many, values[5:])
+def samples(name):
+    if MULTIPROCESS:
+        from prometheus_client import multiprocess
+        registry_ = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry_)
+    else:
+        registry_ = registry
+    return sorted((s.name.replace(name, ""), tuple(sorted(s.labels.items())), s.value)
+                  for m in registry_.collect() if m.name == name for s in m.samples if not s.name.endswith("_created"))
+assert samples("one_seconds") == samples("many_seconds") and len(samples("one_seconds")) >= 8, samples("one_seconds")
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("multiprocess", [False, True])
+def test_observing_many_values_at_once_equals_observing_each(tmp_path, multiprocess):
+    """observe_many (a step's inter-token latencies in one update per bucket) leaves a histogram
+    exactly as one observe per value would: bucket edges, values past every bound, the sum; in
+    prometheus_client's multiprocess mode too (--api-server-count > 1), run in a process of its
+    own since that mode is chosen when prometheus_client is imported."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), *sys.path])}
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    if multiprocess:
+        env["PROMETHEUS_MULTIPROC_DIR"] = str(tmp_path)
+    out = subprocess.run([sys.executable, "-c", f"MULTIPROCESS = {multiprocess}\n" + _OBSERVE_MANY_CHECK], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
