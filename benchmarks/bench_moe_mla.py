@@ -16,7 +16,8 @@ the plain torch path (issue "Fast at the real shape", goal 5), on one GPU:
 
 torch: ops/moe/reference.py's loop over experts and ops/mla/reference.py's gathers and einsums,
 the definitions the kernels are tested against (no torch.compile), eager. "MoE align" rows: the
-slot alignment alone, the one-launch kernel against the torch path (torch column), both
+slot alignment alone, the path fused MoE takes (one program at decode, blocks of slots at prefill)
+against the torch path (torch column), both
 graph-replayed. "MoE route" rows: routing (logits GEMM, then the one-launch kernel or the torch
 path in the torch column), graph-replayed at decode, eager at prefill. Rows print as measured; the table prints last.
 """
@@ -84,11 +85,13 @@ def moe_rows(batches, prefill, bw, torch_max):
         route = [lambda kernel=kernel: route_tokens(x, gate, bias, router, use_kernel=kernel) for kernel in (True, False)]
         yield ("MoE route", step, T, f"kernel vs torch path ({'graph' if step == 'decode' else 'eager'})",
                bench(route[0]), timer(route[0]) if step == "decode" else float("nan"), timer(route[1]), float("nan"))
-        if step == "decode":   # the alignment alone: the one-launch kernel vs the torch path, both graphed
-            bm = moe_block_m(T * K, E)
-            kernel = lambda: align_to_experts(ids, E, bm, use_kernel=True)   # noqa: E731
-            yield ("MoE align", step, T, "kernel vs torch path (graph)", bench(kernel), bench_graph(kernel),
-                   bench_graph(lambda: align_to_experts(ids, E, bm, use_kernel=False)), float("nan"))
+        # The alignment alone: the path fused MoE takes (one program at decode, blocks of slots at
+        # prefill) vs the torch path, both graphed.
+        bm = moe_block_m(T * K, E)
+        path = "one_program" if step == "decode" else "blocks"
+        kernel = lambda: align_to_experts(ids, E, bm, path=path)   # noqa: E731
+        yield ("MoE align", step, T, f"{path} kernel vs torch path (graph)", bench(kernel), bench_graph(kernel),
+               bench_graph(lambda: align_to_experts(ids, E, bm, path="torch")), float("nan"))
 
 
 def _paged(B, ctx, bs=16):

@@ -15,6 +15,8 @@
 #                 shortcut, Sequence.is_finished an attribute, request groups without a generator).
 #   host_split    the serving path, old (.old = `git archive 272aacf kdaserve benchmarks`, with the new
 #                 bench_serving_host.py copied in) against the new code, alternating (issue 21 goal 2).
+#   moe_align_blocks  prefill's MoE alignment over blocks of slots (three Triton launches instead of
+#                 the torch path's sort; issue 21 goal 4): GPU tests, and the MoE rows old vs new.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -84,5 +86,19 @@ if [ "$PART" = host_split ]; then
       echo "== invocation $i, $code code, $n API processes rc=$?"; grep "^| [0-9]\|^| alone" "$OUT/hs_$i.log"
     done
   done
+fi
+
+if [ "$PART" = moe_align_blocks ]; then
+  # Must show: tests/ops/test_moe.py passes (test_gpu_triton_alignments_equal_the_torch_path up to
+  # 8192 tokens: the blocks path's tables equal the torch path's); in the new table the "MoE align"
+  # prefill rows' kernel column below their torch column (the nineteenth session put alignment + the
+  # sum over k at 0.28 ms of a 2.36 ms call at 8K), and the "MoE" prefill rows (fused column) below
+  # the old code's at 2K and 8K by about that difference (% of bf16 peak: issue 21 goal 4 wants 60).
+  [ -d .old/kdaserve ] || { echo "carry .old (git archive 272aacf kdaserve benchmarks | tar -x -C .old)"; exit 1; }
+  group moe_gpu 200 tests/ops/test_moe.py
+  timeout 150 python3 benchmarks/bench_moe_mla.py --batches 1 64 --prefill 2048 8192 > "$OUT/moe_new.log" 2>&1
+  echo "== new rc=$?"; grep "MoE" "$OUT/moe_new.log" | tail -12
+  (cd .old && timeout 150 python3 benchmarks/bench_moe_mla.py --batches 1 64 --prefill 2048 8192) > "$OUT/moe_old.log" 2>&1
+  echo "== old (272aacf) rc=$?"; grep "MoE" "$OUT/moe_old.log" | tail -12
 fi
 

@@ -86,19 +86,44 @@ def test_alignment_groups_slots_by_expert_in_padded_blocks(block_m):
 
 
 @INTERP
+@pytest.mark.parametrize("path", ["one_program", "blocks"])
 @pytest.mark.parametrize("T, k, E, block_m", [(13, 3, 6, 4), (1, 8, 256, 16), (64, 8, 256, 16), (5, 2, 7, 32),
-                                              (300, 8, 256, 64), (3, 1, 1, 16), (512, 8, 256, 16)],
-                         ids=["small", "decode-1", "decode-64", "odd-experts", "prefill-300", "one-expert", "4096-slots"])
-def test_one_launch_alignment_equals_the_torch_path(T, k, E, block_m):
-    """The Triton alignment (decode's path on a GPU) gives the torch path's tables exactly: slots of
-    one expert in slot order, padding S, -1 past the end; output buffers start as junk."""
+                                              (300, 8, 256, 64), (3, 1, 1, 16), (512, 8, 256, 16), (133, 8, 24, 32)],
+                         ids=["small", "decode-1", "decode-64", "odd-experts", "prefill-300", "one-expert", "4096-slots",
+                              "1064-slots"])
+def test_triton_alignments_equal_the_torch_path(T, k, E, block_m, path):
+    """The Triton alignments (one program: decode's path on a GPU; blocks of slots: prefill's) give
+    the torch path's tables exactly: slots of one expert in slot order, padding S, -1 past the end;
+    output buffers start as junk (the blocks path: slots split over several programs, a program's
+    share not a multiple of its step)."""
     g = torch.Generator().manual_seed(T * 31 + E)
     ids = torch.randint(0, E, (T, k), generator=g)
     if T > 4:
         ids[: T // 2, 0] = E - 1                      # one crowded expert, others empty
-    want = align_to_experts(ids, E, block_m, use_kernel=False)
-    got = align_to_experts(ids, E, block_m, use_kernel=True)
+    want = align_to_experts(ids, E, block_m, path="torch")
+    got = align_to_experts(ids, E, block_m, path=path)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@INTERP
+@pytest.mark.parametrize("per_program", [16, 24, 100])
+def test_blocks_alignment_over_many_programs_equals_the_torch_path(per_program, monkeypatch):
+    """Prefill's alignment with more programs than its offsets step takes in one tile (several
+    tiles, a ragged last one), shares that are not multiples of the program's step."""
+    from kdaserve.ops.moe import align
+
+    monkeypatch.setattr(align, "SLOTS_PER_PROGRAM", per_program)
+    g = torch.Generator().manual_seed(per_program)
+    ids = torch.randint(0, 24, (133, 8), generator=g)
+    ids[:40, 1] = 3
+    want = align_to_experts(ids, 24, 32, path="torch")
+    got = align_to_experts(ids, 24, 32, path="blocks")
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_alignment_paths_are_named():
+    with pytest.raises(ValueError, match="expected one of"):
+        align_to_experts(torch.zeros(2, 1, dtype=torch.int64), 4, 16, path="sorted")
 
 
 def _routing(T, E, k, mode, seed=0):
@@ -178,16 +203,18 @@ def test_gpu_fused_at_kimi_linear_sizes(T):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 8, 64, 256, 512])
-def test_gpu_one_launch_alignment_equals_the_torch_path(T):
-    """Compiled (not the interpreter): the kernel's tables equal the torch path's at decode sizes,
-    on the router's own choices (256 experts, top 8), for every block size fused MoE picks."""
+@pytest.mark.parametrize("T", [1, 8, 64, 256, 512, 1000, 8192])
+def test_gpu_triton_alignments_equal_the_torch_path(T):
+    """Compiled (not the interpreter): the kernels' tables equal the torch path's (the one-program
+    kernel up to its size, the blocks path at every size), on the router's own choices (256
+    experts, top 8), for every block size fused MoE picks."""
     E, k, hidden = 256, 8, 2304
     g = torch.Generator(device="cuda").manual_seed(T)
     x = torch.randn(T, hidden, device="cuda", generator=g).bfloat16()
     gate = torch.randn(E, hidden, device="cuda", generator=g) * hidden**-0.5
     _, ids = route_tokens(x, gate, None, RouterConfig(E, k))
-    for block_m in (16, 32, 64):
-        want = align_to_experts(ids, E, block_m, use_kernel=False)
-        got = align_to_experts(ids, E, block_m, use_kernel=True)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), block_m
+    for block_m in (16, 32, 64, 128):
+        want = align_to_experts(ids, E, block_m, path="torch")
+        for path in ("one_program", "blocks") if T * k <= 4096 else ("blocks",):
+            got = align_to_experts(ids, E, block_m, path=path)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (block_m, path)

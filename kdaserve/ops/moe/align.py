@@ -8,12 +8,20 @@ looking at the routing (S + min(S, E) * (block_m - 1) entries), so the grid neve
 data: no device->host sync, and a CUDA graph can capture it; blocks past the end get expert -1
 and return at once.
 
-Two implementations with identical results (slots of one expert in slot order): up to
-KERNEL_MAX_SLOTS slots (small decode batches) one Triton program does it in one launch, since at
-batch 1 the ~20 small torch launches of the general path cost more than the experts' GEMMs
-(docs/perf-notes.md, fourteenth session); past it, the torch path (a sort). One program walks
-the slots serially, so its time grows with them: the threshold sits below the crossover that
-bench_moe_mla.py's "MoE align" rows show on an H200 (docs/perf-notes.md, fifteenth session).
+Three implementations with identical results (slots of one expert in slot order):
+
+- up to KERNEL_MAX_SLOTS slots (small decode batches) one Triton program, one launch, since at
+  batch 1 the ~20 small torch launches of the torch path cost more than the experts' GEMMs
+  (docs/perf-notes.md, fourteenth session). It walks the slots serially, so its time grows with
+  them: the threshold sits below the crossover that bench_moe_mla.py's "MoE align" rows show on
+  an H200 (docs/perf-notes.md, fifteenth session);
+- past it on a GPU (prefill), three launches over blocks of slots: each block counts its slots
+  per expert; one program turns the counts into every (block, expert)'s first destination (the
+  experts' padded starts plus the same expert's slots in the blocks before) and names each
+  block's expert; each block then places its slots (rank within the block by a cumulative sum of
+  the one-hot tile). Replaces the torch path's sort and ~12 launches, 12% of a prefill MoE call
+  at 8K tokens (docs/perf-notes.md, nineteenth session);
+- the torch path (a stable sort): CPUs, and the definition the kernels are tested against.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import triton.language as tl
 from kdaserve.ops import interpreter_compat
 
 KERNEL_MAX_SLOTS = 1024
+ALIGN_PATHS = ("one_program", "blocks", "torch")
 
 
 def max_sorted_entries(num_slots: int, num_experts: int, block_m: int) -> int:
@@ -66,16 +75,88 @@ def _align_kernel(ids_ptr, sorted_ptr, block_experts_ptr, S, n,
         tl.store(block_experts_ptr + blocks, tl.where(owner < E, owner, -1), mask=blocks < n // BM)
 
 
+@triton.jit
+def _align_count_kernel(ids_ptr, counts_ptr, sorted_ptr, S, n, PER_PROGRAM, FILL_PER_PROGRAM,
+                        E: tl.constexpr, E_P: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Program b: the slots [b * PER_PROGRAM, +PER_PROGRAM) counted per expert into counts[b], and
+    its share of the sorted table filled with S (padding; the placement launch overwrites the
+    real entries after this one has finished)."""
+    b = tl.program_id(0)
+    experts = tl.arange(0, E_P)
+    counts = tl.zeros([E_P], tl.int32)
+    lo = b * PER_PROGRAM
+    for s0 in range(0, PER_PROGRAM, BLOCK_S):
+        offs = lo + s0 + tl.arange(0, BLOCK_S)
+        e = tl.load(ids_ptr + offs, mask=(offs < S) & (s0 + tl.arange(0, BLOCK_S) < PER_PROGRAM), other=-1).to(tl.int32)
+        counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), 0)
+    tl.store(counts_ptr + b * E_P + experts, counts)
+    fill = b * FILL_PER_PROGRAM
+    for p0 in range(0, FILL_PER_PROGRAM, BLOCK_S):
+        offs = fill + p0 + tl.arange(0, BLOCK_S)
+        keep = (offs < n) & (p0 + tl.arange(0, BLOCK_S) < FILL_PER_PROGRAM)
+        tl.store(sorted_ptr + offs, tl.full([BLOCK_S], 0, tl.int32) + S, mask=keep)
+
+
+@triton.jit
+def _align_offsets_kernel(counts_ptr, base_ptr, block_experts_ptr, NB, n,
+                          E: tl.constexpr, E_P: tl.constexpr, BM: tl.constexpr, BLOCK_S: tl.constexpr,
+                          BLOCK_B: tl.constexpr):
+    """One program: each expert's padded run start, then base[b, e] = that start + expert e's
+    slots in the blocks before b (the first destination of block b's slots of expert e), BLOCK_B
+    blocks at a time (a cumulative sum down the tile), and each block of BM sorted entries' expert."""
+    experts = tl.arange(0, E_P)
+    rows = tl.arange(0, BLOCK_B)
+    totals = tl.zeros([E_P], tl.int32)
+    for b0 in range(0, NB, BLOCK_B):
+        r = b0 + rows
+        totals += tl.sum(tl.load(counts_ptr + r[:, None] * E_P + experts[None, :], mask=(r < NB)[:, None], other=0), 0)
+    padded = (totals + BM - 1) // BM * BM
+    ends = tl.cumsum(padded, 0)
+    running = ends - padded
+    for b0 in range(0, NB, BLOCK_B):
+        r = b0 + rows
+        c = tl.load(counts_ptr + r[:, None] * E_P + experts[None, :], mask=(r < NB)[:, None], other=0)
+        tl.store(base_ptr + r[:, None] * E_P + experts[None, :], tl.cumsum(c, 0) - c + running[None, :],
+                 mask=(r < NB)[:, None])
+        running += tl.sum(c, 0)
+    for b0 in range(0, n // BM, BLOCK_S):   # a block's expert: how many runs end at or before its start
+        blocks = b0 + tl.arange(0, BLOCK_S)
+        owner = tl.sum(((ends[None, :] <= (blocks * BM)[:, None]) & (experts < E)[None, :]).to(tl.int32), 1)
+        tl.store(block_experts_ptr + blocks, tl.where(owner < E, owner, -1), mask=blocks < n // BM)
+
+
+@triton.jit
+def _align_place_kernel(ids_ptr, base_ptr, sorted_ptr, S, PER_PROGRAM,
+                        E_P: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Program b: its slots at base[b, e] + their rank among its earlier slots of expert e."""
+    b = tl.program_id(0)
+    experts = tl.arange(0, E_P)
+    placed = tl.load(base_ptr + b * E_P + experts)
+    lo = b * PER_PROGRAM
+    for s0 in range(0, PER_PROGRAM, BLOCK_S):
+        offs = lo + s0 + tl.arange(0, BLOCK_S)
+        ok = (offs < S) & (s0 + tl.arange(0, BLOCK_S) < PER_PROGRAM)
+        e = tl.load(ids_ptr + offs, mask=ok, other=-1).to(tl.int32)
+        hot = (e[:, None] == experts[None, :]).to(tl.int32)
+        rank = tl.cumsum(hot, 0) - hot + placed[None, :]
+        dest = tl.sum(hot * rank, 1)
+        tl.store(sorted_ptr + dest, offs, mask=ok)
+        placed += tl.sum(hot, 0)
+
+
 def align_to_experts(ids: torch.Tensor, num_experts: int, block_m: int, *,
-                     use_kernel: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     path: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """ids [T, k] -> (sorted_slots [n] int32, block_experts [n // block_m] int32, -1 past the end).
-    `use_kernel`: None = the one-launch kernel on a GPU up to KERNEL_MAX_SLOTS slots (the torch
-    path otherwise); True / False force one (tests)."""
+    `path`: one of ALIGN_PATHS (the module says when each runs); None picks by device and size."""
     S = ids.numel()
-    if use_kernel is None:
-        use_kernel = ids.is_cuda and 0 < S <= KERNEL_MAX_SLOTS
-    if use_kernel:
+    if path is None:
+        path = "torch" if not ids.is_cuda or S == 0 else "one_program" if S <= KERNEL_MAX_SLOTS else "blocks"
+    if path not in ALIGN_PATHS:
+        raise ValueError(f"alignment path {path!r}: expected one of {ALIGN_PATHS}")
+    if path == "one_program":
         return _align_with_kernel(ids, num_experts, block_m)
+    if path == "blocks":
+        return _align_by_blocks(ids, num_experts, block_m)
     flat = ids.reshape(-1).to(torch.int64)
     S = flat.numel()
     dev = flat.device
@@ -107,4 +188,32 @@ def _align_with_kernel(ids: torch.Tensor, num_experts: int, block_m: int) -> tup
     E_P = max(16, triton.next_power_of_2(num_experts))
     _align_kernel[(1,)](flat, sorted_slots, block_experts, S, n, E=num_experts, E_P=E_P, BM=block_m,
                         BLOCK_S=max(16, min(64, 8192 // E_P)), num_warps=4)
+    return sorted_slots, block_experts
+
+
+# Slots per program of the block-parallel path: enough programs to fill a GPU at prefill sizes
+# (8K tokens x 8 choices: 128 programs), few enough that the offsets program's serial walk over
+# them stays short.
+SLOTS_PER_PROGRAM = 512
+
+
+def _align_by_blocks(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    interpreter_compat.install()
+    flat = ids.reshape(-1)
+    flat = flat if flat.is_contiguous() else flat.contiguous()
+    S = flat.numel()
+    n = max_sorted_entries(S, num_experts, block_m)
+    E_P = max(16, triton.next_power_of_2(num_experts))
+    nb = max(1, triton.cdiv(S, SLOTS_PER_PROGRAM))
+    per_program = triton.cdiv(S, nb) if S else 1
+    sorted_slots = torch.empty(n, dtype=torch.int32, device=ids.device)
+    block_experts = torch.empty(n // block_m, dtype=torch.int32, device=ids.device)
+    counts = torch.empty(nb, E_P, dtype=torch.int32, device=ids.device)
+    base = torch.empty(nb, E_P, dtype=torch.int32, device=ids.device)
+    block_s = max(16, min(64, 8192 // E_P))
+    _align_count_kernel[(nb,)](flat, counts, sorted_slots, S, n, per_program, triton.cdiv(n, nb),
+                               E=num_experts, E_P=E_P, BLOCK_S=block_s, num_warps=4)
+    _align_offsets_kernel[(1,)](counts, base, block_experts, nb, n, E=num_experts, E_P=E_P, BM=block_m,
+                                BLOCK_S=block_s, BLOCK_B=max(2, min(16, 4096 // E_P)), num_warps=4)
+    _align_place_kernel[(nb,)](flat, base, sorted_slots, S, per_program, E_P=E_P, BLOCK_S=block_s, num_warps=4)
     return sorted_slots, block_experts
