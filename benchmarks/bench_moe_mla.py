@@ -25,6 +25,7 @@ path in the torch column), graph-replayed at decode, eager at prefill. Rows prin
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -39,7 +40,7 @@ from kdaserve.ops.mla.prefill import mla_prefill_triton  # noqa: E402
 from kdaserve.ops.mla.reference import mla_decode_reference, mla_prefill_reference  # noqa: E402
 from kdaserve.ops.moe import RouterConfig, moe_experts_reference, route_tokens  # noqa: E402
 from kdaserve.ops.moe.align import align_to_experts  # noqa: E402
-from kdaserve.ops.moe.fused import MoeTiles, moe_block_m, moe_experts_fused, moe_tiles  # noqa: E402
+from kdaserve.ops.moe.fused import MoeTiles, moe_block_m, moe_experts_fused, moe_tiles, weights_tma_fits  # noqa: E402
 from kdaserve.ops.precision import device_target  # noqa: E402
 
 # Kimi-Linear-48B-A3B: 256 experts (top 8) of width 1024 on hidden 2304; MLA with 32 heads, latent
@@ -204,17 +205,26 @@ def kernel_ms(fn, calls: int = 5) -> dict[str, float]:
     return out
 
 
-def moe_sweep(batches, prefill, bw) -> None:
+# `--sweep-moe-tma`: prefill shapes (rows; gate_up; down), each with its weight tiles through
+# pointers and through tensor descriptors; the default first. Descriptors free the registers that
+# weight addresses took (sm_90 build: gate_up 226 -> 172), so wider K steps in fewer stages too.
+TMA_SHAPES = [(128, (128, 64, 8, 3), (256, 64, 8, 3)), (128, (128, 128, 8, 2), (256, 128, 8, 2)),
+              (128, (64, 128, 8, 3), (128, 128, 8, 3)), (64, (128, 64, 8, 4), (128, 64, 4, 3))]
+
+
+def moe_sweep(batches, prefill, bw, tma_only: bool = False) -> None:
     """The fused MoE path's launch shapes at Kimi-Linear's sizes: per step, the default and the
     cross product of SWEEP_SHAPES (decode: moe_block_m's rows, graph-replayed), with each kernel's
-    device time (torch.profiler). Whole-call ms; the table prints last."""
+    device time (torch.profiler). Whole-call ms; the table prints last. `tma_only`: prefill only,
+    the default and TMA_SHAPES, each with the weights through pointers and through descriptors."""
     g = torch.Generator(device="cuda").manual_seed(0)
     w13 = (torch.randn(E, 2 * WIDTH, HIDDEN, device="cuda", generator=g) * HIDDEN**-0.5).to(BF)
     w2 = (torch.randn(E, HIDDEN, WIDTH, device="cuda", generator=g) * WIDTH**-0.5).to(BF)
     gate = torch.randn(E, HIDDEN, device="cuda", generator=g) * HIDDEN**-0.5
     router = RouterConfig(E, K, routed_scaling_factor=2.446)
     rows = []
-    for step, T in [("decode", b) for b in batches] + [("prefill", t) for t in prefill]:
+    steps = [("prefill", t) for t in prefill] if tma_only else [("decode", b) for b in batches] + [("prefill", t) for t in prefill]
+    for step, T in steps:
         x = torch.randn(T, HIDDEN, device="cuda", generator=g).to(BF)
         weights, ids = route_tokens(x, gate, None, router)
         touched = ids.unique().numel()
@@ -223,9 +233,17 @@ def moe_sweep(batches, prefill, bw) -> None:
         want = moe_experts_fused(x, w13, w2, weights, ids, tiles=default).float()
         timer = bench_graph if step == "decode" else bench
         bms, gate_ups, downs = SWEEP_SHAPES[step]
-        variants = [("default", default)] + [
-            (f"BM {bm}, gate_up {gu}, down {dn}", MoeTiles(bm, gu, dn))
-            for bm in sorted({b or moe_block_m(T * K, E) for b in bms}) for gu in gate_ups for dn in downs]
+        if tma_only:
+            variants = [("default", default)] + [(f"BM {bm}, gate_up {gu}, down {dn}", MoeTiles(bm, gu, dn))
+                                                 for bm, gu, dn in TMA_SHAPES]
+        else:
+            variants = [("default", default)] + [
+                (f"BM {bm}, gate_up {gu}, down {dn}", MoeTiles(bm, gu, dn))
+                for bm in sorted({b or moe_block_m(T * K, E) for b in bms}) for gu in gate_ups for dn in downs]
+        if step == "prefill":   # each shape again with its weight tiles through tensor descriptors (TMA)
+            variants += [(f"{name}, weights TMA", dataclasses.replace(tiles, weights_tma=True))
+                         for name, tiles in list(variants)
+                         if weights_tma_fits(tiles, HIDDEN, WIDTH, False) and not tiles.weights_tma]
         for name, tiles in variants:
             call = lambda: moe_experts_fused(x, w13, w2, weights, ids, tiles=tiles)   # noqa: B023, E731
             try:
@@ -286,6 +304,8 @@ def main() -> None:
     ap.add_argument("--torch-max", type=int, default=64, help="time the torch path up to this batch (it is slow)")
     ap.add_argument("--sweep", action="store_true", help="MLA decode launch variants instead of the main table")
     ap.add_argument("--sweep-moe", action="store_true", help="MoE launch shapes instead of the main table")
+    ap.add_argument("--sweep-moe-tma", action="store_true",
+                    help="prefill MoE shapes with the weights through pointers and through tensor descriptors (TMA)")
     ap.add_argument("--sweep-mla-prefill", action="store_true", help="MLA prefill launch shapes instead of the main table")
     args = ap.parse_args()
     bw = copy_bandwidth()
@@ -293,8 +313,8 @@ def main() -> None:
     if args.sweep:
         mla_decode_sweep(args.batches, args.ctx, bw)
         return
-    if args.sweep_moe:
-        moe_sweep(args.batches, args.prefill, bw)
+    if args.sweep_moe or args.sweep_moe_tma:
+        moe_sweep(args.batches, args.prefill, bw, tma_only=args.sweep_moe_tma)
         return
     if args.sweep_mla_prefill:
         mla_prefill_sweep(args.prefill)

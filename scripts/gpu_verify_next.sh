@@ -17,6 +17,8 @@
 #                 bench_serving_host.py copied in) against the new code, alternating (issue 21 goal 2).
 #   moe_align_blocks  prefill's MoE alignment over blocks of slots (three Triton launches instead of
 #                 the torch path's sort; issue 21 goal 4): GPU tests, and the MoE rows old vs new.
+#   moe_tma       the expert GEMMs' weight tiles through tensor descriptors (TMA), not yet any default
+#                 (MoeTiles.weights_tma; issue 21 goal 4): which prefill shapes win, with and without.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -100,5 +102,16 @@ if [ "$PART" = moe_align_blocks ]; then
   echo "== new rc=$?"; grep "MoE" "$OUT/moe_new.log" | tail -12
   (cd .old && timeout 150 python3 benchmarks/bench_moe_mla.py --batches 1 64 --prefill 2048 8192) > "$OUT/moe_old.log" 2>&1
   echo "== old (272aacf) rc=$?"; grep "MoE" "$OUT/moe_old.log" | tail -12
+fi
+
+if [ "$PART" = moe_tma ]; then
+  # Must show: test_gpu_weights_through_tensor_descriptors passes (run by moe_align_blocks' test file
+  # too); in the sweep's table, per prefill size, each shape's "weights TMA" row against its pointer
+  # row (ms, gate_up ms, down ms, % of bf16 peak; rel. diff vs default ~1e-3 or below). A TMA row
+  # faster at 2K and 8K by more than the pointer rows' spread is the evidence to make it moe_tiles'
+  # default for Hopper (then record it in perf-notes and flip the default); otherwise remove it.
+  group moe_tma_test 150 tests/ops/test_moe.py -k descriptors
+  timeout 400 python3 benchmarks/bench_moe_mla.py --sweep-moe-tma --prefill 2048 8192 > "$OUT/moe_tma.log" 2>&1
+  echo "== sweep rc=$?"; sed -n '/^| step/,$p' "$OUT/moe_tma.log"
 fi
 

@@ -167,6 +167,29 @@ def test_fused_matches_the_reference_at_every_launch_shape(tiles):
     assert_rel_close(got, moe_experts_reference(x, w13, w2, weights, ids), 1e-5, f"fused MoE at {tiles}")
 
 @INTERP
+def test_weights_through_tensor_descriptors_equal_pointers():
+    """MoeTiles.weights_tma: the weight tiles through tensor descriptors (TMA on Hopper) give what
+    the pointer loads give where the tiles fit (several experts, the gate and up halves' rows side
+    by side in the descriptor's view: a wrong row would be far off), to fp32 rounding (the
+    interpreter's dot sums a transposed tile in another order); tiles that do not fit keep pointers."""
+    from kdaserve.ops.moe.fused import MoeTiles, moe_experts_fused, weights_tma_fits
+
+    w13, w2 = experts(6, 64, 32)
+    x = torch.randn(11, 64, generator=torch.Generator().manual_seed(6))
+    weights, ids = _routing(11, 6, 3, "random")
+    for shape in [(16, (16, 16, 4, 2), (16, 32, 4, 2)), (16, (32, 64, 4, 2), (64, 16, 4, 2))]:
+        tiles = MoeTiles(*shape, weights_tma=True)
+        assert weights_tma_fits(tiles, 64, 32, fp8=False)
+        got = moe_experts_fused(x, w13, w2, weights, ids, tiles=tiles)
+        torch.testing.assert_close(got, moe_experts_fused(x, w13, w2, weights, ids, tiles=MoeTiles(*shape)),
+                                   rtol=1e-6, atol=1e-6)
+        assert_rel_close(got, moe_experts_reference(x, w13, w2, weights, ids), 1e-5, f"descriptors at {shape}")
+    assert not weights_tma_fits(MoeTiles(16, (16, 48, 4, 2), (16, 32, 4, 2), True), 64, 32, fp8=False)   # K step
+    assert not weights_tma_fits(MoeTiles(16, (64, 16, 4, 2), (16, 32, 4, 2), True), 64, 32, fp8=False)   # past I
+    assert not weights_tma_fits(MoeTiles(16, (16, 16, 4, 2), (16, 32, 4, 2), True), 64, 32, fp8=True)
+
+
+@INTERP
 def test_fused_clamped_swiglu_matches_the_reference():
     from kdaserve.ops.moe.fused import moe_experts_fused
 
@@ -200,6 +223,32 @@ def test_gpu_fused_at_kimi_linear_sizes(T):
     got = moe_experts_fused(x, w13, w2, weights, ids)
     want = moe_experts_reference(x.float(), w13.float(), w2.float(), weights, ids)
     assert_rel_close(got.float(), want, 1e-2, f"fused MoE bf16 T={T}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [2048, 8192])
+def test_gpu_weights_through_tensor_descriptors(T):
+    """Compiled for the GPU (TMA on Hopper): the prefill launch shape with its weight tiles through
+    tensor descriptors gives the pointer path's result (same tiles, same K order) and the
+    reference's, at Kimi-Linear's sizes; NaN-filled outputs would show a tile never written."""
+    from dataclasses import replace
+
+    from kdaserve.ops.moe.fused import moe_experts_fused, moe_tiles
+    from kdaserve.ops.precision import device_target
+
+    E, k, hidden, inter = 256, 8, 2304, 1024
+    w13, w2 = experts(E, hidden, inter, device="cuda", dtype=torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    x = torch.randn(T, hidden, device="cuda", generator=g).bfloat16()
+    gate = torch.randn(E, hidden, device="cuda", generator=g) * hidden**-0.5
+    weights, ids = route_tokens(x, gate, None, RouterConfig(E, k, routed_scaling_factor=2.446))
+    tiles = moe_tiles(T * k, E, hidden, inter, False, device_target(x.device))
+    pointers = moe_experts_fused(x, w13, w2, weights, ids, tiles=tiles)
+    tma = moe_experts_fused(x, w13, w2, weights, ids, tiles=replace(tiles, weights_tma=True))
+    assert torch.isfinite(tma).all()
+    assert_rel_close(tma.float(), pointers.float(), 1e-3, f"descriptors vs pointers T={T}")
+    want = moe_experts_reference(x.float(), w13.float(), w2.float(), weights, ids)
+    assert_rel_close(tma.float(), want, 1e-2, f"descriptors vs reference T={T}")
 
 
 @pytest.mark.gpu
