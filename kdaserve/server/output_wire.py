@@ -6,7 +6,9 @@ the last output of the same request; the API process keeps each request's lists 
 rebuilds outputs equal to the engine's own (`RequestOutput.__eq__`).
 
 The engine's per-request lists only grow by append (outputs.ListPrefix); the text may shrink once,
-when a stop string completes and is trimmed, so it travels as (length kept, new tail).
+when a stop string completes and is trimmed, so it travels as (length kept, new tail). A request's
+metrics dict travels only when the engine made a new one (LLMEngine._metrics keeps one until it
+changes); None means "as before".
 
 The engine process makes text only for requests with stop strings (LLMEngine.detokenize off): the
 others' outputs have text None, sent as "kept None", and the decoder detokenizes their tokens here,
