@@ -40,7 +40,13 @@ def default_divisible(name: str, ty: str) -> bool:
 
 def compile_for(fn, types: dict, constexprs: dict, target: str, num_warps: int = 4, num_stages: int = 3,
                 divisible=default_divisible, maxnreg: int | None = None):
-    params = list(inspect.signature(fn.fn).parameters)
+    signature = inspect.signature(fn.fn).parameters
+    params = list(signature)
+    # A constexpr parameter with a default (an option launchers leave out) takes its default, as at
+    # a launch that does not pass it.
+    constexprs = {**{p: v.default for p, v in signature.items() if p not in constexprs and p not in types
+                     and v.default is not inspect.Parameter.empty and "constexpr" in str(v.annotation)},
+                  **constexprs}
     sig = {p: "constexpr" if p in constexprs else types.get(p, "i32") for p in params}
     div16 = [p for p in params if p not in constexprs and divisible(p, sig[p])]
     src = ASTSource(fn, sig, constexprs={(params.index(k),): v for k, v in constexprs.items()},
