@@ -97,6 +97,28 @@ def test_text_the_engine_process_leaves_to_the_api_process_is_the_engines_own():
     assert [b.metrics for b in back] == [m.metrics for m in made]
 
 
+def test_api_side_text_with_a_checkpoints_tokenizer():
+    """The same through a released checkpoint's tokenizer (the shipped nano model: tokenizer.json,
+    DecodeStream) as the API process holds it, a pickled copy: byte-level merges, a non-ASCII
+    prompt, several tokens per output."""
+    kwargs = {**ENGINE_KWARGS, "model": "nano", "max_model_len": 256}
+    requests = [("g", "def main():\n    print(", SamplingParams(max_tokens=30)),
+                ("u", "Unicode: h\u00e9llo w\u00f6rld \u2014 ", SamplingParams(max_tokens=40, temperature=1.0, seed=1,
+                                                                        stream_interval=3))]
+    reference_engine = LLMEngine(**kwargs)
+    requests = [(r, reference_engine.tokenizer.encode(text), params) for r, text, params in requests]
+    reference = _run(reference_engine, requests, {})
+    engine = LLMEngine(**kwargs)
+    engine.detokenize = False
+    encoder, decoder = OutputEncoder(), OutputDecoder(pickle.loads(pickle.dumps(engine.tokenizer)))
+    for request_id, ids, _ in requests:
+        decoder.begin(request_id, ids)
+    back = [decoder.decode(w) for w in pickle.loads(pickle.dumps([encoder.encode(o) for o in _run(engine, requests, {})]))]
+    assert any(len(o.new_token_ids) > 1 for o in reference) and all(o.text for o in reference if o.finished)
+    assert [(b.request_id, b.text, b.output_token_ids) for b in back] == [(r.request_id, r.text, r.output_token_ids)
+                                                                          for r in reference]
+
+
 def test_text_that_shrinks_when_a_stop_string_completes():
     made = [RequestOutput("s", [1], [5], [5], "ab", False), RequestOutput("s", [1], [5, 6], [6], "ab<st", False),
             RequestOutput("s", [1], [5, 6, 7], [7], "ab", True, "stop")]
