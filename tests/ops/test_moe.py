@@ -209,17 +209,24 @@ def test_fused_refuses_mismatched_weights():
         moe_experts_fused(torch.randn(3, 16), w13, w2[:, :, :8], torch.ones(3, 2), torch.zeros(3, 2, dtype=torch.long))
 
 
+def _kimi_linear_step(T: int, seed: int):
+    """Kimi-Linear's experts (256 of width 1024 on hidden 2304, top 8) in bf16 on the GPU, T tokens
+    and the router's own choices for them: (x, w13, w2, weights, ids)."""
+    E, k, hidden, inter = 256, 8, 2304, 1024
+    w13, w2 = experts(E, hidden, inter, device="cuda", dtype=torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(T, hidden, device="cuda", generator=g).bfloat16()
+    gate = torch.randn(E, hidden, device="cuda", generator=g) * hidden**-0.5
+    weights, ids = route_tokens(x, gate, None, RouterConfig(E, k, routed_scaling_factor=2.446))
+    return x, w13, w2, weights, ids
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 64, 2048])
 def test_gpu_fused_at_kimi_linear_sizes(T):
     from kdaserve.ops.moe.fused import moe_experts_fused
 
-    E, k, hidden, inter = 256, 8, 2304, 1024
-    w13, w2 = experts(E, hidden, inter, device="cuda", dtype=torch.bfloat16)
-    g = torch.Generator(device="cuda").manual_seed(4)
-    x = torch.randn(T, hidden, device="cuda", generator=g).bfloat16()
-    gate = torch.randn(E, hidden, device="cuda", generator=g) * hidden**-0.5
-    weights, ids = route_tokens(x, gate, None, RouterConfig(E, k, routed_scaling_factor=2.446))
+    x, w13, w2, weights, ids = _kimi_linear_step(T, seed=4)
     got = moe_experts_fused(x, w13, w2, weights, ids)
     want = moe_experts_reference(x.float(), w13.float(), w2.float(), weights, ids)
     assert_rel_close(got.float(), want, 1e-2, f"fused MoE bf16 T={T}")
@@ -230,19 +237,15 @@ def test_gpu_fused_at_kimi_linear_sizes(T):
 def test_gpu_weights_through_tensor_descriptors(T):
     """Compiled for the GPU (TMA on Hopper): the prefill launch shape with its weight tiles through
     tensor descriptors gives the pointer path's result (same tiles, same K order) and the
-    reference's, at Kimi-Linear's sizes; NaN-filled outputs would show a tile never written."""
+    reference's, at Kimi-Linear's sizes; a tile never written leaves junk that neither matches."""
     from dataclasses import replace
 
     from kdaserve.ops.moe.fused import moe_experts_fused, moe_tiles
     from kdaserve.ops.precision import device_target
 
-    E, k, hidden, inter = 256, 8, 2304, 1024
-    w13, w2 = experts(E, hidden, inter, device="cuda", dtype=torch.bfloat16)
-    g = torch.Generator(device="cuda").manual_seed(7)
-    x = torch.randn(T, hidden, device="cuda", generator=g).bfloat16()
-    gate = torch.randn(E, hidden, device="cuda", generator=g) * hidden**-0.5
-    weights, ids = route_tokens(x, gate, None, RouterConfig(E, k, routed_scaling_factor=2.446))
-    tiles = moe_tiles(T * k, E, hidden, inter, False, device_target(x.device))
+    x, w13, w2, weights, ids = _kimi_linear_step(T, seed=7)
+    E, inter, hidden = w13.shape[0], w13.shape[1] // 2, w13.shape[2]
+    tiles = moe_tiles(ids.numel(), E, hidden, inter, False, device_target(x.device))
     pointers = moe_experts_fused(x, w13, w2, weights, ids, tiles=tiles)
     tma = moe_experts_fused(x, w13, w2, weights, ids, tiles=replace(tiles, weights_tma=True))
     assert torch.isfinite(tma).all()

@@ -177,17 +177,25 @@ def align_to_experts(ids: torch.Tensor, num_experts: int, block_m: int, *,
     return sorted_slots, block_experts
 
 
-def _align_with_kernel(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _kernel_inputs(ids: torch.Tensor, num_experts: int, block_m: int):
+    """What both Triton paths start from: the ids flat and contiguous, their count S, the table's
+    length n, the expert axis padded to a power of two, the two output tables (junk until the
+    kernels write them) and the slots per step of a [slots, experts] one-hot tile (8K elements)."""
     interpreter_compat.install()
     flat = ids.reshape(-1)
     flat = flat if flat.is_contiguous() else flat.contiguous()
     S = flat.numel()
     n = max_sorted_entries(S, num_experts, block_m)
+    E_P = max(16, triton.next_power_of_2(num_experts))
     sorted_slots = torch.empty(n, dtype=torch.int32, device=ids.device)
     block_experts = torch.empty(n // block_m, dtype=torch.int32, device=ids.device)
-    E_P = max(16, triton.next_power_of_2(num_experts))
+    return flat, S, n, E_P, sorted_slots, block_experts, max(16, min(64, 8192 // E_P))
+
+
+def _align_with_kernel(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    flat, S, n, E_P, sorted_slots, block_experts, block_s = _kernel_inputs(ids, num_experts, block_m)
     _align_kernel[(1,)](flat, sorted_slots, block_experts, S, n, E=num_experts, E_P=E_P, BM=block_m,
-                        BLOCK_S=max(16, min(64, 8192 // E_P)), num_warps=4)
+                        BLOCK_S=block_s, num_warps=4)
     return sorted_slots, block_experts
 
 
@@ -198,19 +206,11 @@ SLOTS_PER_PROGRAM = 512
 
 
 def _align_by_blocks(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    interpreter_compat.install()
-    flat = ids.reshape(-1)
-    flat = flat if flat.is_contiguous() else flat.contiguous()
-    S = flat.numel()
-    n = max_sorted_entries(S, num_experts, block_m)
-    E_P = max(16, triton.next_power_of_2(num_experts))
+    flat, S, n, E_P, sorted_slots, block_experts, block_s = _kernel_inputs(ids, num_experts, block_m)
     nb = max(1, triton.cdiv(S, SLOTS_PER_PROGRAM))
     per_program = triton.cdiv(S, nb) if S else 1
-    sorted_slots = torch.empty(n, dtype=torch.int32, device=ids.device)
-    block_experts = torch.empty(n // block_m, dtype=torch.int32, device=ids.device)
     counts = torch.empty(nb, E_P, dtype=torch.int32, device=ids.device)
     base = torch.empty(nb, E_P, dtype=torch.int32, device=ids.device)
-    block_s = max(16, min(64, 8192 // E_P))
     _align_count_kernel[(nb,)](flat, counts, sorted_slots, S, n, per_program, triton.cdiv(n, nb),
                                E=num_experts, E_P=E_P, BLOCK_S=block_s, num_warps=4)
     _align_offsets_kernel[(1,)](counts, base, block_experts, nb, n, E=num_experts, E_P=E_P, BM=block_m,
