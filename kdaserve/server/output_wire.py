@@ -101,7 +101,7 @@ class OutputDecoder:
                     acc[slot] = []
                 acc[slot].extend(delta)
         if keep is NO_TEXT:
-            acc[4] = self._detokenize(acc, len(ids), finished, reason)
+            acc[4] = self._detokenize(request_id, acc, len(ids), finished, reason)
         else:
             acc[4] = acc[4][:keep] + tail if keep < len(acc[4]) else acc[4] + tail
         if metrics is None:   # as in the request's output before
@@ -115,7 +115,7 @@ class OutputDecoder:
                              ListPrefix(acc[3]) if acc[3] is not None else None,
                              num_prompt, num_output, metrics)
 
-    def _detokenize(self, acc: list, num_new: int, finished: bool, reason: str | None) -> str:
+    def _detokenize(self, request_id: str, acc: list, num_new: int, finished: bool, reason: str | None) -> str:
         """The text of an output the engine made none for, as LLMEngine._append_token makes it:
         token by token (several tokens in one decode would hold back all of their text when the
         last of them ends inside a character), the end flushed when the request ends by length
@@ -124,7 +124,9 @@ class OutputDecoder:
         detok = acc[5]
         if detok is None:
             if self._tokenizer is None:
-                raise ValueError("an output without text reached an OutputDecoder that has no tokenizer")
+                raise ValueError(f"request {request_id!r}: its output came without text (the engine leaves it to the "
+                                 f"receiver) but this OutputDecoder has no tokenizer; build it with the engine's: "
+                                 f"OutputDecoder(tokenizer)")
             detok = acc[5] = IncrementalDetokenizer(self._tokenizer, [])
         ids = acc[1]
         final = finished and reason != "abort"

@@ -126,6 +126,13 @@ def test_text_that_shrinks_when_a_stop_string_completes():
     assert roundtrip(made, {"s": [1]}) == made
 
 
+def test_an_output_without_text_needs_a_decoder_with_the_tokenizer():
+    decoder = OutputDecoder()
+    decoder.begin("t", [1])
+    with pytest.raises(ValueError, match=r"request 't'.*without text.*OutputDecoder\(tokenizer\)"):
+        decoder.decode(OutputEncoder().encode(RequestOutput("t", [1], [5], [5], None, False)))
+
+
 def test_a_request_not_begun_is_dropped():
     out = RequestOutput("x", [1], [2], [2], "t", False)
     assert OutputDecoder().decode(OutputEncoder().encode(out)) is None
