@@ -317,6 +317,21 @@ def alone_main(kwargs: dict, device_s: float | None, streams: int, max_tokens: i
     out.put((alone, StepTrace.summary(engine.step_trace.rows) if trace else {}))
 
 
+def median_ms(seconds: list[float]) -> float:
+    """The median in ms; NaN for no samples (a round whose streams never all ran at once)."""
+    return statistics.median(seconds) * 1e3 if seconds else float("nan")
+
+
+def p90_ms(seconds: list[float]) -> float:
+    return statistics.quantiles(seconds, n=10)[-1] * 1e3 if len(seconds) > 1 else float("nan")
+
+
+def warn_if_no_window(round_: int, itl: list[float]) -> None:
+    if len(itl) < 2:
+        print(f"round {round_}: {len(itl)} intervals in the steady window (every stream past its first chunk, "
+              f"none ended): too short a round for its ITL (NaN); raise --max-tokens", flush=True)
+
+
 def loop_cpu_seconds(loop) -> float:
     """CPU time of the event loop's thread so far (read on that thread)."""
     done, box = threading.Event(), []
@@ -434,8 +449,8 @@ def main() -> None:
             # Per stream, its mean interval over the window: unlike the median of single intervals,
             # it does not drop to ~0 when a server that falls behind writes several chunks at once.
             tpot = [(w[-1] - w[0]) / (len(w) - 1) for s in stamps if len(w := [t for t in s if first <= t <= last]) > 1]
-            step, med, p90, mean = (statistics.median(steps) * 1e3, statistics.median(itl) * 1e3,
-                                    statistics.quantiles(itl, n=10)[-1] * 1e3, statistics.median(tpot) * 1e3)
+            step, med, p90, mean = median_ms(steps), median_ms(itl), p90_ms(itl), median_ms(tpot)
+            warn_if_no_window(r, itl)
             rows.append((r, len(steps), step, med, p90, mean, loop_us, process_us))
             print(json.dumps({"round": r, "steps": len(steps), "step_ms": step, "itl_median_ms": med, "itl_p90_ms": p90,
                               "stream_mean_itl_ms": mean, "loop_cpu_us_per_chunk": loop_us,
@@ -569,8 +584,8 @@ def api_servers_main(args, kwargs: dict, device_s: float | None, alone: float, a
             last = min(s[-2] for s in stamps if len(s) > 1)
             itl = [b - a for s in stamps for a, b in zip(s, s[1:]) if first <= a and b <= last]
             tpot = [(w[-1] - w[0]) / (len(w) - 1) for s in stamps if len(w := [t for t in s if first <= t <= last]) > 1]
-            med, p90, mean = (statistics.median(itl) * 1e3, statistics.quantiles(itl, n=10)[-1] * 1e3,
-                              statistics.median(tpot) * 1e3)
+            med, p90, mean = median_ms(itl), p90_ms(itl), median_ms(tpot)
+            warn_if_no_window(r, itl)
             rows.append((r, med, p90, mean, cpu_us, step_ms, held, steps_trace, token_us))
             print(json.dumps({"round": r, "itl_median_ms": med, "itl_p90_ms": p90, "stream_mean_itl_ms": mean,
                               "api_processes_cpu_us_per_chunk": cpu_us, "engine_mean_step_ms": step_ms,
@@ -611,7 +626,7 @@ def engine_alone(engine, streams: int, max_tokens: int, calls: list[float]) -> f
     calls.clear()
     while engine.has_unfinished_requests():
         engine.step()
-    return statistics.median(b - a for a, b in zip(calls, calls[1:])) * 1e3
+    return median_ms([b - a for a, b in zip(calls, calls[1:])])
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """benchmarks/bench_serving_host.py runs end to end on the CPU (fake device) with the options the
 GPU runs use (several API processes, the engine process's step trace, a stream interval), and
-prints its tables: a benchmark that crashes after minutes of device time costs the whole run."""
+prints its tables: a benchmark that crashes after minutes of device time costs the whole run (a
+round too short for a steady window, which the host's timing decides, prints NaN, not a crash)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_serving_benchmark_prints_its_tables_with_trace_and_stream_interval():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_serving_host.py"), "--rounds", "1", "--streams",
-                        "4", "--max-tokens", "8", "--device-ms", "1", "--api-server-count", "2", "--trace",
+                        "4", "--max-tokens", "16", "--device-ms", "1", "--api-server-count", "2", "--trace",
                         "--stream-interval", "2"], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     lines = r.stdout.splitlines()
