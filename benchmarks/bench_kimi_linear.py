@@ -14,11 +14,11 @@ compiles); the breakdown per layer kind profiles a third. Decode: B sequences wi
 and as a whole engine step (host work and sampling included: the period of back-to-back step()
 calls, so with async scheduling the host's work overlaps the device's); tokens/s = B / engine step.
 
-Memory floor of a decode step = bytes that must move / the measured copy bandwidth:
-  weights: every parameter but the embedding table (lm_head, projections, norms, router), plus the
-           routed experts the step touches, estimated for uniform routing (random weights route
-           near-uniformly): E * (1 - (1 - k/E)^B) experts per MoE layer;
-  KDA state read and written (fp32), conv state, and the MLA latent rows of every context.
+Memory floor of a decode step = bytes that must move / the copy bandwidth measured in the same
+process, per layer kind as kdaserve/bench/layer_kinds.py counts them (dense weights but the
+embedding table, the routed experts the step touches for uniform routing, the KDA states read and
+written, the MLA latent rows of every context). Each decode batch's step is also profiled by layer
+kind (10 engine steps under torch.profiler) and every kind set against its own floor.
 Rows print as measured; the table prints last.
 """
 
@@ -36,39 +36,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_throughput import copy_bandwidth, random_prompts  # noqa: E402
 from kdaserve.engine import LLM, SamplingParams  # noqa: E402
+from kdaserve.bench.layer_kinds import (  # noqa: E402
+    ALL_KINDS, GEMM, KDA, MLA, MOE, OTHER, decode_floor_bytes, device_ms_by_kind)
 from kdaserve.engine.caches import kv_bytes_per_block, state_bytes_per_slot  # noqa: E402
 
 MODEL = "moonshotai/Kimi-Linear-48B-A3B-Instruct"
 GIB = 2**30
 
 
-def param_bytes(model, skip=()) -> int:
-    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not any(s in n for s in skip))
-
-
-def floor_bytes(model, B: int, ctx: int, dtype) -> dict:
-    c = model.config
-    E, k = c.num_local_experts, c.num_experts_per_tok
-    expert_bytes = 3 * c.hidden_size * c.moe_intermediate_size * torch.empty((), dtype=dtype).element_size()
-    moe_layers = sum(c.is_moe_layer(i) for i in range(c.num_hidden_layers))
-    touched = E * (1 - (1 - k / E) ** B)
-    dense = param_bytes(model, skip=("embed_tokens", ".w13", ".w2"))
-    return {"weights": dense + moe_layers * touched * expert_bytes, "experts_touched": touched,
-            "state": 2 * B * state_bytes_per_slot(model), "latent": B * ctx * kv_bytes_per_block(model, 1, dtype)}
-
-
-# Kernel name -> layer kind, first match wins (the Triton kernels' names; cuBLAS GEMMs by theirs).
-KINDS = (("MoE experts (grouped GEMMs, alignment kernel)", ("_moe_", "_align_kernel")), ("MLA attention", ("_mla_",)),
-         ("KDA (flash: conv, core, gated norm in its kernels)", ("flash_", "conv_", "gated_rms_norm")),
-         ("GEMMs (projections, shared experts, router, head)", ("gemm", "cutlass", "nvjet", "xmma", "cublas")))
-OTHER = "other (norms, rotary, routing, elementwise, sampling)"
+def param_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def prefill_breakdown(eng, prompt) -> tuple[dict[str, float], list[tuple[str, float]]]:
     """Device ms of one prefill of `prompt` (warm), summed per layer kind from torch.profiler, and
     the kernels of the "other" kind, largest first."""
-    from collections import Counter
-
     from torch.profiler import ProfilerActivity, profile
 
     eng.add_request("breakdown", prompt, SamplingParams(max_tokens=1, ignore_eos=True))
@@ -77,17 +59,39 @@ def prefill_breakdown(eng, prompt) -> tuple[dict[str, float], list[tuple[str, fl
         while eng.has_unfinished_requests():
             eng.step()
         torch.cuda.synchronize()
-    out, other = {k: 0.0 for k, _ in KINDS} | {OTHER: 0.0}, Counter()
-    for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        ms = getattr(e, "device_time_total", 0.0) / 1e3
-        kind = next((k for k, subs in KINDS if any(sub in e.name.lower() for sub in subs)), OTHER)
-        out[kind] += ms
-        if kind == OTHER:
-            other[e.name[:90]] += ms
-    out["total"] = sum(out.values())
+    out, other = device_ms_by_kind(prof.events())
     return out, other.most_common(12)
+
+
+def decode_breakdown(eng, runner, graph_us: float, steps: int = 10) -> tuple[dict[str, float], str]:
+    """Device us per decode step by layer kind: `steps` engine steps of the batch held in decode
+    under torch.profiler (synchronized before and after, so exactly those steps' work), CUDA
+    graphs on. Where the trace holds less than half the graph's time or fails (a profiler that
+    does not see the kernels inside a replay) the steps run eagerly instead: the same kernels. Returns the
+    breakdown and how it was taken."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def profiled() -> dict[str, float]:
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                eng.step()
+            torch.cuda.synchronize()
+        return {k: v * 1e3 / steps for k, v in device_ms_by_kind(prof.events())[0].items()}
+
+    try:
+        us, how = profiled(), "graph replays"
+    except RuntimeError as e:   # a profiler that cannot trace a graph replay: the eager steps below
+        print(f"  profiling graph replays failed ({e}); profiling eager steps", flush=True)
+        us, how = {"total": 0.0}, ""
+    if runner.graphs is not None and not us["total"] >= 0.5 * graph_us:
+        graphs, runner.graphs = runner.graphs, None
+        try:
+            us, how = profiled(), "eager steps (the profiler saw no kernels inside the graph replays)"
+        finally:
+            runner.graphs = graphs
+    return us, how
+
 
 def step_period(eng, async_scheduling: bool) -> float:
     """The steady step period: step() calls back to back, as a server makes them (with async
@@ -136,7 +140,7 @@ def main() -> None:
           f"memory left for caches {plan.get('free_gib', 0):.2f} GiB -> {fit_8k} sequences of {args.ctx} tokens fit; "
           f"backends {runner.kda_backends.names}", flush=True)
 
-    rows = []
+    rows, by_kind = [], []
     ttfts, kinds = {}, {}
     for n in lengths:
         # A fresh random prompt per run: with prefix caching on (the default) a repeated prompt
@@ -174,11 +178,14 @@ def main() -> None:
         graph_us = float("nan")
         if runner.graphs is not None and B in runner.graphs.graphs:
             graph_us = do_bench(runner.graphs.graphs[B].replay, return_mode="median") * 1e3
-        f = floor_bytes(model, B, args.decode_ctx + 16, runner.config.dtype)
-        floor_us = sum(v for k, v in f.items() if k != "experts_touched") / bw * 1e6
+        f = decode_floor_bytes(model, B, args.decode_ctx + 16, runner.config.dtype)
+        floor_us = sum(f[k] for k in (MOE, MLA, KDA, GEMM)) / bw * 1e6
+        kinds_us, how = decode_breakdown(eng, runner, graph_us)
         rows.append((B, step_s * 1e6, sync_s * 1e6, graph_us, B / step_s, floor_us, f))
+        by_kind.append((B, kinds_us, {k: f[k] / bw * 1e6 for k in (MOE, MLA, KDA, GEMM)}, how))
         print(f"  B={B}: engine step {step_s * 1e6:.0f} us (one step at a time {sync_s * 1e6:.0f} us), graph "
-              f"{graph_us:.0f} us, {B / step_s:.0f} tok/s, floor {floor_us:.0f} us ({time.time() - t0:.0f} s)", flush=True)
+              f"{graph_us:.0f} us, {B / step_s:.0f} tok/s, floor {floor_us:.0f} us; by kind ({how}): "
+              + ", ".join(f"{k} {kinds_us[k]:.0f} us" for k in ALL_KINDS) + f" ({time.time() - t0:.0f} s)", flush=True)
         for rid in ids:
             eng.abort_request(rid)
         eng.step()
@@ -197,7 +204,18 @@ def main() -> None:
     for B, step_us, sync_us, graph_us, tps, floor_us, f in rows:
         print(f"| {B} | {step_us:.0f} | {sync_us:.0f} | {graph_us:.0f} | {tps:.0f} | {floor_us:.0f} | "
               f"{step_us / floor_us:.2f}x | {graph_us / floor_us:.2f}x | "
-              f"{f['weights'] / 1e6:.0f} | {f['experts_touched']:.0f} | {f['state'] / 1e6:.0f} | {f['latent'] / 1e6:.0f} |")
+              f"{(f[GEMM] + f[MOE]) / 1e6:.0f} | {f['experts_touched']:.0f} | {f[KDA] / 1e6:.0f} | {f[MLA] / 1e6:.0f} |")
+    print("\nDecode step by layer kind: device us per step (torch.profiler over 10 steps) against the kind's own floor "
+          "(its bytes over the copy bandwidth; 'other' has none)")
+    print("| batch | kind | device us | floor us | x floor | share of the step |")
+    print("|---|---|---|---|---|---|")
+    for B, us, floors, how in by_kind:
+        for k in ALL_KINDS:
+            fl = floors.get(k)
+            cells = f"{fl:.0f} | {us[k] / fl:.2f}x" if fl else "- | -"
+            print(f"| {B} | {k} | {us[k]:.0f} | {cells} | {us[k] / max(us['total'], 1e-9):.0%} |")
+        print(f"| {B} | total ({how}) | {us['total']:.0f} | {sum(floors.values()):.0f} | "
+              f"{us['total'] / sum(floors.values()):.2f}x | 100% |")
 
 
 if __name__ == "__main__":
