@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from kdaserve.engine.logits_processors import apply_logits_processors, apply_min_p
+from kdaserve.engine.readback import ReadbackRing
 from kdaserve.engine.sequence import Sequence
 from kdaserve.engine.staging import StagingRing, stage_lists
 from kdaserve.engine.structured_output.bitmask import apply_grammar_masks
@@ -68,25 +69,20 @@ class PendingSample:
     """A step's sampled tokens (and log-probs) on their way to the host. `tokens` is the device
     tensor at once: an overlapped next step reads its inputs from it (engine/llm_engine.py,
     async scheduling). `token_ids` and `logprobs` are host lists on first read, which waits for
-    the one device->host copy started behind the sampling -- not for the whole stream, so work
-    queued after the sampling (the next step) keeps running while the host reads them."""
+    the one device->host copy started behind the sampling (into a buffer of `ring`,
+    engine/readback.py) -- not for the whole stream, so work queued after the sampling (the next
+    step) keeps running while the host reads them."""
 
-    def __init__(self, tokens: torch.Tensor, lp_parts: list[torch.Tensor] | None = None, lp_rows: list[int] = (),
-                 num_top: list[int] = ()):
+    def __init__(self, tokens: torch.Tensor, ring: ReadbackRing, lp_parts: list[torch.Tensor] | None = None,
+                 lp_rows: list[int] = (), num_top: list[int] = ()):
         self.tokens = tokens
         self._lp_rows, self._num_top = list(lp_rows), list(num_top)
         parts = [tokens, *(lp_parts or [])]
         self._sizes = [t.numel() for t in parts]
-        # One transfer for everything: float64 holds fp32 values and token ids (< 2**53) exactly.
-        flat = torch.cat([t.reshape(-1).to(torch.float64) for t in parts]) if lp_parts else tokens
-        on_gpu = tokens.device.type == "cuda"
-        self._host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=on_gpu)
-        self._host.copy_(flat, non_blocking=on_gpu)
-        self._event = None
-        if on_gpu:
-            self._event = torch.cuda.Event()
-            self._event.record(torch.cuda.current_stream(tokens.device))
         self._result: SampleResult | None = None
+        # One transfer for everything: float64 holds fp32 values and token ids (< 2**53) exactly.
+        flat = torch.cat([t.reshape(-1).to(torch.float64) for t in parts]) if lp_parts else tokens.reshape(-1)
+        self._host, self._event = ring.start(self, flat)
 
     def result(self) -> SampleResult:
         if self._result is None:
@@ -132,6 +128,7 @@ class Sampler:
         self.ring = StagingRing(4 << 10, torch.device(device))   # per-row parameters, one copy a step
         self.processor_ring = StagingRing(4 << 10, torch.device(device))   # logits processors' (row, token) pairs
         self.grammar_ring = StagingRing(64 << 10, torch.device(device))    # grammar bitmasks (structured output)
+        self.readback = ReadbackRing(torch.device(device))   # each step's sampled tokens to the host
         self.stop_ids = stop_ids   # the model's end-of-sequence ids, which min_tokens holds back
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> PendingSample:
@@ -140,7 +137,7 @@ class Sampler:
         device->host transfer of the results, which the caller waits for only when it reads them
         (PendingSample)."""
         if all([s.plain_greedy for s in seqs]):   # serving's common batch: what the path below gives it
-            return PendingSample(logits.argmax(-1))
+            return PendingSample(logits.argmax(-1), self.readback)
         N, V = logits.shape
         params = [s.params for s in seqs]
         greedy = [p.greedy for p in params]
@@ -191,7 +188,7 @@ class Sampler:
             drawn = (probs / race.clamp_(min=1e-20)).argmax(-1)
             tokens = torch.where(dev["greedy"], tokens, drawn)
         if not lp_rows:
-            return PendingSample(tokens)
+            return PendingSample(tokens, self.readback)
         idx = dev["logprob_rows"] if some_lp else slice(None)
         parts = _logprob_tensors(logits[idx], tokens[idx], max(want[i] for i in lp_rows))
-        return PendingSample(tokens, parts, lp_rows, [want[i] for i in lp_rows])
+        return PendingSample(tokens, self.readback, parts, lp_rows, [want[i] for i in lp_rows])

@@ -7,46 +7,7 @@ import pytest
 import torch
 
 from kdaserve.engine.staging import ALIGN, PackedLayout, StagingRing
-
-
-class LateDMA:
-    """Copies queue up; an event's synchronize() (or flush) runs every copy queued before it,
-    reading the source buffer at that moment."""
-
-    def __init__(self):
-        self.queue: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.done = 0        # copies run so far
-        self.waits = 0
-
-    def copy(self, dst, src):
-        self.queue.append((dst, src))
-
-    def run_until(self, count: int) -> None:
-        while self.done < count:
-            dst, src = self.queue.pop(0)
-            dst.copy_(src)
-            self.done += 1
-
-    def flush(self) -> None:
-        self.run_until(self.done + len(self.queue))
-
-    def event(self):
-        dma = self
-
-        class Event:
-            mark = 0
-
-            def record(self):
-                self.mark = dma.done + len(dma.queue)
-
-            def query(self):
-                return dma.done >= self.mark
-
-            def synchronize(self):
-                dma.waits += 1
-                dma.run_until(self.mark)
-
-        return Event()
+from kdaserve.testing.late_dma import LateDMA
 
 
 def _ring(dma: LateDMA, n: int = 2, nbytes: int = 16) -> StagingRing:
