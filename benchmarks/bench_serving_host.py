@@ -175,13 +175,14 @@ def stamp_steps(engine, calls: list[float]) -> None:
 class StepTrace:
     """`--trace`: where the engine process's time goes, step by step. Per step: its start, the
     engine's step() (scheduling, launching, reading the previous step's tokens, outputs), the
-    part of it spent waiting for the device (the sampled tokens' copy), and, in the server, the
-    engine core's whole step (step() plus encoding the outputs and writing them to the API
-    processes' pipes). The benchmark asks for the rows by creating PATH.req; a thread of the
+    part of it spent waiting for the device (the sampled tokens' copy), the part in the model
+    runner's execute (host metadata, copies, graph replay or eager launches, logits, sampling: on
+    a GPU the host work a fake device leaves out), and, in the server, the engine core's whole
+    step (step() plus encoding the outputs and writing them to the API processes' pipes). The benchmark asks for the rows by creating PATH.req; a thread of the
     engine process answers by writing PATH (JSON) and starts over."""
 
     def __init__(self, path: str | None):
-        self.path, self.rows, self.wait, self.step_s = path, [], 0.0, 0.0
+        self.path, self.rows, self.wait, self.step_s, self.execute = path, [], 0.0, 0.0, 0.0
 
     def install(self, engine, in_server: bool) -> None:
         from kdaserve.engine import sampler
@@ -200,6 +201,16 @@ class StepTrace:
                 trace.wait += time.perf_counter() - t0
 
         sampler.PendingSample.result = timed_result
+        execute = engine.runner.execute
+
+        def timed_execute(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return execute(*args, **kwargs)
+            finally:
+                trace.execute += time.perf_counter() - t0
+
+        engine.runner.execute = timed_execute
         step = engine.step
 
         def timed_step():
@@ -209,8 +220,8 @@ class StepTrace:
             finally:
                 trace.step_s = time.perf_counter() - t0
                 if not in_server:
-                    trace.rows.append((t0, trace.step_s, trace.step_s, trace.wait, time.thread_time() - c0))
-                    trace.wait = 0.0
+                    trace.rows.append((t0, trace.step_s, trace.step_s, trace.wait, time.thread_time() - c0, trace.execute))
+                    trace.wait = trace.execute = 0.0
 
         engine.step = timed_step
         if in_server:
@@ -220,11 +231,12 @@ class StepTrace:
 
             def timed_core_step(core, rejections):
                 t0, c0 = time.perf_counter(), time.thread_time()
-                trace.wait = 0.0
+                trace.wait = trace.execute = 0.0
                 try:
                     return core_step(core, rejections)
                 finally:
-                    trace.rows.append((t0, time.perf_counter() - t0, trace.step_s, trace.wait, time.thread_time() - c0))
+                    trace.rows.append((t0, time.perf_counter() - t0, trace.step_s, trace.wait, time.thread_time() - c0,
+                                       trace.execute))
 
             engine_process._EngineCore._step = timed_core_step
             threading.Thread(target=self._answer, daemon=True).start()
@@ -256,8 +268,9 @@ class StepTrace:
     @staticmethod
     def summary(rows: list) -> dict:
         """Medians in ms over the steps: the period between step starts, the engine core's step,
-        the engine's step(), the device wait in it, what the core adds (encode + pipe writes), the
-        host work (core step less the wait), the CPU time the engine's thread got in the core step
+        the engine's step(), the device wait in it, the runner's execute in it (its host work but
+        for a fake device), what the core adds (encode + pipe writes), the host work (core step
+        less the wait), the CPU time the engine's thread got in the core step
         (below the host work: the thread waited for a core or for the GIL; equal: it ran slower)
         and the time between steps (inbox, waking)."""
         if len(rows) < 3:
@@ -266,13 +279,14 @@ class StepTrace:
         starts = [r[0] for r in rows]
         periods = [b - a for a, b in zip(starts, starts[1:])]
         return {"period": med(periods), "core_step": med([r[1] for r in rows]), "engine_step": med([r[2] for r in rows]),
-                "device_wait": med([r[3] for r in rows]), "encode_send": med([r[1] - r[2] for r in rows]),
+                "device_wait": med([r[3] for r in rows]), "execute": med([r[5] for r in rows]), "encode_send": med([r[1] - r[2] for r in rows]),
                 "host": med([r[1] - r[3] for r in rows]), "core_cpu": med([r[4] for r in rows]),
                 "between": med([p - r[1] for p, r in zip(periods, rows)]), "steps": len(rows)}
 
 
 _active_trace: StepTrace | None = None   # the fake device's waits count as device waits too
-TRACE_COLUMNS = ("period", "core_step", "engine_step", "device_wait", "encode_send", "host", "core_cpu", "between")
+TRACE_COLUMNS = ("period", "core_step", "engine_step", "device_wait", "execute", "encode_send", "host", "core_cpu",
+                 "between")
 
 
 def trace_cells(summary: dict) -> str:
@@ -608,7 +622,8 @@ def api_servers_main(args, kwargs: dict, device_s: float | None, alone: float, a
               f"| {token_us:.1f} | {step_ms:.2f} | {' / '.join(map(str, held))} |")
     if trace:
         print(f"\nThe engine process per step, medians in ms (StepTrace): period between step starts; the core's step "
-              f"(step() + encoding and pipe writes); step(); its device wait; encode + send; host work (core step less "
+              f"(step() + encoding and pipe writes); step(); its device wait; the runner's execute in it (with a fake "
+              f"device: the host step only); encode + send; host work (core step less "
               f"the wait); the engine thread's CPU time in the core step; between steps.")
         print(f"| round | {' | '.join(TRACE_COLUMNS)} |\n|---|{'---|' * len(TRACE_COLUMNS)}")
         print(f"| alone | {trace_cells(alone_trace)} |")
