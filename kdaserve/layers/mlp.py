@@ -1,12 +1,14 @@
-"""Dense SwiGLU MLP with gate and up projections merged into one GEMM."""
+"""Dense SwiGLU MLP with gate and up projections merged into one GEMM; the activation on a GPU in
+one Triton launch (ops/activation/swiglu.py), whose torch path is the definition."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from kdaserve.layers.kernel_choice import KERNEL_CHOICES, resolve_kernel_choice
 from kdaserve.layers.linear import MergedLinear, make_linear
+from kdaserve.ops.activation.swiglu import swiglu_reference
 
 
 class SwiGLUMLP(nn.Module):
@@ -14,8 +16,12 @@ class SwiGLUMLP(nn.Module):
     packed_modules = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, activation_limit: float | None = None,
-                 dtype=None, device=None, fp8_block: tuple[int, int] | None = None):
+                 dtype=None, device=None, fp8_block: tuple[int, int] | None = None, backend: str = "auto"):
         super().__init__()
+        if backend not in KERNEL_CHOICES:
+            raise ValueError(f"unknown SwiGLU backend {backend!r}; expected one of {', '.join(KERNEL_CHOICES)}")
+        # `auto` follows the inputs' device at each call, as RMSNorm's does.
+        self.backend = backend if backend == "auto" else resolve_kernel_choice("SwiGLU", backend, torch.device(device or "cpu"))
         # GLM-5.3-Flash's clamped SwiGLU: silu(min(gate, limit)) * clamp(up, -limit, limit).
         self.activation_limit = activation_limit
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], dtype=dtype, device=device,
@@ -23,7 +29,9 @@ class SwiGLUMLP(nn.Module):
         self.down_proj = make_linear(intermediate_size, hidden_size, dtype=dtype, device=device, fp8_block=fp8_block)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        if self.activation_limit is not None:
-            gate, up = gate.clamp(max=self.activation_limit), up.clamp(-self.activation_limit, self.activation_limit)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        if self.backend == "triton" or (self.backend == "auto" and gate_up.is_cuda):
+            from kdaserve.ops.activation.swiglu import swiglu_fwd
+
+            return self.down_proj(swiglu_fwd(gate_up, self.activation_limit))
+        return self.down_proj(swiglu_reference(gate_up, self.activation_limit))
