@@ -41,10 +41,11 @@ class MoEMLP(nn.Module):
                 raise ValueError(f"FP8 experts need the expert width ({I}) to be a multiple of the {br}-row block")
             self.w13_scale_inv = nn.Parameter(torch.empty(E, 2 * I // br, -(-hidden_size // bc), **f32), requires_grad=False)
             self.w2_scale_inv = nn.Parameter(torch.empty(E, -(-hidden_size // br), -(-I // bc), **f32), requires_grad=False)
-        self.shared_experts = (SwiGLUMLP(hidden_size, I * num_shared_experts, activation_limit=activation_limit,
-                                         dtype=dtype, device=device, fp8_block=shared_fp8_block)
-                               if num_shared_experts else None)
         self.backend = resolve_kernel_choice("MoE", backend, device)
+        # The shared experts' SwiGLU follows the routed experts' backend (reference: torch throughout).
+        self.shared_experts = (SwiGLUMLP(hidden_size, I * num_shared_experts, activation_limit=activation_limit,
+                                         dtype=dtype, device=device, fp8_block=shared_fp8_block, backend=self.backend)
+                               if num_shared_experts else None)
 
     def load_expert(self, expert: int, which: str, tensor: torch.Tensor, scale: bool = False) -> None:
         """One released expert tensor: which = w1 (gate), w3 (up) or w2 (down); `scale`: its
@@ -74,20 +75,17 @@ class MoEMLP(nn.Module):
         # the routing kernel (grouped routing has none), on a GPU or in the interpreter.
         weights, ids = route_tokens(x, self.gate_weight, self.e_score_correction_bias, self.router,
                                     use_kernel=self.backend == "triton" and not self.router.grouped)
-        if self.fp8_block is not None:
-            scales = (self.w13_scale_inv, self.w2_scale_inv)
-            if self.backend == "triton":
-                from kdaserve.ops.moe.fused import moe_experts_fused
-
-                out = moe_experts_fused(x, self.w13, self.w2, weights, ids, self.activation_limit,
-                                        w13_scale=scales[0], w2_scale=scales[1], block=self.fp8_block)
-            else:
-                out = moe_experts_fp8_reference(x, self.w13, self.w2, weights, ids, self.activation_limit, *scales,
-                                                self.fp8_block)
-        elif self.backend == "triton":
+        if self.backend == "triton":
             from kdaserve.ops.moe.fused import moe_experts_fused
 
-            out = moe_experts_fused(x, self.w13, self.w2, weights, ids, self.activation_limit)
+            # The shared experts first: the routed experts' final sum adds their output (one launch less).
+            shared = self.shared_experts(x) if self.shared_experts is not None else None
+            fp8 = {} if self.fp8_block is None else dict(w13_scale=self.w13_scale_inv, w2_scale=self.w2_scale_inv,
+                                                         block=self.fp8_block)
+            return moe_experts_fused(x, self.w13, self.w2, weights, ids, self.activation_limit, addend=shared, **fp8)
+        if self.fp8_block is not None:
+            out = moe_experts_fp8_reference(x, self.w13, self.w2, weights, ids, self.activation_limit, self.w13_scale_inv,
+                                            self.w2_scale_inv, self.fp8_block)
         else:
             out = moe_experts_reference(x, self.w13, self.w2, weights, ids, self.activation_limit)
         if self.shared_experts is not None:

@@ -201,6 +201,47 @@ def test_fused_clamped_swiglu_matches_the_reference():
     assert not torch.allclose(want, moe_experts_reference(x, w13, w2, weights, ids), atol=1e-3)   # the clamp bites
 
 
+@INTERP
+@pytest.mark.parametrize("T", [13, 0], ids=["tokens", "empty-step"])
+def test_fused_adds_the_shared_experts_output_in_its_sum(T):
+    """`addend` (the shared experts' output) joins the sum over the k choices: the reference's
+    routed output plus it. Where the addend had been dropped (or added twice) the rows would be
+    off by its size, which is as large as the routed part here."""
+    from kdaserve.ops.moe.fused import moe_experts_fused
+
+    w13, w2 = experts(8, 32, 48)
+    x = torch.randn(T, 32, generator=torch.Generator().manual_seed(8))
+    weights, ids = _routing(T, 8, 3, "random") if T else (torch.ones(0, 3), torch.zeros(0, 3, dtype=torch.long))
+    shared = torch.randn(T, 32, generator=torch.Generator().manual_seed(9))
+    got = moe_experts_fused(x, w13, w2, weights, ids, addend=shared)
+    want = moe_experts_reference(x, w13, w2, weights, ids) + shared
+    assert got.shape == (T, 32)
+    if T:
+        assert_rel_close(got, want, 1e-5, "fused MoE + shared experts")
+        strided = torch.randn(T, 64, generator=torch.Generator().manual_seed(10))[:, 16:48]   # a column slice
+        assert_rel_close(moe_experts_fused(x, w13, w2, weights, ids, addend=strided),
+                         moe_experts_reference(x, w13, w2, weights, ids) + strided, 1e-5, "strided addend")
+    with pytest.raises(ValueError, match=r"addend must be \[T, hidden\]"):
+        moe_experts_fused(x, w13, w2, weights, ids, addend=torch.zeros(T + 1, 32))
+
+
+@INTERP
+def test_layer_with_shared_experts_equals_its_reference():
+    """MoEMLP on the Triton backend (routing kernel, fused experts summing the shared experts' SwiGLU
+    kernel output) against the same layer on the reference backend."""
+    from kdaserve.layers.moe import MoEMLP
+
+    router = RouterConfig(8, 2, routed_scaling_factor=2.5)
+    layers = [MoEMLP(32, router, 24, num_shared_experts=1, backend=b, dtype=torch.float32) for b in ("triton", "reference")]
+    g = torch.Generator().manual_seed(11)
+    for p in layers[0].parameters():
+        p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+    layers[1].load_state_dict(layers[0].state_dict())
+    assert layers[0].shared_experts.backend == "triton" and layers[1].shared_experts.backend == "reference"
+    x = torch.randn(10, 32, generator=g)
+    assert_rel_close(layers[0](x), layers[1](x), 1e-5, "MoE layer with shared experts")
+
+
 def test_fused_refuses_mismatched_weights():
     from kdaserve.ops.moe.fused import moe_experts_fused
 

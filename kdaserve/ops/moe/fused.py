@@ -4,12 +4,13 @@
              (block of block_m sorted slots of expert e, block of the intermediate width),
              column blocks fastest in a 1-D grid
     down:    y[s]   = w[s] * h[s] W2[e]^T                                  same, over hidden
-    out[t]  = sum_j y[t*k + j]                                             in fp32, one pass
+    out[t]  = sum_j y[t*k + j] (+ addend[t])                               in fp32, one pass
 
 Each expert's weights are read once per block of its tokens, and the gate and up halves of one
 intermediate column block are computed by the same program (the SiLU product is its epilogue).
 The final sum reads each token's k rows in choice order: no atomics, so results do not depend on
-timing.
+timing. It also adds the shared experts' output where the layer has one (`addend`): one rounding,
+and one launch less per MoE layer than adding it after.
 """
 
 from __future__ import annotations
@@ -134,10 +135,10 @@ def _moe_down_kernel(
 
 
 @triton.jit
-def _moe_sum_kernel(y_ptr, out_ptr, T, HIDDEN, stride_y, stride_out,
-                    TOPK: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr):
-    """out[t] = sum_j y[t*k + j] in fp32, in choice order, rounded once to out's dtype: one pass
-    instead of torch's fp32 sum and its cast (two kernels, an fp32 intermediate)."""
+def _moe_sum_kernel(y_ptr, out_ptr, add_ptr, T, HIDDEN, stride_y, stride_out, stride_add,
+                    TOPK: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, HAS_ADD: tl.constexpr = False):
+    """out[t] = sum_j y[t*k + j] (+ add[t]) in fp32, in choice order, rounded once to out's dtype:
+    one pass instead of torch's fp32 sum, its cast and the shared experts' add (three kernels)."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     cols = tl.program_id(1) * BH + tl.arange(0, BH)
     mask = (t < T)[:, None] & (cols < HIDDEN)[None, :]
@@ -145,6 +146,8 @@ def _moe_sum_kernel(y_ptr, out_ptr, T, HIDDEN, stride_y, stride_out,
     for j in tl.static_range(TOPK):
         acc += tl.load(y_ptr + (t.to(tl.int64) * TOPK + j)[:, None] * stride_y + cols[None, :], mask=mask,
                        other=0.0).to(tl.float32)
+    if HAS_ADD:
+        acc += tl.load(add_ptr + t.to(tl.int64)[:, None] * stride_add + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + t.to(tl.int64)[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -211,8 +214,10 @@ def moe_tiles(num_slots: int, num_experts: int, hidden: int, inter: int, fp8: bo
 def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                       ids: torch.Tensor, activation_limit: float | None = None, *,
                       w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
-                      block: tuple[int, int] | None = None, tiles: MoeTiles | None = None) -> torch.Tensor:
-    """Same contract as ops/moe/reference.moe_experts_reference: x [T, hidden] -> [T, hidden].
+                      block: tuple[int, int] | None = None, tiles: MoeTiles | None = None,
+                      addend: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as ops/moe/reference.moe_experts_reference: x [T, hidden] -> [T, hidden];
+    `addend` [T, hidden] (the shared experts' output) is added before the result's one rounding.
     FP8 experts (w13, w2 in float8_e4m3fn with their block scales [E, rows / br, cols / bc]) take
     x and the SiLU product quantized per token and group of bc columns (ops/fp8); the definition
     is ops/moe/reference.moe_experts_fp8_reference. `tiles`: a launch shape other than
@@ -234,8 +239,10 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     x = x if x.stride(1) == 1 else x.contiguous()
     w13 = w13 if w13.stride(2) == 1 else w13.contiguous()
     w2 = w2 if w2.stride(2) == 1 else w2.contiguous()
+    if addend is not None and addend.shape != (T, hidden):
+        raise ValueError(f"the addend must be [T, hidden] = {[T, hidden]}, got {list(addend.shape)}")
     if S == 0:
-        return torch.zeros_like(x)
+        return torch.zeros_like(x) if addend is None else addend.to(out_dtype, copy=True)
     t = tiles or moe_tiles(S, E, hidden, inter, fp8, device_target(x.device), block[1] if fp8 else 128)
     BM, (BN1, BK1, warps1, stages1), (BN2, BK2, warps2, stages2) = t.block_m, t.gate_up, t.down
     if fp8 and (BK1, BK2) != (block[1], block[1]):
@@ -270,8 +277,10 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     )
     out = torch.empty(T, hidden, dtype=out_dtype, device=x.device)
     BH = _block(hidden, 256)
+    add = y if addend is None else addend if addend.stride(1) == 1 else addend.contiguous()   # y: unused pointer
     _moe_sum_kernel[(triton.cdiv(T, 4), triton.cdiv(hidden, BH))](
-        y, out, T, hidden, y.stride(0), out.stride(0), TOPK=k, BT=4, BH=BH, num_warps=4)
+        y, out, add, T, hidden, y.stride(0), out.stride(0), add.stride(0), TOPK=k, BT=4, BH=BH,
+        HAS_ADD=addend is not None, num_warps=4)
     return out
 
 
