@@ -117,14 +117,13 @@ class MLAttention(nn.Module):
         q = q.view(T, H, self.Dn + self.R)
         q_nope, q_pe = q[..., : self.Dn], q[..., self.Dn :]
         kv = self.kv_a_proj_with_mqa(hidden)
-        latent, k_pe = self.kv_a_layernorm(kv[:, : self.L].contiguous()), kv[:, self.L :]
         md: AttentionMetadata | None = get_context().attn
         if md is None or self.cache is None:
             # Dummy run (memory profile): the step as one causal sequence, so shapes and costs are real.
+            latent, k_pe = self.kv_a_layernorm(kv[:, : self.L].contiguous()), kv[:, self.L :]
             o = self._prefill(q_nope, q_pe, latent, k_pe, [T], [T])
             return self.o_proj(o.reshape(T, H * self.Dv))
-        rows = torch.cat([latent, k_pe], dim=-1).to(self.cache.dtype)
-        self.cache.view(-1, self.L + self.R).index_copy_(0, md.slot_mapping, rows)
+        self._write_cache(kv, md.slot_mapping)
         selection = self.select(hidden, q_resid, md)
         nd = md.num_decode_tokens
         parts = []
@@ -139,6 +138,18 @@ class MLAttention(nn.Module):
                                        selection.prefill if selection else None))
         o = parts[0] if len(parts) == 1 else torch.cat(parts)
         return self.o_proj(o.reshape(T, H * self.Dv))
+
+    def _write_cache(self, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """The step's new tokens into their cache rows: kv_a_layernorm(latent) | k_pe (the Triton
+        backend in one launch, ops/mla/latent_write.py; the torch path is the definition)."""
+        norm = self.kv_a_layernorm
+        if self.backend == "triton":
+            from kdaserve.ops.mla.latent_write import mla_latent_write
+
+            mla_latent_write(kv, norm.weight, norm.eps, self.cache, slot_mapping)
+            return
+        rows = torch.cat([norm(kv[:, : self.L].contiguous()), kv[:, self.L :]], dim=-1).to(self.cache.dtype)
+        self.cache.view(-1, self.L + self.R).index_copy_(0, slot_mapping, rows)
 
     def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, md: AttentionMetadata,
                 selection: Selection | None = None) -> torch.Tensor:
