@@ -194,6 +194,9 @@ def _other_cases() -> list[Case]:
     from kdaserve.ops.norm.gated_rms_norm import gated_rms_norm_kernel
     from kdaserve.ops.norm.rms_norm import launch_shape as rms_norm_shape
     from kdaserve.ops.norm.rms_norm import rms_norm_kernel
+    from kdaserve.ops.activation.swiglu import launch_shape as swiglu_shape
+    from kdaserve.ops.activation.swiglu import swiglu_kernel
+    from kdaserve.ops.mla.latent_write import mla_latent_write_kernel
     from kdaserve.ops.dsa.triton_scores import dsa_index_scores_kernel
     from kdaserve.ops.hyper_connection.triton_hc import hc_post_kernel, hc_pre_kernel
     from kdaserve.ops.mla.sparse_decode import _mla_sparse_decode_kernel
@@ -211,6 +214,16 @@ def _other_cases() -> list[Case]:
              dict(x_ptr=BF, r_ptr=BF, w_ptr=BF, y_ptr=BF, ro_ptr=BF, eps="fp32"),
              dict(HAS_RESIDUAL=True, BR=rms_norm_shape(2304)[0], BD=rms_norm_shape(2304)[1]), rms_norm_shape(2304)[2],
              quick=True, no_spill=True),
+        Case("swiglu I=1024", swiglu_kernel, dict(x_ptr=BF, y_ptr=BF, limit="fp32"),
+             dict(HAS_LIMIT=False, BR=swiglu_shape(1024)[0], BI=swiglu_shape(1024)[1]), quick=True, no_spill=True),
+        Case("swiglu I=9216 clamped", swiglu_kernel, dict(x_ptr=BF, y_ptr=BF, limit="fp32"),
+             dict(HAS_LIMIT=True, BR=swiglu_shape(9216)[0], BI=swiglu_shape(9216)[1]), no_spill=True),
+        Case("mla latent write L=512 R=64", mla_latent_write_kernel,
+             dict(kv_ptr=BF, w_ptr=BF, cache_ptr=BF, slots_ptr="*i64", eps="fp32"), dict(BL=512, BR=64, HAS_PE=True),
+             quick=True, no_spill=True),
+        Case("mla latent write L=512 no rotary part", mla_latent_write_kernel,
+             dict(kv_ptr=BF, w_ptr=BF, cache_ptr=BF, slots_ptr="*i64", eps="fp32"), dict(BL=512, BR=1, HAS_PE=False),
+             no_spill=True),
         Case("gated rms norm", gated_rms_norm_kernel, dict(o_ptr=BF, g_ptr=BF, w_ptr=F32, y_ptr=BF, idx_ptr=I32, eps="fp32"),
              dict(HAS_INDEX=False, BR=16, BD=128), quick=True),
         Case("paged decode attention D=128 G=4", _paged_decode_kernel,
@@ -261,7 +274,8 @@ def _other_cases() -> list[Case]:
                     dict(logits_ptr=F32, bias_ptr=F32, w_ptr=F32, ids_ptr="*i64", scale="fp32"),
                     dict(K=8, K_P=8, E_P=256, BT=16, SOFTMAX=False, HAS_BIAS=True, RENORMALIZE=True), 4, 1,
                     quick=True, no_spill=True))
-    out.append(Case("moe sum over k=8", _moe_sum_kernel, dict(y_ptr=BF, out_ptr=BF), dict(TOPK=8, BT=4, BH=256), 4,
+    out.append(Case("moe sum over k=8 + shared experts", _moe_sum_kernel, dict(y_ptr=BF, out_ptr=BF, add_ptr=BF),
+                    dict(TOPK=8, BT=4, BH=256, HAS_ADD=True), 4,
                     quick=True, no_spill=True))
     out.append(Case("moe align E=256", _align_kernel, dict(ids_ptr="*i64", sorted_ptr=I32, block_experts_ptr=I32),
                     dict(E=256, E_P=256, BM=16, BLOCK_S=32), 4, 1, quick=True, no_spill=True))

@@ -4,10 +4,10 @@ step (its memory floor), so each part can be set against its own floor.
 
 Kinds, first match wins (our Triton kernels by their names, cuBLAS's by theirs):
   MoE experts  the grouped expert GEMMs, the slot alignment, the sum over the k choices
-  MLA          the latent-cache attention kernels (decode, split-context merge, prefill)
+  MLA          the latent-cache kernels (decode, split-context merge, prefill, the cache write)
   KDA          conv, the recurrence (flash prefill, fused / stream decode), the gated output norm
   GEMMs        cuBLAS and the FP8 block GEMM: projections, shared experts, router, LM head
-  other        RMSNorm, rotary, routing, elementwise, sampling, copies: no floor of their own
+  other        RMSNorm, SwiGLU, rotary, routing, elementwise, sampling, copies: no floor of their own
 
 Decode floor of each kind (bytes that must move; time = bytes / the copy bandwidth):
   MoE experts  the routed experts the step touches, E * (1 - (1 - k/E)^B) per MoE layer for
@@ -35,7 +35,7 @@ GEMM = "GEMMs (projections, shared experts, router, head)"
 OTHER = "other (norms, rotary, routing, elementwise, sampling)"
 KINDS = (
     (MOE, ("_moe_", "_align_kernel", "_align_count", "_align_offsets", "_align_place")),
-    (MLA, ("_mla_",)),
+    (MLA, ("_mla_", "mla_latent_write")),
     (KDA, ("flash_", "conv_", "kda_", "gated_rms_norm")),
     (GEMM, ("gemm", "cutlass", "nvjet", "xmma", "cublas")),
 )

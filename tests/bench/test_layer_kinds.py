@@ -14,13 +14,13 @@ from kdaserve.bench.layer_kinds import (
 from kdaserve.models.builtin import released_config
 from kdaserve.models.loader import load_model
 
-# The kernels of ours that belong to no kind with a floor: norms, routing, quantization.
-OTHER_OK = {"rms_norm_kernel", "_route_kernel", "_quantize_group_kernel"}
+# The kernels of ours that belong to no kind with a floor: norms, SwiGLU, routing, quantization.
+OTHER_OK = {"rms_norm_kernel", "swiglu_kernel", "_route_kernel", "_quantize_group_kernel"}
 
 
 @pytest.mark.parametrize("name, kind", [
     ("_moe_gate_up_kernel", MOE), ("_moe_sum_kernel", MOE), ("_align_count_kernel", MOE), ("_align_kernel", MOE),
-    ("_mla_decode_kernel", MLA), ("_mla_merge_kernel", MLA), ("_mla_prefill_kernel", MLA),
+    ("_mla_decode_kernel", MLA), ("_mla_merge_kernel", MLA), ("_mla_prefill_kernel", MLA), ("mla_latent_write_kernel", MLA),
     ("kda_fused_decode_kernel", KDA), ("conv_update_kernel", KDA), ("flash_prepare_kernel", KDA),
     ("gated_rms_norm_kernel", KDA), ("rms_norm_kernel", OTHER), ("_route_kernel", OTHER),
     ("nvjet_tst_128x64_64x8_1x1_v_bz_coopA_TNT", GEMM), ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", GEMM),
