@@ -1,0 +1,35 @@
+"""benchmarks/decode_launches.py: a Kimi-Linear decode step's launches as a GPU makes them, counted
+on the CPU. Pinned from above: a change that adds launches to a decode step fails here, so it is
+made on purpose (then raise the bound with the reason) and not by accident."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Launches per layer kind (fused SwiGLU, the shared experts summed in the MoE sum, the MLA cache
+# write with its norm in one launch) and for the whole released model's step.
+MOST = {"KDA + dense MLP": 10, "KDA + MoE": 16, "MLA + MoE": 19}
+MOST_RELEASED = 453
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="records launches through Triton's interpreter")
+def test_kimi_linear_decode_step_launches_no_more_than_pinned():
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_launches.py"), "--batch", "2"],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = {cells[1].strip(): cells for line in r.stdout.splitlines() if line.startswith("| ")
+            for cells in [line.split("|")]}
+    for kind, most in MOST.items():
+        per_layer = float(rows[kind][2])
+        assert per_layer <= most, f"{kind}: {per_layer:g} launches per layer, pinned at {most}: {rows[kind][3]}"
+    assert "silu" not in r.stdout and "index_copy_" not in r.stdout   # the fused paths ran
+    released = float(rows["total"][6])
+    assert 0 < released <= MOST_RELEASED, r.stdout
