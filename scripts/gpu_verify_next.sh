@@ -5,18 +5,24 @@
 # Carry [".whl"] (fla-core 0.6.0; fastapi, starlette, pydantic(-core), uvicorn, opentelemetry-api,
 # annotated-types, typing-inspection for the server; xgrammar 0.2.8, apache-tvm-ffi and
 # transformers 5.23.0 with what it imports for structured output) and, for an old-vs-new comparison, [".old"]
-# (e.g. `git archive <commit> kdaserve benchmarks | tar -x -C .old`).
+# (e.g. `git archive <commit> kdaserve benchmarks | tar -x -C .old`), [".base"] likewise for kimi_fusions.
 # Parts owed (add one as `if [ "$PART" = name ]; then ... fi` below, with what it must show), in the
-# order to run them when the session's device time (30 min) cannot fit them all (~45 min together):
+# order to run them when the session's device time (30 min) cannot fit them all (~60 min together):
 #   host_split_tests  the engine and server GPU tests after the twenty-third and twenty-fourth sessions'
 #                 host-work changes (text made by the API processes, metrics sent only when changed, the
 #                 greedy sampling shortcut, Sequence.is_finished an attribute, request groups without a
 #                 generator, the sampled tokens read back through a ring of pinned buffers and events).
+#   fusion_tests  the twenty-fourth session's fused launches (SwiGLU, the shared experts in the MoE
+#                 sum, the MLA cache write with its norm) and the twenty-third's MoE alignment over
+#                 blocks: their GPU tests and the models' (Kimi-Linear, GLM-5.3-Flash) in bf16.
+#                 Early: the alignment is already the default on a GPU past 1024 slots, and the
+#                 fusions are the default on every GPU.
 #   moe_align_blocks  prefill's MoE alignment over blocks of slots (three Triton launches instead of
-#                 the torch path's sort; issue 21 goal 4): GPU tests, and the MoE rows old vs new.
-#                 First after the tests: it is already the default on a GPU past 1024 slots.
+#                 the torch path's sort; issue 21 goal 4): the MoE rows old vs new.
 #   kimi_decode_kinds  Kimi-Linear's decode step by layer kind against each kind's own floor (issue 21
-#                 goal 1's breakdown), with the TTFT and the decode table.
+#                 goal 1's breakdown), with the TTFT and the decode table at batch 1, 64 and 256.
+#   kimi_fusions  Kimi-Linear's decode step, the session's start (.base = `git archive c04ce36 kdaserve
+#                 benchmarks`) against the new code in one command: 520 -> 453 launches per step.
 #   host_split    the serving path, old (.old = `git archive 272aacf kdaserve benchmarks`, with the new
 #                 bench_serving_host.py copied in) against the new code, alternating, then the new code at
 #                 --stream-interval 4 and with the fake device on the same host (issue 21 goal 2).
@@ -92,25 +98,52 @@ if [ "$PART" = host_split ]; then
   echo "== invocation 6, new code, fake device 1.4 ms on this host rc=$?"; grep "^| [0-9]\|^| alone" "$OUT/hs_6.log"
 fi
 
+if [ "$PART" = fusion_tests ]; then
+  # Must show: every group passes: SwiGLU and the MLA cache write against their torch paths in bf16
+  # at Kimi-Linear's sizes, the MoE kernels (the sum with the shared experts' addend, the blocks
+  # alignment's tables equal to the torch path's up to 8192 tokens, TMA weights), the FP8 experts,
+  # and the two families' GPU tests (Kimi-Linear bf16 against its reference; GLM-5.3-Flash's MTP
+  # with CUDA graphs lossless).
+  group swiglu_gpu 60 tests/ops/test_swiglu.py
+  group latent_write_gpu 60 tests/ops/test_mla_latent_write.py
+  group moe_gpu 150 tests/ops/test_moe.py
+  group fp8_gpu 120 tests/ops/test_fp8.py
+  group kimi_gpu 200 tests/models/test_kimi_linear_gpu.py
+  group glm_gpu 120 tests/models/test_glm5_next.py -k gpu
+fi
+
 if [ "$PART" = kimi_decode_kinds ]; then
-  # Must show: the decode table at batch 64 and 256 (engine / floor: the twentieth session had 0.95x
-  # and 1.13x) and, below it, the step by layer kind: each kind's device us against its own floor
-  # (MoE experts: the experts the batch touches; MLA: latent rows; KDA: states read and written;
-  # GEMMs: dense weights) and its share of the step; the "total" row's method says whether the
-  # profiler saw the kernels inside the graph replays. Issue 21 goal 1 asks what each part is at
-  # against its own floor: the kinds furthest above theirs are where the next work goes.
-  timeout 560 python3 benchmarks/bench_kimi_linear.py --batches 64 256 --ttft 8192 > "$OUT/kimi_kinds.log" 2>&1
+  # Must show: the decode table at batch 1, 64 and 256 (engine / floor: the twentieth session had
+  # 2.67x (one at a time), 0.95x and 1.13x) and, below it, the step by layer kind: each kind's device
+  # us against its own floor (MoE experts: the experts the batch touches; MLA: latent rows; KDA:
+  # states read and written; GEMMs: dense weights) and its share of the step; the "total" row's
+  # method says whether the profiler saw the kernels inside the graph replays. Issue 21 goal 1 asks
+  # what each part is at against its own floor: the kinds furthest above theirs are where the next
+  # work goes ("other" at batch 1: launch-bound kernels).
+  timeout 560 python3 benchmarks/bench_kimi_linear.py --batches 1 64 256 --ttft 8192 > "$OUT/kimi_kinds.log" 2>&1
   echo "== rc=$?"; sed -n '/^| prefill of one prompt/,$p' "$OUT/kimi_kinds.log"; grep -i "error\|Traceback" "$OUT/kimi_kinds.log" | head -5
 fi
 
+if [ "$PART" = kimi_fusions ]; then
+  # Must show: the graph step and the engine step at batch 1 and 64 lower with the new code (453
+  # launches per step instead of 520, benchmarks/decode_launches.py), most at batch 1 (twentieth
+  # session: graph 3315 us against a 1499 us floor); TTFT at 2K not higher. Base first, then new.
+  [ -d .base/kdaserve ] || { echo "carry .base (git archive c04ce36 kdaserve benchmarks | tar -x -C .base)"; exit 1; }
+  for code in base new; do
+    dir=.; [ $code = base ] && dir=.base
+    (cd $dir && timeout 280 python3 benchmarks/bench_kimi_linear.py --batches 1 64 --ttft 2048 --ctx 2048 \
+       > "$OUT/kf_$code.log" 2>&1)
+    echo "== $code rc=$?"; grep "TTFT\|^| [0-9]" "$OUT/kf_$code.log" | head -8
+  done
+fi
+
 if [ "$PART" = moe_align_blocks ]; then
-  # Must show: tests/ops/test_moe.py passes (test_gpu_triton_alignments_equal_the_torch_path up to
-  # 8192 tokens: the blocks path's tables equal the torch path's); in the new table the "MoE align"
+  # Must show (after fusion_tests passed tests/ops/test_moe.py, whose test_gpu_triton_alignments_
+  # equal_the_torch_path checks the blocks path's tables up to 8192 tokens): in the new table the "MoE align"
   # prefill rows' kernel column below their torch column (the nineteenth session put alignment + the
   # sum over k at 0.28 ms of a 2.36 ms call at 8K), and the "MoE" prefill rows (fused column) below
   # the old code's at 2K and 8K by about that difference (% of bf16 peak: issue 21 goal 4 wants 60).
   [ -d .old/kdaserve ] || { echo "carry .old (git archive 272aacf kdaserve benchmarks | tar -x -C .old)"; exit 1; }
-  group moe_gpu 200 tests/ops/test_moe.py
   timeout 150 python3 benchmarks/bench_moe_mla.py --batches 1 64 --prefill 2048 8192 > "$OUT/moe_new.log" 2>&1
   echo "== new rc=$?"; grep "MoE" "$OUT/moe_new.log" | tail -12
   (cd .old && timeout 150 python3 benchmarks/bench_moe_mla.py --batches 1 64 --prefill 2048 8192) > "$OUT/moe_old.log" 2>&1
