@@ -35,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 # Torch ops that launch no kernel of their own: allocations and metadata.
 _NO_KERNEL = {"empty", "empty_strided", "empty_like", "_local_scalar_dense", "lift_fresh", "detach", "alias", "set_",
               "resize_", "_to_copy_noop"}
+DTYPE = "float16"   # a 2-byte dtype as served (bf16 cannot run through the interpreter): its casts are launches too
 RELEASED = {"kimi-tiny": "moonshotai/Kimi-Linear-48B-A3B-Instruct", "glm-tiny": "zai-org/GLM-5.3-Flash"}
 
 
@@ -47,9 +48,18 @@ class Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
-        if not func.is_view and name not in _NO_KERNEL:
+        if name not in _NO_KERNEL and (not func.is_view or _new_storage(out, args)):
             self.launches.append((self.where, f"torch {name}"))
         return out
+
+
+def _new_storage(out, args) -> bool:
+    """Whether a view-like op (`to`, `reshape`, `contiguous`) made a copy: its output's memory is
+    none of its inputs' (a cast or a gather of strided rows is a kernel; a true view is not)."""
+    if not isinstance(out, torch.Tensor):
+        return False
+    inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+    return out.untyped_storage().data_ptr() not in inputs
 
 
 def force_gpu_choices(model, monkeypatch_align) -> None:
@@ -76,7 +86,7 @@ def record(model_name: str, batch: int) -> tuple[Recorder, dict[str, int], objec
     from kdaserve.engine import LLM, SamplingParams
 
     llm = LLM(model_name, kda_prefill_backend="flash", kda_decode_backend="fused", mla_backend="triton",
-              moe_backend="triton", max_num_seqs=max(4, batch), max_model_len=64, dtype="float32", enforce_eager=True)
+              moe_backend="triton", max_num_seqs=max(4, batch), max_model_len=64, dtype=DTYPE, enforce_eager=True)
     eng = llm.engine
     model = eng.runner.model
     original_align = align.align_to_experts
