@@ -270,10 +270,11 @@ def _other_cases() -> list[Case]:
                         per_target={t: _mla_prefill_launch(mla_prefill_shape(t, dn, dn)) for t in TARGETS}))
     out.append(Case("mla decode merge L=512", _mla_merge_kernel, dict(part_ptr=F32, lse_ptr=F32, out_ptr=BF),
                     dict(H=32, L=512, SPLITS=64), quick=True, no_spill=True))
-    out.append(Case("moe route E=256 k=8", _route_kernel,
-                    dict(logits_ptr=F32, bias_ptr=F32, w_ptr=F32, ids_ptr="*i64", scale="fp32"),
-                    dict(K=8, K_P=8, E_P=256, BT=16, SOFTMAX=False, HAS_BIAS=True, RENORMALIZE=True), 4, 1,
-                    quick=True, no_spill=True))
+    for extra in (0, 1):   # 1: the shared expert's column appended (layers/moe at decode)
+        out.append(Case(f"moe route E=256 k=8{' + shared expert' if extra else ''}", _route_kernel,
+                        dict(logits_ptr=F32, bias_ptr=F32, w_ptr=F32, ids_ptr="*i64", scale="fp32"),
+                        dict(K=8, K_P=8, E_P=256, BT=16, SOFTMAX=False, HAS_BIAS=True, RENORMALIZE=True, EXTRA=extra),
+                        4, 1, quick=not extra, no_spill=True))
     out.append(Case("moe sum over k=8 + shared experts", _moe_sum_kernel, dict(y_ptr=BF, out_ptr=BF, add_ptr=BF),
                     dict(TOPK=8, BT=4, BH=256, HAS_ADD=True), 4,
                     quick=True, no_spill=True))
@@ -291,28 +292,31 @@ def _other_cases() -> list[Case]:
                     quick=True, no_spill=True))
     for slots, label in ((64, "decode BM=16"), (8192, "BM=32"), (65536, "prefill")):   # moe_tiles' regimes at E = 256
         out += _moe_cases(slots, label)
+    out += _moe_cases(576, "decode B=64 + shared expert", shared=True)   # layers/moe: the shared expert as expert 256
     return out + _fp8_cases()
 
 
-def _moe_cases(slots: int, label: str) -> list[Case]:
+def _moe_cases(slots: int, label: str, shared: bool = False) -> list[Case]:
     """The two bf16 expert GEMMs of a step of `slots` (token, expert) pairs over Kimi-Linear's 256
-    experts (hidden 2304, width 1024), on each target as ops/moe/fused.moe_tiles launches them there."""
+    experts (hidden 2304, width 1024), on each target as ops/moe/fused.moe_tiles launches them there;
+    `shared`: with the shared expert run as expert 256 (decode)."""
     from kdaserve.ops.moe.fused import _moe_down_kernel, _moe_gate_up_kernel, moe_tiles
 
     def launch(t: str, which: str) -> dict:
-        tiles = moe_tiles(slots, 256, 2304, 1024, False, t)
+        tiles = moe_tiles(slots, 256 + shared, 2304, 1024, False, t)
         bn, bk, warps, stages = getattr(tiles, which)
         return {"consts": dict(BM=tiles.block_m, BN=bn, BK=bk), "warps": warps, "stages": stages or (2 if t.startswith("gfx") else 3)}
 
-    common = dict(FP8=False, BLOCK_ROWS=1, EVEN_K=True)
+    common = dict(FP8=False, BLOCK_ROWS=1, EVEN_K=True, HAS_SHARED=shared)
     return [
         Case(f"moe gate_up {label}", _moe_gate_up_kernel,
-             dict(x_ptr=BF, w_ptr=BF, sorted_ptr=I32, experts_ptr=I32, h_ptr=BF, xs_ptr=BF, ws_ptr=BF),
-             dict(TOPK=8, LIMIT=0.0, HAS_LIMIT=False, **common, **launch("sm_90", "gate_up")["consts"]),
+             dict(x_ptr=BF, w_ptr=BF, sorted_ptr=I32, experts_ptr=I32, h_ptr=BF, xs_ptr=BF, ws_ptr=BF, shared_w_ptr=BF),
+             dict(TOPK=8 + shared, LIMIT=0.0, HAS_LIMIT=False, **common, **launch("sm_90", "gate_up")["consts"]),
              quick=slots == 64, precision={"PREC": "tc"}, no_spill=True,
              per_target={t: launch(t, "gate_up") for t in TARGETS}),
         Case(f"moe down {label}", _moe_down_kernel,
-             dict(h_ptr=BF, w_ptr=BF, sorted_ptr=I32, experts_ptr=I32, weights_ptr=F32, y_ptr=BF, hs_ptr=BF, ws_ptr=BF),
+             dict(h_ptr=BF, w_ptr=BF, sorted_ptr=I32, experts_ptr=I32, weights_ptr=F32, y_ptr=BF, hs_ptr=BF, ws_ptr=BF,
+                  shared_w_ptr=BF),
              dict(**common, **launch("sm_90", "down")["consts"]), quick=slots == 64, precision={"PREC": "tc"},
              no_spill=True, per_target={t: launch(t, "down") for t in TARGETS}),
     ]

@@ -16,6 +16,12 @@ from kdaserve.ops.fp8.reference import FP8
 from kdaserve.ops.moe.reference import moe_experts_fp8_reference, moe_experts_reference
 from kdaserve.ops.moe.router import RouterConfig, route_tokens
 
+# Steps of at most this many tokens (decode) run a shared expert of the routed experts' width as
+# one more expert inside the fused kernels: three launches fewer per MoE layer (its two GEMMs and
+# its SwiGLU), where a decode step is launch-bound. Larger steps keep it apart, in cuBLAS's GEMMs,
+# which run a dense [T, hidden] x [hidden, 2I] faster than the grouped kernel does.
+SHARED_AS_EXPERT_MAX_TOKENS = 64
+
 
 class MoEMLP(nn.Module):
     def __init__(self, hidden_size: int, router: RouterConfig, expert_intermediate_size: int, *,
@@ -70,14 +76,33 @@ class MoEMLP(nn.Module):
             raise ValueError(f"expert {expert} {which}.weight arrived as {tensor.dtype}; FP8 experts take it quantized")
         target.copy_(tensor)
 
+    def _shared_as_expert(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The shared expert's (gate|up, down) weights where the fused kernels run it as expert E:
+        one shared expert of the routed width in the routed dtype, the routing kernel (it appends
+        the column), a decode-sized step."""
+        s = self.shared_experts
+        if (s is None or self.backend != "triton" or self.router.grouped or num_tokens > SHARED_AS_EXPERT_MAX_TOKENS
+                or self.fp8_block is not None or s.activation_limit != self.activation_limit):
+            return None
+        w13, w2 = getattr(s.gate_up_proj, "weight", None), getattr(s.down_proj, "weight", None)
+        if (w13 is None or w2 is None or w13.dtype != self.w13.dtype or tuple(w13.shape) != tuple(self.w13.shape[1:])
+                or tuple(w2.shape) != tuple(self.w2.shape[1:]) or s.gate_up_proj.bias is not None
+                or not (w13.is_contiguous() and w2.is_contiguous() and self.w13.is_contiguous() and self.w2.is_contiguous())):
+            return None
+        return w13, w2
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared_expert = self._shared_as_expert(x.shape[0])
         # Routing follows the experts' backend: the reference routes in torch; the Triton backend in
         # the routing kernel (grouped routing has none), on a GPU or in the interpreter.
         weights, ids = route_tokens(x, self.gate_weight, self.e_score_correction_bias, self.router,
-                                    use_kernel=self.backend == "triton" and not self.router.grouped)
+                                    use_kernel=self.backend == "triton" and not self.router.grouped,
+                                    extra_expert=self.router.num_experts if shared_expert is not None else None)
         if self.backend == "triton":
             from kdaserve.ops.moe.fused import moe_experts_fused
 
+            if shared_expert is not None:
+                return moe_experts_fused(x, self.w13, self.w2, weights, ids, self.activation_limit, shared=shared_expert)
             # The shared experts first: the routed experts' final sum adds their output (one launch less).
             shared = self.shared_experts(x) if self.shared_experts is not None else None
             fp8 = {} if self.fp8_block is None else dict(w13_scale=self.w13_scale_inv, w2_scale=self.w2_scale_inv,

@@ -60,6 +60,21 @@ def test_routing_kernel_equals_the_torch_path(T, E, k, scoring, with_bias, renor
     torch.testing.assert_close(got_w, want_w, rtol=1e-6, atol=1e-7)
 
 
+@INTERP
+def test_routing_appends_the_extra_expert():
+    """extra_expert: every token's last column is that expert with weight 1 (kernel and torch path
+    alike), the k routed columns as without it."""
+    g = torch.Generator().manual_seed(12)
+    x, w = torch.randn(9, 32, generator=g), torch.randn(16, 32, generator=g) * 0.3
+    cfg = RouterConfig(16, 3, routed_scaling_factor=2.5)
+    plain_w, plain_ids = route_tokens(x, w, None, cfg, use_kernel=False)
+    for use_kernel in (True, False):
+        got_w, got_ids = route_tokens(x, w, None, cfg, use_kernel=use_kernel, extra_expert=16)
+        assert got_ids.shape == (9, 4) and torch.equal(got_ids[:, :3], plain_ids) and (got_ids[:, 3] == 16).all()
+        torch.testing.assert_close(got_w[:, :3], plain_w, rtol=1e-6, atol=1e-7)
+        assert (got_w[:, 3] == 1.0).all()
+
+
 def test_routing_kernel_refuses_groups():
     x, w = torch.randn(3, 16), torch.randn(8, 16)
     with pytest.raises(ValueError, match=r"does not restrict experts to groups \(1 of 4\)"):
@@ -226,10 +241,35 @@ def test_fused_adds_the_shared_experts_output_in_its_sum(T):
 
 
 @INTERP
-def test_layer_with_shared_experts_equals_its_reference():
-    """MoEMLP on the Triton backend (routing kernel, fused experts summing the shared experts' SwiGLU
-    kernel output) against the same layer on the reference backend."""
-    from kdaserve.layers.moe import MoEMLP
+@pytest.mark.parametrize("T", [1, 13])
+def test_fused_runs_a_shared_expert_as_one_more_expert(T):
+    """`shared`: the shared expert's GEMMs inside the routed experts' launches, as expert E with
+    weight 1 (the router's extra column): the reference's routed output plus the shared MLP's."""
+    from kdaserve.ops.activation.swiglu import swiglu_reference
+    from kdaserve.ops.moe.fused import moe_experts_fused
+
+    E, k, hidden, inter = 8, 3, 32, 48
+    w13, w2 = experts(E + 1, hidden, inter, seed=4)
+    routed13, routed2, s13, s2 = w13[:E].clone(), w2[:E].clone(), w13[E].clone(), w2[E].clone()   # apart, as a layer holds them
+    x = torch.randn(T, hidden, generator=torch.Generator().manual_seed(13))
+    weights, ids = _routing(T, E, k, "random")
+    ext_w = torch.cat([weights, torch.ones(T, 1)], 1)
+    ext_ids = torch.cat([ids, torch.full((T, 1), E)], 1)
+    got = moe_experts_fused(x, routed13, routed2, ext_w, ext_ids, shared=(s13, s2))
+    want = moe_experts_reference(x, routed13, routed2, weights, ids) + swiglu_reference(x @ s13.T) @ s2.T
+    assert_rel_close(got, want, 1e-5, "MoE with the shared expert as expert E")
+    with pytest.raises(ValueError, match="shared expert run with the routed ones needs their width"):
+        moe_experts_fused(x, routed13, routed2, ext_w, ext_ids, shared=(s13[:, :16], s2))
+
+
+@INTERP
+@pytest.mark.parametrize("T", [10, 70], ids=["decode: shared as an expert", "prefill: shared in the sum"])
+def test_layer_with_shared_experts_equals_its_reference(T, monkeypatch):
+    """MoEMLP on the Triton backend against the same layer on the reference backend: at decode
+    sizes the shared expert runs inside the fused kernels (as expert E), past them its SwiGLU
+    kernel's output joins the routed experts' sum."""
+    import kdaserve.ops.moe.fused as fused
+    from kdaserve.layers.moe import SHARED_AS_EXPERT_MAX_TOKENS, MoEMLP
 
     router = RouterConfig(8, 2, routed_scaling_factor=2.5)
     layers = [MoEMLP(32, router, 24, num_shared_experts=1, backend=b, dtype=torch.float32) for b in ("triton", "reference")]
@@ -238,8 +278,13 @@ def test_layer_with_shared_experts_equals_its_reference():
         p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
     layers[1].load_state_dict(layers[0].state_dict())
     assert layers[0].shared_experts.backend == "triton" and layers[1].shared_experts.backend == "reference"
-    x = torch.randn(10, 32, generator=g)
+    calls = []
+    run = fused.moe_experts_fused
+    monkeypatch.setattr(fused, "moe_experts_fused", lambda *a, **kw: calls.append(kw) or run(*a, **kw))
+    x = torch.randn(T, 32, generator=g)
     assert_rel_close(layers[0](x), layers[1](x), 1e-5, "MoE layer with shared experts")
+    as_expert = T <= SHARED_AS_EXPERT_MAX_TOKENS
+    assert [("shared" in kw, "addend" in kw) for kw in calls] == [(as_expert, not as_expert)]
 
 
 def test_fused_refuses_mismatched_weights():
@@ -260,6 +305,25 @@ def _kimi_linear_step(T: int, seed: int):
     gate = torch.randn(E, hidden, device="cuda", generator=g) * hidden**-0.5
     weights, ids = route_tokens(x, gate, None, RouterConfig(E, k, routed_scaling_factor=2.446))
     return x, w13, w2, weights, ids
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 64])
+def test_gpu_shared_expert_as_expert_at_kimi_linear_sizes(T):
+    """Decode's path (layers/moe): the shared expert (width 1024) as expert 256 inside the fused
+    kernels, bf16, against the fp32 reference of routed experts plus the shared MLP."""
+    from kdaserve.ops.activation.swiglu import swiglu_reference
+    from kdaserve.ops.moe.fused import moe_experts_fused
+
+    x, w13, w2, weights, ids = _kimi_linear_step(T, seed=6)
+    s13, s2 = experts(1, 2304, 1024, device="cuda", dtype=torch.bfloat16, seed=7)
+    s13, s2 = s13[0].contiguous(), s2[0].contiguous()
+    ext_w = torch.cat([weights, torch.ones(T, 1, device="cuda")], 1)
+    ext_ids = torch.cat([ids, torch.full((T, 1), 256, device="cuda")], 1)
+    got = moe_experts_fused(x, w13, w2, ext_w, ext_ids, shared=(s13, s2))
+    xf = x.float()
+    want = moe_experts_reference(xf, w13.float(), w2.float(), weights, ids) + swiglu_reference(xf @ s13.float().T) @ s2.float().T
+    assert_rel_close(got.float(), want, 1e-2, f"fused MoE + shared expert bf16 T={T}")
 
 
 @pytest.mark.gpu

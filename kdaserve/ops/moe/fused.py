@@ -40,14 +40,17 @@ def _block_of_program(n_blocks):
 
 @triton.jit
 def _moe_gate_up_kernel(
-    x_ptr, w_ptr, sorted_ptr, experts_ptr, h_ptr, xs_ptr, ws_ptr,
-    S, HIDDEN, INTER, stride_x, stride_we, stride_wn, stride_h, stride_xs, stride_wse, stride_wsn,
+    x_ptr, w_ptr, sorted_ptr, experts_ptr, h_ptr, xs_ptr, ws_ptr, shared_w_ptr,
+    S, HIDDEN, INTER, stride_x, stride_we, stride_wn, stride_h, stride_xs, stride_wse, stride_wsn, num_routed,
     TOPK: tl.constexpr, LIMIT: tl.constexpr, HAS_LIMIT: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
     FP8: tl.constexpr, BLOCK_ROWS: tl.constexpr, EVEN_K: tl.constexpr, W_DESC: tl.constexpr = False,
+    HAS_SHARED: tl.constexpr = False,
 ):
     """W_DESC: w_ptr is a tensor descriptor over w13 as [E * 2I, hidden] with [BN, BK] blocks
-    (Hopper's TMA moves the weight tiles; BN divides I and BK divides hidden), else a pointer."""
+    (Hopper's TMA moves the weight tiles; BN divides I and BK divides hidden), else a pointer.
+    HAS_SHARED: expert `num_routed` is the shared expert, its [2I, hidden] weight at shared_w_ptr
+    with w13's row stride (pointers only)."""
     pid_m, pid_n = _block_of_program(tl.cdiv(INTER, BN))
     e = tl.load(experts_ptr + pid_m)
     if e < 0:
@@ -59,6 +62,9 @@ def _moe_gate_up_kernel(
     col_ok = cols < INTER
     if not W_DESC:
         w_base = w_ptr + e.to(tl.int64) * stride_we
+        if HAS_SHARED:
+            if e == num_routed:
+                w_base = shared_w_ptr
     w_row = e * (2 * INTER) + pid_n * BN   # the gate tile's first row in the descriptor's view
     if FP8:   # block scales: one per (token, K block) for x, per (row block, K block) for W
         gate_scales = ws_ptr + e.to(tl.int64) * stride_wse + (cols // BLOCK_ROWS) * stride_wsn
@@ -94,13 +100,15 @@ def _moe_gate_up_kernel(
 
 @triton.jit
 def _moe_down_kernel(
-    h_ptr, w_ptr, sorted_ptr, experts_ptr, weights_ptr, y_ptr, hs_ptr, ws_ptr,
-    S, HIDDEN, INTER, stride_h, stride_we, stride_wn, stride_y, stride_hs, stride_wse, stride_wsn,
+    h_ptr, w_ptr, sorted_ptr, experts_ptr, weights_ptr, y_ptr, hs_ptr, ws_ptr, shared_w_ptr,
+    S, HIDDEN, INTER, stride_h, stride_we, stride_wn, stride_y, stride_hs, stride_wse, stride_wsn, num_routed,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
     FP8: tl.constexpr, BLOCK_ROWS: tl.constexpr, EVEN_K: tl.constexpr, W_DESC: tl.constexpr = False,
+    HAS_SHARED: tl.constexpr = False,
 ):
     """W_DESC: w_ptr is a tensor descriptor over w2 as [E * hidden, I] with [BN, BK] blocks (BN
-    divides hidden, BK divides I), else a pointer."""
+    divides hidden, BK divides I), else a pointer. HAS_SHARED: expert `num_routed` is the shared
+    expert, its [hidden, I] weight at shared_w_ptr with w2's row stride."""
     pid_m, pid_n = _block_of_program(tl.cdiv(HIDDEN, BN))
     e = tl.load(experts_ptr + pid_m)
     if e < 0:
@@ -112,6 +120,9 @@ def _moe_down_kernel(
     col_ok = cols < HIDDEN
     if not W_DESC:
         w_base = w_ptr + e.to(tl.int64) * stride_we
+        if HAS_SHARED:
+            if e == num_routed:
+                w_base = shared_w_ptr
     if FP8:
         w_scales = ws_ptr + e.to(tl.int64) * stride_wse + (cols // BLOCK_ROWS) * stride_wsn
     acc = tl.zeros([BM, BN], tl.float32)
@@ -215,9 +226,13 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
                       ids: torch.Tensor, activation_limit: float | None = None, *,
                       w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
                       block: tuple[int, int] | None = None, tiles: MoeTiles | None = None,
-                      addend: torch.Tensor | None = None) -> torch.Tensor:
+                      addend: torch.Tensor | None = None,
+                      shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Same contract as ops/moe/reference.moe_experts_reference: x [T, hidden] -> [T, hidden];
     `addend` [T, hidden] (the shared experts' output) is added before the result's one rounding.
+    `shared` = (w13 [2I, hidden], w2 [hidden, I]) of a shared expert of the routed experts' width,
+    run as expert E (the ids' extra column, router_kernel's extra_expert): its GEMMs in the same
+    launches as the routed experts' (bf16 / fp16 / fp32 weights, pointer loads).
     FP8 experts (w13, w2 in float8_e4m3fn with their block scales [E, rows / br, cols / bc]) take
     x and the SiLU product quantized per token and group of bc columns (ops/fp8); the definition
     is ops/moe/reference.moe_experts_fp8_reference. `tiles`: a launch shape other than
@@ -232,6 +247,8 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     fp8 = w13.dtype == FP8
     if fp8:
         _check_fp8_experts(w13, w2, w13_scale, w2_scale, block, x.device)
+    if shared is not None:
+        _check_shared_expert(shared, w13, w2, fp8)
     interpreter_compat.install()
     k = ids.shape[1]
     S = T * k
@@ -243,15 +260,18 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
         raise ValueError(f"the addend must be [T, hidden] = {[T, hidden]}, got {list(addend.shape)}")
     if S == 0:
         return torch.zeros_like(x) if addend is None else addend.to(out_dtype, copy=True)
-    t = tiles or moe_tiles(S, E, hidden, inter, fp8, device_target(x.device), block[1] if fp8 else 128)
+    E_all = E + (shared is not None)   # the shared expert is one more for the alignment and the tiles
+    t = tiles or moe_tiles(S, E_all, hidden, inter, fp8, device_target(x.device), block[1] if fp8 else 128)
     BM, (BN1, BK1, warps1, stages1), (BN2, BK2, warps2, stages2) = t.block_m, t.gate_up, t.down
     if fp8 and (BK1, BK2) != (block[1], block[1]):
         raise ValueError(f"FP8 experts step K by the scale block's {block[1]} columns; tiles asked {BK1} and {BK2}")
-    sorted_slots, block_experts = align_to_experts(ids, E, BM)
+    sorted_slots, block_experts = align_to_experts(ids, E_all, BM)
     m_blocks = block_experts.numel()
     prec = "ieee" if x.dtype == torch.float32 else dot_precision(x.device).tensor_core
     h = torch.empty(S, inter, dtype=x.dtype, device=x.device)
-    tma = t.weights_tma and weights_tma_fits(t, hidden, inter, fp8) and w13.is_contiguous() and w2.is_contiguous()
+    tma = (t.weights_tma and weights_tma_fits(t, hidden, inter, fp8) and w13.is_contiguous() and w2.is_contiguous()
+           and shared is None)
+    shared_w13, shared_w2 = shared if shared is not None else (w13, w2)   # unused pointers without one
     w13_arg, w2_arg = (_weight_descriptors(w13, w2, t) if tma else (w13, w2))
     if fp8:
         a, a_scale = quantize_per_token_group(x, block[1])
@@ -259,21 +279,21 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     else:   # the scale arguments are unused: any tensor stands in
         a, a_scale, ws13, ws2, br = x, h, h, h, 1
     _moe_gate_up_kernel[(m_blocks * triton.cdiv(inter, BN1),)](
-        a, w13_arg, sorted_slots, block_experts, h, a_scale, ws13,
+        a, w13_arg, sorted_slots, block_experts, h, a_scale, ws13, shared_w13,
         S, hidden, inter, a.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
-        a_scale.stride(0), ws13.stride(0), ws13.stride(1) if fp8 else 0,
+        a_scale.stride(0), ws13.stride(0), ws13.stride(1) if fp8 else 0, E,
         TOPK=k, LIMIT=float(activation_limit or 0.0), HAS_LIMIT=activation_limit is not None,
         BM=BM, BN=BN1, BK=BK1, PREC=prec, FP8=fp8, BLOCK_ROWS=br, EVEN_K=hidden % BK1 == 0, W_DESC=tma,
-        num_warps=warps1, num_stages=stages1,
+        HAS_SHARED=shared is not None, num_warps=warps1, num_stages=stages1,
     )
     hq, h_scale = quantize_per_token_group(h, block[1]) if fp8 else (h, h)
     y = torch.empty(S, hidden, dtype=torch.float32 if x.dtype == torch.float32 else x.dtype, device=x.device)
     _moe_down_kernel[(m_blocks * triton.cdiv(hidden, BN2),)](
-        hq, w2_arg, sorted_slots, block_experts, weights.reshape(-1).float().contiguous(), y, h_scale, ws2,
+        hq, w2_arg, sorted_slots, block_experts, weights.reshape(-1).float().contiguous(), y, h_scale, ws2, shared_w2,
         S, hidden, inter, hq.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        h_scale.stride(0), ws2.stride(0), ws2.stride(1) if fp8 else 0,
+        h_scale.stride(0), ws2.stride(0), ws2.stride(1) if fp8 else 0, E,
         BM=BM, BN=BN2, BK=BK2, PREC=prec, FP8=fp8, BLOCK_ROWS=br, EVEN_K=inter % BK2 == 0, W_DESC=tma,
-        num_warps=warps2, num_stages=stages2,
+        HAS_SHARED=shared is not None, num_warps=warps2, num_stages=stages2,
     )
     out = torch.empty(T, hidden, dtype=out_dtype, device=x.device)
     BH = _block(hidden, 256)
@@ -292,6 +312,19 @@ def _weight_descriptors(w13: torch.Tensor, w2: torch.Tensor, tiles: MoeTiles):
     (bn1, bk1, _, _), (bn2, bk2, _, _) = tiles.gate_up, tiles.down
     return (TensorDescriptor.from_tensor(w13.view(-1, w13.shape[2]), [bn1, bk1]),
             TensorDescriptor.from_tensor(w2.view(-1, w2.shape[2]), [bn2, bk2]))
+
+
+def _check_shared_expert(shared, w13: torch.Tensor, w2: torch.Tensor, fp8: bool) -> None:
+    """A shared expert run as one more expert: the routed experts' shapes, dtype and row strides
+    (the kernels address it as they address an expert's slice)."""
+    s13, s2 = shared
+    ok = (not fp8 and s13.dtype == w13.dtype and s2.dtype == w2.dtype and tuple(s13.shape) == tuple(w13.shape[1:])
+          and tuple(s2.shape) == tuple(w2.shape[1:]) and s13.stride() == w13.stride()[1:]
+          and s2.stride() == w2.stride()[1:])
+    if not ok:
+        raise ValueError(f"a shared expert run with the routed ones needs their width, dtype and layout (w13 "
+                         f"{list(w13.shape[1:])}, w2 {list(w2.shape[1:])}, {w13.dtype}, contiguous rows; FP8 experts keep "
+                         f"it apart): got {list(s13.shape)} {s13.dtype} and {list(s2.shape)} {s2.dtype}")
 
 
 def _check_fp8_experts(w13, w2, w13_scale, w2_scale, block, device) -> None:

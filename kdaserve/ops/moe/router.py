@@ -50,10 +50,12 @@ class RouterConfig:
 
 
 def route_tokens(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | None,
-                 cfg: RouterConfig, *, use_kernel: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 cfg: RouterConfig, *, use_kernel: bool | None = None,
+                 extra_expert: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, hidden] -> (weights [T, top_k] fp32, expert ids [T, top_k] int64). After the logits,
     `use_kernel`: None = one Triton launch on a GPU (router_kernel.py) unless routing is restricted
-    to groups, the torch path below otherwise; True / False force one (tests)."""
+    to groups, the torch path below otherwise; True / False force one (tests). `extra_expert`: one
+    more column, that expert with weight 1 for every token (the shared expert as an expert)."""
     logits = F.linear(x.float(), gate_weight.float())
     grouped = cfg.grouped
     if use_kernel is None:
@@ -64,7 +66,8 @@ def route_tokens(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor 
                              f"{cfg.num_groups}); route with use_kernel=False or None")
         from kdaserve.ops.moe.router_kernel import route_from_logits
 
-        return route_from_logits(logits, bias, cfg.top_k, cfg.scoring, cfg.renormalize, cfg.routed_scaling_factor)
+        return route_from_logits(logits, bias, cfg.top_k, cfg.scoring, cfg.renormalize, cfg.routed_scaling_factor,
+                                 extra_expert)
     scores = logits.sigmoid() if cfg.scoring == "sigmoid" else logits.softmax(-1)
     choice = scores if bias is None else scores + bias.float()
     if grouped:
@@ -78,4 +81,9 @@ def route_tokens(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor 
     weights = scores.gather(1, ids)
     if cfg.renormalize:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return weights * cfg.routed_scaling_factor, ids
+    weights = weights * cfg.routed_scaling_factor
+    if extra_expert is not None:
+        T = x.shape[0]
+        weights = torch.cat([weights, weights.new_ones(T, 1)], dim=1)
+        ids = torch.cat([ids, ids.new_full((T, 1), extra_expert)], dim=1)
+    return weights, ids

@@ -8,6 +8,9 @@ the max, mask it out), so the experts come in descending choice order as torch.t
 (ties, which random fp32 scores do not make, go to the lower expert id). Routing restricted to
 groups (num_groups > 1 with topk_groups < num_groups) is not done here: route_tokens keeps the
 torch path for it.
+
+With `extra_expert` every token also gets that expert with weight 1, as a last column: the shared
+expert run by the fused experts' kernels as one more expert (layers/moe.py, at decode).
 """
 
 from __future__ import annotations
@@ -21,10 +24,11 @@ from kdaserve.ops import interpreter_compat
 
 @triton.jit
 def _route_kernel(
-    logits_ptr, stride_l, bias_ptr, w_ptr, ids_ptr, T, E, scale,
+    logits_ptr, stride_l, bias_ptr, w_ptr, ids_ptr, T, E, scale, extra_id,
     K: tl.constexpr, K_P: tl.constexpr, E_P: tl.constexpr, BT: tl.constexpr,
-    SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
+    SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr, EXTRA: tl.constexpr = 0,
 ):
+    """EXTRA (0 or 1): a last column of expert `extra_id` with weight 1 (rows of K + EXTRA)."""
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     cols = tl.arange(0, E_P)
     row_ok = rows < T
@@ -54,26 +58,33 @@ def _route_kernel(
         choice = tl.where(hit, float("-inf"), choice)
     if RENORMALIZE:
         weights = weights / (tl.sum(weights, axis=1)[:, None] + 1e-20)
-    out = rows.to(tl.int64)[:, None] * K + picks[None, :]
+    out = rows.to(tl.int64)[:, None] * (K + EXTRA) + picks[None, :]
     mask = row_ok[:, None] & (picks < K)[None, :]
     tl.store(w_ptr + out, weights * scale, mask=mask)
     tl.store(ids_ptr + out, ids.to(tl.int64), mask=mask)
+    if EXTRA:
+        last = rows.to(tl.int64) * (K + 1) + K
+        tl.store(w_ptr + last, tl.full([BT], 1.0, tl.float32), mask=row_ok)
+        tl.store(ids_ptr + last, tl.full([BT], extra_id, tl.int64), mask=row_ok)
 
 
 def route_from_logits(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, scoring: str,
-                      renormalize: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [T, E] fp32 -> (weights [T, top_k] fp32, ids [T, top_k] int64), ungrouped routing."""
+                      renormalize: bool, scale: float, extra_expert: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] fp32 -> (weights [T, top_k] fp32, ids [T, top_k] int64), ungrouped routing;
+    with `extra_expert`, [T, top_k + 1]: that expert last, weight 1."""
     interpreter_compat.install()
     T, E = logits.shape
     logits = logits if logits.stride(1) == 1 else logits.contiguous()
-    weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
+    width = top_k + (extra_expert is not None)
+    weights = torch.empty(T, width, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(T, width, dtype=torch.int64, device=logits.device)
     if T:
         E_P = max(16, triton.next_power_of_2(E))
         BT = max(1, min(16, 4096 // E_P))
         _route_kernel[(triton.cdiv(T, BT),)](
             logits, logits.stride(0), bias if bias is not None else logits, weights, ids, T, E, float(scale),
-            K=top_k, K_P=max(2, triton.next_power_of_2(top_k)), E_P=E_P, BT=BT, SOFTMAX=scoring == "softmax",
-            HAS_BIAS=bias is not None, RENORMALIZE=renormalize, num_warps=4,
+            extra_expert or 0, K=top_k, K_P=max(2, triton.next_power_of_2(top_k)), E_P=E_P, BT=BT,
+            SOFTMAX=scoring == "softmax", HAS_BIAS=bias is not None, RENORMALIZE=renormalize,
+            EXTRA=int(extra_expert is not None), num_warps=4,
         )
     return weights, ids
