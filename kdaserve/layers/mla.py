@@ -168,7 +168,15 @@ class MLAttention(nn.Module):
         else:
             out_latent = mla_decode_reference(q_latent.to(self.cache.dtype), q_pe.to(self.cache.dtype), self.cache,
                                               md.decode_block_tables, md.decode_context_lens, self.scale, allowed)
-        return torch.einsum("bhl,hdl->bhd", out_latent.to(q_nope.dtype), w_uv)
+        return self._value_heads(out_latent.to(q_nope.dtype), w_uv)
+
+    def _value_heads(self, out_latent: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+        """out_latent [rows, H, L] -> [rows, H, Dv] through each head's value rows, written
+        row-major by the batched GEMM itself (its output is the per-head [rows, Dv] blocks of a
+        [rows, H, Dv] tensor): einsum's result is head-major, and o_proj's reshape of it was a copy."""
+        o = torch.empty(out_latent.shape[0], self.num_heads, self.Dv, dtype=out_latent.dtype, device=out_latent.device)
+        torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2), out=o.transpose(0, 1))
+        return o
 
     def _sparse_prefill(self, q_nope: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Each prefill query over its chosen cache rows only, absorbed like decode: the sparse
@@ -181,7 +189,7 @@ class MLAttention(nn.Module):
         token_idx = torch.where(rows >= 0, torch.arange(K, device=rows.device, dtype=torch.int32), -1)
         out_latent = mla_sparse_decode_triton(q_latent, q_pe, self.cache.view(-1, 1, self.L + self.R),
                                               rows.clamp_min(0).to(torch.int32), token_idx, self.scale)
-        return torch.einsum("bhl,hdl->bhd", out_latent.to(q_nope.dtype), w_uv)
+        return self._value_heads(out_latent.to(q_nope.dtype), w_uv)
 
     def _prefill(self, q_nope, q_pe, ctx_latent, ctx_pe, query_lens: list[int], context_lens: list[int],
                  allowed: list[torch.Tensor] | None = None) -> torch.Tensor:
