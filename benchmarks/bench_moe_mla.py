@@ -13,6 +13,7 @@ the plain torch path (issue "Fast at the real shape", goal 5), on one GPU:
         [--sweep]   # MLA decode: heads per program x context splits, graph-replayed, one table
         [--sweep-moe]   # MoE: launch shapes (rows per program, tiles, warps, stages)
         [--sweep-mla-prefill]   # MLA prefill: tiles, warps, stages; Kimi-Linear's and GLM's heads
+        [--sweep-shared]   # the MoE layer with its shared expert apart or inside the fused kernels
 
 torch: ops/moe/reference.py's loop over experts and ops/mla/reference.py's gathers and einsums,
 the definitions the kernels are tested against (no torch.compile), eager. "MoE align" rows: the
@@ -267,6 +268,39 @@ MLA_PREFILL_SHAPES = ((64, 32, 8, 2), (64, 32, 8, 3), (64, 64, 8, 2), (128, 32, 
                       (64, 64, 4, 2), (32, 32, 8, 2))   # (BLOCK_M, BLOCK_N, warps, stages)
 
 
+def shared_expert_sweep(batches) -> None:
+    """Kimi-Linear's MoE layer (layers/moe.MoEMLP: router, 256 routed experts, one shared expert of
+    the same width) at each batch, graph-replayed, with the shared expert apart (cuBLAS GEMMs, the
+    SwiGLU kernel, its output added in the MoE sum) and inside the fused kernels as expert 256:
+    where "inside" stops winning is layers/moe.SHARED_AS_EXPERT_MAX_TOKENS."""
+    import kdaserve.layers.moe as moe_layer
+
+    router = RouterConfig(E, K, routed_scaling_factor=2.446)
+    layer = moe_layer.MoEMLP(HIDDEN, router, WIDTH, num_shared_experts=1, backend="triton", dtype=BF, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for p in layer.parameters():
+        p.copy_(torch.randn(p.shape, device="cuda", generator=g) * p.shape[-1] ** -0.5)
+    default = moe_layer.SHARED_AS_EXPERT_MAX_TOKENS
+    rows = []
+    try:
+        for T in batches:
+            x = torch.randn(T, HIDDEN, device="cuda", generator=g).to(BF)
+            times, outs = {}, {}
+            for how, limit in (("apart", -1), ("inside", 1 << 30)):
+                moe_layer.SHARED_AS_EXPERT_MAX_TOKENS = limit
+                outs[how] = layer(x).float()
+                times[how] = bench_graph(lambda: layer(x))   # noqa: B023
+            diff = ((outs["inside"] - outs["apart"]).norm() / outs["apart"].norm()).item()
+            rows.append((T, times["apart"], times["inside"], diff, T <= default))
+            print(rows[-1], flush=True)
+    finally:
+        moe_layer.SHARED_AS_EXPERT_MAX_TOKENS = default
+    print(f"\n| batch | shared apart ms | shared inside ms | inside / apart | rel. diff | default (<= {default} tokens) |")
+    print("|---|---|---|---|---|---|")
+    for T, apart, inside, diff, chosen in rows:
+        print(f"| {T} | {apart:.4f} | {inside:.4f} | {inside / apart:.2f}x | {diff:.1e} | {'inside' if chosen else 'apart'} |")
+
+
 def mla_prefill_sweep(prefill) -> None:
     """MLA prefill launch shapes, one sequence per step, Kimi-Linear's heads (32 x (128 + 64 rotary),
     values 128) and GLM-5.3-Flash's (64 x 256, no rotary part); do_bench median. The table prints last."""
@@ -307,6 +341,8 @@ def main() -> None:
     ap.add_argument("--sweep-moe-tma", action="store_true",
                     help="prefill MoE shapes with the weights through pointers and through tensor descriptors (TMA)")
     ap.add_argument("--sweep-mla-prefill", action="store_true", help="MLA prefill launch shapes instead of the main table")
+    ap.add_argument("--sweep-shared", action="store_true",
+                    help="the MoE layer with the shared expert apart or inside the fused kernels, per batch")
     args = ap.parse_args()
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s, bf16 peak {PEAK_BF16 / 1e12:.0f} TFLOP/s")
@@ -318,6 +354,9 @@ def main() -> None:
         return
     if args.sweep_mla_prefill:
         mla_prefill_sweep(args.prefill)
+        return
+    if args.sweep_shared:
+        shared_expert_sweep(args.batches)
         return
     rows = []
     for row in list(moe_rows(args.batches, args.prefill, bw, args.torch_max)) + list(

@@ -18,7 +18,8 @@
 #                 Early: the alignment is already the default on a GPU past 1024 slots, and the
 #                 fusions are the default on every GPU.
 #   moe_align_blocks  prefill's MoE alignment over blocks of slots (three Triton launches instead of
-#                 the torch path's sort; issue 21 goal 4): the MoE rows old vs new.
+#                 the torch path's sort; issue 21 goal 4): the MoE rows old vs new; and where the shared
+#                 expert inside the fused kernels stops paying (--sweep-shared).
 #   kimi_decode_kinds  Kimi-Linear's decode step by layer kind against each kind's own floor (issue 21
 #                 goal 1's breakdown), with the TTFT and the decode table at batch 1, 64 and 256.
 #   kimi_fusions  Kimi-Linear's decode step, the session's start (.base = `git archive c04ce36 kdaserve
@@ -153,6 +154,10 @@ if [ "$PART" = moe_align_blocks ]; then
   echo "== new rc=$?"; grep "MoE" "$OUT/moe_new.log" | tail -12
   (cd .old && timeout 150 python3 benchmarks/bench_moe_mla.py --batches 1 64 --prefill 2048 8192) > "$OUT/moe_old.log" 2>&1
   echo "== old (272aacf) rc=$?"; grep "MoE" "$OUT/moe_old.log" | tail -12
+  # And the MoE layer's shared expert apart or inside the fused kernels per batch (rel. diff ~1e-3
+  # or below): the batches where "inside" wins set layers/moe.SHARED_AS_EXPERT_MAX_TOKENS (now 64).
+  timeout 150 python3 benchmarks/bench_moe_mla.py --sweep-shared --batches 1 8 16 32 64 128 256 > "$OUT/moe_shared.log" 2>&1
+  echo "== shared expert sweep rc=$?"; sed -n '/^| batch | shared/,$p' "$OUT/moe_shared.log"
 fi
 
 if [ "$PART" = moe_tma ]; then
