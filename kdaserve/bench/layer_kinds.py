@@ -12,7 +12,8 @@ Kinds, first match wins (our Triton kernels by their names, cuBLAS's by theirs):
 Decode floor of each kind (bytes that must move; time = bytes / the copy bandwidth):
   MoE experts  the routed experts the step touches, E * (1 - (1 - k/E)^B) per MoE layer for
                uniform routing (random weights route near-uniformly, not exactly), with their
-               FP8 scales where quantized
+               FP8 scales where quantized, and the shared expert where the fused kernels run it
+               (layers/moe: decode-sized steps)
   MLA          the latent rows of every sequence's context, read once per MLA layer
   KDA          every KDA layer's state slots (recurrent state and conv window), read and written
   GEMMs        every other weight but the embedding table (read by a gather of B rows only); the
@@ -96,10 +97,12 @@ def decode_floor_bytes(model: nn.Module, batch: int, context: int, kv_dtype: tor
     module's docstring says what each counts); "experts_touched": per MoE layer, the estimate used."""
     moes = _moe_layers(model)
     touched = experts_touched(moes[0].router.num_experts, moes[0].router.top_k, batch) if moes else 0.0
+    # A shared expert the MoE kernels run (at this batch) is read by them, not by a GEMM.
+    shared = sum(sum(w.nbytes for w in s) for m in moes if (s := m.shared_as_expert(batch)) is not None)
     return {
-        MOE: sum(touched * expert_bytes(m) for m in moes),
+        MOE: sum(touched * expert_bytes(m) for m in moes) + shared,
         MLA: batch * context * kv_bytes_per_block(model, 1, kv_dtype),
         KDA: 2 * batch * state_bytes_per_slot(model),
-        GEMM: dense_weight_bytes(model),
+        GEMM: dense_weight_bytes(model) - shared,
         "experts_touched": touched,
     }

@@ -76,7 +76,7 @@ class MoEMLP(nn.Module):
             raise ValueError(f"expert {expert} {which}.weight arrived as {tensor.dtype}; FP8 experts take it quantized")
         target.copy_(tensor)
 
-    def _shared_as_expert(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def shared_as_expert(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The shared expert's (gate|up, down) weights where the fused kernels run it as expert E:
         one shared expert of the routed width in the routed dtype, the routing kernel (it appends
         the column), a decode-sized step."""
@@ -92,7 +92,7 @@ class MoEMLP(nn.Module):
         return w13, w2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shared_expert = self._shared_as_expert(x.shape[0])
+        shared_expert = self.shared_as_expert(x.shape[0])
         # Routing follows the experts' backend: the reference routes in torch; the Triton backend in
         # the routing kernel (grouped routing has none), on a GPU or in the interpreter.
         weights, ids = route_tokens(x, self.gate_weight, self.e_score_correction_bias, self.router,

@@ -102,6 +102,23 @@ def test_decode_floor_counts_each_kind_from_the_config(tied):
     assert f["experts_touched"] == pytest.approx(experts_touched(E, k, B))
 
 
+def test_a_shared_expert_run_by_the_moe_kernels_counts_as_moe():
+    """On the Triton MoE backend a decode-sized step runs the shared expert inside the MoE kernels
+    (layers/moe): its bytes move from the GEMMs' floor to MoE's, the total unchanged; a larger step
+    keeps them with the GEMMs."""
+    from kdaserve.layers.moe import SHARED_AS_EXPERT_MAX_TOKENS
+
+    kw = dict(dtype=torch.float32, device="cpu", mla_backend="reference")
+    ref = load_model("kimi-tiny", moe_backend="reference", **kw).model
+    tri = load_model("kimi-tiny", moe_backend="triton", **kw).model
+    c = ref.config
+    shared = sum(c.is_moe_layer(i) for i in range(c.num_hidden_layers)) * 3 * c.hidden_size * c.moe_intermediate_size * 4
+    for B, inside in ((5, True), (SHARED_AS_EXPERT_MAX_TOKENS + 1, False)):
+        a, b = decode_floor_bytes(ref, B, 9, torch.float32), decode_floor_bytes(tri, B, 9, torch.float32)
+        moved = shared if inside else 0
+        assert b[MOE] == pytest.approx(a[MOE] + moved) and b[GEMM] == a[GEMM] - moved, (B, a, b)
+
+
 def test_released_kimi_linear_decode_floor_at_batch_64():
     """At the real shape, bf16 (meta device: no memory): 3.3 GB of dense weights (with 8 experts a
     layer, the 6.2 GB of perf-notes' batch 1), ~82 GB of experts at batch 64 (~222 of 256 per layer),
