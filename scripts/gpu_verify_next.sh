@@ -23,7 +23,7 @@
 #   kimi_decode_kinds  Kimi-Linear's decode step by layer kind against each kind's own floor (issue 21
 #                 goal 1's breakdown), with the TTFT and the decode table at batch 1, 64 and 256.
 #   kimi_fusions  Kimi-Linear's decode step, the session's start (.base = `git archive c04ce36 kdaserve
-#                 benchmarks`) against the new code in one command: 561 -> 402 launches per step.
+#                 benchmarks`) against the new code in one command: 561 -> 376 launches per step.
 #   host_split    the serving path, old (.old = `git archive 272aacf kdaserve benchmarks`, with the new
 #                 bench_serving_host.py copied in) against the new code, alternating, then the new code at
 #                 --stream-interval 4 and with the fake device on the same host (issue 21 goal 2).
@@ -126,10 +126,10 @@ if [ "$PART" = kimi_decode_kinds ]; then
 fi
 
 if [ "$PART" = kimi_fusions ]; then
-  # Must show: the graph step and the engine step at batch 1 and 64 lower with the new code (402
+  # Must show: the graph step and the engine step at batch 1 and 64 lower with the new code (376
   # launches per step instead of 561, benchmarks/decode_launches.py: fused SwiGLU, the MLA cache
   # write with its norm, the shared expert inside the fused MoE kernels up to 64 tokens, the MLA
-  # value heads written row-major), most at
+  # value heads written row-major, the router's logits in one launch), most at
   # batch 1 (twentieth session: graph 3315 us against a 1499 us floor); TTFT at 2K not higher. If
   # batch 64 is slower while batch 1 is faster, the shared expert's weights re-read by its 4 row
   # blocks cost more than its launches: lower layers/moe.SHARED_AS_EXPERT_MAX_TOKENS to 16 and note

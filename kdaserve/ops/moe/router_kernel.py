@@ -11,6 +11,10 @@ torch path for it.
 
 With `extra_expert` every token also gets that expert with weight 1, as a last column: the shared
 expert run by the fused experts' kernels as one more expert (layers/moe.py, at decode).
+
+The logits before it: at decode sizes (at most LOGITS_KERNEL_MAX_TOKENS tokens) one launch that
+reads the hidden states in their dtype and multiplies in fp32 (router_logits), where the torch
+path casts them to fp32 first (a launch of its own) and runs an fp32 GEMM; larger steps keep that.
 """
 
 from __future__ import annotations
@@ -20,6 +24,48 @@ import triton
 import triton.language as tl
 
 from kdaserve.ops import interpreter_compat
+
+LOGITS_KERNEL_MAX_TOKENS = 64
+
+
+@triton.jit
+def _router_logits_kernel(x_ptr, stride_x, w_ptr, stride_w, out_ptr, stride_o, T, E, HIDDEN,
+                          BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr):
+    """logits[t, e] = sum_k float(x[t, k]) * w[e, k] in fp32 (exact products, fp32 sums); one
+    program per (BT tokens, BE experts)."""
+    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    experts = tl.program_id(1) * BE + tl.arange(0, BE)
+    row_ok, e_ok = rows < T, experts < E
+    acc = tl.zeros([BT, BE], tl.float32)
+    for k0 in range(0, HIDDEN, BK):
+        ks = k0 + tl.arange(0, BK)
+        k_ok = ks < HIDDEN
+        x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + experts.to(tl.int64)[:, None] * stride_w + ks[None, :], mask=e_ok[:, None] & k_ok[None, :],
+                    other=0.0).to(tl.float32)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_o + experts[None, :], acc,
+             mask=row_ok[:, None] & e_ok[None, :])
+
+
+def router_logits(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
+    """x [T, hidden] (any float dtype) @ gate_weight [E, hidden]^T -> [T, E] fp32, as
+    F.linear(x.float(), gate_weight.float()) up to the order of the fp32 sums."""
+    interpreter_compat.install()
+    T, hidden = x.shape
+    E = gate_weight.shape[0]
+    if gate_weight.shape[1] != hidden:
+        raise ValueError(f"router weight must be [E, {hidden}] for hidden states [T, {hidden}], got "
+                         f"{list(gate_weight.shape)}")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    w = gate_weight if gate_weight.stride(1) == 1 else gate_weight.contiguous()
+    out = torch.empty(T, E, dtype=torch.float32, device=x.device)
+    if T:
+        BT, BE, BK = 16, 16, 64
+        _router_logits_kernel[(triton.cdiv(T, BT), triton.cdiv(E, BE))](
+            x, x.stride(0), w, w.stride(0), out, out.stride(0), T, E, hidden, BT=BT, BE=BE, BK=BK, num_warps=4)
+    return out
 
 
 @triton.jit
