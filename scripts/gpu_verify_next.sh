@@ -23,7 +23,7 @@
 #   kimi_decode_kinds  Kimi-Linear's decode step by layer kind against each kind's own floor (issue 21
 #                 goal 1's breakdown), with the TTFT and the decode table at batch 1, 64 and 256.
 #   kimi_fusions  Kimi-Linear's decode step, the session's start (.base = `git archive c04ce36 kdaserve
-#                 benchmarks`) against the new code in one command: 561 -> 376 launches per step.
+#                 benchmarks`) against the new code in one command: 561 -> 356 launches per step.
 #   host_split    the serving path, old (.old = `git archive 272aacf kdaserve benchmarks`, with the new
 #                 bench_serving_host.py copied in) against the new code, alternating, then the new code at
 #                 --stream-interval 4 and with the fake device on the same host (issue 21 goal 2).
@@ -109,6 +109,7 @@ if [ "$PART" = fusion_tests ]; then
   group latent_write_gpu 60 tests/ops/test_mla_latent_write.py
   group moe_gpu 150 tests/ops/test_moe.py
   group fp8_gpu 120 tests/ops/test_fp8.py
+  group kda_layer_gpu 120 tests/layers/test_kda_layer_gpu.py
   group kimi_gpu 200 tests/models/test_kimi_linear_gpu.py
   group glm_gpu 120 tests/models/test_glm5_next.py -k gpu
 fi
@@ -126,10 +127,11 @@ if [ "$PART" = kimi_decode_kinds ]; then
 fi
 
 if [ "$PART" = kimi_fusions ]; then
-  # Must show: the graph step and the engine step at batch 1 and 64 lower with the new code (376
+  # Must show: the graph step and the engine step at batch 1 and 64 lower with the new code (356
   # launches per step instead of 561, benchmarks/decode_launches.py: fused SwiGLU, the MLA cache
   # write with its norm, the shared expert inside the fused MoE kernels up to 64 tokens, the MLA
-  # value heads written row-major, the router's logits in one launch), most at
+  # value heads written row-major, the router's logits in one launch, KDA's gate b projections in
+  # one batched GEMM), most at
   # batch 1 (twentieth session: graph 3315 us against a 1499 us floor); TTFT at 2K not higher. If
   # batch 64 is slower while batch 1 is faster, the shared expert's weights re-read by its 4 row
   # blocks cost more than its launches: lower layers/moe.SHARED_AS_EXPERT_MAX_TOKENS to 16 and note

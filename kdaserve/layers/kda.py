@@ -111,8 +111,10 @@ class KDALayer(nn.Module):
         kw = dict(dtype=act, device=device)
         f32 = dict(dtype=torch.float32, device=device)
         self.in_proj_qkvbfg_a = _Linear(hidden_size, self.shard.in_proj_rows, **kw)
-        self.f_b_proj = _Linear(D, P, **kw)
-        self.g_b_proj = _Linear(D, P, **kw)
+        # The forget and output gates' second low-rank projections, stacked: one batched GEMM for
+        # both (project), with f_b_proj.weight and g_b_proj.weight views of it, like the conv taps.
+        self.register_buffer("gate_b_weight", torch.zeros(2, P, D, **kw), persistent=False)
+        self.f_b_proj, self.g_b_proj = (_Holder(_param(w)) for w in self.gate_b_weight)
         self.o_proj = _Linear(P, hidden_size, **kw)
         self.register_buffer("conv_weight", torch.zeros(3 * P, W, **f32), persistent=False)
         self.q_conv1d, self.k_conv1d, self.v_conv1d = (_Holder(_param(v)) for v in self._conv_views())
@@ -140,21 +142,26 @@ class KDALayer(nn.Module):
         P, W = self.shard.P, self.conv_width
         return [self.conv_weight[i * P : (i + 1) * P].view(P, 1, W) for i in range(3)]
 
+    def _merged_views(self):
+        """(holder, its view of a merged buffer): the conv taps and the gates' b projections."""
+        return [*zip((self.q_conv1d, self.k_conv1d, self.v_conv1d), self._conv_views()),
+                *zip((self.f_b_proj, self.g_b_proj), self.gate_b_weight)]
+
     def _apply(self, fn, recurse=True):
-        """Device moves convert parameters and buffers one by one: re-alias the conv views to the
-        moved merged buffer and rebuild the derived copies (new addresses: capture graphs after)."""
+        """Device moves convert parameters and buffers one by one: re-alias the views to the moved
+        merged buffers and rebuild the derived copies (new addresses: capture graphs after)."""
         super()._apply(fn, recurse)
-        for holder, view in zip((self.q_conv1d, self.k_conv1d, self.v_conv1d), self._conv_views()):
+        for holder, view in self._merged_views():
             holder.weight.data = view
         self.refresh_derived_weights()
         return self
 
     @torch.no_grad()
     def _after_load_state_dict(self, incompatible_keys) -> None:
-        """Conv parameters that `load_state_dict(assign=True)` replaced are copied into the merged
-        buffer (the kernels' only source, at a fixed address) and re-aliased, replaced parameters get
-        their weight_loader back, and derived copies follow."""
-        for holder, view in zip((self.q_conv1d, self.k_conv1d, self.v_conv1d), self._conv_views()):
+        """Conv and gate parameters that `load_state_dict(assign=True)` replaced are copied into their
+        merged buffer (the kernels' and the batched GEMM's only source, at a fixed address) and
+        re-aliased, replaced parameters get their weight_loader back, and derived copies follow."""
+        for holder, view in self._merged_views():
             if holder.weight.data_ptr() != view.data_ptr() or holder.weight.shape != view.shape:
                 view.copy_(holder.weight.reshape(view.shape))
                 holder.weight = _param(view)
@@ -260,9 +267,11 @@ class KDALayer(nn.Module):
         """hidden [T, hidden] -> (qkv [T, 3P] view, beta logits [T, H] view, forget_logits [T, P], output_gate_logits [T, P])."""
         H, D, P = self.num_heads, self.head_dim, self.shard.P
         proj = self.in_proj_qkvbfg_a(hidden_states)
+        T = proj.shape[0]
         qkv, beta_logits = proj[:, : 3 * P], proj[:, 3 * P : 3 * P + H]
-        f_a, g_a = proj[:, 3 * P + H : 3 * P + H + D], proj[:, 3 * P + H + D :]
-        return qkv, beta_logits, self.f_b_proj(f_a), self.g_b_proj(g_a)
+        # f_a | g_a as [2, T, D] (strided rows of proj) times [2, D, P]: both gates in one GEMM.
+        gates = torch.bmm(proj[:, 3 * P + H :].view(T, 2, D).transpose(0, 1), self.gate_b_weight.transpose(1, 2))
+        return qkv, beta_logits, gates[0], gates[1]
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         T = hidden_states.shape[0]

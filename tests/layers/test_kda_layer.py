@@ -231,3 +231,32 @@ def test_device_moves_keep_the_views_and_derived_copies(toy_backend):
     for i, holder in enumerate((layer.q_conv1d, layer.k_conv1d, layer.v_conv1d)):
         assert holder.weight.data_ptr() == layer.conv_weight[i * P].data_ptr()
     assert torch.equal(layer.conv_weight_decode, toy_layout(layer.conv_weight))
+
+
+@pytest.mark.parametrize("assign", [False, True])
+def test_gate_b_projections_are_views_of_one_buffer_through_loads_and_moves(assign):
+    """f_b_proj.weight and g_b_proj.weight live in gate_b_weight [2, P, D], which project()'s one
+    batched GEMM reads: a load by name, torch's load_state_dict (assign or not) and a dtype move
+    all leave them views of it holding the loaded values, and the gates equal two plain GEMMs."""
+    layer = make_layer()
+    addr = layer.gate_b_weight.data_ptr()
+
+    def views_hold(f, g):
+        return (layer.f_b_proj.weight.data_ptr() == layer.gate_b_weight[0].data_ptr()
+                and layer.g_b_proj.weight.data_ptr() == layer.gate_b_weight[1].data_ptr()
+                and torch.equal(layer.gate_b_weight[0], f) and torch.equal(layer.gate_b_weight[1], g))
+
+    ckpt = random_kda_checkpoint(HID, H, D, conv_width=W, dtype=torch.float64, seed=4)
+    layer.load_weights([("f_b_proj.weight", ckpt["f_b_proj.weight"]), ("g_b_proj.weight", ckpt["g_b_proj.weight"])])
+    assert views_hold(ckpt["f_b_proj.weight"], ckpt["g_b_proj.weight"]) and layer.gate_b_weight.data_ptr() == addr
+    other = make_layer(seed=9)
+    layer.load_state_dict({k: v.clone() for k, v in other.state_dict().items()}, assign=assign)
+    assert views_hold(other.f_b_proj.weight, other.g_b_proj.weight) and layer.gate_b_weight.data_ptr() == addr
+    x = torch.randn(5, HID, dtype=torch.float64)
+    _, _, forget, out_gate = layer.project(x)
+    proj = layer.in_proj_qkvbfg_a(x)
+    f_a, g_a = proj[:, 3 * H * D + H : 3 * H * D + H + D], proj[:, 3 * H * D + H + D :]
+    torch.testing.assert_close(forget, f_a @ other.f_b_proj.weight.T)
+    torch.testing.assert_close(out_gate, g_a @ other.g_b_proj.weight.T)
+    layer.float()   # a dtype move converts the buffer and the parameters apart: the views re-alias
+    assert views_hold(other.f_b_proj.weight.float(), other.g_b_proj.weight.float())
