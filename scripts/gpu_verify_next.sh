@@ -13,10 +13,11 @@
 #                 greedy sampling shortcut, Sequence.is_finished an attribute, request groups without a
 #                 generator, the sampled tokens read back through a ring of pinned buffers and events).
 #   fusion_tests  the twenty-fourth session's fused launches (SwiGLU, the shared expert inside the MoE
-#                 kernels or in their sum, the MLA cache write with its norm) and the twenty-third's MoE alignment over
-#                 blocks: their GPU tests and the models' (Kimi-Linear, GLM-5.3-Flash) in bf16.
-#                 Early: the alignment is already the default on a GPU past 1024 slots, and the
-#                 fusions are the default on every GPU.
+#                 kernels or in their sum, the router logits, the MLA cache write with its norm, KDA's
+#                 gate projections in one GEMM) and the twenty-third's MoE alignment over blocks:
+#                 their GPU tests. Early: the alignment is already the default on a GPU past 1024
+#                 slots, and the fusions are the default on every GPU.
+#   fusion_models the models' GPU tests (Kimi-Linear, GLM-5.3-Flash, the engine) with the fusions.
 #   moe_align_blocks  prefill's MoE alignment over blocks of slots (three Triton launches instead of
 #                 the torch path's sort; issue 21 goal 4): the MoE rows old vs new; and where the shared
 #                 expert inside the fused kernels stops paying (--sweep-shared).
@@ -101,17 +102,23 @@ fi
 
 if [ "$PART" = fusion_tests ]; then
   # Must show: every group passes: SwiGLU and the MLA cache write against their torch paths in bf16
-  # at Kimi-Linear's sizes, the MoE kernels (the sum with the shared experts' addend, the blocks
-  # alignment's tables equal to the torch path's up to 8192 tokens, TMA weights), the FP8 experts,
-  # and the two families' GPU tests (Kimi-Linear bf16 against its reference; GLM-5.3-Flash's MTP
-  # with CUDA graphs lossless).
+  # at Kimi-Linear's sizes, the MoE kernels (the sum with the shared experts' addend, the shared
+  # expert as expert 256, the router logits kernel, the blocks alignment's tables equal to the torch
+  # path's up to 8192 tokens, TMA weights), the FP8 experts, the KDA layer on the GPU.
   group swiglu_gpu 60 tests/ops/test_swiglu.py
   group latent_write_gpu 60 tests/ops/test_mla_latent_write.py
   group moe_gpu 150 tests/ops/test_moe.py
   group fp8_gpu 120 tests/ops/test_fp8.py
   group kda_layer_gpu 120 tests/layers/test_kda_layer_gpu.py
+fi
+
+if [ "$PART" = fusion_models ]; then
+  # Must show: both families' GPU tests pass with the fused launches (Kimi-Linear bf16 against its
+  # reference; GLM-5.3-Flash's MTP with CUDA graphs lossless) and the engine's (bench model: CUDA
+  # graphs equal eager, KDA's gate projections as one batched GEMM).
   group kimi_gpu 200 tests/models/test_kimi_linear_gpu.py
-  group glm_gpu 120 tests/models/test_glm5_next.py -k gpu
+  group glm_gpu 150 tests/models/test_glm5_next.py -k gpu
+  group engine_gpu 200 tests/engine/test_engine_gpu.py
 fi
 
 if [ "$PART" = kimi_decode_kinds ]; then
