@@ -17,7 +17,7 @@
 #                 gate projections in one GEMM) and the twenty-third's MoE alignment over blocks:
 #                 their GPU tests. Early: the alignment is already the default on a GPU past 1024
 #                 slots, and the fusions are the default on every GPU.
-#   fusion_models the models' GPU tests (Kimi-Linear, GLM-5.3-Flash, the engine) with the fusions.
+#   fusion_models the models' GPU tests (Kimi-Linear, GLM-5.3-Flash) with the fusions.
 #   moe_align_blocks  prefill's MoE alignment over blocks of slots (three Triton launches instead of
 #                 the torch path's sort; issue 21 goal 4): the MoE rows old vs new; and where the shared
 #                 expert inside the fused kernels stops paying (--sweep-shared).
@@ -114,11 +114,10 @@ fi
 
 if [ "$PART" = fusion_models ]; then
   # Must show: both families' GPU tests pass with the fused launches (Kimi-Linear bf16 against its
-  # reference; GLM-5.3-Flash's MTP with CUDA graphs lossless) and the engine's (bench model: CUDA
-  # graphs equal eager, KDA's gate projections as one batched GEMM).
+  # reference; GLM-5.3-Flash's MTP with CUDA graphs lossless); the engine's own GPU tests (bench
+  # model, CUDA graphs equal eager) run in host_split_tests.
   group kimi_gpu 200 tests/models/test_kimi_linear_gpu.py
   group glm_gpu 150 tests/models/test_glm5_next.py -k gpu
-  group engine_gpu 200 tests/engine/test_engine_gpu.py
 fi
 
 if [ "$PART" = kimi_decode_kinds ]; then
