@@ -282,6 +282,9 @@ def _other_cases() -> list[Case]:
                     quick=True, no_spill=True))
     out.append(Case("moe align E=256", _align_kernel, dict(ids_ptr="*i64", sorted_ptr=I32, block_experts_ptr=I32),
                     dict(E=256, E_P=256, BM=16, BLOCK_S=32), 4, 1, quick=True, no_spill=True))
+    out.append(Case("moe align E=256 + shared expert", _align_kernel,
+                    dict(ids_ptr="*i64", sorted_ptr=I32, block_experts_ptr=I32),
+                    dict(E=256, E_P=256, BM=16, BLOCK_S=32, EXTRA=True), 4, 1, no_spill=True))
     # Prefill's alignment over blocks of slots (align._align_by_blocks): count, offsets, place.
     out.append(Case("moe align blocks count E=256", _align_count_kernel,
                     dict(ids_ptr="*i64", counts_ptr=I32, sorted_ptr=I32), dict(E=256, E_P=256, BLOCK_S=32), 4, 1,

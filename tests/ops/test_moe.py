@@ -121,6 +121,22 @@ def test_triton_alignments_equal_the_torch_path(T, k, E, block_m, path):
 
 
 @INTERP
+@pytest.mark.parametrize("path", ["one_program", "blocks"])
+@pytest.mark.parametrize("T, k, E, block_m", [(1, 8, 256, 16), (64, 8, 256, 16), (13, 3, 6, 4), (20, 2, 7, 32)],
+                         ids=["decode-1", "decode-64", "small", "odd-experts"])
+def test_an_extra_expert_column_aligns_like_one_more_expert(T, k, E, block_m, path):
+    """extra_expert (the shared expert as expert E, every token's last column): the same tables as
+    the torch path over E + 1 experts, its run after the routed ones; the one-program kernel counts
+    it apart, keeping its one-hot tile E wide (not the next power of two of E + 1)."""
+    g = torch.Generator().manual_seed(T * 7 + E)
+    ids = torch.cat([torch.randint(0, E, (T, k), generator=g), torch.full((T, 1), E)], 1)
+    want = align_to_experts(ids, E + 1, block_m, path="torch")
+    got = align_to_experts(ids, E, block_m, path=path, extra_expert=True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert (got[1] == E).sum() == -(-T // block_m)   # the extra expert's blocks
+
+
+@INTERP
 @pytest.mark.parametrize("per_program", [16, 24, 100])
 def test_blocks_alignment_over_many_programs_equals_the_torch_path(per_program, monkeypatch):
     """Prefill's alignment with more programs than its offsets step takes in one tile (several

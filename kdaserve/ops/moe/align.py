@@ -22,6 +22,11 @@ Three implementations with identical results (slots of one expert in slot order)
   the one-hot tile). Three launches instead of the torch path's sort and ~12 launches, which with
   the sum over k took 12% of a prefill MoE call at 8K tokens (docs/perf-notes.md);
 - the torch path (a stable sort): CPUs, and the definition the kernels are tested against.
+
+`extra_expert`: expert id `num_experts` is one more expert (the shared expert run with the routed
+ones, layers/moe.py at decode), its run after every other. The one-program kernel counts it apart
+from the one-hot tile over the routed experts, whose width (the next power of two of E) it would
+otherwise double at Kimi-Linear's 256 experts, and with it the kernel's time.
 """
 
 from __future__ import annotations
@@ -43,36 +48,54 @@ def max_sorted_entries(num_slots: int, num_experts: int, block_m: int) -> int:
 
 @triton.jit
 def _align_kernel(ids_ptr, sorted_ptr, block_experts_ptr, S, n,
-                  E: tl.constexpr, E_P: tl.constexpr, BM: tl.constexpr, BLOCK_S: tl.constexpr):
+                  E: tl.constexpr, E_P: tl.constexpr, BM: tl.constexpr, BLOCK_S: tl.constexpr,
+                  EXTRA: tl.constexpr = False):
     """One program: count slots per expert, pad each run to BM, then place every slot at its
     expert's start + its rank among that expert's earlier slots, and name each block's expert.
-    A slot's rank comes from an exclusive cumulative sum of the one-hot [slots, experts] tile."""
+    A slot's rank comes from an exclusive cumulative sum of the one-hot [slots, experts] tile.
+    EXTRA: expert E's slots (one more expert) counted and ranked apart, its run after the others."""
     experts = tl.arange(0, E_P)
     counts = tl.zeros([E_P], tl.int32)
+    extra_count = 0
     for s0 in range(0, S, BLOCK_S):
         offs = s0 + tl.arange(0, BLOCK_S)
         e = tl.load(ids_ptr + offs, mask=offs < S, other=-1).to(tl.int32)
+        if EXTRA:   # kept out of the one-hot tile (E < E_P would count it as a routed expert too)
+            extra_count += tl.sum((e == E).to(tl.int32), 0)
+            e = tl.where(e == E, -1, e)
         counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), 0)
     padded = (counts + BM - 1) // BM * BM
     ends = tl.cumsum(padded, 0)
     starts = ends - padded
+    routed_end = tl.sum(padded, 0)   # where the extra expert's run starts
+    extra_end = routed_end + (extra_count + BM - 1) // BM * BM
     for p0 in range(0, n, BLOCK_S):   # padding entries hold S (no slot)
         offs = p0 + tl.arange(0, BLOCK_S)
         tl.store(sorted_ptr + offs, tl.full([BLOCK_S], 0, tl.int32) + S, mask=offs < n)
     tl.debug_barrier()   # every fill lands before a slot overwrites it
     placed = tl.zeros([E_P], tl.int32)
+    extra_placed = 0
     for s0 in range(0, S, BLOCK_S):
         offs = s0 + tl.arange(0, BLOCK_S)
         e = tl.load(ids_ptr + offs, mask=offs < S, other=-1).to(tl.int32)
+        is_extra = (e == E).to(tl.int32)
+        if EXTRA:
+            e = tl.where(e == E, -1, e)
         hot = (e[:, None] == experts[None, :]).to(tl.int32)
         rank = tl.cumsum(hot, 0) - hot + (starts + placed)[None, :]
         dest = tl.sum(hot * rank, 1)
+        if EXTRA:
+            dest = tl.where(is_extra != 0, routed_end + extra_placed + tl.cumsum(is_extra, 0) - is_extra, dest)
+            extra_placed += tl.sum(is_extra, 0)
         tl.store(sorted_ptr + dest, offs, mask=offs < S)
         placed += tl.sum(hot, 0)
     for b0 in range(0, n // BM, BLOCK_S):   # a block's expert: how many runs end at or before its start
         blocks = b0 + tl.arange(0, BLOCK_S)
         owner = tl.sum((ends[None, :] <= (blocks * BM)[:, None]).to(tl.int32), 1)
-        tl.store(block_experts_ptr + blocks, tl.where(owner < E, owner, -1), mask=blocks < n // BM)
+        owner = tl.where(owner < E, owner, -1)
+        if EXTRA:
+            owner = tl.where((blocks * BM >= routed_end) & (blocks * BM < extra_end), E, owner)
+        tl.store(block_experts_ptr + blocks, owner, mask=blocks < n // BM)
 
 
 @triton.jit
@@ -145,16 +168,18 @@ def _align_place_kernel(ids_ptr, base_ptr, sorted_ptr, S, PER_PROGRAM,
 
 
 def align_to_experts(ids: torch.Tensor, num_experts: int, block_m: int, *,
-                     path: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     path: str | None = None, extra_expert: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """ids [T, k] -> (sorted_slots [n] int32, block_experts [n // block_m] int32, -1 past the end).
-    `path`: one of ALIGN_PATHS (the module says when each runs); None picks by device and size."""
+    `path`: one of ALIGN_PATHS (the module says when each runs); None picks by device and size.
+    `extra_expert`: id `num_experts` is one more expert (the module says how it is counted)."""
     S = ids.numel()
     if path is None:
         path = "torch" if not ids.is_cuda or S == 0 else "one_program" if S <= KERNEL_MAX_SLOTS else "blocks"
     if path not in ALIGN_PATHS:
         raise ValueError(f"alignment path {path!r}: expected one of {ALIGN_PATHS}")
     if path == "one_program":
-        return _align_with_kernel(ids, num_experts, block_m)
+        return _align_with_kernel(ids, num_experts, block_m, extra_expert)
+    num_experts += extra_expert   # the other paths take it as an expert like the rest
     if path == "blocks":
         return _align_by_blocks(ids, num_experts, block_m)
     flat = ids.reshape(-1).to(torch.int64)
@@ -177,25 +202,27 @@ def align_to_experts(ids: torch.Tensor, num_experts: int, block_m: int, *,
     return sorted_slots, block_experts
 
 
-def _kernel_inputs(ids: torch.Tensor, num_experts: int, block_m: int):
+def _kernel_inputs(ids: torch.Tensor, num_experts: int, block_m: int, extra_expert: bool = False):
     """What both Triton paths start from: the ids flat and contiguous, their count S, the table's
-    length n, the expert axis padded to a power of two, the two output tables (junk until the
-    kernels write them) and the slots per step of a [slots, experts] one-hot tile (8K elements)."""
+    length n (an extra expert's run included), the expert axis padded to a power of two, the two
+    output tables (junk until the kernels write them) and the slots per step of a [slots, experts]
+    one-hot tile (8K elements)."""
     interpreter_compat.install()
     flat = ids.reshape(-1)
     flat = flat if flat.is_contiguous() else flat.contiguous()
     S = flat.numel()
-    n = max_sorted_entries(S, num_experts, block_m)
+    n = max_sorted_entries(S, num_experts + extra_expert, block_m)
     E_P = max(16, triton.next_power_of_2(num_experts))
     sorted_slots = torch.empty(n, dtype=torch.int32, device=ids.device)
     block_experts = torch.empty(n // block_m, dtype=torch.int32, device=ids.device)
     return flat, S, n, E_P, sorted_slots, block_experts, max(16, min(64, 8192 // E_P))
 
 
-def _align_with_kernel(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    flat, S, n, E_P, sorted_slots, block_experts, block_s = _kernel_inputs(ids, num_experts, block_m)
+def _align_with_kernel(ids: torch.Tensor, num_experts: int, block_m: int,
+                       extra_expert: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    flat, S, n, E_P, sorted_slots, block_experts, block_s = _kernel_inputs(ids, num_experts, block_m, extra_expert)
     _align_kernel[(1,)](flat, sorted_slots, block_experts, S, n, E=num_experts, E_P=E_P, BM=block_m,
-                        BLOCK_S=block_s, num_warps=4)
+                        BLOCK_S=block_s, EXTRA=extra_expert, num_warps=4)
     return sorted_slots, block_experts
 
 

@@ -265,7 +265,7 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     BM, (BN1, BK1, warps1, stages1), (BN2, BK2, warps2, stages2) = t.block_m, t.gate_up, t.down
     if fp8 and (BK1, BK2) != (block[1], block[1]):
         raise ValueError(f"FP8 experts step K by the scale block's {block[1]} columns; tiles asked {BK1} and {BK2}")
-    sorted_slots, block_experts = align_to_experts(ids, E_all, BM)
+    sorted_slots, block_experts = align_to_experts(ids, E, BM, extra_expert=shared is not None)
     m_blocks = block_experts.numel()
     prec = "ieee" if x.dtype == torch.float32 else dot_precision(x.device).tensor_core
     h = torch.empty(S, inter, dtype=x.dtype, device=x.device)
