@@ -92,7 +92,8 @@ def record(model_name: str, batch: int) -> tuple[Recorder, dict[str, int], objec
     original_align = align.align_to_experts
 
     def gpu_align():
-        fused.align_to_experts = lambda ids, E, bm, path=None: original_align(ids, E, bm, path=path or "one_program")
+        fused.align_to_experts = lambda ids, E, bm, path=None, **kw: original_align(ids, E, bm, path=path or "one_program",
+                                                                                  **kw)
 
     force_gpu_choices(model, gpu_align)
     for i in range(batch):
