@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.bench_throughput import copy_bandwidth, random_prompts  # noqa: E402
 from kdaserve.engine import LLM, SamplingParams  # noqa: E402
 from kdaserve.bench.layer_kinds import (  # noqa: E402
-    ALL_KINDS, GEMM, KDA, MLA, MOE, OTHER, decode_floor_bytes, device_ms_by_kind)
+    ALL_KINDS, GEMM, KDA, MLA, MOE, OTHER, decode_floor_bytes, device_launches, device_ms_by_kind)
 from kdaserve.engine.caches import kv_bytes_per_block, state_bytes_per_slot  # noqa: E402
 
 MODEL = "moonshotai/Kimi-Linear-48B-A3B-Instruct"
@@ -77,7 +77,10 @@ def decode_breakdown(eng, runner, graph_us: float, steps: int = 10) -> tuple[dic
             for _ in range(steps):
                 eng.step()
             torch.cuda.synchronize()
-        return {k: v * 1e3 / steps for k, v in device_ms_by_kind(prof.events())[0].items()}
+        events = prof.events()
+        us = {k: v * 1e3 / steps for k, v in device_ms_by_kind(events)[0].items()}
+        us["launches"] = device_launches(events) / steps   # a count per step, not us
+        return us
 
     try:
         us, how = profiled(), "graph replays"
@@ -214,8 +217,8 @@ def main() -> None:
             fl = floors.get(k)
             cells = f"{fl:.0f} | {us[k] / fl:.2f}x" if fl else "- | -"
             print(f"| {B} | {k} | {us[k]:.0f} | {cells} | {us[k] / max(us['total'], 1e-9):.0%} |")
-        print(f"| {B} | total ({how}) | {us['total']:.0f} | {sum(floors.values()):.0f} | "
-              f"{us['total'] / sum(floors.values()):.2f}x | 100% |")
+        print(f"| {B} | total ({how}; {us.get('launches', float('nan')):.0f} device launches per step) | "
+              f"{us['total']:.0f} | {sum(floors.values()):.0f} | {us['total'] / sum(floors.values()):.2f}x | 100% |")
 
 
 if __name__ == "__main__":

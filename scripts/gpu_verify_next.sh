@@ -125,7 +125,9 @@ if [ "$PART" = kimi_decode_kinds ]; then
   # 2.67x (one at a time), 0.95x and 1.13x) and, below it, the step by layer kind: each kind's device
   # us against its own floor (MoE experts: the experts the batch touches; MLA: latent rows; KDA:
   # states read and written; GEMMs: dense weights) and its share of the step; the "total" row's
-  # method says whether the profiler saw the kernels inside the graph replays. Issue 21 goal 1 asks
+  # method says whether the profiler saw the kernels inside the graph replays, and the device
+  # launches per step (benchmarks/decode_launches.py predicts 356 kernels, plus the step's few
+  # copies: staged inputs, block tables, tokens back). Issue 21 goal 1 asks
   # what each part is at against its own floor: the kinds furthest above theirs are where the next
   # work goes ("other" at batch 1: launch-bound kernels).
   timeout 560 python3 benchmarks/bench_kimi_linear.py --batches 1 64 256 --ttft 8192 > "$OUT/kimi_kinds.log" 2>&1

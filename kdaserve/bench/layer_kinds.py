@@ -68,6 +68,12 @@ def device_ms_by_kind(events) -> tuple[dict[str, float], Counter]:
     return out, other
 
 
+def device_launches(events) -> int:
+    """How many device activities (kernels, copies, fills) a profiler's trace holds: a decode
+    step's count is what benchmarks/decode_launches.py predicts on the CPU."""
+    return sum(e.device_type == torch.autograd.DeviceType.CUDA for e in events)
+
+
 def experts_touched(num_experts: int, top_k: int, batch: int) -> float:
     """Expected distinct experts B tokens route to under uniform routing of k distinct experts each."""
     return num_experts * (1 - (1 - top_k / num_experts) ** batch)
