@@ -21,3 +21,14 @@ def resolve_kernel_choice(layer_kind: str, choice: str, device: torch.device) ->
         raise ValueError(f"{layer_kind} backend 'triton' cannot run here: it needs a CUDA or ROCm device, or "
                          f"TRITON_INTERPRET=1 on the CPU (the layer is on {device}); use 'reference' or 'auto'")
     return choice
+
+
+def per_call_choice(layer_kind: str, choice: str, device: torch.device) -> str:
+    """For layers whose `auto` follows each call's inputs (RMSNorm, SwiGLU: a layer may be built
+    before its device is known): `auto` kept as is, an explicit choice resolved now."""
+    return choice if choice == "auto" else resolve_kernel_choice(layer_kind, choice, device)
+
+
+def takes_triton(choice: str, x: torch.Tensor) -> bool:
+    """Whether a per-call choice runs its Triton kernel on `x`: `triton`, or `auto` on a GPU."""
+    return choice == "triton" or (choice == "auto" and x.is_cuda)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kdaserve.layers.kernel_choice import KERNEL_CHOICES, resolve_kernel_choice
+from kdaserve.layers.kernel_choice import per_call_choice, takes_triton
 from kdaserve.layers.linear import MergedLinear, make_linear
 from kdaserve.ops.activation.swiglu import swiglu_reference
 
@@ -18,10 +18,7 @@ class SwiGLUMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, *, activation_limit: float | None = None,
                  dtype=None, device=None, fp8_block: tuple[int, int] | None = None, backend: str = "auto"):
         super().__init__()
-        if backend not in KERNEL_CHOICES:
-            raise ValueError(f"unknown SwiGLU backend {backend!r}; expected one of {', '.join(KERNEL_CHOICES)}")
-        # `auto` follows the inputs' device at each call, as RMSNorm's does.
-        self.backend = backend if backend == "auto" else resolve_kernel_choice("SwiGLU", backend, torch.device(device or "cpu"))
+        self.backend = per_call_choice("SwiGLU", backend, torch.device(device or "cpu"))
         # GLM-5.3-Flash's clamped SwiGLU: silu(min(gate, limit)) * clamp(up, -limit, limit).
         self.activation_limit = activation_limit
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], dtype=dtype, device=device,
@@ -30,7 +27,7 @@ class SwiGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.backend == "triton" or (self.backend == "auto" and gate_up.is_cuda):
+        if takes_triton(self.backend, gate_up):
             from kdaserve.ops.activation.swiglu import swiglu_fwd
 
             return self.down_proj(swiglu_fwd(gate_up, self.activation_limit))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kdaserve.layers.kernel_choice import KERNEL_CHOICES, resolve_kernel_choice
+from kdaserve.layers.kernel_choice import per_call_choice, takes_triton
 
 
 class RMSNorm(nn.Module):
@@ -17,10 +17,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False)
-        if backend not in KERNEL_CHOICES:
-            raise ValueError(f"unknown RMSNorm backend {backend!r}; expected one of {', '.join(KERNEL_CHOICES)}")
-        # `auto` follows the inputs' device at each call (a norm may be built before its device is known).
-        self.backend = backend if backend == "auto" else resolve_kernel_choice("RMSNorm", backend, self.weight.device)
+        self.backend = per_call_choice("RMSNorm", backend, self.weight.device)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -32,7 +29,7 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without `residual`: norm(x). With it: (norm(x + residual), x + residual), the new residual
         stream kept in x's dtype, as the next layer's pre-norm needs both."""
-        if self.backend == "triton" or (self.backend == "auto" and x.is_cuda):
+        if takes_triton(self.backend, x):
             from kdaserve.ops.norm.rms_norm import rms_norm_fwd
 
             return rms_norm_fwd(x, self.weight, self.eps, residual)
