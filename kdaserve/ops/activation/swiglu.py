@@ -62,7 +62,7 @@ def swiglu_fwd(gate_up: torch.Tensor, limit: float | None = None) -> torch.Tenso
 
 
 def swiglu_reference(gate_up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
-    """The torch definition (layers/mlp.SwiGLUMLP's path)."""
+    """The torch definition (layers/mlp.SwiGLUMLP's path, and the MoE reference's per expert)."""
     import torch.nn.functional as F
 
     gate, up = gate_up.chunk(2, dim=-1)

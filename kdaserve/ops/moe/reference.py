@@ -11,12 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
-def swiglu(gate_up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    if limit is not None:
-        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-    return F.silu(gate) * up
+from kdaserve.ops.activation.swiglu import swiglu_reference as swiglu
 
 
 def moe_experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
