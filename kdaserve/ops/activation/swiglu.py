@@ -20,6 +20,16 @@ from kdaserve.ops import interpreter_compat
 
 
 @triton.jit
+def silu_product(gate, up, limit, HAS_LIMIT: tl.constexpr):
+    """silu(gate) * up in fp32, the clamps first where HAS_LIMIT: this kernel's and the fused MoE
+    gate_up kernel's epilogue (ops/moe/fused.py)."""
+    if HAS_LIMIT:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+    return gate / (1.0 + tl.exp(-gate)) * up
+
+
+@triton.jit
 def swiglu_kernel(x_ptr, stride_x, y_ptr, stride_y, n_rows, I, limit,
                   HAS_LIMIT: tl.constexpr, BR: tl.constexpr, BI: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
@@ -28,10 +38,7 @@ def swiglu_kernel(x_ptr, stride_x, y_ptr, stride_y, n_rows, I, limit,
     src = x_ptr + rows[:, None] * stride_x + cols[None, :]
     gate = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(src + I, mask=mask, other=0.0).to(tl.float32)
-    if HAS_LIMIT:
-        gate = tl.minimum(gate, limit)
-        up = tl.minimum(tl.maximum(up, -limit), limit)
-    y = gate / (1.0 + tl.exp(-gate)) * up
+    y = silu_product(gate, up, limit, HAS_LIMIT)
     tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 

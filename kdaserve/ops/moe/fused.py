@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from kdaserve.ops import interpreter_compat
+from kdaserve.ops.activation.swiglu import silu_product
 from kdaserve.ops.compile_ahead import compiles_ahead
 from kdaserve.ops.fp8.quant import quantize_per_token_group
 from kdaserve.ops.fp8.reference import FP8
@@ -90,10 +91,7 @@ def _moe_gate_up_kernel(
         else:
             acc_g = tl.dot(a, wg, acc_g, input_precision=PREC)
             acc_u = tl.dot(a, wu, acc_u, input_precision=PREC)
-    if HAS_LIMIT:
-        acc_g = tl.minimum(acc_g, LIMIT)
-        acc_u = tl.minimum(tl.maximum(acc_u, -LIMIT), LIMIT)
-    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    h = silu_product(acc_g, acc_u, LIMIT, HAS_LIMIT)
     out = h_ptr + slots.to(tl.int64)[:, None] * stride_h + cols[None, :]
     tl.store(out, h.to(h_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
 
