@@ -2,8 +2,7 @@
 counted on a CPU.
 
 Why: at small batches a decode step is latency-bound, and every kernel of the graph costs a few
-microseconds beyond its work (issue 21: Kimi-Linear's batch-1 step was 2.2x its memory floor; the
-fused RMSNorm alone took it from 4524 to 3674 us by ~6 launches per norm, docs/perf-notes.md).
+microseconds beyond its work (docs/perf-notes.md has what launches cost Kimi-Linear's batch-1 step).
 
 How: a tiny model of the family (default `kimi-tiny`) through the engine with the choices a GPU
 makes, on the CPU with Triton's interpreter: Triton KDA (flash prefill, fused decode), MLA and

@@ -173,7 +173,7 @@ class MLAttention(nn.Module):
     def _value_heads(self, out_latent: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
         """out_latent [rows, H, L] -> [rows, H, Dv] through each head's value rows, written
         row-major by the batched GEMM itself (its output is the per-head [rows, Dv] blocks of a
-        [rows, H, Dv] tensor): einsum's result is head-major, and o_proj's reshape of it was a copy."""
+        [rows, H, Dv] tensor), so o_proj's reshape is a view: a head-major result would be copied."""
         o = torch.empty(out_latent.shape[0], self.num_heads, self.Dv, dtype=out_latent.dtype, device=out_latent.device)
         torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2), out=o.transpose(0, 1))
         return o

@@ -73,3 +73,8 @@ def test_the_sampler_reuses_its_ring():
         logits = torch.randn(3, 11)
         assert sampler.sample(logits, seqs).token_ids == logits.argmax(-1).tolist()
     assert {id(sampler.readback._host[i]) for i in range(len(sampler.readback._host))} == hosts
+
+
+def test_a_ring_without_buffers_says_what_it_needs():
+    with pytest.raises(ValueError, match="a readback ring needs at least one buffer; got 0"):
+        ReadbackRing(torch.device("cpu"), 0)
