@@ -11,6 +11,8 @@ are below its threshold). One decode step of `--batch` sequences is recorded: ev
 by kernel name, every torch op that runs a device kernel (views and allocations excluded), each
 under the decoder layer that issued it. Layers of one kind (attention x MLP) launch the same
 kernels at any size, so the per-kind counts times a released model's layer counts give its step.
+One launch differs from CUDA's: the LM head's fp32 logits are a GEMM and a cast here, one GEMM
+that writes fp32 on CUDA (layers/embed_head.py), so a CUDA step makes one launch fewer.
 
     TRITON_INTERPRET=1 PYTHONPATH=$PWD python3 benchmarks/decode_launches.py [--model kimi-tiny] [--batch 3] [--list]
 """

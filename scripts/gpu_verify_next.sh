@@ -110,6 +110,7 @@ if [ "$PART" = fusion_tests ]; then
   group moe_gpu 150 tests/ops/test_moe.py
   group fp8_gpu 120 tests/ops/test_fp8.py
   group kda_layer_gpu 120 tests/layers/test_kda_layer_gpu.py
+  group lm_head_gpu 60 tests/layers/test_lm_head_gpu.py
 fi
 
 if [ "$PART" = fusion_models ]; then
