@@ -6,6 +6,7 @@
 # annotated-types, typing-inspection for the server; xgrammar 0.2.8, apache-tvm-ffi and
 # transformers 5.23.0 with what it imports for structured output) and, for an old-vs-new comparison, [".old"]
 # (e.g. `git archive <commit> kdaserve benchmarks | tar -x -C .old`), [".base"] likewise for kimi_fusions.
+# `bash scripts/gpu_verify_next.sh PART [PART ...]`: several parts run in order within one budget.
 # Parts owed (add one as `if [ "$PART" = name ]; then ... fi` below, with what it must show), in the
 # order to run them when the session's device time (30 min) cannot fit them all (~60 min together):
 #   host_split_tests  the engine and server GPU tests after the twenty-third and twenty-fourth sessions'
@@ -52,9 +53,10 @@ group() {  # name, seconds, pytest args...: one pytest process per file (one GPU
   [ $rc -ne 0 ] && ! grep -q FAILED "$OUT/t_$name.log" && tail -4 "$OUT/t_$name.log"
   return 0
 }
-PART=${1:-}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-[ -z "$PART" ] && echo "name a part"
+[ $# -eq 0 ] && echo "name a part (or several: they run in order and share the budget)"
+for PART in "$@"; do
+echo "#### part $PART ($(( BUDGET - ($(date +%s) - START) )) s of the budget left)"
 
 if [ "$PART" = host_split_tests ]; then
   # Must show: every file passes (bf16 engine with CUDA graphs: greedy tokens and texts as before the
@@ -182,3 +184,4 @@ if [ "$PART" = moe_tma ]; then
   echo "== sweep rc=$?"; sed -n '/^| step/,$p' "$OUT/moe_tma.log"
 fi
 
+done
