@@ -15,7 +15,8 @@
 #                 generator, the sampled tokens read back through a ring of pinned buffers and events).
 #   fusion_tests  the twenty-fourth session's fused launches (SwiGLU, the shared expert inside the MoE
 #                 kernels or in their sum, the router logits, the MLA cache write with its norm, KDA's
-#                 gate projections in one GEMM) and the twenty-third's MoE alignment over blocks:
+#                 gate projections in one GEMM), the twenty-fifth's LM head writing fp32 logits from one
+#                 GEMM, and the twenty-third's MoE alignment over blocks:
 #                 their GPU tests. Early: the alignment is already the default on a GPU past 1024
 #                 slots, and the fusions are the default on every GPU.
 #   fusion_models the models' GPU tests (Kimi-Linear, GLM-5.3-Flash) with the fusions.
@@ -106,7 +107,9 @@ if [ "$PART" = fusion_tests ]; then
   # Must show: every group passes: SwiGLU and the MLA cache write against their torch paths in bf16
   # at Kimi-Linear's sizes, the MoE kernels (the sum with the shared experts' addend, the shared
   # expert as expert 256, the router logits kernel, the blocks alignment's tables equal to the torch
-  # path's up to 8192 tokens, TMA weights), the FP8 experts, the KDA layer on the GPU.
+  # path's up to 8192 tokens, TMA weights), the FP8 experts, the KDA layer on the GPU, the LM head's
+  # fp32 logits from one GEMM (torch.mm out_dtype) within a quarter of a 2-byte rounding of fp32 math
+  # and in a CUDA graph. If the LM head's test fails, revert its commit (the GEMM + cast path).
   group swiglu_gpu 60 tests/ops/test_swiglu.py
   group latent_write_gpu 60 tests/ops/test_mla_latent_write.py
   group moe_gpu 150 tests/ops/test_moe.py
