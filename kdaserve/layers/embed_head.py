@@ -22,7 +22,8 @@ class LMHead(nn.Module):
 
     On CUDA a 2-byte GEMM writes fp32 itself (cuBLAS accumulates in fp32 anyway): no rounding to
     2 bytes, and no cast kernel re-reading the (batch x vocab) logits in every decode step. Other
-    devices, and ROCm (whose `mm` takes no out_dtype), compute in the weight's dtype and cast."""
+    devices compute in the weight's dtype and cast; so does ROCm, where `mm`'s out_dtype has not run
+    on our tests."""
 
     def __init__(self, vocab_size: int, hidden_size: int, *, tied_to: VocabEmbedding | None = None, dtype=None, device=None):
         super().__init__()
@@ -34,7 +35,7 @@ class LMHead(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if _writes_fp32(hidden):
             rows = hidden.reshape(-1, hidden.shape[-1])
-            return torch.mm(rows, self.weight.t(), out_dtype=torch.float32).view(*hidden.shape[:-1], -1)
+            return torch.mm(rows, self.weight.t(), out_dtype=torch.float32).view(*hidden.shape[:-1], self.weight.shape[0])
         return F.linear(hidden, self.weight).float()
 
 
