@@ -413,12 +413,34 @@ def test_router_logits_kernel_equals_the_fp32_linear(T, dtype):
 
 
 @INTERP
+@pytest.mark.parametrize("T, hidden", [(1, 300), (5, 128), (64, 520)])
+def test_routing_on_logit_parts_equals_routing_on_their_sum(T, hidden):
+    """The routing kernel adds the logits' parts up as it loads them: the same choices and weights as
+    routing the fp32 linear's logits, for one chunk and several (a last chunk cut short), with the
+    bias and the shared expert's column; outputs NaN-filled first would show unwritten entries."""
+    from kdaserve.ops.moe.router_kernel import LOGITS_BK, route_from_logits, router_logit_parts
+
+    g = torch.Generator().manual_seed(T + hidden)
+    x = torch.randn(T, hidden, generator=g).half()
+    w = torch.randn(64, hidden, generator=g) * hidden**-0.5
+    bias = torch.randn(64, generator=g) * 0.1
+    parts = router_logit_parts(x, w)
+    assert parts.shape == (-(-hidden // LOGITS_BK), T, 64)
+    want = route_from_logits(torch.nn.functional.linear(x.float(), w), bias, 6, "sigmoid", True, 2.5, extra_expert=64)
+    got = route_from_logits(parts, bias, 6, "sigmoid", True, 2.5, extra_expert=64)
+    assert torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="at most 64 tokens"):
+        router_logit_parts(torch.zeros(65, hidden), w)
+
+
+@INTERP
 def test_routing_takes_the_logits_kernel_up_to_its_limit(monkeypatch):
     import kdaserve.ops.moe.router_kernel as rk
 
     calls = []
-    original = rk.router_logits
-    monkeypatch.setattr(rk, "router_logits", lambda *a: calls.append(a[0].shape[0]) or original(*a))
+    original = rk.router_logit_parts
+    monkeypatch.setattr(rk, "router_logit_parts", lambda *a: calls.append(a[0].shape[0]) or original(*a))
     w = torch.randn(16, 32) * 0.2
     cfg = RouterConfig(16, 2)
     for T in (1, rk.LOGITS_KERNEL_MAX_TOKENS, rk.LOGITS_KERNEL_MAX_TOKENS + 1):

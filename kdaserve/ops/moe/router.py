@@ -64,9 +64,9 @@ def route_tokens(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor 
         if grouped:
             raise ValueError(f"the routing kernel does not restrict experts to groups ({cfg.topk_groups} of "
                              f"{cfg.num_groups}); route with use_kernel=False or None")
-        from kdaserve.ops.moe.router_kernel import LOGITS_KERNEL_MAX_TOKENS, route_from_logits, router_logits
+        from kdaserve.ops.moe.router_kernel import LOGITS_KERNEL_MAX_TOKENS, route_from_logits, router_logit_parts
 
-        logits = (router_logits(x, gate_weight) if x.shape[0] <= LOGITS_KERNEL_MAX_TOKENS
+        logits = (router_logit_parts(x, gate_weight) if x.shape[0] <= LOGITS_KERNEL_MAX_TOKENS
                   else F.linear(x.float(), gate_weight.float()))
         return route_from_logits(logits, bias, cfg.top_k, cfg.scoring, cfg.renormalize, cfg.routed_scaling_factor,
                                  extra_expert)
