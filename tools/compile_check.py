@@ -190,7 +190,7 @@ def _other_cases() -> list[Case]:
     from kdaserve.ops.mla.prefill import launch_shape as mla_prefill_shape
     from kdaserve.ops.moe.align import _align_count_kernel, _align_kernel, _align_offsets_kernel, _align_place_kernel
     from kdaserve.ops.moe.fused import _moe_sum_kernel
-    from kdaserve.ops.moe.router_kernel import _route_kernel, _router_logit_parts_kernel
+    from kdaserve.ops.moe.router_kernel import _route_kernel
     from kdaserve.ops.norm.gated_rms_norm import gated_rms_norm_kernel
     from kdaserve.ops.norm.rms_norm import launch_shape as rms_norm_shape
     from kdaserve.ops.norm.rms_norm import rms_norm_kernel
@@ -270,15 +270,13 @@ def _other_cases() -> list[Case]:
                         per_target={t: _mla_prefill_launch(mla_prefill_shape(t, dn, dn)) for t in TARGETS}))
     out.append(Case("mla decode merge L=512", _mla_merge_kernel, dict(part_ptr=F32, lse_ptr=F32, out_ptr=BF),
                     dict(H=32, L=512, SPLITS=64), quick=True, no_spill=True))
-    out.append(Case("moe router logit parts E=256", _router_logit_parts_kernel, dict(x_ptr=BF, w_ptr=F32, parts_ptr=F32),
-                    dict(BT=16, BE=32, BK=128), 4, 1, quick=True, no_spill=True))
-    # extra 1: the shared expert's column appended (layers/moe at decode); parts 18: Kimi-Linear's
-    # hidden 2304 in chunks of 128, one row per program
-    for extra, parts, bt in ((0, 1, 16), (1, 1, 16), (1, 18, 1)):
-        out.append(Case(f"moe route E=256 k=8{' + shared expert' if extra else ''} parts={parts}", _route_kernel,
+    # extra 1: the shared expert's column appended (layers/moe at decode); one row per program at
+    # decode sizes, 16 at prefill's
+    for extra, bt in ((0, 16), (1, 16), (1, 1)):
+        out.append(Case(f"moe route E=256 k=8{' + shared expert' if extra else ''} BT={bt}", _route_kernel,
                         dict(logits_ptr=F32, bias_ptr=F32, w_ptr=F32, ids_ptr="*i64", scale="fp32"),
-                        dict(K=8, K_P=8, E_P=256, BT=bt, SOFTMAX=False, HAS_BIAS=True, RENORMALIZE=True, EXTRA=extra,
-                             PARTS=parts), 4, 1, quick=not extra, no_spill=True))
+                        dict(K=8, K_P=8, E_P=256, BT=bt, SOFTMAX=False, HAS_BIAS=True, RENORMALIZE=True, EXTRA=extra),
+                        4, 1, quick=not extra, no_spill=True))
     out.append(Case("moe sum over k=8 + shared experts", _moe_sum_kernel, dict(y_ptr=BF, out_ptr=BF, add_ptr=BF),
                     dict(TOPK=8, BT=4, BH=256, HAS_ADD=True), 4,
                     quick=True, no_spill=True))

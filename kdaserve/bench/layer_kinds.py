@@ -39,7 +39,7 @@ KINDS = (
     (MOE, ("_moe_", "_align_kernel", "_align_count", "_align_offsets", "_align_place")),
     (MLA, ("_mla_", "mla_latent_write")),
     (KDA, ("flash_", "conv_", "kda_", "gated_rms_norm")),
-    (GEMM, ("gemm", "cutlass", "nvjet", "xmma", "cublas", "_router_logit_parts")),
+    (GEMM, ("gemm", "gemv", "cutlass", "nvjet", "xmma", "cublas")),
 )
 ALL_KINDS = tuple(k for k, _ in KINDS) + (OTHER,)
 

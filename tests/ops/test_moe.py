@@ -47,7 +47,8 @@ def test_router_rules():
     (5, 12, 3, "softmax", False, True),      # softmax scores, experts not a power of two
     (1, 64, 6, "sigmoid", True, False),      # one token, no renormalization
     (20, 8, 1, "softmax", True, True),       # top 1
-], ids=["kimi", "softmax-odd", "one-token-raw", "top-1"])
+    (301, 16, 2, "sigmoid", True, True),     # several rows per program, the last one short
+], ids=["kimi", "softmax-odd", "one-token-raw", "top-1", "rows-per-program"])
 def test_routing_kernel_equals_the_torch_path(T, E, k, scoring, with_bias, renormalize):
     """Same experts in the same (descending) order, same weights; the bias chooses, never weights."""
     g = torch.Generator().manual_seed(T * 7 + E)
@@ -391,73 +392,3 @@ def test_gpu_triton_alignments_equal_the_torch_path(T):
         for path in ("one_program", "blocks") if T * k <= 4096 else ("blocks",):
             got = align_to_experts(ids, E, block_m, path=path)
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (block_m, path)
-
-
-@INTERP
-@pytest.mark.parametrize("T, dtype", [(1, torch.float16), (37, torch.float16), (64, torch.float32)])
-def test_router_logits_kernel_equals_the_fp32_linear(T, dtype):
-    """Decode's router logits in one launch (the hidden states read in their dtype, fp32 products
-    and sums) against F.linear of the fp32 cast, Kimi-Linear's 256 experts; strided rows too."""
-    from kdaserve.ops.moe.router_kernel import router_logits
-
-    g = torch.Generator().manual_seed(T)
-    wide = torch.randn(T, 200, generator=g).to(dtype)
-    x = wide[:, 8:168]                       # rows 200 apart: a slice of a wider tensor
-    w = torch.randn(256, 160, generator=g) * 160**-0.5
-    want = torch.nn.functional.linear(x.float(), w)
-    got = router_logits(x, w)
-    assert got.dtype == torch.float32 and got.shape == (T, 256)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match=r"router weight must be \[E, 160\]"):
-        router_logits(x, w[:, :100])
-
-
-@INTERP
-@pytest.mark.parametrize("T, hidden", [(1, 300), (5, 128), (64, 520)])
-def test_routing_on_logit_parts_equals_routing_on_their_sum(T, hidden):
-    """The routing kernel adds the logits' parts up as it loads them: the same choices and weights as
-    routing the fp32 linear's logits, for one chunk and several (a last chunk cut short), with the
-    bias and the shared expert's column; outputs NaN-filled first would show unwritten entries."""
-    from kdaserve.ops.moe.router_kernel import LOGITS_BK, route_from_logits, router_logit_parts
-
-    g = torch.Generator().manual_seed(T + hidden)
-    x = torch.randn(T, hidden, generator=g).half()
-    w = torch.randn(64, hidden, generator=g) * hidden**-0.5
-    bias = torch.randn(64, generator=g) * 0.1
-    parts = router_logit_parts(x, w)
-    assert parts.shape == (-(-hidden // LOGITS_BK), T, 64)
-    want = route_from_logits(torch.nn.functional.linear(x.float(), w), bias, 6, "sigmoid", True, 2.5, extra_expert=64)
-    got = route_from_logits(parts, bias, 6, "sigmoid", True, 2.5, extra_expert=64)
-    assert torch.equal(got[1], want[1])
-    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
-    with pytest.raises(ValueError, match="at most 64 tokens"):
-        router_logit_parts(torch.zeros(65, hidden), w)
-
-
-@INTERP
-def test_routing_takes_the_logits_kernel_up_to_its_limit(monkeypatch):
-    import kdaserve.ops.moe.router_kernel as rk
-
-    calls = []
-    original = rk.router_logit_parts
-    monkeypatch.setattr(rk, "router_logit_parts", lambda *a: calls.append(a[0].shape[0]) or original(*a))
-    w = torch.randn(16, 32) * 0.2
-    cfg = RouterConfig(16, 2)
-    for T in (1, rk.LOGITS_KERNEL_MAX_TOKENS, rk.LOGITS_KERNEL_MAX_TOKENS + 1):
-        x = torch.randn(T, 32).half()
-        got_w, got_ids = route_tokens(x, w, None, cfg, use_kernel=True)
-        want_w, want_ids = route_tokens(x, w, None, cfg, use_kernel=False)
-        assert torch.equal(got_ids, want_ids)
-        torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=1e-6)
-    assert calls == [1, rk.LOGITS_KERNEL_MAX_TOKENS]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 64])
-def test_gpu_router_logits_at_kimi_linear_sizes(T):
-    from kdaserve.ops.moe.router_kernel import router_logits
-
-    g = torch.Generator(device="cuda").manual_seed(T)
-    x = torch.randn(T, 2304, device="cuda", generator=g).bfloat16()
-    w = torch.randn(256, 2304, device="cuda", generator=g) * 2304**-0.5
-    torch.testing.assert_close(router_logits(x, w), torch.nn.functional.linear(x.float(), w), rtol=1e-4, atol=1e-4)

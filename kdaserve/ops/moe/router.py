@@ -53,10 +53,13 @@ def route_tokens(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor 
                  cfg: RouterConfig, *, use_kernel: bool | None = None,
                  extra_expert: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, hidden] -> (weights [T, top_k] fp32, expert ids [T, top_k] int64). After the logits,
-    `use_kernel`: None = one Triton launch on a GPU (router_kernel.py, with the logits in a launch of
-    their own at decode sizes) unless routing is restricted to groups, the torch path below
-    otherwise; True / False force one (tests). `extra_expert`: one more column, that expert with
-    weight 1 for every token (the shared expert as an expert)."""
+    `use_kernel`: None = one Triton launch on a GPU (router_kernel.py) unless routing is restricted
+    to groups, the torch path below otherwise; True / False force one (tests). `extra_expert`: one
+    more column, that expert with weight 1 for every token (the shared expert as an expert)."""
+    # The logits: an fp32 cast and cuBLAS's fp32 GEMM. A Triton launch reading the hidden states in
+    # their dtype saved the cast's launch but was slower on an H200 at every decode size measured
+    # (docs/perf-notes.md, twenty-sixth session).
+    logits = F.linear(x.float(), gate_weight.float())
     grouped = cfg.grouped
     if use_kernel is None:
         use_kernel = x.is_cuda and not grouped
@@ -64,13 +67,10 @@ def route_tokens(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor 
         if grouped:
             raise ValueError(f"the routing kernel does not restrict experts to groups ({cfg.topk_groups} of "
                              f"{cfg.num_groups}); route with use_kernel=False or None")
-        from kdaserve.ops.moe.router_kernel import LOGITS_KERNEL_MAX_TOKENS, route_from_logits, router_logit_parts
+        from kdaserve.ops.moe.router_kernel import route_from_logits
 
-        logits = (router_logit_parts(x, gate_weight) if x.shape[0] <= LOGITS_KERNEL_MAX_TOKENS
-                  else F.linear(x.float(), gate_weight.float()))
         return route_from_logits(logits, bias, cfg.top_k, cfg.scoring, cfg.renormalize, cfg.routed_scaling_factor,
                                  extra_expert)
-    logits = F.linear(x.float(), gate_weight.float())
     scores = logits.sigmoid() if cfg.scoring == "sigmoid" else logits.softmax(-1)
     choice = scores if bias is None else scores + bias.float()
     if grouped:
