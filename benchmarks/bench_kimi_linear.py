@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.bench_throughput import copy_bandwidth, random_prompts  # noqa: E402
 from kdaserve.engine import LLM, SamplingParams  # noqa: E402
 from kdaserve.bench.layer_kinds import (  # noqa: E402
-    ALL_KINDS, GEMM, KDA, MLA, MOE, OTHER, decode_floor_bytes, device_launches, device_ms_by_kind)
+    ALL_KINDS, GEMM, KDA, MLA, MOE, OTHER, decode_floor_bytes, device_launches, device_ms_by_kernel, device_ms_by_kind)
 from kdaserve.engine.caches import kv_bytes_per_block, state_bytes_per_slot  # noqa: E402
 
 MODEL = "moonshotai/Kimi-Linear-48B-A3B-Instruct"
@@ -68,7 +68,7 @@ def decode_breakdown(eng, runner, graph_us: float, steps: int = 10) -> tuple[dic
     under torch.profiler (synchronized before and after, so exactly those steps' work), CUDA
     graphs on. Where the trace holds less than half the graph's time or fails (a profiler that
     does not see the kernels inside a replay) the steps run eagerly instead: the same kernels. Returns the
-    breakdown and how it was taken."""
+    breakdown and how it was taken; prints the step's largest kernels (us and launches per step)."""
     from torch.profiler import ProfilerActivity, profile
 
     def profiled() -> dict[str, float]:
@@ -80,6 +80,9 @@ def decode_breakdown(eng, runner, graph_us: float, steps: int = 10) -> tuple[dic
         events = prof.events()
         us = {k: v * 1e3 / steps for k, v in device_ms_by_kind(events)[0].items()}
         us["launches"] = device_launches(events) / steps   # a count per step, not us
+        ms, launches = device_ms_by_kernel(events)
+        print("  the step's largest kernels (device us and launches per step):\n" + "\n".join(
+            f"    {v * 1e3 / steps:8.1f} us {launches[name] / steps:4.0f}x  {name}" for name, v in ms.most_common(16)))
         return us
 
     try:

@@ -8,31 +8,19 @@
 # (e.g. `git archive <commit> kdaserve benchmarks | tar -x -C .old`), [".base"] likewise for kimi_fusions.
 # `bash scripts/gpu_verify_next.sh PART [PART ...]`: several parts run in order within one budget.
 # Parts owed (add one as `if [ "$PART" = name ]; then ... fi` below, with what it must show), in the
-# order to run them when the session's device time (30 min) cannot fit them all (~60 min together):
-#   host_split_tests  the engine and server GPU tests after the twenty-third and twenty-fourth sessions'
-#                 host-work changes (text made by the API processes, metrics sent only when changed, the
-#                 greedy sampling shortcut, Sequence.is_finished an attribute, request groups without a
-#                 generator, the sampled tokens read back through a ring of pinned buffers and events).
-#   fusion_tests  the twenty-fourth session's fused launches (SwiGLU, the shared expert inside the MoE
-#                 kernels or in their sum, the router logits, the MLA cache write with its norm, KDA's
-#                 gate projections in one GEMM), the twenty-fifth's LM head writing fp32 logits from one
-#                 GEMM, and the twenty-third's MoE alignment over blocks:
-#                 their GPU tests. Early: the alignment is already the default on a GPU past 1024
-#                 slots, and the fusions are the default on every GPU.
-#   fusion_models the models' GPU tests (Kimi-Linear, GLM-5.3-Flash) with the fusions.
-#   moe_align_blocks  prefill's MoE alignment over blocks of slots (three Triton launches instead of
-#                 the torch path's sort; issue 21 goal 4): the MoE rows old vs new; and where the shared
-#                 expert inside the fused kernels stops paying (--sweep-shared).
+# order to run them when the session's device time (30 min) cannot fit them all (~30 min together):
 #   kimi_decode_kinds  Kimi-Linear's decode step by layer kind against each kind's own floor (issue 21
 #                 goal 1's breakdown), with the TTFT and the decode table at batch 1, 64 and 256.
-#   kimi_fusions  Kimi-Linear's decode step, the session's start (.base = `git archive c04ce36 kdaserve
-#                 benchmarks`) against the new code in one command: 561 -> 356 launches per step.
+#   kimi_fusions  Kimi-Linear's decode step, the twenty-fourth session's start (.base = `git archive
+#                 c04ce36 kdaserve benchmarks`) against the new code in one command: 561 -> 382 launches
+#                 per step; the twenty-sixth session measured the graph step (2799 us against 3373 at
+#                 batch 1) but not this bench's engine step and TTFT with the final router.
 #   host_split    the serving path, old (.old = `git archive 272aacf kdaserve benchmarks`, with the new
 #                 bench_serving_host.py copied in) against the new code, alternating, then the new code at
 #                 --stream-interval 4 and with the fake device on the same host (issue 21 goal 2).
 #   moe_tma       the expert GEMMs' weight tiles through tensor descriptors (TMA), not yet any default
 #                 (MoeTiles.weights_tma; issue 21 goal 4): which prefill shapes win, with and without.
-# (The twenty-second session's part stream_interval is folded into host_split_tests and host_split.)
+# (Done by the twenty-sixth session: host_split_tests, fusion_tests, fusion_models, moe_align_blocks.)
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -58,16 +46,6 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 [ $# -eq 0 ] && echo "name a part (or several: they run in order and share the budget)"
 for PART in "$@"; do
 echo "#### part $PART ($(( BUDGET - ($(date +%s) - START) )) s of the budget left)"
-
-if [ "$PART" = host_split_tests ]; then
-  # Must show: every file passes (bf16 engine with CUDA graphs: greedy tokens and texts as before the
-  # change, nothing compiled after the warm-up, a decode step that never synchronizes the stream with
-  # the readback ring; the server's GPU tests through the engine process, whose outputs' text the API
-  # process now makes, and --stream-interval).
-  group engine_gpu 200 tests/engine/test_engine_gpu.py
-  group host_overhead_gpu 150 tests/engine/test_host_overhead_gpu.py
-  group server_gpu 200 tests/server/test_server_gpu.py
-fi
 
 if [ "$PART" = host_split ]; then
   # Must show, per pair of invocations (old then new, same command): the engine process's host work
@@ -103,36 +81,13 @@ if [ "$PART" = host_split ]; then
   echo "== invocation 6, new code, fake device 1.4 ms on this host rc=$?"; grep "^| [0-9]\|^| alone" "$OUT/hs_6.log"
 fi
 
-if [ "$PART" = fusion_tests ]; then
-  # Must show: every group passes: SwiGLU and the MLA cache write against their torch paths in bf16
-  # at Kimi-Linear's sizes, the MoE kernels (the sum with the shared experts' addend, the shared
-  # expert as expert 256, the router logits kernel, the blocks alignment's tables equal to the torch
-  # path's up to 8192 tokens, TMA weights), the FP8 experts, the KDA layer on the GPU, the LM head's
-  # fp32 logits from one GEMM (torch.mm out_dtype) within a quarter of a 2-byte rounding of fp32 math
-  # and in a CUDA graph. If the LM head's test fails, revert its commit (the GEMM + cast path).
-  group swiglu_gpu 60 tests/ops/test_swiglu.py
-  group latent_write_gpu 60 tests/ops/test_mla_latent_write.py
-  group moe_gpu 150 tests/ops/test_moe.py
-  group fp8_gpu 120 tests/ops/test_fp8.py
-  group kda_layer_gpu 120 tests/layers/test_kda_layer_gpu.py
-  group lm_head_gpu 60 tests/layers/test_lm_head_gpu.py
-fi
-
-if [ "$PART" = fusion_models ]; then
-  # Must show: both families' GPU tests pass with the fused launches (Kimi-Linear bf16 against its
-  # reference; GLM-5.3-Flash's MTP with CUDA graphs lossless); the engine's own GPU tests (bench
-  # model, CUDA graphs equal eager) run in host_split_tests.
-  group kimi_gpu 200 tests/models/test_kimi_linear_gpu.py
-  group glm_gpu 150 tests/models/test_glm5_next.py -k gpu
-fi
-
 if [ "$PART" = kimi_decode_kinds ]; then
   # Must show: the decode table at batch 1, 64 and 256 (engine / floor: the twentieth session had
   # 2.67x (one at a time), 0.95x and 1.13x) and, below it, the step by layer kind: each kind's device
   # us against its own floor (MoE experts: the experts the batch touches; MLA: latent rows; KDA:
   # states read and written; GEMMs: dense weights) and its share of the step; the "total" row's
   # method says whether the profiler saw the kernels inside the graph replays, and the device
-  # launches per step (benchmarks/decode_launches.py predicts 356 kernels, plus the step's few
+  # launches per step (benchmarks/decode_launches.py predicts 382 kernels, plus the step's few
   # copies: staged inputs, block tables, tokens back). Issue 21 goal 1 asks
   # what each part is at against its own floor: the kinds furthest above theirs are where the next
   # work goes ("other" at batch 1: launch-bound kernels).
@@ -141,15 +96,13 @@ if [ "$PART" = kimi_decode_kinds ]; then
 fi
 
 if [ "$PART" = kimi_fusions ]; then
-  # Must show: the graph step and the engine step at batch 1 and 64 lower with the new code (356
+  # Must show: the graph step and the engine step at batch 1 and 64 lower with the new code (382
   # launches per step instead of 561, benchmarks/decode_launches.py: fused SwiGLU, the MLA cache
   # write with its norm, the shared expert inside the fused MoE kernels up to 64 tokens, the MLA
-  # value heads written row-major, the router's logits in one launch, KDA's gate b projections in
-  # one batched GEMM), most at
-  # batch 1 (twentieth session: graph 3315 us against a 1499 us floor); TTFT at 2K not higher. If
-  # batch 64 is slower while batch 1 is faster, the shared expert's weights re-read by its 4 row
-  # blocks cost more than its launches: lower layers/moe.SHARED_AS_EXPERT_MAX_TOKENS to 16 and note
-  # it. Base first, then new.
+  # value heads written row-major, KDA's gate b projections in one batched GEMM, routing one row per
+  # program at decode sizes), most at batch 1 (twenty-sixth session, graph replay alone: 3373 ->
+  # 2799 us at batch 1, 19791 -> 19841 at 64 before the routing rows change); TTFT at 2K not higher.
+  # The new log lists each step's largest kernels. Base first, then new.
   [ -d .base/kdaserve ] || { echo "carry .base (git archive c04ce36 kdaserve benchmarks | tar -x -C .base)"; exit 1; }
   for code in base new; do
     dir=.; [ $code = base ] && dir=.base
@@ -159,26 +112,9 @@ if [ "$PART" = kimi_fusions ]; then
   done
 fi
 
-if [ "$PART" = moe_align_blocks ]; then
-  # Must show (after fusion_tests passed tests/ops/test_moe.py, whose test_gpu_triton_alignments_
-  # equal_the_torch_path checks the blocks path's tables up to 8192 tokens): in the new table the "MoE align"
-  # prefill rows' kernel column below their torch column (the nineteenth session put alignment + the
-  # sum over k at 0.28 ms of a 2.36 ms call at 8K), and the "MoE" prefill rows (fused column) below
-  # the old code's at 2K and 8K by about that difference (% of bf16 peak: issue 21 goal 4 wants 60).
-  [ -d .old/kdaserve ] || { echo "carry .old (git archive 272aacf kdaserve benchmarks | tar -x -C .old)"; exit 1; }
-  timeout 150 python3 benchmarks/bench_moe_mla.py --batches 1 64 --prefill 2048 8192 > "$OUT/moe_new.log" 2>&1
-  echo "== new rc=$?"; grep "MoE" "$OUT/moe_new.log" | tail -12
-  (cd .old && timeout 150 python3 benchmarks/bench_moe_mla.py --batches 1 64 --prefill 2048 8192) > "$OUT/moe_old.log" 2>&1
-  echo "== old (272aacf) rc=$?"; grep "MoE" "$OUT/moe_old.log" | tail -12
-  # And the MoE layer's shared expert apart or inside the fused kernels per batch (rel. diff ~1e-3
-  # or below): the batches where "inside" wins set layers/moe.SHARED_AS_EXPERT_MAX_TOKENS (now 64).
-  timeout 150 python3 benchmarks/bench_moe_mla.py --sweep-shared --batches 1 8 16 32 64 128 256 > "$OUT/moe_shared.log" 2>&1
-  echo "== shared expert sweep rc=$?"; sed -n '/^| batch | shared/,$p' "$OUT/moe_shared.log"
-fi
-
 if [ "$PART" = moe_tma ]; then
-  # Must show: test_gpu_weights_through_tensor_descriptors passes (run by moe_align_blocks' test file
-  # too); in the sweep's table, per prefill size, each shape's "weights TMA" row against its pointer
+  # Must show: test_gpu_weights_through_tensor_descriptors passes (the twenty-sixth session's
+  # fusion_tests passed it); in the sweep's table, per prefill size, each shape's "weights TMA" row against its pointer
   # row (ms, gate_up ms, down ms, % of bf16 peak; rel. diff vs default ~1e-3 or below). A TMA row
   # faster at 2K and 8K by more than the pointer rows' spread is the evidence to make it moe_tiles'
   # default for Hopper (then record it in perf-notes and flip the default); otherwise remove it.

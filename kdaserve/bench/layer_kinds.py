@@ -68,6 +68,17 @@ def device_ms_by_kind(events) -> tuple[dict[str, float], Counter]:
     return out, other
 
 
+def device_ms_by_kernel(events) -> tuple[Counter, Counter]:
+    """Device ms and launches per kernel name (cut to 90 characters) over a profiler's CUDA events:
+    which kernels make a step's time, beyond its kind."""
+    ms, launches = Counter(), Counter()
+    for e in events:
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            ms[e.name[:90]] += getattr(e, "device_time_total", 0.0) / 1e3
+            launches[e.name[:90]] += 1
+    return ms, launches
+
+
 def device_launches(events) -> int:
     """How many device activities (kernels, copies, fills) a profiler's trace holds: a decode
     step's count is what benchmarks/decode_launches.py predicts on the CPU."""

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from kdaserve.bench.layer_kinds import (
-    ALL_KINDS, GEMM, KDA, MLA, MOE, OTHER, decode_floor_bytes, device_launches, device_ms_by_kind, experts_touched,
-    kind_of)
+    ALL_KINDS, GEMM, KDA, MLA, MOE, OTHER, decode_floor_bytes, device_launches, device_ms_by_kernel, device_ms_by_kind,
+    experts_touched, kind_of)
 from kdaserve.models.builtin import released_config
 from kdaserve.models.loader import load_model
 
@@ -69,6 +69,10 @@ def test_device_time_sums_per_kind_and_names_the_rest():
     assert out["total"] == pytest.approx(3.075) and set(out) == set(ALL_KINDS) | {"total"}
     assert other == {"rms_norm_kernel": pytest.approx(0.075)}
     assert device_launches([ev("_moe_down_kernel", 1.0), ev("aten::mm", 1.0, cpu), ev("Memcpy DtoH", 1.0)]) == 2
+    ms, launches = device_ms_by_kernel([ev("rms_norm_kernel", 50.0), ev("nvjet_x", 2000.0), ev("rms_norm_kernel", 25.0),
+                                        ev("aten::mm", 9999.0, cpu)])
+    assert ms == {"rms_norm_kernel": pytest.approx(0.075), "nvjet_x": pytest.approx(2.0)}
+    assert launches == {"rms_norm_kernel": 2, "nvjet_x": 1}
 
 
 def test_experts_touched_spans_k_to_all():
