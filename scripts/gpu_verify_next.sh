@@ -15,6 +15,8 @@
 #                 c04ce36 kdaserve benchmarks`) against the new code in one command: 561 -> 382 launches
 #                 per step; the twenty-sixth session measured the graph step (2799 us against 3373 at
 #                 batch 1) but not this bench's engine step and TTFT with the final router.
+#   moe_align_decode  decode's one-program MoE alignment filling its padding 1024 entries a store
+#                 (was 32): the "MoE align" decode rows against the twenty-sixth session's.
 #   host_split    the serving path, old (.old = `git archive 272aacf kdaserve benchmarks`, with the new
 #                 bench_serving_host.py copied in) against the new code, alternating, then the new code at
 #                 --stream-interval 4 and with the fake device on the same host (issue 21 goal 2).
@@ -110,6 +112,16 @@ if [ "$PART" = kimi_fusions ]; then
        > "$OUT/kf_$code.log" 2>&1)
     echo "== $code rc=$?"; grep "TTFT\|^| [0-9]" "$OUT/kf_$code.log" | head -8
   done
+fi
+
+if [ "$PART" = moe_align_decode ]; then
+  # Must show: test_moe.py's alignment tests pass compiled, and the "MoE align" decode rows' graph
+  # column (one_program) below the twenty-sixth session's 0.0035 ms at batch 1 and 0.0367 ms at 64
+  # (the MoE rows' graph column then 0.0394 / 0.7562 ms). Kimi-Linear's step spent 1277 us of
+  # 19.8 ms in the alignment at batch 64 (with the shared expert's slots): part kimi_fusions shows it.
+  group moe_align_test 150 tests/ops/test_moe.py -k align
+  timeout 150 python3 benchmarks/bench_moe_mla.py --batches 1 64 256 --prefill 1024 > "$OUT/moe_align_decode.log" 2>&1
+  echo "== rc=$?"; grep "| MoE" "$OUT/moe_align_decode.log" | tail -9
 fi
 
 if [ "$PART" = moe_tma ]; then

@@ -49,7 +49,7 @@ def max_sorted_entries(num_slots: int, num_experts: int, block_m: int) -> int:
 @triton.jit
 def _align_kernel(ids_ptr, sorted_ptr, block_experts_ptr, S, n,
                   E: tl.constexpr, E_P: tl.constexpr, BM: tl.constexpr, BLOCK_S: tl.constexpr,
-                  EXTRA: tl.constexpr = False):
+                  EXTRA: tl.constexpr = False, FILL: tl.constexpr = 1024):
     """One program: count slots per expert, pad each run to BM, then place every slot at its
     expert's start + its rank among that expert's earlier slots, and name each block's expert.
     A slot's rank comes from an exclusive cumulative sum of the one-hot [slots, experts] tile.
@@ -69,9 +69,11 @@ def _align_kernel(ids_ptr, sorted_ptr, block_experts_ptr, S, n,
     starts = ends - padded
     routed_end = tl.sum(padded, 0)   # where the extra expert's run starts
     extra_end = routed_end + (extra_count + BM - 1) // BM * BM
-    for p0 in range(0, n, BLOCK_S):   # padding entries hold S (no slot)
-        offs = p0 + tl.arange(0, BLOCK_S)
-        tl.store(sorted_ptr + offs, tl.full([BLOCK_S], 0, tl.int32) + S, mask=offs < n)
+    # Padding entries hold S (no slot). The table is mostly padding at decode (64 tokens: 576 slots
+    # in 4416 entries), so it is filled FILL entries a store, not BLOCK_S: 5 stores, not 138.
+    for p0 in range(0, n, FILL):
+        offs = p0 + tl.arange(0, FILL)
+        tl.store(sorted_ptr + offs, tl.full([FILL], 0, tl.int32) + S, mask=offs < n)
     tl.debug_barrier()   # every fill lands before a slot overwrites it
     placed = tl.zeros([E_P], tl.int32)
     extra_placed = 0
