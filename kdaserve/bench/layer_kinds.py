@@ -6,8 +6,8 @@ Kinds, first match wins (our Triton kernels by their names, cuBLAS's by theirs):
   MoE experts  the grouped expert GEMMs, the slot alignment, the sum over the k choices
   MLA          the latent-cache kernels (decode, split-context merge, prefill, the cache write)
   KDA          conv, the recurrence (flash prefill, fused / stream decode), the gated output norm
-  GEMMs        cuBLAS, the FP8 block GEMM and the router logits kernel: projections, shared
-               experts, router, LM head
+  GEMMs        cuBLAS (GEMMs and GEMVs) and the FP8 block GEMM: projections, shared experts,
+               router, LM head
   other        RMSNorm, SwiGLU, rotary, routing, elementwise, sampling, copies: no floor of their own
 
 Decode floor of each kind (bytes that must move; time = bytes / the copy bandwidth):
