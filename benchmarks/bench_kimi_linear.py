@@ -71,6 +71,8 @@ def decode_breakdown(eng, runner, graph_us: float, steps: int = 10) -> tuple[dic
     breakdown and how it was taken; prints the step's largest kernels (us and launches per step)."""
     from torch.profiler import ProfilerActivity, profile
 
+    largest: list[tuple[str, float, float]] = []   # (kernel, us, launches) per step of the trace kept
+
     def profiled() -> dict[str, float]:
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -81,8 +83,7 @@ def decode_breakdown(eng, runner, graph_us: float, steps: int = 10) -> tuple[dic
         us = {k: v * 1e3 / steps for k, v in device_ms_by_kind(events)[0].items()}
         us["launches"] = device_launches(events) / steps   # a count per step, not us
         ms, launches = device_ms_by_kernel(events)
-        print("  the step's largest kernels (device us and launches per step):\n" + "\n".join(
-            f"    {v * 1e3 / steps:8.1f} us {launches[name] / steps:4.0f}x  {name}" for name, v in ms.most_common(16)))
+        largest[:] = [(name, v * 1e3 / steps, launches[name] / steps) for name, v in ms.most_common(16)]
         return us
 
     try:
@@ -96,6 +97,8 @@ def decode_breakdown(eng, runner, graph_us: float, steps: int = 10) -> tuple[dic
             us, how = profiled(), "eager steps (the profiler saw no kernels inside the graph replays)"
         finally:
             runner.graphs = graphs
+    print("  the step's largest kernels (device us and launches per step):\n"
+          + "\n".join(f"    {us_:8.1f} us {n:4.0f}x  {name}" for name, us_, n in largest))
     return us, how
 
 

@@ -16,7 +16,8 @@
 #                 per step; the twenty-sixth session measured the graph step (2799 us against 3373 at
 #                 batch 1) but not this bench's engine step and TTFT with the final router.
 #   moe_align_decode  decode's one-program MoE alignment filling its padding 1024 entries a store
-#                 (was 32): the "MoE align" decode rows against the twenty-sixth session's.
+#                 (was 32): the "MoE align" decode rows against the twenty-sixth session's; the
+#                 routing kernel's rows per program compiled against the torch path.
 #   host_split    the serving path, old (.old = `git archive 272aacf kdaserve benchmarks`, with the new
 #                 bench_serving_host.py copied in) against the new code, alternating, then the new code at
 #                 --stream-interval 4 and with the fake device on the same host (issue 21 goal 2).
@@ -115,20 +116,21 @@ if [ "$PART" = kimi_fusions ]; then
 fi
 
 if [ "$PART" = moe_align_decode ]; then
-  # Must show: test_moe.py's alignment tests pass compiled, and the "MoE align" decode rows' graph
-  # column (one_program) below the twenty-sixth session's 0.0035 ms at batch 1 and 0.0367 ms at 64
+  # Must show: test_moe.py's alignment and routing tests pass compiled (the routing kernel's rows
+  # per program, 1 / 2 / 16 by step size, against the torch path), and the "MoE align" decode
+  # rows' graph column (one_program) below the twenty-sixth session's 0.0035 ms at batch 1 and 0.0367 ms at 64
   # (the MoE rows' graph column then 0.0394 / 0.7562 ms). Kimi-Linear's step spent 1277 us of
   # 19.8 ms in the alignment at batch 64 (with the shared expert's slots): part kimi_fusions shows it.
-  group moe_align_test 150 tests/ops/test_moe.py -k align
+  group moe_align_test 150 tests/ops/test_moe.py -k "align or routing"
   timeout 150 python3 benchmarks/bench_moe_mla.py --batches 1 64 256 --prefill 1024 > "$OUT/moe_align_decode.log" 2>&1
   echo "== rc=$?"; grep "| MoE" "$OUT/moe_align_decode.log" | tail -9
 fi
 
 if [ "$PART" = moe_tma ]; then
   # Must show: test_gpu_weights_through_tensor_descriptors passes (the twenty-sixth session's
-  # fusion_tests passed it); in the sweep's table, per prefill size, each shape's "weights TMA" row against its pointer
-  # row (ms, gate_up ms, down ms, % of bf16 peak; rel. diff vs default ~1e-3 or below). A TMA row
-  # faster at 2K and 8K by more than the pointer rows' spread is the evidence to make it moe_tiles'
+  # fusion_tests passed it); in the sweep's table, per prefill size, each shape's "weights TMA" row
+  # against its pointer row (ms, gate_up ms, down ms, % of bf16 peak; rel. diff vs default ~1e-3 or
+  # below). A TMA row faster at 2K and 8K by more than the pointer rows' spread is the evidence to make it moe_tiles'
   # default for Hopper (then record it in perf-notes and flip the default); otherwise remove it.
   group moe_tma_test 150 tests/ops/test_moe.py -k descriptors
   timeout 400 python3 benchmarks/bench_moe_mla.py --sweep-moe-tma --prefill 2048 8192 > "$OUT/moe_tma.log" 2>&1

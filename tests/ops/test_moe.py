@@ -325,6 +325,23 @@ def _kimi_linear_step(T: int, seed: int):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 64, 300, 2048])
+def test_gpu_routing_kernel_equals_the_torch_path_at_kimi_linear_sizes(T):
+    """Compiled (not the interpreter), at each rows-per-program choice (1 at decode sizes, 2 at
+    300 tokens, 16 at prefill's): bf16 hidden states, 256 experts, top 8, the correction bias and
+    the shared expert's column. Weights within the GPU exp's rounding of torch's sigmoid."""
+    g = torch.Generator(device="cuda").manual_seed(T)
+    x = torch.randn(T, 2304, device="cuda", generator=g).bfloat16()
+    gate = torch.randn(256, 2304, device="cuda", generator=g) * 2304**-0.5
+    bias = torch.randn(256, device="cuda", generator=g) * 0.1
+    cfg = RouterConfig(256, 8, routed_scaling_factor=2.446)
+    got_w, got_ids = route_tokens(x, gate, bias, cfg, use_kernel=True, extra_expert=256)
+    want_w, want_ids = route_tokens(x, gate, bias, cfg, use_kernel=False, extra_expert=256)
+    assert torch.equal(got_ids, want_ids)
+    torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 64])
 def test_gpu_shared_expert_as_expert_at_kimi_linear_sizes(T):
     """Decode's path (layers/moe): the shared expert (width 1024) as expert 256 inside the fused

@@ -56,9 +56,8 @@ def route_tokens(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor 
     `use_kernel`: None = one Triton launch on a GPU (router_kernel.py) unless routing is restricted
     to groups, the torch path below otherwise; True / False force one (tests). `extra_expert`: one
     more column, that expert with weight 1 for every token (the shared expert as an expert)."""
-    # The logits: an fp32 cast and cuBLAS's fp32 GEMM. A Triton launch reading the hidden states in
-    # their dtype saved the cast's launch but was slower on an H200 at every decode size measured
-    # (docs/perf-notes.md, twenty-sixth session).
+    # The logits: an fp32 cast and cuBLAS's fp32 GEMM, at every size (faster on an H200 at decode
+    # than a Triton launch without the cast: docs/perf-notes.md).
     logits = F.linear(x.float(), gate_weight.float())
     grouped = cfg.grouped
     if use_kernel is None:

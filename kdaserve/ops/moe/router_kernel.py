@@ -84,9 +84,8 @@ def route_from_logits(logits: torch.Tensor, bias: torch.Tensor | None, top_k: in
     if T:
         E_P = max(16, triton.next_power_of_2(E))
         # Rows per program: at most 4096 scores held at once, and ~128 programs or more where the
-        # step has the rows. At 64 decode tokens on an H200, 4 programs of 16 rows took 11.3 us a
-        # MoE layer and 64 programs of one row 5.2 (while also adding 18 logit parts); prefill's
-        # thousands of rows keep 16.
+        # step has the rows (one row per program at decode sizes, 16 at prefill's thousands): a
+        # decode step's routing is latency, spread over programs (docs/perf-notes.md).
         BT = max(1, min(16, 4096 // E_P, _pow2_at_most(max(1, T // 128))))
         _route_kernel[(triton.cdiv(T, BT),)](
             logits, logits.stride(0), bias if bias is not None else logits, weights, ids, T, E, float(scale),
