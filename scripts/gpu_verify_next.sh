@@ -21,8 +21,6 @@
 #   host_split    the serving path, old (.old = `git archive 272aacf kdaserve benchmarks`, with the new
 #                 bench_serving_host.py copied in) against the new code, alternating, then the new code at
 #                 --stream-interval 4 and with the fake device on the same host (issue 21 goal 2).
-#   moe_tma       the expert GEMMs' weight tiles through tensor descriptors (TMA), not yet any default
-#                 (MoeTiles.weights_tma; issue 21 goal 4): which prefill shapes win, with and without.
 # (Done by the twenty-sixth session: host_split_tests, fusion_tests, fusion_models, moe_align_blocks.)
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
@@ -44,6 +42,10 @@ group() {  # name, seconds, pytest args...: one pytest process per file (one GPU
   grep -E "FAILED|^E  " "$OUT/t_$name.log" | head -6
   [ $rc -ne 0 ] && ! grep -q FAILED "$OUT/t_$name.log" && tail -4 "$OUT/t_$name.log"
   return 0
+}
+cap() {  # seconds: the smaller of $1 and what is left of the budget (at least 1)
+  local left=$(( BUDGET - ($(date +%s) - START) )); [ "$left" -lt 1 ] && left=1
+  [ "$1" -lt "$left" ] && echo "$1" || echo "$left"
 }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 [ $# -eq 0 ] && echo "name a part (or several: they run in order and share the budget)"
@@ -122,19 +124,9 @@ if [ "$PART" = moe_align_decode ]; then
   # (the MoE rows' graph column then 0.0394 / 0.7562 ms). Kimi-Linear's step spent 1277 us of
   # 19.8 ms in the alignment at batch 64 (with the shared expert's slots): part kimi_fusions shows it.
   group moe_align_test 150 tests/ops/test_moe.py -k "align or routing"
-  timeout 150 python3 benchmarks/bench_moe_mla.py --batches 1 64 256 --prefill 1024 > "$OUT/moe_align_decode.log" 2>&1
+  timeout $(cap 150) python3 benchmarks/bench_moe_mla.py --batches 1 64 256 --prefill 1024 > "$OUT/moe_align_decode.log" 2>&1
   echo "== rc=$?"; grep "| MoE" "$OUT/moe_align_decode.log" | tail -9
 fi
 
-if [ "$PART" = moe_tma ]; then
-  # Must show: test_gpu_weights_through_tensor_descriptors passes (the twenty-sixth session's
-  # fusion_tests passed it); in the sweep's table, per prefill size, each shape's "weights TMA" row
-  # against its pointer row (ms, gate_up ms, down ms, % of bf16 peak; rel. diff vs default ~1e-3 or
-  # below). A TMA row faster at 2K and 8K by more than the pointer rows' spread is the evidence to make it moe_tiles'
-  # default for Hopper (then record it in perf-notes and flip the default); otherwise remove it.
-  group moe_tma_test 150 tests/ops/test_moe.py -k descriptors
-  timeout 400 python3 benchmarks/bench_moe_mla.py --sweep-moe-tma --prefill 2048 8192 > "$OUT/moe_tma.log" 2>&1
-  echo "== sweep rc=$?"; sed -n '/^| step/,$p' "$OUT/moe_tma.log"
-fi
 
 done
