@@ -14,6 +14,7 @@ the plain torch path (issue "Fast at the real shape", goal 5), on one GPU:
         [--sweep-moe]   # MoE: launch shapes (rows per program, tiles, warps, stages)
         [--sweep-mla-prefill]   # MLA prefill: tiles, warps, stages; Kimi-Linear's and GLM's heads
         [--sweep-shared]   # the MoE layer with its shared expert apart or inside the fused kernels
+        [--moe-prefill-paths]   # MoE prefill: fused kernels, torch's grouped GEMM path, dense cuBLAS
 
 torch: ops/moe/reference.py's loop over experts and ops/mla/reference.py's gathers and einsums,
 the definitions the kernels are tested against (no torch.compile), eager. "MoE align" rows: the
@@ -26,7 +27,6 @@ path in the torch column), graph-replayed at decode, eager at prefill. Rows prin
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -41,7 +41,7 @@ from kdaserve.ops.mla.prefill import mla_prefill_triton  # noqa: E402
 from kdaserve.ops.mla.reference import mla_decode_reference, mla_prefill_reference  # noqa: E402
 from kdaserve.ops.moe import RouterConfig, moe_experts_reference, route_tokens  # noqa: E402
 from kdaserve.ops.moe.align import align_to_experts  # noqa: E402
-from kdaserve.ops.moe.fused import MoeTiles, moe_block_m, moe_experts_fused, moe_tiles, weights_tma_fits  # noqa: E402
+from kdaserve.ops.moe.fused import MoeTiles, moe_block_m, moe_experts_fused, moe_tiles  # noqa: E402
 from kdaserve.ops.precision import device_target  # noqa: E402
 
 # Kimi-Linear-48B-A3B: 256 experts (top 8) of width 1024 on hidden 2304; MLA with 32 heads, latent
@@ -206,26 +206,17 @@ def kernel_ms(fn, calls: int = 5) -> dict[str, float]:
     return out
 
 
-# `--sweep-moe-tma`: prefill shapes (rows; gate_up; down), each with its weight tiles through
-# pointers and through tensor descriptors; the default first. Descriptors free the registers that
-# weight addresses took (sm_90 build: gate_up 226 -> 172), so wider K steps in fewer stages too.
-TMA_SHAPES = [(128, (128, 64, 8, 3), (256, 64, 8, 3)), (128, (128, 128, 8, 2), (256, 128, 8, 2)),
-              (128, (64, 128, 8, 3), (128, 128, 8, 3)), (64, (128, 64, 8, 4), (128, 64, 4, 3))]
-
-
-def moe_sweep(batches, prefill, bw, tma_only: bool = False) -> None:
+def moe_sweep(batches, prefill, bw) -> None:
     """The fused MoE path's launch shapes at Kimi-Linear's sizes: per step, the default and the
     cross product of SWEEP_SHAPES (decode: moe_block_m's rows, graph-replayed), with each kernel's
-    device time (torch.profiler). Whole-call ms; the table prints last. `tma_only`: prefill only,
-    the default and TMA_SHAPES, each with the weights through pointers and through descriptors."""
+    device time (torch.profiler). Whole-call ms; the table prints last."""
     g = torch.Generator(device="cuda").manual_seed(0)
     w13 = (torch.randn(E, 2 * WIDTH, HIDDEN, device="cuda", generator=g) * HIDDEN**-0.5).to(BF)
     w2 = (torch.randn(E, HIDDEN, WIDTH, device="cuda", generator=g) * WIDTH**-0.5).to(BF)
     gate = torch.randn(E, HIDDEN, device="cuda", generator=g) * HIDDEN**-0.5
     router = RouterConfig(E, K, routed_scaling_factor=2.446)
     rows = []
-    steps = [("prefill", t) for t in prefill] if tma_only else [("decode", b) for b in batches] + [("prefill", t) for t in prefill]
-    for step, T in steps:
+    for step, T in [("decode", b) for b in batches] + [("prefill", t) for t in prefill]:
         x = torch.randn(T, HIDDEN, device="cuda", generator=g).to(BF)
         weights, ids = route_tokens(x, gate, None, router)
         touched = ids.unique().numel()
@@ -234,17 +225,9 @@ def moe_sweep(batches, prefill, bw, tma_only: bool = False) -> None:
         want = moe_experts_fused(x, w13, w2, weights, ids, tiles=default).float()
         timer = bench_graph if step == "decode" else bench
         bms, gate_ups, downs = SWEEP_SHAPES[step]
-        if tma_only:
-            variants = [("default", default)] + [(f"BM {bm}, gate_up {gu}, down {dn}", MoeTiles(bm, gu, dn))
-                                                 for bm, gu, dn in TMA_SHAPES]
-        else:
-            variants = [("default", default)] + [
-                (f"BM {bm}, gate_up {gu}, down {dn}", MoeTiles(bm, gu, dn))
-                for bm in sorted({b or moe_block_m(T * K, E) for b in bms}) for gu in gate_ups for dn in downs]
-        if step == "prefill":   # each shape again with its weight tiles through tensor descriptors (TMA)
-            variants += [(f"{name}, weights TMA", dataclasses.replace(tiles, weights_tma=True))
-                         for name, tiles in list(variants)
-                         if weights_tma_fits(tiles, HIDDEN, WIDTH, False) and not tiles.weights_tma]
+        variants = [("default", default)] + [
+            (f"BM {bm}, gate_up {gu}, down {dn}", MoeTiles(bm, gu, dn))
+            for bm in sorted({b or moe_block_m(T * K, E) for b in bms}) for gu in gate_ups for dn in downs]
         for name, tiles in variants:
             call = lambda: moe_experts_fused(x, w13, w2, weights, ids, tiles=tiles)   # noqa: B023, E731
             try:
@@ -263,6 +246,64 @@ def moe_sweep(batches, prefill, bw, tma_only: bool = False) -> None:
         peak = f"{floor / ms * 100:.0f}%" if step == "prefill" else ""
         print(f"| {step} | {T} | {name} | {ms:.4f} | {parts['gate_up']:.4f} | {parts['down']:.4f} | {parts['rest']:.4f} "
               f"| {floor:.4f} | {ms / floor:.2f}x | {peak} | {err:.1e} |")
+
+
+def moe_prefill_paths(prefill) -> None:
+    """The routed experts at prefill sizes three ways, same routing: the fused Triton kernels
+    (moe_tiles' default), the grouped-GEMM path (ops/moe/grouped_mm.py: torch's grouped_mm, CUTLASS
+    on sm_90+) stage by stage, and cuBLAS's dense GEMMs of the same shapes and flops as a bound (all
+    tokens through one expert's weights: what the card does at these K and N without the grouping).
+    Eager do_bench medians; the table prints last."""
+    import torch.nn.functional as F
+
+    from kdaserve.ops.activation.swiglu import swiglu_fwd
+    from kdaserve.ops.moe.grouped_mm import expert_order, moe_experts_grouped_mm
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w13 = (torch.randn(E, 2 * WIDTH, HIDDEN, device="cuda", generator=g) * HIDDEN**-0.5).to(BF)
+    w2 = (torch.randn(E, HIDDEN, WIDTH, device="cuda", generator=g) * WIDTH**-0.5).to(BF)
+    gate = torch.randn(E, HIDDEN, device="cuda", generator=g) * HIDDEN**-0.5
+    router = RouterConfig(E, K, routed_scaling_factor=2.446)
+    rows = []
+    for T in prefill:
+        x = torch.randn(T, HIDDEN, device="cuda", generator=g).to(BF)
+        weights, ids = route_tokens(x, gate, None, router)
+        flops = 2 * 3 * HIDDEN * WIDTH * T * K
+        want = moe_experts_reference(x, w13, w2, weights, ids).float() if T <= 8192 else None
+
+        def diff(got):
+            return float("nan") if want is None else ((got.float() - want).norm() / want.norm()).item()
+
+        fused = lambda: moe_experts_fused(x, w13, w2, weights, ids)   # noqa: E731
+        parts = kernel_ms(fused)
+        rows.append((T, "fused Triton (default tiles)", bench(fused), parts["gate_up"], parts["down"], parts["rest"], flops,
+                     diff(fused())))
+        grouped = lambda: moe_experts_grouped_mm(x, w13, w2, weights, ids)   # noqa: E731
+        order, pos, offs = expert_order(ids, E)
+        xs = x.index_select(0, order // K)
+        gu = F.grouped_mm(xs, w13.transpose(1, 2), offs=offs)
+        h = swiglu_fwd(gu)
+        stage = {"order": bench(lambda: expert_order(ids, E)), "gather": bench(lambda: x.index_select(0, order // K)),
+                 "gate_up": bench(lambda: F.grouped_mm(xs, w13.transpose(1, 2), offs=offs)),
+                 "swiglu": bench(lambda: swiglu_fwd(gu)), "down": bench(lambda: F.grouped_mm(h, w2.transpose(1, 2), offs=offs))}
+        whole = bench(grouped)
+        rows.append((T, "grouped_mm (" + ", ".join(f"{k} {v:.4f}" for k, v in stage.items()) + ")", whole,
+                     stage["gate_up"], stage["down"], whole - stage["gate_up"] - stage["down"], flops, diff(grouped())))
+        S = T * K
+        xd = torch.randn(S, HIDDEN, device="cuda", generator=g).to(BF)
+        hd = torch.randn(S, WIDTH, device="cuda", generator=g).to(BF)
+        m1, m2 = bench(lambda: xd @ w13[0].T), bench(lambda: hd @ w2[0].T)
+        rows.append((T, f"cuBLAS dense GEMMs [{S}, {HIDDEN}] x [{HIDDEN}, {2 * WIDTH}] and [{S}, {WIDTH}] x [{WIDTH}, {HIDDEN}]",
+                     m1 + m2, m1, m2, 0.0, flops, float("nan")))
+        for r in rows[-3:]:
+            print(r, flush=True)
+    print("\n| tokens | path | ms | gate_up ms | down ms | rest ms | % of bf16 peak (whole) | % of peak (two GEMMs) "
+          "| rel. diff vs torch reference |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for T, name, ms, mg, md, rest, flops, err in rows:
+        print(f"| {T} | {name} | {ms:.4f} | {mg:.4f} | {md:.4f} | {rest:.4f} | {flops / PEAK_BF16 / ms * 1e5:.0f}% "
+              f"| {flops / PEAK_BF16 / (mg + md) * 1e5:.0f}% | {err:.1e} |")
+
 
 MLA_PREFILL_SHAPES = ((64, 32, 8, 2), (64, 32, 8, 3), (64, 64, 8, 2), (128, 32, 8, 2), (128, 64, 8, 2), (128, 32, 8, 3),
                       (64, 64, 4, 2), (32, 32, 8, 2))   # (BLOCK_M, BLOCK_N, warps, stages)
@@ -338,8 +379,8 @@ def main() -> None:
     ap.add_argument("--torch-max", type=int, default=64, help="time the torch path up to this batch (it is slow)")
     ap.add_argument("--sweep", action="store_true", help="MLA decode launch variants instead of the main table")
     ap.add_argument("--sweep-moe", action="store_true", help="MoE launch shapes instead of the main table")
-    ap.add_argument("--sweep-moe-tma", action="store_true",
-                    help="prefill MoE shapes with the weights through pointers and through tensor descriptors (TMA)")
+    ap.add_argument("--moe-prefill-paths", action="store_true",
+                    help="prefill MoE: fused Triton kernels, torch's grouped GEMM path, dense cuBLAS GEMMs")
     ap.add_argument("--sweep-mla-prefill", action="store_true", help="MLA prefill launch shapes instead of the main table")
     ap.add_argument("--sweep-shared", action="store_true",
                     help="the MoE layer with the shared expert apart or inside the fused kernels, per batch")
@@ -349,8 +390,11 @@ def main() -> None:
     if args.sweep:
         mla_decode_sweep(args.batches, args.ctx, bw)
         return
-    if args.sweep_moe or args.sweep_moe_tma:
-        moe_sweep(args.batches, args.prefill, bw, tma_only=args.sweep_moe_tma)
+    if args.sweep_moe:
+        moe_sweep(args.batches, args.prefill, bw)
+        return
+    if args.moe_prefill_paths:
+        moe_prefill_paths(args.prefill)
         return
     if args.sweep_mla_prefill:
         mla_prefill_sweep(args.prefill)

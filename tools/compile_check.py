@@ -280,6 +280,10 @@ def _other_cases() -> list[Case]:
     out.append(Case("moe sum over k=8 + shared experts", _moe_sum_kernel, dict(y_ptr=BF, out_ptr=BF, add_ptr=BF),
                     dict(TOPK=8, BT=4, BH=256, HAS_ADD=True), 4,
                     quick=True, no_spill=True))
+    # ops/moe/grouped_mm: the rows gathered from expert order, weighted
+    out.append(Case("moe sum over k=8, gathered + weighted", _moe_sum_kernel,
+                    dict(y_ptr=BF, out_ptr=BF, add_ptr=BF, rows_ptr="*i64", weights_ptr=F32),
+                    dict(TOPK=8, BT=4, BH=256, HAS_ADD=True, GATHER=True), 4, no_spill=True))
     out.append(Case("moe align E=256", _align_kernel, dict(ids_ptr="*i64", sorted_ptr=I32, block_experts_ptr=I32),
                     dict(E=256, E_P=256, BM=16, BLOCK_S=32), 4, 1, quick=True, no_spill=True))
     out.append(Case("moe align E=256 + shared expert", _align_kernel,

@@ -199,29 +199,6 @@ def test_fused_matches_the_reference_at_every_launch_shape(tiles):
     assert_rel_close(got, moe_experts_reference(x, w13, w2, weights, ids), 1e-5, f"fused MoE at {tiles}")
 
 @INTERP
-def test_weights_through_tensor_descriptors_equal_pointers():
-    """MoeTiles.weights_tma: the weight tiles through tensor descriptors (TMA on Hopper) give what
-    the pointer loads give where the tiles fit (several experts, the gate and up halves' rows side
-    by side in the descriptor's view: a wrong row would be far off), to fp32 rounding (the
-    interpreter's dot sums a transposed tile in another order); tiles that do not fit keep pointers."""
-    from kdaserve.ops.moe.fused import MoeTiles, moe_experts_fused, weights_tma_fits
-
-    w13, w2 = experts(6, 64, 32)
-    x = torch.randn(11, 64, generator=torch.Generator().manual_seed(6))
-    weights, ids = _routing(11, 6, 3, "random")
-    for shape in [(16, (16, 16, 4, 2), (16, 32, 4, 2)), (16, (32, 64, 4, 2), (64, 16, 4, 2))]:
-        tiles = MoeTiles(*shape, weights_tma=True)
-        assert weights_tma_fits(tiles, 64, 32, fp8=False)
-        got = moe_experts_fused(x, w13, w2, weights, ids, tiles=tiles)
-        torch.testing.assert_close(got, moe_experts_fused(x, w13, w2, weights, ids, tiles=MoeTiles(*shape)),
-                                   rtol=1e-6, atol=1e-6)
-        assert_rel_close(got, moe_experts_reference(x, w13, w2, weights, ids), 1e-5, f"descriptors at {shape}")
-    assert not weights_tma_fits(MoeTiles(16, (16, 48, 4, 2), (16, 32, 4, 2), True), 64, 32, fp8=False)   # K step
-    assert not weights_tma_fits(MoeTiles(16, (64, 16, 4, 2), (16, 32, 4, 2), True), 64, 32, fp8=False)   # past I
-    assert not weights_tma_fits(MoeTiles(16, (16, 16, 4, 2), (16, 32, 4, 2), True), 64, 32, fp8=True)
-
-
-@INTERP
 def test_fused_clamped_swiglu_matches_the_reference():
     from kdaserve.ops.moe.fused import moe_experts_fused
 
@@ -304,6 +281,46 @@ def test_layer_with_shared_experts_equals_its_reference(T, monkeypatch):
     assert [("shared" in kw, "addend" in kw) for kw in calls] == [(as_expert, not as_expert)]
 
 
+@INTERP
+@pytest.mark.parametrize("T, E, k, limit, add", [(13, 8, 3, None, False), (20, 6, 2, 1.0, True), (1, 16, 4, None, True),
+                                                (9, 5, 5, None, False)],
+                         ids=["random", "clamped+addend", "one-token+addend", "every-expert"])
+def test_grouped_mm_path_matches_the_reference(T, E, k, limit, add):
+    """torch's grouped GEMM path (on the CPU: torch's own loop; the sum kernel in the interpreter):
+    the slots gathered in expert order, every expert's rows one group (experts with none
+    included), the k weighted rows summed back per token with the addend."""
+    from kdaserve.ops.moe.grouped_mm import expert_order, moe_experts_grouped_mm
+
+    w13, w2 = experts(E, 32, 24)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(T, 32, generator=g)
+    weights, ids = _routing(T, E, k, "random")
+    addend = torch.randn(T, 32, generator=g) if add else None
+    want = moe_experts_reference(x, w13, w2, weights, ids, limit) + (addend if add else 0)
+    assert_rel_close(moe_experts_grouped_mm(x, w13, w2, weights, ids, limit, addend=addend), want, 1e-5, "grouped_mm MoE")
+    order, rows, offs = expert_order(ids, E)
+    flat = ids.reshape(-1)
+    assert torch.equal(rows[order], torch.arange(T * k)) and bool((flat[order].diff() >= 0).all())
+    assert torch.equal(offs, torch.bincount(flat, minlength=E).cumsum(0).int())
+
+
+def test_grouped_mm_path_is_chosen_only_where_it_is_fast(monkeypatch):
+    """layers/moe takes the grouped GEMM path only from GROUPED_MM_MIN_TOKENS tokens, bf16 on an
+    NVIDIA sm_90+ GPU: never on the CPU, in fp32, or with the limit unset."""
+    import kdaserve.layers.moe as moe_layer
+
+    layer = moe_layer.MoEMLP(32, RouterConfig(8, 2), 24, backend="triton", dtype=torch.bfloat16)
+    x = torch.randn(100, 32).bfloat16()
+    monkeypatch.setattr(moe_layer, "GROUPED_MM_MIN_TOKENS", None)
+    assert not layer.uses_grouped_mm(x)
+    monkeypatch.setattr(moe_layer, "GROUPED_MM_MIN_TOKENS", 64)
+    assert not layer.uses_grouped_mm(x)   # the CPU: no CUTLASS kernels
+    import kdaserve.ops.moe.grouped_mm as grouped
+
+    monkeypatch.setattr(grouped, "grouped_mm_supported", lambda x, w: True)
+    assert layer.uses_grouped_mm(x) and not layer.uses_grouped_mm(x[:63])
+
+
 def test_fused_refuses_mismatched_weights():
     from kdaserve.ops.moe.fused import moe_experts_fused
 
@@ -372,25 +389,21 @@ def test_gpu_fused_at_kimi_linear_sizes(T):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [2048, 8192])
-def test_gpu_weights_through_tensor_descriptors(T):
-    """Compiled for the GPU (TMA on Hopper): the prefill launch shape with its weight tiles through
-    tensor descriptors gives the pointer path's result (same tiles, same K order) and the
-    reference's, at Kimi-Linear's sizes; a tile never written leaves junk that neither matches."""
-    from dataclasses import replace
+@pytest.mark.parametrize("T", [1, 300, 2048, 8192])
+def test_gpu_grouped_mm_path_at_kimi_linear_sizes(T):
+    """Compiled, through CUTLASS's grouped kernels on sm_90+: against the fp32 reference and the
+    fused kernels, with a shared experts' addend; NaN-filled scratch would show as NaN."""
+    from kdaserve.ops.moe.fused import moe_experts_fused
+    from kdaserve.ops.moe.grouped_mm import moe_experts_grouped_mm
 
-    from kdaserve.ops.moe.fused import moe_experts_fused, moe_tiles
-    from kdaserve.ops.precision import device_target
-
-    x, w13, w2, weights, ids = _kimi_linear_step(T, seed=7)
-    E, inter, hidden = w13.shape[0], w13.shape[1] // 2, w13.shape[2]
-    tiles = moe_tiles(ids.numel(), E, hidden, inter, False, device_target(x.device))
-    pointers = moe_experts_fused(x, w13, w2, weights, ids, tiles=tiles)
-    tma = moe_experts_fused(x, w13, w2, weights, ids, tiles=replace(tiles, weights_tma=True))
-    assert torch.isfinite(tma).all()
-    assert_rel_close(tma.float(), pointers.float(), 1e-3, f"descriptors vs pointers T={T}")
-    want = moe_experts_reference(x.float(), w13.float(), w2.float(), weights, ids)
-    assert_rel_close(tma.float(), want, 1e-2, f"descriptors vs reference T={T}")
+    x, w13, w2, weights, ids = _kimi_linear_step(T, seed=9)
+    addend = torch.randn_like(x)
+    got = moe_experts_grouped_mm(x, w13, w2, weights, ids, addend=addend)
+    assert torch.isfinite(got).all()
+    want = moe_experts_reference(x.float(), w13.float(), w2.float(), weights, ids) + addend.float()
+    assert_rel_close(got.float(), want, 1e-2, f"grouped_mm MoE bf16 T={T}")
+    fused = moe_experts_fused(x, w13, w2, weights, ids, addend=addend)
+    assert_rel_close(got.float(), fused.float(), 1e-2, f"grouped_mm vs fused T={T}")
 
 
 @pytest.mark.gpu

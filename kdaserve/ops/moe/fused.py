@@ -45,13 +45,10 @@ def _moe_gate_up_kernel(
     S, HIDDEN, INTER, stride_x, stride_we, stride_wn, stride_h, stride_xs, stride_wse, stride_wsn, num_routed,
     TOPK: tl.constexpr, LIMIT: tl.constexpr, HAS_LIMIT: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
-    FP8: tl.constexpr, BLOCK_ROWS: tl.constexpr, EVEN_K: tl.constexpr, W_DESC: tl.constexpr = False,
-    HAS_SHARED: tl.constexpr = False,
+    FP8: tl.constexpr, BLOCK_ROWS: tl.constexpr, EVEN_K: tl.constexpr, HAS_SHARED: tl.constexpr = False,
 ):
-    """W_DESC: w_ptr is a tensor descriptor over w13 as [E * 2I, hidden] with [BN, BK] blocks
-    (Hopper's TMA moves the weight tiles; BN divides I and BK divides hidden), else a pointer.
-    HAS_SHARED: expert `num_routed` is the shared expert, its [2I, hidden] weight at shared_w_ptr
-    with w13's row stride (pointers only)."""
+    """HAS_SHARED: expert `num_routed` is the shared expert, its [2I, hidden] weight at
+    shared_w_ptr with w13's row stride."""
     pid_m, pid_n = _block_of_program(tl.cdiv(INTER, BN))
     e = tl.load(experts_ptr + pid_m)
     if e < 0:
@@ -61,12 +58,10 @@ def _moe_gate_up_kernel(
     tokens = tl.where(valid, slots // TOPK, 0).to(tl.int64)
     cols = pid_n * BN + tl.arange(0, BN)
     col_ok = cols < INTER
-    if not W_DESC:
-        w_base = w_ptr + e.to(tl.int64) * stride_we
-        if HAS_SHARED:
-            if e == num_routed:
-                w_base = shared_w_ptr
-    w_row = e * (2 * INTER) + pid_n * BN   # the gate tile's first row in the descriptor's view
+    w_base = w_ptr + e.to(tl.int64) * stride_we
+    if HAS_SHARED:
+        if e == num_routed:
+            w_base = shared_w_ptr
     if FP8:   # block scales: one per (token, K block) for x, per (row block, K block) for W
         gate_scales = ws_ptr + e.to(tl.int64) * stride_wse + (cols // BLOCK_ROWS) * stride_wsn
         up_scales = ws_ptr + e.to(tl.int64) * stride_wse + ((cols + INTER) // BLOCK_ROWS) * stride_wsn
@@ -76,13 +71,9 @@ def _moe_gate_up_kernel(
         ks = k0 + tl.arange(0, BK)
         k_ok = (ks < HIDDEN) | EVEN_K   # no K mask where BK divides K: a mask on K stops Triton's load pipelining
         a = tl.load(x_ptr + tokens[:, None] * stride_x + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
-        if W_DESC:
-            wg = w_ptr.load([w_row, k0]).T
-            wu = w_ptr.load([w_row + INTER, k0]).T
-        else:
-            wg = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-            wu = tl.load(w_base + (cols + INTER)[None, :] * stride_wn + ks[:, None], mask=col_ok[None, :] & k_ok[:, None],
-                         other=0.0)
+        wg = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+        wu = tl.load(w_base + (cols + INTER)[None, :] * stride_wn + ks[:, None], mask=col_ok[None, :] & k_ok[:, None],
+                     other=0.0)
         if FP8:
             kb = k0 // BK
             sa = tl.load(xs_ptr + tokens * stride_xs + kb, mask=valid, other=0.0)[:, None]
@@ -101,12 +92,10 @@ def _moe_down_kernel(
     h_ptr, w_ptr, sorted_ptr, experts_ptr, weights_ptr, y_ptr, hs_ptr, ws_ptr, shared_w_ptr,
     S, HIDDEN, INTER, stride_h, stride_we, stride_wn, stride_y, stride_hs, stride_wse, stride_wsn, num_routed,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
-    FP8: tl.constexpr, BLOCK_ROWS: tl.constexpr, EVEN_K: tl.constexpr, W_DESC: tl.constexpr = False,
-    HAS_SHARED: tl.constexpr = False,
+    FP8: tl.constexpr, BLOCK_ROWS: tl.constexpr, EVEN_K: tl.constexpr, HAS_SHARED: tl.constexpr = False,
 ):
-    """W_DESC: w_ptr is a tensor descriptor over w2 as [E * hidden, I] with [BN, BK] blocks (BN
-    divides hidden, BK divides I), else a pointer. HAS_SHARED: expert `num_routed` is the shared
-    expert, its [hidden, I] weight at shared_w_ptr with w2's row stride."""
+    """HAS_SHARED: expert `num_routed` is the shared expert, its [hidden, I] weight at
+    shared_w_ptr with w2's row stride."""
     pid_m, pid_n = _block_of_program(tl.cdiv(HIDDEN, BN))
     e = tl.load(experts_ptr + pid_m)
     if e < 0:
@@ -116,11 +105,10 @@ def _moe_down_kernel(
     rows = tl.where(valid, slots, 0).to(tl.int64)
     cols = pid_n * BN + tl.arange(0, BN)
     col_ok = cols < HIDDEN
-    if not W_DESC:
-        w_base = w_ptr + e.to(tl.int64) * stride_we
-        if HAS_SHARED:
-            if e == num_routed:
-                w_base = shared_w_ptr
+    w_base = w_ptr + e.to(tl.int64) * stride_we
+    if HAS_SHARED:
+        if e == num_routed:
+            w_base = shared_w_ptr
     if FP8:
         w_scales = ws_ptr + e.to(tl.int64) * stride_wse + (cols // BLOCK_ROWS) * stride_wsn
     acc = tl.zeros([BM, BN], tl.float32)
@@ -128,10 +116,7 @@ def _moe_down_kernel(
         ks = k0 + tl.arange(0, BK)
         k_ok = (ks < INTER) | EVEN_K
         a = tl.load(h_ptr + rows[:, None] * stride_h + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
-        if W_DESC:
-            w = w_ptr.load([e * HIDDEN + pid_n * BN, k0]).T
-        else:
-            w = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+        w = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0)
         if FP8:
             kb = k0 // BK
             acc += (tl.dot(a, w) * tl.load(hs_ptr + rows * stride_hs + kb, mask=valid, other=0.0)[:, None]
@@ -145,16 +130,25 @@ def _moe_down_kernel(
 
 @triton.jit
 def _moe_sum_kernel(y_ptr, out_ptr, add_ptr, T, HIDDEN, stride_y, stride_out, stride_add,
-                    TOPK: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, HAS_ADD: tl.constexpr = False):
+                    TOPK: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, HAS_ADD: tl.constexpr = False,
+                    rows_ptr=None, weights_ptr=None, GATHER: tl.constexpr = False):
     """out[t] = sum_j y[t*k + j] (+ add[t]) in fp32, in choice order, rounded once to out's dtype:
-    one pass instead of torch's fp32 sum, its cast and the shared experts' add (three kernels)."""
+    one pass instead of torch's fp32 sum, its cast and the shared experts' add (three kernels).
+    GATHER (ops/moe/grouped_mm.py): y's rows are in expert order, slot s's at rows[s], unweighted:
+    out[t] = sum_j weights[t*k + j] * y[rows[t*k + j]] (+ add[t])."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     cols = tl.program_id(1) * BH + tl.arange(0, BH)
-    mask = (t < T)[:, None] & (cols < HIDDEN)[None, :]
+    t_ok = t < T
+    mask = t_ok[:, None] & (cols < HIDDEN)[None, :]
     acc = tl.zeros([BT, BH], tl.float32)
     for j in tl.static_range(TOPK):
-        acc += tl.load(y_ptr + (t.to(tl.int64) * TOPK + j)[:, None] * stride_y + cols[None, :], mask=mask,
-                       other=0.0).to(tl.float32)
+        slot = t.to(tl.int64) * TOPK + j
+        if GATHER:
+            row = tl.load(rows_ptr + slot, mask=t_ok, other=0).to(tl.int64)
+            w = tl.load(weights_ptr + slot, mask=t_ok, other=0.0)
+            acc += tl.load(y_ptr + row[:, None] * stride_y + cols[None, :], mask=mask, other=0.0).to(tl.float32) * w[:, None]
+        else:
+            acc += tl.load(y_ptr + slot[:, None] * stride_y + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_ADD:
         acc += tl.load(add_ptr + t.to(tl.int64)[:, None] * stride_add + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + t.to(tl.int64)[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -182,22 +176,10 @@ def fp8_tiles(block_m: int) -> tuple[int, int]:
 class MoeTiles:
     """One launch shape of the two expert GEMMs: rows per program (each expert's run of sorted
     slots is padded to a multiple of it) and, per kernel, (columns, K step, warps, stages; None =
-    the backend's default). `weights_tma`: the bf16 weight tiles through tensor descriptors
-    (Hopper's TMA) where the tiles divide the weights (weights_tma_fits), else through pointers
-    like the activations' gathered rows."""
+    the backend's default)."""
     block_m: int
     gate_up: tuple[int, int, int, int | None]
     down: tuple[int, int, int, int | None]
-    weights_tma: bool = False
-
-
-def weights_tma_fits(tiles: MoeTiles, hidden: int, inter: int, fp8: bool) -> bool:
-    """Whether the weight tiles can come through tensor descriptors: bf16 weights (the FP8 kernels
-    keep pointers), tiles that never cross an expert's (or the gate and up halves') rows and K steps
-    that divide K (a descriptor's block reads past them into the next rows' values)."""
-    (bn1, bk1, _, _), (bn2, bk2, _, _) = tiles.gate_up, tiles.down
-    return (not fp8 and inter % bn1 == 0 and hidden % bk1 == 0 and hidden % bn2 == 0 and inter % bk2 == 0
-            and (hidden * 2) % 16 == 0 and (inter * 2) % 16 == 0)
 
 
 def moe_tiles(num_slots: int, num_experts: int, hidden: int, inter: int, fp8: bool, target: str,
@@ -267,30 +249,27 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     m_blocks = block_experts.numel()
     prec = "ieee" if x.dtype == torch.float32 else dot_precision(x.device).tensor_core
     h = torch.empty(S, inter, dtype=x.dtype, device=x.device)
-    tma = (t.weights_tma and weights_tma_fits(t, hidden, inter, fp8) and w13.is_contiguous() and w2.is_contiguous()
-           and shared is None)
     shared_w13, shared_w2 = shared if shared is not None else (w13, w2)   # unused pointers without one
-    w13_arg, w2_arg = (_weight_descriptors(w13, w2, t) if tma else (w13, w2))
     if fp8:
         a, a_scale = quantize_per_token_group(x, block[1])
         ws13, ws2, br = w13_scale, w2_scale, block[0]
     else:   # the scale arguments are unused: any tensor stands in
         a, a_scale, ws13, ws2, br = x, h, h, h, 1
     _moe_gate_up_kernel[(m_blocks * triton.cdiv(inter, BN1),)](
-        a, w13_arg, sorted_slots, block_experts, h, a_scale, ws13, shared_w13,
+        a, w13, sorted_slots, block_experts, h, a_scale, ws13, shared_w13,
         S, hidden, inter, a.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
         a_scale.stride(0), ws13.stride(0), ws13.stride(1) if fp8 else 0, E,
         TOPK=k, LIMIT=float(activation_limit or 0.0), HAS_LIMIT=activation_limit is not None,
-        BM=BM, BN=BN1, BK=BK1, PREC=prec, FP8=fp8, BLOCK_ROWS=br, EVEN_K=hidden % BK1 == 0, W_DESC=tma,
+        BM=BM, BN=BN1, BK=BK1, PREC=prec, FP8=fp8, BLOCK_ROWS=br, EVEN_K=hidden % BK1 == 0,
         HAS_SHARED=shared is not None, num_warps=warps1, num_stages=stages1,
     )
     hq, h_scale = quantize_per_token_group(h, block[1]) if fp8 else (h, h)
     y = torch.empty(S, hidden, dtype=torch.float32 if x.dtype == torch.float32 else x.dtype, device=x.device)
     _moe_down_kernel[(m_blocks * triton.cdiv(hidden, BN2),)](
-        hq, w2_arg, sorted_slots, block_experts, weights.reshape(-1).float().contiguous(), y, h_scale, ws2, shared_w2,
+        hq, w2, sorted_slots, block_experts, weights.reshape(-1).float().contiguous(), y, h_scale, ws2, shared_w2,
         S, hidden, inter, hq.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
         h_scale.stride(0), ws2.stride(0), ws2.stride(1) if fp8 else 0, E,
-        BM=BM, BN=BN2, BK=BK2, PREC=prec, FP8=fp8, BLOCK_ROWS=br, EVEN_K=inter % BK2 == 0, W_DESC=tma,
+        BM=BM, BN=BN2, BK=BK2, PREC=prec, FP8=fp8, BLOCK_ROWS=br, EVEN_K=inter % BK2 == 0,
         HAS_SHARED=shared is not None, num_warps=warps2, num_stages=stages2,
     )
     out = torch.empty(T, hidden, dtype=out_dtype, device=x.device)
@@ -300,16 +279,6 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
         y, out, add, T, hidden, y.stride(0), out.stride(0), add.stride(0), TOPK=k, BT=4, BH=BH,
         HAS_ADD=addend is not None, num_warps=4)
     return out
-
-
-def _weight_descriptors(w13: torch.Tensor, w2: torch.Tensor, tiles: MoeTiles):
-    """Host-side tensor descriptors of the expert weights as 2-D [E * rows, K] tensors, blocks of
-    each kernel's (columns, K step)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    (bn1, bk1, _, _), (bn2, bk2, _, _) = tiles.gate_up, tiles.down
-    return (TensorDescriptor.from_tensor(w13.view(-1, w13.shape[2]), [bn1, bk1]),
-            TensorDescriptor.from_tensor(w2.view(-1, w2.shape[2]), [bn2, bk2]))
 
 
 def _check_shared_expert(shared, w13: torch.Tensor, w2: torch.Tensor, fp8: bool) -> None:

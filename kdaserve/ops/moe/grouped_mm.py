@@ -1,0 +1,80 @@
+"""The MoE experts through torch's grouped GEMM (torch.nn.functional.grouped_mm), for prefill:
+
+    order  = the step's slots sorted by expert (stable: slot order within an expert)
+    xs     = x[order // k]                                   one gather, [S, hidden]
+    h      = swiglu(grouped_mm(xs, W13^T, offs))             each expert's rows a group, [S, I]
+    y      = grouped_mm(h, W2^T, offs)                       [S, hidden], unweighted
+    out[t] = sum_j weights[t, j] * y[rows[t*k + j]] (+ addend[t])    rows = order's inverse, fp32
+
+On NVIDIA sm_90+ grouped_mm runs CUTLASS's warp-specialized grouped kernels (TMA loads overlapped
+with the tensor cores), which the Triton kernels of fused.py do not reach at prefill sizes: where
+they win and by how much is in docs/perf-notes.md (bench_moe_mla.py --moe-prefill-paths). The
+gather and the unfused SwiGLU cost memory traffic the fused kernels avoid, so decode-sized steps
+stay with fused.py. Rounding as the reference's: each GEMM's output rounds to x's dtype (the
+SwiGLU reads the rounded gate|up, the weights multiply the rounded down output) and the k
+weighted rows sum in fp32 with the addend, rounded once. No host sync: the group offsets stay on
+the device."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from kdaserve.ops import interpreter_compat
+from kdaserve.ops.activation.swiglu import swiglu_fwd
+
+
+def grouped_mm_supported(x: torch.Tensor, w13: torch.Tensor) -> bool:
+    """Where this path runs at CUTLASS speed: bf16 activations and weights on an NVIDIA GPU of
+    compute capability 9.0 or later (elsewhere grouped_mm is a loop or absent)."""
+    return (x.is_cuda and torch.version.hip is None and x.dtype == torch.bfloat16 and w13.dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(x.device)[0] >= 9 and hasattr(F, "grouped_mm"))
+
+
+def expert_order(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids [T, k] -> (order [S]: slots sorted by expert, stable; rows [S]: order's inverse, slot s
+    sits at row rows[s]; offs [E] int32: each expert's end row, cumulative)."""
+    flat = ids.reshape(-1).to(torch.int64)
+    order = torch.argsort(flat, stable=True)
+    rows = torch.empty_like(order).scatter_(0, order, torch.arange(flat.numel(), device=flat.device))
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat, dtype=torch.int32))
+    return order, rows, counts.cumsum(0, dtype=torch.int32)
+
+
+def moe_experts_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                           ids: torch.Tensor, activation_limit: float | None = None, *,
+                           addend: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as ops/moe/fused.moe_experts_fused without FP8 or a shared expert run as an
+    expert: x [T, hidden], w13 [E, 2I, hidden], w2 [E, hidden, I], weights / ids [T, k] ->
+    [T, hidden] in x's dtype, `addend` [T, hidden] added before the one rounding."""
+    from kdaserve.ops.moe.fused import _block, _moe_sum_kernel
+
+    T, hidden = x.shape
+    E, two_inter, hidden_w = w13.shape
+    inter = two_inter // 2
+    if hidden_w != hidden or tuple(w2.shape) != (E, hidden, inter) or ids.shape != weights.shape:
+        raise ValueError(f"grouped-GEMM MoE needs x [T, hidden], w13 [E, 2I, hidden], w2 [E, hidden, I] and [T, k] "
+                         f"weights/ids; got x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}, "
+                         f"weights {tuple(weights.shape)}, ids {tuple(ids.shape)}")
+    if addend is not None and addend.shape != (T, hidden):
+        raise ValueError(f"the addend must be [T, hidden] = {[T, hidden]}, got {list(addend.shape)}")
+    k = ids.shape[1]
+    if T * k == 0:
+        return torch.zeros_like(x) if addend is None else addend.to(x.dtype, copy=True)
+    interpreter_compat.install()
+    order, rows, offs = expert_order(ids, E)
+    xs = x.index_select(0, order // k)
+    # grouped_mm's right operand is [groups, K, N]: the weights' transposed views (column-major),
+    # the layout its kernels read without a copy.
+    h = swiglu_fwd(F.grouped_mm(xs, w13.transpose(1, 2), offs=offs), activation_limit)
+    y = F.grouped_mm(h, w2.transpose(1, 2), offs=offs)
+    out = torch.empty(T, hidden, dtype=x.dtype, device=x.device)
+    BH = _block(hidden, 256)
+    add = y if addend is None else addend if addend.stride(1) == 1 else addend.contiguous()   # y: unused pointer
+    _moe_sum_kernel[(triton.cdiv(T, 4), triton.cdiv(hidden, BH))](
+        y, out, add, T, hidden, y.stride(0), out.stride(0), add.stride(0), TOPK=k, BT=4, BH=BH,
+        HAS_ADD=addend is not None, rows_ptr=rows, weights_ptr=weights.reshape(-1).float().contiguous(), GATHER=True,
+        num_warps=4)
+    return out
