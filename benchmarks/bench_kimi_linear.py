@@ -130,7 +130,14 @@ def main() -> None:
     ap.add_argument("--compare-moe-grouped-mm", type=int, default=None, metavar="MIN_TOKENS",
                     help="time each prompt twice: routed experts in the fused Triton kernels, then through torch's "
                          "grouped GEMM in steps of at least MIN_TOKENS tokens (layers/moe.GROUPED_MM_MIN_TOKENS)")
+    ap.add_argument("--decode-align-path", default=None, choices=("one_program", "per_expert"),
+                    help="the MoE slot alignment of decode-sized steps (ops/moe/align.DECODE_PATH), set before the "
+                         "CUDA graphs are captured")
     args = ap.parse_args()
+    if args.decode_align_path:
+        import kdaserve.ops.moe.align as align
+
+        align.DECODE_PATH = args.decode_align_path
     t0 = time.time()
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()} | copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)

@@ -14,6 +14,7 @@ the plain torch path (issue "Fast at the real shape", goal 5), on one GPU:
         [--sweep-moe]   # MoE: launch shapes (rows per program, tiles, warps, stages)
         [--sweep-mla-prefill]   # MLA prefill: tiles, warps, stages; Kimi-Linear's and GLM's heads
         [--sweep-shared]   # the MoE layer with its shared expert apart or inside the fused kernels
+        [--sweep-align]   # the MoE slot alignment's paths at decode batches
         [--moe-prefill-paths]   # MoE prefill: fused kernels, torch's grouped GEMM path, dense cuBLAS
 
 torch: ops/moe/reference.py's loop over experts and ops/mla/reference.py's gathers and einsums,
@@ -248,6 +249,29 @@ def moe_sweep(batches, prefill, bw) -> None:
               f"| {floor:.4f} | {ms / floor:.2f}x | {peak} | {err:.1e} |")
 
 
+def align_sweep(batches) -> None:
+    """The slot alignment's three paths at decode sizes (graph-replayed device ms), with and without
+    the shared expert's column: where the one-program kernel should hand over to the blocks path
+    (ops/moe/align.KERNEL_MAX_SLOTS)."""
+    from kdaserve.ops.moe.router_kernel import route_from_logits
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    rows = []
+    for T in batches:
+        logits = torch.randn(T, E, device="cuda", generator=g)
+        for extra in (False, True):
+            _, ids = route_from_logits(logits, None, K, "sigmoid", True, 1.0, E if extra else None)
+            bm = moe_block_m(ids.numel(), E + extra)
+            times = [bench_graph(lambda p=p: align_to_experts(ids, E, bm, path=p, extra_expert=extra))   # noqa: B023
+                     for p in ("one_program", "per_expert", "blocks", "torch")]
+            rows.append((T, ids.numel(), extra, bm, *times))
+            print(rows[-1], flush=True)
+    print("\n| batch | slots | shared expert column | rows per block | one_program ms | per_expert ms | blocks ms | torch ms |")
+    print("|---|---|---|---|---|---|---|---|")
+    for T, S, extra, bm, a, p, b, c in rows:
+        print(f"| {T} | {S} | {'yes' if extra else 'no'} | {bm} | {a:.4f} | {p:.4f} | {b:.4f} | {c:.4f} |")
+
+
 def moe_prefill_paths(prefill) -> None:
     """The routed experts at prefill sizes three ways, same routing: the fused Triton kernels
     (moe_tiles' default), the grouped-GEMM path (ops/moe/grouped_mm.py: torch's grouped_mm, CUTLASS
@@ -379,6 +403,7 @@ def main() -> None:
     ap.add_argument("--torch-max", type=int, default=64, help="time the torch path up to this batch (it is slow)")
     ap.add_argument("--sweep", action="store_true", help="MLA decode launch variants instead of the main table")
     ap.add_argument("--sweep-moe", action="store_true", help="MoE launch shapes instead of the main table")
+    ap.add_argument("--sweep-align", action="store_true", help="the MoE slot alignment's paths at --batches")
     ap.add_argument("--moe-prefill-paths", action="store_true",
                     help="prefill MoE: fused Triton kernels, torch's grouped GEMM path, dense cuBLAS GEMMs")
     ap.add_argument("--sweep-mla-prefill", action="store_true", help="MLA prefill launch shapes instead of the main table")
@@ -392,6 +417,9 @@ def main() -> None:
         return
     if args.sweep_moe:
         moe_sweep(args.batches, args.prefill, bw)
+        return
+    if args.sweep_align:
+        align_sweep(args.batches)
         return
     if args.moe_prefill_paths:
         moe_prefill_paths(args.prefill)

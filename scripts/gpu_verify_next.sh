@@ -9,19 +9,13 @@
 # `bash scripts/gpu_verify_next.sh PART [PART ...]`: several parts run in order within one budget.
 # Parts owed (add one as `if [ "$PART" = name ]; then ... fi` below, with what it must show), in the
 # order to run them when the session's device time (30 min) cannot fit them all (~30 min together):
-#   kimi_decode_kinds  Kimi-Linear's decode step by layer kind against each kind's own floor (issue 21
-#                 goal 1's breakdown), with the TTFT and the decode table at batch 1, 64 and 256.
-#   kimi_fusions  Kimi-Linear's decode step, the twenty-fourth session's start (.base = `git archive
-#                 c04ce36 kdaserve benchmarks`) against the new code in one command: 561 -> 382 launches
-#                 per step; the twenty-sixth session measured the graph step (2799 us against 3373 at
-#                 batch 1) but not this bench's engine step and TTFT with the final router.
-#   moe_align_decode  decode's one-program MoE alignment filling its padding 1024 entries a store
-#                 (was 32): the "MoE align" decode rows against the twenty-sixth session's; the
-#                 routing kernel's rows per program compiled against the torch path.
-#   host_split    the serving path, old (.old = `git archive 272aacf kdaserve benchmarks`, with the new
-#                 bench_serving_host.py copied in) against the new code, alternating, then the new code at
-#                 --stream-interval 4 and with the fake device on the same host (issue 21 goal 2).
-# (Done by the twenty-sixth session: host_split_tests, fusion_tests, fusion_models, moe_align_blocks.)
+#   moe_paths     MoE prefill through torch's grouped GEMM (ops/moe/grouped_mm.py) against the fused
+#                 kernels and dense cuBLAS; the per-expert alignment against the one-program kernel at
+#                 decode batches (issue 21 goals 1, 4).
+#   kimi_moe_paths  the same two choices in Kimi-Linear's TTFT and decode step.
+# Done, kept to run again: kimi_decode_kinds (goal 1's breakdown), kimi_fusions (.base = `git archive
+# c04ce36 kdaserve benchmarks`), moe_align_decode, host_split (.old = `git archive 272aacf kdaserve
+# benchmarks`; goal 2), all by the twenty-seventh session (docs/perf-notes.md).
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -114,6 +108,33 @@ if [ "$PART" = kimi_fusions ]; then
     (cd $dir && timeout 280 python3 benchmarks/bench_kimi_linear.py --batches 1 64 --ttft 2048 --ctx 2048 \
        > "$OUT/kf_$code.log" 2>&1)
     echo "== $code rc=$?"; grep "TTFT\|^| [0-9]" "$OUT/kf_$code.log" | head -8
+  done
+fi
+
+if [ "$PART" = moe_paths ]; then
+  # Must show: the grouped-GEMM and alignment tests pass compiled (grouped_mm against the fp32
+  # reference and the fused kernels at 1-8192 tokens; the per-expert alignment's tables equal the
+  # torch path's, with and without the shared expert's column); the prefill paths' table (fused
+  # Triton, torch's grouped_mm by stage, dense cuBLAS of the same shapes: which is faster at 2K, 8K,
+  # 16K and at what % of the bf16 peak); the alignment paths at decode batches (where per_expert
+  # beats one_program: ops/moe/align.DECODE_PATH).
+  group moe_paths_test 150 tests/ops/test_moe.py -k "grouped_mm or align"
+  timeout $(cap 150) python3 benchmarks/bench_moe_mla.py --moe-prefill-paths --prefill 2048 8192 16384 > "$OUT/moe_paths.log" 2>&1
+  echo "== prefill paths rc=$?"; sed -n '/^| tokens/,$p' "$OUT/moe_paths.log"; grep -m3 "Error\|Traceback" "$OUT/moe_paths.log"
+  timeout $(cap 60) python3 benchmarks/bench_moe_mla.py --sweep-align --batches 1 8 16 32 64 128 256 > "$OUT/align.log" 2>&1
+  echo "== align sweep rc=$?"; sed -n '/^| batch/,$p' "$OUT/align.log"; grep -m3 "Error\|Traceback" "$OUT/align.log"
+fi
+
+if [ "$PART" = kimi_moe_paths ]; then
+  # Must show: Kimi-Linear's TTFT at 8K and its MoE prefill ms with the routed experts fused and
+  # through grouped_mm (>= 1024 tokens), one process; the decode step at batch 1 and 64 with the
+  # one-program and the per-expert alignment (one process each, graphs captured with each).
+  for how in one_program per_expert; do
+    extra=""; [ $how = one_program ] && extra="--compare-moe-grouped-mm 1024"
+    timeout $(cap 170) python3 benchmarks/bench_kimi_linear.py --batches 1 64 --ttft 8192 --decode-align-path $how $extra \
+      > "$OUT/kmp_$how.log" 2>&1
+    echo "== $how rc=$?"; grep "TTFT\|^| [0-9]* |\|^| MoE\|^| total" "$OUT/kmp_$how.log" | grep -v "^| [0-9]* | [A-Za-z]" | head -16
+    grep "^| [0-9]* | MoE\|^| [0-9]* | total" "$OUT/kmp_$how.log"; grep -m3 "Error\|Traceback" "$OUT/kmp_$how.log"
   done
 fi
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kdaserve.ops.moe import RouterConfig, moe_experts_reference, route_tokens
-from kdaserve.ops.moe.align import align_to_experts, max_sorted_entries
+from kdaserve.ops.moe.align import PER_EXPERT_MAX_SLOTS, align_to_experts, max_sorted_entries
 from kdaserve.testing.compare import assert_rel_close
 
 INTERP = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 on the CPU")
@@ -102,7 +102,7 @@ def test_alignment_groups_slots_by_expert_in_padded_blocks(block_m):
 
 
 @INTERP
-@pytest.mark.parametrize("path", ["one_program", "blocks"])
+@pytest.mark.parametrize("path", ["one_program", "per_expert", "blocks"])
 @pytest.mark.parametrize("T, k, E, block_m", [(13, 3, 6, 4), (1, 8, 256, 16), (64, 8, 256, 16), (5, 2, 7, 32),
                                               (300, 8, 256, 64), (3, 1, 1, 16), (512, 8, 256, 16), (133, 8, 24, 32)],
                          ids=["small", "decode-1", "decode-64", "odd-experts", "prefill-300", "one-expert", "4096-slots",
@@ -111,7 +111,12 @@ def test_triton_alignments_equal_the_torch_path(T, k, E, block_m, path):
     """The Triton alignments (one program: decode's path on a GPU; blocks of slots: prefill's) give
     the torch path's tables exactly: slots of one expert in slot order, padding S, -1 past the end;
     output buffers start as junk (the blocks path: slots split over several programs, a program's
-    share not a multiple of its step)."""
+    share not a multiple of its step; per expert: one program per expert, each from the whole
+    step's histogram)."""
+    if path == "per_expert" and T * k > PER_EXPERT_MAX_SLOTS:
+        with pytest.raises(ValueError, match="at most"):
+            align_to_experts(torch.zeros(T, k, dtype=torch.int64), E, block_m, path=path)
+        return
     g = torch.Generator().manual_seed(T * 31 + E)
     ids = torch.randint(0, E, (T, k), generator=g)
     if T > 4:
@@ -122,7 +127,7 @@ def test_triton_alignments_equal_the_torch_path(T, k, E, block_m, path):
 
 
 @INTERP
-@pytest.mark.parametrize("path", ["one_program", "blocks"])
+@pytest.mark.parametrize("path", ["one_program", "per_expert", "blocks"])
 @pytest.mark.parametrize("T, k, E, block_m", [(1, 8, 256, 16), (64, 8, 256, 16), (13, 3, 6, 4), (20, 2, 7, 32)],
                          ids=["decode-1", "decode-64", "small", "odd-experts"])
 def test_an_extra_expert_column_aligns_like_one_more_expert(T, k, E, block_m, path):
@@ -410,7 +415,7 @@ def test_gpu_grouped_mm_path_at_kimi_linear_sizes(T):
 @pytest.mark.parametrize("T", [1, 8, 64, 256, 512, 1000, 8192])
 def test_gpu_triton_alignments_equal_the_torch_path(T):
     """Compiled (not the interpreter): the kernels' tables equal the torch path's (the one-program
-    kernel up to its size, the blocks path at every size), on the router's own choices (256
+    and per-expert kernels up to their sizes, the blocks path at every size), on the router's own choices (256
     experts, top 8), for every block size fused MoE picks."""
     E, k, hidden = 256, 8, 2304
     g = torch.Generator(device="cuda").manual_seed(T)
@@ -419,6 +424,12 @@ def test_gpu_triton_alignments_equal_the_torch_path(T):
     _, ids = route_tokens(x, gate, None, RouterConfig(E, k))
     for block_m in (16, 32, 64, 128):
         want = align_to_experts(ids, E, block_m, path="torch")
-        for path in ("one_program", "blocks") if T * k <= 4096 else ("blocks",):
+        for path in ("one_program", "per_expert", "blocks") if T * k <= 4096 else ("blocks",):
             got = align_to_experts(ids, E, block_m, path=path)
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (block_m, path)
+        if T * (k + 1) <= 4096:   # the shared expert's column (layers/moe at decode)
+            with_shared = torch.cat([ids, torch.full_like(ids[:, :1], E)], 1)
+            want = align_to_experts(with_shared, E + 1, block_m, path="torch")
+            for path in ("one_program", "per_expert"):
+                got = align_to_experts(with_shared, E, block_m, path=path, extra_expert=True)
+                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (block_m, path, "shared")

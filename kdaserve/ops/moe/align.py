@@ -38,7 +38,9 @@ import triton.language as tl
 from kdaserve.ops import interpreter_compat
 
 KERNEL_MAX_SLOTS = 1024
-ALIGN_PATHS = ("one_program", "blocks", "torch")
+PER_EXPERT_MAX_SLOTS = 4096   # one tile of slots per program (the histogram's input)
+DECODE_PATH = "one_program"   # steps of up to KERNEL_MAX_SLOTS slots on a GPU
+ALIGN_PATHS = ("one_program", "per_expert", "blocks", "torch")
 
 
 def max_sorted_entries(num_slots: int, num_experts: int, block_m: int) -> int:
@@ -98,6 +100,43 @@ def _align_kernel(ids_ptr, sorted_ptr, block_experts_ptr, S, n,
         if EXTRA:
             owner = tl.where((blocks * BM >= routed_end) & (blocks * BM < extra_end), E, owner)
         tl.store(block_experts_ptr + blocks, owner, mask=blocks < n // BM)
+
+
+@triton.jit
+def _align_per_expert_kernel(ids_ptr, sorted_ptr, block_experts_ptr, S, n,
+                             E: tl.constexpr, E_P: tl.constexpr, BM: tl.constexpr, S_P: tl.constexpr,
+                             FILL: tl.constexpr):
+    """Program e < E: every slot of the step (S <= S_P) into a histogram over the experts, so each
+    program knows every run's padded start; it places its own expert's slots (rank: a cumulative
+    sum over the slots, so slot order), fills its run's padding with S and names its run's blocks.
+    Program E fills the table past the last run (S, and -1 for its blocks). E_P > E: masked lanes
+    and the spare bins count nothing."""
+    e = tl.program_id(0)
+    offs = tl.arange(0, S_P)
+    ids = tl.load(ids_ptr + offs, mask=offs < S, other=E).to(tl.int32)
+    bins = tl.arange(0, E_P)
+    counts = tl.where(bins < E, tl.histogram(ids, E_P, mask=offs < S), 0)
+    padded = (counts + BM - 1) // BM * BM
+    ends = tl.cumsum(padded, 0)
+    if e < E:
+        start = tl.sum(tl.where(bins == e, ends - padded, 0), 0)
+        count = tl.sum(tl.where(bins == e, counts, 0), 0)
+        run = (count + BM - 1) // BM * BM
+        mine = ((ids == e) & (offs < S)).to(tl.int32)
+        tl.store(sorted_ptr + start + tl.cumsum(mine, 0) - mine, offs, mask=mine != 0)
+        pad = start + count + tl.arange(0, BM)
+        tl.store(sorted_ptr + pad, tl.full([BM], 0, tl.int32) + S, mask=pad < start + run)
+        for b0 in range(0, run // BM, FILL):
+            blocks = start // BM + b0 + tl.arange(0, FILL)
+            tl.store(block_experts_ptr + blocks, tl.full([FILL], 0, tl.int32) + e, mask=blocks < (start + run) // BM)
+    else:
+        total = tl.sum(padded, 0)
+        for p0 in range(total, n, FILL):
+            entries = p0 + tl.arange(0, FILL)
+            tl.store(sorted_ptr + entries, tl.full([FILL], 0, tl.int32) + S, mask=entries < n)
+        for b0 in range(total // BM, n // BM, FILL):
+            blocks = b0 + tl.arange(0, FILL)
+            tl.store(block_experts_ptr + blocks, tl.full([FILL], -1, tl.int32), mask=blocks < n // BM)
 
 
 @triton.jit
@@ -176,7 +215,7 @@ def align_to_experts(ids: torch.Tensor, num_experts: int, block_m: int, *,
     `extra_expert`: id `num_experts` is one more expert (the module says how it is counted)."""
     S = ids.numel()
     if path is None:
-        path = "torch" if not ids.is_cuda or S == 0 else "one_program" if S <= KERNEL_MAX_SLOTS else "blocks"
+        path = "torch" if not ids.is_cuda or S == 0 else DECODE_PATH if S <= KERNEL_MAX_SLOTS else "blocks"
     if path not in ALIGN_PATHS:
         raise ValueError(f"alignment path {path!r}: expected one of {ALIGN_PATHS}")
     if path == "one_program":
@@ -184,6 +223,11 @@ def align_to_experts(ids: torch.Tensor, num_experts: int, block_m: int, *,
     num_experts += extra_expert   # the other paths take it as an expert like the rest
     if path == "blocks":
         return _align_by_blocks(ids, num_experts, block_m)
+    if path == "per_expert":
+        if S > PER_EXPERT_MAX_SLOTS:
+            raise ValueError(f"the per-expert alignment reads a step's {S} slots in one tile; it takes at most "
+                             f"{PER_EXPERT_MAX_SLOTS} (larger steps: path 'blocks')")
+        return _align_per_expert(ids, num_experts, block_m)
     flat = ids.reshape(-1).to(torch.int64)
     S = flat.numel()
     dev = flat.device
@@ -218,6 +262,14 @@ def _kernel_inputs(ids: torch.Tensor, num_experts: int, block_m: int, extra_expe
     sorted_slots = torch.empty(n, dtype=torch.int32, device=ids.device)
     block_experts = torch.empty(n // block_m, dtype=torch.int32, device=ids.device)
     return flat, S, n, E_P, sorted_slots, block_experts, max(16, min(64, 8192 // E_P))
+
+
+def _align_per_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    flat, S, n, _, sorted_slots, block_experts, _ = _kernel_inputs(ids, num_experts, block_m)
+    _align_per_expert_kernel[(num_experts + 1,)](
+        flat, sorted_slots, block_experts, S, n, E=num_experts, E_P=triton.next_power_of_2(num_experts + 1), BM=block_m,
+        S_P=max(16, triton.next_power_of_2(S)), FILL=256, num_warps=4)
+    return sorted_slots, block_experts
 
 
 def _align_with_kernel(ids: torch.Tensor, num_experts: int, block_m: int,
