@@ -8,18 +8,21 @@ looking at the routing (S + min(S, E) * (block_m - 1) entries), so the grid neve
 data: no device->host sync, and a CUDA graph can capture it; blocks past the end get expert -1
 and return at once.
 
-Three implementations with identical results (slots of one expert in slot order):
+Four implementations with identical results (slots of one expert in slot order):
 
 - up to KERNEL_MAX_SLOTS slots (small decode batches) one Triton program, one launch, since at
   batch 1 the ~20 small torch launches of the torch path cost more than the experts' GEMMs
   (docs/perf-notes.md, fourteenth session). It walks the slots serially, so its time grows with
   them: the threshold sits below the crossover that bench_moe_mla.py's "MoE align" rows show on
   an H200 (docs/perf-notes.md, fifteenth session);
-- past it on a GPU (prefill), three launches over blocks of slots: each block counts its slots
-  per expert; one program turns the counts into every (block, expert)'s first destination (the
-  experts' padded starts plus the same expert's slots in the blocks before) and names each
-  block's expert; each block then places its slots (rank within the block by a cumulative sum of
-  the one-hot tile). Three launches instead of the torch path's sort and ~12 launches, which with
+- per expert (up to PER_EXPERT_MAX_SLOTS slots; decode's path where DECODE_PATH names it): one
+  launch of one program per expert, each reading the whole step into a histogram (so it knows
+  every run's start) and placing only its own expert's slots: no serial walk over the slots;
+- past KERNEL_MAX_SLOTS on a GPU (prefill), three launches over blocks of slots: each block
+  counts its slots per expert; one program turns the counts into every (block, expert)'s first
+  destination (the experts' padded starts plus the same expert's slots in the blocks before) and
+  names each block's expert; each block then places its slots (rank within the block by a
+  cumulative sum of the one-hot tile). Three launches instead of the torch path's sort and ~12 launches, which with
   the sum over k took 12% of a prefill MoE call at 8K tokens (docs/perf-notes.md);
 - the torch path (a stable sort): CPUs, and the definition the kernels are tested against.
 
