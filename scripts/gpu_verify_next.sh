@@ -119,7 +119,7 @@ if [ "$PART" = moe_paths ]; then
   # 16K and at what % of the bf16 peak); the alignment paths at decode batches (where per_expert
   # beats one_program: ops/moe/align.DECODE_PATH).
   group moe_paths_test 150 tests/ops/test_moe.py -k "grouped_mm or align"
-  timeout $(cap 150) python3 benchmarks/bench_moe_mla.py --moe-prefill-paths --prefill 2048 8192 16384 > "$OUT/moe_paths.log" 2>&1
+  timeout $(cap 150) python3 benchmarks/bench_moe_mla.py --moe-prefill-paths --prefill 512 2048 8192 16384 > "$OUT/moe_paths.log" 2>&1
   echo "== prefill paths rc=$?"; sed -n '/^| tokens/,$p' "$OUT/moe_paths.log"; grep -m3 "Error\|Traceback" "$OUT/moe_paths.log"
   timeout $(cap 60) python3 benchmarks/bench_moe_mla.py --sweep-align --batches 1 8 16 32 64 128 256 > "$OUT/align.log" 2>&1
   echo "== align sweep rc=$?"; sed -n '/^| batch/,$p' "$OUT/align.log"; grep -m3 "Error\|Traceback" "$OUT/align.log"
