@@ -63,12 +63,17 @@ def bench_graph(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median")
 
 
-def moe_rows(batches, prefill, bw, torch_max):
+def kimi_experts():
+    """Kimi-Linear's routed experts and router at random (seed 0): (generator, w13, w2, gate, router)."""
     g = torch.Generator(device="cuda").manual_seed(0)
     w13 = (torch.randn(E, 2 * WIDTH, HIDDEN, device="cuda", generator=g) * HIDDEN**-0.5).to(BF)
     w2 = (torch.randn(E, HIDDEN, WIDTH, device="cuda", generator=g) * WIDTH**-0.5).to(BF)
     gate = torch.randn(E, HIDDEN, device="cuda", generator=g) * HIDDEN**-0.5
-    router = RouterConfig(E, K, routed_scaling_factor=2.446)
+    return g, w13, w2, gate, RouterConfig(E, K, routed_scaling_factor=2.446)
+
+
+def moe_rows(batches, prefill, bw, torch_max):
+    g, w13, w2, gate, router = kimi_experts()
     for step, T in [("decode", b) for b in batches] + [("prefill", t) for t in prefill]:
         x = torch.randn(T, HIDDEN, device="cuda", generator=g).to(BF)
         weights, ids = route_tokens(x, gate, None, router)
@@ -211,11 +216,7 @@ def moe_sweep(batches, prefill, bw) -> None:
     """The fused MoE path's launch shapes at Kimi-Linear's sizes: per step, the default and the
     cross product of SWEEP_SHAPES (decode: moe_block_m's rows, graph-replayed), with each kernel's
     device time (torch.profiler). Whole-call ms; the table prints last."""
-    g = torch.Generator(device="cuda").manual_seed(0)
-    w13 = (torch.randn(E, 2 * WIDTH, HIDDEN, device="cuda", generator=g) * HIDDEN**-0.5).to(BF)
-    w2 = (torch.randn(E, HIDDEN, WIDTH, device="cuda", generator=g) * WIDTH**-0.5).to(BF)
-    gate = torch.randn(E, HIDDEN, device="cuda", generator=g) * HIDDEN**-0.5
-    router = RouterConfig(E, K, routed_scaling_factor=2.446)
+    g, w13, w2, gate, router = kimi_experts()
     rows = []
     for step, T in [("decode", b) for b in batches] + [("prefill", t) for t in prefill]:
         x = torch.randn(T, HIDDEN, device="cuda", generator=g).to(BF)
@@ -283,11 +284,7 @@ def moe_prefill_paths(prefill) -> None:
     from kdaserve.ops.activation.swiglu import swiglu_fwd
     from kdaserve.ops.moe.grouped_mm import expert_order, moe_experts_grouped_mm
 
-    g = torch.Generator(device="cuda").manual_seed(0)
-    w13 = (torch.randn(E, 2 * WIDTH, HIDDEN, device="cuda", generator=g) * HIDDEN**-0.5).to(BF)
-    w2 = (torch.randn(E, HIDDEN, WIDTH, device="cuda", generator=g) * WIDTH**-0.5).to(BF)
-    gate = torch.randn(E, HIDDEN, device="cuda", generator=g) * HIDDEN**-0.5
-    router = RouterConfig(E, K, routed_scaling_factor=2.446)
+    g, w13, w2, gate, router = kimi_experts()
     rows = []
     for T in prefill:
         x = torch.randn(T, HIDDEN, device="cuda", generator=g).to(BF)

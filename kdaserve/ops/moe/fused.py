@@ -217,13 +217,7 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     x and the SiLU product quantized per token and group of bc columns (ops/fp8); the definition
     is ops/moe/reference.moe_experts_fp8_reference. `tiles`: a launch shape other than
     moe_tiles' (benchmarks; an FP8 K step must equal the scale block's columns)."""
-    T, hidden = x.shape
-    E, two_inter, hidden_w = w13.shape
-    inter = two_inter // 2
-    if hidden_w != hidden or tuple(w2.shape) != (E, hidden, inter) or ids.shape != weights.shape:
-        raise ValueError(f"fused MoE needs x [T, hidden], w13 [E, 2I, hidden], w2 [E, hidden, I] and [T, k] weights/ids; "
-                         f"got x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}, "
-                         f"weights {tuple(weights.shape)}, ids {tuple(ids.shape)}")
+    T, hidden, E, inter = check_expert_shapes("fused MoE", x, w13, w2, weights, ids, addend)
     fp8 = w13.dtype == FP8
     if fp8:
         _check_fp8_experts(w13, w2, w13_scale, w2_scale, block, x.device)
@@ -236,8 +230,6 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     x = x if x.stride(1) == 1 else x.contiguous()
     w13 = w13 if w13.stride(2) == 1 else w13.contiguous()
     w2 = w2 if w2.stride(2) == 1 else w2.contiguous()
-    if addend is not None and addend.shape != (T, hidden):
-        raise ValueError(f"the addend must be [T, hidden] = {[T, hidden]}, got {list(addend.shape)}")
     if S == 0:
         return torch.zeros_like(x) if addend is None else addend.to(out_dtype, copy=True)
     E_all = E + (shared is not None)   # the shared expert is one more for the alignment and the tiles
@@ -272,12 +264,36 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
         BM=BM, BN=BN2, BK=BK2, PREC=prec, FP8=fp8, BLOCK_ROWS=br, EVEN_K=inter % BK2 == 0,
         HAS_SHARED=shared is not None, num_warps=warps2, num_stages=stages2,
     )
-    out = torch.empty(T, hidden, dtype=out_dtype, device=x.device)
+    return sum_over_choices(y, T, k, out_dtype, addend)
+
+
+def check_expert_shapes(kind: str, x, w13, w2, weights, ids, addend) -> tuple[int, int, int, int]:
+    """x [T, hidden], w13 [E, 2I, hidden], w2 [E, hidden, I], weights / ids [T, k], addend None or
+    [T, hidden] -> (T, hidden, E, I), or a ValueError naming what differs."""
+    T, hidden = x.shape
+    E, two_inter, hidden_w = w13.shape
+    inter = two_inter // 2
+    if hidden_w != hidden or tuple(w2.shape) != (E, hidden, inter) or ids.shape != weights.shape:
+        raise ValueError(f"{kind} needs x [T, hidden], w13 [E, 2I, hidden], w2 [E, hidden, I] and [T, k] weights/ids; "
+                         f"got x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}, "
+                         f"weights {tuple(weights.shape)}, ids {tuple(ids.shape)}")
+    if addend is not None and addend.shape != (T, hidden):
+        raise ValueError(f"the addend must be [T, hidden] = {[T, hidden]}, got {list(addend.shape)}")
+    return T, hidden, E, inter
+
+
+def sum_over_choices(y: torch.Tensor, T: int, k: int, out_dtype: torch.dtype, addend: torch.Tensor | None,
+                     rows: torch.Tensor | None = None, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """out [T, hidden] = sum over each token's k rows of y (+ addend), one launch (_moe_sum_kernel);
+    `rows` / `weights` [T * k]: y's rows in expert order, weighted here (ops/moe/grouped_mm.py)."""
+    hidden = y.shape[1]
+    out = torch.empty(T, hidden, dtype=out_dtype, device=y.device)
     BH = _block(hidden, 256)
     add = y if addend is None else addend if addend.stride(1) == 1 else addend.contiguous()   # y: unused pointer
+    gather = dict(rows_ptr=rows, weights_ptr=weights, GATHER=True) if rows is not None else {}
     _moe_sum_kernel[(triton.cdiv(T, 4), triton.cdiv(hidden, BH))](
         y, out, add, T, hidden, y.stride(0), out.stride(0), add.stride(0), TOPK=k, BT=4, BH=BH,
-        HAS_ADD=addend is not None, num_warps=4)
+        HAS_ADD=addend is not None, num_warps=4, **gather)
     return out
 
 

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-import triton
 
 from kdaserve.ops import interpreter_compat
 from kdaserve.ops.activation.swiglu import swiglu_fwd
+from kdaserve.ops.moe.fused import check_expert_shapes, sum_over_choices
 
 
 def grouped_mm_supported(x: torch.Tensor, w13: torch.Tensor) -> bool:
@@ -49,17 +49,7 @@ def moe_experts_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     """Same contract as ops/moe/fused.moe_experts_fused without FP8 or a shared expert run as an
     expert: x [T, hidden], w13 [E, 2I, hidden], w2 [E, hidden, I], weights / ids [T, k] ->
     [T, hidden] in x's dtype, `addend` [T, hidden] added before the one rounding."""
-    from kdaserve.ops.moe.fused import _block, _moe_sum_kernel
-
-    T, hidden = x.shape
-    E, two_inter, hidden_w = w13.shape
-    inter = two_inter // 2
-    if hidden_w != hidden or tuple(w2.shape) != (E, hidden, inter) or ids.shape != weights.shape:
-        raise ValueError(f"grouped-GEMM MoE needs x [T, hidden], w13 [E, 2I, hidden], w2 [E, hidden, I] and [T, k] "
-                         f"weights/ids; got x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}, "
-                         f"weights {tuple(weights.shape)}, ids {tuple(ids.shape)}")
-    if addend is not None and addend.shape != (T, hidden):
-        raise ValueError(f"the addend must be [T, hidden] = {[T, hidden]}, got {list(addend.shape)}")
+    T, _, E, _ = check_expert_shapes("grouped-GEMM MoE", x, w13, w2, weights, ids, addend)
     k = ids.shape[1]
     if T * k == 0:
         return torch.zeros_like(x) if addend is None else addend.to(x.dtype, copy=True)
@@ -70,11 +60,4 @@ def moe_experts_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     # the layout its kernels read without a copy.
     h = swiglu_fwd(F.grouped_mm(xs, w13.transpose(1, 2), offs=offs), activation_limit)
     y = F.grouped_mm(h, w2.transpose(1, 2), offs=offs)
-    out = torch.empty(T, hidden, dtype=x.dtype, device=x.device)
-    BH = _block(hidden, 256)
-    add = y if addend is None else addend if addend.stride(1) == 1 else addend.contiguous()   # y: unused pointer
-    _moe_sum_kernel[(triton.cdiv(T, 4), triton.cdiv(hidden, BH))](
-        y, out, add, T, hidden, y.stride(0), out.stride(0), add.stride(0), TOPK=k, BT=4, BH=BH,
-        HAS_ADD=addend is not None, rows_ptr=rows, weights_ptr=weights.reshape(-1).float().contiguous(), GATHER=True,
-        num_warps=4)
-    return out
+    return sum_over_choices(y, T, k, x.dtype, addend, rows, weights.reshape(-1).float().contiguous())
