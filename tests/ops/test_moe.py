@@ -311,7 +311,7 @@ def test_grouped_mm_path_matches_the_reference(T, E, k, limit, add):
 
 def test_grouped_mm_path_is_chosen_only_where_it_is_fast(monkeypatch):
     """layers/moe takes the grouped GEMM path only from GROUPED_MM_MIN_TOKENS tokens, bf16 on an
-    NVIDIA sm_90+ GPU: never on the CPU, in fp32, or with the limit unset."""
+    NVIDIA sm_90+ GPU: never with the limit unset, on the CPU or in fp32."""
     import kdaserve.layers.moe as moe_layer
 
     layer = moe_layer.MoEMLP(32, RouterConfig(8, 2), 24, backend="triton", dtype=torch.bfloat16)
@@ -322,6 +322,7 @@ def test_grouped_mm_path_is_chosen_only_where_it_is_fast(monkeypatch):
     assert not layer.uses_grouped_mm(x)   # the CPU: no CUTLASS kernels
     import kdaserve.ops.moe.grouped_mm as grouped
 
+    assert not grouped.grouped_mm_supported(x.float(), layer.w13.float())
     monkeypatch.setattr(grouped, "grouped_mm_supported", lambda x, w: True)
     assert layer.uses_grouped_mm(x) and not layer.uses_grouped_mm(x[:63])
 
@@ -396,8 +397,8 @@ def test_gpu_fused_at_kimi_linear_sizes(T):
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 300, 2048, 8192])
 def test_gpu_grouped_mm_path_at_kimi_linear_sizes(T):
-    """Compiled, through CUTLASS's grouped kernels on sm_90+: against the fp32 reference and the
-    fused kernels, with a shared experts' addend; NaN-filled scratch would show as NaN."""
+    """Compiled, through CUTLASS's grouped kernels on sm_90+: every output finite, against the
+    fp32 reference and the fused kernels, with a shared experts' addend."""
     from kdaserve.ops.moe.fused import moe_experts_fused
     from kdaserve.ops.moe.grouped_mm import moe_experts_grouped_mm
 

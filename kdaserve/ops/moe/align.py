@@ -22,8 +22,9 @@ Four implementations with identical results (slots of one expert in slot order):
   counts its slots per expert; one program turns the counts into every (block, expert)'s first
   destination (the experts' padded starts plus the same expert's slots in the blocks before) and
   names each block's expert; each block then places its slots (rank within the block by a
-  cumulative sum of the one-hot tile). Three launches instead of the torch path's sort and ~12 launches, which with
-  the sum over k took 12% of a prefill MoE call at 8K tokens (docs/perf-notes.md);
+  cumulative sum of the one-hot tile). Three launches instead of the torch path's sort and ~12
+  launches, which with the sum over k took 12% of a prefill MoE call at 8K tokens
+  (docs/perf-notes.md);
 - the torch path (a stable sort): CPUs, and the definition the kernels are tested against.
 
 `extra_expert`: expert id `num_experts` is one more expert (the shared expert run with the routed

@@ -7,10 +7,11 @@
     out[t] = sum_j weights[t, j] * y[rows[t*k + j]] (+ addend[t])    rows = order's inverse, fp32
 
 On NVIDIA sm_90+ grouped_mm runs CUTLASS's warp-specialized grouped kernels (TMA loads overlapped
-with the tensor cores), which the Triton kernels of fused.py do not reach at prefill sizes: where
-they win and by how much is in docs/perf-notes.md (bench_moe_mla.py --moe-prefill-paths). The
-gather and the unfused SwiGLU cost memory traffic the fused kernels avoid, so decode-sized steps
-stay with fused.py. Rounding as the reference's: each GEMM's output rounds to x's dtype (the
+with the tensor cores), which Triton 3.6 does not build for the kernels of fused.py on Hopper.
+Whether that beats fused.py at prefill sizes, and from how many tokens, is what
+bench_moe_mla.py --moe-prefill-paths measures (docs/perf-notes.md); layers/moe runs this path only
+from GROUPED_MM_MIN_TOKENS. The gather and the unfused SwiGLU cost memory traffic the fused kernels
+avoid, so decode-sized steps stay with fused.py. Rounding as the reference's: each GEMM's output rounds to x's dtype (the
 SwiGLU reads the rounded gate|up, the weights multiply the rounded down output) and the k
 weighted rows sum in fp32 with the addend, rounded once. No host sync: the group offsets stay on
 the device."""
