@@ -251,9 +251,9 @@ def moe_sweep(batches, prefill, bw) -> None:
 
 
 def align_sweep(batches) -> None:
-    """The slot alignment's three paths at decode sizes (graph-replayed device ms), with and without
-    the shared expert's column: where the one-program kernel should hand over to the blocks path
-    (ops/moe/align.KERNEL_MAX_SLOTS)."""
+    """The slot alignment's four paths at decode sizes (graph-replayed device ms), with and without
+    the shared expert's column: which path decode takes (ops/moe/align.DECODE_PATH) and where it
+    should hand over to the blocks path (ops/moe/align.KERNEL_MAX_SLOTS)."""
     from kdaserve.ops.moe.router_kernel import route_from_logits
 
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -300,7 +300,7 @@ def moe_prefill_paths(prefill) -> None:
         rows.append((T, "fused Triton (default tiles)", bench(fused), parts["gate_up"], parts["down"], parts["rest"], flops,
                      diff(fused())))
         grouped = lambda: moe_experts_grouped_mm(x, w13, w2, weights, ids)   # noqa: E731
-        order, pos, offs = expert_order(ids, E)
+        order, _, offs = expert_order(ids, E)
         xs = x.index_select(0, order // K)
         gu = F.grouped_mm(xs, w13.transpose(1, 2), offs=offs)
         h = swiglu_fwd(gu)
@@ -409,24 +409,17 @@ def main() -> None:
     args = ap.parse_args()
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s, bf16 peak {PEAK_BF16 / 1e12:.0f} TFLOP/s")
-    if args.sweep:
-        mla_decode_sweep(args.batches, args.ctx, bw)
-        return
-    if args.sweep_moe:
-        moe_sweep(args.batches, args.prefill, bw)
-        return
-    if args.sweep_align:
-        align_sweep(args.batches)
-        return
-    if args.moe_prefill_paths:
-        moe_prefill_paths(args.prefill)
-        return
-    if args.sweep_mla_prefill:
-        mla_prefill_sweep(args.prefill)
-        return
-    if args.sweep_shared:
-        shared_expert_sweep(args.batches)
-        return
+    # One table instead of the main one, where a flag asks for it.
+    alternatives = {"sweep": lambda: mla_decode_sweep(args.batches, args.ctx, bw),
+                    "sweep_moe": lambda: moe_sweep(args.batches, args.prefill, bw),
+                    "sweep_align": lambda: align_sweep(args.batches),
+                    "moe_prefill_paths": lambda: moe_prefill_paths(args.prefill),
+                    "sweep_mla_prefill": lambda: mla_prefill_sweep(args.prefill),
+                    "sweep_shared": lambda: shared_expert_sweep(args.batches)}
+    for flag, run in alternatives.items():
+        if getattr(args, flag):
+            run()
+            return
     rows = []
     for row in list(moe_rows(args.batches, args.prefill, bw, args.torch_max)) + list(
             mla_rows(args.batches, args.prefill, args.ctx, bw, args.torch_max)):

@@ -115,8 +115,8 @@ if [ "$PART" = moe_paths ]; then
   # Must show: the grouped-GEMM and alignment tests pass compiled (grouped_mm against the fp32
   # reference and the fused kernels at 1-8192 tokens; the per-expert alignment's tables equal the
   # torch path's, with and without the shared expert's column); the prefill paths' table (fused
-  # Triton, torch's grouped_mm by stage, dense cuBLAS of the same shapes: which is faster at 2K, 8K,
-  # 16K and at what % of the bf16 peak); the alignment paths at decode batches (where per_expert
+  # Triton, torch's grouped_mm by stage, dense cuBLAS of the same shapes: which is faster at 512, 2K,
+  # 8K, 16K tokens and at what % of the bf16 peak); the alignment paths at decode batches (where per_expert
   # beats one_program: ops/moe/align.DECODE_PATH).
   group moe_paths_test 150 tests/ops/test_moe.py -k "grouped_mm or align"
   timeout $(cap 150) python3 benchmarks/bench_moe_mla.py --moe-prefill-paths --prefill 512 2048 8192 16384 > "$OUT/moe_paths.log" 2>&1
@@ -148,6 +148,5 @@ if [ "$PART" = moe_align_decode ]; then
   timeout $(cap 150) python3 benchmarks/bench_moe_mla.py --batches 1 64 256 --prefill 1024 > "$OUT/moe_align_decode.log" 2>&1
   echo "== rc=$?"; grep "| MoE" "$OUT/moe_align_decode.log" | tail -9
 fi
-
 
 done

@@ -315,7 +315,7 @@ def test_grouped_mm_path_is_chosen_only_where_it_is_fast(monkeypatch):
     import kdaserve.layers.moe as moe_layer
 
     layer = moe_layer.MoEMLP(32, RouterConfig(8, 2), 24, backend="triton", dtype=torch.bfloat16)
-    x = torch.randn(100, 32).bfloat16()
+    x = torch.randn(100, 32, generator=torch.Generator().manual_seed(12)).bfloat16()
     monkeypatch.setattr(moe_layer, "GROUPED_MM_MIN_TOKENS", None)
     assert not layer.uses_grouped_mm(x)
     monkeypatch.setattr(moe_layer, "GROUPED_MM_MIN_TOKENS", 64)
@@ -333,6 +333,17 @@ def test_fused_refuses_mismatched_weights():
     w13, w2 = experts(4, 16, 16)
     with pytest.raises(ValueError, match=r"w2 \[E, hidden, I\]"):
         moe_experts_fused(torch.randn(3, 16), w13, w2[:, :, :8], torch.ones(3, 2), torch.zeros(3, 2, dtype=torch.long))
+
+
+def test_grouped_mm_path_refuses_mismatched_weights_and_addend():
+    from kdaserve.ops.moe.grouped_mm import moe_experts_grouped_mm
+
+    w13, w2 = experts(4, 16, 16)
+    ids = torch.zeros(3, 2, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"grouped-GEMM MoE needs .*w2 \[E, hidden, I\]"):
+        moe_experts_grouped_mm(torch.randn(3, 16), w13, w2[:, :, :8], torch.ones(3, 2), ids)
+    with pytest.raises(ValueError, match=r"addend must be \[T, hidden\] = \[3, 16\]"):
+        moe_experts_grouped_mm(torch.randn(3, 16), w13, w2, torch.ones(3, 2), ids, addend=torch.zeros(3, 8))
 
 
 def _kimi_linear_step(T: int, seed: int):
@@ -403,7 +414,7 @@ def test_gpu_grouped_mm_path_at_kimi_linear_sizes(T):
     from kdaserve.ops.moe.grouped_mm import moe_experts_grouped_mm
 
     x, w13, w2, weights, ids = _kimi_linear_step(T, seed=9)
-    addend = torch.randn_like(x)
+    addend = torch.randn(x.shape, device=x.device, generator=torch.Generator(device=x.device).manual_seed(10)).to(x.dtype)
     got = moe_experts_grouped_mm(x, w13, w2, weights, ids, addend=addend)
     assert torch.isfinite(got).all()
     want = moe_experts_reference(x.float(), w13.float(), w2.float(), weights, ids) + addend.float()
