@@ -127,17 +127,7 @@ def main() -> None:
     ap.add_argument("--decode-ctx", type=int, default=512, help="prompt tokens of the decode batches")
     ap.add_argument("--ttft", type=int, nargs="+", default=None, help="prompt lengths to time (default: --ctx)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.92)
-    ap.add_argument("--compare-moe-grouped-mm", type=int, default=None, metavar="MIN_TOKENS",
-                    help="time each prompt twice: routed experts in the fused Triton kernels, then through torch's "
-                         "grouped GEMM in steps of at least MIN_TOKENS tokens (layers/moe.GROUPED_MM_MIN_TOKENS)")
-    ap.add_argument("--decode-align-path", default=None, choices=("one_program", "per_expert"),
-                    help="the MoE slot alignment of decode-sized steps (ops/moe/align.DECODE_PATH), set before the "
-                         "CUDA graphs are captured")
     args = ap.parse_args()
-    if args.decode_align_path:
-        import kdaserve.ops.moe.align as align
-
-        align.DECODE_PATH = args.decode_align_path
     t0 = time.time()
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()} | copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
@@ -161,35 +151,25 @@ def main() -> None:
 
     rows, by_kind = [], []
     ttfts, kinds = {}, {}
-    import kdaserve.layers.moe as moe_layer
-
-    paths = [(None, moe_layer.GROUPED_MM_MIN_TOKENS)]
-    if args.compare_moe_grouped_mm is not None:
-        paths = [("MoE fused", None), (f"MoE grouped_mm >= {args.compare_moe_grouped_mm}", args.compare_moe_grouped_mm)]
-    default_min = moe_layer.GROUPED_MM_MIN_TOKENS
-    for label, min_tokens in paths:
-        moe_layer.GROUPED_MM_MIN_TOKENS = min_tokens
-        for n in lengths:
-            key = n if label is None else f"{n} ({label})"
-            # A fresh random prompt per run: with prefix caching on (the default) a repeated prompt
-            # would be served from its cached prefix instead of prefilled.
-            prompts = random_prompts(3, n, seed=5 + n + (len(ttfts) * 7919 if label else 0))
-            ttft = []
-            for prompt in prompts[:2]:
-                eng.add_request(f"ttft{key}-{len(ttft)}", prompt, SamplingParams(max_tokens=1, ignore_eos=True))
-                torch.cuda.synchronize()
-                s = time.perf_counter()
-                while eng.has_unfinished_requests():
-                    eng.step()
-                torch.cuda.synchronize()
-                ttft.append(time.perf_counter() - s)
-                print(f"  TTFT {key} tokens: {ttft[-1] * 1e3:.1f} ms ({time.time() - t0:.0f} s)", flush=True)
-            ttfts[key] = ttft
-            kinds[key], top_other = prefill_breakdown(eng, prompts[2])
-            print(f"  prefill of {key} tokens by layer kind (device ms): "
-                  + ", ".join(f"{k} {v:.2f}" for k, v in kinds[key].items()), flush=True)
-            print(f"  the largest of '{OTHER}':\n" + "\n".join(f"    {ms:8.2f} ms  {name}" for name, ms in top_other))
-    moe_layer.GROUPED_MM_MIN_TOKENS = default_min
+    for n in lengths:
+        # A fresh random prompt per run: with prefix caching on (the default) a repeated prompt
+        # would be served from its cached prefix instead of prefilled.
+        prompts = random_prompts(3, n, seed=5 + n)
+        ttft = []
+        for prompt in prompts[:2]:
+            eng.add_request(f"ttft{n}-{len(ttft)}", prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+            torch.cuda.synchronize()
+            s = time.perf_counter()
+            while eng.has_unfinished_requests():
+                eng.step()
+            torch.cuda.synchronize()
+            ttft.append(time.perf_counter() - s)
+            print(f"  TTFT {n} tokens: {ttft[-1] * 1e3:.1f} ms ({time.time() - t0:.0f} s)", flush=True)
+        ttfts[n] = ttft
+        kinds[n], top_other = prefill_breakdown(eng, prompts[2])
+        print(f"  prefill of {n} tokens by layer kind (device ms): "
+              + ", ".join(f"{k} {v:.2f}" for k, v in kinds[n].items()), flush=True)
+        print(f"  the largest of '{OTHER}':\n" + "\n".join(f"    {ms:8.2f} ms  {name}" for name, ms in top_other))
 
     from triton.testing import do_bench
 
@@ -219,10 +199,10 @@ def main() -> None:
             eng.abort_request(rid)
         eng.step()
 
-    print("\n| prefill of one prompt, by layer kind (device ms) | " + " | ".join(f"{n} tokens" for n in kinds) + " |")
-    print("|---|" + "---|" * len(kinds))
-    for k in next(iter(kinds.values())):
-        print(f"| {k} | " + " | ".join(f"{kinds[n][k]:.2f}" for n in kinds) + " |")
+    print("\n| prefill of one prompt, by layer kind (device ms) | " + " | ".join(f"{n} tokens" for n in lengths) + " |")
+    print("|---|" + "---|" * len(lengths))
+    for k in kinds[lengths[0]]:
+        print(f"| {k} | " + " | ".join(f"{kinds[n][k]:.2f}" for n in lengths) + " |")
     print(f"\nKimi-Linear-48B-A3B shape, random bf16 weights, {torch.cuda.get_device_name()}, "
           f"copy bandwidth {bw / 1e12:.2f} TB/s; TTFT " + "; ".join(
               f"{n} tokens {t[-1] * 1e3:.1f} ms (first run {t[0] * 1e3:.0f} ms, compiles included)" for n, t in ttfts.items())

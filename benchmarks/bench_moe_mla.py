@@ -15,11 +15,11 @@ the plain torch path (issue "Fast at the real shape", goal 5), on one GPU:
         [--sweep-mla-prefill]   # MLA prefill: tiles, warps, stages; Kimi-Linear's and GLM's heads
         [--sweep-shared]   # the MoE layer with its shared expert apart or inside the fused kernels
         [--sweep-align]   # the MoE slot alignment's paths at decode batches
-        [--moe-prefill-paths]   # MoE prefill: fused kernels, torch's grouped GEMM path, dense cuBLAS
+        [--moe-prefill-paths]   # MoE prefill: fused kernels, a torch path on grouped_mm, dense cuBLAS
 
 torch: ops/moe/reference.py's loop over experts and ops/mla/reference.py's gathers and einsums,
 the definitions the kernels are tested against (no torch.compile), eager. "MoE align" rows: the
-slot alignment alone, the path fused MoE takes (one program at decode, blocks of slots at prefill)
+slot alignment alone, the path fused MoE takes (per expert up to 4096 slots, blocks of slots past)
 against the torch path (torch column), both
 graph-replayed. "MoE route" rows: routing (logits GEMM, then the one-launch kernel or the torch
 path in the torch column), graph-replayed at decode, eager at prefill. Rows print as measured; the table prints last.
@@ -41,7 +41,7 @@ from kdaserve.ops.mla.decode import mla_decode_triton  # noqa: E402
 from kdaserve.ops.mla.prefill import mla_prefill_triton  # noqa: E402
 from kdaserve.ops.mla.reference import mla_decode_reference, mla_prefill_reference  # noqa: E402
 from kdaserve.ops.moe import RouterConfig, moe_experts_reference, route_tokens  # noqa: E402
-from kdaserve.ops.moe.align import align_to_experts  # noqa: E402
+from kdaserve.ops.moe.align import PER_EXPERT_MAX_SLOTS, align_to_experts  # noqa: E402
 from kdaserve.ops.moe.fused import MoeTiles, moe_block_m, moe_experts_fused, moe_tiles  # noqa: E402
 from kdaserve.ops.precision import device_target  # noqa: E402
 
@@ -93,10 +93,10 @@ def moe_rows(batches, prefill, bw, torch_max):
         route = [lambda kernel=kernel: route_tokens(x, gate, bias, router, use_kernel=kernel) for kernel in (True, False)]
         yield ("MoE route", step, T, f"kernel vs torch path ({'graph' if step == 'decode' else 'eager'})",
                bench(route[0]), timer(route[0]) if step == "decode" else float("nan"), timer(route[1]), float("nan"))
-        # The alignment alone: the path fused MoE takes (one program at decode, blocks of slots at
-        # prefill) vs the torch path, both graphed.
+        # The alignment alone: the path fused MoE takes (per expert up to PER_EXPERT_MAX_SLOTS
+        # slots, blocks of slots past) vs the torch path, both graphed.
         bm = moe_block_m(T * K, E)
-        path = "one_program" if step == "decode" else "blocks"
+        path = "per_expert" if T * K <= PER_EXPERT_MAX_SLOTS else "blocks"
         kernel = lambda: align_to_experts(ids, E, bm, path=path)   # noqa: E731
         yield ("MoE align", step, T, f"{path} kernel vs torch path (graph)", bench(kernel), bench_graph(kernel),
                bench_graph(lambda: align_to_experts(ids, E, bm, path="torch")), float("nan"))
@@ -251,9 +251,9 @@ def moe_sweep(batches, prefill, bw) -> None:
 
 
 def align_sweep(batches) -> None:
-    """The slot alignment's four paths at decode sizes (graph-replayed device ms), with and without
-    the shared expert's column: which path decode takes (ops/moe/align.DECODE_PATH) and where it
-    should hand over to the blocks path (ops/moe/align.KERNEL_MAX_SLOTS)."""
+    """The slot alignment's three paths at decode sizes (graph-replayed device ms), with and without
+    the shared expert's column: where the per-expert path should hand over to the blocks path
+    (ops/moe/align.PER_EXPERT_MAX_SLOTS)."""
     from kdaserve.ops.moe.router_kernel import route_from_logits
 
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -264,26 +264,53 @@ def align_sweep(batches) -> None:
             _, ids = route_from_logits(logits, None, K, "sigmoid", True, 1.0, E if extra else None)
             bm = moe_block_m(ids.numel(), E + extra)
             times = [bench_graph(lambda p=p: align_to_experts(ids, E, bm, path=p, extra_expert=extra))   # noqa: B023
-                     for p in ("one_program", "per_expert", "blocks", "torch")]
+                     for p in ("per_expert", "blocks", "torch")]
             rows.append((T, ids.numel(), extra, bm, *times))
             print(rows[-1], flush=True)
-    print("\n| batch | slots | shared expert column | rows per block | one_program ms | per_expert ms | blocks ms | torch ms |")
-    print("|---|---|---|---|---|---|---|---|")
-    for T, S, extra, bm, a, p, b, c in rows:
-        print(f"| {T} | {S} | {'yes' if extra else 'no'} | {bm} | {a:.4f} | {p:.4f} | {b:.4f} | {c:.4f} |")
+    print("\n| batch | slots | shared expert column | rows per block | per_expert ms | blocks ms | torch ms |")
+    print("|---|---|---|---|---|---|---|")
+    for T, S, extra, bm, p, b, c in rows:
+        print(f"| {T} | {S} | {'yes' if extra else 'no'} | {bm} | {p:.4f} | {b:.4f} | {c:.4f} |")
+
+
+def torch_grouped_mm_experts(x, w13, w2, weights, ids, stages: dict | None = None) -> torch.Tensor:
+    """The routed experts as a plain torch path on torch.nn.functional.grouped_mm (CUTLASS's grouped
+    kernels on sm_90+): the slots sorted by expert and gathered, each expert's rows one group of
+    the two GEMMs around SiLU(gate) * up, the weighted rows summed back per token in fp32.
+    `stages`: filled with a callable per stage (order, gather, gate_up, swiglu, down, sum) over
+    this call's intermediates, to time them apart."""
+    import torch.nn.functional as F
+
+    T, k = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    offs = torch.bincount(flat, minlength=w13.shape[0]).cumsum(0).to(torch.int32)
+    xs = x.index_select(0, order // k)
+    # grouped_mm's right operand is [groups, K, N]: the weights' transposed views, read without a copy.
+    gu = F.grouped_mm(xs, w13.transpose(1, 2), offs=offs)
+    gate, up = gu.chunk(2, dim=-1)
+    h = F.silu(gate) * up
+    y = F.grouped_mm(h, w2.transpose(1, 2), offs=offs)
+    w = weights.reshape(-1)[order].float()
+    out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device).index_add_(0, order // k, y.float() * w[:, None])
+    if stages is not None:
+        stages.update(order=lambda: (torch.argsort(flat, stable=True), torch.bincount(flat, minlength=w13.shape[0]).cumsum(0)),
+                      gather=lambda: x.index_select(0, order // k),
+                      gate_up=lambda: F.grouped_mm(xs, w13.transpose(1, 2), offs=offs),
+                      swiglu=lambda: F.silu(gate) * up,
+                      down=lambda: F.grouped_mm(h, w2.transpose(1, 2), offs=offs),
+                      sum=lambda: torch.zeros_like(out).index_add_(0, order // k, y.float() * w[:, None]))
+    return out.to(x.dtype)
 
 
 def moe_prefill_paths(prefill) -> None:
     """The routed experts at prefill sizes three ways, same routing: the fused Triton kernels
-    (moe_tiles' default), the grouped-GEMM path (ops/moe/grouped_mm.py: torch's grouped_mm, CUTLASS
-    on sm_90+) stage by stage, and cuBLAS's dense GEMMs of the same shapes and flops as a bound (all
-    tokens through one expert's weights: what the card does at these K and N without the grouping).
-    Eager do_bench medians; the table prints last."""
-    import torch.nn.functional as F
-
-    from kdaserve.ops.activation.swiglu import swiglu_fwd
-    from kdaserve.ops.moe.grouped_mm import expert_order, moe_experts_grouped_mm
-
+    (moe_tiles' default), a plain torch path on torch's grouped GEMM (CUTLASS on sm_90+) stage by
+    stage, and cuBLAS's dense GEMMs of the same shapes and flops as a bound (all tokens through one
+    expert's weights: what the card does at these K and N without the grouping). "rows run":
+    the rows the fused kernels multiply (each expert's run padded to its rows per program) over
+    the routed rows; "% of peak on rows run" is the two GEMMs' rate over the rows they multiply,
+    padding included. Eager do_bench medians; the table prints last."""
     g, w13, w2, gate, router = kimi_experts()
     rows = []
     for T in prefill:
@@ -295,35 +322,36 @@ def moe_prefill_paths(prefill) -> None:
         def diff(got):
             return float("nan") if want is None else ((got.float() - want).norm() / want.norm()).item()
 
+        bm = moe_tiles(T * K, E, HIDDEN, WIDTH, False, device_target(x.device)).block_m
+        counts = torch.bincount(ids.reshape(-1), minlength=E)
+        padding = ((counts + bm - 1) // bm * bm).sum().item() / (T * K)
         fused = lambda: moe_experts_fused(x, w13, w2, weights, ids)   # noqa: E731
         parts = kernel_ms(fused)
-        rows.append((T, "fused Triton (default tiles)", bench(fused), parts["gate_up"], parts["down"], parts["rest"], flops,
-                     diff(fused())))
-        grouped = lambda: moe_experts_grouped_mm(x, w13, w2, weights, ids)   # noqa: E731
-        order, _, offs = expert_order(ids, E)
-        xs = x.index_select(0, order // K)
-        gu = F.grouped_mm(xs, w13.transpose(1, 2), offs=offs)
-        h = swiglu_fwd(gu)
-        stage = {"order": bench(lambda: expert_order(ids, E)), "gather": bench(lambda: x.index_select(0, order // K)),
-                 "gate_up": bench(lambda: F.grouped_mm(xs, w13.transpose(1, 2), offs=offs)),
-                 "swiglu": bench(lambda: swiglu_fwd(gu)), "down": bench(lambda: F.grouped_mm(h, w2.transpose(1, 2), offs=offs))}
+        rows.append((T, f"fused Triton (default tiles, {bm} rows per program)", bench(fused), parts["gate_up"],
+                     parts["down"], parts["rest"], flops, padding, diff(fused())))
+        stages = {}
+        torch_grouped_mm_experts(x, w13, w2, weights, ids, stages)
+        stage_ms = {name: bench(fn) for name, fn in stages.items()}
+        grouped = lambda: torch_grouped_mm_experts(x, w13, w2, weights, ids)   # noqa: E731
         whole = bench(grouped)
-        rows.append((T, "grouped_mm (" + ", ".join(f"{k} {v:.4f}" for k, v in stage.items()) + ")", whole,
-                     stage["gate_up"], stage["down"], whole - stage["gate_up"] - stage["down"], flops, diff(grouped())))
+        rows.append((T, "torch grouped_mm (" + ", ".join(f"{k} {v:.4f}" for k, v in stage_ms.items()) + ")", whole,
+                     stage_ms["gate_up"], stage_ms["down"], whole - stage_ms["gate_up"] - stage_ms["down"], flops, 1.0,
+                     diff(grouped())))
         S = T * K
         xd = torch.randn(S, HIDDEN, device="cuda", generator=g).to(BF)
         hd = torch.randn(S, WIDTH, device="cuda", generator=g).to(BF)
         m1, m2 = bench(lambda: xd @ w13[0].T), bench(lambda: hd @ w2[0].T)
         rows.append((T, f"cuBLAS dense GEMMs [{S}, {HIDDEN}] x [{HIDDEN}, {2 * WIDTH}] and [{S}, {WIDTH}] x [{WIDTH}, {HIDDEN}]",
-                     m1 + m2, m1, m2, 0.0, flops, float("nan")))
+                     m1 + m2, m1, m2, 0.0, flops, 1.0, float("nan")))
         for r in rows[-3:]:
             print(r, flush=True)
     print("\n| tokens | path | ms | gate_up ms | down ms | rest ms | % of bf16 peak (whole) | % of peak (two GEMMs) "
-          "| rel. diff vs torch reference |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for T, name, ms, mg, md, rest, flops, err in rows:
+          "| rows run / routed | % of peak on rows run | rel. diff vs torch reference |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for T, name, ms, mg, md, rest, flops, padding, err in rows:
+        gemms = flops / PEAK_BF16 / (mg + md) * 1e5
         print(f"| {T} | {name} | {ms:.4f} | {mg:.4f} | {md:.4f} | {rest:.4f} | {flops / PEAK_BF16 / ms * 1e5:.0f}% "
-              f"| {flops / PEAK_BF16 / (mg + md) * 1e5:.0f}% | {err:.1e} |")
+              f"| {gemms:.0f}% | {padding:.3f} | {gemms * padding:.0f}% | {err:.1e} |")
 
 
 MLA_PREFILL_SHAPES = ((64, 32, 8, 2), (64, 32, 8, 3), (64, 64, 8, 2), (128, 32, 8, 2), (128, 64, 8, 2), (128, 32, 8, 3),

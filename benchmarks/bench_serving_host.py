@@ -53,14 +53,15 @@ TEXT = b"def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibona
 
 
 def client(url: str, model: str, streams: int, max_tokens: int, out: mp.Queue, kind: str = "raw",
-           cpus: set[int] | None = None) -> None:
+           cpus: set[int] | None = None, first: int = 0, start=None) -> None:
     if cpus:
         pin(os.getpid(), cpus)
     """`kind` "raw": a lean asyncio HTTP/1.1 client (so that the client's own Python is not what
-    bunches the chunks); "httpx": httpx's streaming client."""
+    bunches the chunks); "httpx": httpx's streaming client; "openai": the OpenAI Python SDK's
+    async streaming completions, as an application would call the server (a real client)."""
 
     def body(i: int) -> dict:
-        return {"model": model, "prompt": f"# stream {i}\n", "max_tokens": max_tokens, "stream": True,
+        return {"model": model, "prompt": f"# stream {first + i}\n", "max_tokens": max_tokens, "stream": True,
                 "ignore_eos": True, "temperature": 0}
 
     async def one_httpx(http, i: int) -> list[float]:
@@ -69,6 +70,17 @@ def client(url: str, model: str, streams: int, max_tokens: int, out: mp.Queue, k
             async for line in r.aiter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
                     stamps.append(time.monotonic())
+        return stamps
+
+    async def one_openai(api, i: int) -> list[float]:
+        stamps = []
+        b = body(i)
+        stream = await api.completions.create(model=b.pop("model"), prompt=b.pop("prompt"), max_tokens=b.pop("max_tokens"),
+                                              temperature=b.pop("temperature"), stream=True,
+                                              extra_body={"ignore_eos": b.pop("ignore_eos")})
+        async for chunk in stream:
+            if chunk.choices:
+                stamps.append(time.monotonic())
         return stamps
 
     async def one_raw(i: int) -> list[float]:
@@ -92,13 +104,26 @@ def client(url: str, model: str, streams: int, max_tokens: int, out: mp.Queue, k
         writer.close()
         return stamps
 
+    def ready() -> None:   # every client process set up (imports, HTTP client) before any stream opens
+        if start is not None:
+            start.wait()
+
     async def main() -> list[list[float]]:
         if kind == "raw":
+            ready()
             return await asyncio.gather(*(one_raw(i) for i in range(streams)))
+        if kind == "openai":
+            import openai
+
+            # The SDK's own HTTP client (its default pool takes far more than 64 connections).
+            async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", timeout=300, max_retries=0) as api:
+                ready()
+                return await asyncio.gather(*(one_openai(api, i) for i in range(streams)))
         import httpx
 
         limits = httpx.Limits(max_connections=streams + 4, max_keepalive_connections=streams + 4)
         async with httpx.AsyncClient(timeout=300, limits=limits) as http:
+            ready()
             return await asyncio.gather(*(one_httpx(http, i) for i in range(streams)))
 
     out.put(asyncio.run(main()))
@@ -128,16 +153,26 @@ class _FakePendingSample:
         return [None] * len(self._ids)
 
 
+CLIENT_PROCESSES = 1   # --client-processes
+
+
 def run_client(url: str, model: str, streams: int, max_tokens: int, kind: str,
                cpus: set[int] | None = None) -> list[list[float]]:
-    """The client in a process of its own (its Python must not share the server's interpreter):
-    each stream's chunk arrival times."""
+    """The client in processes of its own (its Python must not share the server's interpreter),
+    the streams split evenly over CLIENT_PROCESSES of them (a client whose per-chunk Python cannot
+    keep up stamps chunks late and in bunches): each stream's chunk arrival times."""
     ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    p = ctx.Process(target=client, args=(url, model, streams, max_tokens, q, kind, cpus))
-    p.start()
-    stamps = q.get()
-    p.join()
+    n = max(1, min(CLIENT_PROCESSES, streams))
+    shares = [streams // n + (j < streams % n) for j in range(n)]
+    queues = [ctx.Queue() for _ in shares]
+    start = ctx.Barrier(n)
+    procs = [ctx.Process(target=client, args=(url, model, share, max_tokens, q, kind, cpus, sum(shares[:j]), start))
+             for j, (share, q) in enumerate(zip(shares, queues))]
+    for p in procs:
+        p.start()
+    stamps = [s for q in queues for s in q.get()]
+    for p in procs:
+        p.join()
     return stamps
 
 
@@ -379,8 +414,11 @@ def main() -> None:
     ap.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                     help="the engine in its own process, as `kdaserve serve` runs it (default); --no-engine-process: "
                          "a thread of the server's process. The engine step is then stamped where its outputs arrive")
-    ap.add_argument("--client", choices=["raw", "httpx"], default="raw",
-                    help="the streaming client: a lean asyncio one (default) or httpx's")
+    ap.add_argument("--client", choices=["raw", "httpx", "openai"], default="raw",
+                    help="the streaming client: a lean asyncio one (default), httpx's, or the OpenAI SDK's (a real client)")
+    ap.add_argument("--client-processes", type=int, default=1,
+                    help="client processes the streams are split over (a slow per-chunk client, such as the OpenAI "
+                         "SDK's, needs several to keep up with 64 streams)")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                     help="the engine's async scheduling (default on, as served); --no-async-scheduling: one step at a time")
     ap.add_argument("--api-server-count", type=int, default=1,
@@ -401,6 +439,8 @@ def main() -> None:
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval in ms for this run (Python's default: 5 ms)")
     args = ap.parse_args()
+    global CLIENT_PROCESSES
+    CLIENT_PROCESSES = args.client_processes
     from kdaserve.engine.llm_engine import LLMEngine
 
     if args.switch_interval is not None:

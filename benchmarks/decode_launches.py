@@ -93,7 +93,7 @@ def record(model_name: str, batch: int) -> tuple[Recorder, dict[str, int], objec
     original_align = align.align_to_experts
 
     def gpu_align():
-        fused.align_to_experts = lambda ids, E, bm, path=None, **kw: original_align(ids, E, bm, path=path or "one_program",
+        fused.align_to_experts = lambda ids, E, bm, path=None, **kw: original_align(ids, E, bm, path=path or "per_expert",
                                                                                   **kw)
 
     force_gpu_choices(model, gpu_align)

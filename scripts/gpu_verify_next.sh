@@ -9,12 +9,13 @@
 # `bash scripts/gpu_verify_next.sh PART [PART ...]`: several parts run in order within one budget.
 # Parts owed (add one as `if [ "$PART" = name ]; then ... fi` below, with what it must show), in the
 # order to run them when the session's device time (30 min) cannot fit them all (~30 min together):
-#   moe_paths     MoE prefill through torch's grouped GEMM (ops/moe/grouped_mm.py) against the fused
-#                 kernels and dense cuBLAS; the per-expert alignment against the one-program kernel at
-#                 decode batches (issue 21 goals 1, 4).
-#   kimi_moe_paths  the same two choices in Kimi-Linear's TTFT and decode step.
+#   align_default   the per-expert MoE alignment as the default up to 4096 slots: compiled tests and
+#                   Kimi-Linear's decode step by layer kind (issue 21 goal 1).
+#   moe_prefill_padding  MoE prefill: the fused kernels' rate on the rows they run (padding) beside
+#                   a torch path on grouped_mm and dense cuBLAS (goals 4, 5).
+#   real_client   the server's ITL at 64 streams through the OpenAI SDK (goal 2).
 # Done, kept to run again: kimi_decode_kinds (goal 1's breakdown), kimi_fusions (.base = `git archive
-# c04ce36 kdaserve benchmarks`), moe_align_decode, host_split (.old = `git archive 272aacf kdaserve
+# c04ce36 kdaserve benchmarks`), host_split (.old = `git archive 272aacf kdaserve
 # benchmarks`; goal 2), all by the twenty-seventh session (docs/perf-notes.md).
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
@@ -111,42 +112,42 @@ if [ "$PART" = kimi_fusions ]; then
   done
 fi
 
-if [ "$PART" = moe_paths ]; then
-  # Must show: the grouped-GEMM and alignment tests pass compiled (grouped_mm against the fp32
-  # reference and the fused kernels at 1-8192 tokens; the per-expert alignment's tables equal the
-  # torch path's, with and without the shared expert's column); the prefill paths' table (fused
-  # Triton, torch's grouped_mm by stage, dense cuBLAS of the same shapes: which is faster at 512, 2K,
-  # 8K, 16K tokens and at what % of the bf16 peak); the alignment paths at decode batches (where per_expert
-  # beats one_program: ops/moe/align.DECODE_PATH).
-  group moe_paths_test 150 tests/ops/test_moe.py -k "grouped_mm or align"
-  timeout $(cap 150) python3 benchmarks/bench_moe_mla.py --moe-prefill-paths --prefill 512 2048 8192 16384 > "$OUT/moe_paths.log" 2>&1
-  echo "== prefill paths rc=$?"; sed -n '/^| tokens/,$p' "$OUT/moe_paths.log"; grep -m3 "Error\|Traceback" "$OUT/moe_paths.log"
-  timeout $(cap 60) python3 benchmarks/bench_moe_mla.py --sweep-align --batches 1 8 16 32 64 128 256 > "$OUT/align.log" 2>&1
-  echo "== align sweep rc=$?"; sed -n '/^| batch/,$p' "$OUT/align.log"; grep -m3 "Error\|Traceback" "$OUT/align.log"
+if [ "$PART" = align_default ]; then
+  # Must show: the alignment tests pass compiled (the per-expert kernel, now the default up to
+  # 4096 slots, with E and BM as runtime arguments, against the torch path and the blocks path, with
+  # and without the shared expert's column; the default path's tables too), and Kimi-Linear's decode
+  # step at batch 1 / 64 / 256 with the alignment counted under "MoE experts" (the twenty-eighth
+  # session's per-expert run: engine 2989 / 18425 us at batch 1 / 64, the alignment then in "other").
+  group align_test 200 tests/ops/test_moe.py -k "align or gpu"
+  timeout $(cap 200) python3 benchmarks/bench_kimi_linear.py --batches 1 64 256 --ttft 8192 > "$OUT/kimi_align.log" 2>&1
+  echo "== kimi rc=$?"; grep "TTFT\|^| [0-9]* |" "$OUT/kimi_align.log" | head -24; grep -m3 "Error\|Traceback" "$OUT/kimi_align.log"
 fi
 
-if [ "$PART" = kimi_moe_paths ]; then
-  # Must show: Kimi-Linear's TTFT at 8K and its MoE prefill ms with the routed experts fused and
-  # through grouped_mm (>= 1024 tokens), one process; the decode step at batch 1 and 64 with the
-  # one-program and the per-expert alignment (one process each, graphs captured with each).
-  for how in one_program per_expert; do
-    extra=""; [ $how = one_program ] && extra="--compare-moe-grouped-mm 1024"
-    timeout $(cap 170) python3 benchmarks/bench_kimi_linear.py --batches 1 64 --ttft 8192 --decode-align-path $how $extra \
-      > "$OUT/kmp_$how.log" 2>&1
-    echo "== $how rc=$?"; grep "TTFT\|^| [0-9]* |\|^| MoE\|^| total" "$OUT/kmp_$how.log" | grep -v "^| [0-9]* | [A-Za-z]" | head -16
-    grep "^| [0-9]* | MoE\|^| [0-9]* | total" "$OUT/kmp_$how.log"; grep -m3 "Error\|Traceback" "$OUT/kmp_$how.log"
+if [ "$PART" = moe_prefill_padding ]; then
+  # Must show: the prefill paths' table with the rows the fused kernels run over the routed rows
+  # (CPU estimate at 8K, 128 rows per program: 1.244) and the two GEMMs' rate on the rows they run
+  # (what limits goal 4: the kernels' own rate, or the padding); the torch path on grouped_mm
+  # (CUTLASS) beside them, stage by stage.
+  timeout $(cap 150) python3 benchmarks/bench_moe_mla.py --moe-prefill-paths --prefill 2048 8192 16384 > "$OUT/moe_paths.log" 2>&1
+  echo "== prefill paths rc=$?"; sed -n '/^| tokens/,$p' "$OUT/moe_paths.log"; grep -m3 "Error\|Traceback" "$OUT/moe_paths.log"
+fi
+
+if [ "$PART" = real_client ]; then
+  # Must show (issue 21 goal 2 with a real client): the OpenAI SDK's async streaming completions,
+  # 64 streams split over 4 client processes (one SDK process parses too slowly for 64 streams at
+  # ~400 chunks/s each), through `kdaserve serve`'s app with two API processes and then one: ITL /
+  # the engine alone at or under 1.15x with two (the lean client, twenty-eighth session: 0.99x /
+  # 1.12x at 128 tokens). The client processes start their streams together (a barrier), 512
+  # tokens each, so that the steady window (all streams running) is long.
+  python3 -c "import openai" || echo "carry .whl with openai and httpx2 (its HTTP client)"
+  for how in "openai 2" "openai 1"; do
+    read -r cl n <<< "$how"
+    timeout $(cap 130) python3 benchmarks/bench_serving_host.py --model bench --rounds 2 --client $cl --client-processes 4 \
+      --max-tokens 512 \
+      --api-server-count $n > "$OUT/rc_${cl}_$n.log" 2>&1
+    echo "== $cl client, $n API processes rc=$?"; grep "engine alone\|^| [0-9]" "$OUT/rc_${cl}_$n.log"; grep -m3 "Error\|Traceback" "$OUT/rc_${cl}_$n.log"
   done
 fi
 
-if [ "$PART" = moe_align_decode ]; then
-  # Must show: test_moe.py's alignment and routing tests pass compiled (the routing kernel's rows
-  # per program, 1 / 2 / 16 by step size, against the torch path), and the "MoE align" decode
-  # rows' graph column (one_program) below the twenty-sixth session's 0.0035 ms at batch 1 and 0.0367 ms at 64
-  # (the MoE rows' graph column then 0.0394 / 0.7562 ms). Kimi-Linear's step spent 1277 us of
-  # 19.8 ms in the alignment at batch 64 (with the shared expert's slots): part kimi_fusions shows it.
-  group moe_align_test 150 tests/ops/test_moe.py -k "align or routing"
-  timeout $(cap 150) python3 benchmarks/bench_moe_mla.py --batches 1 64 256 --prefill 1024 > "$OUT/moe_align_decode.log" 2>&1
-  echo "== rc=$?"; grep "| MoE" "$OUT/moe_align_decode.log" | tail -9
-fi
 
 done

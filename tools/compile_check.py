@@ -188,8 +188,8 @@ def _other_cases() -> list[Case]:
     from kdaserve.ops.mla.decode import _mla_decode_kernel, _mla_merge_kernel, dense_launch, launch_shape
     from kdaserve.ops.mla.prefill import _mla_prefill_kernel
     from kdaserve.ops.mla.prefill import launch_shape as mla_prefill_shape
-    from kdaserve.ops.moe.align import (_align_count_kernel, _align_kernel, _align_offsets_kernel,
-                                        _align_per_expert_kernel, _align_place_kernel)
+    from kdaserve.ops.moe.align import (_align_count_kernel, _align_offsets_kernel, _align_per_expert_kernel,
+                                        _align_place_kernel)
     from kdaserve.ops.moe.fused import _moe_sum_kernel
     from kdaserve.ops.moe.router_kernel import _route_kernel
     from kdaserve.ops.norm.gated_rms_norm import gated_rms_norm_kernel
@@ -281,18 +281,12 @@ def _other_cases() -> list[Case]:
     out.append(Case("moe sum over k=8 + shared experts", _moe_sum_kernel, dict(y_ptr=BF, out_ptr=BF, add_ptr=BF),
                     dict(TOPK=8, BT=4, BH=256, HAS_ADD=True), 4,
                     quick=True, no_spill=True))
-    # ops/moe/grouped_mm: the rows gathered from expert order, weighted
-    out.append(Case("moe sum over k=8, gathered + weighted", _moe_sum_kernel,
-                    dict(y_ptr=BF, out_ptr=BF, add_ptr=BF, rows_ptr="*i64", weights_ptr=F32),
-                    dict(TOPK=8, BT=4, BH=256, HAS_ADD=True, GATHER=True), 4, no_spill=True))
-    out.append(Case("moe align E=256", _align_kernel, dict(ids_ptr="*i64", sorted_ptr=I32, block_experts_ptr=I32),
-                    dict(E=256, E_P=256, BM=16, BLOCK_S=32), 4, 1, quick=True, no_spill=True))
-    out.append(Case("moe align E=256 + shared expert", _align_kernel,
-                    dict(ids_ptr="*i64", sorted_ptr=I32, block_experts_ptr=I32),
-                    dict(E=256, E_P=256, BM=16, BLOCK_S=32, EXTRA=True), 4, 1, no_spill=True))
     out.append(Case("moe align per expert E=256 + shared expert, 576 slots", _align_per_expert_kernel,
                     dict(ids_ptr="*i64", sorted_ptr=I32, block_experts_ptr=I32),
-                    dict(E=257, E_P=512, BM=16, S_P=1024, FILL=256), 4, 1, quick=True, no_spill=True))
+                    dict(E_P=512, S_P=1024, FILL=256), 4, 1, quick=True, no_spill=True))
+    out.append(Case("moe align per expert E=256 + shared expert, 4096 slots", _align_per_expert_kernel,
+                    dict(ids_ptr="*i64", sorted_ptr=I32, block_experts_ptr=I32),
+                    dict(E_P=512, S_P=4096, FILL=256), 4, 1, no_spill=True))
     # Prefill's alignment over blocks of slots (align._align_by_blocks): count, offsets, place.
     out.append(Case("moe align blocks count E=256", _align_count_kernel,
                     dict(ids_ptr="*i64", counts_ptr=I32, sorted_ptr=I32), dict(E=256, E_P=256, BLOCK_S=32), 4, 1,

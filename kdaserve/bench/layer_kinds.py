@@ -36,7 +36,7 @@ KDA = "KDA (conv, core, gated norm)"
 GEMM = "GEMMs (projections, shared experts, router, head)"
 OTHER = "other (norms, rotary, routing, elementwise, sampling)"
 KINDS = (
-    (MOE, ("_moe_", "_align_kernel", "_align_count", "_align_offsets", "_align_place")),
+    (MOE, ("_moe_", "_align_")),
     (MLA, ("_mla_", "mla_latent_write")),
     (KDA, ("flash_", "conv_", "kda_", "gated_rms_norm")),
     (GEMM, ("gemm", "gemv", "cutlass", "nvjet", "xmma", "cublas")),

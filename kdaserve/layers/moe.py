@@ -21,10 +21,6 @@ from kdaserve.ops.moe.router import RouterConfig, route_tokens
 # its SwiGLU), where a decode step is launch-bound. Larger steps keep it apart, in cuBLAS's GEMMs,
 # which run a dense [T, hidden] x [hidden, 2I] faster than the grouped kernel does.
 SHARED_AS_EXPERT_MAX_TOKENS = 64
-# Steps of at least this many tokens (prefill chunks) run the bf16 experts through torch's grouped
-# GEMM (ops/moe/grouped_mm.py) where it runs at CUTLASS speed (NVIDIA sm_90+); smaller steps and
-# other devices keep the fused Triton kernels. None: never.
-GROUPED_MM_MIN_TOKENS: int | None = None
 
 
 class MoEMLP(nn.Module):
@@ -60,7 +56,7 @@ class MoEMLP(nn.Module):
     def load_expert(self, expert: int, which: str, tensor: torch.Tensor, scale: bool = False) -> None:
         """One released expert tensor: which = w1 (gate), w3 (up) or w2 (down); `scale`: its
         weight_scale_inv (FP8 experts)."""
-        E, I, h = self.router.num_experts, self.intermediate_size, self.hidden_size
+        E, I = self.router.num_experts, self.intermediate_size
         if not 0 <= expert < E:
             raise ValueError(f"expert index {expert} out of range: the model has {E} routed experts")
         if scale:
@@ -95,14 +91,6 @@ class MoEMLP(nn.Module):
             return None
         return w13, w2
 
-    def uses_grouped_mm(self, x: torch.Tensor) -> bool:
-        """Whether this step's routed experts run through torch's grouped GEMM (GROUPED_MM_MIN_TOKENS)."""
-        if GROUPED_MM_MIN_TOKENS is None or x.shape[0] < GROUPED_MM_MIN_TOKENS or self.fp8_block is not None:
-            return False
-        from kdaserve.ops.moe.grouped_mm import grouped_mm_supported
-
-        return grouped_mm_supported(x, self.w13)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shared_expert = self.shared_as_expert(x.shape[0])
         # Routing follows the experts' backend: the reference routes in torch; the Triton backend in
@@ -117,10 +105,6 @@ class MoEMLP(nn.Module):
                 return moe_experts_fused(x, self.w13, self.w2, weights, ids, self.activation_limit, shared=shared_expert)
             # The shared experts first: the routed experts' final sum adds their output (one launch less).
             shared = self.shared_experts(x) if self.shared_experts is not None else None
-            if self.uses_grouped_mm(x):
-                from kdaserve.ops.moe.grouped_mm import moe_experts_grouped_mm
-
-                return moe_experts_grouped_mm(x, self.w13, self.w2, weights, ids, self.activation_limit, addend=shared)
             fp8 = {} if self.fp8_block is None else dict(w13_scale=self.w13_scale_inv, w2_scale=self.w2_scale_inv,
                                                          block=self.fp8_block)
             return moe_experts_fused(x, self.w13, self.w2, weights, ids, self.activation_limit, addend=shared, **fp8)

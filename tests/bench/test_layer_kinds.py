@@ -20,7 +20,7 @@ OTHER_OK = {"rms_norm_kernel", "swiglu_kernel", "_route_kernel", "_quantize_grou
 
 
 @pytest.mark.parametrize("name, kind", [
-    ("_moe_gate_up_kernel", MOE), ("_moe_sum_kernel", MOE), ("_align_count_kernel", MOE), ("_align_kernel", MOE),
+    ("_moe_gate_up_kernel", MOE), ("_moe_sum_kernel", MOE), ("_align_count_kernel", MOE), ("_align_per_expert_kernel", MOE),
     ("_mla_decode_kernel", MLA), ("_mla_merge_kernel", MLA), ("_mla_prefill_kernel", MLA), ("mla_latent_write_kernel", MLA),
     ("kda_fused_decode_kernel", KDA), ("conv_update_kernel", KDA), ("flash_prepare_kernel", KDA),
     ("gated_rms_norm_kernel", KDA), ("rms_norm_kernel", OTHER), ("_route_kernel", OTHER),

@@ -102,17 +102,17 @@ def test_alignment_groups_slots_by_expert_in_padded_blocks(block_m):
 
 
 @INTERP
-@pytest.mark.parametrize("path", ["one_program", "per_expert", "blocks"])
+@pytest.mark.parametrize("path", ["per_expert", "blocks"])
 @pytest.mark.parametrize("T, k, E, block_m", [(13, 3, 6, 4), (1, 8, 256, 16), (64, 8, 256, 16), (5, 2, 7, 32),
                                               (300, 8, 256, 64), (3, 1, 1, 16), (512, 8, 256, 16), (133, 8, 24, 32)],
                          ids=["small", "decode-1", "decode-64", "odd-experts", "prefill-300", "one-expert", "4096-slots",
                               "1064-slots"])
 def test_triton_alignments_equal_the_torch_path(T, k, E, block_m, path):
-    """The Triton alignments (one program: decode's path on a GPU; blocks of slots: prefill's) give
-    the torch path's tables exactly: slots of one expert in slot order, padding S, -1 past the end;
-    output buffers start as junk (the blocks path: slots split over several programs, a program's
-    share not a multiple of its step; per expert: one program per expert, each from the whole
-    step's histogram)."""
+    """The Triton alignments (per expert: steps up to PER_EXPERT_MAX_SLOTS on a GPU; blocks of
+    slots: larger ones) give the torch path's tables exactly: slots of one expert in slot order,
+    padding S, -1 past the end; output buffers start as junk (the blocks path: slots split over
+    several programs, a program's share not a multiple of its step; per expert: one program per
+    expert, each from the whole step's histogram)."""
     if path == "per_expert" and T * k > PER_EXPERT_MAX_SLOTS:
         with pytest.raises(ValueError, match="at most"):
             align_to_experts(torch.zeros(T, k, dtype=torch.int64), E, block_m, path=path)
@@ -127,13 +127,13 @@ def test_triton_alignments_equal_the_torch_path(T, k, E, block_m, path):
 
 
 @INTERP
-@pytest.mark.parametrize("path", ["one_program", "per_expert", "blocks"])
+@pytest.mark.parametrize("path", ["per_expert", "blocks"])
 @pytest.mark.parametrize("T, k, E, block_m", [(1, 8, 256, 16), (64, 8, 256, 16), (13, 3, 6, 4), (20, 2, 7, 32)],
                          ids=["decode-1", "decode-64", "small", "odd-experts"])
 def test_an_extra_expert_column_aligns_like_one_more_expert(T, k, E, block_m, path):
     """extra_expert (the shared expert as expert E, every token's last column): the same tables as
-    the torch path over E + 1 experts, its run after the routed ones; the one-program kernel counts
-    it apart, keeping its one-hot tile E wide (not the next power of two of E + 1)."""
+    the torch path over E + 1 experts, its run after the routed ones (at 256 routed experts the
+    per-expert kernel's histogram is 512 bins wide: E + 1 bins and its tail program)."""
     g = torch.Generator().manual_seed(T * 7 + E)
     ids = torch.cat([torch.randint(0, E, (T, k), generator=g), torch.full((T, 1), E)], 1)
     want = align_to_experts(ids, E + 1, block_m, path="torch")
@@ -161,6 +161,28 @@ def test_blocks_alignment_over_many_programs_equals_the_torch_path(per_program, 
 def test_alignment_paths_are_named():
     with pytest.raises(ValueError, match="expected one of"):
         align_to_experts(torch.zeros(2, 1, dtype=torch.int64), 4, 16, path="sorted")
+
+
+def test_per_expert_alignment_compiles_every_slot_tile_ahead(monkeypatch):
+    """A compile-ahead pass (engine warm-up) launches the per-expert kernel at every slot tile up to
+    PER_EXPERT_MAX_SLOTS, so no later step size compiles while serving; otherwise only the step's
+    own tile (the next power of two of its slots, at least 16)."""
+    from kdaserve.ops.moe import align
+
+    tiles = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, S_P, **kw: tiles.append(S_P)
+
+    monkeypatch.setattr(align, "_align_per_expert_kernel", Recorder())
+    ids = torch.zeros(40, 9, dtype=torch.int64)
+    align._align_per_expert(ids, 257, 16)
+    assert tiles == [512]
+    tiles.clear()
+    monkeypatch.setattr(align, "compiling_ahead", lambda: True)
+    align._align_per_expert(ids, 257, 16)
+    assert tiles == [16 << i for i in range(9)] and tiles[-1] == PER_EXPERT_MAX_SLOTS
 
 
 def _routing(T, E, k, mode, seed=0):
@@ -286,64 +308,12 @@ def test_layer_with_shared_experts_equals_its_reference(T, monkeypatch):
     assert [("shared" in kw, "addend" in kw) for kw in calls] == [(as_expert, not as_expert)]
 
 
-@INTERP
-@pytest.mark.parametrize("T, E, k, limit, add", [(13, 8, 3, None, False), (20, 6, 2, 1.0, True), (1, 16, 4, None, True),
-                                                (9, 5, 5, None, False)],
-                         ids=["random", "clamped+addend", "one-token+addend", "every-expert"])
-def test_grouped_mm_path_matches_the_reference(T, E, k, limit, add):
-    """torch's grouped GEMM path (on the CPU: torch's own loop; the sum kernel in the interpreter):
-    the slots gathered in expert order, every expert's rows one group (experts with none
-    included), the k weighted rows summed back per token with the addend."""
-    from kdaserve.ops.moe.grouped_mm import expert_order, moe_experts_grouped_mm
-
-    w13, w2 = experts(E, 32, 24)
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(T, 32, generator=g)
-    weights, ids = _routing(T, E, k, "random")
-    addend = torch.randn(T, 32, generator=g) if add else None
-    want = moe_experts_reference(x, w13, w2, weights, ids, limit) + (addend if add else 0)
-    assert_rel_close(moe_experts_grouped_mm(x, w13, w2, weights, ids, limit, addend=addend), want, 1e-5, "grouped_mm MoE")
-    order, rows, offs = expert_order(ids, E)
-    flat = ids.reshape(-1)
-    assert torch.equal(rows[order], torch.arange(T * k)) and bool((flat[order].diff() >= 0).all())
-    assert torch.equal(offs, torch.bincount(flat, minlength=E).cumsum(0).int())
-
-
-def test_grouped_mm_path_is_chosen_only_where_it_is_fast(monkeypatch):
-    """layers/moe takes the grouped GEMM path only from GROUPED_MM_MIN_TOKENS tokens, bf16 on an
-    NVIDIA sm_90+ GPU: never with the limit unset, on the CPU or in fp32."""
-    import kdaserve.layers.moe as moe_layer
-
-    layer = moe_layer.MoEMLP(32, RouterConfig(8, 2), 24, backend="triton", dtype=torch.bfloat16)
-    x = torch.randn(100, 32, generator=torch.Generator().manual_seed(12)).bfloat16()
-    monkeypatch.setattr(moe_layer, "GROUPED_MM_MIN_TOKENS", None)
-    assert not layer.uses_grouped_mm(x)
-    monkeypatch.setattr(moe_layer, "GROUPED_MM_MIN_TOKENS", 64)
-    assert not layer.uses_grouped_mm(x)   # the CPU: no CUTLASS kernels
-    import kdaserve.ops.moe.grouped_mm as grouped
-
-    assert not grouped.grouped_mm_supported(x.float(), layer.w13.float())
-    monkeypatch.setattr(grouped, "grouped_mm_supported", lambda x, w: True)
-    assert layer.uses_grouped_mm(x) and not layer.uses_grouped_mm(x[:63])
-
-
 def test_fused_refuses_mismatched_weights():
     from kdaserve.ops.moe.fused import moe_experts_fused
 
     w13, w2 = experts(4, 16, 16)
     with pytest.raises(ValueError, match=r"w2 \[E, hidden, I\]"):
         moe_experts_fused(torch.randn(3, 16), w13, w2[:, :, :8], torch.ones(3, 2), torch.zeros(3, 2, dtype=torch.long))
-
-
-def test_grouped_mm_path_refuses_mismatched_weights_and_addend():
-    from kdaserve.ops.moe.grouped_mm import moe_experts_grouped_mm
-
-    w13, w2 = experts(4, 16, 16)
-    ids = torch.zeros(3, 2, dtype=torch.long)
-    with pytest.raises(ValueError, match=r"grouped-GEMM MoE needs .*w2 \[E, hidden, I\]"):
-        moe_experts_grouped_mm(torch.randn(3, 16), w13, w2[:, :, :8], torch.ones(3, 2), ids)
-    with pytest.raises(ValueError, match=r"addend must be \[T, hidden\] = \[3, 16\]"):
-        moe_experts_grouped_mm(torch.randn(3, 16), w13, w2, torch.ones(3, 2), ids, addend=torch.zeros(3, 8))
 
 
 def _kimi_linear_step(T: int, seed: int):
@@ -406,29 +376,11 @@ def test_gpu_fused_at_kimi_linear_sizes(T):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 300, 2048, 8192])
-def test_gpu_grouped_mm_path_at_kimi_linear_sizes(T):
-    """Compiled, through CUTLASS's grouped kernels on sm_90+: every output finite, against the
-    fp32 reference and the fused kernels, with a shared experts' addend."""
-    from kdaserve.ops.moe.fused import moe_experts_fused
-    from kdaserve.ops.moe.grouped_mm import moe_experts_grouped_mm
-
-    x, w13, w2, weights, ids = _kimi_linear_step(T, seed=9)
-    addend = torch.randn(x.shape, device=x.device, generator=torch.Generator(device=x.device).manual_seed(10)).to(x.dtype)
-    got = moe_experts_grouped_mm(x, w13, w2, weights, ids, addend=addend)
-    assert torch.isfinite(got).all()
-    want = moe_experts_reference(x.float(), w13.float(), w2.float(), weights, ids) + addend.float()
-    assert_rel_close(got.float(), want, 1e-2, f"grouped_mm MoE bf16 T={T}")
-    fused = moe_experts_fused(x, w13, w2, weights, ids, addend=addend)
-    assert_rel_close(got.float(), fused.float(), 1e-2, f"grouped_mm vs fused T={T}")
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 8, 64, 256, 512, 1000, 8192])
 def test_gpu_triton_alignments_equal_the_torch_path(T):
-    """Compiled (not the interpreter): the kernels' tables equal the torch path's (the one-program
-    and per-expert kernels up to their sizes, the blocks path at every size), on the router's own choices (256
-    experts, top 8), for every block size fused MoE picks."""
+    """Compiled (not the interpreter): the kernels' tables equal the torch path's (the per-expert
+    kernel up to its size, the blocks path at every size, and the path chosen by default), on the
+    router's own choices (256 experts, top 8), for every block size fused MoE picks."""
     E, k, hidden = 256, 8, 2304
     g = torch.Generator(device="cuda").manual_seed(T)
     x = torch.randn(T, hidden, device="cuda", generator=g).bfloat16()
@@ -436,12 +388,12 @@ def test_gpu_triton_alignments_equal_the_torch_path(T):
     _, ids = route_tokens(x, gate, None, RouterConfig(E, k))
     for block_m in (16, 32, 64, 128):
         want = align_to_experts(ids, E, block_m, path="torch")
-        for path in ("one_program", "per_expert", "blocks") if T * k <= 4096 else ("blocks",):
+        for path in ("per_expert", "blocks", None) if T * k <= PER_EXPERT_MAX_SLOTS else ("blocks", None):
             got = align_to_experts(ids, E, block_m, path=path)
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (block_m, path)
-        if T * (k + 1) <= 4096:   # the shared expert's column (layers/moe at decode)
+        if T * (k + 1) <= PER_EXPERT_MAX_SLOTS:   # the shared expert's column (layers/moe at decode)
             with_shared = torch.cat([ids, torch.full_like(ids[:, :1], E)], 1)
             want = align_to_experts(with_shared, E + 1, block_m, path="torch")
-            for path in ("one_program", "per_expert"):
+            for path in ("per_expert", "blocks", None):
                 got = align_to_experts(with_shared, E, block_m, path=path, extra_expert=True)
                 assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (block_m, path, "shared")

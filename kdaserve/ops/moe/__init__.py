@@ -1,7 +1,6 @@
 """Mixture-of-experts kernels: the router (sigmoid or softmax scores, correction bias, grouped
 top-k, renormalisation, scaling), the torch reference of the expert computation, and the Triton
-fused path (tokens grouped by expert, one grouped GEMM per projection, SiLU-gated), and the path
-through torch's grouped GEMM for prefill-sized steps (grouped_mm.py).
+fused path (tokens grouped by expert, one grouped GEMM per projection, SiLU-gated).
 
 Experts are stacked at load time: `w13 [E, 2I, hidden]` (gate rows, then up rows) and
 `w2 [E, hidden, I]`."""

@@ -8,17 +8,14 @@ looking at the routing (S + min(S, E) * (block_m - 1) entries), so the grid neve
 data: no device->host sync, and a CUDA graph can capture it; blocks past the end get expert -1
 and return at once.
 
-Four implementations with identical results (slots of one expert in slot order):
+Three implementations with identical results (slots of one expert in slot order):
 
-- up to KERNEL_MAX_SLOTS slots (small decode batches) one Triton program, one launch, since at
-  batch 1 the ~20 small torch launches of the torch path cost more than the experts' GEMMs
-  (docs/perf-notes.md, fourteenth session). It walks the slots serially, so its time grows with
-  them: the threshold sits below the crossover that bench_moe_mla.py's "MoE align" rows show on
-  an H200 (docs/perf-notes.md, fifteenth session);
-- per expert (up to PER_EXPERT_MAX_SLOTS slots; decode's path where DECODE_PATH names it): one
-  launch of one program per expert, each reading the whole step into a histogram (so it knows
-  every run's start) and placing only its own expert's slots: no serial walk over the slots;
-- past KERNEL_MAX_SLOTS on a GPU (prefill), three launches over blocks of slots: each block
+- up to PER_EXPERT_MAX_SLOTS slots on a GPU (decode, short prefill chunks): one launch of one
+  program per expert, each reading the whole step into a histogram (so it knows every run's
+  start) and placing only its own expert's slots. On an H200 at Kimi-Linear's 256 experts it
+  takes 0.003-0.012 ms at 9-2304 slots, 1.2-13.7x faster than a single program walking the slots
+  serially (removed) and 1.8-14x faster than the blocks path (docs/perf-notes.md, twenty-eighth session);
+- past PER_EXPERT_MAX_SLOTS on a GPU (prefill), three launches over blocks of slots: each block
   counts its slots per expert; one program turns the counts into every (block, expert)'s first
   destination (the experts' padded starts plus the same expert's slots in the blocks before) and
   names each block's expert; each block then places its slots (rank within the block by a
@@ -28,11 +25,8 @@ Four implementations with identical results (slots of one expert in slot order):
 - the torch path (a stable sort): CPUs, and the definition the kernels are tested against.
 
 `extra_expert`: expert id `num_experts` is one more expert (the shared expert run with the routed
-ones, layers/moe.py at decode), its run after every other. The one-program kernel counts it apart
-from the one-hot tile over the routed experts, whose width (the next power of two of E) it would
-otherwise double at Kimi-Linear's 256 experts, and with it the kernel's time.
+ones, layers/moe.py at decode), its run after every other: the paths take it as one more expert.
 """
-
 from __future__ import annotations
 
 import torch
@@ -40,11 +34,10 @@ import triton
 import triton.language as tl
 
 from kdaserve.ops import interpreter_compat
+from kdaserve.ops.compile_ahead import compiling_ahead
 
-KERNEL_MAX_SLOTS = 1024
 PER_EXPERT_MAX_SLOTS = 4096   # one tile of slots per program (the histogram's input)
-DECODE_PATH = "one_program"   # steps of up to KERNEL_MAX_SLOTS slots on a GPU
-ALIGN_PATHS = ("one_program", "per_expert", "blocks", "torch")
+ALIGN_PATHS = ("per_expert", "blocks", "torch")
 
 
 def max_sorted_entries(num_slots: int, num_experts: int, block_m: int) -> int:
@@ -52,64 +45,11 @@ def max_sorted_entries(num_slots: int, num_experts: int, block_m: int) -> int:
     return -(-n // block_m) * block_m
 
 
-@triton.jit
-def _align_kernel(ids_ptr, sorted_ptr, block_experts_ptr, S, n,
-                  E: tl.constexpr, E_P: tl.constexpr, BM: tl.constexpr, BLOCK_S: tl.constexpr,
-                  EXTRA: tl.constexpr = False, FILL: tl.constexpr = 1024):
-    """One program: count slots per expert, pad each run to BM, then place every slot at its
-    expert's start + its rank among that expert's earlier slots, and name each block's expert.
-    A slot's rank comes from an exclusive cumulative sum of the one-hot [slots, experts] tile.
-    EXTRA: expert E's slots (one more expert) counted and ranked apart, its run after the others."""
-    experts = tl.arange(0, E_P)
-    counts = tl.zeros([E_P], tl.int32)
-    extra_count = 0
-    for s0 in range(0, S, BLOCK_S):
-        offs = s0 + tl.arange(0, BLOCK_S)
-        e = tl.load(ids_ptr + offs, mask=offs < S, other=-1).to(tl.int32)
-        if EXTRA:   # kept out of the one-hot tile (E < E_P would count it as a routed expert too)
-            extra_count += tl.sum((e == E).to(tl.int32), 0)
-            e = tl.where(e == E, -1, e)
-        counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), 0)
-    padded = (counts + BM - 1) // BM * BM
-    ends = tl.cumsum(padded, 0)
-    starts = ends - padded
-    routed_end = tl.sum(padded, 0)   # where the extra expert's run starts
-    extra_end = routed_end + (extra_count + BM - 1) // BM * BM
-    # Padding entries hold S (no slot). The table is mostly padding at decode (64 tokens: 576 slots
-    # in 4416 entries), so it is filled FILL entries a store, not BLOCK_S: 5 stores, not 138.
-    for p0 in range(0, n, FILL):
-        offs = p0 + tl.arange(0, FILL)
-        tl.store(sorted_ptr + offs, tl.full([FILL], 0, tl.int32) + S, mask=offs < n)
-    tl.debug_barrier()   # every fill lands before a slot overwrites it
-    placed = tl.zeros([E_P], tl.int32)
-    extra_placed = 0
-    for s0 in range(0, S, BLOCK_S):
-        offs = s0 + tl.arange(0, BLOCK_S)
-        e = tl.load(ids_ptr + offs, mask=offs < S, other=-1).to(tl.int32)
-        is_extra = (e == E).to(tl.int32)
-        if EXTRA:
-            e = tl.where(e == E, -1, e)
-        hot = (e[:, None] == experts[None, :]).to(tl.int32)
-        rank = tl.cumsum(hot, 0) - hot + (starts + placed)[None, :]
-        dest = tl.sum(hot * rank, 1)
-        if EXTRA:
-            dest = tl.where(is_extra != 0, routed_end + extra_placed + tl.cumsum(is_extra, 0) - is_extra, dest)
-            extra_placed += tl.sum(is_extra, 0)
-        tl.store(sorted_ptr + dest, offs, mask=offs < S)
-        placed += tl.sum(hot, 0)
-    for b0 in range(0, n // BM, BLOCK_S):   # a block's expert: how many runs end at or before its start
-        blocks = b0 + tl.arange(0, BLOCK_S)
-        owner = tl.sum((ends[None, :] <= (blocks * BM)[:, None]).to(tl.int32), 1)
-        owner = tl.where(owner < E, owner, -1)
-        if EXTRA:
-            owner = tl.where((blocks * BM >= routed_end) & (blocks * BM < extra_end), E, owner)
-        tl.store(block_experts_ptr + blocks, owner, mask=blocks < n // BM)
-
-
-@triton.jit
-def _align_per_expert_kernel(ids_ptr, sorted_ptr, block_experts_ptr, S, n,
-                             E: tl.constexpr, E_P: tl.constexpr, BM: tl.constexpr, S_P: tl.constexpr,
-                             FILL: tl.constexpr):
+# S, n, E and BM are not specialized on (a multiple of 16 or not): one compile per slot tile
+# S_P serves every step size, every expert count under E_P and every block size.
+@triton.jit(do_not_specialize=["S", "n", "E", "BM"])
+def _align_per_expert_kernel(ids_ptr, sorted_ptr, block_experts_ptr, S, n, E, BM,
+                             E_P: tl.constexpr, S_P: tl.constexpr, FILL: tl.constexpr):
     """Program e < E: every slot of the step (S <= S_P) into a histogram over the experts, so each
     program knows every run's padded start; it places its own expert's slots (rank: a cumulative
     sum over the slots, so slot order), fills its run's padding with S and names its run's blocks.
@@ -128,8 +68,9 @@ def _align_per_expert_kernel(ids_ptr, sorted_ptr, block_experts_ptr, S, n,
         run = (count + BM - 1) // BM * BM
         mine = ((ids == e) & (offs < S)).to(tl.int32)
         tl.store(sorted_ptr + start + tl.cumsum(mine, 0) - mine, offs, mask=mine != 0)
-        pad = start + count + tl.arange(0, BM)
-        tl.store(sorted_ptr + pad, tl.full([BM], 0, tl.int32) + S, mask=pad < start + run)
+        for p0 in range(start + count, start + run, FILL):   # the run's padding: under BM entries
+            pad = p0 + tl.arange(0, FILL)
+            tl.store(sorted_ptr + pad, tl.full([FILL], 0, tl.int32) + S, mask=pad < start + run)
         for b0 in range(0, run // BM, FILL):
             blocks = start // BM + b0 + tl.arange(0, FILL)
             tl.store(block_experts_ptr + blocks, tl.full([FILL], 0, tl.int32) + e, mask=blocks < (start + run) // BM)
@@ -219,12 +160,10 @@ def align_to_experts(ids: torch.Tensor, num_experts: int, block_m: int, *,
     `extra_expert`: id `num_experts` is one more expert (the module says how it is counted)."""
     S = ids.numel()
     if path is None:
-        path = "torch" if not ids.is_cuda or S == 0 else DECODE_PATH if S <= KERNEL_MAX_SLOTS else "blocks"
+        path = "torch" if not ids.is_cuda or S == 0 else "per_expert" if S <= PER_EXPERT_MAX_SLOTS else "blocks"
     if path not in ALIGN_PATHS:
         raise ValueError(f"alignment path {path!r}: expected one of {ALIGN_PATHS}")
-    if path == "one_program":
-        return _align_with_kernel(ids, num_experts, block_m, extra_expert)
-    num_experts += extra_expert   # the other paths take it as an expert like the rest
+    num_experts += extra_expert   # every path takes it as an expert like the rest
     if path == "blocks":
         return _align_by_blocks(ids, num_experts, block_m)
     if path == "per_expert":
@@ -252,16 +191,16 @@ def align_to_experts(ids: torch.Tensor, num_experts: int, block_m: int, *,
     return sorted_slots, block_experts
 
 
-def _kernel_inputs(ids: torch.Tensor, num_experts: int, block_m: int, extra_expert: bool = False):
+def _kernel_inputs(ids: torch.Tensor, num_experts: int, block_m: int):
     """What both Triton paths start from: the ids flat and contiguous, their count S, the table's
-    length n (an extra expert's run included), the expert axis padded to a power of two, the two
+    length n, the expert axis padded to a power of two, the two
     output tables (junk until the kernels write them) and the slots per step of a [slots, experts]
     one-hot tile (8K elements)."""
     interpreter_compat.install()
     flat = ids.reshape(-1)
     flat = flat if flat.is_contiguous() else flat.contiguous()
     S = flat.numel()
-    n = max_sorted_entries(S, num_experts + extra_expert, block_m)
+    n = max_sorted_entries(S, num_experts, block_m)
     E_P = max(16, triton.next_power_of_2(num_experts))
     sorted_slots = torch.empty(n, dtype=torch.int32, device=ids.device)
     block_experts = torch.empty(n // block_m, dtype=torch.int32, device=ids.device)
@@ -270,18 +209,18 @@ def _kernel_inputs(ids: torch.Tensor, num_experts: int, block_m: int, extra_expe
 
 def _align_per_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     flat, S, n, _, sorted_slots, block_experts, _ = _kernel_inputs(ids, num_experts, block_m)
-    _align_per_expert_kernel[(num_experts + 1,)](
-        flat, sorted_slots, block_experts, S, n, E=num_experts, E_P=triton.next_power_of_2(num_experts + 1), BM=block_m,
-        S_P=max(16, triton.next_power_of_2(S)), FILL=256, num_warps=4)
+    tile = max(16, triton.next_power_of_2(S))
+    # A compile-ahead pass (engine warm-up) compiles every slot tile, so that a step of a new size
+    # class in serving (a short prefill chunk, a larger batch) does not stall on a compile.
+    tiles = _PER_EXPERT_TILES if compiling_ahead() else (tile,)
+    for s_p in tiles:
+        _align_per_expert_kernel[(num_experts + 1,)](
+            flat, sorted_slots, block_experts, S, n, num_experts, block_m,
+            E_P=triton.next_power_of_2(num_experts + 1), S_P=s_p, FILL=256, num_warps=4)
     return sorted_slots, block_experts
 
 
-def _align_with_kernel(ids: torch.Tensor, num_experts: int, block_m: int,
-                       extra_expert: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    flat, S, n, E_P, sorted_slots, block_experts, block_s = _kernel_inputs(ids, num_experts, block_m, extra_expert)
-    _align_kernel[(1,)](flat, sorted_slots, block_experts, S, n, E=num_experts, E_P=E_P, BM=block_m,
-                        BLOCK_S=block_s, EXTRA=extra_expert, num_warps=4)
-    return sorted_slots, block_experts
+_PER_EXPERT_TILES = tuple(16 << i for i in range((PER_EXPERT_MAX_SLOTS // 16).bit_length()))
 
 
 # Slots per program of the block-parallel path: enough programs to fill a GPU at prefill sizes

@@ -130,12 +130,9 @@ def _moe_down_kernel(
 
 @triton.jit
 def _moe_sum_kernel(y_ptr, out_ptr, add_ptr, T, HIDDEN, stride_y, stride_out, stride_add,
-                    TOPK: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, HAS_ADD: tl.constexpr = False,
-                    rows_ptr=None, weights_ptr=None, GATHER: tl.constexpr = False):
+                    TOPK: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, HAS_ADD: tl.constexpr = False):
     """out[t] = sum_j y[t*k + j] (+ add[t]) in fp32, in choice order, rounded once to out's dtype:
-    one pass instead of torch's fp32 sum, its cast and the shared experts' add (three kernels).
-    GATHER (ops/moe/grouped_mm.py): y's rows are in expert order, slot s's at rows[s], unweighted:
-    out[t] = sum_j weights[t*k + j] * y[rows[t*k + j]] (+ add[t])."""
+    one pass instead of torch's fp32 sum, its cast and the shared experts' add (three kernels)."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     cols = tl.program_id(1) * BH + tl.arange(0, BH)
     t_ok = t < T
@@ -143,12 +140,7 @@ def _moe_sum_kernel(y_ptr, out_ptr, add_ptr, T, HIDDEN, stride_y, stride_out, st
     acc = tl.zeros([BT, BH], tl.float32)
     for j in tl.static_range(TOPK):
         slot = t.to(tl.int64) * TOPK + j
-        if GATHER:
-            row = tl.load(rows_ptr + slot, mask=t_ok, other=0).to(tl.int64)
-            w = tl.load(weights_ptr + slot, mask=t_ok, other=0.0)
-            acc += tl.load(y_ptr + row[:, None] * stride_y + cols[None, :], mask=mask, other=0.0).to(tl.float32) * w[:, None]
-        else:
-            acc += tl.load(y_ptr + slot[:, None] * stride_y + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        acc += tl.load(y_ptr + slot[:, None] * stride_y + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_ADD:
         acc += tl.load(add_ptr + t.to(tl.int64)[:, None] * stride_add + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + t.to(tl.int64)[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -282,18 +274,15 @@ def check_expert_shapes(kind: str, x, w13, w2, weights, ids, addend) -> tuple[in
     return T, hidden, E, inter
 
 
-def sum_over_choices(y: torch.Tensor, T: int, k: int, out_dtype: torch.dtype, addend: torch.Tensor | None,
-                     rows: torch.Tensor | None = None, weights: torch.Tensor | None = None) -> torch.Tensor:
-    """out [T, hidden] = sum over each token's k rows of y (+ addend), one launch (_moe_sum_kernel);
-    `rows` / `weights` [T * k]: y's rows in expert order, weighted here (ops/moe/grouped_mm.py)."""
+def sum_over_choices(y: torch.Tensor, T: int, k: int, out_dtype: torch.dtype, addend: torch.Tensor | None) -> torch.Tensor:
+    """out [T, hidden] = sum over each token's k rows of y (+ addend), one launch (_moe_sum_kernel)."""
     hidden = y.shape[1]
     out = torch.empty(T, hidden, dtype=out_dtype, device=y.device)
     BH = _block(hidden, 256)
     add = y if addend is None else addend if addend.stride(1) == 1 else addend.contiguous()   # y: unused pointer
-    gather = dict(rows_ptr=rows, weights_ptr=weights, GATHER=True) if rows is not None else {}
     _moe_sum_kernel[(triton.cdiv(T, 4), triton.cdiv(hidden, BH))](
         y, out, add, T, hidden, y.stride(0), out.stride(0), add.stride(0), TOPK=k, BT=4, BH=BH,
-        HAS_ADD=addend is not None, num_warps=4, **gather)
+        HAS_ADD=addend is not None, num_warps=4)
     return out
 
 
