@@ -12,9 +12,9 @@ Three implementations with identical results (slots of one expert in slot order)
 
 - up to PER_EXPERT_MAX_SLOTS slots on a GPU (decode, short prefill chunks): one launch of one
   program per expert, each reading the whole step into a histogram (so it knows every run's
-  start) and placing only its own expert's slots. On an H200 at Kimi-Linear's 256 experts it
-  takes 0.003-0.012 ms at 9-2304 slots, 1.2-13.7x faster than a single program walking the slots
-  serially (removed) and 1.8-14x faster than the blocks path (docs/perf-notes.md, twenty-eighth session);
+  start) and placing only its own expert's slots: no serial walk over the slots, so its time
+  barely grows with them (an H200 at Kimi-Linear's 256 experts: 0.003-0.012 ms at 9-2304
+  slots, 1.8-14x faster than the blocks path; docs/perf-notes.md);
 - past PER_EXPERT_MAX_SLOTS on a GPU (prefill), three launches over blocks of slots: each block
   counts its slots per expert; one program turns the counts into every (block, expert)'s first
   destination (the experts' padded starts plus the same expert's slots in the blocks before) and
@@ -27,6 +27,7 @@ Three implementations with identical results (slots of one expert in slot order)
 `extra_expert`: expert id `num_experts` is one more expert (the shared expert run with the routed
 ones, layers/moe.py at decode), its run after every other: the paths take it as one more expert.
 """
+
 from __future__ import annotations
 
 import torch
@@ -45,8 +46,8 @@ def max_sorted_entries(num_slots: int, num_experts: int, block_m: int) -> int:
     return -(-n // block_m) * block_m
 
 
-# S, n, E and BM are not specialized on (a multiple of 16 or not): one compile per slot tile
-# S_P serves every step size, every expert count under E_P and every block size.
+# S, n, E and BM are runtime values Triton does not specialize on (a multiple of 16 or not), so
+# one compile per slot tile S_P serves every step size, expert count under E_P and block size.
 @triton.jit(do_not_specialize=["S", "n", "E", "BM"])
 def _align_per_expert_kernel(ids_ptr, sorted_ptr, block_experts_ptr, S, n, E, BM,
                              E_P: tl.constexpr, S_P: tl.constexpr, FILL: tl.constexpr):
@@ -193,9 +194,8 @@ def align_to_experts(ids: torch.Tensor, num_experts: int, block_m: int, *,
 
 def _kernel_inputs(ids: torch.Tensor, num_experts: int, block_m: int):
     """What both Triton paths start from: the ids flat and contiguous, their count S, the table's
-    length n, the expert axis padded to a power of two, the two
-    output tables (junk until the kernels write them) and the slots per step of a [slots, experts]
-    one-hot tile (8K elements)."""
+    length n, the expert axis padded to a power of two, the two output tables (junk until the
+    kernels write them) and the slots per step of a [slots, experts] one-hot tile (8K elements)."""
     interpreter_compat.install()
     flat = ids.reshape(-1)
     flat = flat if flat.is_contiguous() else flat.contiguous()
