@@ -3,20 +3,17 @@
 # fits one 10-minute device command: every group gets its own timeout, and a part stops starting
 # groups past its budget (printing "NOT RUN" for the rest). Logs under $OUT (or ./out).
 # Carry [".whl"] (fla-core 0.6.0; fastapi, starlette, pydantic(-core), uvicorn, opentelemetry-api,
-# annotated-types, typing-inspection for the server; xgrammar 0.2.8, apache-tvm-ffi and
+# annotated-types, typing-inspection for the server; openai, jiter, distro, sniffio, httpx2,
+# httpcore2, h11, anyio, truststore for part real_client's OpenAI-SDK client; xgrammar 0.2.8, apache-tvm-ffi and
 # transformers 5.23.0 with what it imports for structured output) and, for an old-vs-new comparison, [".old"]
 # (e.g. `git archive <commit> kdaserve benchmarks | tar -x -C .old`), [".base"] likewise for kimi_fusions.
 # `bash scripts/gpu_verify_next.sh PART [PART ...]`: several parts run in order within one budget.
 # Parts owed (add one as `if [ "$PART" = name ]; then ... fi` below, with what it must show), in the
-# order to run them when the session's device time (30 min) cannot fit them all (~30 min together):
-#   align_default   the per-expert MoE alignment as the default up to 4096 slots: compiled tests and
-#                   Kimi-Linear's decode step by layer kind (issue 21 goal 1).
-#   moe_prefill_padding  MoE prefill: the fused kernels' rate on the rows they run (padding) beside
-#                   a torch path on grouped_mm and dense cuBLAS (goals 4, 5).
-#   real_client   the server's ITL at 64 streams through the OpenAI SDK (goal 2).
-# Done, kept to run again: kimi_decode_kinds (goal 1's breakdown), kimi_fusions (.base = `git archive
-# c04ce36 kdaserve benchmarks`), host_split (.old = `git archive 272aacf kdaserve
-# benchmarks`; goal 2), all by the twenty-seventh session (docs/perf-notes.md).
+# order to run them when the session's device time (30 min) cannot fit them all: none.
+# Done, kept to run again: align_default (goal 1), moe_prefill_padding (goals 4, 5), real_client
+# (goal 2, the OpenAI SDK as the client), by the twenty-eighth session; kimi_decode_kinds,
+# kimi_fusions (.base = `git archive c04ce36 kdaserve benchmarks`), host_split (.old = `git archive
+# 272aacf kdaserve benchmarks`), by the twenty-seventh (docs/perf-notes.md).
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -138,7 +135,9 @@ if [ "$PART" = real_client ]; then
   # ~400 chunks/s each), through `kdaserve serve`'s app with two API processes and then one: ITL /
   # the engine alone at or under 1.15x with two (the lean client, twenty-eighth session: 0.99x /
   # 1.12x at 128 tokens). The client processes start their streams together (a barrier), 512
-  # tokens each, so that the steady window (all streams running) is long.
+  # tokens each, so that the steady window (all streams running) is long. Read the stream-mean
+  # column: the SDK hands a read's events over back to back, so single intervals bunch
+  # (twenty-eighth session: 1.37-1.40x with two API processes, 2.0-2.8x with one).
   python3 -c "import openai" || echo "carry .whl with openai and httpx2 (its HTTP client)"
   for how in "openai 2" "openai 1"; do
     read -r cl n <<< "$how"
