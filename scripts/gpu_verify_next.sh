@@ -9,7 +9,9 @@
 # (e.g. `git archive <commit> kdaserve benchmarks | tar -x -C .old`), [".base"] likewise for kimi_fusions.
 # `bash scripts/gpu_verify_next.sh PART [PART ...]`: several parts run in order within one budget.
 # Parts owed (add one as `if [ "$PART" = name ]; then ... fi` below, with what it must show), in the
-# order to run them when the session's device time (30 min) cannot fit them all: none.
+# order to run them when the session's device time (30 min) cannot fit them all:
+#   moe_half_tail  MoE prefill with MoeTiles.half_tail (a run's last block at half the rows when at
+#                  most half real) against the default tiles (issue 21 goal 4), ~3 min.
 # Done, kept to run again: align_default (goal 1), moe_prefill_padding (goals 4, 5), real_client
 # (goal 2, the OpenAI SDK as the client), by the twenty-eighth session; kimi_decode_kinds,
 # kimi_fusions (.base = `git archive c04ce36 kdaserve benchmarks`), host_split (.old = `git archive
@@ -107,6 +109,18 @@ if [ "$PART" = kimi_fusions ]; then
        > "$OUT/kf_$code.log" 2>&1)
     echo "== $code rc=$?"; grep "TTFT\|^| [0-9]" "$OUT/kf_$code.log" | head -8
   done
+fi
+
+if [ "$PART" = moe_half_tail ]; then
+  # Must show: the fused MoE GPU tests pass compiled (half_tail at 2K and 8K against the fp32
+  # reference and the default tiles); the prefill paths' table with a "default tiles, half_tail"
+  # row beside the default at 2K / 8K / 16K (CPU estimate of the rows run over the routed rows: 2K
+  # 2.000 -> 1.457, 8K 1.244 -> 1.122; twenty-eighth session default: 8K 2.1751 ms, 43% of peak).
+  # Where it is faster, moe_tiles returns half_tail=True for its 128-row tiles (ops/moe/fused.py),
+  # and Kimi-Linear's TTFT (bench_kimi_linear.py --batches 1 --ttft 8192) should follow.
+  group moe_half_tail_test 200 tests/ops/test_moe.py -k "fused"
+  timeout $(cap 150) python3 benchmarks/bench_moe_mla.py --moe-prefill-paths --prefill 2048 8192 16384 > "$OUT/half_tail.log" 2>&1
+  echo "== prefill paths rc=$?"; sed -n '/^| tokens/,$p' "$OUT/half_tail.log"; grep -m3 "Error\|Traceback" "$OUT/half_tail.log"
 fi
 
 if [ "$PART" = align_default ]; then

@@ -225,6 +225,31 @@ def test_fused_matches_the_reference_at_every_launch_shape(tiles):
     got = moe_experts_fused(x, w13, w2, weights, ids, tiles=MoeTiles(*tiles))
     assert_rel_close(got, moe_experts_reference(x, w13, w2, weights, ids), 1e-5, f"fused MoE at {tiles}")
 
+
+@INTERP
+def test_fused_half_tail_matches_the_reference():
+    """MoeTiles.half_tail: blocks whose second half is all padding multiply half their rows. Runs
+    of 0, 5, 16, 17, 35 and 47 slots over 32-row blocks: last blocks empty past their first half
+    (5, 16, 35), past it (17, 47), and full blocks before them; the shared experts' addend too."""
+    from kdaserve.ops.moe.fused import MoeTiles, moe_experts_fused
+
+    counts = [0, 5, 16, 17, 35, 47]
+    E, k = len(counts), 2
+    pool = torch.tensor([e for e, c in enumerate(counts) for _ in range(c)])
+    g = torch.Generator().manual_seed(7)
+    pool = pool[torch.randperm(len(pool), generator=g)]
+    T = len(pool) // k   # 60 tokens, 120 slots; a token's two choices may repeat an expert (the kernels allow it)
+    ids = pool.view(T, k)
+    weights = torch.rand(T, k, generator=g)
+    w13, w2 = experts(E, 32, 48)
+    x = torch.randn(T, 32, generator=g)
+    addend = torch.randn(T, 32, generator=g)
+    want = moe_experts_reference(x, w13, w2, weights, ids) + addend
+    tiles = MoeTiles(32, (16, 16, 4, 1), (16, 16, 4, 1), half_tail=True)
+    assert_rel_close(moe_experts_fused(x, w13, w2, weights, ids, tiles=tiles, addend=addend), want, 1e-5, "half tail")
+    with pytest.raises(ValueError, match="half_tail needs at least 32 rows per program"):
+        moe_experts_fused(x, w13, w2, weights, ids, tiles=MoeTiles(16, (16, 16, 4, 1), (16, 16, 4, 1), half_tail=True))
+
 @INTERP
 def test_fused_clamped_swiglu_matches_the_reference():
     from kdaserve.ops.moe.fused import moe_experts_fused
@@ -373,6 +398,29 @@ def test_gpu_fused_at_kimi_linear_sizes(T):
     got = moe_experts_fused(x, w13, w2, weights, ids)
     want = moe_experts_reference(x.float(), w13.float(), w2.float(), weights, ids)
     assert_rel_close(got.float(), want, 1e-2, f"fused MoE bf16 T={T}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [2048, 8192])
+def test_gpu_fused_half_tail_at_kimi_linear_sizes(T):
+    """Compiled, with MoeTiles.half_tail on the prefill tiles (128 rows per program; about half of
+    the experts' last blocks at most half real at these sizes): finite, against the fp32 reference,
+    and within bf16 rounding of the default tiles (the same dots over the same real rows)."""
+    from dataclasses import replace
+
+    from kdaserve.ops.moe.fused import moe_experts_fused, moe_tiles
+
+    x, w13, w2, weights, ids = _kimi_linear_step(T, seed=8)
+    tiles = moe_tiles(ids.numel(), 256, 2304, 1024, False, "sm_90")
+    assert tiles.block_m == 128
+    counts = torch.bincount(ids.reshape(-1), minlength=256) % 128
+    assert ((counts > 0) & (counts <= 64)).any()   # some last blocks take the half path
+    got = moe_experts_fused(x, w13, w2, weights, ids, tiles=replace(tiles, half_tail=True))
+    assert torch.isfinite(got).all()
+    want = moe_experts_reference(x.float(), w13.float(), w2.float(), weights, ids)
+    assert_rel_close(got.float(), want, 1e-2, f"fused MoE half_tail bf16 T={T}")
+    default = moe_experts_fused(x, w13, w2, weights, ids, tiles=tiles)
+    assert_rel_close(got.float(), default.float(), 2e-3, f"half_tail vs default tiles T={T}")
 
 
 @pytest.mark.gpu

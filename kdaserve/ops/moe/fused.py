@@ -40,33 +40,22 @@ def _block_of_program(n_blocks):
 
 
 @triton.jit
-def _moe_gate_up_kernel(
-    x_ptr, w_ptr, sorted_ptr, experts_ptr, h_ptr, xs_ptr, ws_ptr, shared_w_ptr,
-    S, HIDDEN, INTER, stride_x, stride_we, stride_wn, stride_h, stride_xs, stride_wse, stride_wsn, num_routed,
-    TOPK: tl.constexpr, LIMIT: tl.constexpr, HAS_LIMIT: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
-    FP8: tl.constexpr, BLOCK_ROWS: tl.constexpr, EVEN_K: tl.constexpr, HAS_SHARED: tl.constexpr = False,
-):
-    """HAS_SHARED: expert `num_routed` is the shared expert, its [2I, hidden] weight at
-    shared_w_ptr with w13's row stride."""
-    pid_m, pid_n = _block_of_program(tl.cdiv(INTER, BN))
-    e = tl.load(experts_ptr + pid_m)
-    if e < 0:
-        return
-    slots = tl.load(sorted_ptr + pid_m * BM + tl.arange(0, BM))
+def _gate_up_rows(x_ptr, w_base, sorted_ptr, h_ptr, xs_ptr, ws_ptr, e, row0, pid_n,
+                  S, HIDDEN, INTER, stride_x, stride_wn, stride_h, stride_xs, stride_wse, stride_wsn,
+                  TOPK: tl.constexpr, LIMIT: tl.constexpr, HAS_LIMIT: tl.constexpr, ROWS: tl.constexpr,
+                  BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr,
+                  BLOCK_ROWS: tl.constexpr, EVEN_K: tl.constexpr):
+    """h for ROWS sorted slots from row0 and one block of BN intermediate columns."""
+    slots = tl.load(sorted_ptr + row0 + tl.arange(0, ROWS))
     valid = slots < S
     tokens = tl.where(valid, slots // TOPK, 0).to(tl.int64)
     cols = pid_n * BN + tl.arange(0, BN)
     col_ok = cols < INTER
-    w_base = w_ptr + e.to(tl.int64) * stride_we
-    if HAS_SHARED:
-        if e == num_routed:
-            w_base = shared_w_ptr
     if FP8:   # block scales: one per (token, K block) for x, per (row block, K block) for W
         gate_scales = ws_ptr + e.to(tl.int64) * stride_wse + (cols // BLOCK_ROWS) * stride_wsn
         up_scales = ws_ptr + e.to(tl.int64) * stride_wse + ((cols + INTER) // BLOCK_ROWS) * stride_wsn
-    acc_g = tl.zeros([BM, BN], tl.float32)
-    acc_u = tl.zeros([BM, BN], tl.float32)
+    acc_g = tl.zeros([ROWS, BN], tl.float32)
+    acc_u = tl.zeros([ROWS, BN], tl.float32)
     for k0 in range(0, HIDDEN, BK):
         ks = k0 + tl.arange(0, BK)
         k_ok = (ks < HIDDEN) | EVEN_K   # no K mask where BK divides K: a mask on K stops Triton's load pipelining
@@ -88,30 +77,58 @@ def _moe_gate_up_kernel(
 
 
 @triton.jit
-def _moe_down_kernel(
-    h_ptr, w_ptr, sorted_ptr, experts_ptr, weights_ptr, y_ptr, hs_ptr, ws_ptr, shared_w_ptr,
-    S, HIDDEN, INTER, stride_h, stride_we, stride_wn, stride_y, stride_hs, stride_wse, stride_wsn, num_routed,
+def _last_block_half_empty(sorted_ptr, row0, S, BM: tl.constexpr):
+    """Whether this block's second half is all padding (an expert's run ends in its first half;
+    a run's real slots come before its padding)."""
+    return tl.load(sorted_ptr + row0 + BM // 2) >= S
+
+
+@triton.jit
+def _moe_gate_up_kernel(
+    x_ptr, w_ptr, sorted_ptr, experts_ptr, h_ptr, xs_ptr, ws_ptr, shared_w_ptr,
+    S, HIDDEN, INTER, stride_x, stride_we, stride_wn, stride_h, stride_xs, stride_wse, stride_wsn, num_routed,
+    TOPK: tl.constexpr, LIMIT: tl.constexpr, HAS_LIMIT: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
     FP8: tl.constexpr, BLOCK_ROWS: tl.constexpr, EVEN_K: tl.constexpr, HAS_SHARED: tl.constexpr = False,
+    HALF_TAIL: tl.constexpr = False,
 ):
-    """HAS_SHARED: expert `num_routed` is the shared expert, its [hidden, I] weight at
-    shared_w_ptr with w2's row stride."""
-    pid_m, pid_n = _block_of_program(tl.cdiv(HIDDEN, BN))
+    """HAS_SHARED: expert `num_routed` is the shared expert, its [2I, hidden] weight at
+    shared_w_ptr with w13's row stride. HALF_TAIL: a block whose second half is all padding
+    multiplies BM / 2 rows (the same weight tiles, half the tensor-core work)."""
+    pid_m, pid_n = _block_of_program(tl.cdiv(INTER, BN))
     e = tl.load(experts_ptr + pid_m)
     if e < 0:
         return
-    slots = tl.load(sorted_ptr + pid_m * BM + tl.arange(0, BM))
-    valid = slots < S
-    rows = tl.where(valid, slots, 0).to(tl.int64)
-    cols = pid_n * BN + tl.arange(0, BN)
-    col_ok = cols < HIDDEN
     w_base = w_ptr + e.to(tl.int64) * stride_we
     if HAS_SHARED:
         if e == num_routed:
             w_base = shared_w_ptr
+    row0 = pid_m * BM
+    if HALF_TAIL:
+        if _last_block_half_empty(sorted_ptr, row0, S, BM):
+            _gate_up_rows(x_ptr, w_base, sorted_ptr, h_ptr, xs_ptr, ws_ptr, e, row0, pid_n, S, HIDDEN, INTER,
+                          stride_x, stride_wn, stride_h, stride_xs, stride_wse, stride_wsn, TOPK, LIMIT, HAS_LIMIT,
+                          BM // 2, BN, BK, PREC, FP8, BLOCK_ROWS, EVEN_K)
+            return
+    _gate_up_rows(x_ptr, w_base, sorted_ptr, h_ptr, xs_ptr, ws_ptr, e, row0, pid_n, S, HIDDEN, INTER,
+                  stride_x, stride_wn, stride_h, stride_xs, stride_wse, stride_wsn, TOPK, LIMIT, HAS_LIMIT,
+                  BM, BN, BK, PREC, FP8, BLOCK_ROWS, EVEN_K)
+
+
+@triton.jit
+def _down_rows(h_ptr, w_base, sorted_ptr, weights_ptr, y_ptr, hs_ptr, ws_ptr, e, row0, pid_n,
+               S, HIDDEN, INTER, stride_h, stride_wn, stride_y, stride_hs, stride_wse, stride_wsn,
+               ROWS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr,
+               BLOCK_ROWS: tl.constexpr, EVEN_K: tl.constexpr):
+    """y for ROWS sorted slots from row0 and one block of BN hidden columns, weighted."""
+    slots = tl.load(sorted_ptr + row0 + tl.arange(0, ROWS))
+    valid = slots < S
+    rows = tl.where(valid, slots, 0).to(tl.int64)
+    cols = pid_n * BN + tl.arange(0, BN)
+    col_ok = cols < HIDDEN
     if FP8:
         w_scales = ws_ptr + e.to(tl.int64) * stride_wse + (cols // BLOCK_ROWS) * stride_wsn
-    acc = tl.zeros([BM, BN], tl.float32)
+    acc = tl.zeros([ROWS, BN], tl.float32)
     for k0 in range(0, INTER, BK):
         ks = k0 + tl.arange(0, BK)
         k_ok = (ks < INTER) | EVEN_K
@@ -126,6 +143,36 @@ def _moe_down_kernel(
     acc *= tl.load(weights_ptr + rows, mask=valid, other=0.0)[:, None]
     tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=valid[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _moe_down_kernel(
+    h_ptr, w_ptr, sorted_ptr, experts_ptr, weights_ptr, y_ptr, hs_ptr, ws_ptr, shared_w_ptr,
+    S, HIDDEN, INTER, stride_h, stride_we, stride_wn, stride_y, stride_hs, stride_wse, stride_wsn, num_routed,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+    FP8: tl.constexpr, BLOCK_ROWS: tl.constexpr, EVEN_K: tl.constexpr, HAS_SHARED: tl.constexpr = False,
+    HALF_TAIL: tl.constexpr = False,
+):
+    """HAS_SHARED: expert `num_routed` is the shared expert, its [hidden, I] weight at
+    shared_w_ptr with w2's row stride. HALF_TAIL: as in the gate|up kernel."""
+    pid_m, pid_n = _block_of_program(tl.cdiv(HIDDEN, BN))
+    e = tl.load(experts_ptr + pid_m)
+    if e < 0:
+        return
+    w_base = w_ptr + e.to(tl.int64) * stride_we
+    if HAS_SHARED:
+        if e == num_routed:
+            w_base = shared_w_ptr
+    row0 = pid_m * BM
+    if HALF_TAIL:
+        if _last_block_half_empty(sorted_ptr, row0, S, BM):
+            _down_rows(h_ptr, w_base, sorted_ptr, weights_ptr, y_ptr, hs_ptr, ws_ptr, e, row0, pid_n, S, HIDDEN, INTER,
+                       stride_h, stride_wn, stride_y, stride_hs, stride_wse, stride_wsn, BM // 2, BN, BK, PREC, FP8,
+                       BLOCK_ROWS, EVEN_K)
+            return
+    _down_rows(h_ptr, w_base, sorted_ptr, weights_ptr, y_ptr, hs_ptr, ws_ptr, e, row0, pid_n, S, HIDDEN, INTER,
+               stride_h, stride_wn, stride_y, stride_hs, stride_wse, stride_wsn, BM, BN, BK, PREC, FP8,
+               BLOCK_ROWS, EVEN_K)
 
 
 @triton.jit
@@ -168,10 +215,13 @@ def fp8_tiles(block_m: int) -> tuple[int, int]:
 class MoeTiles:
     """One launch shape of the two expert GEMMs: rows per program (each expert's run of sorted
     slots is padded to a multiple of it) and, per kernel, (columns, K step, warps, stages; None =
-    the backend's default)."""
+    the backend's default). `half_tail`: a block whose second half is all padding (the last block
+    of a run that ends in its first half) multiplies half the rows; at 8K tokens over 256 experts
+    about half the runs end so, and 128-row blocks multiply 1.25x the routed rows (docs/perf-notes.md)."""
     block_m: int
     gate_up: tuple[int, int, int, int | None]
     down: tuple[int, int, int, int | None]
+    half_tail: bool = False
 
 
 def moe_tiles(num_slots: int, num_experts: int, hidden: int, inter: int, fp8: bool, target: str,
@@ -229,6 +279,8 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     BM, (BN1, BK1, warps1, stages1), (BN2, BK2, warps2, stages2) = t.block_m, t.gate_up, t.down
     if fp8 and (BK1, BK2) != (block[1], block[1]):
         raise ValueError(f"FP8 experts step K by the scale block's {block[1]} columns; tiles asked {BK1} and {BK2}")
+    if t.half_tail and BM < 32:
+        raise ValueError(f"half_tail needs at least 32 rows per program (a half of at least 16 for the dot); got {BM}")
     sorted_slots, block_experts = align_to_experts(ids, E, BM, extra_expert=shared is not None)
     m_blocks = block_experts.numel()
     prec = "ieee" if x.dtype == torch.float32 else dot_precision(x.device).tensor_core
@@ -245,7 +297,7 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
         a_scale.stride(0), ws13.stride(0), ws13.stride(1) if fp8 else 0, E,
         TOPK=k, LIMIT=float(activation_limit or 0.0), HAS_LIMIT=activation_limit is not None,
         BM=BM, BN=BN1, BK=BK1, PREC=prec, FP8=fp8, BLOCK_ROWS=br, EVEN_K=hidden % BK1 == 0,
-        HAS_SHARED=shared is not None, num_warps=warps1, num_stages=stages1,
+        HAS_SHARED=shared is not None, HALF_TAIL=t.half_tail, num_warps=warps1, num_stages=stages1,
     )
     hq, h_scale = quantize_per_token_group(h, block[1]) if fp8 else (h, h)
     y = torch.empty(S, hidden, dtype=torch.float32 if x.dtype == torch.float32 else x.dtype, device=x.device)
@@ -254,7 +306,7 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
         S, hidden, inter, hq.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
         h_scale.stride(0), ws2.stride(0), ws2.stride(1) if fp8 else 0, E,
         BM=BM, BN=BN2, BK=BK2, PREC=prec, FP8=fp8, BLOCK_ROWS=br, EVEN_K=inter % BK2 == 0,
-        HAS_SHARED=shared is not None, num_warps=warps2, num_stages=stages2,
+        HAS_SHARED=shared is not None, HALF_TAIL=t.half_tail, num_warps=warps2, num_stages=stages2,
     )
     return sum_over_choices(y, T, k, out_dtype, addend)
 
