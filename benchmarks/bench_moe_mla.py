@@ -305,14 +305,14 @@ def torch_grouped_mm_experts(x, w13, w2, weights, ids, stages: dict | None = Non
 
 
 def moe_prefill_paths(prefill) -> None:
-    """The routed experts at prefill sizes three ways, same routing: the fused Triton kernels
-    (moe_tiles' default), a plain torch path on torch's grouped GEMM (CUTLASS on sm_90+) stage by
-    stage, and cuBLAS's dense GEMMs of the same shapes and flops as a bound (all tokens through one
-    expert's weights: what the card does at these K and N without the grouping); the fused kernels
-    also with MoeTiles.half_tail (a run's last block, when at most half real, at half the rows). "rows run":
-    the rows the fused kernels multiply (each expert's run padded to its rows per program) over
-    the routed rows; "% of peak on rows run" is the two GEMMs' rate over the rows they multiply,
-    padding included. Eager do_bench medians; the table prints last."""
+    """The routed experts at prefill sizes, same routing: the fused Triton kernels (moe_tiles'
+    default, and with MoeTiles.half_tail: a run's last block at half the rows when at most half of
+    it is real), a plain torch path on torch's grouped GEMM (CUTLASS on sm_90+) stage by stage, and
+    cuBLAS's dense GEMMs of the same shapes and flops as a bound (all tokens through one expert's
+    weights: what the card does at these K and N without the grouping). "rows run": the rows the
+    fused kernels multiply (each expert's run padded to its rows per program) over the routed rows;
+    "% of peak on rows run" is the two GEMMs' rate over the rows they multiply, padding included.
+    Eager do_bench medians; the table prints last."""
     g, w13, w2, gate, router = kimi_experts()
     rows = []
     for T in prefill:

@@ -11,8 +11,10 @@
 # Parts owed (add one as `if [ "$PART" = name ]; then ... fi` below, with what it must show), in the
 # order to run them when the session's device time (30 min) cannot fit them all:
 #   moe_half_tail  MoE prefill with MoeTiles.half_tail (a run's last block at half the rows when at
-#                  most half real) against the default tiles (issue 21 goal 4), ~3 min.
-# Done, kept to run again: align_default (goal 1), moe_prefill_padding (goals 4, 5), real_client
+#                  most half real) against the default tiles, a torch path on grouped_mm and dense
+#                  cuBLAS (issue 21 goals 4, 5; the twenty-eighth session's moe_prefill_padding
+#                  table plus the half_tail row), ~3 min.
+# Done, kept to run again: align_default (goal 1), real_client
 # (goal 2, the OpenAI SDK as the client), by the twenty-eighth session; kimi_decode_kinds,
 # kimi_fusions (.base = `git archive c04ce36 kdaserve benchmarks`), host_split (.old = `git archive
 # 272aacf kdaserve benchmarks`), by the twenty-seventh (docs/perf-notes.md).
@@ -132,15 +134,6 @@ if [ "$PART" = align_default ]; then
   group align_test 200 tests/ops/test_moe.py -k "align or gpu"
   timeout $(cap 200) python3 benchmarks/bench_kimi_linear.py --batches 1 64 256 --ttft 8192 > "$OUT/kimi_align.log" 2>&1
   echo "== kimi rc=$?"; grep "TTFT\|^| [0-9]* |" "$OUT/kimi_align.log" | head -24; grep -m3 "Error\|Traceback" "$OUT/kimi_align.log"
-fi
-
-if [ "$PART" = moe_prefill_padding ]; then
-  # Must show: the prefill paths' table with the rows the fused kernels run over the routed rows
-  # (CPU estimate at 8K, 128 rows per program: 1.244) and the two GEMMs' rate on the rows they run
-  # (what limits goal 4: the kernels' own rate, or the padding); the torch path on grouped_mm
-  # (CUTLASS) beside them, stage by stage.
-  timeout $(cap 150) python3 benchmarks/bench_moe_mla.py --moe-prefill-paths --prefill 2048 8192 16384 > "$OUT/moe_paths.log" 2>&1
-  echo "== prefill paths rc=$?"; sed -n '/^| tokens/,$p' "$OUT/moe_paths.log"; grep -m3 "Error\|Traceback" "$OUT/moe_paths.log"
 fi
 
 if [ "$PART" = real_client ]; then
