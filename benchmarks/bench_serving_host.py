@@ -153,16 +153,13 @@ class _FakePendingSample:
         return [None] * len(self._ids)
 
 
-CLIENT_PROCESSES = 1   # --client-processes
-
-
 def run_client(url: str, model: str, streams: int, max_tokens: int, kind: str,
-               cpus: set[int] | None = None) -> list[list[float]]:
+               cpus: set[int] | None = None, processes: int = 1) -> list[list[float]]:
     """The client in processes of its own (its Python must not share the server's interpreter),
-    the streams split evenly over CLIENT_PROCESSES of them (a client whose per-chunk Python cannot
+    the streams split evenly over `processes` of them (a client whose per-chunk Python cannot
     keep up stamps chunks late and in bunches): each stream's chunk arrival times."""
     ctx = mp.get_context("spawn")
-    n = max(1, min(CLIENT_PROCESSES, streams))
+    n = max(1, min(processes, streams))
     shares = [streams // n + (j < streams % n) for j in range(n)]
     queues = [ctx.Queue() for _ in shares]
     start = ctx.Barrier(n)
@@ -439,8 +436,6 @@ def main() -> None:
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval in ms for this run (Python's default: 5 ms)")
     args = ap.parse_args()
-    global CLIENT_PROCESSES
-    CLIENT_PROCESSES = args.client_processes
     from kdaserve.engine.llm_engine import LLMEngine
 
     if args.switch_interval is not None:
@@ -483,7 +478,7 @@ def main() -> None:
     loop_profile = None
     with BackgroundServer(app) as srv:
         # One round not reported (as with several API processes): past the first requests' costs.
-        run_client(srv.url, engine.model_name, args.streams, 16, args.client)
+        run_client(srv.url, engine.model_name, args.streams, 16, args.client, processes=args.client_processes)
         for r in range(args.rounds):
             if args.profile and r == args.rounds - 1:   # the event loop's thread, last round only
                 loop_profile = cProfile.Profile()
@@ -491,7 +486,8 @@ def main() -> None:
             calls.clear()
             loop = srv.server.servers[0].get_loop()
             cpu0 = loop_cpu_seconds(loop), time.process_time()
-            stamps = run_client(srv.url, engine.model_name, args.streams, args.max_tokens, args.client)
+            stamps = run_client(srv.url, engine.model_name, args.streams, args.max_tokens, args.client,
+                               processes=args.client_processes)
             chunks = sum(len(s) for s in stamps)
             loop_us, process_us = ((loop_cpu_seconds(loop) - cpu0[0]) / chunks * 1e6,
                                    (time.process_time() - cpu0[1]) / chunks * 1e6)
@@ -608,7 +604,7 @@ def api_servers_main(args, kwargs: dict, device_s: float | None, alone: float, a
             print(f"pinned: engine {sorted(engine_cpus)}, API processes {[sorted(c) for c in api_cpus]}, "
                   f"client and benchmark {sorted(client_cpus)}", flush=True)
         # One round not reported: every process past its first requests (imports, schema builds).
-        run_client(servers.url, engine.model_name, args.streams, 16, args.client, client_cpus)
+        run_client(servers.url, engine.model_name, args.streams, 16, args.client, client_cpus, args.client_processes)
         for r in range(args.rounds):
             cpu0 = sum(process_cpu_seconds(p.pid) for p in servers.processes)
             steps0 = engine_steps(servers.url)
@@ -624,7 +620,8 @@ def api_servers_main(args, kwargs: dict, device_s: float | None, alone: float, a
 
             sampler = threading.Thread(target=sample, daemon=True)
             sampler.start()
-            stamps = run_client(servers.url, engine.model_name, args.streams, args.max_tokens, args.client, client_cpus)
+            stamps = run_client(servers.url, engine.model_name, args.streams, args.max_tokens, args.client, client_cpus,
+                                args.client_processes)
             sampling.set()
             sampler.join()
             steps_trace = StepTrace.summary(StepTrace.ask(trace)) if trace else {}

@@ -250,6 +250,7 @@ def test_fused_half_tail_matches_the_reference():
     with pytest.raises(ValueError, match="half_tail needs at least 32 rows per program"):
         moe_experts_fused(x, w13, w2, weights, ids, tiles=MoeTiles(16, (16, 16, 4, 1), (16, 16, 4, 1), half_tail=True))
 
+
 @INTERP
 def test_fused_clamped_swiglu_matches_the_reference():
     from kdaserve.ops.moe.fused import moe_experts_fused

@@ -77,6 +77,17 @@ def _gate_up_rows(x_ptr, w_base, sorted_ptr, h_ptr, xs_ptr, ws_ptr, e, row0, pid
 
 
 @triton.jit
+def _expert_weights(w_ptr, shared_w_ptr, e, stride_we, num_routed, HAS_SHARED: tl.constexpr):
+    """Expert e's weight in the stacked tensor, or with HAS_SHARED the shared expert's own tensor
+    for e == num_routed (the shared expert run as one more expert)."""
+    w_base = w_ptr + e.to(tl.int64) * stride_we
+    if HAS_SHARED:
+        if e == num_routed:
+            w_base = shared_w_ptr
+    return w_base
+
+
+@triton.jit
 def _last_block_half_empty(sorted_ptr, row0, S, BM: tl.constexpr):
     """Whether this block's second half is all padding (an expert's run ends in its first half;
     a run's real slots come before its padding)."""
@@ -99,10 +110,7 @@ def _moe_gate_up_kernel(
     e = tl.load(experts_ptr + pid_m)
     if e < 0:
         return
-    w_base = w_ptr + e.to(tl.int64) * stride_we
-    if HAS_SHARED:
-        if e == num_routed:
-            w_base = shared_w_ptr
+    w_base = _expert_weights(w_ptr, shared_w_ptr, e, stride_we, num_routed, HAS_SHARED)
     row0 = pid_m * BM
     if HALF_TAIL:
         if _last_block_half_empty(sorted_ptr, row0, S, BM):
@@ -159,10 +167,7 @@ def _moe_down_kernel(
     e = tl.load(experts_ptr + pid_m)
     if e < 0:
         return
-    w_base = w_ptr + e.to(tl.int64) * stride_we
-    if HAS_SHARED:
-        if e == num_routed:
-            w_base = shared_w_ptr
+    w_base = _expert_weights(w_ptr, shared_w_ptr, e, stride_we, num_routed, HAS_SHARED)
     row0 = pid_m * BM
     if HALF_TAIL:
         if _last_block_half_empty(sorted_ptr, row0, S, BM):
