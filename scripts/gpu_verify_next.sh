@@ -115,7 +115,8 @@ fi
 
 if [ "$PART" = moe_half_tail ]; then
   # Must show: the fused MoE GPU tests pass compiled (half_tail at 2K and 8K against the fp32
-  # reference and the default tiles); the prefill paths' table with a "default tiles, half_tail"
+  # reference and the default tiles; the default tiles at decode and prefill sizes, with and
+  # without the shared expert: the kernels' bodies moved into row-count helpers this session); the prefill paths' table with a "default tiles, half_tail"
   # row beside the default at 2K / 8K / 16K (CPU estimate of the rows run over the routed rows: 2K
   # 2.000 -> 1.457, 8K 1.244 -> 1.122; twenty-eighth session default: 8K 2.1751 ms, 43% of peak).
   # Where it is faster, moe_tiles returns half_tail=True for its 128-row tiles (ops/moe/fused.py),
