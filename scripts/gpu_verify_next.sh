@@ -14,6 +14,8 @@
 #                  most half real) against the default tiles, a torch path on grouped_mm and dense
 #                  cuBLAS (issue 21 goals 4, 5; the twenty-eighth session's moe_prefill_padding
 #                  table plus the half_tail row), ~3 min.
+#   kimi_half_tail Kimi-Linear's TTFT at 8K and 32K with the default MoE tiles and with half_tail
+#                  (goal 4), H200 only, ~4 min.
 # Done, kept to run again: align_default (goal 1), real_client
 # (goal 2, the OpenAI SDK as the client), by the twenty-eighth session; kimi_decode_kinds,
 # kimi_fusions (.base = `git archive c04ce36 kdaserve benchmarks`), host_split (.old = `git archive
@@ -124,6 +126,15 @@ if [ "$PART" = moe_half_tail ]; then
   group moe_half_tail_test 200 tests/ops/test_moe.py -k "fused"
   timeout $(cap 150) python3 benchmarks/bench_moe_mla.py --moe-prefill-paths --prefill 2048 8192 16384 > "$OUT/half_tail.log" 2>&1
   echo "== prefill paths rc=$?"; sed -n '/^| tokens/,$p' "$OUT/half_tail.log"; grep -m3 "Error\|Traceback" "$OUT/half_tail.log"
+fi
+
+if [ "$PART" = kimi_half_tail ]; then
+  # Must show (issue 21 goal 4; H200: Kimi-Linear needs 91.5 GiB): TTFT of one 8K and one 32K
+  # prompt with the default MoE prefill tiles and with half_tail on (second run of each; the
+  # breakdown's "MoE experts" row per variant; twenty-eighth session 8K: 141.9-143.3 ms, MoE
+  # 56.01 ms; 32K last timed in the nineteenth session, 813.8 ms, before the fused RMSNorm).
+  timeout $(cap 330) python3 benchmarks/bench_kimi_linear.py --batches 1 --ttft 8192 32768 --compare-moe-half-tail > "$OUT/kimi_half_tail.log" 2>&1
+  echo "== kimi rc=$?"; grep "TTFT\|^| " "$OUT/kimi_half_tail.log" | grep -v "^| 1 |" | head -24; grep -m3 "Error\|Traceback" "$OUT/kimi_half_tail.log"
 fi
 
 if [ "$PART" = align_default ]; then
