@@ -19,8 +19,8 @@ process, per layer kind as kdaserve/bench/layer_kinds.py counts them (dense weig
 embedding table, the routed experts the step touches for uniform routing, the KDA states read and
 written, the MLA latent rows of every context). Each decode batch's step is also profiled by layer
 kind (10 engine steps under torch.profiler) and every kind set against its own floor.
-`--compare-moe-half-tail` times each prompt with the MoE prefill tiles as given and with
-MoeTiles.half_tail on. Rows print as measured; the table prints last.
+`--compare-moe-tiles half_tail persistent` times each prompt with the MoE prefill tiles as given and
+with each change. Rows print as measured; the table prints last.
 """
 
 from __future__ import annotations
@@ -44,6 +44,9 @@ from kdaserve.engine.caches import kv_bytes_per_block, state_bytes_per_slot  # n
 
 MODEL = "moonshotai/Kimi-Linear-48B-A3B-Instruct"
 GIB = 2**30
+# --compare-moe-tiles: changes to moe_tiles' prefill tiles (the persistent down kernel at 256
+# columns spills on sm_90, at 128 it does not: tools/compile_check).
+TILE_VARIANTS = {"half_tail": dict(half_tail=True), "persistent": dict(persistent=True, down=(128, 64, 8, 4))}
 
 
 def param_bytes(model) -> int:
@@ -129,9 +132,9 @@ def main() -> None:
     ap.add_argument("--decode-ctx", type=int, default=512, help="prompt tokens of the decode batches")
     ap.add_argument("--ttft", type=int, nargs="+", default=None, help="prompt lengths to time (default: --ctx)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.92)
-    ap.add_argument("--compare-moe-half-tail", action="store_true",
-                    help="time each prompt twice: the MoE prefill tiles as moe_tiles gives them, then with "
-                         "MoeTiles.half_tail on for every 128-row tile (ops/moe/fused.py)")
+    ap.add_argument("--compare-moe-tiles", nargs="+", default=[], choices=sorted(TILE_VARIANTS),
+                    help="time each prompt with the MoE prefill tiles as moe_tiles gives them, then with each of these "
+                         "changes to its 128-row tiles (ops/moe/fused.MoeTiles)")
     args = ap.parse_args()
     t0 = time.time()
     bw = copy_bandwidth()
@@ -159,13 +162,17 @@ def main() -> None:
     import kdaserve.ops.moe.fused as fused
 
     default_tiles = fused.moe_tiles
-    variants = [("", default_tiles)]
-    if args.compare_moe_half_tail:
-        def half_tail_tiles(*a, **kw):
-            t = default_tiles(*a, **kw)
-            return replace(t, half_tail=True) if t.block_m == 128 else t
 
-        variants = [(" (default tiles)", default_tiles), (" (half_tail)", half_tail_tiles)]
+    def changed_tiles(change: dict):
+        def tiles(*a, **kw):
+            t = default_tiles(*a, **kw)
+            return replace(t, **change) if t.block_m == 128 else t
+        return tiles
+
+    variants = [("", default_tiles)]
+    if args.compare_moe_tiles:
+        variants = [(" (default tiles)", default_tiles)] + [
+            (f" ({name})", changed_tiles(TILE_VARIANTS[name])) for name in args.compare_moe_tiles]
     for variant, (label, tiles_fn) in enumerate(variants):
         fused.moe_tiles = tiles_fn
         for n in lengths:

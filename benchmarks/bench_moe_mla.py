@@ -306,8 +306,9 @@ def torch_grouped_mm_experts(x, w13, w2, weights, ids, stages: dict | None = Non
 
 def moe_prefill_paths(prefill) -> None:
     """The routed experts at prefill sizes, same routing: the fused Triton kernels (moe_tiles'
-    default, and with MoeTiles.half_tail: a run's last block at half the rows when at most half of
-    it is real), a plain torch path on torch's grouped GEMM (CUTLASS on sm_90+) stage by stage, and
+    default; with MoeTiles.half_tail: a run's last block at half the rows when at most half of it
+    is real; with MoeTiles.persistent: one program per SM looping over the tiles, at three down
+    tiles), a plain torch path on torch's grouped GEMM (CUTLASS on sm_90+) stage by stage, and
     cuBLAS's dense GEMMs of the same shapes and flops as a bound (all tokens through one expert's
     weights: what the card does at these K and N without the grouping). "rows run": the rows the
     fused kernels multiply (each expert's run padded to its rows per program) over the routed rows;
@@ -329,9 +330,11 @@ def moe_prefill_paths(prefill) -> None:
         counts = torch.bincount(ids.reshape(-1), minlength=E)
         padded = (counts + bm - 1) // bm * bm
         half_tails = ((counts % bm > 0) & (counts % bm <= bm // 2)).sum().item()   # last blocks run at half the rows
-        for tiles, name, run in ((default, "default tiles", padded.sum().item()),
-                                 (replace(default, half_tail=True), "default tiles, half_tail",
-                                  padded.sum().item() - half_tails * bm // 2)):
+        variants = [(default, "default tiles", padded.sum().item()),
+                    (replace(default, half_tail=True), "default tiles, half_tail", padded.sum().item() - half_tails * bm // 2)]
+        for down in (default.down, (128, 64, 8, 4), (128, 128, 8, 3)):   # the persistent down at 256 columns spills on sm_90
+            variants.append((replace(default, persistent=True, down=down), f"persistent, down {down}", padded.sum().item()))
+        for tiles, name, run in variants:
             fused = lambda tiles=tiles: moe_experts_fused(x, w13, w2, weights, ids, tiles=tiles)   # noqa: E731
             parts = kernel_ms(fused)
             rows.append((T, f"fused Triton ({name}, {bm} rows per program)", bench(fused), parts["gate_up"],
@@ -350,7 +353,7 @@ def moe_prefill_paths(prefill) -> None:
         m1, m2 = bench(lambda: xd @ w13[0].T), bench(lambda: hd @ w2[0].T)
         rows.append((T, f"cuBLAS dense GEMMs [{S}, {HIDDEN}] x [{HIDDEN}, {2 * WIDTH}] and [{S}, {WIDTH}] x [{WIDTH}, {HIDDEN}]",
                      m1 + m2, m1, m2, 0.0, flops, 1.0, float("nan")))
-        for r in rows[-4:]:
+        for r in rows[-len(variants) - 2:]:
             print(r, flush=True)
     print("\n| tokens | path | ms | gate_up ms | down ms | rest ms | % of bf16 peak (whole) | % of peak (two GEMMs) "
           "| rows run / routed | % of peak on rows run | rel. diff vs torch reference |")

@@ -11,11 +11,12 @@
 # Parts owed (add one as `if [ "$PART" = name ]; then ... fi` below, with what it must show), in the
 # order to run them when the session's device time (30 min) cannot fit them all:
 #   moe_half_tail  MoE prefill with MoeTiles.half_tail (a run's last block at half the rows when at
-#                  most half real) against the default tiles, a torch path on grouped_mm and dense
-#                  cuBLAS (issue 21 goals 4, 5; the twenty-eighth session's moe_prefill_padding
-#                  table plus the half_tail row), ~3 min.
-#   kimi_half_tail Kimi-Linear's TTFT at 8K and 32K with the default MoE tiles and with half_tail
-#                  (goal 4), H200 only, ~4 min.
+#                  most half real) and MoeTiles.persistent (one program per SM, a flattened tile
+#                  loop) against the default tiles, a torch path on grouped_mm and dense cuBLAS
+#                  (issue 21 goals 4, 5; the twenty-eighth session's moe_prefill_padding table
+#                  plus those rows), ~3 min.
+#   kimi_moe_tiles Kimi-Linear's TTFT at 8K and 32K with the default MoE tiles, with half_tail
+#                  and with persistent tiles (goal 4), H200 only, ~4 min.
 # Done, kept to run again: align_default (goal 1), real_client
 # (goal 2, the OpenAI SDK as the client), by the twenty-eighth session; kimi_decode_kinds,
 # kimi_fusions (.base = `git archive c04ce36 kdaserve benchmarks`), host_split (.old = `git archive
@@ -116,10 +117,10 @@ if [ "$PART" = kimi_fusions ]; then
 fi
 
 if [ "$PART" = moe_half_tail ]; then
-  # Must show: the fused MoE GPU tests pass compiled (half_tail at 2K and 8K against the fp32
-  # reference and the default tiles; the default tiles at decode and prefill sizes, with and
-  # without the shared expert: the kernels' bodies moved into row-count helpers this session); the prefill paths' table with a "default tiles, half_tail"
-  # row beside the default at 2K / 8K / 16K (CPU estimate of the rows run over the routed rows: 2K
+  # Must show: the fused MoE GPU tests pass compiled (half_tail and persistent at 2K and 8K against
+  # the fp32 reference and the default tiles; the default tiles at decode and prefill sizes, with and
+  # without the shared expert: the kernels' bodies moved into row-count helpers); the prefill
+  # paths' table with "default tiles, half_tail" and three "persistent" rows beside the default at 2K / 8K / 16K (CPU estimate of the rows run over the routed rows: 2K
   # 2.000 -> 1.457, 8K 1.244 -> 1.122; twenty-eighth session default: 8K 2.1751 ms, 43% of peak).
   # Where it is faster, moe_tiles returns half_tail=True for its 128-row tiles (ops/moe/fused.py),
   # and Kimi-Linear's TTFT (bench_kimi_linear.py --batches 1 --ttft 8192) should follow.
@@ -128,13 +129,13 @@ if [ "$PART" = moe_half_tail ]; then
   echo "== prefill paths rc=$?"; sed -n '/^| tokens/,$p' "$OUT/half_tail.log"; grep -m3 "Error\|Traceback" "$OUT/half_tail.log"
 fi
 
-if [ "$PART" = kimi_half_tail ]; then
+if [ "$PART" = kimi_moe_tiles ]; then
   # Must show (issue 21 goal 4; H200: Kimi-Linear needs 91.5 GiB): TTFT of one 8K and one 32K
-  # prompt with the default MoE prefill tiles and with half_tail on (second run of each; the
-  # breakdown's "MoE experts" row per variant; twenty-eighth session 8K: 141.9-143.3 ms, MoE
-  # 56.01 ms; 32K last timed in the nineteenth session, 813.8 ms, before the fused RMSNorm).
-  timeout $(cap 330) python3 benchmarks/bench_kimi_linear.py --batches 1 --ttft 8192 32768 --compare-moe-half-tail > "$OUT/kimi_half_tail.log" 2>&1
-  echo "== kimi rc=$?"; grep "TTFT\|^| " "$OUT/kimi_half_tail.log" | grep -v "^| 1 |" | head -24; grep -m3 "Error\|Traceback" "$OUT/kimi_half_tail.log"
+  # prompt with the default MoE prefill tiles, with half_tail and with persistent tiles (second run
+  # of each; the breakdown's "MoE experts" row per variant; twenty-eighth session 8K: 141.9-143.3
+  # ms, MoE 56.01 ms; 32K last timed in the nineteenth session, 813.8 ms, before the fused RMSNorm).
+  timeout $(cap 330) python3 benchmarks/bench_kimi_linear.py --batches 1 --ttft 8192 32768 --compare-moe-tiles half_tail persistent > "$OUT/kimi_moe_tiles.log" 2>&1
+  echo "== kimi rc=$?"; grep "TTFT\|^| " "$OUT/kimi_moe_tiles.log" | grep -v "^| 1 |" | head -24; grep -m3 "Error\|Traceback" "$OUT/kimi_moe_tiles.log"
 fi
 
 if [ "$PART" = align_default ]; then

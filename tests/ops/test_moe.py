@@ -6,6 +6,7 @@ sizes (256 experts, top 8, hidden 2304, width 1024)."""
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -252,6 +253,35 @@ def test_fused_half_tail_matches_the_reference():
 
 
 @INTERP
+def test_fused_persistent_matches_the_reference():
+    """MoeTiles.persistent: a few programs (3 in the interpreter) loop over every (row block,
+    column block) tile of the real blocks, here 2 x 3 column blocks over runs of 0-47 slots in
+    16-row blocks, with the shared expert as one more expert and the addend; nothing else is
+    asked of a persistent launch (half_tail, FP8: refused)."""
+    from kdaserve.ops.moe.fused import MoeTiles, moe_experts_fused, persistent_programs
+
+    assert persistent_programs(torch.device("cpu")) == 3
+    g = torch.Generator().manual_seed(11)
+    E, k, T, hidden, inter = 5, 2, 40, 48, 32
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    weights = torch.rand(T, k, generator=g)
+    w13, w2 = experts(E, hidden, inter)
+    shared = (torch.randn(2 * inter, hidden, generator=g) / hidden**0.5, torch.randn(hidden, inter, generator=g) / inter**0.5)
+    x = torch.randn(T, hidden, generator=g)
+    addend = torch.randn(T, hidden, generator=g)
+    ids_all = torch.cat([ids, torch.full((T, 1), E)], 1)
+    weights_all = torch.cat([weights, torch.ones(T, 1)], 1)
+    w13_all, w2_all = torch.cat([w13, shared[0][None]]), torch.cat([w2, shared[1][None]])
+    want = moe_experts_reference(x, w13_all, w2_all, weights_all, ids_all) + addend
+    tiles = MoeTiles(16, (16, 16, 4, 1), (16, 16, 4, 1), persistent=True)
+    got = moe_experts_fused(x, w13, w2, weights_all, ids_all, tiles=tiles, addend=addend, shared=shared)
+    assert_rel_close(got, want, 1e-5, "persistent tiles")
+    for bad in (dict(half_tail=True, block_m=32),):
+        with pytest.raises(ValueError, match="persistent tiles take neither half_tail"):
+            moe_experts_fused(x, w13, w2, weights, ids, tiles=replace(tiles, **bad))
+
+
+@INTERP
 def test_fused_clamped_swiglu_matches_the_reference():
     from kdaserve.ops.moe.fused import moe_experts_fused
 
@@ -422,6 +452,25 @@ def test_gpu_fused_half_tail_at_kimi_linear_sizes(T):
     assert_rel_close(got.float(), want, 1e-2, f"fused MoE half_tail bf16 T={T}")
     default = moe_experts_fused(x, w13, w2, weights, ids, tiles=tiles)
     assert_rel_close(got.float(), default.float(), 2e-3, f"half_tail vs default tiles T={T}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [2048, 8192])
+@pytest.mark.parametrize("down", [None, (128, 64, 8, 4)])
+def test_gpu_fused_persistent_at_kimi_linear_sizes(T, down):
+    """Compiled, with MoeTiles.persistent (one program per SM looping over the tiles, Triton's
+    flattened loop) on the prefill tiles, with moe_tiles' down tile and a narrower one: finite,
+    against the fp32 reference, and equal to the default tiles (the same dots in the same order)."""
+    from kdaserve.ops.moe.fused import moe_experts_fused, moe_tiles
+
+    x, w13, w2, weights, ids = _kimi_linear_step(T, seed=9)
+    tiles = moe_tiles(ids.numel(), 256, 2304, 1024, False, "sm_90")
+    default = moe_experts_fused(x, w13, w2, weights, ids, tiles=replace(tiles, down=down or tiles.down))
+    got = moe_experts_fused(x, w13, w2, weights, ids, tiles=replace(tiles, persistent=True, down=down or tiles.down))
+    assert torch.isfinite(got).all()
+    want = moe_experts_reference(x.float(), w13.float(), w2.float(), weights, ids)
+    assert_rel_close(got.float(), want, 1e-2, f"fused MoE persistent bf16 T={T}")
+    assert torch.equal(got, default)
 
 
 @pytest.mark.gpu
