@@ -54,11 +54,11 @@ TEXT = b"def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibona
 
 def client(url: str, model: str, streams: int, max_tokens: int, out: mp.Queue, kind: str = "raw",
            cpus: set[int] | None = None, first: int = 0, start=None) -> None:
-    if cpus:
-        pin(os.getpid(), cpus)
     """`kind` "raw": a lean asyncio HTTP/1.1 client (so that the client's own Python is not what
     bunches the chunks); "httpx": httpx's streaming client; "openai": the OpenAI Python SDK's
     async streaming completions, as an application would call the server (a real client)."""
+    if cpus:
+        pin(os.getpid(), cpus)
 
     def body(i: int) -> dict:
         return {"model": model, "prompt": f"# stream {first + i}\n", "max_tokens": max_tokens, "stream": True,
