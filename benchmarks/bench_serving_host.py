@@ -658,10 +658,10 @@ def api_servers_main(args, kwargs: dict, device_s: float | None, alone: float, a
         print(f"| {r} | {med:.2f} | {p90:.2f} | {med / alone:.2f}x | {mean:.2f} | {mean / alone:.2f}x | {cpu_us:.1f} "
               f"| {token_us:.1f} | {step_ms:.2f} | {' / '.join(map(str, held))} |")
     if trace:
-        print(f"\nThe engine process per step, medians in ms (StepTrace): period between step starts; the core's step "
-              f"(step() + encoding and pipe writes); step(); its device wait; the runner's execute in it (with a fake "
-              f"device: the host step only); encode + send; host work (core step less "
-              f"the wait); the engine thread's CPU time in the core step; between steps.")
+        print("\nThe engine process per step, medians in ms (StepTrace): period between step starts; the core's step "
+              "(step() + encoding and pipe writes); step(); its device wait; the runner's execute in it (with a fake "
+              "device: the host step only); encode + send; host work (core step less "
+              "the wait); the engine thread's CPU time in the core step; between steps.")
         print(f"| round | {' | '.join(TRACE_COLUMNS)} |\n|---|{'---|' * len(TRACE_COLUMNS)}")
         print(f"| alone | {trace_cells(alone_trace)} |")
         for r, *_, steps_trace, _token_us in rows:
