@@ -131,7 +131,7 @@ def mla_rows(batches, prefill, ctx, bw, torch_max):
         mt = bench(lambda: mla_decode_reference(q_lat, q_pe, cache, tables, lens, scale)) if B <= torch_max else float("nan")
         floor = B * ctx * (LATENT + ROPE) * 2 / bw * 1e3
         yield ("MLA", "decode", B, f"ctx {ctx}", ms, mg, mt, floor)
-        del cache
+        cache = None   # free this batch's cache before the next is allocated (del would leave the lambdas a deleted name)
     for T in prefill:
         q_n, q_p, k_n, k_p, v = mla_prefill_inputs(T, HEADS, NOPE, ROPE, V, g)
         ms = bench(lambda: mla_prefill_triton(q_n, q_p, k_n, k_p, v, [T], [T], scale))
