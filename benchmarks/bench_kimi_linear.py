@@ -19,7 +19,7 @@ process, per layer kind as kdaserve/bench/layer_kinds.py counts them (dense weig
 embedding table, the routed experts the step touches for uniform routing, the KDA states read and
 written, the MLA latent rows of every context). Each decode batch's step is also profiled by layer
 kind (10 engine steps under torch.profiler) and every kind set against its own floor.
-`--compare-moe-tiles half_tail persistent` times each prompt with the MoE prefill tiles as given and
+`--compare-moe-tiles half_tail group_m_4` times each prompt with the MoE prefill tiles as given and
 with each change. Rows print as measured; the table prints last.
 """
 
@@ -44,9 +44,8 @@ from kdaserve.engine.caches import kv_bytes_per_block, state_bytes_per_slot  # n
 
 MODEL = "moonshotai/Kimi-Linear-48B-A3B-Instruct"
 GIB = 2**30
-# --compare-moe-tiles: changes to moe_tiles' prefill tiles (the persistent down kernel at 256
-# columns spills on sm_90, at 128 it does not: tools/compile_check).
-TILE_VARIANTS = {"half_tail": dict(half_tail=True), "persistent": dict(persistent=True, down=(128, 64, 8, 4))}
+# --compare-moe-tiles: changes to moe_tiles' prefill tiles (ops/moe/fused.MoeTiles).
+TILE_VARIANTS = {"half_tail": dict(half_tail=True), "group_m_4": dict(group_m=4)}
 
 
 def param_bytes(model) -> int:

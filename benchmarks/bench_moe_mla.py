@@ -307,8 +307,7 @@ def torch_grouped_mm_experts(x, w13, w2, weights, ids, stages: dict | None = Non
 def moe_prefill_paths(prefill) -> None:
     """The routed experts at prefill sizes, same routing: the fused Triton kernels (moe_tiles'
     default; with MoeTiles.half_tail: a run's last block at half the rows when at most half of it
-    is real; with MoeTiles.persistent: one program per SM looping over the tiles, at three down
-    tiles), a plain torch path on torch's grouped GEMM (CUTLASS on sm_90+) stage by stage, and
+    is real; with MoeTiles.group_m: row blocks fastest in the program order, in groups), a plain torch path on torch's grouped GEMM (CUTLASS on sm_90+) stage by stage, and
     cuBLAS's dense GEMMs of the same shapes and flops as a bound (all tokens through one expert's
     weights: what the card does at these K and N without the grouping). "rows run": the rows the
     fused kernels multiply (each expert's run padded to its rows per program) over the routed rows;
@@ -332,8 +331,8 @@ def moe_prefill_paths(prefill) -> None:
         half_tails = ((counts % bm > 0) & (counts % bm <= bm // 2)).sum().item()   # last blocks run at half the rows
         variants = [(default, "default tiles", padded.sum().item()),
                     (replace(default, half_tail=True), "default tiles, half_tail", padded.sum().item() - half_tails * bm // 2)]
-        for down in (default.down, (128, 64, 8, 4), (128, 128, 8, 3)):   # the persistent down at 256 columns spills on sm_90
-            variants.append((replace(default, persistent=True, down=down), f"persistent, down {down}", padded.sum().item()))
+        for group in (2, 4, 8):
+            variants.append((replace(default, group_m=group), f"default tiles, group_m {group}", padded.sum().item()))
         for tiles, name, run in variants:
             fused = lambda tiles=tiles: moe_experts_fused(x, w13, w2, weights, ids, tiles=tiles)   # noqa: E731
             parts = kernel_ms(fused)

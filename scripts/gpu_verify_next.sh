@@ -134,7 +134,7 @@ if [ "$PART" = kimi_moe_tiles ]; then
   # prompt with the default MoE prefill tiles, with half_tail and with persistent tiles (second run
   # of each; the breakdown's "MoE experts" row per variant; twenty-eighth session 8K: 141.9-143.3
   # ms, MoE 56.01 ms; 32K last timed in the nineteenth session, 813.8 ms, before the fused RMSNorm).
-  timeout $(cap 330) python3 benchmarks/bench_kimi_linear.py --batches 1 --ttft 8192 32768 --compare-moe-tiles half_tail persistent > "$OUT/kimi_moe_tiles.log" 2>&1
+  timeout $(cap 330) python3 benchmarks/bench_kimi_linear.py --batches 1 --ttft 8192 32768 --compare-moe-tiles half_tail group_m_4 > "$OUT/kimi_moe_tiles.log" 2>&1
   echo "== kimi rc=$?"; grep "TTFT\|^| " "$OUT/kimi_moe_tiles.log" | grep -v "^| 1 |" | head -24; grep -m3 "Error\|Traceback" "$OUT/kimi_moe_tiles.log"
 fi
 

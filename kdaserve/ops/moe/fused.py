@@ -15,7 +15,6 @@ and one launch less per MoE layer than adding it after.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -32,12 +31,19 @@ from kdaserve.ops.moe.align import align_to_experts
 
 
 @triton.jit
-def _block_of_program(n_blocks):
-    """(row block, column block) of this program in a 1-D grid, column blocks fastest: the programs
-    in flight share their rows (gathered activations, read from DRAM once instead of once per
-    column block) and an expert's weights (its few row blocks run side by side)."""
+def _block_of_program(n_blocks, m_blocks, GROUP_M: tl.constexpr):
+    """(row block, column block) of this program in a 1-D grid. GROUP_M = 1: column blocks
+    fastest, so the programs in flight share their rows (gathered activations, read from DRAM once
+    instead of once per column block) and an expert's weights (its few row blocks run side by
+    side). GROUP_M > 1: within each group of GROUP_M row blocks the row blocks are fastest, so an
+    expert's row blocks read each weight tile at the same time (once from DRAM)."""
     pid = tl.program_id(0)
-    return pid // n_blocks, pid % n_blocks
+    if GROUP_M == 1:
+        return pid // n_blocks, pid % n_blocks
+    per_group = GROUP_M * n_blocks
+    first = pid // per_group * GROUP_M
+    rows = tl.minimum(m_blocks - first, GROUP_M)
+    return first + pid % per_group % rows, pid % per_group // rows
 
 
 @triton.jit
@@ -95,43 +101,21 @@ def _last_block_half_empty(sorted_ptr, row0, S, BM: tl.constexpr):
     return tl.load(sorted_ptr + row0 + BM // 2) >= S
 
 
-@triton.jit
-def _real_blocks(experts_ptr, m_blocks, CHUNK: tl.constexpr = 1024):
-    """How many blocks hold an expert's slots: the alignment puts them first, then blocks of -1."""
-    n = 0
-    for i in range(0, m_blocks, CHUNK):
-        offs = i + tl.arange(0, CHUNK)
-        n += tl.sum((tl.load(experts_ptr + offs, mask=offs < m_blocks, other=-1) >= 0).to(tl.int32), 0)
-    return n
-
-
-# m_blocks and n_programs are not specialized: a step's block count would otherwise add compiles.
-@triton.jit(do_not_specialize=["m_blocks", "n_programs"])
+# m_blocks is not specialized: a step's block count would otherwise add compiles.
+@triton.jit(do_not_specialize=["m_blocks"])
 def _moe_gate_up_kernel(
     x_ptr, w_ptr, sorted_ptr, experts_ptr, h_ptr, xs_ptr, ws_ptr, shared_w_ptr,
-    S, HIDDEN, INTER, stride_x, stride_we, stride_wn, stride_h, stride_xs, stride_wse, stride_wsn, num_routed,
-    m_blocks, n_programs,
+    S, HIDDEN, INTER, stride_x, stride_we, stride_wn, stride_h, stride_xs, stride_wse, stride_wsn, num_routed, m_blocks,
     TOPK: tl.constexpr, LIMIT: tl.constexpr, HAS_LIMIT: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
     FP8: tl.constexpr, BLOCK_ROWS: tl.constexpr, EVEN_K: tl.constexpr, HAS_SHARED: tl.constexpr = False,
-    HALF_TAIL: tl.constexpr = False, PERSISTENT: tl.constexpr = False,
+    HALF_TAIL: tl.constexpr = False, GROUP_M: tl.constexpr = 1,
 ):
     """HAS_SHARED: expert `num_routed` is the shared expert, its [2I, hidden] weight at
     shared_w_ptr with w13's row stride. HALF_TAIL: a block whose second half is all padding
-    multiplies BM / 2 rows (the same weight tiles, half the tensor-core work). PERSISTENT:
-    `n_programs` programs walk the (row block, column block) tiles of the real blocks in one loop
-    Triton flattens, so a tile's first loads are in flight during the last one's epilogue."""
-    if PERSISTENT:
-        n_col = tl.cdiv(INTER, BN)
-        for tile in tl.range(tl.program_id(0), _real_blocks(experts_ptr, m_blocks) * n_col, n_programs, flatten=True):
-            pid_m = tile // n_col
-            e = tl.load(experts_ptr + pid_m)
-            w_base = _expert_weights(w_ptr, shared_w_ptr, e, stride_we, num_routed, HAS_SHARED)
-            _gate_up_rows(x_ptr, w_base, sorted_ptr, h_ptr, xs_ptr, ws_ptr, e, pid_m * BM, tile % n_col, S, HIDDEN,
-                          INTER, stride_x, stride_wn, stride_h, stride_xs, stride_wse, stride_wsn, TOPK, LIMIT,
-                          HAS_LIMIT, BM, BN, BK, PREC, FP8, BLOCK_ROWS, EVEN_K)
-        return
-    pid_m, pid_n = _block_of_program(tl.cdiv(INTER, BN))
+    multiplies BM / 2 rows (the same weight tiles, half the tensor-core work). GROUP_M: the program
+    order (_block_of_program)."""
+    pid_m, pid_n = _block_of_program(tl.cdiv(INTER, BN), m_blocks, GROUP_M)
     e = tl.load(experts_ptr + pid_m)
     if e < 0:
         return
@@ -178,29 +162,18 @@ def _down_rows(h_ptr, w_base, sorted_ptr, weights_ptr, y_ptr, hs_ptr, ws_ptr, e,
              mask=valid[:, None] & col_ok[None, :])
 
 
-# m_blocks and n_programs are not specialized: a step's block count would otherwise add compiles.
-@triton.jit(do_not_specialize=["m_blocks", "n_programs"])
+# m_blocks is not specialized: a step's block count would otherwise add compiles.
+@triton.jit(do_not_specialize=["m_blocks"])
 def _moe_down_kernel(
     h_ptr, w_ptr, sorted_ptr, experts_ptr, weights_ptr, y_ptr, hs_ptr, ws_ptr, shared_w_ptr,
-    S, HIDDEN, INTER, stride_h, stride_we, stride_wn, stride_y, stride_hs, stride_wse, stride_wsn, num_routed,
-    m_blocks, n_programs,
+    S, HIDDEN, INTER, stride_h, stride_we, stride_wn, stride_y, stride_hs, stride_wse, stride_wsn, num_routed, m_blocks,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
     FP8: tl.constexpr, BLOCK_ROWS: tl.constexpr, EVEN_K: tl.constexpr, HAS_SHARED: tl.constexpr = False,
-    HALF_TAIL: tl.constexpr = False, PERSISTENT: tl.constexpr = False,
+    HALF_TAIL: tl.constexpr = False, GROUP_M: tl.constexpr = 1,
 ):
     """HAS_SHARED: expert `num_routed` is the shared expert, its [hidden, I] weight at
-    shared_w_ptr with w2's row stride. HALF_TAIL, PERSISTENT: as in the gate|up kernel."""
-    if PERSISTENT:
-        n_col = tl.cdiv(HIDDEN, BN)
-        for tile in tl.range(tl.program_id(0), _real_blocks(experts_ptr, m_blocks) * n_col, n_programs, flatten=True):
-            pid_m = tile // n_col
-            e = tl.load(experts_ptr + pid_m)
-            w_base = _expert_weights(w_ptr, shared_w_ptr, e, stride_we, num_routed, HAS_SHARED)
-            _down_rows(h_ptr, w_base, sorted_ptr, weights_ptr, y_ptr, hs_ptr, ws_ptr, e, pid_m * BM, tile % n_col, S,
-                       HIDDEN, INTER, stride_h, stride_wn, stride_y, stride_hs, stride_wse, stride_wsn, BM, BN, BK,
-                       PREC, FP8, BLOCK_ROWS, EVEN_K)
-        return
-    pid_m, pid_n = _block_of_program(tl.cdiv(HIDDEN, BN))
+    shared_w_ptr with w2's row stride. HALF_TAIL, GROUP_M: as in the gate|up kernel."""
+    pid_m, pid_n = _block_of_program(tl.cdiv(HIDDEN, BN), m_blocks, GROUP_M)
     e = tl.load(experts_ptr + pid_m)
     if e < 0:
         return
@@ -260,23 +233,12 @@ class MoeTiles:
     the backend's default). `half_tail`: a block whose second half is all padding (the last block
     of a run that ends in its first half) multiplies half the rows; at 8K tokens over 256 experts
     about half the runs end so, and 128-row blocks multiply 1.25x the routed rows (docs/perf-notes.md).
-    `persistent`: one program per SM (the grid's size past which programs would wait for an SM),
-    each looping over tiles, so the next tile's loads overlap this one's epilogue; not with
-    half_tail (the loop needs one row count) nor FP8."""
+    `group_m`: the programs' order, row blocks fastest within groups of this many (_block_of_program)."""
     block_m: int
     gate_up: tuple[int, int, int, int | None]
     down: tuple[int, int, int, int | None]
     half_tail: bool = False
-    persistent: bool = False
-
-
-@functools.cache
-def persistent_programs(device: torch.device) -> int:
-    """Programs of a persistent launch: the device's SMs (compute units), one program each (the
-    prefill tiles' shared memory fits one per SM); in the interpreter a few, so the loop runs."""
-    if device.type != "cuda":
-        return 3
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    group_m: int = 1
 
 
 def moe_tiles(num_slots: int, num_experts: int, hidden: int, inter: int, fp8: bool, target: str,
@@ -336,11 +298,8 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
         raise ValueError(f"FP8 experts step K by the scale block's {block[1]} columns; tiles asked {BK1} and {BK2}")
     if t.half_tail and BM < 32:
         raise ValueError(f"half_tail needs at least 32 rows per program (a half of at least 16 for the dot); got {BM}")
-    if t.persistent and (t.half_tail or fp8):
-        raise ValueError("persistent tiles take neither half_tail (the loop has one row count) nor FP8 experts")
     sorted_slots, block_experts = align_to_experts(ids, E, BM, extra_expert=shared is not None)
     m_blocks = block_experts.numel()
-    programs = persistent_programs(x.device) if t.persistent else 0
     prec = "ieee" if x.dtype == torch.float32 else dot_precision(x.device).tensor_core
     h = torch.empty(S, inter, dtype=x.dtype, device=x.device)
     shared_w13, shared_w2 = shared if shared is not None else (w13, w2)   # unused pointers without one
@@ -349,26 +308,22 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
         ws13, ws2, br = w13_scale, w2_scale, block[0]
     else:   # the scale arguments are unused: any tensor stands in
         a, a_scale, ws13, ws2, br = x, h, h, h, 1
-    grid1 = m_blocks * triton.cdiv(inter, BN1)
-    _moe_gate_up_kernel[(min(grid1, programs) if programs else grid1,)](
+    _moe_gate_up_kernel[(m_blocks * triton.cdiv(inter, BN1),)](
         a, w13, sorted_slots, block_experts, h, a_scale, ws13, shared_w13,
         S, hidden, inter, a.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
-        a_scale.stride(0), ws13.stride(0), ws13.stride(1) if fp8 else 0, E, m_blocks, programs,
+        a_scale.stride(0), ws13.stride(0), ws13.stride(1) if fp8 else 0, E, m_blocks,
         TOPK=k, LIMIT=float(activation_limit or 0.0), HAS_LIMIT=activation_limit is not None,
         BM=BM, BN=BN1, BK=BK1, PREC=prec, FP8=fp8, BLOCK_ROWS=br, EVEN_K=hidden % BK1 == 0,
-        HAS_SHARED=shared is not None, HALF_TAIL=t.half_tail, PERSISTENT=t.persistent, num_warps=warps1,
-        num_stages=stages1,
+        HAS_SHARED=shared is not None, HALF_TAIL=t.half_tail, GROUP_M=t.group_m, num_warps=warps1, num_stages=stages1,
     )
     hq, h_scale = quantize_per_token_group(h, block[1]) if fp8 else (h, h)
     y = torch.empty(S, hidden, dtype=torch.float32 if x.dtype == torch.float32 else x.dtype, device=x.device)
-    grid2 = m_blocks * triton.cdiv(hidden, BN2)
-    _moe_down_kernel[(min(grid2, programs) if programs else grid2,)](
+    _moe_down_kernel[(m_blocks * triton.cdiv(hidden, BN2),)](
         hq, w2, sorted_slots, block_experts, weights.reshape(-1).float().contiguous(), y, h_scale, ws2, shared_w2,
         S, hidden, inter, hq.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        h_scale.stride(0), ws2.stride(0), ws2.stride(1) if fp8 else 0, E, m_blocks, programs,
+        h_scale.stride(0), ws2.stride(0), ws2.stride(1) if fp8 else 0, E, m_blocks,
         BM=BM, BN=BN2, BK=BK2, PREC=prec, FP8=fp8, BLOCK_ROWS=br, EVEN_K=inter % BK2 == 0,
-        HAS_SHARED=shared is not None, HALF_TAIL=t.half_tail, PERSISTENT=t.persistent, num_warps=warps2,
-        num_stages=stages2,
+        HAS_SHARED=shared is not None, HALF_TAIL=t.half_tail, GROUP_M=t.group_m, num_warps=warps2, num_stages=stages2,
     )
     return sum_over_choices(y, T, k, out_dtype, addend)
 
