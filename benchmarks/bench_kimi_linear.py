@@ -19,8 +19,7 @@ process, per layer kind as kdaserve/bench/layer_kinds.py counts them (dense weig
 embedding table, the routed experts the step touches for uniform routing, the KDA states read and
 written, the MLA latent rows of every context). Each decode batch's step is also profiled by layer
 kind (10 engine steps under torch.profiler) and every kind set against its own floor.
-`--compare-moe-tiles half_tail group_m_4` times each prompt with the MoE prefill tiles as given and
-with each change. Rows print as measured; the table prints last.
+Rows print as measured; the table prints last.
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ import argparse
 import statistics
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -44,8 +42,6 @@ from kdaserve.engine.caches import kv_bytes_per_block, state_bytes_per_slot  # n
 
 MODEL = "moonshotai/Kimi-Linear-48B-A3B-Instruct"
 GIB = 2**30
-# --compare-moe-tiles: changes to moe_tiles' prefill tiles (ops/moe/fused.MoeTiles).
-TILE_VARIANTS = {"half_tail": dict(half_tail=True), "group_m_4": dict(group_m=4)}
 
 
 def param_bytes(model) -> int:
@@ -131,9 +127,6 @@ def main() -> None:
     ap.add_argument("--decode-ctx", type=int, default=512, help="prompt tokens of the decode batches")
     ap.add_argument("--ttft", type=int, nargs="+", default=None, help="prompt lengths to time (default: --ctx)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.92)
-    ap.add_argument("--compare-moe-tiles", nargs="+", default=[], choices=sorted(TILE_VARIANTS),
-                    help="time each prompt with the MoE prefill tiles as moe_tiles gives them, then with each of these "
-                         "changes to its 128-row tiles (ops/moe/fused.MoeTiles)")
     args = ap.parse_args()
     t0 = time.time()
     bw = copy_bandwidth()
@@ -158,43 +151,25 @@ def main() -> None:
 
     rows, by_kind = [], []
     ttfts, kinds = {}, {}
-    import kdaserve.ops.moe.fused as fused
-
-    default_tiles = fused.moe_tiles
-
-    def changed_tiles(change: dict):
-        def tiles(*a, **kw):
-            t = default_tiles(*a, **kw)
-            return replace(t, **change) if t.block_m == 128 else t
-        return tiles
-
-    variants = [("", default_tiles)]
-    if args.compare_moe_tiles:
-        variants = [(" (default tiles)", default_tiles)] + [
-            (f" ({name})", changed_tiles(TILE_VARIANTS[name])) for name in args.compare_moe_tiles]
-    for variant, (label, tiles_fn) in enumerate(variants):
-        fused.moe_tiles = tiles_fn
-        for n in lengths:
-            key = f"{n}{label}"
-            # A fresh random prompt per run: with prefix caching on (the default) a repeated prompt
-            # would be served from its cached prefix instead of prefilled.
-            prompts = random_prompts(3, n, seed=5 + n + 7919 * variant)
-            ttft = []
-            for prompt in prompts[:2]:
-                eng.add_request(f"ttft{key}-{len(ttft)}", prompt, SamplingParams(max_tokens=1, ignore_eos=True))
-                torch.cuda.synchronize()
-                s = time.perf_counter()
-                while eng.has_unfinished_requests():
-                    eng.step()
-                torch.cuda.synchronize()
-                ttft.append(time.perf_counter() - s)
-                print(f"  TTFT {key} tokens: {ttft[-1] * 1e3:.1f} ms ({time.time() - t0:.0f} s)", flush=True)
-            ttfts[key] = ttft
-            kinds[key], top_other = prefill_breakdown(eng, prompts[2])
-            print(f"  prefill of {key} tokens by layer kind (device ms): "
-                  + ", ".join(f"{k} {v:.2f}" for k, v in kinds[key].items()), flush=True)
-            print(f"  the largest of '{OTHER}':\n" + "\n".join(f"    {ms:8.2f} ms  {name}" for name, ms in top_other))
-    fused.moe_tiles = default_tiles
+    for n in lengths:
+        # A fresh random prompt per run: with prefix caching on (the default) a repeated prompt
+        # would be served from its cached prefix instead of prefilled.
+        prompts = random_prompts(3, n, seed=5 + n)
+        ttft = []
+        for prompt in prompts[:2]:
+            eng.add_request(f"ttft{n}-{len(ttft)}", prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+            torch.cuda.synchronize()
+            s = time.perf_counter()
+            while eng.has_unfinished_requests():
+                eng.step()
+            torch.cuda.synchronize()
+            ttft.append(time.perf_counter() - s)
+            print(f"  TTFT {n} tokens: {ttft[-1] * 1e3:.1f} ms ({time.time() - t0:.0f} s)", flush=True)
+        ttfts[n] = ttft
+        kinds[n], top_other = prefill_breakdown(eng, prompts[2])
+        print(f"  prefill of {n} tokens by layer kind (device ms): "
+              + ", ".join(f"{k} {v:.2f}" for k, v in kinds[n].items()), flush=True)
+        print(f"  the largest of '{OTHER}':\n" + "\n".join(f"    {ms:8.2f} ms  {name}" for name, ms in top_other))
 
     from triton.testing import do_bench
 
@@ -224,10 +199,10 @@ def main() -> None:
             eng.abort_request(rid)
         eng.step()
 
-    print("\n| prefill of one prompt, by layer kind (device ms) | " + " | ".join(f"{n} tokens" for n in kinds) + " |")
-    print("|---|" + "---|" * len(kinds))
-    for k in next(iter(kinds.values())):
-        print(f"| {k} | " + " | ".join(f"{kinds[n][k]:.2f}" for n in kinds) + " |")
+    print("\n| prefill of one prompt, by layer kind (device ms) | " + " | ".join(f"{n} tokens" for n in lengths) + " |")
+    print("|---|" + "---|" * len(lengths))
+    for k in kinds[lengths[0]]:
+        print(f"| {k} | " + " | ".join(f"{kinds[n][k]:.2f}" for n in lengths) + " |")
     print(f"\nKimi-Linear-48B-A3B shape, random bf16 weights, {torch.cuda.get_device_name()}, "
           f"copy bandwidth {bw / 1e12:.2f} TB/s; TTFT " + "; ".join(
               f"{n} tokens {t[-1] * 1e3:.1f} ms (first run {t[0] * 1e3:.0f} ms, compiles included)" for n, t in ttfts.items())

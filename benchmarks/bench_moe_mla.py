@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -306,8 +305,7 @@ def torch_grouped_mm_experts(x, w13, w2, weights, ids, stages: dict | None = Non
 
 def moe_prefill_paths(prefill) -> None:
     """The routed experts at prefill sizes, same routing: the fused Triton kernels (moe_tiles'
-    default; with MoeTiles.half_tail: a run's last block at half the rows when at most half of it
-    is real; with MoeTiles.group_m: row blocks fastest in the program order, in groups), a plain torch path on torch's grouped GEMM (CUTLASS on sm_90+) stage by stage, and
+    default), a plain torch path on torch's grouped GEMM (CUTLASS on sm_90+) stage by stage, and
     cuBLAS's dense GEMMs of the same shapes and flops as a bound (all tokens through one expert's
     weights: what the card does at these K and N without the grouping). "rows run": the rows the
     fused kernels multiply (each expert's run padded to its rows per program) over the routed rows;
@@ -327,17 +325,11 @@ def moe_prefill_paths(prefill) -> None:
         default = moe_tiles(T * K, E, HIDDEN, WIDTH, False, device_target(x.device))
         bm = default.block_m
         counts = torch.bincount(ids.reshape(-1), minlength=E)
-        padded = (counts + bm - 1) // bm * bm
-        half_tails = ((counts % bm > 0) & (counts % bm <= bm // 2)).sum().item()   # last blocks run at half the rows
-        variants = [(default, "default tiles", padded.sum().item()),
-                    (replace(default, half_tail=True), "default tiles, half_tail", padded.sum().item() - half_tails * bm // 2)]
-        for group in (2, 4, 8):
-            variants.append((replace(default, group_m=group), f"default tiles, group_m {group}", padded.sum().item()))
-        for tiles, name, run in variants:
-            fused = lambda tiles=tiles: moe_experts_fused(x, w13, w2, weights, ids, tiles=tiles)   # noqa: E731
-            parts = kernel_ms(fused)
-            rows.append((T, f"fused Triton ({name}, {bm} rows per program)", bench(fused), parts["gate_up"],
-                         parts["down"], parts["rest"], flops, run / (T * K), diff(fused())))
+        run = ((counts + bm - 1) // bm * bm).sum().item()
+        fused = lambda: moe_experts_fused(x, w13, w2, weights, ids, tiles=default)   # noqa: E731
+        parts = kernel_ms(fused)
+        rows.append((T, f"fused Triton (default tiles, {bm} rows per program)", bench(fused), parts["gate_up"],
+                     parts["down"], parts["rest"], flops, run / (T * K), diff(fused())))
         stages = {}
         torch_grouped_mm_experts(x, w13, w2, weights, ids, stages)
         stage_ms = {name: bench(fn) for name, fn in stages.items()}
@@ -352,7 +344,7 @@ def moe_prefill_paths(prefill) -> None:
         m1, m2 = bench(lambda: xd @ w13[0].T), bench(lambda: hd @ w2[0].T)
         rows.append((T, f"cuBLAS dense GEMMs [{S}, {HIDDEN}] x [{HIDDEN}, {2 * WIDTH}] and [{S}, {WIDTH}] x [{WIDTH}, {HIDDEN}]",
                      m1 + m2, m1, m2, 0.0, flops, 1.0, float("nan")))
-        for r in rows[-len(variants) - 2:]:
+        for r in rows[-3:]:
             print(r, flush=True)
     print("\n| tokens | path | ms | gate_up ms | down ms | rest ms | % of bf16 peak (whole) | % of peak (two GEMMs) "
           "| rows run / routed | % of peak on rows run | rel. diff vs torch reference |")

@@ -10,14 +10,10 @@
 # `bash scripts/gpu_verify_next.sh PART [PART ...]`: several parts run in order within one budget.
 # Parts owed (add one as `if [ "$PART" = name ]; then ... fi` below, with what it must show), in the
 # order to run them when the session's device time (30 min) cannot fit them all:
-#   moe_half_tail  MoE prefill with MoeTiles.half_tail (a run's last block at half the rows when at
-#                  most half real) and MoeTiles.persistent (one program per SM, a flattened tile
-#                  loop) against the default tiles, a torch path on grouped_mm and dense cuBLAS
-#                  (issue 21 goals 4, 5; the twenty-eighth session's moe_prefill_padding table
-#                  plus those rows), ~3 min.
-#   kimi_moe_tiles Kimi-Linear's TTFT at 8K and 32K with the default MoE tiles, with half_tail
-#                  and with persistent tiles (goal 4), H200 only, ~4 min.
-# Done, kept to run again: align_default (goal 1), real_client
+#   kimi_ttft      Kimi-Linear's TTFT at 8K and 32K with the prefill breakdown per layer kind
+#                  (goal 4; 32K last timed in the nineteenth session), H200 only, ~4 min.
+# Done, kept to run again: moe_ncu (goal 4: the fused MoE prefill kernels under Nsight Compute), by
+# the twenty-ninth session; align_default (goal 1), real_client
 # (goal 2, the OpenAI SDK as the client), by the twenty-eighth session; kimi_decode_kinds,
 # kimi_fusions (.base = `git archive c04ce36 kdaserve benchmarks`), host_split (.old = `git archive
 # 272aacf kdaserve benchmarks`), by the twenty-seventh (docs/perf-notes.md).
@@ -116,26 +112,32 @@ if [ "$PART" = kimi_fusions ]; then
   done
 fi
 
-if [ "$PART" = moe_half_tail ]; then
-  # Must show: the fused MoE GPU tests pass compiled (half_tail and persistent at 2K and 8K against
-  # the fp32 reference and the default tiles; the default tiles at decode and prefill sizes, with and
-  # without the shared expert: the kernels' bodies moved into row-count helpers); the prefill
-  # paths' table with "default tiles, half_tail" and three "persistent" rows beside the default at 2K / 8K / 16K (CPU estimate of the rows run over the routed rows: 2K
-  # 2.000 -> 1.457, 8K 1.244 -> 1.122; twenty-eighth session default: 8K 2.1751 ms, 43% of peak).
-  # Where it is faster, moe_tiles returns half_tail=True for its 128-row tiles (ops/moe/fused.py),
-  # and Kimi-Linear's TTFT (bench_kimi_linear.py --batches 1 --ttft 8192) should follow.
-  group moe_half_tail_test 200 tests/ops/test_moe.py -k "fused"
-  timeout $(cap 150) python3 benchmarks/bench_moe_mla.py --moe-prefill-paths --prefill 2048 8192 16384 > "$OUT/half_tail.log" 2>&1
-  echo "== prefill paths rc=$?"; sed -n '/^| tokens/,$p' "$OUT/half_tail.log"; grep -m3 "Error\|Traceback" "$OUT/half_tail.log"
+if [ "$PART" = kimi_ttft ]; then
+  # Must show (issue 21 goal 4; H200: Kimi-Linear needs 91.5 GiB): TTFT of one 8K and one 32K
+  # prompt (second run of each) and the prefill per layer kind (twenty-eighth session 8K:
+  # 141.9-143.3 ms, MoE 56.01 ms; 32K: 813.8 ms in the nineteenth session, before the fused RMSNorm,
+  # with "other" 149.26 ms and MLA 256.59 ms of it).
+  timeout $(cap 330) python3 benchmarks/bench_kimi_linear.py --batches 1 --ttft 8192 32768 > "$OUT/kimi_ttft.log" 2>&1
+  echo "== kimi rc=$?"; grep "TTFT\|^| " "$OUT/kimi_ttft.log" | grep -v "^| 1 |" | head -24; grep -m3 "Error\|Traceback" "$OUT/kimi_ttft.log"
 fi
 
-if [ "$PART" = kimi_moe_tiles ]; then
-  # Must show (issue 21 goal 4; H200: Kimi-Linear needs 91.5 GiB): TTFT of one 8K and one 32K
-  # prompt with the default MoE prefill tiles, with half_tail and with persistent tiles (second run
-  # of each; the breakdown's "MoE experts" row per variant; twenty-eighth session 8K: 141.9-143.3
-  # ms, MoE 56.01 ms; 32K last timed in the nineteenth session, 813.8 ms, before the fused RMSNorm).
-  timeout $(cap 330) python3 benchmarks/bench_kimi_linear.py --batches 1 --ttft 8192 32768 --compare-moe-tiles half_tail group_m_4 > "$OUT/kimi_moe_tiles.log" 2>&1
-  echo "== kimi rc=$?"; grep "TTFT\|^| " "$OUT/kimi_moe_tiles.log" | grep -v "^| 1 |" | head -24; grep -m3 "Error\|Traceback" "$OUT/kimi_moe_tiles.log"
+if [ "$PART" = moe_ncu ]; then
+  # Must show (goal 4, any Hopper card): Nsight Compute's counters for the fused MoE prefill kernels
+  # at 8K tokens (gate|up, down, sum) and cuBLAS's dense GEMM at gate|up's shape: DRAM bytes and
+  # throughput, L2 throughput and hit rate, SM (tensor pipe) throughput, stalls. Twenty-ninth session
+  # (H100, base clocks): gate|up L2 87%, DRAM 62%, SM 68%; cuBLAS L2 53%, SM 92%.
+  timeout $(cap 200) ncu --kernel-name regex:_moe_ --launch-skip 3 --launch-count 3 --section SpeedOfLight \
+    --section MemoryWorkloadAnalysis --section WarpStateStats --section ComputeWorkloadAnalysis --section Occupancy \
+    --metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct \
+    python3 benchmarks/profile_moe_prefill.py --tokens 8192 > "$OUT/moe_ncu.txt" 2>&1
+  echo "== ncu rc=$?"; grep -E "^  [_a-z]|tokens,|Duration|DRAM Throughput|L2 Cache Throughput|Compute \(SM\)|dram__bytes|hit_rate" "$OUT/moe_ncu.txt"
+  timeout $(cap 120) ncu --launch-skip 2 --launch-count 1 --kernel-name regex:"gemm|sm90|cutlass|nvjet" --section SpeedOfLight \
+    --section LaunchStats --metrics dram__bytes_read.sum,lts__t_sector_hit_rate.pct python3 -c "
+import torch
+a = torch.randn(65536, 2304, device='cuda', dtype=torch.bfloat16); w = torch.randn(2048, 2304, device='cuda', dtype=torch.bfloat16)
+for _ in range(3): a @ w.T
+torch.cuda.synchronize()" > "$OUT/dense_ncu.txt" 2>&1
+  echo "== dense ncu rc=$?"; grep -E "^  [_a-z]|Duration|DRAM Throughput|L2 Cache Throughput|Compute \(SM\)|dram__bytes|hit_rate|Cluster Size|Grid Size" "$OUT/dense_ncu.txt"
 fi
 
 if [ "$PART" = align_default ]; then

@@ -299,16 +299,14 @@ def _other_cases() -> list[Case]:
                     quick=True, no_spill=True))
     for slots, label in ((64, "decode BM=16"), (8192, "BM=32"), (65536, "prefill")):   # moe_tiles' regimes at E = 256
         out += _moe_cases(slots, label)
-    out += _moe_cases(65536, "prefill, half-empty last blocks at half the rows", half_tail=True)   # MoeTiles.half_tail
-    out += _moe_cases(65536, "prefill, row blocks fastest in groups of 4", group_m=4)   # MoeTiles.group_m
     out += _moe_cases(576, "decode B=64 + shared expert", shared=True)   # layers/moe: the shared expert as expert 256
     return out + _fp8_cases()
 
 
-def _moe_cases(slots: int, label: str, shared: bool = False, half_tail: bool = False, group_m: int = 1) -> list[Case]:
+def _moe_cases(slots: int, label: str, shared: bool = False) -> list[Case]:
     """The two bf16 expert GEMMs of a step of `slots` (token, expert) pairs over Kimi-Linear's 256
     experts (hidden 2304, width 1024), on each target as ops/moe/fused.moe_tiles launches them there;
-    `shared`: with the shared expert run as expert 256 (decode); `half_tail`, `group_m`: MoeTiles'."""
+    `shared`: with the shared expert run as expert 256 (decode)."""
     from kdaserve.ops.moe.fused import _moe_down_kernel, _moe_gate_up_kernel, moe_tiles
 
     def launch(t: str, which: str) -> dict:
@@ -316,7 +314,7 @@ def _moe_cases(slots: int, label: str, shared: bool = False, half_tail: bool = F
         bn, bk, warps, stages = getattr(tiles, which)
         return {"consts": dict(BM=tiles.block_m, BN=bn, BK=bk), "warps": warps, "stages": stages or (2 if t.startswith("gfx") else 3)}
 
-    common = dict(FP8=False, BLOCK_ROWS=1, EVEN_K=True, HAS_SHARED=shared, HALF_TAIL=half_tail, GROUP_M=group_m)
+    common = dict(FP8=False, BLOCK_ROWS=1, EVEN_K=True, HAS_SHARED=shared)
     return [
         Case(f"moe gate_up {label}", _moe_gate_up_kernel,
              dict(x_ptr=BF, w_ptr=BF, sorted_ptr=I32, experts_ptr=I32, h_ptr=BF, xs_ptr=BF, ws_ptr=BF, shared_w_ptr=BF),

@@ -6,7 +6,6 @@ sizes (256 experts, top 8, hidden 2304, width 1024)."""
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 
 import pytest
 import torch
@@ -228,56 +227,6 @@ def test_fused_matches_the_reference_at_every_launch_shape(tiles):
 
 
 @INTERP
-def test_fused_half_tail_matches_the_reference():
-    """MoeTiles.half_tail: blocks whose second half is all padding multiply half their rows. Runs
-    of 0, 5, 16, 17, 35 and 47 slots over 32-row blocks: last blocks empty past their first half
-    (5, 16, 35), past it (17, 47), and full blocks before them; the shared experts' addend too."""
-    from kdaserve.ops.moe.fused import MoeTiles, moe_experts_fused
-
-    counts = [0, 5, 16, 17, 35, 47]
-    E, k = len(counts), 2
-    pool = torch.tensor([e for e, c in enumerate(counts) for _ in range(c)])
-    g = torch.Generator().manual_seed(7)
-    pool = pool[torch.randperm(len(pool), generator=g)]
-    T = len(pool) // k   # 60 tokens, 120 slots; a token's two choices may repeat an expert (the kernels allow it)
-    ids = pool.view(T, k)
-    weights = torch.rand(T, k, generator=g)
-    w13, w2 = experts(E, 32, 48)
-    x = torch.randn(T, 32, generator=g)
-    addend = torch.randn(T, 32, generator=g)
-    want = moe_experts_reference(x, w13, w2, weights, ids) + addend
-    tiles = MoeTiles(32, (16, 16, 4, 1), (16, 16, 4, 1), half_tail=True)
-    assert_rel_close(moe_experts_fused(x, w13, w2, weights, ids, tiles=tiles, addend=addend), want, 1e-5, "half tail")
-    with pytest.raises(ValueError, match="half_tail needs at least 32 rows per program"):
-        moe_experts_fused(x, w13, w2, weights, ids, tiles=MoeTiles(16, (16, 16, 4, 1), (16, 16, 4, 1), half_tail=True))
-
-
-@INTERP
-@pytest.mark.parametrize("group_m", [3, 8])
-def test_fused_group_m_matches_the_reference(group_m):
-    """MoeTiles.group_m: the programs in another order (row blocks fastest within groups, the
-    last group short: with 8, 6 row blocks, some of them real), every tile still computed once, with
-    the shared expert as one more expert and the addend."""
-    from kdaserve.ops.moe.fused import MoeTiles, moe_experts_fused
-
-    g = torch.Generator().manual_seed(11)
-    E, k, T, hidden, inter = 5, 2, 40, 48, 32
-    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
-    weights = torch.rand(T, k, generator=g)
-    w13, w2 = experts(E, hidden, inter)
-    shared = (torch.randn(2 * inter, hidden, generator=g) / hidden**0.5, torch.randn(hidden, inter, generator=g) / inter**0.5)
-    x = torch.randn(T, hidden, generator=g)
-    addend = torch.randn(T, hidden, generator=g)
-    ids_all = torch.cat([ids, torch.full((T, 1), E)], 1)
-    weights_all = torch.cat([weights, torch.ones(T, 1)], 1)
-    w13_all, w2_all = torch.cat([w13, shared[0][None]]), torch.cat([w2, shared[1][None]])
-    want = moe_experts_reference(x, w13_all, w2_all, weights_all, ids_all) + addend
-    tiles = MoeTiles(16, (16, 16, 4, 1), (16, 16, 4, 1), group_m=group_m)
-    got = moe_experts_fused(x, w13, w2, weights_all, ids_all, tiles=tiles, addend=addend, shared=shared)
-    assert_rel_close(got, want, 1e-5, f"group_m {group_m}")
-
-
-@INTERP
 def test_fused_clamped_swiglu_matches_the_reference():
     from kdaserve.ops.moe.fused import moe_experts_fused
 
@@ -425,44 +374,6 @@ def test_gpu_fused_at_kimi_linear_sizes(T):
     got = moe_experts_fused(x, w13, w2, weights, ids)
     want = moe_experts_reference(x.float(), w13.float(), w2.float(), weights, ids)
     assert_rel_close(got.float(), want, 1e-2, f"fused MoE bf16 T={T}")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("T", [2048, 8192])
-def test_gpu_fused_half_tail_at_kimi_linear_sizes(T):
-    """Compiled, with MoeTiles.half_tail on the prefill tiles (128 rows per program; about half of
-    the experts' last blocks at most half real at these sizes): finite, against the fp32 reference,
-    and within bf16 rounding of the default tiles (the same dots over the same real rows)."""
-    from dataclasses import replace
-
-    from kdaserve.ops.moe.fused import moe_experts_fused, moe_tiles
-
-    x, w13, w2, weights, ids = _kimi_linear_step(T, seed=8)
-    tiles = moe_tiles(ids.numel(), 256, 2304, 1024, False, "sm_90")
-    assert tiles.block_m == 128
-    counts = torch.bincount(ids.reshape(-1), minlength=256) % 128
-    assert ((counts > 0) & (counts <= 64)).any()   # some last blocks take the half path
-    got = moe_experts_fused(x, w13, w2, weights, ids, tiles=replace(tiles, half_tail=True))
-    assert torch.isfinite(got).all()
-    want = moe_experts_reference(x.float(), w13.float(), w2.float(), weights, ids)
-    assert_rel_close(got.float(), want, 1e-2, f"fused MoE half_tail bf16 T={T}")
-    default = moe_experts_fused(x, w13, w2, weights, ids, tiles=tiles)
-    assert_rel_close(got.float(), default.float(), 2e-3, f"half_tail vs default tiles T={T}")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("T", [2048, 8192])
-def test_gpu_fused_group_m_at_kimi_linear_sizes(T):
-    """Compiled, with MoeTiles.group_m = 4 on the prefill tiles: bit for bit the default tiles'
-    result (the same programs in another order), and close to the fp32 reference."""
-    from kdaserve.ops.moe.fused import moe_experts_fused, moe_tiles
-
-    x, w13, w2, weights, ids = _kimi_linear_step(T, seed=9)
-    tiles = moe_tiles(ids.numel(), 256, 2304, 1024, False, "sm_90")
-    got = moe_experts_fused(x, w13, w2, weights, ids, tiles=replace(tiles, group_m=4))
-    assert torch.equal(got, moe_experts_fused(x, w13, w2, weights, ids, tiles=replace(tiles, group_m=1)))
-    want = moe_experts_reference(x.float(), w13.float(), w2.float(), weights, ids)
-    assert_rel_close(got.float(), want, 1e-2, f"fused MoE group_m bf16 T={T}")
 
 
 @pytest.mark.gpu

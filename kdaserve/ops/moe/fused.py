@@ -31,19 +31,12 @@ from kdaserve.ops.moe.align import align_to_experts
 
 
 @triton.jit
-def _block_of_program(n_blocks, m_blocks, GROUP_M: tl.constexpr):
-    """(row block, column block) of this program in a 1-D grid. GROUP_M = 1: column blocks
-    fastest, so the programs in flight share their rows (gathered activations, read from DRAM once
-    instead of once per column block) and an expert's weights (its few row blocks run side by
-    side). GROUP_M > 1: within each group of GROUP_M row blocks the row blocks are fastest, so an
-    expert's row blocks read each weight tile at the same time (once from DRAM)."""
+def _block_of_program(n_blocks):
+    """(row block, column block) of this program in a 1-D grid, column blocks fastest: the programs
+    in flight share their rows (gathered activations, read from DRAM once instead of once per
+    column block) and an expert's weights (its few row blocks run side by side)."""
     pid = tl.program_id(0)
-    if GROUP_M == 1:
-        return pid // n_blocks, pid % n_blocks
-    per_group = GROUP_M * n_blocks
-    first = pid // per_group * GROUP_M
-    rows = tl.minimum(m_blocks - first, GROUP_M)
-    return first + pid % per_group % rows, pid % per_group // rows
+    return pid // n_blocks, pid % n_blocks
 
 
 @triton.jit
@@ -95,38 +88,21 @@ def _expert_weights(w_ptr, shared_w_ptr, e, stride_we, num_routed, HAS_SHARED: t
 
 
 @triton.jit
-def _last_block_half_empty(sorted_ptr, row0, S, BM: tl.constexpr):
-    """Whether this block's second half is all padding (an expert's run ends in its first half;
-    a run's real slots come before its padding)."""
-    return tl.load(sorted_ptr + row0 + BM // 2) >= S
-
-
-# m_blocks is not specialized: a step's block count would otherwise add compiles.
-@triton.jit(do_not_specialize=["m_blocks"])
 def _moe_gate_up_kernel(
     x_ptr, w_ptr, sorted_ptr, experts_ptr, h_ptr, xs_ptr, ws_ptr, shared_w_ptr,
-    S, HIDDEN, INTER, stride_x, stride_we, stride_wn, stride_h, stride_xs, stride_wse, stride_wsn, num_routed, m_blocks,
+    S, HIDDEN, INTER, stride_x, stride_we, stride_wn, stride_h, stride_xs, stride_wse, stride_wsn, num_routed,
     TOPK: tl.constexpr, LIMIT: tl.constexpr, HAS_LIMIT: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
     FP8: tl.constexpr, BLOCK_ROWS: tl.constexpr, EVEN_K: tl.constexpr, HAS_SHARED: tl.constexpr = False,
-    HALF_TAIL: tl.constexpr = False, GROUP_M: tl.constexpr = 1,
 ):
     """HAS_SHARED: expert `num_routed` is the shared expert, its [2I, hidden] weight at
-    shared_w_ptr with w13's row stride. HALF_TAIL: a block whose second half is all padding
-    multiplies BM / 2 rows (the same weight tiles, half the tensor-core work). GROUP_M: the program
-    order (_block_of_program)."""
-    pid_m, pid_n = _block_of_program(tl.cdiv(INTER, BN), m_blocks, GROUP_M)
+    shared_w_ptr with w13's row stride."""
+    pid_m, pid_n = _block_of_program(tl.cdiv(INTER, BN))
     e = tl.load(experts_ptr + pid_m)
     if e < 0:
         return
     w_base = _expert_weights(w_ptr, shared_w_ptr, e, stride_we, num_routed, HAS_SHARED)
     row0 = pid_m * BM
-    if HALF_TAIL:
-        if _last_block_half_empty(sorted_ptr, row0, S, BM):
-            _gate_up_rows(x_ptr, w_base, sorted_ptr, h_ptr, xs_ptr, ws_ptr, e, row0, pid_n, S, HIDDEN, INTER,
-                          stride_x, stride_wn, stride_h, stride_xs, stride_wse, stride_wsn, TOPK, LIMIT, HAS_LIMIT,
-                          BM // 2, BN, BK, PREC, FP8, BLOCK_ROWS, EVEN_K)
-            return
     _gate_up_rows(x_ptr, w_base, sorted_ptr, h_ptr, xs_ptr, ws_ptr, e, row0, pid_n, S, HIDDEN, INTER,
                   stride_x, stride_wn, stride_h, stride_xs, stride_wse, stride_wsn, TOPK, LIMIT, HAS_LIMIT,
                   BM, BN, BK, PREC, FP8, BLOCK_ROWS, EVEN_K)
@@ -162,29 +138,21 @@ def _down_rows(h_ptr, w_base, sorted_ptr, weights_ptr, y_ptr, hs_ptr, ws_ptr, e,
              mask=valid[:, None] & col_ok[None, :])
 
 
-# m_blocks is not specialized: a step's block count would otherwise add compiles.
-@triton.jit(do_not_specialize=["m_blocks"])
+@triton.jit
 def _moe_down_kernel(
     h_ptr, w_ptr, sorted_ptr, experts_ptr, weights_ptr, y_ptr, hs_ptr, ws_ptr, shared_w_ptr,
-    S, HIDDEN, INTER, stride_h, stride_we, stride_wn, stride_y, stride_hs, stride_wse, stride_wsn, num_routed, m_blocks,
+    S, HIDDEN, INTER, stride_h, stride_we, stride_wn, stride_y, stride_hs, stride_wse, stride_wsn, num_routed,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
     FP8: tl.constexpr, BLOCK_ROWS: tl.constexpr, EVEN_K: tl.constexpr, HAS_SHARED: tl.constexpr = False,
-    HALF_TAIL: tl.constexpr = False, GROUP_M: tl.constexpr = 1,
 ):
     """HAS_SHARED: expert `num_routed` is the shared expert, its [hidden, I] weight at
-    shared_w_ptr with w2's row stride. HALF_TAIL, GROUP_M: as in the gate|up kernel."""
-    pid_m, pid_n = _block_of_program(tl.cdiv(HIDDEN, BN), m_blocks, GROUP_M)
+    shared_w_ptr with w2's row stride."""
+    pid_m, pid_n = _block_of_program(tl.cdiv(HIDDEN, BN))
     e = tl.load(experts_ptr + pid_m)
     if e < 0:
         return
     w_base = _expert_weights(w_ptr, shared_w_ptr, e, stride_we, num_routed, HAS_SHARED)
     row0 = pid_m * BM
-    if HALF_TAIL:
-        if _last_block_half_empty(sorted_ptr, row0, S, BM):
-            _down_rows(h_ptr, w_base, sorted_ptr, weights_ptr, y_ptr, hs_ptr, ws_ptr, e, row0, pid_n, S, HIDDEN, INTER,
-                       stride_h, stride_wn, stride_y, stride_hs, stride_wse, stride_wsn, BM // 2, BN, BK, PREC, FP8,
-                       BLOCK_ROWS, EVEN_K)
-            return
     _down_rows(h_ptr, w_base, sorted_ptr, weights_ptr, y_ptr, hs_ptr, ws_ptr, e, row0, pid_n, S, HIDDEN, INTER,
                stride_h, stride_wn, stride_y, stride_hs, stride_wse, stride_wsn, BM, BN, BK, PREC, FP8,
                BLOCK_ROWS, EVEN_K)
@@ -230,15 +198,10 @@ def fp8_tiles(block_m: int) -> tuple[int, int]:
 class MoeTiles:
     """One launch shape of the two expert GEMMs: rows per program (each expert's run of sorted
     slots is padded to a multiple of it) and, per kernel, (columns, K step, warps, stages; None =
-    the backend's default). `half_tail`: a block whose second half is all padding (the last block
-    of a run that ends in its first half) multiplies half the rows; at 8K tokens over 256 experts
-    about half the runs end so, and 128-row blocks multiply 1.25x the routed rows (docs/perf-notes.md).
-    `group_m`: the programs' order, row blocks fastest within groups of this many (_block_of_program)."""
+    the backend's default)."""
     block_m: int
     gate_up: tuple[int, int, int, int | None]
     down: tuple[int, int, int, int | None]
-    half_tail: bool = False
-    group_m: int = 1
 
 
 def moe_tiles(num_slots: int, num_experts: int, hidden: int, inter: int, fp8: bool, target: str,
@@ -296,8 +259,6 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     BM, (BN1, BK1, warps1, stages1), (BN2, BK2, warps2, stages2) = t.block_m, t.gate_up, t.down
     if fp8 and (BK1, BK2) != (block[1], block[1]):
         raise ValueError(f"FP8 experts step K by the scale block's {block[1]} columns; tiles asked {BK1} and {BK2}")
-    if t.half_tail and BM < 32:
-        raise ValueError(f"half_tail needs at least 32 rows per program (a half of at least 16 for the dot); got {BM}")
     sorted_slots, block_experts = align_to_experts(ids, E, BM, extra_expert=shared is not None)
     m_blocks = block_experts.numel()
     prec = "ieee" if x.dtype == torch.float32 else dot_precision(x.device).tensor_core
@@ -311,19 +272,19 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     _moe_gate_up_kernel[(m_blocks * triton.cdiv(inter, BN1),)](
         a, w13, sorted_slots, block_experts, h, a_scale, ws13, shared_w13,
         S, hidden, inter, a.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
-        a_scale.stride(0), ws13.stride(0), ws13.stride(1) if fp8 else 0, E, m_blocks,
+        a_scale.stride(0), ws13.stride(0), ws13.stride(1) if fp8 else 0, E,
         TOPK=k, LIMIT=float(activation_limit or 0.0), HAS_LIMIT=activation_limit is not None,
         BM=BM, BN=BN1, BK=BK1, PREC=prec, FP8=fp8, BLOCK_ROWS=br, EVEN_K=hidden % BK1 == 0,
-        HAS_SHARED=shared is not None, HALF_TAIL=t.half_tail, GROUP_M=t.group_m, num_warps=warps1, num_stages=stages1,
+        HAS_SHARED=shared is not None, num_warps=warps1, num_stages=stages1,
     )
     hq, h_scale = quantize_per_token_group(h, block[1]) if fp8 else (h, h)
     y = torch.empty(S, hidden, dtype=torch.float32 if x.dtype == torch.float32 else x.dtype, device=x.device)
     _moe_down_kernel[(m_blocks * triton.cdiv(hidden, BN2),)](
         hq, w2, sorted_slots, block_experts, weights.reshape(-1).float().contiguous(), y, h_scale, ws2, shared_w2,
         S, hidden, inter, hq.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        h_scale.stride(0), ws2.stride(0), ws2.stride(1) if fp8 else 0, E, m_blocks,
+        h_scale.stride(0), ws2.stride(0), ws2.stride(1) if fp8 else 0, E,
         BM=BM, BN=BN2, BK=BK2, PREC=prec, FP8=fp8, BLOCK_ROWS=br, EVEN_K=inter % BK2 == 0,
-        HAS_SHARED=shared is not None, HALF_TAIL=t.half_tail, GROUP_M=t.group_m, num_warps=warps2, num_stages=stages2,
+        HAS_SHARED=shared is not None, num_warps=warps2, num_stages=stages2,
     )
     return sum_over_choices(y, T, k, out_dtype, addend)
 
