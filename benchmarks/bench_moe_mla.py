@@ -356,6 +356,7 @@ def moe_prefill_paths(prefill) -> None:
 
 
 MLA_PREFILL_SHAPES = ((64, 32, 8, 2), (64, 32, 8, 3), (64, 64, 8, 2), (128, 32, 8, 2), (128, 64, 8, 2), (128, 32, 8, 3),
+                      (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3),
                       (64, 64, 4, 2), (32, 32, 8, 2))   # (BLOCK_M, BLOCK_N, warps, stages)
 
 
@@ -392,14 +393,17 @@ def shared_expert_sweep(batches) -> None:
         print(f"| {T} | {apart:.4f} | {inside:.4f} | {inside / apart:.2f}x | {diff:.1e} | {'inside' if chosen else 'apart'} |")
 
 
-def mla_prefill_sweep(prefill) -> None:
+MLA_HEADS = {"kimi": (HEADS, NOPE, ROPE, V), "glm": (64, 256, 0, 256)}   # heads, nope, rope, value dims
+
+
+def mla_prefill_sweep(prefill, models=tuple(MLA_HEADS)) -> None:
     """MLA prefill launch shapes, one sequence per step, Kimi-Linear's heads (32 x (128 + 64 rotary),
     values 128) and GLM-5.3-Flash's (64 x 256, no rotary part); do_bench median. The table prints last."""
     from kdaserve.ops.mla.prefill import launch_shape
 
     g = torch.Generator(device="cuda").manual_seed(4)
     rows = []
-    for heads, nope, rope, vd in ((HEADS, NOPE, ROPE, V), (64, 256, 0, 256)):
+    for heads, nope, rope, vd in (MLA_HEADS[m] for m in models):
         scale = (nope + rope) ** -0.5
         default = launch_shape(device_target(torch.device("cuda")), nope, vd)
         for T in prefill:
@@ -433,6 +437,8 @@ def main() -> None:
     ap.add_argument("--moe-prefill-paths", action="store_true",
                     help="prefill MoE: fused Triton kernels, torch's grouped GEMM path, dense cuBLAS GEMMs")
     ap.add_argument("--sweep-mla-prefill", action="store_true", help="MLA prefill launch shapes instead of the main table")
+    ap.add_argument("--mla-heads", nargs="+", choices=list(MLA_HEADS), default=list(MLA_HEADS),
+                    help="the models' MLA head shapes --sweep-mla-prefill times")
     ap.add_argument("--sweep-shared", action="store_true",
                     help="the MoE layer with the shared expert apart or inside the fused kernels, per batch")
     args = ap.parse_args()
@@ -443,7 +449,7 @@ def main() -> None:
                     "sweep_moe": lambda: moe_sweep(args.batches, args.prefill, bw),
                     "sweep_align": lambda: align_sweep(args.batches),
                     "moe_prefill_paths": lambda: moe_prefill_paths(args.prefill),
-                    "sweep_mla_prefill": lambda: mla_prefill_sweep(args.prefill),
+                    "sweep_mla_prefill": lambda: mla_prefill_sweep(args.prefill, args.mla_heads),
                     "sweep_shared": lambda: shared_expert_sweep(args.batches)}
     for flag, run in alternatives.items():
         if getattr(args, flag):

@@ -20,12 +20,14 @@ from kdaserve.ops.host_tables import tables_to_device
 
 @triton.jit
 def _online_softmax_step(s, vv, m, l, acc, PREC: tl.constexpr):
-    """Fold one key block's scaled scores `s` (-inf where not allowed) and values into the running
-    max `m`, sum `l` and output `acc`; a row with no allowed key so far keeps m = -inf."""
+    """Fold one key block's scores `s`, scaled to base 2 (times scale * log2(e); -inf where not
+    allowed), and values into the running max `m` (base 2), sum `l` and output `acc`; a row with
+    no allowed key so far keeps m = -inf. Base 2: exp2 is the hardware's instruction, so the
+    scale and log2(e) fold into one multiply per score instead of two."""
     m_new = tl.maximum(m, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp(s - m_safe[:, None])
-    alpha = tl.exp(m - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m - m_safe)
     l = l * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision=PREC)
     return m_new, l, acc
@@ -40,6 +42,7 @@ def _mla_prefill_kernel(
 ):
     h = tl.program_id(0)
     pid = tl.program_id(1)
+    scale = scale * 1.4426950408889634   # log2(e): scores in base 2 (_online_softmax_step)
     n = tl.load(blk_seq_ptr + pid)
     m0 = tl.load(blk_start_ptr + pid)
     q_beg = tl.load(cu_q_ptr + n)
@@ -90,19 +93,20 @@ def _mla_prefill_kernel(
 
 def launch_shape(target: str, dn: int, dv: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, warps, stages) on `target` (ops/precision.device_target). Hopper-class:
-    the fastest of bench_moe_mla.py --sweep-mla-prefill on an H200 (docs/perf-notes.md), [64, 64]
-    in 4 warps at Kimi-Linear's 128-wide heads, [128, 64] in 8 at GLM-5.3-Flash's 256-wide ones
-    (a few bytes of spills on sm_90, the fastest all the same). Elsewhere (not timed) tiles that
-    spill on none of sm_89, gfx942, gfx950 (tools/compile_check.py)."""
+    the fastest of bench_moe_mla.py --sweep-mla-prefill on an H100 (docs/perf-notes.md, twenty-ninth
+    session), [128, 64] in 8 warps and 3 stages at Kimi-Linear's 128-wide heads (8K and 32K
+    tokens), [128, 32] in 8 warps and 3 stages at GLM-5.3-Flash's 256-wide ones (8K); neither
+    spills on sm_90 or sm_100. Elsewhere (not timed) tiles that spill on none of sm_89, gfx942,
+    gfx950 (tools/compile_check.py)."""
     if target in WIDE_SHARED_MEMORY_TARGETS:
-        return (64, 64, 4, 2) if dn + dv <= 256 else (128, 64, 8, 2)
+        return (128, 64, 8, 3) if dn + dv <= 256 else (128, 32, 8, 3)
     if dn + dv <= 256:
         return 64, 32, 8, 2
     return (32, 32, 8, 2) if target.startswith("gfx") else (32, 32, 4, 2)
 
 
 # The grid's second axis (blocks of queries) holds at most 65535 programs: 4M query tokens of one
-# step at 64 per block, far above any step's token budget.
+# step at 64 per block (8M at 128), far above any step's token budget.
 MAX_QUERY_BLOCKS = 65535
 
 
