@@ -10,6 +10,8 @@
 # `bash scripts/gpu_verify_next.sh PART [PART ...]`: several parts run in order within one budget.
 # Parts owed (add one as `if [ "$PART" = name ]; then ... fi` below, with what it must show), in the
 # order to run them when the session's device time (30 min) cannot fit them all:
+#   mla_prefill    the MLA prefill GPU tests with its new launch shapes and base-2 softmax, and
+#                  the launch-shape sweep on an H200 (the shapes were chosen on an H100), ~2 min.
 #   kimi_ttft      Kimi-Linear's TTFT at 8K and 32K with the prefill breakdown per layer kind
 #                  (goal 4; 32K last timed in the nineteenth session), H200 only, ~4 min.
 # Done, kept to run again: moe_ncu (goal 4: the fused MoE prefill kernels under Nsight Compute), by
@@ -112,11 +114,22 @@ if [ "$PART" = kimi_fusions ]; then
   done
 fi
 
+if [ "$PART" = mla_prefill ]; then
+  # Must show: tests/ops/test_mla.py's GPU tests pass compiled (the prefill at the new Hopper
+  # shapes, [128, 64] 8 warps 3 stages for Kimi-Linear's heads, [128, 32] for GLM's, base-2
+  # softmax); the sweep's default row at or within ~3% of the fastest at 8K and 32K on an H200
+  # (twenty-ninth session, H100: Kimi 8K 1.4717 ms = 47% of peak, 32K 25.74 ms; GLM 8K 5.13 ms).
+  group mla_test 150 tests/ops/test_mla.py -k gpu
+  timeout $(cap 200) python3 benchmarks/bench_moe_mla.py --sweep-mla-prefill --prefill 8192 32768 > "$OUT/mla_sweep.log" 2>&1
+  echo "== mla sweep rc=$?"; sed -n '/^| heads/,$p' "$OUT/mla_sweep.log"; grep -m3 "Error\|Traceback" "$OUT/mla_sweep.log"
+fi
+
 if [ "$PART" = kimi_ttft ]; then
   # Must show (issue 21 goal 4; H200: Kimi-Linear needs 91.5 GiB): TTFT of one 8K and one 32K
   # prompt (second run of each) and the prefill per layer kind (twenty-eighth session 8K:
-  # 141.9-143.3 ms, MoE 56.01 ms; 32K: 813.8 ms in the nineteenth session, before the fused RMSNorm,
-  # with "other" 149.26 ms and MLA 256.59 ms of it).
+  # 141.9-143.3 ms, MoE 56.01 ms, MLA 16.34 ms; 32K: 813.8 ms in the nineteenth session, before the
+  # fused RMSNorm, with "other" 149.26 ms and MLA 256.59 ms of it). MLA should be lower now: the
+  # twenty-ninth session's prefill kernel is 1.33-1.52x faster on an H100.
   timeout $(cap 330) python3 benchmarks/bench_kimi_linear.py --batches 1 --ttft 8192 32768 > "$OUT/kimi_ttft.log" 2>&1
   echo "== kimi rc=$?"; grep "TTFT\|^| " "$OUT/kimi_ttft.log" | grep -v "^| 1 |" | head -24; grep -m3 "Error\|Traceback" "$OUT/kimi_ttft.log"
 fi
