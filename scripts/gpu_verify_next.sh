@@ -10,12 +10,11 @@
 # `bash scripts/gpu_verify_next.sh PART [PART ...]`: several parts run in order within one budget.
 # Parts owed (add one as `if [ "$PART" = name ]; then ... fi` below, with what it must show), in the
 # order to run them when the session's device time (30 min) cannot fit them all:
-#   mla_prefill    the MLA prefill GPU tests with its new launch shapes and base-2 softmax, and
-#                  the launch-shape sweep on an H200 (the shapes were chosen on an H100), ~2 min.
-#   kimi_ttft      Kimi-Linear's TTFT at 8K and 32K with the prefill breakdown per layer kind
-#                  (goal 4; 32K last timed in the nineteenth session), H200 only, ~4 min.
-# Done, kept to run again: moe_ncu (goal 4: the fused MoE prefill kernels under Nsight Compute), by
-# the twenty-ninth session; align_default (goal 1), real_client
+#   mla_glm_test   the MLA GPU tests again: GLM-5.3-Flash's prefill went back to [128, 64] in 8
+#                  warps, 2 stages after the H200 sweep (run 6 tested [128, 32] 3 stages), ~1 min.
+# Done, kept to run again: moe_ncu (goal 4: the fused MoE prefill kernels under Nsight Compute),
+# mla_prefill (the MLA GPU tests and launch-shape sweep), kimi_ttft (TTFT 8K and 32K), by the
+# twenty-ninth session; align_default (goal 1), real_client
 # (goal 2, the OpenAI SDK as the client), by the twenty-eighth session; kimi_decode_kinds,
 # kimi_fusions (.base = `git archive c04ce36 kdaserve benchmarks`), host_split (.old = `git archive
 # 272aacf kdaserve benchmarks`), by the twenty-seventh (docs/perf-notes.md).
@@ -112,6 +111,12 @@ if [ "$PART" = kimi_fusions ]; then
        > "$OUT/kf_$code.log" 2>&1)
     echo "== $code rc=$?"; grep "TTFT\|^| [0-9]" "$OUT/kf_$code.log" | head -8
   done
+fi
+
+if [ "$PART" = mla_glm_test ]; then
+  # Must show: tests/ops/test_mla.py's GPU tests pass compiled, GLM's prefill at [128, 64] 8 warps
+  # 2 stages with the base-2 softmax (twenty-ninth session run 6: 4 passed at the shapes before).
+  group mla_test 150 tests/ops/test_mla.py -k gpu
 fi
 
 if [ "$PART" = mla_prefill ]; then
