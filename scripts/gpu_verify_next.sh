@@ -10,11 +10,10 @@
 # `bash scripts/gpu_verify_next.sh PART [PART ...]`: several parts run in order within one budget.
 # Parts owed (add one as `if [ "$PART" = name ]; then ... fi` below, with what it must show), in the
 # order to run them when the session's device time (30 min) cannot fit them all:
-#   mla_glm_test   the MLA GPU tests again: GLM-5.3-Flash's prefill went back to [128, 64] in 8
-#                  warps, 2 stages after the H200 sweep (run 6 tested [128, 32] 3 stages), ~1 min.
+#   (none)
 # Done, kept to run again: moe_ncu (goal 4: the fused MoE prefill kernels under Nsight Compute),
-# mla_prefill (the MLA GPU tests and launch-shape sweep), kimi_ttft (TTFT 8K and 32K), by the
-# twenty-ninth session; align_default (goal 1), real_client
+# mla_prefill (the MLA GPU tests and launch-shape sweep), kimi_ttft (TTFT 8K and 32K), mla_glm_test,
+# by the twenty-ninth session; align_default (goal 1), real_client
 # (goal 2, the OpenAI SDK as the client), by the twenty-eighth session; kimi_decode_kinds,
 # kimi_fusions (.base = `git archive c04ce36 kdaserve benchmarks`), host_split (.old = `git archive
 # 272aacf kdaserve benchmarks`), by the twenty-seventh (docs/perf-notes.md).
