@@ -40,43 +40,6 @@ def _block_of_program(n_blocks):
 
 
 @triton.jit
-def _gate_up_rows(x_ptr, w_base, sorted_ptr, h_ptr, xs_ptr, ws_ptr, e, row0, pid_n,
-                  S, HIDDEN, INTER, stride_x, stride_wn, stride_h, stride_xs, stride_wse, stride_wsn,
-                  TOPK: tl.constexpr, LIMIT: tl.constexpr, HAS_LIMIT: tl.constexpr, ROWS: tl.constexpr,
-                  BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr,
-                  BLOCK_ROWS: tl.constexpr, EVEN_K: tl.constexpr):
-    """h for ROWS sorted slots from row0 and one block of BN intermediate columns."""
-    slots = tl.load(sorted_ptr + row0 + tl.arange(0, ROWS))
-    valid = slots < S
-    tokens = tl.where(valid, slots // TOPK, 0).to(tl.int64)
-    cols = pid_n * BN + tl.arange(0, BN)
-    col_ok = cols < INTER
-    if FP8:   # block scales: one per (token, K block) for x, per (row block, K block) for W
-        gate_scales = ws_ptr + e.to(tl.int64) * stride_wse + (cols // BLOCK_ROWS) * stride_wsn
-        up_scales = ws_ptr + e.to(tl.int64) * stride_wse + ((cols + INTER) // BLOCK_ROWS) * stride_wsn
-    acc_g = tl.zeros([ROWS, BN], tl.float32)
-    acc_u = tl.zeros([ROWS, BN], tl.float32)
-    for k0 in range(0, HIDDEN, BK):
-        ks = k0 + tl.arange(0, BK)
-        k_ok = (ks < HIDDEN) | EVEN_K   # no K mask where BK divides K: a mask on K stops Triton's load pipelining
-        a = tl.load(x_ptr + tokens[:, None] * stride_x + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
-        wg = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-        wu = tl.load(w_base + (cols + INTER)[None, :] * stride_wn + ks[:, None], mask=col_ok[None, :] & k_ok[:, None],
-                     other=0.0)
-        if FP8:
-            kb = k0 // BK
-            sa = tl.load(xs_ptr + tokens * stride_xs + kb, mask=valid, other=0.0)[:, None]
-            acc_g += tl.dot(a, wg) * sa * tl.load(gate_scales + kb, mask=col_ok, other=0.0)[None, :]
-            acc_u += tl.dot(a, wu) * sa * tl.load(up_scales + kb, mask=col_ok, other=0.0)[None, :]
-        else:
-            acc_g = tl.dot(a, wg, acc_g, input_precision=PREC)
-            acc_u = tl.dot(a, wu, acc_u, input_precision=PREC)
-    h = silu_product(acc_g, acc_u, LIMIT, HAS_LIMIT)
-    out = h_ptr + slots.to(tl.int64)[:, None] * stride_h + cols[None, :]
-    tl.store(out, h.to(h_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
-
-
-@triton.jit
 def _expert_weights(w_ptr, shared_w_ptr, e, stride_we, num_routed, HAS_SHARED: tl.constexpr):
     """Expert e's weight in the stacked tensor, or with HAS_SHARED the shared expert's own tensor
     for e == num_routed (the shared expert run as one more expert)."""
@@ -102,40 +65,34 @@ def _moe_gate_up_kernel(
     if e < 0:
         return
     w_base = _expert_weights(w_ptr, shared_w_ptr, e, stride_we, num_routed, HAS_SHARED)
-    row0 = pid_m * BM
-    _gate_up_rows(x_ptr, w_base, sorted_ptr, h_ptr, xs_ptr, ws_ptr, e, row0, pid_n, S, HIDDEN, INTER,
-                  stride_x, stride_wn, stride_h, stride_xs, stride_wse, stride_wsn, TOPK, LIMIT, HAS_LIMIT,
-                  BM, BN, BK, PREC, FP8, BLOCK_ROWS, EVEN_K)
-
-
-@triton.jit
-def _down_rows(h_ptr, w_base, sorted_ptr, weights_ptr, y_ptr, hs_ptr, ws_ptr, e, row0, pid_n,
-               S, HIDDEN, INTER, stride_h, stride_wn, stride_y, stride_hs, stride_wse, stride_wsn,
-               ROWS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr,
-               BLOCK_ROWS: tl.constexpr, EVEN_K: tl.constexpr):
-    """y for ROWS sorted slots from row0 and one block of BN hidden columns, weighted."""
-    slots = tl.load(sorted_ptr + row0 + tl.arange(0, ROWS))
+    slots = tl.load(sorted_ptr + pid_m * BM + tl.arange(0, BM))
     valid = slots < S
-    rows = tl.where(valid, slots, 0).to(tl.int64)
+    tokens = tl.where(valid, slots // TOPK, 0).to(tl.int64)
     cols = pid_n * BN + tl.arange(0, BN)
-    col_ok = cols < HIDDEN
-    if FP8:
-        w_scales = ws_ptr + e.to(tl.int64) * stride_wse + (cols // BLOCK_ROWS) * stride_wsn
-    acc = tl.zeros([ROWS, BN], tl.float32)
-    for k0 in range(0, INTER, BK):
+    col_ok = cols < INTER
+    if FP8:   # block scales: one per (token, K block) for x, per (row block, K block) for W
+        gate_scales = ws_ptr + e.to(tl.int64) * stride_wse + (cols // BLOCK_ROWS) * stride_wsn
+        up_scales = ws_ptr + e.to(tl.int64) * stride_wse + ((cols + INTER) // BLOCK_ROWS) * stride_wsn
+    acc_g = tl.zeros([BM, BN], tl.float32)
+    acc_u = tl.zeros([BM, BN], tl.float32)
+    for k0 in range(0, HIDDEN, BK):
         ks = k0 + tl.arange(0, BK)
-        k_ok = (ks < INTER) | EVEN_K
-        a = tl.load(h_ptr + rows[:, None] * stride_h + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+        k_ok = (ks < HIDDEN) | EVEN_K   # no K mask where BK divides K: a mask on K stops Triton's load pipelining
+        a = tl.load(x_ptr + tokens[:, None] * stride_x + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+        wg = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+        wu = tl.load(w_base + (cols + INTER)[None, :] * stride_wn + ks[:, None], mask=col_ok[None, :] & k_ok[:, None],
+                     other=0.0)
         if FP8:
             kb = k0 // BK
-            acc += (tl.dot(a, w) * tl.load(hs_ptr + rows * stride_hs + kb, mask=valid, other=0.0)[:, None]
-                    * tl.load(w_scales + kb, mask=col_ok, other=0.0)[None, :])
+            sa = tl.load(xs_ptr + tokens * stride_xs + kb, mask=valid, other=0.0)[:, None]
+            acc_g += tl.dot(a, wg) * sa * tl.load(gate_scales + kb, mask=col_ok, other=0.0)[None, :]
+            acc_u += tl.dot(a, wu) * sa * tl.load(up_scales + kb, mask=col_ok, other=0.0)[None, :]
         else:
-            acc = tl.dot(a, w, acc, input_precision=PREC)
-    acc *= tl.load(weights_ptr + rows, mask=valid, other=0.0)[:, None]
-    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=valid[:, None] & col_ok[None, :])
+            acc_g = tl.dot(a, wg, acc_g, input_precision=PREC)
+            acc_u = tl.dot(a, wu, acc_u, input_precision=PREC)
+    h = silu_product(acc_g, acc_u, LIMIT, HAS_LIMIT)
+    out = h_ptr + slots.to(tl.int64)[:, None] * stride_h + cols[None, :]
+    tl.store(out, h.to(h_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -152,10 +109,28 @@ def _moe_down_kernel(
     if e < 0:
         return
     w_base = _expert_weights(w_ptr, shared_w_ptr, e, stride_we, num_routed, HAS_SHARED)
-    row0 = pid_m * BM
-    _down_rows(h_ptr, w_base, sorted_ptr, weights_ptr, y_ptr, hs_ptr, ws_ptr, e, row0, pid_n, S, HIDDEN, INTER,
-               stride_h, stride_wn, stride_y, stride_hs, stride_wse, stride_wsn, BM, BN, BK, PREC, FP8,
-               BLOCK_ROWS, EVEN_K)
+    slots = tl.load(sorted_ptr + pid_m * BM + tl.arange(0, BM))
+    valid = slots < S
+    rows = tl.where(valid, slots, 0).to(tl.int64)
+    cols = pid_n * BN + tl.arange(0, BN)
+    col_ok = cols < HIDDEN
+    if FP8:
+        w_scales = ws_ptr + e.to(tl.int64) * stride_wse + (cols // BLOCK_ROWS) * stride_wsn
+    acc = tl.zeros([BM, BN], tl.float32)
+    for k0 in range(0, INTER, BK):
+        ks = k0 + tl.arange(0, BK)
+        k_ok = (ks < INTER) | EVEN_K
+        a = tl.load(h_ptr + rows[:, None] * stride_h + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+        if FP8:
+            kb = k0 // BK
+            acc += (tl.dot(a, w) * tl.load(hs_ptr + rows * stride_hs + kb, mask=valid, other=0.0)[:, None]
+                    * tl.load(w_scales + kb, mask=col_ok, other=0.0)[None, :])
+        else:
+            acc = tl.dot(a, w, acc, input_precision=PREC)
+    acc *= tl.load(weights_ptr + rows, mask=valid, other=0.0)[:, None]
+    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=valid[:, None] & col_ok[None, :])
 
 
 @triton.jit
