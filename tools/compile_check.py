@@ -81,6 +81,13 @@ def _mla_prefill_launch(shape: tuple[int, int, int, int]) -> dict:
     return dict(consts=dict(BLOCK_M=block_m, BLOCK_N=block_n), warps=warps, stages=stages)
 
 
+def _prepare_consts(cfg, target: str) -> dict:
+    """K1's operand type for the inverse's products and its L1 prefetch (PTX: NVIDIA only), as
+    prefill.py launches it on `target` with a 16-bit workspace."""
+    return dict(INV_DT=tl.float16 if cfg.prepare_half_dots else tl.float32,
+                PREFETCH=cfg.prepare_prefetch and target.startswith("sm_"))
+
+
 def _recurrence_launch(cfg, segmented: bool) -> dict:
     consts = dict(CK_PIECES=cfg.checkpoint_pieces)
     if segmented:
@@ -102,9 +109,10 @@ def _flash_cases() -> list[Case]:
                   seg_tok_ptr=I32, seg_end_ptr=I32, seg_chunk_ptr=I32, seq_seg0_ptr=I32)
     out = [Case("flash plan", flash_plan_kernel, tables, dict(C=32, BLOCK_J=32, BLOCK_N=64), quick=True)]
     prep_types = dict(**ws, **tables, qkv_ptr=BF, forget_ptr=BF, b_ptr=BF, cw_ptr=F32, cs_ptr=BF, a_log_ptr=F32,
-                      dt_bias_ptr=F32, lower_bound="fp32", q_scale="fp32", decay_clamp="fp32")
+                      dt_bias_ptr=F32, lower_bound="fp32", q_scale="fp32", decay_clamp="fp32", T="i32")
     # (name, C, bounded, first chunks, nested): every launch prefill.py makes (the unbounded gate:
-    # clamped, one anchor at C = 16 or joined halves at 32, or nested).
+    # clamped, one anchor at C = 16 or joined halves at 32, or nested), as each target launches them
+    # (_prepare_consts).
     for name, C, bounded, first, nested, quick in (
             ("C=32 bounded", 32, True, False, False, True),
             ("C=32 bounded first chunks", 32, True, True, False, False),
@@ -118,7 +126,8 @@ def _flash_cases() -> list[Case]:
         out.append(Case(f"flash prepare {name}", flash_prepare_kernel, prep_types,
                         dict(H=32, D=128, C=C, LOG2C=C.bit_length() - 1, W=4, BOUNDED=bounded, FAST=False, FIRST=first,
                              NFIRST=1, NESTED=nested, stride_cs_ch=1, stride_forget_d=1, stride_cw_j=1),
-                        warps=cfg.prepare_warps, quick=quick, precision={"PREC_TC": "tc"}))
+                        warps=cfg.prepare_warps, quick=quick, precision={"PREC_TC": "tc"},
+                        per_target={t: dict(consts=_prepare_consts(config_for_target(t), t)) for t in TARGETS}))
     rec_types = dict(**ws, **tables, s_ptr=F32, o_ptr=BF, out_gate_ptr=BF, nw_ptr=F32, eps="fp32", oq_ptr=F16,
                      bm_ptr=F32, qkv_ptr=BF, cs_ptr=BF, q_off="i64")
     rec_types.update(ck_off_ptr=I32, ck_slot_ptr=I32, ck_maps_ptr=F32)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 
 import triton
+import triton.language as tl
 
 from kdaserve.ops.flash.config import DEFAULT_CONFIG as CONFIG
 from kdaserve.ops.flash.correct import flash_correct_kernel
@@ -36,21 +37,25 @@ def main(sass: bool = False) -> None:
     k = compile_for_sm90(flash_plan_kernel, dict(tables, cu_ptr=i32), dict(C=16, BLOCK_J=32, BLOCK_N=64))
     lines.append(f"plan: {report(k)}")
 
-    # (C, bounded, first chunks, nested): every launch prefill.py makes (the unbounded gate: clamped,
-    # one anchor at C = 16 or joined halves at 32, or nested), with the register cap it launches with
-    for C, bounded, first, nested in ((32, True, False, False), (32, True, True, False), (16, False, False, False),
-                                      (16, False, True, False), (32, False, False, False), (32, False, True, False),
-                                      (16, False, False, True), (16, False, True, True), (32, False, False, True)):
+    # (C, bounded, first chunks, nested, K1's dot operand types): every launch prefill.py makes (the
+    # unbounded gate: clamped, one anchor at C = 16 or joined halves at 32, or nested), with the
+    # register cap it launches with; the one-anchor and joined-halves launches with fp16 operands
+    # (FlashConfig.prepare_half_dots, the default) and with tf32 ones (the nested pass takes neither)
+    both = (tl.float16, tl.float32)
+    cases = [(32, True, False, False, both), (32, True, True, False, both), (16, False, False, False, both),
+             (16, False, True, False, both), (32, False, False, False, both), (32, False, True, False, both),
+             (16, False, False, True, both[:1]), (16, False, True, True, both[:1]), (32, False, False, True, both[:1])]
+    for C, bounded, first, nested, inv_dt in ((*c[:4], dt) for c in cases for dt in c[4]):
         k = compile_for_sm90(
             flash_prepare_kernel,
             dict(**ws, **tables, qkv_ptr=bf, forget_ptr=bf, b_ptr=bf, cw_ptr=f32, cs_ptr=bf, a_log_ptr=f32, dt_bias_ptr=f32,
-                 lower_bound="fp32", q_scale="fp32", decay_clamp="fp32"),
+                 lower_bound="fp32", q_scale="fp32", decay_clamp="fp32", T="i32"),
             dict(H=32, D=128, C=C, LOG2C=C.bit_length() - 1, W=4, BOUNDED=bounded, PREC_TC="tf32", FAST=True, FIRST=first,
-                 NFIRST=1, NESTED=nested, stride_cs_ch=1, stride_forget_d=1, stride_cw_j=1),  # unit strides: as launched
+                 NFIRST=1, NESTED=nested, INV_DT=inv_dt, PREFETCH=CONFIG.prepare_prefetch, stride_cs_ch=1, stride_forget_d=1, stride_cw_j=1),  # unit strides: as launched
             num_warps=cfg.prepare_warps, maxnreg=None if bounded else (cfg.unbounded_prepare_maxnreg or None),
         )
         kind = "bounded" if bounded else ("nested" if nested else "clamped")
-        lines.append(f"prepare C={C} {kind} first={first}: {report(k)}")
+        lines.append(f"prepare C={C} {kind} first={first}{' tf32-dots' if inv_dt == tl.float32 else ''}: {report(k)}")
 
     rec_types = dict(**ws, **tables, s_ptr=f32, o_ptr=bf, out_gate_ptr=bf, nw_ptr=f32, eps="fp32", oq_ptr=f16, bm_ptr=f32,
                      qkv_ptr=bf, cs_ptr=bf, q_off="i64")
@@ -72,7 +77,6 @@ def main(sass: bool = False) -> None:
                              dict(H=32, D=128, BV=cfg.scan_block_v, PREC="tf32x3", NCK=nck), num_warps=cfg.scan_warps,
                              num_stages=cfg.scan_stages)
         lines.append(f"scan NCK={nck}: {report(k)}")
-    import triton.language as tl
 
     k = compile_for_sm90(flash_correct_kernel,
                          dict(oq_ptr=f16, start_ptr=f32, o_ptr=bf, out_gate_ptr=bf, nw_ptr=f32, eps="fp32", cu_ptr=i32, idx_ptr=i32,

@@ -71,6 +71,19 @@ def test_matches_reference_fp16_workspace(segment_len):
 
 
 @cpu_only
+@pytest.mark.parametrize("half_dots", [True, False], ids=["half-dots", "tf32-dots"])
+@pytest.mark.parametrize("gate, chunk", [("bounded", 32), ("unbounded", 16), ("unbounded", 32)])
+def test_prepare_dot_operands_fp16_workspace(gate, chunk, half_dots):
+    """K1's inverse, W and U~ products (and the joined halves' products, the unbounded gate at 32)
+    on fp16 operands (prepare_half_dots, the default) or on fp32 ones at tf32, within the 16-bit
+    tolerance of the fp64 reference."""
+    case = make_kda_case([33, 20, 1, 70], H=2, D=32, gate=gate, dtype=torch.float16, conv_dtype=torch.float16,
+                         has_initial_state=[True, False, True, True], slow_decay_heads=1, seed=2)
+    fn = flash(0, prepare_half_dots=half_dots, unbounded_chunk=chunk)
+    check_prefill_matches_reference(fn, case, tolerance_for(torch.float16))
+
+
+@cpu_only
 def test_bf16_state_pool():
     tol = tolerance_for(torch.float32, torch.bfloat16)
     for fn in (UNSEGMENTED, SEGMENTED):

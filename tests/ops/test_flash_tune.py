@@ -34,3 +34,25 @@ def test_cost_constants_from_launch_times():
     assert c == pytest.approx({"cost_step_full_us": 2.996, "cost_step_seg_us": 2.116,
                                "cost_scan_step_us": 4.1, "cost_token_head_seg_ns": 0.3706}, rel=1e-3)
     assert set(c) <= set(FlashConfig.__dataclass_fields__)  # the names config.py uses
+
+
+def test_config_overrides_for_benchmark_columns():
+    """bench_prefill / profile_prefill --config: 'field=value,...' typed as each field is."""
+    from kdaserve.ops.flash.config import with_overrides
+
+    c = with_overrides(CFG, "prepare_half_dots=0,chunk=16,cost_step_full_us=2.5,unbounded_intra=nested")
+    assert (c.prepare_half_dots, c.chunk, c.cost_step_full_us, c.unbounded_intra) == (False, 16, 2.5, "nested")
+    assert with_overrides(CFG, "prepare_prefetch=true").prepare_prefetch and with_overrides(CFG, "default") is CFG
+    with pytest.raises(ValueError, match="no FlashConfig field 'prepare_prefech'.*prepare_prefetch"):
+        with_overrides(CFG, "prepare_prefech=1")
+    with pytest.raises(ValueError, match="unbounded_chunk must be 16 or 32"):
+        with_overrides(CFG, "unbounded_chunk=8")
+
+
+def test_k1_operands_by_target():
+    """fp16 operands for K1's inverse products where they build without spills (sm_90, AMD); sm_100
+    keeps tf32 (its C = 32 build spills with fp16 ones; tools/compile_check)."""
+    from kdaserve.ops.flash.config import config_for_target
+
+    assert config_for_target("sm_90").prepare_half_dots and config_for_target("gfx942").prepare_half_dots
+    assert not config_for_target("sm_100").prepare_half_dots and config_for_target("sm_100").seg_warps == 8

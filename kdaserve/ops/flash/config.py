@@ -9,7 +9,7 @@ variant is another FlashConfig (`dataclasses.replace(DEFAULT_CONFIG, ...)`) pass
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -25,6 +25,14 @@ class FlashConfig:
     # instructions per token than 16. The unbounded gate's: `unbounded_chunk`.
     chunk: int = 32
     prepare_warps: int = 4        # K1, one program per (chunk, head): fewer warp-instructions than 8
+    # K1's chunk inverse, its W and U~ products and the joined halves' products on fp16 operands
+    # when the workspace is fp16: tf32's 10-bit mantissa in half the registers and tensor-core
+    # instructions (every such operand is bounded: entries of the inverse, e^g <= 1, values the
+    # workspace holds in fp16 anyway). K1 -8% (H100) to -10% (H200) at 64 heads 16x1K (perf-notes).
+    prepare_half_dots: bool = True
+    # K1 asks for its chunk's q|k|v and forget-logit lines in L1 before it loads any (NVIDIA only:
+    # PTX prefetch): K1 -9% at 64 heads 16x1K on an H100, the same outputs (docs/perf-notes.md).
+    prepare_prefetch: bool = True
     # Unbounded gate (Kimi-Linear's; docs/flash-prefill.md, "The unbounded gate"), K1's intra-chunk
     # factors in one pass for every chunk: "clamped" (16-bit workspaces; fp32 ones take "nested")
     # clamps each token's log-decay at -unbounded_decay_clamp inside the chunk's factors, so one
@@ -88,6 +96,23 @@ class FlashConfig:
 DEFAULT_CONFIG = FlashConfig()
 
 
+def with_overrides(base: FlashConfig, text: str) -> FlashConfig:
+    """`base` with `field=value,...` replaced, each value typed as the field is ("1"/"true"/"yes"
+    for a bool); "default" is `base` itself. For benchmarks' --config flags: an unknown field is a
+    ValueError that lists the fields."""
+    if text == "default":
+        return base
+    kinds = {f.name: type(getattr(base, f.name)) for f in fields(base)}
+    changes = {}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        if name not in kinds:
+            raise ValueError(f"no FlashConfig field {name!r} (in {text!r}); fields: {', '.join(kinds)}")
+        kind = kinds[name]
+        changes[name] = value.lower() in ("1", "true", "yes") if kind is bool else kind(value)
+    return replace(base, **changes)
+
+
 def config_for(device: torch.device) -> FlashConfig:
     """The default launch parameters on `device`'s architecture (config_for_target)."""
     from kdaserve.ops.precision import device_target
@@ -100,12 +125,14 @@ def config_for_target(target: str) -> FlashConfig:
     compiles each target's): K2's third pipeline stage needs 84 KB of shared memory, more than
     gfx942's 64 KB of LDS per workgroup, so MI300 runs two; the segment-map pass spills at 4 warps on
     sm_100 and on AMD and runs 8 there; AMD's compiler has no register cap (Triton refuses the
-    maxnreg option there); AMD's checkpoint variants store inside the chunk loop (checkpoint_pieces).
+    maxnreg option there); AMD's checkpoint variants store inside the chunk loop (checkpoint_pieces);
+    sm_100's K1 at C = 32 spills with fp16 operands for the inverse's products (12 bytes; none with
+    tf32 ones, where sm_90's builds without spills either way), so it keeps tf32 until timed there.
     The H200 (sm_90) and everything else: the defaults."""
     if target == "gfx942":
         return replace(DEFAULT_CONFIG, recur_stages=2, seg_warps=8, unbounded_prepare_maxnreg=0, checkpoint_pieces=False)
     if target == "gfx950":
         return replace(DEFAULT_CONFIG, seg_warps=8, unbounded_prepare_maxnreg=0, checkpoint_pieces=False)
     if target.startswith("sm_") and int(target[3:]) >= 100:
-        return replace(DEFAULT_CONFIG, seg_warps=8)
+        return replace(DEFAULT_CONFIG, seg_warps=8, prepare_half_dots=False)
     return DEFAULT_CONFIG

@@ -345,9 +345,11 @@ class FlashPrefill:
             plan.chunk_seq, plan.chunk_tok, plan.seq_seg0, plan.seg_chunk,
             *self.ws4, self.aqk_ws, self.chunk_decay_ws,
             float(lb if lb is not None else 0.0), D ** -0.5, self.rows.shape[1], float(self.cfg.unbounded_decay_clamp),
-            H=self.H, D=D, C=C, LOG2C=C.bit_length() - 1, W=w.conv_width,
+            self.T, H=self.H, D=D, C=C, LOG2C=C.bit_length() - 1, W=w.conv_width,
             BOUNDED=lb is not None, PREC_TC=self.prec_tc, FAST=self.fast, FIRST=first, NFIRST=max(nfirst, 1),
             NESTED=lb is None and unbounded_intra_for(self.cfg, self.qkv.dtype) == "nested",
+            INV_DT=_tl_dtype(self.ws_dtype if self.cfg.prepare_half_dots else torch.float32),
+            PREFETCH=self.cfg.prepare_prefetch and self.fast,
             num_warps=self.cfg.prepare_warps, **self._prepare_maxnreg(),
         )
 

@@ -20,8 +20,15 @@ docs/flash-prefill.md; in short:
   (_prepare_chunk_pair). Exact for any decay (fp32 workspaces): nested anchors (_intra_nested).
 - T by recursive blocking: T_2b = T_b - T_b A_off T_b doubles the solved diagonal blocks; every
   product is of bounded entries of the final inverse, unlike a Neumann/doubling product whose
-  powers of A grow when decay is slow. The dots are tf32 like the others (tf32x3 would cost 14%
-  more instructions in this instruction-bound kernel for accuracy the fp16 workspace drops anyway).
+  powers of A grow when decay is slow. Its products, and W's and U~'s, take fp16 operands with a
+  16-bit workspace (INV_DT; FlashConfig.prepare_half_dots): tf32's 10-bit mantissa, every operand
+  within fp16's range (entries of T, e^g <= 1, values the workspace holds in fp16 anyway), half the
+  registers and tensor-core instructions. A and Aqk keep tf32: their anchored factors span e^(+-80).
+  tf32x3 would cost 14% more instructions in this latency-bound kernel for accuracy the fp16
+  workspace drops anyway.
+- The loads: two programs per SM (255 registers) are too few warps to hide a DRAM round trip, so
+  with PREFETCH a program first asks for its chunk's q|k|v and forget-logit lines in L1 (PTX
+  prefetch, no registers held) and its later loads find them there.
 """
 
 from __future__ import annotations
@@ -76,6 +83,31 @@ def _conv_silu_no_history(x_ptr, stride_x, w_ptr, stride_w_c, stride_w_j, ch, to
         wj = tl.load(w_ptr + ch * stride_w_c + jj * stride_w_j).to(tl.float32)
         acc += x.to(tl.float32) * wj[None, :]
     return acc * sigmoid_tanh(acc, FAST)
+
+
+@triton.jit
+def _prefetch_l1(ptrs):
+    """Ask for each address's 128-byte line in L1, without waiting or holding a register (PTX
+    `prefetch.global.L1`; NVIDIA only, like the other inline assembly here)."""
+    tl.inline_asm_elementwise("prefetch.global.L1 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_chunk(qkv_ptr, stride_qkv, forget_ptr, stride_forget_t, stride_forget_h, stride_forget_d, tok, h,
+                    H: tl.constexpr, D: tl.constexpr):
+    """Start the chunk's q, k, v and forget-logit rows of head h (tokens `tok`, each inside the step)
+    on their way to L1 before any of them is loaded: K1 holds two programs per SM (255 registers),
+    too few warps to hide a DRAM round trip at each of its four load phases (Nsight Compute: a
+    third of its stall samples there; docs/perf-notes.md, thirtieth session)."""
+    LINE: tl.constexpr = 1024 // qkv_ptr.dtype.element_ty.primitive_bitwidth   # elements per 128-byte line
+    NL: tl.constexpr = D // LINE if D >= LINE else 1
+    line = (tl.arange(0, NL) * LINE)[None, :]
+    t64 = tok.to(tl.int64)[:, None]
+    rows = qkv_ptr + t64 * stride_qkv + h * D + line
+    for t in tl.static_range(3):
+        _prefetch_l1(rows + t * (H * D))
+    _prefetch_l1(forget_ptr + t64 * stride_forget_t + h * stride_forget_h + line * stride_forget_d)
 
 
 @triton.jit
@@ -166,7 +198,7 @@ def _prepare_chunk(
     w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, gam_ptr, lower_bound, q_scale, L, decay_clamp,
     h, blk, tok, valid, seq_start, init,
     H: tl.constexpr, D: tl.constexpr, C: tl.constexpr, LOG2C: tl.constexpr, W: tl.constexpr,
-    PREC_TC: tl.constexpr, FAST: tl.constexpr, HIST: tl.constexpr, BOUNDED: tl.constexpr,
+    PREC_TC: tl.constexpr, FAST: tl.constexpr, HIST: tl.constexpr, BOUNDED: tl.constexpr, INV_DT: tl.constexpr,
 ):
     """One chunk of one head, one anchor: the bounded gate (|g| <= 5 C, always in range), or the
     unbounded gate clamped (BOUNDED = False: every token's log-decay clamped at -decay_clamp, so
@@ -208,20 +240,20 @@ def _prepare_chunk(
     kbeta = (beta[:, None] * ke) * ea           # beta k e^g
     A = tl.where(ri > ci, beta[:, None] * akk, 0.0)
     tl.store(aqk_ptr + blk * (C * C) + ri * C + ci, tl.where(ri >= ci, aqk, 0.0).to(dt))
-    Tinv = unit_lower_inverse(A, C, LOG2C, PREC_TC)
-    tl.store(w_ptr + tile, tl.dot(Tinv, kbeta, input_precision=PREC_TC).to(dt))
+    Tinv = unit_lower_inverse(A, C, LOG2C, PREC_TC, INV_DT).to(INV_DT)
+    tl.store(w_ptr + tile, tl.dot(Tinv, kbeta.to(INV_DT), input_precision=PREC_TC).to(dt))
     v = _conv(qkv_ptr, stride_qkv, cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch,
               2 * P + h * D + cols, tok, valid, seq_start, init, L, W, FAST, HIST)
-    tl.store(u_ptr + tile, tl.dot(Tinv, beta[:, None] * v, input_precision=PREC_TC).to(dt))
+    tl.store(u_ptr + tile, tl.dot(Tinv, (beta[:, None] * v).to(INV_DT), input_precision=PREC_TC).to(dt))
     tl.store(gam_ptr + blk * D + cols, _exp_accurate(g_end))
 
 
 @triton.jit
 def _one_anchor(q, k, g, g_last, beta, rows, C: tl.constexpr, LOG2C: tl.constexpr, PREC_TC: tl.constexpr,
-                FAST: tl.constexpr):
+                FAST: tl.constexpr, INV_DT: tl.constexpr):
     """One chunk's factors around one anchor, the midpoint of its decay (every exponent within
     e^(+-spread/2)): Qg = q e^g, Kd = k e^(g_C - g), X = beta k e^g, Aqk (zero above the diagonal)
-    and T^-1 = (I + strictly lower(beta A_kk))^-1."""
+    and T^-1 = (I + strictly lower(beta A_kk))^-1 (in INV_DT, the type of its products' operands)."""
     ri = rows[:, None]
     ci = rows[None, :]
     anchor = 0.5 * g_last
@@ -232,7 +264,7 @@ def _one_anchor(q, k, g, g_last, beta, rows, C: tl.constexpr, LOG2C: tl.constexp
     qe = q * e_up
     akk = tl.dot(ke, tl.trans(kb), input_precision=PREC_TC)
     aqk = tl.dot(qe, tl.trans(kb), input_precision=PREC_TC)
-    Tinv = unit_lower_inverse(tl.where(ri > ci, beta[:, None] * akk, 0.0), C, LOG2C, PREC_TC)
+    Tinv = unit_lower_inverse(tl.where(ri > ci, beta[:, None] * akk, 0.0), C, LOG2C, PREC_TC, INV_DT).to(INV_DT)
     return qe * ea, kb * ea, (beta[:, None] * ke) * ea, tl.where(ri >= ci, aqk, 0.0), Tinv
 
 
@@ -258,7 +290,7 @@ def _prepare_chunk_pair(
     w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, gam_ptr, q_scale, L, decay_clamp,
     h, blk, t0, seq_end, seq_start, init,
     H: tl.constexpr, D: tl.constexpr, C: tl.constexpr, LOG2C: tl.constexpr, W: tl.constexpr,
-    PREC_TC: tl.constexpr, FAST: tl.constexpr, HIST: tl.constexpr,
+    PREC_TC: tl.constexpr, FAST: tl.constexpr, HIST: tl.constexpr, INV_DT: tl.constexpr,
 ):
     """One C-token chunk of one head (C = 32), unbounded gate, clamped pass: its two halves a and b
     each by one anchor on the clamped decay (as _prepare_chunk at C/2, every factor in range), then
@@ -295,34 +327,37 @@ def _prepare_chunk_pair(
     # half a
     q, k = _qk_normed(qkv_ptr, stride_qkv, cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch, h, cols,
                       tok_a, valid_a, seq_start, init, L, q_scale, H, D, W, FAST, HIST)
-    qg, kd_a, x, aqk, Tinv = _one_anchor(q, k, g_a, gl_a, beta_a, rows, HC, LOG2C - 1, PREC_TC, FAST)
+    qg, kd_a, x, aqk, Tinv = _one_anchor(q, k, g_a, gl_a, beta_a, rows, HC, LOG2C - 1, PREC_TC, FAST, INV_DT)
     tl.store(qg_ptr + tile, qg.to(dt))
     tl.store(kd_ptr + tile, (kd_a * eGb).to(dt))
+    kd_a = kd_a.to(INV_DT)
     tl.store(aqk_ptr + sq, aqk.to(dt))
     tl.store(aqk_ptr + sq + HC, tl.zeros([HC, HC], dtype=dt))   # [a, b]: above the diagonal
-    w_a = tl.dot(Tinv, x, input_precision=PREC_TC)
+    w_a = tl.dot(Tinv, x.to(INV_DT), input_precision=PREC_TC)
     tl.store(w_ptr + tile, w_a.to(dt))
+    w_a = w_a.to(INV_DT)            # kept for the join, in its operand type
     v = _conv(qkv_ptr, stride_qkv, cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch,
               2 * P + h * D + cols, tok_a, valid_a, seq_start, init, L, W, FAST, HIST)
-    u_a = tl.dot(Tinv, beta_a[:, None] * v, input_precision=PREC_TC)
+    u_a = tl.dot(Tinv, (beta_a[:, None] * v).to(INV_DT), input_precision=PREC_TC)
     tl.store(u_ptr + tile, u_a.to(dt))
+    u_a = u_a.to(INV_DT)
     # half b, then the joins; its conv window reaches before the sequence only if W - 1 > C/2
     HIST_B: tl.constexpr = HIST and W - 1 > HC
     q, k = _qk_normed(qkv_ptr, stride_qkv, cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch, h, cols,
                       tok_b, valid_b, seq_start, init, L, q_scale, H, D, W, FAST, HIST_B)
-    qg, kd, x, aqk, Tinv = _one_anchor(q, k, g_b, gl_b, beta_b, rows, HC, LOG2C - 1, PREC_TC, FAST)
+    qg, kd, x, aqk, Tinv = _one_anchor(q, k, g_b, gl_b, beta_b, rows, HC, LOG2C - 1, PREC_TC, FAST, INV_DT)
     tl.store(qg_ptr + tile + HC * D, (qg * eGa).to(dt))
     tl.store(kd_ptr + tile + HC * D, kd.to(dt))
     tl.store(aqk_ptr + sq + HC * (C + 1), aqk.to(dt))
     kda_t = tl.trans(kd_a)
-    tl.store(aqk_ptr + sq + HC * C, tl.dot(qg, kda_t, input_precision=PREC_TC).to(dt))
-    B = tl.dot(x, kda_t, input_precision=PREC_TC)
+    tl.store(aqk_ptr + sq + HC * C, tl.dot(qg.to(INV_DT), kda_t, input_precision=PREC_TC).to(dt))
+    B = tl.dot(x.to(INV_DT), kda_t, input_precision=PREC_TC).to(INV_DT)
     x = x * eGa - tl.dot(B, w_a, input_precision=PREC_TC)
-    tl.store(w_ptr + tile + HC * D, tl.dot(Tinv, x, input_precision=PREC_TC).to(dt))
+    tl.store(w_ptr + tile + HC * D, tl.dot(Tinv, x.to(INV_DT), input_precision=PREC_TC).to(dt))
     v = _conv(qkv_ptr, stride_qkv, cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch,
               2 * P + h * D + cols, tok_b, valid_b, seq_start, init, L, W, FAST, HIST_B)
     v = beta_b[:, None] * v - tl.dot(B, u_a, input_precision=PREC_TC)
-    tl.store(u_ptr + tile + HC * D, tl.dot(Tinv, v, input_precision=PREC_TC).to(dt))
+    tl.store(u_ptr + tile + HC * D, tl.dot(Tinv, v.to(INV_DT), input_precision=PREC_TC).to(dt))
 
 
 @triton.jit
@@ -367,7 +402,7 @@ def _prepare_chunk_nested(
     tl.store(gam_ptr + blk * D + cols, _exp_accurate(g_last))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])   # the step's token count: one build for every step
 def flash_prepare_kernel(
     qkv_ptr, stride_qkv,
     forget_ptr, stride_forget_t, stride_forget_h, stride_forget_d,
@@ -378,10 +413,10 @@ def flash_prepare_kernel(
     cu_ptr, idx_ptr, init_ptr,
     chunk_seq_ptr, chunk_tok_ptr, seq_seg0_ptr, seg_chunk_ptr,
     w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, gam_ptr,
-    lower_bound, q_scale, L, decay_clamp,
+    lower_bound, q_scale, L, decay_clamp, T,
     H: tl.constexpr, D: tl.constexpr, C: tl.constexpr, LOG2C: tl.constexpr, W: tl.constexpr,
     BOUNDED: tl.constexpr, PREC_TC: tl.constexpr, FAST: tl.constexpr, FIRST: tl.constexpr, NFIRST: tl.constexpr,
-    NESTED: tl.constexpr,
+    NESTED: tl.constexpr, INV_DT: tl.constexpr = tl.float32, PREFETCH: tl.constexpr = False,
 ):
     """Two launches of this kernel cover every chunk. FIRST = False: one program per (chunk, head),
     skipping the chunks whose conv window reaches before their sequence's first token; FIRST =
@@ -403,6 +438,12 @@ def flash_prepare_kernel(
         j = pid // H
         h = pid % H
         n = tl.load(chunk_seq_ptr + j)
+        t0 = tl.load(chunk_tok_ptr + j)
+        # Before the sequence's table loads, rows clamped to the step's T tokens. Not in the FIRST
+        # launch (one program per sequence and head; its t0 waits for the sequence's table anyway).
+        if PREFETCH and T > 0:
+            _prefetch_chunk(qkv_ptr, stride_qkv, forget_ptr, stride_forget_t, stride_forget_h, stride_forget_d,
+                            tl.minimum(t0 + tl.arange(0, C), T - 1), h, H, D)
         if n < 0:
             return
     blk = j.to(tl.int64) * H + h
@@ -416,7 +457,6 @@ def flash_prepare_kernel(
         if t0 >= seq_end:          # a sequence shorter than k chunks (or empty): no such chunk
             return
     else:
-        t0 = tl.load(chunk_tok_ptr + j)
         if t0 - seq_start < W - 1:  # the FIRST launch's chunk
             return
     init = tl.load(init_ptr + n) != 0
@@ -432,9 +472,9 @@ def flash_prepare_kernel(
         _prepare_chunk_pair(qkv_ptr, stride_qkv, forget_ptr, stride_forget_t, stride_forget_h, stride_forget_d, b_ptr,
                             stride_b_t, stride_b_h, cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch,
                             a_log_ptr, dt_bias_ptr, w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, gam_ptr, q_scale, L, decay_clamp,
-                            h, blk, t0, seq_end, seq_start, init, H, D, C, LOG2C, W, PREC_TC, FAST, FIRST)
+                            h, blk, t0, seq_end, seq_start, init, H, D, C, LOG2C, W, PREC_TC, FAST, FIRST, INV_DT)
     else:
         _prepare_chunk(qkv_ptr, stride_qkv, forget_ptr, stride_forget_t, stride_forget_h, stride_forget_d, b_ptr, stride_b_t,
                        stride_b_h, cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch, a_log_ptr,
                        dt_bias_ptr, w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, gam_ptr, lower_bound, q_scale, L, decay_clamp,
-                       h, blk, tok, valid, seq_start, init, H, D, C, LOG2C, W, PREC_TC, FAST, FIRST, BOUNDED)
+                       h, blk, tok, valid, seq_start, init, H, D, C, LOG2C, W, PREC_TC, FAST, FIRST, BOUNDED, INV_DT)
