@@ -15,7 +15,6 @@ case under these FlashConfig variants too (comma-separated field=value), beside 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -26,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_prefill import bench_ms, gpu_case, parse_shape  # noqa: E402
 from kdaserve.ops.flash import flash_step_plan, kda_prefill_flash  # noqa: E402
-from kdaserve.ops.flash.config import FlashConfig, config_for  # noqa: E402
+from kdaserve.ops.flash.config import FlashConfig, config_for, with_overrides  # noqa: E402
 from kdaserve.ops.flash.prefill import FlashPrefill  # noqa: E402
 from kdaserve.ops.types import CheckpointRequests, PrefillSeqs  # noqa: E402
 
@@ -48,19 +47,11 @@ def with_checkpoints(case, interval: int, cap: int | None = None):
 
 
 def parse_config(text: str, device: torch.device) -> FlashConfig:
-    """The device's FlashConfig with `field=value,...` replaced (values typed as the field's default)."""
-    base = config_for(device)
-    if text == "default":
-        return base
-    fields = {f.name: type(getattr(base, f.name)) for f in dataclasses.fields(base)}
-    changes = {}
-    for item in text.split(","):
-        name, _, value = item.partition("=")
-        if name not in fields:
-            raise SystemExit(f"--config: no FlashConfig field {name!r}; fields: {', '.join(fields)}")
-        kind = fields[name]
-        changes[name] = value.lower() in ("1", "true", "yes") if kind is bool else kind(value)
-    return dataclasses.replace(base, **changes)
+    """The device's FlashConfig with `field=value,...` replaced."""
+    try:
+        return with_overrides(config_for(device), text)
+    except ValueError as e:
+        raise SystemExit(f"--config: {e}") from None
 
 
 def step_plan(case, cfg: FlashConfig):

@@ -22,6 +22,8 @@ Run (H200; FLA's first-call autotuning per head count is most of it: ~2 min per 
 every default shape, ~8 min for the whole default grid; split it across calls when time is short):
     PYTHONPATH=$PWD python benchmarks/bench_prefill.py --no-agreement [--device-time] \
         [--heads 16 32 64 96] [--shapes 1x8K 8x1K 16x1K 64x512 1x32K 1x64K 1x128K]
+A launch-parameter variant beside the default, in the same process and with the same agreement
+check: `--config prepare_half_dots=1 [--no-baselines]` (FlashConfig fields; column flash[...]).
 """
 
 from __future__ import annotations
@@ -93,10 +95,32 @@ def with_step_plan(fn, planner):
     return column
 
 
-def load_columns() -> dict:
+def config_planner(text: str):
+    """A flash step planner with the device's FlashConfig changed by `field=value,...` (--config)."""
+    from kdaserve.ops.flash import flash_step_plan
+    from kdaserve.ops.flash.config import config_for, with_overrides
+
+    try:
+        cfg = with_overrides(config_for(torch.device("cuda")), text)
+    except ValueError as e:
+        raise SystemExit(f"--config: {e}") from None
+
+    def planner(cu, cu_cpu, T, H, settings):
+        return flash_step_plan(cu, cu_cpu, T, H, settings.head_dim, settings.lower_bound is not None,
+                               input_dtype=settings.input_dtype, config=cfg)
+
+    return planner
+
+
+def load_columns(configs: tuple[str, ...] = (), baselines: bool = True) -> dict:
+    """flash, one flash[config] column per --config, and (baselines) every installed baseline."""
     from kdaserve.ops.flash import kda_prefill_flash
 
     cols = {"flash": with_step_plan(kda_prefill_flash, planners.flash_plan)}
+    for text in configs:
+        cols[f"flash[{text}]"] = with_step_plan(kda_prefill_flash, config_planner(text))
+    if not baselines:
+        return cols
     try:
         import fla.ops.kda  # noqa: F401  (fail here, not inside the timing loop)
 
@@ -245,9 +269,12 @@ def main() -> None:
                     help="also the kernels' device time per column (torch.profiler): ratios immune to host gaps")
     ap.add_argument("--gate", choices=("bounded", "unbounded"), default="bounded",
                     help="forget gate of the timed cases: GLM's bounded one (LB = -5) or Kimi-Linear's unbounded one")
+    ap.add_argument("--config", action="append", default=[],
+                    help="field=value[,...]: one more flash column with the FlashConfig changed so (repeatable)")
+    ap.add_argument("--no-baselines", action="store_true", help="flash columns only (no FLA / FlashKDA)")
     args = ap.parse_args()
     t0 = time.time()
-    cols = load_columns()
+    cols = load_columns(tuple(args.config), baselines=not args.no_baselines)
     print(torch.cuda.get_device_name(), "| columns:", ", ".join(cols), f"| {args.gate} gate",
           "| conv + gated norm included in every column",
           flush=True)

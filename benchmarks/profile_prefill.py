@@ -10,7 +10,8 @@ For each column: median ms (do_bench) and a table of kernels with their device Â
 summed over launches of the same kernel. The sum of kernel times below the wall time is launch
 gaps or host work (syncs, Python) that the GPU waited for.
 
-    PYTHONPATH=$PWD python benchmarks/profile_prefill.py --heads 32 --shapes 1x8K 16x1K
+    PYTHONPATH=$PWD python benchmarks/profile_prefill.py --heads 32 --shapes 1x8K 16x1K \
+        [--gate unbounded] [--columns flash] [--config prepare_half_dots=1]
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import collections
 import torch
 import triton.testing
 
-from benchmarks.bench_prefill import gpu_case, parse_shape, with_step_plan
+from benchmarks.bench_prefill import config_planner, gpu_case, parse_shape, with_step_plan
 from kdaserve.backends import planners
 
 
@@ -46,7 +47,7 @@ def fla_core_fn(case):
     return fn
 
 
-def columns(case, want: list[str]) -> dict:
+def columns(case, want: list[str], configs: tuple[str, ...] = ()) -> dict:
     cols = {}
     if "fla-arm" in want or "fla-core" in want:
         try:
@@ -69,6 +70,10 @@ def columns(case, want: list[str]) -> dict:
             never_segment = lambda cu, cu_cpu, T, H, s: flash_step_plan(cu, cu_cpu, T, H, s.head_dim,  # noqa: E731
                                                                         s.lower_bound is not None, segment_len=0)
             cols["flash-seg0"] = with_step_plan(kda_prefill_flash, never_segment)
+    if configs:
+        from kdaserve.ops.flash import kda_prefill_flash
+    for text in configs:
+        cols[f"flash[{text}]"] = with_step_plan(kda_prefill_flash, config_planner(text))
     return cols
 
 
@@ -96,14 +101,17 @@ def main() -> None:
     ap.add_argument("--heads", type=int, nargs="+", default=[32])
     ap.add_argument("--shapes", nargs="+", default=["1x8K", "16x1K"])
     ap.add_argument("--columns", nargs="+", default=["fla-arm", "fla-core", "flash", "flash-seg0"])
+    ap.add_argument("--config", action="append", default=[],
+                    help="field=value[,...]: one more flash column with the FlashConfig changed so (repeatable)")
+    ap.add_argument("--gate", choices=("bounded", "unbounded"), default="bounded")
     args = ap.parse_args()
     summary = []
     for H in args.heads:
         for shape in args.shapes:
-            case = gpu_case(parse_shape(shape), H)
+            case = gpu_case(parse_shape(shape), H, gate=args.gate)
             a = case.prefill_args()
             out = case.new_out()
-            for name, fn in columns(case, args.columns).items():
+            for name, fn in columns(case, args.columns, tuple(args.config)).items():
                 call = lambda: fn(out=out, **a)  # noqa: E731
                 try:
                     call()
@@ -117,7 +125,7 @@ def main() -> None:
                 print(f"\nH={H} {shape} {name}: {ms:.3f} ms wall (median), {dev_ms:.3f} ms in kernels", flush=True)
                 for k, (n, us) in sorted(table.items(), key=lambda kv: -kv[1][1]):
                     print(f"  {us:9.1f} us  x{n:<4.1f} {k}")
-            del case, a, out
+            case = a = out = None   # free the step before the next shape
             torch.cuda.empty_cache()
     print("\n| heads | shape | column | ms (do_bench median) | ms in kernels (profiler) |")
     print("|---|---|---|---|---|")
