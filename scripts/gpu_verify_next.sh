@@ -11,7 +11,9 @@
 # Parts owed (add one as `if [ "$PART" = name ]; then ... fi` below, with what it must show), in the
 # order to run them when the session's device time (30 min) cannot fit them all:
 #   (none)
-# Done, kept to run again: moe_ncu (goal 4: the fused MoE prefill kernels under Nsight Compute),
+# Done, kept to run again: k1_ncu (K1 under Nsight Compute), k1_defaults (the K1 GPU tests and
+# the new defaults against the old), k1_prefetch_ncu, k1_table (issue 21 goal 3), by the thirtieth
+# session; moe_ncu (goal 4: the fused MoE prefill kernels under Nsight Compute),
 # mla_prefill (the MLA GPU tests and launch-shape sweep), kimi_ttft (TTFT 8K and 32K), mla_glm_test,
 # by the twenty-ninth session; align_default (goal 1), real_client
 # (goal 2, the OpenAI SDK as the client), by the twenty-eighth session; kimi_decode_kinds,
@@ -136,6 +138,98 @@ if [ "$PART" = kimi_ttft ]; then
   # twenty-ninth session's prefill kernel is 1.33-1.52x faster on an H100.
   timeout $(cap 330) python3 benchmarks/bench_kimi_linear.py --batches 1 --ttft 8192 32768 > "$OUT/kimi_ttft.log" 2>&1
   echo "== kimi rc=$?"; grep "TTFT\|^| " "$OUT/kimi_ttft.log" | grep -v "^| 1 |" | head -24; grep -m3 "Error\|Traceback" "$OUT/kimi_ttft.log"
+fi
+
+if [ "$PART" = k1_defaults ]; then
+  # Must show (issue 21 goal 3): the flash GPU tests pass with both new K1 defaults (fp16 operands for
+  # the inverse's products; the chunk's q|k|v and forget-logit lines prefetched into L1 before the
+  # sequence's table loads); the agreement lines equal for flash and flash[prepare_prefetch=0] (a
+  # prefetch changes no arithmetic); flash faster than both other columns at every row (run 2 on the
+  # H200 with the late q|k|v-only prefetch: 64 heads 16x1K 2.974 (old) -> 2.748 (half) -> 2.601 ms),
+  # and K1's own device us (profile_prefill rows; run 2: 2120.5 -> 1899.0 -> 1754.9 us).
+  group flash_test 200 tests/ops/test_flash_prefill.py -k gpu
+  old=prepare_half_dots=0,prepare_prefetch=0
+  timeout $(cap 150) python3 benchmarks/bench_prefill.py --no-baselines --config prepare_prefetch=0 --config $old \
+    --heads 32 64 96 --shapes 16x1K 1x8K > "$OUT/k1d_bounded.log" 2>&1
+  echo "== bounded rc=$?"; grep "vs fp64\|^| " "$OUT/k1d_bounded.log"; grep -m3 "Error\|Traceback" "$OUT/k1d_bounded.log"
+  timeout $(cap 100) python3 benchmarks/bench_prefill.py --no-agreement --no-baselines --config prepare_prefetch=0 \
+    --config $old --gate unbounded --heads 32 64 --shapes 16x1K 1x8K > "$OUT/k1d_unbounded.log" 2>&1
+  echo "== unbounded rc=$?"; grep "^| " "$OUT/k1d_unbounded.log"; grep -m3 "Error\|Traceback" "$OUT/k1d_unbounded.log"
+  timeout $(cap 100) python3 benchmarks/profile_prefill.py --columns flash --config prepare_prefetch=0 --config $old \
+    --heads 64 --shapes 16x1K 1x8K > "$OUT/k1d_profile.log" 2>&1
+  echo "== profile rc=$?"; grep "^H=\|flash_prepare\|flash_recurrence" "$OUT/k1d_profile.log"
+fi
+
+if [ "$PART" = k1_table ]; then
+  # Must show: the reference tables' flash rows with the thirtieth session's K1 (fp16 operands for the
+  # inverse's products, L1 prefetch) beside the code before it (flash[prepare_half_dots=0,
+  # prepare_prefetch=0]) in one process: flash faster at every row, bounded and unbounded gate.
+  old=prepare_half_dots=0,prepare_prefetch=0
+  timeout $(cap 300) python3 benchmarks/bench_prefill.py --no-agreement --no-baselines --config $old \
+    --heads 96 64 32 16 --shapes 1x8K 8x1K 16x1K 64x512 1x32K 1x128K > "$OUT/k1t_bounded.log" 2>&1
+  echo "== bounded rc=$?"; grep "^| " "$OUT/k1t_bounded.log"; grep -m3 "Error\|Traceback" "$OUT/k1t_bounded.log"
+  timeout $(cap 150) python3 benchmarks/bench_prefill.py --no-agreement --no-baselines --config $old --gate unbounded \
+    --heads 32 64 --shapes 1x8K 16x1K 1x32K 64x512 > "$OUT/k1t_unbounded.log" 2>&1
+  echo "== unbounded rc=$?"; grep "^| " "$OUT/k1t_unbounded.log"; grep -m3 "Error\|Traceback" "$OUT/k1t_unbounded.log"
+fi
+
+if [ "$PART" = k1_prefetch_ncu ]; then
+  # Must show: K1's stall reasons with and without prepare_prefetch (64 heads 16x1K, bounded):
+  # long_scoreboard's share lower with the prefetch (run 1, without: wait 19.8%, selected 19.6%,
+  # long scoreboard 19.4%, short scoreboard 13.0%, barrier 10.7% of the samples).
+  for cfg in prepare_prefetch=0 prepare_prefetch=1; do
+    timeout $(cap 90) ncu --kernel-name regex:flash_prepare --launch-skip 2 --launch-count 1 --section SpeedOfLight \
+      --section WarpStateStats --section Occupancy --metrics regex:smsp__pcsamp_warps_issue_stalled_.* \
+      python3 benchmarks/profile_flash_ncu.py --heads 64 --shape 16x1K --config $cfg > "$OUT/k1_ncu_$cfg.txt" 2>&1
+    echo "== $cfg rc=$?"; grep -E "Duration|Issue Slots Busy|Eligible Warps|No Eligible" "$OUT/k1_ncu_$cfg.txt"
+    grep -E "pcsamp_warps_issue_stalled_(wait|selected|long_scoreboard|short_scoreboard|barrier|mio_throttle|no_instructions) " "$OUT/k1_ncu_$cfg.txt"
+  done
+fi
+
+if [ "$PART" = k1_ncu ]; then
+  # Must show (issue 21 goal 3, what bounds K1): Nsight Compute's full set for the main K1 launch at
+  # 64 heads 16x1K, bounded gate: duration, DRAM bytes against the floor the script prints (2130 B
+  # per token-head), issue-slot and pipe utilization, occupancy (2 programs of 4 warps per SM at 255
+  # registers), the warp stall reasons; then the SASS lines with the most stall samples.
+  timeout $(cap 240) ncu --kernel-name regex:flash_prepare --launch-skip 2 --launch-count 1 --set full \
+    --import-source no -f -o "$OUT/k1" python3 benchmarks/profile_flash_ncu.py --heads 64 --shape 16x1K \
+    > "$OUT/k1_ncu_run.log" 2>&1
+  echo "== ncu rc=$?"; grep -v "^==PROF==" "$OUT/k1_ncu_run.log" | tail -3
+  ncu -i "$OUT/k1.ncu-rep" --page details > "$OUT/k1_details.txt" 2>&1
+  grep -E "Duration|DRAM Throughput|Memory Throughput|L1/TEX Hit|L2 Hit|Compute \(SM\)|Executed Ipc|Issue Slots Busy|Issued Warp|No Eligible|Active Warps Per Scheduler|Eligible Warps|Achieved Occupancy|Theoretical Occupancy|Registers Per|Block Limit|Warp Cycles Per Issued|dram__bytes|Stall" "$OUT/k1_details.txt" | head -60
+  ncu -i "$OUT/k1.ncu-rep" --page raw --csv > "$OUT/k1_raw.csv" 2>&1
+  python3 - "$OUT/k1_raw.csv" <<'PY'
+import csv, sys
+rows = list(csv.reader(open(sys.argv[1])))
+if len(rows) >= 3:   # header, units, the profiled launch
+    names, units, vals = rows[0], rows[1], rows[2]
+    def num(v):
+        try: return float(v.replace(",", ""))
+        except ValueError: return None
+    st = [(n, num(v)) for n, v in zip(names, vals) if n.startswith("smsp__pcsamp_warps_issue_stalled")
+          and not n.endswith("not_issued") and num(v) is not None]
+    tot = sum(v for _, v in st) or 1
+    for n, v in sorted(st, key=lambda nv: -nv[1])[:10]:
+        print(f"  {n[len('smsp__pcsamp_warps_issue_stalled_'):]}: {100 * v / tot:.1f}% of stall samples")
+    for key in ("dram__bytes_read.sum", "dram__bytes_write.sum", "gpu__time_duration.sum",
+                "smsp__issue_active.avg.pct_of_peak_sustained_active"):
+        if key in names:
+            print(f"  {key} = {vals[names.index(key)]} {units[names.index(key)]}")
+PY
+  ncu -i "$OUT/k1.ncu-rep" --page source --csv --print-source sass > "$OUT/k1_sass.csv" 2>&1
+  echo "== sass page rc=$? $(wc -l < "$OUT/k1_sass.csv") lines; stall samples per 250-instruction window:"
+  python3 - "$OUT/k1_sass.csv" <<'PY'
+import csv, re, sys
+rows = list(csv.reader(open(sys.argv[1])))
+hdr = rows[1]; data = rows[2:]
+src, samples = hdr.index("Source"), hdr.index("Warp Stall Sampling (All Samples)")
+tot = sum(float(r[samples] or 0) for r in data) or 1
+for i in range(0, len(data), 250):
+    part = data[i:i + 250]
+    ops = [re.sub(r"^@!?U?P\w+\s+", "", r[src].strip()).split(" ")[0].split(".")[0] for r in part]
+    mix = " ".join(f"{k}={ops.count(k)}" for k in ("LDG", "STG", "HMMA", "MUFU", "BAR", "LDS", "STS") if k in ops)
+    print(f"  {i:5d}: {100 * sum(float(r[samples] or 0) for r in part) / tot:5.1f}%  {mix}")
+PY
 fi
 
 if [ "$PART" = moe_ncu ]; then
