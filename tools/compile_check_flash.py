@@ -52,7 +52,8 @@ def main(sass: bool = False) -> None:
                  lower_bound="fp32", q_scale="fp32", decay_clamp="fp32", T="i32"),
             dict(H=32, D=128, C=C, LOG2C=C.bit_length() - 1, W=4, BOUNDED=bounded, PREC_TC="tf32", FAST=True, FIRST=first,
                  NFIRST=1, NESTED=nested, INV_DT=inv_dt, PREFETCH=CONFIG.prepare_prefetch, stride_cs_ch=1, stride_forget_d=1, stride_cw_j=1),  # unit strides: as launched
-            num_warps=cfg.prepare_warps, maxnreg=None if bounded else (cfg.unbounded_prepare_maxnreg or None),
+            num_warps=cfg.prepare_warps,
+            maxnreg=(cfg.prepare_maxnreg if bounded else cfg.unbounded_prepare_maxnreg) or None,
         )
         kind = "bounded" if bounded else ("nested" if nested else "clamped")
         lines.append(f"prepare C={C} {kind} first={first}{' tf32-dots' if inv_dt == tl.float32 else ''}: {report(k)}")

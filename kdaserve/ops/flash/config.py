@@ -33,6 +33,9 @@ class FlashConfig:
     # K1 asks for its chunk's q|k|v and forget-logit lines in L1 before it loads any (NVIDIA only:
     # PTX prefetch): K1 -9% at 64 heads 16x1K on an H100, the same outputs (docs/perf-notes.md).
     prepare_prefetch: bool = True
+    # The bounded gate's K1 register cap (0: the compiler's choice, 255 at C = 32: 2 programs per SM).
+    # 168 lets 3 programs share an SM for 156 bytes of spills: K1 -6.5% at 64 heads 16x1K (H200).
+    prepare_maxnreg: int = 168
     # Unbounded gate (Kimi-Linear's; docs/flash-prefill.md, "The unbounded gate"), K1's intra-chunk
     # factors in one pass for every chunk: "clamped" (16-bit workspaces; fp32 ones take "nested")
     # clamps each token's log-decay at -unbounded_decay_clamp inside the chunk's factors, so one
@@ -41,9 +44,9 @@ class FlashConfig:
     # 16-bit rounding. "nested" (prepare.py _intra_nested): exact for any decay, dearer.
     unbounded_intra: str = "clamped"
     unbounded_decay_clamp: float = 10.0
-    # The unbounded gate's K1 register cap (0: the compiler's choice): at 4 warps, 168 registers let
-    # 3 programs share an SM instead of 2, for a few spills (NVIDIA only: config_for_target).
-    unbounded_prepare_maxnreg: int = 168
+    # The unbounded gate's K1 register cap (0: the compiler's choice: 128 registers at C = 16, 4
+    # programs per SM; 255 without spills for the joined halves at 32, which spill at a cap of 168).
+    unbounded_prepare_maxnreg: int = 0
     # Tokens per chunk with the unbounded gate. The clamped K1 at 32 joins two anchored halves
     # (prepare.py _prepare_chunk_pair): a dearer K1 for half the recurrence's steps, which pays
     # where the recurrence's serial chain is the bound, i.e. in the steps flash segments (few long
@@ -125,14 +128,12 @@ def config_for_target(target: str) -> FlashConfig:
     compiles each target's): K2's third pipeline stage needs 84 KB of shared memory, more than
     gfx942's 64 KB of LDS per workgroup, so MI300 runs two; the segment-map pass spills at 4 warps on
     sm_100 and on AMD and runs 8 there; AMD's compiler has no register cap (Triton refuses the
-    maxnreg option there); AMD's checkpoint variants store inside the chunk loop (checkpoint_pieces);
-    sm_100's K1 at C = 32 spills with fp16 operands for the inverse's products (12 bytes; none with
-    tf32 ones, where sm_90's builds without spills either way), so it keeps tf32 until timed there.
-    The H200 (sm_90) and everything else: the defaults."""
+    maxnreg option there, so K1 runs uncapped); AMD's checkpoint variants store inside the chunk loop
+    (checkpoint_pieces). The H200 (sm_90) and everything else: the defaults."""
     if target == "gfx942":
-        return replace(DEFAULT_CONFIG, recur_stages=2, seg_warps=8, unbounded_prepare_maxnreg=0, checkpoint_pieces=False)
+        return replace(DEFAULT_CONFIG, recur_stages=2, seg_warps=8, prepare_maxnreg=0, checkpoint_pieces=False)
     if target == "gfx950":
-        return replace(DEFAULT_CONFIG, seg_warps=8, unbounded_prepare_maxnreg=0, checkpoint_pieces=False)
+        return replace(DEFAULT_CONFIG, seg_warps=8, prepare_maxnreg=0, checkpoint_pieces=False)
     if target.startswith("sm_") and int(target[3:]) >= 100:
-        return replace(DEFAULT_CONFIG, seg_warps=8, prepare_half_dots=False)
+        return replace(DEFAULT_CONFIG, seg_warps=8)
     return DEFAULT_CONFIG

@@ -354,11 +354,12 @@ class FlashPrefill:
         )
 
     def _prepare_maxnreg(self) -> dict:
-        """The unbounded gate's register cap, where there is one: NVIDIA's compiler (AMD's and the
+        """K1's register cap for this gate, where there is one: NVIDIA's compiler (AMD's and the
         interpreter refuse the option)."""
-        n = self.cfg.unbounded_prepare_maxnreg
+        cfg = self.cfg
+        n = cfg.prepare_maxnreg if self.weights.lower_bound is not None else cfg.unbounded_prepare_maxnreg
         native = not triton.knobs.runtime.interpret and not torch.version.hip
-        return {"maxnreg": n} if n and self.weights.lower_bound is None and native else {}
+        return {"maxnreg": n} if n and native else {}
 
     def _recurrence(self, grid, local_out_and_q, maps, q_off, bv, segmented, warps, stages) -> None:
         st, plan, L = self.st, self.plan, self.rows.shape[1]

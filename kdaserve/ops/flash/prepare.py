@@ -207,8 +207,12 @@ def _prepare_chunk(
     a separate inlined copy carries none of that code or its registers.
 
     In the order that keeps the fewest [C, D] tiles live (K1 is occupancy-bound: registers decide
-    how many programs share an SM; timings: docs/perf-notes.md, "Flash K1"): the gate first, then k, q and v each
-    convolved when first needed and dropped after their last use, Kd and Qg stored at once.
+    how many programs share an SM; docs/perf-notes.md, thirtieth session): the gate first, then q
+    (Qg stored at once: only q e^(g - a) stays), then k (Kd stored; both products of k formed
+    together), then v, each convolved when first needed and dropped after its last use; beta k e^g
+    kept in the W product's operand type. Holding q's one tile while k is convolved, instead of k's
+    two (k e^(a - g), k e^(g - a)) while q is, let the bounded K1 fit 168 registers (3 programs per
+    SM) for 156 bytes of spills instead of 456, and the unbounded one at C = 16 need 128.
     Two exponentials per element: e_up = e^(g - a) in e^(+-40) (C = 16) or e^(+-80) (C = 32), its
     reciprocal, and e^a per channel give every factor without overflow."""
     rows = tl.arange(0, C)
@@ -224,24 +228,23 @@ def _prepare_chunk(
     anchor = 0.5 * g_last
     ea = fast_exp(anchor, FAST)[None, :]
     e_up = fast_exp(g - anchor[None, :], FAST)
-    r_up = fast_rcp(e_up, FAST)
-    k = _conv(qkv_ptr, stride_qkv, cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch,
-              P + h * D + cols, tok, valid, seq_start, init, L, W, FAST, HIST)
-    k = k * tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
-    kb = k * r_up                   # k e^(a - g)
-    ke = k * e_up                   # k e^(g - a)
-    tl.store(kd_ptr + tile, (kb * ea).to(dt))   # Kd = k e^(g_C - g) = k e^a e^(a - g), as g_C = 2a
-    akk = tl.dot(ke, tl.trans(kb), input_precision=PREC_TC)
     q = _conv(qkv_ptr, stride_qkv, cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch,
               h * D + cols, tok, valid, seq_start, init, L, W, FAST, HIST)
     qe = q * (tl.rsqrt(tl.sum(q * q, axis=1) + 1e-6) * q_scale)[:, None] * e_up
-    aqk = tl.dot(qe, tl.trans(kb), input_precision=PREC_TC)
     tl.store(qg_ptr + tile, (qe * ea).to(dt))   # Qg = q e^g
-    kbeta = (beta[:, None] * ke) * ea           # beta k e^g
+    k = _conv(qkv_ptr, stride_qkv, cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch,
+              P + h * D + cols, tok, valid, seq_start, init, L, W, FAST, HIST)
+    k = k * tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
+    kb = k * fast_rcp(e_up, FAST)   # k e^(a - g)
+    ke = k * e_up                   # k e^(g - a)
+    tl.store(kd_ptr + tile, (kb * ea).to(dt))   # Kd = k e^(g_C - g) = k e^a e^(a - g), as g_C = 2a
+    akk = tl.dot(ke, tl.trans(kb), input_precision=PREC_TC)
+    aqk = tl.dot(qe, tl.trans(kb), input_precision=PREC_TC)
+    kbeta = ((beta[:, None] * ke) * ea).to(INV_DT)   # beta k e^g, in the W product's operand type
     A = tl.where(ri > ci, beta[:, None] * akk, 0.0)
     tl.store(aqk_ptr + blk * (C * C) + ri * C + ci, tl.where(ri >= ci, aqk, 0.0).to(dt))
     Tinv = unit_lower_inverse(A, C, LOG2C, PREC_TC, INV_DT).to(INV_DT)
-    tl.store(w_ptr + tile, tl.dot(Tinv, kbeta.to(INV_DT), input_precision=PREC_TC).to(dt))
+    tl.store(w_ptr + tile, tl.dot(Tinv, kbeta, input_precision=PREC_TC).to(dt))
     v = _conv(qkv_ptr, stride_qkv, cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch,
               2 * P + h * D + cols, tok, valid, seq_start, init, L, W, FAST, HIST)
     tl.store(u_ptr + tile, tl.dot(Tinv, (beta[:, None] * v).to(INV_DT), input_precision=PREC_TC).to(dt))
