@@ -12,7 +12,7 @@
 # order to run them when the session's device time (30 min) cannot fit them all:
 #   (none)
 # Done, kept to run again: k1_ncu (K1 under Nsight Compute), k1_defaults (the K1 GPU tests and
-# the new defaults against the old), k1_prefetch_ncu, k1_table (issue 21 goal 3), by the thirtieth
+# the new defaults against the old), k1_prefetch_ncu, k1_table, k1_order (issue 21 goal 3), by the thirtieth
 # session; moe_ncu (goal 4: the fused MoE prefill kernels under Nsight Compute),
 # mla_prefill (the MLA GPU tests and launch-shape sweep), kimi_ttft (TTFT 8K and 32K), mla_glm_test,
 # by the twenty-ninth session; align_default (goal 1), real_client
@@ -171,6 +171,38 @@ if [ "$PART" = k1_table ]; then
   timeout $(cap 150) python3 benchmarks/bench_prefill.py --no-agreement --no-baselines --config $old --gate unbounded \
     --heads 32 64 --shapes 1x8K 16x1K 1x32K 64x512 > "$OUT/k1t_unbounded.log" 2>&1
   echo "== unbounded rc=$?"; grep "^| " "$OUT/k1t_unbounded.log"; grep -m3 "Error\|Traceback" "$OUT/k1t_unbounded.log"
+fi
+
+if [ "$PART" = k1_order ]; then
+  # Must show: the flash GPU tests pass with K1's new order (q convolved first, Qg stored, then k;
+  # beta k e^g cast to the W product's operand type at once: the sm_90 build of the bounded K1 then
+  # needs 20 bytes of spills at a 200-register cap instead of 256, the unbounded C = 16 one 128
+  # registers instead of 242), the same agreement lines as before, and its times against .old (=
+  # `git archive fa56bbd kdaserve benchmarks`, the same K1 in the old order) in the same command,
+  # with the register caps the new order allows (bounded 168: 3 programs per SM; unbounded 128: 4).
+  # Thirtieth session run 5 (H200): 168 bounded and uncapped unbounded won, now the defaults, so
+  # the config columns below now time 168 against itself and 128 / uncapped against uncapped.
+  [ -d .old/kdaserve ] || { echo "carry .old (git archive fa56bbd kdaserve benchmarks | tar -x -C .old)"; exit 1; }
+  group flash_test 200 tests/ops/test_flash_prefill.py -k gpu
+  timeout $(cap 80) python3 benchmarks/bench_prefill.py --no-baselines --config prepare_maxnreg=168 --heads 32 64 96 \
+    --shapes 16x1K 1x8K > "$OUT/ko_new_b.log" 2>&1
+  echo "== new bounded rc=$?"; grep "vs fp64\|^| " "$OUT/ko_new_b.log"; grep -m3 "Error\|Traceback" "$OUT/ko_new_b.log"
+  (cd .old && timeout $(cap 60) python3 benchmarks/bench_prefill.py --no-agreement --no-baselines --heads 32 64 96 \
+    --shapes 16x1K 1x8K > "$OUT/ko_old_b.log" 2>&1)
+  echo "== old bounded rc=$?"; grep "^| " "$OUT/ko_old_b.log"
+  timeout $(cap 80) python3 benchmarks/bench_prefill.py --no-agreement --no-baselines --gate unbounded \
+    --config unbounded_prepare_maxnreg=128 --config unbounded_prepare_maxnreg=0 --heads 32 64 --shapes 16x1K 1x8K \
+    > "$OUT/ko_new_u.log" 2>&1
+  echo "== new unbounded rc=$?"; grep "^| " "$OUT/ko_new_u.log"; grep -m3 "Error\|Traceback" "$OUT/ko_new_u.log"
+  (cd .old && timeout $(cap 60) python3 benchmarks/bench_prefill.py --no-agreement --no-baselines --gate unbounded \
+    --heads 32 64 --shapes 16x1K 1x8K > "$OUT/ko_old_u.log" 2>&1)
+  echo "== old unbounded rc=$?"; grep "^| " "$OUT/ko_old_u.log"
+  timeout $(cap 60) python3 benchmarks/profile_prefill.py --columns flash --config prepare_maxnreg=168 --heads 64 \
+    --shapes 16x1K > "$OUT/ko_prof_new.log" 2>&1
+  echo "== new profile rc=$?"; grep "^H=\|flash_prepare" "$OUT/ko_prof_new.log"
+  (cd .old && timeout $(cap 40) python3 benchmarks/profile_prefill.py --columns flash --heads 64 --shapes 16x1K \
+    > "$OUT/ko_prof_old.log" 2>&1)
+  echo "== old profile rc=$?"; grep "^H=\|flash_prepare" "$OUT/ko_prof_old.log"
 fi
 
 if [ "$PART" = k1_prefetch_ncu ]; then
