@@ -10,7 +10,8 @@
 # `bash scripts/gpu_verify_next.sh PART [PART ...]`: several parts run in order within one budget.
 # Parts owed (add one as `if [ "$PART" = name ]; then ... fi` below, with what it must show), in the
 # order to run them when the session's device time (30 min) cannot fit them all:
-#   (none)
+#   k1_models, then kimi_ttft (on an H200: TTFT with the new K1; twenty-ninth session 8K 138.6 ms,
+#   32K 648.1 ms, KDA 94.80 ms of the 32K prefill) (thirtieth session)
 # Done, kept to run again: k1_ncu (K1 under Nsight Compute), k1_defaults (the K1 GPU tests and
 # the new defaults against the old), k1_prefetch_ncu, k1_table, k1_order (issue 21 goal 3), by the thirtieth
 # session; moe_ncu (goal 4: the fused MoE prefill kernels under Nsight Compute),
@@ -203,6 +204,22 @@ if [ "$PART" = k1_order ]; then
   (cd .old && timeout $(cap 40) python3 benchmarks/profile_prefill.py --columns flash --heads 64 --shapes 16x1K \
     > "$OUT/ko_prof_old.log" 2>&1)
   echo "== old profile rc=$?"; grep "^H=\|flash_prepare" "$OUT/ko_prof_old.log"
+fi
+
+if [ "$PART" = k1_models ]; then
+  # Must show (thirtieth session's K1 defaults: fp16 operands for the inverse's products, the L1
+  # prefetch, q before k, the bounded K1 capped at 168 registers, the unbounded one uncapped): the GPU
+  # tests of everything that prefills through flash pass (layers, the engine, prefix caching's
+  # checkpoints, Kimi-Linear's and GLM-5.3-Flash's tiny models, the compile-ahead warm-up, the
+  # 128K flash tests run 5 did not rerun with the new caps), one file at a time.
+  group flash_128k 200 tests/ops/test_flash_prefill.py -k "gpu and 128k"
+  group kda_layer 120 tests/layers/test_kda_layer_gpu.py
+  group engine 200 tests/engine/test_engine_gpu.py
+  group prefix 120 tests/engine/test_prefix_caching_gpu.py
+  group kimi 150 tests/models/test_kimi_linear_gpu.py
+  group glm 150 tests/models/test_glm5_next.py
+  group warmup 120 tests/engine/test_warmup.py
+  group compile_ahead 120 tests/ops/test_compile_ahead.py
 fi
 
 if [ "$PART" = k1_prefetch_ncu ]; then
