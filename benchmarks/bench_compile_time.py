@@ -83,8 +83,8 @@ def main() -> None:
             one_gate(args.one, args.heads, args.one_threads)
         return
     if args.engine:
-        print(f"engine start-up in a fresh process, empty Triton cache, s\n| model | gate | compile threads | construction "
-              f"(CUDA graphs) | warm-up | total |\n|---|---|---|---|---|---|", flush=True)
+        print("engine start-up in a fresh process, empty Triton cache, s\n| model | gate | compile threads | construction "
+              "(CUDA graphs) | warm-up | total |\n|---|---|---|---|---|---|", flush=True)
     else:
         print(f"first calls in a fresh process, empty Triton cache, s\n| gate | H | compile threads | "
               f"{' | '.join(SHAPES)} | total |\n|---|---|---|{'---|' * (len(SHAPES) + 1)}", flush=True)

@@ -28,7 +28,6 @@ import argparse
 import gc
 import random
 import sys
-import time
 from pathlib import Path
 
 import torch

@@ -162,7 +162,6 @@ def main() -> int:
     gen = torch.Generator().manual_seed(args.seed)
     data = batches(train_t, args.batch, args.seq, gen)
     log, step, t0, budget = [], 0, time.time(), args.minutes * 60
-    est_steps = None
     while time.time() - t0 < budget:
         x = next(data).to(device, non_blocking=True)
         frac = (time.time() - t0) / budget

@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 from kdaserve.bench.serve_client import benchmark
-from kdaserve.engine.args import engine_kwargs_from_flags
 from kdaserve.bench.stats import paired_difference
 
 # metric -> True when larger is better

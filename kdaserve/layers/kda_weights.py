@@ -58,7 +58,7 @@ class KDAShard:
 
     def in_proj_part(self, name: str, t: torch.Tensor) -> tuple[slice, torch.Tensor]:
         """(rows of this rank's in_proj_qkvbfg_a, this rank's part) of a released split projection."""
-        D, Pt, Ht, P, H = self.head_dim, self.total_P, self.total_heads, self.P, self.heads
+        D, Ht, P, H = self.head_dim, self.total_heads, self.P, self.heads
         per_head = {"q_proj.weight": D, "k_proj.weight": D, "v_proj.weight": D, "b_proj.weight": 1}
         if name in per_head:
             rows = Ht * per_head[name]

@@ -15,7 +15,6 @@ from kdaserve.server.request_metrics import per_request_metrics
 from kdaserve.server.serving import (
     ServerState,
     check_model,
-    new_id,
     response_and_engine_ids,
     resolve_max_tokens,
     response_envelope,
