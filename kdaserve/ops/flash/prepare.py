@@ -26,9 +26,9 @@ docs/flash-prefill.md; in short:
   registers and tensor-core instructions. A and Aqk keep tf32: their anchored factors span e^(+-80).
   tf32x3 would cost 14% more instructions in this latency-bound kernel for accuracy the fp16
   workspace drops anyway.
-- The loads: two programs per SM (255 registers) are too few warps to hide a DRAM round trip, so
-  with PREFETCH a program first asks for its chunk's q|k|v and forget-logit lines in L1 (PTX
-  prefetch, no registers held) and its later loads find them there.
+- The loads: 2-4 programs of 4 warps per SM (by its registers) are too few to hide a DRAM round
+  trip, so with PREFETCH a program first asks for its chunk's q|k|v and forget-logit lines in L1
+  (PTX prefetch, no registers held) and its later loads find them there.
 """
 
 from __future__ import annotations
@@ -97,9 +97,9 @@ def _prefetch_l1(ptrs):
 def _prefetch_chunk(qkv_ptr, stride_qkv, forget_ptr, stride_forget_t, stride_forget_h, stride_forget_d, tok, h,
                     H: tl.constexpr, D: tl.constexpr):
     """Start the chunk's q, k, v and forget-logit rows of head h (tokens `tok`, each inside the step)
-    on their way to L1 before any of them is loaded: K1 holds two programs per SM (255 registers),
-    too few warps to hide a DRAM round trip at each of its four load phases (Nsight Compute: a
-    third of its stall samples there; docs/perf-notes.md, thirtieth session)."""
+    on their way to L1 before any of them is loaded: K1's registers leave 2-4 programs of 4 warps
+    per SM, too few to hide a DRAM round trip at each of its four load phases (Nsight Compute, at
+    2 programs per SM: a third of its stall samples there; docs/perf-notes.md, thirtieth session)."""
     LINE: tl.constexpr = 1024 // qkv_ptr.dtype.element_ty.primitive_bitwidth   # elements per 128-byte line
     NL: tl.constexpr = D // LINE if D >= LINE else 1
     line = (tl.arange(0, NL) * LINE)[None, :]
