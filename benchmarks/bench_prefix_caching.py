@@ -107,7 +107,7 @@ def run_setting(engine_kw, cache: bool, args, vocab) -> list[dict]:
     _, wall = timed_generate(llm, fresh, gen)
     rows.append({"workload": "no hits", "cache": cache, "ttft_ms": None, "prompt_tokens": sum(map(len, fresh)),
                  "computed": eng.counters["prompt_tokens"] - before, "req_s": len(fresh) / wall})
-    del llm, eng
+    llm = eng = None   # free the engine before the next configuration (rebound: measure() names them)
     gc.collect()
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return rows
