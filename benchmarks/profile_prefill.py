@@ -24,6 +24,7 @@ import triton.testing
 
 from benchmarks.bench_prefill import config_planner, gpu_case, parse_shape, with_step_plan
 from kdaserve.backends import planners
+from kdaserve.ops.flash import flash_step_plan, kda_prefill_flash
 
 
 def fla_core_fn(case):
@@ -59,19 +60,12 @@ def columns(case, want: list[str], configs: tuple[str, ...] = ()) -> dict:
                 cols["fla-core"] = fla_core_fn(case)
         except ImportError as e:
             print(f"fla columns skipped: {e}")
-    if "flash" in want or "flash-seg0" in want:
-        from kdaserve.ops.flash import kda_prefill_flash
-
-        from kdaserve.ops.flash import flash_step_plan
-
-        if "flash" in want:
-            cols["flash"] = with_step_plan(kda_prefill_flash, planners.flash_plan)
-        if "flash-seg0" in want:
-            never_segment = lambda cu, cu_cpu, T, H, s: flash_step_plan(cu, cu_cpu, T, H, s.head_dim,  # noqa: E731
-                                                                        s.lower_bound is not None, segment_len=0)
-            cols["flash-seg0"] = with_step_plan(kda_prefill_flash, never_segment)
-    if configs:
-        from kdaserve.ops.flash import kda_prefill_flash
+    if "flash" in want:
+        cols["flash"] = with_step_plan(kda_prefill_flash, planners.flash_plan)
+    if "flash-seg0" in want:
+        never_segment = lambda cu, cu_cpu, T, H, s: flash_step_plan(cu, cu_cpu, T, H, s.head_dim,  # noqa: E731
+                                                                    s.lower_bound is not None, segment_len=0)
+        cols["flash-seg0"] = with_step_plan(kda_prefill_flash, never_segment)
     for text in configs:
         cols[f"flash[{text}]"] = with_step_plan(kda_prefill_flash, config_planner(text))
     return cols

@@ -28,13 +28,13 @@ class FlashConfig:
     # K1's chunk inverse, its W and U~ products and the joined halves' products on fp16 operands
     # when the workspace is fp16: tf32's 10-bit mantissa in half the registers and tensor-core
     # instructions (every such operand is bounded: entries of the inverse, e^g <= 1, values the
-    # workspace holds in fp16 anyway). K1 -8% (H100) to -10% (H200) at 64 heads 16x1K (perf-notes).
+    # workspace holds in fp16 anyway). Timings: docs/perf-notes.md, thirtieth session.
     prepare_half_dots: bool = True
     # K1 asks for its chunk's q|k|v and forget-logit lines in L1 before it loads any (NVIDIA only:
-    # PTX prefetch): K1 -9% at 64 heads 16x1K on an H100, the same outputs (docs/perf-notes.md).
+    # PTX prefetch; the same outputs). Timings: docs/perf-notes.md, thirtieth session.
     prepare_prefetch: bool = True
     # The bounded gate's K1 register cap (0: the compiler's choice, 255 at C = 32: 2 programs per SM).
-    # 168 lets 3 programs share an SM for 156 bytes of spills: K1 -6.5% at 64 heads 16x1K (H200).
+    # 168 lets 3 programs share an SM for a few spills, which pays (docs/perf-notes.md).
     prepare_maxnreg: int = 168
     # Unbounded gate (Kimi-Linear's; docs/flash-prefill.md, "The unbounded gate"), K1's intra-chunk
     # factors in one pass for every chunk: "clamped" (16-bit workspaces; fp32 ones take "nested")

@@ -210,9 +210,10 @@ def _prepare_chunk(
     how many programs share an SM; docs/perf-notes.md, thirtieth session): the gate first, then q
     (Qg stored at once: only q e^(g - a) stays), then k (Kd stored; both products of k formed
     together), then v, each convolved when first needed and dropped after its last use; beta k e^g
-    kept in the W product's operand type. Holding q's one tile while k is convolved, instead of k's
-    two (k e^(a - g), k e^(g - a)) while q is, let the bounded K1 fit 168 registers (3 programs per
-    SM) for 156 bytes of spills instead of 456, and the unbounded one at C = 16 need 128.
+    kept in the W product's operand type. q goes first because it leaves one tile (q e^(g - a))
+    live while k is convolved, where k would leave two (k e^(a - g), k e^(g - a)) while q is: what
+    lets the bounded K1 run under a 168-register cap (3 programs per SM) and the unbounded one at
+    C = 16 in 128 registers.
     Two exponentials per element: e_up = e^(g - a) in e^(+-40) (C = 16) or e^(+-80) (C = 32), its
     reciprocal, and e^a per channel give every factor without overflow."""
     rows = tl.arange(0, C)
