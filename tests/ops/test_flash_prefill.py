@@ -393,6 +393,25 @@ def test_gpu_no_host_sync_without_host_cu_seqlens():
 
 
 @pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("gate", ["bounded", "unbounded"])
+def test_gpu_l2_lookahead_changes_nothing(gate):
+    """K1 asking L2 for later programs' rows (prepare_l2_ahead_per_sm) is a hint: outputs, states
+    and conv states bit for bit those of the default, at a step with many more (chunk, head) items
+    than programs ahead (so the lookahead's prefetches run, up to the last item's)."""
+    case = _gpu_case([3000, 1000, 77, 2048], 32, gate=gate, slow_decay_heads=1, seed=17,
+                     has_initial_state=[True, False, True, True])
+    runs = []
+    for ahead in (0, 1, 3):
+        c = case.clone()
+        out = run_prefill(flash(None, prepare_l2_ahead_per_sm=ahead), c)
+        runs.append((out, c.recurrent_state, c.conv_state))
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
 @pytest.mark.slow
 @gpu
 @pytest.mark.parametrize("gate, segment_len", [("bounded", None), ("bounded", 0), ("unbounded", None)])

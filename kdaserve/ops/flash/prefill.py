@@ -334,6 +334,7 @@ class FlashPrefill:
     def _prepare(self, grid, first: bool, nfirst: int) -> None:
         D, C, w, plan = self.D, self.C, self.weights, self.plan
         lb = w.lower_bound
+        prefetch = self.cfg.prepare_prefetch and self.fast
         flash_prepare_kernel[grid](
             self.qkv, self.qkv.stride(0),
             self.forget_v, *self.forget_v.stride(),
@@ -349,7 +350,8 @@ class FlashPrefill:
             BOUNDED=lb is not None, PREC_TC=self.prec_tc, FAST=self.fast, FIRST=first, NFIRST=max(nfirst, 1),
             NESTED=lb is None and unbounded_intra_for(self.cfg, self.qkv.dtype) == "nested",
             INV_DT=_tl_dtype(self.ws_dtype if self.cfg.prepare_half_dots else torch.float32),
-            PREFETCH=self.cfg.prepare_prefetch and self.fast,
+            PREFETCH=prefetch,
+            L2_AHEAD=self.cfg.prepare_l2_ahead_per_sm * num_sms(self.qkv.device) if prefetch and not first else 0,
             num_warps=self.cfg.prepare_warps, **self._prepare_maxnreg(),
         )
 
