@@ -1,7 +1,7 @@
 """Compile every flash kernel for sm_90 without a GPU and report its resources (ptxas -v).
 
     python -m tools.compile_check_flash          # prints one line per kernel variant, then "ok"
-    python -m tools.compile_check_flash --sass   # also each kernel's SASS instruction mix
+    python -m tools.compile_check_flash --sass   # also each kernel's SASS instruction mix and loop bodies
 
 Catches compile-only errors (the interpreter accepts things the compiler rejects) and shows
 registers, spills, shared memory and whether the big dots became Hopper wgmma, before a GPU run.
@@ -21,11 +21,14 @@ from kdaserve.ops.flash.plan import flash_plan_kernel
 from kdaserve.ops.flash.prepare import flash_prepare_kernel
 from kdaserve.ops.flash.recurrence import flash_recurrence_kernel
 from kdaserve.ops.flash.scan import flash_scan_kernel
-from tools.sm90_compile import compile_for_sm90, ptxas_report, sass_mix
+from tools.sm90_compile import compile_for_sm90, ptxas_report, sass_loops, sass_mix
 
 def main(sass: bool = False) -> None:
     def report(kernel) -> str:
-        return ptxas_report(kernel) + (f" {sass_mix(kernel)}" if sass else "")
+        if not sass:
+            return ptxas_report(kernel)
+        loops = sass_loops(kernel)
+        return f"{ptxas_report(kernel)} {sass_mix(kernel)}" + (f" loop bodies={loops}" if loops else "")
 
     f16, bf, f32, i32, b1 = "*fp16", "*bf16", "*fp32", "*i32", "*i1"
     ws = dict(w_ptr=f16, u_ptr=f16, qg_ptr=f16, kd_ptr=f16, aqk_ptr=f16, gam_ptr=f32)

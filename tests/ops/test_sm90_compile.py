@@ -7,7 +7,7 @@ _MIX = r'''
 import re
 import triton
 import triton.language as tl
-from tools.sm90_compile import compile_for_sm90, ptxas_report, sass_mix
+from tools.sm90_compile import compile_for_sm90, ptxas_report, sass_loops, sass_mix
 
 @triton.jit
 def dot_then_cumsum(a_ptr, b_ptr, o_ptr, N: tl.constexpr):
@@ -23,6 +23,14 @@ def copy(a_ptr, o_ptr, N: tl.constexpr):
     r = tl.arange(0, N)
     tl.store(o_ptr + r, tl.load(a_ptr + r))
 
+@triton.jit
+def running_sum(a_ptr, o_ptr, n, N: tl.constexpr):
+    r = tl.arange(0, N)
+    acc = tl.zeros([N], tl.float32)
+    for i in range(n):                     # a runtime trip count: a loop in the SASS
+        acc = acc * 0.5 + tl.exp(tl.load(a_ptr + i * N + r))
+    tl.store(o_ptr + r, acc)
+
 mix = sass_mix(compile_for_sm90(dot_then_cumsum, dict(a_ptr="*fp16", b_ptr="*fp16", o_ptr="*fp32"), dict(N=64)))
 counts = dict(kv.split("=") for kv in mix.split())
 mma = int(counts.get("HMMA", 0)) + int(counts.get("HGMMA", 0))   # mma.sync or Hopper's wgmma
@@ -31,14 +39,21 @@ assert int(counts["sass"]) > sum(int(v) for k, v in counts.items() if k != "sass
 plain = sass_mix(compile_for_sm90(copy, dict(a_ptr="*fp32", o_ptr="*fp32"), dict(N=128)))
 assert "HMMA" not in plain and "BAR" not in plain and "LDG" in plain and "STG" in plain, plain
 assert re.match(r"regs=\d+ spill_st=0 smem=\d+", ptxas_report(compile_for_sm90(copy, dict(a_ptr="*fp32", o_ptr="*fp32"), dict(N=128))))
+copy_k = compile_for_sm90(copy, dict(a_ptr="*fp32", o_ptr="*fp32"), dict(N=128))
+assert sass_loops(copy_k) == [], sass_loops(copy_k)
+loops = sass_loops(compile_for_sm90(running_sum, dict(a_ptr="*fp32", o_ptr="*fp32", n="i32"), dict(N=128), num_stages=1))
+total = int(sass_mix(compile_for_sm90(running_sum, dict(a_ptr="*fp32", o_ptr="*fp32", n="i32"), dict(N=128),
+                                      num_stages=1)).split()[0].split("=")[1])
+assert loops and all(4 <= n < total for n in loops), (loops, total)   # the compiler may unroll it: a main loop and a rest
 print("ok")
 '''
 
 
 def test_sass_mix_counts_what_the_kernel_does(tmp_path):
     """A dot + cross-warp scan + exp kernel shows tensor-core, barrier and MUFU instructions; a
-    plain copy shows global loads and stores and none of those. (A script file: @triton.jit needs
-    its source on disk.)"""
+    plain copy shows global loads and stores and none of those, and no loop; a kernel with a
+    runtime loop has loops (a main one and a remainder, as the compiler unrolls), each a part of
+    its instructions. (A script file: @triton.jit needs its source on disk.)"""
     script = tmp_path / "mix.py"
     script.write_text(_MIX)
     run_compiled([str(script)], timeout=300)
