@@ -10,8 +10,8 @@
 # `bash scripts/gpu_verify_next.sh PART [PART ...]`: several parts run in order within one budget.
 # Parts owed (add one as `if [ "$PART" = name ]; then ... fi` below, with what it must show), in the
 # order to run them when the session's device time (30 min) cannot fit them all:
-#   k1_models, then k1_l2_ahead (K1's L2 lookahead and 8 warps at 128 registers; thirty-first
-#   session), then kimi_ttft (on an H200: TTFT with the new K1; twenty-ninth session 8K 138.6 ms,
+#   k1_models, then k1_l2_ahead (K1's L2 lookahead, 8 warps at 128 registers, the FIRST launch
+#   uncapped; thirty-first session), then kimi_ttft (on an H200: TTFT with the new K1; twenty-ninth session 8K 138.6 ms,
 #   32K 648.1 ms, KDA 94.80 ms of the 32K prefill) (thirtieth session)
 # Done, kept to run again: k1_ncu (K1 under Nsight Compute), k1_defaults (the K1 GPU tests and
 # the new defaults against the old), k1_prefetch_ncu, k1_table, k1_order (issue 21 goal 3), by the thirtieth
@@ -233,13 +233,15 @@ if [ "$PART" = k1_l2_ahead ]; then
   #    cap, 4 x 132 the unbounded C = 16 one's at 128); flash[prepare_warps=8,prepare_maxnreg=128] (sm_90
   #    build: 128 registers, no spills, 2 programs of 8 warps per SM instead of 3 of 4, for 1.44x
   #    the warp-instructions, 3664 x 8 against 5096 x 4; unbounded: 8 warps uncapped, 100 registers
-  #    at C = 16). Bounded and unbounded, 32/64/96 heads, 16x1K and 1x8K; the agreement lines of the
+  #    at C = 16); flash[prepare_first_maxnreg=0] (the FIRST launch, a sequence's first chunk, uncapped:
+  #    N x H programs, less than a wave at 1x8K, and 52 bytes of spills on sm_90 instead of 712 at
+  #    the cap). Bounded and unbounded, 32/64/96 heads, 16x1K and 1x8K; the agreement lines of the
   #    lookahead columns equal the default's. A column faster at every row becomes the default
   #    (thirtieth session, H200: 64 heads 16x1K 2.465 ms bounded, 3.319 unbounded; goal 3's bar 1.73).
   # 3. K1's own device µs (profile_prefill's flash_prepare rows) for the default and the lookaheads.
   group l2_test 150 tests/ops/test_flash_prefill.py -k "l2_lookahead"
   cfgs="--config prepare_l2_ahead_per_sm=1 --config prepare_l2_ahead_per_sm=3 --config prepare_l2_ahead_per_sm=6"
-  cfgs="$cfgs --config prepare_warps=8,prepare_maxnreg=128"
+  cfgs="$cfgs --config prepare_warps=8,prepare_maxnreg=128 --config prepare_first_maxnreg=0"
   timeout $(cap 170) python3 benchmarks/bench_prefill.py --no-baselines $cfgs --heads 32 64 96 --shapes 16x1K 1x8K \
     > "$OUT/l2_bounded.log" 2>&1
   echo "== bounded rc=$?"; grep "vs fp64\|^| " "$OUT/l2_bounded.log"; grep -m3 "Error\|Traceback" "$OUT/l2_bounded.log"

@@ -282,6 +282,28 @@ def test_bad_inputs_raise_clear_errors():
         run_prefill(UNSEGMENTED, case)
 
 
+@cpu_only
+def test_k1_register_cap_per_launch(monkeypatch):
+    """K1's cap (NVIDIA's compiler only): the main launch takes its gate's, the FIRST launch (a
+    sequence's first chunk) the same unless prepare_first_maxnreg names its own (0: uncapped)."""
+    from kdaserve.ops.flash.prefill import FlashPrefill
+
+    def caps(case, **changes):
+        prefill = FlashPrefill(case.inputs, case.weights, case.cache, case.prefill_seqs, case.new_out(),
+                               config=dataclasses.replace(CONFIG, **changes))
+        return prefill._prepare_maxnreg(False), prefill._prepare_maxnreg(True)
+
+    bounded = make_kda_case([40, 7], H=2, D=16, seed=3)
+    unbounded = make_kda_case([40, 7], H=2, D=16, seed=3, gate="unbounded")
+    assert caps(bounded) == ({}, {})   # the interpreter refuses the option
+    monkeypatch.setenv("TRITON_INTERPRET", "0")   # as NVIDIA's build would see it
+    assert caps(bounded) == ({"maxnreg": 168}, {"maxnreg": 168})
+    assert caps(bounded, prepare_first_maxnreg=0) == ({"maxnreg": 168}, {})
+    assert caps(bounded, prepare_first_maxnreg=200) == ({"maxnreg": 168}, {"maxnreg": 200})
+    assert caps(unbounded) == ({}, {})
+    assert caps(unbounded, unbounded_prepare_maxnreg=128, prepare_first_maxnreg=0) == ({"maxnreg": 128}, {})
+
+
 def test_the_config_is_frozen_and_a_variant_is_a_new_value():
     with pytest.raises(dataclasses.FrozenInstanceError):
         CONFIG.chunk = 16
