@@ -10,9 +10,10 @@
 # `bash scripts/gpu_verify_next.sh PART [PART ...]`: several parts run in order within one budget.
 # Parts owed (add one as `if [ "$PART" = name ]; then ... fi` below, with what it must show), in the
 # order to run them when the session's device time (30 min) cannot fit them all:
-#   k1_models, then k1_l2_ahead (K1's L2 lookahead, 8 warps at 128 registers, the FIRST launch
-#   uncapped; thirty-first session), then kimi_ttft (on an H200: TTFT with the new K1; twenty-ninth session 8K 138.6 ms,
-#   32K 648.1 ms, KDA 94.80 ms of the 32K prefill) (thirtieth session)
+#   k1_models (thirtieth session); then k1_l2_ahead (K1's L2 lookahead) and k1_caps (K1's register
+#   caps 128 and 96, 8 warps at 128, the FIRST launch uncapped) (thirty-first session); then
+#   kimi_ttft (on an H200: TTFT with the new K1; twenty-ninth session 8K 138.6 ms, 32K 648.1 ms,
+#   KDA 94.80 ms of the 32K prefill) (thirtieth session)
 # Done, kept to run again: k1_ncu (K1 under Nsight Compute), k1_defaults (the K1 GPU tests and
 # the new defaults against the old), k1_prefetch_ncu, k1_table, k1_order (issue 21 goal 3), by the thirtieth
 # session; moe_ncu (goal 4: the fused MoE prefill kernels under Nsight Compute),
@@ -227,30 +228,53 @@ if [ "$PART" = k1_l2_ahead ]; then
   # Must show (issue 21 goal 3; any Hopper card, every comparison inside this command):
   # 1. test_gpu_l2_lookahead_changes_nothing passes: with K1 asking L2 for later programs' rows
   #    (prepare_l2_ahead_per_sm), outputs, states and conv states bit for bit the default's.
-  # 2. flash's columns side by side: the default; flash[prepare_l2_ahead_per_sm=N], N = 1, 3, 6 (each
-  #    main-launch K1 program prefetches into L2 the rows of the program N x SMs after it, which
-  #    starts about when it ends: 3 x 132 ~ the programs an H100 holds at the bounded K1's 168-register
-  #    cap, 4 x 132 the unbounded C = 16 one's at 128); flash[prepare_warps=8,prepare_maxnreg=128] (sm_90
-  #    build: 128 registers, no spills, 2 programs of 8 warps per SM instead of 3 of 4, for 1.44x
-  #    the warp-instructions, 3664 x 8 against 5096 x 4; unbounded: 8 warps uncapped, 100 registers
-  #    at C = 16); flash[prepare_first_maxnreg=0] (the FIRST launch, a sequence's first chunk, uncapped:
-  #    N x H programs, less than a wave at 1x8K, and 52 bytes of spills on sm_90 instead of 712 at
-  #    the cap). Bounded and unbounded, 32/64/96 heads, 16x1K and 1x8K; the agreement lines of the
-  #    lookahead columns equal the default's. A column faster at every row becomes the default
-  #    (thirtieth session, H200: 64 heads 16x1K 2.465 ms bounded, 3.319 unbounded; goal 3's bar 1.73).
+  # 2. flash's columns side by side: the default and flash[prepare_l2_ahead_per_sm=N], N = 1, 3, 6
+  #    (each main-launch K1 program prefetches into L2 the rows of the program N x SMs after it,
+  #    which starts about when it ends: 3 x 132 ~ the programs an H100 holds at the bounded K1's
+  #    168-register cap, 4 x 132 the unbounded C = 16 one's at 128). Bounded and unbounded, 32/64/96
+  #    heads, 16x1K and 1x8K; the agreement lines of the lookahead columns equal the default's. A
+  #    column faster at every row becomes the default (thirtieth session, H200: 64 heads 16x1K
+  #    2.465 ms bounded, 3.319 unbounded; goal 3's bar 1.73).
   # 3. K1's own device µs (profile_prefill's flash_prepare rows) for the default and the lookaheads.
   group l2_test 150 tests/ops/test_flash_prefill.py -k "l2_lookahead"
   cfgs="--config prepare_l2_ahead_per_sm=1 --config prepare_l2_ahead_per_sm=3 --config prepare_l2_ahead_per_sm=6"
-  cfgs="$cfgs --config prepare_warps=8,prepare_maxnreg=128 --config prepare_first_maxnreg=0"
-  timeout $(cap 170) python3 benchmarks/bench_prefill.py --no-baselines $cfgs --heads 32 64 96 --shapes 16x1K 1x8K \
+  timeout $(cap 150) python3 benchmarks/bench_prefill.py --no-baselines $cfgs --heads 32 64 96 --shapes 16x1K 1x8K \
     > "$OUT/l2_bounded.log" 2>&1
   echo "== bounded rc=$?"; grep "vs fp64\|^| " "$OUT/l2_bounded.log"; grep -m3 "Error\|Traceback" "$OUT/l2_bounded.log"
-  timeout $(cap 130) python3 benchmarks/bench_prefill.py --no-agreement --no-baselines --gate unbounded $cfgs \
+  timeout $(cap 120) python3 benchmarks/bench_prefill.py --no-agreement --no-baselines --gate unbounded $cfgs \
     --heads 32 64 --shapes 16x1K 1x8K > "$OUT/l2_unbounded.log" 2>&1
   echo "== unbounded rc=$?"; grep "^| " "$OUT/l2_unbounded.log"; grep -m3 "Error\|Traceback" "$OUT/l2_unbounded.log"
   timeout $(cap 90) python3 benchmarks/profile_prefill.py --columns flash --config prepare_l2_ahead_per_sm=3 \
     --config prepare_l2_ahead_per_sm=6 --heads 64 --shapes 16x1K 1x8K > "$OUT/l2_profile.log" 2>&1
   echo "== profile rc=$?"; grep "^H=\|flash_prepare" "$OUT/l2_profile.log"
+fi
+
+if [ "$PART" = k1_caps ]; then
+  # Must show (issue 21 goal 3; any Hopper card, one command): K1's residency against its spills,
+  # flash's columns side by side with the default (bounded K1 at 168 registers: 156 B of spills, 3
+  # programs of 4 warps per SM; unbounded C = 16 uncapped, 128 registers, 4 per SM). sm_90 builds
+  # (thirty-first session, tools/compile_check_flash-style counts per thread):
+  #   prepare_maxnreg=128: 496 B of spills, +2.8% instructions, 4 programs per SM;
+  #   prepare_maxnreg=96: 964 B, +10%, 5 per SM;
+  #   prepare_warps=8,prepare_maxnreg=128: no spills, 2 programs of 8 warps, 1.44x the warp-instructions;
+  #   prepare_first_maxnreg=0: the FIRST launch (a sequence's first chunk; N x H programs, under a wave
+  #   at 1x8K) uncapped, 52 B of spills instead of 712;
+  #   unbounded_prepare_maxnreg=96 (unbounded gate): C = 16 at 156 B of spills, +4.6%, 5 per SM (its
+  #   1x8K rows are the joined halves at C = 32, which the same cap squeezes: read the 16x1K rows).
+  # Agreement lines equal to the default's for the cap columns (a cap changes no arithmetic). A
+  # column faster at every row becomes the default; then K1's device µs (profile_prefill).
+  caps="--config prepare_maxnreg=128 --config prepare_maxnreg=96 --config prepare_warps=8,prepare_maxnreg=128"
+  caps="$caps --config prepare_first_maxnreg=0"
+  timeout $(cap 200) python3 benchmarks/bench_prefill.py --no-baselines $caps --heads 32 64 96 --shapes 16x1K 1x8K \
+    > "$OUT/caps_bounded.log" 2>&1
+  echo "== bounded rc=$?"; grep "vs fp64\|^| " "$OUT/caps_bounded.log"; grep -m3 "Error\|Traceback" "$OUT/caps_bounded.log"
+  timeout $(cap 150) python3 benchmarks/bench_prefill.py --no-agreement --no-baselines --gate unbounded \
+    --config unbounded_prepare_maxnreg=96 --config prepare_warps=8 --config prepare_first_maxnreg=0 \
+    --heads 32 64 --shapes 16x1K 1x8K > "$OUT/caps_unbounded.log" 2>&1
+  echo "== unbounded rc=$?"; grep "^| " "$OUT/caps_unbounded.log"; grep -m3 "Error\|Traceback" "$OUT/caps_unbounded.log"
+  timeout $(cap 90) python3 benchmarks/profile_prefill.py --columns flash --config prepare_maxnreg=128 \
+    --config prepare_maxnreg=96 --heads 64 --shapes 16x1K 1x8K > "$OUT/caps_profile.log" 2>&1
+  echo "== profile rc=$?"; grep "^H=\|flash_prepare" "$OUT/caps_profile.log"
 fi
 
 if [ "$PART" = k1_prefetch_ncu ]; then

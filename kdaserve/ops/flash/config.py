@@ -44,7 +44,7 @@ class FlashConfig:
     # The cap of K1's FIRST launch (a sequence's first chunk, with the conv history: N x H programs,
     # often less than one wave, where residency buys nothing), for both gates; -1: the main
     # launch's cap (at 168 its bounded build spills 712 bytes, uncapped 52). Off until timed
-    # (scripts/gpu_verify_next.sh, part k1_l2_ahead).
+    # (scripts/gpu_verify_next.sh, part k1_caps).
     prepare_first_maxnreg: int = -1
     # Unbounded gate (Kimi-Linear's; docs/flash-prefill.md, "The unbounded gate"), K1's intra-chunk
     # factors in one pass for every chunk: "clamped" (16-bit workspaces; fp32 ones take "nested")
