@@ -36,14 +36,13 @@ counts = dict(kv.split("=") for kv in mix.split())
 mma = int(counts.get("HMMA", 0)) + int(counts.get("HGMMA", 0))   # mma.sync or Hopper's wgmma
 assert mma > 0 and int(counts.get("BAR", 0)) > 0 and int(counts.get("MUFU", 0)) > 0, mix
 assert int(counts["sass"]) > sum(int(v) for k, v in counts.items() if k != "sass"), mix
-plain = sass_mix(compile_for_sm90(copy, dict(a_ptr="*fp32", o_ptr="*fp32"), dict(N=128)))
-assert "HMMA" not in plain and "BAR" not in plain and "LDG" in plain and "STG" in plain, plain
-assert re.match(r"regs=\d+ spill_st=0 smem=\d+", ptxas_report(compile_for_sm90(copy, dict(a_ptr="*fp32", o_ptr="*fp32"), dict(N=128))))
 copy_k = compile_for_sm90(copy, dict(a_ptr="*fp32", o_ptr="*fp32"), dict(N=128))
+plain = sass_mix(copy_k)
+assert "HMMA" not in plain and "BAR" not in plain and "LDG" in plain and "STG" in plain, plain
+assert re.match(r"regs=\d+ spill_st=0 smem=\d+", ptxas_report(copy_k))
 assert sass_loops(copy_k) == [], sass_loops(copy_k)
-loops = sass_loops(compile_for_sm90(running_sum, dict(a_ptr="*fp32", o_ptr="*fp32", n="i32"), dict(N=128), num_stages=1))
-total = int(sass_mix(compile_for_sm90(running_sum, dict(a_ptr="*fp32", o_ptr="*fp32", n="i32"), dict(N=128),
-                                      num_stages=1)).split()[0].split("=")[1])
+loop_k = compile_for_sm90(running_sum, dict(a_ptr="*fp32", o_ptr="*fp32", n="i32"), dict(N=128), num_stages=1)
+loops, total = sass_loops(loop_k), int(sass_mix(loop_k).split()[0].split("=")[1])
 assert loops and all(4 <= n < total for n in loops), (loops, total)   # the compiler may unroll it: a main loop and a rest
 print("ok")
 '''
