@@ -4,6 +4,7 @@ machine without a GPU, and check it fits.
     python -m tools.compile_check --arch sm_90          # or sm_89, sm_100, gfx942, gfx950
     python -m tools.compile_check --arch all            # or a list: --arch gfx950,gfx942
     python -m tools.compile_check --arch gfx950 --quick # one shape per kernel (what CI compiles)
+    python -m tools.compile_check --arch all --markdown # also docs/portability.md's table, last
 
 One line per kernel and shape: registers (VGPRs + AGPRs and SGPRs on AMD), spills or scratch,
 shared memory / LDS, occupancy. Exits non-zero if a kernel fails to compile, spills where the sm_90
@@ -27,7 +28,7 @@ import triton
 import triton.language as tl
 
 from kdaserve.ops.precision import precision_for_target
-from tools.compile_target import SHARED_LIMIT, TARGETS, compile_for, occupancy, resources
+from tools.compile_target import Resources, SHARED_LIMIT, TARGETS, compile_for, occupancy, resources
 
 BF, F16, F32, I32, B1 = "*bf16", "*fp16", "*fp32", "*i32", "*i1"
 
@@ -374,12 +375,31 @@ def all_cases(quick: bool = False, kernels: tuple[str, ...] = ()) -> list[Case]:
     return [c for c in cases if (c.quick or not quick) and (not kernels or c.name.startswith(kernels))]
 
 
-def check(target: str, cases: list[Case], baseline: dict[str, int] | None = None) -> tuple[list[str], dict[str, int]]:
-    """(problems, spill bytes by case) for one target; `baseline`: sm_90's spills by case."""
+def markdown_cell(res: Resources, target: str) -> str:
+    """A cell of docs/portability.md's table: registers per thread (r) or VGPRs + AGPRs per lane (v),
+    shared memory / LDS in KiB, spill stores (sp) or scratch (sc) in bytes where not zero."""
+    unit, spill = ("r", "sp") if target.startswith("sm_") else ("v", "sc")
+    cell = f"{res.registers} {unit}, {round(res.shared_bytes / 1024)} K"
+    return cell + (f", {res.spill_bytes} B {spill}" if res.spill_bytes else "")
+
+
+def markdown_table(cells: dict[str, dict[str, str]], targets: tuple[str, ...]) -> str:
+    """Kernels x targets, in the order the cases ran (`--markdown`)."""
+    lines = ["| kernel | " + " | ".join(targets) + " |", "|---|" + "---|" * len(targets)]
+    lines += [f"| {name} | " + " | ".join(row.get(t, "-") for t in targets) + " |" for name, row in cells.items()]
+    return "\n".join(lines)
+
+
+def check(target: str, cases: list[Case], baseline: dict[str, int] | None = None,
+          cells: dict[str, dict[str, str]] | None = None) -> tuple[list[str], dict[str, int]]:
+    """(problems, spill bytes by case) for one target; `baseline`: sm_90's spills by case; `cells`:
+    filled with each case's markdown_cell (or why there is none) by name and target."""
     problems, spills = [], {}
+    cells = {} if cells is None else cells
     for c in cases:
         if target.startswith(c.not_on or ("\0",)):
             print(f"{target} {c.name}: not launched there", flush=True)
+            cells.setdefault(c.name, {})[target] = "not launched"
             continue
         try:
             consts, warps, stages = c.launch(target)
@@ -388,8 +408,10 @@ def check(target: str, cases: list[Case], baseline: dict[str, int] | None = None
         except Exception as exc:  # noqa: BLE001 - report every kernel, then fail
             print(f"{target} {c.name}: FAILED to compile: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}", flush=True)
             problems.append(f"{target} {c.name}: does not compile")
+            cells.setdefault(c.name, {})[target] = "does not compile"
             continue
         spills[c.name] = res.spill_bytes
+        cells.setdefault(c.name, {})[target] = markdown_cell(res, target)
         notes = []
         if res.shared_bytes > SHARED_LIMIT[target]:
             notes.append(f"SHARED {res.shared_bytes} > {SHARED_LIMIT[target]}")
@@ -409,6 +431,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arch", default="sm_90", help=f"one of {', '.join(TARGETS)}, a comma-separated list, or all")
     ap.add_argument("--quick", action="store_true", help="one serving shape per kernel")
     ap.add_argument("--kernels", default="", help="comma-separated name prefixes (e.g. mla,moe): only those kernels")
+    ap.add_argument("--markdown", action="store_true",
+                    help="also print the kernels x targets table of docs/portability.md, last")
     args = ap.parse_args(argv)
     if triton.knobs.runtime.interpret:
         sys.exit("run without TRITON_INTERPRET: this compiles for the GPU")
@@ -417,15 +441,17 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown architecture {unknown}; expected {', '.join(TARGETS)} or all")
     cases = all_cases(args.quick, tuple(k for k in args.kernels.split(",") if k))
-    problems, baseline = [], None
+    problems, baseline, cells = [], None, {}
     if any(t != "sm_90" for t in targets):
         # sm_90 first: a spill elsewhere counts only where the sm_90 build has none.
-        probs, baseline = check("sm_90", cases)
+        probs, baseline = check("sm_90", cases, cells=cells)
         problems += probs if "sm_90" in targets else []
     for t in targets:
         if t != "sm_90" or baseline is None:
-            probs, _ = check(t, cases, baseline)
+            probs, _ = check(t, cases, baseline, cells)
             problems += probs
+    if args.markdown:
+        print(markdown_table(cells, tuple(t for t in TARGETS if t in targets)))
     if problems:
         print(f"{len(problems)} problems:\n  " + "\n  ".join(problems))
         return 1

@@ -3,14 +3,23 @@
 that stops compiling on one of them, spills there where the sm_90 build does not, or outgrows its
 shared memory / LDS fails CI."""
 
+import re
+
 from compiled_mode import run_compiled
 
 
 def test_every_kernel_compiles_for_gfx950_gfx942_and_sm100():
-    out = run_compiled(["-m", "tools.compile_check", "--arch", "gfx950,gfx942,sm_100", "--quick"], timeout=1200)
+    out = run_compiled(["-m", "tools.compile_check", "--arch", "gfx950,gfx942,sm_100", "--quick", "--markdown"],
+                       timeout=1200)
     for target in ("gfx950", "gfx942", "sm_100"):
         assert f"{target} flash prepare" in out and f"{target} moe down" in out and f"{target} mla decode" in out, target
         assert f"{target} hc pre" in out and f"{target} dsa index scores" in out and f"{target} mla sparse decode" in out
+    # --markdown: docs/portability.md's table, a row per kernel, the targets in TARGETS' order
+    table = [line for line in out.splitlines() if line.startswith("| ")]
+    assert table[0] == "| kernel | sm_100 | gfx942 | gfx950 |", table[:2]
+    plan = next(line for line in table if line.startswith("| flash plan |"))
+    assert re.fullmatch(r"\| flash plan \| \d+ r, \d+ K \| \d+ v, \d+ K \| \d+ v, \d+ K \|", plan), plan
+    assert any("not launched" in line for line in table if line.startswith("| fp8 "))   # gfx942's FP8 is fnuz
 
 
 def test_precision_by_target():
