@@ -10,10 +10,10 @@
 # `bash scripts/gpu_verify_next.sh PART [PART ...]`: several parts run in order within one budget.
 # Parts owed (add one as `if [ "$PART" = name ]; then ... fi` below, with what it must show), in the
 # order to run them when the session's device time (30 min) cannot fit them all:
-#   k1_models (thirtieth session); then k1_l2_ahead (K1's L2 lookahead) and k1_caps (K1's register
-#   caps 128 and 96, 8 warps at 128, the FIRST launch uncapped) (thirty-first session); then
-#   kimi_ttft (on an H200: TTFT with the new K1; twenty-ninth session 8K 138.6 ms, 32K 648.1 ms,
-#   KDA 94.80 ms of the 32K prefill) (thirtieth session)
+#   k1_models and k1_models2 (thirtieth session; a command each); then k1_l2_ahead (K1's L2
+#   lookahead) and k1_caps (K1's register caps 128 and 96, 8 warps at 128, the FIRST launch
+#   uncapped) (thirty-first session); then kimi_ttft (on an H200: TTFT with the new K1;
+#   twenty-ninth session 8K 138.6 ms, 32K 648.1 ms, KDA 94.80 ms of the 32K prefill).
 # Done, kept to run again: k1_ncu (K1 under Nsight Compute), k1_defaults (the K1 GPU tests and
 # the new defaults against the old), k1_prefetch_ncu, k1_table, k1_order (issue 21 goal 3), by the thirtieth
 # session; moe_ncu (goal 4: the fused MoE prefill kernels under Nsight Compute),
@@ -214,10 +214,15 @@ if [ "$PART" = k1_models ]; then
   # tests of everything that prefills through flash pass (layers, the engine, prefix caching's
   # checkpoints, Kimi-Linear's and GLM-5.3-Flash's tiny models, the compile-ahead warm-up, the
   # 128K flash tests run 5 did not rerun with the new caps), one file at a time.
+  # Its groups' caps add up past one command: k1_models2 holds the second half.
   group flash_128k 200 tests/ops/test_flash_prefill.py -k "gpu and 128k"
   group kda_layer 120 tests/layers/test_kda_layer_gpu.py
   group engine 200 tests/engine/test_engine_gpu.py
   group prefix 120 tests/engine/test_prefix_caching_gpu.py
+fi
+
+if [ "$PART" = k1_models2 ]; then
+  # Must show: the second half of k1_models (the same defaults), one file at a time.
   group kimi 150 tests/models/test_kimi_linear_gpu.py
   group glm 150 tests/models/test_glm5_next.py
   group warmup 120 tests/engine/test_warmup.py
