@@ -296,7 +296,7 @@ def test_k1_register_cap_per_launch(monkeypatch):
     bounded = make_kda_case([40, 7], H=2, D=16, seed=3)
     unbounded = make_kda_case([40, 7], H=2, D=16, seed=3, gate="unbounded")
     assert caps(bounded) == ({}, {})   # the interpreter refuses the option
-    monkeypatch.setenv("TRITON_INTERPRET", "0")   # as NVIDIA's build would see it
+    monkeypatch.setattr(triton.knobs.runtime, "interpret", False)   # as NVIDIA's build would see it
     assert caps(bounded) == ({"maxnreg": 168}, {"maxnreg": 168})
     assert caps(bounded, prepare_first_maxnreg=0) == ({"maxnreg": 168}, {})
     assert caps(bounded, prepare_first_maxnreg=200) == ({"maxnreg": 168}, {"maxnreg": 200})
