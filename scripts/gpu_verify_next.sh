@@ -43,6 +43,20 @@ group() {  # name, seconds, pytest args...: one pytest process per file (one GPU
   [ $rc -ne 0 ] && ! grep -q FAILED "$OUT/t_$name.log" && tail -4 "$OUT/t_$name.log"
   return 0
 }
+flash_columns() {  # name, "bounded --config args", "unbounded --config args", "profile --config args":
+  # bench_prefill's flash columns for both gates (32/64/96 and 32/64 heads, 16x1K and 1x8K; the
+  # bounded run prints the agreement lines), then profile_prefill's K1 rows at 64 heads
+  local name=$1
+  timeout $(cap 170) python3 benchmarks/bench_prefill.py --no-baselines $2 --heads 32 64 96 --shapes 16x1K 1x8K \
+    > "$OUT/${name}_bounded.log" 2>&1
+  echo "== bounded rc=$?"; grep "vs fp64\|^| " "$OUT/${name}_bounded.log"; grep -m3 "Error\|Traceback" "$OUT/${name}_bounded.log"
+  timeout $(cap 140) python3 benchmarks/bench_prefill.py --no-agreement --no-baselines --gate unbounded $3 \
+    --heads 32 64 --shapes 16x1K 1x8K > "$OUT/${name}_unbounded.log" 2>&1
+  echo "== unbounded rc=$?"; grep "^| " "$OUT/${name}_unbounded.log"; grep -m3 "Error\|Traceback" "$OUT/${name}_unbounded.log"
+  timeout $(cap 90) python3 benchmarks/profile_prefill.py --columns flash $4 --heads 64 --shapes 16x1K 1x8K \
+    > "$OUT/${name}_profile.log" 2>&1
+  echo "== profile rc=$?"; grep "^H=\|flash_prepare" "$OUT/${name}_profile.log"
+}
 cap() {  # seconds: the smaller of $1 and what is left of the budget (at least 1)
   local left=$(( BUDGET - ($(date +%s) - START) )); [ "$left" -lt 1 ] && left=1
   [ "$1" -lt "$left" ] && echo "$1" || echo "$left"
@@ -243,15 +257,7 @@ if [ "$PART" = k1_l2_ahead ]; then
   # 3. K1's own device µs (profile_prefill's flash_prepare rows) for the default and the lookaheads.
   group l2_test 150 tests/ops/test_flash_prefill.py -k "l2_lookahead"
   cfgs="--config prepare_l2_ahead_per_sm=1 --config prepare_l2_ahead_per_sm=3 --config prepare_l2_ahead_per_sm=6"
-  timeout $(cap 150) python3 benchmarks/bench_prefill.py --no-baselines $cfgs --heads 32 64 96 --shapes 16x1K 1x8K \
-    > "$OUT/l2_bounded.log" 2>&1
-  echo "== bounded rc=$?"; grep "vs fp64\|^| " "$OUT/l2_bounded.log"; grep -m3 "Error\|Traceback" "$OUT/l2_bounded.log"
-  timeout $(cap 120) python3 benchmarks/bench_prefill.py --no-agreement --no-baselines --gate unbounded $cfgs \
-    --heads 32 64 --shapes 16x1K 1x8K > "$OUT/l2_unbounded.log" 2>&1
-  echo "== unbounded rc=$?"; grep "^| " "$OUT/l2_unbounded.log"; grep -m3 "Error\|Traceback" "$OUT/l2_unbounded.log"
-  timeout $(cap 90) python3 benchmarks/profile_prefill.py --columns flash --config prepare_l2_ahead_per_sm=3 \
-    --config prepare_l2_ahead_per_sm=6 --heads 64 --shapes 16x1K 1x8K > "$OUT/l2_profile.log" 2>&1
-  echo "== profile rc=$?"; grep "^H=\|flash_prepare" "$OUT/l2_profile.log"
+  flash_columns l2 "$cfgs" "$cfgs" "--config prepare_l2_ahead_per_sm=3 --config prepare_l2_ahead_per_sm=6"
 fi
 
 if [ "$PART" = k1_caps ]; then
@@ -269,17 +275,9 @@ if [ "$PART" = k1_caps ]; then
   # Agreement lines equal to the default's for the cap columns (a cap changes no arithmetic). A
   # column faster at every row becomes the default; then K1's device µs (profile_prefill).
   caps="--config prepare_maxnreg=128 --config prepare_maxnreg=96 --config prepare_warps=8,prepare_maxnreg=128"
-  caps="$caps --config prepare_first_maxnreg=0"
-  timeout $(cap 200) python3 benchmarks/bench_prefill.py --no-baselines $caps --heads 32 64 96 --shapes 16x1K 1x8K \
-    > "$OUT/caps_bounded.log" 2>&1
-  echo "== bounded rc=$?"; grep "vs fp64\|^| " "$OUT/caps_bounded.log"; grep -m3 "Error\|Traceback" "$OUT/caps_bounded.log"
-  timeout $(cap 150) python3 benchmarks/bench_prefill.py --no-agreement --no-baselines --gate unbounded \
-    --config unbounded_prepare_maxnreg=96 --config prepare_warps=8 --config prepare_first_maxnreg=0 \
-    --heads 32 64 --shapes 16x1K 1x8K > "$OUT/caps_unbounded.log" 2>&1
-  echo "== unbounded rc=$?"; grep "^| " "$OUT/caps_unbounded.log"; grep -m3 "Error\|Traceback" "$OUT/caps_unbounded.log"
-  timeout $(cap 90) python3 benchmarks/profile_prefill.py --columns flash --config prepare_maxnreg=128 \
-    --config prepare_maxnreg=96 --heads 64 --shapes 16x1K 1x8K > "$OUT/caps_profile.log" 2>&1
-  echo "== profile rc=$?"; grep "^H=\|flash_prepare" "$OUT/caps_profile.log"
+  flash_columns caps "$caps --config prepare_first_maxnreg=0" \
+    "--config unbounded_prepare_maxnreg=96 --config prepare_warps=8 --config prepare_first_maxnreg=0" \
+    "--config prepare_maxnreg=128 --config prepare_maxnreg=96"
 fi
 
 if [ "$PART" = k1_prefetch_ncu ]; then

@@ -101,6 +101,15 @@ def _prefetch_l2(ptrs):
 
 
 @triton.jit
+def _prefetch(ptrs, TO_L2: tl.constexpr):
+    """_prefetch_l1, or with TO_L2 _prefetch_l2."""
+    if TO_L2:
+        _prefetch_l2(ptrs)
+    else:
+        _prefetch_l1(ptrs)
+
+
+@triton.jit
 def _prefetch_chunk(qkv_ptr, stride_qkv, forget_ptr, stride_forget_t, stride_forget_h, stride_forget_d, tok, h,
                     H: tl.constexpr, D: tl.constexpr, TO_L2: tl.constexpr = False):
     """Start the chunk's q, k, v and forget-logit rows of head h (tokens `tok`, each inside the step)
@@ -113,15 +122,9 @@ def _prefetch_chunk(qkv_ptr, stride_qkv, forget_ptr, stride_forget_t, stride_for
     line = (tl.arange(0, NL) * LINE)[None, :]
     t64 = tok.to(tl.int64)[:, None]
     rows = qkv_ptr + t64 * stride_qkv + h * D + line
-    forget = forget_ptr + t64 * stride_forget_t + h * stride_forget_h + line * stride_forget_d
-    if TO_L2:
-        for t in tl.static_range(3):
-            _prefetch_l2(rows + t * (H * D))
-        _prefetch_l2(forget)
-    else:
-        for t in tl.static_range(3):
-            _prefetch_l1(rows + t * (H * D))
-        _prefetch_l1(forget)
+    for t in tl.static_range(3):
+        _prefetch(rows + t * (H * D), TO_L2)
+    _prefetch(forget_ptr + t64 * stride_forget_t + h * stride_forget_h + line * stride_forget_d, TO_L2)
 
 
 @triton.jit
