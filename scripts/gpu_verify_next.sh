@@ -8,20 +8,28 @@
 # transformers 5.23.0 with what it imports for structured output) and, for an old-vs-new comparison, [".old"]
 # (e.g. `git archive <commit> kdaserve benchmarks | tar -x -C .old`), [".base"] likewise for kimi_fusions.
 # `bash scripts/gpu_verify_next.sh PART [PART ...]`: several parts run in order within one budget.
-# Parts owed (add one as `if [ "$PART" = name ]; then ... fi` below, with what it must show), in the
-# order to run them when the session's device time (30 min) cannot fit them all:
-#   k1_models and k1_models2 (thirtieth session; a command each); then k1_l2_ahead (K1's L2
-#   lookahead) and k1_caps (K1's register caps 128 and 96, 8 warps at 128, the FIRST launch
-#   uncapped) (thirty-first session); then kimi_ttft (on an H200: TTFT with the new K1;
-#   twenty-ninth session 8K 138.6 ms, 32K 648.1 ms, KDA 94.80 ms of the 32K prefill).
-# Done, kept to run again: k1_ncu (K1 under Nsight Compute), k1_defaults (the K1 GPU tests and
+# `bash scripts/gpu_verify_next.sh --owed`: the parts still owed, one a line, in the order to run
+# them (nothing when nothing is owed); parts kept to run again are not owed.
+# Add a part as `if [ "$PART" = name ]; then ... fi` below, with what it must show, and name it in
+# OWED; take it out of OWED once it ran (its numbers go to docs/perf-notes.md).
+OWED=(
+  kimi_ttft   # on an H200 (Kimi-Linear needs 91.5 GiB): TTFT with the thirtieth session's K1;
+              # twenty-ninth session 8K 138.6 ms, 32K 648.1 ms, KDA 94.80 ms of the 32K prefill
+)
+# Done, kept to run again: k1_models and k1_models2 (thirty-second session, H100: all passed),
+# k1_ncu (K1 under Nsight Compute), k1_defaults (the K1 GPU tests and
 # the new defaults against the old), k1_prefetch_ncu, k1_table, k1_order (issue 21 goal 3), by the thirtieth
 # session; moe_ncu (goal 4: the fused MoE prefill kernels under Nsight Compute),
 # mla_prefill (the MLA GPU tests and launch-shape sweep), kimi_ttft (TTFT 8K and 32K), mla_glm_test,
 # by the twenty-ninth session; align_default (goal 1), real_client
 # (goal 2, the OpenAI SDK as the client), by the twenty-eighth session; kimi_decode_kinds,
 # kimi_fusions (.base = `git archive c04ce36 kdaserve benchmarks`), host_split (.old = `git archive
-# 272aacf kdaserve benchmarks`), by the twenty-seventh (docs/perf-notes.md).
+# 272aacf kdaserve benchmarks`), by the twenty-seventh (docs/perf-notes.md). Removed after they ran
+# (thirty-second session): k1_l2_ahead and k1_caps, with the variants they timed.
+if [ "${1:-}" = --owed ]; then
+  for part in "${OWED[@]}"; do echo "$part"; done
+  exit 0
+fi
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -42,20 +50,6 @@ group() {  # name, seconds, pytest args...: one pytest process per file (one GPU
   grep -E "FAILED|^E  " "$OUT/t_$name.log" | head -6
   [ $rc -ne 0 ] && ! grep -q FAILED "$OUT/t_$name.log" && tail -4 "$OUT/t_$name.log"
   return 0
-}
-flash_columns() {  # name, "bounded --config args", "unbounded --config args", "profile --config args":
-  # bench_prefill's flash columns for both gates (32/64/96 and 32/64 heads, 16x1K and 1x8K; the
-  # bounded run prints the agreement lines), then profile_prefill's K1 rows at 64 heads
-  local name=$1
-  timeout $(cap 170) python3 benchmarks/bench_prefill.py --no-baselines $2 --heads 32 64 96 --shapes 16x1K 1x8K \
-    > "$OUT/${name}_bounded.log" 2>&1
-  echo "== bounded rc=$?"; grep "vs fp64\|^| " "$OUT/${name}_bounded.log"; grep -m3 "Error\|Traceback" "$OUT/${name}_bounded.log"
-  timeout $(cap 140) python3 benchmarks/bench_prefill.py --no-agreement --no-baselines --gate unbounded $3 \
-    --heads 32 64 --shapes 16x1K 1x8K > "$OUT/${name}_unbounded.log" 2>&1
-  echo "== unbounded rc=$?"; grep "^| " "$OUT/${name}_unbounded.log"; grep -m3 "Error\|Traceback" "$OUT/${name}_unbounded.log"
-  timeout $(cap 90) python3 benchmarks/profile_prefill.py --columns flash $4 --heads 64 --shapes 16x1K 1x8K \
-    > "$OUT/${name}_profile.log" 2>&1
-  echo "== profile rc=$?"; grep "^H=\|flash_prepare" "$OUT/${name}_profile.log"
 }
 cap() {  # seconds: the smaller of $1 and what is left of the budget (at least 1)
   local left=$(( BUDGET - ($(date +%s) - START) )); [ "$left" -lt 1 ] && left=1
@@ -241,43 +235,6 @@ if [ "$PART" = k1_models2 ]; then
   group glm 150 tests/models/test_glm5_next.py
   group warmup 120 tests/engine/test_warmup.py
   group compile_ahead 120 tests/ops/test_compile_ahead.py
-fi
-
-if [ "$PART" = k1_l2_ahead ]; then
-  # Must show (issue 21 goal 3; any Hopper card, every comparison inside this command):
-  # 1. test_gpu_l2_lookahead_changes_nothing passes: with K1 asking L2 for later programs' rows
-  #    (prepare_l2_ahead_per_sm), outputs, states and conv states bit for bit the default's.
-  # 2. flash's columns side by side: the default and flash[prepare_l2_ahead_per_sm=N], N = 1, 3, 6
-  #    (each main-launch K1 program prefetches into L2 the rows of the program N x SMs after it,
-  #    which starts about when it ends: 3 x 132 ~ the programs an H100 holds at the bounded K1's
-  #    168-register cap, 4 x 132 the unbounded C = 16 one's at 128). Bounded and unbounded, 32/64/96
-  #    heads, 16x1K and 1x8K; the agreement lines of the lookahead columns equal the default's. A
-  #    column faster at every row becomes the default (thirtieth session, H200: 64 heads 16x1K
-  #    2.465 ms bounded, 3.319 unbounded; goal 3's bar 1.73).
-  # 3. K1's own device µs (profile_prefill's flash_prepare rows) for the default and the lookaheads.
-  group l2_test 150 tests/ops/test_flash_prefill.py -k "l2_lookahead"
-  cfgs="--config prepare_l2_ahead_per_sm=1 --config prepare_l2_ahead_per_sm=3 --config prepare_l2_ahead_per_sm=6"
-  flash_columns l2 "$cfgs" "$cfgs" "--config prepare_l2_ahead_per_sm=3 --config prepare_l2_ahead_per_sm=6"
-fi
-
-if [ "$PART" = k1_caps ]; then
-  # Must show (issue 21 goal 3; any Hopper card, one command): K1's residency against its spills,
-  # flash's columns side by side with the default (bounded K1 at 168 registers: 156 B of spills, 3
-  # programs of 4 warps per SM; unbounded C = 16 uncapped, 128 registers, 4 per SM). sm_90 builds
-  # (thirty-first session, tools/compile_check_flash-style counts per thread):
-  #   prepare_maxnreg=128: 496 B of spills, +2.8% instructions, 4 programs per SM;
-  #   prepare_maxnreg=96: 964 B, +10%, 5 per SM;
-  #   prepare_warps=8,prepare_maxnreg=128: no spills, 2 programs of 8 warps, 1.44x the warp-instructions;
-  #   prepare_first_maxnreg=0: the FIRST launch (a sequence's first chunk; N x H programs, under a wave
-  #   at 1x8K) uncapped, 52 B of spills instead of 712;
-  #   unbounded_prepare_maxnreg=96 (unbounded gate): C = 16 at 156 B of spills, +4.6%, 5 per SM (its
-  #   1x8K rows are the joined halves at C = 32, which the same cap squeezes: read the 16x1K rows).
-  # Agreement lines equal to the default's for the cap columns (a cap changes no arithmetic). A
-  # column faster at every row becomes the default; then K1's device µs (profile_prefill).
-  caps="--config prepare_maxnreg=128 --config prepare_maxnreg=96 --config prepare_warps=8,prepare_maxnreg=128"
-  flash_columns caps "$caps --config prepare_first_maxnreg=0" \
-    "--config unbounded_prepare_maxnreg=96 --config prepare_warps=8 --config prepare_first_maxnreg=0" \
-    "--config prepare_maxnreg=128 --config prepare_maxnreg=96"
 fi
 
 if [ "$PART" = k1_prefetch_ncu ]; then

@@ -49,25 +49,22 @@ def main(sass: bool = False) -> None:
              (16, False, True, False, both), (32, False, False, False, both), (32, False, True, False, both),
              (16, False, False, True, both[:1]), (16, False, True, True, both[:1]), (32, False, False, True, both[:1])]
 
-    def prepare_line(C, bounded, first, nested, inv_dt, l2_ahead=0) -> str:
+    def prepare_line(C, bounded, first, nested, inv_dt) -> str:
         k = compile_for_sm90(
             flash_prepare_kernel,
             dict(**ws, **tables, qkv_ptr=bf, forget_ptr=bf, b_ptr=bf, cw_ptr=f32, cs_ptr=bf, a_log_ptr=f32, dt_bias_ptr=f32,
                  lower_bound="fp32", q_scale="fp32", decay_clamp="fp32", T="i32"),
             dict(H=32, D=128, C=C, LOG2C=C.bit_length() - 1, W=4, BOUNDED=bounded, PREC_TC="tf32", FAST=True, FIRST=first,
-                 NFIRST=1, NESTED=nested, INV_DT=inv_dt, PREFETCH=CONFIG.prepare_prefetch, L2_AHEAD=l2_ahead,
+                 NFIRST=1, NESTED=nested, INV_DT=inv_dt, PREFETCH=CONFIG.prepare_prefetch,
                  stride_cs_ch=1, stride_forget_d=1, stride_cw_j=1),  # unit strides: as launched
             num_warps=cfg.prepare_warps,
             maxnreg=(cfg.prepare_maxnreg if bounded else cfg.unbounded_prepare_maxnreg) or None,
         )
         kind = "bounded" if bounded else ("nested" if nested else "clamped")
-        return (f"prepare C={C} {kind} first={first}{' tf32-dots' if inv_dt == tl.float32 else ''}"
-                f"{' l2-ahead' if l2_ahead else ''}: {report(k)}")
+        return f"prepare C={C} {kind} first={first}{' tf32-dots' if inv_dt == tl.float32 else ''}: {report(k)}"
 
     for C, bounded, first, nested, inv_dt in ((*c[:4], dt) for c in cases for dt in c[4]):
         lines.append(prepare_line(C, bounded, first, nested, inv_dt))
-    # the L2 lookahead (FlashConfig.prepare_l2_ahead_per_sm, off by default; 3 x 132 SMs), main launch
-    lines += [prepare_line(32, True, False, False, tl.float16, 396), prepare_line(16, False, False, False, tl.float16, 396)]
 
     rec_types = dict(**ws, **tables, s_ptr=f32, o_ptr=bf, out_gate_ptr=bf, nw_ptr=f32, eps="fp32", oq_ptr=f16, bm_ptr=f32,
                      qkv_ptr=bf, cs_ptr=bf, q_off="i64")

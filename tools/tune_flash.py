@@ -55,10 +55,8 @@ def variants(lens: list[int]) -> list[tuple[str, dict, int | None]]:
     v = [("auto", {}, None), ("no-seg", {}, 0),
          ("k1-8warps", {"prepare_warps": 8}, 0), ("k2-2stages", {"recur_stages": 2}, 0),
          # 8 warps under a 128-register cap: 2 programs per SM without spills (the bounded K1 on
-         # sm_90), where 8 warps uncapped leave 1; the L2 lookahead; the FIRST launch uncapped
-         # (FlashConfig)
+         # sm_90), where 8 warps uncapped leave 1
          ("k1-8warps-128", {"prepare_warps": 8, "prepare_maxnreg": 128}, 0),
-         ("k1-l2-ahead-3", {"prepare_l2_ahead_per_sm": 3}, 0), ("k1-first-uncapped", {"prepare_first_maxnreg": 0}, 0),
          ("chunk16", {"chunk": 16}, 0),
          # One segment per sequence through the segmented kernels: V split over 2 programs (no
          # fused norm: o_loc in fp32, then the correction pass only normalizes).

@@ -1,4 +1,5 @@
-"""The startup warm-up (engine/warmup.py) on the CPU with the reference backends: it covers the
+"""The startup warm-up (engine/warmup.py) on the CPU (pinned: on a GPU machine the default device
+would be the GPU, whose token cap and warm-up default differ) with the reference backends: it covers the
 step shapes whose kernel variants a GPU would otherwise compile inside the first requests, stays
 within the engine's limits, gives every state slot and KV block back, and changes no later output."""
 
@@ -18,7 +19,7 @@ REQUESTS = [
 
 
 def _engine(**kw) -> LLMEngine:
-    kw = {"max_num_seqs": 32, "max_model_len": 256, "kda_prefill_backend": "reference",
+    kw = {"device": "cpu", "max_num_seqs": 32, "max_model_len": 256, "kda_prefill_backend": "reference",
           "kda_decode_backend": "reference", "warmup": False, **kw}
     return LLMEngine("tiny", **kw)
 
@@ -115,9 +116,9 @@ def test_a_busy_engine_is_not_warmed_up():
 def test_the_config_switch_and_the_cpu_default(monkeypatch):
     calls = []
     monkeypatch.setattr(llm_engine, "warm_up", lambda *a: calls.append(a) or 0)
-    LLMEngine("tiny", max_model_len=64, kda_prefill_backend="reference", kda_decode_backend="reference")
+    LLMEngine("tiny", max_model_len=64, device="cpu", kda_prefill_backend="reference", kda_decode_backend="reference")
     assert calls == []                      # CPU: nothing is compiled, nothing to warm up
-    assert LLMEngine("tiny", max_model_len=64, kda_prefill_backend="reference",
+    assert LLMEngine("tiny", max_model_len=64, device="cpu", kda_prefill_backend="reference",
                      kda_decode_backend="reference").config.warmup is True
     if torch.cuda.is_available():
         LLMEngine("tiny", max_model_len=64, device="cuda", warmup=False)

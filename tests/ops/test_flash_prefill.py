@@ -283,25 +283,23 @@ def test_bad_inputs_raise_clear_errors():
 
 
 @cpu_only
-def test_k1_register_cap_per_launch(monkeypatch):
-    """K1's cap (NVIDIA's compiler only): the main launch takes its gate's, the FIRST launch (a
-    sequence's first chunk) the same unless prepare_first_maxnreg names its own (0: uncapped)."""
+def test_k1_register_cap_per_gate(monkeypatch):
+    """K1's cap (NVIDIA's compiler only), the same for both its launches: the bounded gate's
+    prepare_maxnreg, the unbounded gate's unbounded_prepare_maxnreg (0: none)."""
     from kdaserve.ops.flash.prefill import FlashPrefill
 
-    def caps(case, **changes):
+    def cap(case, **changes):
         prefill = FlashPrefill(case.inputs, case.weights, case.cache, case.prefill_seqs, case.new_out(),
                                config=dataclasses.replace(CONFIG, **changes))
-        return prefill._prepare_maxnreg(False), prefill._prepare_maxnreg(True)
+        return prefill._prepare_maxnreg()
 
     bounded = make_kda_case([40, 7], H=2, D=16, seed=3)
     unbounded = make_kda_case([40, 7], H=2, D=16, seed=3, gate="unbounded")
-    assert caps(bounded) == ({}, {})   # the interpreter refuses the option
+    assert cap(bounded) == {}   # the interpreter refuses the option
     monkeypatch.setattr(triton.knobs.runtime, "interpret", False)   # as NVIDIA's build would see it
-    assert caps(bounded) == ({"maxnreg": 168}, {"maxnreg": 168})
-    assert caps(bounded, prepare_first_maxnreg=0) == ({"maxnreg": 168}, {})
-    assert caps(bounded, prepare_first_maxnreg=200) == ({"maxnreg": 168}, {"maxnreg": 200})
-    assert caps(unbounded) == ({}, {})
-    assert caps(unbounded, unbounded_prepare_maxnreg=128, prepare_first_maxnreg=0) == ({"maxnreg": 128}, {})
+    assert cap(bounded) == {"maxnreg": 168} and cap(bounded, prepare_maxnreg=200) == {"maxnreg": 200}
+    assert cap(unbounded) == {}
+    assert cap(unbounded, unbounded_prepare_maxnreg=128) == {"maxnreg": 128}
 
 
 def test_the_config_is_frozen_and_a_variant_is_a_new_value():
@@ -412,25 +410,6 @@ def test_gpu_no_host_sync_without_host_cu_seqlens():
             kda_prefill_flash(out=out, **args, segment_len=seg)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("gate", ["bounded", "unbounded"])
-def test_gpu_l2_lookahead_changes_nothing(gate):
-    """K1 asking L2 for later programs' rows (prepare_l2_ahead_per_sm) is a hint: outputs, states
-    and conv states bit for bit those of the default, at a step with many more (chunk, head) items
-    than programs ahead (so the lookahead's prefetches run, up to the last item's)."""
-    case = _gpu_case([3000, 1000, 77, 2048], 32, gate=gate, slow_decay_heads=1, seed=17,
-                     has_initial_state=[True, False, True, True])
-    runs = []
-    for ahead in (0, 1, 3):
-        c = case.clone()
-        out = run_prefill(flash(None, prepare_l2_ahead_per_sm=ahead), c)
-        runs.append((out, c.recurrent_state, c.conv_state))
-    for other in runs[1:]:
-        for a, b in zip(runs[0], other):
-            assert torch.equal(a, b)
 
 
 @pytest.mark.gpu

@@ -47,13 +47,7 @@ def test_config_overrides_for_benchmark_columns():
         with_overrides(CFG, "prepare_prefech=1")
     with pytest.raises(ValueError, match="unbounded_chunk must be 16 or 32"):
         with_overrides(CFG, "unbounded_chunk=8")
-    assert with_overrides(CFG, "prepare_l2_ahead_per_sm=3").prepare_l2_ahead_per_sm == 3 and CFG.prepare_l2_ahead_per_sm == 0
-    with pytest.raises(ValueError, match="prepare_l2_ahead_per_sm must be 0 .off. or a number of programs per SM, got -1"):
-        with_overrides(CFG, "prepare_l2_ahead_per_sm=-1")
-    assert with_overrides(CFG, "prepare_first_maxnreg=0").prepare_first_maxnreg == 0 and CFG.prepare_first_maxnreg == -1
-    with pytest.raises(ValueError, match="prepare_first_maxnreg must be -1 .the main launch's cap., 0 .uncapped. or a "
-                                         "register cap, got -2"):
-        with_overrides(CFG, "prepare_first_maxnreg=-2")
+    assert with_overrides(CFG, "prepare_maxnreg=128").prepare_maxnreg == 128 and CFG.prepare_maxnreg == 168
 
 
 def test_k1_register_caps_by_target():

@@ -33,19 +33,9 @@ class FlashConfig:
     # K1 asks for its chunk's q|k|v and forget-logit lines in L1 before it loads any (NVIDIA only:
     # PTX prefetch; the same outputs). Timings: docs/perf-notes.md, thirtieth session.
     prepare_prefetch: bool = True
-    # With prepare_prefetch, each K1 program also asks L2 for the rows of the program this many
-    # programs per SM after it (x the SMs: about the programs after it that start as it ends), so
-    # their loads wait for L2, not DRAM; 0: off, until timed (scripts/gpu_verify_next.sh, part
-    # k1_l2_ahead).
-    prepare_l2_ahead_per_sm: int = 0
     # The bounded gate's K1 register cap (0: the compiler's choice, 255 at C = 32: 2 programs per SM).
     # 168 lets 3 programs share an SM for a few spills, which pays (docs/perf-notes.md).
     prepare_maxnreg: int = 168
-    # The cap of K1's FIRST launch (a sequence's first chunk, with the conv history: N x H programs,
-    # often less than one wave, where residency buys nothing), for both gates; -1: the main
-    # launch's cap (at 168 its bounded build spills 712 bytes, uncapped 52). Off until timed
-    # (scripts/gpu_verify_next.sh, part k1_caps).
-    prepare_first_maxnreg: int = -1
     # Unbounded gate (Kimi-Linear's; docs/flash-prefill.md, "The unbounded gate"), K1's intra-chunk
     # factors in one pass for every chunk: "clamped" (16-bit workspaces; fp32 ones take "nested")
     # clamps each token's log-decay at -unbounded_decay_clamp inside the chunk's factors, so one
@@ -101,12 +91,6 @@ class FlashConfig:
         for name in ("unbounded_chunk", "unbounded_segmented_chunk"):
             if getattr(self, name) not in (16, 32):
                 raise ValueError(f"{name} must be 16 or 32, got {getattr(self, name)}")
-        if self.prepare_first_maxnreg < -1:
-            raise ValueError(f"prepare_first_maxnreg must be -1 (the main launch's cap), 0 (uncapped) or a register cap, "
-                             f"got {self.prepare_first_maxnreg}")
-        if self.prepare_l2_ahead_per_sm < 0:
-            raise ValueError(f"prepare_l2_ahead_per_sm must be 0 (off) or a number of programs per SM, got "
-                             f"{self.prepare_l2_ahead_per_sm}")
         if not 0 < self.unbounded_decay_clamp <= ONE_ANCHOR_SPREAD / 16:
             raise ValueError(f"unbounded_decay_clamp must be in (0, {ONE_ANCHOR_SPREAD / 16}] (one anchor spans 16 "
                              f"clamped tokens within e^(+-{ONE_ANCHOR_SPREAD / 2:g})), got {self.unbounded_decay_clamp}")

@@ -350,18 +350,14 @@ class FlashPrefill:
             BOUNDED=lb is not None, PREC_TC=self.prec_tc, FAST=self.fast, FIRST=first, NFIRST=max(nfirst, 1),
             NESTED=lb is None and unbounded_intra_for(self.cfg, self.qkv.dtype) == "nested",
             INV_DT=_tl_dtype(self.ws_dtype if self.cfg.prepare_half_dots else torch.float32),
-            PREFETCH=prefetch,
-            L2_AHEAD=self.cfg.prepare_l2_ahead_per_sm * num_sms(self.qkv.device) if prefetch and not first else 0,
-            num_warps=self.cfg.prepare_warps, **self._prepare_maxnreg(first),
+            PREFETCH=prefetch, num_warps=self.cfg.prepare_warps, **self._prepare_maxnreg(),
         )
 
-    def _prepare_maxnreg(self, first: bool) -> dict:
-        """K1's register cap for this gate and launch, where there is one: NVIDIA's compiler (AMD's
-        and the interpreter refuse the option)."""
+    def _prepare_maxnreg(self) -> dict:
+        """K1's register cap for this gate (both launches), where there is one: NVIDIA's compiler
+        (AMD's and the interpreter refuse the option)."""
         cfg = self.cfg
         n = cfg.prepare_maxnreg if self.weights.lower_bound is not None else cfg.unbounded_prepare_maxnreg
-        if first and cfg.prepare_first_maxnreg >= 0:
-            n = cfg.prepare_first_maxnreg
         native = not triton.knobs.runtime.interpret and not torch.version.hip
         return {"maxnreg": n} if n and native else {}
 

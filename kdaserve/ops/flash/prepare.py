@@ -94,26 +94,10 @@ def _prefetch_l1(ptrs):
 
 
 @triton.jit
-def _prefetch_l2(ptrs):
-    """_prefetch_l1's request, for L2 (shared by every SM): `prefetch.global.L2`."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch(ptrs, TO_L2: tl.constexpr):
-    """_prefetch_l1, or with TO_L2 _prefetch_l2."""
-    if TO_L2:
-        _prefetch_l2(ptrs)
-    else:
-        _prefetch_l1(ptrs)
-
-
-@triton.jit
 def _prefetch_chunk(qkv_ptr, stride_qkv, forget_ptr, stride_forget_t, stride_forget_h, stride_forget_d, tok, h,
-                    H: tl.constexpr, D: tl.constexpr, TO_L2: tl.constexpr = False):
+                    H: tl.constexpr, D: tl.constexpr):
     """Start the chunk's q, k, v and forget-logit rows of head h (tokens `tok`, each inside the step)
-    on their way to L1 (TO_L2: to L2) before any of them is loaded: K1's registers leave 2-4
+    on their way to L1 before any of them is loaded: K1's registers leave 2-4
     programs of 4 warps per SM, too few to hide a DRAM round trip at each of its four load phases
     (Nsight Compute, at 2 programs per SM: a third of its stall samples there; docs/perf-notes.md,
     thirtieth session)."""
@@ -123,8 +107,8 @@ def _prefetch_chunk(qkv_ptr, stride_qkv, forget_ptr, stride_forget_t, stride_for
     t64 = tok.to(tl.int64)[:, None]
     rows = qkv_ptr + t64 * stride_qkv + h * D + line
     for t in tl.static_range(3):
-        _prefetch(rows + t * (H * D), TO_L2)
-    _prefetch(forget_ptr + t64 * stride_forget_t + h * stride_forget_h + line * stride_forget_d, TO_L2)
+        _prefetch_l1(rows + t * (H * D))
+    _prefetch_l1(forget_ptr + t64 * stride_forget_t + h * stride_forget_h + line * stride_forget_d)
 
 
 @triton.jit
@@ -437,7 +421,7 @@ def flash_prepare_kernel(
     lower_bound, q_scale, L, decay_clamp, T,
     H: tl.constexpr, D: tl.constexpr, C: tl.constexpr, LOG2C: tl.constexpr, W: tl.constexpr,
     BOUNDED: tl.constexpr, PREC_TC: tl.constexpr, FAST: tl.constexpr, FIRST: tl.constexpr, NFIRST: tl.constexpr,
-    NESTED: tl.constexpr, INV_DT: tl.constexpr = tl.float32, PREFETCH: tl.constexpr = False, L2_AHEAD: tl.constexpr = 0,
+    NESTED: tl.constexpr, INV_DT: tl.constexpr = tl.float32, PREFETCH: tl.constexpr = False,
 ):
     """Two launches of this kernel cover every chunk. FIRST = False: one program per (chunk, head),
     skipping the chunks whose conv window reaches before their sequence's first token; FIRST =
@@ -448,13 +432,7 @@ def flash_prepare_kernel(
 
     Unbounded gate (BOUNDED = False), every chunk in the same two launches: clamped (16-bit
     workspaces) by one anchor per chunk at C = 16, or per half chunk, joined, at C = 32; or, with
-    NESTED, exactly for any decay by nested anchors (fp32 workspaces, or by choice).
-
-    L2_AHEAD > 0 (with PREFETCH; FlashConfig.prepare_l2_ahead_per_sm): a main-launch program also
-    asks L2 for the rows of the program L2_AHEAD after it, which starts about when this one ends
-    (L2_AHEAD ~ the programs the GPU holds at once), so that program's own loads wait for L2
-    instead of DRAM: a whole program's head start, where its own L1 prefetch gets only the time of
-    its table loads."""
+    NESTED, exactly for any decay by nested anchors (fp32 workspaces, or by choice)."""
     pid = tl.program_id(0)
     if FIRST:
         f = pid % NFIRST
@@ -466,18 +444,11 @@ def flash_prepare_kernel(
         h = pid % H
         n = tl.load(chunk_seq_ptr + j)
         t0 = tl.load(chunk_tok_ptr + j)
-        if PREFETCH and L2_AHEAD > 0:
-            ahead = pid + L2_AHEAD
-            t_ahead = tl.load(chunk_tok_ptr + ahead // H, mask=ahead < tl.num_programs(0), other=-1)
         # Before the sequence's table loads, rows clamped to the step's T tokens. Not in the FIRST
         # launch (one program per sequence and head; its t0 waits for the sequence's table anyway).
         if PREFETCH and T > 0:
             _prefetch_chunk(qkv_ptr, stride_qkv, forget_ptr, stride_forget_t, stride_forget_h, stride_forget_d,
                             tl.minimum(t0 + tl.arange(0, C), T - 1), h, H, D)
-            if L2_AHEAD > 0:
-                if t_ahead >= 0:
-                    _prefetch_chunk(qkv_ptr, stride_qkv, forget_ptr, stride_forget_t, stride_forget_h, stride_forget_d,
-                                    tl.minimum(t_ahead + tl.arange(0, C), T - 1), ahead % H, H, D, True)
         if n < 0:
             return
     blk = j.to(tl.int64) * H + h
