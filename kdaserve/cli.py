@@ -10,8 +10,18 @@ import sys
 COMMANDS = ("info", "demo", "parity", "generate", "serve", "accuracy", "ab")
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kdaserve")
+    except PackageNotFoundError:   # run from a checkout that was never installed
+        return "(not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kdaserve", description="Serve hybrid KDA language models.")
+    parser.add_argument("--version", action="version", version=f"kdaserve {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in COMMANDS:
         importlib.import_module(f"kdaserve.commands.{name}").register(sub)

@@ -14,7 +14,7 @@ from kdaserve.backends.registry import (
     unregister_backend,
 )
 from kdaserve.backends.kda_backends import KDABackendChoice, KDABackends, resolve_kda_backends
-from kdaserve.backends.requirements import LayerSettings, Machine, Requirement
+from kdaserve.backends.requirements import LayerSettings, Machine, Requirement, usable_device
 from kdaserve.backends.resolver import (
     BackendError,
     BackendUnavailableError,
@@ -48,6 +48,7 @@ __all__ = [
     "register_backend",
     "resolve_backend",
     "resolve_kda_backends",
+    "usable_device",
     "unregister_backend",
     "valid_names",
 ]

@@ -72,6 +72,29 @@ def _probe_module(name: str) -> str | None:
     return ""
 
 
+def usable_device(device: torch.device | str | None = None) -> torch.device:
+    """`device` (default: the first GPU if any, else the CPU), or a ValueError saying why this
+    machine cannot run on it and what can: asked for a GPU, torch's own assertion says only
+    "Torch not compiled with CUDA enabled", deep inside the first tensor it moves."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"--device {device!r} is not a device torch knows ({exc}); use cpu or cuda[:N]") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            why = (f"this torch ({torch.__version__}) was built without CUDA or ROCm" if torch.version.cuda is None
+                   and torch.version.hip is None else "no GPU is visible to torch (CUDA_VISIBLE_DEVICES, driver)")
+            raise ValueError(f"--device {device}: {why}; use --device cpu, or a torch build for your GPU")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} GPU(s) "
+                             f"(cuda:0 to cuda:{torch.cuda.device_count() - 1})")
+    elif device.type not in ("cpu", "meta"):   # meta: shapes without memory (capacity and layer-kind tools)
+        raise ValueError(f"--device {device}: kdaserve runs on cpu or cuda (ROCm GPUs are cuda to torch)")
+    return device
+
+
 @dataclass
 class Machine:
     """Where a layer runs. `modules=None` probes this Python (cached); a dict fixes the answers
@@ -91,9 +114,7 @@ class Machine:
     @classmethod
     def detect(cls, device: torch.device | str | None = None) -> "Machine":
         """The machine as seen from `device` (default: the first GPU if any, else the CPU)."""
-        if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        device = torch.device(device)
+        device = usable_device(device)
         interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
         if device.type != "cuda":
             return cls("cpu", triton_interpret=interpret)

@@ -26,7 +26,8 @@ def register(sub) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-tokens tokens")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
-    p.add_argument("--json", action="store_true", help="print one JSON object per completion instead of text")
+    p.add_argument("--json", action="store_true", help="print one JSON object per completion instead of text "
+                   "(stdout holds only those lines; the run's summary goes to stderr)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_engine_args(p, model="nano")   # the trained model shipped in the package
     p.set_defaults(func=run)
@@ -70,15 +71,18 @@ def run(args) -> int:
             print(f"--- prompt: {prompt!r}\n{out.text!r}  [{out.num_output_tokens} tokens, {out.finish_reason}]")
     s = llm.last_run_stats
     backends = llm.engine.runner.kda_backends.names if llm.engine.runner.kda_backends else "-"
+    summary = sys.stderr if args.json else sys.stdout   # --json: stdout is machine-readable, line by line
     print(
         f"model {llm.engine.model_name} on {llm.engine.config.device} ({str(llm.engine.config.dtype).removeprefix('torch.')}), "
         f"KDA backends {backends}, loaded in {load_s:.1f} s\n"
         f"prefill: {s['prefill_tokens']} tokens in {s['prefill_time_s']:.3f} s = {s['prefill_tokens_per_s']:.1f} tok/s\n"
-        f"decode:  {s['decode_tokens']} tokens in {s['decode_time_s']:.3f} s = {s['decode_tokens_per_s']:.1f} tok/s"
+        f"decode:  {s['decode_tokens']} tokens in {s['decode_time_s']:.3f} s = {s['decode_tokens_per_s']:.1f} tok/s",
+        file=summary,
     )
     if "spec_decode_num_drafts" in s:
         rate, length = s["spec_decode_acceptance_rate"], s["spec_decode_mean_acceptance_length"]
         print(f"speculative: {s['spec_decode_num_draft_tokens']} draft tokens in {s['spec_decode_num_drafts']} drafts, "
               f"{s['spec_decode_num_accepted_tokens']} accepted"
-              + (f" (acceptance rate {rate:.1%}, mean acceptance length {length:.2f})" if rate is not None else ""))
+              + (f" (acceptance rate {rate:.1%}, mean acceptance length {length:.2f})" if rate is not None else ""),
+              file=summary)
     return 0

@@ -40,10 +40,10 @@ def register(sub) -> None:
 def build_config(args):
     import torch
 
-    from kdaserve.backends import LayerSettings, Machine, describe_backends
+    from kdaserve.backends import LayerSettings, Machine, describe_backends, usable_device
     from kdaserve.bench.parity import DTYPES, ParityConfig, parse_lengths
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = str(usable_device(args.device))
     gpu = torch.device(device).type == "cuda"
 
     def pick(value, on_gpu, on_cpu):

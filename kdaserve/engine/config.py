@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kdaserve.backends.kda_backends import KDABackendChoice
+from kdaserve.backends.requirements import usable_device
 from kdaserve.engine.speculative.config import SpeculativeConfig
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -115,7 +116,7 @@ class EngineConfig:
         name="--no-warmup"))
 
     def __post_init__(self):
-        self.device = torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = usable_device(self.device)
         self.dtype = parse_dtype(self.dtype) or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.state_dtype = parse_dtype(self.state_dtype) or torch.float32
         if self.max_num_batched_tokens is None:

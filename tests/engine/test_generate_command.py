@@ -22,6 +22,31 @@ def test_generate_prints_completions_and_throughput(tmp_path, capsys):
     assert "prefill: 27 tokens" in out and "decode:  12 tokens" in out and "tok/s" in out
 
 
+def test_json_output_is_only_json_lines_and_the_summary_goes_to_stderr(capsys):
+    import json
+
+    assert _run(["--model", "tiny", "--prompt", "Hello", "--prompt", "again", "--max-tokens", "3", "--json", *REF]) == 0
+    captured = capsys.readouterr()
+    lines = captured.out.splitlines()
+    assert len(lines) == 2 and [json.loads(line)["prompt"] for line in lines] == ["Hello", "again"]
+    assert "decode:" in captured.err and "tok/s" in captured.err
+
+
+def test_version_and_python_dash_m(capsys):
+    import subprocess
+    import sys
+
+    import pytest
+
+    from kdaserve.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.startswith("kdaserve ")
+    ran = subprocess.run([sys.executable, "-m", "kdaserve", "--version"], capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0 and ran.stdout.startswith("kdaserve "), ran.stderr
+
+
 def test_generate_reports_bad_input_without_a_traceback(capsys):
     assert _run(["--model", "tiny", "--prompt", "x", "--temperature", "-1", *REF]) == 2
     assert "temperature: got -1.0" in capsys.readouterr().err
