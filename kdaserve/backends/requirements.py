@@ -114,7 +114,9 @@ class Machine:
     @classmethod
     def detect(cls, device: torch.device | str | None = None) -> "Machine":
         """The machine as seen from `device` (default: the first GPU if any, else the CPU)."""
-        device = usable_device(device)
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = torch.device(device)
         interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
         if device.type != "cuda":
             return cls("cpu", triton_interpret=interpret)

@@ -13,6 +13,7 @@ import typing
 import torch
 
 from kdaserve.engine.config import EngineConfig
+from kdaserve.engine.vllm_flags import add_vllm_habit_flags, check_vllm_habit_flags
 
 
 def _flag_name(f: dataclasses.Field) -> str:
@@ -51,11 +52,14 @@ def add_engine_args(parser: argparse.ArgumentParser, **defaults) -> argparse.Arg
                            metavar=flag.removeprefix("--").replace("-", "_").upper(),
                            help=meta["help"] + (f" (default: {default})" if default is not None else ""),
                            **meta["argparse"])
+    add_vllm_habit_flags(parser)
     return parser
 
 
 def engine_kwargs_from_args(args: argparse.Namespace, **overrides) -> dict:
-    """The EngineConfig keyword arguments the parsed flags name (model included)."""
+    """The EngineConfig keyword arguments the parsed flags name (model included). vLLM flags without
+    a kdaserve setting print their note here, or raise ValueError saying why they cannot apply."""
+    check_vllm_habit_flags(args)
     kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)}
     kw.update(overrides)
     return kw
