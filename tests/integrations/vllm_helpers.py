@@ -3,6 +3,7 @@ KDASERVE_VLLM_PYTHON with one request and returns what it printed."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -10,6 +11,15 @@ from pathlib import Path
 
 VLLM_PYTHON = os.environ.get("KDASERVE_VLLM_PYTHON")
 RUNNER = Path(__file__).with_name("vllm_runner.py")
+
+
+@functools.cache
+def vllm_cpu_has_op(name: str) -> bool:
+    """Does the vLLM venv's CPU build, as loaded on this machine, have the custom op `name`?
+    vllm-cpu ships an AVX-512 and an AVX2 build, and some kernels only in the first."""
+    code = f"import torch, vllm._custom_ops; print(hasattr(torch.ops._C, {name!r}))"
+    done = subprocess.run([VLLM_PYTHON, "-c", code], capture_output=True, text=True, timeout=300)
+    return done.stdout.strip().endswith("True")
 
 
 def run_vllm(tmp_path, *, pythonpath: list[str] = (), **request) -> tuple[dict | None, str]:

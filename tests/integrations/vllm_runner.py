@@ -41,6 +41,7 @@ def _glm_kda_probe(worker, hidden: list) -> dict:
                        dt_bias=w.dt_bias, norm_weight=w.norm_weight)
         out[m.prefix] = {k: t.float().flatten().tolist() for k, t in tensors.items()} | {
             "lower_bound": w.lower_bound, "norm_eps": w.norm_eps, "vllm_prefill": m.kda_prefill_backend,
+            "tp_rank": m.tp_rank, "tp_size": m.tp_size,
             "checkpoint_alignment": m.get_kv_cache_spec(worker.vllm_config).prefill_checkpoint_alignment}
     return out
 

@@ -77,6 +77,14 @@ def _run(backends, meta: KDAStepMetadata, rows: torch.Tensor | slice, mixed_qkv,
     return out if pad is None else out.index_select(0, pad[0])
 
 
+def fail_on_nan(tensors: list[torch.Tensor], message: str) -> None:
+    """Stop the engine when any of `tensors` holds NaN, without waiting for the device: on a GPU a
+    device-side assertion (the process stops at its next synchronization), on a CPU an exception
+    carrying `message`. A NaN hidden state otherwise samples token 0 at every step, silently."""
+    bad = torch.stack([t.isnan().any() for t in tensors]).any()
+    torch._assert_async(~bad, message)
+
+
 def ragged_rows(cu: torch.Tensor, n: int, rows_per_seq: int, num_tokens: int) -> torch.Tensor:
     """Row of each verify token when every sequence gets `rows_per_seq` rows (no host sync)."""
     lengths = cu[1:] - cu[:-1]

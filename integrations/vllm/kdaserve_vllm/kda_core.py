@@ -12,6 +12,11 @@ share (kimi_kda.py, glm_kda.py). Both vLLM layers hand their core the same tenso
   state [slots, H, D, D] in the dtype vLLM chose, slot indices <= 0 padding; speculative steps (2-D
   slot indices, accepted counts) take kdaserve's verify path.
 
+A wrong answer is never silent: a state or input the core cannot take is an error naming the
+layer, its tensor-parallel rank and the conv layout; with `check_nan` (the default) a step whose
+inputs hold NaN (a layer before this one: vLLM's, not kdaserve's) or whose output kdaserve's core
+filled with NaN stops the engine, saying which.
+
 Requirements are checked at construction by kdaserve's resolver: an explicit backend that cannot
 run here is an error listing every unmet requirement (no fallback). A phase may stay vLLM's
 (`vllm`, or `auto` where kdaserve is not measured faster: kdaserve_vllm/options.py)."""
@@ -27,7 +32,7 @@ from vllm.platforms import current_platform
 from kdaserve.backends import KDABackendChoice, LayerSettings, Machine, resolve_kda_backends
 from kdaserve.backends.step import KDACache
 from kdaserve.ops.types import KDAWeights
-from kdaserve_vllm.gdn_step import run_gdn_step
+from kdaserve_vllm.gdn_step import fail_on_nan, run_gdn_step
 from kdaserve_vllm.options import plugin_options
 
 # Under "vllm." so vLLM's logging configuration (handlers, process prefixes) applies to our lines.
@@ -112,7 +117,24 @@ class KdaserveKDACore:
         if ("prefill" if m.num_prefills else "decode") in self.kdaserve_vllm_phases:
             return False
         conv_state, recurrent_state = self.kv_cache
-        cache = KDACache(conv_state, recurrent_state, "DS" if is_conv_state_dim_first() else "SD")
-        run_gdn_step(m, self.kdaserve_backends, mixed_qkv, g1, g2, beta, core_attn_out, cache, self._kda_weights(),
-                     self.num_spec)
+        layout = "DS" if is_conv_state_dim_first() else "SD"
+        cache = KDACache(conv_state, recurrent_state, layout)
+        where = (f"kdaserve_vllm: KDA layer {self.prefix} (tp rank {self.tp_rank} of {self.tp_size}, "
+                 f"conv state layout {layout})")
+        T = m.num_actual_tokens
+        check = self.kdaserve_options.check_nan
+        if check:
+            fail_on_nan([mixed_qkv[:T], g1[:, :T], g2[:T], beta[:, :T]],
+                        f"{where}: its inputs hold NaN, so a layer before it (vLLM's, not kdaserve's KDA core) "
+                        "produced NaN; docs/vllm-plugin.md lists the known causes")
+        try:
+            run_gdn_step(m, self.kdaserve_backends, mixed_qkv, g1, g2, beta, core_attn_out, cache, self._kda_weights(),
+                         self.num_spec)
+        except Exception as exc:   # a shape, dtype or layout kdaserve's checks refuse, named with the layer
+            raise RuntimeError(f"{where}: kdaserve cannot take this step: {exc}") from exc
+        if check:
+            names = {p: getattr(self.kdaserve_backends, p).name for p in ("prefill", "decode")}
+            fail_on_nan([core_attn_out[0, :T]],
+                        f"{where}: kdaserve's KDA core (prefill {names['prefill']}, decode {names['decode']}) wrote NaN "
+                        "from inputs without NaN: a kdaserve bug, please report it with this line")
         return True

@@ -1,9 +1,11 @@
 """What a vLLM run asks of kdaserve: `--additional-config '{"kdaserve": {"prefill_backend": ...,
-"decode_backend": ...}}'`, or the environment (KDASERVE_VLLM_PREFILL_BACKEND,
+"decode_backend": ..., "check_nan": true}}'`, or the environment (KDASERVE_VLLM_PREFILL_BACKEND,
 KDASERVE_VLLM_DECODE_BACKEND), the config winning. No setting: kdaserve is not asked, vLLM's own
 KDA core runs. Per phase, a name of kdaserve's (`kdaserve info` lists them), `vllm` (vLLM's own
 kernels for that phase) or `auto`: kdaserve only where a measurement says it is faster than
-vLLM's path, or where vLLM has no path at all (`auto_uses_vllm`)."""
+vLLM's path, or where vLLM has no path at all (`auto_uses_vllm`). `check_nan` (default on): every
+step fails loudly where a KDA layer's inputs or kdaserve's output hold NaN (kda_core.py), instead
+of sampling garbage."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ from dataclasses import dataclass
 
 ENV_PREFILL = "KDASERVE_VLLM_PREFILL_BACKEND"
 ENV_DECODE = "KDASERVE_VLLM_DECODE_BACKEND"
-KEYS = ("prefill_backend", "decode_backend")
+BACKEND_KEYS = ("prefill_backend", "decode_backend")
+KEYS = (*BACKEND_KEYS, "check_nan")
 VLLM = "vllm"
 
 
@@ -31,6 +34,7 @@ def auto_uses_vllm(phase: str, device_type: str, bounded_gate: bool) -> bool:
 class PluginOptions:
     prefill_backend: str = "auto"
     decode_backend: str = "auto"
+    check_nan: bool = True
 
     def uses_vllm(self, phase: str, device_type: str, bounded_gate: bool) -> bool:
         """Does this phase run vLLM's own kernels (asked by name, or by `auto`)?"""
@@ -53,8 +57,11 @@ def plugin_options(additional_config) -> PluginOptions | None:
     unknown = sorted(set(section) - set(KEYS))
     if unknown:
         raise ValueError(f"additional_config.kdaserve has unknown keys {unknown}; expected only {list(KEYS)}")
-    values = {k: section.get(k) or env[k] or "auto" for k in KEYS}
+    values = {k: section.get(k) or env[k] or "auto" for k in BACKEND_KEYS}
     bad = {k: v for k, v in values.items() if not isinstance(v, str)}
     if bad:
         raise ValueError(f"additional_config.kdaserve: backend names must be strings, got {bad}")
-    return PluginOptions(**values)
+    check_nan = section.get("check_nan", True)
+    if not isinstance(check_nan, bool):
+        raise ValueError(f"additional_config.kdaserve.check_nan must be true or false, got {check_nan!r}")
+    return PluginOptions(**values, check_nan=check_nan)
