@@ -77,6 +77,9 @@ class EngineConfig:
         "KDA conv-state layout: SD (sequence-major) or DS (channel-major)", name="--kda-conv-layout",
         choices=("SD", "DS")))
     max_logprobs: int = field(default=20, metadata=_flag("most logprobs a request may ask for per token"))
+    structured_outputs_max_whitespace: int = field(default=16, metadata=_flag(
+        "JSON structured output: at most this many whitespace characters in a row between JSON tokens (a small "
+        "model otherwise writes '{' then whitespace until max_tokens); 0: unbounded"))
     cuda_graph_max_batch_size: int | None = field(default=None, metadata=_flag(
         "largest decode batch captured as a CUDA graph (default: max_num_seqs, at most 512 as vLLM's)", name="--max-cudagraph-capture-size"))
     speculative_config: dict | str | SpeculativeConfig | None = field(default=None, metadata=_flag(
@@ -128,6 +131,10 @@ class EngineConfig:
                 continue
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"invalid {name}: got {v!r}; expected an integer >= 1")
+        v = self.structured_outputs_max_whitespace
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"invalid structured_outputs_max_whitespace: got {v!r}; expected an integer >= 0 "
+                             "(0: unbounded)")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"invalid max_model_len: got {self.max_model_len}; expected >= 2 (a prompt token and an output token)")
         if self.load_format not in ("auto", "safetensors", "dummy"):

@@ -224,3 +224,34 @@ def test_verify_rows_get_the_mask_after_their_drafts(llm):
     assert allowed[4] == set(range(V)), "a row without a grammar is untouched"
     assert allowed[5:] == [{a}, {b}, {b}, {b}], "after a refused draft the rows repeat the last mask"
     assert m1.accept_token(a) and m2.accept_token(a), "the matchers are rolled back to where they were"
+
+
+WHITESPACE = {9: 100, 10: 100, 13: 100, 32: 100}   # a model that would write only whitespace
+
+
+@pytest.mark.parametrize("bound", [16, 4])
+def test_json_whitespace_runs_are_bounded(bound):
+    """A small model that prefers whitespace writes '{' then whitespace until max_tokens unless the
+    grammar bounds a run (--structured-outputs-max-whitespace; 0: unbounded, the second engine)."""
+    kw = dict(device="cpu", kda_prefill_backend="reference", kda_decode_backend="reference", max_model_len=256)
+    bounded = LLM("tiny", structured_outputs_max_whitespace=bound, **kw)
+    unbounded = LLM("tiny", structured_outputs_max_whitespace=0, **kw)
+    for spec in (dict(json_object=True), dict(json=SCHEMA)):   # a params object per engine: it keeps its compile
+        def params():
+            return dict(max_tokens=80, logit_bias=WHITESPACE, structured_outputs=StructuredOutputsParams(**spec))
+        text = _gen(bounded, [[65]], **params())[0].text
+        assert 0 < _longest_whitespace_between_tokens(text) <= bound and len(text.strip()) > 1, repr(text)
+        loose = _gen(unbounded, [[65]], **params())[0].text
+        assert _longest_whitespace_between_tokens(loose) > bound, repr(loose)
+
+
+def _longest_whitespace_between_tokens(text: str) -> int:
+    """The longest run of whitespace outside JSON strings (inside one, spaces are the string's own
+    characters, which the bound leaves alone)."""
+    outside = re.sub(r'"(?:[^"\\]|\\.)*("|$)', '"', text)
+    return max((len(r) for r in re.findall(r"\s+", outside)), default=0)
+
+
+def test_the_whitespace_bound_is_checked():
+    with pytest.raises(ValueError, match="invalid structured_outputs_max_whitespace: got -1; expected an integer >= 0"):
+        LLM("tiny", device="cpu", structured_outputs_max_whitespace=-1)

@@ -71,13 +71,21 @@ def _reason(exc: Exception) -> str:
     return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", first)
 
 
+# JSON's optional whitespace between tokens, at most this many characters in a row: a small model
+# otherwise writes "{" then whitespace until max_tokens. 16 still lets pretty-printed JSON nest
+# (a newline and 4 levels of 4-space indent). The engine flag --structured-outputs-max-whitespace.
+DEFAULT_MAX_WHITESPACE = 16
+
+
 class GrammarCompiler:
     """Compiles `StructuredOutputsParams` once (thread-safe: the server compiles in worker threads)
     and makes one matcher per sequence."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], cache_bytes: int = DEFAULT_CACHE_BYTES):
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], cache_bytes: int = DEFAULT_CACHE_BYTES,
+                 max_whitespace: int | None = DEFAULT_MAX_WHITESPACE):
         xgr = self._xgr = import_xgrammar()
         self.vocab_size = vocab_size
+        self.max_whitespace = max_whitespace
         self.stop_token_ids = sorted(stop_token_ids)
         info = tokenizer_info(xgr, tokenizer, vocab_size, self.stop_token_ids)
         self._compiler = xgr.GrammarCompiler(info, cache_enabled=True, cache_limit_bytes=cache_bytes)
@@ -88,7 +96,8 @@ class GrammarCompiler:
             return params.compiled
         c, kind = self._compiler, params.kind
         whitespace = {"any_whitespace": not params.disable_any_whitespace,
-                      "separators": (",", ":") if params.disable_any_whitespace else None}
+                      "separators": (",", ":") if params.disable_any_whitespace else None,
+                      "max_whitespace_cnt": None if params.disable_any_whitespace else self.max_whitespace}
         try:
             if kind == "json":
                 compiled = c.compile_json_schema(params.json, **whitespace)
