@@ -72,16 +72,22 @@ def _probe_module(name: str) -> str | None:
     return ""
 
 
-def usable_device(device: torch.device | str | None = None) -> torch.device:
-    """`device` (default: the first GPU if any, else the CPU), or a ValueError saying why this
-    machine cannot run on it and what can: asked for a GPU, torch's own assertion says only
-    "Torch not compiled with CUDA enabled", deep inside the first tensor it moves."""
+def parse_device(device: torch.device | str | None = None) -> torch.device:
+    """`device` as torch's (default: the first GPU if any, else the CPU); ValueError for a name
+    torch does not know. Whether this machine can run on it: usable_device."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        device = torch.device(device)
+        return torch.device(device)
     except (RuntimeError, TypeError) as exc:
         raise ValueError(f"--device {device!r} is not a device torch knows ({exc}); use cpu or cuda[:N]") from None
+
+
+def usable_device(device: torch.device | str | None = None) -> torch.device:
+    """parse_device's device, or a ValueError saying why this machine cannot run on it and what
+    can: asked for a GPU, torch's own assertion says only "Torch not compiled with CUDA enabled",
+    deep inside the first tensor it moves."""
+    device = parse_device(device)
     if device.type == "cuda":
         if not torch.cuda.is_available():
             why = (f"this torch ({torch.__version__}) was built without CUDA or ROCm" if torch.version.cuda is None

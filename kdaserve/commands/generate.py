@@ -20,10 +20,10 @@ def register(sub) -> None:
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument("--prompts-file", default=None,
                    help="a file of prompts: one per line, or a .jsonl file of {\"prompt\": ...} objects")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt (default: 32)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy (default: 0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's probability mass (default: 1, off)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens; 0 is off (default: 0)")
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-tokens tokens")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object per completion instead of text "

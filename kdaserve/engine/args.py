@@ -52,6 +52,9 @@ def add_engine_args(parser: argparse.ArgumentParser, **defaults) -> argparse.Arg
                            metavar=flag.removeprefix("--").replace("-", "_").upper(),
                            help=meta["help"] + (f" (default: {default})" if default is not None else ""),
                            **meta["argparse"])
+    # Read (and removed) before parsing by commands/config_file.py; declared so that --help shows it.
+    parser.add_argument("--config", metavar="FILE", help="a YAML file of flags (vLLM's --config): 'max-num-seqs: 128' "
+                       "per line; flags typed on the command line win")
     add_vllm_habit_flags(parser)
     return parser
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kdaserve.backends.kda_backends import KDABackendChoice
-from kdaserve.backends.requirements import usable_device
+from kdaserve.backends.requirements import parse_device
 from kdaserve.engine.speculative.config import SpeculativeConfig
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -34,8 +34,9 @@ def _flag(help: str, name: str | None = None, boolean_optional: bool = False, **
 @dataclass
 class EngineConfig:
     model: str = field(default="tiny", metadata=_flag(
-        "a built-in model (tiny, bench, kimi-tiny), a released name (moonshotai/Kimi-Linear-48B-A3B-Instruct, with "
-        "--load-format dummy) or a checkpoint directory"))
+        "nano (trained, shipped in the package), a built-in model with random weights for shapes and tests (tiny, "
+        "bench, kimi-tiny, glm-tiny: their text is random bytes), a released name (moonshotai/Kimi-Linear-48B-A3B-"
+        "Instruct, zai-org/GLM-5.3-Flash, with --load-format dummy) or a checkpoint directory"))
     tokenizer: str | None = field(default=None, metadata=_flag(
         "a directory whose tokenizer (tokenizer.json or tiktoken.model) replaces the model's"))
     load_format: str = field(default="auto", metadata=_flag(
@@ -119,7 +120,8 @@ class EngineConfig:
         name="--no-warmup"))
 
     def __post_init__(self):
-        self.device = usable_device(self.device)
+        # A description (tests build GPU configs on a CPU); LLMEngine checks the device can run.
+        self.device = parse_device(self.device)
         self.dtype = parse_dtype(self.dtype) or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.state_dtype = parse_dtype(self.state_dtype) or torch.float32
         if self.max_num_batched_tokens is None:

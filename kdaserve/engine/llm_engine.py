@@ -9,6 +9,7 @@ import logging
 import threading
 import time
 
+from kdaserve.backends.requirements import usable_device
 from kdaserve.engine.block_manager import BlockManager
 from kdaserve.engine.config import EngineConfig
 from kdaserve.engine.detokenizer import IncrementalDetokenizer
@@ -53,6 +54,7 @@ def _grammar_prefix(matcher, drafts: list[int]) -> list[int]:
 class LLMEngine:
     def __init__(self, model: str = "tiny", **kwargs):
         self.config = EngineConfig(model=model, **kwargs)
+        usable_device(self.config.device)   # a device this machine cannot run on: one line saying why, before loading
         self.runner = ModelRunner(self.config)
         self.tokenizer = self.runner.tokenizer
         self.model_name: str = self.runner.model_name

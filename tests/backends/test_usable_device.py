@@ -1,11 +1,11 @@
 """A device this machine cannot run on is a one-line error that says why and what can, for every
-command (the engine's config and `parity` resolve the device through usable_device)."""
+command (the engine and `parity` check the device through usable_device)."""
 
 import pytest
 import torch
 
 from kdaserve.backends import usable_device
-from kdaserve.engine.config import EngineConfig
+from kdaserve.engine import LLMEngine
 
 
 def test_the_default_and_the_cpu():
@@ -20,7 +20,7 @@ def test_cuda_without_a_gpu_says_why(monkeypatch):
             pytest.raises(ValueError, match="no GPU is visible"):
         usable_device("cuda")
     with pytest.raises(ValueError, match="--device cuda"):
-        EngineConfig(model="tiny", device="cuda")
+        LLMEngine("tiny", device="cuda")
 
 
 def test_unknown_devices_say_what_is_allowed():
