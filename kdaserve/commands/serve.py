@@ -35,7 +35,7 @@ def register(sub) -> None:
                         "only those: DNS-rebinding protection); on a public address, the only names answered")
     p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="larger request bodies get 413 (default: %(default)s)")
-    p.add_argument("--enable-docs", action="store_true", help="serve the interactive /docs and /redoc pages")
+    p.add_argument("--enable-docs", action="store_true", help="serve the interactive /docs and /redoc pages and the /openapi.json schema (behind --api-key)")
     p.add_argument("--allowed-origins", default=None,
                    help="comma-separated origins browsers may call from (CORS); default: none (no CORS headers)")
     p.add_argument("--root-path", default="", help="the path prefix when behind a proxy that routes a sub-path here")

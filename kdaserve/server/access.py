@@ -1,7 +1,7 @@
 """Who may call the server and with what: an ASGI middleware in front of every route.
 
 - **API keys** (`--api-key`, or the VLLM_API_KEY / KDASERVE_API_KEY environment variable, as vLLM):
-  `Authorization: Bearer <key>` is required on `/v1/*` and the tokenizer routes, compared in
+  `Authorization: Bearer <key>` is required on `/v1/*`, the tokenizer routes and `/openapi.json`, compared in
   constant time; otherwise 401.
 - **Host check** (DNS rebinding): a server bound to a loopback address answers only requests whose
   Host header names loopback (or one of `--allowed-hosts`); otherwise 400. A web page a user visits
@@ -24,7 +24,8 @@ from dataclasses import dataclass
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 API_KEY_ENV = ("VLLM_API_KEY", "KDASERVE_API_KEY")
 PROTECTED_PREFIXES = ("/v1/",)
-PROTECTED_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
+# /openapi.json maps every route and field; /docs and /redoc are static pages that fetch it.
+PROTECTED_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info", "/openapi.json")
 DEFAULT_MAX_BODY_BYTES = 16 << 20   # a 1M-token prompt as JSON token ids is ~8 MB
 
 

@@ -49,8 +49,8 @@ def build_app(
     is up), an `EngineProcess` (its own process; stopped when the app stops) or one of its
     `EngineClient`s (closed when the app stops; the engine process serves on).
     `access`: API keys, Host check and body limit (server/access.py; default: no key, no Host
-    check, the default body limit). The interactive `/docs` and `/redoc` pages only with
-    `enable_docs`; `/openapi.json` always (clients and fuzzers read it). CORS headers only for
+    check, the default body limit). The interactive `/docs` and `/redoc` pages and the
+    `/openapi.json` schema only with `enable_docs` (and, with a key, behind it). CORS headers only for
     `allowed_origins` (none by default: a web page cannot read the API's answers). `tool_parser`:
     the parser of tool_choice "auto" (`--enable-auto-tool-choice --tool-call-parser`; ValueError
     when unknown or the tokenizer lacks its tokens). `api_server`: (index, count) of this app among
@@ -98,8 +98,9 @@ def build_app(
         finally:
             engine_loop.shutdown()
 
+    # The schema maps every route and field: served only with the docs (and behind the API key).
     app = FastAPI(title="kdaserve", lifespan=lifespan, docs_url="/docs" if enable_docs else None,
-                  redoc_url="/redoc" if enable_docs else None)
+                  redoc_url="/redoc" if enable_docs else None, openapi_url="/openapi.json" if enable_docs else None)
     app.state.server = state
     install_error_handlers(app)
     completions = CompletionHandler(state)

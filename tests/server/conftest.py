@@ -29,7 +29,7 @@ def server(request, tmp_path_factory):
         engine = make_engine_process(setup=functools.partial(fail_step_when, flag=str(fail_flag)), async_scheduling=True)
     else:
         engine = make_engine()
-    app = build_app(engine, max_queued_requests=256)
+    app = build_app(engine, max_queued_requests=256, enable_docs=True)   # the fuzzer reads /openapi.json
     with BackgroundServer(app) as srv:
         srv.app, srv.mode, srv.fail_flag = app, request.param, fail_flag
         yield srv

@@ -102,7 +102,21 @@ def test_request_id_is_echoed_and_models_shows_the_served_name(guarded):
         assert r.headers["x-request-id"] == "abc-123"
         assert "/secret/path" not in r.text and r.json()["data"][0]["root"] == "tiny"
         assert c.post("/v1/completions", json={**BODY, "model": "/secret/path/to/tiny"}, headers=KEY).status_code == 200
-        assert c.get("/docs").status_code == 404 and c.get("/openapi.json").status_code == 200
+        assert c.get("/docs", headers=KEY).status_code == 404 and c.get("/openapi.json", headers=KEY).status_code == 404
+
+
+def test_the_schema_and_docs_are_served_only_when_enabled_and_behind_the_key():
+    from server_helpers import make_engine
+
+    from kdaserve.server.app import build_app
+    from kdaserve.server.launch import BackgroundServer
+
+    access = AccessSettings.for_server("127.0.0.1", ["sekrit-1"])
+    with BackgroundServer(build_app(make_engine(), access=access, enable_docs=True)) as srv:
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            assert c.get("/openapi.json").status_code == 401
+            assert c.get("/openapi.json", headers={"Authorization": "Bearer sekrit-1"}).status_code == 200
+            assert c.get("/docs").status_code == 200   # a static page; the schema it fetches needs the key
 
 
 def test_503_says_when_to_retry():
