@@ -180,5 +180,8 @@ def run(args) -> int:
             return 1
         return servers.wait()
     app = build_app(engine, **app_kwargs)
-    serve_forever(app, args.host, args.port, **uvicorn_options)
+    engine_error = serve_forever(app, args.host, args.port, **uvicorn_options)
+    if engine_error is not None:   # a supervisor should restart the server, as after vLLM's exits
+        print(f"kdaserve serve: the engine stopped ({engine_error}); exiting", file=sys.stderr)
+        return 1
     return 0

@@ -211,6 +211,17 @@ class EngineLoop:
         self._timings: dict[str, _Timing] = {}  # engine thread only
         self._thread = threading.Thread(target=self._run, name="kdaserve-engine", daemon=True)
         self.last_error: str | None = None
+        # Called (from the engine's thread) with the error when the engine stops on its own, not on
+        # shutdown: `kdaserve serve` then exits non-zero, as vLLM's server does, so that a
+        # supervisor restarts it instead of a server answering 503 forever.
+        self.on_engine_exit = None
+
+    def _engine_exited(self) -> None:
+        if self.on_engine_exit is not None:
+            try:
+                self.on_engine_exit(self.last_error)
+            except Exception:   # the callback must not hide the engine's own error
+                logger.exception("on_engine_exit failed")
 
     # ---- event-loop side -------------------------------------------------------------------
     def start(self) -> None:
@@ -274,6 +285,7 @@ class EngineLoop:
             logger.exception("the engine thread died; /health now answers 503")
             self.last_error = f"{type(exc).__name__}: {exc}"
             reason = APIError(503, f"the engine stopped: {self.last_error}", code="engine_unavailable")
+            self._engine_exited()
             raise
         finally:
             self._stopping = True
@@ -502,6 +514,7 @@ class ProcessEngineLoop(EngineLoop):
                 self.last_error = "the engine process exited" + (f" (exit code {code})" if code is not None else "")
                 logger.error("%s; /health now answers 503", self.last_error)
                 reason = APIError(503, f"the engine stopped: {self.last_error}", code="engine_unavailable")
+                self._engine_exited()
         finally:
             with self._lock:   # no member registers after this (see _post)
                 self._stopping = True

@@ -47,14 +47,24 @@ def raise_open_file_limit() -> int:
     return soft
 
 
-def serve_forever(app, host: str, port: int, log_level: str = "info", **options) -> None:
-    """Serve until Ctrl-C / SIGTERM; uvicorn drains in-flight requests, then re-raises the
-    signal, which ends here quietly instead of in a KeyboardInterrupt traceback."""
+def serve_forever(app, host: str, port: int, log_level: str = "info", **options) -> str | None:
+    """Serve until Ctrl-C / SIGTERM (None) or until the engine stops on its own (its error):
+    uvicorn drains in-flight requests either way, and a signal ends here quietly instead of in a
+    KeyboardInterrupt traceback."""
     raise_open_file_limit()
+    server = uvicorn.Server(uvicorn_config(app, host, port, log_level, **options))
+    engine_error = []
+
+    def on_engine_exit(error: str | None) -> None:
+        engine_error.append(error or "the engine stopped")
+        server.should_exit = True
+
+    app.state.server.engine_loop.on_engine_exit = on_engine_exit
     try:
-        uvicorn.Server(uvicorn_config(app, host, port, log_level, **options)).run()
+        server.run()
     except KeyboardInterrupt:
         pass
+    return engine_error[0] if engine_error else None
 
 
 class BackgroundServer:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -74,3 +75,43 @@ def test_serve_refuses_tool_flags_that_cannot_work():
     assert out.returncode == 2 and "--enable-auto-tool-choice needs --tool-call-parser" in out.stderr, out.stderr
     out = run("--enable-auto-tool-choice", "--tool-call-parser", "kimi_k2")
     assert out.returncode == 2 and "lacks <|tool_calls_section_begin|>" in out.stderr, out.stderr
+
+
+def _spawned_children(pid: int) -> list[int]:
+    """The multiprocessing children of `pid` (the engine process), not its resource tracker."""
+    out = subprocess.run(["ps", "-ww", "--ppid", str(pid), "-o", "pid=,args="], capture_output=True, text=True).stdout
+    return [int(line.split()[0]) for line in out.splitlines() if "spawn_main" in line]
+
+
+def test_a_dead_engine_process_ends_the_server_with_its_error():
+    """As vLLM's server: when the engine process dies the server exits non-zero, saying why, within
+    seconds, so that a supervisor restarts it (it used to answer 503 forever)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "kdaserve", "serve", "tiny", "--host", "127.0.0.1", "--port", str(port),
+           "--kda-prefill-backend", "reference", "--kda-decode-backend", "reference", "--max-num-seqs", "4",
+           "--max-model-len", "128", "--device", "cpu", "--no-warmup", "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.2)
+        engines = _spawned_children(proc.pid)
+        assert len(engines) == 1, engines
+        killed = time.monotonic()
+        os.kill(engines[0], signal.SIGKILL)
+        assert proc.wait(timeout=30) == 1
+        assert time.monotonic() - killed < 10
+        out = proc.stdout.read()
+        assert "kdaserve serve: the engine stopped (the engine process exited (exit code -9)); exiting" in out, out
+        assert "Traceback" not in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
