@@ -37,3 +37,21 @@ def test_triton_on_a_cpu_without_the_interpreter_says_what_is_needed(monkeypatch
     monkeypatch.setattr(triton.knobs.runtime, "interpret", False)
     with pytest.raises(ValueError, match="needs a CUDA or ROCm device, or TRITON_INTERPRET=1 on the CPU"):
         resolve_kernel_choice("MLA", "triton", torch.device("cpu"))
+
+
+def test_a_released_shape_too_large_for_the_host_says_so_before_building(monkeypatch):
+    """On a CPU the weights are checked against the host memory available (the kernel would kill
+    the process partway through building Kimi-Linear-48B's 91 GiB of bf16 weights, silently)."""
+    import time
+
+    import kdaserve.models.capacity as capacity
+    from kdaserve.engine import LLM
+
+    monkeypatch.setattr(capacity, "host_memory_available", lambda: 20 * 2**30)
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match=r"Kimi-Linear-48B-A3B-Instruct has 4\d\.\dB parameters: \d+ GiB of weights in "
+                                         r"bfloat16, but this machine has 20.0 GiB of memory available, so it cannot run "
+                                         r"the model on its CPU"):
+        LLM("moonshotai/Kimi-Linear-48B-A3B-Instruct", load_format="dummy", device="cpu", dtype="bfloat16")
+    assert time.perf_counter() - t0 < 30
+    assert capacity.weights_fit_error("small", 10**9, torch.bfloat16, 20 * 2**30, host=True) is None
