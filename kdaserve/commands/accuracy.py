@@ -24,11 +24,16 @@ def register(sub) -> None:
     p.add_argument("--data", nargs="*", type=Path, default=[], help="source files the next-line tasks come from")
     p.add_argument("--stdlib-held-out", action="store_true",
                    help="tasks from the Python stdlib files the nano model was not trained on")
-    p.add_argument("--num-tasks", type=int, default=100)
-    p.add_argument("--context-lines", type=int, default=8)
-    p.add_argument("--max-prompt-tokens", type=int, default=512)
+    p.add_argument("--num-tasks", type=int, default=100, help="next-line tasks drawn from the files (default: 100)")
+    p.add_argument("--context-lines", type=int, default=8, help="lines of context before each task's line (default: 8)")
+    p.add_argument("--max-prompt-tokens", type=int, default=512, help="longest task prompt in tokens (default: 512)")
+    p.add_argument("--score-chunk-tokens", type=int, default=16,
+                   help="engine arms prefill in steps of this many tokens (their --max-num-batched-tokens unless "
+                        "the arm sets it), so the recurrent state is stored and read back in its dtype between "
+                        "chunks, as in serving; in one chunk a --mamba-ssm-cache-dtype difference never shows "
+                        "(default: 16)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens a completion may take (it stops at a newline)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="which tasks are drawn (default: 0)")
     p.add_argument("--json", type=Path, help="write the whole report here")
     p.set_defaults(func=run)
 
@@ -37,6 +42,9 @@ def run(args) -> int:
     from kdaserve.bench import accuracy as acc
     from kdaserve.engine.args import engine_kwargs_from_flags
 
+    if args.score_chunk_tokens < 1:
+        print(f"kdaserve accuracy: --score-chunk-tokens must be >= 1, got {args.score_chunk_tokens}", file=sys.stderr)
+        return 2
     files = list(args.data) + (acc.stdlib_held_out_files() if args.stdlib_held_out else [])
     if not files:
         print("kdaserve accuracy: no task files: give --data FILES or --stdlib-held-out", file=sys.stderr)
@@ -57,6 +65,8 @@ def run(args) -> int:
         else:
             from kdaserve.engine import LLM
 
+            if kw.get("max_num_batched_tokens") is None:
+                kw["max_num_batched_tokens"] = args.score_chunk_tokens
             llm = LLM(**kw)
             encode = encode or llm.tokenizer.encode
             flags = args.a if name == "A" else args.b

@@ -63,3 +63,23 @@ def test_the_split_is_the_training_tools():
     root = Path(sysconfig.get_paths()["stdlib"])
     files = acc.stdlib_held_out_files()
     assert files and all(int(hashlib.sha256(str(p.relative_to(root)).encode()).hexdigest(), 16) % 20 == 0 for p in files)
+
+
+def test_the_state_dtype_shows_because_prompts_are_scored_in_chunks(tmp_path):
+    """README's example compares the stored state's dtype: prefilled in one chunk the state is never
+    stored between a prompt's tokens, so the difference was exactly 0; in chunks of 16 tokens (the
+    default) it is stored and read back in bf16 between them, as in serving."""
+    from kdaserve.cli import main
+
+    flags = "--device cpu --kda-prefill-backend reference --kda-decode-backend reference --max-model-len 1024"
+
+    def max_diff(*extra):
+        out = tmp_path / "r.json"
+        assert main(["accuracy", f"--a={flags}", f"--b={flags} --mamba-ssm-cache-dtype bfloat16", "--data",
+                     str(FILES[0]), "--num-tasks", "3", "--max-tokens", "4", "--max-prompt-tokens", "128", "--json",
+                     str(out), *extra]) == 0
+        return json.loads(out.read_text())["token_logprob_abs_diff"]["max"]
+
+    assert max_diff() > 0
+    assert max_diff("--score-chunk-tokens", "4096") == 0.0   # one chunk per text: the state dtype never matters
+    assert main(["accuracy", "--score-chunk-tokens", "0", "--data", str(FILES[0])]) == 2
