@@ -6,21 +6,98 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
 import time
 from pathlib import Path
 
-# A chat template is code from a checkpoint (or --chat-template): its output and time are bounded,
-# so a hostile or broken one costs a 400, not the server's memory (jinja2's sandbox bounds ranges,
-# not how much they print).
+# A chat template is code from a checkpoint (or --chat-template): its output, the size of anything
+# it builds and its time are bounded, so a hostile or broken one costs a 400, not the server's
+# memory or a thread (jinja2's sandbox bounds each range, not their product nor how much they print).
 MAX_TEMPLATE_OUTPUT_CHARS = 1 << 24
 MAX_TEMPLATE_SECONDS = 10.0
+# A power's exponent, past which one `**` could run for minutes inside a single expression.
+MAX_TEMPLATE_EXPONENT = 4096
+
+_render_limits = threading.local()   # (deadline, max_chars, max_seconds) of the render on this thread
+
+
+def _check_deadline() -> None:
+    limits = getattr(_render_limits, "value", None)
+    if limits is not None and time.monotonic() > limits[0]:
+        raise ValueError(f"the chat template took more than {limits[2]:g} s to render")
+
+
+def _check_size(n: int, what: str) -> None:
+    limits = getattr(_render_limits, "value", None)
+    if limits is not None and n > limits[1]:
+        raise ValueError(f"the chat template asked for {what} of {n}, over the limit of {limits[1]} characters")
+
+
+def _bounded_range(*args: int):
+    """jinja2's sandboxed range (at most MAX_RANGE items), checking the render's deadline at every
+    item: nested loops that print nothing would otherwise spin for hours."""
+    from jinja2.sandbox import safe_range
+
+    for i in safe_range(*args):
+        _check_deadline()
+        yield i
+
+
+def _checked_args(args, kwargs) -> None:
+    """No integer argument past the output limit (str.ljust / center / zfill / indent with a huge
+    width allocate it at once), and the deadline."""
+    _check_deadline()
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, int) and not isinstance(a, bool):
+            _check_size(abs(a), "a width or count")
+
+
+@functools.lru_cache(maxsize=1)
+def _environment_class():
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class BoundedSandbox(ImmutableSandboxedEnvironment):
+        """The immutable sandbox with the work of each operation bounded: `*` and `+` may not build a
+        string or list past the output limit, `**` takes a bounded exponent, calls and filters take
+        no huge width or count, and ranges and calls check the render's deadline."""
+
+        intercepted_binops = frozenset(["*", "+", "**"])
+
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            self.globals["range"] = _bounded_range
+            self.filters = {name: _bounded_filter(f) for name, f in self.filters.items()}
+
+        def call_binop(self, context, operator, left, right):
+            if operator == "*":
+                for seq, n in ((left, right), (right, left)):
+                    if isinstance(seq, (str, list, tuple)) and isinstance(n, int):
+                        _check_size(len(seq) * max(n, 0), "a string or list")
+            elif operator == "+" and hasattr(left, "__len__") and hasattr(right, "__len__"):
+                _check_size(len(left) + len(right), "a string or list")
+            elif operator == "**" and isinstance(right, (int, float)) and abs(right) > MAX_TEMPLATE_EXPONENT:
+                raise ValueError(f"the chat template raises to the power {right}, over {MAX_TEMPLATE_EXPONENT}")
+            _check_deadline()
+            return super().call_binop(context, operator, left, right)
+
+        def call(__self, __context, __obj, *args, **kwargs):   # noqa: N805 (jinja2's own signature)
+            _checked_args(args, kwargs)
+            return super().call(__context, __obj, *args, **kwargs)
+
+    return BoundedSandbox
+
+
+def _bounded_filter(f):
+    @functools.wraps(f)   # keeps jinja2's pass_context / pass_environment marks
+    def bounded(*args, **kwargs):
+        _checked_args(args[1:], kwargs)   # the first is the filtered value (or the context)
+        return f(*args, **kwargs)
+    return bounded
 
 
 @functools.lru_cache(maxsize=16)
 def _compiled(template: str):
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    return ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(template)
+    return _environment_class()(trim_blocks=True, lstrip_blocks=True).from_string(template)
 
 
 def render_chat_template(template: str, messages: list[dict], add_generation_prompt: bool = True, *,
@@ -28,15 +105,22 @@ def render_chat_template(template: str, messages: list[dict], add_generation_pro
                          **variables) -> str:
     """A jinja2 chat template, rendered in jinja2's immutable sandbox (no attribute access outside
     it, no mutation of what it is given), compiled once per template. Raises ValueError past
-    `max_chars` of output or `max_seconds` (checked as output is produced)."""
+    `max_chars` of output (or of one string or list it builds) or `max_seconds` (checked as output
+    is produced, at every item of a range, every call and every bounded operator)."""
     pieces, size, t0 = [], 0, time.monotonic()
-    for piece in _compiled(template).generate(messages=messages, add_generation_prompt=add_generation_prompt, **variables):
-        size += len(piece)
-        if size > max_chars:
-            raise ValueError(f"the chat template rendered more than {max_chars} characters")
-        if time.monotonic() - t0 > max_seconds:
-            raise ValueError(f"the chat template took more than {max_seconds:.0f} s to render")
-        pieces.append(piece)
+    outer = getattr(_render_limits, "value", None)
+    _render_limits.value = (t0 + max_seconds, max_chars, max_seconds)
+    try:
+        for piece in _compiled(template).generate(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                  **variables):
+            size += len(piece)
+            if size > max_chars:
+                raise ValueError(f"the chat template rendered more than {max_chars} characters")
+            if time.monotonic() - t0 > max_seconds:
+                raise ValueError(f"the chat template took more than {max_seconds:g} s to render")
+            pieces.append(piece)
+    finally:
+        _render_limits.value = outer
     return "".join(pieces)
 
 

@@ -97,3 +97,31 @@ def test_a_hostile_template_is_stopped_by_its_output_and_time_limits():
     with pytest.raises(APIError, match="the chat template could not render these messages: ValueError: the chat template "
                                        "rendered more than"):
         chat_prompt_ids(tok, _msgs(("user", "hi")), True, tok.encode)
+
+
+@pytest.mark.parametrize("template, message", [
+    # nested loops that print nothing: the output check never ran, a thread spun for hours
+    ("{% for i in range(90000) %}{% for j in range(90000) %}{% endfor %}{% endfor %}", "took more than 0.3 s"),
+    ("{{ 'x' * 10**9 }}", "asked for a string or list of 1000000000, over the limit"),   # 1 GB before any check
+    ("{{ ['x'] * 10**9 }}", "asked for a string or list of 1000000000"),
+    ("{{ 'x'.ljust(10**9) }}", "asked for a width or count of 1000000000"),
+    ("{{ 'x'|center(10**9) }}", "asked for a width or count of 1000000000"),
+    ("{{ 2 ** 100000000 }}", "raises to the power 100000000"),
+])
+def test_a_template_s_work_is_bounded_whatever_it_prints(template, message):
+    import time
+
+    from kdaserve.models.tokenizer import render_chat_template
+
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match=message):
+        render_chat_template(template, [], max_seconds=0.3)
+    assert time.monotonic() - t0 < 5
+
+
+def test_ordinary_templates_render_as_before():
+    from kdaserve.models.tokenizer import render_chat_template
+
+    t = ("{% for m in messages %}{{ m.role|upper }}:{{ m.content|trim|center(9) }}{% endfor %}{{ 'ab' * 2 }}"
+         "{{ ([1] + [2])|join(',') }}{{ 2 ** 10 }}{% for i in range(3) %}{{ i }}{% endfor %}")
+    assert render_chat_template(t, [{"role": "user", "content": " hi "}]) == "USER:" + "hi".center(9) + "abab1,21024012"
