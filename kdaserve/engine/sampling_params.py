@@ -22,6 +22,7 @@ def _is_number(x) -> bool:
 
 
 MAX_LOGIT_BIAS = 1024   # entries per request (OpenAI allows 300)
+MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclass
@@ -79,6 +80,8 @@ class SamplingParams:
         self.stop = list(self.stop)
         if self.stop_token_ids is None:
             self.stop_token_ids = []
+        if isinstance(self.stop_token_ids, (list, tuple)) and len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            _fail("stop_token_ids", f"{len(self.stop_token_ids)} ids", f"at most {MAX_STOP_TOKEN_IDS} token ids")
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             _fail("stop_token_ids", self.stop_token_ids, "a list of token ids (integers >= 0)")
         self.stop_token_ids = list(self.stop_token_ids)
@@ -107,7 +110,9 @@ class SamplingParams:
                       f"{len(self.logit_bias)} entries", f"a mapping of at most {MAX_LOGIT_BIAS} token ids to numbers")
             bias = {}
             for k, v in self.logit_bias.items():
-                tid = int(k) if isinstance(k, str) and k.isdigit() else k   # JSON keys are strings
+                # JSON keys are strings; more than 10 digits is no token id (and int() of thousands
+                # of digits fails with Python's own conversion message)
+                tid = int(k) if isinstance(k, str) and k.isdigit() and len(k) <= 10 else k
                 if not _is_int(tid) or tid < 0 or not _is_number(v) or not math.isfinite(v):
                     _fail("logit_bias", {k: v}, "token ids (integers >= 0) mapped to finite numbers")
                 bias[tid] = min(100.0, max(-100.0, float(v)))   # OpenAI's range; vLLM clamps too

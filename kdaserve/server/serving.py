@@ -17,8 +17,10 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 from starlette.responses import Response, StreamingResponse
 
+from kdaserve.engine.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 from kdaserve.server.engine_loop import EngineLoop, RequestGroup
 from kdaserve.server.errors import APIError, bad_request, error_body, validation_message
+from kdaserve.server.protocol import MAX_STOP_STRINGS, MAX_TOOLS
 
 logger = logging.getLogger("kdaserve.server")
 
@@ -91,15 +93,31 @@ def response_and_engine_ids(state: ServerState, request: Request, prefix: str) -
     return (given if given else engine_id), engine_id
 
 
-async def parse_body(request: Request, model: type[Model]) -> Model:
+async def parse_body(request: Request, model: type[Model], max_sequences: int | None = None) -> Model:
     """The body as `model`: 400 for invalid JSON, JSON nested too deep to parse, strings holding a
-    lone UTF-16 surrogate (they cannot be encoded as text), and whatever the model refuses. Parsed
-    in a worker thread: a body of many megabytes does not stall the event loop."""
+    lone UTF-16 surrogate (they cannot be encoded as text), counts past their limits (before the
+    model validates, which costs seconds for a million-entry `logit_bias`; `max_sequences`: prompts
+    x n the server admits at once), and whatever the model refuses. Parsed in a worker thread: a
+    body of many megabytes does not stall the event loop."""
     raw = await request.body()
-    return await asyncio.to_thread(_parse, raw, model)
+    return await asyncio.to_thread(_parse, raw, model, max_sequences)
 
 
-def _parse(raw: bytes, model: type[Model]) -> Model:
+def _check_counts(body: dict, max_sequences: int | None) -> None:
+    """Refuse by counting, before any entry is validated."""
+    for name, (limit, noun) in COUNT_LIMITS.items():
+        value = body.get(name)
+        if isinstance(value, (list, dict)) and len(value) > limit:
+            raise bad_request(f"at most {limit} {noun} are allowed, got {len(value)}", param=name)
+    prompt, n = body.get("prompt"), body.get("n", 1)
+    prompts = len(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else 1
+    sequences = prompts * (n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1)
+    if max_sequences is not None and sequences > max_sequences:
+        raise APIError(400, f"this request holds {sequences} sequences (prompts x n) but the server admits at most "
+                            f"{max_sequences} at once", param="n", code="request_too_large")
+
+
+def _parse(raw: bytes, model: type[Model], max_sequences: int | None = None) -> Model:
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -108,6 +126,7 @@ def _parse(raw: bytes, model: type[Model]) -> Model:
         raise bad_request("request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise bad_request(f"request body must be a JSON object, got {type(body).__name__}")
+    _check_counts(body, max_sequences)
     try:
         json.dumps(body, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
@@ -121,6 +140,11 @@ def _parse(raw: bytes, model: type[Model]) -> Model:
         raise bad_request(message, param=param) from None
     except RecursionError:
         raise bad_request("request body is nested too deeply") from None
+
+
+# Entries of the body's lists and maps, counted before validation (each also has its check after).
+COUNT_LIMITS = {"logit_bias": (MAX_LOGIT_BIAS, "logit_bias entries"), "stop": (MAX_STOP_STRINGS, "stop strings"),
+                "tools": (MAX_TOOLS, "tools"), "stop_token_ids": (MAX_STOP_TOKEN_IDS, "stop token ids")}
 
 
 def check_model(state: ServerState, name: str | None) -> None:
