@@ -13,11 +13,11 @@ import time
 
 def register(sub) -> None:
     p = sub.add_parser("demo", help="reference KDA prefill + decode on a built-in case, with a short table")
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=32)
+    p.add_argument("--heads", type=int, default=4, help="KDA heads (default: 4)")
+    p.add_argument("--head-dim", type=int, default=32, help="head size (default: 32)")
     p.add_argument("--lengths", default="64,17,5", help="prompt lengths, comma separated")
-    p.add_argument("--decode-steps", type=int, default=8)
-    p.add_argument("--gate", choices=["bounded", "unbounded"], default="bounded")
+    p.add_argument("--decode-steps", type=int, default=8, help="decode steps after the prefill (default: 8)")
+    p.add_argument("--gate", choices=["bounded", "unbounded"], default="bounded", help="the forget gate (default: bounded)")
     p.set_defaults(func=run)
 
 

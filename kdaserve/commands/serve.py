@@ -18,15 +18,16 @@ DEFAULT_MAX_BODY_BYTES = 16 << 20   # = kdaserve.server.access.DEFAULT_MAX_BODY_
 def register(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, ...)")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the engine's model name)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1; 0.0.0.0 for every interface)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     p.add_argument(
         "--max-queued-requests",
         type=int,
         default=1024,
         help="requests that may wait beyond --max-num-seqs; past that, new requests get 503",
     )
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="the server's and the engine's log level (default: info)")
     p.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help="require `Authorization: Bearer KEY` on /v1/* and the tokenizer routes (repeat for several "
                         "keys; default: the VLLM_API_KEY or KDASERVE_API_KEY environment variable, else none)")

@@ -69,3 +69,12 @@ def test_no_warmup_flag_reaches_the_engine(monkeypatch):
     assert seen["warmup"] is True
     _run(["--model", "tiny", "--prompt", "x", "--no-warmup", *REF])
     assert seen["warmup"] is False
+
+
+def test_every_option_of_every_command_says_what_it_does():
+    from kdaserve.cli import COMMANDS, build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    silent = {name: [a.option_strings[0] for a in sub.choices[name]._actions
+                     if a.option_strings and not a.help and a.dest != "help"] for name in COMMANDS}
+    assert not any(silent.values()), silent
