@@ -59,6 +59,10 @@ def register(sub) -> None:
     p.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                    help="serve GET /tokenizer_info (special tokens and chat template) for remote tokenizers such as "
                         "lm-eval's; off by default, as in vLLM, since it shows the chat template")
+    p.add_argument("--send-buffer-bytes", type=int, default=256 << 10,
+                   help="each connection's kernel send buffer (SO_SNDBUF): what a client that stops reading can leave "
+                        "queued before --stream-write-timeout starts counting (default: 262144; 0: the kernel's "
+                        "autotuning, several MB: minutes of tokens)")
     p.add_argument("--header-timeout", type=float, default=10.0,
                    help="seconds a connection has to deliver a request's headers, from its opening or its previous "
                         "response; then it is closed (idle and slowloris connections; default: 10)")
@@ -98,6 +102,10 @@ def run(args) -> int:
         if not value > 0:
             print(f"kdaserve serve: {flag} must be seconds > 0, got {value}", file=sys.stderr)
             return 2
+    if args.send_buffer_bytes < 0:
+        print(f"kdaserve serve: --send-buffer-bytes must be >= 0 (0: the kernel's), got {args.send_buffer_bytes}",
+              file=sys.stderr)
+        return 2
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         print("kdaserve serve: --enable-auto-tool-choice needs --tool-call-parser (kimi_k2)", file=sys.stderr)
         return 2
@@ -168,6 +176,7 @@ def run(args) -> int:
                       enable_prompt_tokens_details=args.enable_prompt_tokens_details)
     uvicorn_options = dict(log_level=args.uvicorn_log_level or args.log_level, root_path=args.root_path,
                            ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, header_timeout=args.header_timeout,
+                           send_buffer_bytes=args.send_buffer_bytes,
                            timeout_keep_alive=args.timeout_keep_alive, limit_concurrency=args.limit_concurrency)
     if args.api_server_count > 1:
         from kdaserve.server.api_servers import APIServers

@@ -11,9 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 
 logger = logging.getLogger("kdaserve.server")
 DEFAULT_HEADER_TIMEOUT = 10.0
+# Each connection's kernel send buffer (SO_SNDBUF; Linux doubles it). A client that stops reading
+# fills it before a write blocks and --stream-write-timeout starts counting: autotuned, it grows to
+# several MB, minutes of tokens that keep the sequence generating.
+DEFAULT_SEND_BUFFER_BYTES = 256 << 10
 
 
 def http_protocol(name: str = "auto") -> type:
@@ -34,10 +39,14 @@ def http_protocol(name: str = "auto") -> type:
     raise ValueError(f"invalid HTTP protocol {name!r}; expected auto, h11 or httptools")
 
 
-def header_timeout_protocol(header_timeout: float, base: type | None = None) -> type[asyncio.Protocol]:
-    """uvicorn's HTTP protocol class with the header deadline (pass it as uvicorn's `http`)."""
+def header_timeout_protocol(header_timeout: float, base: type | None = None,
+                            send_buffer_bytes: int = DEFAULT_SEND_BUFFER_BYTES) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol class with the header deadline (pass it as uvicorn's `http`) and
+    each connection's send buffer fixed at `send_buffer_bytes` (0: the kernel's autotuning)."""
     if not header_timeout > 0:
         raise ValueError(f"invalid header timeout: got {header_timeout}; expected seconds > 0")
+    if send_buffer_bytes < 0:
+        raise ValueError(f"invalid send buffer: got {send_buffer_bytes} bytes; expected >= 0 (0: the kernel's)")
     base = base or http_protocol()
 
     class HeaderDeadlineProtocol(base):
@@ -45,6 +54,12 @@ def header_timeout_protocol(header_timeout: float, base: type | None = None) -> 
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
+            sock = transport.get_extra_info("socket")
+            if send_buffer_bytes and sock is not None:
+                try:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
+                except OSError:   # not a TCP socket (a Unix socket in a test): the kernel's default
+                    pass
             self._arm()
 
         def data_received(self, data: bytes) -> None:

@@ -142,6 +142,8 @@ class EngineProcess(EngineClient):
 
     @property
     def exitcode(self):
+        # Its pipes close as it dies, a moment before it can be reaped: wait that moment.
+        self.process.join(1.0)
         return self.process.exitcode
 
     @property

@@ -9,7 +9,8 @@ import time
 
 import uvicorn
 
-from kdaserve.server.connections import DEFAULT_HEADER_TIMEOUT, header_timeout_protocol, http_protocol
+from kdaserve.server.connections import (DEFAULT_HEADER_TIMEOUT, DEFAULT_SEND_BUFFER_BYTES, header_timeout_protocol,
+                                         http_protocol)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -19,14 +20,16 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def uvicorn_config(app, host: str, port: int, log_level: str = "info", *,
-                   header_timeout: float = DEFAULT_HEADER_TIMEOUT, http: str = "auto", **options) -> uvicorn.Config:
+                   header_timeout: float = DEFAULT_HEADER_TIMEOUT, send_buffer_bytes: int = DEFAULT_SEND_BUFFER_BYTES,
+                   http: str = "auto", **options) -> uvicorn.Config:
     """`options`: uvicorn's own (root_path, ssl_keyfile, ssl_certfile, timeout_keep_alive,
-    limit_concurrency, loop, ...); `header_timeout`: server/connections.py; `http`: uvicorn's
+    limit_concurrency, loop, ...); `header_timeout`, `send_buffer_bytes`: server/connections.py; `http`: uvicorn's
     protocol name (auto: httptools when installed, the `serve` extra's choice: it parses and frames
     a stream's chunks with less Python than h11)."""
     # timeout_graceful_shutdown: open streams must not hold a shutdown forever.
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
-                          http=header_timeout_protocol(header_timeout, http_protocol(http)), **options)
+                          http=header_timeout_protocol(header_timeout, http_protocol(http), send_buffer_bytes),
+                          **options)
 
 
 def raise_open_file_limit() -> int:

@@ -135,3 +135,41 @@ def test_a_group_yields_progress_only_and_replays_what_was_taken_first():
         return streamed, [(i, o.new_token_ids) async for i, o in done]
 
     assert asyncio.run(run()) == ([(1, [7]), (0, [5]), (0, [6])], [(0, [3])])
+
+
+def _tokens_before_abort(send_buffer_bytes: int, max_tokens: int = 4000) -> int:
+    """A real connection whose client never reads (and keeps a small receive buffer): the tokens
+    its request generated before the server aborted it (or all of them, had it finished)."""
+    import socket
+    import time
+
+    from server_helpers import ENGINE_KWARGS
+
+    from kdaserve.engine.llm_engine import LLMEngine
+    from kdaserve.server.app import build_app
+    from kdaserve.server.launch import BackgroundServer
+
+    engine = LLMEngine(**{**ENGINE_KWARGS, "max_model_len": max_tokens + 64})
+    app = build_app(engine, stream_write_timeout=1.0)
+    with BackgroundServer(app, send_buffer_bytes=send_buffer_bytes) as srv:
+        body = ('{"model": "tiny", "prompt": "Hi", "max_tokens": %d, "ignore_eos": true, "stream": true}' % max_tokens)
+        client = socket.socket()
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        client.connect(("127.0.0.1", srv.port))
+        client.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                       f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+        deadline = time.monotonic() + 300
+        while engine.stats()["generation_tokens"] == 0 or engine.has_unfinished_requests():
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        client.close()
+        return engine.stats()["generation_tokens"]
+
+
+def test_a_client_that_stops_reading_can_leave_only_the_send_buffer_unread():
+    """The write timeout starts only once a write blocks, after the kernel's buffers fill: autotuned,
+    several MB of SSE chunks (minutes of tokens at serving speed); with the connection's send buffer
+    fixed (--send-buffer-bytes, 256 KiB by default) the request is aborted after far fewer."""
+    bounded = _tokens_before_abort(256 << 10)                # ~2500 tokens of SSE chunks here
+    assert bounded < 3500, bounded                           # aborted, far from finished
+    assert _tokens_before_abort(0) == 4000                   # the kernel's own buffers took all 4000
