@@ -138,3 +138,36 @@ def _interpreting() -> bool:
     import triton
 
     return bool(triton.knobs.runtime.interpret)
+
+
+_NAN_CHECK = """
+import sys, torch
+sys.path.insert(0, {plugin!r})
+from kdaserve_vllm.gdn_step import fail_on_nan
+x = torch.randn(64, 4096, device="cuda")
+if {poison}:
+    x[17, 5] = float("nan")
+fail_on_nan([x, torch.randn(1, 64, 8, device="cuda")], "layer 3 (tp rank 0 of 1, conv state layout SD): NaN")
+torch.cuda.synchronize()
+print("finished")
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_the_nan_check_stops_the_process_without_a_host_sync():
+    """On a GPU the plugin's NaN check is a device-side assertion (no host sync in the step): a NaN
+    stops the process at its next synchronization; finite inputs pass. In subprocesses: a device
+    assertion leaves the CUDA context unusable."""
+    import subprocess
+    import sys
+
+    plugin = str(Path(__file__).resolve().parents[2] / "integrations" / "vllm")
+    for poison in (False, True):
+        done = subprocess.run([sys.executable, "-c", _NAN_CHECK.format(plugin=plugin, poison=poison)],
+                              capture_output=True, text=True, timeout=300)
+        if poison:
+            assert done.returncode != 0 and "finished" not in done.stdout, done.stdout
+            assert "device-side assert" in done.stderr or "Assertion" in done.stderr, done.stderr[-2000:]
+        else:
+            assert done.returncode == 0 and "finished" in done.stdout, done.stderr[-2000:]
