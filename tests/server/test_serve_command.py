@@ -13,6 +13,19 @@ import httpx
 from kdaserve.server.launch import free_port
 
 
+def _wait_healthy(proc, url: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "the server did not come up"
+        time.sleep(0.2)
+
+
 def test_serve_command_answers_and_stops_on_sigint():
     """vLLM's spelling: the model as a positional argument, an API key, CORS for one origin."""
     port = free_port()
@@ -25,16 +38,7 @@ def test_serve_command_answers_and_stops_on_sigint():
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.2)
+        _wait_healthy(proc, url)
         key = {"Authorization": "Bearer k-1"}
         assert httpx.get(f"{url}/v1/models", timeout=10).status_code == 401
         model = httpx.get(f"{url}/v1/models", headers=key, timeout=10).json()["data"][0]
@@ -92,16 +96,7 @@ def test_a_dead_engine_process_ends_the_server_with_its_error():
            "--max-model-len", "128", "--device", "cpu", "--no-warmup", "--log-level", "warning"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.2)
+        _wait_healthy(proc, f"http://127.0.0.1:{port}")
         engines = _spawned_children(proc.pid)
         assert len(engines) == 1, engines
         killed = time.monotonic()
