@@ -31,8 +31,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from kdaserve.commands.config_file import expand_config_file
 
+    from kdaserve.engine.vllm_flags import no_setting_message, unknown_vllm_flags
+
     argv = expand_config_file(list(sys.argv[1:] if argv is None else argv))
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:   # a vLLM flag kdaserve has no setting for says so; anything else is argparse's error
+        vllm = unknown_vllm_flags(unknown)
+        if vllm:
+            print(no_setting_message(args.command, vllm), file=sys.stderr)
+            return 2
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     return int(args.func(args) or 0)
 
 

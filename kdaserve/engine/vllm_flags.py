@@ -6,8 +6,10 @@ Flags with a kdaserve setting of the same meaning are EngineConfig's own (engine
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 ONE_GPU = ("kdaserve's engine runs one GPU today; to shard a model over several, run vLLM with kdaserve's plugin "
            "(pip install -e integrations/vllm; docs/vllm-plugin.md)")
@@ -90,3 +92,23 @@ def check_vllm_habit_flags(args: argparse.Namespace, out=None) -> None:
             given = flag.names[0] if value is True else (f"--no-{flag.names[0][2:]}" if value is False
                                                           else f"{flag.names[0]} {value}")
             raise ValueError(f"{given}: {flag.refusal}")
+
+
+@functools.cache
+def vllm_serve_flags() -> frozenset[str]:
+    """Every flag of `vllm serve` (vllm_serve_flags.txt, from vLLM's own parser)."""
+    text = (Path(__file__).with_name("vllm_serve_flags.txt")).read_text()
+    return frozenset(line.strip() for line in text.splitlines() if line.startswith("--"))
+
+
+def unknown_vllm_flags(unknown: list[str]) -> list[str]:
+    """The vLLM flags among arguments argparse did not recognize (`--flag` or `--flag=value`)."""
+    return [a.split("=", 1)[0] for a in unknown if a.split("=", 1)[0] in vllm_serve_flags()]
+
+
+def no_setting_message(command: str, flags: list[str]) -> str:
+    return (f"kdaserve {command}: vLLM's {', '.join(flags)} {'has' if len(flags) == 1 else 'have'} no kdaserve setting: "
+            f"kdaserve does not do what {'it asks' if len(flags) == 1 else 'they ask'} (docs/vllm-flags.md lists "
+            f"vLLM's flags and what kdaserve answers to each; `kdaserve {command} --help` what it takes). "
+            f"Leave {'it' if len(flags) == 1 else 'them'} out, or run vLLM with kdaserve's plugin "
+            f"(docs/vllm-plugin.md) for vLLM's features")
