@@ -88,9 +88,13 @@ def _environment_class():
 
 
 def _bounded_filter(f):
+    # The filtered value comes first, after the context / environment where jinja2 passes one: only
+    # the filter's own arguments (a width, a count) are bounded, not the value (a big id is fine).
+    skip = 2 if getattr(f, "jinja_pass_arg", None) is not None else 1
+
     @functools.wraps(f)   # keeps jinja2's pass_context / pass_environment marks
     def bounded(*args, **kwargs):
-        _checked_args(args[1:], kwargs)   # the first is the filtered value (or the context)
+        _checked_args(args[skip:], kwargs)
         return f(*args, **kwargs)
     return bounded
 

@@ -125,3 +125,5 @@ def test_ordinary_templates_render_as_before():
     t = ("{% for m in messages %}{{ m.role|upper }}:{{ m.content|trim|center(9) }}{% endfor %}{{ 'ab' * 2 }}"
          "{{ ([1] + [2])|join(',') }}{{ 2 ** 10 }}{% for i in range(3) %}{{ i }}{% endfor %}")
     assert render_chat_template(t, [{"role": "user", "content": " hi "}]) == "USER:" + "hi".center(9) + "abab1,21024012"
+    # a big value through a filter (a timestamp, an id) is the value, not a width
+    assert render_chat_template("{{ 1733500000|tojson }} {{ 4294967295|string }}", []) == "1733500000 4294967295"
