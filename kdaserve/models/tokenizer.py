@@ -33,14 +33,34 @@ def _check_size(n: int, what: str) -> None:
         raise ValueError(f"the chat template asked for {what} of {n}, over the limit of {limits[1]} characters")
 
 
-def _bounded_range(*args: int):
+class _BoundedRange:
     """jinja2's sandboxed range (at most MAX_RANGE items), checking the render's deadline at every
-    item: nested loops that print nothing would otherwise spin for hours."""
-    from jinja2.sandbox import safe_range
+    item: nested loops that print nothing would otherwise spin for hours. A range otherwise
+    (length, indexing, membership, reversed)."""
 
-    for i in safe_range(*args):
-        _check_deadline()
-        yield i
+    def __init__(self, *args: int):
+        from jinja2.sandbox import safe_range
+
+        self._range = safe_range(*args)
+
+    def __iter__(self):
+        for i in self._range:
+            _check_deadline()
+            yield i
+
+    def __reversed__(self):
+        for i in reversed(self._range):
+            _check_deadline()
+            yield i
+
+    def __len__(self) -> int:
+        return len(self._range)
+
+    def __getitem__(self, i):
+        return self._range[i]
+
+    def __contains__(self, x) -> bool:
+        return x in self._range
 
 
 def _checked_args(args, kwargs) -> None:
@@ -65,7 +85,7 @@ def _environment_class():
 
         def __init__(self, **kw):
             super().__init__(**kw)
-            self.globals["range"] = _bounded_range
+            self.globals["range"] = _BoundedRange
             self.filters = {name: _bounded_filter(f) for name, f in self.filters.items()}
 
         def call_binop(self, context, operator, left, right):

@@ -125,5 +125,8 @@ def test_ordinary_templates_render_as_before():
     t = ("{% for m in messages %}{{ m.role|upper }}:{{ m.content|trim|center(9) }}{% endfor %}{{ 'ab' * 2 }}"
          "{{ ([1] + [2])|join(',') }}{{ 2 ** 10 }}{% for i in range(3) %}{{ i }}{% endfor %}")
     assert render_chat_template(t, [{"role": "user", "content": " hi "}]) == "USER:" + "hi".center(9) + "abab1,21024012"
+    # ranges keep being ranges: length, indexing, membership, reversed
+    assert render_chat_template("{{ range(5)|length }}{{ range(2, 9, 3)|reverse|list }}{{ range(5)[2] }}{{ 3 in range(5) }}",
+                                []) == "5[8, 5, 2]2True"
     # a big value through a filter (a timestamp, an id) is the value, not a width
     assert render_chat_template("{{ 1733500000|tojson }} {{ 4294967295|string }}", []) == "1733500000 4294967295"
