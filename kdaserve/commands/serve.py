@@ -13,6 +13,7 @@ import sys
 from kdaserve.engine.args import add_engine_args, engine_kwargs_from_args
 
 DEFAULT_MAX_BODY_BYTES = 16 << 20   # = kdaserve.server.access.DEFAULT_MAX_BODY_BYTES (no server import here)
+DEFAULT_SEND_BUFFER_BYTES = 256 << 10   # = kdaserve.server.connections.DEFAULT_SEND_BUFFER_BYTES
 
 
 def register(sub) -> None:
@@ -59,7 +60,7 @@ def register(sub) -> None:
     p.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                    help="serve GET /tokenizer_info (special tokens and chat template) for remote tokenizers such as "
                         "lm-eval's; off by default, as in vLLM, since it shows the chat template")
-    p.add_argument("--send-buffer-bytes", type=int, default=256 << 10,
+    p.add_argument("--send-buffer-bytes", type=int, default=DEFAULT_SEND_BUFFER_BYTES,
                    help="each connection's kernel send buffer (SO_SNDBUF): what a client that stops reading can leave "
                         "queued before --stream-write-timeout starts counting (default: 262144; 0: the kernel's "
                         "autotuning, several MB: minutes of tokens)")

@@ -9,6 +9,7 @@ import torch
 from kdaserve.backends.kda_backends import KDABackendChoice
 from kdaserve.backends.requirements import parse_device
 from kdaserve.engine.speculative.config import SpeculativeConfig
+from kdaserve.engine.structured_output.compiler import DEFAULT_MAX_WHITESPACE
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16, "float64": torch.float64}
@@ -78,7 +79,7 @@ class EngineConfig:
         "KDA conv-state layout: SD (sequence-major) or DS (channel-major)", name="--kda-conv-layout",
         choices=("SD", "DS")))
     max_logprobs: int = field(default=20, metadata=_flag("most logprobs a request may ask for per token"))
-    structured_outputs_max_whitespace: int = field(default=16, metadata=_flag(
+    structured_outputs_max_whitespace: int = field(default=DEFAULT_MAX_WHITESPACE, metadata=_flag(
         "JSON structured output: at most this many whitespace characters in a row between JSON tokens (a small "
         "model otherwise writes '{' then whitespace until max_tokens); 0: unbounded"))
     cuda_graph_max_batch_size: int | None = field(default=None, metadata=_flag(

@@ -149,7 +149,7 @@ class LLMEngine:
                 from kdaserve.engine.structured_output.compiler import GrammarCompiler
 
                 self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self.runner.sampler.stop_ids),
-                                                         max_whitespace=self.config.structured_outputs_max_whitespace or None)
+                                                         max_whitespace=self.config.structured_outputs_max_whitespace)
         return self._grammar_compiler.compile(params)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None) -> None:

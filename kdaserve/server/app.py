@@ -138,11 +138,11 @@ def build_app(
 
     @app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest))
     async def create_completion(request: Request):
-        return await completions(request, await parse_body(request, CompletionRequest, engine_loop.max_in_flight))
+        return await completions(request, await parse_body(request, CompletionRequest, engine_loop))
 
     @app.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest))
     async def create_chat_completion(request: Request):
-        return await chat(request, await parse_body(request, ChatCompletionRequest, engine_loop.max_in_flight))
+        return await chat(request, await parse_body(request, ChatCompletionRequest, engine_loop))
 
     if enable_tokenizer_info_endpoint:
         @app.get("/tokenizer_info")

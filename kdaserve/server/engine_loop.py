@@ -237,16 +237,21 @@ class EngineLoop:
     def is_alive(self) -> bool:
         return self._thread.is_alive() and not self._stopping
 
+    def check_request_size(self, sequences: int) -> None:
+        """A 400 with the numbers when one request holds more sequences (prompts x n) than the
+        server admits at once: no retry can help."""
+        if sequences > self.max_in_flight:
+            raise APIError(400, f"this request holds {sequences} sequences (prompts x n) but the server admits at most "
+                                f"{self.max_in_flight} at once ({self._limit_source})", param="n",
+                           code="request_too_large")
+
     def open_group(self, requests: list[tuple]) -> RequestGroup:
         """Submit `(request_id, prompt_token_ids, params[, score_only])`s together, or raise 503
         when the queue is full (all or none: a request with several prompts is never half
         admitted). A score-only request's hidden token is not counted as generated."""
         if not self.is_alive:
             raise APIError(503, "the engine is not running", code="engine_unavailable")
-        if len(requests) > self.max_in_flight:   # no retry can help: a 400 with the numbers
-            raise APIError(400, f"this request holds {len(requests)} sequences (prompts x n) but the server admits at most "
-                                f"{self.max_in_flight} at once ({self._limit_source})", param="n",
-                           code="request_too_large")
+        self.check_request_size(len(requests))
         if self.num_in_flight + len(requests) > self.max_in_flight:
             raise APIError(
                 503,

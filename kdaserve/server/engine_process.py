@@ -87,7 +87,7 @@ class EngineClient:
                 from kdaserve.engine.structured_output.compiler import GrammarCompiler
 
                 self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.stop_ids,
-                                                         max_whitespace=self.config.structured_outputs_max_whitespace or None)
+                                                         max_whitespace=self.config.structured_outputs_max_whitespace)
         return self._grammar_compiler.compile(params)
 
     def close(self, timeout: float = 30.0) -> None:

@@ -93,17 +93,17 @@ def response_and_engine_ids(state: ServerState, request: Request, prefix: str) -
     return (given if given else engine_id), engine_id
 
 
-async def parse_body(request: Request, model: type[Model], max_sequences: int | None = None) -> Model:
+async def parse_body(request: Request, model: type[Model], engine_loop: EngineLoop | None = None) -> Model:
     """The body as `model`: 400 for invalid JSON, JSON nested too deep to parse, strings holding a
     lone UTF-16 surrogate (they cannot be encoded as text), counts past their limits (before the
-    model validates, which costs seconds for a million-entry `logit_bias`; `max_sequences`: prompts
-    x n the server admits at once), and whatever the model refuses. Parsed in a worker thread: a
+    model validates, which costs seconds for a million-entry `logit_bias`; with `engine_loop`, prompts
+    x n against what it admits at once), and whatever the model refuses. Parsed in a worker thread: a
     body of many megabytes does not stall the event loop."""
     raw = await request.body()
-    return await asyncio.to_thread(_parse, raw, model, max_sequences)
+    return await asyncio.to_thread(_parse, raw, model, engine_loop)
 
 
-def _check_counts(body: dict, max_sequences: int | None) -> None:
+def _check_counts(body: dict, engine_loop: EngineLoop | None) -> None:
     """Refuse by counting, before any entry is validated."""
     for name, (limit, noun) in COUNT_LIMITS.items():
         value = body.get(name)
@@ -111,13 +111,11 @@ def _check_counts(body: dict, max_sequences: int | None) -> None:
             raise bad_request(f"at most {limit} {noun} are allowed, got {len(value)}", param=name)
     prompt, n = body.get("prompt"), body.get("n", 1)
     prompts = len(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else 1
-    sequences = prompts * (n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1)
-    if max_sequences is not None and sequences > max_sequences:
-        raise APIError(400, f"this request holds {sequences} sequences (prompts x n) but the server admits at most "
-                            f"{max_sequences} at once", param="n", code="request_too_large")
+    if engine_loop is not None:
+        engine_loop.check_request_size(prompts * (n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1))
 
 
-def _parse(raw: bytes, model: type[Model], max_sequences: int | None = None) -> Model:
+def _parse(raw: bytes, model: type[Model], engine_loop: EngineLoop | None = None) -> Model:
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -126,7 +124,7 @@ def _parse(raw: bytes, model: type[Model], max_sequences: int | None = None) -> 
         raise bad_request("request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise bad_request(f"request body must be a JSON object, got {type(body).__name__}")
-    _check_counts(body, max_sequences)
+    _check_counts(body, engine_loop)
     try:
         json.dumps(body, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:

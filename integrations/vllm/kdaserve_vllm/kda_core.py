@@ -73,6 +73,14 @@ class KdaserveKDACore:
         # Raises kdaserve's BackendError listing every unmet requirement of an explicit choice.
         self.kdaserve_backends = resolve_kda_backends(choice, settings, self.local_num_heads, Machine.detect(device),
                                                       log=False)
+        # What a failing step says, built once here rather than in every step.
+        self._kdaserve_where = (f"kdaserve_vllm: KDA layer {self.prefix} (tp rank {self.tp_rank} of {self.tp_size}, "
+                                f"conv state layout {conv_layout})")
+        self._kdaserve_nan_in = (f"{self._kdaserve_where}: its inputs hold NaN, so a layer before it (vLLM's, not "
+                                 "kdaserve's KDA core) produced NaN; docs/vllm-plugin.md lists the known causes")
+        self._kdaserve_nan_out = (f"{self._kdaserve_where}: kdaserve's KDA core (prefill "
+                                  f"{self.kdaserve_backends.prefill.name}, decode {self.kdaserve_backends.decode.name}) "
+                                  "wrote NaN from inputs without NaN: a kdaserve bug, please report it with this line")
         # One line per process and layer kind, so a run shows which class each process built.
         names = {p: "vllm" if p in self.kdaserve_vllm_phases else getattr(self.kdaserve_backends, p).name
                  for p in ("prefill", "decode")}
@@ -117,24 +125,16 @@ class KdaserveKDACore:
         if ("prefill" if m.num_prefills else "decode") in self.kdaserve_vllm_phases:
             return False
         conv_state, recurrent_state = self.kv_cache
-        layout = "DS" if is_conv_state_dim_first() else "SD"
-        cache = KDACache(conv_state, recurrent_state, layout)
-        where = (f"kdaserve_vllm: KDA layer {self.prefix} (tp rank {self.tp_rank} of {self.tp_size}, "
-                 f"conv state layout {layout})")
+        cache = KDACache(conv_state, recurrent_state, "DS" if is_conv_state_dim_first() else "SD")
         T = m.num_actual_tokens
         check = self.kdaserve_options.check_nan
         if check:
-            fail_on_nan([mixed_qkv[:T], g1[:, :T], g2[:T], beta[:, :T]],
-                        f"{where}: its inputs hold NaN, so a layer before it (vLLM's, not kdaserve's KDA core) "
-                        "produced NaN; docs/vllm-plugin.md lists the known causes")
+            fail_on_nan([mixed_qkv[:T], g1[:, :T], g2[:T], beta[:, :T]], self._kdaserve_nan_in)
         try:
             run_gdn_step(m, self.kdaserve_backends, mixed_qkv, g1, g2, beta, core_attn_out, cache, self._kda_weights(),
                          self.num_spec)
         except Exception as exc:   # a shape, dtype or layout kdaserve's checks refuse, named with the layer
-            raise RuntimeError(f"{where}: kdaserve cannot take this step: {exc}") from exc
+            raise RuntimeError(f"{self._kdaserve_where}: kdaserve cannot take this step: {exc}") from exc
         if check:
-            names = {p: getattr(self.kdaserve_backends, p).name for p in ("prefill", "decode")}
-            fail_on_nan([core_attn_out[0, :T]],
-                        f"{where}: kdaserve's KDA core (prefill {names['prefill']}, decode {names['decode']}) wrote NaN "
-                        "from inputs without NaN: a kdaserve bug, please report it with this line")
+            fail_on_nan([core_attn_out[0, :T]], self._kdaserve_nan_out)
         return True

@@ -82,10 +82,11 @@ class GrammarCompiler:
     and makes one matcher per sequence."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], cache_bytes: int = DEFAULT_CACHE_BYTES,
-                 max_whitespace: int | None = DEFAULT_MAX_WHITESPACE):
+                 max_whitespace: int = DEFAULT_MAX_WHITESPACE):
+        """`max_whitespace`: --structured-outputs-max-whitespace (0: unbounded)."""
         xgr = self._xgr = import_xgrammar()
         self.vocab_size = vocab_size
-        self.max_whitespace = max_whitespace
+        self.max_whitespace = max_whitespace or None
         self.stop_token_ids = sorted(stop_token_ids)
         info = tokenizer_info(xgr, tokenizer, vocab_size, self.stop_token_ids)
         self._compiler = xgr.GrammarCompiler(info, cache_enabled=True, cache_limit_bytes=cache_bytes)
