@@ -67,7 +67,7 @@ def test_the_split_is_the_training_tools():
 
 def test_the_state_dtype_shows_because_prompts_are_scored_in_chunks(tmp_path):
     """README's example compares the stored state's dtype: prefilled in one chunk the state is never
-    stored between a prompt's tokens, so the difference was exactly 0; in chunks of 16 tokens (the
+    stored between a prompt's tokens, so the difference is exactly 0; in chunks of 16 tokens (the
     default) it is stored and read back in bf16 between them, as in serving."""
     from kdaserve.cli import main
 

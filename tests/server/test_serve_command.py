@@ -89,7 +89,7 @@ def _spawned_children(pid: int) -> list[int]:
 
 def test_a_dead_engine_process_ends_the_server_with_its_error():
     """As vLLM's server: when the engine process dies the server exits non-zero, saying why, within
-    seconds, so that a supervisor restarts it (it used to answer 503 forever)."""
+    seconds, so that a supervisor restarts it rather than a server answering 503 forever."""
     port = free_port()
     cmd = [sys.executable, "-m", "kdaserve", "serve", "tiny", "--host", "127.0.0.1", "--port", str(port),
            "--kda-prefill-backend", "reference", "--kda-decode-backend", "reference", "--max-num-seqs", "4",
