@@ -21,9 +21,9 @@ import time
 
 import torch
 
-from kdaserve.ops.types import DecodeSeqs, KDACache, KDAInputs
-from kdaserve.ops.fused import fused_conv_weight_layout, kda_decode_fused
-from kdaserve.ops.reference import kda_decode_reference
+from kdaserve.ops.kda.fused import fused_conv_weight_layout, kda_decode_fused
+from kdaserve.ops.kda.reference import kda_decode_reference
+from kdaserve.ops.kda.types import DecodeSeqs, KDACache, KDAInputs
 from kdaserve.testing.compare import TOLERANCES, rel_rms
 from kdaserve.testing.inputs import make_kda_weights
 

@@ -24,10 +24,10 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_prefill import bench_ms, gpu_case, parse_shape  # noqa: E402
-from kdaserve.ops.flash import flash_step_plan, kda_prefill_flash  # noqa: E402
-from kdaserve.ops.flash.config import FlashConfig, config_for, with_overrides  # noqa: E402
-from kdaserve.ops.flash.prefill import FlashPrefill  # noqa: E402
-from kdaserve.ops.types import CheckpointRequests, PrefillSeqs  # noqa: E402
+from kdaserve.ops.kda.flash import flash_step_plan, kda_prefill_flash  # noqa: E402
+from kdaserve.ops.kda.flash.config import FlashConfig, config_for, with_overrides  # noqa: E402
+from kdaserve.ops.kda.flash.prefill import FlashPrefill  # noqa: E402
+from kdaserve.ops.kda.types import CheckpointRequests, PrefillSeqs  # noqa: E402
 
 
 def with_checkpoints(case, interval: int, cap: int | None = None):

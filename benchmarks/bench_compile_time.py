@@ -31,7 +31,7 @@ def one_gate(gate: str, H: int, threads: str) -> None:
     from benchmarks.bench_prefill import gpu_case, parse_shape, with_step_plan
     from kdaserve.backends import planners
     from kdaserve.ops.compile_ahead import warm_up_compiles
-    from kdaserve.ops.flash import kda_prefill_flash
+    from kdaserve.ops.kda.flash import kda_prefill_flash
 
     col = with_step_plan(kda_prefill_flash, planners.flash_plan)
     total, parts = 0.0, []

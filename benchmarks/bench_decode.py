@@ -1,9 +1,9 @@
 """Decode step of one KDA layer (conv update -> recurrence -> gated RMSNorm), under CUDA-graph replay.
 
 Columns, side by side in one run on the same inputs and pools:
-  fused  kdaserve.ops.fused.kda_decode_fused: one launch
-  chain  kdaserve.ops.chain.kda_decode_chain: three launches (skipped when missing)
-  adaptive  kdaserve.ops.adaptive.kda_decode_adaptive: fused for plain decode (verify: fused up to 512 head-steps)
+  fused  kdaserve.ops.kda.fused.kda_decode_fused: one launch
+  chain  kdaserve.ops.kda.chain.kda_decode_chain: three launches (skipped when missing)
+  adaptive  kdaserve.ops.kda.adaptive.kda_decode_adaptive: fused for plain decode (verify: fused up to 512 head-steps)
          (the `auto` choice on CUDA; should equal the faster of the two columns)
   fla    FLA 0.6.0 fused_recurrent_kda (paged, in-place, V-first state) with our conv update and
          gated norm before and after it, plus the copy that splits the conv output into the
@@ -43,9 +43,9 @@ import torch
 import triton
 import triton.testing
 
-from kdaserve.ops.types import DecodeSeqs, KDACache, KDAInputs
-from kdaserve.ops.fused import FusedDecodeConfig, fused_conv_weight_layout, launch_fused_decode
-from kdaserve.ops.fused.decode import STREAM_SHAPES
+from kdaserve.ops.kda.fused import FusedDecodeConfig, fused_conv_weight_layout, launch_fused_decode
+from kdaserve.ops.kda.fused.decode import STREAM_SHAPES
+from kdaserve.ops.kda.types import DecodeSeqs, KDACache, KDAInputs
 from kdaserve.testing.compare import rel_rms
 from kdaserve.testing.inputs import make_kda_weights
 
@@ -111,16 +111,16 @@ def fused_impl(config=None):
 
 def chain_impl():
     try:
-        from kdaserve.ops.chain import kda_decode_chain
+        from kdaserve.ops.kda.chain import kda_decode_chain
     except ImportError:
         return None
     return lambda step, r: kda_decode_chain(**step.args(r))
 
 
 def adaptive_impl():
-    """The `adaptive` backend: fused for plain decode; verify fused up to 512 head-steps (kdaserve/ops/adaptive.py)."""
+    """The `adaptive` backend: fused for plain decode; verify fused up to 512 head-steps (kdaserve/ops/kda/adaptive.py)."""
     try:
-        from kdaserve.ops.adaptive import kda_decode_adaptive
+        from kdaserve.ops.kda.adaptive import kda_decode_adaptive
     except ImportError:
         return None
     return lambda step, r: kda_decode_adaptive(**step.args(r))
@@ -131,7 +131,7 @@ def fla_impl():
         from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
     except ImportError:
         return None
-    from kdaserve.ops.conv import causal_conv_update_fwd
+    from kdaserve.ops.kda.conv import causal_conv_update_fwd
     from kdaserve.ops.norm import gated_rms_norm_fwd
 
     def run(step, r):

@@ -15,7 +15,7 @@ and as a whole engine step (host work and sampling included: the period of back-
 calls, so with async scheduling the host's work overlaps the device's); tokens/s = B / engine step.
 
 Memory floor of a decode step = bytes that must move / the copy bandwidth measured in the same
-process, per layer kind as kdaserve/bench/layer_kinds.py counts them (dense weights but the
+process, per layer kind as kdaserve/evidence/layer_kinds.py counts them (dense weights but the
 embedding table, the routed experts the step touches for uniform routing, the KDA states read and
 written, the MLA latent rows of every context). Each decode batch's step is also profiled by layer
 kind (10 engine steps under torch.profiler) and every kind set against its own floor.
@@ -36,9 +36,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_throughput import copy_bandwidth, random_prompts  # noqa: E402
 from kdaserve.engine import LLM, SamplingParams  # noqa: E402
-from kdaserve.bench.layer_kinds import (  # noqa: E402
-    ALL_KINDS, GEMM, KDA, MLA, MOE, OTHER, decode_floor_bytes, device_launches, device_ms_by_kernel, device_ms_by_kind)
 from kdaserve.engine.caches import kv_bytes_per_block, state_bytes_per_slot  # noqa: E402
+from kdaserve.evidence.layer_kinds import (  # noqa: E402
+    ALL_KINDS,
+    GEMM,
+    KDA,
+    MLA,
+    MOE,
+    OTHER,
+    decode_floor_bytes,
+    device_launches,
+    device_ms_by_kernel,
+    device_ms_by_kind,
+)
 
 MODEL = "moonshotai/Kimi-Linear-48B-A3B-Instruct"
 GIB = 2**30
@@ -140,11 +150,11 @@ def main() -> None:
     model = runner.model
     torch.cuda.synchronize()
     weights = param_bytes(model)
-    plan = getattr(runner, "memory_plan", {})
+    plan = runner.memory.report or {}
     per_slot, per_tok = state_bytes_per_slot(model), kv_bytes_per_block(model, 1, runner.config.dtype)
     fit_8k = int(plan.get("free_gib", 0) * GIB // (per_slot + (args.ctx + 64) * per_tok))
     print(f"built in {time.time() - t0:.0f} s: weights {weights / GIB:.2f} GiB ({weights / 2 / 1e9:.2f} B parameters), "
-          f"KDA state {plan.get('state_gib', 0):.2f} GiB ({runner.num_slots} slots, {per_slot / 2**20:.1f} MiB each), "
+          f"KDA state {plan.get('state_gib', 0):.2f} GiB ({runner.memory.num_slots} slots, {per_slot / 2**20:.1f} MiB each), "
           f"latent cache {plan.get('kv_gib', 0):.2f} GiB ({plan.get('kv_tokens', 0)} tokens, {per_tok} B per token), "
           f"memory left for caches {plan.get('free_gib', 0):.2f} GiB -> {fit_8k} sequences of {args.ctx} tokens fit; "
           f"backends {runner.kda_backends.names}", flush=True)

@@ -2,7 +2,7 @@
 
 Columns, side by side in one run on the same inputs (bf16 q|k|v, fp32 state pool, D = 128,
 lower_bound -5 (--gate unbounded: Kimi-Linear's gate), every sequence resuming from its slot's state):
-  flash  kdaserve.ops.flash.kda_prefill_flash
+  flash  kdaserve.ops.kda.flash.kda_prefill_flash
   fla    FLA 0.6.0 `chunk_kda` as a serving engine must call it, through
          kdaserve.backends.adapters.fla.kda_prefill_fla: our Triton varlen conv, chunk_kda with the
          gate, l2norm and beta sigmoid in the kernel (what FLA supports), initial states gathered
@@ -68,7 +68,8 @@ def gpu_case(seq_lens: list[int], H: int, seed: int = 0, gate: str = "bounded") 
     cu[1:] = torch.tensor(seq_lens, dtype=torch.int32).cumsum(0)
     return KDACase(
         H=H, D=D, seq_lens=list(seq_lens), proj=proj, qkv=proj[:, : 3 * P], beta_logits=proj[:, 3 * P : 3 * P + H],
-        forget_logits=forget_logits, output_gate_logits=output_gate_logits, weights=weights, conv_state=conv_state, recurrent_state=state, conv_layout="SD",
+        forget_logits=forget_logits, output_gate_logits=output_gate_logits, weights=weights, conv_state=conv_state,
+        recurrent_state=state, conv_layout="SD",
         cu_seqlens=cu.to(dev), cu_seqlens_cpu=cu, state_indices=torch.randperm(N, device=dev).add(1).to(torch.int32),
         has_initial_state=torch.ones(N, dtype=torch.bool, device=dev),
     )
@@ -97,8 +98,8 @@ def with_step_plan(fn, planner):
 
 def config_planner(text: str):
     """A flash step planner with the device's FlashConfig changed by `field=value,...` (--config)."""
-    from kdaserve.ops.flash import flash_step_plan
-    from kdaserve.ops.flash.config import config_for, with_overrides
+    from kdaserve.ops.kda.flash import flash_step_plan
+    from kdaserve.ops.kda.flash.config import config_for, with_overrides
 
     try:
         cfg = with_overrides(config_for(torch.device("cuda")), text)
@@ -114,7 +115,7 @@ def config_planner(text: str):
 
 def load_columns(configs: tuple[str, ...] = (), baselines: bool = True) -> dict:
     """flash, one flash[config] column per --config, and (baselines) every installed baseline."""
-    from kdaserve.ops.flash import kda_prefill_flash
+    from kdaserve.ops.kda.flash import kda_prefill_flash
 
     cols = {"flash": with_step_plan(kda_prefill_flash, planners.flash_plan)}
     for text in configs:
@@ -239,7 +240,7 @@ def bench_ms(fn, case: KDACase) -> float:
 
 def agreement(cols: dict) -> None:
     """Every column against the fp64 reference (chunk-64 form) on one small mixed step, both gates."""
-    from kdaserve.ops.reference import kda_prefill_reference
+    from kdaserve.ops.kda.reference import kda_prefill_reference
     from kdaserve.testing.properties import run_prefill, to_fp64, valid_rows
 
     for gate in ("bounded", "unbounded"):

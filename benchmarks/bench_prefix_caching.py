@@ -138,7 +138,8 @@ def main() -> int:
     for r in sorted(rows, key=lambda r: (r["workload"], r["cache"], r["rep"])):
         ttft = f"{r['ttft_ms']:.1f}" if r["ttft_ms"] is not None else "-"
         rs = f"{r['req_s']:.2f}" if r["req_s"] is not None else "-"
-        print(f"| {r['workload']} | {'on' if r['cache'] else 'off'} | {r['rep']} | {ttft} | {r['prompt_tokens']} | {r['computed']} | {rs} |")
+        print(f"| {r['workload']} | {'on' if r['cache'] else 'off'} | {r['rep']} | {ttft} | {r['prompt_tokens']} | "
+              f"{r['computed']} | {rs} |")
     return 0
 
 

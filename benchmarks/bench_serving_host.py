@@ -4,7 +4,7 @@ engine's own step, with the model replaced by a fixed "device time" (runs on a C
 Why: issue 21 asks for the server's median ITL within 1.15x of the engine's own step. With the
 engine in a thread of the server's process, the event loop (SSE chunks, JSON, HTTP writes) and the
 engine's host work share one interpreter lock; `kdaserve serve` therefore runs the engine in its
-own process (server/engine_process.py), and `--no-engine-process` measures the thread. Results:
+own process (engine/engine_process.py), and `--no-engine-process` measures the thread. Results:
 docs/perf-notes.md.
 
 How: the real engine (scheduler, host step building, token appending, detokenizing, outputs) and
@@ -206,11 +206,11 @@ def stamp_steps(engine, calls: list[float]) -> None:
 
 class StepTrace:
     """`--trace`: where the engine process's time goes, step by step. Per step: its start, the
-    engine's step() (scheduling, launching, reading the previous step's tokens, outputs), the
-    part of it spent waiting for the device (the sampled tokens' copy), the part in the model
-    runner's execute (host metadata, copies, graph replay or eager launches, logits, sampling: on
-    a GPU the host work a fake device leaves out), and, in the server, the engine core's whole
-    step (step() plus encoding the outputs and writing them to the API processes' pipes). The benchmark asks for the rows by creating PATH.req; a thread of the
+    engine's step() (scheduling, launching, reading the previous step's tokens, outputs), the part of it spent
+    waiting for the device (the sampled tokens' copy), the part in the model runner's execute (host metadata,
+    copies, graph replay or eager launches, logits, sampling: on a GPU the host work a fake device leaves
+    out), and, in the server, the engine core's whole step (step() plus encoding the outputs and writing them
+    to the API processes' pipes). The benchmark asks for the rows by creating PATH.req; a thread of the
     engine process answers by writing PATH (JSON) and starts over."""
 
     def __init__(self, path: str | None):
@@ -257,7 +257,7 @@ class StepTrace:
 
         engine.step = timed_step
         if in_server:
-            from kdaserve.server import engine_process
+            from kdaserve.engine import engine_process
 
             core_step = engine_process._EngineCore._step
 
@@ -311,7 +311,8 @@ class StepTrace:
         starts = [r[0] for r in rows]
         periods = [b - a for a, b in zip(starts, starts[1:])]
         return {"period": med(periods), "core_step": med([r[1] for r in rows]), "engine_step": med([r[2] for r in rows]),
-                "device_wait": med([r[3] for r in rows]), "execute": med([r[5] for r in rows]), "encode_send": med([r[1] - r[2] for r in rows]),
+                "device_wait": med([r[3] for r in rows]), "execute": med([r[5] for r in rows]),
+                "encode_send": med([r[1] - r[2] for r in rows]),
                 "host": med([r[1] - r[3] for r in rows]), "core_cpu": med([r[4] for r in rows]),
                 "between": med([p - r[1] for p, r in zip(periods, rows)]), "steps": len(rows)}
 
@@ -456,7 +457,7 @@ def main() -> None:
     kwargs["stream_interval"] = args.stream_interval
     ctx = mp.get_context("spawn")
     if args.engine_process:
-        from kdaserve.server.engine_process import EngineProcess
+        from kdaserve.engine.engine_process import EngineProcess
 
         # The bar in a process of its own (one engine on the device at a time), then the served one.
         q = ctx.Queue()
@@ -478,7 +479,7 @@ def main() -> None:
     loop_profile = None
     with BackgroundServer(app) as srv:
         # One round not reported (as with several API processes): past the first requests' costs.
-        run_client(srv.url, engine.model_name, args.streams, 16, args.client, processes=args.client_processes)
+        run_client(srv.url, engine.info.model_name, args.streams, 16, args.client, processes=args.client_processes)
         for r in range(args.rounds):
             if args.profile and r == args.rounds - 1:   # the event loop's thread, last round only
                 loop_profile = cProfile.Profile()
@@ -486,7 +487,7 @@ def main() -> None:
             calls.clear()
             loop = srv.server.servers[0].get_loop()
             cpu0 = loop_cpu_seconds(loop), time.process_time()
-            stamps = run_client(srv.url, engine.model_name, args.streams, args.max_tokens, args.client,
+            stamps = run_client(srv.url, engine.info.model_name, args.streams, args.max_tokens, args.client,
                                processes=args.client_processes)
             chunks = sum(len(s) for s in stamps)
             loop_us, process_us = ((loop_cpu_seconds(loop) - cpu0[0]) / chunks * 1e6,
@@ -579,11 +580,11 @@ def api_servers_main(args, kwargs: dict, device_s: float | None, alone: float, a
     /metrics over the round's span) and the most connections each API process held at once, sampled
     every 5 ms (so a slow round can be told from an engine that slowed and from streams spread
     unevenly; connections of the previous round still closing count too)."""
-    from kdaserve.server.api_servers import APIServers
-    from kdaserve.server.engine_process import EngineProcess
-    from kdaserve.server.launch import free_port
-
     import tempfile
+
+    from kdaserve.engine.engine_process import EngineProcess
+    from kdaserve.server.api_servers import APIServers
+    from kdaserve.server.launch import free_port
 
     n = args.api_server_count
     trace = os.path.join(tempfile.mkdtemp(prefix="kdaserve-trace-"), "steps.json") if args.trace else None
@@ -604,7 +605,7 @@ def api_servers_main(args, kwargs: dict, device_s: float | None, alone: float, a
             print(f"pinned: engine {sorted(engine_cpus)}, API processes {[sorted(c) for c in api_cpus]}, "
                   f"client and benchmark {sorted(client_cpus)}", flush=True)
         # One round not reported: every process past its first requests (imports, schema builds).
-        run_client(servers.url, engine.model_name, args.streams, 16, args.client, client_cpus, args.client_processes)
+        run_client(servers.url, engine.info.model_name, args.streams, 16, args.client, client_cpus, args.client_processes)
         for r in range(args.rounds):
             cpu0 = sum(process_cpu_seconds(p.pid) for p in servers.processes)
             steps0 = engine_steps(servers.url)
@@ -620,7 +621,7 @@ def api_servers_main(args, kwargs: dict, device_s: float | None, alone: float, a
 
             sampler = threading.Thread(target=sample, daemon=True)
             sampler.start()
-            stamps = run_client(servers.url, engine.model_name, args.streams, args.max_tokens, args.client, client_cpus,
+            stamps = run_client(servers.url, engine.info.model_name, args.streams, args.max_tokens, args.client, client_cpus,
                                 args.client_processes)
             sampling.set()
             sampler.join()
@@ -649,7 +650,8 @@ def api_servers_main(args, kwargs: dict, device_s: float | None, alone: float, a
             shutil.rmtree(os.path.dirname(trace), ignore_errors=True)
     what = f"model {args.model}" if args.model else f"device time {args.device_ms} ms per step"
     print(f"\n{args.streams} streams, {args.max_tokens} tokens each, {what} (this host), engine in its own process, "
-          f"{n} API server processes{' (pinned)' if args.pin else ''}; the engine alone (no server, same batch): {alone:.2f} ms per step")
+          f"{n} API server processes{' (pinned)' if args.pin else ''}; the engine alone (no server, same batch): {alone:.2f} ms "
+          "per step")
     print("| round | ITL median ms | ITL p90 ms | ITL / engine alone | stream mean ITL ms (median of streams) "
           "| mean ITL / engine alone | API processes' CPU µs per chunk | per token | engine mean step ms (round) "
           "| most connections per API process |")

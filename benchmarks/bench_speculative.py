@@ -121,7 +121,8 @@ def main() -> int:
         rate = f"{r['rate']:.1%}" if r["rate"] is not None else "no drafts"
         length = f"{r['length']:.2f}" if r["length"] is not None else "-"
         print(f"| {r['batch']} | {r['workload']} | {r['plain']:.0f} | {r['spec']:.0f} | {r['spec'] / r['plain']:.2f}x | "
-              f"{rate} | {length} | {r['tokens_per_step']:.2f} | {r['plain_step_us']:.0f} | {r['spec_step_us']:.0f} | {r['same']:.1%} |")
+              f"{rate} | {length} | {r['tokens_per_step']:.2f} | {r['plain_step_us']:.0f} | {r['spec_step_us']:.0f} | "
+              f"{r['same']:.1%} |")
     return 0
 
 

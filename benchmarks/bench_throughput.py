@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kdaserve.backends import BackendError  # noqa: E402
 from kdaserve.engine import LLM, SamplingParams  # noqa: E402
-from kdaserve.engine.caches import kv_bytes_per_block, state_bytes_per_slot  # noqa: E402
 from kdaserve.engine.args import add_engine_args, engine_kwargs_from_args  # noqa: E402
+from kdaserve.engine.caches import kv_bytes_per_block, state_bytes_per_slot  # noqa: E402
 
 
 def copy_bandwidth() -> float:
@@ -202,7 +202,8 @@ def main() -> int:
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
           f"copy bandwidth {bw / 1e12:.2f} TB/s")
     print(f"{args.model} model, {args.num_requests} requests x {args.input_len} in / {args.output_len} out, "
-          f"max_num_seqs {args.max_num_seqs}, token budget {args.max_num_batched_tokens}; decode step at batch {args.decode_batch}")
+          f"max_num_seqs {args.max_num_seqs}, token budget {args.max_num_batched_tokens}; decode step at batch "
+          f"{args.decode_batch}")
     rows = []
     for pair in [p.strip() for p in args.pairs.split(",") if p.strip()]:
         t0 = time.perf_counter()
@@ -211,7 +212,8 @@ def main() -> int:
             f"; engine built in {row['build_s']:.1f} s ({row['jit_build']} Triton compiles, warm-up included), "
             f"compiles in the script warm-up / first / last timed run: {row.get('jit_script_warmup', '-')} / "
             f"{row.get('jit_first_run', '-')} / {row.get('jit_last_run', '-')}")
-        print(f"  {pair}: {'skipped: ' + row['skipped'] if 'skipped' in row else 'done'} ({time.perf_counter() - t0:.0f} s){jit}", flush=True)
+        what = "skipped: " + row["skipped"] if "skipped" in row else "done"
+        print(f"  {pair}: {what} ({time.perf_counter() - t0:.0f} s){jit}", flush=True)
         rows.append(row)
 
     hdr = (f"{'pair':<14}{'ran as':<14}{'req/s':>7}{'out tok/s':>11}{'tot tok/s':>11}{'prefill t/s':>12}"

@@ -37,9 +37,9 @@ import torch
 
 from benchmarks.bench_prefill import bench_ms, fla_core, gpu_case, parse_shape, with_step_plan
 from kdaserve.backends import planners
-from kdaserve.ops.flash import flash_step_plan, kda_prefill_flash
-from kdaserve.ops.flash.config import DEFAULT_CONFIG
-from kdaserve.ops.flash.config import ONE_ANCHOR_SPREAD as SPREAD
+from kdaserve.ops.kda.flash import flash_step_plan, kda_prefill_flash
+from kdaserve.ops.kda.flash.config import DEFAULT_CONFIG
+from kdaserve.ops.kda.flash.config import ONE_ANCHOR_SPREAD as SPREAD
 
 REGIMES = ("default", "fla-init", "strong")
 
@@ -190,7 +190,8 @@ def main() -> None:
     head = ["H", "shape", "regime", "beyond 1 anchor", "clamped", "bounded"] + names
     head += [f"{n} / bounded" for n in flash_cols] + [f"fla / {n}" for n in flash_cols if fla_cols]
     head += [f"fla-core / {n}" for n in flash_cols if fla_cols] + ["K1 bounded"] + [f"K1 {n}" for n in flash_cols]
-    print(f"\nms per prefill (do_bench median); K1 = device ms of the prepare launches; 'beyond 1 anchor', 'clamped': fractions of 16-token (chunk, head) pairs\n"
+    print("\nms per prefill (do_bench median); K1 = device ms of the prepare launches; 'beyond 1 anchor', 'clamped': fractions "
+          "of 16-token (chunk, head) pairs\n"
           f"| {' | '.join(head)} |\n|{'---|' * len(head)}")
     for r in rows:
         cells = [str(r["H"]), r["shape"], r["regime"], f"{r['beyond one anchor']:.1%}", f"{r['clamped']:.1%}",

@@ -108,7 +108,8 @@ def record(model_name: str, batch: int) -> tuple[Recorder, dict[str, int], objec
     kinds = {i: layer_kind(layer) for i, layer in enumerate(layers)}
     hooks = [layer.register_forward_pre_hook(lambda _m, _a, i=i: setattr(rec, "where", kinds[i])) for i, layer in
              enumerate(layers)]
-    hooks.append(model.model.norm.register_forward_pre_hook(lambda *_: setattr(rec, "where", "head (final norm, LM head, sampling)")))
+    hooks.append(model.model.norm.register_forward_pre_hook(lambda *_: setattr(rec, "where", "head (final norm, LM head, "
+                                                                                             "sampling)")))
     run = interpreter.InterpretedFunction.run
 
     def launch(fn, *args, **kwargs):

@@ -38,9 +38,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from kdaserve.backends import planners
 from kdaserve.backends.requirements import LayerSettings
-from kdaserve.ops.conv import causal_conv_varlen_fwd
-from kdaserve.ops.flash import kda_prefill_flash
-from kdaserve.ops.types import KDACache, KDAInputs, KDAWeights, PrefillSeqs
+from kdaserve.ops.kda.conv import causal_conv_varlen_fwd
+from kdaserve.ops.kda.flash import kda_prefill_flash
+from kdaserve.ops.kda.types import KDACache, KDAInputs, KDAWeights, PrefillSeqs
 
 DEVICE = torch.device("meta")
 SHAPES = ("1x64", "4x64", "16x1024", "1x65536")

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_prefill import config_planner, gpu_case, parse_shape, with_step_plan  # noqa: E402
 from kdaserve.backends import planners  # noqa: E402
-from kdaserve.ops.flash import kda_prefill_flash  # noqa: E402
+from kdaserve.ops.kda.flash import kda_prefill_flash  # noqa: E402
 
 
 def k1_bytes_per_token_head(D: int, C: int) -> int:

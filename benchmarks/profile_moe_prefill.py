@@ -41,7 +41,8 @@ def main() -> None:
     print(f"{args.tokens} tokens, {S} slots, {touched} experts: weights gate|up {touched * 2 * WIDTH * HIDDEN * 2 / 1e9:.3f} GB, "
           f"down {touched * HIDDEN * WIDTH * 2 / 1e9:.3f} GB; activations x {args.tokens * HIDDEN * 2 / 1e9:.3f} GB, "
           f"h {S * WIDTH * 2 / 1e9:.3f} GB, y {S * HIDDEN * 2 / 1e9:.3f} GB; "
-          f"GFLOP gate|up {2 * S * HIDDEN * 2 * WIDTH / 1e9:.0f}, down {2 * S * WIDTH * HIDDEN / 1e9:.0f} (routed rows, no padding)")
+          f"GFLOP gate|up {2 * S * HIDDEN * 2 * WIDTH / 1e9:.0f}, down {2 * S * WIDTH * HIDDEN / 1e9:.0f} (routed rows, no "
+          "padding)")
 
 
 if __name__ == "__main__":

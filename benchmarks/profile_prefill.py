@@ -4,7 +4,7 @@ Columns (same inputs, one run; see bench_prefill.py for the inputs):
   fla-arm   kdaserve.backends.adapters.fla.kda_prefill_fla (conv + chunk_kda + gather/scatter + norm)
   fla-core  FLA 0.6.0 `chunk_kda` alone on contiguous q/k/v, a dense initial state and the host
             cu_seqlens: the kernel-only number other projects report (no conv, no norm, no pool)
-  flash     kdaserve.ops.flash.kda_prefill_flash (automatic segmenting; flash-seg0 = never segment)
+  flash     kdaserve.ops.kda.flash.kda_prefill_flash (automatic segmenting; flash-seg0 = never segment)
 
 For each column: median ms (do_bench) and a table of kernels with their device µs per call,
 summed over launches of the same kernel. The sum of kernel times below the wall time is launch
@@ -24,7 +24,7 @@ import triton.testing
 
 from benchmarks.bench_prefill import config_planner, gpu_case, parse_shape, with_step_plan
 from kdaserve.backends import planners
-from kdaserve.ops.flash import flash_step_plan, kda_prefill_flash
+from kdaserve.ops.kda.flash import flash_step_plan, kda_prefill_flash
 
 
 def fla_core_fn(case):

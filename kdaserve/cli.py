@@ -30,7 +30,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from kdaserve.commands.config_file import expand_config_file
-
     from kdaserve.engine.vllm_flags import no_setting_message, unknown_vllm_flags
 
     argv = expand_config_file(list(sys.argv[1:] if argv is None else argv))

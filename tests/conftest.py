@@ -5,7 +5,6 @@ import random
 import numpy as np
 import pytest
 import torch
-
 from seeding import SEED_VARIABLE, base_seed, seed_for
 
 # Without a GPU, Triton kernels can only run through the interpreter: set it before any test

@@ -22,7 +22,7 @@ def _imports(path: Path) -> set[str]:
 
 @pytest.mark.parametrize("layer", ORDER[:-1])
 def test_no_upward_imports(layer):
-    above = {f"kdaserve.{name}" for name in ORDER[ORDER.index(layer) + 1:]} | {"kdaserve.testing", "kdaserve.bench",
+    above = {f"kdaserve.{name}" for name in ORDER[ORDER.index(layer) + 1:]} | {"kdaserve.testing", "kdaserve.evidence",
                                                                              "kdaserve.commands", "kdaserve.cli"}
     if layer == "ops":
         above.add("kdaserve.backends")

@@ -5,7 +5,6 @@ import random
 import numpy as np
 import pytest
 import torch
-
 from seeding import base_seed, seed_for
 
 

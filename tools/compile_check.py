@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from kdaserve.ops.precision import precision_for_target
-from tools.compile_target import Resources, SHARED_LIMIT, TARGETS, compile_for, occupancy, resources
+from tools.compile_target import SHARED_LIMIT, TARGETS, Resources, compile_for, occupancy, resources
 
 BF, F16, F32, I32, B1 = "*bf16", "*fp16", "*fp32", "*i32", "*i1"
 
@@ -97,13 +97,13 @@ def _recurrence_launch(cfg, segmented: bool) -> dict:
 
 
 def _flash_cases() -> list[Case]:
-    from kdaserve.ops.flash.config import DEFAULT_CONFIG as cfg
-    from kdaserve.ops.flash.config import config_for_target
-    from kdaserve.ops.flash.correct import flash_correct_kernel
-    from kdaserve.ops.flash.plan import flash_plan_kernel
-    from kdaserve.ops.flash.prepare import flash_prepare_kernel
-    from kdaserve.ops.flash.recurrence import flash_recurrence_kernel
-    from kdaserve.ops.flash.scan import flash_scan_kernel
+    from kdaserve.ops.kda.flash.config import DEFAULT_CONFIG as cfg
+    from kdaserve.ops.kda.flash.config import config_for_target
+    from kdaserve.ops.kda.flash.correct import flash_correct_kernel
+    from kdaserve.ops.kda.flash.plan import flash_plan_kernel
+    from kdaserve.ops.kda.flash.prepare import flash_prepare_kernel
+    from kdaserve.ops.kda.flash.recurrence import flash_recurrence_kernel
+    from kdaserve.ops.kda.flash.scan import flash_scan_kernel
 
     ws = dict(w_ptr=F16, u_ptr=F16, qg_ptr=F16, kd_ptr=F16, aqk_ptr=F16, gam_ptr=F32)
     tables = dict(cu_ptr=I32, idx_ptr=I32, init_ptr=B1, chunk_seq_ptr=I32, chunk_tok_ptr=I32, seg_seq_ptr=I32,
@@ -156,10 +156,10 @@ def _flash_cases() -> list[Case]:
 
 
 def _decode_cases() -> list[Case]:
-    from kdaserve.ops.fused.decode import STREAM_BF16, STREAM_BF16_AMD, STREAM_FP32, FusedDecodeConfig
-    from kdaserve.ops.fused.decode_kernel import kda_fused_decode_kernel
-    from kdaserve.ops.fused.stream_kernel import kda_fused_stream_kernel
-    from kdaserve.ops.recurrent.kernel import kda_recurrent_kernel
+    from kdaserve.ops.kda.fused.decode import STREAM_BF16, STREAM_BF16_AMD, STREAM_FP32, FusedDecodeConfig
+    from kdaserve.ops.kda.fused.decode_kernel import kda_fused_decode_kernel
+    from kdaserve.ops.kda.fused.stream_kernel import kda_fused_stream_kernel
+    from kdaserve.ops.kda.recurrent.kernel import kda_recurrent_kernel
 
     def fused_types(state):
         return dict(qkv=BF, forget_logits=BF, beta_logits=BF, output_gate_logits=BF, conv_w=F32, A_log=F32, dt_bias=F32,
@@ -190,27 +190,26 @@ def _decode_cases() -> list[Case]:
 
 
 def _other_cases() -> list[Case]:
+    from kdaserve.ops.activation.swiglu import launch_shape as swiglu_shape
+    from kdaserve.ops.activation.swiglu import swiglu_kernel
     from kdaserve.ops.attention.paged_decode import _paged_decode_kernel
-    from kdaserve.ops.conv.update import BLOCK_C as UPDATE_BC
-    from kdaserve.ops.conv.update_kernel import conv_update_kernel
-    from kdaserve.ops.conv.varlen import BLOCK_C, BLOCK_T, NUM_WARPS
-    from kdaserve.ops.conv.varlen_kernel import conv_varlen_out_kernel, conv_varlen_state_kernel
+    from kdaserve.ops.dsa.triton_scores import dsa_index_scores_kernel
+    from kdaserve.ops.hyper_connection.triton_hc import hc_post_kernel, hc_pre_kernel
+    from kdaserve.ops.kda.conv.update import BLOCK_C as UPDATE_BC
+    from kdaserve.ops.kda.conv.update_kernel import conv_update_kernel
+    from kdaserve.ops.kda.conv.varlen import BLOCK_C, BLOCK_T, NUM_WARPS
+    from kdaserve.ops.kda.conv.varlen_kernel import conv_varlen_out_kernel, conv_varlen_state_kernel
     from kdaserve.ops.mla.decode import _mla_decode_kernel, _mla_merge_kernel, dense_launch, launch_shape
+    from kdaserve.ops.mla.latent_write import mla_latent_write_kernel
     from kdaserve.ops.mla.prefill import _mla_prefill_kernel
     from kdaserve.ops.mla.prefill import launch_shape as mla_prefill_shape
-    from kdaserve.ops.moe.align import (_align_count_kernel, _align_offsets_kernel, _align_per_expert_kernel,
-                                        _align_place_kernel)
+    from kdaserve.ops.mla.sparse_decode import _mla_sparse_decode_kernel
+    from kdaserve.ops.moe.align import _align_count_kernel, _align_offsets_kernel, _align_per_expert_kernel, _align_place_kernel
     from kdaserve.ops.moe.fused import _moe_sum_kernel
     from kdaserve.ops.moe.router_kernel import _route_kernel
     from kdaserve.ops.norm.gated_rms_norm import gated_rms_norm_kernel
     from kdaserve.ops.norm.rms_norm import launch_shape as rms_norm_shape
     from kdaserve.ops.norm.rms_norm import rms_norm_kernel
-    from kdaserve.ops.activation.swiglu import launch_shape as swiglu_shape
-    from kdaserve.ops.activation.swiglu import swiglu_kernel
-    from kdaserve.ops.mla.latent_write import mla_latent_write_kernel
-    from kdaserve.ops.dsa.triton_scores import dsa_index_scores_kernel
-    from kdaserve.ops.hyper_connection.triton_hc import hc_post_kernel, hc_pre_kernel
-    from kdaserve.ops.mla.sparse_decode import _mla_sparse_decode_kernel
 
     out = [
         Case("conv varlen out", conv_varlen_out_kernel,
@@ -322,7 +321,8 @@ def _moe_cases(slots: int, label: str, shared: bool = False) -> list[Case]:
     def launch(t: str, which: str) -> dict:
         tiles = moe_tiles(slots, 256 + shared, 2304, 1024, False, t)
         bn, bk, warps, stages = getattr(tiles, which)
-        return {"consts": dict(BM=tiles.block_m, BN=bn, BK=bk), "warps": warps, "stages": stages or (2 if t.startswith("gfx") else 3)}
+        return {"consts": dict(BM=tiles.block_m, BN=bn, BK=bk), "warps": warps,
+                "stages": stages or (2 if t.startswith("gfx") else 3)}
 
     common = dict(FP8=False, BLOCK_ROWS=1, EVEN_K=True, HAS_SHARED=shared)
     return [

@@ -15,13 +15,14 @@ import sys
 import triton
 import triton.language as tl
 
-from kdaserve.ops.flash.config import DEFAULT_CONFIG as CONFIG
-from kdaserve.ops.flash.correct import flash_correct_kernel
-from kdaserve.ops.flash.plan import flash_plan_kernel
-from kdaserve.ops.flash.prepare import flash_prepare_kernel
-from kdaserve.ops.flash.recurrence import flash_recurrence_kernel
-from kdaserve.ops.flash.scan import flash_scan_kernel
+from kdaserve.ops.kda.flash.config import DEFAULT_CONFIG as CONFIG
+from kdaserve.ops.kda.flash.correct import flash_correct_kernel
+from kdaserve.ops.kda.flash.plan import flash_plan_kernel
+from kdaserve.ops.kda.flash.prepare import flash_prepare_kernel
+from kdaserve.ops.kda.flash.recurrence import flash_recurrence_kernel
+from kdaserve.ops.kda.flash.scan import flash_scan_kernel
 from tools.sm90_compile import compile_for_sm90, ptxas_report, sass_loops, sass_mix
+
 
 def main(sass: bool = False) -> None:
     def report(kernel) -> str:
@@ -88,7 +89,8 @@ def main(sass: bool = False) -> None:
         lines.append(f"scan NCK={nck}: {report(k)}")
 
     k = compile_for_sm90(flash_correct_kernel,
-                         dict(oq_ptr=f16, start_ptr=f32, o_ptr=bf, out_gate_ptr=bf, nw_ptr=f32, eps="fp32", cu_ptr=i32, idx_ptr=i32,
+                         dict(oq_ptr=f16, start_ptr=f32, o_ptr=bf, out_gate_ptr=bf, nw_ptr=f32, eps="fp32", cu_ptr=i32,
+                              idx_ptr=i32,
                               seg_seq_ptr=i32, seg_tok_ptr=i32, seg_end_ptr=i32, q_off="i64"),
                          dict(H=32, D=128, C=16, CPG=cfg.correct_chunks, DOT_DTYPE=tl.float16, PREC="tf32", FAST=True),
                          num_warps=cfg.correct_warps)

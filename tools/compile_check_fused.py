@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import re
 
-from kdaserve.ops.fused.decode import STREAM_SHAPES, FusedDecodeConfig, default_config
-from kdaserve.ops.fused.decode_kernel import kda_fused_decode_kernel
-from kdaserve.ops.fused.stream_kernel import kda_fused_stream_kernel
-from kdaserve.ops.recurrent.kernel import kda_recurrent_kernel
+from kdaserve.ops.kda.fused.decode import STREAM_SHAPES, FusedDecodeConfig, default_config
+from kdaserve.ops.kda.fused.decode_kernel import kda_fused_decode_kernel
+from kdaserve.ops.kda.fused.stream_kernel import kda_fused_stream_kernel
+from kdaserve.ops.kda.recurrent.kernel import kda_recurrent_kernel
 from tools.sm90_compile import ARCH, compile_for_sm90, ptxas_report
 
 REGS_PER_SM = 65536
@@ -49,7 +49,8 @@ def tiles_in_flight(cfg: FusedDecodeConfig) -> int:
 
 def fused_kernel(cfg: FusedDecodeConfig, state: str = "*fp32", H: int = 32, D: int = 128, tokens: int = 1):
     bf = "*bf16"
-    types = dict(qkv=bf, forget_logits=bf, beta_logits=bf, output_gate_logits=bf, conv_w="*fp32", A_log="*fp32", dt_bias="*fp32", norm_w="*fp32",
+    types = dict(qkv=bf, forget_logits=bf, beta_logits=bf, output_gate_logits=bf, conv_w="*fp32", A_log="*fp32", dt_bias="*fp32",
+                 norm_w="*fp32",
                  conv_state=bf, state=state, state_indices="*i32", spec_indices="*i32", num_accepted="*i32", out=bf,
                  ws_o="*i32", ws_count="*i32", lower_bound="fp32", norm_eps="fp32")
     bv = cfg.block_v or D

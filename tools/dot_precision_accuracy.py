@@ -39,7 +39,8 @@ def emulate(a: torch.Tensor, b: torch.Tensor, precision: str) -> torch.Tensor:
     if precision == "tf32x3":
         (a0, a1), (b0, b1) = _pieces(a.clone(), lambda t: _tf32(t.clone()), 2), _pieces(b.clone(), lambda t: _tf32(t.clone()), 2)
         return a1 @ b0 + a0 @ b1 + a0 @ b0
-    n, terms = {"bf16x3": (2, [(1, 0), (0, 1), (0, 0)]), "bf16x6": (3, [(2, 0), (1, 1), (0, 2), (1, 0), (0, 1), (0, 0)])}[precision]
+    n, terms = {"bf16x3": (2, [(1, 0), (0, 1), (0, 0)]), "bf16x6": (3, [(2, 0), (1, 1), (0, 2), (1, 0), (0, 1),
+                                                                        (0, 0)])}[precision]
     pa, pb = _pieces(a, bf16, n), _pieces(b, bf16, n)
     out = torch.zeros(a.shape[0], b.shape[1])
     for i, j in terms:

@@ -214,7 +214,8 @@ def main() -> int:
     print("| phase | minute | server RSS MiB | ITL p50 ms | ITL p99 ms | streams done | 5xx |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['phase']} | {r['minute']} | {r['rss']:.0f} | {r['p50']:.1f} | {r['p99']:.1f} | {r['streams']} | {r['5xx']} |")
+        print(f"| {r['phase']} | {r['minute']} | {r['rss']:.0f} | {r['p50']:.1f} | {r['p99']:.1f} | {r['streams']} "
+              f"| {r['5xx']} |")
     clean = [r["p99"] for r in rows if r["phase"] == "clean"]
     attacked = [r["p99"] for r in rows if r["phase"] == "attacked"]
     print(f"\np99 attacked / clean (medians over minutes): {statistics.median(attacked) / statistics.median(clean):.2f}x; "

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from kdaserve.bench.accuracy import held_out
+from kdaserve.evidence.accuracy import held_out
 from kdaserve.models.kimi_linear import random_released_tensors
 from kdaserve.models.kimi_linear_config import KimiLinearConfig
 from kdaserve.models.tokenizer import ByteTokenizer

@@ -16,11 +16,11 @@ import dataclasses
 
 import torch
 
-from kdaserve.ops.flash import flash_step_plan, kda_prefill_flash
-from kdaserve.ops.flash.config import DEFAULT_CONFIG as CONFIG
-from kdaserve.ops.flash.plan import build_plan, full_rounds, segmented_rounds
-from kdaserve.ops.flash.prefill import FlashPrefill
-from kdaserve.ops.types import KDACache, KDAInputs, PrefillSeqs
+from kdaserve.ops.kda.flash import flash_step_plan, kda_prefill_flash
+from kdaserve.ops.kda.flash.config import DEFAULT_CONFIG as CONFIG
+from kdaserve.ops.kda.flash.plan import build_plan, full_rounds, segmented_rounds
+from kdaserve.ops.kda.flash.prefill import FlashPrefill
+from kdaserve.ops.kda.types import KDACache, KDAInputs, PrefillSeqs
 from kdaserve.testing.inputs import make_kda_weights
 
 SHAPES = [  # (heads, sequence lengths): the goal shapes

@@ -1,9 +1,10 @@
-"""KDA backends: names -> implementations, each stating its requirements; the resolver.
-
-Prefill: auto, reference, flash, fla, flashkda, aiter.
-Decode:  auto, reference, chain, fused, fla, aiter.
+"""KDA backends: names -> implementations, each stating its requirements (registry.py, the one
+table of names: PREFILL_BACKENDS and DECODE_BACKENDS are read from it); the resolver, which turns
+the engine's choice into one resolved pair per model (kda_backends.py); the pair builds each step's
+KDA part once (step.py: the typed inputs, cache and step a backend is called with).
 """
 
+from kdaserve.backends.kda_backends import KDABackendChoice, KDABackends, resolve_kda_backends
 from kdaserve.backends.registry import (
     AUTO_ORDER,
     DECODE_BACKENDS,
@@ -13,7 +14,6 @@ from kdaserve.backends.registry import (
     register_backend,
     unregister_backend,
 )
-from kdaserve.backends.kda_backends import KDABackendChoice, KDABackends, resolve_kda_backends
 from kdaserve.backends.requirements import LayerSettings, Machine, Requirement, usable_device
 from kdaserve.backends.resolver import (
     BackendError,

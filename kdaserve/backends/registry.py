@@ -3,7 +3,7 @@
 Implementations are imported inside `load`, so this table works before a backend's module lands
 and on machines without Triton, a GPU or the external packages.
 
-Our Triton backends' requirements come from kdaserve/ops/limits.py, the values their entry points
+Our Triton backends' requirements come from kdaserve/ops/kda/limits.py, the values their entry points
 check at run time; the external adapters' are listed here, where their adapters live.
 """
 
@@ -18,7 +18,7 @@ import torch
 
 from kdaserve.backends import requirements as rq
 from kdaserve.backends.requirements import Requirement
-from kdaserve.ops.limits import LOWER_BOUND_MIN
+from kdaserve.ops.kda.limits import LOWER_BOUND_MIN
 
 PHASES = ("prefill", "decode")
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
@@ -27,7 +27,7 @@ F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 @dataclass(frozen=True)
 class BackendSpec:
     """A named implementation of one phase of the KDA core (calling convention of
-    kdaserve.ops.reference.kda)."""
+    kdaserve.ops.kda.reference.kda)."""
 
     name: str
     phase: str
@@ -53,13 +53,13 @@ def _fixed(*reqs: Requirement) -> Callable[[], tuple[Requirement, ...]]:
 
 
 def _op_limits(op: str, base: list[Requirement]) -> Callable[[], tuple[Requirement, ...]]:
-    """`base` (platform, packages) and what kdaserve/ops/limits.py says op `op` accepts: the values
+    """`base` (platform, packages) and what kdaserve/ops/kda/limits.py says op `op` accepts: the values
     the op's own entry point checks, so the startup error and the runtime check cannot disagree.
     Read lazily; limits.py imports only torch, never the op package or Triton."""
 
     @functools.cache
     def reqs() -> tuple[Requirement, ...]:
-        from kdaserve.ops.limits import BY_OP, LOWER_BOUND_MIN
+        from kdaserve.ops.kda.limits import BY_OP, LOWER_BOUND_MIN
 
         lim = BY_OP[op]
         return tuple(base) + (
@@ -99,7 +99,7 @@ def _planner(name: str) -> Callable[[], Callable]:
 
 
 def _reference_prefill() -> Callable:
-    from kdaserve.ops.reference import kda_prefill_reference
+    from kdaserve.ops.kda.reference import kda_prefill_reference
 
     # The chunk-64 form equals the token loop (tests/ops/test_reference_kda.py) and is ~50x faster
     # on long prompts, which matters on the CPU.
@@ -113,17 +113,17 @@ BOTH_LAYOUTS = rq.conv_layouts("SD", "DS")
 FLA = [
     rq.package("fla", "0.6.0", hint="pip install fla-core==0.6.0"),
     rq.package("einops"),
-    rq.implementation("kdaserve.ops.conv"),  # our Triton conv: FLA's cannot read a paged conv pool
+    rq.implementation("kdaserve.ops.kda.conv"),  # our Triton conv: FLA's cannot read a paged conv pool
 ]
-OUR_CONV = [rq.implementation("kdaserve.ops.conv")]
+OUR_CONV = [rq.implementation("kdaserve.ops.kda.conv")]
 
 _SPECS: list[BackendSpec] = [
     # ---- prefill -------------------------------------------------------------------------------
     BackendSpec("reference", "prefill", "torch reference (chunk-64 form), any device", _reference_prefill, _fixed(),
                 graph_capturable=False, takes_checkpoints=True),
     BackendSpec(
-        "flash", "prefill", "Triton, fused few-kernel chunked prefill", _attr("kdaserve.ops.flash", "kda_prefill_flash"),
-        _op_limits("flash", TRITON + [rq.implementation("kdaserve.ops.flash")]), planner=_planner("flash_plan"),
+        "flash", "prefill", "Triton, fused few-kernel chunked prefill", _attr("kdaserve.ops.kda.flash", "kda_prefill_flash"),
+        _op_limits("flash", TRITON + [rq.implementation("kdaserve.ops.kda.flash")]), planner=_planner("flash_plan"),
         takes_checkpoints=True,
     ),
     BackendSpec(
@@ -152,23 +152,25 @@ _SPECS: list[BackendSpec] = [
     ),
     # ---- decode --------------------------------------------------------------------------------
     BackendSpec("reference", "decode", "torch reference (token loop), any device",
-                _attr("kdaserve.ops.reference", "kda_decode_reference"), _fixed(), graph_capturable=False),
+                _attr("kdaserve.ops.kda.reference", "kda_decode_reference"), _fixed(), graph_capturable=False),
     BackendSpec(
         "chain", "decode", "Triton, conv update -> recurrence -> gated norm (three launches)",
-        _attr("kdaserve.ops.chain", "kda_decode_chain"),
-        _op_limits("chain", TRITON + [rq.implementation("kdaserve.ops.chain")]),
+        _attr("kdaserve.ops.kda.chain", "kda_decode_chain"),
+        _op_limits("chain", TRITON + [rq.implementation("kdaserve.ops.kda.chain")]),
     ),
     BackendSpec(
         "fused", "decode", "Triton, the whole decode step in one launch",
-        _attr("kdaserve.ops.fused", "kda_decode_fused"),
-        _op_limits("fused", TRITON + [rq.implementation("kdaserve.ops.fused")]),
-        conv_weight_decode_layout=_attr("kdaserve.ops.fused", "fused_conv_weight_layout"),
+        _attr("kdaserve.ops.kda.fused", "kda_decode_fused"),
+        _op_limits("fused", TRITON + [rq.implementation("kdaserve.ops.kda.fused")]),
+        conv_weight_decode_layout=_attr("kdaserve.ops.kda.fused", "fused_conv_weight_layout"),
     ),
     BackendSpec(
-        "adaptive", "decode", "Triton: `fused` for plain decode; speculative verify `fused` up to 512 head-steps, `chain` above (by shape, H200-measured)",
-        _attr("kdaserve.ops.adaptive", "kda_decode_adaptive"),
+        "adaptive", "decode",
+        "Triton: `fused` for plain decode; speculative verify `fused` up to 512 head-steps, `chain` above (by shape, "
+        "H200-measured)",
+        _attr("kdaserve.ops.kda.adaptive", "kda_decode_adaptive"),
         _requirements_of_all("decode", "fused", "chain"),
-        conv_weight_decode_layout=_attr("kdaserve.ops.fused", "fused_conv_weight_layout"),
+        conv_weight_decode_layout=_attr("kdaserve.ops.kda.fused", "fused_conv_weight_layout"),
     ),
     BackendSpec(
         "fla", "decode", "flash-linear-attention fused_recurrent_kda (+ our Triton conv, FLA's gated norm)",
@@ -223,5 +225,6 @@ def get_spec(phase: str, name: str) -> BackendSpec | None:
 for _spec in _SPECS:
     register_backend(_spec)
 
-PREFILL_BACKENDS = ("auto", "reference", "flash", "fla", "flashkda", "aiter")
-DECODE_BACKENDS = ("auto", "reference", "chain", "fused", "adaptive", "fla", "aiter")
+# The built-in names of each phase, from the table above ("auto" first): one list, never restated.
+PREFILL_BACKENDS = ("auto", *(s.name for s in _SPECS if s.phase == "prefill"))
+DECODE_BACKENDS = ("auto", *(s.name for s in _SPECS if s.phase == "decode"))

@@ -22,7 +22,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from kdaserve.ops.types import CONV_LAYOUTS
+from kdaserve.ops.kda.types import CONV_LAYOUTS
 
 PLATFORMS = ("cuda", "rocm", "cpu")
 _SHORT = {"cuda": "CUDA", "rocm": "ROCm", "cpu": "CPU"}

@@ -37,7 +37,7 @@ class BackendUnavailableError(BackendError):
 @dataclass(frozen=True)
 class ResolvedBackend:
     """A loaded backend of one phase. Layers call it with typed objects (kdaserve.backends.step);
-    `fn` is the op's entry point underneath (the calling convention of kdaserve.ops.reference)."""
+    `fn` is the op's entry point underneath (the calling convention of kdaserve.ops.kda.reference)."""
 
     phase: str
     name: str

@@ -1,13 +1,15 @@
 """A step as the KDA backends see it:
 
-    plan = backends.plan_step(metadata)                         # once per step, before the layers
-    backends.prefill.prefill(inputs, weights, cache, plan.prefill, out)   # each layer
-    backends.decode.decode(inputs, weights, cache, plan.decode, out)
+    step = backends.build_step(metadata)                        # once per step, before the layers
+    backends.prefill.prefill(inputs, weights, cache, step.prefill, out)   # each layer
+    backends.decode.decode(inputs, weights, cache, step.decode, out)
 
-`KDAStepMetadata` is what the engine knows of the step (docs/kda-semantics.md section 3); the plan
-holds its sequences (kdaserve.ops.types: PrefillSeqs, DecodeSeqs) and what the prefill backend
-prepared for them once (host tables, device work tables, launch choices). `KDAInputs` and
-`KDACache` are the op-level types every entry point takes.
+`KDAStepMetadata` is what the engine knows of the step (docs/kda-semantics.md section 3), with the
+names the staged step buffers carry from the scheduler on; `KDAStep` is what the resolved pair
+builds from it once (vLLM's per-backend metadata builder): its sequences (kdaserve.ops.kda.types:
+PrefillSeqs, DecodeSeqs) and what the prefill backend prepared for them once (host tables, device
+work tables, launch choices). It is the only KDA form a layer reads. `KDAInputs` and `KDACache` are
+the op-level types every entry point takes.
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ from typing import Any
 
 import torch
 
-from kdaserve.ops.types import CheckpointRequests, DecodeSeqs, KDACache, KDAInputs, PrefillSeqs
+from kdaserve.ops.kda.types import CheckpointRequests, DecodeSeqs, KDACache, KDAInputs, PrefillSeqs
 
-__all__ = ["DecodeSeqs", "KDACache", "KDAInputs", "KDAStepMetadata", "KDAStepPlan", "PrefillPlan", "PrefillSeqs"]
+__all__ = ["DecodeSeqs", "KDACache", "KDAInputs", "KDAStep", "KDAStepMetadata", "PrefillPlan", "PrefillSeqs"]
 
 
 @dataclass(slots=True)
@@ -58,8 +60,22 @@ class PrefillPlan:
 
 
 @dataclass(frozen=True, slots=True)
-class KDAStepPlan:
-    """One step's plans for both parts (None where the step has no such sequences)."""
+class KDAStep:
+    """One step's KDA work as every KDA layer reads it (`Context.kda`): decode rows first, then the
+    prefill rows; each part's sequences (None where the step has none). `built_by` is the resolved
+    pair that built it: its prefill tables fit that pair's kernels and heads only."""
 
-    prefill: PrefillPlan | None = None
-    decode: DecodeSeqs | None = None
+    num_decodes: int
+    num_decode_tokens: int
+    num_prefill_tokens: int
+    decode: DecodeSeqs | None
+    prefill: PrefillPlan | None
+    built_by: Any
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_decode_tokens + self.num_prefill_tokens
+
+    @property
+    def is_speculative(self) -> bool:
+        return self.decode is not None and self.decode.spec_state_indices is not None

@@ -1,5 +1,5 @@
 """`kdaserve ab`: interleaved A/B of two configurations of one model with an A/A noise estimate
-(kdaserve/bench/ab.py): servers started one at a time, A B B A per round.
+(kdaserve/evidence/ab.py): servers started one at a time, A B B A per round.
 
     kdaserve ab --model bench --a="--kda-decode-backend fused" --b="--kda-decode-backend chain" --rounds 3
 """
@@ -31,8 +31,8 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from kdaserve.bench import ab
     from kdaserve.engine.args import engine_kwargs_from_flags
+    from kdaserve.evidence import ab
 
     if args.rounds < 2:
         print("kdaserve ab: --rounds must be at least 2 (the A/A noise needs two A pairs)", file=sys.stderr)

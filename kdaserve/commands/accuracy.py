@@ -1,4 +1,4 @@
-"""`kdaserve accuracy`: paired accuracy of two configurations of one model (kdaserve/bench/accuracy.py).
+"""`kdaserve accuracy`: paired accuracy of two configurations of one model (kdaserve/evidence/accuracy.py).
 
     kdaserve accuracy --stdlib-held-out --b="--mamba-ssm-cache-dtype bfloat16"
     kdaserve accuracy --a-url http://localhost:8000 --b-url http://localhost:8001 --data held_out/*.py
@@ -15,7 +15,8 @@ def register(sub) -> None:
     p = sub.add_parser("accuracy", help="paired accuracy of two configurations (teacher-forced log-probs, McNemar)",
                        description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="nano", help="the model both engine arms run (default: nano, the trained one)")
-    p.add_argument("--a", default="", help='engine flags of arm A, one string given with "=" (--a="--kda-decode-backend reference")')
+    p.add_argument("--a", default="",
+                   help='engine flags of arm A, one string given with "=" (--a="--kda-decode-backend reference")')
     p.add_argument("--b", default="", help='engine flags of arm B (--b="...")')
     p.add_argument("--a-url", help="arm A is the server at this URL instead of an engine")
     p.add_argument("--b-url", help="arm B is the server at this URL instead of an engine")
@@ -39,8 +40,8 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from kdaserve.bench import accuracy as acc
     from kdaserve.engine.args import engine_kwargs_from_flags
+    from kdaserve.evidence import accuracy as acc
 
     if args.score_chunk_tokens < 1:
         print(f"kdaserve accuracy: --score-chunk-tokens must be >= 1, got {args.score_chunk_tokens}", file=sys.stderr)
@@ -50,7 +51,8 @@ def run(args) -> int:
         print("kdaserve accuracy: no task files: give --data FILES or --stdlib-held-out", file=sys.stderr)
         return 2
     try:
-        arms_kw = [None if url else engine_kwargs_from_flags(args.model, flags) for url, flags in ((args.a_url, args.a), (args.b_url, args.b))]
+        arms_kw = [None if url else engine_kwargs_from_flags(args.model, flags) for url,
+                   flags in ((args.a_url, args.a), (args.b_url, args.b))]
     except (argparse.ArgumentError, SystemExit) as exc:
         print(f"kdaserve accuracy: bad arm flags: {exc}", file=sys.stderr)
         return 2

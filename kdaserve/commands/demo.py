@@ -24,7 +24,7 @@ def register(sub) -> None:
 def run(args) -> int:
     import torch
 
-    from kdaserve.ops.reference import kda_decode_reference, kda_prefill_reference
+    from kdaserve.ops.kda.reference import kda_decode_reference, kda_prefill_reference
     from kdaserve.testing import make_kda_case, rel_rms
     from kdaserve.testing.properties import run_decode, run_prefill, to_fp64
 
@@ -41,7 +41,8 @@ def run(args) -> int:
 
     out, ms = timed(lambda: run_prefill(functools.partial(kda_prefill_reference, chunk_size=16), case))
     ref = run_prefill(kda_prefill_reference, truth, out_dtype=torch.float64)
-    rows.append(("prefill (chunked, fp32)", sum(lengths), ms, rel_rms(out, ref), rel_rms(case.recurrent_state, truth.recurrent_state)))
+    rows.append(("prefill (chunked, fp32)", sum(lengths), ms, rel_rms(out, ref),
+                 rel_rms(case.recurrent_state, truth.recurrent_state)))
 
     for step in range(args.decode_steps):
         dcase = make_kda_case([1] * len(lengths), H=H, D=D, weights=case.weights, has_initial_state=True, seed=100 + step)
@@ -52,7 +53,8 @@ def run(args) -> int:
         out, ms = timed(lambda: run_decode(kda_decode_reference, dcase))
         ref = run_decode(kda_decode_reference, dtruth, out_dtype=torch.float64)
         if step in (0, args.decode_steps - 1):
-            rows.append((f"decode step {step + 1}", len(lengths), ms, rel_rms(out, ref), rel_rms(case.recurrent_state, truth.recurrent_state)))
+            rows.append((f"decode step {step + 1}", len(lengths), ms, rel_rms(out, ref),
+                         rel_rms(case.recurrent_state, truth.recurrent_state)))
 
     print(f"\nKDA reference demo: {len(lengths)} sequences {lengths}, {H} heads x {D}, {args.gate} gate, fp32 vs fp64 token loop")
     print(f"{'step':<26}{'tokens':>8}{'ms':>10}{'out rel-rms':>14}{'state rel-rms':>15}")

@@ -20,7 +20,8 @@ def gpu_description() -> str:
     props = torch.cuda.get_device_properties(0)
     kind = "ROCm" if torch.version.hip else "CUDA"
     arch = getattr(props, "gcnArchName", None) or f"sm_{props.major}{props.minor}"
-    return f"{props.name} ({kind} {torch.version.hip or torch.version.cuda}, {arch}, {props.total_memory / 2**30:.0f} GiB) x{torch.cuda.device_count()}"
+    version = torch.version.hip or torch.version.cuda
+    return f"{props.name} ({kind} {version}, {arch}, {props.total_memory / 2**30:.0f} GiB) x{torch.cuda.device_count()}"
 
 
 def run(args) -> int:

@@ -22,7 +22,8 @@ def register(sub) -> None:
     p.add_argument("--heads", type=int, help="KDA heads (default: 32 on a GPU, 2 on the CPU)")
     p.add_argument("--head-dim", type=int, help="head size (default: 128 on a GPU, 32 on the CPU)")
     p.add_argument("--hidden", type=int, help="hidden size of the projections (default: 2048 on a GPU, 64 on the CPU)")
-    p.add_argument("--gate", choices=("bounded", "unbounded"), default="bounded", help="the forget gate: bounded (GLM-5.3-Flash, Ling-3) or unbounded (Kimi-Linear) (default: bounded)")
+    p.add_argument("--gate", choices=("bounded", "unbounded"), default="bounded",
+                   help="the forget gate: bounded (GLM-5.3-Flash, Ling-3) or unbounded (Kimi-Linear) (default: bounded)")
     p.add_argument("--lower-bound", type=float, default=-5.0, help="bounded gate's lower bound, in [-5, 0)")
     p.add_argument("--slow-decay-heads", type=int, default=0, help="heads whose gates are near 0 (the long-context hard case)")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="activation dtype (default: bf16 on a GPU, fp32 on the CPU)")
@@ -32,7 +33,8 @@ def register(sub) -> None:
     p.add_argument("--decode-steps", type=int, help="decode steps after the prefill (default: 64 on a GPU, 4 on the CPU)")
     p.add_argument("--mixed-chunk", type=int, default=37, help="prefill tokens per sequence in the mixed step")
     p.add_argument("--spec-tokens", type=int, default=0, help="S draft tokens: adds two speculative verify steps")
-    p.add_argument("--tolerance", type=float, help="relative RMS limit against the reference (default: docs/kda-semantics.md section 5)")
+    p.add_argument("--tolerance", type=float,
+                   help="relative RMS limit against the reference (default: docs/kda-semantics.md section 5)")
     p.add_argument("--seed", type=int, default=0, help="the random inputs' seed (default: 0)")
     p.set_defaults(func=run)
 
@@ -41,7 +43,7 @@ def build_config(args):
     import torch
 
     from kdaserve.backends import LayerSettings, Machine, describe_backends, usable_device
-    from kdaserve.bench.parity import DTYPES, ParityConfig, parse_lengths
+    from kdaserve.evidence.parity import DTYPES, ParityConfig, parse_lengths
 
     device = str(usable_device(args.device))
     gpu = torch.device(device).type == "cuda"
@@ -72,7 +74,7 @@ def build_config(args):
 
 def run(args) -> int:
     from kdaserve.backends import BackendError
-    from kdaserve.bench.parity import run_parity
+    from kdaserve.evidence.parity import run_parity
 
     try:
         cfg = build_config(args)

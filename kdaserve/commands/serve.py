@@ -37,7 +37,8 @@ def register(sub) -> None:
                         "only those: DNS-rebinding protection); on a public address, the only names answered")
     p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="larger request bodies get 413 (default: %(default)s)")
-    p.add_argument("--enable-docs", action="store_true", help="serve the interactive /docs and /redoc pages and the /openapi.json schema (behind --api-key)")
+    p.add_argument("--enable-docs", action="store_true",
+                   help="serve the interactive /docs and /redoc pages and the /openapi.json schema (behind --api-key)")
     p.add_argument("--allowed-origins", default=None,
                    help="comma-separated origins browsers may call from (CORS); default: none (no CORS headers)")
     p.add_argument("--root-path", default="", help="the path prefix when behind a proxy that routes a sub-path here")
@@ -131,7 +132,7 @@ def run(args) -> int:
 
     try:
         if args.engine_process:
-            from kdaserve.server.engine_process import EngineProcess
+            from kdaserve.engine.engine_process import EngineProcess
 
             engine = EngineProcess(engine_kwargs_from_args(args), log_level=args.log_level.upper(),
                                    api_clients=args.api_server_count)
@@ -148,7 +149,7 @@ def run(args) -> int:
 
         path = Path(args.chat_template)
         # A path names a file; anything else is the template itself (as vLLM takes it).
-        engine.tokenizer.chat_template = path.read_text() if path.is_file() else args.chat_template
+        engine.info.tokenizer.chat_template = path.read_text() if path.is_file() else args.chat_template
 
     from kdaserve.server.generation_config import load_generation_defaults
 
@@ -159,8 +160,9 @@ def run(args) -> int:
         if tool_parser:
             from kdaserve.server.tool_parsers import make_tool_parser
 
-            make_tool_parser(tool_parser, engine.tokenizer)   # the tokenizer has the parser's tokens
-        access = AccessSettings.for_server(args.host, args.api_key, (args.allowed_hosts or "").split(",") if args.allowed_hosts else None,
+            make_tool_parser(tool_parser, engine.info.tokenizer)   # the tokenizer has the parser's tokens
+        access = AccessSettings.for_server(args.host, args.api_key,
+                                           (args.allowed_hosts or "").split(",") if args.allowed_hosts else None,
                                            args.max_request_body_bytes)
     except ValueError as exc:
         print(f"kdaserve serve: {exc}", file=sys.stderr)

@@ -55,7 +55,8 @@ class StepCaches:
             self.kda.append((conv, rec))
         self.kv: list[tuple[torch.Tensor, ...]] = []
         for attn in model.attention_layers:
-            tensors = tuple(torch.zeros(s, dtype=kv_dtype, device=device) for s in attn.cache_shapes(num_kv_blocks + 1, block_size))
+            tensors = tuple(torch.zeros(s, dtype=kv_dtype,
+                                        device=device) for s in attn.cache_shapes(num_kv_blocks + 1, block_size))
             attn.bind_cache(*tensors)
             self.kv.append(tensors)
 

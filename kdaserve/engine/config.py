@@ -83,7 +83,8 @@ class EngineConfig:
         "JSON structured output: at most this many whitespace characters in a row between JSON tokens (a small "
         "model otherwise writes '{' then whitespace until max_tokens); 0: unbounded"))
     cuda_graph_max_batch_size: int | None = field(default=None, metadata=_flag(
-        "largest decode batch captured as a CUDA graph (default: max_num_seqs, at most 512 as vLLM's)", name="--max-cudagraph-capture-size"))
+        "largest decode batch captured as a CUDA graph (default: max_num_seqs, at most 512 as vLLM's)",
+        name="--max-cudagraph-capture-size"))
     speculative_config: dict | str | SpeculativeConfig | None = field(default=None, metadata=_flag(
         'speculative decoding, as a JSON object in vLLM\'s spelling: {"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2} (prompt lookup), or {"method": "mtp", "num_speculative_tokens": 2} '
@@ -139,7 +140,8 @@ class EngineConfig:
             raise ValueError(f"invalid structured_outputs_max_whitespace: got {v!r}; expected an integer >= 0 "
                              "(0: unbounded)")
         if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"invalid max_model_len: got {self.max_model_len}; expected >= 2 (a prompt token and an output token)")
+            raise ValueError(f"invalid max_model_len: got {self.max_model_len}; expected >= 2 (a prompt token and an output "
+                             "token)")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"invalid load_format: got {self.load_format!r}; expected auto, safetensors or dummy")
         if self.quantization not in (None, "fp8"):

@@ -12,10 +12,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kdaserve.backends.kda_backends import KDABackends
 from kdaserve.engine.staging import PackedLayout, StagingRing
+from kdaserve.engine.step_context import build_context
 from kdaserve.engine.step_inputs import HostStep, gather_inputs, write_block_tables
-from kdaserve.layers.attention import AttentionMetadata
-from kdaserve.layers.context import Context, KDAStepMetadata, reset_context, set_context
+from kdaserve.layers.attention_metadata import AttentionMetadata
+from kdaserve.layers.context import Context, reset_context, set_context
 
 
 def graph_batch_sizes(max_bs: int) -> list[int]:
@@ -41,21 +43,21 @@ class DecodeStaticInputs:
         # Block tables last: a step copies the layout up to its own batch's rows of them.
         self.layout = PackedLayout([
             ("input_ids", i64, (B * m,)), ("positions", i64, (B * m,)), ("slot_mapping", i64, (B * m,)),
-            ("sample_rows", i64, (B * m,)), ("state_indices", i32, (B,)), ("context_lens", i32, (B * m,)),
-            ("verify_slots", i32, (B, m) if m > 1 else (0,)), ("num_accepted", i32, (B if m > 1 else 0,)),
-            ("block_tables", i32, (B * m, block_table_width)),
+            ("sample_rows", i64, (B * m,)), ("decode_state_indices", i32, (B,)), ("decode_context_lens", i32, (B * m,)),
+            ("spec_state_indices", i32, (B, m) if m > 1 else (0,)), ("num_accepted_tokens", i32, (B if m > 1 else 0,)),
+            ("decode_block_tables", i32, (B * m, block_table_width)),
         ])
         self.buffer = torch.zeros(self.layout.nbytes, dtype=torch.uint8, device=device)
-        views = self.layout.device_views(self.buffer)
-        self.input_ids, self.positions, self.state_indices = views["input_ids"], views["positions"], views["state_indices"]
-        self.slot_mapping, self.context_lens = views["slot_mapping"], views["context_lens"]
-        self._packed_tables = views["block_tables"].view(-1)   # a step's [rows, used columns], packed
-        self.block_tables = torch.zeros((B * m, block_table_width), dtype=i32, device=device)
-        self.verify_slots, self.num_accepted = views["verify_slots"], views["num_accepted"]
-        self.sample_rows = views["sample_rows"]   # read outside the graph (logit rows), staged with the rest
-        self.slot_mapping.fill_(trash_row)
-        self.context_lens.fill_(1)
-        self.num_accepted.fill_(1)
+        # The graphs' inputs by HostStep's names; the staged block tables are a step's [rows, used
+        # columns], packed, and one device copy spreads them into the full-width static table.
+        self.views = self.layout.device_views(self.buffer)
+        self._packed_tables = self.views["decode_block_tables"].view(-1)
+        self.views["decode_block_tables"] = torch.zeros((B * m, block_table_width), dtype=i32, device=device)
+        self.input_ids, self.positions = self.views["input_ids"], self.views["positions"]
+        self.sample_rows = self.views["sample_rows"]   # read outside the graph (logit rows), staged with the rest
+        self.views["slot_mapping"].fill_(trash_row)
+        self.views["decode_context_lens"].fill_(1)
+        self.views["num_accepted_tokens"].fill_(1)
         self.ring = StagingRing(self.layout.nbytes, torch.device(device))
         self._host_views: dict[int, tuple[object, dict]] = {}   # per ring buffer: its numpy views, made once
 
@@ -68,36 +70,33 @@ class DecodeStaticInputs:
         if cached is None or cached[0] is not host:
             cached = self._host_views[i] = (host, self.layout.host_views(host))
         h = cached[1]
-        for name, values, pad, rows in (
-            ("input_ids", step.input_ids, 0, m), ("positions", step.positions, 0, m),
-            ("slot_mapping", step.slot_mapping, self.trash_row, m), ("state_indices", step.decode_slots, 0, 1),
-            ("context_lens", step.decode_context_lens, 1, m),
-        ):
-            h[name][: n * rows] = values
+        for name, pad, rows in (("input_ids", 0, m), ("positions", 0, m), ("slot_mapping", self.trash_row, m),
+                                ("decode_state_indices", 0, 1), ("decode_context_lens", 1, m)):
+            h[name][: n * rows] = getattr(step, name)
             h[name][n * rows : bs * rows] = pad
         if m > 1:
-            h["verify_slots"][:n] = step.decode_verify_slots
-            h["verify_slots"][n:bs] = 0
-            h["num_accepted"][:n] = step.decode_num_accepted
-            h["num_accepted"][n:bs] = 1
+            h["spec_state_indices"][:n] = step.spec_state_indices
+            h["spec_state_indices"][n:bs] = 0
+            h["num_accepted_tokens"][:n] = step.num_accepted_tokens
+            h["num_accepted_tokens"][n:bs] = 1
         tables = step.decode_tables
         used = max(1, tables.shape[1] if isinstance(tables, np.ndarray) else max((t.shape[0] for t in tables), default=1))
-        packed = h["block_tables"].reshape(-1)[: bs * m * used].reshape(bs * m, used)
+        packed = h["decode_block_tables"].reshape(-1)[: bs * m * used].reshape(bs * m, used)
         write_block_tables(packed, tables)   # padding rows: null blocks only
         rows = step.logits.sample_rows
         staged_rows = not step.logits.sample_rows_are_leading
         if staged_rows:
             h["sample_rows"][: len(rows)] = rows
-        offset = self.layout.fields["block_tables"][0]
+        offset = self.layout.fields["decode_block_tables"][0]
         self.ring.submit(i, self.buffer, offset + bs * m * used * 4)
-        self.block_tables[: bs * m, :used].copy_(self._packed_tables[: bs * m * used].view(bs * m, used))
+        self.views["decode_block_tables"][: bs * m, :used].copy_(self._packed_tables[: bs * m * used].view(bs * m, used))
         return self.sample_rows[: len(rows)] if staged_rows else None
 
 
 class DecodeGraphs:
-    def __init__(self, model, *, max_batch_size: int, block_table_width: int, trash_row: int, hidden_size: int, dtype, device,
-                 tokens_per_seq: int = 1):
-        self.model = model
+    def __init__(self, model, kda_backends: KDABackends | None, *, max_batch_size: int, block_table_width: int,
+                 trash_row: int, hidden_size: int, dtype, device, tokens_per_seq: int = 1):
+        self.model, self.kda_backends = model, kda_backends
         self.sizes = graph_batch_sizes(max_batch_size)
         self.width, self.m = block_table_width, tokens_per_seq
         self.inputs = DecodeStaticInputs(self.sizes[-1], block_table_width, trash_row, device, tokens_per_seq)
@@ -106,19 +105,10 @@ class DecodeGraphs:
         self._capture()
 
     def _context(self, bs: int) -> Context:
-        x, rows = self.inputs, bs * self.m
-        kda = KDAStepMetadata(num_decodes=bs, num_decode_tokens=rows, decode_state_indices=x.state_indices[:bs])
-        if self.m > 1:
-            kda.spec_state_indices, kda.num_accepted_tokens = x.verify_slots[:bs], x.num_accepted[:bs]
-        backends = self.model.kda_backends
-        return Context(kda=kda, kda_plan=backends.plan_step(kda) if backends is not None else None,
-                       attn=self._attention(rows))
-
-    def _attention(self, rows: int) -> AttentionMetadata:
-        """The attention metadata of the first `rows` rows of the static buffers."""
-        x = self.inputs
-        return AttentionMetadata(slot_mapping=x.slot_mapping[:rows], num_decode_tokens=rows,
-                                 decode_block_tables=x.block_tables[:rows], decode_context_lens=x.context_lens[:rows])
+        """What the graph of batch size `bs` is captured under: the first `bs` sequences of the
+        static buffers (their values change at every replay, their addresses never)."""
+        return build_context(self.inputs.views, self.kda_backends, num_decodes=bs, tokens_per_decode=self.m,
+                             for_capture=True)
 
     @torch.inference_mode()
     def _capture(self) -> None:
@@ -144,7 +134,7 @@ class DecodeGraphs:
         return (
             0 < step.num_decodes <= self.sizes[-1]
             and step.tokens_per_decode == self.m
-            and not step.prefill_lens
+            and not step.prefill_query_lens
             and step.decode_width <= self.width
         )
 
@@ -156,7 +146,7 @@ class DecodeGraphs:
         the static buffers: what a pass after the graph (the MTP drafter's) runs under. Valid until
         the next step stages its inputs (stream order keeps the pass before that copy)."""
         rows = step.num_decode_tokens
-        return Context(attn=self._attention(rows)), self.inputs.positions[:rows]
+        return Context(attn=AttentionMetadata.build(self.inputs.views, rows)), self.inputs.positions[:rows]
 
     def run(self, step: HostStep, input_source: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Replay the decode step; returns the hidden states of its real rows and the device

@@ -12,7 +12,7 @@ from kdaserve.engine.sampling_params import SamplingParams
 class LLM:
     def __init__(self, model: str = "tiny", **engine_kwargs):
         self.engine = LLMEngine(model, **engine_kwargs)
-        self.engine.incremental_text = False   # only final outputs are returned
+        self.engine.output.incremental_text = False   # only final outputs are returned
         self.tokenizer = self.engine.tokenizer
         self.last_run_stats: dict = {}
 
@@ -65,7 +65,8 @@ class LLM:
                         bar.update(1)
             if bar is not None:
                 bar.set_postfix_str(
-                    f"prefill {prefill_tokens / max(prefill_time, 1e-9):.0f} tok/s, decode {decode_tokens / max(decode_time, 1e-9):.0f} tok/s",
+                    f"prefill {prefill_tokens / max(prefill_time, 1e-9):.0f} tok/s, decode "
+                    f"{decode_tokens / max(decode_time, 1e-9):.0f} tok/s",
                     refresh=False,
                 )
         if bar is not None:

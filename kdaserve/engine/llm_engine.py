@@ -13,8 +13,14 @@ from kdaserve.backends.requirements import usable_device
 from kdaserve.engine.block_manager import BlockManager
 from kdaserve.engine.config import EngineConfig
 from kdaserve.engine.detokenizer import IncrementalDetokenizer
-from kdaserve.engine.model_runner import ModelRunner
-from kdaserve.engine.outputs import ListPrefix, RequestOutput
+from kdaserve.engine.info import EngineInfo
+from kdaserve.engine.memory import plan_memory
+from kdaserve.engine.model_runner import ModelRunner, load_engine_model
+from kdaserve.engine.output_processor import OutputProcessor
+from kdaserve.engine.outputs import RequestOutput
+from kdaserve.engine.prefix_cache import NoPrefixCache, PrefixCache
+from kdaserve.engine.prefix_cache.checkpoints import StateCheckpoints
+from kdaserve.engine.prefix_cache.hashing import BlockHasher
 from kdaserve.engine.sampling_params import SamplingParams
 from kdaserve.engine.scheduler import Scheduler
 from kdaserve.engine.sequence import Sequence
@@ -24,7 +30,6 @@ from kdaserve.engine.speculative.stats import SpecDecodeStats
 from kdaserve.engine.state_pool import StateSlotPool
 from kdaserve.engine.structured_output.params import StructuredOutputsParams
 from kdaserve.engine.warmup import warm_up
-
 
 logger = logging.getLogger("kdaserve.engine")
 
@@ -52,48 +57,48 @@ def _grammar_prefix(matcher, drafts: list[int]) -> list[int]:
 
 
 class LLMEngine:
+    """Schedules: requests in, one step at a time through the model runner, outputs out (the
+    output processor reads what each step made). Built in order: the model (its KDA backends
+    resolved once by the loader), the memory plan, the pools it sizes, then the runner."""
+
     def __init__(self, model: str = "tiny", **kwargs):
-        self.config = EngineConfig(model=model, **kwargs)
-        usable_device(self.config.device)   # a device this machine cannot run on: one line saying why, before loading
-        self.runner = ModelRunner(self.config)
-        self.tokenizer = self.runner.tokenizer
-        self.model_name: str = self.runner.model_name
-        self.max_model_len: int = self.runner.max_model_len
-        self.vocab_size: int = self.runner.model_config.vocab_size
-        self.eos_token_id = self.tokenizer.eos_token_id
-        # A config may list several end tokens (GLM: endoftext, <|user|>, <|observation|>); the
-        # tokenizer's eos is the first of them. Any of them ends a request.
-        eos = self.runner.model_config.eos_token_id
-        self.more_eos_token_ids = frozenset(t for t in (eos if isinstance(eos, list) else [eos]) if t is not None)
-        self.runner.sampler.stop_ids = frozenset(t for t in (self.eos_token_id, *self.more_eos_token_ids) if t is not None)
-        self.slots = StateSlotPool(self.runner.num_running_slots)
-        self.blocks = BlockManager(self.runner.num_kv_blocks, self.config.block_size)
-        self.prefix_cache = self._make_prefix_cache() if self.config.enable_prefix_caching else None
-        self.scheduler = Scheduler(self.config.max_num_seqs, self.config.max_num_batched_tokens, self.slots, self.blocks,
-                                   num_spec_tokens=self.config.num_spec_tokens, prefix_cache=self.prefix_cache,
-                                   lookahead=self.config.draft_lookahead, max_model_len=self.max_model_len)
-        spec = self.config.speculative_config
+        self.config = cfg = EngineConfig(model=model, **kwargs)
+        usable_device(cfg.device)   # a device this machine cannot run on: one line saying why, before loading
+        loaded = load_engine_model(cfg)
+        self.memory = memory = plan_memory(cfg, loaded.model, loaded.config.max_position_embeddings)
+        self.tokenizer = loaded.tokenizer
+        self.model_name: str = loaded.name
+        self.max_model_len: int = memory.max_model_len
+        self.vocab_size: int = loaded.config.vocab_size
+        self.kda_backends = loaded.kda_backends
+        self.slots = StateSlotPool(memory.num_running_slots)
+        self.blocks = BlockManager(memory.num_kv_blocks, cfg.block_size)
+        self.prefix_cache = self._make_prefix_cache() if cfg.enable_prefix_caching else NoPrefixCache()
+        self.scheduler = Scheduler(cfg.max_num_seqs, cfg.max_num_batched_tokens, self.slots, self.blocks,
+                                   num_spec_tokens=cfg.num_spec_tokens, prefix_cache=self.prefix_cache,
+                                   lookahead=cfg.draft_lookahead, max_model_len=self.max_model_len)
+        self.runner = ModelRunner(cfg, loaded, memory)
+        spec = cfg.speculative_config
         self.proposer = _make_proposer(spec)
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens) if spec else None
-        # After the CUDA graphs (captured by the runner), before any request. Only where kernels are
-        # compiled: on the CPU (torch ops, Triton's interpreter) there is nothing to win.
-        if self.config.warmup and self.config.device.type == "cuda":
-            self.warm_up()
         self.requests: dict[str, Sequence] = {}
         self._pending: list[RequestOutput] = []    # outputs of aborted requests, sent by the next step
-        # Text of every output as it streams. Offline generation (LLM) turns it off: text is then
-        # decoded when a request finishes (or as needed for stop strings), saving host time per token.
-        self.incremental_text = True
-        # Whether this engine makes every output's text. The server's engine process turns it off:
-        # then only requests with stop strings get text here (they need it to end), the others'
-        # outputs carry text None and the API processes detokenize them (server/output_wire.py),
-        # as vLLM's front end does: detokenizing is a quarter of a decode step's host work, and
-        # the engine process is the one serial part of the serving path, the API processes many.
-        self.detokenize = True
         # overlapped_steps: steps queued before the tokens of the step before were read (async scheduling).
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0, "steps": 0, "overlapped_steps": 0}
+        # A config may list several end tokens (GLM: endoftext, <|user|>, <|observation|>) beside the
+        # tokenizer's; any of them ends a request.
+        eos = loaded.config.eos_token_id
+        self.output = OutputProcessor(
+            eos_token_ids=[self.tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])],
+            max_model_len=self.max_model_len, num_spec_tokens=cfg.num_spec_tokens, counters=self.counters,
+            finish=self._finish, proposer=self.proposer, spec_stats=self.spec_stats)
+        self.runner.sampler.stop_ids = self.output.stop_ids
+        # After the CUDA graphs (captured by the runner), before any request. Only where kernels are
+        # compiled: on the CPU (torch ops, Triton's interpreter) there is nothing to win.
+        if cfg.warmup and cfg.device.type == "cuda":
+            self.warm_up()
         # Async scheduling: the step queued on the device whose tokens the next step() reads.
-        self.async_scheduling = self.config.async_scheduling
+        self.async_scheduling = cfg.async_scheduling
         self._inflight = None
         logger.info("async scheduling: %s", "on (a decode step is queued before the previous step's tokens are read)"
                     if self.async_scheduling else
@@ -102,21 +107,26 @@ class LLMEngine:
         self._grammar_compiler = None   # built on the first structured request (xgrammar imported then)
         self._grammar_lock = threading.Lock()
 
-    def _make_prefix_cache(self):
-        from kdaserve.engine.prefix_cache import PrefixCache
-        from kdaserve.engine.prefix_cache.checkpoints import StateCheckpoints
-        from kdaserve.engine.prefix_cache.hashing import BlockHasher
+    @property
+    def info(self) -> EngineInfo:
+        """All a server reads of this engine (sent by the engine process when it is ready)."""
+        return EngineInfo(model_name=self.model_name, config=self.config, tokenizer=self.tokenizer,
+                          max_model_len=self.max_model_len, vocab_size=self.vocab_size,
+                          stop_ids=tuple(sorted(self.output.stop_ids)), num_kv_blocks=self.memory.num_kv_blocks,
+                          num_state_slots=self.memory.num_slots,
+                          kda_backends=self.kda_backends.names if self.kda_backends is not None else None)
 
-        cfg = self.config
-        checkpoints = StateCheckpoints(self.runner.num_running_slots, self.runner.num_checkpoint_slots)
-        backends = self.runner.kda_backends
+    def _make_prefix_cache(self) -> PrefixCache:
+        cfg, memory = self.config, self.memory
+        checkpoints = StateCheckpoints(memory.num_running_slots, memory.num_checkpoint_slots)
+        backends = self.kda_backends
         prefill = backends.prefill.name if backends is not None else "none"
         in_step = backends is not None and backends.takes_checkpoints_in_step
         how = ("writes the checkpoints a prefill chunk crosses inside its launch" if in_step else
                "writes no interior states, so prefill chunks are cut at a checkpoint boundary (at most one extra step "
                "per prompt)")
         logger.info("prefix caching: KDA state checkpoints every %d tokens, %d checkpoint slots (at most %d per request); "
-                    "the %s prefill backend %s", cfg.mamba_block_size, self.runner.num_checkpoint_slots,
+                    "the %s prefill backend %s", cfg.mamba_block_size, memory.num_checkpoint_slots,
                     cfg.prefix_cache_states_per_request, prefill, how)
         return PrefixCache(self.blocks, checkpoints, BlockHasher(cfg.block_size, cfg.prefix_caching_hash_algo),
                            cfg.mamba_block_size, cfg.prefix_cache_states_per_request, speculative=cfg.num_spec_tokens > 0,
@@ -125,10 +135,8 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix no running request holds (vLLM's reset_prefix_cache);
         False when prefix caching is off."""
-        if self.prefix_cache is None:
-            return False
         self.prefix_cache.clear()
-        return True
+        return self.prefix_cache.enabled
 
     def warm_up(self) -> int:
         """Dummy steps that compile the kernels' specializations now rather than in the first
@@ -136,7 +144,8 @@ class LLMEngine:
         the pools empty and later outputs unchanged."""
         if self.scheduler.has_unfinished():
             raise RuntimeError("warm_up needs an idle engine (requests are queued or running)")
-        return warm_up(self.runner, self.slots, self.blocks, self.max_model_len)
+        return warm_up(self.runner, self.slots, self.blocks, self.memory, vocab_size=self.vocab_size,
+                       tokenizer=self.tokenizer)
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -148,7 +157,7 @@ class LLMEngine:
             if self._grammar_compiler is None:
                 from kdaserve.engine.structured_output.compiler import GrammarCompiler
 
-                self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self.runner.sampler.stop_ids),
+                self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self.output.stop_ids),
                                                          max_whitespace=self.config.structured_outputs_max_whitespace)
         return self._grammar_compiler.compile(params)
 
@@ -201,7 +210,7 @@ class LLMEngine:
         self.scheduler.finish(seq, "abort")
         if self.proposer is not None:
             self.proposer.forget(seq)
-        self._pending.append(self._output(seq, seq.new_token_ids))   # tokens a stream interval held back
+        self._pending.append(self.output.output(seq, seq.new_token_ids))   # tokens a stream interval held back
         seq.new_token_ids = []
 
     def has_unfinished_requests(self) -> bool:
@@ -217,13 +226,8 @@ class LLMEngine:
             "kv_blocks_total": self.blocks.capacity,
             **self.counters,
             **(self.spec_stats.as_dict() if self.spec_stats is not None else {}),
-            **(self._prefix_stats() if self.prefix_cache is not None else {}),
+            **self.prefix_cache.stats(),
         }
-
-    def _prefix_stats(self) -> dict:
-        pc = self.prefix_cache
-        return {"prefix_cache_queries": pc.queries, "prefix_cache_hits": pc.hits, "prefix_cache_blocks": self.blocks.num_cached,
-                "prefix_cache_states": pc.checkpoints.num_cached, "prefix_cache_states_total": pc.checkpoints.capacity}
 
     # -- stepping -----------------------------------------------------------------------------
 
@@ -305,37 +309,18 @@ class LLMEngine:
     def _after_forward(self, batch) -> None:
         """Prefix caching: the full blocks the step completed and its checkpoints' state copies,
         queued behind its forward pass, before any request of it finishes and frees its slot."""
-        if self.prefix_cache is not None:
-            self.runner.copy_states(self.prefix_cache.after_step(batch))
+        self.runner.copy_states(self.prefix_cache.after_step(batch))
 
     def _complete(self, batch, result, outputs: list) -> None:
-        """Read `batch`'s results (waiting for its tokens), append them and report the requests
-        it advanced. Requests that ended while it ran (aborted, or stopped by the step before,
-        with async scheduling) drop their token."""
-        for seq, index, entry in result.prompt_logprobs:
-            if index == len(seq.prompt_logprobs):
-                seq.prompt_logprobs.append(entry)
-        touched = {s.seq_id: s for s, _, _ in result.prompt_logprobs}
-        sampled = result.sampled
-        tokens, logprobs = sampled.token_ids, sampled.logprobs
-        now = time.monotonic()
-        for seq, token, logprob in zip(result.sample_seqs, tokens, logprobs):   # empty after a verify
-            if seq.is_finished:
-                continue
-            self._append_token(seq, token, logprob, now)
-            touched[seq.seq_id] = seq
-        if result.accepted is not None:
-            self._apply_verified(batch, result.accepted, now, touched)
-        for seq, drafts in result.drafts:   # MTP: for the next verify, if the request goes on
-            if not seq.is_finished:
-                self.proposer.set_drafts(seq, drafts)
-        for seq in touched.values():
-            new = seq.new_token_ids
-            if new and seq.streamed and len(new) < seq.stream_interval and not seq.is_finished:
-                continue   # --stream-interval: these tokens go out with a later output
-            outputs.append(self._output(seq, new))
-            seq.new_token_ids = []
-            seq.streamed = seq.streamed or bool(new)
+        """Read `batch`'s results (waiting for its tokens) into its requests and `outputs`."""
+        self.output.process(batch, result, outputs)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        """A request ended by a stop rule (OutputProcessor): its slot and blocks go back."""
+        self.scheduler.finish(seq, reason)
+        self.requests.pop(seq.request_id, None)
+        if self.proposer is not None:
+            self.proposer.forget(seq)
 
     def _propose_drafts(self) -> None:
         """Drafts for every running sequence whose next step is a verify, capped so that accepting
@@ -348,116 +333,3 @@ class LLMEngine:
             if seq.grammar is not None and drafts:
                 drafts = _grammar_prefix(seq.grammar, drafts)
             seq.draft_token_ids = drafts
-
-    def _apply_verified(self, batch, accepted, now: float, touched: dict) -> None:
-        """A verify's outputs: the cache now holds its first token and the accepted drafts (the
-        next step resumes from the state after the last of them); every accepted token and the
-        first rejecting row's token are appended, until the request finishes."""
-        verifying = {s.seq_id for s in batch.decodes}
-        for a in accepted:
-            seq = a.seq
-            if seq.seq_id in verifying:
-                seq.num_computed_tokens += a.num_accepted_drafts
-                seq.num_accepted = 1 + a.num_accepted_drafts
-                self.spec_stats.observe(a.num_drafts, a.num_accepted_drafts)
-                if a.num_drafts:
-                    if seq.spec_histogram is None:
-                        seq.spec_histogram = [0] * (self.config.num_spec_tokens + 1)
-                    seq.spec_histogram[a.num_accepted_drafts] += 1
-                    seq.num_draft_tokens += a.num_drafts
-            seq.draft_token_ids = []
-            last = len(a.tokens) - 1
-            for k, token in enumerate(a.tokens):
-                self._append_token(seq, token, a.logprobs[k] if a.logprobs is not None else None, now, more_follow=k < last)
-                if seq.is_finished:
-                    break
-            touched[seq.seq_id] = seq
-
-    def _append_token(self, seq: Sequence, token: int, logprob, now: float, more_follow: bool = False) -> None:
-        """`more_follow`: more tokens of this step come next (a verify's), so streaming text waits
-        for the last of them (one decode of the new tokens, not one per token); stop strings and
-        the end of the request are still checked at every token."""
-        seq.token_ids.append(token)
-        seq.new_token_ids.append(token)
-        self.counters["generation_tokens"] += 1
-        seq.metrics.setdefault("first_token_time", now)
-        if seq.logprobs is not None and logprob is not None:
-            seq.logprobs.append({"token_id": token, "logprob": logprob[0], "top": logprob[1]})
-        p = seq.params
-        # Lengths read once (this runs per token of every running request: the engine's host time).
-        num_tokens = len(seq.token_ids)
-        num_output = num_tokens - seq.num_prompt_tokens
-        # Before min_tokens outputs nothing but the length limits ends a request (vLLM's rule).
-        may_stop = num_output >= p.min_tokens
-        is_eos = token == self.eos_token_id or token in self.more_eos_token_ids
-        stop_token = may_stop and (token in p.stop_token_ids or (not p.ignore_eos and is_eos))
-        if seq.grammar is not None:
-            # The grammar is complete once it accepts one of its stop tokens (the model's end tokens).
-            if not seq.grammar.accept_token(token):
-                logger.warning("request %s: token %d is outside its grammar; the request ends here", seq.request_id, token)
-                stop_token = True
-            elif seq.grammar.is_terminated():
-                stop_token = True
-        reason = "stop" if stop_token else None
-        done = stop_token or num_output >= p.max_tokens or num_tokens >= self.max_model_len
-        needs_text = bool(p.stop) or (self.detokenize and (done or (self.incremental_text and not more_follow)))
-        # The outputs' text leaves a stop token out; bounds into token_ids, no copy of the outputs.
-        text_end = num_tokens - 1 if stop_token else num_tokens
-        if needs_text and seq.detokenizer.add(seq.token_ids, final=done, start=seq.num_prompt_tokens, end=text_end,
-                                              check_stop=may_stop) is not None:
-            reason = "stop"
-        elif reason is None and done:
-            reason = "length"
-        if reason is not None:
-            seq.metrics["finish_time"] = now
-            self.scheduler.finish(seq, reason)
-            self.requests.pop(seq.request_id, None)
-            if self.proposer is not None:
-                self.proposer.forget(seq)
-
-    def _output(self, seq: Sequence, new_ids: list[int]) -> RequestOutput:
-        """`new_ids` becomes the output's own list (callers hand over a list they drop). The lists
-        of everything so far are ListPrefix snapshots: O(1) per step, copied only when read."""
-        # Positional: once per request and step, and keywords cost a third more for twelve fields.
-        logprobs, prompt_logprobs, num_prompt = seq.logprobs, seq.prompt_logprobs, seq.num_prompt_tokens
-        return RequestOutput(
-            seq.request_id,
-            seq.prompt_token_ids,
-            ListPrefix(seq.token_ids, num_prompt),
-            new_ids,
-            seq.detokenizer.text if self.detokenize or seq.params.stop else None,
-            seq.is_finished,
-            seq.finish_reason,
-            ListPrefix(logprobs) if logprobs is not None else None,
-            ListPrefix(prompt_logprobs) if prompt_logprobs is not None else None,
-            num_prompt,
-            len(seq.token_ids) - num_prompt,
-            self._metrics(seq),
-        )
-
-    def _metrics(self, seq: Sequence) -> dict:
-        """Times (time.monotonic) and counts of a request; a finished one that went through verify
-        steps also gets its speculative acceptance (vLLM's per-request speculative metrics).
-
-        One dict for every output until something in it changes (times are only ever added, so
-        their count tells): outputs must not modify it. The output wire sends it only when it is
-        a new one (server/output_wire.py)."""
-        key = (len(seq.metrics), seq.num_preemptions, seq.num_cached_tokens, seq.is_finished)
-        made = seq.metrics_out
-        if made is not None and made[0] == key:
-            return made[1]
-        out = dict(seq.metrics, num_preemptions=seq.num_preemptions, num_cached_tokens=seq.num_cached_tokens)
-        h = seq.spec_histogram
-        if seq.is_finished and h is not None:
-            accepted = sum(j * n for j, n in enumerate(h))
-            out["spec_decode"] = {
-                "mean_acceptance_length": 1 + accepted / sum(h),
-                "draft_acceptance_rate": accepted / seq.num_draft_tokens,
-                "acceptance_histogram": list(h),
-                "num_spec_steps": sum(h),
-                "num_accepted_draft_tokens": accepted,
-                "num_draft_tokens": seq.num_draft_tokens,
-                "num_spec_tokens": self.config.num_spec_tokens,
-            }
-        seq.metrics_out = (key, out)
-        return out

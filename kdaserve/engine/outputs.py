@@ -53,7 +53,7 @@ class RequestOutput:
         output_token_ids: list[int] | ListPrefix,
         new_token_ids: list[int],              # this step
         text: str | None,                      # all output text so far, stop strings trimmed; None:
-                                               # not made (LLMEngine.detokenize off), the receiver's to make
+                                               # not made (OutputProcessor.detokenize off), the receiver's to make
         finished: bool,
         finish_reason: str | None = None,      # "stop" | "length" | "abort" | None
         logprobs: list[dict] | ListPrefix | None = None,

@@ -24,9 +24,10 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kdaserve.engine.block_manager import BlockManager
+from kdaserve.engine.prefix_cache.disabled import NoPrefixCache
 from kdaserve.engine.sequence import Sequence, SequenceStatus
 from kdaserve.engine.state_pool import StateSlotPool
-from kdaserve.ops.types import checkpoint_table_width
+from kdaserve.ops.kda.types import checkpoint_table_width
 
 
 @dataclass
@@ -72,7 +73,7 @@ class Scheduler:
                  num_spec_tokens: int = 0, prefix_cache=None, lookahead: int = 0, max_model_len: int | None = None):
         self.spec = num_spec_tokens
         self.lookahead, self.max_model_len = lookahead, max_model_len
-        self.prefix = prefix_cache   # engine/prefix_cache.PrefixCache, or None
+        self.prefix = prefix_cache if prefix_cache is not None else NoPrefixCache()   # engine/prefix_cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.slots, self.blocks = slots, blocks
@@ -90,8 +91,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         i = 0
         batch.spec_tokens = self.spec
-        if self.prefix is not None:
-            self.prefix.checkpoints.pinned.clear()
+        self.prefix.begin_step()
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             verify = self.spec and seq.num_uncomputed_tokens == 1 and seq.num_computed_tokens > 0
@@ -99,9 +99,7 @@ class Scheduler:
                 n = self.spec + 1
                 kv_tokens = self._kv_end(seq, seq.num_computed_tokens + 1 + len(seq.draft_token_ids), samples=True)
             else:
-                n = min(seq.num_uncomputed_tokens, budget)
-                if self.prefix is not None:
-                    n = self.prefix.chunk_len(seq, n)
+                n = self.prefix.chunk_len(seq, min(seq.num_uncomputed_tokens, budget))
                 kv_tokens = self._kv_end(seq, seq.num_computed_tokens + n)
             # With speculation a decode is a whole verify, and a 1-token chunk with history would
             # be one: both wait for a step with budget left.
@@ -127,9 +125,9 @@ class Scheduler:
             seq = self.waiting[0]
             if self.slots.num_free < self.spec + 1:
                 break
-            if self.prefix is not None and self.prefix.should_wait(seq, self.running):
+            if self.prefix.should_wait(seq, self.running):
                 break   # a running request is computing this prefix: resume from it in a later step
-            hit = self.prefix.find(seq) if self.prefix is not None else None
+            hit = self.prefix.find(seq)
             skip, shared = (hit.num_tokens, hit.blocks) if hit else (0, [])
             n = min(seq.num_tokens - skip, budget)
             if self.spec and skip and n == 1:   # it would be a verify: wait for a step with budget left
@@ -140,19 +138,17 @@ class Scheduler:
             if need > self.blocks.num_free:
                 break
             self.waiting.popleft()
-            if self.prefix is not None:
-                self.prefix.count_query(seq, hit)
+            self.prefix.count_query(seq, hit)
             self.slots.assign(seq, self.spec)
             if hit:
                 batch.restores.append(self.prefix.apply(seq, hit))
-            if self.prefix is not None:
-                n = self.prefix.chunk_len(seq, n)
+            n = self.prefix.chunk_len(seq, n)
             self.blocks.grow(seq, self._kv_end(seq, seq.num_computed_tokens + n))
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self._add_to_batch(batch, seq, n, False)
             budget -= n
-        if self.prefix is not None and self.prefix.in_step and batch.prefills:
+        if self.prefix.in_step and batch.prefills:
             batch.checkpoints = [self.prefix.step_checkpoints(s, n) for s, n in zip(batch.prefills, batch.num_new_tokens)]
             # A step takes at most the per-request cap per sequence (the cap drops the rest first).
             batch.checkpoint_width = checkpoint_table_width(self.prefix.per_request)

@@ -74,7 +74,7 @@ class Sequence:
         # anything that changes the logits (processors, a grammar), and the plain greedy argmax.
         self.logits_processed = params.has_logits_processors or params.structured_outputs is not None
         self.plain_greedy = params.greedy and params.logprobs is None and not self.logits_processed
-        self.metrics_out: tuple | None = None   # LLMEngine._metrics: (what it was made from, the outputs' dict)
+        self.metrics_out: tuple | None = None   # OutputProcessor._metrics: (what it was made from, the outputs' dict)
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -9,13 +9,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kdaserve.backends.kda_backends import KDABackends
 from kdaserve.engine.scheduler import ScheduledBatch
 from kdaserve.engine.sequence import Sequence
 from kdaserve.engine.speculative.rejection_sampler import SampleGroup
 from kdaserve.engine.staging import PackedLayout, StagingRing
-from kdaserve.layers.attention import AttentionMetadata
-from kdaserve.layers.context import Context, KDAStepMetadata
-from kdaserve.ops.types import CheckpointRequests, checkpoint_table_width
+from kdaserve.engine.step_context import build_context
+from kdaserve.layers.context import Context
+from kdaserve.ops.kda.types import CheckpointRequests, checkpoint_table_width
 
 
 @dataclass
@@ -46,23 +47,24 @@ class HostStep:
     positions: np.ndarray        # [T] int64
     slot_mapping: np.ndarray     # [T] int64
     num_decodes: int                  # decode sequences (each a verify of tokens_per_decode tokens when > 1)
-    decode_slots: np.ndarray     # [num_decodes] int32
+    decode_state_indices: np.ndarray  # [num_decodes] int32: each sequence's state slot
     decode_tables: list[np.ndarray] | np.ndarray   # a block table (int32) per decode row, at most decode_width
                                                    # long (verify steps: one zero-padded 2-D array)
     decode_width: int                 # block-table width of the decode rows
     decode_context_lens: np.ndarray   # [decode rows] int32
-    prefill_lens: list[int]
-    prefill_context_lens: list[int]
-    prefill_slots: np.ndarray    # [num_prefills] int32
-    prefill_has_state: np.ndarray     # [num_prefills] bool
+    prefill_query_lens: list[int]     # new tokens per prefill sequence
+    prefill_context_lens: list[int]   # cached + new tokens
+    prefill_state_indices: np.ndarray      # [num_prefills] int32
+    prefill_has_initial_state: np.ndarray  # [num_prefills] bool
     prefill_kv_rows: np.ndarray  # [sum context lens] int64
     logits: LogitsRequest
     # Speculative verify (tokens_per_decode = S+1 > 1): the attention layers see each of a verify's
     # S+1 tokens as a decode row whose context ends at that token; the KDA layers resume each
-    # sequence from verify_slots[n, num_accepted[n] - 1] and keep the state after token t in [n, t].
+    # sequence from spec_state_indices[n, num_accepted_tokens[n] - 1] and keep the state after
+    # token t in [n, t].
     tokens_per_decode: int = 1
-    decode_verify_slots: np.ndarray | None = None   # [num_decodes, S+1] int32
-    decode_num_accepted: np.ndarray | None = None   # [num_decodes] int32
+    spec_state_indices: np.ndarray | None = None    # [num_decodes, S+1] int32
+    num_accepted_tokens: np.ndarray | None = None   # [num_decodes] int32
     # Prefix caching: per prefill, the (offset, checkpoint slot)s its launch writes; None: none.
     prefill_checkpoints: list[list[tuple[int, int]]] | None = None
     checkpoint_width: int = 0    # columns of their staged table (ScheduledBatch.checkpoint_width)
@@ -152,19 +154,19 @@ def build_host_step(batch: ScheduledBatch, block_size: int, decode_width: int | 
         positions=_concat(pos, prefill_pos),
         slot_mapping=flat_slots,
         num_decodes=nd,
-        decode_slots=np.asarray([s.state_slot for s in decodes], dtype=np.int32),
+        decode_state_indices=np.asarray([s.state_slot for s in decodes], dtype=np.int32),
         decode_tables=tables,
         decode_width=decode_width or _eager_width(tables),
         decode_context_lens=decode_lens,
-        prefill_lens=list(batch.num_new_tokens),
+        prefill_query_lens=list(batch.num_new_tokens),
         prefill_context_lens=[s.num_computed_tokens + n for s, n in zip(batch.prefills, batch.num_new_tokens)],
-        prefill_slots=np.asarray([s.state_slot for s in batch.prefills], dtype=np.int32),
-        prefill_has_state=np.asarray([s.num_computed_tokens > 0 for s in batch.prefills], dtype=np.bool_),
+        prefill_state_indices=np.asarray([s.state_slot for s in batch.prefills], dtype=np.int32),
+        prefill_has_initial_state=np.asarray([s.num_computed_tokens > 0 for s in batch.prefills], dtype=np.bool_),
         prefill_kv_rows=np.concatenate(kv_rows) if kv_rows else np.zeros(0, np.int64),
         logits=logits,
         tokens_per_decode=m,
-        decode_verify_slots=verify_slots,
-        decode_num_accepted=accepted,
+        spec_state_indices=verify_slots,
+        num_accepted_tokens=accepted,
         prefill_checkpoints=batch.checkpoints if batch.checkpoints and any(batch.checkpoints) else None,
         checkpoint_width=batch.checkpoint_width,
     )
@@ -251,15 +253,16 @@ def gather_inputs(ids: torch.Tensor, source: torch.Tensor) -> None:
     ids.copy_(source.index_select(0, ids))
 
 
-def to_device_context(step: HostStep, device: torch.device, ring: StagingRing) -> DeviceStep:
-    """Eager path: the step's arrays packed into a buffer of `ring`, one non-blocking copy into a
-    fresh device buffer, and the Context as views of it (decode rows first)."""
+def to_device_step(step: HostStep, device: torch.device, ring: StagingRing, kda_backends: KDABackends | None) -> DeviceStep:
+    """Eager path: the step's arrays packed into a buffer of `ring` under their HostStep names, one
+    non-blocking copy into a fresh device buffer, and the Context built from views of it
+    (step_context.build_context, as graph capture builds its own)."""
     nd, nrows = step.num_decodes, step.num_decode_tokens
-    spec = step.decode_verify_slots is not None
-    num_prefills = len(step.prefill_lens)
+    spec = step.spec_state_indices is not None
+    num_prefills = len(step.prefill_query_lens)
     T = step.input_ids.shape[0]
     cu = np.zeros(num_prefills + 1, dtype=np.int32)
-    np.cumsum(step.prefill_lens, out=cu[1:])
+    np.cumsum(step.prefill_query_lens, out=cu[1:])
     rows = step.logits.sample_rows
     staged_rows = not step.logits.sample_rows_are_leading
     i64, i32 = torch.int64, torch.int32
@@ -269,30 +272,27 @@ def to_device_context(step: HostStep, device: torch.device, ring: StagingRing) -
     layout = PackedLayout([
         ("input_ids", i64, (T,)), ("positions", i64, (T,)), ("slot_mapping", i64, (T,)),
         ("prefill_kv_rows", i64, step.prefill_kv_rows.shape), ("sample_rows", i64, (len(rows) if staged_rows else 0,)),
-        ("decode_slots", i32, (nd,)), ("decode_context_lens", i32, (nrows,)), ("decode_block_tables", i32, (nrows, step.decode_width)),
-        ("verify_slots", i32, step.decode_verify_slots.shape if spec else (0,)), ("num_accepted", i32, (nd if spec else 0,)),
-        ("prefill_cu_seqlens", i32, (num_prefills + 1 if num_prefills else 0,)), ("prefill_slots", i32, (num_prefills,)),
-        ("prefill_has_state", torch.bool, (num_prefills,)),
+        ("decode_state_indices", i32, (nd,)), ("decode_context_lens", i32, (nrows,)),
+        ("decode_block_tables", i32, (nrows, step.decode_width)),
+        ("spec_state_indices", i32, step.spec_state_indices.shape if spec else (0,)),
+        ("num_accepted_tokens", i32, (nd if spec else 0,)),
+        ("prefill_cu_seqlens", i32, (num_prefills + 1 if num_prefills else 0,)), ("prefill_state_indices", i32, (num_prefills,)),
+        ("prefill_has_initial_state", torch.bool, (num_prefills,)),
         ("checkpoint_offsets", i32, ck_shape), ("checkpoint_slots", i32, ck_shape),
     ])
     buf, host = ring.acquire(layout.nbytes)
     h = layout.host_views(host)
-    h["input_ids"][:] = step.input_ids
-    h["positions"][:] = step.positions
-    h["slot_mapping"][:] = step.slot_mapping
-    h["prefill_kv_rows"][:] = step.prefill_kv_rows
+    for name in ("input_ids", "positions", "slot_mapping", "prefill_kv_rows", "decode_state_indices", "decode_context_lens",
+                 "prefill_state_indices", "prefill_has_initial_state"):
+        h[name][:] = getattr(step, name)
     if staged_rows:
         h["sample_rows"][:] = rows
-    h["decode_slots"][:] = step.decode_slots
     if spec:
-        h["verify_slots"][:] = step.decode_verify_slots
-        h["num_accepted"][:] = step.decode_num_accepted
-    h["decode_context_lens"][:] = step.decode_context_lens
+        h["spec_state_indices"][:] = step.spec_state_indices
+        h["num_accepted_tokens"][:] = step.num_accepted_tokens
     write_block_tables(h["decode_block_tables"], step.decode_tables)
     if num_prefills:
         h["prefill_cu_seqlens"][:] = cu
-    h["prefill_slots"][:] = step.prefill_slots
-    h["prefill_has_state"][:] = step.prefill_has_state
     if ck:
         h["checkpoint_offsets"][:] = -1
         h["checkpoint_slots"][:] = 0
@@ -302,28 +302,10 @@ def to_device_context(step: HostStep, device: torch.device, ring: StagingRing) -
     dev = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
     ring.submit(buf, dev, layout.nbytes)
     d = layout.device_views(dev)
-    kda = KDAStepMetadata(
-        num_decodes=nd,
-        num_decode_tokens=nrows,
-        decode_state_indices=d["decode_slots"] if nd else None,
-        spec_state_indices=d["verify_slots"] if spec and nd else None,
-        num_accepted_tokens=d["num_accepted"] if spec and nd else None,
-        num_prefills=num_prefills,
-        num_prefill_tokens=int(cu[-1]),
-        prefill_cu_seqlens=d["prefill_cu_seqlens"] if num_prefills else None,
-        prefill_cu_seqlens_cpu=torch.from_numpy(cu) if num_prefills else None,
-        prefill_state_indices=d["prefill_slots"] if num_prefills else None,
-        prefill_has_initial_state=d["prefill_has_state"] if num_prefills else None,
-        prefill_checkpoints=CheckpointRequests(d["checkpoint_offsets"], d["checkpoint_slots"],
-                                               tuple(tuple(o for o, _ in p) for p in ck)) if ck else None,
-    )
-    attn = AttentionMetadata(
-        slot_mapping=d["slot_mapping"],
-        num_decode_tokens=nrows,
-        decode_block_tables=d["decode_block_tables"] if nd else None,
-        decode_context_lens=d["decode_context_lens"] if nd else None,
-        prefill_query_lens=step.prefill_lens,
-        prefill_context_lens=step.prefill_context_lens,
-        prefill_kv_rows=d["prefill_kv_rows"] if num_prefills else None,
-    )
-    return DeviceStep(d["input_ids"], d["positions"], Context(kda=kda, attn=attn), d["sample_rows"] if staged_rows else None)
+    checkpoints = CheckpointRequests(d["checkpoint_offsets"], d["checkpoint_slots"],
+                                     tuple(tuple(o for o, _ in p) for p in ck)) if ck else None
+    context = build_context(d, kda_backends, num_decodes=nd, tokens_per_decode=step.tokens_per_decode,
+                            prefill_query_lens=step.prefill_query_lens, prefill_context_lens=step.prefill_context_lens,
+                            prefill_cu_seqlens_cpu=torch.from_numpy(cu) if num_prefills else None,
+                            prefill_checkpoints=checkpoints)
+    return DeviceStep(d["input_ids"], d["positions"], context, d["sample_rows"] if staged_rows else None)

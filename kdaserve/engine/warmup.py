@@ -2,21 +2,20 @@
 specializations are compiled at startup instead of inside the first requests (measured on the
 H200: a fresh process served its first 64 requests 3x slower than the same requests later).
 
-Triton compiles one variant per combination of integer arguments that are 1 or multiples of 16,
-pointers aligned to 16 bytes, and launch constants the wrappers derive from the step (block sizes
-from the number of sequences, segmented or not from their lengths, ...). The steps below cover:
-prefills of 1, 16, 32, 64 and 37 tokens; three sequences of different lengths at once; a chunked
-prompt and its continuation (initial state read); for p = 4, 8, 16, ... up to max_num_seqs,
-prefills of p - 1 and p sequences and mixed steps with p - 1, p and p + 1 decodes (mixed steps
-run their decodes eagerly, at any batch size, outside the captured graphs' buckets); pure decode
-steps (CUDA-graph replays, or eager kernels when graphs are off); the whole token budget in one
-sequence and over several (with prefix caching on, again with in-launch checkpoints); greedy, temperature / top-k / top-p and seeded sampling, log-probs. With
-speculative decoding every decode step is a verify step (as in serving), its sequences carrying 0
-to S drafts, so the verify kernels, graphs and the rejection sampler are what gets compiled.
-Everything is clipped to the token budget, max_num_seqs and max_model_len; a step that the KV pool
-cannot hold is skipped. The launchers that make several launches (flash's prefill, the fused MoE)
-compile their kernels in parallel on a thread pool before launching them (ops/compile_ahead.py;
-$KDASERVE_COMPILE_THREADS=1 compiles each at its first launch instead).
+Triton compiles one variant per combination of integer arguments that are 1 or multiples of 16, pointers
+aligned to 16 bytes, and launch constants the wrappers derive from the step (block sizes from the number of
+sequences, segmented or not from their lengths, ...). The steps below cover: prefills of 1, 16, 32, 64 and 37
+tokens; three sequences of different lengths at once; a chunked prompt and its continuation (initial state
+read); for p = 4, 8, 16, ... up to max_num_seqs, prefills of p - 1 and p sequences and mixed steps with p - 1,
+p and p + 1 decodes (mixed steps run their decodes eagerly, at any batch size, outside the captured graphs'
+buckets); pure decode steps (CUDA-graph replays, or eager kernels when graphs are off); the whole token budget
+in one sequence and over several (with prefix caching on, again with in-launch checkpoints); greedy,
+temperature / top-k / top-p and seeded sampling, log-probs. With speculative decoding every decode step is a
+verify step (as in serving), its sequences carrying 0 to S drafts, so the verify kernels, graphs and the
+rejection sampler are what gets compiled. Everything is clipped to the token budget, max_num_seqs and
+max_model_len; a step that the KV pool cannot hold is skipped. The launchers that make several launches
+(flash's prefill, the fused MoE) compile their kernels in parallel on a thread pool before launching them
+(ops/compile_ahead.py; $KDASERVE_COMPILE_THREADS=1 compiles each at its first launch instead).
 
 The steps borrow real state slots and KV blocks from the engine's pools and give them back; the
 pools are then reset to a fresh pool's order (and must be empty, else this raises). What the steps
@@ -31,13 +30,14 @@ import time
 
 from kdaserve.engine.block_manager import BlockManager
 from kdaserve.engine.detokenizer import IncrementalDetokenizer
+from kdaserve.engine.memory import MemoryPlan
 from kdaserve.engine.model_runner import ModelRunner
 from kdaserve.engine.sampling_params import SamplingParams
 from kdaserve.engine.scheduler import ScheduledBatch
-from kdaserve.ops.compile_ahead import warm_up_compiles
-from kdaserve.ops.types import checkpoint_table_width
 from kdaserve.engine.sequence import Sequence, SequenceStatus
 from kdaserve.engine.state_pool import StateSlotPool
+from kdaserve.ops.compile_ahead import warm_up_compiles
+from kdaserve.ops.kda.types import checkpoint_table_width
 
 log = logging.getLogger("kdaserve.engine")
 
@@ -48,14 +48,15 @@ CPU_TOKEN_CAP = 64
 
 
 class Warmup:
-    def __init__(self, runner: ModelRunner, slots: StateSlotPool, blocks: BlockManager, max_model_len: int):
-        self.runner, self.slots, self.blocks = runner, slots, blocks
+    def __init__(self, runner: ModelRunner, slots: StateSlotPool, blocks: BlockManager, memory: MemoryPlan, *,
+                 vocab_size: int, tokenizer):
+        self.runner, self.slots, self.blocks, self.memory, self.tokenizer = runner, slots, blocks, memory, tokenizer
         self.budget = runner.config.max_num_batched_tokens
         if runner.device.type != "cuda":
             self.budget = min(self.budget, CPU_TOKEN_CAP)
         self.max_seqs = runner.config.max_num_seqs
-        self.max_model_len = max_model_len
-        self.vocab = runner.model_config.vocab_size
+        self.max_model_len = memory.max_model_len
+        self.vocab = vocab_size
         self.spec = runner.num_spec_tokens
         self.live: list[Sequence] = []
         self.steps = 0
@@ -69,7 +70,7 @@ class Warmup:
         n = max(1, min(prompt_len, self.max_model_len - 1))
         tokens = [(31 * k + 7 * len(self.live) + 3) % self.vocab for k in range(n)]
         seq = Sequence(f"warmup-{self.steps}-{len(self.live)}", tokens, params,
-                       IncrementalDetokenizer(self.runner.tokenizer, []))
+                       IncrementalDetokenizer(self.tokenizer, []))
         self.slots.assign(seq, self.spec)
         seq.status = SequenceStatus.RUNNING
         self.live.append(seq)
@@ -141,7 +142,7 @@ class Warmup:
         """Prefix caching's in-launch checkpoints (the kernels' variants that write them): every
         32 tokens of each prefill into the checkpoint slots (nothing is cached yet, so nothing
         reads what lands there), as wide as the engine stages them."""
-        first, count = self.runner.num_running_slots, self.runner.num_checkpoint_slots
+        first, count = self.memory.num_running_slots, self.memory.num_checkpoint_slots
         backends = self.runner.kda_backends
         if not count or backends is None or not backends.takes_checkpoints_in_step:
             return
@@ -206,7 +207,8 @@ class Warmup:
         self.release()
 
 
-def warm_up(runner: ModelRunner, slots: StateSlotPool, blocks: BlockManager, max_model_len: int) -> int:
+def warm_up(runner: ModelRunner, slots: StateSlotPool, blocks: BlockManager, memory: MemoryPlan, *, vocab_size: int,
+            tokenizer) -> int:
     """Run the warm-up steps; returns how many ran. Pools must be empty before and are after."""
     if slots.num_used or blocks.num_used:
         raise RuntimeError(f"warm-up needs empty pools (it runs before any request); {slots.num_used} state slot(s) "
@@ -214,7 +216,7 @@ def warm_up(runner: ModelRunner, slots: StateSlotPool, blocks: BlockManager, max
     t0 = time.perf_counter()
     generator = runner.sampler.generator
     rng_state = generator.get_state()
-    w = Warmup(runner, slots, blocks, max_model_len)
+    w = Warmup(runner, slots, blocks, memory, vocab_size=vocab_size, tokenizer=tokenizer)
     try:
         with warm_up_compiles():   # each launcher's kernels compile in parallel (ops/compile_ahead.py)
             w.run()

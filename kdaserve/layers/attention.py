@@ -10,29 +10,14 @@ CUDA-graph padding rows write to and nobody reads. Masked positions are therefor
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kdaserve.layers.attention_metadata import AttentionMetadata
 from kdaserve.layers.context import get_context
 from kdaserve.layers.linear import MergedLinear
 from kdaserve.layers.rotary import RotaryEmbedding
-
-
-@dataclass(slots=True)
-class AttentionMetadata:
-    """Per-step metadata of the full-attention layers (`Context.attn`). Token order as in the
-    KDA metadata: decode tokens first, then prefill tokens. Built on the host by the engine."""
-
-    slot_mapping: torch.Tensor                        # [T] int64 flat cache row of each token's K/V
-    num_decode_tokens: int = 0
-    decode_block_tables: torch.Tensor | None = None   # [B, width] int32 (unused entries: 0, the null block)
-    decode_context_lens: torch.Tensor | None = None   # [B] int32, tokens visible to each decode row (>= 1)
-    prefill_query_lens: list[int] = field(default_factory=list)    # host: new tokens per prefill sequence
-    prefill_context_lens: list[int] = field(default_factory=list)  # host: cached + new tokens
-    prefill_kv_rows: torch.Tensor | None = None       # [sum context_lens] int64 cache rows of each whole context
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

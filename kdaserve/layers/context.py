@@ -1,9 +1,10 @@
 """Per-step metadata, set by the engine's model runner before a forward and read by the layers.
 
-One context object instead of metadata threaded through every signature (nano-vllm's design).
-Everything here is built on the host from host data; device tensors are copies made without a
-device->host sync. `kda is None` means "no metadata" (profiling or dummy runs): KDA layers then
-return without touching any state.
+One context object instead of metadata threaded through every signature (nano-vllm's design):
+the KDA layers' step (`KDAStep`, built once per step by the resolved KDA backends) and the paged
+attention layers' metadata. Both are built on the host from host data; their device tensors are
+views of the step's staged buffer, copied without a device->host sync. `kda is None` means "no
+step" (profiling or dummy runs): KDA layers then return without touching any state.
 
 Token order in a step: **decode tokens first** (one per decode sequence, or S+1 per speculative
 sequence), then the prefill tokens, so the decode part is a fixed-shape prefix that a CUDA graph
@@ -12,20 +13,18 @@ captured on a decode batch can replay.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
-from kdaserve.backends.step import KDAStepMetadata, KDAStepPlan
+from kdaserve.backends.step import KDAStep
+from kdaserve.layers.attention_metadata import AttentionMetadata
 
-__all__ = ["Context", "KDAStepMetadata", "get_context", "reset_context", "set_context"]
+__all__ = ["Context", "get_context", "reset_context", "set_context"]
 
 
 @dataclass(slots=True)
 class Context:
-    kda: KDAStepMetadata | None = None
-    kda_plan: KDAStepPlan | None = None  # built once per step from `kda` by the KDA backends (plan_step)
-    attn: Any = None                 # the full-attention layers' metadata (engine-defined)
-    extras: dict = field(default_factory=dict)
+    kda: KDAStep | None = None
+    attn: AttentionMetadata | None = None
 
 
 _CONTEXT = Context()

@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kdaserve.layers.attention import AttentionMetadata
-from kdaserve.layers.mla import MLAttention, Selection, _linear
+from kdaserve.layers.attention_metadata import AttentionMetadata
 from kdaserve.layers.kernel_choice import resolve_kernel_choice
+from kdaserve.layers.mla import MLAttention, Selection, _linear
 from kdaserve.ops.dsa.reference import dsa_choose, dsa_choose_indices, dsa_index_scores_reference, dsa_pool_keys
 
 

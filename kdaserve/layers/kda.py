@@ -30,8 +30,8 @@ from kdaserve.backends.step import KDACache, KDAInputs
 from kdaserve.layers.context import get_context
 from kdaserve.layers.kda_routing import run_kda_step
 from kdaserve.layers.kda_weights import CHECKPOINT_NAMES, CONV_NAMES, IN_PROJ_PARTS, KDAShard
-from kdaserve.ops.limits import check_lower_bound
-from kdaserve.ops.types import KDAWeights, check_conv_layout
+from kdaserve.ops.kda.limits import check_lower_bound
+from kdaserve.ops.kda.types import KDAWeights, check_conv_layout
 
 
 def _param(t: torch.Tensor) -> nn.Parameter:
@@ -58,55 +58,27 @@ class _Linear(nn.Module):
 
 
 class KDALayer(nn.Module):
-    def __init__(
-        self,
-        hidden_size: int,
-        num_heads: int,
-        head_dim: int,
-        *,
-        conv_kernel_size: int = 4,
-        lower_bound: float | None = -5.0,
-        norm_eps: float = 1e-5,
-        layer_idx: int = 0,
-        tp_rank: int = 0,
-        tp_size: int = 1,
-        prefill_backend: str = "auto",
-        decode_backend: str = "auto",
-        state_dtype: torch.dtype = torch.float32,
-        conv_layout: str = "SD",
-        num_spec_tokens: int = 0,
-        params_dtype: torch.dtype | None = None,
-        device=None,
-        backends: KDABackends | None = None,
-    ):
-        """`backends`: the model's resolved pair (one resolution for all its layers); a layer built
-        alone resolves `prefill_backend` / `decode_backend` itself."""
+    def __init__(self, hidden_size: int, num_heads: int, backends: KDABackends, *, norm_eps: float = 1e-5,
+                 layer_idx: int = 0, tp_rank: int = 0, tp_size: int = 1, device=None):
+        """`backends`: the model's resolved pair (one resolution for all its KDA layers; the loader's),
+        whose settings are the layer's: head size, conv width, gate, activation and state dtypes,
+        conv layout, speculative tokens. `num_heads` counts every rank's heads; `backends` were
+        resolved for this rank's. A layer built alone: `KDALayer.build`."""
         super().__init__()
-        check_conv_layout(conv_layout)
-        check_lower_bound(lower_bound)
-        if num_spec_tokens < 0:
-            raise ValueError(f"num_spec_tokens must be >= 0, got {num_spec_tokens}")
+        st = backends.settings
+        check_conv_layout(st.conv_layout)
+        check_lower_bound(st.lower_bound)
         device = torch.device(device) if device is not None else torch.empty(0).device
-        act = params_dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-        self.shard = KDAShard(hidden_size, num_heads, head_dim, conv_kernel_size, tp_rank, tp_size)
-        H, D, P, W = self.shard.heads, head_dim, self.shard.P, conv_kernel_size
+        self.shard = KDAShard(hidden_size, num_heads, st.head_dim, st.conv_width, tp_rank, tp_size)
+        H, D, P, W = self.shard.heads, st.head_dim, self.shard.P, st.conv_width
+        if backends.num_heads != H:
+            raise ValueError(f"layer {layer_idx}: the KDA backends were resolved for {backends.num_heads} heads, but this "
+                             f"layer has {H} on rank {tp_rank} of {tp_size}; resolve them for the layer's heads")
         self.hidden_size, self.num_heads, self.head_dim, self.conv_width = hidden_size, H, D, W
-        self.layer_idx, self.lower_bound, self.norm_eps = layer_idx, lower_bound, norm_eps
-        self.state_dtype, self.conv_layout, self.num_spec_tokens = state_dtype, conv_layout, num_spec_tokens
-        self.act_dtype = act
-
-        self.settings = LayerSettings(
-            input_dtype=act, head_dim=D, lower_bound=lower_bound, state_dtype=state_dtype,
-            conv_layout=conv_layout, num_spec_tokens=num_spec_tokens, conv_width=W,
-        )
-        if backends is None:
-            choice = KDABackendChoice(prefill_backend, decode_backend, state_dtype, conv_layout, num_spec_tokens)
-            backends = resolve_kda_backends(choice, self.settings, H, Machine.detect(device), log=False)
-        elif (backends.settings, backends.num_heads) != (self.settings, H):
-            raise ValueError(f"layer {layer_idx}: the KDA backends were resolved for {backends.num_heads} heads and "
-                             f"{backends.settings}, but this layer has {H} heads and {self.settings}; resolve them "
-                             f"for the layer's settings")
-        self.backends = backends
+        self.layer_idx, self.lower_bound, self.norm_eps = layer_idx, st.lower_bound, norm_eps
+        self.state_dtype, self.conv_layout, self.num_spec_tokens = st.state_dtype, st.conv_layout, st.num_spec_tokens
+        self.act_dtype = act = st.input_dtype
+        self.settings, self.backends = st, backends
 
         kw = dict(dtype=act, device=device)
         f32 = dict(dtype=torch.float32, device=device)
@@ -137,6 +109,29 @@ class KDALayer(nn.Module):
         self.recurrent_state: torch.Tensor | None = None
 
     # ---- weights --------------------------------------------------------------------------------
+
+    @classmethod
+    def build(cls, hidden_size: int, num_heads: int, head_dim: int, *, conv_kernel_size: int = 4,
+              lower_bound: float | None = -5.0, norm_eps: float = 1e-5, layer_idx: int = 0, tp_rank: int = 0,
+              tp_size: int = 1, prefill_backend: str = "auto", decode_backend: str = "auto",
+              state_dtype: torch.dtype = torch.float32, conv_layout: str = "SD", num_spec_tokens: int = 0,
+              params_dtype: torch.dtype | None = None, device=None) -> "KDALayer":
+        """A layer alone (tests, `kdaserve parity`): its own backends resolved from names, activations
+        in `params_dtype` (default bf16 on a GPU, fp32 elsewhere). A model resolves once for all its
+        layers (models/causal_lm.kda_backends_for) and passes the pair to the constructor."""
+        check_conv_layout(conv_layout)
+        check_lower_bound(lower_bound)
+        if num_spec_tokens < 0:
+            raise ValueError(f"num_spec_tokens must be >= 0, got {num_spec_tokens}")
+        device = torch.device(device) if device is not None else torch.empty(0).device
+        act = params_dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        settings = LayerSettings(input_dtype=act, head_dim=head_dim, lower_bound=lower_bound, state_dtype=state_dtype,
+                                 conv_layout=conv_layout, num_spec_tokens=num_spec_tokens, conv_width=conv_kernel_size)
+        heads = KDAShard(hidden_size, num_heads, head_dim, conv_kernel_size, tp_rank, tp_size).heads
+        choice = KDABackendChoice(prefill_backend, decode_backend, state_dtype, conv_layout, num_spec_tokens)
+        backends = resolve_kda_backends(choice, settings, heads, Machine.detect(device), log=False)
+        return cls(hidden_size, num_heads, backends, norm_eps=norm_eps, layer_idx=layer_idx, tp_rank=tp_rank,
+                   tp_size=tp_size, device=device)
 
     def _conv_views(self) -> list[torch.Tensor]:
         P, W = self.shard.P, self.conv_width
@@ -236,7 +231,8 @@ class KDALayer(nn.Module):
                     f"(layer {self.layer_idx}, {self.conv_layout} layout), got {list(pool.shape)} {pool.dtype}"
                 )
         if conv_state.shape[0] != recurrent_state.shape[0]:
-            raise ValueError(f"conv and recurrent pools must have the same slot count, got {conv_state.shape[0]} and {recurrent_state.shape[0]}")
+            raise ValueError(f"conv and recurrent pools must have the same slot count, got {conv_state.shape[0]} and "
+                             f"{recurrent_state.shape[0]}")
         if conv_state.device != self.conv_weight.device or recurrent_state.device != self.conv_weight.device:
             raise ValueError(f"pools must live on the layer's device {self.conv_weight.device}")
         self.conv_state, self.recurrent_state = conv_state, recurrent_state
@@ -281,16 +277,12 @@ class KDALayer(nn.Module):
         return self.o_proj(core.view(T, self.shard.P))
 
     def _forward(self, qkv, forget_logits, beta_logits, output_gate_logits, out: torch.Tensor) -> str:
-        """The KDA core of one step into `out` [T, H, D], routed by the context's metadata; returns
-        the route ("none", "decode", "speculative", "prefill" or "mixed"). Without metadata (profiling
-        and dummy runs) no state is touched and `out` is zeroed. The step's plan comes with the
-        context (the model runner builds it once per step); a layer run alone plans for itself."""
-        ctx = get_context()
-        meta = ctx.kda
-        plan = ctx.kda_plan if ctx.kda_plan is not None else self.backends.plan_step(meta)
-        route = run_kda_step(
-            meta, plan, KDAInputs(qkv, forget_logits, beta_logits, output_gate_logits), self.kda_weights, self.cache, out, self.backends,
-        )
+        """The KDA core of one step into `out` [T, H, D], routed by the context's KDA step (built
+        once per step by the backends: the model runner's, or a test's `backends.build_step`);
+        returns the route ("none", "decode", "speculative", "prefill" or "mixed"). Without one
+        (profiling and dummy runs) no state is touched and `out` is zeroed."""
+        route = run_kda_step(get_context().kda, KDAInputs(qkv, forget_logits, beta_logits, output_gate_logits),
+                             self.kda_weights, self.cache, out, self.backends)
         if route == "none":
             out.zero_()
         return route

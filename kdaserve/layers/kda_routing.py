@@ -21,58 +21,51 @@ from typing import Sequence
 import torch
 
 from kdaserve.backends import KDABackends
-from kdaserve.backends.step import KDACache, KDAInputs, KDAStepMetadata, KDAStepPlan
-from kdaserve.ops.types import KDAWeights
+from kdaserve.backends.step import KDACache, KDAInputs, KDAStep, KDAStepMetadata
+from kdaserve.ops.kda.types import KDAWeights
 
 
-def step_route(meta: KDAStepMetadata | None) -> str:
-    if meta is None or meta.num_tokens == 0:
+def step_route(step: KDAStep | None) -> str:
+    if step is None or step.num_tokens == 0:
         return "none"
-    has_decode = meta.num_decodes > 0
-    if has_decode and meta.num_prefills > 0:
+    if step.decode is not None and step.prefill is not None:
         return "mixed"
-    if has_decode:
-        return "speculative" if meta.is_speculative else "decode"
+    if step.decode is not None:
+        return "speculative" if step.is_speculative else "decode"
     return "prefill"
 
 
 def _check(cond: bool, msg: str) -> None:
     if not cond:
-        raise ValueError(f"KDA step metadata: {msg}")
+        raise ValueError(f"KDA step: {msg}")
 
 
 def run_kda_step(
-    meta: KDAStepMetadata | None,
-    plan: KDAStepPlan | None,
+    step: KDAStep | None,
     inputs: KDAInputs,
     weights: KDAWeights,
     cache: KDACache | None,
     out: torch.Tensor,
     backends: KDABackends,
 ) -> str:
-    """Run one step's KDA core into `out` [T, H, D] with the resolved backends and the step's plan
-    (from `backends.plan_step(meta)`, built once for all layers); returns the route."""
-    route = step_route(meta)
+    """Run one step's KDA core into `out` [T, H, D] with the resolved backends and the step they
+    built (`backends.build_step(meta)`, once for all layers); returns the route."""
+    route = step_route(step)
     if route == "none":
         return route
     T = inputs.qkv.shape[0]
-    _check(T == meta.num_tokens, f"{T} tokens given, but the metadata counts {meta.num_decode_tokens} decode + "
-           f"{meta.num_prefill_tokens} prefill tokens")
+    _check(T == step.num_tokens, f"{T} tokens given, but the step counts {step.num_decode_tokens} decode + "
+           f"{step.num_prefill_tokens} prefill tokens")
     _check(cache is not None, "the layer has no cache bound (call bind_cache)")
-    nd = meta.num_decode_tokens
-    if meta.num_decodes:
-        _check(meta.decode_state_indices is not None, "decodes without decode_state_indices")
-        _check(not meta.is_speculative or meta.num_accepted_tokens is not None,
-               "speculative decodes without num_accepted_tokens")
-        _check(plan is not None and plan.decode is not None, "decodes without a decode plan (backends.plan_step(meta))")
+    _check(step.built_by is backends, f"built by the {step.built_by.names} pair for {step.built_by.num_heads} heads, "
+           f"run by the layer's {backends.names} for {backends.num_heads}: build the step with the layers' own backends")
+    nd = step.num_decode_tokens
+    if step.decode is not None:
         d = slice(0, nd)
-        backends.decode.decode(inputs.rows(d), weights, cache, plan.decode, out[d])
-    if meta.num_prefills:
-        _check(meta.prefill_cu_seqlens is not None and meta.prefill_state_indices is not None
-               and meta.prefill_has_initial_state is not None, "prefills without cu_seqlens / state_indices / has_initial_state")
-        _check(plan is not None and plan.prefill is not None, "prefills without a prefill plan (backends.plan_step(meta))")
+        backends.decode.decode(inputs.rows(d), weights, cache, step.decode, out[d])
+    if step.prefill is not None:
         p = slice(nd, T)
-        backends.prefill.prefill(inputs.rows(p), weights, cache, plan.prefill, out[p])
+        backends.prefill.prefill(inputs.rows(p), weights, cache, step.prefill, out[p])
     return route
 
 

@@ -104,7 +104,8 @@ class KDAShard:
             return t[self.head_slice(D)]
         if name == "A_log":
             if t.numel() != Ht:  # 1-D [H] (GLM) or [1, 1, H, 1] (Kimi-Linear) are both fine
-                raise ValueError(f"A_log must hold {Ht} values (one per head, any shape such as [H] or [1, 1, H, 1]), got {list(t.shape)}")
+                raise ValueError(f"A_log must hold {Ht} values (one per head, any shape such as [H] or [1, 1, H, 1]), got "
+                                 f"{list(t.shape)}")
             return t.reshape(Ht)[self.head_slice()]
         if name == "dt_bias":
             if t.numel() != Pt:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kdaserve.layers.attention import AttentionMetadata
+from kdaserve.layers.attention_metadata import AttentionMetadata
 from kdaserve.layers.context import get_context
 from kdaserve.layers.kernel_choice import resolve_kernel_choice
 from kdaserve.layers.linear import make_linear

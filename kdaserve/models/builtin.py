@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kdaserve.models.config import HybridConfig
+from kdaserve.models.hybrid_config import HybridConfig
 from kdaserve.models.tokenizer import ByteTokenizer
 
 _BYTE_VOCAB = ByteTokenizer().vocab_size

@@ -2,8 +2,10 @@
 -> hidden [T, hidden]`, `compute_logits` (fp32), `kda_layers`, `attention_layers`, and the KDA
 backends resolved once for all KDA layers (they share their settings; logged once).
 
-A family subclasses it: it resolves the backends with `resolve_backends`, builds `self.model` (an
-`embed_tokens`, `layers` each with `is_kda` and `mixer`, and a final norm), then calls `add_head`."""
+The loader resolves the KDA backends once (`kda_backends_for`) and passes the pair to the model,
+which hands it to every KDA layer; the engine keeps the loader's pair. A family subclasses
+KDACausalLM: it builds `self.model` (an `embed_tokens`, `layers` each with `is_kda` and `mixer`, and
+a final norm), then calls `add_head`."""
 
 from __future__ import annotations
 
@@ -26,21 +28,27 @@ class DecoderStack(nn.Module):
         return hidden
 
 
-class KDACausalLM(nn.Module):
-    def resolve_backends(self, config, kda: KDABackendChoice, dtype: torch.dtype, device, *,
-                         lower_bound: float | None) -> KDABackends | None:
-        """The backends of every KDA layer of `config` (its linear_head_dim, linear_conv_kernel_dim,
-        the gate's `lower_bound`: None is the unbounded gate), or None without KDA layers."""
-        self.config = config
-        settings = LayerSettings(input_dtype=dtype, head_dim=config.linear_head_dim, lower_bound=lower_bound,
-                                 state_dtype=kda.state_dtype, conv_layout=kda.conv_layout,
-                                 num_spec_tokens=kda.num_spec_tokens, conv_width=config.linear_conv_kernel_dim)
-        has_kda = "linear_attention" in config.layer_types
-        self.kda_backends = resolve_kda_backends(
-            kda, settings, config.linear_num_heads, Machine.detect(torch.device(device) if device is not None else None),
-        ) if has_kda else None
-        return self.kda_backends
+def kda_backends_for(config, choice: KDABackendChoice, dtype: torch.dtype, device, *, log: bool = True) -> KDABackends | None:
+    """The backends of every KDA layer of `config` (its linear_num_heads, linear_head_dim,
+    linear_conv_kernel_dim and linear_lower_bound: None is the unbounded gate) with activations in
+    `dtype`, or None without KDA layers. Logs the pair once when `log`."""
+    if "linear_attention" not in config.layer_types:
+        return None
+    settings = LayerSettings(input_dtype=dtype, head_dim=config.linear_head_dim, lower_bound=config.linear_lower_bound,
+                             state_dtype=choice.state_dtype, conv_layout=choice.conv_layout,
+                             num_spec_tokens=choice.num_spec_tokens, conv_width=config.linear_conv_kernel_dim)
+    machine = Machine.detect(torch.device(device) if device is not None else None)
+    return resolve_kda_backends(choice, settings, config.linear_num_heads, machine, log=log)
 
+
+def check_kda_backends(config, kda_backends: KDABackends | None) -> None:
+    """A model with KDA layers is built with their resolved pair (kda_backends_for)."""
+    if kda_backends is None and "linear_attention" in config.layer_types:
+        raise ValueError(f"{type(config).__name__} has KDA layers: pass kda_backends=kda_backends_for(config, choice, dtype, "
+                         f"device), the pair every KDA layer shares")
+
+
+class KDACausalLM(nn.Module):
     def add_head(self, dtype, device) -> None:
         c = self.config
         tied = self.model.embed_tokens if c.tie_word_embeddings else None

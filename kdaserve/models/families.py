@@ -12,7 +12,8 @@ from typing import Callable
 class Family:
     name: str
     config_from_dict: Callable
-    build: Callable           # build(config, *, kda, mla_backend, moe_backend, dtype, device, mtp, quantization) -> model
+    # build(config, *, kda_backends, mla_backend, moe_backend, dtype, device, mtp, quantization) -> model
+    build: Callable
     random_weights: Callable  # random_weights(config, seed, *, dtype, device, mtp) -> iterable of (name, tensor)
     shapes: Callable | None = None   # shapes(config[, mtp]) -> {checkpoint name: shape}, for the capacity check
     has_mtp: bool = False            # can build a multi-token-prediction drafter (build(..., mtp=True))
@@ -23,12 +24,12 @@ class Family:
 
 
 def _hybrid() -> Family:
-    from kdaserve.models.config import HybridConfig
     from kdaserve.models.hybrid import HybridForCausalLM
+    from kdaserve.models.hybrid_config import HybridConfig
     from kdaserve.models.random_weights import random_checkpoint
 
-    def build(config, *, kda, mla_backend, moe_backend, dtype, device, mtp=False, quantization=None):
-        return HybridForCausalLM(config, kda=kda, dtype=dtype, device=device)
+    def build(config, *, kda_backends, mla_backend, moe_backend, dtype, device, mtp=False, quantization=None):
+        return HybridForCausalLM(config, kda_backends=kda_backends, dtype=dtype, device=device)
 
     def random(config, seed, *, dtype, device, mtp=False):
         return random_checkpoint(config, seed, dtype=dtype, device=device).items()
@@ -40,8 +41,9 @@ def _kimi_linear() -> Family:
     from kdaserve.models.kimi_linear import KimiLinearForCausalLM, fp8_tensors, random_released_tensors, released_shapes
     from kdaserve.models.kimi_linear_config import KimiLinearConfig
 
-    def build(config, *, kda, mla_backend, moe_backend, dtype, device, mtp=False, quantization=None):
-        return KimiLinearForCausalLM(config, kda=kda, mla_backend=mla_backend, moe_backend=moe_backend, dtype=dtype,
+    def build(config, *, kda_backends, mla_backend, moe_backend, dtype, device, mtp=False, quantization=None):
+        return KimiLinearForCausalLM(config, kda_backends=kda_backends, mla_backend=mla_backend, moe_backend=moe_backend,
+                                     dtype=dtype,
                                      device=device, quantization=quantization)
 
     def random(config, seed, *, dtype, device, mtp=False):
@@ -55,8 +57,9 @@ def _glm5_next() -> Family:
     from kdaserve.models.glm5_next import Glm5NextForCausalLM, fp8_tensors, random_released_tensors, released_shapes
     from kdaserve.models.glm5_next_config import Glm5NextConfig
 
-    def build(config, *, kda, mla_backend, moe_backend, dtype, device, mtp=False, quantization=None):
-        return Glm5NextForCausalLM(config, kda=kda, mla_backend=mla_backend, moe_backend=moe_backend, dtype=dtype,
+    def build(config, *, kda_backends, mla_backend, moe_backend, dtype, device, mtp=False, quantization=None):
+        return Glm5NextForCausalLM(config, kda_backends=kda_backends, mla_backend=mla_backend, moe_backend=moe_backend,
+                                   dtype=dtype,
                                    device=device, mtp=mtp, quantization=quantization)
 
     def random(config, seed, *, dtype, device, mtp=False):

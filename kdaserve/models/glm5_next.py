@@ -38,14 +38,14 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from kdaserve.backends import KDABackendChoice
+from kdaserve.backends import KDABackends
 from kdaserve.layers.dsa import DSAIndexer, DSAttention
 from kdaserve.layers.embed_head import VocabEmbedding
 from kdaserve.layers.hyper_connection import HyperConnection
 from kdaserve.layers.mlp import SwiGLUMLP
 from kdaserve.layers.moe import MoEMLP
 from kdaserve.layers.norm import RMSNorm
-from kdaserve.models.causal_lm import KDACausalLM
+from kdaserve.models.causal_lm import KDACausalLM, check_kda_backends
 from kdaserve.models.fp8 import Fp8Layout
 from kdaserve.models.glm5_next_config import Glm5NextConfig
 from kdaserve.models.glm5_next_mtp import SHARED_COPIES, Glm5NextMTP
@@ -72,7 +72,7 @@ _HC = re.compile(r"hc_(attn|ffn)_(fn|base|scale)")
 
 
 class Glm5NextDecoderLayer(nn.Module):
-    def __init__(self, config: Glm5NextConfig, i: int, *, kda: KDABackendChoice, kda_backends, mla_backend: str,
+    def __init__(self, config: Glm5NextConfig, i: int, *, kda_backends: KDABackends | None, mla_backend: str,
                  moe_backend: str, dtype, device, fp8_block: tuple[int, int] | None = None,
                  fp8_linear_block: tuple[int, int] | None = None):
         super().__init__()
@@ -87,12 +87,8 @@ class Glm5NextDecoderLayer(nn.Module):
         if self.is_kda:
             from kdaserve.layers.kda import KDALayer
 
-            self.self_attn = KDALayer(
-                h, c.linear_num_heads, c.linear_head_dim, conv_kernel_size=c.linear_conv_kernel_dim,
-                lower_bound=c.linear_lower_bound, norm_eps=c.rms_norm_eps, layer_idx=i, params_dtype=dtype,
-                device=device, state_dtype=kda.state_dtype, conv_layout=kda.conv_layout,
-                num_spec_tokens=kda.num_spec_tokens, backends=kda_backends,
-            )
+            self.self_attn = KDALayer(h, c.linear_num_heads, kda_backends, norm_eps=c.rms_norm_eps, layer_idx=i,
+                                      device=device)
         else:
             indexer = None
             if c.indexer_types[i] == "full":
@@ -151,16 +147,15 @@ class Glm5NextModel(nn.Module):
 class Glm5NextForCausalLM(KDACausalLM):
     """The engine's model interface (models/causal_lm.py) over the released checkpoint format."""
 
-    def __init__(self, config: Glm5NextConfig, *, kda: KDABackendChoice | None = None, mla_backend: str = "auto",
+    def __init__(self, config: Glm5NextConfig, *, kda_backends: KDABackends | None, mla_backend: str = "auto",
                  moe_backend: str = "auto", dtype=None, device=None, mtp: bool = False,
                  quantization: str | None = None):
         super().__init__()
-        dtype = dtype or torch.get_default_dtype()
-        kda = kda or KDABackendChoice()
-        backends = self.resolve_backends(config, kda, dtype, device, lower_bound=config.linear_lower_bound)
+        check_kda_backends(config, kda_backends)
+        self.config, dtype = config, dtype or torch.get_default_dtype()
         self.fp8_block, self.fp8_linear_block = FP8_LAYOUT.blocks(config, device, quantization)
         fp8 = dict(fp8_block=self.fp8_block, fp8_linear_block=self.fp8_linear_block)
-        self.model = Glm5NextModel(config, kda=kda, kda_backends=backends, mla_backend=mla_backend,
+        self.model = Glm5NextModel(config, kda_backends=kda_backends, mla_backend=mla_backend,
                                    moe_backend=moe_backend, dtype=dtype, device=device, **fp8)
         self.add_head(dtype, device)
         self.mtp = None

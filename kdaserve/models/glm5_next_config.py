@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from kdaserve.models.config import JsonConfig
+from kdaserve.models.hybrid_config import JsonConfig
 from kdaserve.ops.moe.router import RouterConfig
 
 MODEL_TYPES = ("glm5_next", "glm5_next_text")

@@ -11,13 +11,14 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from kdaserve.backends import KDABackendChoice, KDABackends
+from kdaserve.backends import KDABackends
 from kdaserve.layers.attention import FullAttention
 from kdaserve.layers.embed_head import VocabEmbedding
 from kdaserve.layers.mlp import SwiGLUMLP
 from kdaserve.layers.norm import RMSNorm
-from kdaserve.models.causal_lm import DecoderStack, KDACausalLM
-from kdaserve.models.config import HybridConfig
+from kdaserve.models.causal_lm import DecoderStack, KDACausalLM, check_kda_backends
+from kdaserve.models.hybrid_config import HybridConfig
+
 
 def _kda_layer_class():
     from kdaserve.layers.kda import KDALayer
@@ -26,20 +27,15 @@ def _kda_layer_class():
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: HybridConfig, layer_idx: int, *, kda: KDABackendChoice, kda_backends: KDABackends | None,
-                 dtype, device):
+    def __init__(self, config: HybridConfig, layer_idx: int, *, kda_backends: KDABackends | None, dtype, device):
         super().__init__()
         self.layer_idx = layer_idx
         self.is_kda = config.layer_types[layer_idx] == "linear_attention"
         h = config.hidden_size
         self.input_layernorm = RMSNorm(h, config.rms_norm_eps, dtype=dtype, device=device)
         if self.is_kda:
-            self.linear_attn = _kda_layer_class()(
-                h, config.linear_num_heads, config.linear_head_dim,
-                conv_kernel_size=config.linear_conv_kernel_dim, lower_bound=config.linear_lower_bound,
-                layer_idx=layer_idx, params_dtype=dtype, device=device, state_dtype=kda.state_dtype,
-                conv_layout=kda.conv_layout, num_spec_tokens=kda.num_spec_tokens, backends=kda_backends,
-            )
+            self.linear_attn = _kda_layer_class()(h, config.linear_num_heads, kda_backends, layer_idx=layer_idx,
+                                                   device=device)
         else:
             self.self_attn = FullAttention(
                 h, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
@@ -65,11 +61,11 @@ class DecoderLayer(nn.Module):
 
 
 class HybridModel(DecoderStack):
-    def __init__(self, config: HybridConfig, *, kda: KDABackendChoice, kda_backends: KDABackends | None, dtype, device):
+    def __init__(self, config: HybridConfig, *, kda_backends: KDABackends | None, dtype, device):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, kda=kda, kda_backends=kda_backends, dtype=dtype, device=device)
+            DecoderLayer(config, i, kda_backends=kda_backends, dtype=dtype, device=device)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
@@ -78,12 +74,11 @@ class HybridModel(DecoderStack):
 class HybridForCausalLM(KDACausalLM):
     """The engine's model interface (models/causal_lm.py); per-step metadata comes from the context."""
 
-    def __init__(self, config: HybridConfig, *, kda: KDABackendChoice | None = None, dtype=None, device=None):
+    def __init__(self, config: HybridConfig, *, kda_backends: KDABackends | None, dtype=None, device=None):
         super().__init__()
-        dtype = dtype or torch.get_default_dtype()
-        kda = kda or KDABackendChoice()
-        backends = self.resolve_backends(config, kda, dtype, device, lower_bound=config.linear_lower_bound)
-        self.model = HybridModel(config, kda=kda, kda_backends=backends, dtype=dtype, device=device)
+        check_kda_backends(config, kda_backends)
+        self.config, dtype = config, dtype or torch.get_default_dtype()
+        self.model = HybridModel(config, kda_backends=kda_backends, dtype=dtype, device=device)
         self.add_head(dtype, device)
 
     @torch.no_grad()

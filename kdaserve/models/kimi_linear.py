@@ -29,13 +29,13 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from kdaserve.backends import KDABackendChoice
+from kdaserve.backends import KDABackends
 from kdaserve.layers.embed_head import VocabEmbedding
 from kdaserve.layers.mla import MLAttention
 from kdaserve.layers.mlp import SwiGLUMLP
 from kdaserve.layers.moe import MoEMLP
 from kdaserve.layers.norm import RMSNorm
-from kdaserve.models.causal_lm import DecoderStack, KDACausalLM
+from kdaserve.models.causal_lm import DecoderStack, KDACausalLM, check_kda_backends
 from kdaserve.models.fp8 import Fp8Layout
 from kdaserve.models.kimi_linear_config import KimiLinearConfig
 from kdaserve.models.released import kda_layer_shapes, load_released, mla_layer_shapes
@@ -55,7 +55,7 @@ keeps_fp8, fp8_tensors = FP8_LAYOUT.keeps, FP8_LAYOUT.tensors
 
 
 class KimiDecoderLayer(nn.Module):
-    def __init__(self, config: KimiLinearConfig, i: int, *, kda: KDABackendChoice, kda_backends, mla_backend: str,
+    def __init__(self, config: KimiLinearConfig, i: int, *, kda_backends: KDABackends | None, mla_backend: str,
                  moe_backend: str, dtype, device, fp8_block: tuple[int, int] | None = None,
                  fp8_linear_block: tuple[int, int] | None = None):
         super().__init__()
@@ -66,11 +66,8 @@ class KimiDecoderLayer(nn.Module):
         if self.is_kda:
             from kdaserve.layers.kda import KDALayer
 
-            self.self_attn = KDALayer(
-                h, c.linear_num_heads, c.linear_head_dim, conv_kernel_size=c.linear_conv_kernel_dim, lower_bound=None,
-                norm_eps=c.rms_norm_eps, layer_idx=i, params_dtype=dtype, device=device, state_dtype=kda.state_dtype,
-                conv_layout=kda.conv_layout, num_spec_tokens=kda.num_spec_tokens, backends=kda_backends,
-            )
+            self.self_attn = KDALayer(h, c.linear_num_heads, kda_backends, norm_eps=c.rms_norm_eps, layer_idx=i,
+                                      device=device)
         else:
             self.self_attn = MLAttention(
                 h, c.num_attention_heads, kv_lora_rank=c.kv_lora_rank, qk_nope_head_dim=c.qk_nope_head_dim,
@@ -111,14 +108,13 @@ class KimiLinearModel(DecoderStack):
 class KimiLinearForCausalLM(KDACausalLM):
     """The engine's model interface (models/causal_lm.py) over the released checkpoint format."""
 
-    def __init__(self, config: KimiLinearConfig, *, kda: KDABackendChoice | None = None, mla_backend: str = "auto",
+    def __init__(self, config: KimiLinearConfig, *, kda_backends: KDABackends | None, mla_backend: str = "auto",
                  moe_backend: str = "auto", dtype=None, device=None, quantization: str | None = None):
         super().__init__()
-        dtype = dtype or torch.get_default_dtype()
-        kda = kda or KDABackendChoice()
-        backends = self.resolve_backends(config, kda, dtype, device, lower_bound=None)
+        check_kda_backends(config, kda_backends)
+        self.config, dtype = config, dtype or torch.get_default_dtype()
         self.fp8_block, self.fp8_linear_block = FP8_LAYOUT.blocks(config, device, quantization)
-        self.model = KimiLinearModel(config, kda=kda, kda_backends=backends, mla_backend=mla_backend,
+        self.model = KimiLinearModel(config, kda_backends=kda_backends, mla_backend=mla_backend,
                                      moe_backend=moe_backend, dtype=dtype, device=device, fp8_block=self.fp8_block,
                                      fp8_linear_block=self.fp8_linear_block)
         self.add_head(dtype, device)

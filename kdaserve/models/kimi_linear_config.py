@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from kdaserve.models.config import JsonConfig
+from kdaserve.models.hybrid_config import JsonConfig
 from kdaserve.ops.moe.router import RouterConfig
 
 MODEL_TYPE = "kimi_linear"
@@ -89,6 +89,11 @@ class KimiLinearConfig(JsonConfig):
     @property
     def attention_layer_ids(self) -> list[int]:
         return [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
+
+    @property
+    def linear_lower_bound(self) -> None:
+        """Kimi-Linear's KDA gate is the unbounded one (softplus), as the other families' None."""
+        return None
 
     def is_moe_layer(self, i: int) -> bool:
         return i >= self.first_k_dense_replace and i % self.moe_layer_freq == 0

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import torch
 
-from kdaserve.backends.kda_backends import KDABackendChoice
-from kdaserve.models.builtin import (BUILTIN_CONFIGS, FAMILY_BUILTIN_CONFIGS, SHIPPED_CHECKPOINTS, builtin_config,
-                                     released_config)
+from kdaserve.backends.kda_backends import KDABackendChoice, KDABackends
+from kdaserve.models.builtin import BUILTIN_CONFIGS, FAMILY_BUILTIN_CONFIGS, SHIPPED_CHECKPOINTS, builtin_config, released_config
 from kdaserve.models.capacity import check_weights_fit
-from kdaserve.models.config import HybridConfig
+from kdaserve.models.causal_lm import kda_backends_for
 from kdaserve.models.families import family_of, family_of_config
+from kdaserve.models.hybrid_config import HybridConfig
 from kdaserve.models.tokenizer import ByteTokenizer, HFTokenizer, load_checkpoint_tokenizer
 
 log = logging.getLogger("kdaserve.models")
@@ -33,6 +33,7 @@ class LoadedModel:
     tokenizer: object
     config: object
     name: str
+    kda_backends: KDABackends | None   # the pair every KDA layer of `model` shares (None: no KDA layers)
 
 
 def iterate_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -81,12 +82,14 @@ def load_model(
     shapes = None if family.shapes is None else family.shapes(config, True) if mtp else family.shapes(config)
     fp8 = family.fp8_tensors(config, device, quantization) if family.fp8_tensors is not None else None
     check_weights_fit(name, shapes, dtype, device, fp8)
-    net = family.build(config, kda=kda, mla_backend=mla_backend, moe_backend=moe_backend, dtype=dtype, device=device,
+    kda_backends = kda_backends_for(config, kda or KDABackendChoice(), dtype, device)   # once, for every KDA layer
+    net = family.build(config, kda_backends=kda_backends, mla_backend=mla_backend, moe_backend=moe_backend, dtype=dtype,
+                       device=device,
                        mtp=mtp, quantization=quantization)
     weights = (family.random_weights(config, seed, dtype=dtype, device=device, mtp=mtp) if dummy
                else iterate_safetensors(SHIPPED_CHECKPOINTS.get(model, model)))
     net.load_weights(weights)
-    return LoadedModel(net, tokenizer, config, name)
+    return LoadedModel(net, tokenizer, config, name, kda_backends)
 
 
 def resolve_model(model: str, load_format: str = "auto", tokenizer_dir: str | None = None):

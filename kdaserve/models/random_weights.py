@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from kdaserve.models.config import HybridConfig
+from kdaserve.models.hybrid_config import HybridConfig
 from kdaserve.models.weight_names import checkpoint_shapes
 
 _FP32_NAMES = ("_conv1d.weight", ".A_log", ".dt_bias")   # stored in fp32 in real checkpoints

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 
 import torch
 
-from kdaserve.models.config import HybridConfig
+from kdaserve.models.hybrid_config import HybridConfig
 
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(linear_attn|self_attn)\.(.+)")
 

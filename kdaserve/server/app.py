@@ -8,13 +8,12 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from kdaserve.engine.engine_process import EngineClient
 from kdaserve.server.access import AccessGuard, AccessSettings
 from kdaserve.server.chat import ChatHandler
 from kdaserve.server.chat_template import chat_prompt_ids
-from kdaserve.server.tool_parsers import make_tool_parser
 from kdaserve.server.completions import CompletionHandler
 from kdaserve.server.engine_loop import EngineLoop, ProcessEngineLoop
-from kdaserve.server.engine_process import EngineClient
 from kdaserve.server.errors import APIError, bad_request, install_error_handlers
 from kdaserve.server.metrics import ServerMetrics
 from kdaserve.server.protocol import (
@@ -24,6 +23,7 @@ from kdaserve.server.protocol import (
     TokenizeRequest,
 )
 from kdaserve.server.serving import DEFAULT_STREAM_WRITE_TIMEOUT, ServerState, check_model, parse_body
+from kdaserve.server.tool_parsers import make_tool_parser
 
 
 def build_app(
@@ -60,26 +60,28 @@ def build_app(
     index, count = api_server
     if not stream_write_timeout > 0:
         raise ValueError(f"invalid stream_write_timeout: got {stream_write_timeout}; expected seconds > 0")
-    name = served_model_name or engine.model_name
-    cfg = engine.config
+    info = engine.info   # all the server reads of the engine
+    name = served_model_name or info.model_name
+    cfg = info.config
     metrics = ServerMetrics(name, cache_info={
-        "block_size": cfg.block_size, "num_gpu_blocks": engine.runner.num_kv_blocks,
-        "cache_dtype": str(cfg.dtype).removeprefix("torch."), "num_state_slots": engine.runner.num_slots,
-        "mamba_ssm_cache_dtype": str(cfg.state_dtype).removeprefix("torch."), "gpu_memory_utilization": cfg.gpu_memory_utilization,
+        "block_size": cfg.block_size, "num_gpu_blocks": info.num_kv_blocks,
+        "cache_dtype": str(cfg.dtype).removeprefix("torch."), "num_state_slots": info.num_state_slots,
+        "mamba_ssm_cache_dtype": str(cfg.state_dtype).removeprefix("torch."),
+        "gpu_memory_utilization": cfg.gpu_memory_utilization,
         "enable_prefix_caching": cfg.enable_prefix_caching, "mamba_block_size": cfg.mamba_block_size,
         "prefix_caching_hash_algo": cfg.prefix_caching_hash_algo,
     }, num_speculative_tokens=cfg.num_spec_tokens, multiprocess=count > 1, engine_counters=index == 0)
-    parser = make_tool_parser(tool_parser, engine.tokenizer) if tool_parser else None
+    parser = make_tool_parser(tool_parser, info.tokenizer) if tool_parser else None
     # An EngineProcess or one of its clients (kdaserve serve's default) steps in its own process; an
     # LLMEngine in a thread here.
     loop_type = ProcessEngineLoop if isinstance(engine, EngineClient) else EngineLoop
     engine_loop = loop_type(engine, max_queued_requests=max_queued_requests, metrics=metrics, api_server_count=count)
     state = ServerState(
         engine_loop=engine_loop,
-        tokenizer=engine.tokenizer,
+        tokenizer=info.tokenizer,
         model_name=name,
         model_root=model_root or name,
-        max_model_len=int(engine.max_model_len),
+        max_model_len=info.max_model_len,
         request_id_headers=request_id_headers,
         tokens_as_ids=return_tokens_as_token_ids,
         stream_write_timeout=stream_write_timeout,
@@ -171,7 +173,7 @@ def build_app(
     async def detokenize(request: Request):
         req = await parse_body(request, DetokenizeRequest)
         check_model(state, req.model)
-        vocab = engine.vocab_size
+        vocab = info.vocab_size
         bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise bad_request(f"token id {bad} is not in the vocabulary [0, {vocab})", param="tokens")

@@ -11,6 +11,21 @@ from kdaserve.server.chat_template import chat_prompt_ids
 from kdaserve.server.completions import cached_tokens, new_logprob_entries, usage
 from kdaserve.server.errors import bad_request
 from kdaserve.server.protocol import ChatCompletionRequest
+from kdaserve.server.request_metrics import per_request_metrics
+from kdaserve.server.serving import (
+    ServerState,
+    check_model,
+    resolve_max_tokens,
+    response_and_engine_ids,
+    response_envelope,
+    run_group,
+    sampling_params,
+    sse,
+    sse_error,
+    stop_holdback,
+    stream_chunks,
+    streamable_text,
+)
 from kdaserve.server.structured_outputs import compile_off_loop, structured_outputs_for
 from kdaserve.server.tool_parsers.kimi_k2 import StreamState
 from kdaserve.server.tools import (
@@ -20,21 +35,6 @@ from kdaserve.server.tools import (
     forced_tool_schema,
     tool_call,
     tool_call_id,
-)
-from kdaserve.server.request_metrics import per_request_metrics
-from kdaserve.server.serving import (
-    ServerState,
-    check_model,
-    response_and_engine_ids,
-    resolve_max_tokens,
-    response_envelope,
-    run_group,
-    sampling_params,
-    sse,
-    sse_error,
-    stop_holdback,
-    stream_chunks,
-    streamable_text,
 )
 
 
@@ -186,7 +186,8 @@ class ChatHandler:
                     choice["token_ids"] = list(out.new_token_ids)
                 yield chunk([choice])
             if req.include_usage:
-                yield chunk([], usage(num_prompt_tokens, completion_tokens, cached_tokens(self.state, list(last.values()), lambda i: 0)),
+                yield chunk([], usage(num_prompt_tokens, completion_tokens,
+                                      cached_tokens(self.state, list(last.values()), lambda i: 0)),
                             per_request_metrics(list(last.values()), self.state.per_request_metrics))
         except Exception as exc:  # noqa: BLE001 - the status line is gone; report in-band
             yield sse_error(exc)

@@ -111,4 +111,5 @@ def _render(tokenizer, plain: list[dict], add_generation_prompt: bool, **variabl
     try:
         return apply(plain, add_generation_prompt=add_generation_prompt, **variables)
     except Exception as exc:  # noqa: BLE001 - a checkpoint template may reject these messages
-        raise bad_request(f"the chat template could not render these messages: {type(exc).__name__}: {exc}", param="messages") from None
+        raise bad_request(f"the chat template could not render these messages: {type(exc).__name__}: {exc}",
+                          param="messages") from None

@@ -10,13 +10,12 @@ from fastapi import Request
 
 from kdaserve.server.errors import bad_request
 from kdaserve.server.protocol import CompletionRequest
-from kdaserve.server.structured_outputs import compile_off_loop, structured_outputs_for
 from kdaserve.server.request_metrics import per_request_metrics
 from kdaserve.server.serving import (
     ServerState,
     check_model,
-    response_and_engine_ids,
     resolve_max_tokens,
+    response_and_engine_ids,
     response_envelope,
     run_group,
     sampling_params,
@@ -26,6 +25,7 @@ from kdaserve.server.serving import (
     stream_chunks,
     streamable_text,
 )
+from kdaserve.server.structured_outputs import compile_off_loop, structured_outputs_for
 
 
 @dataclass
@@ -245,7 +245,8 @@ class CompletionHandler:
                 finish = None
                 if out.finished:
                     finish = "length" if choice.score_only else out.finish_reason
-                body = {"index": index, "text": text, "logprobs": lp.as_dict() if lp is not None else None, "finish_reason": finish}
+                body = {"index": index, "text": text, "logprobs": lp.as_dict() if lp is not None else None,
+                        "finish_reason": finish}
                 if req.return_token_ids:
                     body["token_ids"] = new_ids
                 yield chunk([body])
@@ -267,7 +268,8 @@ def all_logprob_entries(out) -> list:
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
     """OpenAI's usage; with `cached_tokens` (--enable-prompt-tokens-details) also the prompt tokens
     the prefix cache held."""
-    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens}
     if cached_tokens is not None:
         out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
     return out

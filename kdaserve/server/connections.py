@@ -33,7 +33,7 @@ def http_protocol(name: str = "auto") -> type:
 
         return H11Protocol
     if name == "httptools":
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol   # ImportError without httptools
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol  # ImportError without httptools
 
         return HttpToolsProtocol
     raise ValueError(f"invalid HTTP protocol {name!r}; expected auto, h11 or httptools")

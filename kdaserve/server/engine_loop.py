@@ -197,9 +197,8 @@ class EngineLoop:
         self.engine = engine
         # Requests in flight beyond the engine's batch: past this, new ones get 503. Several API
         # server processes share the limit evenly.
-        max_num_seqs = getattr(engine, "max_num_seqs", None) or getattr(getattr(engine, "config", None), "max_num_seqs", 0)
         # Rounded down (at least 1 each), so that together they admit no more than one process would.
-        self.max_in_flight = max((int(max_num_seqs or 0) + max_queued_requests) // api_server_count, 1)
+        self.max_in_flight = max((engine.info.max_num_seqs + max_queued_requests) // api_server_count, 1)
         self._limit_source = "--max-num-seqs + --max-queued-requests" + (
             f", shared by {api_server_count} API server processes" if api_server_count > 1 else "")
         self.metrics = metrics
@@ -435,20 +434,20 @@ class EngineLoop:
 
 
 class ProcessEngineLoop(EngineLoop):
-    """The same API for an engine in its own process (server/engine_process.py): commands go to
+    """The same API for an engine in its own process (engine/engine_process.py): commands go to
     it through a sender thread (a large prompt never blocks the event loop on a full pipe), and a
-    reader thread takes each step's outputs, rebuilds them (server/output_wire.py), keeps the
+    reader thread takes each step's outputs, rebuilds them (engine/output_wire.py), keeps the
     metrics and hands them to the event loop in one wake-up per step, as the engine thread does
     in-process. The members and timings are shared by the event loop (add, abort) and the reader
     (outputs), under one lock."""
 
     def __init__(self, engine, *, max_queued_requests: int = 1024, metrics: ServerMetrics | None = None,
                  api_server_count: int = 1):
-        from kdaserve.server.output_wire import OutputDecoder
+        from kdaserve.engine.output_wire import OutputDecoder
 
         super().__init__(engine, max_queued_requests=max_queued_requests, metrics=metrics,
                          api_server_count=api_server_count)
-        self._decoder = OutputDecoder(getattr(engine, "tokenizer", None))   # for the text the engine process leaves to us
+        self._decoder = OutputDecoder(engine.info.tokenizer)   # for the text the engine process leaves to us
         self._lock = threading.Lock()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._read, name="kdaserve-engine-outputs", daemon=True)
@@ -475,7 +474,8 @@ class ProcessEngineLoop(EngineLoop):
             with self._lock:
                 if self._stopping:   # the reader failed everything just now: nobody would answer this one
                     command.group.deliver(command.index, APIError(
-                        503, f"the engine stopped: {self.last_error or 'the server is shutting down'}", code="engine_unavailable"))
+                        503, f"the engine stopped: {self.last_error or 'the server is shutting down'}",
+                        code="engine_unavailable"))
                     return
                 self._members[command.request_id] = (command.group, command.index)
                 self._timings[command.request_id] = _Timing(command.arrival, score_only=command.score_only)

@@ -9,8 +9,7 @@ import time
 
 import uvicorn
 
-from kdaserve.server.connections import (DEFAULT_HEADER_TIMEOUT, DEFAULT_SEND_BUFFER_BYTES, header_timeout_protocol,
-                                         http_protocol)
+from kdaserve.server.connections import DEFAULT_HEADER_TIMEOUT, DEFAULT_SEND_BUFFER_BYTES, header_timeout_protocol, http_protocol
 
 
 def free_port(host: str = "127.0.0.1") -> int:

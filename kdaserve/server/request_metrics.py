@@ -21,7 +21,8 @@ def per_request_metrics(finals: list, timing: bool) -> dict | None:
             "generation_time_ms": ms(first, last),
             "queue_time_ms": ms(arrival, scheduled),
             "mean_itl_ms": ms(first, last) / (n - 1) if n > 1 and first is not None and last is not None else None,
-            "tokens_per_second": n / (last - scheduled) if scheduled is not None and last is not None and last > scheduled else None,
+            "tokens_per_second": (n / (last - scheduled) if scheduled is not None and last is not None and last > scheduled
+                                  else None),
         }
     if "spec_decode" in m:
         body["speculative_decoding"] = m["spec_decode"]

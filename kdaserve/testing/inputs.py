@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kdaserve.ops.types import DecodeSeqs, KDACache, KDAInputs, KDAWeights, PrefillSeqs, check_conv_layout
+from kdaserve.ops.kda.types import DecodeSeqs, KDACache, KDAInputs, KDAWeights, PrefillSeqs, check_conv_layout
 
 
 @dataclass
@@ -176,7 +176,8 @@ def make_kda_case(
     cu_cpu = torch.zeros(N + 1, dtype=torch.int32)
     cu_cpu[1:] = torch.tensor(seq_lens, dtype=torch.int32).cumsum(0)
     return KDACase(
-        H=H, D=D, seq_lens=list(seq_lens), proj=proj, qkv=qkv, beta_logits=beta_logits, forget_logits=forget_logits, output_gate_logits=output_gate_logits,
+        H=H, D=D, seq_lens=list(seq_lens), proj=proj, qkv=qkv, beta_logits=beta_logits, forget_logits=forget_logits,
+        output_gate_logits=output_gate_logits,
         weights=weights, conv_state=conv_state, recurrent_state=recurrent_state, conv_layout=conv_layout,
         cu_seqlens=cu_cpu.to(device), cu_seqlens_cpu=cu_cpu, state_indices=state_indices,
         has_initial_state=his.to(device),

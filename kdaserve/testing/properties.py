@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from kdaserve.ops.reference import kda_decode_reference, kda_prefill_reference
+from kdaserve.ops.kda.reference import kda_decode_reference, kda_prefill_reference
+from kdaserve.ops.kda.types import conv_state_rows
 from kdaserve.testing.compare import assert_rel_close, assert_slots_untouched
 from kdaserve.testing.inputs import KDACase, make_kda_case
-from kdaserve.ops.types import conv_state_rows
 
 
 def to_fp64(case: KDACase) -> KDACase:
@@ -74,7 +74,7 @@ def with_padding_rows(case: KDACase, *rows: int) -> KDACase:
 
 def with_fused_decode_layout(case: KDACase) -> KDACase:
     """The case's weights with the conv-weight layout the fused decode reads (as the layer builds it)."""
-    from kdaserve.ops.fused import fused_conv_weight_layout  # only decode tests need the fused package
+    from kdaserve.ops.kda.fused import fused_conv_weight_layout  # only decode tests need the fused package
 
     case.weights.conv_weight_decode = fused_conv_weight_layout(case.weights.conv_weight)
     return case
@@ -95,7 +95,8 @@ def check_decode_matches_reference(decode_fn, case: KDACase, tol: float, **kw) -
     assert_rel_close(out[rows], ref_out[rows], tol, "decode output")
     assert_rel_close(case.recurrent_state[used_rec], ref.recurrent_state[used_rec], tol, "decode state")
     cs, rs = conv_state_rows(case.conv_state, case.conv_layout), conv_state_rows(ref.conv_state, case.conv_layout)
-    assert torch.equal(cs[used_conv].double(), rs[used_conv].to(cs.dtype).double()), "decode conv state differs from the reference"
+    assert torch.equal(cs[used_conv].double(),
+                       rs[used_conv].to(cs.dtype).double()), "decode conv state differs from the reference"
     assert_slots_untouched(before_rec, case.recurrent_state, used_rec, "recurrent_state")
     assert_slots_untouched(before_conv, case.conv_state, used_conv, "conv_state")
     if not rows.all():
@@ -176,12 +177,15 @@ def check_spec_resume(prefill_fn, decode_fn, accepted: int, tol: float, S: int =
     d = sub_case(spec, prompt, prompt + S + 1, has_initial_state=True)
     run_decode(decode_fn, d, spec_state_indices=row, num_accepted_tokens=torch.tensor([S + 1], device=dev, dtype=torch.int32))
     e = sub_case(spec, prompt + S + 1, total, has_initial_state=True)
-    out_spec = run_decode(decode_fn, e, spec_state_indices=row, num_accepted_tokens=torch.tensor([accepted], device=dev, dtype=torch.int32))
+    out_spec = run_decode(decode_fn, e, spec_state_indices=row,
+                          num_accepted_tokens=torch.tensor([accepted], device=dev, dtype=torch.int32))
 
     # Plain run over prompt ++ d[:accepted] ++ e.
     plain = base.clone()
     keep = torch.cat([torch.arange(prompt + accepted), torch.arange(prompt + S + 1, total)])
-    plain.proj, plain.forget_logits, plain.output_gate_logits = base.proj[keep.to(dev)], base.forget_logits[keep.to(dev)], base.output_gate_logits[keep.to(dev)]
+    rows = keep.to(dev)
+    plain.proj, plain.forget_logits, plain.output_gate_logits = (base.proj[rows], base.forget_logits[rows],
+                                                                 base.output_gate_logits[rows])
     P = base.H * base.D
     plain.qkv, plain.beta_logits = plain.proj[:, : 3 * P], plain.proj[:, 3 * P : 3 * P + base.H]
     n = prompt + accepted
@@ -233,7 +237,7 @@ def check_prefill_checkpoints(prefill_fn, case: KDACase, offsets: list[list[int]
     it leaves; the step's outputs, final states and conv states equal a run without checkpoints
     bit for bit (whether a request takes checkpoints must not change its tokens); every other slot
     is untouched."""
-    from kdaserve.ops.types import CheckpointRequests, PrefillSeqs
+    from kdaserve.ops.kda.types import CheckpointRequests, PrefillSeqs
 
     used = [s for s in case.state_indices.tolist() if s > 0]
     free = [s for s in range(1, case.recurrent_state.shape[0]) if s not in used]

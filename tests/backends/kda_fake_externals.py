@@ -14,9 +14,9 @@ import types
 
 import torch
 
-from kdaserve.ops.reference.gates import kda_gate, l2norm
-from kdaserve.ops.reference.norm import gated_rms_norm
-from kdaserve.ops.reference.recurrence import delta_rule_step
+from kdaserve.ops.kda.reference.gates import kda_gate, l2norm
+from kdaserve.ops.kda.reference.norm import gated_rms_norm
+from kdaserve.ops.kda.reference.recurrence import delta_rule_step
 
 
 def _prep(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale):

@@ -10,14 +10,13 @@ import os
 
 import pytest
 import torch
-
 from kda_fake_externals import install
 
 from kdaserve.backends.adapters.aiter import chunk_tables, kda_decode_aiter, kda_prefill_aiter
 from kdaserve.backends.adapters.fla import kda_decode_fla, kda_prefill_fla
 from kdaserve.backends.adapters.flashkda import kda_prefill_flashkda
 from kdaserve.backends.adapters.state_io import gather_states, scatter_states
-from kdaserve.ops.reference import kda_prefill_reference
+from kdaserve.ops.kda.reference import kda_prefill_reference
 from kdaserve.testing import make_kda_case, tolerance_for
 from kdaserve.testing.properties import (
     check_decode_matches_reference,

@@ -23,7 +23,8 @@ CASES = [
     (rq.package("triton", "3.4"), (CUDA90, L), (CUDA80, L), "version 3.2.0 is installed"),
     (rq.package("fla"), (CUDA90, L), (CUDA80, L), "not installed"),
     (rq.entry_points("pkg.sub.mod"), (CUDA90, L), (CUDA80, L), "missing: pkg.sub.mod"),
-    (rq.implementation("kdaserve.ops.toy"), (Machine("cpu", modules={"kdaserve.ops.toy": ""}), L), (CPU, L), "not part of this kdaserve"),
+    (rq.implementation("kdaserve.ops.toy"), (Machine("cpu", modules={"kdaserve.ops.toy": ""}), L), (CPU, L),
+     "not part of this kdaserve"),
     (rq.input_dtypes(torch.bfloat16), (CPU, L), (CPU, LayerSettings(input_dtype=torch.float16)), "inputs are float16"),
     (rq.no_bf16_in_interpreter(), (CUDA90, L), (CPU_I, L), "interpreter"),
     (rq.head_dims(128), (CPU, L), (CPU, LayerSettings(head_dim=64)), "head size is 64"),
@@ -60,7 +61,7 @@ def test_probing_imports_nothing_and_finds_submodules_by_file():
     import sys
 
     m = Machine("cpu")
-    assert m.module_version("kdaserve.ops.reference.kda") is not None
+    assert m.module_version("kdaserve.ops.kda.reference.kda") is not None
     assert m.module_version("kdaserve.ops.no_such_op") is None
     assert m.module_version("no_such_package_kdaserve") is None
     assert "no_such_package_kdaserve" not in sys.modules

@@ -26,7 +26,7 @@ from kdaserve.backends import (
 from kdaserve.backends import requirements as rq
 from kdaserve.backends.registry import get_spec
 
-OURS = {"kdaserve.ops.flash": "", "kdaserve.ops.chain": "", "kdaserve.ops.fused": "", "kdaserve.ops.conv": ""}
+OURS = {"kdaserve.ops.kda.flash": "", "kdaserve.ops.kda.chain": "", "kdaserve.ops.kda.fused": "", "kdaserve.ops.kda.conv": ""}
 H200 = Machine("cuda", cuda_capability=(9, 0), modules={"triton": "3.6.0", "fla": "0.6.0", "einops": "0.8.1", **OURS})
 H200_ALL = Machine("cuda", cuda_capability=(9, 0), modules={**H200.modules, "flash_kda": "0.1.0"})
 MI355 = Machine("rocm", rocm_arch="gfx950", modules={
@@ -88,7 +88,7 @@ def test_decode_backends_declare_what_their_entry_points_refuse():
 
 def test_explicit_backend_that_can_run_is_loaded():
     r = resolve_backend("decode", "reference", CPU_LAYER, CPU)
-    from kdaserve.ops.reference import kda_decode_reference
+    from kdaserve.ops.kda.reference import kda_decode_reference
 
     assert r.name == "reference" and r.requested == "reference" and r.fn is kda_decode_reference
     assert not r.graph_capturable
@@ -133,7 +133,8 @@ def test_auto_picks_the_fastest_eligible_backend_per_platform(machine, settings,
 
 
 def test_auto_without_our_kernels_falls_to_fla_then_reference():
-    no_ours = Machine("cuda", cuda_capability=(9, 0), modules={"triton": "3.6.0", "fla": "0.6.0", "einops": "0.8", "kdaserve.ops.conv": ""})
+    no_ours = Machine("cuda", cuda_capability=(9, 0), modules={"triton": "3.6.0", "fla": "0.6.0", "einops": "0.8",
+                                                               "kdaserve.ops.kda.conv": ""})
     name, skipped = choose_auto("prefill", GPU_LAYER, no_ours)
     assert name == "fla"
     assert [s.split(":")[0] for s in skipped] == ["flash"]
@@ -144,31 +145,44 @@ def test_auto_without_our_kernels_falls_to_fla_then_reference():
 
 
 def test_auto_orders_match_the_issue():
-    assert AUTO_ORDER["cuda"] == {"prefill": ("flash", "fla", "reference"), "decode": ("adaptive", "fused", "chain", "fla", "reference")}
+    assert AUTO_ORDER["cuda"] == {"prefill": ("flash", "fla", "reference"),
+                                  "decode": ("adaptive", "fused", "chain", "fla", "reference")}
     assert AUTO_ORDER["cpu"] == {"prefill": ("reference",), "decode": ("reference",)}
     assert AUTO_ORDER["rocm"]["prefill"][0] == "aiter" and AUTO_ORDER["rocm"]["decode"][0] == "aiter"
 
 
-def test_a_model_resolves_its_pair_once_and_logs_it_once(caplog):
+def test_the_loader_resolves_one_pair_logs_it_once_and_every_layer_holds_it(caplog):
+    from kdaserve.models.loader import load_model
+
+    with caplog.at_level(logging.INFO, logger="kdaserve.backends"):
+        loaded = load_model("tiny", dtype=torch.float32, device="cpu")
+    lines = [rec.getMessage() for rec in caplog.records if rec.getMessage().startswith("KDA backends:")]
+    assert len(lines) == 1 and "prefill reference (asked auto), decode reference (asked auto)" in lines[0]
+    assert len(loaded.model.kda_layers) > 1
+    for layer in loaded.model.kda_layers:  # the same resolved object, not one resolution per layer
+        assert layer.backends is loaded.kda_backends
+        assert layer.settings is loaded.kda_backends.settings and layer.head_dim == loaded.kda_backends.settings.head_dim
+
+
+def test_a_model_with_kda_layers_needs_their_pair():
     from kdaserve.models.builtin import builtin_config
     from kdaserve.models.hybrid import HybridForCausalLM
 
-    with caplog.at_level(logging.INFO, logger="kdaserve.backends"):
-        model = HybridForCausalLM(builtin_config("tiny"), dtype=torch.float32, device="cpu")
-    lines = [rec.getMessage() for rec in caplog.records if rec.getMessage().startswith("KDA backends:")]
-    assert len(lines) == 1 and "prefill reference (asked auto), decode reference (asked auto)" in lines[0]
-    assert len(model.kda_layers) > 1
-    for layer in model.kda_layers:  # the same resolved objects, not one resolution per layer
-        assert layer.prefill_backend is model.kda_backends.prefill and layer.decode_backend is model.kda_backends.decode
+    with pytest.raises(ValueError, match=r"has KDA layers: pass kda_backends=kda_backends_for"):
+        HybridForCausalLM(builtin_config("tiny"), kda_backends=None, dtype=torch.float32, device="cpu")
 
 
-def test_a_layer_refuses_backends_resolved_for_other_settings():
+def test_a_layer_refuses_backends_resolved_for_other_heads():
     from kdaserve.backends import KDABackendChoice, resolve_kda_backends
     from kdaserve.layers.kda import KDALayer
 
-    pair = resolve_kda_backends(KDABackendChoice("reference", "reference"), LayerSettings(input_dtype=torch.float32, head_dim=16), 2, CPU)
-    with pytest.raises(ValueError, match="resolved for 2 heads and .*head_dim=16.*but this layer has 2 heads and .*head_dim=8"):
-        KDALayer(32, 2, 8, params_dtype=torch.float32, device="cpu", backends=pair)
+    pair = resolve_kda_backends(KDABackendChoice("reference", "reference"), LayerSettings(input_dtype=torch.float32, head_dim=8),
+                                4, CPU)
+    with pytest.raises(ValueError, match="resolved for 4 heads, but this layer has 2 on rank 0 of 1"):
+        KDALayer(32, 2, pair, device="cpu")
+    with pytest.raises(ValueError, match="resolved for 4 heads, but this layer has 2 on rank 1 of 2"):
+        KDALayer(32, 4, pair, tp_rank=1, tp_size=2, device="cpu")
+    assert KDALayer(32, 4, pair, device="cpu").num_heads == 4
 
 
 def test_describe_backends_covers_every_backend_of_both_phases():
@@ -237,10 +251,10 @@ def test_auto_passes_over_a_backend_that_fails_to_import_with_a_warning(caplog, 
 @pytest.mark.parametrize("phase,name,op", [("prefill", "flash", "flash"),
                                            ("decode", "chain", "chain"), ("decode", "fused", "fused")])
 def test_declared_requirements_and_the_runtime_check_agree(phase, name, op):
-    """The registry derives a Triton backend's requirements from kdaserve/ops/limits.py, and the
+    """The registry derives a Triton backend's requirements from kdaserve/ops/kda/limits.py, and the
     op checks its inputs against the same limits: for every head size, dtype, gate and conv width,
     the startup verdict and the runtime verdict are the same."""
-    from kdaserve.ops.limits import BY_OP
+    from kdaserve.ops.kda.limits import BY_OP
 
     limits, reqs = BY_OP[op], get_spec(phase, name).requirements()
     for D in (4, 8, 16, 32, 48, 64, 96, 128, 256, 512):

@@ -11,7 +11,7 @@ import torch
 from kdaserve.backends import BackendUnavailableError, LayerSettings, Machine, choose_auto, resolve_backend
 from kdaserve.ops import precision
 
-OURS = {"kdaserve.ops.flash": "", "kdaserve.ops.chain": "", "kdaserve.ops.fused": "", "kdaserve.ops.conv": ""}
+OURS = {"kdaserve.ops.kda.flash": "", "kdaserve.ops.kda.chain": "", "kdaserve.ops.kda.fused": "", "kdaserve.ops.kda.conv": ""}
 
 
 @pytest.fixture
@@ -39,7 +39,7 @@ def test_machine_and_precision_follow_the_architecture(rocm, arch):
     want = {"gfx942": ("tf32", "ieee"), "gfx950": ("bf16x3", "bf16x6"), "gfx90a": ("ieee", "ieee")}[arch]
     p = precision.dot_precision(torch.device("cuda:0"))
     assert (p.tensor_core, p.exact) == want
-    from kdaserve.ops.flash.prefill import dot_precisions, use_fast_math
+    from kdaserve.ops.kda.flash.prefill import dot_precisions, use_fast_math
 
     assert not use_fast_math(torch.device("cuda:0"))          # PTX fast math is never reached on ROCm
     assert dot_precisions(torch.device("cuda:0"), torch.bfloat16) == want
@@ -47,10 +47,9 @@ def test_machine_and_precision_follow_the_architecture(rocm, arch):
 
 
 def test_flash_and_mla_launch_shapes_on_amd(rocm):
-    from kdaserve.ops.flash.config import DEFAULT_CONFIG, config_for
+    from kdaserve.ops.kda.flash.config import DEFAULT_CONFIG, config_for
+    from kdaserve.ops.kda.fused.decode import STREAM_BF16, STREAM_BF16_AMD, default_config
     from kdaserve.ops.mla.decode import dense_launch, launch_shape
-
-    from kdaserve.ops.fused.decode import STREAM_BF16, STREAM_BF16_AMD, default_config
 
     rocm("gfx942")
     cfg = config_for(torch.device("cuda:0"))

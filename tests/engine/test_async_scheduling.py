@@ -209,8 +209,9 @@ def test_the_setting_follows_vllm():
     assert EngineConfig(device="cuda", speculative_config=ngram).async_scheduling is False
     with pytest.raises(ValueError, match="not supported with speculative decoding"):
         EngineConfig(device="cuda", speculative_config=ngram, async_scheduling=True)
-    from kdaserve.engine.args import add_engine_args, engine_kwargs_from_args
     import argparse
+
+    from kdaserve.engine.args import add_engine_args, engine_kwargs_from_args
 
     parser = add_engine_args(argparse.ArgumentParser())
     assert engine_kwargs_from_args(parser.parse_args(["--no-async-scheduling"]))["async_scheduling"] is False

@@ -142,17 +142,21 @@ def test_streaming_outputs_add_up(llm, alone):
     assert last.num_prompt_tokens == len(llm.tokenizer.encode(PROMPTS[1]))
 
 
-def test_each_step_is_planned_once_for_all_kda_layers(monkeypatch):
-    """The model runner builds a step's KDA plan once; every KDA layer takes it from the context
-    (a layer planning for itself would call plan_step once per layer)."""
+def test_each_step_is_built_once_for_all_kda_layers(monkeypatch):
+    """The model runner builds a step's KDA part once; every KDA layer takes it from the context
+    (a layer building for itself would call build_step once per layer). Every layer holds the
+    loader's pair, the one the engine and the runner keep (one object down, nothing read back)."""
     from kdaserve.backends.kda_backends import KDABackends
     from kdaserve.layers.kda import KDALayer
 
     llm = _engine()
-    assert len(llm.engine.runner.model.kda_layers) > 1
+    layers = llm.engine.runner.model.kda_layers
+    assert len(layers) > 1
+    assert all(layer.backends is llm.engine.kda_backends for layer in layers)
+    assert llm.engine.runner.kda_backends is llm.engine.kda_backends
     plans, forwards = [], []
-    real_plan, real_forward = KDABackends.plan_step, KDALayer._forward
-    monkeypatch.setattr(KDABackends, "plan_step", lambda self, meta: plans.append(meta) or real_plan(self, meta))
+    real_plan, real_forward = KDABackends.build_step, KDALayer._forward
+    monkeypatch.setattr(KDABackends, "build_step", lambda self, meta: plans.append(meta) or real_plan(self, meta))
     monkeypatch.setattr(KDALayer, "_forward", lambda self, *a: forwards.append(self.layer_idx) or real_forward(self, *a))
     llm.generate(PROMPTS[:3], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
     steps = llm.engine.counters["steps"]

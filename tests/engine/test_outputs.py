@@ -33,7 +33,7 @@ def test_outputs_read_late_show_their_own_step(engine):
 
 
 def test_outputs_share_a_metrics_dict_only_while_it_is_unchanged(engine):
-    """LLMEngine._metrics hands one dict to a request's outputs until a time is added or a count
+    """OutputProcessor._metrics hands one dict to a request's outputs until a time is added or a count
     changes (the output wire sends it only when new): a later change makes a new dict and never
     reaches the outputs before it."""
     engine.add_request("m", list(b"Metrics"), SamplingParams(max_tokens=6, ignore_eos=True))
@@ -61,7 +61,7 @@ def test_a_step_copies_no_list_of_everything_so_far(engine, monkeypatch):
     seq = seqs[0]
     real_detok = seq.detokenizer.add
     monkeypatch.setattr(seq.detokenizer, "add", lambda ids, **kw: passed.append(ids) or real_detok(ids, **kw))
-    engine.incremental_text = True
+    engine.output.incremental_text = True
     outs = []
     while engine.has_unfinished_requests():
         outs += engine.step()

@@ -92,7 +92,7 @@ def test_capacity_errors_give_sizes_in_the_unit_that_fits():
 
 
 def test_capacity_error_counts_sequences_not_slots_and_offers_only_what_helps():
-    from kdaserve.engine.model_runner import capacity_error
+    from kdaserve.engine.memory import capacity_error
 
     kw = dict(per_slot=1 << 20, one_seq=1 << 20, per_block=1 << 10, block_size=16, max_model_len=512,
               gpu_memory_utilization=0.9)

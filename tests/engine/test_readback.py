@@ -8,7 +8,6 @@ import torch
 
 from kdaserve.engine.readback import ReadbackRing
 from kdaserve.engine.sampler import PendingSample
-
 from kdaserve.testing.late_dma import LateDMA
 
 

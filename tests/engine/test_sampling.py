@@ -28,7 +28,8 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
     batched = _ids(llm.generate(PROMPTS, p, use_tqdm=False))
     alone = [_ids(llm.generate([x], p, use_tqdm=False))[0] for x in PROMPTS]
     assert batched == alone
-    other_seed = _ids(llm.generate(PROMPTS, SamplingParams(max_tokens=10, temperature=1.0, seed=99, ignore_eos=True), use_tqdm=False))
+    other_seed = _ids(llm.generate(PROMPTS, SamplingParams(max_tokens=10, temperature=1.0, seed=99, ignore_eos=True),
+                                   use_tqdm=False))
     assert other_seed != batched
     greedy = _ids(llm.generate(PROMPTS, SamplingParams(max_tokens=10, ignore_eos=True), use_tqdm=False))
     assert batched != greedy
@@ -37,7 +38,8 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
 def test_top_k_one_and_tiny_top_p_are_greedy(llm):
     greedy = _ids(llm.generate(PROMPTS, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False))
     topk1 = _ids(llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=2.0, top_k=1, ignore_eos=True), use_tqdm=False))
-    topp = _ids(llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=2.0, top_p=1e-6, seed=3, ignore_eos=True), use_tqdm=False))
+    topp = _ids(llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=2.0, top_p=1e-6, seed=3, ignore_eos=True),
+                             use_tqdm=False))
     assert topk1 == greedy == topp
 
 
@@ -58,7 +60,7 @@ def test_stop_token_ids_and_stop_strings(llm):
 def test_eos_stops_unless_ignored(llm, monkeypatch):
     full = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=10, ignore_eos=True), use_tqdm=False)[0]
     eos = full.output_token_ids[4]     # pretend this token is the model's EOS
-    monkeypatch.setattr(llm.engine, "eos_token_id", eos)
+    monkeypatch.setattr(llm.engine.output, "eos_token_id", eos)
     out = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=10), use_tqdm=False)[0]
     first = full.output_token_ids.index(eos)
     assert out.finish_reason == "stop" and out.output_token_ids == full.output_token_ids[: first + 1]

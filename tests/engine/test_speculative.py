@@ -15,7 +15,7 @@ from kdaserve.engine.args import add_engine_args
 from kdaserve.engine.speculative import SpeculativeConfig
 from kdaserve.engine.speculative.ngram_proposer import NgramProposer, TokenHistory, propose_ngram
 from kdaserve.engine.speculative.rejection_sampler import RejectionSampler, SampleGroup
-from kdaserve.ops.types import conv_state_rows
+from kdaserve.ops.kda.types import conv_state_rows
 from kdaserve.testing.speculative import ScriptedProposer
 
 S = 3
@@ -277,7 +277,8 @@ def test_prompt_lookup_takes_the_longest_most_recent_match():
     ("{not json", "not JSON"),
     ('{"method": "eagle", "num_speculative_tokens": 2}', "method 'eagle'"),
     ('{"num_speculative_tokens": 0}', r"num_speculative_tokens: got 0"),
-    ('{"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}', "prompt_lookup_min=4 > prompt_lookup_max=2"),
+    ('{"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}',
+     "prompt_lookup_min=4 > prompt_lookup_max=2"),
     ('{"num_speculative_tokens": 2, "draft_model": "x"}', "unknown keys"),
     ("[1, 2]", "expected a JSON object"),
 ])
@@ -317,7 +318,8 @@ def test_kimi_linear_mla_latent_cache_and_moe_under_speculation():
     prompts, params = PROMPTS[:3], SamplingParams(max_tokens=16, ignore_eos=True)
     plain = _ids(LLM("kimi-tiny", **kw), prompts, params)
     llm = LLM("kimi-tiny", speculative_config=NGRAM, **kw)
-    llm.engine.proposer = ScriptedProposer({tuple(p): w for p, w in zip(prompts, plain)}, S, lambda call: [2, 0, None, 1][call % 4])
+    llm.engine.proposer = ScriptedProposer({tuple(p): w for p, w in zip(prompts, plain)}, S,
+                                           lambda call: [2, 0, None, 1][call % 4])
     assert _ids(llm, prompts, params) == plain
     assert llm.engine.stats()["spec_decode_num_accepted_tokens"] > 0
     _no_leaks(llm)

@@ -12,11 +12,18 @@ from kdaserve.engine.sampling_params import SamplingParams
 from kdaserve.engine.scheduler import ScheduledBatch
 from kdaserve.engine.sequence import Sequence
 from kdaserve.engine.staging import StagingRing
-from kdaserve.engine.step_inputs import build_host_step, to_device_context
+from kdaserve.engine.step_inputs import build_host_step, to_device_step
+from kdaserve.layers.kda import KDALayer
 from kdaserve.models.tokenizer import ByteTokenizer
 
 BLOCK = 4
 CPU = torch.device("cpu")
+
+
+def _backends(num_spec_tokens: int = 0):
+    """The reference pair, which builds each step's KDA part from the staged tensors."""
+    return KDALayer.build(16, 2, 8, num_spec_tokens=num_spec_tokens, prefill_backend="reference",
+                          decode_backend="reference", device="cpu").backends
 
 
 def _seq(num_tokens: int, computed: int, slot: int, first_block: int) -> Sequence:
@@ -34,14 +41,15 @@ def _decodes(n: int, offset: int = 0) -> list[Sequence]:
 
 def _by_arrays(step):
     """The old way: one tensor per array (what the packed copy must reproduce)."""
-    cu = np.concatenate([[0], np.cumsum(step.prefill_lens)]).astype(np.int32)
+    cu = np.concatenate([[0], np.cumsum(step.prefill_query_lens)]).astype(np.int32)
     return {
         "input_ids": torch.from_numpy(step.input_ids), "positions": torch.from_numpy(step.positions),
-        "slot_mapping": torch.from_numpy(step.slot_mapping), "decode_slots": torch.from_numpy(step.decode_slots),
+        "slot_mapping": torch.from_numpy(step.slot_mapping),
+        "decode_state_indices": torch.from_numpy(step.decode_state_indices),
         "decode_context_lens": torch.from_numpy(step.decode_context_lens),
         "decode_block_tables": torch.from_numpy(step.decode_block_tables),
-        "cu": torch.from_numpy(cu), "prefill_slots": torch.from_numpy(step.prefill_slots),
-        "has_state": torch.from_numpy(step.prefill_has_state), "kv_rows": torch.from_numpy(step.prefill_kv_rows),
+        "cu": torch.from_numpy(cu), "prefill_state_indices": torch.from_numpy(step.prefill_state_indices),
+        "has_state": torch.from_numpy(step.prefill_has_initial_state), "kv_rows": torch.from_numpy(step.prefill_kv_rows),
     }
 
 
@@ -58,23 +66,27 @@ def test_eager_context_equals_one_copy_per_array(num_decodes, prefill_lens):
     assert step.decode_width % 16 == 0   # one Triton variant of the paged-attention row stride
     want = _by_arrays(step)
     ring = StagingRing(8, CPU)   # too small: grows on the first step
+    backends = _backends()
     for _ in range(2):          # a reused staging buffer gives the same
-        dev = to_device_context(step, CPU, ring)
+        dev = to_device_step(step, CPU, ring, backends)
         kda, attn = dev.context.kda, dev.context.attn
+        assert kda.built_by is backends and kda.num_decodes == num_decodes
+        assert kda.num_prefill_tokens == sum(prefill_lens)
         assert _eq(dev.input_ids, want["input_ids"]) and _eq(dev.positions, want["positions"])
         assert _eq(attn.slot_mapping, want["slot_mapping"])
         if num_decodes:
-            assert _eq(kda.decode_state_indices, want["decode_slots"])
+            assert _eq(kda.decode.state_indices, want["decode_state_indices"])
             assert _eq(attn.decode_context_lens, want["decode_context_lens"])
             assert _eq(attn.decode_block_tables, want["decode_block_tables"])
         else:
-            assert kda.decode_state_indices is None and attn.decode_block_tables is None
+            assert kda.decode is None and attn.decode_block_tables is None
         if prefill_lens:
-            assert _eq(kda.prefill_cu_seqlens, want["cu"]) and _eq(kda.prefill_cu_seqlens_cpu, want["cu"])
-            assert _eq(kda.prefill_state_indices, want["prefill_slots"])
-            assert _eq(kda.prefill_has_initial_state, want["has_state"]) and _eq(attn.prefill_kv_rows, want["kv_rows"])
+            seqs = kda.prefill.seqs
+            assert _eq(seqs.cu_seqlens, want["cu"]) and _eq(seqs.cu_seqlens_cpu, want["cu"])
+            assert _eq(seqs.state_indices, want["prefill_state_indices"])
+            assert _eq(seqs.has_initial_state, want["has_state"]) and _eq(attn.prefill_kv_rows, want["kv_rows"])
         else:
-            assert kda.prefill_cu_seqlens is None and attn.prefill_kv_rows is None
+            assert kda.prefill is None and attn.prefill_kv_rows is None
         rows = step.logits.sample_rows
         if rows == list(range(len(rows))):
             assert dev.sample_rows is None
@@ -93,15 +105,16 @@ def test_graph_static_inputs_follow_changing_batch_sizes():
         assert static.stage(step, bs) is None
         real, pad = slice(0, n), slice(n, bs)
         assert _eq(static.input_ids[real], want["input_ids"]) and _eq(static.positions[real], want["positions"])
-        assert _eq(static.slot_mapping[real], want["slot_mapping"])
-        assert _eq(static.state_indices[real], want["decode_slots"])
-        assert _eq(static.context_lens[real], want["decode_context_lens"])
-        assert _eq(static.block_tables[real], want["decode_block_tables"])
-        assert (static.state_indices[pad] == 0).all() and (static.slot_mapping[pad] == trash).all()
+        assert _eq(static.views["slot_mapping"][real], want["slot_mapping"])
+        assert _eq(static.views["decode_state_indices"][real], want["decode_state_indices"])
+        assert _eq(static.views["decode_context_lens"][real], want["decode_context_lens"])
+        assert _eq(static.views["decode_block_tables"][real], want["decode_block_tables"])
+        assert (static.views["decode_state_indices"][pad] == 0).all() and (static.views["slot_mapping"][pad] == trash).all()
         # Padding rows point at the null block in every column the step uses; later columns may
         # keep an older step's block ids, which no kernel reads (they stop at the context length).
         used = max(len(s.block_table) for s in _decodes(n, offset=k))
-        assert (static.context_lens[pad] == 1).all() and (static.block_tables[pad][:, :used] == 0).all()
+        assert (static.views["decode_context_lens"][pad] == 1).all()
+        assert (static.views["decode_block_tables"][pad][:, :used] == 0).all()
         assert (static.input_ids[pad] == 0).all() and (static.positions[pad] == 0).all()
 
 
@@ -163,12 +176,12 @@ def test_verify_steps_stage_every_draft_as_a_decode_row(num_decodes, prefill_len
     assert step.logits.sample_rows[: len(sample)] == sample
     assert [(g.first_row, g.drafts) for g in step.logits.groups[:num_decodes]] == \
         [(sum(len(x.draft_token_ids) + 1 for x in seqs[:i]), x.draft_token_ids) for i, x in enumerate(seqs)]
-    dev = to_device_context(step, CPU, StagingRing(8, CPU))
+    dev = to_device_step(step, CPU, StagingRing(8, CPU), _backends(S))
     kda, attn = dev.context.kda, dev.context.attn
     assert kda.num_decodes == num_decodes and kda.num_decode_tokens == nrows and attn.num_decode_tokens == nrows
-    assert kda.spec_state_indices.tolist() == [s.spec_slots + [s.state_slot] for s in seqs]
-    assert kda.num_accepted_tokens.tolist() == [s.num_accepted for s in seqs]
-    assert kda.decode_state_indices.tolist() == [s.state_slot for s in seqs]
+    assert kda.decode.spec_state_indices.tolist() == [s.spec_slots + [s.state_slot] for s in seqs]
+    assert kda.decode.num_accepted_tokens.tolist() == [s.num_accepted for s in seqs]
+    assert kda.decode.state_indices.tolist() == [s.state_slot for s in seqs]
     assert [row[: len(t)].tolist() for row, t in zip(attn.decode_block_tables, tables)] == tables
     if prefill_lens:   # the prefill chunk follows the verify rows
         assert dev.input_ids[nrows:].tolist() == prefills[0].token_ids[2:]
@@ -184,14 +197,15 @@ def test_graph_static_inputs_of_verify_steps_pad_whole_sequences():
         static.stage(step, bs)
         real, pad = slice(0, n * (S + 1)), slice(n * (S + 1), bs * (S + 1))
         assert static.input_ids[real].tolist() == ids and static.positions[real].tolist() == pos
-        assert static.slot_mapping[real].tolist() == slots and static.context_lens[real].tolist() == ctx
-        assert [r[: len(t)].tolist() for r, t in zip(static.block_tables[real], tables)] == tables
-        assert static.verify_slots[:n].tolist() == [s.spec_slots + [s.state_slot] for s in seqs]
-        assert static.num_accepted[:n].tolist() == [s.num_accepted for s in seqs]
-        assert (static.state_indices[n:bs] == 0).all() and (static.verify_slots[n:bs] == 0).all()
-        assert (static.num_accepted[n:bs] == 1).all() and (static.slot_mapping[pad] == trash).all()
+        assert static.views["slot_mapping"][real].tolist() == slots and static.views["decode_context_lens"][real].tolist() == ctx
+        assert [r[: len(t)].tolist() for r, t in zip(static.views["decode_block_tables"][real], tables)] == tables
+        assert static.views["spec_state_indices"][:n].tolist() == [s.spec_slots + [s.state_slot] for s in seqs]
+        assert static.views["num_accepted_tokens"][:n].tolist() == [s.num_accepted for s in seqs]
+        assert (static.views["decode_state_indices"][n:bs] == 0).all() and (static.views["spec_state_indices"][n:bs] == 0).all()
+        assert (static.views["num_accepted_tokens"][n:bs] == 1).all() and (static.views["slot_mapping"][pad] == trash).all()
         used = max(len(t) for t in tables)   # columns past them may hold older block ids (never read)
-        assert (static.context_lens[pad] == 1).all() and (static.block_tables[pad][:, :used] == 0).all()
+        assert (static.views["decode_context_lens"][pad] == 1).all()
+        assert (static.views["decode_block_tables"][pad][:, :used] == 0).all()
 
 
 def test_a_step_stages_only_the_block_table_columns_it_uses():
@@ -206,5 +220,38 @@ def test_a_step_stages_only_the_block_table_columns_it_uses():
     step = build_host_step(ScheduledBatch(decodes=seqs), BLOCK, decode_width=width)
     static.stage(step, 2)
     used = max(len(s.block_table) for s in seqs)
-    assert sent == [static.layout.fields["block_tables"][0] + 2 * used * 4]
-    assert [static.block_tables[i, : len(s.block_table)].tolist() for i, s in enumerate(seqs)] == [s.block_table for s in seqs]
+    assert sent == [static.layout.fields["decode_block_tables"][0] + 2 * used * 4]
+    assert [static.views["decode_block_tables"][i, : len(s.block_table)].tolist() for i,
+            s in enumerate(seqs)] == [s.block_table for s in seqs]
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_graph_capture_builds_its_context_over_the_static_buffers(m):
+    """The captured graph's Context is built by the same builder as an eager step's, over the
+    static buffers' first bs sequences: views (the replay reads their addresses), never copies.
+    The KDA part goes through the pair's build_for_capture, which refuses a backend that cannot be
+    captured."""
+    import dataclasses
+
+    from kdaserve.engine.step_context import build_context
+
+    static = DecodeStaticInputs(8, 6, 999, CPU, tokens_per_seq=m)
+    pair = _backends(m - 1)
+    with pytest.raises(ValueError, match="the reference KDA decode backend cannot be captured"):
+        build_context(static.views, pair, num_decodes=4, tokens_per_decode=m, for_capture=True)
+    capturable = dataclasses.replace(pair.decode, spec=dataclasses.replace(pair.decode.spec, graph_capturable=True))
+    pair = dataclasses.replace(pair, decode=capturable)
+    ctx = build_context(static.views, pair, num_decodes=4, tokens_per_decode=m, for_capture=True)
+    v = static.views
+    assert ctx.kda.built_by is pair and ctx.kda.num_decodes == 4 and ctx.kda.num_decode_tokens == 4 * m
+    assert ctx.kda.prefill is None and ctx.attn.num_decode_tokens == 4 * m
+    seqs = ctx.kda.decode
+    assert seqs.state_indices.data_ptr() == v["decode_state_indices"].data_ptr() and seqs.state_indices.shape == (4,)
+    if m > 1:
+        assert seqs.spec_state_indices.data_ptr() == v["spec_state_indices"].data_ptr()
+        assert seqs.spec_state_indices.shape == (4, m) and seqs.num_accepted_tokens.shape == (4,)
+    else:
+        assert seqs.spec_state_indices is None and seqs.num_accepted_tokens is None
+    for name in ("slot_mapping", "decode_block_tables", "decode_context_lens"):
+        t = getattr(ctx.attn, name)
+        assert t.data_ptr() == v[name].data_ptr() and t.shape[0] == 4 * m, name

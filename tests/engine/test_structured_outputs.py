@@ -13,9 +13,9 @@ import torch
 pytest.importorskip("xgrammar")
 
 from kdaserve.engine import LLM, SamplingParams
+from kdaserve.engine.staging import StagingRing
 from kdaserve.engine.structured_output import StructuredOutputsParams
 from kdaserve.engine.structured_output.bitmask import apply_grammar_masks
-from kdaserve.engine.staging import StagingRing
 
 # The random model likes whitespace; where a grammar allows any amount, these biases keep the
 # outputs short (the grammar still decides what is allowed).
@@ -89,7 +89,7 @@ def test_outputs_follow_their_grammar(llm):
         for out in _gen(llm, prompts, structured_outputs=spec, logit_bias=NO_SPACE, max_tokens=60):
             assert out.finish_reason == "stop", (spec, out.text)
             assert ok(out.text), (spec, out.text)
-            assert out.output_token_ids[-1] == llm.engine.eos_token_id, "a grammar ends with the model's end token"
+            assert out.output_token_ids[-1] == llm.engine.output.eos_token_id, "a grammar ends with the model's end token"
 
 
 def test_json_object_and_sampling(llm):
@@ -150,7 +150,8 @@ def test_preempted_request_keeps_its_grammar_state(llm):
 def test_special_tokens_are_never_allowed(llm):
     import xgrammar as xgr
 
-    compiler = llm.engine._grammar_compiler or llm.engine.compile_grammar(StructuredOutputsParams(regex="a")) and llm.engine._grammar_compiler
+    compiler = (llm.engine._grammar_compiler
+                or llm.engine.compile_grammar(StructuredOutputsParams(regex="a")) and llm.engine._grammar_compiler)
     bitmask = xgr.allocate_token_bitmask(1, llm.engine.vocab_size)
     m = compiler.matcher(StructuredOutputsParams(json_object=True))
     assert m.accept_string('{"a": "')   # inside a string: any text goes
@@ -209,7 +210,7 @@ def test_verify_rows_get_the_mask_after_their_drafts(llm):
     from kdaserve.engine.structured_output.bitmask import apply_grammar_masks_to_verify_rows
 
     llm.engine.compile_grammar(StructuredOutputsParams(regex="a"))
-    compiler, eos = llm.engine._grammar_compiler, llm.engine.eos_token_id
+    compiler, eos = llm.engine._grammar_compiler, llm.engine.output.eos_token_id
     V = llm.engine.vocab_size
     a, b, x = ord("a"), ord("b"), ord("x")
     m1 = compiler.matcher(StructuredOutputsParams(regex="ab"))

@@ -131,7 +131,8 @@ def test_warm_up_refuses_pools_that_are_in_use():
     engine = _engine()
     slot = engine.slots.allocate()
     with pytest.raises(RuntimeError, match=r"1 state slot\(s\) .* in use: finish or abort"):
-        warm_up(engine.runner, engine.slots, engine.blocks, engine.max_model_len)
+        warm_up(engine.runner, engine.slots, engine.blocks, engine.memory, vocab_size=engine.vocab_size,
+                tokenizer=engine.tokenizer)
     engine.slots.free(slot)
 
 

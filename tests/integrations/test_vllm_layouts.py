@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "integrations" / "vllm"))
 
 from kdaserve.backends import KDABackendChoice, LayerSettings, Machine, resolve_kda_backends  # noqa: E402
-from kdaserve.ops.types import KDACache  # noqa: E402
+from kdaserve.ops.kda.types import KDACache  # noqa: E402
 from kdaserve.testing import assert_rel_close, assert_slots_untouched  # noqa: E402
 from kdaserve.testing.inputs import make_kda_weights  # noqa: E402
 from kdaserve_vllm.gdn_step import run_gdn_step  # noqa: E402

@@ -51,7 +51,8 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     req = json.load(open(sys.argv[1]))
-    llm = LLM(model=req["model"], disable_log_stats=False, dtype=req.get("dtype", "float32"), max_model_len=256, tensor_parallel_size=req.get("tp", 1),
+    llm = LLM(model=req["model"], disable_log_stats=False, dtype=req.get("dtype", "float32"), max_model_len=256,
+              tensor_parallel_size=req.get("tp", 1),
               skip_tokenizer_init=True, enforce_eager=True, gpu_memory_utilization=0.3,
               enable_prefix_caching=req.get("enable_prefix_caching", False), **req.get("engine_args", {}),
               max_num_batched_tokens=req.get("max_num_batched_tokens", 256), max_num_seqs=8,

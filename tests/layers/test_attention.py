@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kdaserve.layers.attention import AttentionMetadata, paged_attention
+from kdaserve.layers.attention import paged_attention
+from kdaserve.layers.attention_metadata import AttentionMetadata
 from kdaserve.layers.rotary import RotaryEmbedding
 
 Hq, Hkv, D, BS = 4, 2, 8, 4
@@ -14,7 +15,8 @@ def dense_causal(q, k, v, scale):
     """q, k, v [L, H*, D] of one whole sequence -> [L, Hq, D]."""
     k = k.repeat_interleave(Hq // Hkv, 1)
     v = v.repeat_interleave(Hq // Hkv, 1)
-    return F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scale).transpose(0, 1)
+    return F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
+                                          scale=scale).transpose(0, 1)
 
 
 def rows(table, start, end):

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from kdaserve.backends import BackendSpec, BackendUnavailableError, register_backend, unregister_backend
-from kdaserve.layers.context import Context, set_context, reset_context
+from kdaserve.layers.context import Context, reset_context, set_context
 from kdaserve.layers.kda import KDALayer
 from kdaserve.layers.kda_routing import make_kda_metadata
 from kdaserve.layers.kda_weights import CHECKPOINT_NAMES, random_kda_checkpoint
-from kdaserve.ops.reference import kda_decode_reference
+from kdaserve.ops.kda.reference import kda_decode_reference
 from kdaserve.testing import assert_rel_close
 
 HID, H, D, W = 48, 4, 16, 4
@@ -52,7 +52,7 @@ def _clean_context():
 
 
 def make_layer(decode_backend="reference", seed=0, **kw):
-    layer = KDALayer(HID, H, D, conv_kernel_size=W, decode_backend=decode_backend, **{**F64, **kw})
+    layer = KDALayer.build(HID, H, D, conv_kernel_size=W, decode_backend=decode_backend, **{**F64, **kw})
     layer.load_weights(random_kda_checkpoint(HID, H, D, conv_width=W, dtype=torch.float64, seed=seed).items())
     return layer
 
@@ -87,7 +87,8 @@ def test_conv_weights_are_views_of_the_merged_buffer():
     addr = layer.conv_weight.data_ptr()
     layer.load_weights(ckpt.items())
     assert layer.conv_weight.data_ptr() == addr
-    assert torch.equal(layer.conv_weight, torch.cat([ckpt[n][:, 0] for n in ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight")]))
+    assert torch.equal(layer.conv_weight, torch.cat([ckpt[n][:, 0] for n in ("q_conv1d.weight", "k_conv1d.weight",
+                                                                             "v_conv1d.weight")]))
 
 
 def test_derived_copy_follows_load_reload_refit_and_weight_loader_at_one_address(toy_backend):
@@ -137,13 +138,15 @@ def test_decode_after_a_refit_uses_the_new_weights(toy_backend):
     conv_only = [(k, v) for k, v in refit.items() if k.endswith("conv1d.weight")]
     layer.load_weights(conv_only)
     x = torch.randn(2, HID, dtype=torch.float64)
-    set_context(Context(kda=make_kda_metadata(decode_slots=[2, 4])))
+    meta = make_kda_metadata(decode_slots=[2, 4])
+    set_context(Context(kda=layer.backends.build_step(meta)))
     y = layer(x)
 
     def reference_run(weights):
         ref = make_layer()  # reference decode: reads conv_weight directly
         ref.load_weights(weights)
         ref.bind_cache(conv0.clone(), rec0.clone())
+        set_context(Context(kda=ref.backends.build_step(meta)))
         return ref(x), ref.recurrent_state
 
     y_new, rec_new = reference_run(conv_only)
@@ -158,16 +161,16 @@ def test_tensor_parallel_shards_sum_to_the_full_layer():
     ckpt = random_kda_checkpoint(HID, H, D, conv_width=W, dtype=torch.float64, seed=3)
     x = torch.randn(7, HID, dtype=torch.float64)
     meta = make_kda_metadata(decode_slots=[1], prefill_lens=[4, 2], prefill_slots=[2, 3], prefill_has_initial_state=[True, False])
-    set_context(Context(kda=meta))
-    full = KDALayer(HID, H, D, **F64)
+    full = KDALayer.build(HID, H, D, **F64)
     full.load_weights(ckpt.items())
     conv, rec = bind_random_cache(full)
     conv0, rec0 = conv.clone(), rec.clone()
+    set_context(Context(kda=full.backends.build_step(meta)))
     y_full = full(x)
     P2 = H * D // 2
     y_sum = torch.zeros_like(y_full)
     for rank in range(2):
-        part = KDALayer(HID, H, D, tp_rank=rank, tp_size=2, **F64)
+        part = KDALayer.build(HID, H, D, tp_rank=rank, tp_size=2, **F64)
         assert part.load_weights(ckpt.items()) == set(CHECKPOINT_NAMES)
         assert part.num_heads == H // 2 and torch.equal(part.A_log, ckpt["A_log"][rank * 2 : rank * 2 + 2].float())
         # f_a and g_a are replicated: the last 2D rows of the fused projection equal the full layer's.
@@ -175,6 +178,7 @@ def test_tensor_parallel_shards_sum_to_the_full_layer():
         heads = slice(rank * 2, rank * 2 + 2)
         cs = conv0.view(conv0.shape[0], W - 1, 3, H, D)[:, :, :, heads].reshape(conv0.shape[0], W - 1, 3 * P2)
         part.bind_cache(cs.contiguous(), rec0[:, heads].clone())
+        set_context(Context(kda=part.backends.build_step(meta)))   # each rank's pair: its own heads
         y_sum += part(x)
         assert_rel_close(part.recurrent_state, rec[:, heads], 1e-12, f"rank {rank} states")
     assert_rel_close(y_sum, y_full, 1e-12, "sum of tensor-parallel ranks")
@@ -197,7 +201,7 @@ def test_bad_checkpoint_tensors_are_explained():
     with pytest.raises(ValueError, match="A_log must hold 4 values"):
         layer.load_weights([("A_log", torch.zeros(5))])
     with pytest.raises(ValueError, match="cannot be split evenly"):
-        KDALayer(HID, 3, D, tp_size=2, **F64)
+        KDALayer.build(HID, 3, D, tp_size=2, **F64)
 
 
 @pytest.mark.parametrize("layout, spec_tokens", [("SD", 0), ("DS", 2)])
@@ -216,11 +220,11 @@ def test_cache_spec_and_bind_cache(layout, spec_tokens):
 
 def test_impossible_backends_fail_at_construction():
     with pytest.raises(BackendUnavailableError, match="unmet requirement"):
-        KDALayer(HID, H, D, decode_backend="aiter", device="cpu")
+        KDALayer.build(HID, H, D, decode_backend="aiter", device="cpu")
     with pytest.raises(BackendUnavailableError, match="unmet requirement"):
-        KDALayer(HID, H, D, prefill_backend="flashkda", device="cpu")
+        KDALayer.build(HID, H, D, prefill_backend="flashkda", device="cpu")
     with pytest.raises(ValueError, match="lower_bound"):
-        KDALayer(HID, H, D, lower_bound=-7.0)
+        KDALayer.build(HID, H, D, lower_bound=-7.0)
 
 
 def test_device_moves_keep_the_views_and_derived_copies(toy_backend):

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from kdaserve.backends import LayerSettings, Machine, check_backend
-from kdaserve.layers.context import Context, KDAStepMetadata, reset_context, set_context
+from kdaserve.backends.step import KDAStepMetadata
+from kdaserve.layers.context import Context, reset_context, set_context
 from kdaserve.layers.kda import KDALayer
 from kdaserve.layers.kda_routing import make_kda_metadata
 from kdaserve.layers.kda_weights import random_kda_checkpoint
@@ -35,7 +36,8 @@ def _clean_context():
 
 
 def make_layer(decode_backend, seed=0):
-    layer = KDALayer(HID, H, D, decode_backend=decode_backend, prefill_backend="auto", params_dtype=torch.float32, device="cuda")
+    layer = KDALayer.build(HID, H, D, decode_backend=decode_backend, prefill_backend="auto", params_dtype=torch.float32,
+                           device="cuda")
     layer.load_weights(random_kda_checkpoint(HID, H, D, dtype=torch.float32, device="cuda", seed=seed).items())
     spec = layer.cache_spec()
     g = torch.Generator(device="cuda").manual_seed(seed + 1)
@@ -52,8 +54,9 @@ class CapturedDecode:
         self.layer = layer
         self.x = torch.zeros(N, HID, device="cuda")
         self.slots = torch.zeros(N, dtype=torch.int32, device="cuda")  # all padding while capturing
-        self.meta = KDAStepMetadata(num_decodes=N, num_decode_tokens=N, decode_state_indices=self.slots)
-        set_context(Context(kda=self.meta))
+        meta = KDAStepMetadata(num_decodes=N, num_decode_tokens=N, decode_state_indices=self.slots)
+        self.step = layer.backends.build_for_capture(meta)
+        set_context(Context(kda=self.step))
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):  # warm-up (autotuning, lazy init) outside the capture
@@ -67,7 +70,7 @@ class CapturedDecode:
     def replay(self, x, slots):
         self.x.copy_(x)
         self.slots.copy_(torch.tensor(slots, dtype=torch.int32))
-        set_context(Context(kda=self.meta))
+        set_context(Context(kda=self.step))
         self.graph.replay()
         return self.y.clone()
 
@@ -93,7 +96,7 @@ def test_replayed_decode_equals_eager(backend):
         y_graph = cap.replay(x, slots)
         after_graph = snapshot(layer)
         restore(layer, before)
-        set_context(Context(kda=make_kda_metadata(decode_slots=slots, device="cuda")))
+        set_context(Context(kda=layer.backends.build_step(make_kda_metadata(decode_slots=slots, device="cuda"))))
         y_eager = layer(x)
         rows = torch.tensor([s > 0 for s in slots], device="cuda")
         assert_rel_close(y_graph[rows], y_eager[rows], 1e-6, f"{backend} step {step}: replayed vs eager output")
@@ -116,14 +119,14 @@ def test_replayed_decode_inside_a_mixed_step_equals_eager(backend):
                               prefill_has_initial_state=pre_his, device="cuda")
     x = torch.randn(mixed.num_tokens, HID, device="cuda")
     before = snapshot(layer)
-    set_context(Context(kda=mixed))
+    set_context(Context(kda=layer.backends.build_step(mixed)))
     y_eager = layer(x)
     eager = snapshot(layer)
 
     restore(layer, before)
     y_dec = cap.replay(x[:N], dec_slots)
-    set_context(Context(kda=make_kda_metadata(prefill_lens=pre_lens, prefill_slots=pre_slots,
-                                              prefill_has_initial_state=pre_his, device="cuda")))
+    set_context(Context(kda=layer.backends.build_step(make_kda_metadata(
+        prefill_lens=pre_lens, prefill_slots=pre_slots, prefill_has_initial_state=pre_his, device="cuda"))))
     y_pre = layer(x[N:])
     rows = torch.tensor([s > 0 for s in dec_slots] + [True] * sum(pre_lens), device="cuda")
     assert_rel_close(torch.cat([y_dec, y_pre])[rows], y_eager[rows], 1e-5, f"{backend}: graph+eager vs eager mixed step")
@@ -139,7 +142,8 @@ def test_a_refit_after_capture_is_seen_by_the_replay(backend):
     addrs = {n: t.data_ptr() for n, t in [("conv", layer.conv_weight), ("derived", layer.conv_weight_decode)] if t is not None}
     new = random_kda_checkpoint(HID, H, D, dtype=torch.float32, device="cuda", seed=9)
     layer.load_weights((k, v) for k, v in new.items() if k.endswith("conv1d.weight") or k in ("A_log", "dt_bias"))
-    assert addrs == {n: t.data_ptr() for n, t in [("conv", layer.conv_weight), ("derived", layer.conv_weight_decode)] if t is not None}
+    assert addrs == {n: t.data_ptr() for n, t in [("conv",
+                                                   layer.conv_weight), ("derived", layer.conv_weight_decode)] if t is not None}
     slots = [3, 1, 4, 0, 5, 2]
     x = torch.randn(N, HID, device="cuda")
     before = snapshot(layer)
@@ -148,7 +152,7 @@ def test_a_refit_after_capture_is_seen_by_the_replay(backend):
     fresh = make_layer(backend)  # built directly with the new weights, same initial pools
     fresh.load_weights((k, v) for k, v in new.items() if k.endswith("conv1d.weight") or k in ("A_log", "dt_bias"))
     fresh.bind_cache(*before)
-    set_context(Context(kda=make_kda_metadata(decode_slots=slots, device="cuda")))
+    set_context(Context(kda=fresh.backends.build_step(make_kda_metadata(decode_slots=slots, device="cuda"))))
     y_fresh = fresh(x)
     rows = torch.tensor([s > 0 for s in slots], device="cuda")
     assert_rel_close(y_graph[rows], y_fresh[rows], 1e-6, f"{backend}: replay after refit vs a layer built with the new weights")

@@ -7,12 +7,13 @@ import dataclasses
 import pytest
 import torch
 
-from kdaserve.layers.context import Context, KDAStepMetadata, reset_context, set_context
+from kdaserve.backends.step import KDAStepMetadata
+from kdaserve.layers.context import Context, reset_context, set_context
 from kdaserve.layers.kda import KDALayer
 from kdaserve.layers.kda_routing import make_kda_metadata, run_kda_step, step_route
 from kdaserve.layers.kda_weights import random_kda_checkpoint
-from kdaserve.ops.reference import kda_decode_reference, kda_prefill_reference
-from kdaserve.ops.types import DecodeSeqs, KDACache, KDAInputs, PrefillSeqs
+from kdaserve.ops.kda.reference import kda_decode_reference, kda_prefill_reference
+from kdaserve.ops.kda.types import DecodeSeqs, KDACache, KDAInputs, PrefillSeqs
 from kdaserve.testing import assert_rel_close, assert_slots_untouched
 
 HID, H, D, W = 32, 2, 8, 4
@@ -26,7 +27,7 @@ def _clean_context():
 
 
 def make_layer(num_spec_tokens=0, conv_layout="SD", lower_bound=-5.0, num_slots=12):
-    layer = KDALayer(HID, H, D, conv_kernel_size=W, num_spec_tokens=num_spec_tokens, conv_layout=conv_layout,
+    layer = KDALayer.build(HID, H, D, conv_kernel_size=W, num_spec_tokens=num_spec_tokens, conv_layout=conv_layout,
                      lower_bound=lower_bound, **F64)
     gate = "bounded" if lower_bound is not None else "unbounded"
     layer.load_weights(random_kda_checkpoint(HID, H, D, conv_width=W, gate=gate, dtype=torch.float64, seed=2).items())
@@ -37,8 +38,13 @@ def make_layer(num_spec_tokens=0, conv_layout="SD", lower_bound=-5.0, num_slots=
     return layer
 
 
+def use(layer, meta):
+    """The step as the model runner sets it: built once by the layers' pair."""
+    set_context(Context(kda=layer.backends.build_step(meta)))
+
+
 def run(layer, meta, x):
-    set_context(Context(kda=meta))
+    use(layer, meta)
     return layer(x)
 
 
@@ -69,18 +75,19 @@ def test_mixed_step_equals_its_sequences_run_separately(conv_layout, gate_lb):
     meta = make_kda_metadata(decode_slots=dec_slots, prefill_lens=pre_lens, prefill_slots=pre_slots,
                              prefill_has_initial_state=pre_his)
     x = torch.randn(meta.num_tokens, HID, dtype=torch.float64)
-    qkv, beta, forget_logits, output_gate_logits = layer.project(x)  # once: the same core inputs for every run (GEMMs differ by T)
+    # Once: the same core inputs for every run (GEMMs differ by T).
+    qkv, beta, forget_logits, output_gate_logits = layer.project(x)
     calls = spy(layer)
 
     def core(meta, t0, t1):
-        set_context(Context(kda=meta))
+        use(layer, meta)
         out = torch.full((t1 - t0, H, D), float("nan"), dtype=torch.float64)
         layer._forward(qkv[t0:t1], forget_logits[t0:t1], beta[t0:t1], output_gate_logits[t0:t1], out)
         return out
 
     y_mixed = core(meta, 0, meta.num_tokens)
     assert [c[0] for c in calls] == ["decode", "prefill"]
-    assert step_route(meta) == "mixed"
+    assert step_route(layer.backends.build_step(meta)) == "mixed"
     mixed_conv, mixed_rec = layer.conv_state.clone(), layer.recurrent_state.clone()
 
     layer.conv_state.copy_(conv0)
@@ -115,7 +122,7 @@ def test_speculative_steps_take_the_recurrent_path(with_prefill):
     assert meta.num_decode_tokens == 3 * (S + 1)
     x = torch.randn(meta.num_tokens, HID, dtype=torch.float64)
     calls = spy(layer)
-    set_context(Context(kda=meta))
+    use(layer, meta)
     qkv, beta, forget_logits, output_gate_logits = layer.project(x)
     out = torch.full((meta.num_tokens, H, D), float("nan"), dtype=torch.float64)
     route = layer._forward(qkv, forget_logits, beta, output_gate_logits, out)
@@ -129,7 +136,8 @@ def test_speculative_steps_take_the_recurrent_path(with_prefill):
     nd = meta.num_decode_tokens
     ref_out = torch.full((nd, H, D), float("nan"), dtype=torch.float64)
     conv, rec = conv0.clone(), rec0.clone()
-    kda_decode_reference(KDAInputs(qkv[:nd], forget_logits[:nd], beta[:nd], output_gate_logits[:nd]), layer.kda_weights, KDACache(conv, rec),
+    kda_decode_reference(KDAInputs(qkv[:nd], forget_logits[:nd], beta[:nd], output_gate_logits[:nd]), layer.kda_weights,
+                         KDACache(conv, rec),
                          DecodeSeqs(meta.decode_state_indices, meta.spec_state_indices, meta.num_accepted_tokens), ref_out)
     valid = torch.tensor([True] * 3 + [False] * 3 + [True] * 3)
     assert_rel_close(out[:nd][valid], ref_out[valid], 1e-12, "speculative verify through the layer")
@@ -144,7 +152,7 @@ def test_a_step_without_metadata_touches_no_state():
     conv0, rec0 = layer.conv_state.clone(), layer.recurrent_state.clone()
     x = torch.randn(5, HID, dtype=torch.float64)
     for meta in (None, KDAStepMetadata()):
-        set_context(Context(kda=meta))
+        use(layer, meta)
         qkv, beta, forget_logits, output_gate_logits = layer.project(x)
         out = torch.full((5, H, D), float("nan"), dtype=torch.float64)
         assert layer._forward(qkv, forget_logits, beta, output_gate_logits, out) == "none"
@@ -156,12 +164,14 @@ def test_a_step_without_metadata_touches_no_state():
 
 
 def test_routes_by_step_kind():
-    assert step_route(None) == "none"
-    assert step_route(make_kda_metadata(decode_slots=[1, 2])) == "decode"
-    assert step_route(make_kda_metadata(prefill_lens=[3], prefill_slots=[1], prefill_has_initial_state=[False])) == "prefill"
-    assert step_route(make_kda_metadata(decode_slots=[1], spec_slots=[[1, 2]], num_accepted_tokens=[1])) == "speculative"
-    assert step_route(make_kda_metadata(decode_slots=[1], prefill_lens=[3], prefill_slots=[2],
-                                        prefill_has_initial_state=[False])) == "mixed"
+    build = make_layer(num_spec_tokens=1).backends.build_step
+    assert step_route(None) == "none" and build(None) is None and build(KDAStepMetadata()) is None
+    assert step_route(build(make_kda_metadata(decode_slots=[1, 2]))) == "decode"
+    assert step_route(build(make_kda_metadata(prefill_lens=[3], prefill_slots=[1],
+                                              prefill_has_initial_state=[False]))) == "prefill"
+    assert step_route(build(make_kda_metadata(decode_slots=[1], spec_slots=[[1, 2]], num_accepted_tokens=[1]))) == "speculative"
+    assert step_route(build(make_kda_metadata(decode_slots=[1], prefill_lens=[3], prefill_slots=[2],
+                                              prefill_has_initial_state=[False]))) == "mixed"
 
 
 def test_decode_padding_rows_touch_nothing():
@@ -175,27 +185,33 @@ def test_decode_padding_rows_touch_nothing():
 
 def test_token_count_must_match_the_metadata():
     layer = make_layer()
-    with pytest.raises(ValueError, match="3 tokens given, but the metadata counts 2 decode"):
+    with pytest.raises(ValueError, match="3 tokens given, but the step counts 2 decode"):
         run(layer, make_kda_metadata(decode_slots=[1, 2]), torch.randn(3, HID, dtype=torch.float64))
     layer.conv_state = layer.recurrent_state = None
     with pytest.raises(ValueError, match="bind_cache"):
         run(layer, make_kda_metadata(decode_slots=[1, 2]), torch.randn(2, HID, dtype=torch.float64))
 
 
-def test_a_step_without_its_plan_is_refused_by_name():
-    """run_kda_step needs the step's plan for each part it runs (backends.plan_step(meta))."""
-    layer = make_layer()
+def test_a_step_is_run_only_by_the_pair_that_built_it():
+    """A step's prefill tables fit the kernels and heads of the pair that built it: a layer with
+    another pair refuses it by name, and incomplete metadata is refused when the step is built."""
+    layer, other = make_layer(), KDALayer.build(HID, 2 * H, D, conv_kernel_size=W, **F64)
     x = torch.randn(2, HID, dtype=torch.float64)
     qkv, beta, forget_logits, output_gate_logits = layer.project(x)
     out = torch.empty(2, H, D, dtype=torch.float64)
     inputs = KDAInputs(qkv, forget_logits, beta, output_gate_logits)
-    decode_meta = make_kda_metadata(decode_slots=[1, 2])
-    with pytest.raises(ValueError, match=r"decodes without a decode plan \(backends.plan_step\(meta\)\)"):
-        run_kda_step(decode_meta, None, inputs, layer.kda_weights, layer.cache, out, layer.backends)
-    prefill_meta = make_kda_metadata(prefill_lens=[2], prefill_slots=[3], prefill_has_initial_state=[False])
-    decode_only = layer.backends.plan_step(decode_meta)  # a plan of the wrong kind
-    with pytest.raises(ValueError, match="prefills without a prefill plan"):
-        run_kda_step(prefill_meta, decode_only, inputs, layer.kda_weights, layer.cache, out, layer.backends)
+    foreign = other.backends.build_step(make_kda_metadata(decode_slots=[1, 2]))
+    with pytest.raises(ValueError, match=rf"built by the reference\+reference pair for {2 * H} heads, run by the layer's "
+                                         rf"reference\+reference for {H}"):
+        run_kda_step(foreign, inputs, layer.kda_weights, layer.cache, out, layer.backends)
+    with pytest.raises(ValueError, match="decodes without decode_state_indices"):
+        layer.backends.build_step(KDAStepMetadata(num_decodes=2, num_decode_tokens=2))
+    with pytest.raises(ValueError, match="prefills without cu_seqlens"):
+        layer.backends.build_step(KDAStepMetadata(num_prefills=1, num_prefill_tokens=2))
+    with pytest.raises(ValueError, match="a CUDA graph captures decode steps only"):
+        layer.backends.build_for_capture(make_kda_metadata(prefill_lens=[2], prefill_slots=[3],
+                                                           prefill_has_initial_state=[False]))
+
 
 
 def test_forward_follows_the_checkpoint_layout():

@@ -11,7 +11,7 @@ pytest.importorskip("tokenizers")
 from kdaserve.backends import KDABackendChoice
 from kdaserve.engine import LLM, SamplingParams
 from kdaserve.models.builtin import builtin_config
-from kdaserve.models.config import HybridConfig
+from kdaserve.models.hybrid_config import HybridConfig
 from kdaserve.models.loader import load_model, save_checkpoint
 from kdaserve.models.random_weights import random_checkpoint
 from kdaserve.models.tokenizer import ByteTokenizer, HFTokenizer

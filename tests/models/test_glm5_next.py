@@ -357,8 +357,8 @@ def test_fp8_scales_of_the_wrong_shape_or_without_a_weight_are_named():
 
 
 def test_a_model_too_large_for_the_gpu_says_so_with_the_numbers():
-    from kdaserve.models.capacity import parameter_count, weights_fit_error
     from kdaserve.models.builtin import released_config
+    from kdaserve.models.capacity import parameter_count, weights_fit_error
 
     config = released_config("zai-org/GLM-5.3-Flash")
     n = parameter_count(released_shapes(config))

@@ -3,7 +3,6 @@ reference paths on the same weights, CUDA graphs against eager, and the capacity
 Run: pytest -q tests/models/test_kimi_linear_gpu.py (skipped without a GPU)."""
 
 import pytest
-import torch
 
 from kdaserve.engine import LLM, SamplingParams
 from kdaserve.testing.speculative import ScriptedProposer
@@ -46,7 +45,9 @@ def test_bf16_serves_a_batch_with_graphs_and_chunked_prefill():
 
 def test_too_many_sequences_is_an_error_that_says_how_many_fit():
     """Ten million sequences of kimi-tiny's ~30 KB of KDA state each cannot fit on any card."""
-    with pytest.raises(RuntimeError, match=r"max_num_seqs=10000000 needs .* GiB of KDA state \(.* KiB per state slot\) .*: \d+ sequences fit; lower --max-num-seqs to at most \d+, or raise"):
+    with pytest.raises(RuntimeError,
+                       match=r"max_num_seqs=10000000 needs .* GiB of KDA state \(.* KiB per state slot\) .*: \d+ sequences fit; "
+                             r"lower --max-num-seqs to at most \d+, or raise"):
         LLM("kimi-tiny", device="cuda", max_num_seqs=10_000_000, max_model_len=512)
 
 

@@ -41,7 +41,7 @@ def nano():
 
 
 def test_nano_is_a_trained_checkpoint(nano):
-    assert nano.engine.model_name == "nano" and nano.engine.runner.model_config.model_type == "kimi_linear"
+    assert nano.engine.model_name == "nano" and nano.engine.runner.model.config.model_type == "kimi_linear"
     trained = _nats_per_byte(nano)
     random = _nats_per_byte(LLM("nano", device="cpu", max_model_len=1024, load_format="dummy"))
     # Training reached 0.79 nats/byte on held-out stdlib files; random weights sit near ln(260) = 5.56.

@@ -4,8 +4,8 @@ and loaded by kdaserve."""
 
 from __future__ import annotations
 
-import torch
 import pytest
+import torch
 
 transformers = pytest.importorskip("transformers")
 

@@ -5,10 +5,10 @@ kernels run)."""
 import pytest
 import torch
 
-import kdaserve.ops.adaptive as adaptive
-from kdaserve.ops.adaptive import kda_decode_adaptive, uses_fused
-from kdaserve.ops.chain import kda_decode_chain
-from kdaserve.ops.fused import kda_decode_fused
+import kdaserve.ops.kda.adaptive as adaptive
+from kdaserve.ops.kda.adaptive import kda_decode_adaptive, uses_fused
+from kdaserve.ops.kda.chain import kda_decode_chain
+from kdaserve.ops.kda.fused import kda_decode_fused
 from kdaserve.testing import make_kda_case, tolerance_for
 from kdaserve.testing.properties import check_decode_matches_reference, run_decode, with_fused_decode_layout
 

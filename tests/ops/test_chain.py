@@ -3,13 +3,13 @@
 
 import pytest
 import torch
+from compiled_mode import run_compiled
 
-from kdaserve.ops.chain import kda_decode_chain
-from kdaserve.ops.types import DecodeSeqs
-from kdaserve.ops.reference import kda_prefill_reference
+from kdaserve.ops.kda.chain import kda_decode_chain
+from kdaserve.ops.kda.reference import kda_prefill_reference
+from kdaserve.ops.kda.types import DecodeSeqs
 from kdaserve.testing import make_kda_case, tolerance_for
 from kdaserve.testing.properties import check_decode_matches_reference, check_long_decode, check_spec_resume, run_decode
-from compiled_mode import run_compiled
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -154,7 +154,8 @@ def test_consecutive_decode_steps_track_reference():
 @pytest.mark.slow
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 def test_gpu_long_decode_slow_decay_heads(state_dtype):
-    check_long_decode(kda_decode_chain, _gpu_case(8, state_dtype, seed=40, extra_slots=1), 512, tolerance_for(torch.bfloat16, state_dtype))
+    check_long_decode(kda_decode_chain, _gpu_case(8, state_dtype, seed=40, extra_slots=1), 512,
+                      tolerance_for(torch.bfloat16, state_dtype))
 
 
 # ---------------------------------------------------------------- CPU: compiled mode, not just the interpreter
@@ -164,10 +165,10 @@ import inspect, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kdaserve.ops.conv.update_kernel import conv_update_kernel
-from kdaserve.ops.conv.varlen_kernel import conv_varlen_out_kernel, conv_varlen_state_kernel
+from kdaserve.ops.kda.conv.update_kernel import conv_update_kernel
+from kdaserve.ops.kda.conv.varlen_kernel import conv_varlen_out_kernel, conv_varlen_state_kernel
 from kdaserve.ops.norm.gated_rms_norm import gated_rms_norm_kernel
-from kdaserve.ops.recurrent.kernel import kda_recurrent_kernel
+from kdaserve.ops.kda.recurrent.kernel import kda_recurrent_kernel
 
 def compile_for_sm90(fn, types, constexprs):
     params = list(inspect.signature(fn.fn).parameters)
@@ -181,7 +182,8 @@ def compile_for_sm90(fn, types, constexprs):
 bf, f32, i32 = "*bf16", "*fp32", "*i32"
 compile_for_sm90(conv_varlen_out_kernel, dict(x_ptr=bf, w_ptr=f32, state_ptr=bf, y_ptr=bf, cu_ptr=i32, idx_ptr=i32,
                  his_ptr="*i1", block_seq_ptr=i32, block_t0_ptr=i32), dict(W=4, BT=32, BC=128))
-compile_for_sm90(conv_varlen_state_kernel, dict(x_ptr=bf, state_ptr=bf, cu_ptr=i32, idx_ptr=i32, his_ptr="*i1"), dict(BL=8, BC=128))
+compile_for_sm90(conv_varlen_state_kernel, dict(x_ptr=bf, state_ptr=bf, cu_ptr=i32, idx_ptr=i32, his_ptr="*i1"),
+                 dict(BL=8, BC=128))
 for acc in (False, True):
     compile_for_sm90(conv_update_kernel, dict(x_ptr=bf, w_ptr=f32, state_ptr=bf, y_ptr=f32, idx_ptr=i32, acc_ptr=i32),
                      dict(W=4, BM=4 if acc else 2, BL=8, BC=256, HAS_ACCEPTED=acc))

@@ -1,4 +1,4 @@
-"""Shared entry-point checks (kdaserve/ops/checks.py): metadata only, no device sync.
+"""Shared entry-point checks (kdaserve/ops/kda/checks.py): metadata only, no device sync.
 
 The host copy `cu_seqlens_cpu` sizes every prefill grid and token range (conv token blocks,
 flash plan): a copy that disagrees with the step's T would make kernels read and write past
@@ -9,9 +9,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kdaserve.ops.checks import check_prefill
-from kdaserve.ops.conv import causal_conv_varlen_fwd
-from kdaserve.ops.flash import kda_prefill_flash
+from kdaserve.ops.kda.checks import check_prefill
+from kdaserve.ops.kda.conv import causal_conv_varlen_fwd
+from kdaserve.ops.kda.flash import kda_prefill_flash
 from kdaserve.testing import make_kda_case
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

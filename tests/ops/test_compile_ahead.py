@@ -144,8 +144,8 @@ def test_flash_compile_pass_takes_the_other_path_too(gate, lens, segment_len, dt
     """The compile pass's sibling (the path the step did not take) is built and run, once, for
     the first sequence. Here through the interpreter, where kernels run (nothing compiles), so
     only its plumbing is checked; on the GPU the test below checks what it compiles."""
-    from kdaserve.ops.flash import kda_prefill_flash
-    from kdaserve.ops.flash.prefill import FlashPrefill
+    from kdaserve.ops.kda.flash import kda_prefill_flash
+    from kdaserve.ops.kda.flash.prefill import FlashPrefill
     from kdaserve.testing import make_kda_case
 
     plans = []
@@ -170,10 +170,10 @@ def test_flash_compile_pass_takes_the_other_path_too(gate, lens, segment_len, dt
 # ------------------------------------------------------------------------------------------ GPU
 
 def _compiled_variants() -> int:
-    from kdaserve.ops.flash.correct import flash_correct_kernel
-    from kdaserve.ops.flash.prepare import flash_prepare_kernel
-    from kdaserve.ops.flash.recurrence import flash_recurrence_kernel
-    from kdaserve.ops.flash.scan import flash_scan_kernel
+    from kdaserve.ops.kda.flash.correct import flash_correct_kernel
+    from kdaserve.ops.kda.flash.prepare import flash_prepare_kernel
+    from kdaserve.ops.kda.flash.recurrence import flash_recurrence_kernel
+    from kdaserve.ops.kda.flash.scan import flash_scan_kernel
 
     dev = torch.cuda.current_device()
     return sum(len(k.device_caches[dev][0]) for k in (flash_prepare_kernel, flash_recurrence_kernel, flash_scan_kernel,
@@ -188,7 +188,7 @@ def test_gpu_flash_compile_pass_writes_nothing_and_compiles_the_segmented_path_t
     step of short sequences while warming up compiles the segmented kernels too (with the
     unbounded gate: 32-token chunks): a later long sequence, which flash segments, compiles
     nothing more."""
-    from kdaserve.ops.flash import flash_step_plan, kda_prefill_flash
+    from kdaserve.ops.kda.flash import flash_step_plan, kda_prefill_flash
     from kdaserve.testing import make_kda_case, tolerance_for
     from kdaserve.testing.properties import check_prefill_matches_reference
 

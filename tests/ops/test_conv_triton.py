@@ -6,9 +6,9 @@ On CPU the kernels run in Triton's interpreter (fp32/fp16, tiny shapes); GPU tes
 import pytest
 import torch
 
-from kdaserve.ops.conv import causal_conv_update_fwd, causal_conv_varlen_fwd
-from kdaserve.ops.reference import causal_conv_update, causal_conv_varlen
-from kdaserve.ops.types import conv_state_rows
+from kdaserve.ops.kda.conv import causal_conv_update_fwd, causal_conv_varlen_fwd
+from kdaserve.ops.kda.reference import causal_conv_update, causal_conv_varlen
+from kdaserve.ops.kda.types import conv_state_rows
 from kdaserve.testing import assert_rel_close, assert_slots_untouched, make_kda_case, nan_poison, tolerance_for
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -28,7 +28,8 @@ def _check_varlen_against_reference(case, y, ref, before):
     used = [s for s in case.state_indices.tolist() if s > 0]
     rows = torch.repeat_interleave(case.state_indices.cpu() > 0, torch.tensor(case.seq_lens)).to(y.device)
     ref_y = causal_conv_varlen(
-        ref.qkv, ref.weights.conv_weight, ref.conv_state, ref.cu_seqlens, ref.state_indices, ref.has_initial_state, ref.conv_layout
+        ref.qkv, ref.weights.conv_weight, ref.conv_state, ref.cu_seqlens, ref.state_indices, ref.has_initial_state,
+        ref.conv_layout
     )
     assert_rel_close(y[rows], ref_y[rows].to(y.dtype), tolerance_for(y.dtype), "conv output")
     assert torch.equal(

@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 
-from kdaserve.ops.chain import kda_decode_chain
-from kdaserve.ops.fused import kda_decode_fused
+from kdaserve.ops.kda.chain import kda_decode_chain
+from kdaserve.ops.kda.fused import kda_decode_fused
 from kdaserve.testing import make_kda_case, tolerance_for
 from kdaserve.testing.properties import check_long_decode, with_fused_decode_layout
 

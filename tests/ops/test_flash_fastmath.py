@@ -1,4 +1,4 @@
-"""kdaserve.ops.flash.fastmath on the GPU: each single-MUFU function meets the error bound that
+"""kdaserve.ops.kda.flash.fastmath on the GPU: each single-MUFU function meets the error bound that
 docs/flash-prefill.md's numerics rely on (the PTX forms exist only on NVIDIA; the interpreter runs
 plain Triton math, so these tests need a GPU)."""
 
@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kdaserve.ops.flash.fastmath import fast_exp, fast_rcp, fast_sigmoid, sigmoid_tanh
+from kdaserve.ops.kda.flash.fastmath import fast_exp, fast_rcp, fast_sigmoid, sigmoid_tanh
 
 gpu = pytest.mark.skipif(bool(triton.knobs.runtime.interpret) or not torch.cuda.is_available(),
                          reason="needs a GPU without the interpreter")

@@ -11,12 +11,12 @@ import os
 
 import pytest
 import torch
-
 import triton
+from compiled_mode import run_compiled
 
-from kdaserve.ops.flash import flash_step_plan, kda_prefill_flash
-from kdaserve.ops.flash.plan import build_plan, choose_segment_len
-from kdaserve.ops.flash.config import DEFAULT_CONFIG as CONFIG
+from kdaserve.ops.kda.flash import flash_step_plan, kda_prefill_flash
+from kdaserve.ops.kda.flash.config import DEFAULT_CONFIG as CONFIG
+from kdaserve.ops.kda.flash.plan import build_plan, choose_segment_len
 from kdaserve.testing import assert_rel_close, make_kda_case, tolerance_for
 from kdaserve.testing.properties import (
     check_mixed_equals_alone,
@@ -24,7 +24,6 @@ from kdaserve.testing.properties import (
     check_split_prefill,
     run_prefill,
 )
-from compiled_mode import run_compiled
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
 # 32-token chunks at LB = -5: entries above the diagonal of the anchored products may overflow to
@@ -240,7 +239,7 @@ def test_conv_history_longer_than_a_chunk(host_cu):
 def test_correction_grid_limit_is_a_clear_error_that_writes_nothing(monkeypatch):
     """Segments too long for the correction pass's grid (axis y, 65535 on CUDA; lowered here) are
     refused before any launch: the pools stay bit for bit, the output untouched."""
-    import kdaserve.ops.flash.prefill as flash_prefill
+    import kdaserve.ops.kda.flash.prefill as flash_prefill
 
     monkeypatch.setattr(flash_prefill, "_MAX_GRID_Y", 1)
     case = make_kda_case([300, 40], H=2, D=16, seed=21)
@@ -286,7 +285,7 @@ def test_bad_inputs_raise_clear_errors():
 def test_k1_register_cap_per_gate(monkeypatch):
     """K1's cap (NVIDIA's compiler only), the same for both its launches: the bounded gate's
     prepare_maxnreg, the unbounded gate's unbounded_prepare_maxnreg (0: none)."""
-    from kdaserve.ops.flash.prefill import FlashPrefill
+    from kdaserve.ops.kda.flash.prefill import FlashPrefill
 
     def cap(case, **changes):
         prefill = FlashPrefill(case.inputs, case.weights, case.cache, case.prefill_seqs, case.new_out(),
@@ -313,7 +312,7 @@ def test_the_config_is_frozen_and_a_variant_is_a_new_value():
 def test_one_step_plan_serves_every_layer_and_refuses_another_step():
     """flash_step_plan is built once per step; every layer's call with it equals a call that plans
     for itself, and a plan of another step (other lengths, other heads) is a clear error."""
-    from kdaserve.ops.flash import flash_step_plan
+    from kdaserve.ops.kda.flash import flash_step_plan
 
     case = make_kda_case([40, 7, 33], H=2, D=16, has_initial_state=[True, False, True], seed=24)
     plan = flash_step_plan(case.cu_seqlens, case.cu_seqlens_cpu, sum(case.seq_lens), 2, 16, True)
@@ -469,7 +468,7 @@ def test_bad_checkpoints_say_what_is_needed(offsets, message):
     backend that takes none says the engine cuts chunks."""
     from kdaserve.backends.registry import get_spec
     from kdaserve.backends.resolver import ResolvedBackend
-    from kdaserve.ops.types import CheckpointRequests, PrefillSeqs
+    from kdaserve.ops.kda.types import CheckpointRequests, PrefillSeqs
 
     case = make_kda_case([64, 40], H=2, D=16, extra_slots=4, seed=13)
     ck = CheckpointRequests.build([[(o, 5 + i) for i, o in enumerate(offs)] for offs in offsets], "cpu")

@@ -3,8 +3,8 @@ launch times (`python -m tools.tune_flash --calibrate` on a GPU)."""
 
 import pytest
 
-from kdaserve.ops.flash.config import FlashConfig
-from kdaserve.ops.flash.plan import full_rounds, segmented_rounds
+from kdaserve.ops.kda.flash.config import FlashConfig
+from kdaserve.ops.kda.flash.plan import full_rounds, segmented_rounds
 from tools.tune_flash import derive_cost_constants
 
 CFG = FlashConfig()  # defaults: 32-token chunks, one K2 program per SM, map pass V-halves, 2 per SM
@@ -38,7 +38,7 @@ def test_cost_constants_from_launch_times():
 
 def test_config_overrides_for_benchmark_columns():
     """bench_prefill / profile_prefill --config: 'field=value,...' typed as each field is."""
-    from kdaserve.ops.flash.config import with_overrides
+    from kdaserve.ops.kda.flash.config import with_overrides
 
     c = with_overrides(CFG, "prepare_half_dots=0,chunk=16,cost_step_full_us=2.5,unbounded_intra=nested")
     assert (c.prepare_half_dots, c.chunk, c.cost_step_full_us, c.unbounded_intra) == (False, 16, 2.5, "nested")
@@ -53,7 +53,7 @@ def test_config_overrides_for_benchmark_columns():
 def test_k1_register_caps_by_target():
     """K1's register caps apply on NVIDIA (Triton refuses the option on AMD: no cap there); every
     target takes fp16 operands for the inverse's products (each builds without spills)."""
-    from kdaserve.ops.flash.config import config_for_target
+    from kdaserve.ops.kda.flash.config import config_for_target
 
     assert config_for_target("sm_90").prepare_maxnreg == 168 and config_for_target("sm_100").prepare_maxnreg == 168
     assert config_for_target("gfx942").prepare_maxnreg == 0 and config_for_target("gfx950").prepare_maxnreg == 0

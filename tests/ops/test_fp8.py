@@ -10,8 +10,13 @@ import os
 import pytest
 import torch
 
-from kdaserve.ops.fp8 import (FP8_MAX, block_fp8_linear_reference, dequantize_blocks, quantize_blocks,
-                              quantize_per_token_group_reference)
+from kdaserve.ops.fp8 import (
+    FP8_MAX,
+    block_fp8_linear_reference,
+    dequantize_blocks,
+    quantize_blocks,
+    quantize_per_token_group_reference,
+)
 from kdaserve.ops.moe import RouterConfig, moe_experts_reference, route_tokens
 from kdaserve.ops.moe.reference import moe_experts_fp8_reference
 from kdaserve.testing.compare import assert_rel_close, rel_rms

@@ -7,15 +7,15 @@ GPU tests.
 """
 
 import functools
-
 from dataclasses import replace
 
 import pytest
 import torch
+from compiled_mode import run_compiled
 
-from kdaserve.ops.fused import FusedDecodeConfig, fused_conv_weight_layout, kda_decode_fused, launch_fused_decode
-from kdaserve.ops.fused.decode import default_config, split_workspace
-from kdaserve.ops.reference import kda_decode_reference, kda_prefill_reference
+from kdaserve.ops.kda.fused import FusedDecodeConfig, fused_conv_weight_layout, kda_decode_fused, launch_fused_decode
+from kdaserve.ops.kda.fused.decode import default_config, split_workspace
+from kdaserve.ops.kda.reference import kda_decode_reference, kda_prefill_reference
 from kdaserve.testing import assert_rel_close, make_kda_case, tolerance_for
 from kdaserve.testing.inputs import make_kda_weights
 from kdaserve.testing.properties import (
@@ -26,7 +26,6 @@ from kdaserve.testing.properties import (
     with_fused_decode_layout,
     with_padding_rows,
 )
-from compiled_mode import run_compiled
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = dict(H=2, D=16, device=DEV)
@@ -69,7 +68,7 @@ def test_launch_shapes_match_reference(layout, fn):
 def test_split_leaves_the_workspace_at_rest():
     """After every launch (both ways a split head meets) the counters are 0 and the o rows hold the
     sentinel again (no memset launch; CUDA graphs replay on them); later steps still match."""
-    from kdaserve.ops.fused.decode_kernel import WS_SENTINEL
+    from kdaserve.ops.kda.fused.decode_kernel import WS_SENTINEL
     for step, fn in enumerate([SPLIT4, SPLIT4]):
         case = make_kda_case([1] * 4, seed=30 + step, **SMALL)
         check_decode_matches_reference(fn, with_padding_rows(case, 1), 1e-5)
@@ -83,7 +82,7 @@ def test_split_workspace_grows_and_keeps_outgrown_buffers():
     c0, o0 = split_workspace(dev, 1, 1)
     c1, o1 = split_workspace(dev, c0.numel() + 1, o0.numel() + 1)
     assert c1.numel() > c0.numel() and o1.numel() > o0.numel() and not int(c1.abs().sum())
-    from kdaserve.ops.fused import decode as mod
+    from kdaserve.ops.kda.fused import decode as mod
     assert any(t is c0 for t in mod._RETIRED), "an outgrown buffer must stay alive for captured graphs"
     assert split_workspace(dev, 1, 1)[0] is c1
 
@@ -99,7 +98,8 @@ def test_default_config_by_batch():
 
 
 def test_fp16_inputs_and_contiguous_inputs_without_decode_layout():
-    """fp16 inputs (fp32 state), contiguous q|k|v, forget_logits/output_gate_logits/out as [T, P]; conv weight derived per call."""
+    """fp16 inputs (fp32 state), contiguous q|k|v, forget_logits/output_gate_logits/out as [T, P]; conv weight derived
+    per call."""
     case = make_kda_case([1] * 4, dtype=torch.float16, strided=False, seed=3, **SMALL)
     T, P = case.T, case.H * case.D
     case.forget_logits, case.output_gate_logits = case.forget_logits.reshape(T, P), case.output_gate_logits.reshape(T, P)
@@ -166,7 +166,7 @@ def test_reads_the_derived_conv_weight_when_set():
 
 
 def test_empty_step_is_a_no_op():
-    """T = 0 passes the shared checks (kdaserve/ops/checks.py) and launches nothing."""
+    """T = 0 passes the shared checks (kdaserve/ops/kda/checks.py) and launches nothing."""
     case = make_kda_case([], **SMALL)
     before = case.recurrent_state.clone(), case.conv_state.clone()
     run_decode(kda_decode_fused, case)
@@ -196,7 +196,8 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="conv_weight_decode"):
         kda_decode_fused(out=out, **{**args, "weights": bad})
     with pytest.raises(ValueError, match="K contiguous"):
-        kda_decode_fused(out=out, **{**args, "cache": replace(args["cache"], recurrent_state=case.recurrent_state.transpose(2, 3))})
+        kda_decode_fused(out=out, **{**args, "cache": replace(args["cache"],
+                                                              recurrent_state=case.recurrent_state.transpose(2, 3))})
     with pytest.raises(ValueError, match="out must be viewable"):
         kda_decode_fused(out=out.transpose(1, 2).contiguous().transpose(1, 2), **args)
     with pytest.raises(ValueError, match="block_v must be a power of two"):
@@ -271,7 +272,8 @@ def test_gpu_split_heads_over_several_waves(config):
 @pytest.mark.gpu
 def test_gpu_bf16_state_matches_reference():
     case = make_kda_case([1] * 33, dtype=torch.bfloat16, state_dtype=torch.bfloat16, seed=21, **GPU_SHAPE)
-    check_decode_matches_reference(kda_decode_fused, with_fused_decode_layout(case), tolerance_for(torch.bfloat16, torch.bfloat16))
+    check_decode_matches_reference(kda_decode_fused, with_fused_decode_layout(case),
+                                   tolerance_for(torch.bfloat16, torch.bfloat16))
 
 
 @pytest.mark.gpu
@@ -290,9 +292,10 @@ def test_gpu_spec_verify(layout, config):
 
 @pytest.mark.gpu
 def test_gpu_matches_chain():
-    chain = pytest.importorskip("kdaserve.ops.chain").kda_decode_chain
+    chain = pytest.importorskip("kdaserve.ops.kda.chain").kda_decode_chain
     case = make_kda_case([1] * 64, dtype=torch.bfloat16, seed=23, **GPU_SHAPE)
-    check_decode_agrees(kda_decode_fused, chain, with_fused_decode_layout(with_padding_rows(case, 5)), tolerance_for(torch.bfloat16),
+    check_decode_agrees(kda_decode_fused, chain, with_fused_decode_layout(with_padding_rows(case, 5)),
+                        tolerance_for(torch.bfloat16),
                         "fused vs chain")
 
 
@@ -364,13 +367,14 @@ import inspect, re
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kdaserve.ops.fused.decode_kernel import kda_fused_decode_kernel as kernel
+from kdaserve.ops.kda.fused.decode_kernel import kda_fused_decode_kernel as kernel
 
 params = list(inspect.signature(kernel.fn).parameters)
 bf, f32, i32 = "*bf16", "*fp32", "*i32"
 # (BV, warps, tokens, state): the default shapes (decode small/large, bf16 large, verify) and the whole head
 for bv, warps, tokens, state in ((8, 1, 1, f32), (64, 4, 1, f32), (32, 4, 4, bf), (128, 8, 1, f32)):
-    types = dict(qkv=bf, forget_logits=bf, beta_logits=bf, output_gate_logits=bf, conv_w=f32, A_log=f32, dt_bias=f32, norm_w=f32, conv_state=bf,
+    types = dict(qkv=bf, forget_logits=bf, beta_logits=bf, output_gate_logits=bf, conv_w=f32, A_log=f32, dt_bias=f32,
+                 norm_w=f32, conv_state=bf,
                  state=state, state_indices=i32, spec_indices=i32, num_accepted=i32, out=bf, ws_o=i32, ws_count=i32,
                  lower_bound="fp32", norm_eps="fp32")
     const = dict(H=32, D=128, L=2 + tokens, TOKENS=tokens, SCALE=128**-0.5, IS_SPEC=tokens > 1, BOUNDED_GATE=True, BV=bv,

@@ -11,10 +11,11 @@ import functools
 
 import pytest
 import torch
+from compiled_mode import run_compiled
 
-from kdaserve.ops.fused import FusedDecodeConfig, kda_decode_fused, launch_fused_decode
-from kdaserve.ops.fused import decode as fused_decode
-from kdaserve.ops.fused.decode import default_config
+from kdaserve.ops.kda.fused import FusedDecodeConfig, kda_decode_fused, launch_fused_decode
+from kdaserve.ops.kda.fused import decode as fused_decode
+from kdaserve.ops.kda.fused.decode import default_config
 from kdaserve.testing import make_kda_case, tolerance_for
 from kdaserve.testing.properties import (
     check_decode_agrees,
@@ -23,7 +24,6 @@ from kdaserve.testing.properties import (
     with_fused_decode_layout,
     with_padding_rows,
 )
-from compiled_mode import run_compiled
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = dict(H=2, D=16, device=DEV)
@@ -115,7 +115,7 @@ def test_verify_without_drafts_never_streams(monkeypatch, backend):
     but keeps its state in the spec slots: with the stream rule lowered to cover this step, the
     default path must still take a verify shape and match the reference (the stream kernel reads
     state_indices' slots: output and spec-slot state were wrong before the fix)."""
-    from kdaserve.ops.adaptive import kda_decode_adaptive
+    from kdaserve.ops.kda.adaptive import kda_decode_adaptive
 
     monkeypatch.setattr(fused_decode, "STREAM_FROM_HEADS", 1)
     N = 3
@@ -132,20 +132,22 @@ def test_verify_without_drafts_never_streams(monkeypatch, backend):
 
 _COMPILE = r'''
 import re
-from kdaserve.ops.fused import FusedDecodeConfig as C
+from kdaserve.ops.kda.fused import FusedDecodeConfig as C
 from tools.compile_check_fused import fused_kernel
-from kdaserve.ops.fused.decode import STREAM_BF16, STREAM_FP32
+from kdaserve.ops.kda.fused.decode import STREAM_BF16, STREAM_FP32
 from tools.sm90_compile import ptxas_report
 
 for cfg, state, D in ((STREAM_FP32, "*fp32", 128), (STREAM_BF16, "*bf16", 128), (C(32, 4, stream=True, prefetch=1), "*fp32", 128),
-                      (C(32, 4, stream=True, prefetch=0), "*bf16", 128), (C(8, 4, stream=True, stages=5, prefetch=2), "*fp32", 128),
+                      (C(32, 4, stream=True, prefetch=0), "*bf16", 128),
+                      (C(8, 4, stream=True, stages=5, prefetch=2), "*fp32", 128),
                       (STREAM_FP32, "*fp32", 16)):
     k = fused_kernel(cfg, state, D=D)
     ptx, rep = k.asm["ptx"], ptxas_report(k)
     assert "spill_st=0" in rep, (cfg, rep)
     # The state moves in 16-byte accesses: cp.async of 16 bytes (pipeline) or ld.global.v4, and st.global.v4.
     if D == 128:
-        loads = re.search(r"cp\.async\.cg\.shared\.global[^\n]*0x10", ptx) if cfg.stages else re.search(r"ld\.global[^\n]*\.v4", ptx)
+        pattern = r"cp\.async\.cg\.shared\.global[^\n]*0x10" if cfg.stages else r"ld\.global[^\n]*\.v4"
+        loads = re.search(pattern, ptx)
         assert loads and re.search(r"st\.global[^\n]*\.v4", ptx), ("state not vectorized", cfg)
     # No workspace, no meeting: neither atomics nor polling.
     assert "atom." not in ptx and "ld.volatile" not in ptx, cfg
@@ -189,10 +191,11 @@ def test_gpu_stream_shapes_over_many_waves(name, state_dtype):
 
 @pytest.mark.gpu
 def test_gpu_default_stream_matches_chain():
-    chain = pytest.importorskip("kdaserve.ops.chain").kda_decode_chain
+    chain = pytest.importorskip("kdaserve.ops.kda.chain").kda_decode_chain
     case = make_kda_case([1] * 128, H=16, D=128, dtype=torch.bfloat16, seed=23, device="cuda")  # 2048 heads
     assert default_config(128, 1, 128 * 16).stream
-    check_decode_agrees(kda_decode_fused, chain, with_fused_decode_layout(with_padding_rows(case, 5)), tolerance_for(torch.bfloat16),
+    check_decode_agrees(kda_decode_fused, chain, with_fused_decode_layout(with_padding_rows(case, 5)),
+                        tolerance_for(torch.bfloat16),
                         "stream vs chain")
 
 

@@ -10,6 +10,7 @@ activations live on the meta device (shapes and strides, no memory)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -18,17 +19,15 @@ import torch
 import triton.runtime.jit as triton_jit
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kdaserve.ops import checks
-from kdaserve.ops.checks import check_cu_seqlens_cpu
-import dataclasses
-
-from kdaserve.ops.conv import causal_conv_varlen_fwd, conv_step_tables
-from kdaserve.ops.conv.varlen import BLOCK_T, token_block_table
-from kdaserve.ops.flash import DEFAULT_CONFIG, flash_step_plan, kda_prefill_flash
-from kdaserve.ops.flash.plan import build_plan
-from kdaserve.ops.flash.prefill import FlashPrefill
-from kdaserve.ops.host_tables import host_offsets, tables_to_device
-from kdaserve.ops.types import KDACache, KDAInputs, KDAWeights, PrefillSeqs
+from kdaserve.ops.kda import checks
+from kdaserve.ops.kda.checks import check_cu_seqlens_cpu
+from kdaserve.ops.kda.conv import causal_conv_varlen_fwd, conv_step_tables
+from kdaserve.ops.kda.conv.varlen import BLOCK_T, token_block_table
+from kdaserve.ops.kda.flash import DEFAULT_CONFIG, flash_step_plan, kda_prefill_flash
+from kdaserve.ops.kda.flash.plan import build_plan
+from kdaserve.ops.kda.flash.prefill import FlashPrefill
+from kdaserve.ops.kda.host_tables import host_offsets, tables_to_device
+from kdaserve.ops.kda.types import KDACache, KDAInputs, KDAWeights, PrefillSeqs
 from kdaserve.testing import make_kda_case
 
 META = torch.device("meta")
@@ -235,7 +234,7 @@ def test_under_graph_capture_the_pinned_source_of_a_table_copy_is_kept(monkeypat
     """A captured host->device memcpy re-reads its source at every replay: under capture the
     source must outlive the call (the caching host allocator would hand a dropped pinned block
     to the next allocation)."""
-    from kdaserve.ops import host_tables
+    from kdaserve.ops.kda import host_tables
 
     monkeypatch.setattr(host_tables, "_CAPTURED_SOURCES", [])
     table = np.arange(7, dtype=np.int32)

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from kdaserve.ops.kda.reference import gated_rms_norm
 from kdaserve.ops.norm import gated_rms_norm_fwd
-from kdaserve.ops.reference import gated_rms_norm
 from kdaserve.testing import assert_rel_close, nan_poison, tolerance_for
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -24,7 +24,8 @@ def test_matches_reference(dtype, D):
     o, output_gate_logits, w = _inputs(7, 3, D, dtype)
     out = nan_poison(torch.empty(7, 3, D, dtype=dtype, device=DEV))
     gated_rms_norm_fwd(o, output_gate_logits, w, 1e-5, out)
-    assert_rel_close(out, gated_rms_norm(o.double(), output_gate_logits.double(), w).to(dtype), tolerance_for(dtype), "gated norm")
+    assert_rel_close(out, gated_rms_norm(o.double(), output_gate_logits.double(), w).to(dtype), tolerance_for(dtype),
+                     "gated norm")
 
 
 def test_fp32_output_from_fp16_input_keeps_fp32_math():
@@ -82,4 +83,5 @@ def test_gpu_bf16_real_shape():
     o, output_gate_logits, w = _inputs(4096, 32, 128, torch.bfloat16, seed=5)
     out = nan_poison(torch.empty_like(o))
     gated_rms_norm_fwd(o, output_gate_logits, w, 1e-5, out)
-    assert_rel_close(out, gated_rms_norm(o.double(), output_gate_logits.double(), w).to(torch.bfloat16), tolerance_for(torch.bfloat16), "gated norm")
+    assert_rel_close(out, gated_rms_norm(o.double(), output_gate_logits.double(), w).to(torch.bfloat16),
+                     tolerance_for(torch.bfloat16), "gated norm")

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from kdaserve.ops.recurrent import kda_recurrent_fwd
-from kdaserve.ops.reference import beta_sigmoid, kda_gate, kda_qkv_prepare, kda_recurrent_spec, kda_recurrent_varlen
+from kdaserve.ops.kda.recurrent import kda_recurrent_fwd
+from kdaserve.ops.kda.reference import beta_sigmoid, kda_gate, kda_qkv_prepare, kda_recurrent_spec, kda_recurrent_varlen
 from kdaserve.testing import assert_rel_close, assert_slots_untouched, make_kda_case, nan_poison, tolerance_for
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -37,7 +37,8 @@ def _check(case, y, spec=None, accepted=None, out_dtype=torch.float32):
     before = case.recurrent_state.clone()
     out = nan_poison(torch.empty(case.T, case.H, case.D, dtype=out_dtype, device=y.device))
     if spec is None:
-        kda_recurrent_fwd(y, case.forget_logits, case.beta_logits, case.recurrent_state, case.weights, out, state_indices=case.state_indices)
+        kda_recurrent_fwd(y, case.forget_logits, case.beta_logits, case.recurrent_state, case.weights, out,
+                          state_indices=case.state_indices)
         rows = case.state_indices > 0
         used = [s for s in case.state_indices.tolist() if s > 0]
     else:
@@ -75,7 +76,8 @@ def test_decode_flat_gate_and_strided_beta():
     y = _conv_output(case, torch.float32)
     out_a = nan_poison(torch.empty(case.T, case.H, case.D, device=DEV))
     out_b = nan_poison(torch.empty(case.T, case.H, case.D, device=DEV))
-    kda_recurrent_fwd(y, case.forget_logits, case.beta_logits, case.recurrent_state, case.weights, out_a, state_indices=case.state_indices)
+    kda_recurrent_fwd(y, case.forget_logits, case.beta_logits, case.recurrent_state, case.weights, out_a,
+                      state_indices=case.state_indices)
     kda_recurrent_fwd(y, ref_case.forget_logits.reshape(case.T, case.H, case.D).contiguous(), ref_case.beta_logits.contiguous(),
                       ref_case.recurrent_state, ref_case.weights, out_b, state_indices=ref_case.state_indices)
     assert torch.equal(out_a, out_b) and torch.equal(case.recurrent_state, ref_case.recurrent_state)
@@ -101,7 +103,8 @@ def test_block_v_choices_agree():
     for bv in (8, 16, 32):
         c = case.clone()
         out = nan_poison(torch.empty(c.T, c.H, c.D, device=DEV))
-        kda_recurrent_fwd(y, c.forget_logits, c.beta_logits, c.recurrent_state, c.weights, out, state_indices=c.state_indices, block_v=bv)
+        kda_recurrent_fwd(y, c.forget_logits, c.beta_logits, c.recurrent_state, c.weights, out, state_indices=c.state_indices,
+                          block_v=bv)
         outs.append((out, c.recurrent_state))
     for out, pool in outs[1:]:
         assert_rel_close(out, outs[0][0], 1e-6, "output across block_v")
@@ -113,7 +116,8 @@ def test_rejects_bad_inputs():
     y = _conv_output(case, torch.float32)
     out = torch.empty(2, 1, 16)
     with pytest.raises(ValueError, match="one token per sequence"):
-        kda_recurrent_fwd(y, case.forget_logits, case.beta_logits, case.recurrent_state, case.weights, out, state_indices=case.state_indices[:1])
+        kda_recurrent_fwd(y, case.forget_logits, case.beta_logits, case.recurrent_state, case.weights, out,
+                          state_indices=case.state_indices[:1])
     with pytest.raises(ValueError, match="num_accepted_tokens"):
         kda_recurrent_fwd(y, case.forget_logits, case.beta_logits, case.recurrent_state, case.weights, out,
                           spec_state_indices=case.state_indices.view(2, 1))

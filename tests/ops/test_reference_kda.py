@@ -1,16 +1,15 @@
 """The reference holds the properties of docs/kda-semantics.md, and its chunked form equals the loop."""
 
 import functools
-
 from dataclasses import replace
 
 import pytest
 import torch
 
-from kdaserve.ops.reference import kda_chunked_varlen, kda_decode_reference, kda_prefill_reference, kda_recurrent_varlen
-from kdaserve.ops.reference.gates import beta_sigmoid, kda_gate
-from kdaserve.ops.reference.kda import kda_qkv_prepare
-from kdaserve.ops.reference.conv import causal_conv_varlen
+from kdaserve.ops.kda.reference import kda_chunked_varlen, kda_decode_reference, kda_prefill_reference, kda_recurrent_varlen
+from kdaserve.ops.kda.reference.conv import causal_conv_varlen
+from kdaserve.ops.kda.reference.gates import beta_sigmoid, kda_gate
+from kdaserve.ops.kda.reference.kda import kda_qkv_prepare
 from kdaserve.testing import assert_rel_close, make_kda_case
 from kdaserve.testing.properties import (
     check_decode_matches_reference,
@@ -37,7 +36,8 @@ def core_inputs(case):
 @pytest.mark.parametrize("gate", ["bounded", "unbounded"])
 @pytest.mark.parametrize("initial", [False, True, None])
 def test_chunked_equals_token_loop_fp64(chunk_size, gate, initial):
-    case = make_kda_case([1, 70, 16, 33, 130], H=3, D=8, gate=gate, slow_decay_heads=1, has_initial_state=initial, seed=chunk_size, **F64)
+    case = make_kda_case([1, 70, 16, 33, 130], H=3, D=8, gate=gate, slow_decay_heads=1, has_initial_state=initial,
+                         seed=chunk_size, **F64)
     args = core_inputs(case)
     meta = (case.cu_seqlens, case.state_indices, case.has_initial_state)
     pool_loop, pool_chunk = case.recurrent_state.clone(), case.recurrent_state.clone()
@@ -127,7 +127,8 @@ def test_bad_shapes_raise_clear_errors():
     case = make_kda_case([3, 2])
     args = case.prefill_args()
     with pytest.raises(ValueError, match=r"beta_logits must be \[T, H\]"):
-        kda_prefill_reference(out=case.new_out(), **{**args, "inputs": replace(args["inputs"], beta_logits=case.beta_logits[:, :2])})
+        kda_prefill_reference(out=case.new_out(), **{**args,
+                                                     "inputs": replace(args["inputs"], beta_logits=case.beta_logits[:, :2])})
     with pytest.raises(ValueError, match=r"cu_seqlens must be \[N\+1\]"):
         kda_prefill_reference(out=case.new_out(), **{**args, "seqs": replace(args["seqs"], cu_seqlens=case.cu_seqlens[:2])})
     with pytest.raises(ValueError, match="conv_layout"):
@@ -160,7 +161,7 @@ def test_reference_checkpoints_by_pieces(layout):
     """The reference's state checkpoints (pieces run on copies of the slots) against the reference
     from scratch up to each offset: a sequence with history, one without, one with none asked; the
     step's own outputs and states bit for bit those of a run without checkpoints."""
-    from kdaserve.ops.reference import kda_prefill_reference
+    from kdaserve.ops.kda.reference import kda_prefill_reference
     from kdaserve.testing.properties import check_prefill_checkpoints
 
     case = make_kda_case([40, 23, 9], H=2, D=16, conv_layout=layout, has_initial_state=[True, False, True],

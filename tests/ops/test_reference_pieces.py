@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kdaserve.ops.reference import beta_sigmoid, causal_conv_varlen, gated_rms_norm, kda_gate, l2norm_qk
-from kdaserve.ops.reference.conv import causal_conv_update
+from kdaserve.ops.kda.reference import beta_sigmoid, causal_conv_varlen, gated_rms_norm, kda_gate, l2norm_qk
+from kdaserve.ops.kda.reference.conv import causal_conv_update
 
 
 def test_l2norm_scale_on_q_only():
@@ -49,7 +49,8 @@ def test_beta_and_norm_run_in_fp32():
     o, output_gate_logits, w = torch.randn(4, 2, 8), torch.randn(4, 2, 8), torch.randn(8)
     y = gated_rms_norm(o.half(), output_gate_logits.half(), w)
     assert y.dtype == torch.float32
-    ref = o.half().float() / (o.half().float().pow(2).mean(-1, keepdim=True) + 1e-5).sqrt() * w * torch.sigmoid(output_gate_logits.half().float())
+    rms = (o.half().float().pow(2).mean(-1, keepdim=True) + 1e-5).sqrt()
+    ref = o.half().float() / rms * w * torch.sigmoid(output_gate_logits.half().float())
     torch.testing.assert_close(y, ref)
 
 

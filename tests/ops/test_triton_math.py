@@ -40,7 +40,8 @@ def _assert_fp32_accurate(y: torch.Tensor, ref: torch.Tensor, x: torch.Tensor) -
     allowed = 2.0**-20 + x.double().abs() * 2.0**-23
     err = (y.double() - ref).abs() / ref.abs().clamp_min(1e-300)
     worst = int(torch.argmax(err / allowed))
-    assert bool((err <= allowed).all()), f"relative error {float(err[worst]):.3e} at x = {float(x[worst])} (allowed {float(allowed[worst]):.3e})"
+    assert bool((err <= allowed).all()), (f"relative error {float(err[worst]):.3e} at x = {float(x[worst])} "
+                                          f"(allowed {float(allowed[worst]):.3e})")
 
 
 def test_log1p_is_accurate_for_tiny_and_ordinary_arguments():

@@ -60,9 +60,9 @@ def make_engine():
 
 
 def make_engine_process(setup=None, **overrides):
-    """The same engine in its own process (kdaserve serve's default; server/engine_process.py);
+    """The same engine in its own process (kdaserve serve's default; engine/engine_process.py);
     `setup` runs on the engine there."""
-    from kdaserve.server.engine_process import EngineProcess
+    from kdaserve.engine.engine_process import EngineProcess
 
     return EngineProcess({**ENGINE_KWARGS, **overrides}, setup=setup)
 

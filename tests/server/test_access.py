@@ -173,7 +173,8 @@ def test_a_chat_template_override_renders_in_the_sandbox():
     from kdaserve.models.tokenizer import ByteTokenizer
 
     tok = ByteTokenizer()
-    tok.chat_template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+    tok.chat_template = ("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}>{% endif %}")
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "[user] hi\n>"
     tok.chat_template = "{{ messages.__class__.__mro__ }}"          # the sandbox refuses attribute escapes
     with pytest.raises(Exception, match="unsafe|not safely"):

@@ -3,7 +3,7 @@ its teacher-forced log-probs equal an in-process engine's on the same tasks."""
 
 from pathlib import Path
 
-from kdaserve.bench import accuracy as acc
+from kdaserve.evidence import accuracy as acc
 from kdaserve.models.tokenizer import ByteTokenizer
 
 

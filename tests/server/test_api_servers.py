@@ -11,15 +11,16 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
+from server_helpers import ENGINE_KWARGS
 
 from kdaserve.engine import LLMEngine, SamplingParams
+from kdaserve.engine.engine_process import EngineProcess
 from kdaserve.server.engine_loop import EngineLoop
-from kdaserve.server.engine_process import EngineProcess
 from kdaserve.server.launch import free_port
-from server_helpers import ENGINE_KWARGS
 
 
 def _recv(client, deadline: float) -> tuple:
@@ -91,7 +92,7 @@ def test_each_connection_gets_its_own_outputs_and_leaving_aborts_only_its_own():
 
 def test_the_request_limit_is_shared_by_the_api_servers():
     class Engine:
-        max_num_seqs = 8
+        info = SimpleNamespace(max_num_seqs=8, tokenizer=None)   # all a loop reads of an engine (EngineInfo)
 
     assert EngineLoop(Engine(), max_queued_requests=9).max_in_flight == 17
     assert EngineLoop(Engine(), max_queued_requests=9, api_server_count=2).max_in_flight == 8   # 2 x 8 <= 17

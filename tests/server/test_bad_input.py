@@ -58,8 +58,9 @@ def test_detokenize_refuses_ids_outside_the_vocabulary(client):
 
 def test_a_long_prompt_is_refused_by_its_character_count(client):
     """Over max_model_len x 64 characters: 400 without tokenizing (the tokenizer never sees it)."""
-    from kdaserve.server.serving import MAX_CHARS_PER_TOKEN
     from server_helpers import MAX_MODEL_LEN
+
+    from kdaserve.server.serving import MAX_CHARS_PER_TOKEN
 
     text = "x" * (MAX_MODEL_LEN * MAX_CHARS_PER_TOKEN + 1)
     assert "characters" in _error(client.post("/v1/completions", json={"model": "tiny", "prompt": text, "max_tokens": 2}))

@@ -53,7 +53,8 @@ def test_forged_end_of_turn_stays_text_with_a_checkpoint_tokenizer(hf_dir):
     assert ids.count(end) == 1 and ids.count(start) == 2     # the template's: one turn, one generation prompt
     assert tok.encode("<|im_end|>") == [end], "outside messages the special token still parses"
     clean = _msgs(("user", "hello"))
-    assert chat_prompt_ids(tok, clean, True, tok.encode) == tok.encode(tok.apply_chat_template([{"role": "user", "content": "hello"}]))
+    assert chat_prompt_ids(tok, clean, True,
+                           tok.encode) == tok.encode(tok.apply_chat_template([{"role": "user", "content": "hello"}]))
 
 
 def test_a_template_that_rewrites_message_text_refuses_forged_tokens(hf_dir):

@@ -1,4 +1,4 @@
-"""The engine in its own process (server/engine_process.py): outputs cross the pipe as deltas and
+"""The engine in its own process (engine/engine_process.py): outputs cross the pipe as deltas and
 come back equal to the engine's own; a dead engine process fails its requests and /health instead of
 hanging them; startup errors reach the caller; closing stops the process. (Every other server test
 runs against both ways of running the engine: conftest.py.)"""
@@ -10,12 +10,12 @@ import time
 
 import httpx
 import pytest
+from server_helpers import ENGINE_KWARGS, greedy, make_engine_process
 
 from kdaserve.engine import LLMEngine, RequestOutput, SamplingParams
+from kdaserve.engine.engine_process import EngineProcess
+from kdaserve.engine.output_wire import OutputDecoder, OutputEncoder
 from kdaserve.engine.outputs import ListPrefix
-from kdaserve.server.engine_process import EngineProcess
-from kdaserve.server.output_wire import OutputDecoder, OutputEncoder
-from server_helpers import ENGINE_KWARGS, greedy, make_engine_process
 
 
 def roundtrip(outputs: list[RequestOutput], prompts: dict) -> list[RequestOutput]:
@@ -57,7 +57,7 @@ def _run(engine, requests: list, abort_at: dict) -> list[RequestOutput]:
 
 
 def test_text_the_engine_process_leaves_to_the_api_process_is_the_engines_own():
-    """The engine process makes text only for requests with stop strings (LLMEngine.detokenize
+    """The engine process makes text only for requests with stop strings (OutputProcessor.detokenize
     off); the API process's decoder detokenizes the others. Every output (text included) equals
     the output of an engine that makes all text: random bytes (characters cut in half, held back
     and flushed at the end), a stop token left out of the text, several tokens per output
@@ -79,7 +79,7 @@ def test_text_the_engine_process_leaves_to_the_api_process_is_the_engines_own():
     abort_at = {6: ["aborted"]}
     reference = _run(LLMEngine(**ENGINE_KWARGS), requests, abort_at)
     engine = LLMEngine(**ENGINE_KWARGS)
-    engine.detokenize = False
+    engine.output.detokenize = False
     made = _run(engine, requests, abort_at)
     assert [o.text is None for o in made] == [o.request_id != "stop-string" for o in made]   # left to the decoder
     encoder, decoder = OutputEncoder(), OutputDecoder(engine.tokenizer)
@@ -109,7 +109,7 @@ def test_api_side_text_with_a_checkpoints_tokenizer():
     requests = [(r, reference_engine.tokenizer.encode(text), params) for r, text, params in requests]
     reference = _run(reference_engine, requests, {})
     engine = LLMEngine(**kwargs)
-    engine.detokenize = False
+    engine.output.detokenize = False
     encoder, decoder = OutputEncoder(), OutputDecoder(pickle.loads(pickle.dumps(engine.tokenizer)))
     for request_id, ids, _ in requests:
         decoder.begin(request_id, ids)
@@ -186,7 +186,7 @@ def test_a_request_posted_as_the_engine_process_ends_gets_an_error_not_silence()
 
     from kdaserve.server.engine_loop import ProcessEngineLoop, RequestGroup, _Add
 
-    engine = SimpleNamespace(max_num_seqs=4)
+    engine = SimpleNamespace(info=SimpleNamespace(max_num_seqs=4, tokenizer=None))   # what a loop reads (EngineInfo)
 
     async def run():
         loop = ProcessEngineLoop(engine)

@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from server_helpers import metric
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "examples" / "grafana.json"
@@ -89,7 +88,9 @@ def test_speculative_decoding_exports_vllms_spec_decode_counters():
         assert stats["spec_decode_num_draft_tokens"] > 0
 
         def exported(text):
-            return [metric(text, f"kdaserve:spec_decode_{n}_total") for n in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")] \
+            return [metric(text,
+                           f"kdaserve:spec_decode_{n}_total") for n in ("num_drafts", "num_draft_tokens",
+                                                                        "num_accepted_tokens")] \
                 + [metric(text, "kdaserve:spec_decode_num_accepted_tokens_per_pos_total", position=p) for p in range(2)]
 
         want = [stats[f"spec_decode_{n}"] for n in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")] \

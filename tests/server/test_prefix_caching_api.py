@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import pytest
-
 from server_helpers import MAX_MODEL_LEN, MAX_NUM_SEQS, greedy, metric
 
 httpx = pytest.importorskip("httpx")

@@ -4,7 +4,6 @@ only for a single sequence, on the final usage chunk of a stream."""
 from __future__ import annotations
 
 import pytest
-
 from server_helpers import greedy, make_engine, sse_events
 
 httpx = pytest.importorskip("httpx")

@@ -15,9 +15,9 @@ import pytest
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["process", "thread"])   # the process first: its device memory is freed when it ends
 def test_bench_model_serves_64_concurrent_streams_on_gpu(mode):
+    from kdaserve.engine.engine_process import EngineProcess
     from kdaserve.engine.llm_engine import LLMEngine
     from kdaserve.server.app import build_app
-    from kdaserve.server.engine_process import EngineProcess
     from kdaserve.server.launch import BackgroundServer
 
     kwargs = dict(model="bench", max_num_seqs=64, max_model_len=2048, device="cuda")

@@ -19,7 +19,8 @@ SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "color": {
           "required": ["ok", "color"]}
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-                                      "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Tokyo"]}},
+                                      "parameters": {"type": "object",
+                                                     "properties": {"city": {"type": "string", "enum": ["Paris", "Tokyo"]}},
                                                      "required": ["city"]}}},
     {"type": "function", "function": {"name": "noop"}},
 ]
@@ -31,11 +32,13 @@ def chat(**body) -> dict:
 
 
 def _schema_ok(obj) -> bool:
-    return isinstance(obj, dict) and set(obj) == {"ok", "color"} and isinstance(obj["ok"], bool) and obj["color"] in ("red", "green")
+    return isinstance(obj, dict) and set(obj) == {"ok",
+                                                  "color"} and isinstance(obj["ok"], bool) and obj["color"] in ("red", "green")
 
 
 def test_response_format_json_schema(client):
-    body = chat(response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}, n=2, temperature=0.8, seed=3)
+    body = chat(response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}, n=2,
+                temperature=0.8, seed=3)
     r = client.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
     for choice in r.json()["choices"]:
@@ -123,7 +126,8 @@ def test_required_output_with_several_calls_and_a_cut_one():
 
 
 def test_named_tool_choice(client):
-    r = client.post("/v1/chat/completions", json=chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+    r = client.post("/v1/chat/completions", json=chat(tools=TOOLS,
+                                                      tool_choice={"type": "function", "function": {"name": "get_weather"}}))
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     (call,) = choice["message"]["tool_calls"]
@@ -171,7 +175,8 @@ def test_tool_history_is_accepted(client):
     messages = [
         {"role": "user", "content": "weather?"},
         {"role": "assistant", "content": None,
-         "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+         "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                                          "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
     ]
     r = client.post("/v1/chat/completions", json=chat(messages=messages, tools=TOOLS, tool_choice="none", max_tokens=3))

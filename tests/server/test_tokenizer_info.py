@@ -27,12 +27,13 @@ def test_a_remote_tokenizer_works_from_it_alone(engine):
         info = http.get("/tokenizer_info").json()
         assert info["eos_token"] == "<|endoftext|>" and info["model_max_length"] == engine.max_model_len
         eos = http.post("/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False}).json()["tokens"]
-        assert eos == [engine.eos_token_id]
+        assert eos == [engine.output.eos_token_id]
         ids = http.post("/tokenize", json={"prompt": "héllo", "add_special_tokens": False}).json()["tokens"]
         assert http.post("/detokenize", json={"tokens": ids}).json()["prompt"] == "héllo"
         messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
         # lm-eval renders with a plain jinja2 Environment (StrictUndefined), then tokenizes the text.
-        text = jinja2.Environment(loader=jinja2.BaseLoader(), undefined=jinja2.StrictUndefined, keep_trailing_newline=True).from_string(
+        text = jinja2.Environment(loader=jinja2.BaseLoader(), undefined=jinja2.StrictUndefined,
+                                  keep_trailing_newline=True).from_string(
             info["chat_template"]).render(messages=messages, add_generation_prompt=True)
         client_side = http.post("/tokenize", json={"prompt": text}).json()["tokens"]
         server_side = http.post("/tokenize", json={"messages": messages}).json()["tokens"]

@@ -16,7 +16,12 @@ from kdaserve.server.chat_template import chat_prompt_ids
 from kdaserve.server.protocol import ChatCompletionRequest
 from kdaserve.server.tool_parsers import make_tool_parser
 from kdaserve.server.tool_parsers.kimi_k2 import (
-    ARG_BEGIN, CALL_BEGIN, CALL_END, SECTION_BEGIN, SECTION_END, StreamState,
+    ARG_BEGIN,
+    CALL_BEGIN,
+    CALL_END,
+    SECTION_BEGIN,
+    SECTION_END,
+    StreamState,
 )
 
 MARKERS = [SECTION_BEGIN, SECTION_END, CALL_BEGIN, ARG_BEGIN, CALL_END]
@@ -169,7 +174,8 @@ def test_auto_message_and_finish_reason(tok):
     ids = ids_of(tok, "Sure.", SECTION_BEGIN, *_call("get_weather", 0, '{"city": "Tokyo"}'), *_call("noop", 1, "{}"),
                  SECTION_END)
     message, calls = h._message(_req(), _out(tok, ids))
-    assert message["content"] == "Sure." and [c["id"] for c in message["tool_calls"]] == ["functions.get_weather:0", "functions.noop:1"]
+    assert message["content"] == "Sure."
+    assert [c["id"] for c in message["tool_calls"]] == ["functions.get_weather:0", "functions.noop:1"]
     assert message["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Tokyo"}'}
     message, calls = h._message(_req(parallel_tool_calls=False), _out(tok, ids))
     assert len(calls) == 1

@@ -8,7 +8,7 @@ import torch
 
 from kdaserve.backends.step import KDACache, KDAInputs, KDAStepMetadata
 from kdaserve.layers.kda_routing import run_kda_step
-from kdaserve.ops.types import KDAWeights
+from kdaserve.ops.kda.types import KDAWeights
 
 
 def run_gdn_step(m, backends, mixed_qkv: torch.Tensor, g1: torch.Tensor, g2: torch.Tensor, beta: torch.Tensor,
@@ -73,7 +73,7 @@ def _run(backends, meta: KDAStepMetadata, rows: torch.Tensor | slice, mixed_qkv,
         parts = [x.new_zeros(total, *x.shape[1:]).index_copy_(0, dest, x) for x in parts]
     inputs = KDAInputs(qkv=parts[0], forget_logits=parts[1], beta_logits=parts[2], output_gate_logits=parts[3])
     out = torch.empty(inputs.qkv.shape[0], H, D, dtype=g2.dtype, device=g2.device)
-    run_kda_step(meta, backends.plan_step(meta), inputs, weights, cache, out, backends)
+    run_kda_step(backends.build_step(meta), inputs, weights, cache, out, backends)
     return out if pad is None else out.index_select(0, pad[0])
 
 

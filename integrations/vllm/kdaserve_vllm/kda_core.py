@@ -31,7 +31,7 @@ from vllm.platforms import current_platform
 
 from kdaserve.backends import KDABackendChoice, LayerSettings, Machine, resolve_kda_backends
 from kdaserve.backends.step import KDACache
-from kdaserve.ops.types import KDAWeights
+from kdaserve.ops.kda.types import KDAWeights
 from kdaserve_vllm.gdn_step import fail_on_nan, run_gdn_step
 from kdaserve_vllm.options import plugin_options
 

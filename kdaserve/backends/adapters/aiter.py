@@ -21,8 +21,8 @@ import inspect
 import torch
 
 from kdaserve.backends.adapters.state_io import gather_states, scatter_states
-from kdaserve.ops.checks import check_decode_step, check_prefill_step
-from kdaserve.ops.types import DecodeSeqs, KDACache, KDAInputs, KDAWeights, PrefillSeqs
+from kdaserve.ops.kda.checks import check_decode_step, check_prefill_step
+from kdaserve.ops.kda.types import DecodeSeqs, KDACache, KDAInputs, KDAWeights, PrefillSeqs
 
 CHUNK = 64  # AITER's KDA prefill chunk size
 
@@ -52,7 +52,7 @@ def kda_prefill_aiter(
     cu_seqlens, state_indices, has_initial_state, cu_seqlens_cpu = seqs
     from aiter.ops.triton.attention.chunk_kda import chunk_kda
 
-    from kdaserve.ops.conv import causal_conv_varlen_fwd
+    from kdaserve.ops.kda.conv import causal_conv_varlen_fwd
     from kdaserve.ops.norm import gated_rms_norm_fwd
 
     _require_params(chunk_kda, ("chunk_indices", "chunk_offsets", "initial_state", "output_final_state", "out"), "chunk_kda")
@@ -86,7 +86,7 @@ def kda_decode_aiter(
     state_indices, spec_state_indices, num_accepted_tokens = seqs
     from aiter.ops.triton.attention.kda import fused_recurrent_kda
 
-    from kdaserve.ops.conv import causal_conv_update_fwd
+    from kdaserve.ops.kda.conv import causal_conv_update_fwd
     from kdaserve.ops.norm import gated_rms_norm_fwd
 
     _require_params(fused_recurrent_kda, ("ssm_state_indices", "num_accepted_tokens", "pad_slot_guard", "state_v_first",
@@ -106,7 +106,8 @@ def kda_decode_aiter(
         slots = torch.where(spec_state_indices[:, :1] > 0, spec_state_indices, 0).to(spec_state_indices.dtype).contiguous()
         accepted = num_accepted_tokens.clamp(1, m).to(torch.int32).contiguous()
     fused_recurrent_kda(
-        q, k, v, forget_logits.reshape(N, m, H, D).contiguous(), beta_logits.reshape(N, m, H).contiguous(), A_log=weights.A_log.float().contiguous(),
+        q, k, v, forget_logits.reshape(N, m, H, D).contiguous(), beta_logits.reshape(N, m, H).contiguous(),
+        A_log=weights.A_log.float().contiguous(),
         dt_bias=weights.dt_bias.float().reshape(H, D).contiguous(), initial_state=recurrent_state, scale=D**-0.5,
         output_final_state=False, inplace_final_state=True, state_v_first=True, ssm_state_indices=slots,
         num_accepted_tokens=accepted, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,

@@ -1,7 +1,7 @@
 """`fla` backends: flash-linear-attention 0.6.0's KDA kernels behind our calling convention.
 
 What runs where (why):
-- conv: our Triton conv (kdaserve.ops.conv). FLA's causal_conv1d keeps a dense [N, D, W] window per
+- conv: our Triton conv (kdaserve.ops.kda.conv). FLA's causal_conv1d keeps a dense [N, D, W] window per
   sequence and cannot read or update a paged conv pool (SD or DS, W-1+S rows) in place.
 - prefill core: `fla.ops.kda.chunk_kda` with the gate, l2norm and beta sigmoid in the kernel and a
   V-first state. It has no paged state: initial states are gathered from the pool (fp32, zeros
@@ -23,8 +23,8 @@ import os
 import torch
 
 from kdaserve.backends.adapters.state_io import gather_states, scatter_states
-from kdaserve.ops.checks import check_decode_step, check_prefill_step
-from kdaserve.ops.types import DecodeSeqs, KDACache, KDAInputs, KDAWeights, PrefillSeqs
+from kdaserve.ops.kda.checks import check_decode_step, check_prefill_step
+from kdaserve.ops.kda.types import DecodeSeqs, KDACache, KDAInputs, KDAWeights, PrefillSeqs
 
 os.environ.setdefault("FLA_FLASH_KDA", "0")
 
@@ -38,7 +38,7 @@ def _fla():
 
 
 def _conv():
-    from kdaserve.ops.conv import causal_conv_update_fwd, causal_conv_varlen_fwd
+    from kdaserve.ops.kda.conv import causal_conv_update_fwd, causal_conv_varlen_fwd
 
     return causal_conv_varlen_fwd, causal_conv_update_fwd
 

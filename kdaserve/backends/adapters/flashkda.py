@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from kdaserve.backends.adapters.state_io import gather_states, scatter_states
-from kdaserve.ops.checks import check_prefill_step
-from kdaserve.ops.types import KDACache, KDAInputs, KDAWeights, PrefillSeqs
+from kdaserve.ops.kda.checks import check_prefill_step
+from kdaserve.ops.kda.types import KDACache, KDAInputs, KDAWeights, PrefillSeqs
 
 
 def kda_prefill_flashkda(
@@ -24,7 +24,7 @@ def kda_prefill_flashkda(
     cu_seqlens, state_indices, has_initial_state, cu_seqlens_cpu = seqs
     import flash_kda
 
-    from kdaserve.ops.conv import causal_conv_varlen_fwd
+    from kdaserve.ops.kda.conv import causal_conv_varlen_fwd
     from kdaserve.ops.norm import gated_rms_norm_fwd
 
     T, H, D, _ = check_prefill_step(inputs, weights, cache, seqs, out)

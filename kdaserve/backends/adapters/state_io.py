@@ -19,7 +19,8 @@ def gather_states(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor | 
     if dtype is not None:
         dense = dense.to(dtype)
     if keep is not None:
-        dense = torch.where(keep.reshape(-1, *[1] * (dense.dim() - 1)), dense, torch.zeros((), dtype=dense.dtype, device=dense.device))
+        dense = torch.where(keep.reshape(-1, *[1] * (dense.dim() - 1)), dense,
+                            torch.zeros((), dtype=dense.dtype, device=dense.device))
     return dense
 
 

@@ -19,6 +19,7 @@ chunk ends on one, and where a decode crosses one (so a chat's answer is reusabl
 turn). With speculative decoding decode steps take none: a verify's state may be a rejected draft's.
 """
 
+from kdaserve.engine.prefix_cache.disabled import NoPrefixCache
 from kdaserve.engine.prefix_cache.prefix_cache import PrefixCache
 
-__all__ = ["PrefixCache"]
+__all__ = ["NoPrefixCache", "PrefixCache"]

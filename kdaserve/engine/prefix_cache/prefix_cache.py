@@ -35,6 +35,18 @@ class PrefixCache:
         self.queries = 0   # prompt tokens looked up (vLLM's prefix_cache_queries)
         self.hits = 0      # of them, found cached (prefix_cache_hits)
 
+    enabled = True
+
+    def begin_step(self) -> None:
+        """A new step: the restores of the step before are done, their checkpoints evictable again."""
+        self.checkpoints.pinned.clear()
+
+    def stats(self) -> dict:
+        """vLLM's prefix-cache counters and the pools' cached entries (LLMEngine.stats)."""
+        return {"prefix_cache_queries": self.queries, "prefix_cache_hits": self.hits,
+                "prefix_cache_blocks": self.blocks.num_cached, "prefix_cache_states": self.checkpoints.num_cached,
+                "prefix_cache_states_total": self.checkpoints.capacity}
+
     def hashes(self, seq: Sequence) -> list[bytes]:
         return self.hasher.extend(seq.block_hashes, seq.token_ids, seq.params.cache_salt)
 

@@ -2,8 +2,8 @@
 
 - config.py: `--speculative-config` (vLLM's JSON: method, num_speculative_tokens, prompt lookup).
 - ngram_proposer.py: prompt-lookup drafts from a sequence's own tokens (no draft model).
-- mtp_proposer.py: drafts from the model's multi-token-prediction layer (GLM-5.3-Flash), made by
-  the model runner after each step and held here until the verify that checks them.
+- mtp_drafter.py: drafts from the model's multi-token-prediction layer (GLM-5.3-Flash), made after
+  each step's forward; mtp_proposer.py holds them until the verify that checks them.
 - rejection_sampler.py: lossless acceptance (greedy match; rejection sampling for temperature > 0).
 
 How a verify step keeps the KDA state exact (docs/speculative-decoding.md has the whole design):

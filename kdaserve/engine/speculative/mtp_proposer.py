@@ -1,7 +1,7 @@
 """Drafts from the model's multi-token-prediction layer (speculative method "mtp").
 
 The model runner runs the MTP layer after every step's target forward, over the step's rows with
-the tokens that follow them (engine/model_runner.py `_mtp_drafts`), which keeps the layer's own
+the tokens that follow them (speculative/mtp_drafter.py), which keeps the layer's own
 attention caches filled for every computed position; the row of a sequence's newest token gives
 its draft for the next verify step. This proposer only holds those drafts between the step that
 made them and the verify that checks them: a draft is used only while the sequence is as long as

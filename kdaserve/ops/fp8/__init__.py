@@ -6,8 +6,13 @@ block), so each K block of a GEMM is one FP8 tensor-core dot times a row scale a
 reference.py holds the definitions; quant.py the activation quantizer; block_gemm.py the linear
 layer's GEMM; ops/moe/fused.py takes the same scales for the grouped expert GEMMs."""
 
-from kdaserve.ops.fp8.reference import (FP8_MAX, block_fp8_linear_reference, dequantize_blocks,
-                                        quantize_blocks, quantize_per_token_group_reference)
+from kdaserve.ops.fp8.reference import (
+                                        FP8_MAX,
+                                        block_fp8_linear_reference,
+                                        dequantize_blocks,
+                                        quantize_blocks,
+                                        quantize_per_token_group_reference,
+)
 
 __all__ = ["FP8_MAX", "block_fp8_linear_reference", "dequantize_blocks", "quantize_blocks",
            "quantize_per_token_group_reference"]

@@ -14,8 +14,8 @@ import triton
 import triton.language as tl
 
 from kdaserve.ops import interpreter_compat
+from kdaserve.ops.kda.host_tables import tables_to_device
 from kdaserve.ops.precision import WIDE_SHARED_MEMORY_TARGETS, device_target, dot_precision
-from kdaserve.ops.host_tables import tables_to_device
 
 
 @triton.jit

@@ -26,8 +26,8 @@ from kdaserve.ops.activation.swiglu import silu_product
 from kdaserve.ops.compile_ahead import compiles_ahead
 from kdaserve.ops.fp8.quant import quantize_per_token_group
 from kdaserve.ops.fp8.reference import FP8
-from kdaserve.ops.precision import WIDE_SHARED_MEMORY_TARGETS, device_target, dot_precision
 from kdaserve.ops.moe.align import align_to_experts
+from kdaserve.ops.precision import WIDE_SHARED_MEMORY_TARGETS, device_target, dot_precision
 
 
 @triton.jit

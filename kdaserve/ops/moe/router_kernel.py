@@ -21,6 +21,7 @@ import triton.language as tl
 
 from kdaserve.ops import interpreter_compat
 
+
 @triton.jit
 def _route_kernel(
     logits_ptr, stride_l, bias_ptr, w_ptr, ids_ptr, T, E, scale, extra_id,

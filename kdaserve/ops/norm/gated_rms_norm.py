@@ -56,9 +56,11 @@ def _expect(cond: bool, msg: str) -> None:
 def as_head_view(t: torch.Tensor, T: int, H: int, D: int, name: str) -> torch.Tensor:
     """A [T, H, D] view of a [T, H, D] or [T, P] tensor (no copy); last dim must be contiguous."""
     if t.dim() == 2:
-        _expect(tuple(t.shape) == (T, H * D) and t.stride(1) == 1, f"{name} must be [T, P] = [{T}, {H * D}] with contiguous columns, got {tuple(t.shape)} strides {t.stride()}")
+        _expect(tuple(t.shape) == (T, H * D) and t.stride(1) == 1,
+                f"{name} must be [T, P] = [{T}, {H * D}] with contiguous columns, got {tuple(t.shape)} strides {t.stride()}")
         return t.view(T, H, D) if t.stride(0) == H * D else t.as_strided((T, H, D), (t.stride(0), D, 1))
-    _expect(tuple(t.shape) == (T, H, D) and t.stride(2) == 1, f"{name} must be [T, H, D] = [{T}, {H}, {D}] with a contiguous last dim, got {tuple(t.shape)} strides {t.stride()}")
+    _expect(tuple(t.shape) == (T, H, D) and t.stride(2) == 1,
+            f"{name} must be [T, H, D] = [{T}, {H}, {D}] with a contiguous last dim, got {tuple(t.shape)} strides {t.stride()}")
     return t
 
 
@@ -84,7 +86,8 @@ def gated_rms_norm_fwd(
     _expect(weight.shape == (D,) and weight.stride(0) == 1, f"weight must be a contiguous [D] = [{D}], got {tuple(weight.shape)}")
     if row_state_indices is not None:
         _expect(row_state_indices.dim() == 1 and row_state_indices.shape[0] * tokens_per_index == T,
-                f"row_state_indices must be [T / tokens_per_index] = [{T // max(tokens_per_index, 1)}], got {tuple(row_state_indices.shape)}")
+                f"row_state_indices must be [T / tokens_per_index] = [{T // max(tokens_per_index, 1)}], got "
+                f"{tuple(row_state_indices.shape)}")
     if T * H == 0:
         return out
     BD = triton.next_power_of_2(D)
