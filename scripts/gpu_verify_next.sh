@@ -13,12 +13,13 @@
 # Add a part as `if [ "$PART" = name ]; then ... fi` below, with what it must show, and name it in
 # OWED; take it out of OWED once it ran (its numbers go to docs/perf-notes.md).
 OWED=(
-  after_removal   # any GPU (thirty-second session): flash's GPU tests with the L2 lookahead and the
-                  # FIRST launch's cap removed, and the vLLM plugin's NaN check on CUDA
+  house_speed     # on an H200 (issue 59 asks it there; the H100 ran it, thirty-third session: within A/A):
+                  # .old = `git archive 6eb0c8b kdaserve benchmarks`
   kimi_ttft       # on an H200 (Kimi-Linear needs 91.5 GiB): TTFT with the thirtieth session's K1;
                   # twenty-ninth session 8K 138.6 ms, 32K 648.1 ms, KDA 94.80 ms of the 32K prefill
 )
-# Done, kept to run again: k1_models and k1_models2 (thirty-second session, H100: all passed),
+# Done, kept to run again: after_removal, house_tests, house_tests2, house_server and house_speed
+# (thirty-third session, H100: all passed, throughput within A/A), k1_models and k1_models2 (thirty-second session, H100: all passed),
 # k1_ncu (K1 under Nsight Compute), k1_defaults (the K1 GPU tests and
 # the new defaults against the old), k1_prefetch_ncu, k1_table, k1_order (issue 21 goal 3), by the thirtieth
 # session; moe_ncu (goal 4: the fused MoE prefill kernels under Nsight Compute),
@@ -216,6 +217,48 @@ if [ "$PART" = k1_order ]; then
   (cd .old && timeout $(cap 40) python3 benchmarks/profile_prefill.py --columns flash --heads 64 --shapes 16x1K \
     > "$OUT/ko_prof_old.log" 2>&1)
   echo "== old profile rc=$?"; grep "^H=\|flash_prepare" "$OUT/ko_prof_old.log"
+fi
+
+if [ "$PART" = house_tests ]; then
+  # Must show (issue 59): every test of these files passes with the rebuilt engine: the step's
+  # Context built once by step_context.build_context (eager) and for capture (graphs, KDA
+  # build_for_capture), the KDA layers' steps built by the loader's pair, the memory plan sized
+  # before the pools, the MTP drafter apart from the runner, the output processor apart from the
+  # scheduler. One pytest process per file.
+  group engine 200 tests/engine/test_engine_gpu.py
+  group kda_layer 120 tests/layers/test_kda_layer_gpu.py
+  group host_overhead 100 tests/engine/test_host_overhead_gpu.py
+  group flash 150 tests/ops/test_flash_prefill.py -k "gpu and not 128k"
+fi
+
+if [ "$PART" = house_tests2 ]; then
+  group prefix 150 tests/engine/test_prefix_caching_gpu.py
+  group structured 120 tests/engine/test_structured_outputs_gpu.py
+  group server 120 tests/server/test_server_gpu.py
+  group kimi 100 tests/models/test_kimi_linear_gpu.py
+  group glm 120 tests/models/test_glm5_next.py -k gpu
+fi
+
+if [ "$PART" = house_server ]; then
+  # Must show: the server's GPU tests pass on the rebuilt engine (the server reads only EngineInfo).
+  group server 150 tests/server/test_server_gpu.py
+fi
+
+if [ "$PART" = house_speed ]; then
+  # Must show (issue 59: the house's rebuild changes no speed): bench_throughput.py's output tok/s
+  # and engine decode step for flash+fused, old and new code alternating (new, old, new, old), each
+  # invocation a process of its own: |new - old| within the spread of the two new runs (A/A) and of
+  # the two old runs, else the difference is real and goes to docs/perf-notes.md.
+  [ -d .old/kdaserve ] || { echo "carry .old (git archive <commit before issue 59> kdaserve benchmarks | tar -x -C .old)"; exit 1; }
+  # ROUNDS invocations (default 8: four of each); the H100's first run (2026-12-06, 128 x 512/64) took
+  # 15 s an invocation.
+  for i in $(seq 1 "${ROUNDS:-8}"); do
+    dir=.; code=new; [ $((i % 2)) -eq 0 ] && { dir=.old; code=old; }
+    [ $(( $(date +%s) - START )) -gt $(( BUDGET - 90 )) ] && { echo "== invocation $i NOT RUN (budget)"; continue; }
+    (cd $dir && timeout 90 python3 benchmarks/bench_throughput.py --pairs flash+fused > "$OUT/house_speed_$i.log" 2>&1)
+    echo "== invocation $i, $code code rc=$?"; grep "^flash+fused  " "$OUT/house_speed_$i.log" | tail -1
+  done
+  grep -m1 "^pair " "$OUT/house_speed_1.log"
 fi
 
 if [ "$PART" = after_removal ]; then
