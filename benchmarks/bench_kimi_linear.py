@@ -137,6 +137,7 @@ def main() -> None:
     ap.add_argument("--decode-ctx", type=int, default=512, help="prompt tokens of the decode batches")
     ap.add_argument("--ttft", type=int, nargs="+", default=None, help="prompt lengths to time (default: --ctx)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.92)
+    ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs to split the model over")
     args = ap.parse_args()
     t0 = time.time()
     bw = copy_bandwidth()
@@ -145,7 +146,8 @@ def main() -> None:
     lengths = args.ttft or [args.ctx]
     longest = max(lengths + [args.ctx])
     llm = LLM(args.model, load_format="dummy", max_num_seqs=maxb, max_model_len=longest + 64,
-              max_num_batched_tokens=longest, gpu_memory_utilization=args.gpu_memory_utilization, warmup=False)
+              max_num_batched_tokens=longest, gpu_memory_utilization=args.gpu_memory_utilization, warmup=False,
+              tensor_parallel_size=args.tensor_parallel_size)
     eng, runner = llm.engine, llm.engine.runner
     model = runner.model
     torch.cuda.synchronize()

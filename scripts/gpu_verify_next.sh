@@ -15,6 +15,8 @@
 OWED=(
   house_speed     # on an H200 (issue 59 asks it there; the H100 ran it, thirty-third session: within A/A):
                   # .old = `git archive 6eb0c8b kdaserve benchmarks`
+  tp_gpus         # two or more GPUs (kind nvidia-h100-x2 or larger; issue 61): tensor parallel over NCCL with
+                  # CUDA graphs per rank, and its throughput against one GPU
   kimi_ttft       # on an H200 (Kimi-Linear needs 91.5 GiB): TTFT with the thirtieth session's K1;
                   # twenty-ninth session 8K 138.6 ms, 32K 648.1 ms, KDA 94.80 ms of the 32K prefill
 )
@@ -237,6 +239,22 @@ if [ "$PART" = house_tests2 ]; then
   group server 120 tests/server/test_server_gpu.py
   group kimi 100 tests/models/test_kimi_linear_gpu.py
   group glm 120 tests/models/test_glm5_next.py -k gpu
+fi
+
+if [ "$PART" = tp_gpus ]; then
+  # Must show (issue 60, on issue 61's machines): tests/engine/test_tensor_parallel_gpu.py passes (NCCL,
+  # graphs captured per rank, async scheduling: two GPUs give one GPU's greedy tokens for nano,
+  # kimi-tiny and glm-tiny), and bench_throughput.py's bench model at -tp 1 and -tp 2 (flash+fused):
+  # its table rows for each, one process each. Kimi-Linear at its real shape with dummy weights
+  # at -tp 2 on two H100s (46.5 GiB of weights each): TTFT of 8K and the decode step.
+  [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || { echo "tp_gpus needs two GPUs"; exit 1; }
+  group tp_gpu 300 tests/engine/test_tensor_parallel_gpu.py
+  for tp in 1 2; do
+    timeout $(cap 120) python3 benchmarks/bench_throughput.py --pairs flash+fused -tp $tp > "$OUT/tp_bench_$tp.log" 2>&1
+    echo "== bench -tp $tp rc=$?"; grep "^flash+fused  " "$OUT/tp_bench_$tp.log" | tail -1
+  done
+  timeout $(cap 200) python3 benchmarks/bench_kimi_linear.py --batches 1 8 --ttft 8192 -tp 2 > "$OUT/tp_kimi.log" 2>&1
+  echo "== kimi -tp 2 rc=$?"; grep "TTFT\|^| " "$OUT/tp_kimi.log" | head -20; grep -m3 "Error\|Traceback" "$OUT/tp_kimi.log"
 fi
 
 if [ "$PART" = house_server ]; then

@@ -38,17 +38,19 @@ def add_engine_args(parser: argparse.ArgumentParser, **defaults) -> argparse.Arg
     for f in dataclasses.fields(EngineConfig):
         meta, flag = f.metadata, _flag_name(f)
         default = defaults.get(f.name, f.default)
+        flags = (flag, *meta.get("aliases", ()))
         if meta.get("boolean_optional"):
-            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=meta["help"])
+            group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
+                               help=meta["help"])
             continue
         if isinstance(default, bool):
             # A flag that flips the default: --enforce-eager sets True, --no-warmup sets False.
-            group.add_argument(flag, dest=f.name, action="store_false" if default else "store_true",
+            group.add_argument(*flags, dest=f.name, action="store_false" if default else "store_true",
                                default=default, help=meta["help"])
             continue
         if isinstance(default, torch.dtype):  # parsed like the flag's value: "float32", not torch.float32
             default = str(default).removeprefix("torch.")
-        group.add_argument(flag, dest=f.name, type=_scalar_type(f), default=default,
+        group.add_argument(*flags, dest=f.name, type=_scalar_type(f), default=default,
                            metavar=flag.removeprefix("--").replace("-", "_").upper(),
                            help=meta["help"] + (f" (default: {default})" if default is not None else ""),
                            **meta["argparse"])

@@ -25,11 +25,14 @@ def parse_dtype(dtype) -> torch.dtype | None:
     return _DTYPES[dtype]
 
 
-def _flag(help: str, name: str | None = None, boolean_optional: bool = False, **argparse_kw) -> dict:
+def _flag(help: str, name: str | None = None, boolean_optional: bool = False, aliases: tuple[str, ...] = (),
+          **argparse_kw) -> dict:
     """Field metadata for the command-line flag of an engine setting (engine/args.py reads it).
     `name` overrides the flag derived from the field name, where vLLM calls the setting otherwise;
-    `boolean_optional`: a --flag / --no-flag pair, as vLLM spells its on-by-default switches."""
-    return {"help": help, "flag": name, "argparse": argparse_kw, "boolean_optional": boolean_optional}
+    `boolean_optional`: a --flag / --no-flag pair, as vLLM spells its on-by-default switches;
+    `aliases`: vLLM's short forms (-tp)."""
+    return {"help": help, "flag": name, "argparse": argparse_kw, "boolean_optional": boolean_optional,
+            "aliases": aliases}
 
 
 @dataclass
@@ -57,6 +60,11 @@ class EngineConfig:
     moe_backend: str = field(default="auto", metadata=_flag(
         "mixture-of-experts kernels: auto (Triton on a GPU, torch on a CPU), reference or triton",
         choices=("auto", "reference", "triton")))
+    tensor_parallel_size: int = field(default=1, metadata=_flag(
+        "ranks (GPUs, or CPU processes) that hold one model, each a process of its own: attention, KDA and MLA heads "
+        "and the MLPs' and experts' widths split over them (docs/parallelism.md)", aliases=("-tp",)))
+    enable_expert_parallel: bool = field(default=False, metadata=_flag(
+        "with --tensor-parallel-size N: whole experts on each rank (E / N each) instead of every expert's width split"))
     max_num_seqs: int = field(default=64, metadata=_flag("sequences in one running batch"))
     max_model_len: int | None = field(default=None, metadata=_flag(
         "prompt + completion tokens per request (default: the model's context, max_position_embeddings)"))
@@ -129,7 +137,7 @@ class EngineConfig:
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = 8192
         for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "block_size", "max_logprobs",
-                     "stream_interval"):
+                     "stream_interval", "tensor_parallel_size"):
             v = getattr(self, name)
             if v is None and name == "max_model_len":   # the model's; the runner reads it from the model config
                 continue
@@ -174,6 +182,9 @@ class EngineConfig:
                              "or --speculative-config")
         if self.async_scheduling is None:
             self.async_scheduling = self.speculative_config is None and self.device.type == "cuda"
+        if self.enable_expert_parallel and self.tensor_parallel_size == 1:
+            raise ValueError("--enable-expert-parallel splits the experts over the ranks of --tensor-parallel-size N; "
+                             "at one rank every expert is whole already: give -tp N (N > 1) or leave it out")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"invalid gpu_memory_utilization: got {self.gpu_memory_utilization}; expected a number in (0, 1]")
 

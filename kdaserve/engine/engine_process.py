@@ -115,8 +115,11 @@ class EngineProcess(EngineClient):
         pipes = [(ctx.Pipe(duplex=False), ctx.Pipe(duplex=False)) for _ in range(api_clients)]
         control_r, self._control = ctx.Pipe(duplex=False)
         engine_ends = [(commands_r, outputs_w) for (commands_r, _), (_, outputs_w) in pipes]
-        # daemon: the engine never outlives a server that exits without closing it.
-        self.process = ctx.Process(target=_engine_main, name="kdaserve-engine-core", daemon=True,
+        # daemon: the engine never outlives a server that exits without closing it. With tensor
+        # parallelism it starts the other ranks, which a daemon process may not: it then ends when
+        # its pipes close (the server gone) and stops its ranks as it goes.
+        tp = int(engine_kwargs.get("tensor_parallel_size") or 1)
+        self.process = ctx.Process(target=_engine_main, name="kdaserve-engine-core", daemon=tp == 1,
                                    args=(dict(engine_kwargs), engine_ends, control_r, setup, log_level))
         self.process.start()
         for end in (control_r, *(c for pair in engine_ends for c in pair)):
@@ -242,6 +245,7 @@ class _EngineCore:
         finally:
             self._abort_all()
             self._pool.shutdown(wait=False, cancel_futures=True)
+            self.engine.close()   # the other tensor-parallel ranks, if any
 
     def _receive(self, client: int) -> None:
         try:

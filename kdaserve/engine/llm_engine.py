@@ -29,7 +29,9 @@ from kdaserve.engine.speculative.ngram_proposer import NgramProposer
 from kdaserve.engine.speculative.stats import SpecDecodeStats
 from kdaserve.engine.state_pool import StateSlotPool
 from kdaserve.engine.structured_output.params import StructuredOutputsParams
+from kdaserve.engine.tensor_parallel import TensorParallelRanks, agree_on_memory
 from kdaserve.engine.warmup import warm_up
+from kdaserve.layers.distributed import TensorParallel, building_with, tensor_parallel
 
 logger = logging.getLogger("kdaserve.engine")
 
@@ -64,8 +66,19 @@ class LLMEngine:
     def __init__(self, model: str = "tiny", **kwargs):
         self.config = cfg = EngineConfig(model=model, **kwargs)
         usable_device(cfg.device)   # a device this machine cannot run on: one line saying why, before loading
+        # Tensor parallel: the other ranks start first and build their shards beside this one.
+        self.ranks = TensorParallelRanks(cfg) if cfg.tensor_parallel_size > 1 else None
+        try:
+            with building_with(self.ranks.state if self.ranks is not None else TensorParallel()):
+                self._build(cfg)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, cfg: EngineConfig) -> None:
         loaded = load_engine_model(cfg)
-        self.memory = memory = plan_memory(cfg, loaded.model, loaded.config.max_position_embeddings)
+        memory = plan_memory(cfg, loaded.model, loaded.config.max_position_embeddings)
+        self.memory = memory = agree_on_memory(memory, tensor_parallel())   # every rank's pools the same size
         self.tokenizer = loaded.tokenizer
         self.model_name: str = loaded.name
         self.max_model_len: int = memory.max_model_len
@@ -77,7 +90,7 @@ class LLMEngine:
         self.scheduler = Scheduler(cfg.max_num_seqs, cfg.max_num_batched_tokens, self.slots, self.blocks,
                                    num_spec_tokens=cfg.num_spec_tokens, prefix_cache=self.prefix_cache,
                                    lookahead=cfg.draft_lookahead, max_model_len=self.max_model_len)
-        self.runner = ModelRunner(cfg, loaded, memory)
+        self.runner = ModelRunner(cfg, loaded, memory, self.ranks)
         spec = cfg.speculative_config
         self.proposer = _make_proposer(spec)
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens) if spec else None
@@ -106,6 +119,12 @@ class LLMEngine:
         self.last_step_tokens = 0   # tokens the last step computed (prompt + decode): vLLM's iteration tokens
         self._grammar_compiler = None   # built on the first structured request (xgrammar imported then)
         self._grammar_lock = threading.Lock()
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do at one rank). The engine takes no
+        step after it."""
+        if self.ranks is not None:
+            self.ranks.close()
 
     @property
     def info(self) -> EngineInfo:

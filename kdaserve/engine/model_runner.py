@@ -5,6 +5,7 @@ and the graphs; it sizes nothing and loads nothing itself."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -20,7 +21,7 @@ from kdaserve.engine.sequence import Sequence
 from kdaserve.engine.speculative.mtp_drafter import MtpDrafter
 from kdaserve.engine.speculative.rejection_sampler import AcceptedTokens, RejectionSampler
 from kdaserve.engine.staging import StagingRing
-from kdaserve.engine.step_inputs import build_host_step, gather_inputs, to_device_step
+from kdaserve.engine.step_inputs import HostStep, LogitsRequest, build_host_step, gather_inputs, to_device_step
 from kdaserve.layers.context import reset_context, set_context
 from kdaserve.models.loader import LoadedModel, load_model
 
@@ -56,8 +57,10 @@ def load_engine_model(config: EngineConfig) -> LoadedModel:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel, memory: MemoryPlan):
-        self.config, self.memory = config, memory
+    def __init__(self, config: EngineConfig, loaded: LoadedModel, memory: MemoryPlan, ranks=None):
+        """`ranks`: rank 0's TensorParallelRanks (engine/tensor_parallel.py), told every step and
+        state copy before this rank runs it; None on one rank and on the other ranks."""
+        self.config, self.memory, self.ranks = config, memory, ranks
         self.device = config.device
         self.model = loaded.model
         self.kda_backends = loaded.kda_backends   # the loader's pair, the one every KDA layer holds
@@ -92,6 +95,8 @@ class ModelRunner:
         in stream order: prefix-cache checkpoints and their restores."""
         if not pairs:
             return
+        if self.ranks is not None:
+            self.ranks.send(("copy", pairs))
         src = torch.tensor([p[0] for p in pairs], dtype=torch.int64).to(self.device, non_blocking=True)
         dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64).to(self.device, non_blocking=True)
         for conv, rec in self.caches.kda:
@@ -108,21 +113,12 @@ class ModelRunner:
         self.copy_states(batch.restores)   # prefix-cache hits: their states before the step reads them
         width = self.memory.blocks_per_seq if self.graphs is not None and not batch.prefills else None
         step = build_host_step(batch, self.block_size, decode_width=width, trash_row=self.caches.trash_row)
-        if self.graphs is not None and self.graphs.can_run(step):
-            hidden, sample_rows = self.graphs.run(step, input_source)
-            # The MTP drafter runs eagerly after the replay, under the replayed step's metadata.
-            context, positions = self.graphs.attention_context(step) if self.drafter else (None, None)
-        else:
-            dev = to_device_step(step, self.device, self.step_ring, self.kda_backends)   # the step's Context, built once
+        if self.ranks is not None:   # the other ranks run the same forward (their logits are not needed)
+            self.ranks.send(("step", dataclasses.replace(step, logits=LogitsRequest()),
+                             None if input_source is None else input_source.shape[0]))
             if input_source is not None:
-                gather_inputs(dev.input_ids[: step.num_decodes], input_source)
-            sample_rows = dev.sample_rows
-            set_context(dev.context)
-            try:
-                hidden = self.model(dev.input_ids, dev.positions)
-            finally:
-                reset_context()
-            context, positions = dev.context, dev.positions
+                self.ranks.send_tokens(input_source)
+        hidden, sample_rows, context, positions = self._forward(step, input_source)
         want = step.logits
         sampled = SampleResult([], [])
         accepted = [] if want.groups is not None else None
@@ -136,6 +132,31 @@ class ModelRunner:
                 sampled = self.sampler.sample(logits, want.sample_seqs)
         drafts = self.drafter.drafts(batch, step, context, positions, hidden, accepted) if self.drafter else []
         return StepResult(sampled, want.sample_seqs, self._prompt_logprobs(hidden, want.prompt_rows), accepted, drafts)
+
+    @torch.inference_mode()
+    def forward_step(self, step: HostStep, input_source: torch.Tensor | None = None) -> None:
+        """A step rank 0 runs, on another tensor-parallel rank: the same forward (graph replay or
+        eager), whose all-reduces meet rank 0's; no logits, no sampling."""
+        self._forward(step, input_source)
+
+    def _forward(self, step: HostStep, input_source: torch.Tensor | None):
+        """The model over the step: a CUDA-graph replay for a decode batch the graphs hold, else
+        eager under the step's Context (built once). Returns (hidden, the device index of the
+        sample rows or None, the Context and positions the MTP drafter runs under)."""
+        if self.graphs is not None and self.graphs.can_run(step):
+            hidden, sample_rows = self.graphs.run(step, input_source)
+            # The MTP drafter runs eagerly after the replay, under the replayed step's metadata.
+            context, positions = self.graphs.attention_context(step) if self.drafter else (None, None)
+            return hidden, sample_rows, context, positions
+        dev = to_device_step(step, self.device, self.step_ring, self.kda_backends)   # the step's Context, built once
+        if input_source is not None:
+            gather_inputs(dev.input_ids[: step.num_decodes], input_source)
+        set_context(dev.context)
+        try:
+            hidden = self.model(dev.input_ids, dev.positions)
+        finally:
+            reset_context()
+        return hidden, dev.sample_rows, dev.context, dev.positions
 
     def _prompt_logprobs(self, hidden: torch.Tensor, prompt_rows: list) -> list:
         """Scored max_num_seqs rows at a time: [rows, vocab] fp32 logits of a whole scored prompt

@@ -11,8 +11,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-ONE_GPU = ("kdaserve's engine runs one GPU today; to shard a model over several, run vLLM with kdaserve's plugin "
-           "(pip install -e integrations/vllm; docs/vllm-plugin.md)")
+ONE_GPU = ("kdaserve's engine splits a model over one host's GPUs by tensor parallelism (--tensor-parallel-size N); "
+           "past one host, or for pipeline stages, run vLLM with kdaserve's plugin (pip install -e integrations/vllm; "
+           "docs/vllm-plugin.md)")
 
 
 @dataclass(frozen=True)
@@ -44,17 +45,14 @@ HABIT_FLAGS = (
               "changes nothing"),
     HabitFlag(("--disable-log-stats",), "kdaserve logs no periodic statistics (/metrics serves them), so "
               "--disable-log-stats changes nothing"),
-    HabitFlag(("--tensor-parallel-size", "-tp"), "tensor parallel size 1 is kdaserve's one-GPU engine",
-              ONE_GPU, value=int, harmless=(1,)),
-    HabitFlag(("--pipeline-parallel-size", "-pp"), "pipeline parallel size 1 is kdaserve's one-GPU engine",
+    HabitFlag(("--pipeline-parallel-size", "-pp"), "pipeline parallel size 1 is kdaserve's engine (one stage)",
               ONE_GPU, value=int, harmless=(1,)),
     HabitFlag(("--data-parallel-size", "-dp"), "data parallel size 1 is one engine",
               "kdaserve runs one engine per server: for data parallelism start one `kdaserve serve` per GPU "
               "(CUDA_VISIBLE_DEVICES) behind a load balancer, or use vLLM with kdaserve's plugin",
               value=int, harmless=(1,)),
-    HabitFlag(("--enable-expert-parallel",), "", ONE_GPU, harmless=()),
-    HabitFlag(("--disable-custom-all-reduce",), "one GPU has no all-reduce, so --disable-custom-all-reduce changes "
-              "nothing"),
+    HabitFlag(("--disable-custom-all-reduce",), "kdaserve's all-reduce is torch.distributed's (NCCL), never a "
+              "custom one, so --disable-custom-all-reduce changes nothing"),
     HabitFlag(("--download-dir",), "", "kdaserve downloads nothing: give --model a local checkpoint directory (or a "
               "released name with --load-format dummy for random weights at its shape)", value=str, harmless=()),
     HabitFlag(("--revision",), "", "kdaserve downloads nothing, so it has no revision to pick: check the revision "

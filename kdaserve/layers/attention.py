@@ -16,6 +16,7 @@ from torch import nn
 
 from kdaserve.layers.attention_metadata import AttentionMetadata
 from kdaserve.layers.context import get_context
+from kdaserve.layers.distributed import all_reduce, split, tensor_parallel
 from kdaserve.layers.linear import MergedLinear
 from kdaserve.layers.rotary import RotaryEmbedding
 
@@ -116,6 +117,9 @@ class FullAttention(nn.Module):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads})")
+        # This rank's heads (tensor parallel: q, k, v column-parallel by heads, o_proj row-parallel).
+        num_heads, num_kv_heads = split(num_heads, "num_attention_heads"), split(num_kv_heads, "num_key_value_heads")
+        self.tp = tensor_parallel()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.layer_idx, self.scale = layer_idx, head_dim**-0.5
         self.qkv_proj = MergedLinear(
@@ -153,4 +157,4 @@ class FullAttention(nn.Module):
             ).transpose(0, 1)
         else:
             o = paged_attention(q, k, v, self.k_cache, self.v_cache, md, self.scale)
-        return self.o_proj(o.reshape(T, q_size))
+        return all_reduce(self.o_proj(o.reshape(T, q_size)), self.tp)

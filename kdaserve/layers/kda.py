@@ -28,6 +28,7 @@ from torch import nn
 from kdaserve.backends import KDABackendChoice, KDABackends, LayerSettings, Machine, ResolvedBackend, resolve_kda_backends
 from kdaserve.backends.step import KDACache, KDAInputs
 from kdaserve.layers.context import get_context
+from kdaserve.layers.distributed import TensorParallel, all_reduce, tensor_parallel
 from kdaserve.layers.kda_routing import run_kda_step
 from kdaserve.layers.kda_weights import CHECKPOINT_NAMES, CONV_NAMES, IN_PROJ_PARTS, KDAShard
 from kdaserve.ops.kda.limits import check_lower_bound
@@ -79,6 +80,10 @@ class KDALayer(nn.Module):
         self.state_dtype, self.conv_layout, self.num_spec_tokens = st.state_dtype, st.conv_layout, st.num_spec_tokens
         self.act_dtype = act = st.input_dtype
         self.settings, self.backends = st, backends
+        # The group the partial o_proj outputs are summed over: the process's when the layer is one
+        # of its ranks' shards; a layer built alone (tp_size 1, or a test's shard) sums nothing.
+        tp = tensor_parallel()
+        self.tp = tp if tp.size == tp_size and tp_size > 1 else TensorParallel()
 
         kw = dict(dtype=act, device=device)
         f32 = dict(dtype=torch.float32, device=device)
@@ -274,7 +279,8 @@ class KDALayer(nn.Module):
         qkv, beta_logits, forget_logits, output_gate_logits = self.project(hidden_states)
         core = torch.empty(T, self.num_heads, self.head_dim, dtype=self.act_dtype, device=hidden_states.device)
         self._forward(qkv, forget_logits, beta_logits, output_gate_logits, core)
-        return self.o_proj(core.view(T, self.shard.P))
+        out = self.o_proj(core.view(T, self.shard.P))
+        return all_reduce(out, self.tp)   # the ranks' partial sums (tensor parallel)
 
     def _forward(self, qkv, forget_logits, beta_logits, output_gate_logits, out: torch.Tensor) -> str:
         """The KDA core of one step into `out` [T, H, D], routed by the context's KDA step (built

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import triton
 from torch import nn
 
+from kdaserve.layers.distributed import local_slice
 from kdaserve.ops.fp8.reference import FP8
 
 
@@ -61,6 +62,7 @@ class MergedLinear(nn.Module):
         if param_name == "weight_scale_inv":
             lo, hi = lo // self.fp8_block[0], hi // self.fp8_block[0]
         expected = (hi - lo, *param.shape[1:])
+        tensor = local_slice(tensor, expected)   # tensor parallel: this rank's rows of the whole shard
         if tuple(tensor.shape) != expected:
             raise ValueError(f"shard {shard} of {param_name} must have shape {expected}, got {tuple(tensor.shape)}")
         if param.dtype == FP8 and tensor.dtype != FP8:

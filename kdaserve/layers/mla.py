@@ -27,6 +27,7 @@ from torch import nn
 
 from kdaserve.layers.attention_metadata import AttentionMetadata
 from kdaserve.layers.context import get_context
+from kdaserve.layers.distributed import all_reduce, split, tensor_parallel
 from kdaserve.layers.kernel_choice import resolve_kernel_choice
 from kdaserve.layers.linear import make_linear
 from kdaserve.layers.norm import RMSNorm
@@ -58,6 +59,9 @@ class MLAttention(nn.Module):
                  fp8_block: tuple[int, int] | None = None):
         super().__init__()
         device = torch.device(device) if device is not None else torch.empty(0).device
+        # This rank's heads (tensor parallel: q and kv_b by heads, o_proj row-parallel; the latent
+        # projection, its norm and the latent cache whole on every rank, as vLLM keeps them).
+        num_heads, self.tp = split(num_heads, "num_attention_heads"), tensor_parallel()
         self.num_heads, self.layer_idx = num_heads, layer_idx
         self.L, self.R, self.Dn, self.Dv = kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim
         self.scale = (qk_nope_head_dim + qk_rope_head_dim) ** -0.5
@@ -121,7 +125,7 @@ class MLAttention(nn.Module):
             # Dummy run (memory profile): the step as one causal sequence, so shapes and costs are real.
             latent, k_pe = self.kv_a_layernorm(kv[:, : self.L].contiguous()), kv[:, self.L :]
             o = self._prefill(q_nope, q_pe, latent, k_pe, [T], [T])
-            return self.o_proj(o.reshape(T, H * self.Dv))
+            return all_reduce(self.o_proj(o.reshape(T, H * self.Dv)), self.tp)
         self._write_cache(kv, md.slot_mapping)
         selection = self.select(hidden, q_resid, md)
         nd = md.num_decode_tokens
@@ -136,7 +140,7 @@ class MLAttention(nn.Module):
                                        ctx[:, self.L :].to(hidden.dtype), md.prefill_query_lens, md.prefill_context_lens,
                                        selection.prefill if selection else None))
         o = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return self.o_proj(o.reshape(T, H * self.Dv))
+        return all_reduce(self.o_proj(o.reshape(T, H * self.Dv)), self.tp)
 
     def _write_cache(self, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """The step's new tokens into their cache rows: kv_a_layernorm(latent) | k_pe (the Triton

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kdaserve.layers.distributed import all_reduce, local_slice, split, tensor_parallel
 from kdaserve.layers.kernel_choice import resolve_kernel_choice
 from kdaserve.layers.mlp import SwiGLUMLP
 from kdaserve.ops.fp8.reference import FP8
@@ -30,7 +31,10 @@ class MoEMLP(nn.Module):
                  shared_fp8_block: tuple[int, int] | None = None):
         super().__init__()
         device = torch.device(device) if device is not None else torch.empty(0).device
-        E, I = router.num_experts, expert_intermediate_size
+        # Tensor parallel: every expert's width split over the ranks (gate|up by rows, down by
+        # columns), the router whole; the routed and shared experts' partial sums added once.
+        E, I = router.num_experts, split(expert_intermediate_size, "moe_intermediate_size")
+        self.tp = tensor_parallel()
         self.router, self.hidden_size, self.intermediate_size = router, hidden_size, I
         self.activation_limit = activation_limit
         f32 = dict(dtype=torch.float32, device=device)
@@ -49,8 +53,9 @@ class MoEMLP(nn.Module):
             self.w2_scale_inv = nn.Parameter(torch.empty(E, -(-hidden_size // br), -(-I // bc), **f32), requires_grad=False)
         self.backend = resolve_kernel_choice("MoE", backend, device)
         # The shared experts' SwiGLU follows the routed experts' backend (reference: torch throughout).
-        self.shared_experts = (SwiGLUMLP(hidden_size, I * num_shared_experts, activation_limit=activation_limit,
-                                         dtype=dtype, device=device, fp8_block=shared_fp8_block, backend=self.backend)
+        self.shared_experts = (SwiGLUMLP(hidden_size, expert_intermediate_size * num_shared_experts,
+                                         activation_limit=activation_limit, dtype=dtype, device=device,
+                                         fp8_block=shared_fp8_block, backend=self.backend, reduce_output=False)
                                if num_shared_experts else None)
 
     def load_expert(self, expert: int, which: str, tensor: torch.Tensor, scale: bool = False) -> None:
@@ -69,6 +74,7 @@ class MoEMLP(nn.Module):
         else:
             w13, w2 = self.w13, self.w2
             target = {"w1": w13[expert, :I], "w3": w13[expert, I:], "w2": w2[expert]}[which]
+        tensor = local_slice(tensor, target.shape)   # this rank's part of the expert's width
         if tuple(tensor.shape) != tuple(target.shape):
             raise ValueError(f"expert {expert} {which}.weight{'_scale_inv' if scale else ''} must be {list(target.shape)}, "
                              f"got {list(tensor.shape)}")
@@ -92,6 +98,9 @@ class MoEMLP(nn.Module):
         return w13, w2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return all_reduce(self._experts(x), self.tp)   # the ranks' partial sums (tensor parallel)
+
+    def _experts(self, x: torch.Tensor) -> torch.Tensor:
         shared_expert = self.shared_as_expert(x.shape[0])
         # Routing follows the experts' backend: the reference routes in torch; the Triton backend in
         # the routing kernel (grouped routing has none), on a GPU or in the interpreter.

@@ -19,13 +19,25 @@ def parameter_count(shapes: dict[str, tuple[int, ...]]) -> int:
 
 
 def weights_fit_error(name: str, num_params: int, dtype: torch.dtype, device_bytes: int,
-                      fp8_params: int = 0, host: bool = False) -> str | None:
+                      fp8_params: int = 0, host: bool = False, tp_size: int = 1, replicated_params: int = 0) -> str | None:
     """None when the weights alone fit `device_bytes`; else the message to stop with.
     `fp8_params`: how many of them stay FP8 (one byte each). `host`: the device is the CPU and
-    `device_bytes` the host memory available now."""
-    need = (num_params - fp8_params) * torch.empty((), dtype=dtype).element_size() + fp8_params
+    `device_bytes` the host memory available now. `tp_size` ranks share the weights (one GPU each:
+    every GPU holds 1/tp_size of them plus the `replicated_params` every rank keeps whole; on a CPU
+    the ranks share the host's memory)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    need = (num_params - fp8_params) * size + fp8_params
+    if tp_size > 1 and not host:
+        need = (need - replicated_params * size) / tp_size + replicated_params * size
+    elif tp_size > 1:
+        need += replicated_params * size * (tp_size - 1)
     if need <= device_bytes:
         return None
+    if tp_size > 1 and not host:
+        return (f"{name} needs {need / GIB:.0f} GiB of weights on each of {tp_size} GPUs at --tensor-parallel-size "
+                f"{tp_size} ({num_params / 1e9:.1f}B parameters in {str(dtype).removeprefix('torch.')}"
+                f"{', FP8 where kept' if fp8_params else ''}), but each GPU has {device_bytes / GIB:.0f} GiB: give a "
+                f"larger --tensor-parallel-size, or --quantization fp8 where the family has it")
     kept, formats = ((f" ({fp8_params / 1e9:.1f}B of them in FP8)", " and FP8") if fp8_params else ("", ""))
     head = (f"{name} has {num_params / 1e9:.1f}B parameters{kept}: {need / GIB:.0f} GiB of weights in "
             f"{str(dtype).removeprefix('torch.')}{formats}, but ")
@@ -34,10 +46,19 @@ def weights_fit_error(name: str, num_params: int, dtype: torch.dtype, device_byt
                        f"on its CPU (it would be killed for memory partway through building it). On a CPU use a small "
                        f"configuration (nano, kimi-tiny, glm-tiny, or a checkpoint with fewer layers); the released "
                        f"shapes need GPUs")
+    fits = math.ceil(need / device_bytes)
     return head + (f"this device has {device_bytes / GIB:.0f} GiB in all, "
                    f"so it cannot serve the model on one GPU (FP8 weights would still need {num_params / GIB:.0f} GiB). "
-                   f"Serve it across several GPUs with vLLM and kdaserve's KDA kernels (docs/models.md, 'Past one GPU'); "
-                   f"for kernel work on one GPU, use a configuration with fewer layers")
+                   f"Split it over GPUs of this host with --tensor-parallel-size (at least {fits} by the weights alone; "
+                   f"docs/parallelism.md), or past one host with vLLM and kdaserve's KDA kernels (docs/models.md, 'Past "
+                   f"one GPU'); for kernel work on one GPU, use a configuration with fewer layers")
+
+
+def _replicated(name: str) -> bool:
+    """Tensors every tensor-parallel rank keeps whole: embeddings, the LM head, norms, routers and
+    the latent projections (an estimate for the startup check; the layers decide)."""
+    return any(k in name for k in ("embed", "lm_head", "norm", "gate.weight", "kv_a_proj", "q_a_proj", "f_a_proj",
+                                   "g_a_proj", "hc_"))
 
 
 def host_memory_available() -> int:
@@ -53,14 +74,17 @@ def host_memory_available() -> int:
 
 
 def check_weights_fit(name: str, shapes: dict[str, tuple[int, ...]] | None, dtype: torch.dtype, device,
-                      fp8: Callable[[str], bool] | None = None) -> None:
-    """`fp8`: which checkpoint tensors the model keeps in FP8."""
+                      fp8: Callable[[str], bool] | None = None, tp_size: int = 1) -> None:
+    """`fp8`: which checkpoint tensors the model keeps in FP8. `tp_size`: ranks sharing the weights
+    (the embedding, LM head and norms stay whole on every rank)."""
     device = torch.device(device) if device is not None else torch.device("cpu")
     if shapes is None or device.type not in ("cuda", "cpu"):
         return
     host = device.type == "cpu"
     total = host_memory_available() if host else torch.cuda.get_device_properties(device).total_memory
     fp8_params = parameter_count({n: s for n, s in shapes.items() if fp8(n)}) if fp8 is not None else 0
-    message = weights_fit_error(name, parameter_count(shapes), dtype, total, fp8_params, host=host)
+    replicated = parameter_count({n: s for n, s in shapes.items() if _replicated(n)}) if tp_size > 1 else 0
+    message = weights_fit_error(name, parameter_count(shapes), dtype, total, fp8_params, host=host, tp_size=tp_size,
+                                replicated_params=replicated)
     if message:
         raise ValueError(message)

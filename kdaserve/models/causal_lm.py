@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from kdaserve.backends import KDABackendChoice, KDABackends, LayerSettings, Machine, resolve_kda_backends
+from kdaserve.layers.distributed import split
 from kdaserve.layers.embed_head import LMHead
 
 
@@ -38,7 +39,8 @@ def kda_backends_for(config, choice: KDABackendChoice, dtype: torch.dtype, devic
                              state_dtype=choice.state_dtype, conv_layout=choice.conv_layout,
                              num_spec_tokens=choice.num_spec_tokens, conv_width=config.linear_conv_kernel_dim)
     machine = Machine.detect(torch.device(device) if device is not None else None)
-    return resolve_kda_backends(choice, settings, config.linear_num_heads, machine, log=log)
+    heads = split(config.linear_num_heads, "the KDA layers' num_heads")   # this rank's (tensor parallel)
+    return resolve_kda_backends(choice, settings, heads, machine, log=log)
 
 
 def check_kda_backends(config, kda_backends: KDABackends | None) -> None:

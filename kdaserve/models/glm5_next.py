@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from kdaserve.backends import KDABackends
+from kdaserve.layers.distributed import tp_rank, tp_size
 from kdaserve.layers.dsa import DSAIndexer, DSAttention
 from kdaserve.layers.embed_head import VocabEmbedding
 from kdaserve.layers.hyper_connection import HyperConnection
@@ -88,7 +89,7 @@ class Glm5NextDecoderLayer(nn.Module):
             from kdaserve.layers.kda import KDALayer
 
             self.self_attn = KDALayer(h, c.linear_num_heads, kda_backends, norm_eps=c.rms_norm_eps, layer_idx=i,
-                                      device=device)
+                                      tp_rank=tp_rank(), tp_size=tp_size(), device=device)
         else:
             indexer = None
             if c.indexer_types[i] == "full":

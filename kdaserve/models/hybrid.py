@@ -13,6 +13,7 @@ from torch import nn
 
 from kdaserve.backends import KDABackends
 from kdaserve.layers.attention import FullAttention
+from kdaserve.layers.distributed import tp_rank, tp_size
 from kdaserve.layers.embed_head import VocabEmbedding
 from kdaserve.layers.mlp import SwiGLUMLP
 from kdaserve.layers.norm import RMSNorm
@@ -35,7 +36,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(h, config.rms_norm_eps, dtype=dtype, device=device)
         if self.is_kda:
             self.linear_attn = _kda_layer_class()(h, config.linear_num_heads, kda_backends, layer_idx=layer_idx,
-                                                   device=device)
+                                                   tp_rank=tp_rank(), tp_size=tp_size(), device=device)
         else:
             self.self_attn = FullAttention(
                 h, config.num_attention_heads, config.num_key_value_heads, config.head_dim,

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from kdaserve.backends import KDABackends
+from kdaserve.layers.distributed import tp_rank, tp_size
 from kdaserve.layers.embed_head import VocabEmbedding
 from kdaserve.layers.mla import MLAttention
 from kdaserve.layers.mlp import SwiGLUMLP
@@ -67,7 +68,7 @@ class KimiDecoderLayer(nn.Module):
             from kdaserve.layers.kda import KDALayer
 
             self.self_attn = KDALayer(h, c.linear_num_heads, kda_backends, norm_eps=c.rms_norm_eps, layer_idx=i,
-                                      device=device)
+                                      tp_rank=tp_rank(), tp_size=tp_size(), device=device)
         else:
             self.self_attn = MLAttention(
                 h, c.num_attention_heads, kv_lora_rank=c.kv_lora_rank, qk_nope_head_dim=c.qk_nope_head_dim,

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from kdaserve.backends.kda_backends import KDABackendChoice, KDABackends
+from kdaserve.layers.distributed import tp_size
 from kdaserve.models.builtin import BUILTIN_CONFIGS, FAMILY_BUILTIN_CONFIGS, SHIPPED_CHECKPOINTS, builtin_config, released_config
 from kdaserve.models.capacity import check_weights_fit
 from kdaserve.models.causal_lm import kda_backends_for
@@ -81,7 +82,7 @@ def load_model(
                          f"({name}) has none: use the 'ngram' method")
     shapes = None if family.shapes is None else family.shapes(config, True) if mtp else family.shapes(config)
     fp8 = family.fp8_tensors(config, device, quantization) if family.fp8_tensors is not None else None
-    check_weights_fit(name, shapes, dtype, device, fp8)
+    check_weights_fit(name, shapes, dtype, device, fp8, tp_size())
     kda_backends = kda_backends_for(config, kda or KDABackendChoice(), dtype, device)   # once, for every KDA layer
     net = family.build(config, kda_backends=kda_backends, mla_backend=mla_backend, moe_backend=moe_backend, dtype=dtype,
                        device=device,

@@ -9,6 +9,7 @@ from collections.abc import Iterable
 
 import torch
 
+from kdaserve.layers.distributed import local_slice
 from kdaserve.models.hybrid_config import HybridConfig
 
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(linear_attn|self_attn)\.(.+)")
@@ -82,7 +83,8 @@ def load_named_tensor(root, name: str, tensor: torch.Tensor, params: dict | None
     params = params if params is not None else dict(root.named_parameters())
     if name not in params:
         return False
-    params[name].data.copy_(tensor)
+    param = params[name]
+    param.data.copy_(local_slice(tensor, param.shape))   # tensor parallel: this rank's slice of a sharded weight
     return True
 
 

@@ -21,17 +21,27 @@ def test_harmless_habits_are_accepted_with_a_note_and_change_nothing(command, ca
     base = [command, "--model", "tiny"]
     plain, _ = _kwargs(base, capsys)
     habits = ["--trust-remote-code", "--enable-chunked-prefill", "--disable-log-requests", "--disable-log-stats",
-              "--tensor-parallel-size", "1", "-pp", "1", "--disable-custom-all-reduce", "--tokenizer-mode", "auto"]
+              "-pp", "1", "--disable-custom-all-reduce", "--tokenizer-mode", "auto"]
     kw, err = _kwargs(base + habits, capsys)
     assert kw == plain
-    assert err.count("note: ") == 8 and "--trust-remote-code changes nothing" in err
+    assert err.count("note: ") == 7 and "--trust-remote-code changes nothing" in err
+
+
+def test_vllm_parallel_flags_are_engine_settings(capsys):
+    """-tp / --tensor-parallel-size and --enable-expert-parallel are kdaserve settings of vLLM's
+    meaning, not habit notes; -tp 1 is the default engine."""
+    kw, err = _kwargs(GEN + ["-tp", "2"], capsys)
+    assert kw["tensor_parallel_size"] == 2 and not err
+    kw, _ = _kwargs(GEN + ["--tensor-parallel-size", "1"], capsys)
+    assert kw["tensor_parallel_size"] == 1
+    kw, _ = _kwargs(GEN + ["-tp", "4", "--enable-expert-parallel"], capsys)
+    assert kw["enable_expert_parallel"] is True
 
 
 @pytest.mark.parametrize("argv, why", [
-    (["-tp", "2"], "--tensor-parallel-size 2: kdaserve's engine runs one GPU today; to shard a model over several, "
-                   "run vLLM with kdaserve's plugin"),
+    (["-pp", "2"], "--pipeline-parallel-size 2: kdaserve's engine splits a model over one host's GPUs by tensor "
+                   "parallelism (--tensor-parallel-size N); past one host, or for pipeline stages, run vLLM"),
     (["--no-enable-chunked-prefill"], "--no-enable-chunked-prefill: kdaserve cannot turn chunked prefill off"),
-    (["--enable-expert-parallel"], "--enable-expert-parallel: kdaserve's engine runs one GPU"),
     (["--download-dir", "/x"], "--download-dir /x: kdaserve downloads nothing"),
     (["--tokenizer-mode", "slow"], "--tokenizer-mode slow: kdaserve has one tokenizer path"),
 ])
@@ -44,8 +54,8 @@ def test_what_cannot_apply_is_refused_saying_why_and_what_to_use(argv, why, caps
 def test_generate_prints_the_refusal_without_a_traceback(capsys):
     from kdaserve.cli import main
 
-    assert main(GEN + ["--tensor-parallel-size", "4"]) == 2
-    assert "kdaserve generate: --tensor-parallel-size 4: kdaserve's engine runs one GPU" in capsys.readouterr().err
+    assert main(GEN + ["--pipeline-parallel-size", "4"]) == 2
+    assert "kdaserve generate: --pipeline-parallel-size 4: kdaserve's engine splits a model" in capsys.readouterr().err
 
 
 def test_every_habit_flag_says_something():

@@ -1,0 +1,131 @@
+"""Tensor parallelism on the CPU (gloo, two ranks: CI's two cores): the same model split over two
+processes gives the greedy tokens and prompt log-probs of one rank, alone and batched, with
+chunked prefill, preemption, prefix-cache hits, async scheduling and n-gram speculation; sizes
+the ranks cannot split and unbuilt features are refused before any rank starts; a rank that dies
+ends the engine within seconds, naming it."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kdaserve.engine import LLM, SamplingParams
+
+ROOT = Path(__file__).resolve().parents[2]
+# Chunked prefill (48-token budget), preemption (14 KV blocks of 16 for four sequences of up to ~100
+# tokens), prefix-cache checkpoints every 32 tokens, async scheduling (the sampled tokens go to rank 1).
+ENGINE = dict(device="cpu", max_num_seqs=4, max_model_len=160, max_num_batched_tokens=48, num_kv_blocks=14,
+              block_size=16, mamba_block_size=32, async_scheduling=True, seed=0)
+# A rank out of step shows as a collective's timeout: a minute, not the default ten.
+os.environ.setdefault("KDASERVE_COLLECTIVE_TIMEOUT_S", "60")
+PROMPTS = [[(7 * i + 3) % 250 for i in range(n)] for n in (5, 23, 70, 41)]
+GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, prompt_logprobs=1)
+# Without prompt log-probs (a request that asks for them computes its whole prompt: no prefix-cache hit).
+CACHED = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=1)
+
+
+def _compare(one, two) -> None:
+    assert [o.output_token_ids for o in one] == [o.output_token_ids for o in two]
+    for a, b in zip(one, two):
+        for x, y in zip((a.prompt_logprobs or [None])[1:] + (a.logprobs or []),
+                        (b.prompt_logprobs or [None])[1:] + (b.logprobs or [])):
+            assert x["token_id"] == y["token_id"] and abs(x["logprob"] - y["logprob"]) < 1e-4, (x, y)
+
+
+@pytest.fixture(params=["nano", "kimi-tiny", "glm-tiny"])
+def ranks(request):
+    """The model on one rank and on two (KDA, MLA, MoE and dense layers; GLM's DSA indexer and
+    hyper-connections), the same settings."""
+    one = LLM(request.param, **ENGINE)
+    two = LLM(request.param, tensor_parallel_size=2, **ENGINE)
+    yield one, two
+    two.engine.close()
+
+
+def test_two_ranks_give_one_ranks_tokens_and_logprobs(ranks):
+    one, two = ranks
+    batched = [two.generate(PROMPTS, GREEDY, use_tqdm=False), one.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    _compare(batched[1], batched[0])
+    assert two.engine.counters["preemptions"] > 0 and one.engine.counters["preemptions"] > 0
+    assert two.engine.counters["overlapped_steps"] > 0   # async scheduling: rank 1 read rank 0's sampled tokens
+    for prompt in PROMPTS[2:]:   # alone, then again: the second run resumes from the prefix cache
+        for _ in range(2):
+            _compare(one.generate([prompt], CACHED, use_tqdm=False), two.generate([prompt], CACHED, use_tqdm=False))
+    assert two.engine.stats()["prefix_cache_hits"] > 0
+    assert two.engine.info.num_state_slots == one.engine.info.num_state_slots
+    assert two.engine.info.num_kv_blocks == one.engine.info.num_kv_blocks == 14
+
+
+def test_ngram_speculation_at_two_ranks():
+    spec = dict(ENGINE, async_scheduling=False, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    repeat = [list(range(10, 30)) * 3]
+    one = LLM("nano", **spec).generate(repeat, GREEDY, use_tqdm=False)
+    llm = LLM("nano", tensor_parallel_size=2, **spec)
+    try:
+        two = llm.generate(repeat, GREEDY, use_tqdm=False)
+        assert llm.engine.stats()["spec_decode_num_accepted_tokens"] > 0
+    finally:
+        llm.engine.close()
+    _compare(one, two)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(tensor_parallel_size=3), r"--tensor-parallel-size 3 does not divide the model's num_attention_heads \(4\); "
+                                   r"the sizes that do: 1, 2, 4"),
+    (dict(tensor_parallel_size=2, enable_expert_parallel=True), r"--enable-expert-parallel: whole experts per rank are "
+                                                                r"not built yet"),
+    (dict(enable_expert_parallel=True), r"--enable-expert-parallel splits the experts over the ranks of "
+                                        r"--tensor-parallel-size N"),
+    (dict(tensor_parallel_size=2, speculative_config={"method": "mtp", "num_speculative_tokens": 1}),
+     r"speculative method 'mtp' runs one rank only so far"),
+])
+def test_what_two_ranks_cannot_do_is_refused_before_they_start(kw, message):
+    model = "glm-tiny" if "speculative_config" in kw else "nano"
+    with pytest.raises(ValueError, match=message):
+        LLM(model, **dict(ENGINE, async_scheduling=False), **kw)
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()   # no group was made, no rank started
+
+
+def test_one_split_engine_per_process_at_a_time():
+    """torch.distributed has one default group per process: a second split engine while one runs
+    is refused by name (before its ranks start); after close() another may start."""
+    first = LLM("nano", tensor_parallel_size=2, **dict(ENGINE, async_scheduling=False))
+    try:
+        with pytest.raises(ValueError, match=r"another tensor-parallel engine runs in this process: close it "
+                                             r"\(LLMEngine.close\(\)\) first"):
+            LLM("nano", tensor_parallel_size=2, **dict(ENGINE, async_scheduling=False))
+        assert len(first.generate([PROMPTS[0]], GREEDY, use_tqdm=False)[0].output_token_ids) == 32
+    finally:
+        first.engine.close()
+    second = LLM("nano", tensor_parallel_size=2, **dict(ENGINE, async_scheduling=False))
+    second.engine.close()
+
+
+def test_a_rank_that_dies_ends_the_engine_within_seconds_naming_it():
+    script = ("import os, sys, time\n"
+              "from kdaserve.engine import LLM\n"
+              "if __name__ == '__main__':\n"
+              "    llm = LLM('nano', device='cpu', max_model_len=64, tensor_parallel_size=2)\n"
+              "    print(llm.engine.ranks.processes[0].pid, flush=True)\n"
+              "    time.sleep(120)\n")
+    path = ROOT / "out" / "tp_rank_dies.py"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(script)
+    proc = subprocess.Popen([sys.executable, str(path)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        rank_pid = int(proc.stdout.readline())
+        t0 = time.monotonic()
+        os.kill(rank_pid, signal.SIGKILL)
+        rc = proc.wait(timeout=10)
+        assert time.monotonic() - t0 < 10 and rc == 1
+        assert "kdaserve-tp-rank-1 exited (exit code -9) while the engine ran" in proc.stderr.read()
+    finally:
+        proc.kill()
+        path.unlink(missing_ok=True)

@@ -1,0 +1,35 @@
+"""The server on a split engine (kdaserve serve -tp 2, two CPU ranks over gloo): a completion and a
+streamed chat answer as the one-rank engine's, and a rank that dies stops the served engine."""
+
+import json
+import os
+
+import pytest
+
+pytest.importorskip("fastapi")
+from fastapi.testclient import TestClient  # noqa: E402
+from server_helpers import ENGINE_KWARGS  # noqa: E402
+
+from kdaserve.engine.engine_process import EngineProcess  # noqa: E402
+from kdaserve.server.app import build_app  # noqa: E402
+
+os.environ.setdefault("KDASERVE_COLLECTIVE_TIMEOUT_S", "60")
+COMPLETION = {"model": "tiny", "prompt": "The engine splits", "max_tokens": 12, "temperature": 0}
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Two ranks"}], "max_tokens": 10, "temperature": 0,
+        "stream": True}
+
+
+def _answers(engine) -> tuple[str, str]:
+    with TestClient(build_app(engine)) as http:
+        text = http.post("/v1/completions", json=COMPLETION).json()["choices"][0]["text"]
+        with http.stream("POST", "/v1/chat/completions", json=CHAT) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    return text, streamed
+
+
+def test_a_split_engine_serves_what_one_rank_serves():
+    one = _answers(EngineProcess(dict(ENGINE_KWARGS)))
+    two = EngineProcess(dict(ENGINE_KWARGS, tensor_parallel_size=2))
+    assert not two.process.daemon   # it starts its rank: a daemon process may not
+    assert _answers(two) == one and one[0] and one[1]
