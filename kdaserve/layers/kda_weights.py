@@ -66,7 +66,7 @@ class KDAShard:
             i = IN_PROJ_PARTS.index(name)
             start = i * P if i < 3 else 3 * P
             n = P if i < 3 else H
-            return slice(start, start + n), t[self.head_slice(per_head[name])]
+            return slice(start, start + n), _part(t, 0, self.head_slice(per_head[name]))
         if name in ("f_a_proj.weight", "g_a_proj.weight"):  # the low-rank inputs: replicated on every rank
             self._expect(name, t, (D, self.hidden_size), "[D, hidden]")
             start = 3 * P + H + (D if name == "g_a_proj.weight" else 0)
@@ -96,12 +96,12 @@ class KDAShard:
             return torch.cat([q[hp], k[hp], v[hp], b[self.head_slice()], fa, ga])
         if name in ("f_b_proj.weight", "g_b_proj.weight"):
             self._expect(name, t, (Pt, D), "[P, D]")
-            return t[self.head_slice(D)]
+            return _part(t, 0, self.head_slice(D))
         if name in CONV_NAMES:
             if t.dim() == 2:
                 t = t.unsqueeze(1)
             self._expect(name, t, (Pt, 1, self.conv_width), "[P, 1, W]")
-            return t[self.head_slice(D)]
+            return _part(t, 0, self.head_slice(D))
         if name == "A_log":
             if t.numel() != Ht:  # 1-D [H] (GLM) or [1, 1, H, 1] (Kimi-Linear) are both fine
                 raise ValueError(f"A_log must hold {Ht} values (one per head, any shape such as [H] or [1, 1, H, 1]), got "
@@ -116,8 +116,14 @@ class KDAShard:
             return t
         if name == "o_proj.weight":
             self._expect(name, t, (self.hidden_size, Pt), "[hidden, P]")
-            return t[:, self.head_slice(D)]
+            return _part(t, 1, self.head_slice(D))
         raise KeyError(f"unknown KDA checkpoint tensor {name!r}; valid names: {', '.join(CHECKPOINT_NAMES)}")
+
+
+def _part(t: torch.Tensor, dim: int, s: slice) -> torch.Tensor:
+    """Rows (dim 0) or columns (dim 1) `s` of `t`: a view of a tensor, and of a checkpoint tensor
+    not read yet (models/checkpoint_tensor.py) only that part read."""
+    return t.narrow(dim, s.start, s.stop - s.start)
 
 
 def random_kda_checkpoint(

@@ -20,6 +20,7 @@ from kdaserve.layers.distributed import tp_size
 from kdaserve.models.builtin import BUILTIN_CONFIGS, FAMILY_BUILTIN_CONFIGS, SHIPPED_CHECKPOINTS, builtin_config, released_config
 from kdaserve.models.capacity import check_weights_fit
 from kdaserve.models.causal_lm import kda_backends_for
+from kdaserve.models.checkpoint_tensor import CheckpointTensor
 from kdaserve.models.families import family_of, family_of_config
 from kdaserve.models.hybrid_config import HybridConfig
 from kdaserve.models.tokenizer import ByteTokenizer, HFTokenizer, load_checkpoint_tokenizer
@@ -37,13 +38,22 @@ class LoadedModel:
     kda_backends: KDABackends | None   # the pair every KDA layer of `model` shares (None: no KDA layers)
 
 
-def iterate_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_safetensors(path: str | Path, *, lazy: bool = False,
+                        on_read=None) -> Iterator[tuple[str, torch.Tensor | CheckpointTensor]]:
+    """Every tensor of a checkpoint directory, file by file. `lazy`: CheckpointTensors, read when
+    used, only the slice a tensor-parallel rank narrows them to (each keeps its file open until
+    it is gone); `on_read(name, nbytes)`: told of each read (tests count a rank's bytes)."""
     from safetensors import safe_open
 
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
     for f in files:
+        if lazy:
+            st = safe_open(str(f), framework="pt", device="cpu")
+            for name in st.keys():
+                yield name, CheckpointTensor(st, name, on_read)
+            continue
         with safe_open(str(f), framework="pt", device="cpu") as st:
             for name in st.keys():
                 yield name, st.get_tensor(name)
@@ -88,7 +98,7 @@ def load_model(
                        device=device,
                        mtp=mtp, quantization=quantization)
     weights = (family.random_weights(config, seed, dtype=dtype, device=device, mtp=mtp) if dummy
-               else iterate_safetensors(SHIPPED_CHECKPOINTS.get(model, model)))
+               else iterate_safetensors(SHIPPED_CHECKPOINTS.get(model, model), lazy=tp_size() > 1))
     net.load_weights(weights)
     return LoadedModel(net, tokenizer, config, name, kda_backends)
 

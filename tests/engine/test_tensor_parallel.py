@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from kdaserve.engine import LLM, SamplingParams
 
@@ -129,3 +130,38 @@ def test_a_rank_that_dies_ends_the_engine_within_seconds_naming_it():
     finally:
         proc.kill()
         path.unlink(missing_ok=True)
+
+
+def test_a_rank_reads_only_its_slices_of_sharded_weights(monkeypatch):
+    """Built as rank 1 of 2 from the shipped nano checkpoint: every sharded weight (KDA's q/k/v/b,
+    f_b/g_b, convs and o_proj; MLA's q, kv_b and o_proj; the experts' and MLPs' widths) is read half,
+    every weight ranks keep whole (embedding, LM head, norms, router, latent and gate-input
+    projections) whole, and nothing twice."""
+    from safetensors import safe_open
+
+    from kdaserve.layers.distributed import TensorParallel, building_with
+    from kdaserve.models.builtin import SHIPPED_CHECKPOINTS
+    from kdaserve.models.checkpoint_tensor import CheckpointTensor
+    from kdaserve.models.loader import load_model
+
+    reads: dict[str, int] = {}
+    real_read = CheckpointTensor._read
+    monkeypatch.setattr(CheckpointTensor, "_read", lambda self, index: reads.__setitem__(
+        self.name, reads.get(self.name, 0) + 1) or real_read(self, index))
+    read_bytes: dict[str, int] = {}
+    real = CheckpointTensor.__init__
+
+    def counting(self, handle, name, on_read=None):
+        real(self, handle, name, lambda n, b: read_bytes.__setitem__(n, read_bytes.get(n, 0) + b))
+
+    monkeypatch.setattr(CheckpointTensor, "__init__", counting)
+    with building_with(TensorParallel(rank=1, size=2)):
+        load_model("nano", dtype=torch.float32, device="cpu")
+    with safe_open(str(Path(SHIPPED_CHECKPOINTS["nano"]) / "model.safetensors"), "pt") as f:
+        full = {n: f.get_slice(n)[:].numel() * f.get_slice(n)[:].element_size() for n in f.keys()}
+    assert set(read_bytes) == set(full) and max(reads.values()) == 1   # every tensor, each read once
+    whole = ("embed", "lm_head", "norm", "gate.", "kv_a_proj", "f_a_proj", "g_a_proj", "A_log", "dt_bias")
+    for name, n in full.items():
+        want = n if any(w in name for w in whole) else n // 2
+        assert read_bytes[name] == want, (name, read_bytes[name], n)
+    assert sum(read_bytes.values()) < 0.6 * sum(full.values())
