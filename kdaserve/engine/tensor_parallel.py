@@ -139,7 +139,7 @@ class TensorParallelRanks:
             return
         p = sentinels[ready[0]]
         p.join(1)
-        log.error("tensor parallel: %s exited (exit code %s) while the engine ran; the engine stops", p.name, p.exitcode)
+        log.error("tensor parallel: %s exited (exit code %s); the engine stops", p.name, p.exitcode)
         os._exit(1)
 
     def send(self, message: tuple) -> None:
@@ -184,9 +184,13 @@ def _rank_main(config: EngineConfig, rank: int, size: int, port: int) -> None:
     config = dataclasses.replace(config, device=device)
     state = _init_group(rank, size, port, device)
     set_tensor_parallel(state)   # this process is one rank: everything it builds is its shard
-    loaded = load_engine_model(config)
-    memory = agree_on_memory(plan_memory(config, loaded.model, loaded.config.max_position_embeddings), state)
-    runner = ModelRunner(config, loaded, memory)
+    try:
+        loaded = load_engine_model(config)
+        memory = agree_on_memory(plan_memory(config, loaded.model, loaded.config.max_position_embeddings), state)
+        runner = ModelRunner(config, loaded, memory)
+    except (ValueError, RuntimeError, FileNotFoundError) as exc:   # a startup check: one line, as rank 0 says it
+        log.error("cannot start: %s", exc)
+        raise SystemExit(1) from None
     cpu_group = state.cpu_group
     try:
         while True:
