@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kdaserve.layers.distributed import tp_size
 from kdaserve.ops.fp8.reference import quantize_blocks
 
 log = logging.getLogger(__name__)
@@ -131,8 +132,18 @@ class Fp8Layout:
                                                    and self.attention.fullmatch(rest) is not None)
 
     def blocks(self, config, device, quantization: str | None, say: bool = True) -> tuple[tuple[int, int] | None, ...]:
-        """(block of the FP8 experts, block of the FP8 linear projections), None where not FP8."""
-        return fp8_blocks(config.extra, self.widths(config), device, quantization, self.family, say)
+        """(block of the FP8 experts, block of the FP8 linear projections), None where not FP8. The
+        widths are this rank's (tensor parallel): a rank's share that splits a block dequantizes an
+        FP8 checkpoint, and makes --quantization fp8 an error naming the widths."""
+        n = tp_size()
+        widths = tuple(w // n for w in self.widths(config))
+        try:
+            return fp8_blocks(config.extra, widths, device, quantization, self.family, say)
+        except ValueError as exc:
+            if n == 1:
+                raise
+            raise ValueError(f"{exc} (each rank's share of {self.widths(config)} at --tensor-parallel-size {n}); "
+                             f"a smaller -tp keeps whole blocks, or leave --quantization unset") from None
 
     def tensors(self, config, device, quantization: str | None) -> Callable[[str], bool] | None:
         """Which released tensors a model built so keeps in FP8 (the capacity check's question)."""

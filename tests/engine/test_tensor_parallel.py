@@ -165,3 +165,17 @@ def test_a_rank_reads_only_its_slices_of_sharded_weights(monkeypatch):
         want = n if any(w in name for w in whole) else n // 2
         assert read_bytes[name] == want, (name, read_bytes[name], n)
     assert sum(read_bytes.values()) < 0.6 * sum(full.values())
+
+
+def test_an_fp8_block_a_rank_would_split_is_named():
+    """FP8 weights need whole 128-row blocks on every rank: --quantization fp8 at a -tp that splits
+    one names each rank's widths and the -tp."""
+    from kdaserve.layers.distributed import TensorParallel, building_with
+    from kdaserve.models.builtin import builtin_config
+    from kdaserve.models.kimi_linear import FP8_LAYOUT
+
+    config = builtin_config("kimi-tiny")
+    with building_with(TensorParallel(0, 2)), pytest.raises(
+            ValueError, match=r"the MLP widths \(64, 16\) must be multiples of the 128-row block \(each rank's share of "
+                              r"\(128, 32\) at --tensor-parallel-size 2\)"):
+        FP8_LAYOUT.blocks(config, torch.device("cpu"), "fp8", say=False)
