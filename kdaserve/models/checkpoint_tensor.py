@@ -57,6 +57,16 @@ class CheckpointTensor:
             raise AttributeError(name)
         return getattr(self.load(), name)
 
+    # Python looks special methods up on the type, past __getattr__: the ones a loader may use.
+    def __getitem__(self, index):
+        return self.load()[index]
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __iter__(self):
+        return iter(self.load())
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         def whole(x):

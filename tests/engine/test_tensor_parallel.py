@@ -179,3 +179,28 @@ def test_an_fp8_block_a_rank_would_split_is_named():
             ValueError, match=r"the MLP widths \(64, 16\) must be multiples of the 128-row block \(each rank's share of "
                               r"\(128, 32\) at --tensor-parallel-size 2\)"):
         FP8_LAYOUT.blocks(config, torch.device("cpu"), "fp8", say=False)
+
+
+def test_a_released_glm_checkpoint_loads_split_from_slices(tmp_path):
+    """GLM-5.3-Flash's loader (DSA indexer, hyper-connections, experts by released name) reading
+    its rank's slices of a checkpoint directory: two ranks give one rank's greedy tokens."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from kdaserve.models.builtin import builtin_config
+    from kdaserve.models.glm5_next import random_released_tensors
+    from kdaserve.models.tokenizer import ByteTokenizer
+
+    config = builtin_config("glm-tiny")
+    (tmp_path / "config.json").write_text(json.dumps({**config.to_dict(), "model_type": "glm5_next"}))
+    save_file({k: v.contiguous() for k, v in random_released_tensors(config, 3, dtype=torch.float32)},
+              str(tmp_path / "model.safetensors"))
+    (tmp_path / "tokenizer.json").write_text(ByteTokenizer().to_tokenizers_json())
+    kw = dict(ENGINE, async_scheduling=False)
+    one = LLM(str(tmp_path), **kw).generate(PROMPTS[:2], CACHED, use_tqdm=False)
+    llm = LLM(str(tmp_path), tensor_parallel_size=2, **kw)
+    try:
+        _compare(one, llm.generate(PROMPTS[:2], CACHED, use_tqdm=False))
+    finally:
+        llm.engine.close()
