@@ -204,3 +204,24 @@ def test_a_released_glm_checkpoint_loads_split_from_slices(tmp_path):
         _compare(one, llm.generate(PROMPTS[:2], CACHED, use_tqdm=False))
     finally:
         llm.engine.close()
+
+
+def test_structured_output_at_two_ranks():
+    """Grammars run on rank 0 alone (masks at sampling): the split engine's constrained outputs
+    are one rank's, and match the constraint."""
+    pytest.importorskip("xgrammar")
+    import re
+
+    from kdaserve.engine.structured_output.params import StructuredOutputsParams
+
+    def params():
+        return SamplingParams(max_tokens=12, temperature=0, structured_outputs=StructuredOutputsParams(regex="[a-f]{3}-[0-9]{4}"))
+
+    kw = dict(ENGINE, async_scheduling=False)
+    one = LLM("nano", **kw).generate([[5, 6, 7]], params(), use_tqdm=False)[0].output_token_ids
+    llm = LLM("nano", tensor_parallel_size=2, **kw)
+    try:
+        out = llm.generate([[5, 6, 7]], params(), use_tqdm=False)[0]
+    finally:
+        llm.engine.close()
+    assert out.output_token_ids == one and re.fullmatch(r"[a-f]{3}-[0-9]{4}", out.text), out.text
