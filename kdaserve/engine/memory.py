@@ -5,6 +5,7 @@ weights and a profiled forward, capped at what max_num_seqs sequences of max_mod
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -76,7 +77,7 @@ def plan_memory(config: EngineConfig, model: nn.Module, max_position_embeddings:
     checkpoints = config.prefix_cache_states if config.enable_prefix_caching else 0
     plan = MemoryPlan(max_model_len, running, checkpoints, 0, config.block_size)
     blocks, report = _num_kv_blocks(config, model, plan)
-    return MemoryPlan(max_model_len, running, checkpoints, blocks, config.block_size, report)
+    return dataclasses.replace(plan, num_kv_blocks=blocks, report=report)
 
 
 def _num_kv_blocks(config: EngineConfig, model: nn.Module, plan: MemoryPlan) -> tuple[int, dict | None]:

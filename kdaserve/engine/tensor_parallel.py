@@ -60,7 +60,7 @@ def check_ranks(config: EngineConfig) -> None:
     from kdaserve.models.loader import resolve_model
 
     n, device = config.tensor_parallel_size, config.device
-    model_config = resolve_model(config.model, config.load_format, config.tokenizer)[0]
+    model_config = resolve_model(config.model, config.load_format, tokenizer=False)[0]
     for name in _SPLIT_SIZES:
         value = getattr(model_config, name, None)
         if isinstance(value, int) and value > 0:

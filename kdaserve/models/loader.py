@@ -95,31 +95,32 @@ def load_model(
     check_weights_fit(name, shapes, dtype, device, fp8, tp_size())
     kda_backends = kda_backends_for(config, kda or KDABackendChoice(), dtype, device)   # once, for every KDA layer
     net = family.build(config, kda_backends=kda_backends, mla_backend=mla_backend, moe_backend=moe_backend, dtype=dtype,
-                       device=device,
-                       mtp=mtp, quantization=quantization)
+                       device=device, mtp=mtp, quantization=quantization)
     weights = (family.random_weights(config, seed, dtype=dtype, device=device, mtp=mtp) if dummy
                else iterate_safetensors(SHIPPED_CHECKPOINTS.get(model, model), lazy=tp_size() > 1))
     net.load_weights(weights)
     return LoadedModel(net, tokenizer, config, name, kda_backends)
 
 
-def resolve_model(model: str, load_format: str = "auto", tokenizer_dir: str | None = None):
-    """What `model` names, without building it: (config, tokenizer, display name, dummy weights?)."""
+def resolve_model(model: str, load_format: str = "auto", tokenizer_dir: str | None = None, *, tokenizer: bool = True):
+    """What `model` names, without building it: (config, tokenizer, display name, dummy weights?).
+    `tokenizer=False`: the config alone (the tokenizer None, nothing of it read)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     path = Path(SHIPPED_CHECKPOINTS.get(model, model))
     if model in BUILTIN_CONFIGS or model in FAMILY_BUILTIN_CONFIGS:
-        config, tokenizer, name, dummy = builtin_config(model), ByteTokenizer(), model, True
+        config, tok, name, dummy = builtin_config(model), ByteTokenizer(), model, True
     elif (path / "config.json").is_file():
         config_dict = json.loads((path / "config.json").read_text())
         config = family_of(config_dict).config_from_dict(config_dict)
         name = model if model in SHIPPED_CHECKPOINTS else path.name or str(path)
-        tokenizer, dummy = load_checkpoint_tokenizer(path, config.eos_token_id), load_format == "dummy"
+        dummy = load_format == "dummy"
+        tok = load_checkpoint_tokenizer(path, config.eos_token_id) if tokenizer else None
     elif (config := released_config(model)) is not None:
         if load_format != "dummy":
             raise ValueError(f"{model!r} is a released model whose weights are not on this machine: pass its checkpoint "
                              f"directory as --model, or --load-format dummy for random weights at its real shape")
-        tokenizer, name, dummy = ByteTokenizer(), model, True
+        tok, name, dummy = ByteTokenizer(), model, True
         log.info("%s: random weights at the released shape (--load-format dummy), byte tokenizer", model)
     else:
         raise ValueError(
@@ -127,9 +128,9 @@ def resolve_model(model: str, load_format: str = "auto", tokenizer_dir: str | No
             f"checkpoint ({sorted(SHIPPED_CHECKPOINTS)}), a released "
             f"name with a known architecture, nor a directory with a config.json"
         )
-    if tokenizer_dir is not None:
-        tokenizer = _tokenizer_from(tokenizer_dir, config)
-    return config, tokenizer, name, dummy
+    if tokenizer_dir is not None and tokenizer:
+        tok = _tokenizer_from(tokenizer_dir, config)
+    return config, tok, name, dummy
 
 
 def save_checkpoint(

@@ -611,3 +611,20 @@ def test_mtp_with_a_prefix_cache_hit(mtp_checkpoint):
         second += [(n, list(d)) for n, d in engine.proposer._drafts.values()]
     assert engine.stats()["prefix_cache_hits"] > hits
     assert again == tokens and second[0] == first[0]
+
+
+def test_weights_per_gpu_at_tensor_parallel_say_which_size_fits():
+    """One GPU is told the -tp that would fit; at TP N each GPU holds 1/N of the split weights and
+    all of the replicated ones, and a size that still does not fit says so per GPU."""
+    from kdaserve.models.builtin import released_config
+    from kdaserve.models.capacity import _replicated, parameter_count, weights_fit_error
+
+    shapes = released_shapes(released_config("zai-org/GLM-5.3-Flash"))
+    n = parameter_count(shapes)
+    whole = parameter_count({k: s for k, s in shapes.items() if _replicated(k)})
+    one = weights_fit_error("zai-org/GLM-5.3-Flash", n, torch.bfloat16, 141 * 2**30)
+    assert "--tensor-parallel-size (at least 5 by the weights alone" in one
+    assert weights_fit_error("GLM", n, torch.bfloat16, 141 * 2**30, tp_size=8, replicated_params=whole) is None
+    four = weights_fit_error("GLM", n, torch.bfloat16, 141 * 2**30, tp_size=4, replicated_params=whole)
+    assert four.startswith("GLM needs 148 GiB of weights on each of 4 GPUs at --tensor-parallel-size 4 (313.3B "
+                           "parameters in bfloat16), but each GPU has 141 GiB: give a larger --tensor-parallel-size")
