@@ -225,3 +225,15 @@ def test_structured_output_at_two_ranks():
     finally:
         llm.engine.close()
     assert out.output_token_ids == one and re.fullmatch(r"[a-f]{3}-[0-9]{4}", out.text), out.text
+
+
+def test_more_ranks_than_gpus_is_refused_with_how_many_there_are(monkeypatch):
+    from kdaserve.engine.config import EngineConfig
+    from kdaserve.engine.tensor_parallel import check_ranks
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    config = EngineConfig(model="nano", device="cuda", tensor_parallel_size=4)
+    with pytest.raises(ValueError, match=r"--tensor-parallel-size 4 needs 4 GPUs from cuda, but this machine has 2; "
+                                         r"give at most -tp 2 \(CUDA_VISIBLE_DEVICES picks which\)"):
+        check_ranks(config)
+    check_ranks(EngineConfig(model="nano", device="cuda", tensor_parallel_size=2))   # two fit
