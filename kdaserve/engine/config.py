@@ -39,8 +39,9 @@ def _flag(help: str, name: str | None = None, boolean_optional: bool = False, al
 class EngineConfig:
     model: str = field(default="tiny", metadata=_flag(
         "nano (trained, shipped in the package), a built-in model with random weights for shapes and tests (tiny, "
-        "bench, kimi-tiny, glm-tiny: their text is random bytes), a released name (moonshotai/Kimi-Linear-48B-A3B-"
-        "Instruct, zai-org/GLM-5.3-Flash, with --load-format dummy) or a checkpoint directory"))
+        "bench, kimi-tiny, glm-tiny, ling-tiny: their text is random bytes), a released name (moonshotai/Kimi-Linear-"
+        "48B-A3B-Instruct, zai-org/GLM-5.3-Flash, inclusionAI/Ling-3.0-Flash, with --load-format dummy) or a checkpoint "
+        "directory"))
     tokenizer: str | None = field(default=None, metadata=_flag(
         "a directory whose tokenizer (tokenizer.json or tiktoken.model) replaces the model's"))
     load_format: str = field(default="auto", metadata=_flag(

@@ -12,6 +12,9 @@ Why it is built this way:
 - `forward` allocates the core output buffer and calls `_forward`, which reads the step metadata
   from the context and runs decode / speculative / prefill / mixed / nothing. A CUDA graph captured
   on a decode batch replays the whole forward; prefill and mixed steps run `_forward` eagerly.
+- One GEMM projects q|k|v, beta and both gates' inputs (`in_proj_qkvbfg_a`); with low-rank gates
+  (Kimi-Linear, GLM) one batched GEMM then lifts f_a | g_a to P, with full-rank gates (Ling-3,
+  `full_rank_gates`) the gate logits are rows of the first GEMM already.
 - Projections are plain GEMMs in the activation dtype. With tp_size > 1 the weights are this rank's
   shard and the returned o_proj output is this rank's partial sum (the caller all-reduces).
 """
@@ -30,7 +33,7 @@ from kdaserve.backends.step import KDACache, KDAInputs
 from kdaserve.layers.context import get_context
 from kdaserve.layers.distributed import TensorParallel, all_reduce, tensor_parallel
 from kdaserve.layers.kda_routing import run_kda_step
-from kdaserve.layers.kda_weights import CHECKPOINT_NAMES, CONV_NAMES, IN_PROJ_PARTS, KDAShard
+from kdaserve.layers.kda_weights import CONV_NAMES, KDAShard
 from kdaserve.ops.kda.limits import check_lower_bound
 from kdaserve.ops.kda.types import KDAWeights, check_conv_layout
 
@@ -60,17 +63,18 @@ class _Linear(nn.Module):
 
 class KDALayer(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, backends: KDABackends, *, norm_eps: float = 1e-5,
-                 layer_idx: int = 0, tp_rank: int = 0, tp_size: int = 1, device=None):
+                 layer_idx: int = 0, tp_rank: int = 0, tp_size: int = 1, full_rank_gates: bool = False, device=None):
         """`backends`: the model's resolved pair (one resolution for all its KDA layers; the loader's),
         whose settings are the layer's: head size, conv width, gate, activation and state dtypes,
         conv layout, speculative tokens. `num_heads` counts every rank's heads; `backends` were
-        resolved for this rank's. A layer built alone: `KDALayer.build`."""
+        resolved for this rank's. `full_rank_gates`: the gates' logits come from f_proj / g_proj
+        [P, hidden] (Ling-3) rather than low-rank pairs. A layer built alone: `KDALayer.build`."""
         super().__init__()
         st = backends.settings
         check_conv_layout(st.conv_layout)
         check_lower_bound(st.lower_bound)
         device = torch.device(device) if device is not None else torch.empty(0).device
-        self.shard = KDAShard(hidden_size, num_heads, st.head_dim, st.conv_width, tp_rank, tp_size)
+        self.shard = KDAShard(hidden_size, num_heads, st.head_dim, st.conv_width, tp_rank, tp_size, full_rank_gates)
         H, D, P, W = self.shard.heads, st.head_dim, self.shard.P, st.conv_width
         if backends.num_heads != H:
             raise ValueError(f"layer {layer_idx}: the KDA backends were resolved for {backends.num_heads} heads, but this "
@@ -90,15 +94,17 @@ class KDALayer(nn.Module):
         self.in_proj_qkvbfg_a = _Linear(hidden_size, self.shard.in_proj_rows, **kw)
         # The forget and output gates' second low-rank projections, stacked: one batched GEMM for
         # both (project), with f_b_proj.weight and g_b_proj.weight views of it, like the conv taps.
-        self.register_buffer("gate_b_weight", torch.zeros(2, P, D, **kw), persistent=False)
-        self.f_b_proj, self.g_b_proj = (_Holder(_param(w)) for w in self.gate_b_weight)
+        # Full-rank gates have none.
+        self.register_buffer("gate_b_weight", None if full_rank_gates else torch.zeros(2, P, D, **kw), persistent=False)
+        if not full_rank_gates:
+            self.f_b_proj, self.g_b_proj = (_Holder(_param(w)) for w in self.gate_b_weight)
         self.o_proj = _Linear(P, hidden_size, **kw)
         self.register_buffer("conv_weight", torch.zeros(3 * P, W, **f32), persistent=False)
         self.q_conv1d, self.k_conv1d, self.v_conv1d = (_Holder(_param(v)) for v in self._conv_views())
         self.A_log = _param(torch.zeros(H, **f32))
         self.dt_bias = _param(torch.zeros(P, **f32))
         self.o_norm = _Holder(_param(torch.ones(D, **f32)))
-        for name in CHECKPOINT_NAMES:
+        for name in self.shard.checkpoint_names:
             self.get_parameter(name).weight_loader = functools.partial(self._load_one, name)
         # torch's own reload path writes (or, with assign=True, replaces) the conv views directly.
         self.register_load_state_dict_post_hook(KDALayer._after_load_state_dict)
@@ -118,7 +124,7 @@ class KDALayer(nn.Module):
     @classmethod
     def build(cls, hidden_size: int, num_heads: int, head_dim: int, *, conv_kernel_size: int = 4,
               lower_bound: float | None = -5.0, norm_eps: float = 1e-5, layer_idx: int = 0, tp_rank: int = 0,
-              tp_size: int = 1, prefill_backend: str = "auto", decode_backend: str = "auto",
+              tp_size: int = 1, full_rank_gates: bool = False, prefill_backend: str = "auto", decode_backend: str = "auto",
               state_dtype: torch.dtype = torch.float32, conv_layout: str = "SD", num_spec_tokens: int = 0,
               params_dtype: torch.dtype | None = None, device=None) -> "KDALayer":
         """A layer alone (tests, `kdaserve parity`): its own backends resolved from names, activations
@@ -136,7 +142,7 @@ class KDALayer(nn.Module):
         choice = KDABackendChoice(prefill_backend, decode_backend, state_dtype, conv_layout, num_spec_tokens)
         backends = resolve_kda_backends(choice, settings, heads, Machine.detect(device), log=False)
         return cls(hidden_size, num_heads, backends, norm_eps=norm_eps, layer_idx=layer_idx, tp_rank=tp_rank,
-                   tp_size=tp_size, device=device)
+                   tp_size=tp_size, full_rank_gates=full_rank_gates, device=device)
 
     def _conv_views(self) -> list[torch.Tensor]:
         P, W = self.shard.P, self.conv_width
@@ -144,8 +150,8 @@ class KDALayer(nn.Module):
 
     def _merged_views(self):
         """(holder, its view of a merged buffer): the conv taps and the gates' b projections."""
-        return [*zip((self.q_conv1d, self.k_conv1d, self.v_conv1d), self._conv_views()),
-                *zip((self.f_b_proj, self.g_b_proj), self.gate_b_weight)]
+        gates = [] if self.gate_b_weight is None else zip((self.f_b_proj, self.g_b_proj), self.gate_b_weight)
+        return [*zip((self.q_conv1d, self.k_conv1d, self.v_conv1d), self._conv_views()), *gates]
 
     def _apply(self, fn, recurse=True):
         """Device moves convert parameters and buffers one by one: re-alias the views to the moved
@@ -165,7 +171,7 @@ class KDALayer(nn.Module):
             if holder.weight.data_ptr() != view.data_ptr() or holder.weight.shape != view.shape:
                 view.copy_(holder.weight.reshape(view.shape))
                 holder.weight = _param(view)
-        for name in CHECKPOINT_NAMES:  # replaced parameters lost their loader
+        for name in self.shard.checkpoint_names:  # replaced parameters lost their loader
             param = self.get_parameter(name)
             if not hasattr(param, "weight_loader"):
                 param.weight_loader = functools.partial(self._load_one, name)
@@ -192,17 +198,17 @@ class KDALayer(nn.Module):
         """Load full checkpoint tensors by name relative to the layer (initial load, reload or an
         in-place refit); every derived copy is refreshed. Returns the names loaded. The merged
         projection may come whole (`in_proj_qkvbfg_a.weight`) or as the released parts
-        (IN_PROJ_PARTS: q_proj, k_proj, v_proj, b_proj, f_a_proj, g_a_proj)."""
+        (q_proj, k_proj, v_proj, b_proj, then f_a_proj, g_a_proj or, full rank, f_proj, g_proj)."""
         loaded = set()
+        names, parts = self.shard.checkpoint_names, self.shard.in_proj_parts
         for name, tensor in weights:
-            if name in IN_PROJ_PARTS:
+            if name in parts:
                 rows, part = self.shard.in_proj_part(name, tensor)
                 self.in_proj_qkvbfg_a.weight.data[rows].copy_(part)
                 loaded.add(name)
                 continue
-            if name not in CHECKPOINT_NAMES:
-                raise KeyError(f"unknown KDA checkpoint tensor {name!r}; valid names: "
-                               f"{', '.join(CHECKPOINT_NAMES + IN_PROJ_PARTS)}")
+            if name not in names:
+                raise KeyError(f"unknown KDA checkpoint tensor {name!r}; valid names: {', '.join(names + parts)}")
             param = self.get_parameter(name)
             param.weight_loader(param, tensor)
             loaded.add(name)
@@ -270,6 +276,8 @@ class KDALayer(nn.Module):
         proj = self.in_proj_qkvbfg_a(hidden_states)
         T = proj.shape[0]
         qkv, beta_logits = proj[:, : 3 * P], proj[:, 3 * P : 3 * P + H]
+        if self.gate_b_weight is None:   # full-rank gates: column views of the projection (kernels take strides)
+            return qkv, beta_logits, proj[:, 3 * P + H : 4 * P + H], proj[:, 4 * P + H :]
         # f_a | g_a as [2, T, D] (strided rows of proj) times [2, D, P]: both gates in one GEMM.
         gates = torch.bmm(proj[:, 3 * P + H :].view(T, 2, D).transpose(0, 1), self.gate_b_weight.transpose(1, 2))
         return qkv, beta_logits, gates[0], gates[1]
@@ -296,6 +304,7 @@ class KDALayer(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"layer={self.layer_idx}, heads={self.num_heads}x{self.head_dim} (rank {self.shard.tp_rank}/{self.shard.tp_size}), "
-            f"gate={self.settings.gate}, prefill={self.prefill_backend.name}, decode={self.decode_backend.name}, "
+            f"gate={self.settings.gate}{' (full rank)' if self.gate_b_weight is None else ''}, "
+            f"prefill={self.prefill_backend.name}, decode={self.decode_backend.name}, "
             f"state={self.state_dtype}, conv_layout={self.conv_layout}, spec={self.num_spec_tokens}"
         )

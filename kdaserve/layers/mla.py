@@ -7,8 +7,11 @@ Projections, with the released checkpoint names:
     k_nope | v = kv_b_proj(c)                       [T, H, Dn + Dv]  (prefill expands the context)
     scores     = (q_nope·k_nope + q_pe·k_pe) * (Dn + R)^-0.5, causal
     out        = o_proj(attention)
-Kimi-Linear uses no rotary embedding (`mla_use_nope`): q_pe and k_pe are used as they are. Rotary
-variants (DeepSeek's rotated q_pe / k_pe) are not implemented yet and are refused by the config.
+Kimi-Linear and GLM use no rotary embedding (`mla_use_nope`): q_pe and k_pe are used as they are.
+With `rotary` (Ling-3: interleaved pairs, layers/rotary.py) q_pe and k_pe are rotated by position
+first, and the cache keeps the rotated k_pe, so decode stays one latent read per token and the
+kernels never see positions. With `head_gate` (Ling-3) each head's attention output is scaled by
+sigmoid(g_proj(x)) [T, H] (fp32 sigmoid, in the activation dtype, as transformers) before o_proj.
 
 Decode uses the absorbed form: with W_UK, W_UV the k_nope and v rows of kv_b_proj per head,
 q_latent = q_nope W_UK and out = W_UV (softmax · c), so each cached token is read once as a latent,
@@ -31,6 +34,7 @@ from kdaserve.layers.distributed import all_reduce, split, tensor_parallel
 from kdaserve.layers.kernel_choice import resolve_kernel_choice
 from kdaserve.layers.linear import make_linear
 from kdaserve.layers.norm import RMSNorm
+from kdaserve.layers.rotary import RotaryEmbedding
 from kdaserve.ops.mla.reference import mla_decode_reference, mla_prefill_reference
 
 
@@ -56,7 +60,8 @@ class MLAttention(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, *, kv_lora_rank: int, qk_nope_head_dim: int,
                  qk_rope_head_dim: int, v_head_dim: int, q_lora_rank: int | None = None, norm_eps: float = 1e-6,
                  layer_idx: int = 0, backend: str = "auto", dtype=None, device=None,
-                 fp8_block: tuple[int, int] | None = None):
+                 fp8_block: tuple[int, int] | None = None, rotary: RotaryEmbedding | None = None,
+                 head_gate: bool = False):
         super().__init__()
         device = torch.device(device) if device is not None else torch.empty(0).device
         # This rank's heads (tensor parallel: q and kv_b by heads, o_proj row-parallel; the latent
@@ -79,6 +84,12 @@ class MLAttention(nn.Module):
         # W_UK, W_UV views.
         self.kv_b_proj = _linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), dtype, device)
         self.o_proj = _linear(num_heads * v_head_dim, hidden_size, dtype, device, fp8_block)
+        if rotary is not None and rotary.head_dim != qk_rope_head_dim:
+            raise ValueError(f"the rotary embedding rotates heads of {rotary.head_dim}, but q_pe / k_pe have "
+                             f"qk_rope_head_dim = {qk_rope_head_dim}")
+        self.rotary = rotary
+        # The per-head output gate [H, hidden] (this rank's heads), kept in the activation dtype.
+        self.g_proj = _linear(hidden_size, num_heads, dtype, device) if head_gate else None
         self.backend = resolve_kernel_choice("MLA", backend, device)
         self.cache: torch.Tensor | None = None
 
@@ -120,12 +131,14 @@ class MLAttention(nn.Module):
         q = q.view(T, H, self.Dn + self.R)
         q_nope, q_pe = q[..., : self.Dn], q[..., self.Dn :]
         kv = self.kv_a_proj_with_mqa(hidden)
+        if self.rotary is not None:   # rotated before the cache write: the cache keeps rotated keys
+            q_pe, k_pe = self.rotary(positions, q_pe, kv[:, None, self.L :])
+            kv[:, self.L :] = k_pe[:, 0]
         md: AttentionMetadata | None = get_context().attn
         if md is None or self.cache is None:
             # Dummy run (memory profile): the step as one causal sequence, so shapes and costs are real.
             latent, k_pe = self.kv_a_layernorm(kv[:, : self.L].contiguous()), kv[:, self.L :]
-            o = self._prefill(q_nope, q_pe, latent, k_pe, [T], [T])
-            return all_reduce(self.o_proj(o.reshape(T, H * self.Dv)), self.tp)
+            return self._output(self._prefill(q_nope, q_pe, latent, k_pe, [T], [T]), hidden)
         self._write_cache(kv, md.slot_mapping)
         selection = self.select(hidden, q_resid, md)
         nd = md.num_decode_tokens
@@ -139,8 +152,14 @@ class MLAttention(nn.Module):
             parts.append(self._prefill(q_nope[nd:], q_pe[nd:], ctx[:, : self.L].to(hidden.dtype),
                                        ctx[:, self.L :].to(hidden.dtype), md.prefill_query_lens, md.prefill_context_lens,
                                        selection.prefill if selection else None))
-        o = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return all_reduce(self.o_proj(o.reshape(T, H * self.Dv)), self.tp)
+        return self._output(parts[0] if len(parts) == 1 else torch.cat(parts), hidden)
+
+    def _output(self, o: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """The heads' outputs o [T, H, Dv] (gated per head with `head_gate`) through o_proj; the
+        ranks' partial sums added (tensor parallel)."""
+        if self.g_proj is not None:
+            o = o * torch.sigmoid(self.g_proj(hidden).float()).to(o.dtype).unsqueeze(-1)
+        return all_reduce(self.o_proj(o.reshape(o.shape[0], self.num_heads * self.Dv)), self.tp)
 
     def _write_cache(self, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """The step's new tokens into their cache rows: kv_a_layernorm(latent) | k_pe (the Triton
@@ -207,4 +226,9 @@ class MLAttention(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"layer={self.layer_idx}, heads={self.num_heads}, latent={self.L}+{self.R}, nope={self.Dn}, "
-                f"v={self.Dv}, q_lora={self.q_lora_rank}, backend={self.backend}")
+                f"v={self.Dv}, q_lora={self.q_lora_rank}, rope={self._rope_kind}, head_gate={self.g_proj is not None}, "
+                f"backend={self.backend}")
+
+    @property
+    def _rope_kind(self) -> str:
+        return "none" if self.rotary is None else "interleaved" if self.rotary.interleaved else "rotate-half"

@@ -6,10 +6,13 @@ byte-level tokenizer.
   128, hidden 4096) with every 4th layer full attention; 8 layers keep GPU benchmarks fast.
 - `kimi-tiny`: the Kimi-Linear family (KDA with the unbounded gate, MLA, MoE) at a CPU size.
 - `glm-tiny`: the GLM-5.3-Flash family (bounded gate, DSA, hyper-connections) at a CPU size.
+- `ling-tiny`: the Ling-3 family (full-rank KDA gates, gated MLA with interleaved RoPE, grouped
+  routing, an MTP layer) at a CPU size.
 - `nano`: a trained checkpoint shipped in the package (kdaserve/models/nano: the Kimi-Linear
   family, 6.6M parameters, trained on Python's standard library with tools/train_nano.py; recipe
   and curve in docs/evidence.md). Loaded like any checkpoint directory; the README's default.
-- released names (`moonshotai/Kimi-Linear-48B-A3B-Instruct`, `-Base`, `zai-org/GLM-5.3-Flash`): the released architecture,
+- released names (`moonshotai/Kimi-Linear-48B-A3B-Instruct`, `-Base`, `zai-org/GLM-5.3-Flash`,
+  `inclusionAI/Ling-3.0-Flash`): the released architecture,
   for `--load-format dummy` (random weights at the real shape) when no checkpoint is at hand.
 """
 
@@ -108,10 +111,27 @@ def _glm_configs():
     return {"glm-tiny": tiny}, {"zai-org/GLM-5.3-Flash": released}
 
 
+def _ling_configs():
+    from kdaserve.models.bailing_hybrid_config import BailingHybridConfig
+
+    # MLA every third layer (layer_group_size 3), two dense layers, 16 experts in 4 groups (2 chosen).
+    tiny = BailingHybridConfig(
+        hidden_size=64, num_hidden_layers=6, vocab_size=_BYTE_VOCAB, layer_group_size=3, first_k_dense_replace=1,
+        linear_head_dim=32, num_attention_heads=2, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16,
+        v_head_dim=16, intermediate_size=128, moe_intermediate_size=32, num_local_experts=16, num_experts_per_tok=4,
+        n_group=4, topk_group=2, max_position_embeddings=8192, eos_token_id=ByteTokenizer().eos_token_id,
+        pad_token_id=None, torch_dtype="float32", num_mtp_layers=1,
+    )
+    # Ling-3.0-Flash as transformers 5.23.0 describes it (its BailingHybridConfig defaults; no released
+    # config.json on this machine to confirm against): 42 layers (35 KDA, 7 MLA), 512 experts top-8.
+    released = BailingHybridConfig()
+    return {"ling-tiny": tiny}, {"inclusionAI/Ling-3.0-Flash": released}
+
+
 FAMILY_BUILTIN_CONFIGS, RELEASED_CONFIGS = _kimi_configs()
-_glm_builtin, _glm_released = _glm_configs()
-FAMILY_BUILTIN_CONFIGS.update(_glm_builtin)
-RELEASED_CONFIGS.update(_glm_released)
+for _builtin, _released in (_glm_configs(), _ling_configs()):
+    FAMILY_BUILTIN_CONFIGS.update(_builtin)
+    RELEASED_CONFIGS.update(_released)
 
 
 def released_config(name: str):

@@ -44,7 +44,7 @@ def weights_fit_error(name: str, num_params: int, dtype: torch.dtype, device_byt
     if host:
         return head + (f"this machine has {device_bytes / GIB:.1f} GiB of memory available, so it cannot run the model "
                        f"on its CPU (it would be killed for memory partway through building it). On a CPU use a small "
-                       f"configuration (nano, kimi-tiny, glm-tiny, or a checkpoint with fewer layers); the released "
+                       f"configuration (nano, kimi-tiny, glm-tiny, ling-tiny, or a checkpoint with fewer layers); the released "
                        f"shapes need GPUs")
     fits = math.ceil(need / device_bytes)
     return head + (f"this device has {device_bytes / GIB:.0f} GiB in all, "

@@ -69,8 +69,25 @@ def _glm5_next() -> Family:
                   fp8_tensors=fp8_tensors)
 
 
-_FAMILIES = {"kimi_linear": _kimi_linear, "glm5_next": _glm5_next, "glm5_next_text": _glm5_next}
-KNOWN_MODEL_TYPES = ("kimi_linear", "glm5_next", "kda_hybrid*")
+def _bailing_hybrid() -> Family:
+    from kdaserve.models.bailing_hybrid import BailingHybridForCausalLM, fp8_tensors, random_released_tensors, released_shapes
+    from kdaserve.models.bailing_hybrid_config import BailingHybridConfig
+
+    def build(config, *, kda_backends, mla_backend, moe_backend, dtype, device, mtp=False, quantization=None):
+        return BailingHybridForCausalLM(config, kda_backends=kda_backends, mla_backend=mla_backend,
+                                        moe_backend=moe_backend, dtype=dtype, device=device, mtp=mtp,
+                                        quantization=quantization)
+
+    def random(config, seed, *, dtype, device, mtp=False):
+        return random_released_tensors(config, seed, dtype=dtype, device=device, mtp=mtp)
+
+    return Family("bailing_hybrid", BailingHybridConfig.from_dict, build, random, released_shapes, has_mtp=True,
+                  fp8_tensors=fp8_tensors)
+
+
+_FAMILIES = {"kimi_linear": _kimi_linear, "glm5_next": _glm5_next, "glm5_next_text": _glm5_next,
+             "bailing_hybrid": _bailing_hybrid}
+KNOWN_MODEL_TYPES = ("kimi_linear", "glm5_next", "bailing_hybrid", "kda_hybrid*")
 
 
 def family_of(config_dict: dict) -> Family:

@@ -1,4 +1,4 @@
-"""What the families loaded from released checkpoints share (Kimi-Linear, GLM-5.3-Flash): the
+"""What the families loaded from released checkpoints share (Kimi-Linear, GLM-5.3-Flash, Ling-3): the
 tensor shapes of a KDA layer and an MLA layer under their released names, and the loading loop
 that checks a checkpoint against the complete list of its config (an unknown name, a wrong shape
 or a missing tensor is an error that names it) and routes each tensor to its parameter."""
@@ -48,12 +48,15 @@ def mla_layer_shapes(prefix: str, hidden: int, heads: int, *, nope: int, rope: i
 
 def load_released(model, weights: Iterable[tuple[str, torch.Tensor]], shapes: dict[str, tuple[int, ...]], *,
                   family: str, layer_name: re.Pattern, skip: Callable[[str], bool], top_param: Callable[[str], str],
-                  layer_tensor: Callable, layer_of: Callable | None = None) -> set[str]:
+                  layer_tensor: Callable, layer_of: Callable | None = None,
+                  rename: Callable[[str], str] | None = None) -> set[str]:
     """Copy released tensors into `model` (its `model.layers[i]` each with `is_kda`; KDA layers take
     their `self_attn.` tensors at once through `load_weights`). `layer_name` matches a layer tensor
     as (index, rest); other names go to the parameter `top_param(name)`; `layer_tensor(i, layer,
     rest, tensor, params)` places the rest; `layer_of(i)`: the module of layer i (default
-    `model.model.layers[i]`; a drafter layer past them). Returns the names loaded."""
+    `model.model.layers[i]`; a drafter layer past them); `rename(rest)`: the model's name of a
+    layer tensor's released name (Ling-3's `attention.dense` is `self_attn.o_proj`). Returns the
+    (released) names loaded."""
     params = dict(model.named_parameters())
     kda_items: dict[int, list[tuple[str, torch.Tensor]]] = defaultdict(list)
     loaded: set[str] = set()
@@ -70,7 +73,7 @@ def load_released(model, weights: Iterable[tuple[str, torch.Tensor]], shapes: di
         if m is None:
             params[top_param(name)].copy_(tensor)
         else:
-            i, rest = int(m[1]), m[2]
+            i, rest = int(m[1]), m[2] if rename is None else rename(m[2])
             layer = model.model.layers[i] if layer_of is None else layer_of(i)
             if layer.is_kda and rest.startswith("self_attn."):
                 kda_items[i].append((rest.removeprefix("self_attn."), tensor))

@@ -184,6 +184,57 @@ def test_tensor_parallel_shards_sum_to_the_full_layer():
     assert_rel_close(y_sum, y_full, 1e-12, "sum of tensor-parallel ranks")
 
 
+def _released_parts(ckpt: dict, full_rank: bool) -> list[tuple[str, torch.Tensor]]:
+    """A layer checkpoint as released: the merged projection split into its named parts; with
+    `full_rank`, Ling-3's f_proj, g_proj [P, hidden] = f_b·f_a, g_b·g_a of the same low-rank layer."""
+    P = H * D
+    q, k, v, b, fa, ga = ckpt["in_proj_qkvbfg_a.weight"].split([P, P, P, H, D, D])
+    parts = {"q_proj.weight": q, "k_proj.weight": k, "v_proj.weight": v, "b_proj.weight": b}
+    rest = {n: t for n, t in ckpt.items() if n not in ("in_proj_qkvbfg_a.weight", "f_b_proj.weight", "g_b_proj.weight")}
+    if full_rank:
+        parts.update({"f_proj.weight": ckpt["f_b_proj.weight"] @ fa, "g_proj.weight": ckpt["g_b_proj.weight"] @ ga})
+    else:
+        parts.update({"f_a_proj.weight": fa, "g_a_proj.weight": ga, "f_b_proj.weight": ckpt["f_b_proj.weight"],
+                      "g_b_proj.weight": ckpt["g_b_proj.weight"]})
+    return [*parts.items(), *rest.items()]
+
+
+def test_full_rank_gates_equal_the_low_rank_layer_they_multiply_out_and_split_over_ranks():
+    """Ling-3's gates (f_proj, g_proj [P, hidden]; no f_b, g_b): a layer loaded with f = f_b·f_a and
+    g = g_b·g_a from its released parts gives the low-rank layer's output and states (mixed
+    decode + prefill step), and its two tensor-parallel halves, each loading only its heads' rows
+    of f_proj and g_proj, sum to it."""
+    ckpt = random_kda_checkpoint(HID, H, D, conv_width=W, dtype=torch.float64, seed=5)
+    x = torch.randn(7, HID, dtype=torch.float64)
+    meta = make_kda_metadata(decode_slots=[1], prefill_lens=[4, 2], prefill_slots=[2, 3], prefill_has_initial_state=[True, False])
+    low = KDALayer.build(HID, H, D, **F64)
+    low.load_weights(_released_parts(ckpt, full_rank=False))
+    conv0, rec0 = (t.clone() for t in bind_random_cache(low))
+    set_context(Context(kda=low.backends.build_step(meta)))
+    y_low = low(x)
+    full = KDALayer.build(HID, H, D, full_rank_gates=True, **F64)
+    assert set(full.state_dict()) == set(CHECKPOINT_NAMES) - {"f_b_proj.weight", "g_b_proj.weight"}
+    assert full.in_proj_qkvbfg_a.weight.shape == (5 * H * D + H, HID)
+    full.load_weights(_released_parts(ckpt, full_rank=True))
+    full.bind_cache(conv0.clone(), rec0.clone())
+    set_context(Context(kda=full.backends.build_step(meta)))
+    y_full = full(x)
+    assert_rel_close(y_full, y_low, 1e-12, "full-rank gates vs the low-rank layer")
+    assert_rel_close(full.recurrent_state, low.recurrent_state, 1e-12, "states")
+    P2, y_sum = H * D // 2, torch.zeros_like(y_full)
+    for rank in range(2):
+        part = KDALayer.build(HID, H, D, tp_rank=rank, tp_size=2, full_rank_gates=True, **F64)
+        part.load_weights(_released_parts(ckpt, full_rank=True))
+        heads = slice(rank * 2, rank * 2 + 2)
+        cs = conv0.view(conv0.shape[0], W - 1, 3, H, D)[:, :, :, heads].reshape(conv0.shape[0], W - 1, 3 * P2)
+        part.bind_cache(cs.contiguous(), rec0[:, heads].clone())
+        set_context(Context(kda=part.backends.build_step(meta)))
+        y_sum += part(x)
+    assert_rel_close(y_sum, y_full, 1e-12, "sum of tensor-parallel ranks, full-rank gates")
+    with pytest.raises(KeyError, match="valid names"):
+        full.load_weights([("f_b_proj.weight", ckpt["f_b_proj.weight"])])
+
+
 @pytest.mark.parametrize("shape", [(H,), (1, 1, H, 1)])
 def test_A_log_accepts_1d_and_kimi_shapes(shape):
     layer = make_layer()

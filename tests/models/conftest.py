@@ -22,7 +22,7 @@ def _transformers_on_its_torch_paths():
 
     names = ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention", "causal_conv1d_fn", "causal_conv1d_update")
     with pytest.MonkeyPatch.context() as mp:
-        for family in ("kimi_linear", "glm5_next"):
+        for family in ("kimi_linear", "glm5_next", "bailing_hybrid"):
             try:
                 module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
             except ImportError:
