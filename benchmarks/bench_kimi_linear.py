@@ -1,9 +1,12 @@
-"""Kimi-Linear-48B-A3B at its real shape on one GPU, with random bf16 weights (`--load-format dummy`):
+"""Kimi-Linear-48B-A3B (or another released model, `--model`) at its real shape on one GPU, with random
+bf16 weights (`--load-format dummy`):
 memory of weights and caches, the largest batch at 8K context, TTFT of one prompt per `--ttft`
 length (default: --ctx) and its device time per layer kind (torch.profiler), decode tokens/s at
 several batch sizes, and each decode step against its memory floor.
 
     PYTHONPATH=$PWD python3 benchmarks/bench_kimi_linear.py [--batches 1 64 256] [--ctx 8192] [--ttft 8192 32768]
+    PYTHONPATH=$PWD python3 benchmarks/bench_kimi_linear.py --model inclusionAI/Ling-3.0-Flash --quantization fp8 \
+        --num-hidden-layers 12      # a model too large for the GPU: its first layers at full width, FP8 weights
 
 Method: the engine as `kdaserve serve` runs it (CUDA graphs for decode, the auto backends: flash +
 adaptive for KDA, the Triton MLA and MoE kernels), Triton's start-up warm-up off (this script warms
@@ -56,6 +59,31 @@ GIB = 2**30
 
 def param_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def truncated_checkpoint(name: str, num_layers: int) -> str:
+    """A directory holding only the config.json of released model `name` cut to its first
+    `num_layers` layers (layer kinds and MLP kinds kept as released; no MTP layer), for
+    --load-format dummy."""
+    import json
+    import tempfile
+
+    from kdaserve.models.builtin import released_config
+
+    config = released_config(name)
+    if config is None:
+        raise SystemExit(f"--num-hidden-layers needs a released model name, got {name!r}")
+    d = config.to_dict()
+    d["layer_types"] = config.layer_types[:num_layers]
+    for key in ("mlp_layer_types", "indexer_types"):
+        if isinstance(d.get(key), list):
+            d[key] = d[key][:num_layers]
+    for key in ("kda_layers", "full_attn_layers"):   # Kimi's and GLM's lists: layer_types says it now
+        (d.get("linear_attn_config") or {}).pop(key, None)
+    d["num_hidden_layers"] = num_layers
+    path = Path(tempfile.mkdtemp(prefix="kdaserve-cut-"))
+    (path / "config.json").write_text(json.dumps(d))
+    return str(path)
 
 
 def prefill_breakdown(eng, prompt) -> tuple[dict[str, float], list[tuple[str, float]]]:
@@ -138,16 +166,22 @@ def main() -> None:
     ap.add_argument("--ttft", type=int, nargs="+", default=None, help="prompt lengths to time (default: --ctx)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.92)
     ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs to split the model over")
+    ap.add_argument("--quantization", default=None, help="fp8: block-scaled FP8 experts and linears")
+    ap.add_argument("--num-hidden-layers", type=int, default=None,
+                    help="the released architecture cut to its first N layers (full width), for a model that does not fit")
     args = ap.parse_args()
+    model = args.model
+    if args.num_hidden_layers is not None:
+        model = truncated_checkpoint(args.model, args.num_hidden_layers)
     t0 = time.time()
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()} | copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     maxb = max(args.batches)
     lengths = args.ttft or [args.ctx]
     longest = max(lengths + [args.ctx])
-    llm = LLM(args.model, load_format="dummy", max_num_seqs=maxb, max_model_len=longest + 64,
+    llm = LLM(model, load_format="dummy", max_num_seqs=maxb, max_model_len=longest + 64,
               max_num_batched_tokens=longest, gpu_memory_utilization=args.gpu_memory_utilization, warmup=False,
-              tensor_parallel_size=args.tensor_parallel_size)
+              tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization)
     eng, runner = llm.engine, llm.engine.runner
     model = runner.model
     torch.cuda.synchronize()
@@ -215,7 +249,8 @@ def main() -> None:
     print("|---|" + "---|" * len(lengths))
     for k in kinds[lengths[0]]:
         print(f"| {k} | " + " | ".join(f"{kinds[n][k]:.2f}" for n in lengths) + " |")
-    print(f"\nKimi-Linear-48B-A3B shape, random bf16 weights, {torch.cuda.get_device_name()}, "
+    cut = f" (its first {args.num_hidden_layers} layers)" if args.num_hidden_layers else ""
+    print(f"\n{args.model} shape{cut}, random weights ({args.quantization or 'bf16'}), {torch.cuda.get_device_name()}, "
           f"copy bandwidth {bw / 1e12:.2f} TB/s; TTFT " + "; ".join(
               f"{n} tokens {t[-1] * 1e3:.1f} ms (first run {t[0] * 1e3:.0f} ms, compiles included)" for n, t in ttfts.items())
           + f"; {fit_8k} sequences of {args.ctx} tokens fit")

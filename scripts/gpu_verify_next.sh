@@ -13,6 +13,9 @@
 # Add a part as `if [ "$PART" = name ]; then ... fi` below, with what it must show, and name it in
 # OWED; take it out of OWED once it ran (its numbers go to docs/perf-notes.md).
 OWED=(
+  ling_tests      # any GPU (issue 64): Ling-3's GPU tests, and the rotary MLA layer's kernels at Ling's shape
+  ling_real       # H100 (its first 12 layers) or H200 (all 42, FP8): Ling-3.0-Flash's TTFT at 8K and decode
+                  # step against its memory floor (issue 64)
   house_speed     # on an H200 (issue 59 asks it there; the H100 ran it, thirty-third session: within A/A):
                   # .old = `git archive 6eb0c8b kdaserve benchmarks`
   tp_gpus         # two or more GPUs (kind nvidia-h100-x2 or larger; issue 61): tensor parallel over NCCL with
@@ -144,6 +147,29 @@ if [ "$PART" = mla_prefill ]; then
   group mla_test 150 tests/ops/test_mla.py -k gpu
   timeout $(cap 200) python3 benchmarks/bench_moe_mla.py --sweep-mla-prefill --prefill 8192 32768 > "$OUT/mla_sweep.log" 2>&1
   echo "== mla sweep rc=$?"; sed -n '/^| heads/,$p' "$OUT/mla_sweep.log"; grep -m3 "Error\|Traceback" "$OUT/mla_sweep.log"
+fi
+
+if [ "$PART" = ling_tests ]; then
+  # Must show (issue 64): tests/models/test_bailing_hybrid_gpu.py passes (Triton paths = reference in
+  # fp32 on >= 90% of tokens, graphs = eager, bf16 chunked prefill, MTP lossless under graphs), and the
+  # CPU file's tests on the GPU machine (transformers' comparison on the CPU, the engine's on CUDA
+  # where a test asks for it).
+  group ling_gpu 200 tests/models/test_bailing_hybrid_gpu.py
+  group ling_cpu_file 200 tests/models/test_bailing_hybrid.py -k "not interpreter"
+fi
+
+if [ "$PART" = ling_real ]; then
+  # Must show (issue 64): Ling-3.0-Flash's shape with dummy weights, FP8 experts and linears
+  # (--quantization fp8): TTFT of an 8K prompt (second run), the prefill per layer kind, and the
+  # decode step at batch 1 and 64 against its memory floor (bytes / copy bandwidth). On an H100
+  # (78 GiB) its first 12 layers (10 KDA, 2 MLA, 2 dense) at full width; on an H200 the whole model
+  # (121.3B of its 124.4B parameters in FP8: ~119 GiB of weights).
+  layers=""; [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -lt 100000 ] \
+    && layers="--num-hidden-layers 12"
+  timeout $(cap 420) python3 benchmarks/bench_kimi_linear.py --model inclusionAI/Ling-3.0-Flash --quantization fp8 \
+    $layers --batches 1 64 --ttft 8192 > "$OUT/ling_real.log" 2>&1
+  echo "== ling_real ($layers) rc=$?"; grep "TTFT\|^| \|built in" "$OUT/ling_real.log" | head -40
+  grep -m3 "Error\|Traceback" "$OUT/ling_real.log"
 fi
 
 if [ "$PART" = kimi_ttft ]; then
