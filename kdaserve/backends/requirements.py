@@ -159,6 +159,7 @@ class LayerSettings:
     conv_layout: str = "SD"
     num_spec_tokens: int = 0
     conv_width: int = 4
+    round_gate: bool = False   # gk rounded to the activation dtype (Ling-3; KDAWeights.round_gate)
 
     @property
     def gate(self) -> str:
@@ -305,6 +306,14 @@ def gates(*kinds: str) -> Requirement:
 
     words = {"bounded": "the bounded (lower_bound) gate", "unbounded": "the unbounded (softplus) gate"}
     return Requirement("gate", " or ".join(words[k] for k in kinds), check)
+
+
+def unrounded_gate() -> Requirement:
+    """An external kernel computes the gate itself, in fp32: it cannot round it as Ling-3 does."""
+    def check(m: Machine, s: LayerSettings) -> str | None:
+        return "the layer rounds its gate to the activation dtype (Ling-3)" if s.round_gate else None
+
+    return Requirement("gate", "a gate kept in fp32 (not rounded to the activation dtype)", check)
 
 
 def lower_bound_range(lo: float, hi: float) -> Requirement:

@@ -126,7 +126,7 @@ class KDALayer(nn.Module):
               lower_bound: float | None = -5.0, norm_eps: float = 1e-5, layer_idx: int = 0, tp_rank: int = 0,
               tp_size: int = 1, full_rank_gates: bool = False, prefill_backend: str = "auto", decode_backend: str = "auto",
               state_dtype: torch.dtype = torch.float32, conv_layout: str = "SD", num_spec_tokens: int = 0,
-              params_dtype: torch.dtype | None = None, device=None) -> "KDALayer":
+              round_gate: bool = False, params_dtype: torch.dtype | None = None, device=None) -> "KDALayer":
         """A layer alone (tests, `kdaserve parity`): its own backends resolved from names, activations
         in `params_dtype` (default bf16 on a GPU, fp32 elsewhere). A model resolves once for all its
         layers (models/causal_lm.kda_backends_for) and passes the pair to the constructor."""
@@ -137,7 +137,8 @@ class KDALayer(nn.Module):
         device = torch.device(device) if device is not None else torch.empty(0).device
         act = params_dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         settings = LayerSettings(input_dtype=act, head_dim=head_dim, lower_bound=lower_bound, state_dtype=state_dtype,
-                                 conv_layout=conv_layout, num_spec_tokens=num_spec_tokens, conv_width=conv_kernel_size)
+                                 conv_layout=conv_layout, num_spec_tokens=num_spec_tokens, conv_width=conv_kernel_size,
+                                 round_gate=round_gate)
         heads = KDAShard(hidden_size, num_heads, head_dim, conv_kernel_size, tp_rank, tp_size).heads
         choice = KDABackendChoice(prefill_backend, decode_backend, state_dtype, conv_layout, num_spec_tokens)
         backends = resolve_kda_backends(choice, settings, heads, Machine.detect(device), log=False)
@@ -222,6 +223,7 @@ class KDALayer(nn.Module):
             conv_weight=self.conv_weight, A_log=self.A_log, dt_bias=self.dt_bias.view(self.num_heads, self.head_dim),
             norm_weight=self.o_norm.weight, lower_bound=self.lower_bound, norm_eps=self.norm_eps,
             conv_weight_decode=self.conv_weight_decode,
+            gate_dtype=self.act_dtype if self.settings.round_gate else None,
         )
 
     # ---- cache ----------------------------------------------------------------------------------

@@ -126,6 +126,12 @@ class BailingHybridConfig(JsonConfig):
         return self.kda_lower_bound if self.kda_safe_gate else None
 
     @property
+    def linear_round_gate(self) -> bool:
+        """transformers' Ling-3 casts the KDA gate to the activation dtype before the core (Kimi-Linear
+        and GLM keep it fp32): the kernels round it likewise (KDAWeights.round_gate)."""
+        return True
+
+    @property
     def kda_layer_ids(self) -> list[int]:
         return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
 

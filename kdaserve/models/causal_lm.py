@@ -31,13 +31,15 @@ class DecoderStack(nn.Module):
 
 def kda_backends_for(config, choice: KDABackendChoice, dtype: torch.dtype, device, *, log: bool = True) -> KDABackends | None:
     """The backends of every KDA layer of `config` (its linear_num_heads, linear_head_dim,
-    linear_conv_kernel_dim and linear_lower_bound: None is the unbounded gate) with activations in
-    `dtype`, or None without KDA layers. Logs the pair once when `log`."""
+    linear_conv_kernel_dim, linear_lower_bound: None is the unbounded gate, and linear_round_gate
+    where the family rounds its gate to the activation dtype) with activations in `dtype`, or None
+    without KDA layers. Logs the pair once when `log`."""
     if "linear_attention" not in config.layer_types:
         return None
     settings = LayerSettings(input_dtype=dtype, head_dim=config.linear_head_dim, lower_bound=config.linear_lower_bound,
                              state_dtype=choice.state_dtype, conv_layout=choice.conv_layout,
-                             num_spec_tokens=choice.num_spec_tokens, conv_width=config.linear_conv_kernel_dim)
+                             num_spec_tokens=choice.num_spec_tokens, conv_width=config.linear_conv_kernel_dim,
+                             round_gate=getattr(config, "linear_round_gate", False))
     machine = Machine.detect(torch.device(device) if device is not None else None)
     heads = split(config.linear_num_heads, "the KDA layers' num_heads")   # this rank's (tensor parallel)
     return resolve_kda_backends(choice, settings, heads, machine, log=log)

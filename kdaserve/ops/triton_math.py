@@ -1,5 +1,6 @@
 """Triton math shared by every KDA kernel: the forget gate (both kinds), an accurate log1p and
-softplus, the l2 norm of q and k, and the gated RMSNorm factor. One definition each, so a fix
+softplus, the l2 norm of q and k, and the gated RMSNorm factor; `tl_dtype`, a torch dtype as a
+kernel's dtype constexpr. One definition each, so a fix
 reaches every backend (docs/kda-semantics.md section 1 is what they compute).
 
 All functions take and return fp32 values.
@@ -7,8 +8,16 @@ All functions take and return fp32 values.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+
+def tl_dtype(dtype: torch.dtype | None, default: torch.dtype = torch.float32):
+    """The Triton dtype of a torch dtype (None: `default`'s), for dtype constexprs."""
+    return {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16,
+            torch.float64: tl.float64}[dtype or default]
+
 
 L2_NORM_EPS = tl.constexpr(1e-6)  # inside the square root (docs/kda-semantics.md section 1.3)
 SOFTPLUS_THRESHOLD = tl.constexpr(20.0)  # torch's default: softplus(x) = x above it

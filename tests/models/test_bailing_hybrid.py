@@ -161,6 +161,35 @@ def test_32_greedy_tokens_match_transformers_alone_batched_chunked_and_preempted
     assert stats["state_slots_used"] == 0 and stats["kv_blocks_used"] == 0
 
 
+def test_the_gate_is_rounded_to_the_activation_dtype_as_transformers_does():
+    """transformers' BailingHybridForgetGate returns the gate in the hidden states' dtype: in bf16 the
+    reference gate with the layer's gate_dtype equals it bit for bit (and the fp32 gate does not);
+    a bf16 Ling model asks its kernels to round (KDAWeights.gate_dtype), Kimi-Linear's does not."""
+    from kdaserve.ops.kda.reference import kda_gate
+
+    config = transformers.BailingHybridConfig(hidden_size=64, num_attention_heads=2, head_dim=32, num_hidden_layers=2,
+                                              num_experts=8, n_group=2, topk_group=1, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    hf_gate = transformers.models.bailing_hybrid.modeling_bailing_hybrid.BailingHybridForgetGate(config)
+    with torch.no_grad():
+        hf_gate.f_proj.weight.normal_(0, 0.3)
+        hf_gate.A_log.copy_(torch.rand(2).mul(15).add(1).log())
+        hf_gate.dt_bias.normal_()
+    hf_gate.f_proj.to(torch.bfloat16)
+    x = torch.randn(1, 7, 64).to(torch.bfloat16)
+    with torch.no_grad():
+        want = hf_gate(x)[0]
+        logits = torch.nn.functional.linear(x[0], hf_gate.f_proj.weight).view(7, 2, 32)
+    assert want.dtype == torch.bfloat16
+    ours = kda_gate(logits, hf_gate.A_log.data, hf_gate.dt_bias.data.view(2, 32), -5.0, torch.bfloat16)
+    assert torch.equal(ours, want.float())
+    assert not torch.equal(kda_gate(logits, hf_gate.A_log.data, hf_gate.dt_bias.data.view(2, 32), -5.0), want.float())
+    kw = dict(max_model_len=64, warmup=False, **{**REF, "dtype": "bfloat16"})
+    ling = LLM("ling-tiny", **kw).engine.runner.model.kda_layers[0]
+    kimi = LLM("kimi-tiny", **kw).engine.runner.model.kda_layers[0]
+    assert ling.kda_weights.gate_dtype == torch.bfloat16 and kimi.kda_weights.gate_dtype is None
+
+
 def test_triton_paths_in_the_interpreter_give_the_reference_tokens():
     """flash prefill (chunked), fused decode, the MLA kernels with the rotated cache and the fused MoE
     (grouped routing on its torch path), through the engine, on the built-in ling-tiny."""

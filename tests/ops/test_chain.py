@@ -171,7 +171,11 @@ from kdaserve.ops.norm.gated_rms_norm import gated_rms_norm_kernel
 from kdaserve.ops.kda.recurrent.kernel import kda_recurrent_kernel
 
 def compile_for_sm90(fn, types, constexprs):
-    params = list(inspect.signature(fn.fn).parameters)
+    signature = inspect.signature(fn.fn).parameters
+    params = list(signature)
+    # Constexpr options launchers may leave out take their defaults, as at such a launch.
+    constexprs = {**{p: v.default for p, v in signature.items() if p not in constexprs and p not in types
+                     and v.default is not inspect.Parameter.empty and "constexpr" in str(v.annotation)}, **constexprs}
     sig = {p: "constexpr" if p in constexprs else types.get(p, "i32") for p in params}
     # What the launcher specializes at run time: 16-aligned pointers and strides divisible by 16.
     div16 = [p for p in params if p not in constexprs and (types.get(p, "").startswith("*") or p.startswith("stride"))]

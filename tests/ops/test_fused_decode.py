@@ -365,20 +365,24 @@ def test_gpu_grid_beyond_65535_programs():
 _COMPILE = r'''
 import inspect, re
 import triton
+import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kdaserve.ops.kda.fused.decode_kernel import kda_fused_decode_kernel as kernel
 
 params = list(inspect.signature(kernel.fn).parameters)
 bf, f32, i32 = "*bf16", "*fp32", "*i32"
-# (BV, warps, tokens, state): the default shapes (decode small/large, bf16 large, verify) and the whole head
-for bv, warps, tokens, state in ((8, 1, 1, f32), (64, 4, 1, f32), (32, 4, 4, bf), (128, 8, 1, f32)):
+# (BV, warps, tokens, state, gate dtype): the default shapes (decode small/large, bf16 large, verify), the
+# whole head, and Ling-3's gate rounded to bf16
+for bv, warps, tokens, state, gate_dt in ((8, 1, 1, f32, tl.float32), (64, 4, 1, f32, tl.float32),
+                                          (32, 4, 4, bf, tl.float32), (128, 8, 1, f32, tl.float32),
+                                          (8, 1, 1, f32, tl.bfloat16)):
     types = dict(qkv=bf, forget_logits=bf, beta_logits=bf, output_gate_logits=bf, conv_w=f32, A_log=f32, dt_bias=f32,
                  norm_w=f32, conv_state=bf,
                  state=state, state_indices=i32, spec_indices=i32, num_accepted=i32, out=bf, ws_o=i32, ws_count=i32,
                  lower_bound="fp32", norm_eps="fp32")
     const = dict(H=32, D=128, L=2 + tokens, TOKENS=tokens, SCALE=128**-0.5, IS_SPEC=tokens > 1, BOUNDED_GATE=True, BV=bv,
-                 WIN_REGS=bv <= 16, STORE_FIRST=False)
+                 WIN_REGS=bv <= 16, STORE_FIRST=False, GATE_DT=gate_dt)
     sig = {p: "constexpr" if p in const else types.get(p, "i32") for p in params}
     div16 = [p for p in params if p not in const and (types.get(p, "").startswith("*") or p.startswith("stride"))]
     src = ASTSource(kernel, sig, constexprs={(params.index(k),): v for k, v in const.items()},

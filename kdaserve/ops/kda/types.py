@@ -29,6 +29,9 @@ class KDAWeights:
                   softplus gate (Kimi-Linear).
     conv_weight_decode: optional derived layout of conv_weight for single-launch decode kernels;
                   the layer owns and refreshes it after every weight write.
+    gate_dtype:   the log-decay gk rounded to this dtype before it is used: Ling-3's activation
+                  dtype, as its transformers port casts the gate; None (Kimi-Linear, GLM-5.3-Flash):
+                  gk stays in the compute dtype.
     """
 
     conv_weight: torch.Tensor
@@ -38,6 +41,7 @@ class KDAWeights:
     lower_bound: float | None = -5.0
     norm_eps: float = 1e-5
     conv_weight_decode: torch.Tensor | None = None
+    gate_dtype: torch.dtype | None = None
 
     @property
     def num_heads(self) -> int:

@@ -32,6 +32,7 @@ from kdaserve.ops.kda.host_tables import host_offsets
 from kdaserve.ops.kda.limits import FLASH
 from kdaserve.ops.kda.types import KDACache, KDAInputs, KDAWeights, PrefillSeqs, conv_state_rows
 from kdaserve.ops.precision import dot_precision, num_sms
+from kdaserve.ops.triton_math import tl_dtype
 
 
 @dataclass(frozen=True, slots=True)
@@ -351,8 +352,8 @@ class FlashPrefill:
             self.T, H=self.H, D=D, C=C, LOG2C=C.bit_length() - 1, W=w.conv_width,
             BOUNDED=lb is not None, PREC_TC=self.prec_tc, FAST=self.fast, FIRST=first, NFIRST=max(nfirst, 1),
             NESTED=lb is None and unbounded_intra_for(self.cfg, self.qkv.dtype) == "nested",
-            INV_DT=_tl_dtype(self.ws_dtype if self.cfg.prepare_half_dots else torch.float32),
-            PREFETCH=prefetch, num_warps=self.cfg.prepare_warps, **self._prepare_maxnreg(),
+            INV_DT=tl_dtype(self.ws_dtype if self.cfg.prepare_half_dots else torch.float32),
+            PREFETCH=prefetch, GATE_DT=tl_dtype(w.gate_dtype), num_warps=self.cfg.prepare_warps, **self._prepare_maxnreg(),
         )
 
     def _prepare_maxnreg(self) -> dict:
@@ -424,7 +425,7 @@ class FlashPrefill:
             *self.out_gate_v.stride(), self.nw,
             float(self.weights.norm_eps), self.cu, self.state_indices, plan.seg_seq, plan.seg_tok, plan.seg_end,
             self.T * H * D,
-            H=H, D=D, C=C, CPG=cpg, DOT_DTYPE=_tl_dtype(self.ws_dtype), PREC=self.prec_tc, FAST=self.fast,
+            H=H, D=D, C=C, CPG=cpg, DOT_DTYPE=tl_dtype(self.ws_dtype), PREC=self.prec_tc, FAST=self.fast,
             num_warps=cfg.correct_warps,
         )
 
@@ -432,7 +433,4 @@ class FlashPrefill:
 _MAX_GRID_Y = 65535
 
 
-def _tl_dtype(dtype: torch.dtype):
-    import triton.language as tl
 
-    return {torch.float32: tl.float32, torch.float16: tl.float16}[dtype]

@@ -167,11 +167,12 @@ def _conv(x_ptr, stride_x, w_ptr, stride_w_c, stride_w_j, hist_ptr, stride_h_row
 def _gate_beta(forget_ptr, stride_forget_t, stride_forget_h, stride_forget_d, b_ptr, stride_b_t, stride_b_h, a_log_ptr,
                dt_bias_ptr,
                lower_bound, h, tok, valid, rows, cols, D: tl.constexpr, C: tl.constexpr, BOUNDED: tl.constexpr,
-               FAST: tl.constexpr, decay_clamp=0.0, CLAMPED: tl.constexpr = False):
+               FAST: tl.constexpr, decay_clamp=0.0, CLAMPED: tl.constexpr = False, GATE_DT: tl.constexpr = tl.float32):
     """The in-chunk cumulative log-decay g [C, D], its last row g_C, beta [C] (0 past the end), the
     per-token log-decay gk [C, D] it sums, and the chunk's true decay g_end [D]. CLAMPED (the
     unbounded gate's clamped pass): g sums max(gk, -decay_clamp) instead, so its spread within the
-    chunk is at most C * decay_clamp; g_end stays the true sum (the chunk decay compounds)."""
+    chunk is at most C * decay_clamp; g_end stays the true sum (the chunk decay compounds).
+    GATE_DT: gk rounded to this dtype first (Ling-3, KDAWeights.gate_dtype; fp32: no rounding)."""
     x = tl.load(forget_ptr + tok.to(tl.int64)[:, None] * stride_forget_t + h * stride_forget_h + cols[None, :] * stride_forget_d,
                 mask=valid[:, None], other=0.0).to(tl.float32)
     x += tl.load(dt_bias_ptr + h * D + cols).to(tl.float32)[None, :]
@@ -180,6 +181,7 @@ def _gate_beta(forget_ptr, stride_forget_t, stride_forget_h, stride_forget_d, b_
         gk = lower_bound * fast_sigmoid(a * x, FAST)
     else:
         gk = -a * softplus(x)
+    gk = gk.to(GATE_DT).to(tl.float32)   # Ling-3's rounding (KDAWeights.gate_dtype); fp32: none
     gk = tl.where(valid[:, None], gk, 0.0)
     if CLAMPED:
         g_end = tl.sum(gk, axis=0)
@@ -201,6 +203,7 @@ def _prepare_chunk(
     h, blk, tok, valid, seq_start, init,
     H: tl.constexpr, D: tl.constexpr, C: tl.constexpr, LOG2C: tl.constexpr, W: tl.constexpr,
     PREC_TC: tl.constexpr, FAST: tl.constexpr, HIST: tl.constexpr, BOUNDED: tl.constexpr, INV_DT: tl.constexpr,
+    GATE_DT: tl.constexpr = tl.float32,
 ):
     """One chunk of one head, one anchor: the bounded gate (|g| <= 5 C, always in range), or the
     unbounded gate clamped (BOUNDED = False: every token's log-decay clamped at -decay_clamp, so
@@ -227,7 +230,7 @@ def _prepare_chunk(
     dt = w_ptr.dtype.element_ty
     g, g_last, beta, _, g_end = _gate_beta(forget_ptr, stride_forget_t, stride_forget_h, stride_forget_d, b_ptr, stride_b_t,
                                            stride_b_h, a_log_ptr, dt_bias_ptr, lower_bound, h, tok, valid, rows, cols, D, C,
-                                           BOUNDED, FAST, decay_clamp, not BOUNDED)
+                                           BOUNDED, FAST, decay_clamp, not BOUNDED, GATE_DT)
     anchor = 0.5 * g_last
     ea = fast_exp(anchor, FAST)[None, :]
     e_up = fast_exp(g - anchor[None, :], FAST)
@@ -297,6 +300,7 @@ def _prepare_chunk_pair(
     h, blk, t0, seq_end, seq_start, init,
     H: tl.constexpr, D: tl.constexpr, C: tl.constexpr, LOG2C: tl.constexpr, W: tl.constexpr,
     PREC_TC: tl.constexpr, FAST: tl.constexpr, HIST: tl.constexpr, INV_DT: tl.constexpr,
+    GATE_DT: tl.constexpr = tl.float32,
 ):
     """One C-token chunk of one head (C = 32), unbounded gate, clamped pass: its two halves a and b
     each by one anchor on the clamped decay (as _prepare_chunk at C/2, every factor in range), then
@@ -323,10 +327,10 @@ def _prepare_chunk_pair(
     valid_b = tok_b < seq_end
     g_a, gl_a, beta_a, _, G_a = _gate_beta(forget_ptr, stride_forget_t, stride_forget_h, stride_forget_d, b_ptr, stride_b_t,
                                            stride_b_h, a_log_ptr, dt_bias_ptr, 0.0, h, tok_a, valid_a, rows, cols, D, HC,
-                                           False, FAST, decay_clamp, True)
+                                           False, FAST, decay_clamp, True, GATE_DT)
     g_b, gl_b, beta_b, _, G_b = _gate_beta(forget_ptr, stride_forget_t, stride_forget_h, stride_forget_d, b_ptr, stride_b_t,
                                            stride_b_h, a_log_ptr, dt_bias_ptr, 0.0, h, tok_b, valid_b, rows, cols, D, HC,
-                                           False, FAST, decay_clamp, True)
+                                           False, FAST, decay_clamp, True, GATE_DT)
     eGa = _exp_accurate(G_a)[None, :]
     eGb = _exp_accurate(G_b)[None, :]
     tl.store(gam_ptr + blk * D + cols, _exp_accurate(G_a + G_b))
@@ -373,7 +377,7 @@ def _prepare_chunk_nested(
     w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, gam_ptr, q_scale, L,
     h, blk, tok, valid, seq_start, init,
     H: tl.constexpr, D: tl.constexpr, C: tl.constexpr, LOG2C: tl.constexpr, W: tl.constexpr,
-    PREC_TC: tl.constexpr, FAST: tl.constexpr, HIST: tl.constexpr,
+    PREC_TC: tl.constexpr, FAST: tl.constexpr, HIST: tl.constexpr, GATE_DT: tl.constexpr = tl.float32,
 ):
     """One chunk of one head, unbounded gate, in one pass for any decay: A and Aqk by nested
     anchors (_intra_nested), no clamp, no anchor range to exceed. Straight-line code in the bounded
@@ -388,7 +392,8 @@ def _prepare_chunk_nested(
     dt = w_ptr.dtype.element_ty
     g, g_last, beta, gk, _ = _gate_beta(forget_ptr, stride_forget_t, stride_forget_h, stride_forget_d, b_ptr, stride_b_t,
                                         stride_b_h,
-                                 a_log_ptr, dt_bias_ptr, 0.0, h, tok, valid, rows, cols, D, C, False, FAST)
+                                 a_log_ptr, dt_bias_ptr, 0.0, h, tok, valid, rows, cols, D, C, False, FAST,
+                                 GATE_DT=GATE_DT)
     k = _conv(qkv_ptr, stride_qkv, cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch,
               P + h * D + cols, tok, valid, seq_start, init, L, W, FAST, HIST)
     k = k * tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
@@ -424,6 +429,7 @@ def flash_prepare_kernel(
     H: tl.constexpr, D: tl.constexpr, C: tl.constexpr, LOG2C: tl.constexpr, W: tl.constexpr,
     BOUNDED: tl.constexpr, PREC_TC: tl.constexpr, FAST: tl.constexpr, FIRST: tl.constexpr, NFIRST: tl.constexpr,
     NESTED: tl.constexpr, INV_DT: tl.constexpr = tl.float32, PREFETCH: tl.constexpr = False,
+    GATE_DT: tl.constexpr = tl.float32,
 ):
     """Two launches of this kernel cover every chunk. FIRST = False: one program per (chunk, head),
     skipping the chunks whose conv window reaches before their sequence's first token; FIRST =
@@ -474,14 +480,16 @@ def flash_prepare_kernel(
         _prepare_chunk_nested(qkv_ptr, stride_qkv, forget_ptr, stride_forget_t, stride_forget_h, stride_forget_d, b_ptr,
                               stride_b_t, stride_b_h, cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch,
                               a_log_ptr, dt_bias_ptr, w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, gam_ptr, q_scale, L, h, blk,
-                              tok, valid, seq_start, init, H, D, C, LOG2C, W, PREC_TC, FAST, FIRST)
+                              tok, valid, seq_start, init, H, D, C, LOG2C, W, PREC_TC, FAST, FIRST, GATE_DT)
     elif not BOUNDED and C == 32:
         _prepare_chunk_pair(qkv_ptr, stride_qkv, forget_ptr, stride_forget_t, stride_forget_h, stride_forget_d, b_ptr,
                             stride_b_t, stride_b_h, cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch,
                             a_log_ptr, dt_bias_ptr, w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, gam_ptr, q_scale, L, decay_clamp,
-                            h, blk, t0, seq_end, seq_start, init, H, D, C, LOG2C, W, PREC_TC, FAST, FIRST, INV_DT)
+                            h, blk, t0, seq_end, seq_start, init, H, D, C, LOG2C, W, PREC_TC, FAST, FIRST, INV_DT,
+                            GATE_DT)
     else:
         _prepare_chunk(qkv_ptr, stride_qkv, forget_ptr, stride_forget_t, stride_forget_h, stride_forget_d, b_ptr, stride_b_t,
                        stride_b_h, cw_ptr, stride_cw_c, stride_cw_j, hist, stride_cs_row, stride_cs_ch, a_log_ptr,
                        dt_bias_ptr, w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, gam_ptr, lower_bound, q_scale, L, decay_clamp,
-                       h, blk, tok, valid, seq_start, init, H, D, C, LOG2C, W, PREC_TC, FAST, FIRST, BOUNDED, INV_DT)
+                       h, blk, tok, valid, seq_start, init, H, D, C, LOG2C, W, PREC_TC, FAST, FIRST, BOUNDED, INV_DT,
+                       GATE_DT)

@@ -22,6 +22,7 @@ from kdaserve.ops.kda.fused.decode_kernel import WS_SENTINEL, kda_fused_decode_k
 from kdaserve.ops.kda.fused.stream_kernel import kda_fused_stream_kernel
 from kdaserve.ops.kda.limits import FUSED
 from kdaserve.ops.kda.types import DecodeSeqs, KDACache, KDAInputs, KDAWeights, conv_state_rows
+from kdaserve.ops.triton_math import tl_dtype
 
 IO_DTYPES = FUSED.input_dtypes
 
@@ -214,7 +215,7 @@ def launch_fused_decode(config: FusedDecodeConfig | None, inputs: KDAInputs, wei
             0.0 if lb is None else float(lb), float(weights.norm_eps),
             H=H, D=D, L=rows.shape[1], SCALE=D**-0.5, BOUNDED_GATE=lb is not None,
             BV=block_v, PREFETCH=cfg.prefetch, STAGES=cfg.stages, WIN_REGS=bool(cfg.window_regs),
-            num_warps=cfg.num_warps,
+            GATE_DT=tl_dtype(weights.gate_dtype), num_warps=cfg.num_warps,
         )
         return
 
@@ -237,6 +238,6 @@ def launch_fused_decode(config: FusedDecodeConfig | None, inputs: KDAInputs, wei
         H=H, D=D, L=rows.shape[1], TOKENS=tokens, SCALE=D**-0.5,
         IS_SPEC=spec_state_indices is not None, BOUNDED_GATE=lb is not None,
         BV=block_v, WIN_REGS=block_v <= 16 if cfg.window_regs is None else cfg.window_regs,
-        STORE_FIRST=cfg.store_first,
+        STORE_FIRST=cfg.store_first, GATE_DT=tl_dtype(weights.gate_dtype),
         num_warps=cfg.num_warps,
     )

@@ -56,10 +56,13 @@ def _window(row_ptr, stride_row, mask):
 
 
 @triton.jit
-def _log_decay(forget_ptr, dt_bias_ptr, a_log, lower_bound, BOUNDED_GATE: tl.constexpr):
-    """gk = LB * sigmoid(exp(A_log) (forget_logits + dt_bias)) (bounded) or -exp(A_log) softplus(forget_logits + dt_bias)."""
+def _log_decay(forget_ptr, dt_bias_ptr, a_log, lower_bound, BOUNDED_GATE: tl.constexpr, GATE_DT: tl.constexpr):
+    """gk = LB * sigmoid(exp(A_log) (forget_logits + dt_bias)) (bounded) or -exp(A_log) softplus(forget_logits + dt_bias);
+    rounded to GATE_DT (Ling-3, KDAWeights.gate_dtype; fp32: no rounding)."""
     x = tl.load(forget_ptr).to(tl.float32) + tl.load(dt_bias_ptr).to(tl.float32)
-    return log_decay(x, tl.exp(a_log), lower_bound, BOUNDED_GATE)
+    gk = log_decay(x, tl.exp(a_log), lower_bound, BOUNDED_GATE)
+    gk = gk.to(GATE_DT).to(tl.float32)   # Ling-3's rounding (KDAWeights.gate_dtype); fp32: none
+    return gk
 
 
 WS_SENTINEL: tl.constexpr = tl.constexpr(0x7FA5A5A5)  # a signalling-NaN payload: no fp32 result has it
@@ -137,7 +140,7 @@ def kda_fused_decode_kernel(
     lower_bound, norm_eps,
     H: tl.constexpr, D: tl.constexpr, L: tl.constexpr, TOKENS: tl.constexpr, SCALE: tl.constexpr,
     IS_SPEC: tl.constexpr, BOUNDED_GATE: tl.constexpr, BV: tl.constexpr,
-    WIN_REGS: tl.constexpr, STORE_FIRST: tl.constexpr,
+    WIN_REGS: tl.constexpr, STORE_FIRST: tl.constexpr, GATE_DT: tl.constexpr = tl.float32,
 ):
     """WIN_REGS: the conv rows are rewritten from the window registers (no reload, for
     latency-bound shapes) instead of re-read from L1/L2 (frees registers for occupancy).
@@ -199,7 +202,7 @@ def kda_fused_decode_kernel(
         xk = tl.load(x_row + P + c, mask=conv_on, other=0.0).to(tl.float32)
         xv = tl.load(x_row + cv, mask=conv_on, other=0.0).to(tl.float32)
         gk = _log_decay(forget_logits + t * stride_forget_t + i_h * stride_forget_h + d, dt_bias + i_h * D + d, a_log,
-                        lower_bound, BOUNDED_GATE)
+                        lower_bound, BOUNDED_GATE, GATE_DT)
         beta = tl.sigmoid(tl.load(beta_logits + t * stride_b_t + i_h * stride_b_h).to(tl.float32))
         q = l2_normalize(_silu_conv4(wq0, wq1, wq2, wq3, hq0, hq1, hq2, xq), SCALE)
         k = l2_normalize(_silu_conv4(wk0, wk1, wk2, wk3, hk0, hk1, hk2, xk), 1.0)

@@ -64,7 +64,7 @@ def kda_fused_stream_kernel(
     lower_bound, norm_eps,
     H: tl.constexpr, D: tl.constexpr, L: tl.constexpr, SCALE: tl.constexpr,
     BOUNDED_GATE: tl.constexpr, BV: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr,
-    WIN_REGS: tl.constexpr,
+    WIN_REGS: tl.constexpr, GATE_DT: tl.constexpr = tl.float32,
 ):
     """Two ways to keep state bytes in flight:
     STAGES == 0: an unrolled loop over the tiles, each program holding PREFETCH (0..2) tiles in
@@ -112,7 +112,7 @@ def kda_fused_stream_kernel(
     xk = tl.load(x_row + P + c, mask=on, other=0.0).to(tl.float32)
     xv = tl.load(x_row + 2 * P + c, mask=on, other=0.0).to(tl.float32)
     gk = _log_decay(forget_logits + i_n * stride_forget_t + i_h * stride_forget_h + d, dt_bias + i_h * D + d, a_log,
-                    lower_bound, BOUNDED_GATE)
+                    lower_bound, BOUNDED_GATE, GATE_DT)
     beta = tl.sigmoid(tl.load(beta_logits + i_n * stride_b_t + i_h * stride_b_h).to(tl.float32))
     q = l2_normalize(_silu_conv4(wq0, wq1, wq2, wq3, hq0, hq1, hq2, xq), SCALE)
     k = l2_normalize(_silu_conv4(wk0, wk1, wk2, wk3, hk0, hk1, hk2, xk), 1.0)

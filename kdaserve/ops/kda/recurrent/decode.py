@@ -21,6 +21,7 @@ from kdaserve.ops.kda.limits import CHAIN
 from kdaserve.ops.kda.recurrent.kernel import kda_recurrent_kernel
 from kdaserve.ops.kda.types import KDAWeights
 from kdaserve.ops.norm.gated_rms_norm import as_head_view
+from kdaserve.ops.triton_math import tl_dtype
 
 
 def _expect(cond: bool, msg: str) -> None:
@@ -98,5 +99,6 @@ def kda_recurrent_fwd(
         idx, idx, idx.stride(0) if is_spec else 0, num_accepted_tokens if is_spec else idx,
         H, float(bound) if bound is not None else 0.0, D**-0.5,
         M=m, K=D, V=D, BV=BV, IS_SPEC=is_spec, BOUNDED=bound is not None,
+        GATE_DT=tl_dtype(weights.gate_dtype),
     )
     return out

@@ -27,7 +27,7 @@ def kda_recurrent_kernel(
     idx_ptr, spec_ptr, stride_spec_n, acc_ptr,
     H, lower_bound, scale,
     M: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-    IS_SPEC: tl.constexpr, BOUNDED: tl.constexpr,
+    IS_SPEC: tl.constexpr, BOUNDED: tl.constexpr, GATE_DT: tl.constexpr = tl.float32,
 ):
     pid = tl.program_id(0)
     NV: tl.constexpr = V // BV
@@ -65,6 +65,7 @@ def kda_recurrent_kernel(
         k = l2_normalize(k, 1.0)
         x = tl.load(g_ptr + t * stride_g_t + h * stride_g_h + offs_k).to(tl.float32) + dt_bias
         gk = log_decay(x, a, lower_bound, BOUNDED)
+        gk = gk.to(GATE_DT).to(tl.float32)   # Ling-3's rounding (KDAWeights.gate_dtype); fp32: none
         beta = tl.sigmoid(tl.load(b_ptr + t * stride_b_t + h * stride_b_h).to(tl.float32))
 
         S = S * tl.exp(gk)[None, :]

@@ -25,20 +25,26 @@ def l2norm_qk(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 
 def kda_gate(
-    forget_logits: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None
+    forget_logits: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None,
+    gate_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Per-channel log-decay gk [T, H, D] from forget-gate logits forget_logits [T, H, D].
 
     bounded:   gk = LB * sigmoid(exp(A_log[h]) * (forget_logits + dt_bias[h]))   (LB = lower_bound in [-5, 0))
     unbounded: gk = -exp(A_log[h]) * softplus(forget_logits + dt_bias[h])        (lower_bound is None)
+
+    `gate_dtype`: gk rounded to it (Ling-3's cast to the activation dtype), then used in the
+    compute dtype as before.
     """
     dt = compute_dtype(forget_logits, dt_bias)
     x = forget_logits.to(dt) + dt_bias.to(dt)
     a = A_log.to(dt).exp().view(-1, 1)
     if lower_bound is None:
-        return -a * F.softplus(x, beta=1.0, threshold=20.0)
-    check_lower_bound(lower_bound)
-    return lower_bound * torch.sigmoid(a * x)
+        gk = -a * F.softplus(x, beta=1.0, threshold=20.0)
+    else:
+        check_lower_bound(lower_bound)
+        gk = lower_bound * torch.sigmoid(a * x)
+    return gk if gate_dtype is None else gk.to(gate_dtype).to(dt)
 
 
 def beta_sigmoid(b: torch.Tensor) -> torch.Tensor:

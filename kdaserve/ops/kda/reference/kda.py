@@ -56,7 +56,8 @@ def kda_prefill_reference(
     T, H, D, _ = check_prefill_step(inputs, weights, cache, seqs, out)
     y = causal_conv_varlen(qkv, weights.conv_weight, conv_state, cu_seqlens, state_indices, has_initial_state, conv_layout)
     q, k, v = kda_qkv_prepare(y, H, D)
-    gk = kda_gate(forget_logits.reshape(T, H, D), weights.A_log, weights.dt_bias, weights.lower_bound)
+    gk = kda_gate(forget_logits.reshape(T, H, D), weights.A_log, weights.dt_bias, weights.lower_bound,
+                  weights.gate_dtype)
     beta = beta_sigmoid(beta_logits)
     args = (q, k, v, gk, beta, recurrent_state, cu_seqlens, state_indices, has_initial_state)
     o = kda_recurrent_varlen(*args) if chunk_size is None else kda_chunked_varlen(*args, chunk_size=chunk_size)
@@ -118,7 +119,8 @@ def kda_decode_reference(
     T, H, D, N, m = check_decode_step(inputs, weights, cache, seqs, out)
     y = causal_conv_update(qkv, weights.conv_weight, conv_state, state_indices, num_accepted_tokens, conv_layout)
     q, k, v = kda_qkv_prepare(y, H, D)
-    gk = kda_gate(forget_logits.reshape(T, H, D), weights.A_log, weights.dt_bias, weights.lower_bound)
+    gk = kda_gate(forget_logits.reshape(T, H, D), weights.A_log, weights.dt_bias, weights.lower_bound,
+                  weights.gate_dtype)
     beta = beta_sigmoid(beta_logits)
     if spec_state_indices is None:
         cu = torch.arange(N + 1, device=qkv.device, dtype=torch.int32)
