@@ -287,6 +287,12 @@ def _other_cases() -> list[Case]:
                         dict(logits_ptr=F32, bias_ptr=F32, w_ptr=F32, ids_ptr="*i64", scale="fp32"),
                         dict(K=8, K_P=8, E_P=256, BT=bt, SOFTMAX=False, HAS_BIAS=True, RENORMALIZE=True, EXTRA=extra),
                         4, 1, quick=not extra, no_spill=True))
+    # Ling-3's grouped routing: 512 experts in 8 groups, 4 open (decode rows, and prefill's 4 rows of 512)
+    for bt in (1, 4):
+        out.append(Case(f"moe route E=512 k=8 grouped 4 of 8 + shared expert BT={bt}", _route_kernel,
+                        dict(logits_ptr=F32, bias_ptr=F32, w_ptr=F32, ids_ptr="*i64", scale="fp32"),
+                        dict(K=8, K_P=8, E_P=512, BT=bt, SOFTMAX=False, HAS_BIAS=True, RENORMALIZE=True, EXTRA=1,
+                             GROUPS=8, TOPK_GROUPS=4, GROUP_SIZE=64, G_P=8), 4, 1, quick=bt == 1, no_spill=True))
     out.append(Case("moe sum over k=8 + shared experts", _moe_sum_kernel, dict(y_ptr=BF, out_ptr=BF, add_ptr=BF),
                     dict(TOPK=8, BT=4, BH=256, HAS_ADD=True), 4,
                     quick=True, no_spill=True))

@@ -87,7 +87,7 @@ class MoEMLP(nn.Module):
         one shared expert of the routed width in the routed dtype, the routing kernel (it appends
         the column), a decode-sized step."""
         s = self.shared_experts
-        if (s is None or self.backend != "triton" or self.router.grouped or num_tokens > SHARED_AS_EXPERT_MAX_TOKENS
+        if (s is None or self.backend != "triton" or num_tokens > SHARED_AS_EXPERT_MAX_TOKENS
                 or self.fp8_block is not None or s.activation_limit != self.activation_limit):
             return None
         w13, w2 = getattr(s.gate_up_proj, "weight", None), getattr(s.down_proj, "weight", None)
@@ -103,9 +103,9 @@ class MoEMLP(nn.Module):
     def _experts(self, x: torch.Tensor) -> torch.Tensor:
         shared_expert = self.shared_as_expert(x.shape[0])
         # Routing follows the experts' backend: the reference routes in torch; the Triton backend in
-        # the routing kernel (grouped routing has none), on a GPU or in the interpreter.
+        # the routing kernel (grouped or not), on a GPU or in the interpreter.
         weights, ids = route_tokens(x, self.gate_weight, self.e_score_correction_bias, self.router,
-                                    use_kernel=self.backend == "triton" and not self.router.grouped,
+                                    use_kernel=self.backend == "triton",
                                     extra_expert=self.router.num_experts if shared_expert is not None else None)
         if self.backend == "triton":
             from kdaserve.ops.moe.fused import moe_experts_fused

@@ -76,10 +76,29 @@ def test_routing_appends_the_extra_expert():
         assert (got_w[:, 3] == 1.0).all()
 
 
-def test_routing_kernel_refuses_groups():
-    x, w = torch.randn(3, 16), torch.randn(8, 16)
-    with pytest.raises(ValueError, match=r"does not restrict experts to groups \(1 of 4\)"):
-        route_tokens(x, w, None, RouterConfig(8, 2, num_groups=4, topk_groups=1), use_kernel=True)
+@pytest.mark.parametrize("T, E, k, groups, open_groups, extra", [
+    (37, 512, 8, 8, 4, None),     # Ling-3.0-Flash: 512 experts in 8 groups, 4 open, top 8
+    (5, 12, 3, 4, 2, None),       # groups of 3 (not a power of two)
+    (9, 8, 2, 8, 3, None),        # groups of one expert: a group's score is its expert's
+    (301, 64, 4, 8, 2, 64),       # several rows per program, the shared expert appended
+], ids=["ling", "groups-of-3", "groups-of-1", "rows-per-program-extra"])
+def test_routing_kernel_restricts_to_groups_like_the_torch_path(T, E, k, groups, open_groups, extra):
+    """Group-limited routing (a group's score: the sum of its two best choice scores) in the kernel
+    equals the torch path (the definition, checked against transformers in tests/models), and the
+    restriction changes the choice (against the same routing without groups)."""
+    g = torch.Generator().manual_seed(T + E)
+    x, w = torch.randn(T, 32, generator=g), torch.randn(E, 32, generator=g) * 0.3
+    bias = torch.randn(E, generator=g) * 0.05
+    cfg = RouterConfig(E, k, "sigmoid", groups, open_groups, True, 2.5)
+    want_w, want_ids = route_tokens(x, w, bias, cfg, use_kernel=False, extra_expert=extra)
+    got_w, got_ids = route_tokens(x, w, bias, cfg, use_kernel=True, extra_expert=extra)
+    assert torch.equal(got_ids, want_ids)
+    torch.testing.assert_close(got_w, want_w, rtol=1e-6, atol=1e-7)
+    group_of = want_ids[:, :k] // (E // groups)
+    assert all(len(set(row.tolist())) <= open_groups for row in group_of)
+    if E // groups > 1:   # groups of one: the best experts' groups are the best groups, no restriction
+        _, free_ids = route_tokens(x, w, bias, RouterConfig(E, k, "sigmoid", 1, 1, True, 2.5), use_kernel=False)
+        assert not torch.equal(free_ids, want_ids[:, :k])
 
 @pytest.mark.parametrize("block_m", [4, 16])
 def test_alignment_groups_slots_by_expert_in_padded_blocks(block_m):

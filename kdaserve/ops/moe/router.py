@@ -10,7 +10,7 @@
               times `routed_scaling_factor`
 
 Plain torch: a handful of small ops on [T, E], no host sync (CUDA-graph capturable); on a GPU
-everything after the logits is one Triton launch (router_kernel.py) where routing is not grouped."""
+everything after the logits is one Triton launch (router_kernel.py), grouped or not."""
 
 from __future__ import annotations
 
@@ -56,20 +56,18 @@ def route_tokens(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor 
     `use_kernel`: None = one Triton launch on a GPU (router_kernel.py) unless routing is restricted
     to groups, the torch path below otherwise; True / False force one (tests). `extra_expert`: one
     more column, that expert with weight 1 for every token (the shared expert as an expert)."""
+    # ~8 torch kernels ungrouped, ~14 grouped: each a launch and a gap in a decode step's graph.
     # The logits: an fp32 cast and cuBLAS's fp32 GEMM, at every size (faster on an H200 at decode
     # than a Triton launch without the cast: docs/perf-notes.md).
     logits = F.linear(x.float(), gate_weight.float())
     grouped = cfg.grouped
     if use_kernel is None:
-        use_kernel = x.is_cuda and not grouped
+        use_kernel = x.is_cuda
     if use_kernel:
-        if grouped:
-            raise ValueError(f"the routing kernel does not restrict experts to groups ({cfg.topk_groups} of "
-                             f"{cfg.num_groups}); route with use_kernel=False or None")
         from kdaserve.ops.moe.router_kernel import route_from_logits
 
         return route_from_logits(logits, bias, cfg.top_k, cfg.scoring, cfg.renormalize, cfg.routed_scaling_factor,
-                                 extra_expert)
+                                 extra_expert, cfg.num_groups if grouped else 1, cfg.topk_groups if grouped else 1)
     scores = logits.sigmoid() if cfg.scoring == "sigmoid" else logits.softmax(-1)
     choice = scores if bias is None else scores + bias.float()
     if grouped:
