@@ -37,10 +37,10 @@ def _compare(one, two) -> None:
             assert x["token_id"] == y["token_id"] and abs(x["logprob"] - y["logprob"]) < 1e-4, (x, y)
 
 
-@pytest.fixture(params=["nano", "kimi-tiny", "glm-tiny"])
+@pytest.fixture(params=["nano", "kimi-tiny", "glm-tiny", "ling-tiny"])
 def ranks(request):
     """The model on one rank and on two (KDA, MLA, MoE and dense layers; GLM's DSA indexer and
-    hyper-connections), the same settings."""
+    hyper-connections; Ling-3's full-rank gates, gated MLA with RoPE and grouped routing), the same settings."""
     one = LLM(request.param, **ENGINE)
     two = LLM(request.param, tensor_parallel_size=2, **ENGINE)
     yield one, two
