@@ -13,9 +13,10 @@
 # Add a part as `if [ "$PART" = name ]; then ... fi` below, with what it must show, and name it in
 # OWED; take it out of OWED once it ran (its numbers go to docs/perf-notes.md).
 OWED=(
-  ling_tests      # any GPU (issue 64): Ling-3's GPU tests, and the rotary MLA layer's kernels at Ling's shape
-  ling_real       # H100 (its first 12 layers) or H200 (all 42, FP8): Ling-3.0-Flash's TTFT at 8K and decode
-                  # step against its memory floor (issue 64)
+  ling_routing    # any GPU: Ling-3.0-Flash's decode step with grouped routing in the kernel against the torch
+                  # path (.old = `git archive 17ab949 kdaserve benchmarks`), alternating, one process each
+  ling_real       # an H200 (all 42 layers, FP8): Ling-3.0-Flash's TTFT at 8K and decode step against its
+                  # memory floor (issue 64; the H100 ran its first 12 layers, thirty-fourth session)
   house_speed     # on an H200 (issue 59 asks it there; the H100 ran it, thirty-third session: within A/A):
                   # .old = `git archive 6eb0c8b kdaserve benchmarks`
   tp_gpus         # two or more GPUs (kind nvidia-h100-x2 or larger; issue 61): tensor parallel over NCCL with
@@ -23,7 +24,7 @@ OWED=(
   kimi_ttft       # on an H200 (Kimi-Linear needs 91.5 GiB): TTFT with the thirtieth session's K1;
                   # twenty-ninth session 8K 138.6 ms, 32K 648.1 ms, KDA 94.80 ms of the 32K prefill
 )
-# Done, kept to run again: after_removal, house_tests, house_tests2, house_server and house_speed
+# Done, kept to run again: ling_tests (thirty-fourth session, H100: all passed), after_removal, house_tests, house_tests2, house_server and house_speed
 # (thirty-third session, H100: all passed, throughput within A/A), k1_models and k1_models2 (thirty-second session, H100: all passed),
 # k1_ncu (K1 under Nsight Compute), k1_defaults (the K1 GPU tests and
 # the new defaults against the old), k1_prefetch_ncu, k1_table, k1_order (issue 21 goal 3), by the thirtieth
@@ -170,6 +171,22 @@ if [ "$PART" = ling_real ]; then
     $layers --batches 1 64 --ttft 8192 > "$OUT/ling_real.log" 2>&1
   echo "== ling_real ($layers) rc=$?"; grep "TTFT\|^| \|built in" "$OUT/ling_real.log" | head -40
   grep -m3 "Error\|Traceback" "$OUT/ling_real.log"
+fi
+
+if [ "$PART" = ling_routing ]; then
+  # Must show (issue 64, issue 66 part 2): Ling-3.0-Flash's first 12 layers (FP8), decode at batch 1 and
+  # 64: the engine and graph step and the "other" kind's device us with the grouped routing kernel
+  # (new) against the torch path's ~14 launches per MoE layer (old), new, old, new, old: new lower at
+  # batch 1 by more than the two codes' own spreads, equal tokens/s or better at 64.
+  [ -d .old/kdaserve ] || { echo "carry .old (git archive 17ab949 kdaserve benchmarks | tar -x -C .old)"; exit 1; }
+  for i in 1 2 3 4; do
+    dir=.; code=new; [ $((i % 2)) -eq 0 ] && { dir=.old; code=old; }
+    [ $(( $(date +%s) - START )) -gt $(( BUDGET - 110 )) ] && { echo "== invocation $i NOT RUN (budget)"; continue; }
+    (cd $dir && timeout 110 python3 benchmarks/bench_kimi_linear.py --model inclusionAI/Ling-3.0-Flash \
+       --quantization fp8 --num-hidden-layers 12 --batches 1 64 --ttft 2048 > "$OUT/ling_routing_$i.log" 2>&1)
+    echo "== invocation $i, $code code rc=$?"
+    grep "^| 1 |\|^| 64 |" "$OUT/ling_routing_$i.log" | grep "x |\|other\|total" | head -8
+  done
 fi
 
 if [ "$PART" = kimi_ttft ]; then

@@ -19,7 +19,7 @@ def test_a_released_name_without_weights_asks_for_a_directory_or_dummy():
 
 def test_an_unknown_model_type_names_the_known_ones(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba2", "hidden_size": 8}))
-    with pytest.raises(ValueError, match="model_type 'mamba2'.*known: kimi_linear, glm5_next, kda_hybrid"):
+    with pytest.raises(ValueError, match="model_type 'mamba2'.*known: kimi_linear, glm5_next, bailing_hybrid, kda_hybrid"):
         load_model(str(tmp_path), dtype=torch.float32, device="cpu")
 
 
