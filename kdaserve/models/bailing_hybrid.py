@@ -49,7 +49,8 @@ from kdaserve.layers.rotary import RotaryEmbedding
 from kdaserve.models.bailing_hybrid_config import BailingHybridConfig
 from kdaserve.models.causal_lm import DecoderStack, KDACausalLM, check_kda_backends
 from kdaserve.models.fp8 import Fp8Layout
-from kdaserve.models.released import load_released, mla_layer_shapes
+from kdaserve.models.random_weights import realistic_released_tensors
+from kdaserve.models.released import load_released, mla_layer_shapes, moe_layer_shapes, skips_mtp_tensor
 
 log = logging.getLogger(__name__)
 
@@ -159,24 +160,11 @@ class BailingHybridForCausalLM(KDACausalLM):
         self.model = BailingHybridModel(config, rotary, kda_backends=kda_backends, mla_backend=mla_backend,
                                         moe_backend=moe_backend, dtype=dtype, device=device, **fp8)
         self.add_head(dtype, device)
-        self.mtp = None
         if mtp:
             from kdaserve.models.bailing_hybrid_mtp import BailingHybridMTP
 
-            if config.num_mtp_layers < 1:
-                raise ValueError("speculative method 'mtp' needs a checkpoint with a multi-token-prediction layer, but this "
-                                 "config has num_nextn_predict_layers = 0; use the 'ngram' method instead")
-            self.mtp = BailingHybridMTP(config, rotary, mla_backend=mla_backend, moe_backend=moe_backend, dtype=dtype,
-                                        device=device, **fp8)
-
-    @property
-    def attention_layers(self) -> list[nn.Module]:
-        """The target's attention layers, then the MTP layer's (its cache shares the block tables)."""
-        return super().attention_layers + ([self.mtp.self_attn] if self.mtp is not None else [])
-
-    def draft_hidden(self, next_ids: torch.Tensor, positions: torch.Tensor, target_hidden: torch.Tensor) -> torch.Tensor:
-        """The MTP layer over a step's rows (models/bailing_hybrid_mtp.py); compute_logits reads it."""
-        return self.mtp(self.model.embed_tokens(next_ids), positions, target_hidden)
+            self.add_mtp(lambda: BailingHybridMTP(config, rotary, mla_backend=mla_backend, moe_backend=moe_backend,
+                                                  dtype=dtype, device=device, **fp8))
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -242,16 +230,8 @@ def _mla_shapes(a: str, c: BailingHybridConfig) -> dict[str, tuple[int, ...]]:
 
 
 def _moe_shapes(m: str, c: BailingHybridConfig) -> dict[str, tuple[int, ...]]:
-    h, E, I = c.hidden_size, c.num_local_experts, c.moe_intermediate_size
-    s: dict[str, tuple[int, ...]] = {m + "gate.weight": (E, h), m + "gate.expert_bias": (E,)}
-    for e in range(E):
-        s[m + f"experts.{e}.gate_proj.weight"] = s[m + f"experts.{e}.up_proj.weight"] = (I, h)
-        s[m + f"experts.{e}.down_proj.weight"] = (h, I)
-    if c.n_shared_experts:
-        Is = I * c.n_shared_experts
-        s[m + "shared_experts.gate_proj.weight"] = s[m + "shared_experts.up_proj.weight"] = (Is, h)
-        s[m + "shared_experts.down_proj.weight"] = (h, Is)
-    return s
+    return moe_layer_shapes(m, c.hidden_size, c.num_local_experts, c.moe_intermediate_size, c.n_shared_experts,
+                            bias="expert_bias")
 
 
 def _skipped(name: str, config: BailingHybridConfig, notes: set[str], mtp: bool) -> bool:
@@ -259,17 +239,7 @@ def _skipped(name: str, config: BailingHybridConfig, notes: set[str], mtp: bool)
     if name.endswith("rotary_emb.inv_freq"):
         return True
     m = _LAYER.fullmatch(name)
-    if m is None or int(m[1]) < config.num_hidden_layers:
-        return False
-    if not mtp or int(m[1]) > config.num_hidden_layers:
-        notes.add(f"layers >= {config.num_hidden_layers} (the multi-token-prediction layer): not drafting "
-                  f"(--speculative-config {{\"method\": \"mtp\"}} uses it)" if not mtp else
-                  f"layers > {config.num_hidden_layers} (further MTP layers): one drafts every step")
-        return True
-    if m[2] in MTP_SHARED_COPIES:
-        notes.add("the MTP layer's copies of the embedding and the head: the target's are used")
-        return True
-    return False
+    return bool(m) and skips_mtp_tensor(int(m[1]), m[2], config.num_hidden_layers, mtp, MTP_SHARED_COPIES, notes)
 
 
 def load_released_weights(model: BailingHybridForCausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -311,43 +281,13 @@ def _load_layer_tensor(model, layer, i: int, rest: str, tensor: torch.Tensor, pa
 
 def random_released_tensors(config: BailingHybridConfig, seed: int = 0, *, dtype=torch.bfloat16, device="cpu",
                             mtp: bool | None = None):
-    """Random tensors under the released names, one at a time, scaled so activations stay O(1) at
-    any depth and the gates are realistic: exp(A_log) in [1, 16], dt_bias the inverse softplus of dt
-    in [1e-3, 1e-1] (transformers' initialisation), the correction bias random (transformers' is
-    zero, which would hide a missing term). `mtp`: with the multi-token-prediction layer (None: when
-    the config has one). Yields (name, tensor)."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    layers, f32 = config.num_hidden_layers, torch.float32
-
-    def randn(shape, std, dt=dtype):
-        return torch.randn(shape, generator=gen, device=device, dtype=f32).mul_(std).to(dt)
-
+    """Random tensors under the released names, one at a time (models/random_weights.py has the
+    rules). `mtp`: with the multi-token-prediction layer (None: when the config has one). Yields
+    (name, tensor)."""
     mtp = config.num_mtp_layers > 0 if mtp is None else mtp
-    for name, shape in released_shapes(config, mtp).items():
-        if name.endswith("norm.weight"):
-            t = 1.0 + randn(shape, 0.1)
-        elif name.endswith("_conv1d.weight"):
-            t = randn(shape, shape[-1] ** -0.5, f32)
-        elif name.endswith(".A_log"):
-            t = torch.rand(shape, generator=gen, device=device).mul_(15).add_(1).log_()
-        elif name.endswith(".dt_bias"):
-            dt = torch.rand(shape, generator=gen, device=device).mul_(2 * 2.302585).sub_(6.907755).exp_()
-            t = dt + torch.log(-torch.expm1(-dt))
-        elif name.endswith("gate.expert_bias"):
-            t = randn(shape, 0.05, f32)
-        elif name.endswith("mlp.gate.weight"):
-            t = randn(shape, shape[1] ** -0.5, f32)
-        elif name == "model.word_embeddings.weight":
-            t = randn(shape, 1.0)
-        elif name == "lm_head.weight":
-            t = randn(shape, 4.0 / shape[1] ** 0.5)
-        elif name.endswith(("dense.weight", "down_proj.weight")):
-            t = randn(shape, 1.0 / (shape[1] * 2 * layers) ** 0.5)
-        elif name.endswith(".b_proj.weight"):   # beta logits: spread beta over (0, 1)
-            t = randn(shape, 2.0 / shape[1] ** 0.5)
-        else:
-            t = randn(shape, shape[-1] ** -0.5)
-        yield name, t
+    return realistic_released_tensors(released_shapes(config, mtp), seed, dtype=dtype, device=device,
+                                      layers=config.num_hidden_layers, embed="model.word_embeddings.weight",
+                                      correction_bias="gate.expert_bias", out_projections=("dense.weight", "down_proj.weight"))
 
 
 __all__ = ["BailingHybridConfig", "BailingHybridForCausalLM", "load_released_weights", "random_released_tensors",

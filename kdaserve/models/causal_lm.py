@@ -53,6 +53,12 @@ def check_kda_backends(config, kda_backends: KDABackends | None) -> None:
 
 
 class KDACausalLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        # The multi-token-prediction layer when built to draft (add_mtp). An instance attribute: a
+        # class attribute would shadow the submodule nn.Module keeps in _modules.
+        self.mtp: nn.Module | None = None
+
     def add_head(self, dtype, device) -> None:
         c = self.config
         tied = self.model.embed_tokens if c.tie_word_embeddings else None
@@ -70,4 +76,17 @@ class KDACausalLM(nn.Module):
 
     @property
     def attention_layers(self) -> list[nn.Module]:
-        return [l.mixer for l in self.model.layers if not l.is_kda]
+        """The target's attention layers, then the MTP layer's (its caches share the block tables)."""
+        return [l.mixer for l in self.model.layers if not l.is_kda] + ([self.mtp.mixer] if self.mtp is not None else [])
+
+    def add_mtp(self, build) -> None:
+        """The family's multi-token-prediction layer, `build()`, as the drafter of speculative method
+        "mtp"; refused when the config has none."""
+        if self.config.num_mtp_layers < 1:
+            raise ValueError("speculative method 'mtp' needs a checkpoint with a multi-token-prediction layer, but this "
+                             "config has num_nextn_predict_layers = 0; use the 'ngram' method instead")
+        self.mtp = build()
+
+    def draft_hidden(self, next_ids: torch.Tensor, positions: torch.Tensor, target_hidden: torch.Tensor) -> torch.Tensor:
+        """The MTP layer over a step's rows (models/mtp_layer.py); compute_logits reads its output."""
+        return self.mtp(self.model.embed_tokens(next_ids), positions, target_hidden)

@@ -50,7 +50,7 @@ from kdaserve.models.causal_lm import KDACausalLM, check_kda_backends
 from kdaserve.models.fp8 import Fp8Layout
 from kdaserve.models.glm5_next_config import Glm5NextConfig
 from kdaserve.models.glm5_next_mtp import SHARED_COPIES, Glm5NextMTP
-from kdaserve.models.released import kda_layer_shapes, load_released, mla_layer_shapes
+from kdaserve.models.released import kda_layer_shapes, load_released, mla_layer_shapes, moe_layer_shapes, skips_mtp_tensor
 from kdaserve.models.weight_names import load_named_tensor
 
 log = logging.getLogger(__name__)
@@ -159,22 +159,9 @@ class Glm5NextForCausalLM(KDACausalLM):
         self.model = Glm5NextModel(config, kda_backends=kda_backends, mla_backend=mla_backend,
                                    moe_backend=moe_backend, dtype=dtype, device=device, **fp8)
         self.add_head(dtype, device)
-        self.mtp = None
         if mtp:
-            if config.num_mtp_layers < 1:
-                raise ValueError("speculative method 'mtp' needs a checkpoint with a multi-token-prediction layer, but this "
-                                 "config has num_nextn_predict_layers = 0; use the 'ngram' method instead")
-            self.mtp = Glm5NextMTP(config, mla_backend=mla_backend, moe_backend=moe_backend, dtype=dtype, device=device,
-                                   **fp8)
-
-    @property
-    def attention_layers(self) -> list[nn.Module]:
-        """The target's attention layers, then the MTP layer's (its caches share the block tables)."""
-        return super().attention_layers + ([self.mtp.self_attn] if self.mtp is not None else [])
-
-    def draft_hidden(self, next_ids: torch.Tensor, positions: torch.Tensor, target_hidden: torch.Tensor) -> torch.Tensor:
-        """The MTP layer over a step's rows (models/glm5_next_mtp.py); compute_logits reads it."""
-        return self.mtp(self.model.embed_tokens(next_ids), positions, target_hidden)
+            self.add_mtp(lambda: Glm5NextMTP(config, mla_backend=mla_backend, moe_backend=moe_backend, dtype=dtype,
+                                             device=device, **fp8))
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -252,16 +239,8 @@ def _indexer_shapes(x: str, c: Glm5NextConfig) -> dict[str, tuple[int, ...]]:
 
 
 def _moe_shapes(m: str, c: Glm5NextConfig) -> dict[str, tuple[int, ...]]:
-    h, E, I = c.hidden_size, c.n_routed_experts, c.moe_intermediate_size
-    s: dict[str, tuple[int, ...]] = {m + "gate.weight": (E, h), m + "gate.e_score_correction_bias": (E,)}
-    for e in range(E):
-        s[m + f"experts.{e}.gate_proj.weight"] = s[m + f"experts.{e}.up_proj.weight"] = (I, h)
-        s[m + f"experts.{e}.down_proj.weight"] = (h, I)
-    if c.n_shared_experts:
-        Is = I * c.n_shared_experts
-        s[m + "shared_experts.gate_proj.weight"] = s[m + "shared_experts.up_proj.weight"] = (Is, h)
-        s[m + "shared_experts.down_proj.weight"] = (h, Is)
-    return s
+    return moe_layer_shapes(m, c.hidden_size, c.n_routed_experts, c.moe_intermediate_size, c.n_shared_experts)
+
 
 def _skipped(name: str, config: Glm5NextConfig, notes: set[str], mtp: bool) -> bool:
     """The vision tower, and the multi-token-prediction layer unless it drafts: one note each."""
@@ -269,16 +248,7 @@ def _skipped(name: str, config: Glm5NextConfig, notes: set[str], mtp: bool) -> b
         notes.add("the vision tower (model.visual.*): kdaserve serves the text model")
         return True
     m = _LAYER.fullmatch(name)
-    if m and int(m[1]) >= config.num_hidden_layers:
-        if not mtp or int(m[1]) > config.num_hidden_layers:
-            notes.add(f"layers >= {config.num_hidden_layers} (the multi-token-prediction layer): not drafting "
-                      f"(--speculative-config {{\"method\": \"mtp\"}} uses it)" if not mtp else
-                      f"layers > {config.num_hidden_layers} (further MTP layers): one drafts every step")
-            return True
-        if m[2] in SHARED_COPIES:
-            notes.add("the MTP layer's copies of the embedding and the head: the target's are used")
-            return True
-    return False
+    return bool(m) and skips_mtp_tensor(int(m[1]), m[2], config.num_hidden_layers, mtp, SHARED_COPIES, notes)
 
 
 def load_released_weights(model: Glm5NextForCausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

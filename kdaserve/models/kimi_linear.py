@@ -39,7 +39,8 @@ from kdaserve.layers.norm import RMSNorm
 from kdaserve.models.causal_lm import DecoderStack, KDACausalLM, check_kda_backends
 from kdaserve.models.fp8 import Fp8Layout
 from kdaserve.models.kimi_linear_config import KimiLinearConfig
-from kdaserve.models.released import kda_layer_shapes, load_released, mla_layer_shapes
+from kdaserve.models.random_weights import realistic_released_tensors
+from kdaserve.models.released import kda_layer_shapes, load_released, mla_layer_shapes, moe_layer_shapes
 from kdaserve.models.weight_names import load_named_tensor
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -148,16 +149,8 @@ def released_shapes(config: KimiLinearConfig, fp8_block: tuple[int, int] | None 
             s.update(mla_layer_shapes(a, h, c.num_attention_heads, nope=c.qk_nope_head_dim, rope=c.qk_rope_head_dim,
                                       v=c.v_head_dim, kv_lora_rank=c.kv_lora_rank, q_lora_rank=c.q_lora_rank))
         if c.is_moe_layer(i):
-            m, E, I = p + "block_sparse_moe.", c.num_local_experts, c.moe_intermediate_size
-            s[m + "gate.weight"] = (E, h)
-            s[m + "gate.e_score_correction_bias"] = (E,)
-            for e in range(E):
-                s[m + f"experts.{e}.w1.weight"] = s[m + f"experts.{e}.w3.weight"] = (I, h)
-                s[m + f"experts.{e}.w2.weight"] = (h, I)
-            if c.n_shared_experts:
-                Is = I * c.n_shared_experts
-                s[m + "shared_experts.gate_proj.weight"] = s[m + "shared_experts.up_proj.weight"] = (Is, h)
-                s[m + "shared_experts.down_proj.weight"] = (h, Is)
+            s.update(moe_layer_shapes(p + "block_sparse_moe.", h, c.num_local_experts, c.moe_intermediate_size,
+                                      c.n_shared_experts, parts=("w1", "w3", "w2")))
         else:
             s[p + "mlp.gate_proj.weight"] = s[p + "mlp.up_proj.weight"] = (c.intermediate_size, h)
             s[p + "mlp.down_proj.weight"] = (h, c.intermediate_size)
@@ -202,42 +195,12 @@ def _load_layer_tensor(model, layer: KimiDecoderLayer, i: int, rest: str, tensor
 # ---- random weights at any size (tests, `--load-format dummy`) ------------------------------------
 
 def random_released_tensors(config: KimiLinearConfig, seed: int = 0, *, dtype=torch.bfloat16, device="cpu"):
-    """Random tensors under the released names, one at a time (a 48B model never exists twice in
-    memory), scaled so activations stay O(1) at any depth and the gates are realistic: exp(A_log) in
-    [1, 16], dt_bias the inverse softplus of dt in [1e-3, 1e-1] (FLA's initialisation), router
-    scores spread over the experts. Yields (name, tensor)."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    layers = config.num_hidden_layers
-
-    def randn(shape, std, dt=dtype):
-        return torch.randn(shape, generator=gen, device=device, dtype=torch.float32).mul_(std).to(dt)
-
-    for name, shape in released_shapes(config).items():
-        f32 = torch.float32
-        if name.endswith("norm.weight"):
-            t = 1.0 + randn(shape, 0.1)
-        elif name.endswith("_conv1d.weight"):
-            t = randn(shape, shape[-1] ** -0.5, f32)
-        elif name.endswith(".A_log"):
-            t = torch.rand(shape, generator=gen, device=device).mul_(15).add_(1).log_()
-        elif name.endswith(".dt_bias"):
-            dt = torch.rand(shape, generator=gen, device=device).mul_(2 * 2.302585).sub_(6.907755).exp_()
-            t = dt + torch.log(-torch.expm1(-dt))
-        elif name.endswith("e_score_correction_bias"):
-            t = randn(shape, 0.05, f32)
-        elif name.endswith("gate.weight"):
-            t = randn(shape, shape[1] ** -0.5, f32)
-        elif name == "model.embed_tokens.weight":
-            t = randn(shape, 1.0)
-        elif name == "lm_head.weight":
-            t = randn(shape, 4.0 / shape[1] ** 0.5)
-        elif name.endswith(("o_proj.weight", "down_proj.weight", ".w2.weight")):
-            t = randn(shape, 1.0 / (shape[1] * 2 * layers) ** 0.5)
-        elif name.endswith(".b_proj.weight"):   # beta logits: spread beta over (0, 1)
-            t = randn(shape, 2.0 / shape[1] ** 0.5)
-        else:
-            t = randn(shape, shape[-1] ** -0.5)
-        yield name, t
+    """Random tensors under the released names, one at a time (models/random_weights.py has the
+    rules). Yields (name, tensor)."""
+    return realistic_released_tensors(released_shapes(config), seed, dtype=dtype, device=device,
+                                      layers=config.num_hidden_layers, embed="model.embed_tokens.weight",
+                                      correction_bias="e_score_correction_bias",
+                                      out_projections=("o_proj.weight", "down_proj.weight", ".w2.weight"))
 
 
 __all__ = ["KimiLinearConfig", "KimiLinearForCausalLM", "load_released_weights",

@@ -46,3 +46,45 @@ def random_checkpoint(config: HybridConfig, seed: int = 0, *, dtype=torch.float3
             t = randn(1.0 / math.sqrt(shape[-1]))
         out[name] = t
     return out
+
+
+def realistic_released_tensors(shapes: dict[str, tuple[int, ...]], seed: int, *, dtype, device, layers: int, embed: str,
+                               correction_bias: str, out_projections: tuple[str, ...]):
+    """Random tensors under a family's released names (Kimi-Linear's, Ling-3's), one at a time (a
+    large model never exists twice in memory), scaled so activations stay O(1) at any depth and the
+    gates are realistic: exp(A_log) in [1, 16], dt_bias the inverse softplus of dt in [1e-3, 1e-1]
+    (FLA's and transformers' initialisation), router scores spread over the experts, the
+    correction bias random (transformers' zero would hide a missing term). `embed`: the embedding's
+    name; names ending with `correction_bias` or one of `out_projections` (the residual branches'
+    last projections, scaled down by depth) get their own rules. Yields (name, tensor)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    f32 = torch.float32
+
+    def randn(shape, std, dt=dtype):
+        return torch.randn(shape, generator=gen, device=device, dtype=f32).mul_(std).to(dt)
+
+    for name, shape in shapes.items():
+        if name.endswith("norm.weight"):
+            t = 1.0 + randn(shape, 0.1)
+        elif name.endswith("_conv1d.weight"):
+            t = randn(shape, shape[-1] ** -0.5, f32)
+        elif name.endswith(".A_log"):
+            t = torch.rand(shape, generator=gen, device=device).mul_(15).add_(1).log_()
+        elif name.endswith(".dt_bias"):
+            dt = torch.rand(shape, generator=gen, device=device).mul_(2 * 2.302585).sub_(6.907755).exp_()
+            t = dt + torch.log(-torch.expm1(-dt))
+        elif name.endswith(correction_bias):
+            t = randn(shape, 0.05, f32)
+        elif name.endswith("gate.weight"):   # the router
+            t = randn(shape, shape[1] ** -0.5, f32)
+        elif name == embed:
+            t = randn(shape, 1.0)
+        elif name == "lm_head.weight":
+            t = randn(shape, 4.0 / shape[1] ** 0.5)
+        elif name.endswith(out_projections):
+            t = randn(shape, 1.0 / (shape[1] * 2 * layers) ** 0.5)
+        elif name.endswith(".b_proj.weight"):   # beta logits: spread beta over (0, 1)
+            t = randn(shape, 2.0 / shape[1] ** 0.5)
+        else:
+            t = randn(shape, shape[-1] ** -0.5)
+        yield name, t

@@ -46,6 +46,41 @@ def mla_layer_shapes(prefix: str, hidden: int, heads: int, *, nope: int, rope: i
     return s
 
 
+def moe_layer_shapes(prefix: str, hidden: int, experts: int, width: int, shared: int, *,
+                     bias: str = "e_score_correction_bias",
+                     parts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> dict[str, tuple[int, ...]]:
+    """A MoE layer's released tensors (`prefix` ends with "mlp." or "block_sparse_moe."): the router
+    `gate.weight` and its correction bias `gate.{bias}`, each expert's gate, up and down projection
+    by the family's `parts` names (Kimi-Linear: w1, w3, w2), and `shared` shared experts as one MLP."""
+    gate, up, down = parts
+    s: dict[str, tuple[int, ...]] = {prefix + "gate.weight": (experts, hidden), prefix + f"gate.{bias}": (experts,)}
+    for e in range(experts):
+        s[prefix + f"experts.{e}.{gate}.weight"] = s[prefix + f"experts.{e}.{up}.weight"] = (width, hidden)
+        s[prefix + f"experts.{e}.{down}.weight"] = (hidden, width)
+    if shared:
+        s[prefix + "shared_experts.gate_proj.weight"] = s[prefix + "shared_experts.up_proj.weight"] = (width * shared, hidden)
+        s[prefix + "shared_experts.down_proj.weight"] = (hidden, width * shared)
+    return s
+
+
+def skips_mtp_tensor(layer: int, rest: str, num_layers: int, drafting: bool, shared_copies: tuple[str, ...],
+                     notes: set[str]) -> bool:
+    """Whether a tensor of layer `layer` (>= num_layers: the multi-token-prediction layers) is
+    skipped: all of them unless the model drafts (`drafting`), then those past the first and the
+    layer's copies of the target's embedding and head (`shared_copies`). Adds one note per reason."""
+    if layer < num_layers:
+        return False
+    if not drafting or layer > num_layers:
+        notes.add(f"layers >= {num_layers} (the multi-token-prediction layer): not drafting "
+                  f"(--speculative-config {{\"method\": \"mtp\"}} uses it)" if not drafting else
+                  f"layers > {num_layers} (further MTP layers): one drafts every step")
+        return True
+    if rest in shared_copies:
+        notes.add("the MTP layer's copies of the embedding and the head: the target's are used")
+        return True
+    return False
+
+
 def load_released(model, weights: Iterable[tuple[str, torch.Tensor]], shapes: dict[str, tuple[int, ...]], *,
                   family: str, layer_name: re.Pattern, skip: Callable[[str], bool], top_param: Callable[[str], str],
                   layer_tensor: Callable, layer_of: Callable | None = None,

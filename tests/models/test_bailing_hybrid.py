@@ -19,6 +19,13 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
+from family_parity import (
+    check_greedy_alone_batched_chunked_preempted,
+    drafts_after_each_step,
+    hf_greedy,
+    hf_logprobs,
+    logprob_rows,
+)
 from safetensors.torch import load_file, save_file
 
 from kdaserve.engine import LLM, SamplingParams
@@ -65,30 +72,12 @@ def case(request, tmp_path_factory):
     return request.param, ckpt, hf
 
 
-def _dense(entry: dict) -> torch.Tensor:
-    row = torch.full((VOCAB,), float("nan"))
-    for i, v in entry["top"]:
-        row[i] = v
-    return row
-
-
-def _our_logprobs(llm, prompts):
-    params = SamplingParams(max_tokens=1, prompt_logprobs=VOCAB, logprobs=VOCAB, ignore_eos=True)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    return [torch.stack([_dense(e) for e in o.prompt_logprobs[1:]] + [_dense(o.logprobs[0])]) for o in outs]
-
-
-def _hf_logprobs(hf, prompt):
-    with torch.no_grad():
-        return hf(torch.tensor([prompt])).logits[0].log_softmax(-1)
-
-
 def test_log_probs_of_every_position_match_transformers(case):
     _, ckpt, hf = case
     llm = LLM(str(ckpt), max_model_len=256, max_logprobs=VOCAB, **REF)
-    for prompt, ours in zip(PROMPTS, _our_logprobs(llm, PROMPTS)):
+    for prompt, ours in zip(PROMPTS, logprob_rows(llm, PROMPTS, VOCAB)):
         assert not ours.isnan().any()
-        assert rel_rms(ours, _hf_logprobs(hf, prompt)) <= 1e-4, (len(prompt), rel_rms(ours, _hf_logprobs(hf, prompt)))
+        assert rel_rms(ours, hf_logprobs(hf, prompt)) <= 1e-4, (len(prompt), rel_rms(ours, hf_logprobs(hf, prompt)))
 
 
 def _break_rotate_half(model):
@@ -130,35 +119,14 @@ def test_each_new_piece_broken_moves_the_log_probs_away_from_transformers(case, 
     llm = LLM(str(ckpt), max_model_len=256, max_logprobs=VOCAB, **REF)
     with torch.no_grad():
         broken(llm.engine.runner.model)
-    ours = _our_logprobs(llm, [PROMPTS[1]])[0]
-    assert rel_rms(ours, _hf_logprobs(hf, PROMPTS[1])) > 1e-3
-
-
-def _hf_greedy(hf, prompt, n=32):
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    ours = logprob_rows(llm, [PROMPTS[1]], VOCAB)[0]
+    assert rel_rms(ours, hf_logprobs(hf, PROMPTS[1])) > 1e-3
 
 
 def test_32_greedy_tokens_match_transformers_alone_batched_chunked_and_preempted(case):
     _, ckpt, hf = case
-    want = [_hf_greedy(hf, p) for p in PROMPTS]
-    greedy = SamplingParams(max_tokens=32, ignore_eos=True)
-
-    def ids(llm, prompts):
-        return [o.output_token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-
-    llm = LLM(str(ckpt), max_model_len=256, **REF)
-    assert [ids(llm, [p])[0] for p in PROMPTS] == want                         # alone
-    assert ids(llm, PROMPTS) == want                                           # batched
-    chunked = LLM(str(ckpt), max_model_len=256, max_num_batched_tokens=8, **REF)
-    assert ids(chunked, PROMPTS) == want                                       # prompts cut into chunks of <= 8 tokens
-    tight = LLM(str(ckpt), max_model_len=112, num_kv_blocks=9, block_size=16, **REF)
-    assert ids(tight, PROMPTS) == want
-    assert tight.engine.counters["preemptions"] > 0
-    stats = tight.engine.stats()
-    assert stats["state_slots_used"] == 0 and stats["kv_blocks_used"] == 0
+    check_greedy_alone_batched_chunked_preempted(str(ckpt), PROMPTS, [hf_greedy(hf, p) for p in PROMPTS], REF,
+                                                 tight_max_model_len=112)
 
 
 def test_the_gate_is_rounded_to_the_activation_dtype_as_transformers_does():
@@ -316,30 +284,16 @@ def test_mtp_speculation_is_lossless(mtp_checkpoint):
         assert llm.engine.stats()["spec_decode_num_drafts"] > 0, "the drafter proposed nothing"
 
 
-def _drafts_after_each_step(llm, prompt, n):
-    """Greedy-generate n tokens one engine step at a time; every draft the MTP layer made, as
-    (the sequence's length it continues, the draft)."""
-    engine = llm.engine
-    engine.add_request("r", prompt, SamplingParams(max_tokens=n, ignore_eos=True))
-    made, tokens = [], None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens = out.prompt_token_ids + out.output_token_ids
-        for seq_len, drafts in list(engine.proposer._drafts.values()):
-            made.append((seq_len, list(drafts)))
-    return made, tokens
-
-
 def test_mtp_drafts_equal_a_pass_from_scratch(mtp_checkpoint):
     """Every draft made during generation (the MTP layer's rotated latent cache filled step by step:
     a chunked prompt, then verify steps that accept or reject, two more passes per step with 3
     drafts) equals the drafts a fresh engine makes from one prefill of the same tokens."""
     kw = dict(max_model_len=256, max_num_batched_tokens=8, **REF, **MTP3)
-    made, tokens = _drafts_after_each_step(LLM(str(mtp_checkpoint), **kw), PROMPTS[1], 12)
+    made, tokens = drafts_after_each_step(LLM(str(mtp_checkpoint), **kw), PROMPTS[1], 12)
     assert len(made) >= 4 and len(tokens) == len(PROMPTS[1]) + 12 and all(len(d) == 3 for _, d in made)
     fresh = LLM(str(mtp_checkpoint), max_model_len=256, **REF, **MTP3)
     for seq_len, drafts in made[::2]:
-        again, _ = _drafts_after_each_step(fresh, tokens[: seq_len - 1], 2)
+        again, _ = drafts_after_each_step(fresh, tokens[: seq_len - 1], 2)
         assert again[0] == (seq_len, drafts), (seq_len, again[0], drafts)
 
 

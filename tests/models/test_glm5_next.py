@@ -21,6 +21,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
+from family_parity import check_greedy_alone_batched_chunked_preempted, drafts_after_each_step, hf_greedy, logprob_rows
 from safetensors.torch import save_file
 
 from kdaserve.engine import LLM, SamplingParams
@@ -76,23 +77,14 @@ def case(request, tmp_path_factory):
     return request.param, ckpt, hf
 
 
-def _dense(entry: dict) -> torch.Tensor:
-    row = torch.full((VOCAB,), float("nan"))
-    for i, v in entry["top"]:
-        row[i] = v
-    return row
-
-
-def _our_logprobs(llm, prompts):
-    params = SamplingParams(max_tokens=1, prompt_logprobs=VOCAB, logprobs=VOCAB, ignore_eos=True)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    return [torch.stack([_dense(e) for e in o.prompt_logprobs[1:]] + [_dense(o.logprobs[0])]) for o in outs]
+def _logprobs(llm, prompts):
+    return logprob_rows(llm, prompts, VOCAB)
 
 
 def test_log_probs_of_every_position_match_transformers(case):
     _, ckpt, hf = case
     llm = LLM(str(ckpt), max_model_len=256, max_logprobs=VOCAB, **REF)
-    for prompt, ours in zip(PROMPTS, _our_logprobs(llm, PROMPTS)):
+    for prompt, ours in zip(PROMPTS, _logprobs(llm, PROMPTS)):
         with torch.no_grad():
             ref = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)
         assert not ours.isnan().any()
@@ -111,37 +103,15 @@ def test_the_sparse_selection_changes_the_result(case, tmp_path):
     d["text_config"]["index_topk"] = 64
     (dense_dir / "config.json").write_text(json.dumps(d))
     long = [PROMPTS[1]]
-    sparse_lp = _our_logprobs(LLM(str(ckpt), max_model_len=256, max_logprobs=VOCAB, **REF), long)[0]
-    dense_lp = _our_logprobs(LLM(str(dense_dir), max_model_len=256, max_logprobs=VOCAB, **REF), long)[0]
+    sparse_lp = _logprobs(LLM(str(ckpt), max_model_len=256, max_logprobs=VOCAB, **REF), long)[0]
+    dense_lp = _logprobs(LLM(str(dense_dir), max_model_len=256, max_logprobs=VOCAB, **REF), long)[0]
     assert torch.equal(sparse_lp[:11], dense_lp[:11]), "up to topk + kpool - 1 tokens the selection is dense"
     assert rel_rms(sparse_lp[11:], dense_lp[11:]) > 1e-3
 
 
-def _hf_greedy(hf, prompt, n=32):
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
 def test_32_greedy_tokens_match_transformers_alone_batched_chunked_and_preempted(case):
     _, ckpt, hf = case
-    want = [_hf_greedy(hf, p) for p in PROMPTS]
-    greedy = SamplingParams(max_tokens=32, ignore_eos=True)
-
-    def ids(llm, prompts):
-        return [o.output_token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-
-    llm = LLM(str(ckpt), max_model_len=256, **REF)
-    assert [ids(llm, [p])[0] for p in PROMPTS] == want                         # alone
-    assert ids(llm, PROMPTS) == want                                           # batched
-    chunked = LLM(str(ckpt), max_model_len=256, max_num_batched_tokens=8, **REF)
-    assert ids(chunked, PROMPTS) == want                                       # prompts cut into chunks of <= 8 tokens
-    tight = LLM(str(ckpt), max_model_len=80, num_kv_blocks=9, block_size=16, **REF)
-    assert ids(tight, PROMPTS) == want
-    assert tight.engine.counters["preemptions"] > 0
-    stats = tight.engine.stats()
-    assert stats["state_slots_used"] == 0 and stats["kv_blocks_used"] == 0
+    check_greedy_alone_batched_chunked_preempted(str(ckpt), PROMPTS, [hf_greedy(hf, p) for p in PROMPTS], REF)
 
 
 # ---- configs and checkpoints ----------------------------------------------------------------------
@@ -271,8 +241,8 @@ def test_fp8_block_scaled_checkpoint_loads_as_its_dequantized_weights(tmp_path, 
     monkeypatch.setenv("KDASERVE_FP8_WEIGHTS", "dequantize")    # what every device without FP8 dots does
     config, fp8_path, ref_path, dequantized, fp8 = _fp8_checkpoints(tmp_path)
     assert len(dequantized) > 40 and any(name.endswith("experts.0.down_proj.weight") for name in dequantized)
-    a = _our_logprobs(LLM(str(fp8_path), max_model_len=256, max_logprobs=VOCAB, **REF), PROMPTS[:2])
-    b = _our_logprobs(LLM(str(ref_path), max_model_len=256, max_logprobs=VOCAB, **REF), PROMPTS[:2])
+    a = _logprobs(LLM(str(fp8_path), max_model_len=256, max_logprobs=VOCAB, **REF), PROMPTS[:2])
+    b = _logprobs(LLM(str(ref_path), max_model_len=256, max_logprobs=VOCAB, **REF), PROMPTS[:2])
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     name = next(iter(dequantized))
     write_checkpoint(tmp_path / "orphan", config, mutate=lambda t: (fp8(t), t.pop(name + "_scale_inv")))
@@ -295,14 +265,14 @@ def test_fp8_kept_weights_run_block_scaled_gemms(tmp_path, monkeypatch):
     kept = {}
     for moe in ("triton", "reference"):
         llm = LLM(str(fp8_path), max_model_len=256, max_logprobs=VOCAB, warmup=False, **{**REF, "moe_backend": moe})
-        kept[moe] = _our_logprobs(llm, PROMPTS[:2])
+        kept[moe] = _logprobs(llm, PROMPTS[:2])
     layers = llm.engine.runner.model.model.layers
     assert layers[1].mlp.w13.dtype == FP8 and layers[1].mlp.shared_experts.down_proj.weight.dtype == FP8
     assert layers[0].mlp.gate_up_proj.weight.dtype == FP8 and layers[1].self_attn.o_proj.weight.dtype == FP8
     assert layers[1].self_attn.kv_b_proj.weight.dtype == torch.float32        # read as absorbed views
     assert layers[0].self_attn.o_proj.weight.dtype == torch.float32           # a KDA layer's projections
     monkeypatch.setenv("KDASERVE_FP8_WEIGHTS", "dequantize")
-    ref = _our_logprobs(LLM(str(ref_path), max_model_len=256, max_logprobs=VOCAB, **REF), PROMPTS[:2])
+    ref = _logprobs(LLM(str(ref_path), max_model_len=256, max_logprobs=VOCAB, **REF), PROMPTS[:2])
     for t, r, d in zip(kept["triton"], kept["reference"], ref):
         # Summation order moves an activation across an FP8 rounding boundary now and then (one
         # code is 6%): the fused kernels and the torch definition agree to 1e-3, not to fp32.
@@ -325,12 +295,12 @@ def test_quantization_fp8_quantizes_an_unquantized_checkpoint_at_load(tmp_path, 
         pytest.skip("needs a GPU or TRITON_INTERPRET=1")
     _, fp8_path, ref_path, _, _ = _fp8_checkpoints(tmp_path)
     monkeypatch.setenv("KDASERVE_FP8_WEIGHTS", "keep")
-    released = _our_logprobs(LLM(str(fp8_path), max_model_len=256, max_logprobs=VOCAB, warmup=False, **REF), PROMPTS[:2])
+    released = _logprobs(LLM(str(fp8_path), max_model_len=256, max_logprobs=VOCAB, warmup=False, **REF), PROMPTS[:2])
     monkeypatch.delenv("KDASERVE_FP8_WEIGHTS")
     llm = LLM(str(ref_path), max_model_len=256, max_logprobs=VOCAB, warmup=False, quantization="fp8", **REF)
     layers = llm.engine.runner.model.model.layers
     assert layers[1].mlp.w13.dtype == FP8 and layers[1].self_attn.q_b_proj.weight.dtype == FP8
-    for a, b in zip(_our_logprobs(llm, PROMPTS[:2]), released):
+    for a, b in zip(_logprobs(llm, PROMPTS[:2]), released):
         assert_rel_close(a, b, 1e-4, "quantized at load vs released in FP8")
     with pytest.raises(ValueError, match=r"kda_hybrid \(tiny\) has no FP8 path yet"):
         LLM("tiny", max_model_len=64, quantization="fp8", **REF)
@@ -398,13 +368,13 @@ def test_the_triton_hyper_connections_and_index_scores_match_transformers(case):
     llm = LLM(str(ckpt), max_model_len=256, max_logprobs=VOCAB, warmup=False, **{**REF, "mla_backend": "triton"})
     layers = llm.engine.runner.model.model.layers
     assert layers[0].attn_hc.backend == "triton" and layers[1].self_attn.indexer.backend == "triton"
-    for prompt, ours in zip(PROMPTS[:2], _our_logprobs(llm, PROMPTS[:2])):
+    for prompt, ours in zip(PROMPTS[:2], _logprobs(llm, PROMPTS[:2])):
         with torch.no_grad():
             ref = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)
         assert rel_rms(ours, ref) <= 1e-4, (len(prompt), rel_rms(ours, ref))
     # Decode steps past topk + kpool - 1 tokens attend through the sparse MLA decode kernel.
     out = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
-    assert out.output_token_ids == _hf_greedy(hf, PROMPTS[1], 8)
+    assert out.output_token_ids == hf_greedy(hf, PROMPTS[1], 8)
 
 
 def test_the_pool_key_cache_equals_recomputing_the_pools(case):
@@ -418,7 +388,7 @@ def test_the_pool_key_cache_equals_recomputing_the_pools(case):
     recomputed = LLM(str(ckpt), max_model_len=256, max_logprobs=VOCAB, max_num_batched_tokens=8, block_size=6, **REF)
     attn = lambda llm: llm.engine.runner.model.model.layers[1].self_attn   # noqa: E731
     assert attn(kept).pool_cache is not None and attn(recomputed).pool_cache is None
-    a, b = _our_logprobs(kept, PROMPTS), _our_logprobs(recomputed, PROMPTS)
+    a, b = _logprobs(kept, PROMPTS), _logprobs(recomputed, PROMPTS)
     assert all(torch.allclose(x, y, rtol=0, atol=1e-6) for x, y in zip(a, b))
     greedy = SamplingParams(max_tokens=24, ignore_eos=True)
     assert ([o.output_token_ids for o in kept.generate(PROMPTS, greedy, use_tqdm=False)]
@@ -438,20 +408,6 @@ def mtp_checkpoint(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("glm_mtp") / "ckpt", config, seed=7)
 
 
-def _drafts_after_each_step(llm, prompt, n):
-    """Greedy-generate n tokens one engine step at a time; every draft the MTP layer made, as
-    (the sequence's length it continues, the draft)."""
-    engine = llm.engine
-    engine.add_request("r", prompt, SamplingParams(max_tokens=n, ignore_eos=True))
-    made, tokens = [], None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens = out.prompt_token_ids + out.output_token_ids
-        for seq_len, drafts in list(engine.proposer._drafts.values()):
-            made.append((seq_len, list(drafts)))
-    return made, tokens
-
-
 @pytest.mark.parametrize("spec", [MTP, MTP3], ids=["one-draft", "three-drafts"])
 def test_mtp_drafts_equal_a_pass_from_scratch(mtp_checkpoint, spec):
     """Every draft the MTP layer makes during generation (its caches filled step by step: a
@@ -460,12 +416,12 @@ def test_mtp_drafts_equal_a_pass_from_scratch(mtp_checkpoint, spec):
     of the same tokens: the layer's incremental caches hold what a full pass would. The 37-token
     prompt passes topk + kpool - 1 = 11, so the sparse selection is in play."""
     kw = dict(max_model_len=256, max_num_batched_tokens=8, **REF, **spec)
-    made, tokens = _drafts_after_each_step(LLM(str(mtp_checkpoint), **kw), PROMPTS[1], 12)
+    made, tokens = drafts_after_each_step(LLM(str(mtp_checkpoint), **kw), PROMPTS[1], 12)
     k = spec["speculative_config"]["num_speculative_tokens"]
     assert len(made) >= 4 and len(tokens) == len(PROMPTS[1]) + 12 and all(len(d) == k for _, d in made)
     fresh = LLM(str(mtp_checkpoint), max_model_len=256, **REF, **spec)
     for seq_len, drafts in made[::2]:
-        again, _ = _drafts_after_each_step(fresh, tokens[: seq_len - 1], 2)
+        again, _ = drafts_after_each_step(fresh, tokens[: seq_len - 1], 2)
         assert again[0] == (seq_len, drafts), (seq_len, again[0], drafts)
 
 
@@ -600,7 +556,7 @@ def test_mtp_with_a_prefix_cache_hit(mtp_checkpoint):
     those a full pass writes)."""
     kw = dict(max_model_len=256, block_size=16, mamba_block_size=32, enable_prefix_caching=True, **REF, **MTP3)
     llm = LLM(str(mtp_checkpoint), **kw)
-    first, tokens = _drafts_after_each_step(llm, PROMPTS[1], 6)
+    first, tokens = drafts_after_each_step(llm, PROMPTS[1], 6)
     engine = llm.engine
     hits = engine.stats()["prefix_cache_hits"]
     engine.add_request("again", PROMPTS[1], SamplingParams(max_tokens=6, ignore_eos=True))

@@ -15,6 +15,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
+from family_parity import check_greedy_alone_batched_chunked_preempted, hf_greedy, hf_logprobs, logprob_rows
 from safetensors.torch import save_file
 
 from kdaserve.engine import LLM, SamplingParams
@@ -63,13 +64,6 @@ def hf_model(checkpoint):
     return model.eval()
 
 
-def _dense(entry: dict) -> torch.Tensor:
-    row = torch.full((VOCAB,), float("nan"))
-    for i, v in entry["top"]:
-        row[i] = v
-    return row
-
-
 def test_the_config_is_written_in_the_released_spelling(checkpoint):
     d = json.loads((checkpoint / "config.json").read_text())
     assert d["model_type"] == "kimi_linear" and d["architectures"] == ["KimiLinearForCausalLM"]
@@ -80,41 +74,15 @@ def test_the_config_is_written_in_the_released_spelling(checkpoint):
 
 def test_log_probs_of_every_position_match_transformers(checkpoint, hf_model):
     llm = LLM(str(checkpoint), max_model_len=256, max_logprobs=VOCAB, **REF)
-    params = SamplingParams(max_tokens=1, prompt_logprobs=VOCAB, logprobs=VOCAB, ignore_eos=True)
-    outs = llm.generate(PROMPTS, params, use_tqdm=False)
-    for prompt, out in zip(PROMPTS, outs):
-        ours = torch.stack([_dense(e) for e in out.prompt_logprobs[1:]] + [_dense(out.logprobs[0])])
-        with torch.no_grad():
-            ref = hf_model(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    for prompt, ours in zip(PROMPTS, logprob_rows(llm, PROMPTS, VOCAB)):
+        ref = hf_logprobs(hf_model, prompt)
         assert not ours.isnan().any()
         assert rel_rms(ours, ref) <= 1e-4, (len(prompt), rel_rms(ours, ref))
 
 
-def _hf_greedy(hf_model, prompt, n=32):
-    with torch.no_grad():
-        out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
 def test_32_greedy_tokens_match_transformers_alone_batched_chunked_and_preempted(checkpoint, hf_model):
-    want = [_hf_greedy(hf_model, p) for p in PROMPTS]
-    greedy = SamplingParams(max_tokens=32, ignore_eos=True)
-
-    def ids(llm, prompts):
-        return [o.output_token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-
-    llm = LLM(str(checkpoint), max_model_len=256, **REF)
-    assert [ids(llm, [p])[0] for p in PROMPTS] == want                         # alone
-    assert ids(llm, PROMPTS) == want                                           # batched
-    chunked = LLM(str(checkpoint), max_model_len=256, max_num_batched_tokens=8, **REF)
-    assert ids(chunked, PROMPTS) == want                                       # prompts cut into chunks of <= 8 tokens
     # 4 prompts growing to 69 tokens want 16 blocks of 16; 9 blocks force preemptions.
-    tight = LLM(str(checkpoint), max_model_len=80, num_kv_blocks=9, block_size=16, **REF)
-    assert ids(tight, PROMPTS) == want
-    assert tight.engine.counters["preemptions"] > 0
-    stats = tight.engine.stats()
-    assert stats["state_slots_used"] == 0 and stats["kv_blocks_used"] == 0
+    check_greedy_alone_batched_chunked_preempted(str(checkpoint), PROMPTS, [hf_greedy(hf_model, p) for p in PROMPTS], REF)
 
 
 def test_router_matches_transformers_with_expert_groups():
@@ -191,9 +159,7 @@ def test_released_shapes_at_the_real_size():
 
 
 def _logprobs(llm, prompts):
-    params = SamplingParams(max_tokens=1, prompt_logprobs=VOCAB, logprobs=VOCAB, ignore_eos=True)
-    return [torch.stack([_dense(e) for e in o.prompt_logprobs[1:]] + [_dense(o.logprobs[0])])
-            for o in llm.generate(prompts, params, use_tqdm=False)]
+    return logprob_rows(llm, prompts, VOCAB)
 
 
 def test_quantization_fp8_keeps_experts_mlps_and_mla_projections_in_fp8(tmp_path, monkeypatch):
