@@ -50,7 +50,8 @@ class EngineConfig:
     quantization: str | None = field(default=None, metadata=_flag(
         "fp8: block-scaled FP8 weights (experts and linear projections; a bf16 checkpoint is quantized at load, "
         "128 x 128 blocks); default: the checkpoint's own format (an FP8 checkpoint keeps its experts in FP8 where "
-        "FP8 dots run, KDASERVE_FP8_WEIGHTS)", choices=("fp8",)))
+        "FP8 dots run, KDASERVE_FP8_WEIGHTS); mxfp4 / quark / compressed-tensors: the checkpoint's own 4-bit format "
+        "(checked; recognised without the flag too)", choices=("fp8", "mxfp4", "quark", "compressed-tensors")))
     kda_prefill_backend: str = field(default="auto", metadata=_flag(
         "KDA prefill backend; auto picks the fastest whose requirements hold (kdaserve info lists them)"))
     kda_decode_backend: str = field(default="auto", metadata=_flag(
@@ -153,8 +154,9 @@ class EngineConfig:
                              "token)")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"invalid load_format: got {self.load_format!r}; expected auto, safetensors or dummy")
-        if self.quantization not in (None, "fp8"):
-            raise ValueError(f"invalid quantization: got {self.quantization!r}; expected fp8 or none (the checkpoint's own)")
+        if self.quantization not in (None, "fp8", "mxfp4", "quark", "compressed-tensors"):
+            raise ValueError(f"invalid quantization: got {self.quantization!r}; expected fp8, mxfp4, quark, "
+                             f"compressed-tensors or none (the checkpoint's own)")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.mamba_block_size is None:
             self.mamba_block_size = 32 * self.block_size

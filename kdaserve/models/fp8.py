@@ -161,9 +161,15 @@ class Fp8Layout:
 
     def checkpoint_weights(self, model, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """A checkpoint's tensors as `model` (built with this layout's `blocks`) takes them: kept
-        weights FP8 with their scales, the rest dequantized into the embedding's dtype."""
+        weights FP8 with their scales, the rest dequantized into the embedding's dtype; a 4-bit
+        checkpoint's layers (models/fp4.py) dequantized into it first."""
+        from kdaserve.models.fp4 import dequantized_fp4_weights, fp4_layout
+
         config, block, linears = model.config, model.fp8_block, model.fp8_linear_block is not None
-        return dequantized_weights(weights, model.model.embed_tokens.weight.dtype, block or fp8_block_size(config.extra),
+        dtype = model.model.embed_tokens.weight.dtype
+        if (four_bit := fp4_layout(config.extra)) is not None:
+            weights = dequantized_fp4_weights(weights, four_bit, dtype)
+        return dequantized_weights(weights, dtype, block or fp8_block_size(config.extra),
                                    keep=(lambda name: self.keeps(config, name, linears)) if block else None)
 
 

@@ -22,6 +22,7 @@ from kdaserve.models.capacity import check_weights_fit
 from kdaserve.models.causal_lm import kda_backends_for
 from kdaserve.models.checkpoint_tensor import CheckpointTensor
 from kdaserve.models.families import family_of, family_of_config
+from kdaserve.models.fp4 import FOUR_BIT_QUANTIZATIONS, check_four_bit_checkpoint
 from kdaserve.models.hybrid_config import HybridConfig
 from kdaserve.models.tokenizer import ByteTokenizer, HFTokenizer, load_checkpoint_tokenizer
 
@@ -80,9 +81,13 @@ def load_model(
     whose tokenizer replaces the model's (vLLM's --tokenizer; a released name with dummy weights
     then tokenizes as the real model does). `mtp`: also the model's multi-token-prediction layer
     (the drafter of speculative method "mtp"). `quantization`: "fp8" for block-scaled FP8 weights
-    (families with an FP8 path), None for the checkpoint's own format."""
+    (families with an FP8 path), None for the checkpoint's own format; "mxfp4", "quark" and
+    "compressed-tensors" name a 4-bit checkpoint's own format (models/fp4.py), checked against it."""
     config, tokenizer, name, dummy = resolve_model(model, load_format, tokenizer_dir)
     family = family_of_config(config)
+    if quantization in FOUR_BIT_QUANTIZATIONS:   # the checkpoint's own 4-bit format, named as vLLM names it
+        check_four_bit_checkpoint(quantization, config.extra, name, dummy)
+        quantization = None
     if quantization is not None and family.fp8_tensors is None:
         raise ValueError(f"--quantization {quantization}: {family.name} ({name}) has no FP8 path yet; GLM-5.3-Flash "
                          f"(glm5_next) and Kimi-Linear (kimi_linear) have one. Leave --quantization unset to serve it "

@@ -1,0 +1,204 @@
+"""4-bit checkpoints (models/fp4.py, ops/fp4/reference.py): a tiny Kimi-Linear and a tiny GLM-5.3-Flash
+checkpoint written here in AMD Quark's MXFP4 and in compressed-tensors' NVFP4 (quantized from the
+full-precision weights by each format's rules) load and give the log-probs of their dequantized
+twins bit for bit (fp32, the reference paths); the packing and the scales' edge cases; bad and
+partial checkpoints named."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from family_parity import logprob_rows
+from safetensors.torch import save_file
+
+from kdaserve.engine import LLM
+from kdaserve.models.builtin import builtin_config
+from kdaserve.ops.fp4.reference import (
+    dequantize_mxfp4,
+    dequantize_nvfp4,
+    e2m1_codes,
+    e2m1_values,
+    pack_e2m1,
+    quantize_mxfp4,
+    quantize_nvfp4,
+    unpack_e2m1,
+)
+
+VOCAB = 260   # the built-ins' vocabulary (the byte tokenizer's)
+REF = dict(kda_prefill_backend="reference", kda_decode_backend="reference", mla_backend="reference",
+           moe_backend="reference", dtype="float32", max_model_len=128, max_logprobs=VOCAB, warmup=False)
+PROMPTS = [[72, 101, 108, 108, 111, 32, 75, 68, 65], list(range(40, 77))]
+MXFP4 = {"dtype": "fp4", "qscheme": "per_group", "group_size": 32, "scale_format": "e8m0", "is_dynamic": False}
+MXFP4_INPUT = {"dtype": "fp4", "qscheme": "per_group", "group_size": 32, "scale_format": "e8m0", "is_dynamic": True}
+NVFP4_WEIGHTS = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True}
+
+# Which tensors each case quantizes, and the config that says so in the format's own terms.
+CASES = {
+    # Kimi-Linear, Quark: a global MXFP4 scheme (with dynamic MXFP4 activations, W4A4 as released)
+    # and everything but the routed experts excluded by name patterns.
+    "kimi-quark": ("kimi-tiny", lambda name: ".experts." in name, {
+        "quant_method": "quark", "global_quant_config": {"weight": MXFP4, "input_tensors": MXFP4_INPUT},
+        "layer_quant_config": {}, "layer_type_quant_config": {},
+        "exclude": ["lm_head", "re:.*self_attn.*", "re:.*\\.gate$", "re:.*shared_experts.*", "re:.*\\.mlp\\..*"]}),
+    # GLM-5.3-Flash, Quark: only the experts and shared experts by layer_quant_config patterns.
+    "glm-quark": ("glm-tiny", lambda name: ".experts." in name or ".shared_experts." in name, {
+        "quant_method": "quark", "global_quant_config": None, "layer_type_quant_config": {},
+        "layer_quant_config": {"*.experts.*": {"weight": MXFP4, "input_tensors": None},
+                               "*.shared_experts.*": {"weight": MXFP4, "input_tensors": None}}, "exclude": []}),
+    # Kimi-Linear, compressed-tensors: the routed experts targeted by a regex.
+    "kimi-nvfp4": ("kimi-tiny", lambda name: ".experts." in name, {
+        "quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
+        "config_groups": {"group_0": {"targets": ["re:.*experts.*"], "weights": NVFP4_WEIGHTS, "input_activations": None,
+                                      "format": "nvfp4-pack-quantized"}}, "ignore": ["lm_head"]}),
+    # GLM-5.3-Flash, compressed-tensors: every MLP linear (dense, shared, routed) under "Linear" targets,
+    # the attention layers and the router ignored.
+    "glm-nvfp4": ("glm-tiny", lambda name: ".mlp." in name and not name.endswith("mlp.gate.weight"), {
+        "quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": NVFP4_WEIGHTS,
+                                      "input_activations": {"num_bits": 4, "type": "float", "strategy": "tensor_group",
+                                                            "group_size": 16, "dynamic": "local"}}},
+        "ignore": ["lm_head", "re:.*self_attn.*", "re:.*mlp\\.gate$"]}),
+}
+
+
+def _quantized(name: str, w: torch.Tensor, method: str) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The checkpoint's tensors for linear `name` (<m>.weight) and its dequantized value."""
+    m = name.removesuffix(".weight")
+    if method == "quark":
+        packed, scale = quantize_mxfp4(w)
+        return {m + ".weight": packed, m + ".weight_scale": scale}, dequantize_mxfp4(packed, scale)
+    packed, scale, g = quantize_nvfp4(w)
+    return ({m + ".weight_packed": packed, m + ".weight_scale": scale, m + ".weight_global_scale": g,
+             m + ".input_global_scale": torch.ones(1)}, dequantize_nvfp4(packed, scale, g))
+
+
+def write_pair(tmp_path, case: str, mutate=None):
+    """(the 4-bit checkpoint, its dequantized twin in fp32)."""
+    from kdaserve.models.families import family_of_config
+
+    builtin, quantized, qconfig = CASES[case]
+    config = builtin_config(builtin)
+    family = family_of_config(config)
+    tensors = dict(family.random_weights(config, 5, dtype=torch.float32, device="cpu"))
+    four_bit, twin = {}, {}
+    for name, t in tensors.items():
+        if quantized(name) and name.endswith(".weight") and t.dim() == 2:
+            stored, value = _quantized(name, t, qconfig["quant_method"])
+            four_bit.update(stored)
+            twin[name] = value
+        else:
+            four_bit[name] = twin[name] = t.contiguous()
+    assert len(four_bit) > len(twin), "the case quantizes nothing"
+    if mutate is not None:
+        mutate(four_bit)
+    paths = []
+    for kind, ts, extra in (("fp4", four_bit, {"quantization_config": qconfig}), ("twin", twin, {})):
+        path = tmp_path / f"{case}-{kind}"
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps({**config.to_dict(), **extra}))
+        save_file(ts, str(path / "model.safetensors"))
+        paths.append(path)
+    return paths
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_4bit_checkpoint_gives_its_dequantized_twins_log_probs_bit_for_bit(tmp_path, case):
+    fp4, twin = write_pair(tmp_path, case)
+    ours = logprob_rows(LLM(str(fp4), **REF), PROMPTS, VOCAB)
+    want = logprob_rows(LLM(str(twin), **REF), PROMPTS, VOCAB)
+    for a, b in zip(ours, want):
+        assert torch.equal(a, b)
+
+
+def test_the_flag_names_the_checkpoints_own_format(tmp_path):
+    fp4, twin = write_pair(tmp_path, "kimi-quark")
+    kw = dict(REF, max_logprobs=1)
+    LLM(str(fp4), quantization="quark", **kw)
+    LLM(str(fp4), quantization="mxfp4", **kw)
+    with pytest.raises(ValueError, match=r"--quantization compressed-tensors needs a compressed-tensors checkpoint, but "
+                                         r".*quant_method 'quark'"):
+        LLM(str(fp4), quantization="compressed-tensors", **kw)
+    with pytest.raises(ValueError, match="quant_method None"):
+        LLM(str(twin), quantization="quark", **kw)
+    with pytest.raises(ValueError, match="does not build 4-bit weights yet"):
+        LLM("kimi-tiny", quantization="mxfp4", **kw)
+
+
+def _pop(suffix):
+    def mutate(t):
+        t.pop(next(k for k in sorted(t) if k.endswith(suffix)))
+    return mutate
+
+
+@pytest.mark.parametrize("case, mutate, match", [
+    ("kimi-quark", _pop(".w1.weight_scale"), r"4-bit layers lack tensors of their scheme.*w1': \['weight_scale'\]"),
+    ("kimi-nvfp4", _pop(".w2.weight_global_scale"), r"lack tensors.*w2': \['weight_global_scale'\]"),
+    ("kimi-quark", lambda t: t.__setitem__("model.layers.1.self_attn.q_proj.weight",
+                                           torch.zeros(64, 32, dtype=torch.uint8)),
+     r"self_attn\.q_proj\.weight holds packed 4-bit codes, but the checkpoint's quantization_config does not quantize"),
+    ("kimi-quark", lambda t: t.__setitem__(next(k for k in sorted(t) if k.endswith(".w3.weight_scale")),
+                                           torch.full_like(t[next(k for k in sorted(t) if k.endswith(".w3.weight_scale"))],
+                                                           255)),
+     r"MXFP4 scale is NaN \(e8m0 code 255\)"),
+])
+def test_bad_and_partial_checkpoints_are_named(tmp_path, case, mutate, match):
+    fp4, _ = write_pair(tmp_path, case, mutate)
+    with pytest.raises(ValueError, match=match):
+        LLM(str(fp4), **REF)
+
+
+def test_an_unknown_scheme_names_the_scheme_and_the_layer(tmp_path):
+    fp4, _ = write_pair(tmp_path, "kimi-quark")
+    d = json.loads((fp4 / "config.json").read_text())
+    d["quantization_config"]["global_quant_config"]["weight"] = {"dtype": "int4", "qscheme": "per_group", "group_size": 128}
+    (fp4 / "config.json").write_text(json.dumps(d))
+    with pytest.raises(ValueError, match=r"model\.layers\.\d+\.block_sparse_moe\.experts\.\d+\.w\d: Quark scheme .*int4.* "
+                                         r"is not one kdaserve loads"):
+        LLM(str(fp4), **REF)
+
+
+# ---- the formats' definitions --------------------------------------------------------------------
+
+def test_e2m1_codes_round_to_nearest_ties_to_even_and_saturate():
+    x = torch.tensor([0.0, 0.25, 0.3, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 5.1, 7.0, -0.25, -0.3, -6.5, -1.25, 1e9])
+    got = e2m1_values()[e2m1_codes(x).long()]
+    assert got.tolist() == [0.0, 0.0, 0.5, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0, 6.0, 0.0, -0.5, -6.0, -1.0, 6.0]
+    assert e2m1_codes(torch.tensor([-0.1])).item() == 0          # no negative zero
+
+
+def test_packing_puts_element_2k_in_the_low_nibble():
+    codes = torch.arange(16, dtype=torch.uint8)
+    packed = pack_e2m1(codes)
+    assert packed.tolist() == [0x10, 0x32, 0x54, 0x76, 0x98, 0xBA, 0xDC, 0xFE]
+    assert torch.equal(unpack_e2m1(packed), e2m1_values())
+
+
+def test_scales_at_their_edges():
+    zero = torch.zeros(2, 64)
+    packed, scale = quantize_mxfp4(zero)
+    assert torch.equal(dequantize_mxfp4(packed, scale), zero) and (scale == 0).all()   # 2^-127: zero blocks stay zero
+    one = pack_e2m1(torch.full((1, 32), 1, dtype=torch.uint8))                          # every value 0.5
+    for code, factor in ((0, 2.0 ** -127), (127, 1.0), (254, 2.0 ** 127)):
+        out = dequantize_mxfp4(one, torch.full((1, 1), code, dtype=torch.uint8))
+        assert torch.isfinite(out).all() and (out == 0.5 * factor).all()
+    with pytest.raises(ValueError, match="NaN"):
+        dequantize_mxfp4(one, torch.full((1, 1), 255, dtype=torch.uint8))
+    w = torch.randn(4, 64)
+    p, s, g = quantize_nvfp4(w)
+    with pytest.raises(ValueError, match="global scale must be one finite non-zero"):
+        dequantize_nvfp4(p, s, torch.zeros(1))
+    with pytest.raises(ValueError, match="scales must be uint8 e8m0"):
+        dequantize_mxfp4(p, torch.zeros(4, 3, dtype=torch.uint8))
+    # Quantization error: at most half the largest gap between neighbouring e2m1 values (4 to 6), times
+    # the block's scale; the definitions hold the formats' scale rules (a scale that multiplied by the
+    # global scale, or an exponent off by one, breaks these bounds).
+    d = dequantize_nvfp4(p, s, g)
+    assert ((d - w).abs() <= (s.float() / g).repeat_interleave(16, 1) + 1e-6).all()
+    assert (d - w).abs().max() < 0.2 * w.abs().max()
+    pm, sm = quantize_mxfp4(w)
+    dm = dequantize_mxfp4(pm, sm)
+    # MXFP4's rule puts a block's largest value at 4 to 8 x its scale: beyond 6 it saturates (OCP MX).
+    assert ((dm - w).abs() <= 2 * torch.exp2(sm.float() - 127).repeat_interleave(32, 1)).all()
+    assert (dm - w).abs().max() < 0.2 * w.abs().max()
