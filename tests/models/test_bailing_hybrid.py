@@ -124,7 +124,9 @@ def test_each_new_piece_broken_moves_the_log_probs_away_from_transformers(case, 
 
 
 def test_32_greedy_tokens_match_transformers_alone_batched_chunked_and_preempted(case):
-    _, ckpt, hf = case
+    kind, ckpt, hf = case
+    if kind != "bounded":
+        pytest.skip("the released gate; the unbounded one is checked by the log-probs above")
     check_greedy_alone_batched_chunked_preempted(str(ckpt), PROMPTS, [hf_greedy(hf, p) for p in PROMPTS], REF,
                                                  tight_max_model_len=112)
 
@@ -161,11 +163,11 @@ def test_the_gate_is_rounded_to_the_activation_dtype_as_transformers_does():
 def test_triton_paths_in_the_interpreter_give_the_reference_tokens():
     """flash prefill (chunked), fused decode, the MLA kernels with the rotated cache and the fused MoE
     (grouped routing on its torch path), through the engine, on the built-in ling-tiny."""
-    prompts, greedy = ["Hello", "The quick brown fox jumps over", "KDA"], SamplingParams(max_tokens=4, ignore_eos=True)
-    kw = dict(max_num_seqs=4, max_model_len=64)
+    prompts, greedy = ["Hello", "The quick brown fox jumps"], SamplingParams(max_tokens=3, ignore_eos=True)
+    kw = dict(max_num_seqs=4, max_model_len=64, warmup=False)
     want = [o.output_token_ids for o in LLM("ling-tiny", **REF, **kw).generate(prompts, greedy, use_tqdm=False)]
     llm = LLM("ling-tiny", kda_prefill_backend="flash", kda_decode_backend="fused", mla_backend="triton",
-              moe_backend="triton", dtype="float32", max_num_batched_tokens=12, **kw)
+              moe_backend="triton", dtype="float32", max_num_batched_tokens=16, **kw)
     assert [o.output_token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == want
 
 
