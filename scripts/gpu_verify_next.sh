@@ -13,8 +13,9 @@
 # Add a part as `if [ "$PART" = name ]; then ... fi` below, with what it must show, and name it in
 # OWED; take it out of OWED once it ran (its numbers go to docs/perf-notes.md).
 OWED=(
-  ling_routing    # any GPU: Ling-3.0-Flash's decode step with grouped routing in the kernel against the torch
-                  # path (.old = `git archive 17ab949 kdaserve benchmarks`), alternating, one process each
+  ling_routing    # any GPU: Ling-3's GPU tests again, now through the grouped routing kernel with the shared
+                  # expert as one more expert at decode; then Ling-3.0-Flash's decode step with it against the
+                  # torch path (.old = `git archive 17ab949 kdaserve benchmarks`), alternating, one process each
   ling_real       # an H200 (all 42 layers, FP8): Ling-3.0-Flash's TTFT at 8K and decode step against its
                   # memory floor (issue 64; the H100 ran its first 12 layers, thirty-fourth session)
   house_speed     # on an H200 (issue 59 asks it there; the H100 ran it, thirty-third session: within A/A):
@@ -179,6 +180,9 @@ if [ "$PART" = ling_routing ]; then
   # (new) against the torch path's ~14 launches per MoE layer (old), new, old, new, old: new lower at
   # batch 1 by more than the two codes' own spreads, equal tokens/s or better at 64.
   [ -d .old/kdaserve ] || { echo "carry .old (git archive 17ab949 kdaserve benchmarks | tar -x -C .old)"; exit 1; }
+  # First the model's GPU tests through the new routing (graphs capture the grouped kernel and the
+  # fused experts with the shared expert's column): 3 passed.
+  group ling_gpu 150 tests/models/test_bailing_hybrid_gpu.py
   for i in 1 2 3 4; do
     dir=.; code=new; [ $((i % 2)) -eq 0 ] && { dir=.old; code=old; }
     [ $(( $(date +%s) - START )) -gt $(( BUDGET - 110 )) ] && { echo "== invocation $i NOT RUN (budget)"; continue; }
