@@ -183,6 +183,8 @@ if [ "$PART" = ling_routing ]; then
   # First the model's GPU tests through the new routing (graphs capture the grouped kernel and the
   # fused experts with the shared expert's column): 3 passed.
   group ling_gpu 150 tests/models/test_bailing_hybrid_gpu.py
+  # The grouped routing kernel against the torch path on the GPU (512 experts in 8 groups, ...): 4 passed.
+  group grouped_routing 60 tests/ops/test_moe.py -k restricts_to_groups
   for i in 1 2 3 4; do
     dir=.; code=new; [ $((i % 2)) -eq 0 ] && { dir=.old; code=old; }
     [ $(( $(date +%s) - START )) -gt $(( BUDGET - 110 )) ] && { echo "== invocation $i NOT RUN (budget)"; continue; }

@@ -47,7 +47,7 @@ from kdaserve.layers.moe import MoEMLP
 from kdaserve.layers.norm import RMSNorm
 from kdaserve.layers.rotary import RotaryEmbedding
 from kdaserve.models.bailing_hybrid_config import BailingHybridConfig
-from kdaserve.models.causal_lm import DecoderStack, KDACausalLM, check_kda_backends
+from kdaserve.models.causal_lm import DecoderStack, KDACausalLM, PreNormDecoderLayer, check_kda_backends
 from kdaserve.models.fp8 import Fp8Layout
 from kdaserve.models.random_weights import realistic_released_tensors
 from kdaserve.models.released import load_released, mla_layer_shapes, moe_layer_shapes, skips_mtp_tensor
@@ -99,7 +99,7 @@ def make_moe(config: BailingHybridConfig, *, backend: str, dtype, device, fp8_bl
                   backend=backend, dtype=dtype, device=device, fp8_block=fp8_block, shared_fp8_block=fp8_linear_block)
 
 
-class BailingDecoderLayer(nn.Module):
+class BailingDecoderLayer(PreNormDecoderLayer):
     def __init__(self, config: BailingHybridConfig, i: int, rotary: RotaryEmbedding, *,
                  kda_backends: KDABackends | None, mla_backend: str, moe_backend: str, dtype, device,
                  fp8_block: tuple[int, int] | None = None, fp8_linear_block: tuple[int, int] | None = None):
@@ -121,19 +121,6 @@ class BailingDecoderLayer(nn.Module):
                                 fp8_linear_block=fp8_linear_block)
         else:
             self.mlp = SwiGLUMLP(h, c.intermediate_size, dtype=dtype, device=device, fp8_block=fp8_linear_block)
-
-    @property
-    def mixer(self) -> nn.Module:
-        return self.self_attn
-
-    def forward(self, positions, hidden, residual):
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden) if self.is_kda else self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
 
 
 class BailingHybridModel(DecoderStack):

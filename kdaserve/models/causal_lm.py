@@ -29,6 +29,30 @@ class DecoderStack(nn.Module):
         return hidden
 
 
+class PreNormDecoderLayer(nn.Module):
+    """A layer of DecoderStack: input_layernorm, the mixer (a KDA layer takes the hidden states, an
+    attention layer the positions too), post_attention_layernorm, the feed-forward; each norm adds
+    the residual first. A family builds the parts (with `is_kda`); `mixer` and `feed_forward` name
+    them: self_attn and mlp unless the family stores them under other released names."""
+
+    @property
+    def mixer(self) -> nn.Module:
+        return self.self_attn
+
+    @property
+    def feed_forward(self) -> nn.Module:
+        return self.mlp
+
+    def forward(self, positions, hidden, residual):
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.mixer(hidden) if self.is_kda else self.mixer(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.feed_forward(hidden), residual
+
+
 def kda_backends_for(config, choice: KDABackendChoice, dtype: torch.dtype, device, *, log: bool = True) -> KDABackends | None:
     """The backends of every KDA layer of `config` (its linear_num_heads, linear_head_dim,
     linear_conv_kernel_dim, linear_lower_bound: None is the unbounded gate, and linear_round_gate

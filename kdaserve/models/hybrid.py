@@ -17,7 +17,7 @@ from kdaserve.layers.distributed import tp_rank, tp_size
 from kdaserve.layers.embed_head import VocabEmbedding
 from kdaserve.layers.mlp import SwiGLUMLP
 from kdaserve.layers.norm import RMSNorm
-from kdaserve.models.causal_lm import DecoderStack, KDACausalLM, check_kda_backends
+from kdaserve.models.causal_lm import DecoderStack, KDACausalLM, PreNormDecoderLayer, check_kda_backends
 from kdaserve.models.hybrid_config import HybridConfig
 
 
@@ -27,7 +27,7 @@ def _kda_layer_class():
     return KDALayer
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(PreNormDecoderLayer):
     def __init__(self, config: HybridConfig, layer_idx: int, *, kda_backends: KDABackends | None, dtype, device):
         super().__init__()
         self.layer_idx = layer_idx
@@ -50,15 +50,6 @@ class DecoderLayer(nn.Module):
     @property
     def mixer(self) -> nn.Module:
         return self.linear_attn if self.is_kda else self.self_attn
-
-    def forward(self, positions, hidden, residual):
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.linear_attn(hidden) if self.is_kda else self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
 
 
 class HybridModel(DecoderStack):

@@ -36,7 +36,7 @@ from kdaserve.layers.mla import MLAttention
 from kdaserve.layers.mlp import SwiGLUMLP
 from kdaserve.layers.moe import MoEMLP
 from kdaserve.layers.norm import RMSNorm
-from kdaserve.models.causal_lm import DecoderStack, KDACausalLM, check_kda_backends
+from kdaserve.models.causal_lm import DecoderStack, KDACausalLM, PreNormDecoderLayer, check_kda_backends
 from kdaserve.models.fp8 import Fp8Layout
 from kdaserve.models.kimi_linear_config import KimiLinearConfig
 from kdaserve.models.random_weights import realistic_released_tensors
@@ -56,7 +56,7 @@ FP8_LAYOUT = Fp8Layout(
 keeps_fp8, fp8_tensors = FP8_LAYOUT.keeps, FP8_LAYOUT.tensors
 
 
-class KimiDecoderLayer(nn.Module):
+class KimiDecoderLayer(PreNormDecoderLayer):
     def __init__(self, config: KimiLinearConfig, i: int, *, kda_backends: KDABackends | None, mla_backend: str,
                  moe_backend: str, dtype, device, fp8_block: tuple[int, int] | None = None,
                  fp8_linear_block: tuple[int, int] | None = None):
@@ -85,17 +85,8 @@ class KimiDecoderLayer(nn.Module):
             self.mlp = SwiGLUMLP(h, c.intermediate_size, dtype=dtype, device=device, fp8_block=fp8_linear_block)
 
     @property
-    def mixer(self) -> nn.Module:
-        return self.self_attn
-
-    def forward(self, positions, hidden, residual):
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden) if self.is_kda else self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return (self.block_sparse_moe(hidden) if self.is_moe else self.mlp(hidden)), residual
+    def feed_forward(self) -> nn.Module:
+        return self.block_sparse_moe if self.is_moe else self.mlp   # the released names
 
 
 class KimiLinearModel(DecoderStack):

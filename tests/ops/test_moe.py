@@ -76,6 +76,8 @@ def test_routing_appends_the_extra_expert():
         assert (got_w[:, 3] == 1.0).all()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="needs a GPU, or TRITON_INTERPRET=1 on the CPU")
 @pytest.mark.parametrize("T, E, k, groups, open_groups, extra", [
     (9, 512, 8, 8, 4, None),      # Ling-3.0-Flash: 512 experts in 8 groups, 4 open, top 8
     (5, 12, 3, 4, 2, None),       # groups of 3 (not a power of two)
@@ -85,10 +87,12 @@ def test_routing_appends_the_extra_expert():
 def test_routing_kernel_restricts_to_groups_like_the_torch_path(T, E, k, groups, open_groups, extra):
     """Group-limited routing (a group's score: the sum of its two best choice scores) in the kernel
     equals the torch path (the definition, checked against transformers in tests/models), and the
-    restriction changes the choice (against the same routing without groups)."""
+    restriction changes the choice (against the same routing without groups). On the GPU when there
+    is one, else in the interpreter."""
     g = torch.Generator().manual_seed(T + E)
-    x, w = torch.randn(T, 32, generator=g), torch.randn(E, 32, generator=g) * 0.3
-    bias = torch.randn(E, generator=g) * 0.05
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    x, w = torch.randn(T, 32, generator=g).to(dev), (torch.randn(E, 32, generator=g) * 0.3).to(dev)
+    bias = (torch.randn(E, generator=g) * 0.05).to(dev)
     cfg = RouterConfig(E, k, "sigmoid", groups, open_groups, True, 2.5)
     want_w, want_ids = route_tokens(x, w, bias, cfg, use_kernel=False, extra_expert=extra)
     got_w, got_ids = route_tokens(x, w, bias, cfg, use_kernel=True, extra_expert=extra)
