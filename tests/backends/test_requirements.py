@@ -35,6 +35,7 @@ CASES = [
     (rq.state_dtypes(torch.float32), (CPU, L), (CPU, LayerSettings(state_dtype=torch.bfloat16)), "state is bfloat16"),
     (rq.conv_layouts("SD"), (CPU, L), (CPU, LayerSettings(conv_layout="DS")), "layout is DS"),
     (rq.speculative(False), (CPU, L), (CPU, LayerSettings(num_spec_tokens=2)), "2 draft tokens"),
+    (rq.unrounded_gate(), (CPU, L), (CPU, LayerSettings(round_gate=True)), "rounds its gate to the activation dtype"),
 ]
 
 

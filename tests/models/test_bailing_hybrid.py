@@ -205,11 +205,22 @@ def test_config_in_the_released_spelling_and_in_transformers_own():
     ({"hidden_act": "gelu"}, "only silu"),
     ({"num_experts": 10, "num_expert_group": 4}, "equal groups"),
     ({"qk_rope_head_dim": 0}, "even and positive"),
+    ({"attention_bias": True}, "attention has no biases"),
+    ({"layer_group_size": 0}, "layer_group_size must be >= 1"),
 ])
 def test_bad_configs_are_refused_with_the_reason(bad, match):
     with pytest.raises(ValueError, match=match):
         BailingHybridConfig.from_dict({"hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 300, "num_experts": 16,
                                        "n_group": 4, "topk_group": 2, **bad})
+
+
+def test_a_rotary_table_of_another_size_is_refused():
+    from kdaserve.layers.mla import MLAttention
+    from kdaserve.layers.rotary import RotaryEmbedding
+
+    with pytest.raises(ValueError, match=r"rotates heads of 32, but q_pe / k_pe have qk_rope_head_dim = 16"):
+        MLAttention(64, 2, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
+                    rotary=RotaryEmbedding(32, 32, 64, 1e4, interleaved=True), backend="reference")
 
 
 def test_bad_checkpoints_name_the_tensor(tmp_path):
