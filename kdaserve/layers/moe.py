@@ -13,6 +13,8 @@ from torch import nn
 from kdaserve.layers.distributed import all_reduce, local_slice, split, tensor_parallel
 from kdaserve.layers.kernel_choice import resolve_kernel_choice
 from kdaserve.layers.mlp import SwiGLUMLP
+from kdaserve.ops.fp4.reference import NV_GROUP
+from kdaserve.ops.fp4.weights import SCHEME_GROUP, Fp4Weights
 from kdaserve.ops.fp8.reference import FP8
 from kdaserve.ops.moe.reference import moe_experts_fp8_reference, moe_experts_reference
 from kdaserve.ops.moe.router import RouterConfig, route_tokens
@@ -28,7 +30,10 @@ class MoEMLP(nn.Module):
     def __init__(self, hidden_size: int, router: RouterConfig, expert_intermediate_size: int, *,
                  num_shared_experts: int = 0, has_correction_bias: bool = True, activation_limit: float | None = None,
                  backend: str = "auto", dtype=None, device=None, fp8_block: tuple[int, int] | None = None,
-                 shared_fp8_block: tuple[int, int] | None = None):
+                 shared_fp8_block: tuple[int, int] | None = None, fp4: str | None = None):
+        """`fp4` ("mxfp4" / "nvfp4"): the routed experts kept in 4 bits (ops/fp4/weights.py's form:
+        packed codes, uint8 group scales and, for NVFP4, a divisor per row), decoded inside the
+        fused kernels; the reference path dequantizes them (the definition)."""
         super().__init__()
         device = torch.device(device) if device is not None else torch.empty(0).device
         # Tensor parallel: every expert's width split over the ranks (gate|up by rows, down by
@@ -41,10 +46,13 @@ class MoEMLP(nn.Module):
         self.gate_weight = nn.Parameter(torch.zeros(E, hidden_size, **f32), requires_grad=False)
         self.e_score_correction_bias = (nn.Parameter(torch.zeros(E, **f32), requires_grad=False)
                                         if has_correction_bias else None)
-        self.fp8_block = fp8_block
-        wdt = FP8 if fp8_block is not None else dtype
-        self.w13 = nn.Parameter(torch.empty(E, 2 * I, hidden_size, dtype=wdt, device=device), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(E, hidden_size, I, dtype=wdt, device=device), requires_grad=False)
+        self.fp8_block, self.fp4_group = fp8_block, SCHEME_GROUP[fp4] if fp4 else None
+        if fp4:
+            self._make_fp4_experts(E, I, hidden_size, device)
+        else:
+            wdt = FP8 if fp8_block is not None else dtype
+            self.w13 = nn.Parameter(torch.empty(E, 2 * I, hidden_size, dtype=wdt, device=device), requires_grad=False)
+            self.w2 = nn.Parameter(torch.empty(E, hidden_size, I, dtype=wdt, device=device), requires_grad=False)
         if fp8_block is not None:   # one scale per block of each expert's gate|up and down weights
             br, bc = fp8_block
             if I % br:
@@ -58,13 +66,39 @@ class MoEMLP(nn.Module):
                                          fp8_block=shared_fp8_block, backend=self.backend, reduce_output=False)
                                if num_shared_experts else None)
 
-    def load_expert(self, expert: int, which: str, tensor: torch.Tensor, scale: bool = False) -> None:
-        """One released expert tensor: which = w1 (gate), w3 (up) or w2 (down); `scale`: its
-        weight_scale_inv (FP8 experts)."""
+    def _make_fp4_experts(self, E: int, I: int, hidden: int, device) -> None:
+        group = self.fp4_group
+        if I % group or hidden % group:
+            raise ValueError(f"4-bit experts in groups of {group} need the expert width ({I} on this rank) and the hidden "
+                             f"size ({hidden}) to be multiples of {group}")
+
+        def param(*shape, dtype=torch.uint8):
+            return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+        self.w13, self.w13_scale = param(E, 2 * I, hidden // 2), param(E, 2 * I, hidden // group)
+        self.w2, self.w2_scale = param(E, hidden, I // 2), param(E, hidden, I // group)
+        if group == NV_GROUP:
+            self.w13_divisor, self.w2_divisor = param(E, 2 * I, dtype=torch.float32), param(E, hidden, dtype=torch.float32)
+
+    def experts(self) -> tuple:
+        """(w13, w2) as the expert kernels take them: tensors, or the 4-bit form."""
+        if self.fp4_group is None:
+            return self.w13, self.w2
+        nv = self.fp4_group == NV_GROUP
+        return (Fp4Weights(self.w13, self.w13_scale, self.w13_divisor if nv else None, self.fp4_group),
+                Fp4Weights(self.w2, self.w2_scale, self.w2_divisor if nv else None, self.fp4_group))
+
+    def load_expert(self, expert: int, which: str, tensor: torch.Tensor, piece: str = "weight") -> None:
+        """One released expert tensor: which = w1 (gate), w3 (up) or w2 (down); `piece`: weight, or
+        weight_scale_inv (FP8 experts), or weight_scale / weight_global_scale (4-bit experts, in
+        ops/fp4/weights.py's form: the scale as uint8 codes, the global scale one value)."""
         E, I = self.router.num_experts, self.intermediate_size
         if not 0 <= expert < E:
             raise ValueError(f"expert index {expert} out of range: the model has {E} routed experts")
-        if scale:
+        if piece != "weight_scale_inv" and (self.fp4_group is not None or piece != "weight"):
+            self._load_fp4_piece(expert, which, tensor, piece)
+            return
+        if piece == "weight_scale_inv":
             if self.fp8_block is None:
                 raise ValueError(f"expert {expert} {which}.weight_scale_inv: these experts are not FP8, so the scale must be "
                                  f"applied at load (models/fp8.dequantized_weights) or the experts built with fp8_block")
@@ -76,10 +110,35 @@ class MoEMLP(nn.Module):
             target = {"w1": w13[expert, :I], "w3": w13[expert, I:], "w2": w2[expert]}[which]
         tensor = local_slice(tensor, target.shape)   # this rank's part of the expert's width
         if tuple(tensor.shape) != tuple(target.shape):
-            raise ValueError(f"expert {expert} {which}.weight{'_scale_inv' if scale else ''} must be {list(target.shape)}, "
-                             f"got {list(tensor.shape)}")
+            raise ValueError(f"expert {expert} {which}.{piece} must be {list(target.shape)}, got {list(tensor.shape)}")
         if target.dtype == FP8 and tensor.dtype != FP8:
             raise ValueError(f"expert {expert} {which}.weight arrived as {tensor.dtype}; FP8 experts take it quantized")
+        target.copy_(tensor)
+
+    def _load_fp4_piece(self, expert: int, which: str, tensor: torch.Tensor, piece: str) -> None:
+        if self.fp4_group is None:
+            raise ValueError(f"expert {expert} {which}.{piece}: these experts are not 4-bit (a 4-bit checkpoint's experts "
+                             f"are kept in 4 bits only where every expert of the layer is; else models/fp4.py dequantizes)")
+        I, nv = self.intermediate_size, self.fp4_group == NV_GROUP
+        rows = {"w1": slice(0, I), "w3": slice(I, 2 * I), "w2": slice(None)}[which]
+        stack = {"weight": "", "weight_scale": "_scale", "weight_global_scale": "_divisor"}.get(piece)
+        if stack is None or (stack == "_divisor" and not nv):
+            raise ValueError(f"expert {expert} {which}.{piece}: {'NV' if nv else 'MX'}FP4 experts take weight, weight_scale"
+                             f"{' and weight_global_scale' if nv else ''}")
+        target = getattr(self, ("w2" if which == "w2" else "w13") + stack)[expert, rows]
+        if stack == "_divisor":   # one value for the whole tensor: every row of this projection divides by it
+            if tensor.numel() != 1:
+                raise ValueError(f"expert {expert} {which}.weight_global_scale must be one value, got {list(tensor.shape)}")
+            target.copy_(tensor.reshape(()).float().expand(target.shape))
+            return
+        if tensor.dtype == torch.float8_e4m3fn and stack == "_scale":   # NVFP4's scales, kept as their bits
+            tensor = tensor.view(torch.uint8)
+        if tensor.dtype != torch.uint8:
+            raise ValueError(f"expert {expert} {which}.{piece} arrived as {tensor.dtype}; 4-bit experts take packed uint8 "
+                             f"codes and uint8 / e4m3 scales")
+        tensor = local_slice(tensor, target.shape)
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise ValueError(f"expert {expert} {which}.{piece} must be {list(target.shape)}, got {list(tensor.shape)}")
         target.copy_(tensor)
 
     def shared_as_expert(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -88,7 +147,7 @@ class MoEMLP(nn.Module):
         the column), a decode-sized step."""
         s = self.shared_experts
         if (s is None or self.backend != "triton" or num_tokens > SHARED_AS_EXPERT_MAX_TOKENS
-                or self.fp8_block is not None or s.activation_limit != self.activation_limit):
+                or self.fp8_block is not None or self.fp4_group is not None or s.activation_limit != self.activation_limit):
             return None
         w13, w2 = getattr(s.gate_up_proj, "weight", None), getattr(s.down_proj, "weight", None)
         if (w13 is None or w2 is None or w13.dtype != self.w13.dtype or tuple(w13.shape) != tuple(self.w13.shape[1:])
@@ -107,6 +166,7 @@ class MoEMLP(nn.Module):
         weights, ids = route_tokens(x, self.gate_weight, self.e_score_correction_bias, self.router,
                                     use_kernel=self.backend == "triton",
                                     extra_expert=self.router.num_experts if shared_expert is not None else None)
+        w13, w2 = self.experts()
         if self.backend == "triton":
             from kdaserve.ops.moe.fused import moe_experts_fused
 
@@ -116,12 +176,12 @@ class MoEMLP(nn.Module):
             shared = self.shared_experts(x) if self.shared_experts is not None else None
             fp8 = {} if self.fp8_block is None else dict(w13_scale=self.w13_scale_inv, w2_scale=self.w2_scale_inv,
                                                          block=self.fp8_block)
-            return moe_experts_fused(x, self.w13, self.w2, weights, ids, self.activation_limit, addend=shared, **fp8)
+            return moe_experts_fused(x, w13, w2, weights, ids, self.activation_limit, addend=shared, **fp8)
         if self.fp8_block is not None:
             out = moe_experts_fp8_reference(x, self.w13, self.w2, weights, ids, self.activation_limit, self.w13_scale_inv,
                                             self.w2_scale_inv, self.fp8_block)
         else:
-            out = moe_experts_reference(x, self.w13, self.w2, weights, ids, self.activation_limit)
+            out = moe_experts_reference(x, w13, w2, weights, ids, self.activation_limit)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
@@ -130,4 +190,5 @@ class MoEMLP(nn.Module):
         r = self.router
         return (f"experts={r.num_experts} (top {r.top_k}, {r.scoring}, groups {r.topk_groups}/{r.num_groups}, "
                 f"scale {r.routed_scaling_factor}), width={self.intermediate_size}, backend={self.backend}"
-                + (f", fp8 blocks={self.fp8_block}" if self.fp8_block else ""))
+                + (f", fp8 blocks={self.fp8_block}" if self.fp8_block else "")
+                + (f", 4-bit experts in groups of {self.fp4_group}" if self.fp4_group else ""))

@@ -48,6 +48,7 @@ from kdaserve.layers.norm import RMSNorm
 from kdaserve.layers.rotary import RotaryEmbedding
 from kdaserve.models.bailing_hybrid_config import BailingHybridConfig
 from kdaserve.models.causal_lm import DecoderStack, KDACausalLM, PreNormDecoderLayer, check_kda_backends
+from kdaserve.models.fp4 import NO_FOUR_BIT_EXPERTS, FourBitExperts
 from kdaserve.models.fp8 import Fp8Layout
 from kdaserve.models.random_weights import realistic_released_tensors
 from kdaserve.models.released import load_released, mla_layer_shapes, moe_layer_shapes, skips_mtp_tensor
@@ -55,7 +56,7 @@ from kdaserve.models.released import load_released, mla_layer_shapes, moe_layer_
 log = logging.getLogger(__name__)
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight(_scale_inv)?")
+_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.(weight(?:_scale_inv|_scale|_global_scale)?)")
 _EXPERT_PART = {"gate": "w1", "up": "w3", "down": "w2"}
 FP8_LAYOUT = Fp8Layout(
     "Ling-3", _LAYER,
@@ -93,16 +94,19 @@ def make_mla(config: BailingHybridConfig, layer_idx: int, rotary: RotaryEmbeddin
                        dtype=dtype, device=device, fp8_block=fp8_block, rotary=rotary, head_gate=True)
 
 
-def make_moe(config: BailingHybridConfig, *, backend: str, dtype, device, fp8_block, fp8_linear_block) -> MoEMLP:
+def make_moe(config: BailingHybridConfig, *, backend: str, dtype, device, fp8_block, fp8_linear_block,
+             fp4: str | None) -> MoEMLP:
     c = config
     return MoEMLP(c.hidden_size, c.router, c.moe_intermediate_size, num_shared_experts=c.n_shared_experts,
-                  backend=backend, dtype=dtype, device=device, fp8_block=fp8_block, shared_fp8_block=fp8_linear_block)
+                  backend=backend, dtype=dtype, device=device, fp8_block=fp8_block, shared_fp8_block=fp8_linear_block,
+                  fp4=fp4)
 
 
 class BailingDecoderLayer(PreNormDecoderLayer):
     def __init__(self, config: BailingHybridConfig, i: int, rotary: RotaryEmbedding, *,
                  kda_backends: KDABackends | None, mla_backend: str, moe_backend: str, dtype, device,
-                 fp8_block: tuple[int, int] | None = None, fp8_linear_block: tuple[int, int] | None = None):
+                 fp8_block: tuple[int, int] | None = None, fp8_linear_block: tuple[int, int] | None = None,
+                 fp4_experts: FourBitExperts = NO_FOUR_BIT_EXPERTS):
         super().__init__()
         c, h = config, config.hidden_size
         self.layer_idx, self.is_kda, self.is_moe = i, c.layer_types[i] == "linear_attention", c.is_moe_layer(i)
@@ -118,7 +122,7 @@ class BailingDecoderLayer(PreNormDecoderLayer):
                                       fp8_block=fp8_linear_block)
         if self.is_moe:
             self.mlp = make_moe(c, backend=moe_backend, dtype=dtype, device=device, fp8_block=fp8_block,
-                                fp8_linear_block=fp8_linear_block)
+                                fp8_linear_block=fp8_linear_block, fp4=fp4_experts.scheme(i))
         else:
             self.mlp = SwiGLUMLP(h, c.intermediate_size, dtype=dtype, device=device, fp8_block=fp8_linear_block)
 
@@ -142,7 +146,8 @@ class BailingHybridForCausalLM(KDACausalLM):
         check_kda_backends(config, kda_backends)
         self.config, dtype = config, dtype or torch.get_default_dtype()
         self.fp8_block, self.fp8_linear_block = FP8_LAYOUT.blocks(config, device, quantization)
-        fp8 = dict(fp8_block=self.fp8_block, fp8_linear_block=self.fp8_linear_block)
+        self.fp4_experts = FP8_LAYOUT.four_bit_experts(config, released_shapes(config, mtp), self.fp8_block)
+        fp8 = dict(fp8_block=self.fp8_block, fp8_linear_block=self.fp8_linear_block, fp4_experts=self.fp4_experts)
         rotary = make_rotary(config, device)
         self.model = BailingHybridModel(config, rotary, kda_backends=kda_backends, mla_backend=mla_backend,
                                         moe_backend=moe_backend, dtype=dtype, device=device, **fp8)
@@ -161,7 +166,8 @@ class BailingHybridForCausalLM(KDACausalLM):
 # ---- the released checkpoint format ---------------------------------------------------------------
 
 def released_shapes(config: BailingHybridConfig, mtp: bool = False, fp8_block: tuple[int, int] | None = None,
-                    fp8_linears: bool = False) -> dict[str, tuple[int, ...]]:
+                    fp8_linears: bool = False,
+                    fp4_experts: FourBitExperts = NO_FOUR_BIT_EXPERTS) -> dict[str, tuple[int, ...]]:
     """Every tensor of a complete released checkpoint, with its shape; `mtp`: with the
     multi-token-prediction layer; `fp8_block`: with the `weight_scale_inv` of every weight the
     model keeps in FP8 (the experts; the linear projections too with `fp8_linears`)."""
@@ -183,7 +189,7 @@ def released_shapes(config: BailingHybridConfig, mtp: bool = False, fp8_block: t
             s[p + "mlp.down_proj.weight"] = (h, c.intermediate_size)
     if mtp:
         s.update(mtp_shapes(c))
-    return FP8_LAYOUT.with_scales(config, s, fp8_block, fp8_linears)
+    return fp4_experts.with_pieces(FP8_LAYOUT.with_scales(config, s, fp8_block, fp8_linears))
 
 
 def mtp_shapes(config: BailingHybridConfig) -> dict[str, tuple[int, ...]]:
@@ -242,7 +248,7 @@ def load_released_weights(model: BailingHybridForCausalLM, weights: Iterable[tup
 
     loaded = load_released(
         model, FP8_LAYOUT.checkpoint_weights(model, weights),
-        released_shapes(config, mtp, model.fp8_block, model.fp8_linear_block is not None),
+        released_shapes(config, mtp, model.fp8_block, model.fp8_linear_block is not None, model.fp4_experts),
         family="Ling-3 (this config)", layer_name=_LAYER, skip=lambda name: _skipped(name, config, notes, mtp),
         top_param=top_param, rename=model_name,
         layer_tensor=lambda i, layer, rest, tensor, params: _load_layer_tensor(model, layer, i, rest, tensor, params),
@@ -257,7 +263,7 @@ def _load_layer_tensor(model, layer, i: int, rest: str, tensor: torch.Tensor, pa
 
     e = _EXPERT.fullmatch(rest)
     if e:
-        layer.mlp.load_expert(int(e[1]), _EXPERT_PART[e[2]], tensor, scale=e[3] is not None)
+        layer.mlp.load_expert(int(e[1]), _EXPERT_PART[e[2]], tensor, piece=e[3])
         return
     where = "mtp" if layer is model.mtp else f"model.layers.{i}"
     if not load_named_tensor(model, f"{where}.{rest}", tensor, params):

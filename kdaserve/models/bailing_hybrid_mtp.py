@@ -12,18 +12,20 @@ from kdaserve.layers.norm import RMSNorm
 from kdaserve.layers.rotary import RotaryEmbedding
 from kdaserve.models.bailing_hybrid import make_mla, make_moe
 from kdaserve.models.bailing_hybrid_config import BailingHybridConfig
+from kdaserve.models.fp4 import NO_FOUR_BIT_EXPERTS, FourBitExperts
 from kdaserve.models.mtp_layer import MTPLayer
 
 
 class BailingHybridMTP(MTPLayer):
     def __init__(self, config: BailingHybridConfig, rotary: RotaryEmbedding, *, mla_backend: str, moe_backend: str,
-                 dtype, device, fp8_block: tuple[int, int] | None = None, fp8_linear_block: tuple[int, int] | None = None):
+                 dtype, device, fp8_block: tuple[int, int] | None = None, fp8_linear_block: tuple[int, int] | None = None,
+                 fp4_experts: FourBitExperts = NO_FOUR_BIT_EXPERTS):
         c, h = config, config.hidden_size
         super().__init__(h, c.rms_norm_eps, c.num_hidden_layers, dtype=dtype, device=device)
         self.self_attn = make_mla(c, self.layer_idx, rotary, backend=mla_backend, dtype=dtype, device=device,
                                   fp8_block=fp8_linear_block)
         self.mlp = make_moe(c, backend=moe_backend, dtype=dtype, device=device, fp8_block=fp8_block,
-                            fp8_linear_block=fp8_linear_block)
+                            fp8_linear_block=fp8_linear_block, fp4=fp4_experts.scheme(self.layer_idx))
         self.final_layernorm = RMSNorm(h, c.rms_norm_eps, dtype=dtype, device=device)
 
     @property

@@ -18,21 +18,35 @@ A layer whose scheme is neither (int4, another group size, output quantization, 
 error naming the scheme and the layer. Activations stay in the model's dtype (W4A16) whatever the
 checkpoint's `input_tensors` / `input_activations` say; a log line says when they asked for more.
 
-For now kdaserve dequantizes 4-bit weights once at load into the model's dtype (the definitions in
-ops/fp4/reference.py): such checkpoints load and serve exactly as their dequantized twins, with the
-memory of that dtype; keeping the experts in 4 bits inside the fused MoE kernels is still to come."""
+What stays 4-bit: the routed experts of every MoE layer whose experts the checkpoint quantizes
+all with one scheme (`FourBitExperts`), in ops/fp4/weights.py's form, decoded inside the fused MoE
+kernels (a quarter of bf16's bytes: most of a MoE model's). Every other 4-bit layer (dense and
+shared MLPs, attention projections where a checkpoint has them) is dequantized once at load into
+the model's dtype by the definitions in ops/fp4/reference.py, and so is everything with
+`KDASERVE_FP4_WEIGHTS=dequantize` (the escape hatch, and the A/B baseline). Either way a
+checkpoint gives its dequantized twin's results: bit for bit on the reference paths."""
 
 from __future__ import annotations
 
 import fnmatch
 import logging
+import os
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 
-from kdaserve.ops.fp4.reference import MX_GROUP, NV_GROUP, dequantize_mxfp4, dequantize_nvfp4
+from kdaserve.ops.fp4.reference import (
+    E8M0_NAN,
+    MX_GROUP,
+    NV_GROUP,
+    dequantize_mxfp4,
+    dequantize_nvfp4,
+    quantize_mxfp4,
+    quantize_nvfp4,
+)
+from kdaserve.ops.fp4.weights import SCHEME_GROUP
 
 log = logging.getLogger(__name__)
 
@@ -138,23 +152,111 @@ FOUR_BIT_QUANTIZATIONS = {"mxfp4": "quark", "quark": "quark", "compressed-tensor
 
 def check_four_bit_checkpoint(quantization: str, config_extra: dict, name: str, dummy: bool) -> None:
     """--quantization mxfp4 / quark / compressed-tensors asks for the checkpoint's own 4-bit format:
-    refused, with what the checkpoint is, when it is not one (kdaserve quantizes to 4 bits nowhere)."""
+    refused, with what the checkpoint is, when it is not one (kdaserve quantizes a checkpoint to 4
+    bits nowhere). With random weights (`dummy`) it asks for 4-bit experts at the real shape."""
     want = FOUR_BIT_QUANTIZATIONS[quantization]
     have = quantization_config(config_extra).get("quant_method")
-    if dummy:
-        raise ValueError(f"--quantization {quantization} with random weights ({name}): kdaserve does not build 4-bit "
-                         f"weights yet; use a {want} checkpoint directory, or --quantization fp8")
+    if dummy:   # random weights: 4-bit experts in the named format (dummy_quantization_config)
+        return
     if have != want:
         raise ValueError(f"--quantization {quantization} needs a {want} checkpoint, but {name}'s quantization_config has "
                          f"quant_method {have!r}; leave --quantization unset to load the checkpoint as it is (a 4-bit "
                          f"checkpoint is recognised from its config)")
 
 
-def dequantized_fp4_weights(weights: Iterable[tuple[str, torch.Tensor]], layout: Fp4Layout,
-                            dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def dummy_quantization_config(quantization: str) -> dict:
+    """The quantization_config random weights take for `--quantization mxfp4 | quark |
+    compressed-tensors` (speed and capacity runs at the real shape): the routed experts in MXFP4
+    (Quark) or NVFP4 (compressed-tensors), as the released 4-bit checkpoints have them; their random
+    weights are quantized at load by the format's rules."""
+    if FOUR_BIT_QUANTIZATIONS[quantization] == "quark":
+        weight = {"dtype": "fp4", "qscheme": "per_group", "group_size": MX_GROUP, "scale_format": "e8m0"}
+        return {"quant_method": "quark", "layer_quant_config": {"*.experts.*": {"weight": weight}}, "exclude": []}
+    weights = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": NV_GROUP}
+    return {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
+            "config_groups": {"experts": {"targets": ["re:.*\\.experts\\.\\d+\\..*"], "weights": weights}}}
+
+
+FP4_POLICY_ENV = "KDASERVE_FP4_WEIGHTS"
+
+
+def fp4_policy() -> str:
+    policy = os.environ.get(FP4_POLICY_ENV, "keep")
+    if policy not in ("keep", "dequantize"):
+        raise ValueError(f"{FP4_POLICY_ENV}={policy!r}: expected keep (4-bit experts in the fused kernels) or dequantize")
+    return policy
+
+
+@dataclass(frozen=True)
+class FourBitExperts:
+    """The MoE layers whose routed experts stay 4-bit: layer index -> "mxfp4" / "nvfp4". A layer's
+    experts stay 4-bit when the checkpoint quantizes every one of their projections with one
+    scheme; a layer quantized only in part is dequantized (with a log line)."""
+
+    layers: dict[int, str]
+    layer: re.Pattern      # a released layer tensor name -> (index, rest): the family's
+    experts: re.Pattern    # `rest` of a routed expert's weight
+
+    def scheme(self, i: int) -> str | None:
+        return self.layers.get(i)
+
+    def keeps(self, module: str) -> bool:
+        """Whether released module `<m>` (of `<m>.weight`) is a routed expert kept in 4 bits."""
+        m = self.layer.fullmatch(module + ".weight")
+        return bool(m) and int(m[1]) in self.layers and self.experts.fullmatch(m[2]) is not None
+
+    def with_pieces(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+        """Released `shapes` with each kept expert's weight [out, in] as its 4-bit tensors: packed
+        [out, in/2], weight_scale [out, in/group] and, for NVFP4, weight_global_scale [1]."""
+        if not self.layers:
+            return shapes
+        out = {}
+        for name, shape in shapes.items():
+            module = name.removesuffix(".weight")
+            if not (name.endswith(".weight") and self.keeps(module)):
+                out[name] = shape
+                continue
+            scheme = self.layers[int(self.layer.fullmatch(name)[1])]
+            rows, cols = shape
+            out[name] = (rows, cols // 2)
+            out[module + ".weight_scale"] = (rows, cols // SCHEME_GROUP[scheme])
+            if scheme == "nvfp4":
+                out[module + ".weight_global_scale"] = (1,)
+        return out
+
+
+NO_FOUR_BIT_EXPERTS = FourBitExperts({}, re.compile("(?!)"), re.compile("(?!)"))
+
+
+def four_bit_experts(config_extra: dict, shapes: dict[str, tuple[int, ...]], layer: re.Pattern,
+                     experts: re.Pattern) -> FourBitExperts:
+    """Which MoE layers keep 4-bit experts (see FourBitExperts), from the checkpoint's config and
+    the family's released `shapes`; none without a 4-bit config or under KDASERVE_FP4_WEIGHTS=dequantize."""
+    layout = fp4_layout(config_extra)
+    if layout is None or fp4_policy() == "dequantize":
+        return NO_FOUR_BIT_EXPERTS
+    per_layer: dict[int, set[str | None]] = {}
+    for name in shapes:
+        m = layer.fullmatch(name)
+        if m and experts.fullmatch(m[2]):
+            per_layer.setdefault(int(m[1]), set()).add(layout.scheme_of(name.removesuffix(".weight")))
+    kept = {i: next(iter(schemes)) for i, schemes in per_layer.items() if len(schemes) == 1 and None not in schemes}
+    partial = sorted(i for i, schemes in per_layer.items() if len(schemes) > 1)
+    if partial:
+        log.warning("layers %s quantize only some of their experts' projections (or with several schemes): their experts "
+                    "are dequantized at load", partial)
+    return FourBitExperts(kept, layer, experts)
+
+
+def dequantized_fp4_weights(weights: Iterable[tuple[str, torch.Tensor]], layout: Fp4Layout, dtype: torch.dtype,
+                            keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors with every 4-bit layer's pieces turned into its `<m>.weight` in
-    `dtype` (pieces may arrive in any order, from any shard); other tensors pass through. A piece
-    without the rest of its layer, or a 4-bit layer stored unquantized, is an error naming it."""
+    `dtype` (pieces may arrive in any order, from any shard); other tensors pass through. Modules
+    `keep` names stay 4-bit in ops/fp4/weights.py's form instead: `<m>.weight` (packed codes),
+    `<m>.weight_scale` (uint8) and for NVFP4 `<m>.weight_global_scale`, each as it arrives (one
+    arriving in full precision is quantized here by its scheme's rules). A piece without the rest
+    of its layer, or a 4-bit layer stored unquantized, is an error naming it."""
+    keep = keep or (lambda module: False)
     waiting: dict[str, dict[str, torch.Tensor]] = {}
     schemes: dict[str, str | None] = {}
 
@@ -168,6 +270,9 @@ def dequantized_fp4_weights(weights: Iterable[tuple[str, torch.Tensor]], layout:
         # Only what a 4-bit layer stores asks for the layer's scheme: packed uint8 codes, their
         # scales and global scales. Everything else (norms, embeddings, a float weight) passes.
         packed = piece in ("weight_packed", *_UNUSED, "weight_global_scale") or (piece == "weight" and t.dtype == torch.uint8)
+        if piece == "weight" and not packed and keep(module) and scheme(module) is not None:
+            yield from _quantized_pieces(module, t, scheme(module))
+            continue
         if not (packed or piece == "weight_scale"):
             yield name, t
             continue
@@ -183,6 +288,10 @@ def dequantized_fp4_weights(weights: Iterable[tuple[str, torch.Tensor]], layout:
         if piece not in _PIECES[s]:
             raise ValueError(f"{name}: {module} is {s.upper()} by the checkpoint's quantization_config, whose tensors are "
                              f"{', '.join(module + '.' + p for p in _PIECES[s])}")
+        if keep(module):   # in the kept form, as it arrives: load_released checks that none is missing
+            _check_kept_piece(name, piece, t, s)
+            yield module + "." + ("weight" if piece == "weight_packed" else piece), _kept_form(t)
+            continue
         parts = waiting.setdefault(module, {})
         parts[piece] = t
         if len(parts) == len(_PIECES[s]):
@@ -196,3 +305,31 @@ def dequantized_fp4_weights(weights: Iterable[tuple[str, torch.Tensor]], layout:
     if waiting:
         lacking = {m: sorted(set(_PIECES[schemes[m]]) - set(p)) for m, p in sorted(waiting.items())[:4]}
         raise ValueError(f"{len(waiting)} 4-bit layers lack tensors of their scheme, e.g. {lacking}")
+
+
+def _quantized_pieces(module: str, weight: torch.Tensor, scheme: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """A kept 4-bit module that arrived in full precision (random weights), quantized by its scheme."""
+    if scheme == "mxfp4":
+        packed, scale = quantize_mxfp4(weight)
+        yield module + ".weight", packed
+        yield module + ".weight_scale", scale
+    else:
+        packed, scale, g = quantize_nvfp4(weight)
+        yield module + ".weight", packed
+        yield module + ".weight_scale", _kept_form(scale)
+        yield module + ".weight_global_scale", g
+
+
+def _check_kept_piece(name: str, piece: str, t: torch.Tensor, scheme: str) -> None:
+    """What dequantizing would refuse, refused for a piece kept as it is: damaged scales."""
+    if piece == "weight_scale" and scheme == "mxfp4" and t.dtype == torch.uint8 and (t == E8M0_NAN).any():
+        raise ValueError(f"{name}: an MXFP4 scale is NaN (e8m0 code {E8M0_NAN}): the checkpoint is damaged")
+    if piece == "weight_scale" and scheme == "nvfp4" and not torch.isfinite(t.float()).all():
+        raise ValueError(f"{name}: an NVFP4 block scale is not finite: the checkpoint is damaged")
+    if piece == "weight_global_scale" and (t.numel() != 1 or not torch.isfinite(t.float()).all() or (t == 0).any()):
+        raise ValueError(f"{name}: the NVFP4 global scale must be one finite non-zero value, got {t.flatten()[:4].tolist()}")
+
+
+def _kept_form(t: torch.Tensor) -> torch.Tensor:
+    """NVFP4's e4m3 scales as their bits (uint8, ops/fp4/weights.py): not taken for FP8 weights downstream."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t

@@ -159,16 +159,24 @@ class Fp8Layout:
         return {**shapes, **{name + SCALE_SUFFIX: (-(-shapes[name][0] // br), -(-shapes[name][1] // bc))
                              for name in shapes if self.keeps(config, name, linears)}}
 
+    def four_bit_experts(self, config, shapes: dict[str, tuple[int, ...]], fp8_block: tuple[int, int] | None):
+        """The MoE layers whose routed experts stay 4-bit (models/fp4.FourBitExperts): none where the
+        model keeps FP8 experts (--quantization fp8 over a 4-bit checkpoint dequantizes it first)."""
+        from kdaserve.models.fp4 import NO_FOUR_BIT_EXPERTS, four_bit_experts
+
+        return NO_FOUR_BIT_EXPERTS if fp8_block else four_bit_experts(config.extra, shapes, self.layer, self.experts)
+
     def checkpoint_weights(self, model, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """A checkpoint's tensors as `model` (built with this layout's `blocks`) takes them: kept
         weights FP8 with their scales, the rest dequantized into the embedding's dtype; a 4-bit
-        checkpoint's layers (models/fp4.py) dequantized into it first."""
+        checkpoint's layers (models/fp4.py) dequantized into it first, but for the experts the model
+        keeps in 4 bits (`model.fp4_experts`)."""
         from kdaserve.models.fp4 import dequantized_fp4_weights, fp4_layout
 
         config, block, linears = model.config, model.fp8_block, model.fp8_linear_block is not None
         dtype = model.model.embed_tokens.weight.dtype
         if (four_bit := fp4_layout(config.extra)) is not None:
-            weights = dequantized_fp4_weights(weights, four_bit, dtype)
+            weights = dequantized_fp4_weights(weights, four_bit, dtype, keep=model.fp4_experts.keeps)
         return dequantized_weights(weights, dtype, block or fp8_block_size(config.extra),
                                    keep=(lambda name: self.keeps(config, name, linears)) if block else None)
 

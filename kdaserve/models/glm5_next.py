@@ -47,6 +47,7 @@ from kdaserve.layers.mlp import SwiGLUMLP
 from kdaserve.layers.moe import MoEMLP
 from kdaserve.layers.norm import RMSNorm
 from kdaserve.models.causal_lm import KDACausalLM, check_kda_backends
+from kdaserve.models.fp4 import NO_FOUR_BIT_EXPERTS, FourBitExperts
 from kdaserve.models.fp8 import Fp8Layout
 from kdaserve.models.glm5_next_config import Glm5NextConfig
 from kdaserve.models.glm5_next_mtp import SHARED_COPIES, Glm5NextMTP
@@ -57,7 +58,7 @@ log = logging.getLogger(__name__)
 
 PREFIX = "model.language_model."
 _LAYER = re.compile(r"model\.language_model\.layers\.(\d+)\.(.+)")
-_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight(_scale_inv)?")
+_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.(weight(?:_scale_inv|_scale|_global_scale)?)")
 # Layer tensors kept in FP8 (with their scales) when the model keeps FP8 weights; attention
 # projections only in attention layers (a KDA layer's o_proj is dequantized), the MTP layer's too.
 FP8_LAYOUT = Fp8Layout(
@@ -75,7 +76,7 @@ _HC = re.compile(r"hc_(attn|ffn)_(fn|base|scale)")
 class Glm5NextDecoderLayer(nn.Module):
     def __init__(self, config: Glm5NextConfig, i: int, *, kda_backends: KDABackends | None, mla_backend: str,
                  moe_backend: str, dtype, device, fp8_block: tuple[int, int] | None = None,
-                 fp8_linear_block: tuple[int, int] | None = None):
+                 fp8_linear_block: tuple[int, int] | None = None, fp4_experts: FourBitExperts = NO_FOUR_BIT_EXPERTS):
         super().__init__()
         c, h = config, config.hidden_size
         self.layer_idx, self.is_kda, self.is_moe = i, c.layer_types[i] == "linear_attention", c.is_moe_layer(i)
@@ -106,7 +107,7 @@ class Glm5NextDecoderLayer(nn.Module):
         if self.is_moe:
             self.mlp = MoEMLP(h, c.router, c.moe_intermediate_size, num_shared_experts=c.n_shared_experts,
                               activation_limit=c.swiglu_limit, backend=moe_backend, dtype=dtype, device=device,
-                              fp8_block=fp8_block, shared_fp8_block=fp8_linear_block)
+                              fp8_block=fp8_block, shared_fp8_block=fp8_linear_block, fp4=fp4_experts.scheme(i))
         else:
             self.mlp = SwiGLUMLP(h, c.intermediate_size, activation_limit=c.swiglu_limit, dtype=dtype, device=device,
                                  fp8_block=fp8_linear_block)
@@ -155,7 +156,8 @@ class Glm5NextForCausalLM(KDACausalLM):
         check_kda_backends(config, kda_backends)
         self.config, dtype = config, dtype or torch.get_default_dtype()
         self.fp8_block, self.fp8_linear_block = FP8_LAYOUT.blocks(config, device, quantization)
-        fp8 = dict(fp8_block=self.fp8_block, fp8_linear_block=self.fp8_linear_block)
+        self.fp4_experts = FP8_LAYOUT.four_bit_experts(config, released_shapes(config, mtp), self.fp8_block)
+        fp8 = dict(fp8_block=self.fp8_block, fp8_linear_block=self.fp8_linear_block, fp4_experts=self.fp4_experts)
         self.model = Glm5NextModel(config, kda_backends=kda_backends, mla_backend=mla_backend,
                                    moe_backend=moe_backend, dtype=dtype, device=device, **fp8)
         self.add_head(dtype, device)
@@ -171,14 +173,15 @@ class Glm5NextForCausalLM(KDACausalLM):
 # ---- the released checkpoint format ---------------------------------------------------------------
 
 def released_shapes(config: Glm5NextConfig, mtp: bool = False, fp8_block: tuple[int, int] | None = None,
-                    fp8_linears: bool = False) -> dict[str, tuple[int, ...]]:
+                    fp8_linears: bool = False,
+                    fp4_experts: FourBitExperts = NO_FOUR_BIT_EXPERTS) -> dict[str, tuple[int, ...]]:
     """Every tensor of a complete released checkpoint (text part), with its shape; `mtp`: with
     the multi-token-prediction layer; `fp8_block`: with the `weight_scale_inv` of every weight
     the model keeps in FP8 (the experts; the linear projections too with `fp8_linears`)."""
     s = _target_shapes(config)
     if mtp:
         s.update(mtp_shapes(config))
-    return FP8_LAYOUT.with_scales(config, s, fp8_block, fp8_linears)
+    return fp4_experts.with_pieces(FP8_LAYOUT.with_scales(config, s, fp8_block, fp8_linears))
 
 
 def _target_shapes(config: Glm5NextConfig) -> dict[str, tuple[int, ...]]:
@@ -260,7 +263,7 @@ def load_released_weights(model: Glm5NextForCausalLM, weights: Iterable[tuple[st
     dense = FP8_LAYOUT.checkpoint_weights(model, weights)
     mtp = model.mtp is not None
     loaded = load_released(
-        model, dense, released_shapes(config, mtp, model.fp8_block, model.fp8_linear_block is not None),
+        model, dense, released_shapes(config, mtp, model.fp8_block, model.fp8_linear_block is not None, model.fp4_experts),
         family="GLM-5.3-Flash (this config)",
         layer_name=_LAYER,
         skip=lambda name: _skipped(name, config, notes, mtp),
@@ -275,7 +278,7 @@ def load_released_weights(model: Glm5NextForCausalLM, weights: Iterable[tuple[st
 def _load_layer_tensor(model, layer: Glm5NextDecoderLayer, i: int, rest: str, tensor: torch.Tensor, params: dict) -> None:
     e = _EXPERT.fullmatch(rest)
     if e:
-        layer.mlp.load_expert(int(e[1]), _EXPERT_PART[e[2]], tensor, scale=e[3] is not None)
+        layer.mlp.load_expert(int(e[1]), _EXPERT_PART[e[2]], tensor, piece=e[3])
         return
     hc = _HC.fullmatch(rest)
     if hc:

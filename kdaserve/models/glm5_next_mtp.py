@@ -11,6 +11,7 @@ from torch import nn
 from kdaserve.layers.dsa import DSAIndexer, DSAttention
 from kdaserve.layers.moe import MoEMLP
 from kdaserve.layers.norm import RMSNorm
+from kdaserve.models.fp4 import NO_FOUR_BIT_EXPERTS, FourBitExperts
 from kdaserve.models.glm5_next_config import Glm5NextConfig
 from kdaserve.models.mtp_layer import MTPLayer
 
@@ -23,7 +24,8 @@ class SharedHead(nn.Module):
 
 class Glm5NextMTP(MTPLayer):
     def __init__(self, config: Glm5NextConfig, *, mla_backend: str, moe_backend: str, dtype, device,
-                 fp8_block: tuple[int, int] | None = None, fp8_linear_block: tuple[int, int] | None = None):
+                 fp8_block: tuple[int, int] | None = None, fp8_linear_block: tuple[int, int] | None = None,
+                 fp4_experts: FourBitExperts = NO_FOUR_BIT_EXPERTS):
         c, h = config, config.hidden_size
         super().__init__(h, c.rms_norm_eps, c.num_hidden_layers, dtype=dtype, device=device)
         indexer = DSAIndexer(h, c.q_lora_rank, num_heads=c.index_n_heads, head_dim=c.index_head_dim,
@@ -36,7 +38,7 @@ class Glm5NextMTP(MTPLayer):
             fp8_block=fp8_linear_block)
         self.mlp = MoEMLP(h, c.router, c.moe_intermediate_size, num_shared_experts=c.n_shared_experts,
                           activation_limit=c.swiglu_limit, backend=moe_backend, dtype=dtype, device=device,
-                          fp8_block=fp8_block, shared_fp8_block=fp8_linear_block)
+                          fp8_block=fp8_block, shared_fp8_block=fp8_linear_block, fp4=fp4_experts.scheme(self.layer_idx))
         self.shared_head = SharedHead(h, c.rms_norm_eps, dtype, device)
 
     @property

@@ -37,6 +37,7 @@ from kdaserve.layers.mlp import SwiGLUMLP
 from kdaserve.layers.moe import MoEMLP
 from kdaserve.layers.norm import RMSNorm
 from kdaserve.models.causal_lm import DecoderStack, KDACausalLM, PreNormDecoderLayer, check_kda_backends
+from kdaserve.models.fp4 import NO_FOUR_BIT_EXPERTS, FourBitExperts
 from kdaserve.models.fp8 import Fp8Layout
 from kdaserve.models.kimi_linear_config import KimiLinearConfig
 from kdaserve.models.random_weights import realistic_released_tensors
@@ -44,7 +45,7 @@ from kdaserve.models.released import kda_layer_shapes, load_released, mla_layer_
 from kdaserve.models.weight_names import load_named_tensor
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-_EXPERT = re.compile(r"block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight(_scale_inv)?")
+_EXPERT = re.compile(r"block_sparse_moe\.experts\.(\d+)\.(w[123])\.(weight(?:_scale_inv|_scale|_global_scale)?)")
 # What stays FP8 when the model keeps FP8 weights; attention projections only in MLA layers.
 FP8_LAYOUT = Fp8Layout(
     "Kimi-Linear", _LAYER,
@@ -59,7 +60,7 @@ keeps_fp8, fp8_tensors = FP8_LAYOUT.keeps, FP8_LAYOUT.tensors
 class KimiDecoderLayer(PreNormDecoderLayer):
     def __init__(self, config: KimiLinearConfig, i: int, *, kda_backends: KDABackends | None, mla_backend: str,
                  moe_backend: str, dtype, device, fp8_block: tuple[int, int] | None = None,
-                 fp8_linear_block: tuple[int, int] | None = None):
+                 fp8_linear_block: tuple[int, int] | None = None, fp4_experts: FourBitExperts = NO_FOUR_BIT_EXPERTS):
         super().__init__()
         c, h = config, config.hidden_size
         self.layer_idx, self.is_kda, self.is_moe = i, c.layer_types[i] == "linear_attention", c.is_moe_layer(i)
@@ -80,7 +81,7 @@ class KimiDecoderLayer(PreNormDecoderLayer):
         if self.is_moe:
             self.block_sparse_moe = MoEMLP(h, c.router, c.moe_intermediate_size, num_shared_experts=c.n_shared_experts,
                                            backend=moe_backend, dtype=dtype, device=device, fp8_block=fp8_block,
-                                           shared_fp8_block=fp8_linear_block)
+                                           shared_fp8_block=fp8_linear_block, fp4=fp4_experts.scheme(i))
         else:
             self.mlp = SwiGLUMLP(h, c.intermediate_size, dtype=dtype, device=device, fp8_block=fp8_linear_block)
 
@@ -107,9 +108,10 @@ class KimiLinearForCausalLM(KDACausalLM):
         check_kda_backends(config, kda_backends)
         self.config, dtype = config, dtype or torch.get_default_dtype()
         self.fp8_block, self.fp8_linear_block = FP8_LAYOUT.blocks(config, device, quantization)
+        self.fp4_experts = FP8_LAYOUT.four_bit_experts(config, released_shapes(config), self.fp8_block)
         self.model = KimiLinearModel(config, kda_backends=kda_backends, mla_backend=mla_backend,
                                      moe_backend=moe_backend, dtype=dtype, device=device, fp8_block=self.fp8_block,
-                                     fp8_linear_block=self.fp8_linear_block)
+                                     fp8_linear_block=self.fp8_linear_block, fp4_experts=self.fp4_experts)
         self.add_head(dtype, device)
 
     @torch.no_grad()
@@ -120,9 +122,10 @@ class KimiLinearForCausalLM(KDACausalLM):
 # ---- the released checkpoint format ---------------------------------------------------------------
 
 def released_shapes(config: KimiLinearConfig, fp8_block: tuple[int, int] | None = None,
-                    fp8_linears: bool = False) -> dict[str, tuple[int, ...]]:
+                    fp8_linears: bool = False, fp4_experts: FourBitExperts = NO_FOUR_BIT_EXPERTS) -> dict[str, tuple[int, ...]]:
     """Every tensor of a complete released checkpoint, with its shape; `fp8_block`: with the
-    `weight_scale_inv` of every weight the model keeps in FP8 (the linears too with `fp8_linears`)."""
+    `weight_scale_inv` of every weight the model keeps in FP8 (the linears too with `fp8_linears`);
+    `fp4_experts`: the 4-bit tensors of the experts kept in 4 bits."""
     c = config
     h = c.hidden_size
     s: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
@@ -145,7 +148,7 @@ def released_shapes(config: KimiLinearConfig, fp8_block: tuple[int, int] | None 
         else:
             s[p + "mlp.gate_proj.weight"] = s[p + "mlp.up_proj.weight"] = (c.intermediate_size, h)
             s[p + "mlp.down_proj.weight"] = (h, c.intermediate_size)
-    return FP8_LAYOUT.with_scales(config, s, fp8_block, fp8_linears)
+    return fp4_experts.with_pieces(FP8_LAYOUT.with_scales(config, s, fp8_block, fp8_linears))
 
 
 def _is_skipped(name: str, config: KimiLinearConfig) -> bool:
@@ -165,7 +168,7 @@ def load_released_weights(model: KimiLinearForCausalLM, weights: Iterable[tuple[
         return "model.embed_tokens.weight" if name == "lm_head.weight" and config.tie_word_embeddings else name
 
     weights = FP8_LAYOUT.checkpoint_weights(model, weights)
-    shapes = released_shapes(config, model.fp8_block, model.fp8_linear_block is not None)
+    shapes = released_shapes(config, model.fp8_block, model.fp8_linear_block is not None, model.fp4_experts)
     return load_released(model, weights, shapes, family="Kimi-Linear", layer_name=_LAYER,
                          skip=lambda name: _is_skipped(name, config), top_param=top_param,
                          layer_tensor=lambda i, layer, rest, tensor, params: _load_layer_tensor(model, layer, i, rest,
@@ -175,7 +178,7 @@ def load_released_weights(model: KimiLinearForCausalLM, weights: Iterable[tuple[
 def _load_layer_tensor(model, layer: KimiDecoderLayer, i: int, rest: str, tensor: torch.Tensor, params: dict) -> None:
     e = _EXPERT.fullmatch(rest)
     if e:
-        layer.block_sparse_moe.load_expert(int(e[1]), e[2], tensor, scale=e[3] is not None)
+        layer.block_sparse_moe.load_expert(int(e[1]), e[2], tensor, piece=e[3])
         return
     renamed = {"block_sparse_moe.gate.weight": "block_sparse_moe.gate_weight",
                "block_sparse_moe.gate.e_score_correction_bias": "block_sparse_moe.e_score_correction_bias"}.get(rest, rest)

@@ -22,7 +22,7 @@ from kdaserve.models.capacity import check_weights_fit
 from kdaserve.models.causal_lm import kda_backends_for
 from kdaserve.models.checkpoint_tensor import CheckpointTensor
 from kdaserve.models.families import family_of, family_of_config
-from kdaserve.models.fp4 import FOUR_BIT_QUANTIZATIONS, check_four_bit_checkpoint
+from kdaserve.models.fp4 import FOUR_BIT_QUANTIZATIONS, check_four_bit_checkpoint, dummy_quantization_config
 from kdaserve.models.hybrid_config import HybridConfig
 from kdaserve.models.tokenizer import ByteTokenizer, HFTokenizer, load_checkpoint_tokenizer
 
@@ -87,6 +87,8 @@ def load_model(
     family = family_of_config(config)
     if quantization in FOUR_BIT_QUANTIZATIONS:   # the checkpoint's own 4-bit format, named as vLLM names it
         check_four_bit_checkpoint(quantization, config.extra, name, dummy)
+        if dummy:   # random weights with 4-bit experts in the named format, quantized at load
+            config.extra["quantization_config"] = dummy_quantization_config(quantization)
         quantization = None
     if quantization is not None and family.fp8_tensors is None:
         raise ValueError(f"--quantization {quantization}: {family.name} ({name}) has no FP8 path yet; GLM-5.3-Flash "

@@ -32,7 +32,7 @@ def test_fp8_experts_need_whole_blocks_and_take_only_quantized_weights_and_their
         fp8.load_expert(0, "w1", torch.randn(32, 32))
     plain = MoEMLP(32, router, 32)
     with pytest.raises(ValueError, match="not FP8, so the scale must be applied at load"):
-        plain.load_expert(0, "w1", torch.ones(2, 2), scale=True)
+        plain.load_expert(0, "w1", torch.ones(2, 2), piece="weight_scale_inv")
 
 
 def test_the_fp8_policy_names_its_choices(monkeypatch):

@@ -88,15 +88,18 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_nvfp4(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
                      dtype: torch.dtype = torch.float32, name: str = "weight") -> torch.Tensor:
-    """NVFP4 [out, in/2] uint8 with fp8 e4m3 scales [out, in/16] and the fp32 global scale (which
-    divides) -> [out, in] in `dtype`."""
+    """NVFP4 [..., out, in/2] uint8 with fp8 e4m3 scales [..., out, in/16] and the fp32 global scale
+    (which divides; one value, or one per row as [..., out, 1]) -> [..., out, in] in `dtype`."""
     values = unpack_e2m1(packed)
     if tuple(scale.shape) != (*values.shape[:-1], values.shape[-1] // NV_GROUP):
         raise ValueError(f"{name}: NVFP4 scales must be {[*values.shape[:-1], values.shape[-1] // NV_GROUP]} (one per "
                          f"{NV_GROUP} values), got {list(scale.shape)}")
-    g = global_scale.float().reshape(-1)
-    if g.numel() != 1 or not torch.isfinite(g).all() or (g == 0).any():
-        raise ValueError(f"{name}: the NVFP4 global scale must be one finite non-zero fp32 value, got {g.tolist()}")
+    g = global_scale.float()
+    g = g.reshape(()) if g.numel() == 1 else g
+    if g.dim() and tuple(g.shape) != (*values.shape[:-1], 1):
+        raise ValueError(f"{name}: the NVFP4 global scale must be one value or one per row, got {list(g.shape)}")
+    if not torch.isfinite(g).all() or (g == 0).any():
+        raise ValueError(f"{name}: the NVFP4 global scale must be finite and non-zero, got {g.flatten()[:4].tolist()}")
     s = scale.float()
     if not torch.isfinite(s).all():
         raise ValueError(f"{name}: an NVFP4 block scale is not finite: the checkpoint is damaged")

@@ -24,6 +24,8 @@ import triton.language as tl
 from kdaserve.ops import interpreter_compat
 from kdaserve.ops.activation.swiglu import silu_product
 from kdaserve.ops.compile_ahead import compiles_ahead
+from kdaserve.ops.fp4.tiles import fp4_dot
+from kdaserve.ops.fp4.weights import Fp4Weights
 from kdaserve.ops.fp8.quant import quantize_per_token_group
 from kdaserve.ops.fp8.reference import FP8
 from kdaserve.ops.moe.align import align_to_experts
@@ -52,14 +54,17 @@ def _expert_weights(w_ptr, shared_w_ptr, e, stride_we, num_routed, HAS_SHARED: t
 
 @triton.jit
 def _moe_gate_up_kernel(
-    x_ptr, w_ptr, sorted_ptr, experts_ptr, h_ptr, xs_ptr, ws_ptr, shared_w_ptr,
-    S, HIDDEN, INTER, stride_x, stride_we, stride_wn, stride_h, stride_xs, stride_wse, stride_wsn, num_routed,
+    x_ptr, w_ptr, sorted_ptr, experts_ptr, h_ptr, xs_ptr, ws_ptr, shared_w_ptr, wd_ptr,
+    S, HIDDEN, INTER, stride_x, stride_we, stride_wn, stride_h, stride_xs, stride_wse, stride_wsn, stride_wde, num_routed,
     TOPK: tl.constexpr, LIMIT: tl.constexpr, HAS_LIMIT: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
     FP8: tl.constexpr, BLOCK_ROWS: tl.constexpr, EVEN_K: tl.constexpr, HAS_SHARED: tl.constexpr = False,
+    W4: tl.constexpr = 0,
 ):
     """HAS_SHARED: expert `num_routed` is the shared expert, its [2I, hidden] weight at
-    shared_w_ptr with w13's row stride."""
+    shared_w_ptr with w13's row stride. W4 (4-bit experts, ops/fp4/tiles.py): the values per
+    scale (32 MXFP4, 16 NVFP4); w_ptr holds packed bytes [E, 2I, hidden/2], ws_ptr the uint8 group
+    scales [E, 2I, hidden/W4], wd_ptr (NVFP4) the fp32 divisors [E, 2I]."""
     pid_m, pid_n = _block_of_program(tl.cdiv(INTER, BN))
     e = tl.load(experts_ptr + pid_m)
     if e < 0:
@@ -75,21 +80,40 @@ def _moe_gate_up_kernel(
         up_scales = ws_ptr + e.to(tl.int64) * stride_wse + ((cols + INTER) // BLOCK_ROWS) * stride_wsn
     acc_g = tl.zeros([BM, BN], tl.float32)
     acc_u = tl.zeros([BM, BN], tl.float32)
-    for k0 in range(0, HIDDEN, BK):
-        ks = k0 + tl.arange(0, BK)
-        k_ok = (ks < HIDDEN) | EVEN_K   # no K mask where BK divides K: a mask on K stops Triton's load pipelining
-        a = tl.load(x_ptr + tokens[:, None] * stride_x + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
-        wg = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-        wu = tl.load(w_base + (cols + INTER)[None, :] * stride_wn + ks[:, None], mask=col_ok[None, :] & k_ok[:, None],
-                     other=0.0)
-        if FP8:
-            kb = k0 // BK
-            sa = tl.load(xs_ptr + tokens * stride_xs + kb, mask=valid, other=0.0)[:, None]
-            acc_g += tl.dot(a, wg) * sa * tl.load(gate_scales + kb, mask=col_ok, other=0.0)[None, :]
-            acc_u += tl.dot(a, wu) * sa * tl.load(up_scales + kb, mask=col_ok, other=0.0)[None, :]
-        else:
-            acc_g = tl.dot(a, wg, acc_g, input_precision=PREC)
-            acc_u = tl.dot(a, wu, acc_u, input_precision=PREC)
+    if W4:
+        for k0 in range(0, HIDDEN, BK):
+            kh = k0 // 2 + tl.arange(0, BK // 2)   # byte rows of this K step: elements 2 kh and 2 kh + 1
+            kh_ok = (kh < HIDDEN // 2) | EVEN_K
+            a_even = x_ptr + tokens[:, None] * stride_x + 2 * kh[None, :]
+            a_mask = valid[:, None] & kh_ok[None, :]
+            a_lo = tl.load(a_even, mask=a_mask, other=0.0)
+            a_hi = tl.load(a_even + 1, mask=a_mask, other=0.0)
+            w_mask = col_ok[None, :] & kh_ok[:, None]
+            s_base = ws_ptr + e.to(tl.int64) * stride_wse + (2 * kh // W4)[:, None]
+            acc_g = fp4_dot(a_lo, a_hi, w_base + cols[None, :] * stride_wn + kh[:, None],
+                            s_base + cols[None, :] * stride_wsn, w_mask, acc_g, W4, PREC)
+            acc_u = fp4_dot(a_lo, a_hi, w_base + (cols + INTER)[None, :] * stride_wn + kh[:, None],
+                            s_base + (cols + INTER)[None, :] * stride_wsn, w_mask, acc_u, W4, PREC)
+        if W4 == 16:   # NVFP4's global scale divides, per output row
+            divisors = wd_ptr + e.to(tl.int64) * stride_wde + cols
+            acc_g = acc_g / tl.load(divisors, mask=col_ok, other=1.0)[None, :]
+            acc_u = acc_u / tl.load(divisors + INTER, mask=col_ok, other=1.0)[None, :]
+    else:
+        for k0 in range(0, HIDDEN, BK):
+            ks = k0 + tl.arange(0, BK)
+            k_ok = (ks < HIDDEN) | EVEN_K   # no K mask where BK divides K: a mask on K stops Triton's load pipelining
+            a = tl.load(x_ptr + tokens[:, None] * stride_x + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+            wg = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+            wu = tl.load(w_base + (cols + INTER)[None, :] * stride_wn + ks[:, None], mask=col_ok[None, :] & k_ok[:, None],
+                         other=0.0)
+            if FP8:
+                kb = k0 // BK
+                sa = tl.load(xs_ptr + tokens * stride_xs + kb, mask=valid, other=0.0)[:, None]
+                acc_g += tl.dot(a, wg) * sa * tl.load(gate_scales + kb, mask=col_ok, other=0.0)[None, :]
+                acc_u += tl.dot(a, wu) * sa * tl.load(up_scales + kb, mask=col_ok, other=0.0)[None, :]
+            else:
+                acc_g = tl.dot(a, wg, acc_g, input_precision=PREC)
+                acc_u = tl.dot(a, wu, acc_u, input_precision=PREC)
     h = silu_product(acc_g, acc_u, LIMIT, HAS_LIMIT)
     out = h_ptr + slots.to(tl.int64)[:, None] * stride_h + cols[None, :]
     tl.store(out, h.to(h_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
@@ -97,13 +121,15 @@ def _moe_gate_up_kernel(
 
 @triton.jit
 def _moe_down_kernel(
-    h_ptr, w_ptr, sorted_ptr, experts_ptr, weights_ptr, y_ptr, hs_ptr, ws_ptr, shared_w_ptr,
-    S, HIDDEN, INTER, stride_h, stride_we, stride_wn, stride_y, stride_hs, stride_wse, stride_wsn, num_routed,
+    h_ptr, w_ptr, sorted_ptr, experts_ptr, weights_ptr, y_ptr, hs_ptr, ws_ptr, shared_w_ptr, wd_ptr,
+    S, HIDDEN, INTER, stride_h, stride_we, stride_wn, stride_y, stride_hs, stride_wse, stride_wsn, stride_wde, num_routed,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
     FP8: tl.constexpr, BLOCK_ROWS: tl.constexpr, EVEN_K: tl.constexpr, HAS_SHARED: tl.constexpr = False,
+    W4: tl.constexpr = 0,
 ):
     """HAS_SHARED: expert `num_routed` is the shared expert, its [hidden, I] weight at
-    shared_w_ptr with w2's row stride."""
+    shared_w_ptr with w2's row stride. W4: 4-bit experts as in _moe_gate_up_kernel (packed
+    [E, hidden, I/2], scales [E, hidden, I/W4], divisors [E, hidden])."""
     pid_m, pid_n = _block_of_program(tl.cdiv(HIDDEN, BN))
     e = tl.load(experts_ptr + pid_m)
     if e < 0:
@@ -117,17 +143,30 @@ def _moe_down_kernel(
     if FP8:
         w_scales = ws_ptr + e.to(tl.int64) * stride_wse + (cols // BLOCK_ROWS) * stride_wsn
     acc = tl.zeros([BM, BN], tl.float32)
-    for k0 in range(0, INTER, BK):
-        ks = k0 + tl.arange(0, BK)
-        k_ok = (ks < INTER) | EVEN_K
-        a = tl.load(h_ptr + rows[:, None] * stride_h + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-        if FP8:
-            kb = k0 // BK
-            acc += (tl.dot(a, w) * tl.load(hs_ptr + rows * stride_hs + kb, mask=valid, other=0.0)[:, None]
-                    * tl.load(w_scales + kb, mask=col_ok, other=0.0)[None, :])
-        else:
-            acc = tl.dot(a, w, acc, input_precision=PREC)
+    if W4:
+        for k0 in range(0, INTER, BK):
+            kh = k0 // 2 + tl.arange(0, BK // 2)
+            kh_ok = (kh < INTER // 2) | EVEN_K
+            a_even = h_ptr + rows[:, None] * stride_h + 2 * kh[None, :]
+            a_mask = valid[:, None] & kh_ok[None, :]
+            acc = fp4_dot(tl.load(a_even, mask=a_mask, other=0.0), tl.load(a_even + 1, mask=a_mask, other=0.0),
+                          w_base + cols[None, :] * stride_wn + kh[:, None],
+                          ws_ptr + e.to(tl.int64) * stride_wse + cols[None, :] * stride_wsn + (2 * kh // W4)[:, None],
+                          col_ok[None, :] & kh_ok[:, None], acc, W4, PREC)
+        if W4 == 16:
+            acc = acc / tl.load(wd_ptr + e.to(tl.int64) * stride_wde + cols, mask=col_ok, other=1.0)[None, :]
+    else:
+        for k0 in range(0, INTER, BK):
+            ks = k0 + tl.arange(0, BK)
+            k_ok = (ks < INTER) | EVEN_K
+            a = tl.load(h_ptr + rows[:, None] * stride_h + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+            if FP8:
+                kb = k0 // BK
+                acc += (tl.dot(a, w) * tl.load(hs_ptr + rows * stride_hs + kb, mask=valid, other=0.0)[:, None]
+                        * tl.load(w_scales + kb, mask=col_ok, other=0.0)[None, :])
+            else:
+                acc = tl.dot(a, w, acc, input_precision=PREC)
     acc *= tl.load(weights_ptr + rows, mask=valid, other=0.0)[:, None]
     tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=valid[:, None] & col_ok[None, :])
@@ -213,11 +252,17 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     FP8 experts (w13, w2 in float8_e4m3fn with their block scales [E, rows / br, cols / bc]) take
     x and the SiLU product quantized per token and group of bc columns (ops/fp8); the definition
     is ops/moe/reference.moe_experts_fp8_reference. `tiles`: a launch shape other than
-    moe_tiles' (benchmarks; an FP8 K step must equal the scale block's columns)."""
+    moe_tiles' (benchmarks; an FP8 K step must equal the scale block's columns).
+    4-bit experts (w13, w2 as ops/fp4/weights.Fp4Weights, MXFP4 or NVFP4) are decoded in registers
+    inside both GEMMs, x and the SiLU product in their own dtype (W4A16); the definition is
+    ops/moe/reference.moe_experts_reference over the dequantized weights."""
     T, hidden, E, inter = check_expert_shapes("fused MoE", x, w13, w2, weights, ids, addend)
-    fp8 = w13.dtype == FP8
+    w4 = isinstance(w13, Fp4Weights)
+    fp8 = not w4 and w13.dtype == FP8
     if fp8:
         _check_fp8_experts(w13, w2, w13_scale, w2_scale, block, x.device)
+    if w4:
+        _check_fp4_experts(w13, w2, shared)
     if shared is not None:
         _check_shared_expert(shared, w13, w2, fp8)
     interpreter_compat.install()
@@ -225,8 +270,11 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     S = T * k
     out_dtype = x.dtype
     x = x if x.stride(1) == 1 else x.contiguous()
-    w13 = w13 if w13.stride(2) == 1 else w13.contiguous()
-    w2 = w2 if w2.stride(2) == 1 else w2.contiguous()
+    if w4:
+        w13, w2 = w13.contiguous(), w2.contiguous()
+    else:
+        w13 = w13 if w13.stride(2) == 1 else w13.contiguous()
+        w2 = w2 if w2.stride(2) == 1 else w2.contiguous()
     if S == 0:
         return torch.zeros_like(x) if addend is None else addend.to(out_dtype, copy=True)
     E_all = E + (shared is not None)   # the shared expert is one more for the alignment and the tiles
@@ -234,32 +282,43 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     BM, (BN1, BK1, warps1, stages1), (BN2, BK2, warps2, stages2) = t.block_m, t.gate_up, t.down
     if fp8 and (BK1, BK2) != (block[1], block[1]):
         raise ValueError(f"FP8 experts step K by the scale block's {block[1]} columns; tiles asked {BK1} and {BK2}")
+    if w4:   # each K step is two dots of BK/2 (ops/fp4/tiles.fp4_dot): at least 16 each
+        BK1, BK2 = max(BK1, 32), max(BK2, 32)
     sorted_slots, block_experts = align_to_experts(ids, E, BM, extra_expert=shared is not None)
     m_blocks = block_experts.numel()
     prec = "ieee" if x.dtype == torch.float32 else dot_precision(x.device).tensor_core
     h = torch.empty(S, inter, dtype=x.dtype, device=x.device)
-    shared_w13, shared_w2 = shared if shared is not None else (w13, w2)   # unused pointers without one
+    # Arguments a kind of expert does not use get any tensor (their kernel branches are compiled out).
+    shared_w13, shared_w2 = shared if shared is not None else (h, h)
+    wd13 = wd2 = h
+    group = 0   # W4: values per 4-bit scale
     if fp8:
         a, a_scale = quantize_per_token_group(x, block[1])
         ws13, ws2, br = w13_scale, w2_scale, block[0]
-    else:   # the scale arguments are unused: any tensor stands in
+    elif w4:
+        a, a_scale, ws13, ws2, br, group = x, h, w13.scale, w2.scale, 1, w13.group
+        if w13.divisor is not None:
+            wd13, wd2 = w13.divisor, w2.divisor
+        w13, w2 = w13.packed, w2.packed
+    else:
         a, a_scale, ws13, ws2, br = x, h, h, h, 1
+    scaled = fp8 or w4
     _moe_gate_up_kernel[(m_blocks * triton.cdiv(inter, BN1),)](
-        a, w13, sorted_slots, block_experts, h, a_scale, ws13, shared_w13,
+        a, w13, sorted_slots, block_experts, h, a_scale, ws13, shared_w13, wd13,
         S, hidden, inter, a.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
-        a_scale.stride(0), ws13.stride(0), ws13.stride(1) if fp8 else 0, E,
+        a_scale.stride(0), ws13.stride(0) if scaled else 0, ws13.stride(1) if scaled else 0, wd13.stride(0), E,
         TOPK=k, LIMIT=float(activation_limit or 0.0), HAS_LIMIT=activation_limit is not None,
         BM=BM, BN=BN1, BK=BK1, PREC=prec, FP8=fp8, BLOCK_ROWS=br, EVEN_K=hidden % BK1 == 0,
-        HAS_SHARED=shared is not None, num_warps=warps1, num_stages=stages1,
+        HAS_SHARED=shared is not None, W4=group, num_warps=warps1, num_stages=stages1,
     )
     hq, h_scale = quantize_per_token_group(h, block[1]) if fp8 else (h, h)
     y = torch.empty(S, hidden, dtype=torch.float32 if x.dtype == torch.float32 else x.dtype, device=x.device)
     _moe_down_kernel[(m_blocks * triton.cdiv(hidden, BN2),)](
-        hq, w2, sorted_slots, block_experts, weights.reshape(-1).float().contiguous(), y, h_scale, ws2, shared_w2,
+        hq, w2, sorted_slots, block_experts, weights.reshape(-1).float().contiguous(), y, h_scale, ws2, shared_w2, wd2,
         S, hidden, inter, hq.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        h_scale.stride(0), ws2.stride(0), ws2.stride(1) if fp8 else 0, E,
+        h_scale.stride(0), ws2.stride(0) if scaled else 0, ws2.stride(1) if scaled else 0, wd2.stride(0), E,
         BM=BM, BN=BN2, BK=BK2, PREC=prec, FP8=fp8, BLOCK_ROWS=br, EVEN_K=inter % BK2 == 0,
-        HAS_SHARED=shared is not None, num_warps=warps2, num_stages=stages2,
+        HAS_SHARED=shared is not None, W4=group, num_warps=warps2, num_stages=stages2,
     )
     return sum_over_choices(y, T, k, out_dtype, addend)
 
@@ -302,6 +361,14 @@ def _check_shared_expert(shared, w13: torch.Tensor, w2: torch.Tensor, fp8: bool)
         raise ValueError(f"a shared expert run with the routed ones needs their width, dtype and layout (w13 "
                          f"{list(w13.shape[1:])}, w2 {list(w2.shape[1:])}, {w13.dtype}, contiguous rows; FP8 experts keep "
                          f"it apart): got {list(s13.shape)} {s13.dtype} and {list(s2.shape)} {s2.dtype}")
+
+
+def _check_fp4_experts(w13: Fp4Weights, w2, shared) -> None:
+    if not isinstance(w2, Fp4Weights) or w2.group != w13.group:
+        raise ValueError(f"4-bit experts need w13 and w2 in one 4-bit form ({w13.scheme}); got w2 as "
+                         f"{w2.scheme if isinstance(w2, Fp4Weights) else w2.dtype}")
+    if shared is not None:
+        raise ValueError("a shared expert runs apart from 4-bit routed experts (its weights are in another form)")
 
 
 def _check_fp8_experts(w13, w2, w13_scale, w2_scale, block, device) -> None:

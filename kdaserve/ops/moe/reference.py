@@ -16,17 +16,24 @@ from kdaserve.ops.activation.swiglu import swiglu_reference as swiglu
 
 def moe_experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                           ids: torch.Tensor, activation_limit: float | None = None) -> torch.Tensor:
-    """x [T, hidden], weights/ids [T, k] -> [T, hidden] in x's dtype."""
+    """x [T, hidden], weights/ids [T, k] -> [T, hidden] in x's dtype. 4-bit experts
+    (ops/fp4/weights.Fp4Weights) are dequantized into x's dtype, each expert as it is used."""
     T, k = ids.shape
     out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
     flat_ids = ids.reshape(-1)
     for e in flat_ids.unique().tolist():
         slots = (flat_ids == e).nonzero().squeeze(1)
         tokens = slots // k
-        h = swiglu(F.linear(x[tokens], w13[e]), activation_limit)
-        y = F.linear(h, w2[e]).float() * weights.reshape(-1)[slots, None].float()
+        h = swiglu(F.linear(x[tokens], _expert(w13, e, x.dtype)), activation_limit)
+        y = F.linear(h, _expert(w2, e, x.dtype)).float() * weights.reshape(-1)[slots, None].float()
         out.index_add_(0, tokens, y)
     return out.to(x.dtype)
+
+
+def _expert(w, e: int, dtype: torch.dtype) -> torch.Tensor:
+    from kdaserve.ops.fp4.weights import Fp4Weights
+
+    return w[e].dequantized(dtype) if isinstance(w, Fp4Weights) else w[e]
 
 
 def moe_experts_fp8_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,

@@ -1,0 +1,191 @@
+"""4-bit experts inside the fused MoE kernels (ops/fp4/tiles.py, ops/moe/fused.py's W4 path) against
+the definition: the reference over the dequantized weights (ops/fp4/reference.py). The decoders
+exactly, over every byte and every scale code; the GEMMs on fresh random experts in both formats,
+at every launch shape and routing mode (CPU: the interpreter in fp32 and fp16; GPU: bf16 at
+Kimi-Linear's expert sizes)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from kdaserve.ops.fp4.reference import e2m1_values, quantize_mxfp4, quantize_nvfp4
+from kdaserve.ops.fp4.tiles import e2m1_pair, group_scale
+from kdaserve.ops.fp4.weights import Fp4Weights
+from kdaserve.ops.moe import RouterConfig, moe_experts_reference, route_tokens
+from kdaserve.testing.compare import assert_rel_close
+
+INTERP = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 on the CPU")
+RUNS_TRITON = pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="needs a GPU or TRITON_INTERPRET=1")
+SCHEMES = ["mxfp4", "nvfp4"]
+
+
+def fp4_stack(weights: torch.Tensor, scheme: str) -> Fp4Weights:
+    """[E, rows, cols] full-precision weights quantized expert by expert into the kept form."""
+    packed, scales, divisors = [], [], []
+    for w in weights.float().cpu():
+        if scheme == "mxfp4":
+            p, s = quantize_mxfp4(w)
+        else:
+            p, s, g = quantize_nvfp4(w)
+            s = s.view(torch.uint8)
+            divisors.append(g.expand(w.shape[0]))
+        packed.append(p)
+        scales.append(s)
+    dev = weights.device
+    return Fp4Weights(torch.stack(packed).to(dev), torch.stack(scales).to(dev),
+                      torch.stack(divisors).to(dev) if divisors else None, 32 if scheme == "mxfp4" else 16)
+
+
+def fp4_experts(E, hidden, inter, scheme, *, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(E, 2 * inter, hidden, generator=g) * hidden**-0.5
+    w2 = torch.randn(E, hidden, inter, generator=g) * inter**-0.5
+    return fp4_stack(w13.to(device), scheme), fp4_stack(w2.to(device), scheme)
+
+
+def _routing(T, E, k, mode, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if mode == "random":
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    else:                                             # "one-expert": every token's first choice is expert 0
+        ids = torch.stack([torch.cat([torch.tensor([0]), torch.randperm(E - 1, generator=g)[: k - 1] + 1]) for _ in range(T)])
+    return torch.rand(T, k, generator=g) + 0.1, ids
+
+
+# ---- the decoders, exactly -----------------------------------------------------------------------
+
+@triton.jit
+def _decode_kernel(codes_ptr, out_lo_ptr, out_hi_ptr, mx_ptr, nv_ptr):
+    i = tl.arange(0, 256)
+    b = tl.load(codes_ptr + i)
+    lo, hi = e2m1_pair(b)
+    tl.store(out_lo_ptr + i, lo)
+    tl.store(out_hi_ptr + i, hi)
+    tl.store(mx_ptr + i, group_scale(b, 32))
+    tl.store(nv_ptr + i, group_scale(b, 16))
+
+
+@RUNS_TRITON
+def test_the_decoders_give_every_code_its_value_exactly():
+    """All 256 bytes as a pair of e2m1 codes, as an e8m0 scale and as e4m3 scale bits: bit for bit
+    the definitions' values (subnormals included: e2m1's 0.5, e8m0's 2^-127, e4m3's 2^-9)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    codes = torch.arange(256, dtype=torch.uint8, device=device)
+    lo, hi, mx, nv = (torch.full((256,), float("nan"), device=device) for _ in range(4))
+    _decode_kernel[(1,)](codes, lo, hi, mx, nv)
+    values = e2m1_values(device)
+    assert torch.equal(lo, values[(codes & 0xF).long()]) and torch.equal(hi, values[(codes >> 4).long()])
+    want_mx = torch.exp2(codes.double() - 127).float()
+    assert torch.equal(mx[:255], want_mx[:255])               # 255 is NaN: refused at load, never decoded
+    want_nv = codes.view(torch.float8_e4m3fn).float()
+    finite = torch.isfinite(want_nv)
+    assert torch.equal(nv[finite], want_nv[finite]) and (~finite).sum() == 2
+
+
+# ---- the fused GEMMs -----------------------------------------------------------------------------
+
+@INTERP
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("mode, T, E, k", [("random", 13, 8, 3), ("one-expert", 20, 6, 2), ("random", 1, 16, 4)])
+def test_fused_4bit_experts_match_the_reference(scheme, mode, T, E, k):
+    from kdaserve.ops.moe.fused import moe_experts_fused
+
+    w13, w2 = fp4_experts(E, 64, 96, scheme, seed=T)
+    x = torch.randn(T, 64, generator=torch.Generator().manual_seed(2))
+    weights, ids = _routing(T, E, k, mode)
+    want = moe_experts_reference(x, w13, w2, weights, ids)
+    assert_rel_close(moe_experts_fused(x, w13, w2, weights, ids), want, 1e-5, f"4-bit fused MoE ({scheme}, {mode})")
+    # the definition: the same numbers as the full-precision experts they dequantize to
+    assert torch.equal(want, moe_experts_reference(x, w13.dequantized(x.dtype), w2.dequantized(x.dtype), weights, ids))
+
+
+@INTERP
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("tiles", [
+    (16, (16, 32, 4, 2), (16, 32, 4, 3)),    # K stepped by 32 (two dots of 16): no K mask
+    (32, (32, 64, 4, 1), (32, 64, 4, 1)),    # 32 rows per program, K steps of 64
+    (16, (16, 128, 4, 2), (16, 128, 4, 2)),  # K steps wider than hidden (96) and I (64): masked
+    (16, (16, 16, 4, 2), (16, 16, 4, 2)),    # a K step under 32 is widened to 32 (halves of at least 16)
+], ids=["even-k", "wide-rows", "masked-k", "narrow-k"])
+def test_fused_4bit_experts_at_every_launch_shape(scheme, tiles):
+    from kdaserve.ops.moe.fused import MoeTiles, moe_experts_fused
+
+    w13, w2 = fp4_experts(6, 96, 64, scheme, seed=1)
+    x = torch.randn(11, 96, generator=torch.Generator().manual_seed(5))
+    weights, ids = _routing(11, 6, 3, "random")
+    got = moe_experts_fused(x, w13, w2, weights, ids, tiles=MoeTiles(*tiles), activation_limit=0.5)
+    want = moe_experts_reference(x, w13, w2, weights, ids, activation_limit=0.5)
+    assert_rel_close(got, want, 1e-5, f"4-bit fused MoE at {tiles}")
+
+
+@INTERP
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_fused_4bit_experts_in_half_precision_equal_the_full_precision_kernel(scheme):
+    """fp16 activations: the decoded weights are exact in fp16, so the W4 kernel follows the same
+    kernel on the dequantized fp16 experts to the last bits of its accumulation order."""
+    from kdaserve.ops.moe.fused import moe_experts_fused
+
+    w13, w2 = fp4_experts(5, 64, 64, scheme, seed=3)
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(4)).half()
+    weights, ids = _routing(9, 5, 2, "random")
+    got = moe_experts_fused(x, w13, w2, weights, ids)
+    twin = moe_experts_fused(x, w13.dequantized(torch.float16), w2.dequantized(torch.float16), weights, ids)
+    assert_rel_close(got.float(), twin.float(), 2e-3, f"4-bit fp16 ({scheme})")
+
+
+@INTERP
+def test_scale_edges_pass_through_the_kernel():
+    """Zero blocks (e8m0 code 0: 2^-127 times zeros) and large scales (code 160: 2^33) decoded
+    in the GEMM as the definition has them."""
+    from kdaserve.ops.moe.fused import moe_experts_fused
+
+    w13, w2 = fp4_experts(2, 64, 32, "mxfp4", seed=9)
+    w13.packed[0, :, :16] = 0
+    w13.scale[0, :, :1] = 0                                       # expert 0's first 32 columns: a zero block
+    w2.scale[1] = torch.where(w2.scale[1] > 0, 160, 0).to(torch.uint8)           # large powers of two
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(1))
+    weights, ids = torch.ones(4, 2), torch.tensor([[0, 1]] * 4)
+    want = moe_experts_reference(x, w13, w2, weights, ids)
+    assert torch.isfinite(want).all()
+    assert_rel_close(moe_experts_fused(x, w13, w2, weights, ids), want, 1e-5, "scale edges")
+
+
+def test_the_4bit_form_and_its_refusals():
+    from kdaserve.ops.moe.fused import moe_experts_fused
+
+    w13, w2 = fp4_experts(2, 64, 32, "nvfp4")
+    assert tuple(w13.shape) == (2, 64, 64) and w13[1].shape == (64, 64) and w13.scheme == "nvfp4"
+    with pytest.raises(ValueError, match="one fp32 per row"):
+        Fp4Weights(w13.packed, w13.scale, w13.divisor[:, :3], 16)
+    with pytest.raises(ValueError, match="MXFP4 \\(32\\) has no divisor"):
+        Fp4Weights(w13.packed, w13.scale, None, 16)
+    x, weights, ids = torch.randn(3, 64), torch.ones(3, 1), torch.zeros(3, 1, dtype=torch.long)
+    with pytest.raises(ValueError, match="one 4-bit form"):
+        moe_experts_fused(x, w13, fp4_experts(2, 64, 32, "mxfp4")[1], weights, ids)
+    with pytest.raises(ValueError, match="shared expert runs apart"):
+        moe_experts_fused(x, w13, w2, weights, ids, shared=(torch.zeros(64, 64), torch.zeros(64, 32)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("T", [1, 64, 2048])
+def test_gpu_fused_4bit_experts_at_kimi_linear_sizes(scheme, T):
+    """256 experts of width 1024 on hidden 2304, top 8, the router's own choices, bf16 activations:
+    within bf16's rounding of the fp32 reference over the dequantized experts."""
+    from kdaserve.ops.moe.fused import moe_experts_fused
+
+    E, k, hidden, inter = 256, 8, 2304, 1024
+    w13, w2 = fp4_experts(E, hidden, inter, scheme, device="cuda", seed=T)
+    g = torch.Generator(device="cuda").manual_seed(T)
+    x = torch.randn(T, hidden, device="cuda", generator=g).bfloat16()
+    gate = torch.randn(E, hidden, device="cuda", generator=g) * hidden**-0.5
+    weights, ids = route_tokens(x, gate, None, RouterConfig(E, k, routed_scaling_factor=2.446))
+    got = moe_experts_fused(x, w13, w2, weights, ids)
+    want = moe_experts_reference(x.float(), w13, w2, weights, ids)
+    assert_rel_close(got.float(), want, 1e-2, f"4-bit fused MoE {scheme} bf16 T={T}")
