@@ -16,6 +16,7 @@ the plain torch path (issue "Fast at the real shape", goal 5), on one GPU:
         [--sweep-shared]   # the MoE layer with its shared expert apart or inside the fused kernels
         [--sweep-align]   # the MoE slot alignment's paths at decode batches
         [--moe-prefill-paths]   # MoE prefill: fused kernels, a torch path on grouped_mm, dense cuBLAS
+        [--moe-formats]   # fused MoE with bf16, FP8, MXFP4 and NVFP4 experts, each against its own floor
 
 torch: ops/moe/reference.py's loop over experts and ops/mla/reference.py's gathers and einsums,
 the definitions the kernels are tested against (no torch.compile), eager. "MoE align" rows: the
@@ -100,6 +101,55 @@ def moe_rows(batches, prefill, bw, torch_max):
         kernel = lambda: align_to_experts(ids, E, bm, path=path)   # noqa: E731
         yield ("MoE align", step, T, f"{path} kernel vs torch path (graph)", bench(kernel), bench_graph(kernel),
                bench_graph(lambda: align_to_experts(ids, E, bm, path="torch")), float("nan"))
+
+
+def expert_formats(w13: torch.Tensor, w2: torch.Tensor) -> dict[str, tuple[tuple, dict, float]]:
+    """The same experts in each weight format the fused kernels take: name -> ((w13, w2), keyword
+    arguments, bytes per parameter with the scales)."""
+    from kdaserve.ops.fp4.reference import quantize_mxfp4, quantize_nvfp4
+    from kdaserve.ops.fp4.weights import Fp4Weights
+    from kdaserve.ops.fp8.reference import quantize_blocks
+
+    def fp8(w):
+        q = [quantize_blocks(e, (128, 128)) for e in w]
+        return torch.stack([a for a, _ in q]), torch.stack([s for _, s in q])
+
+    def fp4(w, nv):
+        parts = [quantize_nvfp4(e) if nv else quantize_mxfp4(e) for e in w]
+        div = torch.stack([p[2].expand(e.shape[0]) for p, e in zip(parts, w)]) if nv else None
+        return Fp4Weights(torch.stack([p[0] for p in parts]), torch.stack([p[1].view(torch.uint8) for p in parts]), div,
+                          16 if nv else 32)
+
+    (q13, s13), (q2, s2) = fp8(w13), fp8(w2)
+    return {"bf16": ((w13, w2), {}, 2.0),
+            "fp8": ((q13, q2), dict(w13_scale=s13, w2_scale=s2, block=(128, 128)), 1 + 4 / 128**2),
+            "mxfp4": ((fp4(w13, False), fp4(w2, False)), {}, 0.5 + 1 / 32),
+            "nvfp4": ((fp4(w13, True), fp4(w2, True)), {}, 0.5 + 1 / 16)}
+
+
+def moe_formats(batches, prefill, bw) -> None:
+    """The fused MoE call with Kimi-Linear's experts in bf16, block FP8, MXFP4 and NVFP4, one table:
+    decode graph-replayed against each format's own floor (its bytes of the touched experts), and
+    prefill eager with the fraction of the bf16 tensor rate."""
+    g, w13, w2, gate, router = kimi_experts()
+    formats = expert_formats(w13, w2)
+    rows = []
+    for step, T in [("decode", b) for b in batches] + [("prefill", t) for t in prefill]:
+        x = torch.randn(T, HIDDEN, device="cuda", generator=g).to(BF)
+        weights, ids = route_tokens(x, gate, None, router)
+        touched = ids.unique().numel()
+        for name, ((a, b), kw, per_param) in formats.items():
+            call = lambda a=a, b=b, kw=kw: moe_experts_fused(x, a, b, weights, ids, **kw)   # noqa: E731
+            ms = bench_graph(call) if step == "decode" else bench(call)
+            floor = (touched * 3 * HIDDEN * WIDTH * per_param / bw * 1e3 if step == "decode"
+                     else 2 * 3 * HIDDEN * WIDTH * T * K / PEAK_BF16 * 1e3)
+            rows.append((step, T, name, ms, floor))
+            print(rows[-1], flush=True)
+    print("\n| step | batch / tokens | experts in | ms (graph at decode) | floor ms | x floor | vs bf16 |")
+    print("|---|---|---|---|---|---|---|")
+    base = {(step, T): ms for step, T, name, ms, _ in rows if name == "bf16"}
+    for step, T, name, ms, floor in rows:
+        print(f"| {step} | {T} | {name} | {ms:.4f} | {floor:.4f} | {ms / floor:.2f}x | {base[step, T] / ms:.2f}x |")
 
 
 def _paged(B, ctx, bs=16):
@@ -441,6 +491,8 @@ def main() -> None:
                     help="the models' MLA head shapes --sweep-mla-prefill times")
     ap.add_argument("--sweep-shared", action="store_true",
                     help="the MoE layer with the shared expert apart or inside the fused kernels, per batch")
+    ap.add_argument("--moe-formats", action="store_true",
+                    help="fused MoE with the experts in bf16, FP8, MXFP4 and NVFP4, each against its own floor")
     args = ap.parse_args()
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s, bf16 peak {PEAK_BF16 / 1e12:.0f} TFLOP/s")
@@ -450,7 +502,8 @@ def main() -> None:
                     "sweep_align": lambda: align_sweep(args.batches),
                     "moe_prefill_paths": lambda: moe_prefill_paths(args.prefill),
                     "sweep_mla_prefill": lambda: mla_prefill_sweep(args.prefill, args.mla_heads),
-                    "sweep_shared": lambda: shared_expert_sweep(args.batches)}
+                    "sweep_shared": lambda: shared_expert_sweep(args.batches),
+                    "moe_formats": lambda: moe_formats(args.batches, args.prefill, bw)}
     for flag, run in alternatives.items():
         if getattr(args, flag):
             run()
