@@ -315,31 +315,38 @@ def _other_cases() -> list[Case]:
     for slots, label in ((64, "decode BM=16"), (8192, "BM=32"), (65536, "prefill")):   # moe_tiles' regimes at E = 256
         out += _moe_cases(slots, label)
     out += _moe_cases(576, "decode B=64 + shared expert", shared=True)   # layers/moe: the shared expert as expert 256
+    for group in (32, 16):   # 4-bit experts (ops/fp4/tiles.py): MXFP4, NVFP4
+        for slots, label in ((64, "decode BM=16"), (65536, "prefill")):
+            out += _moe_cases(slots, label, w4=group)
     return out + _fp8_cases()
 
 
-def _moe_cases(slots: int, label: str, shared: bool = False) -> list[Case]:
+def _moe_cases(slots: int, label: str, shared: bool = False, w4: int = 0) -> list[Case]:
     """The two bf16 expert GEMMs of a step of `slots` (token, expert) pairs over Kimi-Linear's 256
     experts (hidden 2304, width 1024), on each target as ops/moe/fused.moe_tiles launches them there;
-    `shared`: with the shared expert run as expert 256 (decode)."""
+    `shared`: with the shared expert run as expert 256 (decode); `w4`: 4-bit experts in groups of
+    32 (MXFP4) or 16 (NVFP4), K steps of at least 32 as moe_experts_fused widens them."""
     from kdaserve.ops.moe.fused import _moe_down_kernel, _moe_gate_up_kernel, moe_tiles
 
     def launch(t: str, which: str) -> dict:
-        tiles = moe_tiles(slots, 256 + shared, 2304, 1024, False, t)
+        tiles = moe_tiles(slots, 256 + shared, 2304, 1024, False, t, four_bit=bool(w4))
         bn, bk, warps, stages = getattr(tiles, which)
-        return {"consts": dict(BM=tiles.block_m, BN=bn, BK=bk), "warps": warps,
+        return {"consts": dict(BM=tiles.block_m, BN=bn, BK=max(bk, 32) if w4 else bk), "warps": warps,
                 "stages": stages or (2 if t.startswith("gfx") else 3)}
 
-    common = dict(FP8=False, BLOCK_ROWS=1, EVEN_K=True, HAS_SHARED=shared)
+    common = dict(FP8=False, BLOCK_ROWS=1, EVEN_K=True, HAS_SHARED=shared, W4=w4)
+    W, WS = ("*u8", "*u8") if w4 else (BF, BF)
+    name = f"moe {'mx' if w4 == 32 else 'nv' if w4 else ''}{'fp4 ' if w4 else ''}"
     return [
-        Case(f"moe gate_up {label}", _moe_gate_up_kernel,
-             dict(x_ptr=BF, w_ptr=BF, sorted_ptr=I32, experts_ptr=I32, h_ptr=BF, xs_ptr=BF, ws_ptr=BF, shared_w_ptr=BF),
+        Case(f"{name}gate_up {label}", _moe_gate_up_kernel,
+             dict(x_ptr=BF, w_ptr=W, sorted_ptr=I32, experts_ptr=I32, h_ptr=BF, xs_ptr=BF, ws_ptr=WS, shared_w_ptr=BF,
+                  wd_ptr=F32),
              dict(TOPK=8 + shared, LIMIT=0.0, HAS_LIMIT=False, **common, **launch("sm_90", "gate_up")["consts"]),
              quick=slots == 64, precision={"PREC": "tc"}, no_spill=True,
              per_target={t: launch(t, "gate_up") for t in TARGETS}),
-        Case(f"moe down {label}", _moe_down_kernel,
-             dict(h_ptr=BF, w_ptr=BF, sorted_ptr=I32, experts_ptr=I32, weights_ptr=F32, y_ptr=BF, hs_ptr=BF, ws_ptr=BF,
-                  shared_w_ptr=BF),
+        Case(f"{name}down {label}", _moe_down_kernel,
+             dict(h_ptr=BF, w_ptr=W, sorted_ptr=I32, experts_ptr=I32, weights_ptr=F32, y_ptr=BF, hs_ptr=BF, ws_ptr=WS,
+                  shared_w_ptr=BF, wd_ptr=F32),
              dict(**common, **launch("sm_90", "down")["consts"]), quick=slots == 64, precision={"PREC": "tc"},
              no_spill=True, per_target={t: launch(t, "down") for t in TARGETS}),
     ]

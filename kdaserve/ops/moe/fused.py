@@ -219,13 +219,15 @@ class MoeTiles:
 
 
 def moe_tiles(num_slots: int, num_experts: int, hidden: int, inter: int, fp8: bool, target: str,
-              fp8_k: int = 128) -> MoeTiles:
+              fp8_k: int = 128, four_bit: bool = False) -> MoeTiles:
     """The launch shape the fused path takes for a step of `num_slots` (token, expert) pairs on
     `target` (ops/precision.device_target), the fastest of bench_moe_mla.py --sweep-moe on an H200
     (docs/perf-notes.md): steps of up to 48 slots per expert (decode) step K by 128; larger steps
     (prefill) take 128 rows per program, gate|up tiles of 2 x 128 columns and down tiles of 256 in
     8 warps and 4 stages. These need Hopper-class shared memory; elsewhere 64 x 64 tiles in the
-    backend's default stages, which fit every target."""
+    backend's default stages, which fit every target. 4-bit experts (`four_bit`) decode their
+    weight tiles in registers: prefill's tiles narrower (gate|up 2 x 64 columns, down 64; K steps
+    of 64), which spill on no target (tools/compile_check); K steps of at least 32."""
     bm = moe_block_m(num_slots, num_experts)
     if fp8:
         bn, warps = fp8_tiles(bm)
@@ -234,6 +236,9 @@ def moe_tiles(num_slots: int, num_experts: int, hidden: int, inter: int, fp8: bo
         return MoeTiles(bm, (_block(inter, 64), _block(hidden, 64), 4, None), (_block(hidden, 64), _block(inter, 64), 4, None))
     if bm < 64:
         return MoeTiles(bm, (_block(inter, 64), _block(hidden, 128), 4, 3), (_block(hidden, 64), _block(inter, 128), 4, 3))
+    if four_bit:
+        return MoeTiles(128, (_block(inter, 64), max(32, _block(hidden, 64)), 8, 3),
+                        (_block(hidden, 64), max(32, _block(inter, 64)), 8, 4))
     return MoeTiles(128, (_block(inter, 128), _block(hidden, 64), 8, 4), (_block(hidden, 256), _block(inter, 64), 8, 4))
 
 
@@ -278,7 +283,7 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     if S == 0:
         return torch.zeros_like(x) if addend is None else addend.to(out_dtype, copy=True)
     E_all = E + (shared is not None)   # the shared expert is one more for the alignment and the tiles
-    t = tiles or moe_tiles(S, E_all, hidden, inter, fp8, device_target(x.device), block[1] if fp8 else 128)
+    t = tiles or moe_tiles(S, E_all, hidden, inter, fp8, device_target(x.device), block[1] if fp8 else 128, w4)
     BM, (BN1, BK1, warps1, stages1), (BN2, BK2, warps2, stages2) = t.block_m, t.gate_up, t.down
     if fp8 and (BK1, BK2) != (block[1], block[1]):
         raise ValueError(f"FP8 experts step K by the scale block's {block[1]} columns; tiles asked {BK1} and {BK2}")
