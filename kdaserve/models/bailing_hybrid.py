@@ -65,7 +65,7 @@ FP8_LAYOUT = Fp8Layout(
     attention=re.compile(r"attention\.(?:q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|dense)\.weight"),
     is_attention_layer=lambda c, i: i >= c.num_hidden_layers or c.layer_types[i] != "linear_attention",
     widths=lambda c: (c.intermediate_size, c.moe_intermediate_size))
-keeps_fp8, fp8_tensors = FP8_LAYOUT.keeps, FP8_LAYOUT.tensors
+keeps_fp8, fp8_tensors, fp4_tensors = FP8_LAYOUT.keeps, FP8_LAYOUT.tensors, FP8_LAYOUT.four_bit_tensors
 # Copies of the target's tensors an MTP layer may carry (the target's are used).
 MTP_SHARED_COPIES = ("embed_tokens.weight", "word_embeddings.weight", "shared_head.head.weight")
 

@@ -21,6 +21,9 @@ class Family:
     # FP8 (None: none), for the capacity check before anything is built. None here: the family has
     # no FP8 path (build(..., quantization="fp8") is refused before it is called).
     fp8_tensors: Callable | None = None
+    # fp4_tensors(config, shapes, device, quantization) -> the group size of each released weight
+    # the model will keep in 4 bits (None for the others), for the capacity check.
+    fp4_tensors: Callable | None = None
 
 
 def _hybrid() -> Family:
@@ -38,7 +41,13 @@ def _hybrid() -> Family:
 
 
 def _kimi_linear() -> Family:
-    from kdaserve.models.kimi_linear import KimiLinearForCausalLM, fp8_tensors, random_released_tensors, released_shapes
+    from kdaserve.models.kimi_linear import (
+        KimiLinearForCausalLM,
+        fp4_tensors,
+        fp8_tensors,
+        random_released_tensors,
+        released_shapes,
+    )
     from kdaserve.models.kimi_linear_config import KimiLinearConfig
 
     def build(config, *, kda_backends, mla_backend, moe_backend, dtype, device, mtp=False, quantization=None):
@@ -50,11 +59,11 @@ def _kimi_linear() -> Family:
         return random_released_tensors(config, seed, dtype=dtype, device=device)
 
     return Family("kimi_linear", KimiLinearConfig.from_dict, build, random, released_shapes,
-                  fp8_tensors=fp8_tensors)
+                  fp8_tensors=fp8_tensors, fp4_tensors=fp4_tensors)
 
 
 def _glm5_next() -> Family:
-    from kdaserve.models.glm5_next import Glm5NextForCausalLM, fp8_tensors, random_released_tensors, released_shapes
+    from kdaserve.models.glm5_next import Glm5NextForCausalLM, fp4_tensors, fp8_tensors, random_released_tensors, released_shapes
     from kdaserve.models.glm5_next_config import Glm5NextConfig
 
     def build(config, *, kda_backends, mla_backend, moe_backend, dtype, device, mtp=False, quantization=None):
@@ -66,11 +75,17 @@ def _glm5_next() -> Family:
         return random_released_tensors(config, seed, dtype=dtype, device=device, mtp=mtp)
 
     return Family("glm5_next", Glm5NextConfig.from_dict, build, random, released_shapes, has_mtp=True,
-                  fp8_tensors=fp8_tensors)
+                  fp8_tensors=fp8_tensors, fp4_tensors=fp4_tensors)
 
 
 def _bailing_hybrid() -> Family:
-    from kdaserve.models.bailing_hybrid import BailingHybridForCausalLM, fp8_tensors, random_released_tensors, released_shapes
+    from kdaserve.models.bailing_hybrid import (
+        BailingHybridForCausalLM,
+        fp4_tensors,
+        fp8_tensors,
+        random_released_tensors,
+        released_shapes,
+    )
     from kdaserve.models.bailing_hybrid_config import BailingHybridConfig
 
     def build(config, *, kda_backends, mla_backend, moe_backend, dtype, device, mtp=False, quantization=None):
@@ -82,7 +97,7 @@ def _bailing_hybrid() -> Family:
         return random_released_tensors(config, seed, dtype=dtype, device=device, mtp=mtp)
 
     return Family("bailing_hybrid", BailingHybridConfig.from_dict, build, random, released_shapes, has_mtp=True,
-                  fp8_tensors=fp8_tensors)
+                  fp8_tensors=fp8_tensors, fp4_tensors=fp4_tensors)
 
 
 _FAMILIES = {"kimi_linear": _kimi_linear, "glm5_next": _glm5_next, "glm5_next_text": _glm5_next,

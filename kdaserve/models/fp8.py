@@ -166,6 +166,19 @@ class Fp8Layout:
 
         return NO_FOUR_BIT_EXPERTS if fp8_block else four_bit_experts(config.extra, shapes, self.layer, self.experts)
 
+    def four_bit_tensors(self, config, shapes: dict[str, tuple[int, ...]], device,
+                         quantization: str | None) -> Callable[[str], int | None]:
+        """The group size of each released weight a model built so keeps in 4 bits (the capacity
+        check's question), None for the others."""
+        from kdaserve.ops.fp4.weights import SCHEME_GROUP
+
+        experts = self.four_bit_experts(config, shapes, self.blocks(config, device, quantization, say=False)[0])
+
+        def group(name: str) -> int | None:
+            kept = name.endswith(".weight") and experts.keeps(name.removesuffix(".weight"))
+            return SCHEME_GROUP[experts.scheme(int(self.layer.fullmatch(name)[1]))] if kept else None
+        return group
+
     def checkpoint_weights(self, model, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """A checkpoint's tensors as `model` (built with this layout's `blocks`) takes them: kept
         weights FP8 with their scales, the rest dequantized into the embedding's dtype; a 4-bit

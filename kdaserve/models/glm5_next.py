@@ -68,7 +68,7 @@ FP8_LAYOUT = Fp8Layout(
     attention=re.compile(r"self_attn\.(?:q_a_proj|q_b_proj|q_proj|kv_a_proj_with_mqa|o_proj)\.weight"),
     is_attention_layer=lambda c, i: i >= c.num_hidden_layers or c.layer_types[i] != "linear_attention",
     widths=lambda c: (c.intermediate_size, c.moe_intermediate_size))
-keeps_fp8, fp8_tensors = FP8_LAYOUT.keeps, FP8_LAYOUT.tensors
+keeps_fp8, fp8_tensors, fp4_tensors = FP8_LAYOUT.keeps, FP8_LAYOUT.tensors, FP8_LAYOUT.four_bit_tensors
 _EXPERT_PART = {"gate": "w1", "up": "w3", "down": "w2"}
 _HC = re.compile(r"hc_(attn|ffn)_(fn|base|scale)")
 

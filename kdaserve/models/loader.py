@@ -88,7 +88,7 @@ def load_model(
     if quantization in FOUR_BIT_QUANTIZATIONS:   # the checkpoint's own 4-bit format, named as vLLM names it
         check_four_bit_checkpoint(quantization, config.extra, name, dummy)
         if dummy:   # random weights with 4-bit experts in the named format, quantized at load
-            config.extra["quantization_config"] = dummy_quantization_config(quantization)
+            config.extra = {**config.extra, "quantization_config": dummy_quantization_config(quantization)}
         quantization = None
     if quantization is not None and family.fp8_tensors is None:
         raise ValueError(f"--quantization {quantization}: {family.name} ({name}) has no FP8 path yet; GLM-5.3-Flash "
@@ -99,7 +99,8 @@ def load_model(
                          f"({name}) has none: use the 'ngram' method")
     shapes = None if family.shapes is None else family.shapes(config, True) if mtp else family.shapes(config)
     fp8 = family.fp8_tensors(config, device, quantization) if family.fp8_tensors is not None else None
-    check_weights_fit(name, shapes, dtype, device, fp8, tp_size())
+    fp4 = family.fp4_tensors(config, shapes, device, quantization) if family.fp4_tensors is not None else None
+    check_weights_fit(name, shapes, dtype, device, fp8, tp_size(), fp4)
     kda_backends = kda_backends_for(config, kda or KDABackendChoice(), dtype, device)   # once, for every KDA layer
     net = family.build(config, kda_backends=kda_backends, mla_backend=mla_backend, moe_backend=moe_backend, dtype=dtype,
                        device=device, mtp=mtp, quantization=quantization)

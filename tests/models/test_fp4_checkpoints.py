@@ -163,6 +163,37 @@ def test_random_weights_take_4bit_experts(quantization, group):
     assert len(out[0].output_token_ids) == 4
 
 
+@pytest.mark.parametrize("model, quantization, gib", [
+    ("zai-org/GLM-5.3-Flash", "mxfp4", 167.2), ("zai-org/GLM-5.3-Flash", "compressed-tensors", 176.5),
+    ("moonshotai/Kimi-Linear-48B-A3B-Instruct", "mxfp4", 27.1), ("inclusionAI/Ling-3.0-Flash", "mxfp4", 66.5)])
+def test_the_capacity_check_counts_4bit_experts_at_their_bytes(model, quantization, gib, monkeypatch):
+    """The released shapes with 4-bit experts (a half byte per value, a scale byte per group, NVFP4's
+    fp32 per row): GLM-5.3-Flash in ~180 GB (two H200s instead of five in bf16), Kimi-Linear on one H100."""
+    import math
+
+    from kdaserve.models import capacity
+    from kdaserve.models.families import family_of_config
+    from kdaserve.models.fp4 import dummy_quantization_config
+    from kdaserve.models.loader import resolve_model
+
+    config = resolve_model(model, "dummy", tokenizer=False)[0]
+    config.extra["quantization_config"] = dummy_quantization_config(quantization)
+    family = family_of_config(config)
+    shapes = family.shapes(config)
+    group = family.fp4_tensors(config, shapes, "cpu", None)
+    seen = {}
+    monkeypatch.setattr(capacity, "weights_fit_error", lambda *a, **kw: seen.update(kw) or None)
+    capacity.check_weights_fit(model, shapes, torch.bfloat16, "cpu", fp4=group)
+    need = (capacity.parameter_count(shapes) - seen["fp4_params"]) * 2 + seen["fp4_bytes"]
+    assert abs(need / 2**30 - gib) < 0.1
+    assert seen["fp4_params"] == sum(math.prod(s) for n, s in shapes.items() if ".experts." in n and "shared" not in n)
+    monkeypatch.undo()
+    if model.startswith("zai-org"):
+        message = capacity.weights_fit_error(model, capacity.parameter_count(shapes), torch.bfloat16, 141 * 2**30,
+                                             fp4_params=seen["fp4_params"], fp4_bytes=seen["fp4_bytes"])
+        assert "in 4 bits" in message and "at least 2" in message and "FP8 weights would" not in message
+
+
 def _pop(suffix):
     def mutate(t):
         t.pop(next(k for k in sorted(t) if k.endswith(suffix)))
