@@ -178,13 +178,13 @@ if [ "$PART" = ling_real ]; then
 fi
 
 if [ "$PART" = fp4_moe ]; then
-  # Must show (issue 63): test_fp4_moe.py's GPU tests pass (7: the decoders bit for bit, both formats at
+  # Must show (issue 63): test_fp4.py's GPU tests pass (7: the decoders bit for bit, both formats at
   # T = 1, 64, 2048 within bf16's rounding of the fp32 reference); the --moe-formats table: at decode
   # (graph replay) MXFP4 / NVFP4 faster than bf16 from batch 8 up, each format's "x floor" (its own
   # bytes) reported; at prefill 4-bit within ~1.3x of bf16 (the decode in registers is extra ALU work
   # per weight element, amortized over 128 rows). Then the engine: Kimi-Linear's first 8 layers with
   # MXFP4 experts (random weights quantized at load) decode step vs the same in bf16.
-  group fp4_gpu 150 tests/ops/test_fp4_moe.py -k "gpu or decoders"
+  group fp4_gpu 150 tests/ops/test_fp4.py -k "gpu or decoders"
   timeout 200 python3 benchmarks/bench_moe_mla.py --moe-formats --batches 1 8 64 256 --prefill 1024 8192 \
     > "$OUT/fp4_formats.log" 2>&1
   echo "== formats rc=$?"; sed -n '/^| step/,$p' "$OUT/fp4_formats.log"; grep -m3 "Error\|Traceback" "$OUT/fp4_formats.log"

@@ -318,6 +318,7 @@ def _other_cases() -> list[Case]:
     for group in (32, 16):   # 4-bit experts (ops/fp4/tiles.py): MXFP4, NVFP4
         for slots, label in ((64, "decode BM=16"), (65536, "prefill")):
             out += _moe_cases(slots, label, w4=group)
+    out += _fp4_linear_cases()
     return out + _fp8_cases()
 
 
@@ -350,6 +351,21 @@ def _moe_cases(slots: int, label: str, shared: bool = False, w4: int = 0) -> lis
              dict(**common, **launch("sm_90", "down")["consts"]), quick=slots == 64, precision={"PREC": "tc"},
              no_spill=True, per_target={t: launch(t, "down") for t in TARGETS}),
     ]
+
+
+def _fp4_linear_cases() -> list[Case]:
+    """The 4-bit linear layer (ops/fp4/linear.py) at each of its tile choices, MXFP4 and NVFP4."""
+    from kdaserve.ops.fp4.linear import _fp4_linear_kernel, fp4_tiles
+
+    out = []
+    for m in (1, 64, 4096):
+        bm, bn, bk, warps = fp4_tiles(m)
+        for group in (32, 16):
+            out.append(Case(f"fp4 linear BM={bm} group={group}", _fp4_linear_kernel,
+                            dict(x_ptr=BF, w_ptr="*u8", s_ptr="*u8", d_ptr=F32, bias_ptr=BF, y_ptr=BF),
+                            dict(GROUP=group, HAS_BIAS=False, EVEN_K=True, BM=bm, BN=bn, BK=bk), warps,
+                            quick=m == 1, precision={"PREC": "tc"}, no_spill=True))
+    return out
 
 
 def _fp8_cases() -> list[Case]:

@@ -1,6 +1,8 @@
 """Linear layers that take checkpoint tensors directly: `MergedLinear`, whose weight is several
 checkpoint tensors stacked along the output dim (q|k|v, gate|up: one GEMM instead of several, each
-shard written by `load_shard`), and `Fp8Linear`, one block-scaled FP8 weight.
+shard written by `load_shard`), `Fp8Linear`, one block-scaled FP8 weight, and `Fp4Linear`, one 4-bit
+weight (MXFP4 / NVFP4 in ops/fp4/weights.py's form, run by ops/fp4/linear.py; a merged weight takes
+it too, its shards' global scales kept per row).
 
 With `fp8_block` (rows, cols) a layer keeps its weight as released in FP8 (DeepSeek-V3's format)
 with `weight_scale_inv`, one fp32 factor per block, and runs the block-scaled FP8 GEMM
@@ -16,6 +18,8 @@ import triton
 from torch import nn
 
 from kdaserve.layers.distributed import local_slice
+from kdaserve.layers.kernel_choice import takes_triton
+from kdaserve.ops.fp4.weights import SCHEME_GROUP, Fp4Weights
 from kdaserve.ops.fp8.reference import FP8
 
 
@@ -33,15 +37,49 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, b
         *x.shape[:-1], weight.shape[0])
 
 
+def fp4_linear_any(x: torch.Tensor, weights: Fp4Weights, bias: torch.Tensor | None = None,
+                   backend: str = "auto") -> torch.Tensor:
+    """x W^T (+ bias) for a 4-bit weight: the Triton GEMM where the layer's per-call `backend` takes
+    it (layers/kernel_choice.takes_triton: `triton`, or `auto` on a GPU), else the definition."""
+    if takes_triton(backend, x):
+        from kdaserve.ops.fp4.linear import fp4_linear
+
+        return fp4_linear(x, weights, bias)
+    return F.linear(x, weights.dequantized(x.dtype), bias)
+
+
+def _make_fp4_weight(module: nn.Module, out_features: int, in_features: int, scheme: str, device, backend: str) -> None:
+    """`weight` (packed codes), `weight_scale` and for NVFP4 `weight_global_scale` (one per row) on `module`."""
+    group = SCHEME_GROUP[scheme]
+    if in_features % group:
+        raise ValueError(f"a 4-bit ({scheme}) weight of {in_features} inputs: the inputs must be a multiple of {group}")
+
+    def param(*shape, dtype=torch.uint8):
+        return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+    module.fp4_group, module.fp4_backend = group, backend
+    module.weight = param(out_features, in_features // 2)
+    module.weight_scale = param(out_features, in_features // group)
+    module.weight_global_scale = param(out_features, dtype=torch.float32) if group == 16 else None
+
+
+def _fp4_weights(module: nn.Module) -> Fp4Weights:
+    return Fp4Weights(module.weight, module.weight_scale, module.weight_global_scale, module.fp4_group)
+
+
 class MergedLinear(nn.Module):
     def __init__(self, in_features: int, shard_sizes: list[int], *, bias: bool = False, dtype=None, device=None,
-                 fp8_block: tuple[int, int] | None = None):
+                 fp8_block: tuple[int, int] | None = None, fp4: str | None = None, fp4_backend: str = "auto"):
+        """`fp4` ("mxfp4" / "nvfp4"): a 4-bit weight, run by the Triton GEMM where `fp4_backend` (a
+        per-call choice: auto, triton or reference) takes it."""
         super().__init__()
         self.in_features, self.shard_sizes = in_features, list(shard_sizes)
         self.offsets = [sum(shard_sizes[:i]) for i in range(len(shard_sizes) + 1)]
-        self.fp8_block = fp8_block
+        self.fp8_block, self.fp4_group = fp8_block, None
         out = self.offsets[-1]
-        if fp8_block is not None:
+        if fp4 is not None:
+            _make_fp4_weight(self, out, in_features, fp4, device, fp4_backend)
+        elif fp8_block is not None:
             br, bc = fp8_block
             if any(n % br for n in shard_sizes):
                 raise ValueError(f"an FP8 merged weight needs shards of whole {br}-row blocks, got {shard_sizes}")
@@ -59,18 +97,28 @@ class MergedLinear(nn.Module):
         if param is None:
             raise ValueError(f"checkpoint has a {param_name!r} for a linear layer built without one")
         lo, hi = self.offsets[shard], self.offsets[shard + 1]
+        if param_name == "weight_global_scale":   # one value for the shard: each of its rows divides by it
+            if tensor.numel() != 1:
+                raise ValueError(f"shard {shard}'s weight_global_scale must be one value, got {list(tensor.shape)}")
+            param.data[lo:hi] = tensor.reshape(()).float()
+            return
         if param_name == "weight_scale_inv":
             lo, hi = lo // self.fp8_block[0], hi // self.fp8_block[0]
         expected = (hi - lo, *param.shape[1:])
         tensor = local_slice(tensor, expected)   # tensor parallel: this rank's rows of the whole shard
         if tuple(tensor.shape) != expected:
             raise ValueError(f"shard {shard} of {param_name} must have shape {expected}, got {tuple(tensor.shape)}")
+        if param.dtype == torch.uint8 and tensor.dtype != torch.uint8:
+            raise ValueError(f"shard {shard} of a 4-bit weight's {param_name} arrived as {tensor.dtype}; it must come packed "
+                             f"(uint8 codes and scales)")
         if param.dtype == FP8 and tensor.dtype != FP8:
             raise ValueError(f"shard {shard} of an FP8 weight arrived as {tensor.dtype}; it must come quantized with its "
                              f"weight_scale_inv")
         param.data[lo:hi].copy_(tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp4_group is not None:
+            return fp4_linear_any(x, _fp4_weights(self), self.bias, self.fp4_backend)
         if self.fp8_block is not None:
             return fp8_linear(x, self.weight, self.weight_scale_inv, self.fp8_block, self.bias)
         return F.linear(x, self.weight, self.bias)
@@ -96,8 +144,28 @@ class Fp8Linear(nn.Module):
         return f"in_features={inp}, out_features={out}, fp8 blocks={self.block}"
 
 
-def make_linear(in_features: int, out_features: int, *, dtype, device, fp8_block: tuple[int, int] | None = None) -> nn.Module:
-    """A bias-free projection: FP8 when `fp8_block` is given, else nn.Linear in `dtype`."""
+class Fp4Linear(nn.Module):
+    """A bias-free linear layer with a 4-bit weight [out, in] (`weight` packed, `weight_scale`, and for
+    NVFP4 `weight_global_scale` per row: the checkpoint's one value fills every row at load)."""
+
+    def __init__(self, in_features: int, out_features: int, scheme: str, *, device=None, backend: str = "auto"):
+        super().__init__()
+        _make_fp4_weight(self, out_features, in_features, scheme, device, backend)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp4_linear_any(x, _fp4_weights(self), backend=self.fp4_backend)
+
+    def extra_repr(self) -> str:
+        out, half = self.weight.shape
+        return f"in_features={2 * half}, out_features={out}, 4-bit in groups of {self.fp4_group}"
+
+
+def make_linear(in_features: int, out_features: int, *, dtype, device, fp8_block: tuple[int, int] | None = None,
+                fp4: str | None = None, fp4_backend: str = "auto") -> nn.Module:
+    """A bias-free projection: 4-bit with `fp4` ("mxfp4" / "nvfp4"), FP8 when `fp8_block` is given, else
+    nn.Linear in `dtype`."""
+    if fp4 is not None:
+        return Fp4Linear(in_features, out_features, fp4, device=device, backend=fp4_backend)
     if fp8_block is not None:
         return Fp8Linear(in_features, out_features, fp8_block, device=device)
     lin = nn.Linear(in_features, out_features, bias=False, dtype=dtype, device=device)

@@ -18,7 +18,7 @@ class SwiGLUMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, activation_limit: float | None = None,
                  dtype=None, device=None, fp8_block: tuple[int, int] | None = None, backend: str = "auto",
-                 reduce_output: bool = True):
+                 reduce_output: bool = True, fp4: str | None = None):
         """Tensor parallel: gate|up column-parallel and down row-parallel over this rank's share of
         `intermediate_size`; the ranks' partial outputs are summed here unless `reduce_output` is
         False (a MoE layer's shared experts: the layer sums them with the routed experts' at once)."""
@@ -29,8 +29,9 @@ class SwiGLUMLP(nn.Module):
         # GLM-5.3-Flash's clamped SwiGLU: silu(min(gate, limit)) * clamp(up, -limit, limit).
         self.activation_limit = activation_limit
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], dtype=dtype, device=device,
-                                         fp8_block=fp8_block)
-        self.down_proj = make_linear(intermediate_size, hidden_size, dtype=dtype, device=device, fp8_block=fp8_block)
+                                         fp8_block=fp8_block, fp4=fp4, fp4_backend=self.backend)
+        self.down_proj = make_linear(intermediate_size, hidden_size, dtype=dtype, device=device, fp8_block=fp8_block,
+                                     fp4=fp4, fp4_backend=self.backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)

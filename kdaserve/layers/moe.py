@@ -30,10 +30,11 @@ class MoEMLP(nn.Module):
     def __init__(self, hidden_size: int, router: RouterConfig, expert_intermediate_size: int, *,
                  num_shared_experts: int = 0, has_correction_bias: bool = True, activation_limit: float | None = None,
                  backend: str = "auto", dtype=None, device=None, fp8_block: tuple[int, int] | None = None,
-                 shared_fp8_block: tuple[int, int] | None = None, fp4: str | None = None):
+                 shared_fp8_block: tuple[int, int] | None = None, fp4: str | None = None, shared_fp4: str | None = None):
         """`fp4` ("mxfp4" / "nvfp4"): the routed experts kept in 4 bits (ops/fp4/weights.py's form:
         packed codes, uint8 group scales and, for NVFP4, a divisor per row), decoded inside the
-        fused kernels; the reference path dequantizes them (the definition)."""
+        fused kernels; the reference path dequantizes them (the definition). `shared_fp4`: the shared
+        experts' linears in 4 bits (layers/linear.Fp4Linear)."""
         super().__init__()
         device = torch.device(device) if device is not None else torch.empty(0).device
         # Tensor parallel: every expert's width split over the ranks (gate|up by rows, down by
@@ -63,7 +64,8 @@ class MoEMLP(nn.Module):
         # The shared experts' SwiGLU follows the routed experts' backend (reference: torch throughout).
         self.shared_experts = (SwiGLUMLP(hidden_size, expert_intermediate_size * num_shared_experts,
                                          activation_limit=activation_limit, dtype=dtype, device=device,
-                                         fp8_block=shared_fp8_block, backend=self.backend, reduce_output=False)
+                                         fp8_block=shared_fp8_block, backend=self.backend, reduce_output=False,
+                                         fp4=shared_fp4)
                                if num_shared_experts else None)
 
     def _make_fp4_experts(self, E: int, I: int, hidden: int, device) -> None:

@@ -94,12 +94,12 @@ def make_mla(config: BailingHybridConfig, layer_idx: int, rotary: RotaryEmbeddin
                        dtype=dtype, device=device, fp8_block=fp8_block, rotary=rotary, head_gate=True)
 
 
-def make_moe(config: BailingHybridConfig, *, backend: str, dtype, device, fp8_block, fp8_linear_block,
-             fp4: str | None) -> MoEMLP:
+def make_moe(config: BailingHybridConfig, i: int, *, backend: str, dtype, device, fp8_block, fp8_linear_block,
+             fp4_experts: FourBitExperts) -> MoEMLP:
     c = config
     return MoEMLP(c.hidden_size, c.router, c.moe_intermediate_size, num_shared_experts=c.n_shared_experts,
                   backend=backend, dtype=dtype, device=device, fp8_block=fp8_block, shared_fp8_block=fp8_linear_block,
-                  fp4=fp4)
+                  fp4=fp4_experts.scheme(i), shared_fp4=fp4_experts.mlp_scheme(i, shared=True))
 
 
 class BailingDecoderLayer(PreNormDecoderLayer):
@@ -121,10 +121,11 @@ class BailingDecoderLayer(PreNormDecoderLayer):
             self.self_attn = make_mla(c, i, rotary, backend=mla_backend, dtype=dtype, device=device,
                                       fp8_block=fp8_linear_block)
         if self.is_moe:
-            self.mlp = make_moe(c, backend=moe_backend, dtype=dtype, device=device, fp8_block=fp8_block,
-                                fp8_linear_block=fp8_linear_block, fp4=fp4_experts.scheme(i))
+            self.mlp = make_moe(c, i, backend=moe_backend, dtype=dtype, device=device, fp8_block=fp8_block,
+                                fp8_linear_block=fp8_linear_block, fp4_experts=fp4_experts)
         else:
-            self.mlp = SwiGLUMLP(h, c.intermediate_size, dtype=dtype, device=device, fp8_block=fp8_linear_block)
+            self.mlp = SwiGLUMLP(h, c.intermediate_size, dtype=dtype, device=device, fp8_block=fp8_linear_block,
+                                 fp4=fp4_experts.mlp_scheme(i, shared=False))
 
 
 class BailingHybridModel(DecoderStack):

@@ -24,8 +24,8 @@ class BailingHybridMTP(MTPLayer):
         super().__init__(h, c.rms_norm_eps, c.num_hidden_layers, dtype=dtype, device=device)
         self.self_attn = make_mla(c, self.layer_idx, rotary, backend=mla_backend, dtype=dtype, device=device,
                                   fp8_block=fp8_linear_block)
-        self.mlp = make_moe(c, backend=moe_backend, dtype=dtype, device=device, fp8_block=fp8_block,
-                            fp8_linear_block=fp8_linear_block, fp4=fp4_experts.scheme(self.layer_idx))
+        self.mlp = make_moe(c, self.layer_idx, backend=moe_backend, dtype=dtype, device=device, fp8_block=fp8_block,
+                            fp8_linear_block=fp8_linear_block, fp4_experts=fp4_experts)
         self.final_layernorm = RMSNorm(h, c.rms_norm_eps, dtype=dtype, device=device)
 
     @property

@@ -189,21 +189,39 @@ def fp4_policy() -> str:
 
 @dataclass(frozen=True)
 class FourBitExperts:
-    """The MoE layers whose routed experts stay 4-bit: layer index -> "mxfp4" / "nvfp4". A layer's
-    experts stay 4-bit when the checkpoint quantizes every one of their projections with one
-    scheme; a layer quantized only in part is dequantized (with a log line)."""
+    """What stays 4-bit: the routed experts of MoE layers (layer index -> "mxfp4" / "nvfp4") and the
+    dense or shared-expert MLPs ((layer index, shared?) -> scheme). Experts stay 4-bit when the
+    checkpoint quantizes every one of their projections with one scheme, an MLP when its gate, up
+    and down projections share one; anything quantized only in part is dequantized (a log line)."""
 
     layers: dict[int, str]
     layer: re.Pattern      # a released layer tensor name -> (index, rest): the family's
     experts: re.Pattern    # `rest` of a routed expert's weight
+    mlps: dict[tuple[int, bool], str] = field(default_factory=dict)
+    mlp: re.Pattern = re.compile("(?!)")   # `rest` of a dense or shared-expert MLP's weight
 
     def scheme(self, i: int) -> str | None:
         return self.layers.get(i)
 
+    def mlp_scheme(self, i: int, shared: bool) -> str | None:
+        """Layer i's dense MLP (shared=False) or shared experts' scheme, None in full precision."""
+        return self.mlps.get((i, shared))
+
     def keeps(self, module: str) -> bool:
-        """Whether released module `<m>` (of `<m>.weight`) is a routed expert kept in 4 bits."""
+        """Whether released module `<m>` (of `<m>.weight`) is kept in 4 bits."""
         m = self.layer.fullmatch(module + ".weight")
-        return bool(m) and int(m[1]) in self.layers and self.experts.fullmatch(m[2]) is not None
+        if not m:
+            return False
+        i, rest = int(m[1]), m[2]
+        if self.experts.fullmatch(rest):
+            return i in self.layers
+        return self.mlp.fullmatch(rest) is not None and (i, "shared_experts" in rest) in self.mlps
+
+    def scheme_of(self, module: str) -> str:
+        """The scheme of a kept module."""
+        m = self.layer.fullmatch(module + ".weight")
+        i, rest = int(m[1]), m[2]
+        return self.layers[i] if self.experts.fullmatch(rest) else self.mlps[i, "shared_experts" in rest]
 
     def with_pieces(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
         """Released `shapes` with each kept expert's weight [out, in] as its 4-bit tensors: packed
@@ -216,7 +234,7 @@ class FourBitExperts:
             if not (name.endswith(".weight") and self.keeps(module)):
                 out[name] = shape
                 continue
-            scheme = self.layers[int(self.layer.fullmatch(name)[1])]
+            scheme = self.scheme_of(module)
             rows, cols = shape
             out[name] = (rows, cols // 2)
             out[module + ".weight_scale"] = (rows, cols // SCHEME_GROUP[scheme])
@@ -229,23 +247,34 @@ NO_FOUR_BIT_EXPERTS = FourBitExperts({}, re.compile("(?!)"), re.compile("(?!)"))
 
 
 def four_bit_experts(config_extra: dict, shapes: dict[str, tuple[int, ...]], layer: re.Pattern,
-                     experts: re.Pattern) -> FourBitExperts:
-    """Which MoE layers keep 4-bit experts (see FourBitExperts), from the checkpoint's config and
-    the family's released `shapes`; none without a 4-bit config or under KDASERVE_FP4_WEIGHTS=dequantize."""
+                     experts: re.Pattern, mlp: re.Pattern) -> FourBitExperts:
+    """What a model keeps in 4 bits (see FourBitExperts), from the checkpoint's config and the
+    family's released `shapes`; nothing without a 4-bit config or under KDASERVE_FP4_WEIGHTS=dequantize."""
     layout = fp4_layout(config_extra)
     if layout is None or fp4_policy() == "dequantize":
         return NO_FOUR_BIT_EXPERTS
-    per_layer: dict[int, set[str | None]] = {}
+    per_experts: dict[int, set[str | None]] = {}
+    per_mlp: dict[tuple[int, bool], set[str | None]] = {}
     for name in shapes:
         m = layer.fullmatch(name)
-        if m and experts.fullmatch(m[2]):
-            per_layer.setdefault(int(m[1]), set()).add(layout.scheme_of(name.removesuffix(".weight")))
-    kept = {i: next(iter(schemes)) for i, schemes in per_layer.items() if len(schemes) == 1 and None not in schemes}
-    partial = sorted(i for i, schemes in per_layer.items() if len(schemes) > 1)
-    if partial:
-        log.warning("layers %s quantize only some of their experts' projections (or with several schemes): their experts "
-                    "are dequantized at load", partial)
-    return FourBitExperts(kept, layer, experts)
+        if not m:
+            continue
+        scheme = None
+        if experts.fullmatch(m[2]):
+            scheme = layout.scheme_of(name.removesuffix(".weight"))
+            per_experts.setdefault(int(m[1]), set()).add(scheme)
+        elif mlp.fullmatch(m[2]):
+            scheme = layout.scheme_of(name.removesuffix(".weight"))
+            per_mlp.setdefault((int(m[1]), "shared_experts" in m[2]), set()).add(scheme)
+
+    def whole(groups: dict) -> dict:
+        partial = sorted(k for k, schemes in groups.items() if len(schemes) > 1)
+        if partial:
+            log.warning("4-bit checkpoint: %s quantized only in part (or with several schemes): dequantized at load",
+                        partial)
+        return {k: next(iter(s)) for k, s in groups.items() if len(s) == 1 and None not in s}
+
+    return FourBitExperts(whole(per_experts), layer, experts, whole(per_mlp), mlp)
 
 
 def dequantized_fp4_weights(weights: Iterable[tuple[str, torch.Tensor]], layout: Fp4Layout, dtype: torch.dtype,
@@ -259,6 +288,7 @@ def dequantized_fp4_weights(weights: Iterable[tuple[str, torch.Tensor]], layout:
     keep = keep or (lambda module: False)
     waiting: dict[str, dict[str, torch.Tensor]] = {}
     schemes: dict[str, str | None] = {}
+    said: set[str] = set()
 
     def scheme(module: str) -> str | None:
         if module not in schemes:
@@ -271,6 +301,10 @@ def dequantized_fp4_weights(weights: Iterable[tuple[str, torch.Tensor]], layout:
         # scales and global scales. Everything else (norms, embeddings, a float weight) passes.
         packed = piece in ("weight_packed", *_UNUSED, "weight_global_scale") or (piece == "weight" and t.dtype == torch.uint8)
         if piece == "weight" and not packed and keep(module) and scheme(module) is not None:
+            if "quantized" not in said:   # random weights always; a checkpoint only against its own config
+                said.add("quantized")
+                log.info("%s arrived in full precision though the config quantizes it (%s): quantized at load, as are "
+                         "others like it", name, scheme(module))
             yield from _quantized_pieces(module, t, scheme(module))
             continue
         if not (packed or piece == "weight_scale"):

@@ -164,7 +164,8 @@ class Fp8Layout:
         model keeps FP8 experts (--quantization fp8 over a 4-bit checkpoint dequantizes it first)."""
         from kdaserve.models.fp4 import NO_FOUR_BIT_EXPERTS, four_bit_experts
 
-        return NO_FOUR_BIT_EXPERTS if fp8_block else four_bit_experts(config.extra, shapes, self.layer, self.experts)
+        return (NO_FOUR_BIT_EXPERTS if fp8_block
+                else four_bit_experts(config.extra, shapes, self.layer, self.experts, self.mlps))
 
     def four_bit_tensors(self, config, shapes: dict[str, tuple[int, ...]], device,
                          quantization: str | None) -> Callable[[str], int | None]:
@@ -175,8 +176,8 @@ class Fp8Layout:
         experts = self.four_bit_experts(config, shapes, self.blocks(config, device, quantization, say=False)[0])
 
         def group(name: str) -> int | None:
-            kept = name.endswith(".weight") and experts.keeps(name.removesuffix(".weight"))
-            return SCHEME_GROUP[experts.scheme(int(self.layer.fullmatch(name)[1]))] if kept else None
+            module = name.removesuffix(".weight")
+            return SCHEME_GROUP[experts.scheme_of(module)] if name.endswith(".weight") and experts.keeps(module) else None
         return group
 
     def checkpoint_weights(self, model, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -107,10 +107,11 @@ class Glm5NextDecoderLayer(nn.Module):
         if self.is_moe:
             self.mlp = MoEMLP(h, c.router, c.moe_intermediate_size, num_shared_experts=c.n_shared_experts,
                               activation_limit=c.swiglu_limit, backend=moe_backend, dtype=dtype, device=device,
-                              fp8_block=fp8_block, shared_fp8_block=fp8_linear_block, fp4=fp4_experts.scheme(i))
+                              fp8_block=fp8_block, shared_fp8_block=fp8_linear_block, fp4=fp4_experts.scheme(i),
+                              shared_fp4=fp4_experts.mlp_scheme(i, shared=True))
         else:
             self.mlp = SwiGLUMLP(h, c.intermediate_size, activation_limit=c.swiglu_limit, dtype=dtype, device=device,
-                                 fp8_block=fp8_linear_block)
+                                 fp8_block=fp8_linear_block, fp4=fp4_experts.mlp_scheme(i, shared=False))
 
     @property
     def mixer(self) -> nn.Module:

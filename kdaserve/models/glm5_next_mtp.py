@@ -38,7 +38,8 @@ class Glm5NextMTP(MTPLayer):
             fp8_block=fp8_linear_block)
         self.mlp = MoEMLP(h, c.router, c.moe_intermediate_size, num_shared_experts=c.n_shared_experts,
                           activation_limit=c.swiglu_limit, backend=moe_backend, dtype=dtype, device=device,
-                          fp8_block=fp8_block, shared_fp8_block=fp8_linear_block, fp4=fp4_experts.scheme(self.layer_idx))
+                          fp8_block=fp8_block, shared_fp8_block=fp8_linear_block, fp4=fp4_experts.scheme(self.layer_idx),
+                          shared_fp4=fp4_experts.mlp_scheme(self.layer_idx, shared=True))
         self.shared_head = SharedHead(h, c.rms_norm_eps, dtype, device)
 
     @property

@@ -81,9 +81,11 @@ class KimiDecoderLayer(PreNormDecoderLayer):
         if self.is_moe:
             self.block_sparse_moe = MoEMLP(h, c.router, c.moe_intermediate_size, num_shared_experts=c.n_shared_experts,
                                            backend=moe_backend, dtype=dtype, device=device, fp8_block=fp8_block,
-                                           shared_fp8_block=fp8_linear_block, fp4=fp4_experts.scheme(i))
+                                           shared_fp8_block=fp8_linear_block, fp4=fp4_experts.scheme(i),
+                                           shared_fp4=fp4_experts.mlp_scheme(i, shared=True))
         else:
-            self.mlp = SwiGLUMLP(h, c.intermediate_size, dtype=dtype, device=device, fp8_block=fp8_linear_block)
+            self.mlp = SwiGLUMLP(h, c.intermediate_size, dtype=dtype, device=device, fp8_block=fp8_linear_block,
+                                 fp4=fp4_experts.mlp_scheme(i, shared=False))
 
     @property
     def feed_forward(self) -> nn.Module:

@@ -50,7 +50,7 @@ CASES = {
     # Kimi-Linear, compressed-tensors: the routed experts targeted by a regex.
     "kimi-nvfp4": ("kimi-tiny", lambda name: ".experts." in name, {
         "quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
-        "config_groups": {"group_0": {"targets": ["re:.*experts.*"], "weights": NVFP4_WEIGHTS, "input_activations": None,
+        "config_groups": {"group_0": {"targets": ["re:.*\\.experts\\..*"], "weights": NVFP4_WEIGHTS, "input_activations": None,
                                       "format": "nvfp4-pack-quantized"}}, "ignore": ["lm_head"]}),
     # GLM-5.3-Flash, compressed-tensors: every MLP linear (dense, shared, routed) under "Linear" targets,
     # the attention layers and the router ignored.
@@ -119,6 +119,10 @@ def test_a_4bit_checkpoint_gives_its_dequantized_twins_log_probs_bit_for_bit(tmp
     llm = LLM(str(fp4), **REF)
     group = {"keep": 32 if "quark" in case else 16, "dequantize": None}[policy]
     assert {(m.fp4_group, m.w13.dtype) for m in _moe_layers(llm)} == {(group, torch.uint8 if group else torch.float32)}
+    # the shared experts' and dense MLPs' linears where the case quantizes them, through layers/linear's 4-bit forms
+    four_bit_linears = [n for n, m in llm.engine.runner.model.named_modules() if getattr(m, "fp4_group", None)
+                        and not hasattr(m, "router")]
+    assert bool(four_bit_linears) == (group is not None and case.startswith("glm"))
     ours = logprob_rows(llm, PROMPTS, VOCAB)
     want = logprob_rows(LLM(str(twin), **REF), PROMPTS, VOCAB)
     for a, b in zip(ours, want):

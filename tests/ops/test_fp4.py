@@ -1,8 +1,8 @@
-"""4-bit experts inside the fused MoE kernels (ops/fp4/tiles.py, ops/moe/fused.py's W4 path) against
-the definition: the reference over the dequantized weights (ops/fp4/reference.py). The decoders
-exactly, over every byte and every scale code; the GEMMs on fresh random experts in both formats,
-at every launch shape and routing mode (CPU: the interpreter in fp32 and fp16; GPU: bf16 at
-Kimi-Linear's expert sizes)."""
+"""4-bit weights inside Triton GEMMs (ops/fp4/tiles.py): the fused MoE kernels' W4 path and the 4-bit
+linear layer (ops/fp4/linear.py), against the definition, the torch path over the dequantized
+weights (ops/fp4/reference.py). The decoders exactly, over every byte and every scale code; the
+GEMMs on fresh random weights in both formats, at every launch shape and routing mode (CPU: the
+interpreter in fp32 and fp16; GPU: bf16 at Kimi-Linear's sizes)."""
 
 from __future__ import annotations
 
@@ -170,6 +170,41 @@ def test_the_4bit_form_and_its_refusals():
         moe_experts_fused(x, w13, fp4_experts(2, 64, 32, "mxfp4")[1], weights, ids)
     with pytest.raises(ValueError, match="shared expert runs apart"):
         moe_experts_fused(x, w13, w2, weights, ids, shared=(torch.zeros(64, 64), torch.zeros(64, 32)))
+
+
+@INTERP
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("M, N, K, bias", [(1, 80, 64, False), (13, 64, 96, True), (200, 48, 160, False)],
+                         ids=["decode", "masked-k+bias", "prefill"])
+def test_4bit_linear_matches_the_definition(scheme, M, N, K, bias):
+    """Rows and columns past the tile edges (80 = 64 + 16, 48 < 64), K not a multiple of the K step."""
+    import torch.nn.functional as F
+
+    from kdaserve.ops.fp4.linear import fp4_linear
+
+    g = torch.Generator().manual_seed(M)
+    w = fp4_stack((torch.randn(1, N, K, generator=g) * K**-0.5), scheme)[0]
+    x = torch.randn(M, K, generator=g)
+    b = torch.randn(N, generator=g) if bias else None
+    want = F.linear(x, w.dequantized(torch.float32), b)
+    assert_rel_close(fp4_linear(x, w, b), want, 1e-5, f"4-bit linear {scheme} {M}x{N}x{K}")
+    assert fp4_linear(x[:0], w).shape == (0, N)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("M", [1, 64, 4096])
+def test_gpu_4bit_linear_at_glm_shared_expert_sizes(scheme, M):
+    """A shared expert's gate|up (4096 rows over hidden 6144) in bf16 against the fp32 definition."""
+    import torch.nn.functional as F
+
+    from kdaserve.ops.fp4.linear import fp4_linear
+
+    g = torch.Generator(device="cuda").manual_seed(M)
+    w = fp4_stack(torch.randn(1, 4096, 6144, device="cuda", generator=g) * 6144**-0.5, scheme)[0]
+    x = torch.randn(M, 6144, device="cuda", generator=g).bfloat16()
+    assert_rel_close(fp4_linear(x, w).float(), F.linear(x.float(), w.dequantized(torch.float32)), 1e-2,
+                     f"4-bit linear {scheme} bf16 M={M}")
 
 
 @pytest.mark.gpu

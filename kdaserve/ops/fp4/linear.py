@@ -1,0 +1,81 @@
+"""A linear layer with 4-bit weights (Triton, W4A16): y = x W^T (+ bias), W in ops/fp4/weights.py's
+form, decoded in registers per K step as the fused MoE kernels decode their experts (tiles.py).
+
+One program per (BM rows, BN output columns) tile. Rows and columns past the edge wrap around
+instead of being masked, as the FP8 GEMM does (ops/fp8/block_gemm.py): the loads stay unmasked and
+the store drops them. Tiles by batch size: 16 rows at decode (the cost is the weight's bytes, read
+once per 16 rows), wider at prefill."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kdaserve.ops import interpreter_compat
+from kdaserve.ops.fp4.tiles import fp4_dot
+from kdaserve.ops.fp4.weights import Fp4Weights
+from kdaserve.ops.precision import dot_precision
+
+
+@triton.jit
+def _fp4_linear_kernel(
+    x_ptr, w_ptr, s_ptr, d_ptr, bias_ptr, y_ptr,
+    M, N, K, stride_x, stride_w, stride_s, stride_y,
+    GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+):
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    rows_in = (rows % M).to(tl.int64)
+    cols_in = (cols % N).to(tl.int64)
+    acc = tl.zeros([BM, BN], tl.float32)
+    for k0 in range(0, K, BK):
+        kh = k0 // 2 + tl.arange(0, BK // 2)   # byte columns of this K step: elements 2 kh and 2 kh + 1
+        kh_ok = (kh < K // 2) | EVEN_K
+        a_even = x_ptr + rows_in[:, None] * stride_x + 2 * kh[None, :]
+        a_lo = tl.load(a_even, mask=kh_ok[None, :], other=0.0)
+        a_hi = tl.load(a_even + 1, mask=kh_ok[None, :], other=0.0)
+        acc = fp4_dot(a_lo, a_hi, w_ptr + cols_in[None, :] * stride_w + kh[:, None],
+                      s_ptr + cols_in[None, :] * stride_s + (2 * kh // GROUP)[:, None], kh_ok[:, None], acc, GROUP, PREC)
+    if GROUP == 16:   # NVFP4's global scale divides, per output row of W
+        acc = acc / tl.load(d_ptr + cols_in)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols_in).to(tl.float32)[None, :]
+    out = y_ptr + rows.to(tl.int64)[:, None] * stride_y + cols[None, :]
+    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
+
+
+def fp4_tiles(m: int) -> tuple[int, int, int, int]:
+    """(BM, BN, BK, warps) for m rows: decode-sized batches read the weight once per 16 rows."""
+    if m <= 16:
+        return 16, 64, 128, 4
+    if m <= 128:
+        return 64, 64, 64, 4
+    return 128, 64, 64, 8
+
+
+def fp4_linear(x: torch.Tensor, w: Fp4Weights, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] -> [..., out] in x's dtype; the definition is F.linear(x, w.dequantized(x.dtype), bias)."""
+    out_features, in_features = w.shape
+    if x.shape[-1] != in_features or w.packed.dim() != 2:
+        raise ValueError(f"a 4-bit linear layer of {in_features} inputs needs x [..., {in_features}], got {list(x.shape)}")
+    interpreter_compat.install()
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, in_features)
+    x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
+    w = w.contiguous()
+    M = x2.shape[0]
+    y = torch.empty(M, out_features, dtype=x.dtype, device=x.device)
+    if M == 0:
+        return y.view(*lead, out_features)
+    BM, BN, BK, warps = fp4_tiles(M)
+    BK = max(32, min(BK, triton.next_power_of_2(in_features)))
+    prec = "ieee" if x.dtype == torch.float32 else dot_precision(x.device).tensor_core
+    div = w.divisor if w.divisor is not None else w.scale   # unused for MXFP4
+    b = bias if bias is not None else y
+    _fp4_linear_kernel[(triton.cdiv(M, BM), triton.cdiv(out_features, BN))](
+        x2, w.packed, w.scale, div, b, y, M, out_features, in_features, x2.stride(0), w.packed.stride(0),
+        w.scale.stride(0), y.stride(0), GROUP=w.group, HAS_BIAS=bias is not None, EVEN_K=in_features % BK == 0,
+        BM=BM, BN=BN, BK=BK, PREC=prec, num_warps=warps)
+    return y.view(*lead, out_features)
