@@ -51,7 +51,8 @@ class EngineConfig:
         "fp8: block-scaled FP8 weights (experts and linear projections; a bf16 checkpoint is quantized at load, "
         "128 x 128 blocks); default: the checkpoint's own format (an FP8 checkpoint keeps its experts in FP8 where "
         "FP8 dots run, KDASERVE_FP8_WEIGHTS); mxfp4 / quark / compressed-tensors: the checkpoint's own 4-bit format "
-        "(checked; recognised without the flag too)", choices=("fp8", "mxfp4", "quark", "compressed-tensors")))
+        "(checked; recognised without the flag too; experts and MLPs stay 4-bit, KDASERVE_FP4_WEIGHTS), or with "
+        "--load-format dummy random weights with MXFP4 / NVFP4 experts", choices=("fp8", "mxfp4", "quark", "compressed-tensors")))
     kda_prefill_backend: str = field(default="auto", metadata=_flag(
         "KDA prefill backend; auto picks the fastest whose requirements hold (kdaserve info lists them)"))
     kda_decode_backend: str = field(default="auto", metadata=_flag(
