@@ -61,13 +61,16 @@ def check_ranks(config: EngineConfig) -> None:
 
     n, device = config.tensor_parallel_size, config.device
     model_config = resolve_model(config.model, config.load_format, tokenizer=False)[0]
+    ep = config.enable_expert_parallel
     for name in _SPLIT_SIZES:
         value = getattr(model_config, name, None)
-        if isinstance(value, int) and value > 0:
+        if isinstance(value, int) and value > 0 and not (ep and name == "moe_intermediate_size"):
             split(value, f"the model's {name}", n)
-    if config.enable_expert_parallel:
-        raise ValueError(f"--enable-expert-parallel: whole experts per rank are not built yet; -tp {n} alone splits "
-                         f"every expert's width over the ranks, which holds the same expert bytes per rank")
+    if ep:   # whole experts per rank: the routed experts' count splits, each expert's width does not
+        router = _router(model_config)
+        if router is None:
+            raise ValueError(f"--enable-expert-parallel: {config.model} has no routed experts to split; leave it out")
+        split(router.num_experts, "the model's routed experts (--enable-expert-parallel)", n)
     if device.type == "cuda":
         have = torch.cuda.device_count() - (device.index or 0)
         if n > have:
@@ -78,7 +81,15 @@ def check_ranks(config: EngineConfig) -> None:
                          f"'ngram', or -tp 1")
 
 
-def _init_group(rank: int, size: int, port: int, device: torch.device) -> TensorParallel:
+def _router(model_config):
+    """The model's router settings, None without routed experts."""
+    try:
+        return getattr(model_config, "router", None)
+    except (ValueError, AttributeError):   # a config without experts may refuse to make a router
+        return None
+
+
+def _init_group(rank: int, size: int, port: int, device: torch.device, expert_parallel: bool) -> TensorParallel:
     import torch.distributed as dist
 
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -88,7 +99,7 @@ def _init_group(rank: int, size: int, port: int, device: torch.device) -> Tensor
                             timeout=collective_timeout())
     group = dist.group.WORLD
     cpu_group = dist.new_group(backend="gloo", timeout=collective_timeout()) if backend == "nccl" else group
-    return TensorParallel(rank, size, group, cpu_group)
+    return TensorParallel(rank, size, group, cpu_group, expert_parallel)
 
 
 def agree_on_memory(memory: MemoryPlan, tp: TensorParallel) -> MemoryPlan:
@@ -126,7 +137,7 @@ class TensorParallelRanks:
         atexit.register(self.close)
         self.device = rank_device(config.device, 0)
         self._closing = False
-        self.state = _init_group(0, n, port, self.device)   # the engine builds its model under it
+        self.state = _init_group(0, n, port, self.device, config.enable_expert_parallel)   # the model is built under it
         threading.Thread(target=self._watch, name="kdaserve-tp-watch", daemon=True).start()
         log.info("tensor parallel: %d ranks (%s), rank 0 schedules", n, "NCCL" if self.device.type == "cuda" else "gloo")
 
@@ -182,7 +193,7 @@ def _rank_main(config: EngineConfig, rank: int, size: int, port: int) -> None:
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s %(levelname)s %(name)s[tp rank {rank}]: %(message)s")
     device = rank_device(config.device, rank)
     config = dataclasses.replace(config, device=device)
-    state = _init_group(rank, size, port, device)
+    state = _init_group(rank, size, port, device, config.enable_expert_parallel)
     set_tensor_parallel(state)   # this process is one rank: everything it builds is its shard
     try:
         loaded = load_engine_model(config)

@@ -23,6 +23,7 @@ class TensorParallel:
     size: int = 1
     group: object = None        # the ranks' device group (NCCL on GPUs, gloo on CPUs); None at size 1
     cpu_group: object = None    # a gloo group over the same ranks: the engine's per-step messages
+    expert_parallel: bool = False   # MoE layers: whole experts per rank (E / size each) instead of each one's width
 
 
 _STATE = TensorParallel()

@@ -38,15 +38,24 @@ class MoEMLP(nn.Module):
         super().__init__()
         device = torch.device(device) if device is not None else torch.empty(0).device
         # Tensor parallel: every expert's width split over the ranks (gate|up by rows, down by
-        # columns), the router whole; the routed and shared experts' partial sums added once.
-        E, I = router.num_experts, split(expert_intermediate_size, "moe_intermediate_size")
-        self.tp = tensor_parallel()
+        # columns), or with expert parallelism whole experts per rank (E / N of them, from
+        # `expert_offset`); the router whole, the shared experts' width split either way; the
+        # routed and shared experts' partial sums added once.
+        self.tp = tp = tensor_parallel()
+        self.expert_parallel = tp.expert_parallel and tp.size > 1
+        if self.expert_parallel:
+            E, I = split(router.num_experts, "the routed experts (--enable-expert-parallel)"), expert_intermediate_size
+            self.expert_offset = tp.rank * E
+        else:
+            E, I = router.num_experts, split(expert_intermediate_size, "moe_intermediate_size")
+            self.expert_offset = 0
         self.router, self.hidden_size, self.intermediate_size = router, hidden_size, I
         self.activation_limit = activation_limit
         f32 = dict(dtype=torch.float32, device=device)
-        self.gate_weight = nn.Parameter(torch.zeros(E, hidden_size, **f32), requires_grad=False)
-        self.e_score_correction_bias = (nn.Parameter(torch.zeros(E, **f32), requires_grad=False)
+        self.gate_weight = nn.Parameter(torch.zeros(router.num_experts, hidden_size, **f32), requires_grad=False)
+        self.e_score_correction_bias = (nn.Parameter(torch.zeros(router.num_experts, **f32), requires_grad=False)
                                         if has_correction_bias else None)
+        self.num_local_experts = E
         self.fp8_block, self.fp4_group = fp8_block, SCHEME_GROUP[fp4] if fp4 else None
         if fp4:
             self._make_fp4_experts(E, I, hidden_size, device)
@@ -97,6 +106,9 @@ class MoEMLP(nn.Module):
         E, I = self.router.num_experts, self.intermediate_size
         if not 0 <= expert < E:
             raise ValueError(f"expert index {expert} out of range: the model has {E} routed experts")
+        expert -= self.expert_offset
+        if not 0 <= expert < self.num_local_experts:   # expert parallel: another rank's expert (never read)
+            return
         if piece != "weight_scale_inv" and (self.fp4_group is not None or piece != "weight"):
             self._load_fp4_piece(expert, which, tensor, piece)
             return
@@ -148,7 +160,7 @@ class MoEMLP(nn.Module):
         one shared expert of the routed width in the routed dtype, the routing kernel (it appends
         the column), a decode-sized step."""
         s = self.shared_experts
-        if (s is None or self.backend != "triton" or num_tokens > SHARED_AS_EXPERT_MAX_TOKENS
+        if (s is None or self.backend != "triton" or num_tokens > SHARED_AS_EXPERT_MAX_TOKENS or self.expert_parallel
                 or self.fp8_block is not None or self.fp4_group is not None or s.activation_limit != self.activation_limit):
             return None
         w13, w2 = getattr(s.gate_up_proj, "weight", None), getattr(s.down_proj, "weight", None)
@@ -169,6 +181,12 @@ class MoEMLP(nn.Module):
                                     use_kernel=self.backend == "triton",
                                     extra_expert=self.router.num_experts if shared_expert is not None else None)
         w13, w2 = self.experts()
+        if self.expert_parallel:   # other ranks' experts become the skipped expert E_local, weight 0
+            local = ids - self.expert_offset
+            mine = (local >= 0) & (local < self.num_local_experts)
+            ids = torch.where(mine, local, self.num_local_experts)
+            weights = torch.where(mine, weights, 0.0)
+        skip = dict(skip_expert=True) if self.expert_parallel else {}
         if self.backend == "triton":
             from kdaserve.ops.moe.fused import moe_experts_fused
 
@@ -178,12 +196,12 @@ class MoEMLP(nn.Module):
             shared = self.shared_experts(x) if self.shared_experts is not None else None
             fp8 = {} if self.fp8_block is None else dict(w13_scale=self.w13_scale_inv, w2_scale=self.w2_scale_inv,
                                                          block=self.fp8_block)
-            return moe_experts_fused(x, w13, w2, weights, ids, self.activation_limit, addend=shared, **fp8)
+            return moe_experts_fused(x, w13, w2, weights, ids, self.activation_limit, addend=shared, **fp8, **skip)
         if self.fp8_block is not None:
             out = moe_experts_fp8_reference(x, self.w13, self.w2, weights, ids, self.activation_limit, self.w13_scale_inv,
-                                            self.w2_scale_inv, self.fp8_block)
+                                            self.w2_scale_inv, self.fp8_block, **skip)
         else:
-            out = moe_experts_reference(x, w13, w2, weights, ids, self.activation_limit)
+            out = moe_experts_reference(x, w13, w2, weights, ids, self.activation_limit, **skip)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

@@ -37,12 +37,18 @@ def _compare(one, two) -> None:
             assert x["token_id"] == y["token_id"] and abs(x["logprob"] - y["logprob"]) < 1e-4, (x, y)
 
 
-@pytest.fixture(params=["nano", "kimi-tiny", "glm-tiny", "ling-tiny"])
+@pytest.fixture(params=["nano", "kimi-tiny", "glm-tiny", "ling-tiny", "glm-tiny+ep", "ling-tiny+ep"])
 def ranks(request):
     """The model on one rank and on two (KDA, MLA, MoE and dense layers; GLM's DSA indexer and
-    hyper-connections; Ling-3's full-rank gates, gated MLA with RoPE and grouped routing), the same settings."""
-    one = LLM(request.param, **ENGINE)
-    two = LLM(request.param, tensor_parallel_size=2, **ENGINE)
+    hyper-connections; Ling-3's full-rank gates, gated MLA with RoPE and grouped routing), the same
+    settings; `+ep`: with --enable-expert-parallel (whole experts per rank, 4 or 8 each, the shared
+    expert's width split)."""
+    model, _, ep = request.param.partition("+")
+    one = LLM(model, **ENGINE)
+    two = LLM(model, tensor_parallel_size=2, enable_expert_parallel=ep == "ep", **ENGINE)
+    if ep:
+        moe = [m for m in two.engine.runner.model.modules() if hasattr(m, "expert_parallel")]
+        assert moe and all(m.expert_parallel and m.w13.shape[0] == m.router.num_experts // 2 for m in moe)
     yield one, two
     two.engine.close()
 
@@ -77,15 +83,15 @@ def test_ngram_speculation_at_two_ranks():
 @pytest.mark.parametrize("kw, message", [
     (dict(tensor_parallel_size=3), r"--tensor-parallel-size 3 does not divide the model's num_attention_heads \(4\); "
                                    r"the sizes that do: 1, 2, 4"),
-    (dict(tensor_parallel_size=2, enable_expert_parallel=True), r"--enable-expert-parallel: whole experts per rank are "
-                                                                r"not built yet"),
+    (dict(tensor_parallel_size=2, enable_expert_parallel=True), r"--enable-expert-parallel: tiny has no routed "
+                                                                r"experts to split"),
     (dict(enable_expert_parallel=True), r"--enable-expert-parallel splits the experts over the ranks of "
                                         r"--tensor-parallel-size N"),
     (dict(tensor_parallel_size=2, speculative_config={"method": "mtp", "num_speculative_tokens": 1}),
      r"speculative method 'mtp' runs one rank only so far"),
 ])
 def test_what_two_ranks_cannot_do_is_refused_before_they_start(kw, message):
-    model = "glm-tiny" if "speculative_config" in kw else "nano"
+    model = "glm-tiny" if "speculative_config" in kw else "tiny" if "enable_expert_parallel" in kw else "nano"
     with pytest.raises(ValueError, match=message):
         LLM(model, **dict(ENGINE, async_scheduling=False), **kw)
     import torch.distributed as dist

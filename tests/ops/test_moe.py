@@ -332,6 +332,26 @@ def test_layer_with_shared_experts_equals_its_reference(T, monkeypatch):
     assert [("shared" in kw, "addend" in kw) for kw in calls] == [(as_expert, not as_expert)]
 
 
+@INTERP
+@pytest.mark.parametrize("T", [1, 13])
+def test_skipped_choices_add_nothing(T):
+    """Expert parallelism: choices of another rank's experts come as id E with weight 0; the fused
+    path aligns them as one more expert that no program runs, and their rows add nothing: the
+    same as the reference over this rank's choices alone."""
+    from kdaserve.ops.moe.fused import moe_experts_fused
+
+    E, k = 4, 3
+    w13, w2 = experts(E, 32, 48)
+    x = torch.randn(T, 32, generator=torch.Generator().manual_seed(T))
+    weights, ids = _routing(T, 2 * E, k, "random", seed=T)   # 8 experts over two ranks: this one holds 0..3
+    mine = ids < E
+    local_ids, local_w = torch.where(mine, ids, E), torch.where(mine, weights, 0.0)
+    want = moe_experts_reference(x, w13, w2, local_w, torch.where(mine, ids, 0))   # weight 0: nothing added
+    got_ref = moe_experts_reference(x, w13, w2, local_w, local_ids, skip_expert=True)
+    assert torch.equal(got_ref, want)
+    assert_rel_close(moe_experts_fused(x, w13, w2, local_w, local_ids, skip_expert=True), want, 1e-5, "skipped choices")
+
+
 def test_fused_refuses_mismatched_weights():
     from kdaserve.ops.moe.fused import moe_experts_fused
 

@@ -248,7 +248,7 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
                       w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
                       block: tuple[int, int] | None = None, tiles: MoeTiles | None = None,
                       addend: torch.Tensor | None = None,
-                      shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                      shared: tuple[torch.Tensor, torch.Tensor] | None = None, skip_expert: bool = False) -> torch.Tensor:
     """Same contract as ops/moe/reference.moe_experts_reference: x [T, hidden] -> [T, hidden];
     `addend` [T, hidden] (the shared experts' output) is added before the result's one rounding.
     `shared` = (w13 [2I, hidden], w2 [hidden, I]) of a shared expert of the routed experts' width,
@@ -260,7 +260,9 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     moe_tiles' (benchmarks; an FP8 K step must equal the scale block's columns).
     4-bit experts (w13, w2 as ops/fp4/weights.Fp4Weights, MXFP4 or NVFP4) are decoded in registers
     inside both GEMMs, x and the SiLU product in their own dtype (W4A16); the definition is
-    ops/moe/reference.moe_experts_reference over the dequantized weights."""
+    ops/moe/reference.moe_experts_reference over the dequantized weights.
+    `skip_expert`: id E marks choices computed elsewhere (another rank's experts under expert
+    parallelism): aligned as one more expert whose blocks no program runs, their rows zero."""
     T, hidden, E, inter = check_expert_shapes("fused MoE", x, w13, w2, weights, ids, addend)
     w4 = isinstance(w13, Fp4Weights)
     fp8 = not w4 and w13.dtype == FP8
@@ -270,6 +272,8 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
         _check_fp4_experts(w13, w2, shared)
     if shared is not None:
         _check_shared_expert(shared, w13, w2, fp8)
+        if skip_expert:
+            raise ValueError("a shared expert run as expert E and skipped choices (id E) exclude each other")
     interpreter_compat.install()
     k = ids.shape[1]
     S = T * k
@@ -289,7 +293,9 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
         raise ValueError(f"FP8 experts step K by the scale block's {block[1]} columns; tiles asked {BK1} and {BK2}")
     if w4:   # each K step is two dots of BK/2 (ops/fp4/tiles.fp4_dot): at least 16 each
         BK1, BK2 = max(BK1, 32), max(BK2, 32)
-    sorted_slots, block_experts = align_to_experts(ids, E, BM, extra_expert=shared is not None)
+    sorted_slots, block_experts = align_to_experts(ids, E, BM, extra_expert=shared is not None or skip_expert)
+    if skip_expert:   # the skipped expert's blocks: no program runs them (a kernel returns for e < 0)
+        block_experts = torch.where(block_experts == E, -1, block_experts)
     m_blocks = block_experts.numel()
     prec = "ieee" if x.dtype == torch.float32 else dot_precision(x.device).tensor_core
     h = torch.empty(S, inter, dtype=x.dtype, device=x.device)
@@ -317,7 +323,9 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
         HAS_SHARED=shared is not None, W4=group, num_warps=warps1, num_stages=stages1,
     )
     hq, h_scale = quantize_per_token_group(h, block[1]) if fp8 else (h, h)
-    y = torch.empty(S, hidden, dtype=torch.float32 if x.dtype == torch.float32 else x.dtype, device=x.device)
+    # Skipped choices' rows stay zero for the final sum (their weight is zero, their rows unwritten).
+    y = (torch.zeros if skip_expert else torch.empty)(S, hidden, dtype=torch.float32 if x.dtype == torch.float32
+                                                      else x.dtype, device=x.device)
     _moe_down_kernel[(m_blocks * triton.cdiv(hidden, BN2),)](
         hq, w2, sorted_slots, block_experts, weights.reshape(-1).float().contiguous(), y, h_scale, ws2, shared_w2, wd2,
         S, hidden, inter, hq.stride(0), w2.stride(0), w2.stride(1), y.stride(0),

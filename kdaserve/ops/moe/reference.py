@@ -15,13 +15,17 @@ from kdaserve.ops.activation.swiglu import swiglu_reference as swiglu
 
 
 def moe_experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                          ids: torch.Tensor, activation_limit: float | None = None) -> torch.Tensor:
+                          ids: torch.Tensor, activation_limit: float | None = None, skip_expert: bool = False) -> torch.Tensor:
     """x [T, hidden], weights/ids [T, k] -> [T, hidden] in x's dtype. 4-bit experts
-    (ops/fp4/weights.Fp4Weights) are dequantized into x's dtype, each expert as it is used."""
+    (ops/fp4/weights.Fp4Weights) are dequantized into x's dtype, each expert as it is used.
+    `skip_expert`: id E (one past the experts) marks choices computed elsewhere (another rank's
+    experts under expert parallelism): they add nothing."""
     T, k = ids.shape
     out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
     flat_ids = ids.reshape(-1)
     for e in flat_ids.unique().tolist():
+        if skip_expert and e == w13.shape[0]:
+            continue
         slots = (flat_ids == e).nonzero().squeeze(1)
         tokens = slots // k
         h = swiglu(F.linear(x[tokens], _expert(w13, e, x.dtype)), activation_limit)
@@ -38,7 +42,7 @@ def _expert(w, e: int, dtype: torch.dtype) -> torch.Tensor:
 
 def moe_experts_fp8_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                               ids: torch.Tensor, activation_limit: float | None, w13_scale: torch.Tensor,
-                              w2_scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+                              w2_scale: torch.Tensor, block: tuple[int, int], skip_expert: bool = False) -> torch.Tensor:
     """FP8 block-scaled experts as the fused path computes them: x quantized per token and group
     of block[1] columns, the SiLU product rounded to x's dtype and quantized the same way, weights
     dequantized (ops/fp8/reference.py); sums in fp32."""
@@ -54,6 +58,8 @@ def moe_experts_fp8_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
     out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
     flat_ids = ids.reshape(-1)
     for e in flat_ids.unique().tolist():
+        if skip_expert and e == w13.shape[0]:
+            continue
         slots = (flat_ids == e).nonzero().squeeze(1)
         tokens = slots // k
         h = swiglu(xd[tokens] @ W13[e].T, activation_limit).to(x.dtype)
