@@ -166,7 +166,9 @@ def main() -> None:
     ap.add_argument("--ttft", type=int, nargs="+", default=None, help="prompt lengths to time (default: --ctx)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.92)
     ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs to split the model over")
-    ap.add_argument("--quantization", default=None, help="fp8: block-scaled FP8 experts and linears")
+    ap.add_argument("--enable-expert-parallel", action="store_true", help="with -tp N: whole experts per rank")
+    ap.add_argument("--quantization", default=None,
+                    help="fp8: block-scaled FP8 experts and linears; mxfp4 / compressed-tensors: 4-bit experts")
     ap.add_argument("--num-hidden-layers", type=int, default=None,
                     help="the released architecture cut to its first N layers (full width), for a model that does not fit")
     args = ap.parse_args()
@@ -181,7 +183,8 @@ def main() -> None:
     longest = max(lengths + [args.ctx])
     llm = LLM(model, load_format="dummy", max_num_seqs=maxb, max_model_len=longest + 64,
               max_num_batched_tokens=longest, gpu_memory_utilization=args.gpu_memory_utilization, warmup=False,
-              tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization)
+              tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
+              enable_expert_parallel=args.enable_expert_parallel)
     eng, runner = llm.engine, llm.engine.runner
     model = runner.model
     torch.cuda.synchronize()

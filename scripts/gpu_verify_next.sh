@@ -317,17 +317,21 @@ fi
 if [ "$PART" = tp_gpus ]; then
   # Must show (issue 60, on issue 61's machines): tests/engine/test_tensor_parallel_gpu.py passes (NCCL,
   # graphs captured per rank, async scheduling: two GPUs give one GPU's greedy tokens for nano,
-  # kimi-tiny and glm-tiny), and bench_throughput.py's bench model at -tp 1 and -tp 2 (flash+fused):
-  # its table rows for each, one process each. Kimi-Linear at its real shape with dummy weights
-  # at -tp 2 on two H100s (46.5 GiB of weights each): TTFT of 8K and the decode step.
+  # kimi-tiny, glm-tiny, and glm-tiny with --enable-expert-parallel), and bench_throughput.py's bench
+  # model at -tp 1 and -tp 2 (flash+fused): its table rows for each, one process each. Kimi-Linear at
+  # its real shape with dummy weights at -tp 2 on two H100s (46.5 GiB of weights each): TTFT of 8K and
+  # the decode step, width-split experts then whole experts per rank (--enable-expert-parallel).
   [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || { echo "tp_gpus needs two GPUs"; exit 1; }
   group tp_gpu 300 tests/engine/test_tensor_parallel_gpu.py
   for tp in 1 2; do
     timeout $(cap 120) python3 benchmarks/bench_throughput.py --pairs flash+fused -tp $tp > "$OUT/tp_bench_$tp.log" 2>&1
     echo "== bench -tp $tp rc=$?"; grep "^flash+fused  " "$OUT/tp_bench_$tp.log" | tail -1
   done
-  timeout $(cap 200) python3 benchmarks/bench_kimi_linear.py --batches 1 8 --ttft 8192 -tp 2 > "$OUT/tp_kimi.log" 2>&1
-  echo "== kimi -tp 2 rc=$?"; grep "TTFT\|^| " "$OUT/tp_kimi.log" | head -20; grep -m3 "Error\|Traceback" "$OUT/tp_kimi.log"
+  for ep in "" --enable-expert-parallel; do
+    timeout $(cap 150) python3 benchmarks/bench_kimi_linear.py --batches 1 8 --ttft 8192 -tp 2 $ep > "$OUT/tp_kimi$ep.log" 2>&1
+    echo "== kimi -tp 2 $ep rc=$?"; grep "TTFT\|^| " "$OUT/tp_kimi$ep.log" | head -20
+    grep -m3 "Error\|Traceback" "$OUT/tp_kimi$ep.log"
+  done
 fi
 
 if [ "$PART" = house_server ]; then

@@ -15,12 +15,14 @@ PROMPTS = [[(7 * i + 3) % 250 for i in range(n)] for n in (5, 23, 700, 41)]
 GREEDY = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True, logprobs=1)
 
 
-@pytest.mark.parametrize("model", ["nano", "kimi-tiny", "glm-tiny"])
+@pytest.mark.parametrize("model", ["nano", "kimi-tiny", "glm-tiny", "glm-tiny+ep"])
 def test_two_gpus_give_one_gpus_tokens(model):
+    """`+ep`: --enable-expert-parallel (whole experts per rank; the fused kernels skip the others')."""
+    model, _, ep = model.partition("+")
     kw = dict(device="cuda", max_num_seqs=8, max_model_len=1024, max_num_batched_tokens=256)
     one = LLM(model, **kw).generate(PROMPTS, GREEDY, use_tqdm=False)
     torch.cuda.empty_cache()
-    llm = LLM(model, tensor_parallel_size=2, **kw)
+    llm = LLM(model, tensor_parallel_size=2, enable_expert_parallel=ep == "ep", **kw)
     try:
         assert llm.engine.runner.graphs is not None and llm.engine.async_scheduling
         two = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
