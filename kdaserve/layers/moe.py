@@ -106,11 +106,11 @@ class MoEMLP(nn.Module):
         E, I = self.router.num_experts, self.intermediate_size
         if not 0 <= expert < E:
             raise ValueError(f"expert index {expert} out of range: the model has {E} routed experts")
-        expert -= self.expert_offset
-        if not 0 <= expert < self.num_local_experts:   # expert parallel: another rank's expert (never read)
+        local = expert - self.expert_offset
+        if not 0 <= local < self.num_local_experts:   # expert parallel: another rank's expert (never read)
             return
         if piece != "weight_scale_inv" and (self.fp4_group is not None or piece != "weight"):
-            self._load_fp4_piece(expert, which, tensor, piece)
+            self._load_fp4_piece(expert, local, which, tensor, piece)
             return
         if piece == "weight_scale_inv":
             if self.fp8_block is None:
@@ -118,10 +118,10 @@ class MoEMLP(nn.Module):
                                  f"applied at load (models/fp8.dequantized_weights) or the experts built with fp8_block")
             Ib = I // self.fp8_block[0]
             w13, w2 = self.w13_scale_inv, self.w2_scale_inv
-            target = {"w1": w13[expert, :Ib], "w3": w13[expert, Ib:], "w2": w2[expert]}[which]
+            target = {"w1": w13[local, :Ib], "w3": w13[local, Ib:], "w2": w2[local]}[which]
         else:
             w13, w2 = self.w13, self.w2
-            target = {"w1": w13[expert, :I], "w3": w13[expert, I:], "w2": w2[expert]}[which]
+            target = {"w1": w13[local, :I], "w3": w13[local, I:], "w2": w2[local]}[which]
         tensor = local_slice(tensor, target.shape)   # this rank's part of the expert's width
         if tuple(tensor.shape) != tuple(target.shape):
             raise ValueError(f"expert {expert} {which}.{piece} must be {list(target.shape)}, got {list(tensor.shape)}")
@@ -129,7 +129,7 @@ class MoEMLP(nn.Module):
             raise ValueError(f"expert {expert} {which}.weight arrived as {tensor.dtype}; FP8 experts take it quantized")
         target.copy_(tensor)
 
-    def _load_fp4_piece(self, expert: int, which: str, tensor: torch.Tensor, piece: str) -> None:
+    def _load_fp4_piece(self, expert: int, local: int, which: str, tensor: torch.Tensor, piece: str) -> None:
         if self.fp4_group is None:
             raise ValueError(f"expert {expert} {which}.{piece}: these experts are not 4-bit (a 4-bit checkpoint's experts "
                              f"are kept in 4 bits only where every expert of the layer is; else models/fp4.py dequantizes)")
@@ -139,7 +139,7 @@ class MoEMLP(nn.Module):
         if stack is None or (stack == "_divisor" and not nv):
             raise ValueError(f"expert {expert} {which}.{piece}: {'NV' if nv else 'MX'}FP4 experts take weight, weight_scale"
                              f"{' and weight_global_scale' if nv else ''}")
-        target = getattr(self, ("w2" if which == "w2" else "w13") + stack)[expert, rows]
+        target = getattr(self, ("w2" if which == "w2" else "w13") + stack)[local, rows]
         if stack == "_divisor":   # one value for the whole tensor: every row of this projection divides by it
             if tensor.numel() != 1:
                 raise ValueError(f"expert {expert} {which}.weight_global_scale must be one value, got {list(tensor.shape)}")
