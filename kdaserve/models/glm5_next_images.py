@@ -1,0 +1,135 @@
+"""GLM-5.3-Flash's image processing (the rules of transformers' `Glm5NextImageProcessorPil`, written
+for kdaserve with Pillow and numpy): an image becomes `pixel_values` [patches, 3 x 2 x 14 x 14]
+and its grid (1, h, w) of 14-pixel patches, and its placeholder in the prompt becomes h w / 4
+image tokens (the vision tower merges 2 x 2 patches into one token).
+
+- Size: the image is fitted onto a canvas whose sides are multiples of 28 (patch 14 x merge 2)
+  holding between `min_image_tokens` and `max_image_tokens` tokens (16 and 8000 as released):
+  scaled down (never up, unless it is below the minimum) to fit, resized with bicubic
+  resampling, then padded with zeros at the bottom and right to the canvas (`canvas_size`).
+- Values: RGB (transparency composited onto white), rescaled by 1/255, normalized by CLIP's mean and std (the padding too).
+- Patches: row-major over 2 x 2 merge blocks, each patch's pixels channel-major, repeated for
+  the tower's 2 temporal frames (a still image is its own second frame).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image
+
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+@dataclass(frozen=True)
+class ImageRules:
+    """The processor's settings (preprocessor_config.json's names)."""
+
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    merge_size: int = 2
+    min_image_tokens: int = 16
+    max_image_tokens: int = 8000
+    image_mean: tuple[float, ...] = CLIP_MEAN
+    image_std: tuple[float, ...] = CLIP_STD
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ImageRules:
+        known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
+        for k in ("image_mean", "image_std"):
+            if k in known:
+                known[k] = tuple(known[k])
+        return cls(**known)
+
+    @property
+    def factor(self) -> int:
+        return self.patch_size * self.merge_size
+
+
+def canvas_size(height: int, width: int, rules: ImageRules = ImageRules()) -> tuple[int, int]:
+    """The padded canvas (height, width) an image of this size is placed on: multiples of
+    `rules.factor` within the token budget (transformers' `smart_resize` for one still image)."""
+    factor, frames = rules.factor, rules.temporal_patch_size
+    per_token = frames * factor**2
+    min_pixels, max_pixels = rules.min_image_tokens * per_token, rules.max_image_tokens * per_token
+
+    def align(value: int) -> int:
+        return math.ceil(value / factor) * factor
+
+    h, w = align(height), align(width)
+    if frames * h * w < min_pixels:
+        scale = math.sqrt(min_pixels / (frames * height * width))
+        h, w = align(max(1, math.ceil(height * scale))), align(max(1, math.ceil(width * scale)))
+    if frames * h * w > max_pixels:
+        if max_pixels < frames * factor**2:
+            raise ValueError(f"max_image_tokens={rules.max_image_tokens} leaves no room for one {factor}-pixel patch")
+        low, high, h, w = 1, height, factor, factor   # the tallest content height whose canvas fits
+        while low <= high:
+            mid = (low + high) // 2
+            ch, cw = align(mid), align(max(1, math.floor(width * mid / height)))
+            if frames * ch * cw <= max_pixels:
+                h, w, low = ch, cw, mid + 1
+            else:
+                high = mid - 1
+    return h, w
+
+
+def content_size(height: int, width: int, canvas: tuple[int, int], rules: ImageRules = ImageRules()) -> tuple[int, int]:
+    """The size the image is resized to before padding onto `canvas`: scaled to fit it, never up
+    unless the image is below the token minimum."""
+    ch, cw = canvas
+    scale = min(ch / height, cw / width)
+    if rules.temporal_patch_size * height * width >= rules.temporal_patch_size * rules.factor**2 * rules.min_image_tokens:
+        scale = min(1.0, scale)
+    return max(1, min(ch, math.floor(height * scale))), max(1, min(cw, math.floor(width * scale)))
+
+
+def num_image_tokens(height: int, width: int, rules: ImageRules = ImageRules()) -> int:
+    """Placeholder tokens an image of this size takes in the prompt."""
+    h, w = canvas_size(height, width, rules)
+    return (h // rules.patch_size) * (w // rules.patch_size) // rules.merge_size**2
+
+
+@dataclass(frozen=True)
+class ProcessedImage:
+    pixel_values: np.ndarray      # float32 [patches, 3 * temporal * patch * patch]
+    grid_thw: tuple[int, int, int]
+    num_tokens: int               # its placeholder tokens in the prompt: patches / merge_size^2
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """RGB, transparency composited onto white (a transparent PNG's empty parts read as white)."""
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+    return image if image.mode == "RGB" else image.convert("RGB")
+
+
+def process_image(image: Image.Image, rules: ImageRules = ImageRules()) -> ProcessedImage:
+    """One decoded image -> its patches and grid, by the rules above."""
+    rgb = to_rgb(image)
+    width, height = rgb.size
+    canvas = canvas_size(height, width, rules)
+    ch, cw = content_size(height, width, canvas, rules)
+    if (ch, cw) != (height, width):
+        rgb = rgb.resize((cw, ch), resample=Image.Resampling.BICUBIC)
+    pixels = np.asarray(rgb, dtype=np.uint8).transpose(2, 0, 1)                       # [3, h, w]
+    pixels = np.pad(pixels, ((0, 0), (0, canvas[0] - ch), (0, canvas[1] - cw)), mode="constant")
+    values = (pixels.astype(np.float64) * (1 / 255)).astype(np.float32)   # rounded once, as transformers does
+    mean = np.asarray(rules.image_mean, dtype=np.float32)[:, None, None]
+    std = np.asarray(rules.image_std, dtype=np.float32)[:, None, None]
+    values = (values - mean) / std
+    patches, grid = _patchify(values, rules)
+    return ProcessedImage(patches, grid, patches.shape[0] // rules.merge_size**2)
+
+
+def _patchify(values: np.ndarray, rules: ImageRules) -> tuple[np.ndarray, tuple[int, int, int]]:
+    p, m, t = rules.patch_size, rules.merge_size, rules.temporal_patch_size
+    c, height, width = values.shape
+    gh, gw = height // p, width // p
+    patches = values.reshape(c, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)
+    patches = np.broadcast_to(patches[:, :, :, :, :, None], (*patches.shape[:5], t, p, p))
+    return np.ascontiguousarray(patches.reshape(gh * gw, c * t * p * p)), (1, gh, gw)
