@@ -137,11 +137,12 @@ def test_the_fused_4bit_experts_in_the_interpreter_follow_the_twin(tmp_path, cas
     kw = dict(REF, moe_backend="triton")
     ours, want = LLM(str(fp4), **kw), LLM(str(twin), **kw)
     assert {m.fp4_group for m in _moe_layers(ours)} == {32 if "quark" in case else 16}
-    for a, b in zip(logprob_rows(ours, PROMPTS, VOCAB), logprob_rows(want, PROMPTS, VOCAB)):
+    prompts = PROMPTS[:1]   # the interpreter is slow: one short prompt covers prefill and decode steps
+    for a, b in zip(logprob_rows(ours, prompts, VOCAB), logprob_rows(want, prompts, VOCAB)):
         assert (a - b).abs().max() < 1e-4
-    greedy = SamplingParams(max_tokens=8, ignore_eos=True)
-    assert ([o.output_token_ids for o in ours.generate(PROMPTS, greedy, use_tqdm=False)]
-            == [o.output_token_ids for o in want.generate(PROMPTS, greedy, use_tqdm=False)])
+    greedy = SamplingParams(max_tokens=6, ignore_eos=True)
+    assert ([o.output_token_ids for o in ours.generate(prompts, greedy, use_tqdm=False)]
+            == [o.output_token_ids for o in want.generate(prompts, greedy, use_tqdm=False)])
 
 
 def test_the_flag_names_the_checkpoints_own_format(tmp_path):
