@@ -198,8 +198,8 @@ def test_an_fp8_block_a_rank_would_split_is_named():
 def test_4bit_experts_split_over_two_ranks():
     """NVFP4 experts (random weights quantized at load, --quantization compressed-tensors): each rank
     keeps its share of every expert's width in 4 bits (packed codes, scales and per-row divisors
-    sliced by rows or columns); two ranks give one rank's tokens. MXFP4's groups of 32 do not divide
-    a 16-wide share: the width on the rank is named."""
+    sliced by rows or columns, or whole experts with expert parallelism); two ranks give one rank's
+    tokens. MXFP4's groups of 32 do not divide a 16-wide share: the width on the rank is named."""
     from kdaserve.layers.distributed import TensorParallel, building_with
     from kdaserve.layers.moe import MoEMLP
     from kdaserve.ops.moe import RouterConfig
@@ -207,11 +207,13 @@ def test_4bit_experts_split_over_two_ranks():
     kw = dict(ENGINE, async_scheduling=False, quantization="compressed-tensors")
     one = LLM("glm-tiny", **kw)
     assert one.engine.runner.model.model.layers[3].mlp.fp4_group == 16
-    llm = LLM("glm-tiny", tensor_parallel_size=2, **kw)
-    try:
-        _compare(one.generate(PROMPTS[:2], CACHED, use_tqdm=False), llm.generate(PROMPTS[:2], CACHED, use_tqdm=False))
-    finally:
-        llm.engine.close()
+    want = one.generate(PROMPTS[:2], CACHED, use_tqdm=False)
+    for ep in (False, True):   # each expert's width split, then whole 4-bit experts per rank
+        llm = LLM("glm-tiny", tensor_parallel_size=2, enable_expert_parallel=ep, **kw)
+        try:
+            _compare(want, llm.generate(PROMPTS[:2], CACHED, use_tqdm=False))
+        finally:
+            llm.engine.close()
     with building_with(TensorParallel(0, 2)), pytest.raises(
             ValueError, match=r"expert width \(16 on this rank\) and the hidden size \(64\) to be multiples of 32"):
         MoEMLP(64, RouterConfig(4, 2), 32, fp4="mxfp4")
