@@ -10,7 +10,9 @@ Each expert's weights are read once per block of its tokens, and the gate and up
 intermediate column block are computed by the same program (the SiLU product is its epilogue).
 The final sum reads each token's k rows in choice order: no atomics, so results do not depend on
 timing. It also adds the shared experts' output where the layer has one (`addend`): one rounding,
-and one launch less per MoE layer than adding it after.
+and one launch less per MoE layer than adding it after. Expert weights come in bf16 / fp16 / fp32,
+block-scaled FP8 (the activations quantized per token group) or 4 bits (MXFP4 / NVFP4, decoded in
+registers before each dot: ops/fp4/tiles.py).
 """
 
 from __future__ import annotations
