@@ -28,7 +28,7 @@ SCHEMES = ["mxfp4", "nvfp4"]
 def fp4_stack(weights: torch.Tensor, scheme: str) -> Fp4Weights:
     """[E, rows, cols] full-precision weights quantized expert by expert into the kept form."""
     packed, scales, divisors = [], [], []
-    for w in weights.float().cpu():
+    for w in weights.float():   # on the weights' device (a GPU test quantizes 256 experts there)
         if scheme == "mxfp4":
             p, s = quantize_mxfp4(w)
         else:
@@ -43,10 +43,10 @@ def fp4_stack(weights: torch.Tensor, scheme: str) -> Fp4Weights:
 
 
 def fp4_experts(E, hidden, inter, scheme, *, device="cpu", seed=0):
-    g = torch.Generator().manual_seed(seed)
-    w13 = torch.randn(E, 2 * inter, hidden, generator=g) * hidden**-0.5
-    w2 = torch.randn(E, hidden, inter, generator=g) * inter**-0.5
-    return fp4_stack(w13.to(device), scheme), fp4_stack(w2.to(device), scheme)
+    g = torch.Generator(device=device).manual_seed(seed)
+    w13 = torch.randn(E, 2 * inter, hidden, generator=g, device=device) * hidden**-0.5
+    w2 = torch.randn(E, hidden, inter, generator=g, device=device) * inter**-0.5
+    return fp4_stack(w13, scheme), fp4_stack(w2, scheme)
 
 
 def _routing(T, E, k, mode, seed=0):
