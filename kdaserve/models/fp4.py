@@ -18,12 +18,13 @@ A layer whose scheme is neither (int4, another group size, output quantization, 
 error naming the scheme and the layer. Activations stay in the model's dtype (W4A16) whatever the
 checkpoint's `input_tensors` / `input_activations` say; a log line says when they asked for more.
 
-What stays 4-bit: the routed experts of every MoE layer whose experts the checkpoint quantizes
-all with one scheme (`FourBitExperts`), in ops/fp4/weights.py's form, decoded inside the fused MoE
-kernels (a quarter of bf16's bytes: most of a MoE model's). Every other 4-bit layer (dense and
-shared MLPs, attention projections where a checkpoint has them) is dequantized once at load into
-the model's dtype by the definitions in ops/fp4/reference.py, and so is everything with
-`KDASERVE_FP4_WEIGHTS=dequantize` (the escape hatch, and the A/B baseline). Either way a
+What stays 4-bit (`FourBitExperts`), in ops/fp4/weights.py's form: the routed experts of every MoE
+layer whose experts the checkpoint quantizes all with one scheme, decoded inside the fused MoE
+kernels (a quarter of bf16's bytes: most of a MoE model's), and every dense or shared-expert MLP
+whose gate, up and down projections share one, run by the 4-bit linear GEMM. Any other 4-bit
+layer (attention projections where a checkpoint has them, a layer quantized only in part) is
+dequantized once at load into the model's dtype by the definitions in ops/fp4/reference.py, and so
+is everything with `KDASERVE_FP4_WEIGHTS=dequantize` (the escape hatch, and the A/B baseline). Either way a
 checkpoint gives its dequantized twin's results: bit for bit on the reference paths."""
 
 from __future__ import annotations
@@ -38,9 +39,10 @@ from dataclasses import dataclass, field
 import torch
 
 from kdaserve.ops.fp4.reference import (
-    E8M0_NAN,
     MX_GROUP,
     NV_GROUP,
+    check_mxfp4_scales,
+    check_nvfp4_scales,
     dequantize_mxfp4,
     dequantize_nvfp4,
     quantize_mxfp4,
@@ -224,9 +226,9 @@ class FourBitExperts:
         return self.layers[i] if self.experts.fullmatch(rest) else self.mlps[i, "shared_experts" in rest]
 
     def with_pieces(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
-        """Released `shapes` with each kept expert's weight [out, in] as its 4-bit tensors: packed
-        [out, in/2], weight_scale [out, in/group] and, for NVFP4, weight_global_scale [1]."""
-        if not self.layers:
+        """Released `shapes` with each kept weight [out, in] as its 4-bit tensors: packed [out, in/2],
+        weight_scale [out, in/group] and, for NVFP4, weight_global_scale [1]."""
+        if not (self.layers or self.mlps):
             return shapes
         out = {}
         for name, shape in shapes.items():
@@ -259,13 +261,10 @@ def four_bit_experts(config_extra: dict, shapes: dict[str, tuple[int, ...]], lay
         m = layer.fullmatch(name)
         if not m:
             continue
-        scheme = None
         if experts.fullmatch(m[2]):
-            scheme = layout.scheme_of(name.removesuffix(".weight"))
-            per_experts.setdefault(int(m[1]), set()).add(scheme)
+            per_experts.setdefault(int(m[1]), set()).add(layout.scheme_of(name.removesuffix(".weight")))
         elif mlp.fullmatch(m[2]):
-            scheme = layout.scheme_of(name.removesuffix(".weight"))
-            per_mlp.setdefault((int(m[1]), "shared_experts" in m[2]), set()).add(scheme)
+            per_mlp.setdefault((int(m[1]), "shared_experts" in m[2]), set()).add(layout.scheme_of(name.removesuffix(".weight")))
 
     def whole(groups: dict) -> dict:
         partial = sorted(k for k, schemes in groups.items() if len(schemes) > 1)
@@ -355,13 +354,15 @@ def _quantized_pieces(module: str, weight: torch.Tensor, scheme: str) -> Iterato
 
 
 def _check_kept_piece(name: str, piece: str, t: torch.Tensor, scheme: str) -> None:
-    """What dequantizing would refuse, refused for a piece kept as it is: damaged scales."""
-    if piece == "weight_scale" and scheme == "mxfp4" and t.dtype == torch.uint8 and (t == E8M0_NAN).any():
-        raise ValueError(f"{name}: an MXFP4 scale is NaN (e8m0 code {E8M0_NAN}): the checkpoint is damaged")
-    if piece == "weight_scale" and scheme == "nvfp4" and not torch.isfinite(t.float()).all():
-        raise ValueError(f"{name}: an NVFP4 block scale is not finite: the checkpoint is damaged")
-    if piece == "weight_global_scale" and (t.numel() != 1 or not torch.isfinite(t.float()).all() or (t == 0).any()):
-        raise ValueError(f"{name}: the NVFP4 global scale must be one finite non-zero value, got {t.flatten()[:4].tolist()}")
+    """What dequantizing would refuse (ops/fp4/reference.py's checks), refused for a piece kept as it is."""
+    if piece == "weight_scale" and scheme == "mxfp4":
+        check_mxfp4_scales(t, name)
+    elif piece == "weight_scale":
+        check_nvfp4_scales(t, None, name)
+    elif piece == "weight_global_scale":
+        if t.numel() != 1:
+            raise ValueError(f"{name}: the NVFP4 global scale must be one value, got {list(t.shape)}")
+        check_nvfp4_scales(None, t, name)
 
 
 def _kept_form(t: torch.Tensor) -> torch.Tensor:

@@ -47,6 +47,13 @@ CASES = {
         "quant_method": "quark", "global_quant_config": None, "layer_type_quant_config": {},
         "layer_quant_config": {"*.experts.*": {"weight": MXFP4, "input_tensors": None},
                                "*.shared_experts.*": {"weight": MXFP4, "input_tensors": None}}, "exclude": []}),
+    # GLM-5.3-Flash, Quark: the dense and shared-expert MLPs only, the routed experts excluded (no
+    # layer's experts stay 4-bit: the kept pieces are the MLPs' alone).
+    "glm-mlps-quark": ("glm-tiny", lambda name: ".mlp." in name and ".experts." not in name
+                       and not name.endswith("mlp.gate.weight"), {
+        "quant_method": "quark", "global_quant_config": None, "layer_type_quant_config": {},
+        "layer_quant_config": {"*.mlp.*_proj": {"weight": MXFP4, "input_tensors": None}},
+        "exclude": ["re:.*\\.experts\\.\\d+\\..*"]}),
     # Kimi-Linear, compressed-tensors: the routed experts targeted by a regex.
     "kimi-nvfp4": ("kimi-tiny", lambda name: ".experts." in name, {
         "quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
@@ -118,7 +125,8 @@ def test_a_4bit_checkpoint_gives_its_dequantized_twins_log_probs_bit_for_bit(tmp
     fp4, twin = write_pair(tmp_path, case)
     llm = LLM(str(fp4), **REF)
     group = {"keep": 32 if "quark" in case else 16, "dequantize": None}[policy]
-    assert {(m.fp4_group, m.w13.dtype) for m in _moe_layers(llm)} == {(group, torch.uint8 if group else torch.float32)}
+    experts = None if case == "glm-mlps-quark" else group
+    assert {(m.fp4_group, m.w13.dtype) for m in _moe_layers(llm)} == {(experts, torch.uint8 if experts else torch.float32)}
     # the shared experts' and dense MLPs' linears where the case quantizes them, through layers/linear's 4-bit forms
     four_bit_linears = [n for n, m in llm.engine.runner.model.named_modules() if getattr(m, "fp4_group", None)
                         and not hasattr(m, "router")]

@@ -70,10 +70,25 @@ def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dty
     if scale.dtype != torch.uint8 or tuple(scale.shape) != (*values.shape[:-1], values.shape[-1] // MX_GROUP):
         raise ValueError(f"{name}: MXFP4 scales must be uint8 e8m0 {[*values.shape[:-1], values.shape[-1] // MX_GROUP]} "
                          f"(one per {MX_GROUP} values), got {scale.dtype} {list(scale.shape)}")
-    if (scale == E8M0_NAN).any():
-        raise ValueError(f"{name}: an MXFP4 scale is NaN (e8m0 code 255): the checkpoint is damaged")
+    check_mxfp4_scales(scale, name)
     factor = torch.exp2(scale.float() - E8M0_BIAS)
     return (_groups(values, MX_GROUP, name) * factor[..., None]).flatten(-2).to(dtype)
+
+
+def check_mxfp4_scales(scale: torch.Tensor, name: str) -> None:
+    """e8m0 code 255 is NaN: a damaged checkpoint, refused wherever its scales are read."""
+    if (scale == E8M0_NAN).any():
+        raise ValueError(f"{name}: an MXFP4 scale is NaN (e8m0 code {E8M0_NAN}): the checkpoint is damaged")
+
+
+def check_nvfp4_scales(scale: torch.Tensor | None, global_scale: torch.Tensor | None, name: str) -> None:
+    """Block scales finite, the global scale finite and non-zero (either may be absent)."""
+    if global_scale is not None:
+        g = global_scale.float()
+        if not torch.isfinite(g).all() or (g == 0).any():
+            raise ValueError(f"{name}: the NVFP4 global scale must be finite and non-zero, got {g.flatten()[:4].tolist()}")
+    if scale is not None and not torch.isfinite(scale.float()).all():
+        raise ValueError(f"{name}: an NVFP4 block scale is not finite: the checkpoint is damaged")
 
 
 def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,11 +113,8 @@ def dequantize_nvfp4(packed: torch.Tensor, scale: torch.Tensor, global_scale: to
     g = g.reshape(()) if g.numel() == 1 else g
     if g.dim() and tuple(g.shape) != (*values.shape[:-1], 1):
         raise ValueError(f"{name}: the NVFP4 global scale must be one value or one per row, got {list(g.shape)}")
-    if not torch.isfinite(g).all() or (g == 0).any():
-        raise ValueError(f"{name}: the NVFP4 global scale must be finite and non-zero, got {g.flatten()[:4].tolist()}")
+    check_nvfp4_scales(scale, g, name)
     s = scale.float()
-    if not torch.isfinite(s).all():
-        raise ValueError(f"{name}: an NVFP4 block scale is not finite: the checkpoint is damaged")
     return (_groups(values, NV_GROUP, name) * (s / g)[..., None]).flatten(-2).to(dtype)
 
 
