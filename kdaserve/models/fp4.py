@@ -248,16 +248,17 @@ class FourBitExperts:
 NO_FOUR_BIT_EXPERTS = FourBitExperts({}, re.compile("(?!)"), re.compile("(?!)"))
 
 
-def four_bit_experts(config_extra: dict, shapes: dict[str, tuple[int, ...]], layer: re.Pattern,
+def four_bit_experts(config_extra: dict, shapes: Callable[[], dict[str, tuple[int, ...]]], layer: re.Pattern,
                      experts: re.Pattern, mlp: re.Pattern) -> FourBitExperts:
     """What a model keeps in 4 bits (see FourBitExperts), from the checkpoint's config and the
-    family's released `shapes`; nothing without a 4-bit config or under KDASERVE_FP4_WEIGHTS=dequantize."""
+    family's released `shapes()` (built only for a 4-bit config); nothing without a 4-bit config or
+    under KDASERVE_FP4_WEIGHTS=dequantize."""
     layout = fp4_layout(config_extra)
     if layout is None or fp4_policy() == "dequantize":
         return NO_FOUR_BIT_EXPERTS
     per_experts: dict[int, set[str | None]] = {}
     per_mlp: dict[tuple[int, bool], set[str | None]] = {}
-    for name in shapes:
+    for name in shapes():
         m = layer.fullmatch(name)
         if not m:
             continue

@@ -159,9 +159,11 @@ class Fp8Layout:
         return {**shapes, **{name + SCALE_SUFFIX: (-(-shapes[name][0] // br), -(-shapes[name][1] // bc))
                              for name in shapes if self.keeps(config, name, linears)}}
 
-    def four_bit_experts(self, config, shapes: dict[str, tuple[int, ...]], fp8_block: tuple[int, int] | None):
-        """The MoE layers whose routed experts stay 4-bit (models/fp4.FourBitExperts): none where the
-        model keeps FP8 experts (--quantization fp8 over a 4-bit checkpoint dequantizes it first)."""
+    def four_bit_experts(self, config, shapes: Callable[[], dict[str, tuple[int, ...]]],
+                         fp8_block: tuple[int, int] | None):
+        """What stays 4-bit (models/fp4.FourBitExperts): nothing where the model keeps FP8 experts
+        (--quantization fp8 over a 4-bit checkpoint dequantizes it first). `shapes()`: the released
+        shapes, asked for only when the checkpoint is a 4-bit one."""
         from kdaserve.models.fp4 import NO_FOUR_BIT_EXPERTS, four_bit_experts
 
         return (NO_FOUR_BIT_EXPERTS if fp8_block
@@ -173,7 +175,7 @@ class Fp8Layout:
         check's question), None for the others."""
         from kdaserve.ops.fp4.weights import SCHEME_GROUP
 
-        experts = self.four_bit_experts(config, shapes, self.blocks(config, device, quantization, say=False)[0])
+        experts = self.four_bit_experts(config, lambda: shapes, self.blocks(config, device, quantization, say=False)[0])
 
         def group(name: str) -> int | None:
             module = name.removesuffix(".weight")

@@ -110,7 +110,7 @@ class KimiLinearForCausalLM(KDACausalLM):
         check_kda_backends(config, kda_backends)
         self.config, dtype = config, dtype or torch.get_default_dtype()
         self.fp8_block, self.fp8_linear_block = FP8_LAYOUT.blocks(config, device, quantization)
-        self.fp4_experts = FP8_LAYOUT.four_bit_experts(config, released_shapes(config), self.fp8_block)
+        self.fp4_experts = FP8_LAYOUT.four_bit_experts(config, lambda: released_shapes(config), self.fp8_block)
         self.model = KimiLinearModel(config, kda_backends=kda_backends, mla_backend=mla_backend,
                                      moe_backend=moe_backend, dtype=dtype, device=device, fp8_block=self.fp8_block,
                                      fp8_linear_block=self.fp8_linear_block, fp4_experts=self.fp4_experts)
