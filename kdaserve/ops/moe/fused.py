@@ -275,7 +275,8 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     if shared is not None:
         _check_shared_expert(shared, w13, w2, fp8)
         if skip_expert:
-            raise ValueError("a shared expert run as expert E and skipped choices (id E) exclude each other")
+            raise ValueError("a shared expert run as expert E and skipped choices (id E, expert parallelism) exclude each "
+                             "other: pass the shared expert's output as `addend` instead")
     interpreter_compat.install()
     k = ids.shape[1]
     S = T * k
