@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from kdaserve.ops import interpreter_compat
-from kdaserve.ops.fp4.tiles import fp4_dot
+from kdaserve.ops.fp4.tiles import fp4_activations, fp4_dot
 from kdaserve.ops.fp4.weights import Fp4Weights
 from kdaserve.ops.precision import dot_precision
 
@@ -31,13 +31,9 @@ def _fp4_linear_kernel(
     cols_in = (cols % N).to(tl.int64)
     acc = tl.zeros([BM, BN], tl.float32)
     for k0 in range(0, K, BK):
-        kh = k0 // 2 + tl.arange(0, BK // 2)   # byte columns of this K step: elements 2 kh and 2 kh + 1
-        kh_ok = (kh < K // 2) | EVEN_K
-        a_even = x_ptr + rows_in[:, None] * stride_x + 2 * kh[None, :]
-        a_lo = tl.load(a_even, mask=kh_ok[None, :], other=0.0)
-        a_hi = tl.load(a_even + 1, mask=kh_ok[None, :], other=0.0)
-        acc = fp4_dot(a_lo, a_hi, w_ptr + cols_in[None, :] * stride_w + kh[:, None],
-                      s_ptr + cols_in[None, :] * stride_s + (2 * kh // GROUP)[:, None], kh_ok[:, None], acc, GROUP, PREC)
+        a_lo, a_hi, kh, kh_ok = fp4_activations(x_ptr + rows_in[:, None] * stride_x, True, k0, K, BK, EVEN_K)
+        acc = fp4_dot(a_lo, a_hi, w_ptr + cols_in[None, :] * stride_w, s_ptr + cols_in[None, :] * stride_s, kh,
+                      kh_ok[:, None], acc, GROUP, PREC)
     if GROUP == 16:   # NVFP4's global scale divides, per output row of W
         acc = acc / tl.load(d_ptr + cols_in)[None, :]
     if HAS_BIAS:

@@ -46,11 +46,25 @@ def group_scale(s, GROUP: tl.constexpr):
 
 
 @triton.jit
-def fp4_dot(a_even, a_odd, w_ptrs, s_ptrs, mask, acc, GROUP: tl.constexpr, PREC: tl.constexpr):
-    """acc + a W for one K step: `w_ptrs` [BK/2, BN] the packed bytes, `s_ptrs` [BK/2, BN] each byte
-    row's group scale, `a_even` / `a_odd` [BM, BK/2] the activations' even / odd K columns."""
-    packed = tl.load(w_ptrs, mask=mask, other=0)
-    scale = group_scale(tl.load(s_ptrs, mask=mask, other=0), GROUP)
+def fp4_activations(a_rows, row_ok, k0, K, BK: tl.constexpr, EVEN_K: tl.constexpr):
+    """The activations of one K step split for fp4_dot: `a_rows` [BM, 1] pointers to the rows' first
+    element, `row_ok` [BM, 1] -> (even K columns, odd K columns) [BM, BK/2], the step's byte rows
+    `kh` (elements 2 kh and 2 kh + 1) and which are inside K (every one where BK divides K: a mask
+    on K stops Triton's load pipelining)."""
+    kh = k0 // 2 + tl.arange(0, BK // 2)
+    kh_ok = (kh < K // 2) | EVEN_K
+    a_even = a_rows + 2 * kh[None, :]
+    mask = row_ok & kh_ok[None, :]
+    return tl.load(a_even, mask=mask, other=0.0), tl.load(a_even + 1, mask=mask, other=0.0), kh, kh_ok
+
+
+@triton.jit
+def fp4_dot(a_even, a_odd, w_cols, s_cols, kh, mask, acc, GROUP: tl.constexpr, PREC: tl.constexpr):
+    """acc + a W for one K step: `w_cols` / `s_cols` [1, BN] pointers to the output columns' packed
+    bytes and group scales, `kh` the step's byte rows (fp4_activations), `mask` [BK/2, BN],
+    `a_even` / `a_odd` [BM, BK/2] the activations' even / odd K columns."""
+    packed = tl.load(w_cols + kh[:, None], mask=mask, other=0)
+    scale = group_scale(tl.load(s_cols + (2 * kh // GROUP)[:, None], mask=mask, other=0), GROUP)
     lo, hi = e2m1_pair(packed)
     acc = tl.dot(a_even, (lo * scale).to(a_even.dtype), acc, input_precision=PREC)
     return tl.dot(a_odd, (hi * scale).to(a_odd.dtype), acc, input_precision=PREC)

@@ -26,7 +26,7 @@ import triton.language as tl
 from kdaserve.ops import interpreter_compat
 from kdaserve.ops.activation.swiglu import silu_product
 from kdaserve.ops.compile_ahead import compiles_ahead
-from kdaserve.ops.fp4.tiles import fp4_dot
+from kdaserve.ops.fp4.tiles import fp4_activations, fp4_dot
 from kdaserve.ops.fp4.weights import Fp4Weights
 from kdaserve.ops.fp8.quant import quantize_per_token_group
 from kdaserve.ops.fp8.reference import FP8
@@ -83,19 +83,15 @@ def _moe_gate_up_kernel(
     acc_g = tl.zeros([BM, BN], tl.float32)
     acc_u = tl.zeros([BM, BN], tl.float32)
     if W4:
+        s_base = ws_ptr + e.to(tl.int64) * stride_wse
         for k0 in range(0, HIDDEN, BK):
-            kh = k0 // 2 + tl.arange(0, BK // 2)   # byte rows of this K step: elements 2 kh and 2 kh + 1
-            kh_ok = (kh < HIDDEN // 2) | EVEN_K
-            a_even = x_ptr + tokens[:, None] * stride_x + 2 * kh[None, :]
-            a_mask = valid[:, None] & kh_ok[None, :]
-            a_lo = tl.load(a_even, mask=a_mask, other=0.0)
-            a_hi = tl.load(a_even + 1, mask=a_mask, other=0.0)
+            a_lo, a_hi, kh, kh_ok = fp4_activations(x_ptr + tokens[:, None] * stride_x, valid[:, None], k0, HIDDEN, BK,
+                                                    EVEN_K)
             w_mask = col_ok[None, :] & kh_ok[:, None]
-            s_base = ws_ptr + e.to(tl.int64) * stride_wse + (2 * kh // W4)[:, None]
-            acc_g = fp4_dot(a_lo, a_hi, w_base + cols[None, :] * stride_wn + kh[:, None],
-                            s_base + cols[None, :] * stride_wsn, w_mask, acc_g, W4, PREC)
-            acc_u = fp4_dot(a_lo, a_hi, w_base + (cols + INTER)[None, :] * stride_wn + kh[:, None],
-                            s_base + (cols + INTER)[None, :] * stride_wsn, w_mask, acc_u, W4, PREC)
+            acc_g = fp4_dot(a_lo, a_hi, w_base + cols[None, :] * stride_wn, s_base + cols[None, :] * stride_wsn, kh,
+                            w_mask, acc_g, W4, PREC)
+            acc_u = fp4_dot(a_lo, a_hi, w_base + (cols + INTER)[None, :] * stride_wn,
+                            s_base + (cols + INTER)[None, :] * stride_wsn, kh, w_mask, acc_u, W4, PREC)
         if W4 == 16:   # NVFP4's global scale divides, per output row
             divisors = wd_ptr + e.to(tl.int64) * stride_wde + cols
             acc_g = acc_g / tl.load(divisors, mask=col_ok, other=1.0)[None, :]
@@ -147,13 +143,9 @@ def _moe_down_kernel(
     acc = tl.zeros([BM, BN], tl.float32)
     if W4:
         for k0 in range(0, INTER, BK):
-            kh = k0 // 2 + tl.arange(0, BK // 2)
-            kh_ok = (kh < INTER // 2) | EVEN_K
-            a_even = h_ptr + rows[:, None] * stride_h + 2 * kh[None, :]
-            a_mask = valid[:, None] & kh_ok[None, :]
-            acc = fp4_dot(tl.load(a_even, mask=a_mask, other=0.0), tl.load(a_even + 1, mask=a_mask, other=0.0),
-                          w_base + cols[None, :] * stride_wn + kh[:, None],
-                          ws_ptr + e.to(tl.int64) * stride_wse + cols[None, :] * stride_wsn + (2 * kh // W4)[:, None],
+            a_lo, a_hi, kh, kh_ok = fp4_activations(h_ptr + rows[:, None] * stride_h, valid[:, None], k0, INTER, BK, EVEN_K)
+            acc = fp4_dot(a_lo, a_hi, w_base + cols[None, :] * stride_wn,
+                          ws_ptr + e.to(tl.int64) * stride_wse + cols[None, :] * stride_wsn, kh,
                           col_ok[None, :] & kh_ok[:, None], acc, W4, PREC)
         if W4 == 16:
             acc = acc / tl.load(wd_ptr + e.to(tl.int64) * stride_wde + cols, mask=col_ok, other=1.0)[None, :]
