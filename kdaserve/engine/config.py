@@ -35,6 +35,38 @@ def _flag(help: str, name: str | None = None, boolean_optional: bool = False, al
             "aliases": aliases}
 
 
+DEFAULT_IMAGES_PER_PROMPT = 8
+
+
+def parse_mm_limits(value) -> dict[str, int]:
+    """--limit-mm-per-prompt (a dict or its JSON) -> {"image": N}: images only; a video limit above 0
+    is refused (kdaserve takes no video)."""
+    import json
+
+    if value is None:
+        return {"image": DEFAULT_IMAGES_PER_PROMPT}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"invalid limit_mm_per_prompt {value!r}: expected a JSON object such as "
+                             f"'{{\"image\": 2}}' ({e.msg})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"invalid limit_mm_per_prompt {value!r}: expected an object such as {{\"image\": 2}}")
+    out = {"image": DEFAULT_IMAGES_PER_PROMPT}
+    for k, v in value.items():
+        n = v.get("count") if isinstance(v, dict) else v   # vLLM also takes {"image": {"count": N, ...}}
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"invalid limit_mm_per_prompt[{k!r}]: got {v!r}; expected an integer >= 0")
+        if k == "image":
+            out["image"] = n
+        elif k in ("video", "audio") and n > 0:
+            raise ValueError(f"limit_mm_per_prompt: kdaserve takes images only, not {k}; give {{\"{k}\": 0}} or leave it out")
+        elif k not in ("video", "audio"):
+            raise ValueError(f"limit_mm_per_prompt: unknown modality {k!r}; expected \"image\"")
+    return out
+
+
 @dataclass
 class EngineConfig:
     model: str = field(default="tiny", metadata=_flag(
@@ -126,6 +158,9 @@ class EngineConfig:
         "tokens batched into each output of a request before it is reported (vLLM's): 1 reports every token; "
         "larger values report every N tokens (the first token and the end at once), less host work per token "
         "at many streams; a request's stream_interval may raise it"))
+    limit_mm_per_prompt: dict | str | None = field(default=None, metadata=_flag(
+        'images one prompt may hold, as vLLM\'s JSON object: {"image": N} (default 8; 0 serves a vision-language '
+        'model as text only, its vision tower not loaded); video is not taken'))
     # Run dummy steps at startup so that kernel JIT specializations are compiled before the first
     # requests (engine/warmup.py), on a CUDA device (nothing is compiled on the CPU); graphs or not.
     warmup: bool = field(default=True, metadata=_flag(
@@ -189,8 +224,13 @@ class EngineConfig:
         if self.enable_expert_parallel and self.tensor_parallel_size == 1:
             raise ValueError("--enable-expert-parallel splits the experts over the ranks of --tensor-parallel-size N; "
                              "at one rank every expert is whole already: give -tp N (N > 1) or leave it out")
+        self.limit_mm_per_prompt = parse_mm_limits(self.limit_mm_per_prompt)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"invalid gpu_memory_utilization: got {self.gpu_memory_utilization}; expected a number in (0, 1]")
+
+    @property
+    def max_images_per_prompt(self) -> int:
+        return self.limit_mm_per_prompt["image"]
 
     @property
     def num_spec_tokens(self) -> int:

@@ -18,25 +18,48 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | list[str] | list[list[int]],
+        prompts: str | list[str] | list[list[int]] | dict | list[dict],
         params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in prompt order. `last_run_stats` then holds
-        the prefill and decode token counts and throughput of this call."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        the prefill and decode token counts and throughput of this call. A prompt is text, token
+        ids, or vLLM's dict: {"prompt": text} or {"prompt_token_ids": ids}, with
+        "multi_modal_data": {"image": an image or a list of them} (PIL images; the prompt holds one
+        image placeholder token per image, as the chat template writes it)."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = params if params is not None else SamplingParams()
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; expected one or one per prompt")
-        token_lists = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        parsed = [self._prompt(p) for p in prompts]
         ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
-        for toks, sp in zip(token_lists, params_list):   # all or nothing: check every request first
-            self.engine.validate_request(toks, sp)
-        for rid, toks, sp in zip(ids, token_lists, params_list):
-            self.engine.add_request(rid, toks, sp)
+        requests = []
+        for (toks, images), sp in zip(parsed, params_list):   # all or nothing: check every request first
+            images = self.engine.process_images(images) if images else []
+            self.engine.validate_request(self.engine.place_images(toks, images)[0], sp)
+            requests.append((toks, images, sp))
+        for rid, (toks, images, sp) in zip(ids, requests):
+            self.engine.add_request(rid, toks, sp, images=images or None)
         return self._run(ids, use_tqdm)
+
+    def _prompt(self, p) -> tuple[list[int], list]:
+        """(token ids, images) of one prompt in any of generate's forms."""
+        if isinstance(p, str):
+            return self.tokenizer.encode(p), []
+        if not isinstance(p, dict):
+            return list(p), []
+        unknown = set(p) - {"prompt", "prompt_token_ids", "multi_modal_data"}
+        if unknown or ("prompt" in p) == ("prompt_token_ids" in p):
+            raise ValueError(f"a prompt dict holds 'prompt' (text) or 'prompt_token_ids', and optionally "
+                             f"'multi_modal_data'; got keys {sorted(p)}")
+        ids = self.tokenizer.encode(p["prompt"]) if "prompt" in p else list(p["prompt_token_ids"])
+        mm = p.get("multi_modal_data") or {}
+        if set(mm) - {"image"}:
+            raise ValueError(f"multi_modal_data takes 'image' (an image or a list of them); got {sorted(mm)}")
+        images = mm.get("image", [])
+        return ids, list(images) if isinstance(images, (list, tuple)) else [images]
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         wanted = set(ids)

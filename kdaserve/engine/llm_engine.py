@@ -83,6 +83,13 @@ class LLMEngine:
         self.model_name: str = loaded.name
         self.max_model_len: int = memory.max_model_len
         self.vocab_size: int = loaded.config.vocab_size
+        # Images (a model with a vision tower): the placeholder token and the processing rules.
+        self.image_token_id: int | None = getattr(loaded.model, "image_token_id", None)
+        self.image_rules = None
+        if self.image_token_id is not None:   # Pillow (the serve / test extras) is imported only then
+            from kdaserve.models.glm5_next_images import image_rules
+
+            self.image_rules = image_rules(cfg.model)
         self.kda_backends = loaded.kda_backends
         self.slots = StateSlotPool(memory.num_running_slots)
         self.blocks = BlockManager(memory.num_kv_blocks, cfg.block_size)
@@ -180,19 +187,46 @@ class LLMEngine:
                                                          max_whitespace=self.config.structured_outputs_max_whitespace)
         return self._grammar_compiler.compile(params)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None) -> None:
-        """Queue a request. Raises ValueError on bad input, leaving the engine untouched."""
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    images: list | None = None) -> None:
+        """Queue a request. Raises ValueError on bad input, leaving the engine untouched. `images`:
+        the prompt's images in order (PIL images, or processed ones: process_images), one placeholder
+        token each in the prompt (engine/multimodal.py)."""
         params = params if params is not None else SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use; expected a new id")
-        ids = self.validate_request(prompt_token_ids, params)
-        seq = Sequence(request_id, ids, params, IncrementalDetokenizer(self.tokenizer, params.stop))
+        ids, placed = self.place_images(prompt_token_ids, images)
+        ids = self.validate_request(ids, params)
+        seq = Sequence(request_id, ids, params, IncrementalDetokenizer(self.tokenizer, params.stop), placed)
         seq.stream_interval = max(seq.stream_interval, self.config.stream_interval)
         if params.structured_outputs is not None:
             self.compile_grammar(params.structured_outputs)
             seq.grammar = self._grammar_compiler.matcher(params.structured_outputs)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
+
+    def process_images(self, images: list) -> list:
+        """PIL images -> processed ones (pixels, grid, tokens) by the model's rules; processed ones
+        pass through. Pure host work: a server runs it in worker threads, off its event loop."""
+        if self.image_token_id is None:
+            raise ValueError(f"{self.model_name} takes no images" + (
+                " (--limit-mm-per-prompt has image 0)" if self.config.max_images_per_prompt == 0 else
+                ": it has no vision tower; send text only"))
+        from kdaserve.models.glm5_next_images import process_image
+
+        return [image if hasattr(image, "grid_thw") else process_image(image, self.image_rules) for image in images]
+
+    def place_images(self, prompt_token_ids: list[int], images: list | None):
+        """(prompt ids with each image's placeholder expanded, the placed images); no images: as given."""
+        if not images:
+            return prompt_token_ids, ()
+        limit = self.config.max_images_per_prompt
+        if len(images) > limit:
+            raise ValueError(f"too many images: got {len(images)}; expected at most {limit} per prompt "
+                             f"(--limit-mm-per-prompt '{{\"image\": N}}')")
+        from kdaserve.engine.multimodal import place_images
+
+        return place_images(list(prompt_token_ids), self.image_token_id, self.process_images(images))
 
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
         """Raise ValueError saying what is wrong with a request; returns its token ids."""

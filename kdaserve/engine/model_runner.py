@@ -14,6 +14,7 @@ import torch
 from kdaserve.engine.caches import StepCaches
 from kdaserve.engine.config import EngineConfig
 from kdaserve.engine.cuda_graphs import DecodeGraphs
+from kdaserve.engine.encoder_cache import EncoderCache, EncoderPlanner
 from kdaserve.engine.memory import MemoryPlan
 from kdaserve.engine.sampler import PendingSample, Sampler, SampleResult, logprob_rows
 from kdaserve.engine.scheduler import ScheduledBatch
@@ -51,7 +52,7 @@ def load_engine_model(config: EngineConfig) -> LoadedModel:
     loaded = load_model(config.model, dtype=config.dtype, device=config.device, kda=config.kda, seed=config.seed,
                         load_format=config.load_format, mla_backend=config.mla_backend, moe_backend=config.moe_backend,
                         tokenizer_dir=config.tokenizer, mtp=spec is not None and spec.method == "mtp",
-                        quantization=config.quantization)
+                        quantization=config.quantization, images=config.max_images_per_prompt > 0)
     loaded.model.eval()   # before the memory plan's profiled forward
     return loaded
 
@@ -74,6 +75,10 @@ class ModelRunner:
         self.drafter = (MtpDrafter(self.model, num_spec_tokens=self.num_spec_tokens, block_size=self.block_size,
                                    device=self.device) if spec is not None and spec.method == "mtp" else None)
         self.step_ring = StagingRing(64 << 10, self.device)   # eager steps' metadata; grows to the largest step
+        # Image embeddings (models with a vision tower): planned on rank 0, kept alike on every rank.
+        images = getattr(self.model, "image_token_id", None) is not None
+        self.encoder_planner = EncoderPlanner(max(config.max_num_batched_tokens, 1)) if images else None
+        self.encoder_cache = EncoderCache(self.model, self.device) if images else None
         self.graphs = None
         not_capturable = self.kda_backends is not None and not self.kda_backends.decode.graph_capturable
         if config.use_cuda_graphs and not_capturable:
@@ -113,6 +118,8 @@ class ModelRunner:
         self.copy_states(batch.restores)   # prefix-cache hits: their states before the step reads them
         width = self.memory.blocks_per_seq if self.graphs is not None and not batch.prefills else None
         step = build_host_step(batch, self.block_size, decode_width=width, trash_row=self.caches.trash_row)
+        if self.encoder_planner is not None:
+            step.images = self.encoder_planner.plan(batch, batch.tokens_per_decode)
         if self.ranks is not None:   # the other ranks run the same forward (their logits are not needed)
             self.ranks.send(("step", dataclasses.replace(step, logits=LogitsRequest()),
                              None if input_source is None else input_source.shape[0]))
@@ -143,7 +150,7 @@ class ModelRunner:
         """The model over the step: a CUDA-graph replay for a decode batch the graphs hold, else
         eager under the step's Context (built once). Returns (hidden, the device index of the
         sample rows or None, the Context and positions the MTP drafter runs under)."""
-        if self.graphs is not None and self.graphs.can_run(step):
+        if self.graphs is not None and step.images is None and self.graphs.can_run(step):
             hidden, sample_rows = self.graphs.run(step, input_source)
             # The MTP drafter runs eagerly after the replay, under the replayed step's metadata.
             context, positions = self.graphs.attention_context(step) if self.drafter else (None, None)
@@ -151,9 +158,11 @@ class ModelRunner:
         dev = to_device_step(step, self.device, self.step_ring, self.kda_backends)   # the step's Context, built once
         if input_source is not None:
             gather_inputs(dev.input_ids[: step.num_decodes], input_source)
+        images = self.encoder_cache.apply(step.images) if step.images is not None else None
         set_context(dev.context)
         try:
-            hidden = self.model(dev.input_ids, dev.positions)
+            hidden = self.model(dev.input_ids, dev.positions) if images is None else \
+                self.model(dev.input_ids, dev.positions, images=images)
         finally:
             reset_context()
         return hidden, dev.sample_rows, dev.context, dev.positions

@@ -10,6 +10,7 @@ import time
 import numpy as np
 
 from kdaserve.engine.detokenizer import IncrementalDetokenizer
+from kdaserve.engine.multimodal import ImageItem
 from kdaserve.engine.sampling_params import SamplingParams
 
 
@@ -22,10 +23,13 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     _ids = itertools.count()
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, detokenizer: IncrementalDetokenizer):
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, detokenizer: IncrementalDetokenizer,
+                 images: tuple[ImageItem, ...] = ()):
         self.seq_id = next(Sequence._ids)
         self.request_id = request_id
         self.params = params
+        # The prompt's images (engine/multimodal.py), placed at their placeholder tokens, in order.
+        self.images = images
         # token_ids, logprobs and prompt_logprobs only ever grow by append: outputs are O(1)
         # snapshots of them (outputs.ListPrefix), which any other change would corrupt.
         self.token_ids: list[int] = list(prompt_token_ids)

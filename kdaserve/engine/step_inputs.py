@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from kdaserve.backends.kda_backends import KDABackends
+from kdaserve.engine.encoder_cache import StepImages
 from kdaserve.engine.scheduler import ScheduledBatch
 from kdaserve.engine.sequence import Sequence
 from kdaserve.engine.speculative.rejection_sampler import SampleGroup
@@ -68,6 +69,8 @@ class HostStep:
     # Prefix caching: per prefill, the (offset, checkpoint slot)s its launch writes; None: none.
     prefill_checkpoints: list[list[tuple[int, int]]] | None = None
     checkpoint_width: int = 0    # columns of their staged table (ScheduledBatch.checkpoint_width)
+    # The step's image embeddings (engine/encoder_cache.py): None without image placeholders.
+    images: StepImages | None = None
 
     @property
     def num_decode_tokens(self) -> int:

@@ -88,8 +88,12 @@ class KDACausalLM(nn.Module):
         tied = self.model.embed_tokens if c.tie_word_embeddings else None
         self.lm_head = LMHead(c.vocab_size, c.hidden_size, tied_to=tied, dtype=dtype, device=device)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, images=None) -> torch.Tensor:
+        """`images`: (rows, embeddings) replacing those rows' token embeddings, for a family with a
+        vision tower (its `image_token_id` not None; engine/encoder_cache.py)."""
+        if images is None:
+            return self.model(input_ids, positions)
+        return self.model(input_ids, positions, images=images)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

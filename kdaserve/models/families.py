@@ -12,7 +12,8 @@ from typing import Callable
 class Family:
     name: str
     config_from_dict: Callable
-    # build(config, *, kda_backends, mla_backend, moe_backend, dtype, device, mtp, quantization) -> model
+    # build(config, *, kda_backends, mla_backend, moe_backend, dtype, device, mtp, quantization, images) -> model
+    # (images: build a vision tower where the family has one)
     build: Callable
     random_weights: Callable  # random_weights(config, seed, *, dtype, device, mtp) -> iterable of (name, tensor)
     shapes: Callable | None = None   # shapes(config[, mtp]) -> {checkpoint name: shape}, for the capacity check
@@ -31,7 +32,8 @@ def _hybrid() -> Family:
     from kdaserve.models.hybrid_config import HybridConfig
     from kdaserve.models.random_weights import random_checkpoint
 
-    def build(config, *, kda_backends, mla_backend, moe_backend, dtype, device, mtp=False, quantization=None):
+    def build(config, *, kda_backends, mla_backend, moe_backend, dtype, device, mtp=False, quantization=None,
+              images=True):
         return HybridForCausalLM(config, kda_backends=kda_backends, dtype=dtype, device=device)
 
     def random(config, seed, *, dtype, device, mtp=False):
@@ -50,7 +52,8 @@ def _kimi_linear() -> Family:
     )
     from kdaserve.models.kimi_linear_config import KimiLinearConfig
 
-    def build(config, *, kda_backends, mla_backend, moe_backend, dtype, device, mtp=False, quantization=None):
+    def build(config, *, kda_backends, mla_backend, moe_backend, dtype, device, mtp=False, quantization=None,
+              images=True):
         return KimiLinearForCausalLM(config, kda_backends=kda_backends, mla_backend=mla_backend, moe_backend=moe_backend,
                                      dtype=dtype,
                                      device=device, quantization=quantization)
@@ -66,10 +69,11 @@ def _glm5_next() -> Family:
     from kdaserve.models.glm5_next import Glm5NextForCausalLM, fp4_tensors, fp8_tensors, random_released_tensors, released_shapes
     from kdaserve.models.glm5_next_config import Glm5NextConfig
 
-    def build(config, *, kda_backends, mla_backend, moe_backend, dtype, device, mtp=False, quantization=None):
+    def build(config, *, kda_backends, mla_backend, moe_backend, dtype, device, mtp=False, quantization=None,
+              images=True):
         return Glm5NextForCausalLM(config, kda_backends=kda_backends, mla_backend=mla_backend, moe_backend=moe_backend,
                                    dtype=dtype,
-                                   device=device, mtp=mtp, quantization=quantization)
+                                   device=device, mtp=mtp, quantization=quantization, images=images)
 
     def random(config, seed, *, dtype, device, mtp=False):
         return random_released_tensors(config, seed, dtype=dtype, device=device, mtp=mtp)
@@ -88,7 +92,8 @@ def _bailing_hybrid() -> Family:
     )
     from kdaserve.models.bailing_hybrid_config import BailingHybridConfig
 
-    def build(config, *, kda_backends, mla_backend, moe_backend, dtype, device, mtp=False, quantization=None):
+    def build(config, *, kda_backends, mla_backend, moe_backend, dtype, device, mtp=False, quantization=None,
+              images=True):
         return BailingHybridForCausalLM(config, kda_backends=kda_backends, mla_backend=mla_backend,
                                         moe_backend=moe_backend, dtype=dtype, device=device, mtp=mtp,
                                         quantization=quantization)

@@ -17,7 +17,8 @@ Loaded from the **released** tensor names (prefix `model.language_model.`, head 
     MoE  layers.{i}.mlp.gate.weight, .gate.e_score_correction_bias,
          .experts.{e}.{gate,up,down}_proj.weight, .shared_experts.{gate,up,down}_proj.weight
 
-The vision tower (`model.visual.*`) is skipped with one log line; the multi-token-prediction layer
+The vision tower (`model.visual.*`, models/glm5_next_vision.py) is loaded where the config has one
+(a checkpoint without its tensors serves text only, one log line); the multi-token-prediction layer
 (index num_hidden_layers, `num_nextn_predict_layers`; models/glm5_next_mtp.py) is loaded when the
 model is built with `mtp=True` (`--speculative-config '{"method": "mtp"}'`), else skipped. A
 tensor this config lacks, a missing one or one of another shape is an error naming it.
@@ -51,12 +52,14 @@ from kdaserve.models.fp4 import NO_FOUR_BIT_EXPERTS, FourBitExperts
 from kdaserve.models.fp8 import Fp8Layout
 from kdaserve.models.glm5_next_config import Glm5NextConfig
 from kdaserve.models.glm5_next_mtp import SHARED_COPIES, Glm5NextMTP
+from kdaserve.models.glm5_next_vision import Glm5NextVisionTower
 from kdaserve.models.released import kda_layer_shapes, load_released, mla_layer_shapes, moe_layer_shapes, skips_mtp_tensor
 from kdaserve.models.weight_names import load_named_tensor
 
 log = logging.getLogger(__name__)
 
 PREFIX = "model.language_model."
+VISION_PREFIX = "model.visual."
 _LAYER = re.compile(r"model\.language_model\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.(weight(?:_scale_inv|_scale|_global_scale)?)")
 # Layer tensors kept in FP8 (with their scales) when the model keeps FP8 weights; attention
@@ -139,8 +142,13 @@ class Glm5NextModel(nn.Module):
             if not layer.is_kda and layer.self_attn.indexer is None:
                 layer.self_attn.source = self.layers[i - 1].self_attn
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, images=None) -> torch.Tensor:
+        """`images`: (rows [R] int64, embeddings [R, hidden]) replacing those rows' token embeddings
+        (the image placeholders'; engine/encoder_cache.py)."""
         x = self.embed_tokens(input_ids)
+        if images is not None:
+            rows, embeds = images
+            x = x.index_copy(0, rows, embeds.to(x.dtype))
         streams = x.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
         for layer in self.layers:
             streams = layer(positions, streams)
@@ -152,7 +160,10 @@ class Glm5NextForCausalLM(KDACausalLM):
 
     def __init__(self, config: Glm5NextConfig, *, kda_backends: KDABackends | None, mla_backend: str = "auto",
                  moe_backend: str = "auto", dtype=None, device=None, mtp: bool = False,
-                 quantization: str | None = None):
+                 quantization: str | None = None, images: bool = True):
+        """`images`: build the vision tower where the config has one (the checkpoint's `model.visual.*`;
+        a checkpoint without any of them serves text only); False: text only (--limit-mm-per-prompt
+        '{"image": 0}')."""
         super().__init__()
         check_kda_backends(config, kda_backends)
         self.config, dtype = config, dtype or torch.get_default_dtype()
@@ -162,6 +173,8 @@ class Glm5NextForCausalLM(KDACausalLM):
         self.model = Glm5NextModel(config, kda_backends=kda_backends, mla_backend=mla_backend,
                                    moe_backend=moe_backend, dtype=dtype, device=device, **fp8)
         self.add_head(dtype, device)
+        vision = config.vision if images else None
+        self.visual = Glm5NextVisionTower(vision, dtype=dtype, device=device) if vision is not None else None
         if mtp:
             self.add_mtp(lambda: Glm5NextMTP(config, mla_backend=mla_backend, moe_backend=moe_backend, dtype=dtype,
                                              device=device, **fp8))
@@ -169,6 +182,15 @@ class Glm5NextForCausalLM(KDACausalLM):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return load_released_weights(self, weights)
+
+    @property
+    def image_token_id(self) -> int | None:
+        """The placeholder token images replace, or None when the model serves text only."""
+        return self.config.image_token_id if self.visual is not None else None
+
+    def encode_images(self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+        """Images' patches (concatenated, float32) -> [their tokens, hidden]: one embedding per placeholder."""
+        return self.visual(pixel_values, grids)
 
 
 # ---- the released checkpoint format ---------------------------------------------------------------
@@ -247,9 +269,10 @@ def _moe_shapes(m: str, c: Glm5NextConfig) -> dict[str, tuple[int, ...]]:
 
 
 def _skipped(name: str, config: Glm5NextConfig, notes: set[str], mtp: bool) -> bool:
-    """The vision tower, and the multi-token-prediction layer unless it drafts: one note each."""
-    if name.startswith(("model.visual.", "visual.")):
-        notes.add("the vision tower (model.visual.*): kdaserve serves the text model")
+    """The vision tower of a model built without one, and the multi-token-prediction layer unless
+    it drafts: one note each."""
+    if name.startswith(VISION_PREFIX):
+        notes.add("the vision tower (model.visual.*): serving text only")
         return True
     m = _LAYER.fullmatch(name)
     return bool(m) and skips_mtp_tensor(int(m[1]), m[2], config.num_hidden_layers, mtp, SHARED_COPIES, notes)
@@ -263,6 +286,8 @@ def load_released_weights(model: Glm5NextForCausalLM, weights: Iterable[tuple[st
     notes: set[str] = set()
     dense = FP8_LAYOUT.checkpoint_weights(model, weights)
     mtp = model.mtp is not None
+    vision: dict[str, torch.Tensor] | None = {} if model.visual is not None else None
+    dense = _vision_tensors_apart(dense, vision)
     loaded = load_released(
         model, dense, released_shapes(config, mtp, model.fp8_block, model.fp8_linear_block is not None, model.fp4_experts),
         family="GLM-5.3-Flash (this config)",
@@ -273,7 +298,42 @@ def load_released_weights(model: Glm5NextForCausalLM, weights: Iterable[tuple[st
         layer_of=lambda i: model.mtp if i == config.num_hidden_layers else model.model.layers[i])
     for note in sorted(notes):
         log.info("GLM-5.3-Flash checkpoint: skipped %s", note)
+    if vision is not None:
+        loaded |= _load_vision_tower(model, vision)
     return loaded
+
+
+def _vision_tensors_apart(weights, vision: dict | None):
+    """The checkpoint's tensors less the vision tower's, which go into `vision` (its own names ->
+    tensor) when the model has a tower (load_released skips them either way)."""
+    for name, tensor in weights:
+        if vision is not None and name.startswith(VISION_PREFIX):
+            vision[name.removeprefix(VISION_PREFIX)] = tensor
+            continue
+        yield name, tensor
+
+
+def _load_vision_tower(model: Glm5NextForCausalLM, tensors: dict) -> set[str]:
+    """The tower's tensors under the released names (`model.visual.` + the tower's own), every one
+    of them (FP8 ones come dequantized: FP8_LAYOUT.checkpoint_weights); none at all: a text-only export,
+    served as text (one log line)."""
+    if not tensors:
+        log.info("GLM-5.3-Flash checkpoint has no vision tower tensors (model.visual.*): serving text only")
+        model.visual = None
+        return set()
+    state = model.visual.state_dict()
+    unknown = sorted(set(tensors) - set(state))
+    missing = sorted(set(state) - set(tensors))
+    if unknown or missing:
+        raise ValueError(f"the checkpoint's vision tower does not match its vision_config: "
+                         f"{len(missing)} tensors missing (e.g. {[VISION_PREFIX + n for n in missing[:4]]}), "
+                         f"{len(unknown)} unknown (e.g. {[VISION_PREFIX + n for n in unknown[:4]]})")
+    for name, tensor in tensors.items():
+        if tuple(tensor.shape) != tuple(state[name].shape):
+            raise ValueError(f"checkpoint tensor {VISION_PREFIX}{name} has shape {list(tensor.shape)}; expected "
+                             f"{list(state[name].shape)}")
+        state[name].copy_(tensor)
+    return {VISION_PREFIX + n for n in tensors}
 
 
 def _load_layer_tensor(model, layer: Glm5NextDecoderLayer, i: int, rest: str, tensor: torch.Tensor, params: dict) -> None:

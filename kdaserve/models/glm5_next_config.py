@@ -1,7 +1,8 @@
 """GLM-5.3-Flash's configuration (`model_type: glm5_next`, text part `glm5_next_text`).
 
-The released `config.json` nests the text model under `text_config` (beside a vision tower we do not
-serve); a flat text-only file is accepted too. KDA sizes may come only nested in
+The released `config.json` nests the text model under `text_config` beside the vision tower's
+`vision_config` (kept in `extra`, read by `vision`; the image token ids are the outer config's); a
+flat text-only file is accepted too. KDA sizes may come only nested in
 `linear_attn_config` (num_heads, head_dim, short_conv_kernel_size, gate_lower_bound and **0-based**
 `kda_layers` / `full_attn_layers`). Attention layers are MLA with the DSA indexer; their type is
 spelled `indexed_attention` (transformers), `deepseek_sparse_attention` or `full_attention`, all
@@ -140,6 +141,19 @@ class Glm5NextConfig(JsonConfig):
                             self.norm_topk_prob, self.routed_scaling_factor)
 
     @property
+    def vision(self):
+        """The vision tower's config (models/glm5_next_vision.py), or None for a text-only config."""
+        from kdaserve.models.glm5_next_vision import Glm5NextVisionConfig
+
+        d = self.extra.get("vision_config")
+        return Glm5NextVisionConfig.from_dict(d) if isinstance(d, dict) else None
+
+    @property
+    def image_token_id(self) -> int:
+        """The image placeholder token (the outer config's; transformers' default as released)."""
+        return int(self.extra.get("outer_config", {}).get("image_token_id", 154854))
+
+    @property
     def num_mtp_layers(self) -> int:
         return int(self.extra.get("num_nextn_predict_layers", 0) or 0)
 
@@ -149,6 +163,7 @@ class Glm5NextConfig(JsonConfig):
     def from_dict(cls, d: dict) -> "Glm5NextConfig":
         """A released (nested under text_config) or flat config.json."""
         outer = {}
+        vision = d.get("vision_config")
         if isinstance(d.get("text_config"), dict):
             outer = {k: v for k, v in d.items() if k not in ("text_config", "vision_config")}
             d = {**{k: v for k, v in outer.items() if k in ("eos_token_id", "bos_token_id", "pad_token_id",
@@ -171,13 +186,15 @@ class Glm5NextConfig(JsonConfig):
             extra["linear_attn_config"] = lin
         if outer:
             extra["outer_config"] = outer
+        if isinstance(vision, dict):
+            extra["vision_config"] = vision
         return cls(**known, extra=extra)
 
     def to_dict(self) -> dict:
         """A flat text-only config.json in transformers' spelling (what the tests write)."""
         d = dataclasses.asdict(self)
         extra = d.pop("extra")
-        d.update({k: v for k, v in extra.items() if k not in ("outer_config",)})
+        d.update({k: v for k, v in extra.items() if k not in ("outer_config", "vision_config")})
         return d
 
 

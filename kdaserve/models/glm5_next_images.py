@@ -49,6 +49,17 @@ class ImageRules:
         return self.patch_size * self.merge_size
 
 
+def image_rules(model_dir) -> ImageRules:
+    """A checkpoint directory's rules (its preprocessor_config.json), else the released defaults."""
+    import json
+    from pathlib import Path
+
+    path = Path(str(model_dir)) / "preprocessor_config.json"
+    if not path.is_file():
+        return ImageRules()
+    return ImageRules.from_dict(json.loads(path.read_text()))
+
+
 def canvas_size(height: int, width: int, rules: ImageRules = ImageRules()) -> tuple[int, int]:
     """The padded canvas (height, width) an image of this size is placed on: multiples of
     `rules.factor` within the token budget (transformers' `smart_resize` for one still image)."""

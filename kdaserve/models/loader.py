@@ -74,7 +74,7 @@ def _tokenizer_from(directory: str, config):
 def load_model(
     model: str, *, dtype: torch.dtype, device, kda: KDABackendChoice | None = None, seed: int = 0,
     load_format: str = "auto", mla_backend: str = "auto", moe_backend: str = "auto", tokenizer_dir: str | None = None,
-    mtp: bool = False, quantization: str | None = None,
+    mtp: bool = False, quantization: str | None = None, images: bool = True,
 ) -> LoadedModel:
     """`model`: a built-in name (random weights from `seed`), a released name (its architecture;
     weights only with load_format="dummy") or a checkpoint directory. `tokenizer_dir`: a directory
@@ -82,7 +82,8 @@ def load_model(
     then tokenizes as the real model does). `mtp`: also the model's multi-token-prediction layer
     (the drafter of speculative method "mtp"). `quantization`: "fp8" for block-scaled FP8 weights
     (families with an FP8 path), None for the checkpoint's own format; "mxfp4", "quark" and
-    "compressed-tensors" name a 4-bit checkpoint's own format (models/fp4.py), checked against it."""
+    "compressed-tensors" name a 4-bit checkpoint's own format (models/fp4.py), checked against it.
+    `images`: the vision tower where the family and checkpoint have one (False: text only)."""
     config, tokenizer, name, dummy = resolve_model(model, load_format, tokenizer_dir)
     family = family_of_config(config)
     if quantization in FOUR_BIT_QUANTIZATIONS:   # the checkpoint's own 4-bit format, named as vLLM names it
@@ -103,7 +104,7 @@ def load_model(
     check_weights_fit(name, shapes, dtype, device, fp8, tp_size(), fp4)
     kda_backends = kda_backends_for(config, kda or KDABackendChoice(), dtype, device)   # once, for every KDA layer
     net = family.build(config, kda_backends=kda_backends, mla_backend=mla_backend, moe_backend=moe_backend, dtype=dtype,
-                       device=device, mtp=mtp, quantization=quantization)
+                       device=device, mtp=mtp, quantization=quantization, images=images)
     weights = (family.random_weights(config, seed, dtype=dtype, device=device, mtp=mtp) if dummy
                else iterate_safetensors(SHIPPED_CHECKPOINTS.get(model, model), lazy=tp_size() > 1))
     net.load_weights(weights)

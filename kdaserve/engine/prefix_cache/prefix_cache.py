@@ -48,7 +48,7 @@ class PrefixCache:
                 "prefix_cache_states_total": self.checkpoints.capacity}
 
     def hashes(self, seq: Sequence) -> list[bytes]:
-        return self.hasher.extend(seq.block_hashes, seq.token_ids, seq.params.cache_salt)
+        return self.hasher.extend(seq.block_hashes, seq.token_ids, seq.params.cache_salt, seq.images)
 
     def find(self, seq: Sequence) -> PrefixHit | None:
         """The longest cached prefix of `seq` that ends on a checkpoint, leaving at least one token
