@@ -11,6 +11,7 @@ import logging
 import sys
 
 from kdaserve.engine.args import add_engine_args, engine_kwargs_from_args
+from kdaserve.server.media import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS, MediaSettings
 
 DEFAULT_MAX_BODY_BYTES = 16 << 20   # = kdaserve.server.access.DEFAULT_MAX_BODY_BYTES (no server import here)
 DEFAULT_SEND_BUFFER_BYTES = 256 << 10   # = kdaserve.server.connections.DEFAULT_SEND_BUFFER_BYTES
@@ -77,6 +78,16 @@ def register(sub) -> None:
     p.add_argument("--tool-call-parser", default=None, choices=["kimi_k2"],
                    help="how the model writes tool calls (kimi_k2: Kimi-K2 and Kimi-Linear's special tokens); "
                         "used by tool_choice \"auto\"")
+    p.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                   help="read file:// image URLs under this directory (default: none are read)")
+    p.add_argument("--allowed-media-domains", default=None, metavar="HOST[,HOST...]",
+                   help="fetch http(s) image URLs from these hosts (default: none: only data: URLs and, with "
+                        "--allowed-local-media-path, files)")
+    p.add_argument("--max-image-bytes", type=int, default=DEFAULT_MAX_IMAGE_BYTES,
+                   help=f"largest encoded image accepted, in bytes (default {DEFAULT_MAX_IMAGE_BYTES})")
+    p.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS,
+                   help=f"largest decoded image accepted, width x height (default {DEFAULT_MAX_IMAGE_PIXELS}); the "
+                        f"model's processor then fits it into its token budget")
     p.add_argument("--enable-per-request-metrics", action="store_true",
                    help="each response carries vLLM's per-request `metrics` (time to first token, queue and generation "
                         "time, mean inter-token latency, tokens per second); speculative acceptance is there regardless")
@@ -161,6 +172,10 @@ def run(args) -> int:
             from kdaserve.server.tool_parsers import make_tool_parser
 
             make_tool_parser(tool_parser, engine.info.tokenizer)   # the tokenizer has the parser's tokens
+        media = MediaSettings(allowed_local_media_path=args.allowed_local_media_path,
+                              allowed_media_domains=tuple(d.strip().lower() for d in (args.allowed_media_domains or "").split(",")
+                                                          if d.strip()),
+                              max_image_bytes=args.max_image_bytes, max_image_pixels=args.max_image_pixels)
         access = AccessSettings.for_server(args.host, args.api_key,
                                            (args.allowed_hosts or "").split(",") if args.allowed_hosts else None,
                                            args.max_request_body_bytes)
@@ -176,7 +191,7 @@ def run(args) -> int:
                       stream_write_timeout=args.stream_write_timeout, sampling_defaults=defaults,
                       enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint, tool_parser=tool_parser,
                       enable_per_request_metrics=args.enable_per_request_metrics,
-                      enable_prompt_tokens_details=args.enable_prompt_tokens_details)
+                      enable_prompt_tokens_details=args.enable_prompt_tokens_details, media=media)
     uvicorn_options = dict(log_level=args.uvicorn_log_level or args.log_level, root_path=args.root_path,
                            ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, header_timeout=args.header_timeout,
                            send_buffer_bytes=args.send_buffer_bytes,

@@ -16,7 +16,7 @@ engine process compiles its own copy off its step loop, since xgrammar's compile
 connections, one per API server process (`EngineClient`, picklable), each receiving the outputs of the
 requests it added (server/api_servers.py).
 
-A connection's protocol, API -> engine: ("add", request id, prompt ids, SamplingParams),
+A connection's protocol, API -> engine: ("add", request id, prompt ids, SamplingParams, images),
 ("abort", request id), ("detach",). Engine -> API: ("ready", info) or ("failed", message) once on
 the first connection, then ("step", wire outputs (engine/output_wire.py), rejections [(request id,
 message)], stats, tokens the step computed) per step (or per batch of rejections), ("step_failed",
@@ -198,7 +198,7 @@ class _EngineCore:
     connection the outputs of its own requests (with the engine's stats: every connection every
     step; the step's token count to the first only, which keeps the engine-wide metrics).
 
-    A connection's commands: ("add", request id, prompt ids, SamplingParams), ("abort", request
+    A connection's commands: ("add", request id, prompt ids, SamplingParams, images), ("abort", request
     id), ("detach",) (its API process leaves: its requests are aborted, "detached" answers). The
     control pipe (the process's owner): ("stop",). Request ids are unique across connections
     (the API processes make them from uuid4); a connection aborts only its own."""
@@ -309,7 +309,8 @@ class _EngineCore:
                 if not self._live[client]:
                     continue
                 try:
-                    self.engine.add_request(request_id, message[2], message[3])
+                    self.engine.add_request(request_id, message[2], message[3],
+                                            images=list(message[4]) if len(message) > 4 and message[4] else None)
                     self._owner[request_id] = client
                 except ValueError as exc:
                     rejections.setdefault(client, []).append((request_id, str(exc)))

@@ -19,6 +19,8 @@ class EngineInfo:
     num_kv_blocks: int              # attention blocks, the null block included (vLLM's num_gpu_blocks)
     num_state_slots: int            # KDA state slots, the null slot and prefix-cache checkpoints included
     kda_backends: str | None        # "prefill+decode" names, None without KDA layers
+    image_token_id: int | None = None   # the image placeholder token; None: the model takes no images
+    image_rules: object = None          # its image processing rules (models/glm5_next_images.ImageRules)
 
     @property
     def max_num_seqs(self) -> int:

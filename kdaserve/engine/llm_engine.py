@@ -140,7 +140,8 @@ class LLMEngine:
                           max_model_len=self.max_model_len, vocab_size=self.vocab_size,
                           stop_ids=tuple(sorted(self.output.stop_ids)), num_kv_blocks=self.memory.num_kv_blocks,
                           num_state_slots=self.memory.num_slots,
-                          kda_backends=self.kda_backends.names if self.kda_backends is not None else None)
+                          kda_backends=self.kda_backends.names if self.kda_backends is not None else None,
+                          image_token_id=self.image_token_id, image_rules=self.image_rules)
 
     def _make_prefix_cache(self) -> PrefixCache:
         cfg, memory = self.config, self.memory

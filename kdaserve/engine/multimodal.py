@@ -60,11 +60,14 @@ def place_images(prompt_ids: list[int], image_token_id: int, images) -> tuple[li
             raise ValueError(f"an image placeholder run of {length} tokens at prompt index {start}: expected 1 (expanded "
                              f"here) or the image's {image.num_tokens}")
         out.extend(prompt_ids[prev:start])
-        pixels = image.pixel_values
-        pixels = torch.from_numpy(np.ascontiguousarray(pixels, dtype=np.float32)) if isinstance(pixels, np.ndarray) \
-            else pixels.float().contiguous()
-        items.append(ImageItem(len(out), image.num_tokens, pixels, tuple(image.grid_thw),
-                               image_hash(pixels, image.grid_thw)))
+        if isinstance(image, ImageItem):   # placed before (a server's API process): its hash kept
+            items.append(ImageItem(len(out), image.num_tokens, image.pixel_values, image.grid_thw, image.mm_hash))
+        else:
+            pixels = image.pixel_values
+            pixels = torch.from_numpy(np.ascontiguousarray(pixels, dtype=np.float32)) if isinstance(pixels, np.ndarray) \
+                else pixels.float().contiguous()
+            items.append(ImageItem(len(out), image.num_tokens, pixels, tuple(image.grid_thw),
+                                   image_hash(pixels, image.grid_thw)))
         out.extend([image_token_id] * image.num_tokens)
         prev = start + length
     out.extend(prompt_ids[prev:])

@@ -15,6 +15,7 @@ from kdaserve.server.chat_template import chat_prompt_ids
 from kdaserve.server.completions import CompletionHandler
 from kdaserve.server.engine_loop import EngineLoop, ProcessEngineLoop
 from kdaserve.server.errors import APIError, bad_request, install_error_handlers
+from kdaserve.server.media import MediaSettings
 from kdaserve.server.metrics import ServerMetrics
 from kdaserve.server.protocol import (
     ChatCompletionRequest,
@@ -44,6 +45,7 @@ def build_app(
     enable_per_request_metrics: bool = False,
     enable_prompt_tokens_details: bool = False,
     api_server: tuple[int, int] = (0, 1),
+    media: MediaSettings | None = None,
 ):
     """An app serving `engine`: an `LLMEngine` (stepped by a thread of this process while the app
     is up), an `EngineProcess` (its own process; stopped when the app stops) or one of its
@@ -56,7 +58,8 @@ def build_app(
     when unknown or the tokenizer lacks its tokens). `api_server`: (index, count) of this app among
     the API server processes sharing one engine (`--api-server-count`, server/api_servers.py):
     each admits its share of the request limit, the metrics are the processes' sum, and the
-    engine-wide counters are kept by the first."""
+    engine-wide counters are kept by the first. `media`: where image bytes may come from and how
+    large they may be (server/media.py; default: data: URLs only, the default limits)."""
     index, count = api_server
     if not stream_write_timeout > 0:
         raise ValueError(f"invalid stream_write_timeout: got {stream_write_timeout}; expected seconds > 0")
@@ -90,6 +93,10 @@ def build_app(
         tool_call_id_style=getattr(parser, "tool_call_id_style", None),
         per_request_metrics=enable_per_request_metrics,
         prompt_tokens_details=enable_prompt_tokens_details,
+        image_token_id=info.image_token_id,
+        image_rules=info.image_rules,
+        max_images=cfg.max_images_per_prompt if info.image_token_id is not None else 0,
+        media=media or MediaSettings(),
     )
 
     @asynccontextmanager

@@ -7,9 +7,11 @@ import time
 
 from fastapi import Request
 
+from kdaserve.engine.multimodal import place_images
 from kdaserve.server.chat_template import chat_prompt_ids
 from kdaserve.server.completions import cached_tokens, new_logprob_entries, usage
 from kdaserve.server.errors import bad_request
+from kdaserve.server.media import decode_image, image_bytes
 from kdaserve.server.protocol import ChatCompletionRequest
 from kdaserve.server.request_metrics import per_request_metrics
 from kdaserve.server.serving import (
@@ -56,11 +58,36 @@ class ChatHandler:
     def __init__(self, state: ServerState):
         self.state = state
 
-    def prompt_token_ids(self, req) -> list[int]:
+    def prompt_token_ids(self, req, images: list | None = None) -> list[int]:
+        """The rendered prompt's ids; `images` (a model that takes them) collects the image parts' URLs."""
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         return chat_prompt_ids(self.state.tokenizer, req.messages, req.add_generation_prompt,
                                lambda text: self.state.encode(text, param="messages"),
-                               lambda n: self.state.check_chars(n, param="messages"), tools=tools)
+                               lambda n: self.state.check_chars(n, param="messages"), tools=tools, images=images)
+
+    async def _prompt_with_images(self, req) -> tuple[list[int], tuple]:
+        """(prompt ids with each image's placeholder expanded, the images placed); the images'
+        bytes fetched, decoded and processed off the event loop (server/media.py)."""
+        state = self.state
+        urls: list[str] | None = [] if state.image_token_id is not None else None
+        prompt_ids = await asyncio.to_thread(self.prompt_token_ids, req, urls)
+        if not urls:
+            return prompt_ids, ()
+        if len(urls) > state.max_images:
+            raise bad_request(f"too many images: got {len(urls)}; expected at most {state.max_images} per prompt "
+                              f"(--limit-mm-per-prompt '{{\"image\": N}}')", param="messages")
+        data = await asyncio.gather(*(image_bytes(u, state.media, "messages") for u in urls))
+        processed = await asyncio.gather(*(asyncio.to_thread(self._process, d) for d in data))
+        try:
+            return await asyncio.to_thread(place_images, prompt_ids, state.image_token_id, processed)
+        except ValueError as exc:
+            raise bad_request(f"the chat template's image placeholders do not match the images: {exc}",
+                              param="messages") from None
+
+    def _process(self, data: bytes):
+        from kdaserve.models.glm5_next_images import process_image
+
+        return process_image(decode_image(data, self.state.media, "messages"), self.state.image_rules)
 
     def tool_mode(self, req) -> str:
         """none, forced ("required" or a named function) or auto (the server's parser)."""
@@ -78,7 +105,7 @@ class ChatHandler:
         structured, structured_param = structured_outputs_for(req, forced_tool_schema(req) if req.tools else None)
         # Rendering, tokenizing and compiling a grammar run in worker threads: the event loop stays
         # free for other clients.
-        prompt_ids = await asyncio.to_thread(self.prompt_token_ids, req)
+        prompt_ids, images = await self._prompt_with_images(req)
         await compile_off_loop(state.engine_loop.engine, structured, structured_param)
         budget = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if budget is None and "max_tokens" in state.sampling_defaults:   # the checkpoint's max_new_tokens
@@ -92,6 +119,8 @@ class ChatHandler:
                 prompt_ids,
                 sampling_params(req, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=None, choice=j,
                                 defaults=state.sampling_defaults, structured_outputs=structured),
+                False,
+                images,
             )
             for j in range(req.n)
         ]

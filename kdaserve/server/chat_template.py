@@ -18,29 +18,63 @@ from kdaserve.server.errors import bad_request
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
-def message_text(content) -> str:
-    """A message's content as text: a string, or OpenAI's list of content parts (text only)."""
+def message_text(content, images: list | None = None) -> str | list[dict]:
+    """A message's content as the template reads it: a string, or OpenAI's list of content parts
+    joined into one text. With `images` (a list the image parts' URLs are appended to, in order),
+    a message holding image parts keeps its parts, each image as {"type": "image"} (vLLM's form for
+    templates that render parts); without, image parts are refused."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    texts = []
+    texts, parts = [], []
     for part in content:
         kind = part.get("type")
+        if kind in IMAGE_PART_TYPES and images is not None:
+            images.append(image_part_url(part))
+            parts.append({"type": "image"})
+            continue
+        if kind in IMAGE_PART_TYPES or kind in MEDIA_PART_TYPES:
+            what = "images" if kind in IMAGE_PART_TYPES else kind
+            raise bad_request(f"this model takes text content parts only, not {what}" if kind in IMAGE_PART_TYPES else
+                              f"content parts of type {kind!r} are not supported: send text and image_url parts",
+                              param="messages")
         if kind != "text" or not isinstance(part.get("text"), str):
-            raise bad_request(f"only text content parts are supported, got a part of type {kind!r}", param="messages")
+            raise bad_request(f"content parts are text or image_url ones, got a part of type {kind!r}", param="messages")
         texts.append(part["text"])
+        parts.append({"type": "text", "text": part["text"]})
+    if len(parts) > len(texts):   # images among them: the parts, for the template to place
+        return parts
     return "".join(texts)
 
 
-def plain_messages(messages) -> list[dict]:
-    """Messages as the template reads them: role and content text, plus an assistant turn's
-    `tool_calls` and a tool turn's `tool_call_id` and `name` where given."""
+IMAGE_PART_TYPES = ("image_url", "image")
+MEDIA_PART_TYPES = ("video_url", "input_audio", "audio_url", "video", "file", "input_image_embeds", "image_embeds")
+
+
+def image_part_url(part: dict) -> str:
+    """The URL of an image part: {"type": "image_url", "image_url": {"url": ...}} (or the URL as a
+    string, as vLLM also takes it)."""
+    value = part.get("image_url", part.get("image"))
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str) or not url:
+        raise bad_request('an image_url part needs "image_url": {"url": "data:image/...;base64,..."}', param="messages")
+    return url
+
+
+def _text_of(content) -> str:
+    return content if isinstance(content, str) else "".join(p.get("text", "") for p in content)
+
+
+def plain_messages(messages, images: list | None = None) -> list[dict]:
+    """Messages as the template reads them: role and content (text, or parts where a message holds
+    images and `images` collects their URLs), plus an assistant turn's `tool_calls` and a tool
+    turn's `tool_call_id` and `name` where given."""
     out = []
     for i, m in enumerate(messages):
         if m.role not in ROLES:
             raise bad_request(f"messages[{i}].role must be one of {', '.join(ROLES)}; got {m.role!r}", param="messages")
-        plain = {"role": m.role, "content": message_text(m.content)}
+        plain = {"role": m.role, "content": message_text(m.content, images)}
         if getattr(m, "tool_calls", None):
             plain["tool_calls"] = [c.model_dump() for c in m.tool_calls]
         for key in ("tool_call_id", "name"):
@@ -57,12 +91,13 @@ def _structured_text(plain: list[dict], tools: list[dict] | None) -> str:
 
 
 def simple_chat_prompt(messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-    text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
+    text = "".join(f"<|{m['role']}|>\n{_text_of(m['content'])}\n" for m in messages)
     return text + ("<|assistant|>\n" if add_generation_prompt else "")
 
 
 def chat_prompt_ids(tokenizer, messages, add_generation_prompt: bool, encode: Callable[[str], list[int]],
-                    check_chars: Callable[[int], None] = lambda n: None, tools: list[dict] | None = None) -> list[int]:
+                    check_chars: Callable[[int], None] = lambda n: None, tools: list[dict] | None = None,
+                    images: list | None = None) -> list[int]:
     """The prompt's token ids. Special tokens come only from the template: a message whose text
     holds a special token's string (say the end-of-turn token, to forge a turn) keeps it as text.
     Such messages are rendered as unique markers, the output split at them, the template's pieces
@@ -72,13 +107,17 @@ def chat_prompt_ids(tokenizer, messages, add_generation_prompt: bool, encode: Ca
     (OpenAI's function definitions) go to the template as its `tools` variable; they and the
     messages' tool calls may not hold special tokens' strings (a 400: they are not copied as
     plain text, so they could forge turns)."""
-    plain = plain_messages(messages)
+    plain = plain_messages(messages, images)
     specials = [s for s in getattr(tokenizer, "special_token_strings", ()) if s]
     structured = _structured_text(plain, tools)
     forged = sorted({s for s in specials if s in structured})
     if forged:
         raise bad_request(f"tools or tool calls contain the control token(s) {forged}; remove them", param="messages")
-    risky = [i for i, m in enumerate(plain) if any(s in m["content"] for s in specials)]
+    risky = [i for i, m in enumerate(plain) if any(s in _text_of(m["content"]) for s in specials)]
+    with_images = [i for i in risky if not isinstance(plain[i]["content"], str)]
+    if with_images:
+        names = sorted({s for i in with_images for s in specials if s in _text_of(plain[i]["content"])})
+        raise bad_request(f"a message with images contains the control token(s) {names}; remove them", param="messages")
     extra = {"tools": tools} if tools else {}
     if not risky or not hasattr(tokenizer, "encode_text"):
         return encode(_render(tokenizer, plain, add_generation_prompt, **extra))

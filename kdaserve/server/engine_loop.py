@@ -186,6 +186,7 @@ class _Add:
     group: RequestGroup
     index: int
     score_only: bool = False
+    images: tuple = ()   # the prompt's images, placed (engine/multimodal.ImageItem)
     arrival: float = field(default_factory=time.monotonic)
 
 
@@ -245,7 +246,7 @@ class EngineLoop:
                            code="request_too_large")
 
     def open_group(self, requests: list[tuple]) -> RequestGroup:
-        """Submit `(request_id, prompt_token_ids, params[, score_only])`s together, or raise 503
+        """Submit `(request_id, prompt_token_ids, params[, score_only[, images]])`s together, or raise 503
         when the queue is full (all or none: a request with several prompts is never half
         admitted). A score-only request's hidden token is not counted as generated."""
         if not self.is_alive:
@@ -260,7 +261,8 @@ class EngineLoop:
         self.num_in_flight += len(requests)
         group = RequestGroup(self, [r[0] for r in requests], asyncio.get_running_loop())
         for index, (request_id, prompt_token_ids, params, *rest) in enumerate(requests):
-            self._post(_Add(request_id, list(prompt_token_ids), params, group, index, score_only=bool(rest and rest[0])))
+            self._post(_Add(request_id, list(prompt_token_ids), params, group, index, score_only=bool(rest and rest[0]),
+                            images=tuple(rest[1]) if len(rest) > 1 else ()))
         return group
 
     def _release(self, count: int) -> None:
@@ -320,7 +322,8 @@ class EngineLoop:
 
     def _add(self, command: _Add) -> None:
         try:
-            self.engine.add_request(command.request_id, command.prompt_token_ids, command.params)
+            self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
+                                    images=list(command.images) or None)
         except ValueError as exc:
             command.group.deliver(command.index, APIError(400, str(exc)))
             return
@@ -480,7 +483,7 @@ class ProcessEngineLoop(EngineLoop):
                 self._members[command.request_id] = (command.group, command.index)
                 self._timings[command.request_id] = _Timing(command.arrival, score_only=command.score_only)
                 self._decoder.begin(command.request_id, command.prompt_token_ids)
-            self._outbox.put(("add", command.request_id, command.prompt_token_ids, command.params))
+            self._outbox.put(("add", command.request_id, command.prompt_token_ids, command.params, command.images))
             return
         request_id = command[1]
         with self._lock:

@@ -53,6 +53,12 @@ class ServerState:
     tool_call_id_style: str | None = None   # the parser's id form ("kimi": functions.{name}:{index}), else random ids
     per_request_metrics: bool = False       # --enable-per-request-metrics: timing in each response's `metrics`
     prompt_tokens_details: bool = False     # --enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens
+    # Images (a model with a vision tower): its placeholder token and processing rules, images per
+    # prompt (--limit-mm-per-prompt), where their bytes may come from (server/media.py).
+    image_token_id: int | None = None
+    image_rules: Any = None
+    max_images: int = 0
+    media: Any = None
     created: int = field(default_factory=lambda: int(time.time()))
     _token_text: dict[int, str] = field(default_factory=dict)
 

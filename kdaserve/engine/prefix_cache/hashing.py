@@ -1,7 +1,8 @@
 """Chained block hashes: block i's hash covers its tokens, everything that changes their cached
 values (a cache salt, the content hashes of the images among them), and the hash of block i-1, so
-equal hashes mean equal prefixes. vLLM's algorithms by name: sha256 (pickle, then SHA-256; the default) and xxhash (pickle, then 128-bit
-xxHash: faster, not cryptographic; needs the `xxhash` package)."""
+equal hashes mean equal prefixes. vLLM's algorithms by name: sha256 (pickle, then SHA-256; the
+default) and xxhash (pickle, then 128-bit xxHash: faster, not cryptographic; needs the `xxhash`
+package)."""
 
 from __future__ import annotations
 
