@@ -178,6 +178,6 @@ class ModelRunner:
                                                                    dtype=torch.int64)])
             targets = torch.tensor([s.token_ids[t] for s, _, t in part], device=self.device)
             res = logprob_rows(logits, targets, [s.params.prompt_logprobs for s, _, _ in part])
-            for (seq, _, t), (lp, top) in zip(part, res):
-                out.append((seq, t, {"token_id": seq.token_ids[t], "logprob": lp, "top": top}))
+            for (seq, _, t), (lp, top, rank) in zip(part, res):
+                out.append((seq, t, {"token_id": seq.token_ids[t], "logprob": lp, "top": top, "rank": rank}))
         return out

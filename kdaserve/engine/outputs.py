@@ -44,7 +44,8 @@ class RequestOutput:
 
     output_token_ids = _lazy("output_token_ids", "all output tokens so far")
     logprobs = _lazy("logprobs", 'per output token: {"token_id", "logprob", "top": [(token_id, logprob), ...]}, or None')
-    prompt_logprobs = _lazy("prompt_logprobs", 'per prompt token (the first is None): {"token_id", "logprob", "top"}, or None')
+    prompt_logprobs = _lazy("prompt_logprobs", 'per prompt token (the first is None): {"token_id", "logprob", "top", "rank"}, '
+                                               'or None')
 
     def __init__(
         self,

@@ -40,10 +40,13 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
 
 def logprob_rows(
     logits: torch.Tensor, targets: torch.Tensor, num_top: list[int]
-) -> list[tuple[float, list[tuple[int, float]]]]:
-    """For each row: the log-prob of `targets[row]` and the top `num_top[row]` (id, log-prob)."""
+) -> list[tuple[float, list[tuple[int, float]], int]]:
+    """For each row: the log-prob of `targets[row]`, the top `num_top[row]` (id, log-prob) and the
+    target's rank (1 = the most likely; vLLM's prompt log-probs report it)."""
     dev = _logprob_tensors(logits, targets, max(num_top, default=0))
-    return _logprob_lists(*to_host(dev), num_top)
+    ranks = (logits > logits.gather(1, targets[:, None])).sum(-1) + 1
+    *host, rank = to_host([*dev, ranks])
+    return [(lp, top, int(r)) for (lp, top), r in zip(_logprob_lists(*host, num_top), rank)]
 
 
 def _logprob_tensors(logits: torch.Tensor, targets: torch.Tensor, n: int) -> list[torch.Tensor]:

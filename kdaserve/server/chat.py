@@ -9,7 +9,7 @@ from fastapi import Request
 
 from kdaserve.engine.multimodal import place_images
 from kdaserve.server.chat_template import chat_prompt_ids
-from kdaserve.server.completions import cached_tokens, new_logprob_entries, usage
+from kdaserve.server.completions import cached_tokens, new_logprob_entries, usage, vllm_prompt_logprobs
 from kdaserve.server.errors import bad_request
 from kdaserve.server.media import decode_image, image_bytes
 from kdaserve.server.protocol import ChatCompletionRequest
@@ -117,7 +117,7 @@ class ChatHandler:
             (
                 f"{engine_id}-{j}",
                 prompt_ids,
-                sampling_params(req, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=None, choice=j,
+                sampling_params(req, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=req.prompt_logprobs, choice=j,
                                 defaults=state.sampling_defaults, structured_outputs=structured),
                 False,
                 images,
@@ -175,6 +175,9 @@ class ChatHandler:
         body = response_envelope(request_id, "chat.completion", int(time.time()), self.state.model_name, choices)
         metrics = per_request_metrics(finals, self.state.per_request_metrics)
         cached = cached_tokens(self.state, finals, lambda i: 0)
+        if req.prompt_logprobs is not None:   # vLLM's: once per request, beside the choices
+            body["prompt_logprobs"] = vllm_prompt_logprobs(self.state, list(finals[0].prompt_token_ids),
+                                                           finals[0].prompt_logprobs)
         return {**body, "usage": usage(num_prompt_tokens, completion_tokens, cached), **({"metrics": metrics} if metrics else {})}
 
     async def _stream(self, req, request_id: str, num_prompt_tokens: int, group):

@@ -109,6 +109,27 @@ def prompt_logprobs_into(lp: ChoiceLogprobs, token_ids: list[int], entries) -> N
         lp.add(token_id, entry)
 
 
+def vllm_prompt_logprobs(state, token_ids: list[int], entries) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: None for the first token, then per prompt token a dict from token
+    id to {"logprob", "rank", "decoded_token"}: the token itself and the top alternatives."""
+    out: list[dict | None] = [None]
+    for token_id, entry in zip(token_ids[1:], list(entries or [])[1:]):
+        if entry is None:
+            out.append(None)
+            continue
+        row = {str(tid): {"logprob": lp, "rank": rank + 1, "decoded_token": state.token_text(tid)}
+               for rank, (tid, lp) in enumerate(entry["top"])}
+        row[str(token_id)] = {"logprob": entry["logprob"], "rank": entry.get("rank"),
+                              "decoded_token": state.token_text(token_id)}
+        out.append(row)
+    return out
+
+
+def _top_cut(entries, k: int):
+    """Entries with their alternatives cut to `k` (the engine computed max(logprobs, prompt_logprobs))."""
+    return [None if e is None else {**e, "top": e["top"][:k]} for e in entries or []]
+
+
 def new_logprob_entries(out, num_sent: int) -> list:
     """The log-prob entries of this output's new tokens (the engine reports all so far)."""
     if out.logprobs is None:
@@ -139,7 +160,8 @@ class CompletionHandler:
         prompts = await asyncio.to_thread(normalize_prompts, state, req.prompt)
         structured, structured_param = structured_outputs_for(req)
         await compile_off_loop(state.engine_loop.engine, structured, structured_param)
-        wants_prompt_logprobs = req.echo and req.logprobs is not None
+        wants_prompt_logprobs = req.echo and req.logprobs is not None or req.prompt_logprobs is not None
+        prompt_top = max(req.logprobs if req.echo and req.logprobs is not None else 0, req.prompt_logprobs or 0)
         request_id, engine_id = response_and_engine_ids(state, request, "cmpl")
         choices: list[Choice] = []
         engine_requests = []
@@ -154,7 +176,7 @@ class CompletionHandler:
                     req,
                     max_tokens=max(max_tokens, 1),
                     logprobs=req.logprobs,
-                    prompt_logprobs=req.logprobs if wants_prompt_logprobs else None,
+                    prompt_logprobs=prompt_top if wants_prompt_logprobs else None,
                     choice=j,
                     defaults=state.sampling_defaults,
                     structured_outputs=structured,
@@ -184,7 +206,7 @@ class CompletionHandler:
             if req.logprobs is not None:
                 lp = ChoiceLogprobs(self.state)
                 if req.echo:
-                    prompt_logprobs_into(lp, choice.prompt.token_ids, out.prompt_logprobs)
+                    prompt_logprobs_into(lp, choice.prompt.token_ids, _top_cut(out.prompt_logprobs, req.logprobs))
                 for token_id, entry in zip(output_ids, all_logprob_entries(out)):
                     lp.add(token_id, entry)
                 logprobs = lp.as_dict()
@@ -198,6 +220,9 @@ class CompletionHandler:
             if req.return_token_ids:
                 body["prompt_token_ids"] = choice.prompt.token_ids
                 body["token_ids"] = output_ids
+            if req.prompt_logprobs is not None:
+                body["prompt_logprobs"] = vllm_prompt_logprobs(self.state, choice.prompt.token_ids,
+                                                               _top_cut(out.prompt_logprobs, req.prompt_logprobs))
             body_choices.append(body)
         body = response_envelope(request_id, "text_completion", int(time.time()), self.state.model_name, body_choices)
         metrics = per_request_metrics(finals, self.state.per_request_metrics)
@@ -235,7 +260,7 @@ class CompletionHandler:
                     if req.echo:
                         text = choice.echo_text + text
                         if lp is not None:
-                            prompt_logprobs_into(lp, choice.prompt.token_ids, out.prompt_logprobs)
+                            prompt_logprobs_into(lp, choice.prompt.token_ids, _top_cut(out.prompt_logprobs, req.logprobs))
                 if lp is not None:
                     for token_id, entry in zip(new_ids, entries):
                         lp.add(token_id, entry)

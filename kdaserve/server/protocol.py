@@ -83,6 +83,16 @@ class _SamplingFields(_Lenient):
     # this request (values below it count as it); the first and last chunks go at once. Ignored
     # without `stream`.
     stream_interval: int | None = Field(default=None, ge=1)
+    # vLLM's: the prompt tokens' log-probs with this many alternatives each, answered as vLLM's
+    # `prompt_logprobs` list (completions: per choice; chat: top-level). Not with `stream`.
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _prompt_logprobs_not_streamed(self):
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs are not available with stream (vLLM refuses it too); send the request "
+                             "without stream")
+        return self
     # Structured output (server/structured_outputs.py): OpenAI's response_format or vLLM's
     # structured_outputs (json, regex, choice, grammar, json_object); checked by the engine.
     response_format: ResponseFormat | None = None

@@ -49,3 +49,26 @@ def test_chat_streaming(client):
     assert deltas[0]["role"] == "assistant" and all("role" not in d for d in deltas[1:])
     assert "".join(d["content"] for d in deltas) == whole
     assert [e["choices"][0]["finish_reason"] for e in token_events] == [None] * (len(token_events) - 1) + ["length"]
+
+
+def test_prompt_logprobs_in_vllm_form_for_chat_and_completions(client):
+    """vLLM's prompt_logprobs field: chat answers one top-level list, completions one per choice;
+    None for the first token, then {token id: {logprob, rank, decoded_token}} holding the prompt's
+    own token (its true rank) and the top alternatives, the same numbers as echo's log-probs."""
+    ids = client.post("/tokenize", json={"messages": MESSAGES}).json()["tokens"]
+    out = chat(client, **greedy(messages=MESSAGES, max_tokens=1, prompt_logprobs=2))
+    rows = out["prompt_logprobs"]
+    assert len(rows) == len(ids) == out["usage"]["prompt_tokens"] and rows[0] is None
+    echo = client.post("/v1/completions", json=greedy(prompt=ids, max_tokens=1, echo=True, logprobs=2)).json()
+    echo_lp = echo["choices"][0]["logprobs"]["token_logprobs"]
+    done = client.post("/v1/completions", json=greedy(prompt=ids, max_tokens=1, prompt_logprobs=2)).json()
+    assert done["choices"][0]["prompt_logprobs"] == rows
+    for token, row, want in zip(ids[1:], rows[1:], echo_lp[1:]):
+        own = row[str(token)]
+        assert abs(own["logprob"] - want) < 1e-5 and own["rank"] >= 1
+        others = sorted(row.values(), key=lambda v: -v["logprob"])
+        assert 2 <= len(row) <= 3 and all(v["logprob"] <= 0 for v in others)
+        assert own["rank"] == 1 + sum(v["logprob"] > own["logprob"] for v in others if v is not own) or own["rank"] > 2
+    for body in (dict(messages=MESSAGES, prompt_logprobs=1, stream=True), dict(messages=MESSAGES, prompt_logprobs=-1)):
+        r = client.post("/v1/chat/completions", json=greedy(max_tokens=1, **body))
+        assert r.status_code == 400, r.text
