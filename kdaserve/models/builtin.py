@@ -5,7 +5,8 @@ byte-level tokenizer.
 - `bench`: KDA layers at GLM-5.3-Flash's per-GPU shape under 2-way tensor parallelism (32 heads of
   128, hidden 4096) with every 4th layer full attention; 8 layers keep GPU benchmarks fast.
 - `kimi-tiny`: the Kimi-Linear family (KDA with the unbounded gate, MLA, MoE) at a CPU size.
-- `glm-tiny`: the GLM-5.3-Flash family (bounded gate, DSA, hyper-connections) at a CPU size.
+- `glm-tiny`: the GLM-5.3-Flash family (bounded gate, DSA, hyper-connections) at a CPU size, with a
+  tiny vision tower (its byte tokenizer has the image placeholder `<|image|>` and its brackets).
 - `ling-tiny`: the Ling-3 family (full-rank KDA gates, gated MLA with interleaved RoPE, grouped
   routing, an MTP layer) at a CPU size.
 - `nano`: a trained checkpoint shipped in the package (kdaserve/models/nano: the Kimi-Linear
@@ -96,14 +97,19 @@ def _kimi_configs():
 def _glm_configs():
     from kdaserve.models.glm5_next_config import Glm5NextConfig
 
+    # A tiny vision tower beside it (images through the engine and the API on a CPU); the byte
+    # vocabulary gains the image placeholder and its brackets (ByteTokenizer(image_tokens=True)).
+    vision = {"depth": 1, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64, "out_hidden_size": 64,
+              "projection_intermediate_size": 64, "patch_size": 14}
     tiny = Glm5NextConfig(
-        hidden_size=64, num_hidden_layers=4, vocab_size=_BYTE_VOCAB,
+        hidden_size=64, num_hidden_layers=4, vocab_size=_BYTE_VOCAB + 3,
         layer_types=["linear_attention", "linear_attention", "linear_attention", "indexed_attention"],
         linear_num_heads=2, linear_head_dim=32, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
         kv_lora_rank=32, qk_nope_head_dim=16, v_head_dim=16, index_topk=64, index_head_dim=16, index_n_heads=4,
         index_kpool=8, intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
         max_position_embeddings=8192, eos_token_id=ByteTokenizer().eos_token_id, pad_token_id=None,
-        torch_dtype="float32", extra={"num_nextn_predict_layers": 1},   # an MTP layer, as released
+        torch_dtype="float32", extra={"num_nextn_predict_layers": 1,   # an MTP layer, as released
+                                      "vision_config": vision, "outer_config": {"image_token_id": _BYTE_VOCAB + 1}},
     )
     # GLM-5.3-Flash as transformers 5.23.0 describes it (no released config.json on this machine to
     # confirm against): 45 layers (34 KDA, 11 DSA), 288 experts, one MTP layer.

@@ -407,6 +407,24 @@ def random_released_tensors(config: Glm5NextConfig, seed: int = 0, *, dtype=torc
         else:
             t = randn(shape, shape[-1] ** -0.5)
         yield name, t
+    if config.vision is not None:
+        yield from _random_vision_tensors(config, randn)
+
+
+def _random_vision_tensors(config: Glm5NextConfig, randn):
+    """The vision tower's tensors (`model.visual.*`) at random: norm weights near one, biases
+    small, weights scaled by their fan-in."""
+    shapes = {name: tuple(t.shape) for name, t in
+              Glm5NextVisionTower(config.vision, device="meta").state_dict().items()}
+    for name, shape in shapes.items():
+        if len(shape) == 1:
+            t = (1.0 + randn(shape, 0.1)) if "norm" in name and name.endswith("weight") else randn(shape, 0.1)
+        else:
+            fan_in = 1
+            for d in shape[1:]:
+                fan_in *= d
+            t = randn(shape, fan_in ** -0.5)
+        yield VISION_PREFIX + name, t
 
 
 __all__ = ["Glm5NextConfig", "Glm5NextForCausalLM", "load_released_weights", "random_released_tensors",

@@ -151,7 +151,7 @@ class Glm5NextConfig(JsonConfig):
     @property
     def image_token_id(self) -> int:
         """The image placeholder token (the outer config's; transformers' default as released)."""
-        return int(self.extra.get("outer_config", {}).get("image_token_id", 154854))
+        return int(self.extra.get("image_token_id", self.extra.get("outer_config", {}).get("image_token_id", 154854)))
 
     @property
     def num_mtp_layers(self) -> int:
@@ -191,10 +191,14 @@ class Glm5NextConfig(JsonConfig):
         return cls(**known, extra=extra)
 
     def to_dict(self) -> dict:
-        """A flat text-only config.json in transformers' spelling (what the tests write)."""
+        """A flat config.json in transformers' spelling (what the tests write): the text model's
+        fields, plus the vision tower's config and image token where the config has a tower."""
         d = dataclasses.asdict(self)
         extra = d.pop("extra")
         d.update({k: v for k, v in extra.items() if k not in ("outer_config", "vision_config")})
+        if self.vision is not None:
+            d["vision_config"] = extra["vision_config"]
+            d["image_token_id"] = self.image_token_id
         return d
 
 

@@ -118,7 +118,9 @@ def resolve_model(model: str, load_format: str = "auto", tokenizer_dir: str | No
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     path = Path(SHIPPED_CHECKPOINTS.get(model, model))
     if model in BUILTIN_CONFIGS or model in FAMILY_BUILTIN_CONFIGS:
-        config, tok, name, dummy = builtin_config(model), ByteTokenizer(), model, True
+        config = builtin_config(model)
+        # A built-in vision model's byte tokenizer has the image placeholder tokens too.
+        tok, name, dummy = ByteTokenizer(image_tokens=getattr(config, "vision", None) is not None), model, True
     elif (path / "config.json").is_file():
         config_dict = json.loads((path / "config.json").read_text())
         config = family_of(config_dict).config_from_dict(config_dict)

@@ -147,27 +147,43 @@ def render_chat_template(template: str, messages: list[dict], add_generation_pro
     return "".join(pieces)
 
 
+# An image part's placeholder (GLM-5.3-Flash's: the image token between its brackets).
+IMAGE_SPECIALS = ("<|begin_of_image|>", "<|image|>", "<|end_of_image|>")
+IMAGE_PLACEHOLDER = "".join(IMAGE_SPECIALS)
+
+
+def _content_text(content) -> str:
+    """A message's content: its text, or its parts' (vLLM's {"type": "image"} parts as the placeholder)."""
+    if isinstance(content, str):
+        return content
+    return "".join(IMAGE_PLACEHOLDER if p.get("type") == "image" else p.get("text", "") for p in content)
+
+
 def _simple_chat_template(messages: list[dict], add_generation_prompt: bool = True) -> str:
     """A template for models that ship none: role markers from the byte tokenizer's specials."""
-    text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
+    text = "".join(f"<|{m['role']}|>\n{_content_text(m['content'])}\n" for m in messages)
     return text + ("<|assistant|>\n" if add_generation_prompt else "")
 
 
 # The same as jinja2, for clients that render prompts themselves (`/tokenizer_info`).
-SIMPLE_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{% endfor %}"
+SIMPLE_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>\n{% if m.content is string %}{{ m.content }}{% else %}"
+                        "{% for p in m.content %}{% if p.type == 'image' %}" + IMAGE_PLACEHOLDER + "{% else %}"
+                        "{{ p.text }}{% endif %}{% endfor %}{% endif %}\n{% endfor %}"
                         "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
 
 class ByteTokenizer:
-    """Token i < 256 is byte i; then a few special tokens. Text round-trips exactly (UTF-8)."""
+    """Token i < 256 is byte i; then a few special tokens. Text round-trips exactly (UTF-8).
+    `image_tokens`: also the image placeholder and its brackets (a built-in vision model's)."""
 
     SPECIALS = ("<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>")
 
-    def __init__(self):
-        self.special_ids = {s: 256 + i for i, s in enumerate(self.SPECIALS)}
+    def __init__(self, image_tokens: bool = False):
+        self.specials = self.SPECIALS + (IMAGE_SPECIALS if image_tokens else ())
+        self.special_ids = {s: 256 + i for i, s in enumerate(self.specials)}
         self.eos_token_id = self.special_ids["<|endoftext|>"]
         self.bos_token_id = None
-        self.vocab_size = 256 + len(self.SPECIALS)
+        self.vocab_size = 256 + len(self.specials)
         self.chat_template: str | None = None   # `serve --chat-template` may set one
 
     def encode(self, text: str) -> list[int]:
@@ -192,7 +208,7 @@ class ByteTokenizer:
 
     @property
     def special_token_strings(self) -> tuple[str, ...]:
-        return self.SPECIALS
+        return self.specials
 
     @property
     def detokenizer_backend(self):
@@ -230,7 +246,7 @@ class ByteTokenizer:
             elif not skip_special_tokens and t < self.vocab_size:
                 out.append(buf.decode("utf-8", errors="replace"))
                 buf = bytearray()
-                out.append(self.SPECIALS[t - 256])
+                out.append(self.specials[t - 256])
             # ids past the tokenizer (a model's padded vocab) have no text
         out.append(buf.decode("utf-8", errors="replace"))
         return "".join(out)
@@ -251,7 +267,7 @@ class ByteTokenizer:
         tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
         tok.decoder = decoders.ByteLevel()
-        tok.add_special_tokens(list(self.SPECIALS))
+        tok.add_special_tokens(list(self.specials))
         return tok.to_str()
 
 
