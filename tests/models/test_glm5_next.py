@@ -178,14 +178,25 @@ def test_bad_checkpoints_name_the_tensor(tmp_path):
 
 
 def test_vision_tower_and_mtp_layer_are_skipped_with_one_line(tmp_path, caplog):
+    """Text only (the tower not built): its tensors and the MTP layer's skipped, one line each. A
+    model built with its tower refuses a partial one, naming what is missing; a checkpoint without
+    any tower tensor serves text only."""
+    from kdaserve.models.loader import load_model
+
     config = tiny_config()
     extra = {"model.visual.blocks.0.attn.qkv.weight": torch.zeros(96, 32), "model.visual.merger.proj.weight": torch.zeros(4, 4),
              "model.language_model.layers.5.eh_proj.weight": torch.zeros(64, 128)}
     write_checkpoint(tmp_path / "ckpt", config, extra_tensors=extra)
     with caplog.at_level(logging.INFO, logger="kdaserve.models.glm5_next"):
-        _load(tmp_path / "ckpt")
+        load_model(str(tmp_path / "ckpt"), dtype=torch.float32, device="cpu", mla_backend="reference",
+                   moe_backend="reference", images=False)
     lines = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
     assert sum("vision tower" in m for m in lines) == 1 and sum("multi-token-prediction" in m for m in lines) == 1
+    with pytest.raises(ValueError, match=r"vision tower does not match its vision_config: \d+ tensors missing \(e\.g\. "
+                                         r"\['model\.visual\."):
+        _load(tmp_path / "ckpt")
+    write_checkpoint(tmp_path / "text", config)
+    assert _load(tmp_path / "text").model.visual is None
 
 
 def test_released_shapes_cover_the_released_architecture():
