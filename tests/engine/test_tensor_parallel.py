@@ -219,6 +219,29 @@ def test_4bit_experts_split_over_two_ranks():
         MoEMLP(64, RouterConfig(4, 2), 32, fp4="mxfp4")
 
 
+def test_images_at_two_ranks():
+    """glm-tiny with images at two ranks (the vision tower whole on each, the step's images sent
+    with the step, every rank's encoder cache kept alike): one rank's tokens and log-probs, alone
+    with text prompts in a batch and with chunked prefill cutting through the images (48-token steps)."""
+    import numpy as np
+    from PIL import Image
+
+    images = [Image.fromarray(np.random.default_rng(s).integers(0, 256, (h, w, 3), dtype=np.uint8))
+              for s, (h, w) in enumerate(((120, 90), (60, 200)))]
+    prompt = {"prompt": "<|user|>\nCompare <|begin_of_image|><|image|><|end_of_image|> with "
+                        "<|begin_of_image|><|image|><|end_of_image|>\n<|assistant|>\n",
+              "multi_modal_data": {"image": images}}
+    kw = dict(ENGINE, num_kv_blocks=40, max_model_len=400)
+    batch = [prompt, PROMPTS[1], prompt]   # the same images twice (n > 1's case: one encoding)
+    want = LLM("glm-tiny", **kw).generate(batch, GREEDY, use_tqdm=False)
+    assert want[0].num_prompt_tokens > 48   # the images' tokens cross a 48-token step
+    llm = LLM("glm-tiny", tensor_parallel_size=2, **kw)
+    try:
+        _compare(want, llm.generate(batch, GREEDY, use_tqdm=False))
+    finally:
+        llm.engine.close()
+
+
 def test_a_released_glm_checkpoint_loads_split_from_slices(tmp_path):
     """GLM-5.3-Flash's loader (DSA indexer, hyper-connections, experts by released name) reading
     its rank's slices of a checkpoint directory: two ranks give one rank's greedy tokens."""
