@@ -137,6 +137,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4096)
     ap.add_argument("--formats", nargs="+", default=["mxfp4", "nvfp4"])
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    ap.add_argument("--stages", type=int, nargs="+", default=[3], help="software-pipeline stages to try")
     args = ap.parse_args()
     bw = copy_bandwidth()
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -150,11 +151,11 @@ def main() -> None:
     rows = []
     for M in args.m:
         x = torch.randn(M, args.k, device="cuda", generator=g).to(torch.bfloat16)
-        shapes = ([(16, bn, bk, wp, st) for bn, bk, wp, st in itertools.product((64, 128), (128, 256), (4,), (2, 3, 4))]
-                  if M <= 16 else
-                  [(64, bn, bk, wp, st) for bn, bk, wp, st in itertools.product((64, 128), (64, 128), (4, 8), (3, 4))]
+        stages = args.stages
+        shapes = ([(16, bn, bk, 4, st) for bn, bk, st in itertools.product((64, 128), (128, 256), stages)] if M <= 16 else
+                  [(64, bn, bk, wp, st) for bn, bk, wp, st in itertools.product((64, 128), (64, 128), (4, 8), stages)]
                   if M <= 128 else
-                  [(bm, bn, bk, 8, st) for bm, bn, bk, st in itertools.product((128,), (64, 128, 256), (64, 128), (3, 4))])
+                  [(128, bn, bk, 8, st) for bn, bk, st in itertools.product((64, 128), (64, 128), stages)])
         for fmt in args.formats:
             wq = q[fmt]
             ref = x.float() @ wq.dequantized(torch.float32).t()

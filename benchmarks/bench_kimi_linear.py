@@ -192,7 +192,7 @@ def main() -> None:
     plan = runner.memory.report or {}
     per_slot, per_tok = state_bytes_per_slot(model), kv_bytes_per_block(model, 1, runner.config.dtype)
     fit_8k = int(plan.get("free_gib", 0) * GIB // (per_slot + (args.ctx + 64) * per_tok))
-    print(f"built in {time.time() - t0:.0f} s: weights {weights / GIB:.2f} GiB ({weights / 2 / 1e9:.2f} B parameters), "
+    print(f"built in {time.time() - t0:.0f} s: weights {weights / GIB:.2f} GiB ({weights / 1e9:.2f} GB), "
           f"KDA state {plan.get('state_gib', 0):.2f} GiB ({runner.memory.num_slots} slots, {per_slot / 2**20:.1f} MiB each), "
           f"latent cache {plan.get('kv_gib', 0):.2f} GiB ({plan.get('kv_tokens', 0)} tokens, {per_tok} B per token), "
           f"memory left for caches {plan.get('free_gib', 0):.2f} GiB -> {fit_8k} sequences of {args.ctx} tokens fit; "

@@ -13,22 +13,18 @@
 # Add a part as `if [ "$PART" = name ]; then ... fi` below, with what it must show, and name it in
 # OWED; take it out of OWED once it ran (its numbers go to docs/perf-notes.md).
 OWED=(
-  fp4_moe         # any GPU (issue 63): the 4-bit expert GEMMs' GPU tests (bf16, Kimi-Linear's experts, both
-                  # formats; the decoders over every code), then the fused MoE call with bf16 / FP8 / MXFP4 /
-                  # NVFP4 experts against each format's floor, and Kimi-Linear with MXFP4 experts end to end
-  ling_routing    # any GPU: Ling-3's GPU tests again, now through the grouped routing kernel with the shared
-                  # expert as one more expert at decode; then Ling-3.0-Flash's decode step with it against the
-                  # torch path (.old = `git archive 17ab949 kdaserve benchmarks`), alternating, one process each
-  ling_real       # an H200 (all 42 layers, FP8): Ling-3.0-Flash's TTFT at 8K and decode step against its
-                  # memory floor (issue 64; the H100 ran its first 12 layers, thirty-fourth session)
+  fp4_variants    # any GPU (issue 63): fp4_moe (thirty-sixth session, H200) found the W4 expert GEMMs 2x slower than
+                  # bf16 at decode and 5-14x at prefill: which K-step form wins (benchmarks/bench_fp4_tiles.py)
+  fp4_moe         # any GPU (issue 63), again once the winner of fp4_variants is the kernels' K step (thirty-
+                  # sixth session, H200: 2x slower than bf16 at decode, 5-14x at prefill; docs/perf-notes.md)
   house_speed     # on an H200 (issue 59 asks it there; the H100 ran it, thirty-third session: within A/A):
                   # .old = `git archive 6eb0c8b kdaserve benchmarks`
   tp_gpus         # two or more GPUs (kind nvidia-h100-x2 or larger; issue 61): tensor parallel over NCCL with
                   # CUDA graphs per rank, and its throughput against one GPU
-  kimi_ttft       # on an H200 (Kimi-Linear needs 91.5 GiB): TTFT with the thirtieth session's K1;
-                  # twenty-ninth session 8K 138.6 ms, 32K 648.1 ms, KDA 94.80 ms of the 32K prefill
+  image_tower     # any GPU (issue 62): the image tests on the GPU (bf16 tower against fp32 on the CPU) and the
+                  # time of a 512 x 512 image through GLM-5.3-Flash's tower, then TTFT of random-mm's request shape
 )
-# Done, kept to run again: ling_tests (thirty-fourth session, H100: all passed), after_removal, house_tests, house_tests2, house_server and house_speed
+# Done, kept to run again: ling_routing, ling_real, kimi_ttft (thirty-sixth session, H200), ling_tests (thirty-fourth session, H100: all passed), after_removal, house_tests, house_tests2, house_server and house_speed
 # (thirty-third session, H100: all passed, throughput within A/A), k1_models and k1_models2 (thirty-second session, H100: all passed),
 # k1_ncu (K1 under Nsight Compute), k1_defaults (the K1 GPU tests and
 # the new defaults against the old), k1_prefetch_ncu, k1_table, k1_order (issue 21 goal 3), by the thirtieth
@@ -176,6 +172,27 @@ if [ "$PART" = ling_real ]; then
     $layers --gpu-memory-utilization 0.95 --batches 1 64 --ttft 8192 > "$OUT/ling_real.log" 2>&1
   echo "== ling_real ($layers) rc=$?"; grep "TTFT\|^| \|built in" "$OUT/ling_real.log" | head -40
   grep -m3 "Error\|Traceback" "$OUT/ling_real.log"
+fi
+
+if [ "$PART" = fp4_variants ]; then
+  # Must show (issue 63): every variant checked against the dequantized weight (no "WRONG" line),
+  # then per M the best launch shape of each: the 4-bit forms against bf16's GEMM of the same
+  # structure and the 4-bit floor. The kernels' form through the thirty-fifth session ("split":
+  # even / odd activation columns, strided loads, scales loaded per element) was 2x bf16's time at
+  # decode in the fused MoE; the winner here becomes ops/fp4/tiles.py's K step.
+  timeout $(cap 400) python3 benchmarks/bench_fp4_tiles.py --formats mxfp4 --m 16 4096 > "$OUT/fp4_variants.log" 2>&1
+  echo "== fp4_variants rc=$?"; grep -v "^# M=" "$OUT/fp4_variants.log" | tail -30
+fi
+
+if [ "$PART" = image_tower ]; then
+  # Must show (issue 62): the tower in bf16 on the GPU within 2e-2 of fp32 on the CPU (1 passed), the
+  # image tests through the engine (tiny, fp32 reference paths: 5 passed), then the time of a 512 x 512
+  # image through a GLM-5.3-Flash-sized tower (transformers' default vision config: depth 24, width
+  # 1024) alone and 8 / 32 at once, beside the CPU's processing time per image.
+  group tower_gpu 120 tests/models/test_glm5_next_vision.py
+  group image_prompts 150 tests/models/test_glm5_next_image_prompts.py
+  timeout $(cap 200) python3 benchmarks/bench_vision_tower.py --batches 1 8 32 > "$OUT/vision_tower.log" 2>&1
+  echo "== vision_tower rc=$?"; sed -n '/^NVIDIA\|^| images/,$p' "$OUT/vision_tower.log"; grep -m3 "Error" "$OUT/vision_tower.log"
 fi
 
 if [ "$PART" = fp4_moe ]; then

@@ -63,3 +63,24 @@ def test_a_vision_config_kdaserve_does_not_run_is_named():
     tower = Glm5NextVisionTower(Glm5NextVisionConfig.from_dict(TINY))
     with pytest.raises(ValueError, match=r"10 patches for grids \[\(1, 4, 4\)\]"):
         tower(torch.zeros(10, 3 * 2 * 14 * 14), [(1, 4, 4)])
+
+
+@pytest.mark.gpu
+def test_the_tower_in_bf16_on_the_gpu_follows_fp32():
+    """The tower as served (bf16 on the GPU, torch SDPA per image) against the same weights in fp32
+    on the CPU: two images of different sizes, within bf16's rounding over two blocks."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    hf = _hf_tower()
+    config = Glm5NextVisionConfig.from_dict(hf.config.to_dict())
+    cpu = Glm5NextVisionTower(config, dtype=torch.float32)
+    cpu.load_state_dict(hf.state_dict(), strict=True)
+    gpu = Glm5NextVisionTower(config, dtype=torch.bfloat16, device="cuda")
+    gpu.load_state_dict(hf.state_dict(), strict=True)
+    pixels, grids, _ = _images(ImageRules(min_image_tokens=4, max_image_tokens=64))
+    with torch.no_grad():
+        want = cpu(pixels, grids)
+        got = gpu(pixels.cuda(), grids).float().cpu()
+    assert not got.isnan().any()
+    err = ((got - want).norm() / want.norm()).item()
+    assert err < 2e-2, err
