@@ -81,19 +81,33 @@ class EncoderPlanner:
         self.resident.clear()
 
 
+def encoder_call_tokens(config, model) -> int:
+    """Image tokens one vision-tower call encodes at most: the step's token budget, or the largest
+    image the model's rules allow where that is more (one image is never split). The memory plan
+    profiles a call of this size (engine/memory.py), so no step's encoding exceeds what it planned."""
+    return max(config.max_num_batched_tokens, model.image_rules.max_image_tokens)
+
+
+def warm_up_grid(tokens: int, merge: int = 2) -> tuple[int, int, int]:
+    """A (1, h, w) patch grid of at most `tokens` merged tokens, near square: the profiled image."""
+    side = max(1, int(tokens**0.5))
+    return 1, merge * side, merge * max(1, tokens // side)
+
+
 class EncoderCache:
     """A rank's image embeddings by hash, kept as its StepImages say."""
 
-    def __init__(self, model, device):
-        self.model, self.device = model, device
+    def __init__(self, model, device, call_tokens: int):
+        self.model, self.device, self.call_tokens = model, device, call_tokens
         self.embeddings: dict[bytes, torch.Tensor] = {}
 
     def apply(self, images: StepImages) -> tuple[torch.Tensor, torch.Tensor]:
-        """Encode, drop, then (rows [R] int64, embeddings [R, hidden]) for the forward."""
-        if images.encode:
-            pixels = torch.cat([item.pixel_values for item in images.encode]).to(self.device, non_blocking=True)
-            out = self.model.encode_images(pixels, [item.grid_thw for item in images.encode])
-            for item, emb in zip(images.encode, out.split([item.num_tokens for item in images.encode])):
+        """Encode (images together, up to call_tokens a call), drop, then (rows [R] int64,
+        embeddings [R, hidden]) for the forward."""
+        for group in _calls(images.encode, self.call_tokens):
+            pixels = torch.cat([item.pixel_values for item in group]).to(self.device, non_blocking=True)
+            out = self.model.encode_images(pixels, [item.grid_thw for item in group])
+            for item, emb in zip(group, out.split([item.num_tokens for item in group])):
                 self.embeddings[item.mm_hash] = emb
         for h in images.drop:
             self.embeddings.pop(h, None)
@@ -103,3 +117,16 @@ class EncoderCache:
 
     def clear(self) -> None:
         self.embeddings.clear()
+
+
+def _calls(items: list[ImageItem], limit: int) -> list[list[ImageItem]]:
+    """Consecutive groups of at most `limit` tokens (an image over it alone)."""
+    groups: list[list[ImageItem]] = []
+    total = 0
+    for item in items:
+        if not groups or total + item.num_tokens > limit:
+            groups.append([])
+            total = 0
+        groups[-1].append(item)
+        total += item.num_tokens
+    return groups

@@ -14,6 +14,7 @@ from torch import nn
 
 from kdaserve.engine.caches import format_bytes, kv_bytes_per_block, state_bytes_per_slot
 from kdaserve.engine.config import EngineConfig
+from kdaserve.engine.encoder_cache import encoder_call_tokens, warm_up_grid
 from kdaserve.layers.context import reset_context
 
 log = logging.getLogger("kdaserve.engine")
@@ -117,7 +118,8 @@ def _num_kv_blocks(config: EngineConfig, model: nn.Module, plan: MemoryPlan) -> 
 @torch.inference_mode()
 def _free_gpu_bytes(config: EngineConfig, model: nn.Module, max_model_len: int) -> int:
     """GPU bytes the caches may take: the utilization target minus what is in use and the
-    peak of a dummy forward of a full token budget (activations)."""
+    peak of a dummy forward of a full token budget (activations) and, with a vision tower, of its
+    largest call (engine/encoder_cache.encoder_call_tokens)."""
     device = config.device
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
@@ -132,6 +134,12 @@ def _free_gpu_bytes(config: EngineConfig, model: nn.Module, max_model_len: int) 
         model.draft_hidden(ids, torch.arange(T, device=device), hidden)
     # A step samples at most max_num_seqs rows, (S+1) times that with speculative decoding.
     model.compute_logits(hidden[: config.max_num_seqs * (config.num_spec_tokens + 1)])
+    if getattr(model, "image_token_id", None) is not None:   # the vision tower's largest call: a warm-up image
+        del hidden
+        grid = warm_up_grid(encoder_call_tokens(config, model))
+        patches = torch.zeros(grid[1] * grid[2], model.visual.config.in_channels * model.visual.config.temporal_patch_size
+                              * model.visual.config.patch_size**2, device=device)
+        model.encode_images(patches, [grid])
     reset_context()
     torch.cuda.synchronize()
     activations = torch.cuda.max_memory_allocated() - before

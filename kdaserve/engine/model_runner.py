@@ -14,7 +14,7 @@ import torch
 from kdaserve.engine.caches import StepCaches
 from kdaserve.engine.config import EngineConfig
 from kdaserve.engine.cuda_graphs import DecodeGraphs
-from kdaserve.engine.encoder_cache import EncoderCache, EncoderPlanner
+from kdaserve.engine.encoder_cache import EncoderCache, EncoderPlanner, encoder_call_tokens
 from kdaserve.engine.memory import MemoryPlan
 from kdaserve.engine.sampler import PendingSample, Sampler, SampleResult, logprob_rows
 from kdaserve.engine.scheduler import ScheduledBatch
@@ -78,7 +78,7 @@ class ModelRunner:
         # Image embeddings (models with a vision tower): planned on rank 0, kept alike on every rank.
         images = getattr(self.model, "image_token_id", None) is not None
         self.encoder_planner = EncoderPlanner(max(config.max_num_batched_tokens, 1)) if images else None
-        self.encoder_cache = EncoderCache(self.model, self.device) if images else None
+        self.encoder_cache = EncoderCache(self.model, self.device, encoder_call_tokens(config, self.model)) if images else None
         self.graphs = None
         not_capturable = self.kda_backends is not None and not self.kda_backends.decode.graph_capturable
         if config.use_cuda_graphs and not_capturable:

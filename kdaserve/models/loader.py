@@ -108,6 +108,10 @@ def load_model(
     weights = (family.random_weights(config, seed, dtype=dtype, device=device, mtp=mtp) if dummy
                else iterate_safetensors(SHIPPED_CHECKPOINTS.get(model, model), lazy=tp_size() > 1))
     net.load_weights(weights)
+    if getattr(net, "image_token_id", None) is not None:   # a vision tower: its processing rules (Pillow) beside it
+        from kdaserve.models.glm5_next_images import image_rules
+
+        net.image_rules = image_rules(SHIPPED_CHECKPOINTS.get(model, model))
     return LoadedModel(net, tokenizer, config, name, kda_backends)
 
 

@@ -57,8 +57,8 @@ async def image_bytes(url: str, settings: MediaSettings, param: str) -> bytes:
     if not isinstance(url, str) or not url:
         raise bad_request("an image_url part needs {\"url\": \"data:...\" | \"file://...\" | \"http(s)://...\"}", param=param)
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
-    if scheme == "data":
-        return _data_url(url, settings, param)
+    if scheme == "data":   # base64 of up to --max-image-bytes: decoded off the loop too
+        return await asyncio.to_thread(_data_url, url, settings, param)
     if scheme == "file":
         return await asyncio.to_thread(_local_file, url, settings, param)
     if scheme in ("http", "https"):

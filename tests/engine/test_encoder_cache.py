@@ -76,7 +76,7 @@ def test_past_the_budget_the_least_recently_used_go_but_never_one_the_step_uses(
 def test_a_cache_following_the_plans_gives_the_rows_of_a_fresh_encoding():
     a, b = _item(1, 5, 0), _item(8, 3, 1)
     tower = _Tower()
-    planner, cache = EncoderPlanner(budget_tokens=5), EncoderCache(tower, "cpu")
+    planner, cache = EncoderPlanner(budget_tokens=5), EncoderCache(tower, "cpu", call_tokens=100)
     s = _seq([a, b])
     got = []
     for start, n in ((0, 3), (3, 4), (7, 5)):
@@ -88,6 +88,18 @@ def test_a_cache_following_the_plans_gives_the_rows_of_a_fresh_encoding():
     assert torch.equal(torch.cat([r for r, _ in got]), torch.tensor([1, 2, 0, 1, 2, 1, 2, 3]))
     assert torch.equal(torch.cat([e for _, e in got]), full)
     assert list(planner.resident) == [b.mm_hash]   # a dropped once b came past the budget
+
+
+def test_a_step_encodes_in_calls_of_at_most_the_planned_tokens():
+    """Several images starting in one step: encoded together up to call_tokens a call (the size the
+    memory plan profiled), an image over it alone; the rows are those of one call."""
+    items = [_item(i * 10, n, i) for i, n in enumerate((3, 4, 9, 2))]
+    tower = _Tower()
+    plan = EncoderPlanner(budget_tokens=100).plan(_batch([_seq(items)], [40]), 1)
+    rows, embeds = EncoderCache(tower, "cpu", call_tokens=7).apply(plan)
+    assert tower.calls == [2, 1, 1]   # 3 + 4, then 9 alone, then 2
+    alone = torch.cat([_Tower().encode_images(i.pixel_values, [i.grid_thw]) for i in items])
+    assert torch.equal(embeds, alone) and len(rows) == 18
 
 
 def test_placeholders_expand_in_order_and_an_expanded_prompt_is_kept():

@@ -51,13 +51,17 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     req = json.load(open(sys.argv[1]))
+    if req.get("tp", 1) == 1:   # one process: the engine core and the worker in this one (each process
+        # of vLLM's own costs CI ~10 s of imports); two ranks keep vLLM's processes
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     llm = LLM(model=req["model"], disable_log_stats=False, dtype=req.get("dtype", "float32"), max_model_len=256,
               tensor_parallel_size=req.get("tp", 1),
               skip_tokenizer_init=True, enforce_eager=True, gpu_memory_utilization=0.3,
               enable_prefix_caching=req.get("enable_prefix_caching", False), **req.get("engine_args", {}),
               max_num_batched_tokens=req.get("max_num_batched_tokens", 256), max_num_seqs=8,
               additional_config=req.get("additional_config"), max_logprobs=req.get("max_logprobs", 20),
-              speculative_config=req.get("speculative_config"))
+              speculative_config=req.get("speculative_config"),
+              **({"distributed_executor_backend": "uni"} if req.get("tp", 1) == 1 else {}))
     params = SamplingParams(max_tokens=req["max_tokens"], temperature=0, ignore_eos=True, detokenize=False,
                             prompt_logprobs=req.get("prompt_logprobs"), logprobs=req.get("logprobs"))
     outs = []

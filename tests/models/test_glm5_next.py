@@ -379,13 +379,14 @@ def test_the_triton_hyper_connections_and_index_scores_match_transformers(case):
     llm = LLM(str(ckpt), max_model_len=256, max_logprobs=VOCAB, warmup=False, **{**REF, "mla_backend": "triton"})
     layers = llm.engine.runner.model.model.layers
     assert layers[0].attn_hc.backend == "triton" and layers[1].self_attn.indexer.backend == "triton"
-    for prompt, ours in zip(PROMPTS[:2], _logprobs(llm, PROMPTS[:2])):
+    # The 37-token prompt: its positions past topk + kpool - 1 = 11 select (interpreter time: one prompt).
+    for prompt, ours in zip(PROMPTS[1:2], _logprobs(llm, PROMPTS[1:2])):
         with torch.no_grad():
             ref = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)
         assert rel_rms(ours, ref) <= 1e-4, (len(prompt), rel_rms(ours, ref))
     # Decode steps past topk + kpool - 1 tokens attend through the sparse MLA decode kernel.
-    out = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
-    assert out.output_token_ids == hf_greedy(hf, PROMPTS[1], 8)
+    out = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+    assert out.output_token_ids == hf_greedy(hf, PROMPTS[1], 4)
 
 
 def test_the_pool_key_cache_equals_recomputing_the_pools(case):
