@@ -131,6 +131,7 @@ class ModelRunner:
         accepted = [] if want.groups is not None else None
         if want.sample_rows:
             # The rows' index was staged with the step's metadata; None: rows 0..k-1, a slice.
+            self._tell_logits(want.sample_rows)
             rows = hidden[: len(want.sample_rows)] if sample_rows is None else hidden[sample_rows]
             logits = self.model.compute_logits(rows)
             if want.groups is not None:
@@ -143,8 +144,19 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_step(self, step: HostStep, input_source: torch.Tensor | None = None) -> None:
         """A step rank 0 runs, on another tensor-parallel rank: the same forward (graph replay or
-        eager), whose all-reduces meet rank 0's; no logits, no sampling."""
-        self._forward(step, input_source)
+        eager), whose all-reduces meet rank 0's; its hidden states kept for the logits rank 0 asks."""
+        self.last_hidden = self._forward(step, input_source)[0]
+
+    @torch.inference_mode()
+    def logits_rows(self, rows: list[int]) -> None:
+        """On another tensor-parallel rank: the LM head over rows of the last step's hidden states,
+        whose gather of the vocabulary's slices meets rank 0's (layers/embed_head.py)."""
+        self.model.compute_logits(self.last_hidden[torch.tensor(rows, dtype=torch.int64).to(self.device)])
+
+    def _tell_logits(self, rows: list[int]) -> None:
+        """Rank 0, before each LM head call: the rows, so that the other ranks' calls meet its gather."""
+        if self.ranks is not None:
+            self.ranks.send(("logits", list(rows)))
 
     def _forward(self, step: HostStep, input_source: torch.Tensor | None):
         """The model over the step: a CUDA-graph replay for a decode batch the graphs hold, else
@@ -174,6 +186,7 @@ class ModelRunner:
         per_call = self.config.max_num_seqs
         for i in range(0, len(prompt_rows), per_call):
             part = prompt_rows[i : i + per_call]
+            self._tell_logits([r for _, r, _ in part])
             logits = self.model.compute_logits(hidden[torch.tensor([r for _, r, _ in part], device=self.device,
                                                                    dtype=torch.int64)])
             targets = torch.tensor([s.token_ids[t] for s, _, t in part], device=self.device)

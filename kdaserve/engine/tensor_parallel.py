@@ -50,7 +50,7 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
 # The sizes a rank takes a share of, by config name (every family's that has them): a size the
 # ranks cannot split evenly is refused before any rank starts.
 _SPLIT_SIZES = ("num_attention_heads", "num_key_value_heads", "linear_num_heads", "intermediate_size",
-                "moe_intermediate_size")
+                "moe_intermediate_size", "vocab_size")   # vocab_size: the embedding's and LM head's rows
 
 
 def check_ranks(config: EngineConfig) -> None:
@@ -219,6 +219,8 @@ def _rank_main(config: EngineConfig, rank: int, size: int, port: int) -> None:
                     source = torch.empty(num_tokens, dtype=torch.int64, device=device)
                     dist.broadcast(source, src=0, group=state.group)
                 runner.forward_step(step, source)
+            elif kind == "logits":
+                runner.logits_rows(rest[0])
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

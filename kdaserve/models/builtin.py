@@ -102,7 +102,7 @@ def _glm_configs():
     vision = {"depth": 1, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64, "out_hidden_size": 64,
               "projection_intermediate_size": 64, "patch_size": 14}
     tiny = Glm5NextConfig(
-        hidden_size=64, num_hidden_layers=4, vocab_size=_BYTE_VOCAB + 3,
+        hidden_size=64, num_hidden_layers=4, vocab_size=_BYTE_VOCAB + 4,   # + 1 unused: 264 splits over 2, 4, 8 ranks
         layer_types=["linear_attention", "linear_attention", "linear_attention", "indexed_attention"],
         linear_num_heads=2, linear_head_dim=32, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
         kv_lora_rank=32, qk_nope_head_dim=16, v_head_dim=16, index_topk=64, index_head_dim=16, index_n_heads=4,

@@ -11,6 +11,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from kdaserve.layers.distributed import local_slice
+
 
 def kda_layer_shapes(prefix: str, hidden: int, heads: int, head_dim: int, conv_width: int,
                      a_log_shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
@@ -106,7 +108,8 @@ def load_released(model, weights: Iterable[tuple[str, torch.Tensor]], shapes: di
             raise ValueError(f"checkpoint tensor {name} has shape {list(tensor.shape)}; expected {list(shapes[name])}")
         m = layer_name.fullmatch(name)
         if m is None:
-            params[top_param(name)].copy_(tensor)
+            param = params[top_param(name)]
+            param.copy_(local_slice(tensor, param.shape))   # the embedding / LM head: this rank's vocabulary rows
         else:
             i, rest = int(m[1]), m[2] if rename is None else rename(m[2])
             layer = model.model.layers[i] if layer_of is None else layer_of(i)

@@ -108,7 +108,8 @@ def route_weights(model, weights: Iterable[tuple[str, torch.Tensor]], *, strict:
             kda_items[int(m[1])].append((m[3], tensor))
             continue
         if name == "lm_head.weight" and config.tie_word_embeddings:
-            params["model.embed_tokens.weight"].data.copy_(tensor)
+            embed = params["model.embed_tokens.weight"]
+            embed.data.copy_(local_slice(tensor, embed.shape))
         elif not load_named_tensor(model, name, tensor, params):
             unexpected.append(raw_name)
             continue

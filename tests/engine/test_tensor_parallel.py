@@ -80,6 +80,20 @@ def test_ngram_speculation_at_two_ranks():
     _compare(one, two)
 
 
+def test_a_vocabulary_the_ranks_cannot_split_is_named():
+    """The embedding and LM head split by vocabulary rows: 263 ids over two ranks is refused with
+    the sizes that work (check_ranks asks the same before any rank starts)."""
+    from kdaserve.layers.distributed import TensorParallel, building_with
+    from kdaserve.layers.embed_head import VocabEmbedding
+
+    message = (r"--tensor-parallel-size 2 does not divide the embedding's and LM head's vocabulary rows \(263\); "
+               r"the sizes that do: 1$")
+    with building_with(TensorParallel(0, 2)), pytest.raises(ValueError, match=message):
+        VocabEmbedding(263, 8)
+    with building_with(TensorParallel(1, 2)):
+        assert VocabEmbedding(264, 8).vocab_start == 132
+
+
 @pytest.mark.parametrize("kw, message", [
     (dict(tensor_parallel_size=3), r"--tensor-parallel-size 3 does not divide the model's num_attention_heads \(4\); "
                                    r"the sizes that do: 1, 2, 4"),
@@ -142,9 +156,9 @@ def test_a_rank_that_dies_ends_the_engine_within_seconds_naming_it():
 def test_a_rank_reads_only_its_slices_of_sharded_weights(monkeypatch, ep):
     """Built as rank 1 of 2 from the shipped nano checkpoint: every sharded weight (KDA's q/k/v/b,
     f_b/g_b, convs and o_proj; MLA's q, kv_b and o_proj; the experts' and MLPs' widths) is read half,
-    every weight ranks keep whole (embedding, LM head, norms, router, latent and gate-input
-    projections) whole, and nothing twice. With expert parallelism the routed experts of rank 0
-    (0..3 of 8) are never read and rank 1's own (4..7) whole."""
+    every weight ranks keep whole (norms, router, latent and gate-input projections) whole (the
+    embedding and LM head: half, by vocabulary rows), and nothing twice. With expert parallelism
+    the routed experts of rank 0 (0..3 of 8) are never read and rank 1's own (4..7) whole."""
     import re
 
     from safetensors import safe_open
@@ -172,7 +186,7 @@ def test_a_rank_reads_only_its_slices_of_sharded_weights(monkeypatch, ep):
     expert = {n: int(m[1]) for n in full if (m := re.search(r"\.experts\.(\d+)\.", n))}
     others = {n for n, e in expert.items() if ep and e < 4}
     assert set(read_bytes) == set(full) - others and max(reads.values()) == 1   # each read once, or never
-    whole = ("embed", "lm_head", "norm", "gate.", "kv_a_proj", "f_a_proj", "g_a_proj", "A_log", "dt_bias")
+    whole = ("norm", "gate.", "kv_a_proj", "f_a_proj", "g_a_proj", "A_log", "dt_bias")
     for name, n in full.items():
         if name in others:
             continue

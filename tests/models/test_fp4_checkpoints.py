@@ -27,7 +27,7 @@ from kdaserve.ops.fp4.reference import (
 )
 
 REF = dict(kda_prefill_backend="reference", kda_decode_backend="reference", mla_backend="reference",
-           moe_backend="reference", dtype="float32", max_model_len=128, max_logprobs=263, warmup=False)
+           moe_backend="reference", dtype="float32", max_model_len=128, max_logprobs=264, warmup=False)
 
 
 def _rows(llm, prompts):
