@@ -8,6 +8,7 @@ import torch
 
 from kdaserve.backends.kda_backends import KDABackendChoice
 from kdaserve.backends.requirements import parse_device
+from kdaserve.engine.json_flag import json_object
 from kdaserve.engine.speculative.config import SpeculativeConfig
 from kdaserve.engine.structured_output.compiler import DEFAULT_MAX_WHITESPACE
 
@@ -41,18 +42,9 @@ DEFAULT_IMAGES_PER_PROMPT = 8
 def parse_mm_limits(value) -> dict[str, int]:
     """--limit-mm-per-prompt (a dict or its JSON) -> {"image": N}: images only; a video limit above 0
     is refused (kdaserve takes no video)."""
-    import json
-
     if value is None:
         return {"image": DEFAULT_IMAGES_PER_PROMPT}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"invalid limit_mm_per_prompt {value!r}: expected a JSON object such as "
-                             f"'{{\"image\": 2}}' ({e.msg})") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"invalid limit_mm_per_prompt {value!r}: expected an object such as {{\"image\": 2}}")
+    value = json_object(value, "limit_mm_per_prompt", '{"image": 2}')
     out = {"image": DEFAULT_IMAGES_PER_PROMPT}
     for k, v in value.items():
         n = v.get("count") if isinstance(v, dict) else v   # vLLM also takes {"image": {"count": N, ...}}

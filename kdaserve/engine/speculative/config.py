@@ -9,9 +9,10 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
+
+from kdaserve.engine.json_flag import json_object
 
 log = logging.getLogger("kdaserve.engine")
 
@@ -39,14 +40,7 @@ class SpeculativeConfig:
         Raises ValueError saying what was wrong and what is accepted."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"invalid speculative_config: not JSON ({e.msg} at character {e.pos}); expected an "
-                                 f'object like {{"method": "ngram", "num_speculative_tokens": 4}}') from None
-        if not isinstance(value, dict):
-            raise ValueError(f"invalid speculative_config: got {type(value).__name__}; expected a JSON object")
+        value = json_object(value, "speculative_config", '{"method": "ngram", "num_speculative_tokens": 4}')
         known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
         unknown = sorted(set(value) - known)
         if unknown:
