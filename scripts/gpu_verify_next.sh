@@ -13,10 +13,8 @@
 # Add a part as `if [ "$PART" = name ]; then ... fi` below, with what it must show, and name it in
 # OWED; take it out of OWED once it ran (its numbers go to docs/perf-notes.md).
 OWED=(
-  fp4_variants    # any GPU (issue 63): fp4_moe (thirty-sixth session, H200) found the W4 expert GEMMs 2x slower than
-                  # bf16 at decode and 5-14x at prefill: which K-step form wins (benchmarks/bench_fp4_tiles.py)
-  fp4_moe         # any GPU (issue 63), again once the winner of fp4_variants is the kernels' K step (thirty-
-                  # sixth session, H200: 2x slower than bf16 at decode, 5-14x at prefill; docs/perf-notes.md)
+  fp4_moe         # any GPU (issue 63), again: the kernels' K step is now fp4_variants' trans_bc (thirty-sixth
+                  # session, H200: before it 2x slower than bf16 at decode, 5-14x at prefill; docs/perf-notes.md)
   house_speed     # on an H200 (issue 59 asks it there; the H100 ran it, thirty-third session: within A/A):
                   # .old = `git archive 6eb0c8b kdaserve benchmarks`
   tp_gpus         # two or more GPUs (kind nvidia-h100-x2 or larger; issue 61): tensor parallel over NCCL with
@@ -24,7 +22,7 @@ OWED=(
   image_tower     # any GPU (issue 62): the image tests on the GPU (bf16 tower against fp32 on the CPU) and the
                   # time of a 512 x 512 image through GLM-5.3-Flash's tower, then TTFT of random-mm's request shape
 )
-# Done, kept to run again: ling_routing, ling_real, kimi_ttft (thirty-sixth session, H200), ling_tests (thirty-fourth session, H100: all passed), after_removal, house_tests, house_tests2, house_server and house_speed
+# Done, kept to run again: fp4_variants, ling_routing, ling_real, kimi_ttft (thirty-sixth session, H200), ling_tests (thirty-fourth session, H100: all passed), after_removal, house_tests, house_tests2, house_server and house_speed
 # (thirty-third session, H100: all passed, throughput within A/A), k1_models and k1_models2 (thirty-second session, H100: all passed),
 # k1_ncu (K1 under Nsight Compute), k1_defaults (the K1 GPU tests and
 # the new defaults against the old), k1_prefetch_ncu, k1_table, k1_order (issue 21 goal 3), by the thirtieth
@@ -196,7 +194,7 @@ if [ "$PART" = image_tower ]; then
 fi
 
 if [ "$PART" = fp4_moe ]; then
-  # Must show (issue 63): test_fp4.py's GPU tests pass (7: the decoders bit for bit, both formats at
+  # Must show (issue 63): test_fp4.py's GPU tests pass (13: the decoders bit for bit, both formats at
   # T = 1, 64, 2048 within bf16's rounding of the fp32 reference); the --moe-formats table: at decode
   # (graph replay) MXFP4 / NVFP4 faster than bf16 from batch 8 up, each format's "x floor" (its own
   # bytes) reported; at prefill 4-bit within ~1.3x of bf16 (the decode in registers is extra ALU work

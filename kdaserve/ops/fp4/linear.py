@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from kdaserve.ops import interpreter_compat
-from kdaserve.ops.fp4.tiles import fp4_activations, fp4_dot
+from kdaserve.ops.fp4.tiles import fp4_weight_tile
 from kdaserve.ops.fp4.weights import Fp4Weights
 from kdaserve.ops.precision import dot_precision
 
@@ -30,10 +30,12 @@ def _fp4_linear_kernel(
     rows_in = (rows % M).to(tl.int64)
     cols_in = (cols % N).to(tl.int64)
     acc = tl.zeros([BM, BN], tl.float32)
+    w_rows, s_rows = w_ptr + cols_in[:, None] * stride_w, s_ptr + cols_in[:, None] * stride_s
     for k0 in range(0, K, BK):
-        a_lo, a_hi, kh, kh_ok = fp4_activations(x_ptr + rows_in[:, None] * stride_x, True, k0, K, BK, EVEN_K)
-        acc = fp4_dot(a_lo, a_hi, w_ptr + cols_in[None, :] * stride_w, s_ptr + cols_in[None, :] * stride_s, kh,
-                      kh_ok[:, None], acc, GROUP, PREC)
+        ks = k0 + tl.arange(0, BK)
+        a = tl.load(x_ptr + rows_in[:, None] * stride_x + ks[None, :], mask=((ks < K) | EVEN_K)[None, :], other=0.0)
+        w = fp4_weight_tile(w_rows, s_rows, True, k0, K, BK, GROUP, EVEN_K, a.dtype)
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=PREC)
     if GROUP == 16:   # NVFP4's global scale divides, per output row of W
         acc = acc / tl.load(d_ptr + cols_in)[None, :]
     if HAS_BIAS:

@@ -1,12 +1,17 @@
 """4-bit weight tiles inside Triton GEMMs (W4A16): packed e2m1 bytes and their group scales turned
 into the activations' dtype in registers, right before the tensor-core dot.
 
-A [BK, BN] weight tile of K rows arrives as [BK/2, BN] bytes, byte row i holding elements 2i (low
-nibble) and 2i+1 (high nibble) of the K step (the checkpoint's packing, kept as released). Rather
-than interleaving the two nibble tiles back into K order, a program splits the activations
-instead: the even K columns multiply the low nibbles, the odd ones the high nibbles, two dots of
-BK/2 each into the same accumulator. The activations are the small operand at decode, and nothing
-is reordered in registers.
+A K step of a weight's BN output rows arrives as [BN, BK/2] bytes, byte j of a row holding
+elements 2j (low nibble) and 2j+1 (high nibble): the checkpoint's packing, kept as released. The
+two nibble tiles are interleaved back into K order along the tile's last axis (`tl.interleave`,
+within each thread's registers), each row's BK / GROUP scales are loaded once and broadcast over
+their groups, and the decoded [BN, BK] tile enters the dot transposed (`fp4_weight_tile`), beside
+activations loaded as the bf16 path loads them (contiguous rows).
+
+Chosen by benchmarks/bench_fp4_tiles.py on an H200 (thirty-sixth session, docs/perf-notes.md):
+the first form split the activations into even / odd columns (strided loads) and loaded a scale
+per weight element; this one is 2.4x faster at decode (16 rows: faster than the bf16 GEMM of the
+same shape) and 9.6x at prefill.
 
 Every decoded value is exact in the activations' dtype: an e2m1 value (2 significant bits) times a
 power of two (MXFP4's e8m0 scale) or an e4m3 value (4 significant bits) fits bf16's 8. NVFP4's
@@ -46,27 +51,16 @@ def group_scale(s, GROUP: tl.constexpr):
 
 
 @triton.jit
-def fp4_activations(a_rows, row_ok, k0, K, BK: tl.constexpr, EVEN_K: tl.constexpr):
-    """The activations of one K step split for fp4_dot: `a_rows` [BM, 1] pointers to the rows' first
-    element, `row_ok` [BM, 1] -> (even K columns, odd K columns) [BM, BK/2], the step's byte rows
-    `kh` (elements 2 kh and 2 kh + 1) and which are inside K (every one where BK divides K: a mask
-    on K stops Triton's load pipelining)."""
-    kh = k0 // 2 + tl.arange(0, BK // 2)
-    kh_ok = (kh < K // 2) | EVEN_K
-    a_even = a_rows + 2 * kh[None, :]
-    mask = row_ok & kh_ok[None, :]
-    return tl.load(a_even, mask=mask, other=0.0), tl.load(a_even + 1, mask=mask, other=0.0), kh, kh_ok
-
-
-@triton.jit
-def fp4_dot(a_even, a_odd, w_cols, s_cols, kh, mask, acc, GROUP: tl.constexpr, PREC: tl.constexpr):
-    """acc + a W for one K step: `w_cols` / `s_cols` [1, BN] pointers to the output columns' packed
-    bytes and group scales, `kh` the step's byte rows (fp4_activations), `mask` [BK/2, BN],
-    `a_even` / `a_odd` [BM, BK/2] the activations' even / odd K columns."""
-    packed = tl.load(w_cols + kh[:, None], mask=mask, other=0)
-    scale = group_scale(tl.load(s_cols + (2 * kh // GROUP)[:, None], mask=mask, other=0), GROUP)
+def fp4_weight_tile(w_rows, s_rows, row_ok, k0, K, BK: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr,
+                    dtype: tl.constexpr):
+    """One K step of BN weight rows, decoded: `w_rows` / `s_rows` [BN, 1] pointers to the rows'
+    packed bytes and group scales, `row_ok` [BN, 1] -> [BN, BK] in `dtype`, K order. K steps past
+    K (where BK does not divide it) read as zeros."""
+    kq = k0 // 2 + tl.arange(0, BK // 2)
+    kg = k0 // GROUP + tl.arange(0, BK // GROUP)
+    packed = tl.load(w_rows + kq[None, :], mask=row_ok & ((kq < K // 2) | EVEN_K)[None, :], other=0)
+    g = group_scale(tl.load(s_rows + kg[None, :], mask=row_ok & ((kg < K // GROUP) | EVEN_K)[None, :], other=0), GROUP)
+    BN: tl.constexpr = g.shape[0]
+    scale = tl.reshape(tl.broadcast_to(g[:, :, None], (BN, BK // GROUP, GROUP)), (BN, BK))
     lo, hi = e2m1_pair(packed)
-    acc = tl.dot(a_even, (lo * scale).to(a_even.dtype), acc, input_precision=PREC)
-    return tl.dot(a_odd, (hi * scale).to(a_odd.dtype), acc, input_precision=PREC)
-
-
+    return (tl.interleave(lo, hi) * scale).to(dtype)

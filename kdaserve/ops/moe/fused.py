@@ -26,7 +26,7 @@ import triton.language as tl
 from kdaserve.ops import interpreter_compat
 from kdaserve.ops.activation.swiglu import silu_product
 from kdaserve.ops.compile_ahead import compiles_ahead
-from kdaserve.ops.fp4.tiles import fp4_activations, fp4_dot
+from kdaserve.ops.fp4.tiles import fp4_weight_tile
 from kdaserve.ops.fp4.weights import Fp4Weights
 from kdaserve.ops.fp8.quant import quantize_per_token_group
 from kdaserve.ops.fp8.reference import FP8
@@ -84,14 +84,16 @@ def _moe_gate_up_kernel(
     acc_u = tl.zeros([BM, BN], tl.float32)
     if W4:
         s_base = ws_ptr + e.to(tl.int64) * stride_wse
+        gate_w, gate_s = w_base + cols[:, None] * stride_wn, s_base + cols[:, None] * stride_wsn
+        up_w, up_s = w_base + (cols + INTER)[:, None] * stride_wn, s_base + (cols + INTER)[:, None] * stride_wsn
         for k0 in range(0, HIDDEN, BK):
-            a_lo, a_hi, kh, kh_ok = fp4_activations(x_ptr + tokens[:, None] * stride_x, valid[:, None], k0, HIDDEN, BK,
-                                                    EVEN_K)
-            w_mask = col_ok[None, :] & kh_ok[:, None]
-            acc_g = fp4_dot(a_lo, a_hi, w_base + cols[None, :] * stride_wn, s_base + cols[None, :] * stride_wsn, kh,
-                            w_mask, acc_g, W4, PREC)
-            acc_u = fp4_dot(a_lo, a_hi, w_base + (cols + INTER)[None, :] * stride_wn,
-                            s_base + (cols + INTER)[None, :] * stride_wsn, kh, w_mask, acc_u, W4, PREC)
+            ks = k0 + tl.arange(0, BK)
+            a = tl.load(x_ptr + tokens[:, None] * stride_x + ks[None, :],
+                        mask=valid[:, None] & ((ks < HIDDEN) | EVEN_K)[None, :], other=0.0)
+            wg = fp4_weight_tile(gate_w, gate_s, col_ok[:, None], k0, HIDDEN, BK, W4, EVEN_K, a.dtype)
+            acc_g = tl.dot(a, tl.trans(wg), acc_g, input_precision=PREC)
+            wu = fp4_weight_tile(up_w, up_s, col_ok[:, None], k0, HIDDEN, BK, W4, EVEN_K, a.dtype)
+            acc_u = tl.dot(a, tl.trans(wu), acc_u, input_precision=PREC)
         if W4 == 16:   # NVFP4's global scale divides, per output row
             divisors = wd_ptr + e.to(tl.int64) * stride_wde + cols
             acc_g = acc_g / tl.load(divisors, mask=col_ok, other=1.0)[None, :]
@@ -142,11 +144,14 @@ def _moe_down_kernel(
         w_scales = ws_ptr + e.to(tl.int64) * stride_wse + (cols // BLOCK_ROWS) * stride_wsn
     acc = tl.zeros([BM, BN], tl.float32)
     if W4:
+        w_rows = w_base + cols[:, None] * stride_wn
+        s_rows = ws_ptr + e.to(tl.int64) * stride_wse + cols[:, None] * stride_wsn
         for k0 in range(0, INTER, BK):
-            a_lo, a_hi, kh, kh_ok = fp4_activations(h_ptr + rows[:, None] * stride_h, valid[:, None], k0, INTER, BK, EVEN_K)
-            acc = fp4_dot(a_lo, a_hi, w_base + cols[None, :] * stride_wn,
-                          ws_ptr + e.to(tl.int64) * stride_wse + cols[None, :] * stride_wsn, kh,
-                          col_ok[None, :] & kh_ok[:, None], acc, W4, PREC)
+            ks = k0 + tl.arange(0, BK)
+            a = tl.load(h_ptr + rows[:, None] * stride_h + ks[None, :],
+                        mask=valid[:, None] & ((ks < INTER) | EVEN_K)[None, :], other=0.0)
+            w = fp4_weight_tile(w_rows, s_rows, col_ok[:, None], k0, INTER, BK, W4, EVEN_K, a.dtype)
+            acc = tl.dot(a, tl.trans(w), acc, input_precision=PREC)
         if W4 == 16:
             acc = acc / tl.load(wd_ptr + e.to(tl.int64) * stride_wde + cols, mask=col_ok, other=1.0)[None, :]
     else:
@@ -221,7 +226,8 @@ def moe_tiles(num_slots: int, num_experts: int, hidden: int, inter: int, fp8: bo
     8 warps and 4 stages. These need Hopper-class shared memory; elsewhere 64 x 64 tiles in the
     backend's default stages, which fit every target. 4-bit experts (`four_bit`) decode their
     weight tiles in registers: prefill's tiles narrower (gate|up 2 x 64 columns, down 64; K steps
-    of 64), which spill on no target (tools/compile_check); K steps of at least 32."""
+    of 64, 3 stages; sm_100's down K 128), which spill on no target (tools/compile_check); K
+    steps of at least 32."""
     bm = moe_block_m(num_slots, num_experts)
     if fp8:
         bn, warps = fp8_tiles(bm)
@@ -230,9 +236,10 @@ def moe_tiles(num_slots: int, num_experts: int, hidden: int, inter: int, fp8: bo
         return MoeTiles(bm, (_block(inter, 64), _block(hidden, 64), 4, None), (_block(hidden, 64), _block(inter, 64), 4, None))
     if bm < 64:
         return MoeTiles(bm, (_block(inter, 64), _block(hidden, 128), 4, 3), (_block(hidden, 64), _block(inter, 128), 4, 3))
-    if four_bit:
+    if four_bit:   # sm_100's NVFP4 down tile spills 8 bytes at K 64 (any stages): K 128 there
+        down_k = 128 if target == "sm_100" else 64
         return MoeTiles(128, (_block(inter, 64), max(32, _block(hidden, 64)), 8, 3),
-                        (_block(hidden, 64), max(32, _block(inter, 64)), 8, 4))
+                        (_block(hidden, 64), max(32, _block(inter, down_k)), 8, 3))
     return MoeTiles(128, (_block(inter, 128), _block(hidden, 64), 8, 4), (_block(hidden, 256), _block(inter, 64), 8, 4))
 
 
@@ -286,7 +293,7 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     BM, (BN1, BK1, warps1, stages1), (BN2, BK2, warps2, stages2) = t.block_m, t.gate_up, t.down
     if fp8 and (BK1, BK2) != (block[1], block[1]):
         raise ValueError(f"FP8 experts step K by the scale block's {block[1]} columns; tiles asked {BK1} and {BK2}")
-    if w4:   # each K step is two dots of BK/2 (ops/fp4/tiles.fp4_dot): at least 16 each
+    if w4:   # a K step holds whole scale groups (ops/fp4/tiles.fp4_weight_tile): at least 32
         BK1, BK2 = max(BK1, 32), max(BK2, 32)
     sorted_slots, block_experts = align_to_experts(ids, E, BM, extra_expert=shared is not None or skip_expert)
     if skip_expert:   # the skipped expert's blocks: no program runs them (a kernel returns for e < 0)
