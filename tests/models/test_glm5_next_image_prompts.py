@@ -161,6 +161,21 @@ def test_greedy_tokens_with_images_alone_batched_chunked_and_after_a_prefix_hit(
     assert got.output_token_ids == fresh.generate(with_images, greedy, use_tqdm=False)[0].output_token_ids
 
 
+def test_greedy_tokens_with_images_through_preemptions(ckpt, hf):
+    """A pool too small for three image prompts at once: requests are preempted and recomputed (their
+    images encoded again where evicted), with the tokens of transformers; every slot and block back."""
+    prompt, sizes = TWO
+    images = [_image(*s) for s in sizes]
+    want = _hf_greedy(hf, prompt, images)
+    request = {"prompt_token_ids": prompt, "multi_modal_data": {"image": images}}
+    tight = LLM(str(ckpt), max_model_len=96, num_kv_blocks=7, block_size=16, enable_prefix_caching=False, **REF)
+    outs = tight.generate([request] * 3, SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
+    assert [o.output_token_ids for o in outs] == [want] * 3
+    assert tight.engine.counters["preemptions"] > 0
+    stats = tight.engine.stats()
+    assert stats["state_slots_used"] == 0 and stats["kv_blocks_used"] == 0
+
+
 def test_the_same_text_with_another_image_shares_no_cache_past_it(ckpt):
     """Two prompts alike token for token (the placeholders are all one id) but for their image: the
     second finds no cached block covering the image, and its result is its own."""
