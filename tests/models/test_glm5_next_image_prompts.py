@@ -66,6 +66,19 @@ def ckpt(tmp_path_factory):
     return path
 
 
+def _copy_with_vision(src, dst, vision: dict[str, torch.Tensor], config_extra: dict | None = None):
+    """`src`'s checkpoint with other vision tensors (and config keys)."""
+    from safetensors.torch import load_file
+
+    dst.mkdir()
+    config = json.loads((src / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**config, **(config_extra or {})}))
+    (dst / "preprocessor_config.json").write_text((src / "preprocessor_config.json").read_text())
+    tensors = {k: v for k, v in load_file(str(src / "model.safetensors")).items() if not k.startswith("model.visual.")}
+    save_file({**tensors, **vision}, str(dst / "model.safetensors"))
+    return dst
+
+
 @pytest.fixture(scope="module")
 def hf(ckpt):
     return transformers.Glm5NextForConditionalGeneration.from_pretrained(str(ckpt), dtype=torch.float32).eval()
@@ -190,6 +203,35 @@ def test_the_same_text_with_another_image_shares_no_cache_past_it(ckpt):
     assert again_a.metrics["num_cached_tokens"] > 0   # the same image: its blocks are found
     lp_b, _ = _ours_logprobs(LLM(str(ckpt), max_model_len=256, max_logprobs=VOCAB, **REF), prompt, [b])
     assert rel_rms(lp_a, lp_b) > 1e-3
+
+
+def test_an_fp8_tower_loads_as_its_dequantized_twin(ckpt, tmp_path):
+    """A checkpoint whose tower's linear weights are block-scaled FP8 (`weight_scale_inv`, as FP8
+    releases store them) gives the log-probs of the same checkpoint with those weights dequantized,
+    bit for bit (the tower runs in the model's dtype)."""
+    from safetensors.torch import load_file
+
+    from kdaserve.ops.fp8.reference import dequantize_blocks, quantize_blocks
+
+    fp8, twin = {}, {}
+    for name, t in load_file(str(ckpt / "model.safetensors")).items():
+        if not name.startswith("model.visual."):
+            continue
+        if name.endswith(".weight") and t.dim() == 2:
+            q, scale = quantize_blocks(t, (128, 128))
+            fp8[name], fp8[name + "_scale_inv"] = q, scale
+            twin[name] = dequantize_blocks(q, scale, (128, 128))
+        else:
+            fp8[name] = twin[name] = t
+    assert any(k.endswith("_scale_inv") for k in fp8)
+    extra = {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
+    a = _copy_with_vision(ckpt, tmp_path / "fp8", fp8, extra)
+    b = _copy_with_vision(ckpt, tmp_path / "twin", twin)
+    prompt, sizes = ONE
+    images = [_image(*size) for size in sizes]
+    got, _ = _ours_logprobs(LLM(str(a), max_model_len=256, max_logprobs=VOCAB, **REF), prompt, images)
+    want, _ = _ours_logprobs(LLM(str(b), max_model_len=256, max_logprobs=VOCAB, **REF), prompt, images)
+    assert torch.equal(got, want)
 
 
 def test_bad_image_requests_are_named_and_leave_the_engine_clean(ckpt, tmp_path):
