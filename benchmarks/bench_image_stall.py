@@ -1,13 +1,13 @@
 """Does a large image request stall the other streams? (issue 62: decoding must stay off the event
 loop). A real server (`glm-tiny`, its engine in a thread or a process of its own) streams a long
 text completion; meanwhile, chat requests carrying one large PNG as a data: URL arrive (body size
-given, under --max-request-body-bytes; a small picture with large metadata, so that what is
-measured is the bytes' handling, not the model's work on a large image: a large image is a long
-prefill, which stalls other streams as any long prompt does, within chunked prefill's step budget). The table: the stream's largest gap between chunks and its
-median, alone and with the image requests, per engine mode. What remains is the body's own cost
-(JSON parsing runs in a worker thread too; the server reads the body on the loop).
+given, under --max-request-body-bytes). The PNG is a small picture with large metadata, so that
+what is measured is the bytes' handling, not the model's work on a large image (a large image is a
+long prefill, which delays other streams as any long prompt does, within chunked prefill's step
+budget). The table: the stream's largest gap between chunks and its median, alone and with the
+image requests, per engine mode.
 
-    PYTHONPATH=$PWD python3 benchmarks/bench_image_stall.py [--image-mb 12] [--images 3]
+    PYTHONPATH=$PWD python3 benchmarks/bench_image_stall.py [--image-mb 11] [--images 3]
 """
 
 from __future__ import annotations
