@@ -120,9 +120,9 @@ class ModelRunner:
         step = build_host_step(batch, self.block_size, decode_width=width, trash_row=self.caches.trash_row)
         if self.encoder_planner is not None:
             step.images = self.encoder_planner.plan(batch, batch.tokens_per_decode)
-        if self.ranks is not None:   # the other ranks run the same forward (their logits are not needed)
+        if self.ranks is not None:   # the other ranks run the same forward, and the LM head on the sample rows
             self.ranks.send(("step", dataclasses.replace(step, logits=LogitsRequest()),
-                             None if input_source is None else input_source.shape[0]))
+                             None if input_source is None else input_source.shape[0], list(step.logits.sample_rows)))
             if input_source is not None:
                 self.ranks.send_tokens(input_source)
         hidden, sample_rows, context, positions = self._forward(step, input_source)
@@ -131,7 +131,6 @@ class ModelRunner:
         accepted = [] if want.groups is not None else None
         if want.sample_rows:
             # The rows' index was staged with the step's metadata; None: rows 0..k-1, a slice.
-            self._tell_logits(want.sample_rows)
             rows = hidden[: len(want.sample_rows)] if sample_rows is None else hidden[sample_rows]
             logits = self.model.compute_logits(rows)
             if want.groups is not None:
@@ -142,10 +141,14 @@ class ModelRunner:
         return StepResult(sampled, want.sample_seqs, self._prompt_logprobs(hidden, want.prompt_rows), accepted, drafts)
 
     @torch.inference_mode()
-    def forward_step(self, step: HostStep, input_source: torch.Tensor | None = None) -> None:
+    def forward_step(self, step: HostStep, input_source: torch.Tensor | None = None,
+                     sample_rows: list[int] = ()) -> None:
         """A step rank 0 runs, on another tensor-parallel rank: the same forward (graph replay or
-        eager), whose all-reduces meet rank 0's; its hidden states kept for the logits rank 0 asks."""
+        eager), whose all-reduces meet rank 0's, then the LM head on rank 0's sample rows (its gather
+        meets rank 0's); the hidden states kept for the prompt log-prob rows rank 0 asks next."""
         self.last_hidden = self._forward(step, input_source)[0]
+        if sample_rows:
+            self.logits_rows(sample_rows)
 
     @torch.inference_mode()
     def logits_rows(self, rows: list[int]) -> None:
@@ -154,7 +157,8 @@ class ModelRunner:
         self.model.compute_logits(self.last_hidden[torch.tensor(rows, dtype=torch.int64).to(self.device)])
 
     def _tell_logits(self, rows: list[int]) -> None:
-        """Rank 0, before each LM head call: the rows, so that the other ranks' calls meet its gather."""
+        """Rank 0, before an LM head call past the sample rows' (prompt log-probs): the rows, so that
+        the other ranks' calls meet its gather."""
         if self.ranks is not None:
             self.ranks.send(("logits", list(rows)))
 

@@ -213,12 +213,12 @@ def _rank_main(config: EngineConfig, rank: int, size: int, port: int) -> None:
             if kind == "copy":
                 runner.copy_states(rest[0])
             elif kind == "step":
-                step, num_tokens = rest
+                step, num_tokens, sample_rows = rest
                 source = None
                 if num_tokens is not None:
                     source = torch.empty(num_tokens, dtype=torch.int64, device=device)
                     dist.broadcast(source, src=0, group=state.group)
-                runner.forward_step(step, source)
+                runner.forward_step(step, source, sample_rows)
             elif kind == "logits":
                 runner.logits_rows(rest[0])
     finally:
