@@ -33,3 +33,19 @@ def test_a_split_engine_serves_what_one_rank_serves():
     two = EngineProcess(dict(ENGINE_KWARGS, tensor_parallel_size=2))
     assert not two.process.daemon   # it starts its rank: a daemon process may not
     assert _answers(two) == one and one[0] and one[1]
+
+
+def test_two_api_servers_share_a_split_engine():
+    """--api-server-count 2 over -tp 2: the split engine's process with two connections (one per API
+    server; here two apps in this process, so their metrics are each their own): each answers as the
+    one-rank engine, the second after the first has left."""
+    one = _answers(EngineProcess(dict(ENGINE_KWARGS)))
+    two = EngineProcess(dict(ENGINE_KWARGS, tensor_parallel_size=2), api_clients=2)
+    clients = two.clients()
+    try:
+        for client in clients:
+            with TestClient(build_app(client)) as http:
+                text = http.post("/v1/completions", json=COMPLETION).json()["choices"][0]["text"]
+            assert text == one[0]
+    finally:
+        two.close()
