@@ -18,7 +18,9 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from PIL import Image
+
+# Pillow (the serve / test extras) is imported where an image is converted or resized: the rules and
+# token counts below need no Pillow, so a vision model loads (and serves text) without it.
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -111,21 +113,25 @@ class ProcessedImage:
     num_tokens: int               # its placeholder tokens in the prompt: patches / merge_size^2
 
 
-def to_rgb(image: Image.Image) -> Image.Image:
+def to_rgb(image):
     """RGB, transparency composited onto white (a transparent PNG's empty parts read as white)."""
     if "A" in image.getbands() or image.info.get("transparency") is not None:
         rgba = image.convert("RGBA")
+        from PIL import Image
+
         return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
     return image if image.mode == "RGB" else image.convert("RGB")
 
 
-def process_image(image: Image.Image, rules: ImageRules = ImageRules()) -> ProcessedImage:
+def process_image(image, rules: ImageRules = ImageRules()) -> ProcessedImage:
     """One decoded image -> its patches and grid, by the rules above."""
     rgb = to_rgb(image)
     width, height = rgb.size
     canvas = canvas_size(height, width, rules)
     ch, cw = content_size(height, width, canvas, rules)
     if (ch, cw) != (height, width):
+        from PIL import Image
+
         rgb = rgb.resize((cw, ch), resample=Image.Resampling.BICUBIC)
     pixels = np.asarray(rgb, dtype=np.uint8).transpose(2, 0, 1)                       # [3, h, w]
     pixels = np.pad(pixels, ((0, 0), (0, canvas[0] - ch), (0, canvas[1] - cw)), mode="constant")
