@@ -5,7 +5,8 @@
 # Carry [".whl"] (fla-core 0.6.0; fastapi, starlette, pydantic(-core), uvicorn, opentelemetry-api,
 # annotated-types, typing-inspection for the server; openai, jiter, distro, sniffio, httpx2,
 # httpcore2, h11, anyio, truststore for part real_client's OpenAI-SDK client; xgrammar 0.2.8, apache-tvm-ffi and
-# transformers 5.23.0 with what it imports for structured output) and, for an old-vs-new comparison, [".old"]
+# transformers 5.23.0 with what it imports for structured output; pillow for image_tower) and, for an old-vs-new
+# comparison, [".old"]
 # (e.g. `git archive <commit> kdaserve benchmarks | tar -x -C .old`), [".base"] likewise for kimi_fusions.
 # `bash scripts/gpu_verify_next.sh PART [PART ...]`: several parts run in order within one budget.
 # `bash scripts/gpu_verify_next.sh --owed`: the parts still owed, one a line, in the order to run
