@@ -3,7 +3,8 @@ rows of the step take which embedding rows.
 
 Rank 0 plans (EncoderPlanner, host only): for every row of the step that holds an image
 placeholder (prefill chunks, and a decode row still in the prompt), the image and the token of
-it; images not resident are encoded in this step, all of them in one tower call; residents the
+it; images not resident are encoded in this step, together in calls of at most the size the memory
+plan profiled (encoder_call_tokens); residents the
 step does not use are dropped, least recently used first, once they hold more than the budget of
 tokens. The plan (StepImages) travels with the step to every tensor-parallel rank, and each rank's
 EncoderCache follows it, so every rank holds the same embeddings without a collective. An image
@@ -77,9 +78,6 @@ class EncoderPlanner:
                 out.drop.append(h)
         return out
 
-    def clear(self) -> None:
-        self.resident.clear()
-
 
 def encoder_call_tokens(config, model) -> int:
     """Image tokens one vision-tower call encodes at most: the step's token budget, or the largest
@@ -114,9 +112,6 @@ class EncoderCache:
         embeds = torch.cat([self.embeddings[h][a : a + n] for h, a, n in images.sources])
         rows = torch.from_numpy(np.asarray(images.rows, dtype=np.int64)).to(self.device, non_blocking=True)
         return rows, embeds
-
-    def clear(self) -> None:
-        self.embeddings.clear()
 
 
 def _calls(items: list[ImageItem], limit: int) -> list[list[ImageItem]]:

@@ -37,11 +37,11 @@ class LLM:
         ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
         requests = []
         for (toks, images), sp in zip(parsed, params_list):   # all or nothing: check every request first
-            images = self.engine.process_images(images) if images else []
-            self.engine.validate_request(self.engine.place_images(toks, images)[0], sp)
-            requests.append((toks, images, sp))
-        for rid, (toks, images, sp) in zip(ids, requests):
-            self.engine.add_request(rid, toks, sp, images=images or None)
+            toks, placed = self.engine.place_images(toks, images)   # placed images keep their hashes in add_request
+            self.engine.validate_request(toks, sp)
+            requests.append((toks, placed, sp))
+        for rid, (toks, placed, sp) in zip(ids, requests):
+            self.engine.add_request(rid, toks, sp, images=list(placed) or None)
         return self._run(ids, use_tqdm)
 
     def _prompt(self, p) -> tuple[list[int], list]:

@@ -205,10 +205,7 @@ class LLMEngine:
     def process_images(self, images: list) -> list:
         """PIL images -> processed ones (pixels, grid, tokens) by the model's rules; processed ones
         pass through. Pure host work: a server runs it in worker threads, off its event loop."""
-        if self.image_token_id is None:
-            raise ValueError(f"{self.model_name} takes no images" + (
-                " (--limit-mm-per-prompt has image 0)" if self.config.max_images_per_prompt == 0 else
-                ": it has no vision tower; send text only"))
+        self._check_takes_images()
         from kdaserve.models.glm5_next_images import process_image
 
         return [image if hasattr(image, "grid_thw") else process_image(image, self.image_rules) for image in images]
@@ -217,6 +214,7 @@ class LLMEngine:
         """(prompt ids with each image's placeholder expanded, the placed images); no images: as given."""
         if not images:
             return prompt_token_ids, ()
+        self._check_takes_images()
         limit = self.config.max_images_per_prompt
         if len(images) > limit:
             raise ValueError(f"too many images: got {len(images)}; expected at most {limit} per prompt "
@@ -224,6 +222,12 @@ class LLMEngine:
         from kdaserve.engine.multimodal import place_images
 
         return place_images(list(prompt_token_ids), self.image_token_id, self.process_images(images))
+
+    def _check_takes_images(self) -> None:
+        if self.image_token_id is None:
+            raise ValueError(f"{self.model_name} takes no images" + (
+                " (--limit-mm-per-prompt has image 0)" if self.config.max_images_per_prompt == 0 else
+                ": it has no vision tower; send text only"))
 
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
         """Raise ValueError saying what is wrong with a request; returns its token ids."""

@@ -77,7 +77,7 @@ class ModelRunner:
         self.step_ring = StagingRing(64 << 10, self.device)   # eager steps' metadata; grows to the largest step
         # Image embeddings (models with a vision tower): planned on rank 0, kept alike on every rank.
         images = getattr(self.model, "image_token_id", None) is not None
-        self.encoder_planner = EncoderPlanner(max(config.max_num_batched_tokens, 1)) if images else None
+        self.encoder_planner = EncoderPlanner(config.max_num_batched_tokens) if images else None
         self.encoder_cache = EncoderCache(self.model, self.device, encoder_call_tokens(config, self.model)) if images else None
         self.graphs = None
         not_capturable = self.kda_backends is not None and not self.kda_backends.decode.graph_capturable
@@ -177,8 +177,7 @@ class ModelRunner:
         images = self.encoder_cache.apply(step.images) if step.images is not None else None
         set_context(dev.context)
         try:
-            hidden = self.model(dev.input_ids, dev.positions) if images is None else \
-                self.model(dev.input_ids, dev.positions, images=images)
+            hidden = self.model(dev.input_ids, dev.positions, images=images)
         finally:
             reset_context()
         return hidden, dev.sample_rows, dev.context, dev.positions

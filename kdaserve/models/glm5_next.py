@@ -33,6 +33,7 @@ layers' and the indexer's projections, and everything else, are dequantized at l
 from __future__ import annotations
 
 import logging
+import math
 import re
 from collections.abc import Iterable
 
@@ -420,10 +421,7 @@ def _random_vision_tensors(config: Glm5NextConfig, randn):
         if len(shape) == 1:
             t = (1.0 + randn(shape, 0.1)) if "norm" in name and name.endswith("weight") else randn(shape, 0.1)
         else:
-            fan_in = 1
-            for d in shape[1:]:
-                fan_in *= d
-            t = randn(shape, fan_in ** -0.5)
+            t = randn(shape, math.prod(shape[1:]) ** -0.5)
         yield VISION_PREFIX + name, t
 
 
