@@ -4,8 +4,7 @@ ops/fp4/weights.py keeps it (byte k of a row holds elements 2k, 2k + 1; one scal
 
     variant   weight operand                        activations            scale applied
     split     W^T [BK/2, BN] x2 (low / high nibbles) even / odd columns,   per element, loaded
-              (the kernels' form through the 35th     two strided loads      per element
-              session)
+              (the kernels' earlier form)           two strided loads      per element
     swap      W [BN, BK] nibbles interleaved back,  x [BM, BK] contiguous, per element, loaded
               the dot's A operand (registers)       transposed (B)         per element
     swap_bc   as swap                               as swap                loaded per group,

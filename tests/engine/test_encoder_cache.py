@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from kdaserve.engine.encoder_cache import EncoderCache, EncoderPlanner
@@ -109,3 +110,19 @@ def test_placeholders_expand_in_order_and_an_expanded_prompt_is_kept():
     assert ids == [5, 9, 9, 6, 9, 9, 9, 7]
     assert [(p.offset, p.num_tokens) for p in placed] == [(1, 2), (4, 3)]
     assert placed[0].mm_hash != placed[1].mm_hash
+
+
+@pytest.mark.parametrize("value, message", [
+    ("{", r"invalid limit_mm_per_prompt: not JSON .*; expected an object like \{\"image\": 2\}"),
+    ("[1]", r"invalid limit_mm_per_prompt: got list; expected a JSON object"),
+    ({"image": -1}, r"invalid limit_mm_per_prompt\['image'\]: got -1; expected an integer >= 0"),
+    ({"video": 1}, r"kdaserve takes images only, not video; give \{\"video\": 0\} or leave it out"),
+    ({"sound": 1}, r"unknown modality 'sound'; expected \"image\""),
+])
+def test_limit_mm_per_prompt_refusals_say_what_is_accepted(value, message):
+    from kdaserve.engine.config import parse_mm_limits
+
+    with pytest.raises(ValueError, match=message):
+        parse_mm_limits(value)
+    assert parse_mm_limits('{"image": 2, "video": 0}') == {"image": 2}
+    assert parse_mm_limits({"image": {"count": 3}}) == {"image": 3} and parse_mm_limits(None) == {"image": 8}

@@ -212,3 +212,13 @@ def _engine_is_clean(client):
     metrics = client.get("/metrics").text
     running = [line for line in metrics.splitlines() if line.startswith("kdaserve:num_requests_running")]
     assert running and all(line.endswith(" 0.0") for line in running), running
+
+
+def test_media_settings_refuse_a_path_that_is_no_directory_and_zero_limits(tmp_path):
+    from kdaserve.server.media import MediaSettings
+
+    with pytest.raises(ValueError, match=r"--allowed-local-media-path .*nowhere: not a directory"):
+        MediaSettings(allowed_local_media_path=tmp_path / "nowhere")
+    with pytest.raises(ValueError, match=r"invalid max_image_pixels: got 0; expected >= 1"):
+        MediaSettings(max_image_pixels=0)
+    assert MediaSettings(allowed_local_media_path=tmp_path).allowed_local_media_path == tmp_path.resolve()

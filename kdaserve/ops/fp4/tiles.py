@@ -8,10 +8,8 @@ within each thread's registers), each row's BK / GROUP scales are loaded once an
 their groups, and the decoded [BN, BK] tile enters the dot transposed (`fp4_weight_tile`), beside
 activations loaded as the bf16 path loads them (contiguous rows).
 
-Chosen by benchmarks/bench_fp4_tiles.py on an H200 (thirty-sixth session, docs/perf-notes.md):
-the first form split the activations into even / odd columns (strided loads) and loaded a scale
-per weight element; this one is 2.4x faster at decode (16 rows: faster than the bf16 GEMM of the
-same shape) and 9.6x at prefill.
+Scales are never loaded per weight element and activations never with a stride: both cost more
+than the 4-bit bytes save (benchmarks/bench_fp4_tiles.py times the alternatives; docs/perf-notes.md).
 
 Every decoded value is exact in the activations' dtype: an e2m1 value (2 significant bits) times a
 power of two (MXFP4's e8m0 scale) or an e4m3 value (4 significant bits) fits bf16's 8. NVFP4's
