@@ -117,6 +117,8 @@ class Fp8Layout:
     attention: re.Pattern
     is_attention_layer: Callable[[object, int], bool]   # (config, layer index)
     widths: Callable[[object], tuple[int, ...]]        # the MLP widths merged gate|up weights split
+    # The attention projections' widths tensor parallelism splits (MLA: q / q_b's rows, o_proj's columns)
+    attention_widths: Callable[[object], tuple[int, ...]] = lambda c: mla_split_widths(c)
 
     def keeps(self, config, name: str, linears: bool = False) -> bool:
         """Whether a model keeping FP8 experts (`linears`: and linear projections) keeps `name` FP8."""
@@ -138,12 +140,23 @@ class Fp8Layout:
         n = tp_size()
         widths = tuple(w // n for w in self.widths(config))
         try:
-            return fp8_blocks(config.extra, widths, device, quantization, self.family, say)
+            blocks = fp8_blocks(config.extra, widths, device, quantization, self.family, say)
         except ValueError as exc:
             if n == 1:
                 raise
             raise ValueError(f"{exc} (each rank's share of {self.widths(config)} at --tensor-parallel-size {n}); "
                              f"a smaller -tp keeps whole blocks, or leave --quantization unset") from None
+        linears = blocks[1]
+        whole = self.attention_widths(config)
+        splits = lambda m: m > 1 and any((w // m) % b for w in whole for b in linears)   # noqa: E731
+        if linears is not None and splits(n):   # (one rank's weights are whole: their last block may be short)
+            fits = [m for m in range(1, config.num_attention_heads + 1)
+                    if config.num_attention_heads % m == 0 and not splits(m)]
+            raise ValueError(f"FP8 attention projections need each rank's share of the heads' widths {whole} in "
+                             f"whole {linears[0]} x {linears[1]} blocks; at --tensor-parallel-size {n} a rank holds "
+                             f"{tuple(w // n for w in whole)}; the sizes that keep whole blocks: "
+                             f"{', '.join(map(str, fits))} (or leave --quantization unset)")
+        return blocks
 
     def tensors(self, config, device, quantization: str | None) -> Callable[[str], bool] | None:
         """Which released tensors a model built so keeps in FP8 (the capacity check's question)."""
@@ -195,6 +208,14 @@ class Fp8Layout:
             weights = dequantized_fp4_weights(weights, four_bit, dtype, keep=model.fp4_experts.keeps)
         return dequantized_weights(weights, dtype, block or fp8_block_size(config.extra),
                                    keep=(lambda name: self.keeps(config, name, linears)) if block else None)
+
+
+def mla_split_widths(config) -> tuple[int, ...]:
+    """An MLA layer's widths split by heads that a block-scaled FP8 weight holds: the query
+    projection's rows (q_proj or q_b_proj) and o_proj's columns (the latent projections are whole
+    on every rank; kv_b_proj stays in the model's dtype)."""
+    heads = config.num_attention_heads
+    return heads * (config.qk_nope_head_dim + config.qk_rope_head_dim), heads * config.v_head_dim
 
 
 def _check_scale(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], name: str) -> None:
