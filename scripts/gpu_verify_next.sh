@@ -334,7 +334,8 @@ fi
 if [ "$PART" = tp_gpus ]; then
   # Must show (issue 60, on issue 61's machines): tests/engine/test_tensor_parallel_gpu.py passes (NCCL,
   # graphs captured per rank, async scheduling: two GPUs give one GPU's greedy tokens for nano,
-  # kimi-tiny, glm-tiny, and glm-tiny with --enable-expert-parallel), and bench_throughput.py's bench
+  # kimi-tiny, glm-tiny, and glm-tiny with --enable-expert-parallel; MTP at two ranks with graphs
+  # lossless against one rank, 5 passed), and bench_throughput.py's bench
   # model at -tp 1 and -tp 2 (flash+fused): its table rows for each, one process each. Kimi-Linear at
   # its real shape with dummy weights at -tp 2 on two H100s (46.5 GiB of weights each): TTFT of 8K and
   # the decode step, width-split experts then whole experts per rank (--enable-expert-parallel).

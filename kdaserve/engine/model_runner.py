@@ -137,7 +137,8 @@ class ModelRunner:
                 accepted = self.rejection_sampler.sample(logits, want.groups)
             else:
                 sampled = self.sampler.sample(logits, want.sample_seqs)
-        drafts = self.drafter.drafts(batch, step, context, positions, hidden, accepted) if self.drafter else []
+        drafts = (self.drafter.drafts(batch, step, context, positions, hidden, accepted, self.ranks)
+                  if self.drafter else [])
         return StepResult(sampled, want.sample_seqs, self._prompt_logprobs(hidden, want.prompt_rows), accepted, drafts)
 
     @torch.inference_mode()
@@ -145,10 +146,17 @@ class ModelRunner:
                      sample_rows: list[int] = ()) -> None:
         """A step rank 0 runs, on another tensor-parallel rank: the same forward (graph replay or
         eager), whose all-reduces meet rank 0's, then the LM head on rank 0's sample rows (its gather
-        meets rank 0's); the hidden states kept for the prompt log-prob rows rank 0 asks next."""
-        self.last_hidden = self._forward(step, input_source)[0]
+        meets rank 0's); the hidden states (and the MTP drafter's context) kept for the drafts and
+        prompt log-prob rows rank 0 asks next."""
+        self.last_hidden, _, self.last_context, self.last_positions = self._forward(step, input_source)
         if sample_rows:
             self.logits_rows(sample_rows)
+
+    @torch.inference_mode()
+    def draft(self, plan) -> None:
+        """On another tensor-parallel rank: the MTP drafter's passes over the last step (rank 0's
+        DraftPlan), whose all-reduces and gathers meet rank 0's."""
+        self.drafter.run(plan, self.last_context, self.last_positions, self.last_hidden)
 
     @torch.inference_mode()
     def logits_rows(self, rows: list[int]) -> None:

@@ -3,9 +3,10 @@ torch.distributed group (NCCL on GPUs, gloo on CPUs, so CI runs two ranks on its
 
 Rank 0 is the engine process: it schedules, samples and answers; ranks 1..N-1 (`_rank_main`) each
 load their shard of the model, size their pools by the same plan and run every step rank 0 runs,
-in the same order, so the layers' all-reduces meet. Per step rank 0 sends the ranks one small
-host-side message over a gloo group (`broadcast_object_list`): the step's HostStep (the per-step
-form, without the sequences' objects), or a state-slot copy, or stop; with async scheduling the
+in the same order, so the layers' all-reduces meet. Per step rank 0 sends the ranks small
+host-side messages over a gloo group (`broadcast_object_list`): the step's HostStep (the per-step
+form, without the sequences' objects), a state-slot copy, the LM head's rows for prompt log-probs,
+the MTP drafter's plan after sampling (speculative/mtp_drafter.py), or stop; with async scheduling the
 previous step's sampled tokens follow on the device group. Outputs come from rank 0 only.
 
 A rank that dies takes the engine down: rank 0 watches the others' processes and exits with the
@@ -76,9 +77,6 @@ def check_ranks(config: EngineConfig) -> None:
         if n > have:
             raise ValueError(f"--tensor-parallel-size {n} needs {n} GPUs from {device}, but this machine has {have}; "
                              f"give at most -tp {have} (CUDA_VISIBLE_DEVICES picks which)")
-    if config.speculative_config is not None and config.speculative_config.method == "mtp":
-        raise ValueError(f"--tensor-parallel-size {n}: speculative method 'mtp' runs one rank only so far; use "
-                         f"'ngram', or -tp 1")
 
 
 def _router(model_config):
@@ -221,6 +219,8 @@ def _rank_main(config: EngineConfig, rank: int, size: int, port: int) -> None:
                 runner.forward_step(step, source, sample_rows)
             elif kind == "logits":
                 runner.logits_rows(rest[0])
+            elif kind == "draft":
+                runner.draft(rest[0])
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -1,9 +1,10 @@
 """Tensor parallelism on the CPU (gloo, two ranks: CI's two cores): the same model split over two
 processes gives the greedy tokens and prompt log-probs of one rank, alone and batched, with
-chunked prefill, preemption, prefix-cache hits, async scheduling and n-gram speculation; sizes
+chunked prefill, preemption, prefix-cache hits, async scheduling, n-gram and MTP speculation; sizes
 the ranks cannot split and unbuilt features are refused before any rank starts; a rank that dies
 ends the engine within seconds, naming it."""
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -80,6 +81,32 @@ def test_ngram_speculation_at_two_ranks():
     _compare(one, two)
 
 
+@pytest.mark.parametrize("model", ["glm-tiny", "ling-tiny+ep"])
+def test_mtp_speculation_at_two_ranks(model):
+    """The MTP layer split like the target's (GLM's DSA + MoE; Ling-3's gated MLA + MoE, whole
+    experts per rank), its passes run by every rank from rank 0's plan: at two ranks the drafts
+    made after each step are one rank's (three per verify, through chunked prefill and
+    preemption), and so are the tokens and log-probs."""
+    from tests.models.family_parity import drafts_after_each_step
+
+    name, _, ep = model.partition("+")
+    kw = dict(ENGINE, async_scheduling=False, speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+    one = LLM(name, **kw)
+    want = one.generate(PROMPTS, GREEDY, use_tqdm=False)
+    want_drafts = drafts_after_each_step(one, PROMPTS[2], 12)
+    llm = LLM(name, tensor_parallel_size=2, enable_expert_parallel=ep == "ep", **kw)
+    try:
+        _compare(want, llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+        assert llm.engine.counters["preemptions"] > 0
+        made = drafts_after_each_step(llm, PROMPTS[2], 12)
+        assert made == want_drafts and len(made[0]) >= 4 and all(len(d) == 3 for _, d in made[0])
+        for key in ("spec_decode_num_drafts", "spec_decode_num_accepted_tokens"):   # (random weights: few accepted)
+            assert llm.engine.stats()[key] == one.engine.stats()[key], key
+        assert one.engine.stats()["spec_decode_num_drafts"] > 0
+    finally:
+        llm.engine.close()
+
+
 def test_a_vocabulary_the_ranks_cannot_split_is_named():
     """The embedding and LM head split by vocabulary rows: 263 ids over two ranks is refused with
     the sizes that work (check_ranks asks the same before any rank starts)."""
@@ -101,11 +128,9 @@ def test_a_vocabulary_the_ranks_cannot_split_is_named():
                                                                 r"experts to split"),
     (dict(enable_expert_parallel=True), r"--enable-expert-parallel splits the experts over the ranks of "
                                         r"--tensor-parallel-size N"),
-    (dict(tensor_parallel_size=2, speculative_config={"method": "mtp", "num_speculative_tokens": 1}),
-     r"speculative method 'mtp' runs one rank only so far"),
 ])
 def test_what_two_ranks_cannot_do_is_refused_before_they_start(kw, message):
-    model = "glm-tiny" if "speculative_config" in kw else "tiny" if "enable_expert_parallel" in kw else "nano"
+    model = "tiny" if "enable_expert_parallel" in kw else "nano"
     with pytest.raises(ValueError, match=message):
         LLM(model, **dict(ENGINE, async_scheduling=False), **kw)
     import torch.distributed as dist
@@ -207,6 +232,16 @@ def test_an_fp8_block_a_rank_would_split_is_named():
             ValueError, match=r"the MLP widths \(64, 16\) must be multiples of the 128-row block \(each rank's share of "
                               r"\(128, 32\) at --tensor-parallel-size 2\)"):
         FP8_LAYOUT.blocks(config, torch.device("cpu"), "fp8", say=False)
+    # MLP widths whole, but the attention's query rows (4 heads x 32) and o_proj's columns (4 x 16)
+    # split a block: the heads' widths named, with the sizes that work (one rank's may end short).
+    config = dataclasses.replace(config, intermediate_size=256, moe_intermediate_size=256)
+    with building_with(TensorParallel(0, 2)), pytest.raises(
+            ValueError, match=r"FP8 attention projections need each rank's share of the heads' widths \(128, 64\) in "
+                              r"whole 128 x 128 blocks; at --tensor-parallel-size 2 a rank holds \(64, 32\); the sizes "
+                              r"that keep whole blocks: 1 \(or leave --quantization unset\)"):
+        FP8_LAYOUT.blocks(config, torch.device("cpu"), "fp8", say=False)
+    with building_with(TensorParallel(0, 1)):
+        assert FP8_LAYOUT.blocks(config, torch.device("cpu"), "fp8", say=False) == ((128, 128), (128, 128))
 
 
 def test_4bit_experts_split_over_two_ranks():

@@ -35,3 +35,21 @@ def test_two_gpus_give_one_gpus_tokens(model):
         assert a.output_token_ids[:16] == b.output_token_ids[:16]
         for x, y in zip(a.logprobs[:16], b.logprobs[:16]):
             assert abs(x["logprob"] - y["logprob"]) < 0.05, (x, y)
+
+
+def test_mtp_at_two_gpus_replays_graphs_and_is_lossless():
+    """MTP speculation at two ranks: the verify steps replay each rank's graphs, the drafter's
+    passes run after them on both ranks from rank 0's plan; fp32, so greedy tokens equal plain
+    decoding's at one rank exactly, and some drafts are accepted."""
+    kw = dict(device="cuda", dtype="float32", max_num_seqs=8, max_model_len=1024, max_num_batched_tokens=256)
+    greedy = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    want = [o.output_token_ids for o in LLM("glm-tiny", **kw).generate(PROMPTS, greedy, use_tqdm=False)]
+    torch.cuda.empty_cache()
+    llm = LLM("glm-tiny", tensor_parallel_size=2, speculative_config={"method": "mtp", "num_speculative_tokens": 3},
+              **kw)
+    try:
+        assert llm.engine.runner.graphs is not None
+        assert [o.output_token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)] == want
+        assert llm.engine.stats()["spec_decode_num_drafts"] > 0
+    finally:
+        llm.engine.close()

@@ -1,9 +1,17 @@
 """The MTP drafter (speculative method "mtp"): after each step's target forward, the model's
 multi-token-prediction layer runs over the step's rows (keeping its own attention caches filled
 for every computed position) and drafts each sampling sequence's next verify; `MtpProposer` holds
-the drafts until then."""
+the drafts until then.
+
+Two halves, so that tensor-parallel ranks can run the layer in lock step: `plan` (rank 0, host
+only: which token follows each row, which rows draft, and each further pass's rows, positions and
+block tables; a small picklable DraftPlan) and `run` (every rank: the passes on the device, whose
+all-reduces and vocabulary gathers meet; the greedy drafts come out alike on every rank, since the
+gathered logits are)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -15,23 +23,51 @@ from kdaserve.layers.attention_metadata import AttentionMetadata
 from kdaserve.layers.context import Context, reset_context, set_context
 
 
+@dataclass
+class DraftPass:
+    """One further MTP pass: one row per drafting source still inside its cache rows."""
+    live: list[int]                # indices into DraftPlan.rows: the sources this pass drafts for
+    positions: list[int]           # each one's position (a cache row the scheduler reserved)
+    slots: list[int]               # the cache slot of that position
+    block_tables: torch.Tensor     # [len(live), width] int32, host
+
+
+@dataclass
+class DraftPlan:
+    next_ids: torch.Tensor         # [rows] int64, host: the token after each row of the step (0: none)
+    rows: list[int]                # the step's rows whose outputs draft (one per sampling sequence)
+    passes: list[DraftPass]        # drafts 2..k
+
+
 class MtpDrafter:
     def __init__(self, model, *, num_spec_tokens: int, block_size: int, device):
         self.model, self.num_spec_tokens, self.block_size, self.device = model, num_spec_tokens, block_size, device
 
-    def drafts(self, batch: ScheduledBatch, step: HostStep, context: Context, positions: torch.Tensor, hidden: torch.Tensor,
-                    accepted: list[AcceptedTokens]) -> list[tuple[Sequence, list[int]]]:
-        """The MTP layer over every row of the step (models/glm5_next_mtp.py): row i reads the
-        target's hidden state and the token after its own (the next prompt token, or the token
-        the step accepted there; padding and rejected rows read 0: their cache rows are
-        rewritten before anyone reads them), under the step's attention metadata, so the layer's
-        caches hold every computed position. A sampling sequence's first draft is the greedy
-        token at the row of its newest token; each further draft is one more pass of the layer
-        over one row per sequence (_draft_pass). One host read for all the drafts (the step's
-        tokens were read already)."""
+    def drafts(self, batch: ScheduledBatch, step: HostStep, context: Context, positions: torch.Tensor,
+               hidden: torch.Tensor, accepted: list[AcceptedTokens], ranks=None) -> list[tuple[Sequence, list[int]]]:
+        """Rank 0: plan, tell the other ranks (`ranks`, tensor parallel), run, and read the drafts
+        back in one host read (the step's tokens were read already)."""
+        plan, sources = self.plan(batch, step, hidden.shape[0], accepted)
+        if ranks is not None:
+            ranks.send(("draft", plan))
+        drafts, counts = self.run(plan, context, positions, hidden)
+        if drafts is None:
+            return []
+        return [(seq, d[:n]) for seq, d, n in zip(sources, drafts.tolist(), counts)]
+
+    def plan(self, batch: ScheduledBatch, step: HostStep, num_rows: int,
+             accepted: list[AcceptedTokens]) -> tuple[DraftPlan, list[Sequence]]:
+        """Row i of the MTP pass reads the target's hidden state and the token after its own (the
+        next prompt token, or the token the step accepted there; padding and rejected rows read 0:
+        their cache rows are rewritten before anyone reads them), under the step's attention
+        metadata, so the layer's caches hold every computed position. A sampling sequence's first
+        draft is the greedy token at the row of its newest token; each further draft is one more
+        pass of the layer over one row per sequence, at the position after the previous pass's,
+        while that position is inside the sequence's cache rows (its max_model_len ends its
+        drafts). Returns the plan and the drafting sequences, in the plan's row order."""
         m = step.tokens_per_decode
         by_seq = {a.seq.seq_id: a for a in accepted}
-        next_ids = torch.zeros(hidden.shape[0], dtype=torch.int64)
+        next_ids = torch.zeros(num_rows, dtype=torch.int64)
         sources: list[tuple[Sequence, int, int]] = []   # (sequence, row, position of the row)
         for i, seq in enumerate(batch.decodes):
             toks = by_seq[seq.seq_id].tokens
@@ -46,56 +82,65 @@ class MtpDrafter:
                 next_ids[row + n - 1] = by_seq[seq.seq_id].tokens[0]
                 sources.append((seq, row + n - 1, p + n - 1))
             row += n
-        set_context(context)   # every step: a prompt chunk that samples nothing still fills the caches
-        try:
-            out = self.model.draft_hidden(next_ids.to(self.device, non_blocking=True), positions, hidden)
-        finally:
-            reset_context()
-        if not sources:
-            return []
-        rows = torch.tensor([r for _, r, _ in sources], dtype=torch.int64).to(self.device, non_blocking=True)
-        h = out[rows]
-        # Drafts stay on the device until the end: each pass reads the previous pass's tokens there,
-        # and one host read returns them all.
-        drafts = torch.zeros(len(sources), self.num_spec_tokens, dtype=torch.int64, device=self.device)
-        drafts[:, 0] = self.model.compute_logits(h).argmax(-1)
-        counts = [1] * len(sources)
-        live = list(range(len(sources)))   # the sources `h` holds a row of, in order
+        passes = []
+        live = list(range(len(sources)))
         for j in range(1, self.num_spec_tokens):
-            # Draft j+1 reads draft j at the position after the previous pass's, and that pass's
-            # output as its hidden state (vLLM's recycling of the MTP output). Positions past the
-            # cache rows a sequence holds (its max_model_len) end its drafts.
-            keep = [k for k, i in enumerate(live) if sources[i][2] + j < len(sources[i][0].block_table) * self.block_size]
-            if not keep:
+            live = [i for i in live if sources[i][2] + j < len(sources[i][0].block_table) * self.block_size]
+            if not live:
                 break
-            if len(keep) < len(live):
-                h = h[torch.tensor(keep, device=h.device)]
-                live = [live[k] for k in keep]
-            index = torch.tensor(live, device=self.device)
-            h = self._draft_pass([sources[i][0] for i in live], [sources[i][2] + j for i in live],
-                                     drafts[index, j - 1], h)
-            drafts[index, j] = self.model.compute_logits(h).argmax(-1)
-            for i in live:
-                counts[i] += 1
-        return [(seq, d[:n]) for (seq, _, _), d, n in zip(sources, drafts.tolist(), counts)]
+            passes.append(self._pass([sources[i][0] for i in live], [sources[i][2] + j for i in live], live))
+        return DraftPlan(next_ids, [r for _, r, _ in sources], passes), [s for s, _, _ in sources]
 
-    def _draft_pass(self, seqs: list[Sequence], positions: list[int], tokens: torch.Tensor,
-                        hidden: torch.Tensor) -> torch.Tensor:
-        """One more MTP step: per sequence one row at `positions[i]` (a cache row the scheduler
-        reserved: EngineConfig's MTP lookahead) reading `tokens[i]` (on the device) and `hidden[i]`, attending
-        over the layer's cache up to and including that row, as a decode step does."""
+    def _pass(self, seqs: list[Sequence], positions: list[int], live: list[int]) -> DraftPass:
         bs = self.block_size
-        width = max(len(s.block_table) for s in seqs)
-        tables = torch.zeros(len(seqs), width, dtype=torch.int32)
+        tables = torch.zeros(len(seqs), max(len(s.block_table) for s in seqs), dtype=torch.int32)
         for i, s in enumerate(seqs):
             tables[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
         slots = [s.block_table[q // bs] * bs + q % bs for s, q in zip(seqs, positions)]
+        return DraftPass(live, positions, slots, tables)
+
+    def run(self, plan: DraftPlan, context: Context, positions: torch.Tensor,
+            hidden: torch.Tensor) -> tuple[torch.Tensor | None, list[int]]:
+        """Every rank: the MTP layer over the step's rows (every step: a prompt chunk that samples
+        nothing still fills the caches), then the plan's further passes. Returns the drafts
+        [sources, k] on the device (None without sources) and how many each source made."""
+        set_context(context)
+        try:
+            out = self.model.draft_hidden(plan.next_ids.to(self.device, non_blocking=True), positions, hidden)
+        finally:
+            reset_context()
+        if not plan.rows:
+            return None, []
+        h = out[torch.tensor(plan.rows, dtype=torch.int64).to(self.device, non_blocking=True)]
+        # Drafts stay on the device until the end: each pass reads the previous pass's tokens there.
+        drafts = torch.zeros(len(plan.rows), self.num_spec_tokens, dtype=torch.int64, device=self.device)
+        drafts[:, 0] = self.model.compute_logits(h).argmax(-1)
+        counts = [1] * len(plan.rows)
+        live = list(range(len(plan.rows)))   # the sources `h` holds a row of, in order
+        for j, p in enumerate(plan.passes, start=1):
+            # Draft j+1 reads draft j, and the previous pass's output as its hidden state (vLLM's
+            # recycling of the MTP output).
+            if len(p.live) < len(live):
+                keep = {i: k for k, i in enumerate(live)}
+                h = h[torch.tensor([keep[i] for i in p.live], device=h.device)]
+                live = p.live
+            index = torch.tensor(live, device=self.device)
+            h = self._draft_pass(p, drafts[index, j - 1], h)
+            drafts[index, j] = self.model.compute_logits(h).argmax(-1)
+            for i in live:
+                counts[i] += 1
+        return drafts, counts
+
+    def _draft_pass(self, p: DraftPass, tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """One more MTP step: one row per sequence at its reserved position, reading `tokens` (on the
+        device) and `hidden`, attending over the layer's cache up to and including that row, as a
+        decode step does."""
         to = dict(device=self.device, non_blocking=True)
-        md = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.int64).to(**to), num_decode_tokens=len(seqs),
-                               decode_block_tables=tables.to(**to),
-                               decode_context_lens=torch.tensor([q + 1 for q in positions], dtype=torch.int32).to(**to))
+        md = AttentionMetadata(slot_mapping=torch.tensor(p.slots, dtype=torch.int64).to(**to),
+                               num_decode_tokens=len(p.live), decode_block_tables=p.block_tables.to(**to),
+                               decode_context_lens=torch.tensor([q + 1 for q in p.positions], dtype=torch.int32).to(**to))
         set_context(Context(attn=md))
         try:
-            return self.model.draft_hidden(tokens, torch.tensor(positions, dtype=torch.int64).to(**to), hidden)
+            return self.model.draft_hidden(tokens, torch.tensor(p.positions, dtype=torch.int64).to(**to), hidden)
         finally:
             reset_context()
