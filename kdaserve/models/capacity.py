@@ -59,9 +59,11 @@ def weights_fit_error(name: str, num_params: int, dtype: torch.dtype, device_byt
 
 
 def _replicated(name: str) -> bool:
-    """Tensors every tensor-parallel rank keeps whole: norms, routers and the latent projections (an
-    estimate for the startup check; the layers decide). The embedding and LM head split by rows."""
-    return any(k in name for k in ("norm", "gate.weight", "kv_a_proj", "q_a_proj", "f_a_proj", "g_a_proj", "hc_"))
+    """Tensors every tensor-parallel rank keeps whole: norms, routers, the latent projections and a
+    vision tower (an estimate for the startup check; the layers decide). The embedding and LM head
+    split by rows."""
+    return any(k in name for k in ("norm", "gate.weight", "kv_a_proj", "q_a_proj", "f_a_proj", "g_a_proj", "hc_",
+                                   "visual."))
 
 
 def host_memory_available() -> int:

@@ -25,6 +25,9 @@ class Family:
     # fp4_tensors(config, shapes, device, quantization) -> the group size of each released weight
     # the model will keep in 4 bits (None for the others), for the capacity check.
     fp4_tensors: Callable | None = None
+    # vision_shapes(config) -> {checkpoint name: shape} of the vision tower ({} without one), for the
+    # capacity check of a model built with images
+    vision_shapes: Callable | None = None
 
 
 def _hybrid() -> Family:
@@ -66,7 +69,14 @@ def _kimi_linear() -> Family:
 
 
 def _glm5_next() -> Family:
-    from kdaserve.models.glm5_next import Glm5NextForCausalLM, fp4_tensors, fp8_tensors, random_released_tensors, released_shapes
+    from kdaserve.models.glm5_next import (
+        Glm5NextForCausalLM,
+        fp4_tensors,
+        fp8_tensors,
+        random_released_tensors,
+        released_shapes,
+        vision_shapes,
+    )
     from kdaserve.models.glm5_next_config import Glm5NextConfig
 
     def build(config, *, kda_backends, mla_backend, moe_backend, dtype, device, mtp=False, quantization=None,
@@ -79,7 +89,7 @@ def _glm5_next() -> Family:
         return random_released_tensors(config, seed, dtype=dtype, device=device, mtp=mtp)
 
     return Family("glm5_next", Glm5NextConfig.from_dict, build, random, released_shapes, has_mtp=True,
-                  fp8_tensors=fp8_tensors, fp4_tensors=fp4_tensors)
+                  fp8_tensors=fp8_tensors, fp4_tensors=fp4_tensors, vision_shapes=vision_shapes)
 
 
 def _bailing_hybrid() -> Family:

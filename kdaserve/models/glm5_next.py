@@ -208,6 +208,15 @@ def released_shapes(config: Glm5NextConfig, mtp: bool = False, fp8_block: tuple[
     return fp4_experts.with_pieces(FP8_LAYOUT.with_scales(config, s, fp8_block, fp8_linears))
 
 
+def vision_shapes(config: Glm5NextConfig) -> dict[str, tuple[int, ...]]:
+    """The vision tower's tensors (`model.visual.*`) with their shapes, {} without a tower: what the
+    capacity check adds for a model built with images (the tower built on the meta device)."""
+    if config.vision is None:
+        return {}
+    tower = Glm5NextVisionTower(config.vision, device="meta")
+    return {VISION_PREFIX + name: tuple(p.shape) for name, p in tower.state_dict().items()}
+
+
 def _target_shapes(config: Glm5NextConfig) -> dict[str, tuple[int, ...]]:
     c, h = config, config.hidden_size
     s: dict[str, tuple[int, ...]] = {PREFIX + "embed_tokens.weight": (c.vocab_size, h), PREFIX + "norm.weight": (h,)}

@@ -99,6 +99,8 @@ def load_model(
         raise ValueError(f"speculative method 'mtp' needs a model with a multi-token-prediction layer; {family.name} "
                          f"({name}) has none: use the 'ngram' method")
     shapes = None if family.shapes is None else family.shapes(config, True) if mtp else family.shapes(config)
+    if shapes is not None and images and family.vision_shapes is not None:   # the tower, whole on every rank
+        shapes = {**shapes, **family.vision_shapes(config)}
     fp8 = family.fp8_tensors(config, device, quantization) if family.fp8_tensors is not None else None
     fp4 = family.fp4_tensors(config, shapes, device, quantization) if family.fp4_tensors is not None else None
     check_weights_fit(name, shapes, dtype, device, fp8, tp_size(), fp4)

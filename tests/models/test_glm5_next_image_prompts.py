@@ -251,3 +251,20 @@ def test_bad_image_requests_are_named_and_leave_the_engine_clean(ckpt, tmp_path)
     assert text_only.engine.runner.model.visual is None
     with pytest.raises(ValueError, match=r"takes no images \(--limit-mm-per-prompt has image 0\)"):
         text_only.generate({"prompt_token_ids": _prompt([65], 1, [66]), "multi_modal_data": {"image": [image]}}, greedy)
+
+
+@pytest.mark.parametrize("images", [True, False], ids=["tower", "text-only"])
+def test_the_capacity_check_counts_the_tower_it_builds(monkeypatch, images):
+    """The startup check weighs the vision tower's tensors (whole on every rank) where the model is
+    built with images, and only then: exactly the parameters the built tower has."""
+    import kdaserve.models.loader as loader
+    from kdaserve.models.capacity import _replicated, parameter_count
+
+    seen = {}
+    monkeypatch.setattr(loader, "check_weights_fit", lambda name, shapes, *a, **k: seen.update(shapes))
+    llm = LLM("glm-tiny", max_model_len=64, **REF, limit_mm_per_prompt=None if images else {"image": 0})
+    tower = {n: s for n, s in seen.items() if n.startswith("model.visual.")}
+    model = llm.engine.runner.model
+    assert (model.visual is not None) == images
+    assert parameter_count(tower) == (sum(p.numel() for p in model.visual.parameters()) if images else 0)
+    assert all(_replicated(n) for n in tower)
