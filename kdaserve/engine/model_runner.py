@@ -72,13 +72,14 @@ class ModelRunner:
         self.sampler = Sampler(self.device, config.seed)
         self.rejection_sampler = RejectionSampler(self.device, self.sampler.generator) if self.num_spec_tokens else None
         spec = config.speculative_config
-        self.drafter = (MtpDrafter(self.model, num_spec_tokens=self.num_spec_tokens, block_size=self.block_size,
-                                   device=self.device) if spec is not None and spec.method == "mtp" else None)
         self.step_ring = StagingRing(64 << 10, self.device)   # eager steps' metadata; grows to the largest step
         # Image embeddings (models with a vision tower): planned on rank 0, kept alike on every rank.
         images = getattr(self.model, "image_token_id", None) is not None
         self.encoder_planner = EncoderPlanner(config.max_num_batched_tokens) if images else None
         self.encoder_cache = EncoderCache(self.model, self.device, encoder_call_tokens(config, self.model)) if images else None
+        self.drafter = (MtpDrafter(self.model, num_spec_tokens=self.num_spec_tokens, block_size=self.block_size,
+                                   device=self.device, encoder_cache=self.encoder_cache)
+                        if spec is not None and spec.method == "mtp" else None)
         self.graphs = None
         not_capturable = self.kda_backends is not None and not self.kda_backends.decode.graph_capturable
         if config.use_cuda_graphs and not_capturable:

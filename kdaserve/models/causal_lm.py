@@ -115,6 +115,13 @@ class KDACausalLM(nn.Module):
                              "config has num_nextn_predict_layers = 0; use the 'ngram' method instead")
         self.mtp = build()
 
-    def draft_hidden(self, next_ids: torch.Tensor, positions: torch.Tensor, target_hidden: torch.Tensor) -> torch.Tensor:
-        """The MTP layer over a step's rows (models/mtp_layer.py); compute_logits reads its output."""
-        return self.mtp(self.model.embed_tokens(next_ids), positions, target_hidden)
+    def draft_hidden(self, next_ids: torch.Tensor, positions: torch.Tensor, target_hidden: torch.Tensor,
+                     images=None) -> torch.Tensor:
+        """The MTP layer over a step's rows (models/mtp_layer.py); compute_logits reads its output.
+        `images`: (rows [R] int64, embeddings [R, hidden]) replacing those rows' next-token embeddings
+        (rows whose next token is an image placeholder read the image's embedding, as the target did)."""
+        x = self.model.embed_tokens(next_ids)
+        if images is not None:
+            rows, embeds = images
+            x = x.index_copy(0, rows, embeds.to(x.dtype))
+        return self.mtp(x, positions, target_hidden)

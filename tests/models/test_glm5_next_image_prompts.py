@@ -268,3 +268,29 @@ def test_the_capacity_check_counts_the_tower_it_builds(monkeypatch, images):
     assert (model.visual is not None) == images
     assert parameter_count(tower) == (sum(p.numel() for p in model.visual.parameters()) if images else 0)
     assert all(_replicated(n) for n in tower)
+
+
+@pytest.mark.parametrize("budget", [256, 16], ids=["one-step", "chunked"])
+def test_mtp_reads_the_images_embeddings_where_the_next_token_is_an_image_token(budget):
+    """The MTP layer's row i reads the embedding of the token at i + 1: before and inside an image,
+    the image's embedding (as the target read it), not the placeholder token's; also where a
+    16-token chunk ends inside the image (the next chunk's first row, read from the encoder cache)."""
+    llm = LLM("glm-tiny", max_model_len=256, max_num_batched_tokens=budget,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 1}, **REF)
+    model = llm.engine.runner.model
+    seen = []   # one MTP pass per step with one draft: the prompt's rows in order, then one a decode
+    model.mtp.enorm.register_forward_pre_hook(lambda m, args: seen.append(args[0].clone()))
+    image = _image(60, 90, 1)
+    prompt = {"prompt": "<|user|>\nLook: <|begin_of_image|><|image|><|end_of_image|> and say\n<|assistant|>\n",
+              "multi_modal_data": {"image": image}}
+    out = llm.generate([prompt], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)[0]
+    ids = out.prompt_token_ids
+    start, n = ids.index(model.image_token_id), ids.count(model.image_token_id)
+    assert budget == 256 or (start % budget and (start + n) // budget > start // budget)   # a chunk ends inside
+    done = process_image(image, model.image_rules)
+    with torch.no_grad():
+        want = model.encode_images(torch.from_numpy(done.pixel_values), [done.grid_thw])
+    rows = torch.cat(seen)[: len(ids)]
+    torch.testing.assert_close(rows[start - 1 : start - 1 + n], want, rtol=0, atol=1e-6)
+    token = model.model.embed_tokens.weight
+    assert torch.equal(rows[start + n - 1], token[ids[start + n]])   # the end bracket: its token

@@ -11,7 +11,7 @@ gathered logits are)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,11 +37,15 @@ class DraftPlan:
     next_ids: torch.Tensor         # [rows] int64, host: the token after each row of the step (0: none)
     rows: list[int]                # the step's rows whose outputs draft (one per sampling sequence)
     passes: list[DraftPass]        # drafts 2..k
+    # Rows whose next token is an image placeholder, as runs (first row, image hash, first token of
+    # the image, count): they read the image's embedding from the encoder cache, not the token's.
+    image_runs: list[tuple[int, bytes, int, int]] = field(default_factory=list)
 
 
 class MtpDrafter:
-    def __init__(self, model, *, num_spec_tokens: int, block_size: int, device):
+    def __init__(self, model, *, num_spec_tokens: int, block_size: int, device, encoder_cache=None):
         self.model, self.num_spec_tokens, self.block_size, self.device = model, num_spec_tokens, block_size, device
+        self.encoder_cache = encoder_cache   # image embeddings (engine/encoder_cache.py), models with a tower
 
     def drafts(self, batch: ScheduledBatch, step: HostStep, context: Context, positions: torch.Tensor,
                hidden: torch.Tensor, accepted: list[AcceptedTokens], ranks=None) -> list[tuple[Sequence, list[int]]]:
@@ -64,7 +68,11 @@ class MtpDrafter:
         draft is the greedy token at the row of its newest token; each further draft is one more
         pass of the layer over one row per sequence, at the position after the previous pass's,
         while that position is inside the sequence's cache rows (its max_model_len ends its
-        drafts). Returns the plan and the drafting sequences, in the plan's row order."""
+        drafts). A row whose next token is an image placeholder reads that image's embedding (as
+        vLLM's MTP does) where the image is in the encoder cache: every image this step used is; an
+        image whose first token begins the next chunk is not yet (that row reads the placeholder's
+        embedding: lossless, a less likely draft). Returns the plan and the drafting sequences, in
+        the plan's row order."""
         m = step.tokens_per_decode
         by_seq = {a.seq.seq_id: a for a in accepted}
         next_ids = torch.zeros(num_rows, dtype=torch.int64)
@@ -74,8 +82,14 @@ class MtpDrafter:
             next_ids[i * m : i * m + len(toks)] = torch.tensor(toks)
             sources.append((seq, i * m + len(toks) - 1, seq.num_computed_tokens + len(toks) - 1))
         row = len(batch.decodes) * m
+        image_runs = []
+        in_step = {h for h, _, _ in step.images.sources} if step.images is not None else set()
         for seq, n in zip(batch.prefills, batch.num_new_tokens):
             p = seq.num_computed_tokens
+            for item in seq.images:   # next tokens p+1 .. p+n inside an image this step used (cached)
+                a, b = max(p + 1, item.offset), min(p + n + 1, item.end)
+                if a < b and item.mm_hash in in_step:
+                    image_runs.append((row + a - 1 - p, item.mm_hash, a - item.offset, b - a))
             known = seq.token_ids[p + 1 : p + n + 1]   # the prompt tokens after each row
             next_ids[row : row + len(known)] = torch.tensor(known, dtype=torch.int64)
             if len(known) < n:   # the last row of a finished prompt: the token the step sampled
@@ -89,7 +103,7 @@ class MtpDrafter:
             if not live:
                 break
             passes.append(self._pass([sources[i][0] for i in live], [sources[i][2] + j for i in live], live))
-        return DraftPlan(next_ids, [r for _, r, _ in sources], passes), [s for s, _, _ in sources]
+        return DraftPlan(next_ids, [r for _, r, _ in sources], passes, image_runs), [s for s, _, _ in sources]
 
     def _pass(self, seqs: list[Sequence], positions: list[int], live: list[int]) -> DraftPass:
         bs = self.block_size
@@ -104,9 +118,15 @@ class MtpDrafter:
         """Every rank: the MTP layer over the step's rows (every step: a prompt chunk that samples
         nothing still fills the caches), then the plan's further passes. Returns the drafts
         [sources, k] on the device (None without sources) and how many each source made."""
+        images = None
+        if plan.image_runs:
+            cached = self.encoder_cache.embeddings
+            rows = torch.cat([torch.arange(r, r + n) for r, _, _, n in plan.image_runs])
+            images = (rows.to(self.device, non_blocking=True),
+                      torch.cat([cached[h][a : a + n] for _, h, a, n in plan.image_runs]))
         set_context(context)
         try:
-            out = self.model.draft_hidden(plan.next_ids.to(self.device, non_blocking=True), positions, hidden)
+            out = self.model.draft_hidden(plan.next_ids.to(self.device, non_blocking=True), positions, hidden, images)
         finally:
             reset_context()
         if not plan.rows:
