@@ -110,12 +110,24 @@ class _Attention(nn.Module):
         q, k = _rotate(self.q_norm(q), cos, sin), _rotate(self.k_norm(k), cos, sin)
         out = torch.empty_like(q)
         start = 0
-        for length in lengths:   # each image attends to itself only
-            s = slice(start, start + length)
-            out[s] = F.scaled_dot_product_attention(q[s].transpose(0, 1), k[s].transpose(0, 1),
-                                                    v[s].transpose(0, 1)).transpose(0, 1)
-            start += length
+        for length, count in _runs(lengths):   # each image attends to itself only, no padding:
+            s = slice(start, start + length * count)   # images of one size in one batched call
+            heads_first = lambda t: t[s].view(count, length, self.heads, self.head_dim).transpose(1, 2)  # noqa: E731
+            o = F.scaled_dot_product_attention(heads_first(q), heads_first(k), heads_first(v))
+            out[s] = o.transpose(1, 2).reshape(count * length, self.heads, self.head_dim)
+            start += length * count
         return self.proj(out.reshape(n, -1))
+
+
+def _runs(lengths: list[int]) -> list[tuple[int, int]]:
+    """Consecutive equal lengths as (length, count): random-mm's images (one size) are one run."""
+    runs: list[tuple[int, int]] = []
+    for length in lengths:
+        if runs and runs[-1][0] == length:
+            runs[-1] = (length, runs[-1][1] + 1)
+        else:
+            runs.append((length, 1))
+    return runs
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

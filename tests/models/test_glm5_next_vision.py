@@ -1,6 +1,6 @@
 """GLM-5.3-Flash's vision tower (models/glm5_next_vision.py) against transformers 5.23.0's
-`Glm5NextVisionModel` on the CPU: a tiny tower with random weights under the released names, two
-images of different sizes processed together (each attending to itself only), the same image
+`Glm5NextVisionModel` on the CPU: a tiny tower with random weights under the released names, three
+images (two sizes) processed together (each attending to itself only), the same image
 embeddings in fp32; the tower's names are the checkpoint's (`model.visual.` + these)."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def _hf_tower(seed: int = 0):
 def _images(rules: ImageRules):
     rng = np.random.default_rng(3)
     out = [process_image(Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)), rules)
-           for h, w in ((90, 130), (60, 60))]
+           for h, w in ((90, 130), (60, 60), (60, 60))]   # two of one size: one batched attention call
     return (torch.from_numpy(np.concatenate([o.pixel_values for o in out])), [o.grid_thw for o in out],
             [o.num_tokens for o in out])
 
@@ -49,7 +49,7 @@ def test_the_tower_gives_transformers_image_embeddings():
         got = ours(pixels, grids)
     assert got.shape == (sum(tokens), 48) == want.shape
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    # Each image attends to itself only: the second image alone gives its rows of the batch.
+    # Each image attends to itself only: the later images alone give their rows of the batch.
     with torch.no_grad():
         alone = ours(pixels[grids[0][1] * grids[0][2]:], grids[1:])
     torch.testing.assert_close(alone, got[tokens[0]:], rtol=1e-5, atol=1e-5)
