@@ -289,7 +289,7 @@ def test_mtp_reads_the_images_embeddings_where_the_next_token_is_an_image_token(
     assert budget == 256 or (start % budget and (start + n) // budget > start // budget)   # a chunk ends inside
     done = process_image(image, model.image_rules)
     with torch.no_grad():
-        want = model.encode_images(torch.from_numpy(done.pixel_values), [done.grid_thw])
+        want = model.encode_images(torch.from_numpy(done.pixel_values).to(llm.engine.runner.device), [done.grid_thw])
     rows = torch.cat(seen)[: len(ids)]
     torch.testing.assert_close(rows[start - 1 : start - 1 + n], want, rtol=0, atol=1e-6)
     token = model.model.embed_tokens.weight
