@@ -262,7 +262,7 @@ class ByteTokenizer:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
         byte_chars = pre_tokenizers.ByteLevel.alphabet()
-        vocab = {_bytes_to_unicode()[b]: b for b in range(256)}
+        vocab = {char: b for b, char in _bytes_to_unicode().items()}
         assert set(vocab) == set(byte_chars)
         tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -271,6 +271,7 @@ class ByteTokenizer:
         return tok.to_str()
 
 
+@functools.cache
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table, which byte-level BPE vocabularies are written in."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
