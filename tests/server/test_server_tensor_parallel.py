@@ -1,5 +1,6 @@
 """The server on a split engine (kdaserve serve -tp 2, two CPU ranks over gloo): a completion and a
-streamed chat answer as the one-rank engine's, and a rank that dies stops the served engine."""
+streamed chat answer as the one-rank engine's, also through two API servers' connections (a rank
+that dies ending `kdaserve serve -tp 2`: tests/server/test_serve_command.py)."""
 
 import json
 import os
