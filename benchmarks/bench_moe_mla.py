@@ -12,6 +12,7 @@ the plain torch path (issue "Fast at the real shape", goal 5), on one GPU:
     PYTHONPATH=$PWD python3 benchmarks/bench_moe_mla.py [--batches 1 8 64 256] [--prefill 1024 8192] [--ctx 8192]
         [--sweep]   # MLA decode: heads per program x context splits, graph-replayed, one table
         [--sweep-moe]   # MoE: launch shapes (rows per program, tiles, warps, stages)
+        [--sweep-moe-fp4]   # MoE with MXFP4 experts: each GEMM's launch shapes apart
         [--sweep-mla-prefill]   # MLA prefill: tiles, warps, stages; Kimi-Linear's and GLM's heads
         [--sweep-shared]   # the MoE layer with its shared expert apart or inside the fused kernels
         [--sweep-align]   # the MoE slot alignment's paths at decode batches
@@ -300,6 +301,58 @@ def moe_sweep(batches, prefill, bw) -> None:
               f"| {floor:.4f} | {ms / floor:.2f}x | {peak} | {err:.1e} |")
 
 
+# 4-bit experts (MXFP4): each GEMM's launch shapes varied with the other at its default, since the
+# two kernels are timed apart (kernel_ms). (BN, BK, warps, stages); None: the default's.
+FP4_SWEEP = {
+    "decode": [(32, 128, 4, 3), (64, 256, 4, 3), (32, 256, 4, 3), (64, 128, 8, 3), (64, 128, 4, 4), (128, 128, 8, 3),
+               (64, 256, 8, 4), (32, 256, 4, 4)],
+    "prefill": [(128, 64, 8, 3), (64, 128, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3), (128, 128, 8, 3), (256, 64, 8, 3)],
+}
+
+
+def fp4_moe_sweep(batches, prefill, bw) -> None:
+    """MXFP4 experts at Kimi-Linear's sizes: per step the default launch shape, then each
+    FP4_SWEEP shape for the gate|up GEMM (down at its default) and for the down GEMM (gate|up at
+    its default), with each kernel's device time; the floor is the 4-bit bytes of the touched
+    experts at decode. A shape that does not compile (or spills out of shared memory) is a row."""
+    from kdaserve.ops.moe.fused import MoeTiles
+
+    g, w13, w2, gate, router = kimi_experts()
+    (q13, q2), _, per_param = expert_formats(w13, w2)["mxfp4"]
+    rows = []
+    for step, T in [("decode", b) for b in batches] + [("prefill", t) for t in prefill]:
+        x = torch.randn(T, HIDDEN, device="cuda", generator=g).to(BF)
+        weights, ids = route_tokens(x, gate, None, router)
+        touched = ids.unique().numel()
+        floor = (touched * 3 * HIDDEN * WIDTH * per_param / bw if step == "decode"
+                 else 2 * 3 * HIDDEN * WIDTH * T * K / PEAK_BF16) * 1e3
+        default = moe_tiles(T * K, E, HIDDEN, WIDTH, False, device_target(x.device), four_bit=True)
+        want = moe_experts_fused(x, q13, q2, weights, ids, tiles=default).float()
+        timer = bench_graph if step == "decode" else bench
+        variants = [("default", default)]
+        for shape in FP4_SWEEP[step]:
+            variants.append((f"gate_up {shape}", MoeTiles(default.block_m, shape, default.down)))
+            variants.append((f"down {shape}", MoeTiles(default.block_m, default.gate_up, shape)))
+        for name, tiles in variants:
+            call = lambda: moe_experts_fused(x, q13, q2, weights, ids, tiles=tiles)   # noqa: B023, E731
+            try:
+                got = call().float()
+                err = ((got - want).norm() / want.norm()).item()
+                ms, parts = timer(call), kernel_ms(call)
+            except Exception as e:   # noqa: BLE001 - a shape that does not compile is a row, not an abort
+                print(f"{step} {T} {name}: {type(e).__name__}: {str(e)[:120]}")
+                ms, err, parts = float("nan"), float("nan"), {"gate_up": float("nan"), "down": float("nan"), "rest": float("nan")}
+            rows.append((step, T, name, ms, parts, floor, err, str(default)))
+            print(rows[-1][:7], flush=True)
+    print("\n" + "\n".join(sorted({f"default at {step} {T}: {d}" for step, T, *_, d in rows})))
+    print("\n| step | batch / tokens | variant | ms | gate_up ms | down ms | rest ms | floor ms | x floor "
+          "| rel. diff vs default |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for step, T, name, ms, parts, floor, err, _ in rows:
+        print(f"| {step} | {T} | {name} | {ms:.4f} | {parts['gate_up']:.4f} | {parts['down']:.4f} | {parts['rest']:.4f} "
+              f"| {floor:.4f} | {ms / floor:.2f}x | {err:.1e} |")
+
+
 def align_sweep(batches) -> None:
     """The slot alignment's three paths at decode sizes (graph-replayed device ms), with and without
     the shared expert's column: where the per-expert path should hand over to the blocks path
@@ -491,6 +544,8 @@ def main() -> None:
                     help="the models' MLA head shapes --sweep-mla-prefill times")
     ap.add_argument("--sweep-shared", action="store_true",
                     help="the MoE layer with the shared expert apart or inside the fused kernels, per batch")
+    ap.add_argument("--sweep-moe-fp4", action="store_true",
+                    help="MXFP4 experts' launch shapes, each GEMM's varied apart (issue 63)")
     ap.add_argument("--moe-formats", action="store_true",
                     help="fused MoE with the experts in bf16, FP8, MXFP4 and NVFP4, each against its own floor")
     args = ap.parse_args()
@@ -503,7 +558,8 @@ def main() -> None:
                     "moe_prefill_paths": lambda: moe_prefill_paths(args.prefill),
                     "sweep_mla_prefill": lambda: mla_prefill_sweep(args.prefill, args.mla_heads),
                     "sweep_shared": lambda: shared_expert_sweep(args.batches),
-                    "moe_formats": lambda: moe_formats(args.batches, args.prefill, bw)}
+                    "moe_formats": lambda: moe_formats(args.batches, args.prefill, bw),
+                    "sweep_moe_fp4": lambda: fp4_moe_sweep(args.batches, args.prefill, bw)}
     for flag, run in alternatives.items():
         if getattr(args, flag):
             run()
