@@ -225,9 +225,9 @@ def moe_tiles(num_slots: int, num_experts: int, hidden: int, inter: int, fp8: bo
     (prefill) take 128 rows per program, gate|up tiles of 2 x 128 columns and down tiles of 256 in
     8 warps and 4 stages. These need Hopper-class shared memory; elsewhere 64 x 64 tiles in the
     backend's default stages, which fit every target. 4-bit experts (`four_bit`) decode their
-    weight tiles in registers: prefill's tiles narrower (gate|up 2 x 64 columns, down 64; K steps
-    of 64, 3 stages; sm_100's down K 128), which spill on no target (tools/compile_check); K
-    steps of at least 32."""
+    weight tiles in registers: prefill's gate|up tiles narrower (2 x 64 columns; down 128; K steps
+    of 64, 3 stages; sm_100's down K 128: bench_moe_mla.py --sweep-moe-fp4), which spill on no
+    target (tools/compile_check); K steps of at least 32."""
     bm = moe_block_m(num_slots, num_experts)
     if fp8:
         bn, warps = fp8_tiles(bm)
@@ -239,7 +239,7 @@ def moe_tiles(num_slots: int, num_experts: int, hidden: int, inter: int, fp8: bo
     if four_bit:   # sm_100's NVFP4 down tile spills 8 bytes at K 64 (any stages): K 128 there
         down_k = 128 if target == "sm_100" else 64
         return MoeTiles(128, (_block(inter, 64), max(32, _block(hidden, 64)), 8, 3),
-                        (_block(hidden, 64), max(32, _block(inter, down_k)), 8, 3))
+                        (_block(hidden, 128), max(32, _block(inter, down_k)), 8, 3))
     return MoeTiles(128, (_block(inter, 128), _block(hidden, 64), 8, 4), (_block(hidden, 256), _block(inter, 64), 8, 4))
 
 
