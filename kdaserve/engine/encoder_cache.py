@@ -103,7 +103,9 @@ class EncoderCache:
         """Encode (images together, up to call_tokens a call), drop, then (rows [R] int64,
         embeddings [R, hidden]) for the forward."""
         for group in _calls(images.encode, self.call_tokens):
-            pixels = torch.cat([item.pixel_values for item in group]).to(self.device, non_blocking=True)
+            # The uint8 canvases to the device, the tower's float patches made there.
+            pixels = torch.cat([self.model.image_pixels(item.canvas.to(self.device, non_blocking=True))
+                                for item in group])
             out = self.model.encode_images(pixels, [item.grid_thw for item in group])
             for item, emb in zip(group, out.split([item.num_tokens for item in group])):
                 self.embeddings[item.mm_hash] = emb

@@ -85,7 +85,7 @@ class LLMEngine:
         self.vocab_size: int = loaded.config.vocab_size
         # Images (a model with a vision tower): the placeholder token and the processing rules.
         self.image_token_id: int | None = getattr(loaded.model, "image_token_id", None)
-        self.image_rules = getattr(loaded.model, "image_rules", None)   # the loader's, with the tower
+        self.image_rules = loaded.model.image_rules if self.image_token_id is not None else None   # the checkpoint's
         self.kda_backends = loaded.kda_backends
         self.slots = StateSlotPool(memory.num_running_slots)
         self.blocks = BlockManager(memory.num_kv_blocks, cfg.block_size)

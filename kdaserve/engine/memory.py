@@ -137,9 +137,9 @@ def _free_gpu_bytes(config: EngineConfig, model: nn.Module, max_model_len: int) 
     if getattr(model, "image_token_id", None) is not None:   # the vision tower's largest call: a warm-up image
         del hidden
         grid = warm_up_grid(encoder_call_tokens(config, model))
-        patches = torch.zeros(grid[1] * grid[2], model.visual.config.in_channels * model.visual.config.temporal_patch_size
-                              * model.visual.config.patch_size**2, device=device)
-        model.encode_images(patches, [grid])
+        p = model.image_rules.patch_size   # its canvas, turned into patches on the device as a request's is
+        canvas = torch.zeros(model.visual.config.in_channels, grid[1] * p, grid[2] * p, dtype=torch.uint8, device=device)
+        model.encode_images(model.image_pixels(canvas), [grid])
     reset_context()
     torch.cuda.synchronize()
     activations = torch.cuda.max_memory_allocated() - before

@@ -3,8 +3,10 @@
 A prompt holds one image placeholder token per image (the chat template writes it between the
 image's begin / end tokens); the engine expands each into the image's own number of placeholder
 tokens (vLLM's prompt replacement), and the model's embedding of those tokens is replaced by the
-vision tower's output, one row per token (engine/encoder_cache.py). Each image is identified by a
-hash of its processed pixels (vLLM's `mm_hash`): the encoder cache shares one encoding among the
+vision tower's output, one row per token (engine/encoder_cache.py). An image travels as its
+processed uint8 canvas (resized and padded; models/glm5_next_images.py), which the encoder turns
+into the tower's float patches on its device. Each image is identified by a hash of that canvas
+(vLLM's `mm_hash`): the encoder cache shares one encoding among the
 requests that send the same image (n > 1 included), and prefix-cache keys include the hashes of
 the images a block covers, so equal text around different images never shares a cache hit.
 """
@@ -24,27 +26,27 @@ class ImageItem:
 
     offset: int                       # its first placeholder token's index in the prompt
     num_tokens: int                   # its placeholder tokens: one embedding row each
-    pixel_values: torch.Tensor        # float32 [patches, channels x frames x patch x patch], on the host
+    canvas: torch.Tensor              # uint8 [channels, height, width], resized and padded, on the host
     grid_thw: tuple[int, int, int]    # (frames, patch rows, patch columns)
-    mm_hash: bytes                    # of the processed pixels and grid: equal images, equal hashes
+    mm_hash: bytes                    # of the canvas and grid: equal images, equal hashes
 
     @property
     def end(self) -> int:
         return self.offset + self.num_tokens
 
 
-def image_hash(pixel_values: np.ndarray | torch.Tensor, grid_thw: tuple[int, int, int]) -> bytes:
-    """SHA-256 of the processed pixels and their grid (what the encoder's output depends on)."""
-    values = pixel_values.numpy() if isinstance(pixel_values, torch.Tensor) else pixel_values
-    h = hashlib.sha256(repr(tuple(grid_thw)).encode())
-    h.update(np.ascontiguousarray(values, dtype=np.float32).tobytes())
+def image_hash(canvas: np.ndarray | torch.Tensor, grid_thw: tuple[int, int, int]) -> bytes:
+    """SHA-256 of the processed canvas and its grid (what the encoder's output depends on)."""
+    values = canvas.numpy() if isinstance(canvas, torch.Tensor) else canvas
+    h = hashlib.sha256(repr((tuple(grid_thw), values.shape)).encode())
+    h.update(np.ascontiguousarray(values, dtype=np.uint8).tobytes())
     return h.digest()
 
 
 def place_images(prompt_ids: list[int], image_token_id: int, images) -> tuple[list[int], tuple[ImageItem, ...]]:
     """The prompt with each image's placeholder expanded to its tokens, and the images placed.
 
-    `images`: processed images (each with `pixel_values`, `grid_thw`, `num_tokens`), in prompt
+    `images`: processed images (each with `canvas`, `grid_thw`, `num_tokens`), in prompt
     order. A run of placeholder tokens is one image's: a single token is expanded, a run of exactly
     the image's tokens (a prompt expanded already) is kept; anything else is a ValueError saying
     what was found and what is needed."""
@@ -61,13 +63,13 @@ def place_images(prompt_ids: list[int], image_token_id: int, images) -> tuple[li
                              f"here) or the image's {image.num_tokens}")
         out.extend(prompt_ids[prev:start])
         if isinstance(image, ImageItem):   # placed before (a server's API process): its hash kept
-            items.append(ImageItem(len(out), image.num_tokens, image.pixel_values, image.grid_thw, image.mm_hash))
+            items.append(ImageItem(len(out), image.num_tokens, image.canvas, image.grid_thw, image.mm_hash))
         else:
-            pixels = image.pixel_values
-            pixels = torch.from_numpy(np.ascontiguousarray(pixels, dtype=np.float32)) if isinstance(pixels, np.ndarray) \
-                else pixels.float().contiguous()
-            items.append(ImageItem(len(out), image.num_tokens, pixels, tuple(image.grid_thw),
-                                   image_hash(pixels, image.grid_thw)))
+            canvas = image.canvas
+            canvas = torch.from_numpy(np.ascontiguousarray(canvas, dtype=np.uint8)) if isinstance(canvas, np.ndarray) \
+                else canvas.to(torch.uint8).contiguous()
+            items.append(ImageItem(len(out), image.num_tokens, canvas, tuple(image.grid_thw),
+                                   image_hash(canvas, image.grid_thw)))
         out.extend([image_token_id] * image.num_tokens)
         prev = start + length
     out.extend(prompt_ids[prev:])

@@ -52,6 +52,7 @@ from kdaserve.models.causal_lm import KDACausalLM, check_kda_backends
 from kdaserve.models.fp4 import NO_FOUR_BIT_EXPERTS, FourBitExperts
 from kdaserve.models.fp8 import Fp8Layout
 from kdaserve.models.glm5_next_config import Glm5NextConfig
+from kdaserve.models.glm5_next_images import ImageRules, canvas_pixels
 from kdaserve.models.glm5_next_mtp import SHARED_COPIES, Glm5NextMTP
 from kdaserve.models.glm5_next_vision import Glm5NextVisionTower
 from kdaserve.models.released import kda_layer_shapes, load_released, mla_layer_shapes, moe_layer_shapes, skips_mtp_tensor
@@ -176,6 +177,7 @@ class Glm5NextForCausalLM(KDACausalLM):
         self.add_head(dtype, device)
         vision = config.vision if images else None
         self.visual = Glm5NextVisionTower(vision, dtype=dtype, device=device) if vision is not None else None
+        self.image_rules = ImageRules()   # the released processing; the loader reads a checkpoint's own
         if mtp:
             self.add_mtp(lambda: Glm5NextMTP(config, mla_backend=mla_backend, moe_backend=moe_backend, dtype=dtype,
                                              device=device, **fp8))
@@ -188,6 +190,11 @@ class Glm5NextForCausalLM(KDACausalLM):
     def image_token_id(self) -> int | None:
         """The placeholder token images replace, or None when the model serves text only."""
         return self.config.image_token_id if self.visual is not None else None
+
+    def image_pixels(self, canvas: torch.Tensor) -> torch.Tensor:
+        """A processed image's uint8 canvas (on the tower's device) -> its float32 patches, by the
+        checkpoint's processing rules (models/glm5_next_images.canvas_pixels)."""
+        return canvas_pixels(canvas, self.image_rules)
 
     def encode_images(self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
         """Images' patches (concatenated, float32) -> [their tokens, hidden]: one embedding per placeholder."""

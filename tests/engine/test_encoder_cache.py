@@ -15,9 +15,10 @@ from kdaserve.engine.multimodal import ImageItem, image_hash, place_images
 
 
 def _item(offset: int, tokens: int, seed: int) -> ImageItem:
-    pixels = torch.randn(tokens * 4, 6, generator=torch.Generator().manual_seed(seed))
+    """A random uint8 canvas of 2 x 2t one-pixel patches (_Tower's rules): t tokens."""
+    canvas = torch.randint(0, 256, (3, 2, 2 * tokens), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
     grid = (1, 2, 2 * tokens)
-    return ImageItem(offset, tokens, pixels, grid, image_hash(pixels, grid))
+    return ImageItem(offset, tokens, canvas, grid, image_hash(canvas, grid))
 
 
 def _seq(images, computed=0, prompt=100):
@@ -29,10 +30,14 @@ def _batch(prefills=(), chunks=(), decodes=()):
 
 
 class _Tower:
-    """encode_images: each patch row's sum, four patches per token (so rows tell images apart)."""
+    """image_pixels: one-pixel patches (each pixel's 3 channels); encode_images: each patch row's
+    sum, four patches per token (so rows tell images apart)."""
 
     def __init__(self):
         self.calls = []
+
+    def image_pixels(self, canvas):
+        return canvas.float().reshape(3, -1).T
 
     def encode_images(self, pixels, grids):
         self.calls.append(len(grids))
@@ -85,7 +90,7 @@ def test_a_cache_following_the_plans_gives_the_rows_of_a_fresh_encoding():
         rows, embeds = cache.apply(planner.plan(_batch([s], [n]), 1))
         got.append((rows, embeds))
     assert tower.calls == [1, 1]   # a once (kept for its second chunk), b once
-    full = torch.cat([tower.encode_images(a.pixel_values, [a.grid_thw]), tower.encode_images(b.pixel_values, [b.grid_thw])])
+    full = torch.cat([tower.encode_images(tower.image_pixels(i.canvas), [i.grid_thw]) for i in (a, b)])
     assert torch.equal(torch.cat([r for r, _ in got]), torch.tensor([1, 2, 0, 1, 2, 1, 2, 3]))
     assert torch.equal(torch.cat([e for _, e in got]), full)
     assert list(planner.resident) == [b.mm_hash]   # a dropped once b came past the budget
@@ -99,13 +104,13 @@ def test_a_step_encodes_in_calls_of_at_most_the_planned_tokens():
     plan = EncoderPlanner(budget_tokens=100).plan(_batch([_seq(items)], [40]), 1)
     rows, embeds = EncoderCache(tower, "cpu", call_tokens=7).apply(plan)
     assert tower.calls == [2, 1, 1]   # 3 + 4, then 9 alone, then 2
-    alone = torch.cat([_Tower().encode_images(i.pixel_values, [i.grid_thw]) for i in items])
+    alone = torch.cat([_Tower().encode_images(tower.image_pixels(i.canvas), [i.grid_thw]) for i in items])
     assert torch.equal(embeds, alone) and len(rows) == 18
 
 
 def test_placeholders_expand_in_order_and_an_expanded_prompt_is_kept():
-    images = [SimpleNamespace(pixel_values=torch.zeros(8, 6), grid_thw=(1, 2, 4), num_tokens=2),
-              SimpleNamespace(pixel_values=torch.ones(12, 6), grid_thw=(1, 2, 6), num_tokens=3)]
+    images = [SimpleNamespace(canvas=torch.zeros(3, 2, 4, dtype=torch.uint8), grid_thw=(1, 2, 4), num_tokens=2),
+              SimpleNamespace(canvas=torch.ones(3, 2, 6, dtype=torch.uint8), grid_thw=(1, 2, 6), num_tokens=3)]
     ids, placed = place_images([5, 9, 6, 9, 9, 9, 7], 9, images)
     assert ids == [5, 9, 9, 6, 9, 9, 9, 7]
     assert [(p.offset, p.num_tokens) for p in placed] == [(1, 2), (4, 3)]

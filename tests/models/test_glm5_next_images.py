@@ -47,3 +47,21 @@ def test_the_token_budget_is_read_from_the_processors_settings():
     assert np.array_equal(ours.pixel_values, want["pixel_values"])
     with pytest.raises(ValueError, match="max_image_tokens=0 leaves no room"):
         canvas_size(700, 500, ImageRules(max_image_tokens=0))
+
+
+def test_the_canvas_travels_in_uint8_and_becomes_the_same_patches_on_any_device():
+    """What crosses to the engine is the uint8 canvas (an eighth of the float32 patches with their
+    repeated frame); the patches made from it on the tower's device are the processor's bit for bit
+    (on a GPU too: IEEE operations in the same order)."""
+    import torch
+
+    from kdaserve.models.glm5_next_images import canvas_pixels
+
+    image = Image.fromarray(np.random.default_rng(7).integers(0, 256, (300, 410, 3), dtype=np.uint8))
+    ours = process_image(image)
+    want = _hf()(images=[image], return_tensors="np")["pixel_values"]
+    assert ours.canvas.dtype == np.uint8 and ours.canvas.nbytes * 8 == want.nbytes
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    for device in devices:
+        got = canvas_pixels(torch.from_numpy(ours.canvas).to(device)).cpu().numpy()
+        assert got.dtype == np.float32 and np.array_equal(got, want), device
