@@ -185,6 +185,7 @@ if [ "$PART" = image_tower ]; then
   # image through a GLM-5.3-Flash-sized tower (transformers' default vision config: depth 24, width
   # 1024) alone and 8 / 32 at once, beside the CPU's processing time per image; then the TTFT below.
   group tower_gpu 120 tests/models/test_glm5_next_vision.py
+  group canvas_gpu 60 tests/models/test_glm5_next_images.py   # the canvas's patches made on the GPU, bit for bit
   group image_prompts 150 tests/models/test_glm5_next_image_prompts.py
   timeout $(cap 200) python3 benchmarks/bench_vision_tower.py --batches 1 8 32 > "$OUT/vision_tower.log" 2>&1
   echo "== vision_tower rc=$?"; sed -n '/^NVIDIA\|^| images/,$p' "$OUT/vision_tower.log"; grep -m3 "Error" "$OUT/vision_tower.log"
