@@ -326,13 +326,17 @@ def _moe_cases(slots: int, label: str, shared: bool = False, w4: int = 0) -> lis
     """The two bf16 expert GEMMs of a step of `slots` (token, expert) pairs over Kimi-Linear's 256
     experts (hidden 2304, width 1024), on each target as ops/moe/fused.moe_tiles launches them there;
     `shared`: with the shared expert run as expert 256 (decode); `w4`: 4-bit experts in groups of
-    32 (MXFP4) or 16 (NVFP4), K steps of at least 32 as moe_experts_fused widens them."""
+    32 (MXFP4) or 16 (NVFP4), K steps of at least 32 as moe_experts_fused widens them (MXFP4 through
+    tl.dot_scaled on sm_100 and gfx950)."""
     from kdaserve.ops.moe.fused import _moe_down_kernel, _moe_gate_up_kernel, moe_tiles
+    from kdaserve.ops.precision import native_fp4_dots
 
     def launch(t: str, which: str) -> dict:
         tiles = moe_tiles(slots, 256 + shared, 2304, 1024, False, t, four_bit=bool(w4))
         bn, bk, warps, stages = getattr(tiles, which)
-        return {"consts": dict(BM=tiles.block_m, BN=bn, BK=max(bk, 32) if w4 else bk), "warps": warps,
+        # MXFP4 through tl.dot_scaled where the target multiplies fp4 itself, as moe_experts_fused picks
+        dot = dict(W4_DOT=True, A_FORMAT="bf16") if w4 == 32 and native_fp4_dots(t) else {}
+        return {"consts": dict(BM=tiles.block_m, BN=bn, BK=max(bk, 32) if w4 else bk, **dot), "warps": warps,
                 "stages": stages or (2 if t.startswith("gfx") else 3)}
 
     common = dict(FP8=False, BLOCK_ROWS=1, EVEN_K=True, HAS_SHARED=shared, W4=w4)

@@ -61,6 +61,16 @@ def _gpu_target(index: int) -> str:
 # H200 does, as num_sms does.
 WIDE_SHARED_MEMORY_TARGETS = ("sm_90", "sm_100", "sm_103", "cpu")
 
+# Targets whose tensor cores multiply e2m1 with e8m0 block scales themselves (Blackwell's data-center
+# parts, MI355X): MXFP4 weights enter `tl.dot_scaled` as stored there. Elsewhere Triton would
+# decompose that dot into the same upcast the register decoding does (ops/fp4/tiles.py), so the
+# decoding path stays the rule.
+NATIVE_FP4_DOT_TARGETS = ("sm_100", "sm_103", "gfx950")
+
+
+def native_fp4_dots(target: str) -> bool:
+    return target in NATIVE_FP4_DOT_TARGETS
+
 
 @functools.lru_cache(maxsize=None)
 def num_sms(device: torch.device) -> int:

@@ -224,3 +224,32 @@ def test_gpu_fused_4bit_experts_at_kimi_linear_sizes(scheme, T):
     got = moe_experts_fused(x, w13, w2, weights, ids)
     want = moe_experts_reference(x.float(), w13, w2, weights, ids)
     assert_rel_close(got.float(), want, 1e-2, f"4-bit fused MoE {scheme} bf16 T={T}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 64, 2048])
+def test_gpu_mxfp4_experts_through_dot_scaled_follow_the_decoding_path(T):
+    """MXFP4 experts through tl.dot_scaled (the path of sm_100 and gfx950, where the tensor cores take
+    e2m1 with e8m0 scales; forced here, Triton decomposing it where they do not): the fp32
+    reference's result within bf16's rounding, and the register-decoding path's within the same.
+    A swapped nibble order or a scale misread would be far outside it."""
+    from kdaserve.ops.moe.fused import moe_experts_fused
+
+    E, k, hidden, inter = 256, 8, 2304, 1024
+    w13, w2 = fp4_experts(E, hidden, inter, "mxfp4", device="cuda", seed=T + 1)
+    g = torch.Generator(device="cuda").manual_seed(T + 1)
+    x = torch.randn(T, hidden, device="cuda", generator=g).bfloat16()
+    gate = torch.randn(E, hidden, device="cuda", generator=g) * hidden**-0.5
+    weights, ids = route_tokens(x, gate, None, RouterConfig(E, k, routed_scaling_factor=2.446))
+    scaled = moe_experts_fused(x, w13, w2, weights, ids, fp4_dots=True).float()
+    decoded = moe_experts_fused(x, w13, w2, weights, ids, fp4_dots=False).float()
+    want = moe_experts_reference(x.float(), w13, w2, weights, ids)
+    assert_rel_close(scaled, want, 1e-2, f"MXFP4 through dot_scaled T={T}")
+    assert_rel_close(scaled, decoded, 1e-2, f"dot_scaled against the decoding path T={T}")
+
+
+def test_the_targets_that_multiply_fp4_natively_take_dot_scaled():
+    from kdaserve.ops.precision import native_fp4_dots
+
+    assert [t for t in ("sm_89", "sm_90", "sm_100", "sm_103", "gfx942", "gfx950", "cpu") if native_fp4_dots(t)] == [
+        "sm_100", "sm_103", "gfx950"]

@@ -62,3 +62,17 @@ def fp4_weight_tile(w_rows, s_rows, row_ok, k0, K, BK: tl.constexpr, GROUP: tl.c
     scale = tl.reshape(tl.broadcast_to(g[:, :, None], (BN, BK // GROUP, GROUP)), (BN, BK))
     lo, hi = e2m1_pair(packed)
     return (tl.interleave(lo, hi) * scale).to(dtype)
+
+
+@triton.jit
+def mxfp4_scaled_dot(a, w_rows, s_rows, row_ok, k0, K, acc, BK: tl.constexpr, EVEN_K: tl.constexpr,
+                     A_FORMAT: tl.constexpr):
+    """acc + a @ W^T for one K step of BN MXFP4 weight rows through `tl.dot_scaled`: the packed
+    bytes [BN, BK/2] and e8m0 scales [BN, BK/32] go to the tensor cores as stored, where the target
+    multiplies fp4 itself (ops/precision.NATIVE_FP4_DOT_TARGETS). `a` [BM, BK] in bf16 or fp16
+    (`A_FORMAT`). Rows and K steps past the weight read as zero codes."""
+    kq = k0 // 2 + tl.arange(0, BK // 2)
+    kg = k0 // 32 + tl.arange(0, BK // 32)
+    packed = tl.load(w_rows + kq[None, :], mask=row_ok & ((kq < K // 2) | EVEN_K)[None, :], other=0)
+    scales = tl.load(s_rows + kg[None, :], mask=row_ok & ((kg < K // 32) | EVEN_K)[None, :], other=0)
+    return tl.dot_scaled(a, None, A_FORMAT, tl.trans(packed), scales, "e2m1", acc)

@@ -26,12 +26,12 @@ import triton.language as tl
 from kdaserve.ops import interpreter_compat
 from kdaserve.ops.activation.swiglu import silu_product
 from kdaserve.ops.compile_ahead import compiles_ahead
-from kdaserve.ops.fp4.tiles import fp4_weight_tile
+from kdaserve.ops.fp4.tiles import fp4_weight_tile, mxfp4_scaled_dot
 from kdaserve.ops.fp4.weights import Fp4Weights
 from kdaserve.ops.fp8.quant import quantize_per_token_group
 from kdaserve.ops.fp8.reference import FP8
 from kdaserve.ops.moe.align import align_to_experts
-from kdaserve.ops.precision import WIDE_SHARED_MEMORY_TARGETS, device_target, dot_precision
+from kdaserve.ops.precision import WIDE_SHARED_MEMORY_TARGETS, device_target, dot_precision, native_fp4_dots
 
 
 @triton.jit
@@ -61,12 +61,13 @@ def _moe_gate_up_kernel(
     TOPK: tl.constexpr, LIMIT: tl.constexpr, HAS_LIMIT: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
     FP8: tl.constexpr, BLOCK_ROWS: tl.constexpr, EVEN_K: tl.constexpr, HAS_SHARED: tl.constexpr = False,
-    W4: tl.constexpr = 0,
+    W4: tl.constexpr = 0, W4_DOT: tl.constexpr = False, A_FORMAT: tl.constexpr = "bf16",
 ):
     """HAS_SHARED: expert `num_routed` is the shared expert, its [2I, hidden] weight at
     shared_w_ptr with w13's row stride. W4 (4-bit experts, ops/fp4/tiles.py): the values per
     scale (32 MXFP4, 16 NVFP4); w_ptr holds packed bytes [E, 2I, hidden/2], ws_ptr the uint8 group
-    scales [E, 2I, hidden/W4], wd_ptr (NVFP4) the fp32 divisors [E, 2I]."""
+    scales [E, 2I, hidden/W4], wd_ptr (NVFP4) the fp32 divisors [E, 2I]. W4_DOT (MXFP4, x in
+    A_FORMAT bf16 / fp16): the weights enter tl.dot_scaled as stored instead of decoded."""
     pid_m, pid_n = _block_of_program(tl.cdiv(INTER, BN))
     e = tl.load(experts_ptr + pid_m)
     if e < 0:
@@ -90,10 +91,14 @@ def _moe_gate_up_kernel(
             ks = k0 + tl.arange(0, BK)
             a = tl.load(x_ptr + tokens[:, None] * stride_x + ks[None, :],
                         mask=valid[:, None] & ((ks < HIDDEN) | EVEN_K)[None, :], other=0.0)
-            wg = fp4_weight_tile(gate_w, gate_s, col_ok[:, None], k0, HIDDEN, BK, W4, EVEN_K, a.dtype)
-            acc_g = tl.dot(a, tl.trans(wg), acc_g, input_precision=PREC)
-            wu = fp4_weight_tile(up_w, up_s, col_ok[:, None], k0, HIDDEN, BK, W4, EVEN_K, a.dtype)
-            acc_u = tl.dot(a, tl.trans(wu), acc_u, input_precision=PREC)
+            if W4_DOT:
+                acc_g = mxfp4_scaled_dot(a, gate_w, gate_s, col_ok[:, None], k0, HIDDEN, acc_g, BK, EVEN_K, A_FORMAT)
+                acc_u = mxfp4_scaled_dot(a, up_w, up_s, col_ok[:, None], k0, HIDDEN, acc_u, BK, EVEN_K, A_FORMAT)
+            else:
+                wg = fp4_weight_tile(gate_w, gate_s, col_ok[:, None], k0, HIDDEN, BK, W4, EVEN_K, a.dtype)
+                acc_g = tl.dot(a, tl.trans(wg), acc_g, input_precision=PREC)
+                wu = fp4_weight_tile(up_w, up_s, col_ok[:, None], k0, HIDDEN, BK, W4, EVEN_K, a.dtype)
+                acc_u = tl.dot(a, tl.trans(wu), acc_u, input_precision=PREC)
         if W4 == 16:   # NVFP4's global scale divides, per output row
             divisors = wd_ptr + e.to(tl.int64) * stride_wde + cols
             acc_g = acc_g / tl.load(divisors, mask=col_ok, other=1.0)[None, :]
@@ -125,10 +130,10 @@ def _moe_down_kernel(
     S, HIDDEN, INTER, stride_h, stride_we, stride_wn, stride_y, stride_hs, stride_wse, stride_wsn, stride_wde, num_routed,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
     FP8: tl.constexpr, BLOCK_ROWS: tl.constexpr, EVEN_K: tl.constexpr, HAS_SHARED: tl.constexpr = False,
-    W4: tl.constexpr = 0,
+    W4: tl.constexpr = 0, W4_DOT: tl.constexpr = False, A_FORMAT: tl.constexpr = "bf16",
 ):
     """HAS_SHARED: expert `num_routed` is the shared expert, its [hidden, I] weight at
-    shared_w_ptr with w2's row stride. W4: 4-bit experts as in _moe_gate_up_kernel (packed
+    shared_w_ptr with w2's row stride. W4, W4_DOT: 4-bit experts as in _moe_gate_up_kernel (packed
     [E, hidden, I/2], scales [E, hidden, I/W4], divisors [E, hidden])."""
     pid_m, pid_n = _block_of_program(tl.cdiv(HIDDEN, BN))
     e = tl.load(experts_ptr + pid_m)
@@ -150,8 +155,11 @@ def _moe_down_kernel(
             ks = k0 + tl.arange(0, BK)
             a = tl.load(h_ptr + rows[:, None] * stride_h + ks[None, :],
                         mask=valid[:, None] & ((ks < INTER) | EVEN_K)[None, :], other=0.0)
-            w = fp4_weight_tile(w_rows, s_rows, col_ok[:, None], k0, INTER, BK, W4, EVEN_K, a.dtype)
-            acc = tl.dot(a, tl.trans(w), acc, input_precision=PREC)
+            if W4_DOT:
+                acc = mxfp4_scaled_dot(a, w_rows, s_rows, col_ok[:, None], k0, INTER, acc, BK, EVEN_K, A_FORMAT)
+            else:
+                w = fp4_weight_tile(w_rows, s_rows, col_ok[:, None], k0, INTER, BK, W4, EVEN_K, a.dtype)
+                acc = tl.dot(a, tl.trans(w), acc, input_precision=PREC)
         if W4 == 16:
             acc = acc / tl.load(wd_ptr + e.to(tl.int64) * stride_wde + cols, mask=col_ok, other=1.0)[None, :]
     else:
@@ -249,7 +257,8 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
                       w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
                       block: tuple[int, int] | None = None, tiles: MoeTiles | None = None,
                       addend: torch.Tensor | None = None,
-                      shared: tuple[torch.Tensor, torch.Tensor] | None = None, skip_expert: bool = False) -> torch.Tensor:
+                      shared: tuple[torch.Tensor, torch.Tensor] | None = None, skip_expert: bool = False,
+                      fp4_dots: bool | None = None) -> torch.Tensor:
     """Same contract as ops/moe/reference.moe_experts_reference: x [T, hidden] -> [T, hidden];
     `addend` [T, hidden] (the shared experts' output) is added before the result's one rounding.
     `shared` = (w13 [2I, hidden], w2 [hidden, I]) of a shared expert of the routed experts' width,
@@ -261,7 +270,9 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     moe_tiles' (benchmarks; an FP8 K step must equal the scale block's columns).
     4-bit experts (w13, w2 as ops/fp4/weights.Fp4Weights, MXFP4 or NVFP4) are decoded in registers
     inside both GEMMs, x and the SiLU product in their own dtype (W4A16); the definition is
-    ops/moe/reference.moe_experts_reference over the dequantized weights.
+    ops/moe/reference.moe_experts_reference over the dequantized weights. MXFP4 experts with bf16 /
+    fp16 x go through `tl.dot_scaled` instead where the target multiplies fp4 natively
+    (ops/precision.native_fp4_dots; `fp4_dots` True / False forces either, for tests).
     `skip_expert`: id E marks choices computed elsewhere (another rank's experts under expert
     parallelism): aligned as one more expert whose blocks no program runs, their rows zero."""
     T, hidden, E, inter = check_expert_shapes("fused MoE", x, w13, w2, weights, ids, addend)
@@ -316,13 +327,16 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     else:
         a, a_scale, ws13, ws2, br = x, h, h, h, 1
     scaled = fp8 or w4
+    w4_dot = (group == 32 and x.dtype in (torch.bfloat16, torch.float16)
+              and (native_fp4_dots(device_target(x.device)) if fp4_dots is None else fp4_dots))
+    dots = dict(W4_DOT=w4_dot, A_FORMAT="bf16" if x.dtype == torch.bfloat16 else "fp16")
     _moe_gate_up_kernel[(m_blocks * triton.cdiv(inter, BN1),)](
         a, w13, sorted_slots, block_experts, h, a_scale, ws13, shared_w13, wd13,
         S, hidden, inter, a.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
         a_scale.stride(0), ws13.stride(0) if scaled else 0, ws13.stride(1) if scaled else 0, wd13.stride(0), E,
         TOPK=k, LIMIT=float(activation_limit or 0.0), HAS_LIMIT=activation_limit is not None,
         BM=BM, BN=BN1, BK=BK1, PREC=prec, FP8=fp8, BLOCK_ROWS=br, EVEN_K=hidden % BK1 == 0,
-        HAS_SHARED=shared is not None, W4=group, num_warps=warps1, num_stages=stages1,
+        HAS_SHARED=shared is not None, W4=group, **dots, num_warps=warps1, num_stages=stages1,
     )
     hq, h_scale = quantize_per_token_group(h, block[1]) if fp8 else (h, h)
     # Skipped choices' rows stay zero for the final sum (their weight is zero, their rows unwritten).
@@ -333,7 +347,7 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
         S, hidden, inter, hq.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
         h_scale.stride(0), ws2.stride(0) if scaled else 0, ws2.stride(1) if scaled else 0, wd2.stride(0), E,
         BM=BM, BN=BN2, BK=BK2, PREC=prec, FP8=fp8, BLOCK_ROWS=br, EVEN_K=inter % BK2 == 0,
-        HAS_SHARED=shared is not None, W4=group, num_warps=warps2, num_stages=stages2,
+        HAS_SHARED=shared is not None, W4=group, **dots, num_warps=warps2, num_stages=stages2,
     )
     return sum_over_choices(y, T, k, out_dtype, addend)
 
