@@ -14,6 +14,7 @@
 # Add a part as `if [ "$PART" = name ]; then ... fi` below, with what it must show, and name it in
 # OWED; take it out of OWED once it ran (its numbers go to docs/perf-notes.md).
 OWED=(
+  fp4_native      # a B200 / MI355X only (issue 63): MXFP4 experts through tl.dot_scaled, timed
   house_speed     # on an H200 (issue 59 asks it there; the H100 ran it, thirty-third session: within A/A):
                   # .old = `git archive 6eb0c8b kdaserve benchmarks`
   tp_gpus         # two or more GPUs (kind nvidia-h100-x2 or larger; issue 61): tensor parallel over NCCL with
@@ -196,6 +197,22 @@ if [ "$PART" = image_tower ]; then
   timeout $(cap 240) python3 benchmarks/bench_image_ttft.py --num-hidden-layers 8 --quantization fp8 \
     > "$OUT/image_ttft.log" 2>&1
   echo "== image_ttft rc=$?"; sed -n '/^NVIDIA\|^a request/,$p' "$OUT/image_ttft.log"; grep -m3 "Error" "$OUT/image_ttft.log"
+fi
+
+if [ "$PART" = fp4_native ]; then
+  # Must show (issue 63), on a card whose tensor cores multiply fp4 (sm_100 / sm_103 / gfx950, where
+  # MXFP4 experts take tl.dot_scaled by default): test_fp4.py's GPU tests pass (15), and the
+  # --moe-formats table: MXFP4 against bf16 and FP8 at decode (goal: within 1.3x of its floor at
+  # batch 64, faster than FP8 from batch 8) and prefill (the decoding path's numbers: perf-notes,
+  # thirty-seventh session, H100).
+  case "$(python3 -c 'import torch; from kdaserve.ops.precision import device_target; print(device_target(torch.device("cuda")))')" in
+    sm_100|sm_103|gfx950) ;;
+    *) echo "fp4_native needs an sm_100 / sm_103 / gfx950 card"; exit 1 ;;
+  esac
+  group fp4_gpu 150 tests/ops/test_fp4.py -k gpu
+  timeout $(cap 200) python3 benchmarks/bench_moe_mla.py --moe-formats --batches 1 8 64 256 --prefill 1024 8192 \
+    > "$OUT/fp4_native.log" 2>&1
+  echo "== formats rc=$?"; sed -n '/^| step/,$p' "$OUT/fp4_native.log"; grep -m3 "Error\|Traceback" "$OUT/fp4_native.log"
 fi
 
 if [ "$PART" = fp4_moe ]; then
