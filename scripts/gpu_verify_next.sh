@@ -201,7 +201,7 @@ fi
 
 if [ "$PART" = fp4_native ]; then
   # Must show (issue 63), on a card whose tensor cores multiply fp4 (sm_100 / sm_103 / gfx950, where
-  # MXFP4 experts take tl.dot_scaled by default): test_fp4.py's GPU tests pass (15), and the
+  # MXFP4 experts take tl.dot_scaled by default): test_fp4.py's GPU tests pass (18), and the
   # --moe-formats table: MXFP4 against bf16 and FP8 at decode (goal: within 1.3x of its floor at
   # batch 64, faster than FP8 from batch 8) and prefill (the decoding path's numbers: perf-notes,
   # thirty-seventh session, H100).

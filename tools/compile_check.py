@@ -358,17 +358,20 @@ def _moe_cases(slots: int, label: str, shared: bool = False, w4: int = 0) -> lis
 
 
 def _fp4_linear_cases() -> list[Case]:
-    """The 4-bit linear layer (ops/fp4/linear.py) at each of its tile choices, MXFP4 and NVFP4."""
+    """The 4-bit linear layer (ops/fp4/linear.py) at each of its tile choices, MXFP4 and NVFP4 (MXFP4
+    through tl.dot_scaled where the target multiplies fp4, as fp4_linear picks)."""
     from kdaserve.ops.fp4.linear import _fp4_linear_kernel, fp4_tiles
+    from kdaserve.ops.precision import native_fp4_dots
 
     out = []
     for m in (1, 64, 4096):
         bm, bn, bk, warps = fp4_tiles(m)
         for group in (32, 16):
+            dots = {t: {"consts": dict(W4_DOT=True, A_FORMAT="bf16")} for t in TARGETS if group == 32 and native_fp4_dots(t)}
             out.append(Case(f"fp4 linear BM={bm} group={group}", _fp4_linear_kernel,
                             dict(x_ptr=BF, w_ptr="*u8", s_ptr="*u8", d_ptr=F32, bias_ptr=BF, y_ptr=BF),
                             dict(GROUP=group, HAS_BIAS=False, EVEN_K=True, BM=bm, BN=bn, BK=bk), warps,
-                            quick=m == 1, precision={"PREC": "tc"}, no_spill=True))
+                            quick=m == 1, precision={"PREC": "tc"}, no_spill=True, per_target=dots))
     return out
 
 

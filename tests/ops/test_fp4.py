@@ -248,6 +248,23 @@ def test_gpu_mxfp4_experts_through_dot_scaled_follow_the_decoding_path(T):
     assert_rel_close(scaled, decoded, 1e-2, f"dot_scaled against the decoding path T={T}")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 64, 4096])
+def test_gpu_mxfp4_linear_through_dot_scaled(M):
+    """The 4-bit linear's tl.dot_scaled path (forced) at a GLM shared expert's gate|up: the fp32
+    definition within bf16's rounding, and the decoding path's."""
+    import torch.nn.functional as F
+
+    from kdaserve.ops.fp4.linear import fp4_linear
+
+    g = torch.Generator(device="cuda").manual_seed(M + 3)
+    w = fp4_stack(torch.randn(1, 4096, 6144, device="cuda", generator=g) * 6144**-0.5, "mxfp4")[0]
+    x = torch.randn(M, 6144, device="cuda", generator=g).bfloat16()
+    scaled = fp4_linear(x, w, fp4_dots=True).float()
+    assert_rel_close(scaled, F.linear(x.float(), w.dequantized(torch.float32)), 1e-2, f"dot_scaled linear M={M}")
+    assert_rel_close(scaled, fp4_linear(x, w, fp4_dots=False).float(), 1e-2, f"against the decoding path M={M}")
+
+
 def test_the_targets_that_multiply_fp4_natively_take_dot_scaled():
     from kdaserve.ops.precision import native_fp4_dots
 

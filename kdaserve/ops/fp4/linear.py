@@ -1,5 +1,6 @@
 """A linear layer with 4-bit weights (Triton, W4A16): y = x W^T (+ bias), W in ops/fp4/weights.py's
-form, decoded in registers per K step as the fused MoE kernels decode their experts (tiles.py).
+form, decoded in registers per K step as the fused MoE kernels decode their experts (tiles.py); MXFP4
+with bf16 / fp16 x through tl.dot_scaled where the target multiplies fp4 (as the MoE kernels).
 
 One program per (BM rows, BN output columns) tile. Rows and columns past the edge wrap around
 instead of being masked, as the FP8 GEMM does (ops/fp8/block_gemm.py): the loads stay unmasked and
@@ -13,9 +14,9 @@ import triton
 import triton.language as tl
 
 from kdaserve.ops import interpreter_compat
-from kdaserve.ops.fp4.tiles import fp4_weight_tile
+from kdaserve.ops.fp4.tiles import fp4_weight_tile, mxfp4_scaled_dot
 from kdaserve.ops.fp4.weights import Fp4Weights
-from kdaserve.ops.precision import dot_precision
+from kdaserve.ops.precision import device_target, dot_precision, native_fp4_dots
 
 
 @triton.jit
@@ -24,6 +25,7 @@ def _fp4_linear_kernel(
     M, N, K, stride_x, stride_w, stride_s, stride_y,
     GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+    W4_DOT: tl.constexpr = False, A_FORMAT: tl.constexpr = "bf16",
 ):
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -34,8 +36,11 @@ def _fp4_linear_kernel(
     for k0 in range(0, K, BK):
         ks = k0 + tl.arange(0, BK)
         a = tl.load(x_ptr + rows_in[:, None] * stride_x + ks[None, :], mask=((ks < K) | EVEN_K)[None, :], other=0.0)
-        w = fp4_weight_tile(w_rows, s_rows, True, k0, K, BK, GROUP, EVEN_K, a.dtype)
-        acc = tl.dot(a, tl.trans(w), acc, input_precision=PREC)
+        if W4_DOT:
+            acc = mxfp4_scaled_dot(a, w_rows, s_rows, True, k0, K, acc, BK, EVEN_K, A_FORMAT)
+        else:
+            w = fp4_weight_tile(w_rows, s_rows, True, k0, K, BK, GROUP, EVEN_K, a.dtype)
+            acc = tl.dot(a, tl.trans(w), acc, input_precision=PREC)
     if GROUP == 16:   # NVFP4's global scale divides, per output row of W
         acc = acc / tl.load(d_ptr + cols_in)[None, :]
     if HAS_BIAS:
@@ -53,8 +58,10 @@ def fp4_tiles(m: int) -> tuple[int, int, int, int]:
     return 128, 64, 64, 8
 
 
-def fp4_linear(x: torch.Tensor, w: Fp4Weights, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in] -> [..., out] in x's dtype; the definition is F.linear(x, w.dequantized(x.dtype), bias)."""
+def fp4_linear(x: torch.Tensor, w: Fp4Weights, bias: torch.Tensor | None = None,
+               fp4_dots: bool | None = None) -> torch.Tensor:
+    """x [..., in] -> [..., out] in x's dtype; the definition is F.linear(x, w.dequantized(x.dtype), bias).
+    `fp4_dots`: force tl.dot_scaled (MXFP4, bf16 / fp16 x) on or off; None: where the target multiplies fp4."""
     out_features, in_features = w.shape
     if x.shape[-1] != in_features or w.packed.dim() != 2:
         raise ValueError(f"a 4-bit linear layer of {in_features} inputs needs x [..., {in_features}], got {list(x.shape)}")
@@ -72,8 +79,11 @@ def fp4_linear(x: torch.Tensor, w: Fp4Weights, bias: torch.Tensor | None = None)
     prec = "ieee" if x.dtype == torch.float32 else dot_precision(x.device).tensor_core
     div = w.divisor if w.divisor is not None else w.scale   # unused for MXFP4
     b = bias if bias is not None else y
+    dot = (w.group == 32 and x.dtype in (torch.bfloat16, torch.float16)
+           and (native_fp4_dots(device_target(x.device)) if fp4_dots is None else fp4_dots))
     _fp4_linear_kernel[(triton.cdiv(M, BM), triton.cdiv(out_features, BN))](
         x2, w.packed, w.scale, div, b, y, M, out_features, in_features, x2.stride(0), w.packed.stride(0),
         w.scale.stride(0), y.stride(0), GROUP=w.group, HAS_BIAS=bias is not None, EVEN_K=in_features % BK == 0,
-        BM=BM, BN=BN, BK=BK, PREC=prec, num_warps=warps)
+        BM=BM, BN=BN, BK=BK, PREC=prec, W4_DOT=dot, A_FORMAT="bf16" if x.dtype == torch.bfloat16 else "fp16",
+        num_warps=warps)
     return y.view(*lead, out_features)
