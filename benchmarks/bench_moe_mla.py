@@ -263,6 +263,17 @@ def kernel_ms(fn, calls: int = 5) -> dict[str, float]:
     return out
 
 
+def time_variant(call, want: torch.Tensor, timer, label: str) -> tuple[float, float, dict[str, float]]:
+    """(ms, relative difference from `want`, device ms per kernel) of one launch shape; NaNs for a
+    shape that does not compile (a row, not an abort)."""
+    try:
+        got = call().float()
+        return timer(call), ((got - want).norm() / want.norm()).item(), kernel_ms(call)
+    except Exception as e:   # noqa: BLE001
+        print(f"{label}: {type(e).__name__}: {str(e)[:120]}")
+        return float("nan"), float("nan"), {"gate_up": float("nan"), "down": float("nan"), "rest": float("nan")}
+
+
 def moe_sweep(batches, prefill, bw) -> None:
     """The fused MoE path's launch shapes at Kimi-Linear's sizes: per step, the default and the
     cross product of SWEEP_SHAPES (decode: moe_block_m's rows, graph-replayed), with each kernel's
@@ -283,13 +294,7 @@ def moe_sweep(batches, prefill, bw) -> None:
             for bm in sorted({b or moe_block_m(T * K, E) for b in bms}) for gu in gate_ups for dn in downs]
         for name, tiles in variants:
             call = lambda: moe_experts_fused(x, w13, w2, weights, ids, tiles=tiles)   # noqa: B023, E731
-            try:
-                got = call().float()
-                err = ((got - want).norm() / want.norm()).item()
-                ms, parts = timer(call), kernel_ms(call)
-            except Exception as e:   # noqa: BLE001 - a shape that does not compile is a row, not an abort
-                print(f"{step} {T} {name}: {type(e).__name__}: {str(e)[:120]}")
-                ms, err, parts = float("nan"), float("nan"), {"gate_up": float("nan"), "down": float("nan"), "rest": float("nan")}
+            ms, err, parts = time_variant(call, want, timer, f"{step} {T} {name}")
             rows.append((step, T, name, ms, parts, floor, err))
             print(rows[-1], flush=True)
     print("\n| step | batch / tokens | variant | ms | gate_up ms | down ms | rest ms | floor ms | x floor | % of bf16 peak "
@@ -335,13 +340,7 @@ def fp4_moe_sweep(batches, prefill, bw) -> None:
             variants.append((f"down {shape}", MoeTiles(default.block_m, default.gate_up, shape)))
         for name, tiles in variants:
             call = lambda: moe_experts_fused(x, q13, q2, weights, ids, tiles=tiles)   # noqa: B023, E731
-            try:
-                got = call().float()
-                err = ((got - want).norm() / want.norm()).item()
-                ms, parts = timer(call), kernel_ms(call)
-            except Exception as e:   # noqa: BLE001 - a shape that does not compile is a row, not an abort
-                print(f"{step} {T} {name}: {type(e).__name__}: {str(e)[:120]}")
-                ms, err, parts = float("nan"), float("nan"), {"gate_up": float("nan"), "down": float("nan"), "rest": float("nan")}
+            ms, err, parts = time_variant(call, want, timer, f"{step} {T} {name}")
             rows.append((step, T, name, ms, parts, floor, err, str(default)))
             print(rows[-1][:7], flush=True)
     print("\n" + "\n".join(sorted({f"default at {step} {T}: {d}" for step, T, *_, d in rows})))

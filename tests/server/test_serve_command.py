@@ -87,54 +87,47 @@ def _spawned_children(pid: int) -> list[int]:
     return [int(line.split()[0]) for line in out.splitlines() if "spawn_main" in line]
 
 
-def test_a_dead_tensor_parallel_rank_ends_the_server_with_its_error():
-    """`serve -tp 2` (two CPU ranks over gloo): when rank 1 dies the engine process ends itself naming
-    the rank (a collective would wait for it forever), and the server exits non-zero within seconds,
-    as when the engine process itself dies."""
+def _killed_ends_the_server(extra: list[str], victim, said: list[str]) -> None:
+    """Start `kdaserve serve tiny` on the CPU (`extra` flags), SIGKILL the process `victim(server
+    pid)` names once it is healthy: the server exits 1 within 10 s, saying each line of `said`,
+    with no traceback."""
     port = free_port()
     cmd = [sys.executable, "-m", "kdaserve", "serve", "tiny", "--host", "127.0.0.1", "--port", str(port),
            "--max-num-seqs", "4", "--max-model-len", "128", "--device", "cpu", "--no-warmup", "--log-level", "warning",
-           "-tp", "2"]
+           *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         _wait_healthy(proc, f"http://127.0.0.1:{port}")
-        engines = _spawned_children(proc.pid)
-        ranks = _spawned_children(engines[0])
-        assert len(engines) == 1 and len(ranks) == 1, (engines, ranks)
+        pid = victim(proc.pid)
         killed = time.monotonic()
-        os.kill(ranks[0], signal.SIGKILL)
+        os.kill(pid, signal.SIGKILL)
         assert proc.wait(timeout=30) == 1
         assert time.monotonic() - killed < 10
         out = proc.stdout.read()
-        assert "kdaserve-tp-rank-1 exited (exit code -9); the engine stops" in out, out
-        assert "kdaserve serve: the engine stopped (the engine process exited (exit code 1)); exiting" in out, out
-        assert "Traceback" not in out
+        assert all(line in out for line in said) and "Traceback" not in out, out
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _only(pids: list[int]) -> int:
+    assert len(pids) == 1, pids
+    return pids[0]
+
+
+def test_a_dead_tensor_parallel_rank_ends_the_server_with_its_error():
+    """`serve -tp 2` (two CPU ranks over gloo): when rank 1 dies the engine process ends itself naming
+    the rank (a collective would wait for it forever), and the server exits non-zero within seconds,
+    as when the engine process itself dies."""
+    _killed_ends_the_server(["-tp", "2"], lambda server: _only(_spawned_children(_only(_spawned_children(server)))),
+                            ["kdaserve-tp-rank-1 exited (exit code -9); the engine stops",
+                             "kdaserve serve: the engine stopped (the engine process exited (exit code 1)); exiting"])
 
 
 def test_a_dead_engine_process_ends_the_server_with_its_error():
     """As vLLM's server: when the engine process dies the server exits non-zero, saying why, within
     seconds, so that a supervisor restarts it rather than a server answering 503 forever."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "kdaserve", "serve", "tiny", "--host", "127.0.0.1", "--port", str(port),
-           "--kda-prefill-backend", "reference", "--kda-decode-backend", "reference", "--max-num-seqs", "4",
-           "--max-model-len", "128", "--device", "cpu", "--no-warmup", "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        _wait_healthy(proc, f"http://127.0.0.1:{port}")
-        engines = _spawned_children(proc.pid)
-        assert len(engines) == 1, engines
-        killed = time.monotonic()
-        os.kill(engines[0], signal.SIGKILL)
-        assert proc.wait(timeout=30) == 1
-        assert time.monotonic() - killed < 10
-        out = proc.stdout.read()
-        assert "kdaserve serve: the engine stopped (the engine process exited (exit code -9)); exiting" in out, out
-        assert "Traceback" not in out
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    _killed_ends_the_server(["--kda-prefill-backend", "reference", "--kda-decode-backend", "reference"],
+                            lambda server: _only(_spawned_children(server)),
+                            ["kdaserve serve: the engine stopped (the engine process exited (exit code -9)); exiting"])
