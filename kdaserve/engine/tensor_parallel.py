@@ -56,7 +56,7 @@ _SPLIT_SIZES = ("num_attention_heads", "num_key_value_heads", "linear_num_heads"
 
 def check_ranks(config: EngineConfig) -> None:
     """Before any rank starts: more ranks than devices, a model size the ranks cannot split
-    evenly, or a feature that runs on one rank only is a startup error that says what works."""
+    evenly, or expert parallelism without routed experts is a startup error that says what works."""
     from kdaserve.layers.distributed import split
     from kdaserve.models.loader import resolve_model
 
