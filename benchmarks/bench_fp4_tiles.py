@@ -13,6 +13,9 @@ ops/fp4/weights.py keeps it (byte k of a row holds elements 2k, 2k + 1; one scal
                                                     split even / odd
     trans_bc  W [BN, BK] interleaved, transposed    x [BM, BK] contiguous  per group, broadcast
               into the B operand
+    group_dot W [BN, GROUP] per scale group, fp16     x [BM, GROUP] per      per group, on the dot's
+              bits as decoded (no fp32 pass), the A   group, cast to fp16    fp32 result [BN, BM]
+              operand; one dot per group                                   (decode-sized M only)
 
 Every variant is checked against the dequantized weight's GEMM before it is timed; the floor is
 the call's bytes over the measured copy bandwidth. Decode-sized M reads the weight once per 16
@@ -37,7 +40,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kdaserve.ops import interpreter_compat  # noqa: E402
 from kdaserve.ops.fp4.tiles import e2m1_pair, group_scale  # noqa: E402
 
-VARIANTS = ("split", "swap", "swap_bc", "swap_split", "trans_bc", "bf16")
+VARIANTS = ("split", "swap", "swap_bc", "swap_split", "trans_bc", "group_dot", "bf16")
+
+
+@triton.jit
+def _e2m1_fp16_pair(packed):
+    """e2m1_pair's fp16 bit patterns without its fp32 pass: each value times 2^-14, as fp16."""
+    p = packed.to(tl.uint16)
+    lo = ((p & 7) << 9) | ((p & 8) << 12)
+    hi = ((p & 0x70) << 5) | ((p & 0x80) << 8)
+    return lo.to(tl.float16, bitcast=True), hi.to(tl.float16, bitcast=True)
 
 
 @triton.jit
@@ -81,6 +93,16 @@ def _w4_gemm(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_s, 
             lo, hi = e2m1_pair(packed)
             acc = tl.dot(a_lo, (lo * sc).to(a_lo.dtype), acc)
             acc = tl.dot(a_hi, (hi * sc).to(a_hi.dtype), acc)
+        elif VARIANT == "group_dot":
+            # Per scale group: the codes' fp16 bits straight into the dot (x cast to fp16), the
+            # group's scale (and the 2^14 of the bit placement) on the fp32 result: about half the
+            # ALU work per weight element of trans_bc, at one dot of K = GROUP per group.
+            for gi in tl.static_range(BK // GROUP):
+                kq_g = k0 // 2 + gi * (GROUP // 2) + tl.arange(0, GROUP // 2)
+                x_g = tl.load(x_rows + (k0 + gi * GROUP + tl.arange(0, GROUP))[None, :]).to(tl.float16)
+                lo, hi = _e2m1_fp16_pair(tl.load(w_rows + kq_g[None, :]))
+                part = tl.dot(tl.interleave(lo, hi), tl.trans(x_g))
+                acc += part * (group_scale(tl.load(s_rows + k0 // GROUP + gi), GROUP) * 16384.0)
         elif VARIANT == "swap_split":
             x = tl.load(x_rows + ks[None, :])
             x_lo, x_hi = tl.split(tl.reshape(x, (BM, BK // 2, 2)))
