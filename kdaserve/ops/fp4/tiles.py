@@ -49,15 +49,23 @@ def group_scale(s, GROUP: tl.constexpr):
 
 
 @triton.jit
-def fp4_weight_tile(w_rows, s_rows, row_ok, k0, K, BK: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr,
-                    dtype: tl.constexpr):
-    """One K step of BN weight rows, decoded: `w_rows` / `s_rows` [BN, 1] pointers to the rows'
-    packed bytes and group scales, `row_ok` [BN, 1] -> [BN, BK] in `dtype`, K order. K steps past
-    K (where BK does not divide it) read as zeros."""
+def fp4_codes(w_rows, s_rows, row_ok, k0, K, BK: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr):
+    """One K step of BN weight rows as stored: `w_rows` / `s_rows` [BN, 1] pointers to the rows'
+    packed bytes and group scales, `row_ok` [BN, 1] -> (packed [BN, BK/2], scale codes [BN, BK/GROUP]),
+    uint8. Rows and K steps past the weight (where BK does not divide K) read as zero codes."""
     kq = k0 // 2 + tl.arange(0, BK // 2)
     kg = k0 // GROUP + tl.arange(0, BK // GROUP)
     packed = tl.load(w_rows + kq[None, :], mask=row_ok & ((kq < K // 2) | EVEN_K)[None, :], other=0)
-    g = group_scale(tl.load(s_rows + kg[None, :], mask=row_ok & ((kg < K // GROUP) | EVEN_K)[None, :], other=0), GROUP)
+    scales = tl.load(s_rows + kg[None, :], mask=row_ok & ((kg < K // GROUP) | EVEN_K)[None, :], other=0)
+    return packed, scales
+
+
+@triton.jit
+def fp4_weight_tile(w_rows, s_rows, row_ok, k0, K, BK: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr,
+                    dtype: tl.constexpr):
+    """One K step of BN weight rows (fp4_codes' arguments), decoded: [BN, BK] in `dtype`, K order."""
+    packed, codes = fp4_codes(w_rows, s_rows, row_ok, k0, K, BK, GROUP, EVEN_K)
+    g = group_scale(codes, GROUP)
     BN: tl.constexpr = g.shape[0]
     scale = tl.reshape(tl.broadcast_to(g[:, :, None], (BN, BK // GROUP, GROUP)), (BN, BK))
     lo, hi = e2m1_pair(packed)
@@ -70,9 +78,6 @@ def mxfp4_scaled_dot(a, w_rows, s_rows, row_ok, k0, K, acc, BK: tl.constexpr, EV
     """acc + a @ W^T for one K step of BN MXFP4 weight rows through `tl.dot_scaled`: the packed
     bytes [BN, BK/2] and e8m0 scales [BN, BK/32] go to the tensor cores as stored, where the target
     multiplies fp4 itself (ops/precision.NATIVE_FP4_DOT_TARGETS). `a` [BM, BK] in bf16 or fp16
-    (`A_FORMAT`). Rows and K steps past the weight read as zero codes."""
-    kq = k0 // 2 + tl.arange(0, BK // 2)
-    kg = k0 // 32 + tl.arange(0, BK // 32)
-    packed = tl.load(w_rows + kq[None, :], mask=row_ok & ((kq < K // 2) | EVEN_K)[None, :], other=0)
-    scales = tl.load(s_rows + kg[None, :], mask=row_ok & ((kg < K // 32) | EVEN_K)[None, :], other=0)
+    (`A_FORMAT`); the weight's other arguments as fp4_codes'."""
+    packed, scales = fp4_codes(w_rows, s_rows, row_ok, k0, K, BK, 32, EVEN_K)
     return tl.dot_scaled(a, None, A_FORMAT, tl.trans(packed), scales, "e2m1", acc)
