@@ -187,7 +187,7 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     images: list | None = None) -> None:
         """Queue a request. Raises ValueError on bad input, leaving the engine untouched. `images`:
-        the prompt's images in order (PIL images, or processed ones: process_images), one placeholder
+        the prompt's images in order (PIL images, or processed ones: place_images), one placeholder
         token each in the prompt (engine/multimodal.py)."""
         params = params if params is not None else SamplingParams()
         if request_id in self.requests:
@@ -202,32 +202,25 @@ class LLMEngine:
         self.requests[request_id] = seq
         self.scheduler.add(seq)
 
-    def process_images(self, images: list) -> list:
-        """PIL images -> processed ones (pixels, grid, tokens) by the model's rules; processed ones
-        pass through. Pure host work: a server runs it in worker threads, off its event loop."""
-        self._check_takes_images()
-        from kdaserve.models.glm5_next_images import process_image
-
-        return [image if hasattr(image, "grid_thw") else process_image(image, self.image_rules) for image in images]
-
     def place_images(self, prompt_token_ids: list[int], images: list | None):
-        """(prompt ids with each image's placeholder expanded, the placed images); no images: as given."""
+        """(prompt ids with each image's placeholder expanded, the placed images); no images: as given.
+        PIL images are processed here by the model's rules (pure host work); processed and placed
+        ones pass through."""
         if not images:
             return prompt_token_ids, ()
-        self._check_takes_images()
+        if self.image_token_id is None:
+            raise ValueError(f"{self.model_name} takes no images" + (
+                " (--limit-mm-per-prompt has image 0)" if self.config.max_images_per_prompt == 0 else
+                ": it has no vision tower; send text only"))
         limit = self.config.max_images_per_prompt
         if len(images) > limit:
             raise ValueError(f"too many images: got {len(images)}; expected at most {limit} per prompt "
                              f"(--limit-mm-per-prompt '{{\"image\": N}}')")
         from kdaserve.engine.multimodal import place_images
+        from kdaserve.models.glm5_next_images import process_image
 
-        return place_images(list(prompt_token_ids), self.image_token_id, self.process_images(images))
-
-    def _check_takes_images(self) -> None:
-        if self.image_token_id is None:
-            raise ValueError(f"{self.model_name} takes no images" + (
-                " (--limit-mm-per-prompt has image 0)" if self.config.max_images_per_prompt == 0 else
-                ": it has no vision tower; send text only"))
+        processed = [image if hasattr(image, "grid_thw") else process_image(image, self.image_rules) for image in images]
+        return place_images(list(prompt_token_ids), self.image_token_id, processed)
 
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
         """Raise ValueError saying what is wrong with a request; returns its token ids."""
