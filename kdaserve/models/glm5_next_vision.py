@@ -69,8 +69,8 @@ class _RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalized in fp32 and rounded to x's dtype before the weight, as transformers does; one
-        # fused kernel on the GPU where the explicit form launched six (a tower call is host-bound).
+        # Normalized in fp32 and rounded to x's dtype before the weight, as transformers does, in one
+        # fused kernel on a GPU (a one-image tower call is bound by its launches).
         return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
 
 
@@ -107,8 +107,8 @@ class _Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         n = x.shape[0]
         qkv = self.qkv(x).view(n, 3, self.heads, self.head_dim)
-        # q and k normed and rotated together (one kernel each where two were: the call is host-bound
-        # for one image); the same math as each alone (_RMSNorm's).
+        # q and k normed and rotated together, one kernel for both at each step (a one-image call is
+        # bound by its launches); the same math as each alone (_RMSNorm's).
         norms = torch.stack([self.q_norm.weight, self.k_norm.weight])[:, None]
         qk = norms * F.rms_norm(qkv[:, :2], (self.head_dim,), eps=self.q_norm.eps)
         q, k = _rotate(qk, cos[:, None, None], sin[:, None, None]).unbind(1)
