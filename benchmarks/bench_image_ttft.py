@@ -76,21 +76,21 @@ def main() -> None:
     rng = np.random.default_rng(0)
     vocab = 150000   # ordinary text ids, below the special tokens
 
-    def request(i: int, image: bool):
-        text = rng.integers(0, vocab, args.text_tokens).tolist()
-        picture = Image.fromarray(rng.integers(0, 256, (args.size, args.size, 3), dtype=np.uint8))
-        if image:
-            return {"prompt_token_ids": text[:8] + [image_token] + text[8:], "multi_modal_data": {"image": picture}}
-        return text
+    def text(n: int) -> list[int]:
+        return rng.integers(0, vocab, n).tolist()
 
-    first = llm.generate([request(0, True)], SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    def image_request() -> dict:
+        ids = text(args.text_tokens)
+        picture = Image.fromarray(rng.integers(0, 256, (args.size, args.size, 3), dtype=np.uint8))
+        return {"prompt_token_ids": ids[:8] + [image_token] + ids[8:], "multi_modal_data": {"image": picture}}
+
+    first = llm.generate([image_request()], SamplingParams(max_tokens=1), use_tqdm=False)[0]
     image_tokens = first.num_prompt_tokens - args.text_tokens
-    text_only = lambda i: rng.integers(0, vocab, args.text_tokens + image_tokens).tolist()   # noqa: E731
-    timed(llm, text_only(0))   # the text-only shapes compiled too
+    timed(llm, text(args.text_tokens + image_tokens))   # the text-only shapes compiled too
     with_image, without = [], []
-    for i in range(args.runs):   # alternating, fresh requests each
-        with_image.append(timed(llm, request(i + 1, True)))
-        without.append(timed(llm, text_only(i + 1)))
+    for _ in range(args.runs):   # alternating, fresh requests each
+        with_image.append(timed(llm, image_request()))
+        without.append(timed(llm, text(args.text_tokens + image_tokens)))
     print(f"\na request: {args.text_tokens} text tokens + one {args.size} x {args.size} image ({image_tokens} image "
           f"tokens); {args.runs} runs each, alternating; the image's processing (Pillow, CPU) inside the time")
     print("| request | TTFT median ms | min | max |")
