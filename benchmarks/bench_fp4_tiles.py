@@ -38,9 +38,9 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kdaserve.ops import interpreter_compat  # noqa: E402
-from kdaserve.ops.fp4.tiles import e2m1_pair, group_scale  # noqa: E402
+from kdaserve.ops.fp4.tiles import e2m1_bf16_pair, e2m1_pair, group_scale, group_scale_bf16  # noqa: E402
 
-VARIANTS = ("split", "swap", "swap_bc", "swap_split", "trans_bc", "group_dot", "bf16")
+VARIANTS = ("split", "swap", "swap_bc", "swap_split", "trans_bc", "group_dot", "trans_b16", "swap_b16", "bf16")
 
 
 @triton.jit
@@ -68,7 +68,8 @@ def _scales_broadcast(s_rows, k0, BK: tl.constexpr, WIDTH: tl.constexpr, GROUP: 
 
 @triton.jit
 def _w4_gemm(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_s, stride_y,
-             GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, VARIANT: tl.constexpr):
+             GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, VARIANT: tl.constexpr,
+             B16: tl.constexpr = False, TRANS: tl.constexpr = False):
     rows = (tl.program_id(0) * BM + tl.arange(0, BM)) % M
     cols = (tl.program_id(1) * BN + tl.arange(0, BN)) % N
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
@@ -103,6 +104,16 @@ def _w4_gemm(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_s, 
                 lo, hi = _e2m1_fp16_pair(tl.load(w_rows + kq_g[None, :]))
                 part = tl.dot(tl.interleave(lo, hi), tl.trans(x_g))
                 acc += part * (group_scale(tl.load(s_rows + k0 // GROUP + gi), GROUP) * 16384.0)
+        elif B16:
+            x = tl.load(x_rows + ks[None, :])
+            lo, hi = e2m1_bf16_pair(tl.load(w_rows + kq[None, :]))
+            g = group_scale_bf16(tl.load(s_rows + (k0 // GROUP + tl.arange(0, BK // GROUP))[None, :]), GROUP)
+            sc = tl.reshape(tl.broadcast_to(g[:, :, None], (BN, BK // GROUP, GROUP)), (BN, BK))
+            w = tl.interleave(lo, hi) * (2.0 ** 126) * sc
+            if TRANS:
+                acc = tl.trans(tl.dot(x, tl.trans(w), tl.trans(acc)))
+            else:
+                acc = tl.dot(w, tl.trans(x), acc)
         elif VARIANT == "swap_split":
             x = tl.load(x_rows + ks[None, :])
             x_lo, x_hi = tl.split(tl.reshape(x, (BM, BK // 2, 2)))
@@ -143,7 +154,8 @@ def w4_gemm(x, w, variant: str, bm: int, bn: int, bk: int, warps: int, stages: i
     packed, scale, group = (w, w, 32) if dense else (w.packed, w.scale, w.group)
     _w4_gemm[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
         x, packed, scale, y, M, N, K, x.stride(0), packed.stride(0), scale.stride(0), y.stride(0),
-        GROUP=group, BM=bm, BN=bn, BK=bk, VARIANT=variant, num_warps=warps, num_stages=stages)
+        GROUP=group, BM=bm, BN=bn, BK=bk, VARIANT=variant, B16=variant.endswith("_b16"),
+        TRANS=variant == "trans_b16", num_warps=warps, num_stages=stages)
     return y
 
 

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from kdaserve.ops.fp4.reference import e2m1_values, quantize_mxfp4, quantize_nvfp4
-from kdaserve.ops.fp4.tiles import e2m1_pair, group_scale
+from kdaserve.ops.fp4.tiles import e2m1_bf16_pair, e2m1_pair, group_scale, group_scale_bf16
 from kdaserve.ops.fp4.weights import Fp4Weights
 from kdaserve.ops.moe import RouterConfig, moe_experts_reference, route_tokens
 from kdaserve.testing.compare import assert_rel_close
@@ -88,6 +88,42 @@ def test_the_decoders_give_every_code_its_value_exactly():
     assert torch.equal(nv[finite], want_nv[finite]) and (~finite).sum() == 2
 
 
+@triton.jit
+def _decode_bf16_kernel(codes_ptr, scales_ptr, out_ptr, GROUP: tl.constexpr):
+    """out[s, 2b + j] = nibble j of byte b times scale code s, as the bf16 GEMMs decode it."""
+    b = tl.arange(0, 256)
+    s = tl.arange(0, 256)
+    lo, hi = e2m1_bf16_pair(tl.load(codes_ptr + b))
+    g = group_scale_bf16(tl.load(scales_ptr + s), GROUP)[:, None]
+    w = tl.interleave(lo, hi)[None, :] * (2.0 ** 126) * g
+    tl.store(out_ptr + s[:, None] * 512 + tl.arange(0, 512)[None, :], w)
+
+
+@RUNS_TRITON
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_the_bf16_decoders_give_every_code_times_every_scale_exactly(scheme):
+    """The bf16 path (a byte's two values as one register's halves, times 2^126, times the scale):
+    every byte under every scale code equals the definition's value, bit for bit (e2m1's 0.5 as a
+    bf16 subnormal, e8m0 from 2^-127 up to where the value overflows to inf in fp32 too)."""
+    from kdaserve.ops import interpreter_compat
+
+    interpreter_compat.install()   # the interpreter's bf16 arithmetic (the kernels' wrappers install it)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    group = 32 if scheme == "mxfp4" else 16
+    codes = torch.arange(256, dtype=torch.uint8, device=device)
+    out = torch.full((256, 512), float("nan"), dtype=torch.bfloat16, device=device)
+    _decode_bf16_kernel[(1,)](codes, codes, out, GROUP=group)
+    values = e2m1_values(device)[torch.stack([codes & 0xF, codes >> 4], -1).long()].reshape(-1)
+    if scheme == "mxfp4":
+        factors, usable = torch.exp2(codes.double() - 127).float(), codes < 255          # 255 is NaN: refused at load
+    else:
+        factors = codes.view(torch.float8_e4m3fn).float()
+        usable = torch.isfinite(factors)
+    want = (factors[:, None] * values[None, :])[usable]
+    assert torch.equal(want.bfloat16().float(), want), "every product is exact in bf16 (or inf in both)"
+    assert torch.equal(out[usable].float(), want)
+
+
 # ---- the fused GEMMs -----------------------------------------------------------------------------
 
 @INTERP
@@ -140,6 +176,26 @@ def test_fused_4bit_experts_in_half_precision_equal_the_full_precision_kernel(sc
 
 
 @INTERP
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_fused_4bit_experts_in_bf16_equal_the_bf16_kernel_on_the_dequantized_experts(scheme):
+    """bf16 activations take the bf16 decoding (ops/fp4/tiles.e2m1_bf16_pair): the decoded weights
+    are exact in bf16, so the W4 kernel follows the bf16 experts' kernel to its accumulation order."""
+    from kdaserve.ops.moe.fused import moe_experts_fused
+
+    w13, w2 = fp4_experts(5, 64, 96, scheme, seed=6)
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(7))
+    if scheme == "mxfp4":   # e8m0 codes above 128 (2^73), where 2^126 times the scale would overflow bf16
+        w13.scale[0, :2] = torch.where(w13.scale[0, :2] > 0, 200, 0).to(torch.uint8)
+        x = x * 2.0 ** -70
+    x = x.bfloat16()
+    weights, ids = _routing(9, 5, 2, "random")
+    got = moe_experts_fused(x, w13, w2, weights, ids)
+    twin = moe_experts_fused(x, w13.dequantized(torch.bfloat16), w2.dequantized(torch.bfloat16), weights, ids)
+    assert torch.isfinite(twin).all() and twin.abs().max() > 0
+    assert_rel_close(got.float(), twin.float(), 1e-2, f"4-bit bf16 ({scheme})")
+
+
+@INTERP
 def test_scale_edges_pass_through_the_kernel():
     """Zero blocks (e8m0 code 0: 2^-127 times zeros) and large scales (code 160: 2^33) decoded
     in the GEMM as the definition has them."""
@@ -189,6 +245,10 @@ def test_4bit_linear_matches_the_definition(scheme, M, N, K, bias):
     want = F.linear(x, w.dequantized(torch.float32), b)
     assert_rel_close(fp4_linear(x, w, b), want, 1e-5, f"4-bit linear {scheme} {M}x{N}x{K}")
     assert fp4_linear(x[:0], w).shape == (0, N)
+    # bf16 activations take the bf16 decoding: the dequantized weight's bf16 GEMM
+    xb = x.bfloat16()
+    assert_rel_close(fp4_linear(xb, w).float(), F.linear(xb.float(), w.dequantized(torch.float32)), 1e-2,
+                     f"4-bit linear {scheme} bf16 {M}x{N}x{K}")
 
 
 @pytest.mark.gpu

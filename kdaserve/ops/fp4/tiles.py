@@ -14,7 +14,12 @@ than the 4-bit bytes save (benchmarks/bench_fp4_tiles.py times the alternatives;
 Every decoded value is exact in the activations' dtype: an e2m1 value (2 significant bits) times a
 power of two (MXFP4's e8m0 scale) or an e4m3 value (4 significant bits) fits bf16's 8. NVFP4's
 per-tensor global scale divides the accumulator once per output column after the K loop
-(layers keep it per output row, so merged and sliced weights carry theirs)."""
+(layers keep it per output row, so merged and sliced weights carry theirs).
+
+bf16 activations (the serving dtype) take the decode straight into bf16 bit patterns
+(`e2m1_bf16_pair`: a byte's two values as one 32-bit register's halves, five integer operations a
+byte) and two packed bf16 products a pair; fp16 and fp32 activations take `e2m1_pair`'s fp32 pass
+(about twice the instructions a value: benchmarks/bench_fp4_tiles.py, docs/perf-notes.md)."""
 
 from __future__ import annotations
 
@@ -32,6 +37,28 @@ def e2m1_pair(packed):
     hi = ((p & 0x70) << 5) | ((p & 0x80) << 8)
     return (lo.to(tl.float16, bitcast=True).to(tl.float32) * 16384.0,
             hi.to(tl.float16, bitcast=True).to(tl.float32) * 16384.0)
+
+
+@triton.jit
+def e2m1_bf16_pair(packed):
+    """uint8 codes (two per byte) -> (low nibbles', high nibbles') values times 2^-126 in bf16,
+    exactly: a code's magnitude bits placed at bf16's bits 6..8 (the exponent's two low bits and the
+    mantissa's top bit; code 1, 0.5, becomes the subnormal 2^-127) and its sign at bit 15. One
+    32-bit product copies the byte to bits 6 and 18, so a byte's two values come out as the two
+    halves of one register, the pair a tensor-core operand holds (no per-value conversions)."""
+    y = packed.to(tl.uint32) * 0x40040
+    d = (y & 0x01C001C0) | ((y << 6) & 0x80008000)
+    return d.to(tl.uint16).to(tl.bfloat16, bitcast=True), (d >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def group_scale_bf16(s, GROUP: tl.constexpr):
+    """uint8 scale codes -> bf16 factors, exactly (group_scale's values; e8m0's 2^-127 is bf16's
+    subnormal 0x0040, e4m3's 3 mantissa bits fit bf16's 7)."""
+    if GROUP == 16:
+        return group_scale(s, GROUP).to(tl.bfloat16)
+    else:
+        return tl.where(s == 0, 0x40, s.to(tl.uint16) << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
@@ -65,11 +92,19 @@ def fp4_weight_tile(w_rows, s_rows, row_ok, k0, K, BK: tl.constexpr, GROUP: tl.c
                     dtype: tl.constexpr):
     """One K step of BN weight rows (fp4_codes' arguments), decoded: [BN, BK] in `dtype`, K order."""
     packed, codes = fp4_codes(w_rows, s_rows, row_ok, k0, K, BK, GROUP, EVEN_K)
-    g = group_scale(codes, GROUP)
-    BN: tl.constexpr = g.shape[0]
-    scale = tl.reshape(tl.broadcast_to(g[:, :, None], (BN, BK // GROUP, GROUP)), (BN, BK))
+    if dtype == tl.bfloat16:
+        # Two bf16 products per value pair, each exact: by 2^126 (the bit placement's), then by the
+        # scale. One product by the two factors' product would overflow for e8m0 codes above 128.
+        lo, hi = e2m1_bf16_pair(packed)
+        return tl.interleave(lo, hi) * (2.0 ** 126) * _per_value(group_scale_bf16(codes, GROUP), BK, GROUP)
     lo, hi = e2m1_pair(packed)
-    return (tl.interleave(lo, hi) * scale).to(dtype)
+    return (tl.interleave(lo, hi) * _per_value(group_scale(codes, GROUP), BK, GROUP)).to(dtype)
+
+
+@triton.jit
+def _per_value(g, BK: tl.constexpr, GROUP: tl.constexpr):
+    """[BN, BK / GROUP] group factors -> [BN, BK], each repeated over its group (in registers)."""
+    return tl.reshape(tl.broadcast_to(g[:, :, None], (g.shape[0], BK // GROUP, GROUP)), (g.shape[0], BK))
 
 
 @triton.jit
