@@ -309,8 +309,8 @@ def moe_sweep(batches, prefill, bw) -> None:
 # 4-bit experts (MXFP4): each GEMM's launch shapes varied with the other at its default, since the
 # two kernels are timed apart (kernel_ms). (BN, BK, warps, stages); None: the default's.
 FP4_SWEEP = {
-    "decode": [(32, 128, 4, 3), (64, 256, 4, 3), (32, 256, 4, 3), (64, 128, 8, 3), (64, 128, 4, 4), (128, 128, 8, 3),
-               (64, 256, 8, 4), (32, 256, 4, 4)],
+    "decode": [(32, 128, 4, 3), (64, 256, 4, 3), (64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 8, 3), (128, 128, 4, 3),
+               (64, 128, 2, 3), (64, 64, 4, 3), (64, 64, 4, 4), (64, 256, 4, 2)],
     "prefill": [(128, 64, 8, 3), (64, 128, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3), (128, 128, 8, 3), (256, 64, 8, 3)],
 }
 

@@ -233,17 +233,20 @@ def moe_tiles(num_slots: int, num_experts: int, hidden: int, inter: int, fp8: bo
     (prefill) take 128 rows per program, gate|up tiles of 2 x 128 columns and down tiles of 256 in
     8 warps and 4 stages. These need Hopper-class shared memory; elsewhere 64 x 64 tiles in the
     backend's default stages, which fit every target. 4-bit experts (`four_bit`) decode their
-    weight tiles in registers: prefill's gate|up tiles narrower (2 x 64 columns; down 128; K steps
-    of 64, 3 stages; sm_100's down K 128: bench_moe_mla.py --sweep-moe-fp4), which spill on no
-    target (tools/compile_check); K steps of at least 32."""
+    weight tiles in registers: decode's down K steps of 256 (where they divide I); prefill's gate|up
+    tiles narrower (2 x 64 columns; down 128; K steps of 64, 3 stages; sm_100's down K 128:
+    bench_moe_mla.py --sweep-moe-fp4), which spill on no target (tools/compile_check); K steps of
+    at least 32."""
     bm = moe_block_m(num_slots, num_experts)
     if fp8:
         bn, warps = fp8_tiles(bm)
         return MoeTiles(bm, (bn, fp8_k, warps, None), (bn, fp8_k, 4, None))
     if target not in WIDE_SHARED_MEMORY_TARGETS:
         return MoeTiles(bm, (_block(inter, 64), _block(hidden, 64), 4, None), (_block(hidden, 64), _block(inter, 64), 4, None))
-    if bm < 64:
-        return MoeTiles(bm, (_block(inter, 64), _block(hidden, 128), 4, 3), (_block(hidden, 64), _block(inter, 128), 4, 3))
+    if bm < 64:   # 4-bit down in K steps of 256 where they divide I (a K mask stops load pipelining): sm_100's
+        # NVFP4 down spills 4 bytes at 128; an H100 times both alike
+        down_k = 256 if four_bit and inter % 256 == 0 else 128
+        return MoeTiles(bm, (_block(inter, 64), _block(hidden, 128), 4, 3), (_block(hidden, 64), _block(inter, down_k), 4, 3))
     if four_bit:   # sm_100's NVFP4 down tile spills 8 bytes at K 64 (any stages): K 128 there
         down_k = 128 if target == "sm_100" else 64
         return MoeTiles(128, (_block(inter, 64), max(32, _block(hidden, 64)), 8, 3),
