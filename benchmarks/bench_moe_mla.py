@@ -18,6 +18,7 @@ the plain torch path (issue "Fast at the real shape", goal 5), on one GPU:
         [--sweep-align]   # the MoE slot alignment's paths at decode batches
         [--moe-prefill-paths]   # MoE prefill: fused kernels, a torch path on grouped_mm, dense cuBLAS
         [--moe-formats]   # fused MoE with bf16, FP8, MXFP4 and NVFP4 experts, each against its own floor
+        [--moe-shape glm]   # the MoE tables at GLM-5.3-Flash's experts (or glm-tp2: one rank's half of each)
 
 torch: ops/moe/reference.py's loop over experts and ops/mla/reference.py's gathers and einsums,
 the definitions the kernels are tested against (no torch.compile), eager. "MoE align" rows: the
@@ -48,8 +49,11 @@ from kdaserve.ops.moe.fused import MoeTiles, moe_block_m, moe_experts_fused, moe
 from kdaserve.ops.precision import device_target  # noqa: E402
 
 # Kimi-Linear-48B-A3B: 256 experts (top 8) of width 1024 on hidden 2304; MLA with 32 heads, latent
-# 512, rotary 64, nope and value heads 128.
-HIDDEN, E, K, WIDTH = 2304, 256, 8, 1024
+# 512, rotary 64, nope and value heads 128. --moe-shape swaps in another model's experts
+# (hidden, experts, top k, width): GLM-5.3-Flash's as transformers describes it, and one rank's
+# share of them at -tp 2 (each expert's width halved).
+MOE_SHAPES = {"kimi": (2304, 256, 8, 1024), "glm": (4096, 288, 8, 2048), "glm-tp2": (4096, 288, 8, 1024)}
+HIDDEN, E, K, WIDTH = MOE_SHAPES["kimi"]
 HEADS, LATENT, ROPE, NOPE, V = 32, 512, 64, 128, 128
 PEAK_BF16 = 989e12
 BF = torch.bfloat16
@@ -65,8 +69,9 @@ def bench_graph(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median")
 
 
-def kimi_experts():
-    """Kimi-Linear's routed experts and router at random (seed 0): (generator, w13, w2, gate, router)."""
+def routed_experts():
+    """The routed experts of MOE_SHAPES' chosen model (Kimi-Linear's unless --moe-shape) and a router
+    over them, at random (seed 0): (generator, w13, w2, gate, router)."""
     g = torch.Generator(device="cuda").manual_seed(0)
     w13 = (torch.randn(E, 2 * WIDTH, HIDDEN, device="cuda", generator=g) * HIDDEN**-0.5).to(BF)
     w2 = (torch.randn(E, HIDDEN, WIDTH, device="cuda", generator=g) * WIDTH**-0.5).to(BF)
@@ -75,7 +80,7 @@ def kimi_experts():
 
 
 def moe_rows(batches, prefill, bw, torch_max):
-    g, w13, w2, gate, router = kimi_experts()
+    g, w13, w2, gate, router = routed_experts()
     for step, T in [("decode", b) for b in batches] + [("prefill", t) for t in prefill]:
         x = torch.randn(T, HIDDEN, device="cuda", generator=g).to(BF)
         weights, ids = route_tokens(x, gate, None, router)
@@ -129,10 +134,10 @@ def expert_formats(w13: torch.Tensor, w2: torch.Tensor) -> dict[str, tuple[tuple
 
 
 def moe_formats(batches, prefill, bw) -> None:
-    """The fused MoE call with Kimi-Linear's experts in bf16, block FP8, MXFP4 and NVFP4, one table:
+    """The fused MoE call with the experts (--moe-shape) in bf16, block FP8, MXFP4 and NVFP4, one table:
     decode graph-replayed against each format's own floor (its bytes of the touched experts), and
     prefill eager with the fraction of the bf16 tensor rate."""
-    g, w13, w2, gate, router = kimi_experts()
+    g, w13, w2, gate, router = routed_experts()
     formats = expert_formats(w13, w2)
     rows = []
     for step, T in [("decode", b) for b in batches] + [("prefill", t) for t in prefill]:
@@ -146,7 +151,8 @@ def moe_formats(batches, prefill, bw) -> None:
                      else 2 * 3 * HIDDEN * WIDTH * T * K / PEAK_BF16 * 1e3)
             rows.append((step, T, name, ms, floor))
             print(rows[-1], flush=True)
-    print("\n| step | batch / tokens | experts in | ms (graph at decode) | floor ms | x floor | vs bf16 |")
+    print(f"\nexperts: {E} of width {WIDTH} on hidden {HIDDEN}, top {K}; {torch.cuda.get_device_name()}")
+    print("| step | batch / tokens | experts in | ms (graph at decode) | floor ms | x floor | vs bf16 |")
     print("|---|---|---|---|---|---|---|")
     base = {(step, T): ms for step, T, name, ms, _ in rows if name == "bf16"}
     for step, T, name, ms, floor in rows:
@@ -278,7 +284,7 @@ def moe_sweep(batches, prefill, bw) -> None:
     """The fused MoE path's launch shapes at Kimi-Linear's sizes: per step, the default and the
     cross product of SWEEP_SHAPES (decode: moe_block_m's rows, graph-replayed), with each kernel's
     device time (torch.profiler). Whole-call ms; the table prints last."""
-    g, w13, w2, gate, router = kimi_experts()
+    g, w13, w2, gate, router = routed_experts()
     rows = []
     for step, T in [("decode", b) for b in batches] + [("prefill", t) for t in prefill]:
         x = torch.randn(T, HIDDEN, device="cuda", generator=g).to(BF)
@@ -322,7 +328,7 @@ def fp4_moe_sweep(batches, prefill, bw) -> None:
     experts at decode. A shape that does not compile (or spills out of shared memory) is a row."""
     from kdaserve.ops.moe.fused import MoeTiles
 
-    g, w13, w2, gate, router = kimi_experts()
+    g, w13, w2, gate, router = routed_experts()
     (q13, q2), _, per_param = expert_formats(w13, w2)["mxfp4"]
     rows = []
     for step, T in [("decode", b) for b in batches] + [("prefill", t) for t in prefill]:
@@ -413,7 +419,7 @@ def moe_prefill_paths(prefill) -> None:
     fused kernels multiply (each expert's run padded to its rows per program) over the routed rows;
     "% of peak on rows run" is the two GEMMs' rate over the rows they multiply, padding included.
     Eager do_bench medians; the table prints last."""
-    g, w13, w2, gate, router = kimi_experts()
+    g, w13, w2, gate, router = routed_experts()
     rows = []
     for T in prefill:
         x = torch.randn(T, HIDDEN, device="cuda", generator=g).to(BF)
@@ -547,7 +553,11 @@ def main() -> None:
                     help="MXFP4 experts' launch shapes, each GEMM's varied apart (issue 63)")
     ap.add_argument("--moe-formats", action="store_true",
                     help="fused MoE with the experts in bf16, FP8, MXFP4 and NVFP4, each against its own floor")
+    ap.add_argument("--moe-shape", choices=list(MOE_SHAPES), default="kimi",
+                    help="the experts' shape for the MoE tables (the MLA tables stay Kimi-Linear's)")
     args = ap.parse_args()
+    global HIDDEN, E, K, WIDTH
+    HIDDEN, E, K, WIDTH = MOE_SHAPES[args.moe_shape]
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s, bf16 peak {PEAK_BF16 / 1e12:.0f} TFLOP/s")
     # One table instead of the main one, where a flag asks for it.

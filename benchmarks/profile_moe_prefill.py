@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.bench_moe_mla import HIDDEN, WIDTH, kimi_experts  # noqa: E402
+from benchmarks.bench_moe_mla import HIDDEN, WIDTH, routed_experts  # noqa: E402
 from kdaserve.ops.moe import route_tokens  # noqa: E402
 from kdaserve.ops.moe.fused import moe_experts_fused  # noqa: E402
 
@@ -30,7 +30,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=8192)
     args = ap.parse_args()
-    g, w13, w2, gate, router = kimi_experts()
+    g, w13, w2, gate, router = routed_experts()
     x = torch.randn(args.tokens, HIDDEN, device="cuda", generator=g).to(torch.bfloat16)
     weights, ids = route_tokens(x, gate, None, router)
     for _ in range(2):

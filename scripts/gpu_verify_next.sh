@@ -14,15 +14,13 @@
 # Add a part as `if [ "$PART" = name ]; then ... fi` below, with what it must show, and name it in
 # OWED; take it out of OWED once it ran (its numbers go to docs/perf-notes.md).
 OWED=(
-  fp4_moe         # any GPU (issue 63), again: the 4-bit tiles' loads moved into ops/fp4/tiles.fp4_codes
-                  # (shared by the decoding and dot_scaled paths; compile-checked on the CPU only)
   fp4_native      # a B200 / MI355X only (issue 63): MXFP4 experts through tl.dot_scaled, timed
   house_speed     # on an H200 (issue 59 asks it there; the H100 ran it, thirty-third session: within A/A):
                   # .old = `git archive 6eb0c8b kdaserve benchmarks`
   tp_gpus         # two or more GPUs (kind nvidia-h100-x2 or larger; issue 61): tensor parallel over NCCL with
                   # CUDA graphs per rank, and its throughput against one GPU
 )
-# Done, kept to run again: image_tower (thirty-seventh session, H100), fp4_variants, ling_routing, ling_real, kimi_ttft (thirty-sixth session, H200), ling_tests (thirty-fourth session, H100: all passed), after_removal, house_tests, house_tests2, house_server and house_speed
+# Done, kept to run again: fp4_bf16, fp4_shapes, fp4_glm, fp4_moe (thirty-eighth session, H100), image_tower (thirty-seventh session, H100), fp4_variants, ling_routing, ling_real, kimi_ttft (thirty-sixth session, H200), ling_tests (thirty-fourth session, H100: all passed), after_removal, house_tests, house_tests2, house_server and house_speed
 # (thirty-third session, H100: all passed, throughput within A/A), k1_models and k1_models2 (thirty-second session, H100: all passed),
 # k1_ncu (K1 under Nsight Compute), k1_defaults (the K1 GPU tests and
 # the new defaults against the old), k1_prefetch_ncu, k1_table, k1_order (issue 21 goal 3), by the thirtieth
@@ -215,6 +213,60 @@ if [ "$PART" = fp4_native ]; then
   timeout $(cap 200) python3 benchmarks/bench_moe_mla.py --moe-formats --batches 1 8 64 256 --prefill 1024 8192 \
     > "$OUT/fp4_native.log" 2>&1
   echo "== formats rc=$?"; sed -n '/^| step/,$p' "$OUT/fp4_native.log"; grep -m3 "Error\|Traceback" "$OUT/fp4_native.log"
+fi
+
+if [ "$PART" = fp4_bf16 ]; then
+  # Must show (issue 63): test_fp4.py's GPU tests pass (21: the bf16 decoders bit for bit over every byte
+  # times every scale code, the GEMMs within bf16's rounding of the fp32 reference); the tile bench: the
+  # bf16 decoding (trans_b16, swap_b16) against the fp32 one (trans_bc) at M 16 and 4096; then the
+  # --moe-formats table for the old code (.old) and the new in one command: MXFP4 / NVFP4 decode b64
+  # lower (goal: within 1.3x of the 4-bit floor, below FP8 from batch 8).
+  [ -d .old/kdaserve ] || { echo "carry .old (git archive 7249190 kdaserve benchmarks | tar -x -C .old)"; exit 1; }
+  group fp4_gpu 150 tests/ops/test_fp4.py -k "gpu or decoders"
+  timeout $(cap 150) python3 benchmarks/bench_fp4_tiles.py --m 16 4096 --variants trans_bc trans_b16 swap_b16 bf16 \
+    > "$OUT/fp4_tiles.log" 2>&1
+  echo "== tiles rc=$?"; sed -n '/^| M/,$p' "$OUT/fp4_tiles.log"; grep -m3 "WRONG\|Error" "$OUT/fp4_tiles.log"
+  for code in old new; do
+    dir=.; [ $code = old ] && dir=.old
+    (cd $dir && timeout $(cap 120) python3 benchmarks/bench_moe_mla.py --moe-formats --batches 1 8 64 256 \
+       --prefill 1024 8192 > "$OUT/fp4_formats_$code.log" 2>&1)
+    echo "== formats $code rc=$?"; sed -n '/^| step/,$p' "$OUT/fp4_formats_$code.log" | grep -v "| fp8 \|| bf16 " 
+    grep -m3 "Error\|Traceback" "$OUT/fp4_formats_$code.log"
+  done
+  sed -n '/^| step/,$p' "$OUT/fp4_formats_new.log" | grep "| fp8 \|| bf16 "
+fi
+
+if [ "$PART" = fp4_glm ]; then
+  # Must show (issue 63): --moe-formats at GLM-5.3-Flash's experts (288 of width 2048 on hidden 4096, top 8),
+  # then one rank's share at -tp 2 (width 1024): MXFP4 / NVFP4 decode faster than FP8 from batch 8 up,
+  # each format's "x floor" (goal at batch 64: 1.3x).
+  for shape in glm glm-tp2; do
+    timeout $(cap 240) python3 benchmarks/bench_moe_mla.py --moe-formats --moe-shape $shape --batches 1 8 64 256 \
+      --prefill 1024 8192 > "$OUT/fp4_formats_$shape.log" 2>&1
+    echo "== formats $shape rc=$?"; sed -n '/^experts:/,$p' "$OUT/fp4_formats_$shape.log"
+    grep -m3 "Error\|Traceback" "$OUT/fp4_formats_$shape.log"
+  done
+fi
+
+if [ "$PART" = fp4_shapes ]; then
+  # Must show (issue 63): test_fp4.py's GPU tests pass (21); the --sweep-moe-fp4 table at decode 8 / 64 and
+  # prefill 8K (the default's row against each GEMM's other shapes; decode's down now steps K by 256: its
+  # (64, 128, 4, 3) row is the earlier default); the --moe-formats table; then Kimi-Linear's first 8 layers
+  # with MXFP4 experts against bf16 (graph step at batch 1 and 64).
+  group fp4_gpu 150 tests/ops/test_fp4.py -k "gpu or decoders"
+  timeout $(cap 200) python3 benchmarks/bench_moe_mla.py --sweep-moe-fp4 --batches 8 64 --prefill 8192 \
+    > "$OUT/fp4_sweep.log" 2>&1
+  echo "== sweep rc=$?"; grep "| default" "$OUT/fp4_sweep.log"   # the whole table: $OUT/fp4_sweep.log
+  timeout $(cap 100) python3 benchmarks/bench_moe_mla.py --moe-formats --batches 1 8 64 256 --prefill 1024 8192 \
+    > "$OUT/fp4_formats.log" 2>&1
+  echo "== formats rc=$?"; sed -n '/^| step/,$p' "$OUT/fp4_formats.log"
+  for q in mxfp4 none; do
+    [ $(( $(date +%s) - START )) -gt $(( BUDGET - 100 )) ] && { echo "== kimi $q NOT RUN (budget)"; continue; }
+    flag=""; [ "$q" = none ] || flag="--quantization $q"
+    timeout 100 python3 benchmarks/bench_kimi_linear.py --model moonshotai/Kimi-Linear-48B-A3B-Instruct $flag \
+      --num-hidden-layers 8 --batches 1 64 --ttft 2048 > "$OUT/fp4_kimi_$q.log" 2>&1
+    echo "== kimi experts $q rc=$?"; grep "^| 1 |\|^| 64 |\|TTFT" "$OUT/fp4_kimi_$q.log" | head -8
+  done
 fi
 
 if [ "$PART" = fp4_moe ]; then
