@@ -10,8 +10,9 @@ becomes 16, not 32): float8_e4m3fn and float8_e5m2 downcasts go through torch's 
 (round to nearest even, as the GPU does). And it holds bf16 values as their uint16 bits, then
 applies numpy's arithmetic to the bits (a bf16 product is an integer product of two bit
 patterns, a bf16 dot an integer matmul; a bf16 scalar constant has no builder method at all):
-bf16 arithmetic and comparisons go through fp32 here and round once to bf16 (nearest even), as a
-GPU's bf16 instructions do, and bf16 dot operands enter the fp32 matmul as their values.
+bf16 arithmetic (fma included) and comparisons go through fp32 here and round once to bf16
+(nearest even), as a GPU's bf16 instructions do, and bf16 dot operands enter the fp32 matmul as
+their values.
 Installed when TRITON_INTERPRET is on; it changes nothing for compiled kernels.
 """
 
@@ -101,15 +102,24 @@ def _install_bf16_arithmetic(interpreter) -> None:
             return interpreter.TensorHandle(_fp32_to_bf16(wide.data), tl.bfloat16)   # arithmetic: one rounding
 
         setattr(builder, name, op)
+    original_fma = builder.create_fma
+
+    def fma(self, x, y, z):
+        if z.dtype.scalar != tl.bfloat16:
+            return original_fma(self, x, y, z)
+        wide = original_fma(self, *(interpreter.TensorHandle(_bf16_to_fp32(t.data), tl.float32) for t in (x, y, z)))
+        return interpreter.TensorHandle(_fp32_to_bf16(wide.data), tl.bfloat16)
+
     original_dot = builder.create_dot
 
     def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         if a.dtype.scalar == tl.bfloat16:
-            a = interpreter.TensorHandle(_bf16_to_fp32(a.data).reshape(a.data.shape), tl.float32)
+            a = interpreter.TensorHandle(_bf16_to_fp32(a.data), tl.float32)
         if b.dtype.scalar == tl.bfloat16:
-            b = interpreter.TensorHandle(_bf16_to_fp32(b.data).reshape(b.data.shape), tl.float32)
+            b = interpreter.TensorHandle(_bf16_to_fp32(b.data), tl.float32)
         return original_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
 
+    builder.create_fma = fma
     builder.create_dot = dot
     builder.get_bf16 = lambda self, value: interpreter.TensorHandle(_fp32_to_bf16(np.array([value], dtype=np.float32)),
                                                                     tl.bfloat16)
