@@ -316,7 +316,9 @@ def moe_sweep(batches, prefill, bw) -> None:
 # two kernels are timed apart (kernel_ms). (BN, BK, warps, stages); None: the default's.
 FP4_SWEEP = {
     "decode": [(32, 128, 4, 3), (64, 256, 4, 3), (64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 8, 3), (128, 128, 4, 3),
-               (64, 128, 2, 3), (64, 64, 4, 3), (64, 64, 4, 4), (64, 256, 4, 2)],
+               (64, 128, 2, 3), (64, 64, 4, 3), (64, 64, 4, 4), (64, 256, 4, 2),
+               # one scale group a K step (MXFP4): each row's scale a column broadcast, no reshape of the scales
+               (64, 32, 4, 4), (64, 32, 4, 6), (128, 32, 4, 4)],
     "prefill": [(128, 64, 8, 3), (64, 128, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3), (128, 128, 8, 3), (256, 64, 8, 3)],
 }
 
@@ -536,7 +538,7 @@ def mla_prefill_sweep(prefill, models=tuple(MLA_HEADS)) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
-    ap.add_argument("--prefill", type=int, nargs="+", default=[1024, 8192])
+    ap.add_argument("--prefill", type=int, nargs="*", default=[1024, 8192], help="prefill sizes (none: decode only)")
     ap.add_argument("--ctx", type=int, default=8192, help="context tokens per sequence in MLA decode")
     ap.add_argument("--torch-max", type=int, default=64, help="time the torch path up to this batch (it is slow)")
     ap.add_argument("--sweep", action="store_true", help="MLA decode launch variants instead of the main table")
