@@ -261,24 +261,12 @@ if [ "$PART" = fp4_glm ]; then
 fi
 
 if [ "$PART" = fp4_shapes ]; then
-  # Must show (issue 63): test_fp4.py's GPU tests pass (21); the --sweep-moe-fp4 table at decode 8 / 64 and
-  # prefill 8K (the default's row against each GEMM's other shapes; decode's down now steps K by 256: its
-  # (64, 128, 4, 3) row is the earlier default); the --moe-formats table; then Kimi-Linear's first 8 layers
-  # with MXFP4 experts against bf16 (graph step at batch 1 and 64).
-  group fp4_gpu 150 tests/ops/test_fp4.py -k "gpu or decoders"
+  # Must show (issue 63): the --sweep-moe-fp4 table at decode 8 / 64 and prefill 8K (the default's row
+  # against each GEMM's other shapes); with fp4_moe before it (`fp4_moe fp4_shapes`): the GPU tests, the
+  # formats table and Kimi-Linear's 8 layers as well.
   timeout $(cap 200) python3 benchmarks/bench_moe_mla.py --sweep-moe-fp4 --batches 8 64 --prefill 8192 \
     > "$OUT/fp4_sweep.log" 2>&1
   echo "== sweep rc=$?"; grep "| default" "$OUT/fp4_sweep.log"   # the whole table: $OUT/fp4_sweep.log
-  timeout $(cap 100) python3 benchmarks/bench_moe_mla.py --moe-formats --batches 1 8 64 256 --prefill 1024 8192 \
-    > "$OUT/fp4_formats.log" 2>&1
-  echo "== formats rc=$?"; sed -n '/^| step/,$p' "$OUT/fp4_formats.log"
-  for q in mxfp4 none; do
-    [ $(( $(date +%s) - START )) -gt $(( BUDGET - 100 )) ] && { echo "== kimi $q NOT RUN (budget)"; continue; }
-    flag=""; [ "$q" = none ] || flag="--quantization $q"
-    timeout 100 python3 benchmarks/bench_kimi_linear.py --model moonshotai/Kimi-Linear-48B-A3B-Instruct $flag \
-      --num-hidden-layers 8 --batches 1 64 --ttft 2048 > "$OUT/fp4_kimi_$q.log" 2>&1
-    echo "== kimi experts $q rc=$?"; grep "^| 1 |\|^| 64 |\|TTFT" "$OUT/fp4_kimi_$q.log" | head -8
-  done
 fi
 
 if [ "$PART" = fp4_moe ]; then
