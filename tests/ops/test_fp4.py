@@ -2,7 +2,7 @@
 linear layer (ops/fp4/linear.py), against the definition, the torch path over the dequantized
 weights (ops/fp4/reference.py). The decoders exactly, over every byte and every scale code; the
 GEMMs on fresh random weights in both formats, at every launch shape and routing mode (CPU: the
-interpreter in fp32 and fp16; GPU: bf16 at Kimi-Linear's sizes)."""
+interpreter in fp32, fp16 and bf16; GPU: bf16 at Kimi-Linear's sizes)."""
 
 from __future__ import annotations
 
@@ -194,7 +194,9 @@ def test_fused_4bit_experts_in_bf16_equal_the_bf16_kernel_on_the_dequantized_exp
     got = moe_experts_fused(x, w13, w2, weights, ids)
     twin = moe_experts_fused(x, w13.dequantized(torch.bfloat16), w2.dequantized(torch.bfloat16), weights, ids)
     assert torch.isfinite(twin).all() and twin.abs().max() > 0
-    assert_rel_close(got.float(), twin.float(), 1e-2, f"4-bit bf16 ({scheme})")
+    # NVFP4's twin rounds each weight to bf16 after its global scale divides (the kernel divides the
+    # fp32 accumulator instead): bf16's rounding apart; MXFP4's twin holds the very same weights.
+    assert_rel_close(got.float(), twin.float(), 1e-3 if scheme == "mxfp4" else 1e-2, f"4-bit bf16 ({scheme})")
 
 
 @INTERP
