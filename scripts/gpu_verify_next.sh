@@ -202,10 +202,10 @@ fi
 
 if [ "$PART" = fp4_native ]; then
   # Must show (issue 63), on a card whose tensor cores multiply fp4 (sm_100 / sm_103 / gfx950, where
-  # MXFP4 experts take tl.dot_scaled by default): test_fp4.py's GPU tests pass (18), and the
-  # --moe-formats table: MXFP4 against bf16 and FP8 at decode (goal: within 1.3x of its floor at
-  # batch 64, faster than FP8 from batch 8) and prefill (the decoding path's numbers: perf-notes,
-  # thirty-seventh session, H100).
+  # MXFP4 experts take tl.dot_scaled by default; NVFP4 decodes in registers everywhere): test_fp4.py's
+  # GPU tests pass (18), and the --moe-formats table: MXFP4 against bf16 and FP8 at decode (goal: within
+  # 1.3x of its floor at batch 64, faster than FP8 from batch 8) and prefill (the decoding path's
+  # numbers: perf-notes' "4-bit experts against bf16 and FP8", H100), then GLM-5.3-Flash's experts.
   case "$(python3 -c 'import torch; from kdaserve.ops.precision import device_target; print(device_target(torch.device("cuda")))')" in
     sm_100|sm_103|gfx950) ;;
     *) echo "fp4_native needs an sm_100 / sm_103 / gfx950 card"; exit 1 ;;
@@ -214,6 +214,9 @@ if [ "$PART" = fp4_native ]; then
   timeout $(cap 200) python3 benchmarks/bench_moe_mla.py --moe-formats --batches 1 8 64 256 --prefill 1024 8192 \
     > "$OUT/fp4_native.log" 2>&1
   echo "== formats rc=$?"; sed -n '/^| step/,$p' "$OUT/fp4_native.log"; grep -m3 "Error\|Traceback" "$OUT/fp4_native.log"
+  timeout $(cap 200) python3 benchmarks/bench_moe_mla.py --moe-formats --moe-shape glm --batches 8 64 256 \
+    --prefill 8192 > "$OUT/fp4_native_glm.log" 2>&1
+  echo "== formats glm rc=$?"; sed -n '/^| step/,$p' "$OUT/fp4_native_glm.log"
 fi
 
 if [ "$PART" = fp4_bf16 ]; then
