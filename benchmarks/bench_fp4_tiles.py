@@ -16,6 +16,10 @@ ops/fp4/weights.py keeps it (byte k of a row holds elements 2k, 2k + 1; one scal
     group_dot W [BN, GROUP] per scale group, fp16     x [BM, GROUP] per      per group, on the dot's
               bits as decoded (no fp32 pass), the A   group, cast to fp16    fp32 result [BN, BM]
               operand; one dot per group                                   (decode-sized M only)
+    trans_b16 as trans_bc, decoded straight into bf16  as trans_bc           per group, broadcast,
+              (ops/fp4/tiles.e2m1_bf16_pair: the                           two bf16 products a
+              kernels' form for bf16 activations)                          pair (2^126, scale)
+    swap_b16  as trans_b16, the dot's A operand       as swap                as trans_b16
 
 Every variant is checked against the dequantized weight's GEMM before it is timed; the floor is
 the call's bytes over the measured copy bandwidth. Decode-sized M reads the weight once per 16
