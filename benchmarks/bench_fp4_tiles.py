@@ -42,7 +42,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kdaserve.ops import interpreter_compat  # noqa: E402
-from kdaserve.ops.fp4.tiles import e2m1_bf16_pair, e2m1_pair, group_scale, group_scale_bf16  # noqa: E402
+from kdaserve.ops.fp4.tiles import e2m1_pair, fp4_weight_tile, group_scale  # noqa: E402
 
 VARIANTS = ("split", "swap", "swap_bc", "swap_split", "trans_bc", "group_dot", "trans_b16", "swap_b16", "bf16")
 
@@ -108,12 +108,9 @@ def _w4_gemm(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_s, 
                 lo, hi = _e2m1_fp16_pair(tl.load(w_rows + kq_g[None, :]))
                 part = tl.dot(tl.interleave(lo, hi), tl.trans(x_g))
                 acc += part * (group_scale(tl.load(s_rows + k0 // GROUP + gi), GROUP) * 16384.0)
-        elif B16:
+        elif B16:   # the kernels' own bf16 decoding (x is bf16; every row valid, BK divides K)
             x = tl.load(x_rows + ks[None, :])
-            lo, hi = e2m1_bf16_pair(tl.load(w_rows + kq[None, :]))
-            g = group_scale_bf16(tl.load(s_rows + (k0 // GROUP + tl.arange(0, BK // GROUP))[None, :]), GROUP)
-            sc = tl.reshape(tl.broadcast_to(g[:, :, None], (BN, BK // GROUP, GROUP)), (BN, BK))
-            w = tl.interleave(lo, hi) * (2.0 ** 126) * sc
+            w = fp4_weight_tile(w_rows, s_rows, True, k0, K, BK, GROUP, True, tl.bfloat16)
             if TRANS:
                 acc = tl.trans(tl.dot(x, tl.trans(w), tl.trans(acc)))
             else:
