@@ -124,7 +124,7 @@ def expert_formats(w13: torch.Tensor, w2: torch.Tensor) -> dict[str, tuple[tuple
         parts = [quantize_nvfp4(e) if nv else quantize_mxfp4(e) for e in w]
         div = torch.stack([p[2].expand(e.shape[0]) for p, e in zip(parts, w)]) if nv else None
         return Fp4Weights(torch.stack([p[0] for p in parts]), torch.stack([p[1].view(torch.uint8) for p in parts]), div,
-                          16 if nv else 32)
+                          16 if nv else 32).with_aligned_scales()   # as the layers store them
 
     (q13, s13), (q2, s2) = fp8(w13), fp8(w2)
     return {"bf16": ((w13, w2), {}, 2.0),

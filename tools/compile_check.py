@@ -328,6 +328,7 @@ def _moe_cases(slots: int, label: str, shared: bool = False, w4: int = 0) -> lis
     `shared`: with the shared expert run as expert 256 (decode); `w4`: 4-bit experts in groups of
     32 (MXFP4) or 16 (NVFP4), K steps of at least 32 as moe_experts_fused widens them (MXFP4 through
     tl.dot_scaled on sm_100 and gfx950)."""
+    from kdaserve.ops.fp4.tiles import scale_pair_pipelines
     from kdaserve.ops.moe.fused import _moe_down_kernel, _moe_gate_up_kernel, moe_tiles
     from kdaserve.ops.precision import native_fp4_dots
 
@@ -336,7 +337,10 @@ def _moe_cases(slots: int, label: str, shared: bool = False, w4: int = 0) -> lis
         bn, bk, warps, stages = getattr(tiles, which)
         # MXFP4 through tl.dot_scaled where the target multiplies fp4 itself, as moe_experts_fused picks
         dot = dict(W4_DOT=True, A_FORMAT="bf16") if w4 == 32 and native_fp4_dots(t) else {}
-        return {"consts": dict(BM=tiles.block_m, BN=bn, BK=max(bk, 32) if w4 else bk, **dot), "warps": warps,
+        bk = max(bk, 32) if w4 else bk
+        if w4 and which == "gate_up":   # gate's and up's scales in one load where that pipelines them, as moe_experts_fused
+            dot["W4_PAIR"] = scale_pair_pipelines(bn, bk, w4, warps)
+        return {"consts": dict(BM=tiles.block_m, BN=bn, BK=bk, **dot), "warps": warps,
                 "stages": stages or (2 if t.startswith("gfx") else 3)}
 
     common = dict(FP8=False, BLOCK_ROWS=1, EVEN_K=True, HAS_SHARED=shared, W4=w4)

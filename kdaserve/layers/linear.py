@@ -19,7 +19,7 @@ from torch import nn
 
 from kdaserve.layers.distributed import local_slice
 from kdaserve.layers.kernel_choice import takes_triton
-from kdaserve.ops.fp4.weights import SCHEME_GROUP, Fp4Weights
+from kdaserve.ops.fp4.weights import SCHEME_GROUP, Fp4Weights, scale_storage
 from kdaserve.ops.fp8.reference import FP8
 
 
@@ -59,7 +59,8 @@ def _make_fp4_weight(module: nn.Module, out_features: int, in_features: int, sch
 
     module.fp4_group, module.fp4_backend = group, backend
     module.weight = param(out_features, in_features // 2)
-    module.weight_scale = param(out_features, in_features // group)
+    # rows 16 bytes apart (ops/fp4/weights.scale_storage)
+    module.weight_scale = nn.Parameter(scale_storage(out_features, in_features // group, device=device), requires_grad=False)
     module.weight_global_scale = param(out_features, dtype=torch.float32) if group == 16 else None
 
 

@@ -14,7 +14,7 @@ from kdaserve.layers.distributed import all_reduce, local_slice, split, tensor_p
 from kdaserve.layers.kernel_choice import resolve_kernel_choice
 from kdaserve.layers.mlp import SwiGLUMLP
 from kdaserve.ops.fp4.reference import NV_GROUP
-from kdaserve.ops.fp4.weights import SCHEME_GROUP, Fp4Weights
+from kdaserve.ops.fp4.weights import SCHEME_GROUP, Fp4Weights, scale_storage
 from kdaserve.ops.fp8.reference import FP8
 from kdaserve.ops.moe.reference import moe_experts_fp8_reference, moe_experts_reference
 from kdaserve.ops.moe.router import RouterConfig, route_tokens
@@ -86,8 +86,11 @@ class MoEMLP(nn.Module):
         def param(*shape, dtype=torch.uint8):
             return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
-        self.w13, self.w13_scale = param(E, 2 * I, hidden // 2), param(E, 2 * I, hidden // group)
-        self.w2, self.w2_scale = param(E, hidden, I // 2), param(E, hidden, I // group)
+        def scales(*shape):   # rows 16 bytes apart (ops/fp4/weights.scale_storage)
+            return nn.Parameter(scale_storage(*shape, device=device), requires_grad=False)
+
+        self.w13, self.w13_scale = param(E, 2 * I, hidden // 2), scales(E, 2 * I, hidden // group)
+        self.w2, self.w2_scale = param(E, hidden, I // 2), scales(E, hidden, I // group)
         if group == NV_GROUP:
             self.w13_divisor, self.w2_divisor = param(E, 2 * I, dtype=torch.float32), param(E, hidden, dtype=torch.float32)
 

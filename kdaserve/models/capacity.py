@@ -11,6 +11,8 @@ from collections.abc import Callable
 
 import torch
 
+from kdaserve.ops.fp4.weights import scale_row_bytes
+
 GIB = 2**30
 
 
@@ -93,8 +95,8 @@ def check_weights_fit(name: str, shapes: dict[str, tuple[int, ...]] | None, dtyp
     replicated = parameter_count({n: s for n, s in shapes.items() if _replicated(n)}) if tp_size > 1 else 0
     groups = {n: fp4(n) for n in shapes} if fp4 is not None else {}
     fp4_params = sum(math.prod(shapes[n]) for n, g in groups.items() if g)
-    # a packed half byte per value, a one-byte scale per group, NVFP4's fp32 divisor per row
-    fp4_bytes = sum(math.prod(shapes[n]) * (0.5 + 1 / g) + (4 * shapes[n][0] if g == 16 else 0)
+    # a packed half byte per value, a one-byte scale per group (rows padded to 16 bytes), NVFP4's fp32 divisor per row
+    fp4_bytes = sum(math.prod(shapes[n][:-1]) * (shapes[n][-1] / 2 + scale_row_bytes(shapes[n][-1] // g) + (4 if g == 16 else 0))
                     for n, g in groups.items() if g)
     message = weights_fit_error(name, parameter_count(shapes), dtype, total, fp8_params, host=host, tp_size=tp_size,
                                 replicated_params=replicated, fp4_params=fp4_params, fp4_bytes=fp4_bytes)

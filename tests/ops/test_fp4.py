@@ -163,6 +163,48 @@ def test_fused_4bit_experts_at_every_launch_shape(scheme, tiles):
 
 
 @INTERP
+@pytest.mark.parametrize("scheme, tiles", [("mxfp4", (16, (64, 64, 2, 2), (32, 64, 2, 2))),
+                                           ("nvfp4", (16, (32, 64, 2, 2), (32, 64, 2, 2)))])
+def test_gate_and_up_scales_in_one_load_and_scale_rows_16_bytes_apart(scheme, tiles):
+    """The gate|up kernel's paired scale load (ops/fp4/tiles.fp4_scale_pair), at a launch shape where
+    the wrapper picks it, with K masked (hidden 96 = 64 + 32) and rows past the width (MXFP4: 96 of
+    2 x 64; NVFP4: 80 of 3 x 32); with the scales packed back to back and in the layers' storage
+    (rows 16 bytes apart), which the kernels read in place."""
+    from kdaserve.ops.fp4.tiles import scale_pair_pipelines
+    from kdaserve.ops.moe.fused import MoeTiles, moe_experts_fused
+
+    group = 32 if scheme == "mxfp4" else 16
+    bn, bk, warps, _ = tiles[1]
+    assert scale_pair_pipelines(bn, bk, group, warps)
+    # NVFP4's decode tile (K steps of 128, 4 warps) alone gives a thread 4 bytes; prefill's pair would give 1
+    assert not scale_pair_pipelines(64, 128, 16, 4) and not scale_pair_pipelines(64, 64, 32, 8)
+    w13, w2 = fp4_experts(5, 96, 96 if scheme == "mxfp4" else 80, scheme, seed=11)
+    x = torch.randn(7, 96, generator=torch.Generator().manual_seed(12))
+    weights, ids = _routing(7, 5, 3, "random", seed=4)
+    want = moe_experts_reference(x, w13, w2, weights, ids)
+    got = moe_experts_fused(x, w13, w2, weights, ids, tiles=MoeTiles(*tiles))
+    assert_rel_close(got, want, 1e-5, f"4-bit fused MoE, paired scales ({scheme})")
+    a13, a2 = w13.with_aligned_scales(), w2.with_aligned_scales()
+    assert a13.scale.stride(-2) % 16 == 0 and a2.scale.stride(-2) % 16 == 0 and torch.equal(a13.scale, w13.scale)
+    assert a13.dense_rows().scale.data_ptr() == a13.scale.data_ptr(), "aligned scale rows are read in place"
+    assert torch.equal(moe_experts_fused(x, a13, a2, weights, ids, tiles=MoeTiles(*tiles)), got)
+
+
+def test_scale_storage_pads_rows_to_16_bytes():
+    from kdaserve.layers.linear import Fp4Linear
+    from kdaserve.layers.moe import MoEMLP
+    from kdaserve.ops.fp4.weights import scale_row_bytes, scale_storage
+    from kdaserve.ops.moe import RouterConfig
+
+    assert [scale_row_bytes(n) for n in (1, 16, 72, 144)] == [16, 16, 80, 144]
+    s = scale_storage(3, 5, 72)
+    assert s.shape == (3, 5, 72) and s.stride() == (400, 80, 1) and not s.any()
+    moe = MoEMLP(2304, RouterConfig(4, 2), 64, fp4="mxfp4")   # Kimi-Linear's hidden: 72 groups a row
+    assert moe.w13_scale.stride()[1:] == (80, 1) and moe.w2_scale.stride()[1:] == (16, 1)
+    assert Fp4Linear(2304, 16, "nvfp4").weight_scale.stride() == (144, 1)
+
+
+@INTERP
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_fused_4bit_experts_in_half_precision_equal_the_full_precision_kernel(scheme):
     """fp16 activations: the decoded weights are exact in fp16, so the W4 kernel follows the same

@@ -69,7 +69,7 @@ def fp4_linear(x: torch.Tensor, w: Fp4Weights, bias: torch.Tensor | None = None,
     lead = x.shape[:-1]
     x2 = x.reshape(-1, in_features)
     x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
-    w = w.contiguous()
+    w = w.dense_rows()
     M = x2.shape[0]
     y = torch.empty(M, out_features, dtype=x.dtype, device=x.device)
     if M == 0:

@@ -76,15 +76,48 @@ def group_scale(s, GROUP: tl.constexpr):
 
 
 @triton.jit
-def fp4_codes(w_rows, s_rows, row_ok, k0, K, BK: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr):
-    """One K step of BN weight rows as stored: `w_rows` / `s_rows` [BN, 1] pointers to the rows'
-    packed bytes and group scales, `row_ok` [BN, 1] -> (packed [BN, BK/2], scale codes [BN, BK/GROUP]),
-    uint8. Rows and K steps past the weight (where BK does not divide K) read as zero codes."""
+def fp4_packed(w_rows, row_ok, k0, K, BK: tl.constexpr, EVEN_K: tl.constexpr):
+    """One K step of BN weight rows' packed bytes: `w_rows` [BN, 1] pointers to the rows, `row_ok`
+    [BN, 1] -> uint8 [BN, BK/2]. Rows and K steps past the weight (where BK does not divide K) read
+    as zero codes."""
     kq = k0 // 2 + tl.arange(0, BK // 2)
+    return tl.load(w_rows + kq[None, :], mask=row_ok & ((kq < K // 2) | EVEN_K)[None, :], other=0)
+
+
+@triton.jit
+def fp4_codes(w_rows, s_rows, row_ok, k0, K, BK: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr):
+    """One K step of BN weight rows as stored: fp4_packed's bytes, and from `s_rows` [BN, 1] (pointers
+    to the rows' group scales) their scale codes [BN, BK/GROUP], uint8."""
     kg = k0 // GROUP + tl.arange(0, BK // GROUP)
-    packed = tl.load(w_rows + kq[None, :], mask=row_ok & ((kq < K // 2) | EVEN_K)[None, :], other=0)
     scales = tl.load(s_rows + kg[None, :], mask=row_ok & ((kg < K // GROUP) | EVEN_K)[None, :], other=0)
-    return packed, scales
+    return fp4_packed(w_rows, row_ok, k0, K, BK, EVEN_K), scales
+
+
+@triton.jit
+def fp4_scale_pair(s_base, rows, offset, stride_row, row_ok, k0, K, BK: tl.constexpr, GROUP: tl.constexpr,
+                   EVEN_K: tl.constexpr):
+    """One K step's scale codes of two sets of BN rows, `rows` and `rows + offset` (a gate|up weight's
+    gate and up rows), `row_ok` [BN] -> two uint8 [BN, BK/GROUP], loaded as one [BN, 2, BK/GROUP] tile.
+
+    Why one load: Triton pipelines a load through shared memory (and then reads it in the layout
+    the dot needs) only where each thread's share is at least 4 bytes. MXFP4's K steps of 128 hold
+    4 scales a row, 2 bytes a thread of a [64, 4] tile in 4 warps: loaded apart, each step would
+    wait on a global load and send the scales through shared memory once more, with a barrier.
+    Together the thread's share is 4 bytes (with scale rows 16-byte aligned: ops/fp4/weights.py).
+    Where it changes nothing (`scale_pair_pipelines`), the rows' scales load apart (fp4_codes)."""
+    kg = k0 // GROUP + tl.arange(0, BK // GROUP)
+    pair = rows[:, None, None] + offset * tl.arange(0, 2)[None, :, None]
+    both = tl.load(s_base + pair * stride_row + kg[None, None, :],
+                   mask=row_ok[:, None, None] & ((kg < K // GROUP) | EVEN_K)[None, None, :], other=0)
+    return tl.split(tl.permute(both, (0, 2, 1)))
+
+
+def scale_pair_pipelines(bn: int, bk: int, group: int, warps: int) -> bool:
+    """Whether a gate|up kernel of BN rows, K steps of BK and `warps` warps loads its two scale
+    tiles as one (fp4_scale_pair): where a thread's share of one is under the 4 bytes a pipelined
+    load needs, and of both together is not."""
+    share = bn * (bk // group) / (32 * warps)
+    return share < 4 <= 2 * share
 
 
 @triton.jit
@@ -92,6 +125,12 @@ def fp4_weight_tile(w_rows, s_rows, row_ok, k0, K, BK: tl.constexpr, GROUP: tl.c
                     dtype: tl.constexpr):
     """One K step of BN weight rows (fp4_codes' arguments), decoded: [BN, BK] in `dtype`, K order."""
     packed, codes = fp4_codes(w_rows, s_rows, row_ok, k0, K, BK, GROUP, EVEN_K)
+    return decode_fp4_tile(packed, codes, BK, GROUP, dtype)
+
+
+@triton.jit
+def decode_fp4_tile(packed, codes, BK: tl.constexpr, GROUP: tl.constexpr, dtype: tl.constexpr):
+    """Packed bytes [BN, BK/2] and their scale codes [BN, BK/GROUP] -> [BN, BK] in `dtype`, K order."""
     if dtype == tl.bfloat16:
         # Two bf16 products per value pair, each exact: by 2^126 (the bit placement's), then by the
         # scale. One product by the two factors' product would overflow for e8m0 codes above 128.

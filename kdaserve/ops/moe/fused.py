@@ -26,7 +26,15 @@ import triton.language as tl
 from kdaserve.ops import interpreter_compat
 from kdaserve.ops.activation.swiglu import silu_product
 from kdaserve.ops.compile_ahead import compiles_ahead
-from kdaserve.ops.fp4.tiles import fp4_weight_tile, mxfp4_scaled_dot
+from kdaserve.ops.fp4.tiles import (
+    decode_fp4_tile,
+    fp4_codes,
+    fp4_packed,
+    fp4_scale_pair,
+    fp4_weight_tile,
+    mxfp4_scaled_dot,
+    scale_pair_pipelines,
+)
 from kdaserve.ops.fp4.weights import Fp4Weights
 from kdaserve.ops.fp8.quant import quantize_per_token_group
 from kdaserve.ops.fp8.reference import FP8
@@ -61,13 +69,14 @@ def _moe_gate_up_kernel(
     TOPK: tl.constexpr, LIMIT: tl.constexpr, HAS_LIMIT: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
     FP8: tl.constexpr, BLOCK_ROWS: tl.constexpr, EVEN_K: tl.constexpr, HAS_SHARED: tl.constexpr = False,
-    W4: tl.constexpr = 0, W4_DOT: tl.constexpr = False, A_FORMAT: tl.constexpr = "bf16",
+    W4: tl.constexpr = 0, W4_DOT: tl.constexpr = False, A_FORMAT: tl.constexpr = "bf16", W4_PAIR: tl.constexpr = False,
 ):
     """HAS_SHARED: expert `num_routed` is the shared expert, its [2I, hidden] weight at
     shared_w_ptr with w13's row stride. W4 (4-bit experts, ops/fp4/tiles.py): the values per
     scale (32 MXFP4, 16 NVFP4); w_ptr holds packed bytes [E, 2I, hidden/2], ws_ptr the uint8 group
     scales [E, 2I, hidden/W4], wd_ptr (NVFP4) the fp32 divisors [E, 2I]. W4_DOT (MXFP4, x in
-    A_FORMAT bf16 / fp16): the weights enter tl.dot_scaled as stored instead of decoded."""
+    A_FORMAT bf16 / fp16): the weights enter tl.dot_scaled as stored instead of decoded. W4_PAIR:
+    the decoded path loads gate's and up's scales as one tile (ops/fp4/tiles.scale_pair_pipelines)."""
     pid_m, pid_n = _block_of_program(tl.cdiv(INTER, BN))
     e = tl.load(experts_ptr + pid_m)
     if e < 0:
@@ -95,10 +104,15 @@ def _moe_gate_up_kernel(
                 acc_g = mxfp4_scaled_dot(a, gate_w, gate_s, col_ok[:, None], k0, HIDDEN, acc_g, BK, EVEN_K, A_FORMAT)
                 acc_u = mxfp4_scaled_dot(a, up_w, up_s, col_ok[:, None], k0, HIDDEN, acc_u, BK, EVEN_K, A_FORMAT)
             else:
-                wg = fp4_weight_tile(gate_w, gate_s, col_ok[:, None], k0, HIDDEN, BK, W4, EVEN_K, a.dtype)
-                acc_g = tl.dot(a, tl.trans(wg), acc_g, input_precision=PREC)
-                wu = fp4_weight_tile(up_w, up_s, col_ok[:, None], k0, HIDDEN, BK, W4, EVEN_K, a.dtype)
-                acc_u = tl.dot(a, tl.trans(wu), acc_u, input_precision=PREC)
+                if W4_PAIR:   # gate's and up's scales in one load (why: ops/fp4/tiles.fp4_scale_pair)
+                    sg, su = fp4_scale_pair(s_base, cols, INTER, stride_wsn, col_ok, k0, HIDDEN, BK, W4, EVEN_K)
+                    pg = fp4_packed(gate_w, col_ok[:, None], k0, HIDDEN, BK, EVEN_K)
+                    pu = fp4_packed(up_w, col_ok[:, None], k0, HIDDEN, BK, EVEN_K)
+                else:
+                    pg, sg = fp4_codes(gate_w, gate_s, col_ok[:, None], k0, HIDDEN, BK, W4, EVEN_K)
+                    pu, su = fp4_codes(up_w, up_s, col_ok[:, None], k0, HIDDEN, BK, W4, EVEN_K)
+                acc_g = tl.dot(a, tl.trans(decode_fp4_tile(pg, sg, BK, W4, a.dtype)), acc_g, input_precision=PREC)
+                acc_u = tl.dot(a, tl.trans(decode_fp4_tile(pu, su, BK, W4, a.dtype)), acc_u, input_precision=PREC)
         if W4 == 16:   # NVFP4's global scale divides, per output row
             divisors = wd_ptr + e.to(tl.int64) * stride_wde + cols
             acc_g = acc_g / tl.load(divisors, mask=col_ok, other=1.0)[None, :]
@@ -296,7 +310,7 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     out_dtype = x.dtype
     x = x if x.stride(1) == 1 else x.contiguous()
     if w4:
-        w13, w2 = w13.contiguous(), w2.contiguous()
+        w13, w2 = w13.dense_rows(), w2.dense_rows()
     else:
         w13 = w13 if w13.stride(2) == 1 else w13.contiguous()
         w2 = w2 if w2.stride(2) == 1 else w2.contiguous()
@@ -339,7 +353,8 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
         a_scale.stride(0), ws13.stride(0) if scaled else 0, ws13.stride(1) if scaled else 0, wd13.stride(0), E,
         TOPK=k, LIMIT=float(activation_limit or 0.0), HAS_LIMIT=activation_limit is not None,
         BM=BM, BN=BN1, BK=BK1, PREC=prec, FP8=fp8, BLOCK_ROWS=br, EVEN_K=hidden % BK1 == 0,
-        HAS_SHARED=shared is not None, W4=group, **dots, num_warps=warps1, num_stages=stages1,
+        HAS_SHARED=shared is not None, W4=group, **dots, W4_PAIR=bool(group) and scale_pair_pipelines(BN1, BK1, group, warps1),
+        num_warps=warps1, num_stages=stages1,
     )
     hq, h_scale = quantize_per_token_group(h, block[1]) if fp8 else (h, h)
     # Skipped choices' rows stay zero for the final sum (their weight is zero, their rows unwritten).
