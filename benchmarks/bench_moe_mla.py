@@ -316,9 +316,7 @@ def moe_sweep(batches, prefill, bw) -> None:
 # two kernels are timed apart (kernel_ms). (BN, BK, warps, stages); None: the default's.
 FP4_SWEEP = {
     "decode": [(32, 128, 4, 3), (64, 256, 4, 3), (64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 8, 3), (128, 128, 4, 3),
-               (64, 128, 2, 3), (64, 64, 4, 3), (64, 64, 4, 4), (64, 256, 4, 2),
-               # one scale group a K step (MXFP4): each row's scale a column broadcast, no reshape of the scales
-               (64, 32, 4, 4), (64, 32, 4, 6), (128, 32, 4, 4)],
+               (64, 128, 2, 3), (64, 64, 4, 3), (64, 64, 4, 4), (64, 256, 4, 2)],
     "prefill": [(128, 64, 8, 3), (64, 128, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3), (128, 128, 8, 3), (256, 64, 8, 3)],
 }
 

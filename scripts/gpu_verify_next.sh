@@ -14,7 +14,6 @@
 # Add a part as `if [ "$PART" = name ]; then ... fi` below, with what it must show, and name it in
 # OWED; take it out of OWED once it ran (its numbers go to docs/perf-notes.md).
 OWED=(
-  fp4_pair        # any GPU (issue 63): gate and up scales in one load, scale rows 16 bytes apart, old vs new
   fp4_native      # a B200 / MI355X only (issue 63): MXFP4 experts through tl.dot_scaled, timed
   fp4_kimi_full   # an H200 (issue 63): the whole Kimi-Linear (27 layers) with MXFP4 experts against bf16
   house_speed     # on an H200 (issue 59 asks it there; the H100 ran it, thirty-third session: within A/A):
@@ -22,7 +21,7 @@ OWED=(
   tp_gpus         # two or more GPUs (kind nvidia-h100-x2 or larger; issue 61): tensor parallel over NCCL with
                   # CUDA graphs per rank, and its throughput against one GPU
 )
-# Done, kept to run again: fp4_bf16, fp4_shapes, fp4_glm, fp4_moe (thirty-eighth session, H100), image_tower (thirty-seventh session, H100), fp4_variants, ling_routing, ling_real, kimi_ttft (thirty-sixth session, H200), ling_tests (thirty-fourth session, H100: all passed), after_removal, house_tests, house_tests2, house_server and house_speed
+# Done, kept to run again: fp4_pair (thirty-ninth session, H100), fp4_bf16, fp4_shapes, fp4_glm, fp4_moe (thirty-eighth session, H100), image_tower (thirty-seventh session, H100), fp4_variants, ling_routing, ling_real, kimi_ttft (thirty-sixth session, H200), ling_tests (thirty-fourth session, H100: all passed), after_removal, house_tests, house_tests2, house_server and house_speed
 # (thirty-third session, H100: all passed, throughput within A/A), k1_models and k1_models2 (thirty-second session, H100: all passed),
 # k1_ncu (K1 under Nsight Compute), k1_defaults (the K1 GPU tests and
 # the new defaults against the old), k1_prefetch_ncu, k1_table, k1_order (issue 21 goal 3), by the thirtieth
@@ -241,17 +240,6 @@ if [ "$PART" = fp4_bf16 ]; then
   sed -n '/^| step/,$p' "$OUT/fp4_formats_new.log" | grep "| fp8 \|| bf16 "
 fi
 
-if [ "$PART" = fp4_k32 ]; then
-  # Must show (issue 63): the --sweep-moe-fp4 rows at decode 8 / 64 with K steps of 32 (one MXFP4 scale
-  # group a step: the scales become a column broadcast, no reshape through shared memory; on sm_90 the
-  # gate|up loop has 2 barriers a step instead of 4) against the default: faster by more than the
-  # sweep's ~2% noise at both batches, or not. The 4-bit decode's scales cost ~0.065 ms of the 0.448
-  # at batch 64 (thirty-eighth session): this is the cheapest way to take them off that path.
-  timeout $(cap 300) python3 benchmarks/bench_moe_mla.py --sweep-moe-fp4 --batches 8 64 --prefill \
-    > "$OUT/fp4_k32.log" 2>&1
-  echo "== sweep rc=$?"; grep "| default\|, 32, " "$OUT/fp4_k32.log"
-fi
-
 if [ "$PART" = fp4_pair ]; then
   # Must show (issue 63): test_fp4.py's GPU tests pass (the gate|up kernel's gate and up scales in one
   # load at MXFP4 decode); then --moe-formats, the new code (scale rows 16 bytes apart, the paired load)
@@ -261,14 +249,15 @@ if [ "$PART" = fp4_pair ]; then
   # (the H100 experiment, unaligned rows: 2-3% at batch 64 and 256); NVFP4 and prefill not slower.
   [ -d .old/kdaserve ] || { echo "carry .old (git archive ea67572 kdaserve benchmarks | tar -x -C .old)"; exit 1; }
   group fp4_gpu 150 tests/ops/test_fp4.py -k "gpu or decoders"
+  i=0
   for run in kimi:new kimi:old kimi:new kimi:old glm:new glm:old; do
-    shape=${run%:*} code=${run#*:}
+    shape=${run%:*} code=${run#*:} i=$((i + 1))
     [ $(( $(date +%s) - START )) -gt $(( BUDGET - 60 )) ] && { echo "== $run NOT RUN (budget)"; continue; }
     dir=.; [ "$code" = old ] && dir=.old
     timeout $(cap 100) python3 $dir/benchmarks/bench_moe_mla.py --moe-formats --moe-shape $shape --batches 8 64 256 \
-      --prefill 8192 > "$OUT/fp4_pair_${shape}_$code.log" 2>&1
-    echo "== formats $run rc=$?"; grep "^|.*\(mxfp4\|nvfp4\|fp8\)" "$OUT/fp4_pair_${shape}_$code.log"
-    grep -m3 "Error\|Traceback" "$OUT/fp4_pair_${shape}_$code.log"
+      --prefill 8192 > "$OUT/fp4_pair_${i}_${shape}_$code.log" 2>&1
+    echo "== formats $run rc=$?"; grep "^|.*\(mxfp4\|nvfp4\|fp8\)" "$OUT/fp4_pair_${i}_${shape}_$code.log"
+    grep -m3 "Error\|Traceback" "$OUT/fp4_pair_${i}_${shape}_$code.log"
   done
 fi
 
