@@ -338,7 +338,7 @@ def _moe_cases(slots: int, label: str, shared: bool = False, w4: int = 0) -> lis
         # MXFP4 through tl.dot_scaled where the target multiplies fp4 itself, as moe_experts_fused picks
         dot = dict(W4_DOT=True, A_FORMAT="bf16") if w4 == 32 and native_fp4_dots(t) else {}
         bk = max(bk, 32) if w4 else bk
-        if w4 and which == "gate_up":   # gate's and up's scales in one load where that pipelines them, as moe_experts_fused
+        if w4 and which == "gate_up" and not dot:   # gate's and up's scales in one load where that pipelines them
             dot["W4_PAIR"] = scale_pair_pipelines(bn, bk, w4, warps)
         return {"consts": dict(BM=tiles.block_m, BN=bn, BK=bk, **dot), "warps": warps,
                 "stages": stages or (2 if t.startswith("gfx") else 3)}

@@ -185,7 +185,8 @@ def test_random_weights_take_4bit_experts(quantization, group):
     ("moonshotai/Kimi-Linear-48B-A3B-Instruct", "mxfp4", 27.2), ("inclusionAI/Ling-3.0-Flash", "mxfp4", 66.9)])
 def test_the_capacity_check_counts_4bit_experts_at_their_bytes(model, quantization, gib, monkeypatch):
     """The released shapes with 4-bit experts (a half byte per value, a scale byte per group with each
-    row's scales padded to 16 bytes, NVFP4's fp32 per row): GLM-5.3-Flash in ~180 GB (two H200s instead of five in bf16), Kimi-Linear on one H100."""
+    row's scales padded to 16 bytes, NVFP4's fp32 per row): GLM-5.3-Flash in ~180 GB (two H200s
+    instead of five in bf16), Kimi-Linear on one H100."""
     import math
 
     from kdaserve.models import capacity

@@ -353,7 +353,8 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
         a_scale.stride(0), ws13.stride(0) if scaled else 0, ws13.stride(1) if scaled else 0, wd13.stride(0), E,
         TOPK=k, LIMIT=float(activation_limit or 0.0), HAS_LIMIT=activation_limit is not None,
         BM=BM, BN=BN1, BK=BK1, PREC=prec, FP8=fp8, BLOCK_ROWS=br, EVEN_K=hidden % BK1 == 0,
-        HAS_SHARED=shared is not None, W4=group, **dots, W4_PAIR=bool(group) and scale_pair_pipelines(BN1, BK1, group, warps1),
+        HAS_SHARED=shared is not None, W4=group, **dots,
+        W4_PAIR=bool(group) and not w4_dot and scale_pair_pipelines(BN1, BK1, group, warps1),
         num_warps=warps1, num_stages=stages1,
     )
     hq, h_scale = quantize_per_token_group(h, block[1]) if fp8 else (h, h)
