@@ -33,15 +33,18 @@ def test_precision_by_target():
 
 def test_sass_loop_counts_the_longest_loop_and_the_decode_work_per_value():
     """tools/sass_loop on the 4-bit decode kernels, compiled for sm_90 on this CPU: the K loop found,
-    and the bf16 decoding's budget held (about 5.5 instructions a weight value; the fp32 decoding it
-    replaced took about 10)."""
+    the bf16 decoding's budget held (about 5.5 instructions a weight value; the fp32 decoding it
+    replaced took about 10), and the scales pipelined with the packed bytes: no global load waited
+    on inside the loop and no trip through shared memory of its own (ops/fp4/tiles.fp4_scale_pair)."""
     from tools.sass_loop import longest_loop
 
     sass = "\n".join(["        /*0000*/  MOV R1, R2 ;", ".L_x_1:", "        /*0010*/  IMAD R1, R1, 0x2, RZ ;",
                       ".L_x_2:", "        /*0020*/  HMMA.16816.F32.BF16 R4, R8, R12, R4 ;",
                       "        /*0030*/  @P0 BRA `(.L_x_2) ;", "        /*0040*/  @P1 BRA `(.L_x_1) ;"])
     assert longest_loop(sass) == {"IMAD": 1, "HMMA": 1, "BRA": 2}
-    out = run_compiled(["-m", "tools.sass_loop", "--arch", "sm_90", "--kernels",
+    out = run_compiled(["-m", "tools.sass_loop", "--arch", "sm_90", "--top", "80", "--kernels",
                         "moe mxfp4 gate_up decode,moe mxfp4 down decode"], timeout=600)
     per_value = [float(m) for m in re.findall(r"decode BM=16: loop \d+ instructions, ([\d.]+) non-MMA", out)]
     assert len(per_value) == 2 and all(v < 7 for v in per_value), out
+    loops = [line for line in out.splitlines() if "decode BM=16" in line]
+    assert len(loops) == 2 and not any(re.search(r" (LDG|STS)=", line) for line in loops), out
