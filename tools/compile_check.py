@@ -336,11 +336,11 @@ def _moe_cases(slots: int, label: str, shared: bool = False, w4: int = 0) -> lis
         tiles = moe_tiles(slots, 256 + shared, 2304, 1024, False, t, four_bit=bool(w4))
         bn, bk, warps, stages = getattr(tiles, which)
         # MXFP4 through tl.dot_scaled where the target multiplies fp4 itself, as moe_experts_fused picks
-        dot = dict(W4_DOT=True, A_FORMAT="bf16") if w4 == 32 and native_fp4_dots(t) else {}
+        w4_opts = dict(W4_DOT=True, A_FORMAT="bf16") if w4 == 32 and native_fp4_dots(t) else {}
         bk = max(bk, 32) if w4 else bk
-        if w4 and which == "gate_up" and not dot:   # gate's and up's scales in one load where that pipelines them
-            dot["W4_PAIR"] = scale_pair_pipelines(bn, bk, w4, warps)
-        return {"consts": dict(BM=tiles.block_m, BN=bn, BK=bk, **dot), "warps": warps,
+        if w4 and which == "gate_up" and not w4_opts:   # gate's and up's scales in one load where that pipelines them
+            w4_opts["W4_PAIR"] = scale_pair_pipelines(bn, bk, w4, warps)
+        return {"consts": dict(BM=tiles.block_m, BN=bn, BK=bk, **w4_opts), "warps": warps,
                 "stages": stages or (2 if t.startswith("gfx") else 3)}
 
     common = dict(FP8=False, BLOCK_ROWS=1, EVEN_K=True, HAS_SHARED=shared, W4=w4)
