@@ -14,6 +14,7 @@
 # Add a part as `if [ "$PART" = name ]; then ... fi` below, with what it must show, and name it in
 # OWED; take it out of OWED once it ran (its numbers go to docs/perf-notes.md).
 OWED=(
+  fp4_tables      # any GPU (issue 63): the byte-table decoder (KDASERVE_FP4_DECODER=tables) against the bitwise one
   fp4_native      # a B200 / MI355X only (issue 63): MXFP4 experts through tl.dot_scaled, timed
   fp4_kimi_full   # an H200 (issue 63): the whole Kimi-Linear (27 layers) with MXFP4 experts against bf16
   house_speed     # on an H200 (issue 59 asks it there; the H100 ran it, thirty-third session: within A/A):
@@ -238,6 +239,35 @@ if [ "$PART" = fp4_bf16 ]; then
     grep -m3 "Error\|Traceback" "$OUT/fp4_formats_$code.log"
   done
   sed -n '/^| step/,$p' "$OUT/fp4_formats_new.log" | grep "| fp8 \|| bf16 "
+fi
+
+if [ "$PART" = fp4_tables ]; then
+  # Must show (issue 63): with KDASERVE_FP4_DECODER=tables, test_fp4.py's GPU tests pass (the new one:
+  # both decoders' outputs equal bit for bit, experts and the 4-bit linear); then --moe-formats with
+  # bits, tables, bits, tables at Kimi-Linear's experts and bits, tables at GLM-5.3-Flash's: MXFP4 /
+  # NVFP4 decode at 8 / 64 / 256 faster with tables by more than bits-vs-bits' spread (sm_90 SASS:
+  # 686 / 710 instructions a K step against 712 / 744; but the down kernel's registers 112 -> 168,
+  # 3 programs an SM instead of 4), prefill not slower. If so, make tables the default on NVIDIA
+  # (and drop the bf16 bitwise path there); if not, remove ops/fp4/byte_tables.py (docs keep why).
+  # Then Kimi-Linear's first 8 layers with MXFP4 experts, bits then tables (graph step at 1 and 64).
+  KDASERVE_FP4_DECODER=tables group fp4_tables_gpu 150 tests/ops/test_fp4.py -k "gpu or decoders"
+  i=0
+  for run in kimi:bits kimi:tables kimi:bits kimi:tables glm:bits glm:tables; do
+    shape=${run%:*} dec=${run#*:} i=$((i + 1))
+    [ $(( $(date +%s) - START )) -gt $(( BUDGET - 60 )) ] && { echo "== $run NOT RUN (budget)"; continue; }
+    KDASERVE_FP4_DECODER=$dec timeout $(cap 100) python3 benchmarks/bench_moe_mla.py --moe-formats --moe-shape $shape \
+      --batches 8 64 256 --prefill 8192 > "$OUT/fp4_tables_${i}_${shape}_$dec.log" 2>&1
+    echo "== formats $run rc=$?"; grep "^|.*\(mxfp4\|nvfp4\)" "$OUT/fp4_tables_${i}_${shape}_$dec.log"
+    grep -m3 "Error\|Traceback" "$OUT/fp4_tables_${i}_${shape}_$dec.log"
+  done
+  for dec in bits tables; do
+    [ $(( $(date +%s) - START )) -gt $(( BUDGET - 100 )) ] && { echo "== kimi $dec NOT RUN (budget)"; continue; }
+    KDASERVE_FP4_DECODER=$dec timeout $(cap 100) python3 benchmarks/bench_kimi_linear.py \
+      --model moonshotai/Kimi-Linear-48B-A3B-Instruct --quantization mxfp4 --num-hidden-layers 8 --batches 1 64 --ttft 2048 \
+      > "$OUT/fp4_tables_kimi_$dec.log" 2>&1
+    echo "== kimi 8 layers, decoder $dec rc=$?"; grep "^| 1 |\|^| 64 |" "$OUT/fp4_tables_kimi_$dec.log" | head -4
+    grep -m3 "Error\|Traceback" "$OUT/fp4_tables_kimi_$dec.log"
+  done
 fi
 
 if [ "$PART" = fp4_pair ]; then

@@ -318,11 +318,13 @@ def _other_cases() -> list[Case]:
     for group in (32, 16):   # 4-bit experts (ops/fp4/tiles.py): MXFP4, NVFP4
         for slots, label in ((64, "decode BM=16"), (65536, "prefill")):
             out += _moe_cases(slots, label, w4=group)
+        # KDASERVE_FP4_DECODER=tables (ops/fp4/byte_tables.py: PTX, NVIDIA only)
+        out += _moe_cases(64, "decode BM=16 byte tables", w4=group, tables=True)
     out += _fp4_linear_cases()
     return out + _fp8_cases()
 
 
-def _moe_cases(slots: int, label: str, shared: bool = False, w4: int = 0) -> list[Case]:
+def _moe_cases(slots: int, label: str, shared: bool = False, w4: int = 0, tables: bool = False) -> list[Case]:
     """The two bf16 expert GEMMs of a step of `slots` (token, expert) pairs over Kimi-Linear's 256
     experts (hidden 2304, width 1024), on each target as ops/moe/fused.moe_tiles launches them there;
     `shared`: with the shared expert run as expert 256 (decode); `w4`: 4-bit experts in groups of
@@ -343,7 +345,8 @@ def _moe_cases(slots: int, label: str, shared: bool = False, w4: int = 0) -> lis
         return {"consts": dict(BM=tiles.block_m, BN=bn, BK=bk, **w4_opts), "warps": warps,
                 "stages": stages or (2 if t.startswith("gfx") else 3)}
 
-    common = dict(FP8=False, BLOCK_ROWS=1, EVEN_K=True, HAS_SHARED=shared, W4=w4)
+    common = dict(FP8=False, BLOCK_ROWS=1, EVEN_K=True, HAS_SHARED=shared, W4=w4, **({"W4_TABLES": True} if tables else {}))
+    not_on = ("gfx",) if tables else ()
     W, WS = ("*u8", "*u8") if w4 else (BF, BF)
     name = f"moe {'mx' if w4 == 32 else 'nv' if w4 else ''}{'fp4 ' if w4 else ''}"
     return [
@@ -351,13 +354,13 @@ def _moe_cases(slots: int, label: str, shared: bool = False, w4: int = 0) -> lis
              dict(x_ptr=BF, w_ptr=W, sorted_ptr=I32, experts_ptr=I32, h_ptr=BF, xs_ptr=BF, ws_ptr=WS, shared_w_ptr=BF,
                   wd_ptr=F32),
              dict(TOPK=8 + shared, LIMIT=0.0, HAS_LIMIT=False, **common, **launch("sm_90", "gate_up")["consts"]),
-             quick=slots == 64, precision={"PREC": "tc"}, no_spill=True,
+             quick=slots == 64, precision={"PREC": "tc"}, no_spill=True, not_on=not_on,
              per_target={t: launch(t, "gate_up") for t in TARGETS}),
         Case(f"{name}down {label}", _moe_down_kernel,
              dict(h_ptr=BF, w_ptr=W, sorted_ptr=I32, experts_ptr=I32, weights_ptr=F32, y_ptr=BF, hs_ptr=BF, ws_ptr=WS,
                   shared_w_ptr=BF, wd_ptr=F32),
              dict(**common, **launch("sm_90", "down")["consts"]), quick=slots == 64, precision={"PREC": "tc"},
-             no_spill=True, per_target={t: launch(t, "down") for t in TARGETS}),
+             no_spill=True, not_on=not_on, per_target={t: launch(t, "down") for t in TARGETS}),
     ]
 
 

@@ -126,6 +126,84 @@ def test_the_bf16_decoders_give_every_code_times_every_scale_exactly(scheme):
     assert torch.equal(out[usable].float(), want)
 
 
+def _run_ptx(program: str, args: list[int]) -> list[int]:
+    """Execute the byte-table decoder's PTX (ops/fp4/byte_tables.py) in Python: 32-bit registers,
+    $0..$3 out, $4.. in; mov, and, shr, shl, prmt, lop3 and fma.rn.bf16x2 as the PTX ISA defines them."""
+    regs = {f"${i + 4}": v for i, v in enumerate(args)}
+
+    def val(op):
+        return regs[op] if op in regs else int(op, 0)
+
+    def bf16(bits):
+        return torch.tensor([bits], dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+
+    def fma_bf16(a, b, c):   # the exact a * b + c (in fp64) rounded to bf16 once (to nearest even)
+        exact = bf16(a).double() * bf16(b).double() + bf16(c).double()
+        return int(exact.bfloat16().view(torch.int16).item()) & 0xFFFF
+
+    for line in program.strip("{}\n").splitlines():
+        if not line or line.startswith(".reg"):
+            continue
+        op, rest = line.rstrip(";").split(None, 1)
+        d, *src = [t.strip() for t in rest.split(",")]
+        x = [val(t) for t in src]
+        if op == "prmt.b32":
+            pool = (x[0] | x[1] << 32).to_bytes(8, "little")
+            out = 0
+            for i in range(4):
+                sel = x[2] >> 4 * i & 0xF
+                byte = pool[sel & 7]
+                out |= ((0xFF if byte & 0x80 else 0) if sel & 8 else byte) << 8 * i
+        elif op == "lop3.b32":
+            out = sum(((x[3] >> ((x[0] >> i & 1) * 4 + (x[1] >> i & 1) * 2 + (x[2] >> i & 1))) & 1) << i for i in range(32))
+        elif op == "fma.rn.bf16x2":
+            out = fma_bf16(x[0] & 0xFFFF, x[1] & 0xFFFF, x[2] & 0xFFFF) | fma_bf16(x[0] >> 16, x[1] >> 16, x[2] >> 16) << 16
+        else:
+            out = {"mov.b32": lambda: x[0], "and.b32": lambda: x[0] & x[1], "shr.u32": lambda: x[0] >> x[1],
+                   "shl.b32": lambda: x[0] << x[1]}[op]()
+        regs[d] = out & 0xFFFFFFFF
+    return [regs[f"${i}"] for i in range(4)]
+
+
+def test_the_byte_table_decoder_gives_every_code_times_its_scale_exactly():
+    """The tables decoder's PTX (KDASERVE_FP4_DECODER=tables; no inline asm in the interpreter),
+    executed over every byte in each of the four positions of a word, with scales of both formats'
+    kinds (powers of two down to e8m0's subnormal 2^-127 and up to 2^127, e4m3 values): each byte's
+    two values times its scale, exactly as the definition (ops/fp4/reference.py) has them."""
+    from kdaserve.ops.fp4.byte_tables import _E2M1_SCALED_PTX
+
+    values = e2m1_values()
+    scales = torch.tensor([1.0, 2.0**-127, 2.0**127, 2.0**-9, 0.875, 448.0, 0.001953125, 3.0]).bfloat16()
+    scale_bits = [int(b) & 0xFFFF for b in scales.view(torch.int16)]
+    for first in range(0, 256, 4):
+        word = sum(((first + i * 67) % 256) << 8 * i for i in range(4))   # every byte in every position
+        sc = [scale_bits[(first // 4 + i) % len(scale_bits)] for i in range(4)]
+        out = _run_ptx(_E2M1_SCALED_PTX.value, [word, sc[0] | sc[1] << 16, sc[2] | sc[3] << 16])
+        for k, pair in enumerate(out):
+            byte, scale = word >> 8 * k & 0xFF, scales[(first // 4 + k) % len(scale_bits)].float()
+            got = torch.tensor([pair & 0xFFFF, pair >> 16], dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+            want = values[[byte & 0xF, byte >> 4]] * scale
+            assert torch.equal(got, want), (hex(byte), float(scale), got, want)
+
+
+def test_the_decoder_choice_is_named_and_refused_when_unknown(monkeypatch):
+    from kdaserve.ops.fp4 import byte_tables
+
+    for choice, want in ((None, False), ("bits", False), ("tables", True)):
+        byte_tables._tables_asked.cache_clear()
+        if choice is None:
+            monkeypatch.delenv(byte_tables.DECODER_ENV, raising=False)
+        else:
+            monkeypatch.setenv(byte_tables.DECODER_ENV, choice)
+        assert byte_tables._tables_asked() is want
+        assert not byte_tables.decode_by_tables(torch.device("cpu")), "PTX only on NVIDIA GPUs"
+    byte_tables._tables_asked.cache_clear()
+    monkeypatch.setenv(byte_tables.DECODER_ENV, "lut")
+    with pytest.raises(ValueError, match=r"KDASERVE_FP4_DECODER='lut': expected bits .* or tables"):
+        byte_tables.decode_by_tables(torch.device("cpu"))
+    byte_tables._tables_asked.cache_clear()
+
+
 # ---- the fused GEMMs -----------------------------------------------------------------------------
 
 @INTERP
@@ -330,6 +408,34 @@ def test_gpu_fused_4bit_experts_at_kimi_linear_sizes(scheme, T):
     got = moe_experts_fused(x, w13, w2, weights, ids)
     want = moe_experts_reference(x.float(), w13, w2, weights, ids)
     assert_rel_close(got.float(), want, 1e-2, f"4-bit fused MoE {scheme} bf16 T={T}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("T", [8, 64, 2048])
+def test_gpu_byte_table_decoding_equals_the_bitwise_decoding(scheme, T, monkeypatch):
+    """KDASERVE_FP4_DECODER=tables (ops/fp4/byte_tables.py): the experts and a 4-bit linear decode
+    to the very same bf16 weights, so the outputs equal the default decoding's bit for bit."""
+    from kdaserve.ops.fp4 import byte_tables
+    from kdaserve.ops.fp4.linear import fp4_linear
+    from kdaserve.ops.moe.fused import moe_experts_fused
+
+    E, k, hidden, inter = 64, 8, 2304, 1024
+    w13, w2 = fp4_experts(E, hidden, inter, scheme, device="cuda", seed=T)
+    w13, w2 = w13.with_aligned_scales(), w2.with_aligned_scales()
+    g = torch.Generator(device="cuda").manual_seed(T)
+    x = torch.randn(T, hidden, device="cuda", generator=g).bfloat16()
+    gate = torch.randn(E, hidden, device="cuda", generator=g) * hidden**-0.5
+    weights, ids = route_tokens(x, gate, None, RouterConfig(E, k))
+    outs = {}
+    for choice in ("bits", "tables"):
+        monkeypatch.setenv(byte_tables.DECODER_ENV, choice)
+        byte_tables._tables_asked.cache_clear()
+        assert byte_tables.decode_by_tables(x.device) == (choice == "tables")
+        outs[choice] = (moe_experts_fused(x, w13, w2, weights, ids), fp4_linear(x, w13[3]))
+    byte_tables._tables_asked.cache_clear()
+    assert torch.isfinite(outs["tables"][0]).all() and torch.isfinite(outs["tables"][1]).all()
+    assert torch.equal(outs["tables"][0], outs["bits"][0]) and torch.equal(outs["tables"][1], outs["bits"][1])
 
 
 @pytest.mark.gpu

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from kdaserve.ops import interpreter_compat
+from kdaserve.ops.fp4.byte_tables import decode_by_tables
 from kdaserve.ops.fp4.tiles import fp4_weight_tile, mxfp4_scaled_dot
 from kdaserve.ops.fp4.weights import Fp4Weights
 from kdaserve.ops.precision import device_target, dot_precision, native_fp4_dots
@@ -25,7 +26,7 @@ def _fp4_linear_kernel(
     M, N, K, stride_x, stride_w, stride_s, stride_y,
     GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
-    W4_DOT: tl.constexpr = False, A_FORMAT: tl.constexpr = "bf16",
+    W4_DOT: tl.constexpr = False, A_FORMAT: tl.constexpr = "bf16", W4_TABLES: tl.constexpr = False,
 ):
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -39,7 +40,7 @@ def _fp4_linear_kernel(
         if W4_DOT:
             acc = mxfp4_scaled_dot(a, w_rows, s_rows, True, k0, K, acc, BK, EVEN_K, A_FORMAT)
         else:
-            w = fp4_weight_tile(w_rows, s_rows, True, k0, K, BK, GROUP, EVEN_K, a.dtype)
+            w = fp4_weight_tile(w_rows, s_rows, True, k0, K, BK, GROUP, EVEN_K, a.dtype, W4_TABLES)
             acc = tl.dot(a, tl.trans(w), acc, input_precision=PREC)
     if GROUP == 16:   # NVFP4's global scale divides, per output row of W
         acc = acc / tl.load(d_ptr + cols_in)[None, :]
@@ -85,5 +86,6 @@ def fp4_linear(x: torch.Tensor, w: Fp4Weights, bias: torch.Tensor | None = None,
         x2, w.packed, w.scale, div, b, y, M, out_features, in_features, x2.stride(0), w.packed.stride(0),
         w.scale.stride(0), y.stride(0), GROUP=w.group, HAS_BIAS=bias is not None, EVEN_K=in_features % BK == 0,
         BM=BM, BN=BN, BK=BK, PREC=prec, W4_DOT=dot, A_FORMAT="bf16" if x.dtype == torch.bfloat16 else "fp16",
+        W4_TABLES=not dot and x.dtype == torch.bfloat16 and decode_by_tables(x.device),
         num_warps=warps)
     return y.view(*lead, out_features)

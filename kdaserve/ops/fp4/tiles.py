@@ -26,6 +26,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kdaserve.ops.fp4.byte_tables import e2m1_scaled_bf16
+
 
 @triton.jit
 def e2m1_pair(packed):
@@ -122,15 +124,19 @@ def scale_pair_pipelines(bn: int, bk: int, group: int, warps: int) -> bool:
 
 @triton.jit
 def fp4_weight_tile(w_rows, s_rows, row_ok, k0, K, BK: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr,
-                    dtype: tl.constexpr):
+                    dtype: tl.constexpr, TABLES: tl.constexpr = False):
     """One K step of BN weight rows (fp4_codes' arguments), decoded: [BN, BK] in `dtype`, K order."""
     packed, codes = fp4_codes(w_rows, s_rows, row_ok, k0, K, BK, GROUP, EVEN_K)
-    return decode_fp4_tile(packed, codes, BK, GROUP, dtype)
+    return decode_fp4_tile(packed, codes, BK, GROUP, dtype, TABLES)
 
 
 @triton.jit
-def decode_fp4_tile(packed, codes, BK: tl.constexpr, GROUP: tl.constexpr, dtype: tl.constexpr):
-    """Packed bytes [BN, BK/2] and their scale codes [BN, BK/GROUP] -> [BN, BK] in `dtype`, K order."""
+def decode_fp4_tile(packed, codes, BK: tl.constexpr, GROUP: tl.constexpr, dtype: tl.constexpr,
+                    TABLES: tl.constexpr = False):
+    """Packed bytes [BN, BK/2] and their scale codes [BN, BK/GROUP] -> [BN, BK] in `dtype`, K order.
+    TABLES (bf16, NVIDIA; ops/fp4/byte_tables.decode_by_tables): by byte tables, the scale inside."""
+    if dtype == tl.bfloat16 and TABLES:
+        return e2m1_scaled_bf16(packed, _per_value(group_scale_bf16(codes, GROUP), BK // 2, GROUP // 2))
     if dtype == tl.bfloat16:
         # Two bf16 products per value pair, each exact: by 2^126 (the bit placement's), then by the
         # scale. One product by the two factors' product would overflow for e8m0 codes above 128.

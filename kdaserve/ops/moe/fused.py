@@ -26,6 +26,7 @@ import triton.language as tl
 from kdaserve.ops import interpreter_compat
 from kdaserve.ops.activation.swiglu import silu_product
 from kdaserve.ops.compile_ahead import compiles_ahead
+from kdaserve.ops.fp4.byte_tables import decode_by_tables
 from kdaserve.ops.fp4.tiles import (
     decode_fp4_tile,
     fp4_codes,
@@ -70,6 +71,7 @@ def _moe_gate_up_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
     FP8: tl.constexpr, BLOCK_ROWS: tl.constexpr, EVEN_K: tl.constexpr, HAS_SHARED: tl.constexpr = False,
     W4: tl.constexpr = 0, W4_DOT: tl.constexpr = False, A_FORMAT: tl.constexpr = "bf16", W4_PAIR: tl.constexpr = False,
+    W4_TABLES: tl.constexpr = False,
 ):
     """HAS_SHARED: expert `num_routed` is the shared expert, its [2I, hidden] weight at
     shared_w_ptr with w13's row stride. W4 (4-bit experts, ops/fp4/tiles.py): the values per
@@ -111,8 +113,8 @@ def _moe_gate_up_kernel(
                 else:
                     pg, sg = fp4_codes(gate_w, gate_s, col_ok[:, None], k0, HIDDEN, BK, W4, EVEN_K)
                     pu, su = fp4_codes(up_w, up_s, col_ok[:, None], k0, HIDDEN, BK, W4, EVEN_K)
-                acc_g = tl.dot(a, tl.trans(decode_fp4_tile(pg, sg, BK, W4, a.dtype)), acc_g, input_precision=PREC)
-                acc_u = tl.dot(a, tl.trans(decode_fp4_tile(pu, su, BK, W4, a.dtype)), acc_u, input_precision=PREC)
+                acc_g = tl.dot(a, tl.trans(decode_fp4_tile(pg, sg, BK, W4, a.dtype, W4_TABLES)), acc_g, input_precision=PREC)
+                acc_u = tl.dot(a, tl.trans(decode_fp4_tile(pu, su, BK, W4, a.dtype, W4_TABLES)), acc_u, input_precision=PREC)
         if W4 == 16:   # NVFP4's global scale divides, per output row
             divisors = wd_ptr + e.to(tl.int64) * stride_wde + cols
             acc_g = acc_g / tl.load(divisors, mask=col_ok, other=1.0)[None, :]
@@ -144,7 +146,7 @@ def _moe_down_kernel(
     S, HIDDEN, INTER, stride_h, stride_we, stride_wn, stride_y, stride_hs, stride_wse, stride_wsn, stride_wde, num_routed,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
     FP8: tl.constexpr, BLOCK_ROWS: tl.constexpr, EVEN_K: tl.constexpr, HAS_SHARED: tl.constexpr = False,
-    W4: tl.constexpr = 0, W4_DOT: tl.constexpr = False, A_FORMAT: tl.constexpr = "bf16",
+    W4: tl.constexpr = 0, W4_DOT: tl.constexpr = False, A_FORMAT: tl.constexpr = "bf16", W4_TABLES: tl.constexpr = False,
 ):
     """HAS_SHARED: expert `num_routed` is the shared expert, its [hidden, I] weight at
     shared_w_ptr with w2's row stride. W4, W4_DOT: 4-bit experts as in _moe_gate_up_kernel (packed
@@ -172,7 +174,7 @@ def _moe_down_kernel(
             if W4_DOT:
                 acc = mxfp4_scaled_dot(a, w_rows, s_rows, col_ok[:, None], k0, INTER, acc, BK, EVEN_K, A_FORMAT)
             else:
-                w = fp4_weight_tile(w_rows, s_rows, col_ok[:, None], k0, INTER, BK, W4, EVEN_K, a.dtype)
+                w = fp4_weight_tile(w_rows, s_rows, col_ok[:, None], k0, INTER, BK, W4, EVEN_K, a.dtype, W4_TABLES)
                 acc = tl.dot(a, tl.trans(w), acc, input_precision=PREC)
         if W4 == 16:
             acc = acc / tl.load(wd_ptr + e.to(tl.int64) * stride_wde + cols, mask=col_ok, other=1.0)[None, :]
@@ -346,7 +348,8 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     scaled = fp8 or w4
     w4_dot = (group == 32 and x.dtype in (torch.bfloat16, torch.float16)
               and (native_fp4_dots(device_target(x.device)) if fp4_dots is None else fp4_dots))
-    dots = dict(W4_DOT=w4_dot, A_FORMAT="bf16" if x.dtype == torch.bfloat16 else "fp16")
+    dots = dict(W4_DOT=w4_dot, A_FORMAT="bf16" if x.dtype == torch.bfloat16 else "fp16",
+                W4_TABLES=bool(w4) and not w4_dot and x.dtype == torch.bfloat16 and decode_by_tables(x.device))
     _moe_gate_up_kernel[(m_blocks * triton.cdiv(inter, BN1),)](
         a, w13, sorted_slots, block_experts, h, a_scale, ws13, shared_w13, wd13,
         S, hidden, inter, a.stride(0), w13.stride(0), w13.stride(1), h.stride(0),

@@ -1,0 +1,92 @@
+"""e2m1 codes decoded by byte tables (PTX `prmt`), the group scale applied in the same asm: the
+"tables" decoder, an opt-in alternative to tiles.py's bitwise decoding on NVIDIA GPUs
+(`KDASERVE_FP4_DECODER=tables`; default `bits`).
+
+Why: the 4-bit decode kernels are close to bound by instruction issue on an H100 (docs/perf-notes.md,
+thirty-ninth session). The bitwise decoding spends per byte an extraction, two integer products
+and two masks, then two bf16 products a pair (by 2^126 and by the scale); the tables spend per
+4 bytes 10 `prmt`, 5 other integer operations and, a pair, one scale product (+1 `prmt` to place
+the scale in both halves). Compiled for sm_90, the MoE decode loops shrink 712 -> 686 (gate|up)
+and 744 -> 710 (down) instructions a K step; timing owed (scripts/gpu_verify_next.sh, part
+`fp4_tables`), after which one of the two decoders goes.
+
+How (`_E2M1_SCALED_PTX`, one 32-bit word of packed codes, element 2k in byte k's low nibble): each
+nibble's 3 magnitude bits select a byte of the bf16 patterns of 0, 0.5, 1, 1.5, 2, 3, 4, 6 (0x0000,
+0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0): low bytes from (lo0, lo1), high bytes from
+(hi0, hi1). Signs: byte k of the word holds element 2k+1's sign in bit 7, byte k of the word shifted
+left by 4 element 2k's; a prmt gathers those bytes and their bit 7 joins the high bytes. Then byte
+k's two values are one bf16 pair, multiplied by its scale, exactly (an e2m1 value times a power of
+two or an e4m3 value fits bf16), as an fma adding -0: sm_80 and sm_89 have no bf16x2 product.
+The interpreter runs no inline asm: tests/ops/test_fp4.py executes this very program in Python
+over every byte in every position, and on a GPU compares both decoders bit for bit."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+DECODER_ENV = "KDASERVE_FP4_DECODER"
+
+_E2M1_SCALED_PTX = tl.constexpr("""{
+.reg .b32 m, mh, ws, l0, l1, h0, h1, s0, s1, lo0, lo1, hi0, hi1, p0, p1, p2, p3, d0, d1, d2, d3, nz;
+mov.b32 nz, 0x80008000;
+mov.b32 lo0, 0xC0800000;
+mov.b32 lo1, 0xC0804000;
+mov.b32 hi0, 0x3F3F3F00;
+mov.b32 hi1, 0x40404040;
+and.b32 m, $4, 0x77777777;
+shr.u32 mh, m, 16;
+prmt.b32 l0, lo0, lo1, m;
+prmt.b32 h0, hi0, hi1, m;
+prmt.b32 l1, lo0, lo1, mh;
+prmt.b32 h1, hi0, hi1, mh;
+shl.b32 ws, $4, 4;
+prmt.b32 s0, ws, $4, 0xD9C8;
+prmt.b32 s1, ws, $4, 0xFBEA;
+lop3.b32 h0, h0, s0, 0x80808080, 0xF8;
+lop3.b32 h1, h1, s1, 0x80808080, 0xF8;
+prmt.b32 p0, l0, h0, 0x5140;
+prmt.b32 p1, l0, h0, 0x7362;
+prmt.b32 p2, l1, h1, 0x5140;
+prmt.b32 p3, l1, h1, 0x7362;
+prmt.b32 d0, $5, $5, 0x1010;
+prmt.b32 d1, $5, $5, 0x3232;
+prmt.b32 d2, $6, $6, 0x1010;
+prmt.b32 d3, $6, $6, 0x3232;
+fma.rn.bf16x2 $0, p0, d0, nz;
+fma.rn.bf16x2 $1, p1, d1, nz;
+fma.rn.bf16x2 $2, p2, d2, nz;
+fma.rn.bf16x2 $3, p3, d3, nz;
+}""")
+
+
+@triton.jit
+def e2m1_scaled_bf16(packed, scale):
+    """Packed codes [BN, BK/2] (uint8) and each byte's scale [BN, BK/2] (bf16) -> the values [BN, BK]
+    in bf16, K order (element 2j, 2j+1 from byte j)."""
+    d = tl.inline_asm_elementwise(_E2M1_SCALED_PTX, "=r,=r,=r,=r,r,r,r", [packed, scale], dtype=tl.uint32,
+                                  is_pure=True, pack=4)
+    return tl.interleave(d.to(tl.uint16).to(tl.bfloat16, bitcast=True),
+                         (d >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True))
+
+
+def decode_by_tables(device: torch.device) -> bool:
+    """Whether the 4-bit kernels on `device` decode by byte tables: `KDASERVE_FP4_DECODER=tables`
+    on an NVIDIA GPU (PTX), never in the interpreter or on ROCm."""
+    if not _tables_asked():
+        return False
+    return device.type == "cuda" and not torch.version.hip and not triton.knobs.runtime.interpret
+
+
+@functools.cache
+def _tables_asked() -> bool:
+    # Cached: every MoE layer of every step asks, and the host time of a step matters.
+    choice = os.environ.get(DECODER_ENV, "bits")
+    if choice not in ("bits", "tables"):
+        raise ValueError(f"{DECODER_ENV}={choice!r}: expected bits (the default: integer operations, every target) "
+                         f"or tables (PTX byte tables, NVIDIA only)")
+    return choice == "tables"
