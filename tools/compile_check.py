@@ -346,7 +346,8 @@ def _moe_cases(slots: int, label: str, shared: bool = False, w4: int = 0, tables
                 "stages": stages or (2 if t.startswith("gfx") else 3)}
 
     common = dict(FP8=False, BLOCK_ROWS=1, EVEN_K=True, HAS_SHARED=shared, W4=w4, **({"W4_TABLES": True} if tables else {}))
-    not_on = ("gfx",) if tables else ()
+    # the tables decoder: PTX (no ROCm), and never beside tl.dot_scaled (MXFP4 on sm_100 takes that)
+    not_on = ("gfx",) + tuple(t for t in TARGETS if w4 == 32 and native_fp4_dots(t)) if tables else ()
     W, WS = ("*u8", "*u8") if w4 else (BF, BF)
     name = f"moe {'mx' if w4 == 32 else 'nv' if w4 else ''}{'fp4 ' if w4 else ''}"
     return [

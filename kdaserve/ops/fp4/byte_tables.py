@@ -2,13 +2,12 @@
 "tables" decoder, an opt-in alternative to tiles.py's bitwise decoding on NVIDIA GPUs
 (`KDASERVE_FP4_DECODER=tables`; default `bits`).
 
-Why: the 4-bit decode kernels are close to bound by instruction issue on an H100 (docs/perf-notes.md,
-thirty-ninth session). The bitwise decoding spends per byte an extraction, two integer products
-and two masks, then two bf16 products a pair (by 2^126 and by the scale); the tables spend per
-4 bytes 10 `prmt`, 5 other integer operations and, a pair, one scale product (+1 `prmt` to place
-the scale in both halves). Compiled for sm_90, the MoE decode loops shrink 712 -> 686 (gate|up)
-and 744 -> 710 (down) instructions a K step; timing owed (scripts/gpu_verify_next.sh, part
-`fp4_tables`), after which one of the two decoders goes.
+Why: the 4-bit decode kernels are close to bound by instruction issue. The bitwise decoding spends
+per byte an extraction, two integer products and two masks, then two bf16 products a pair (by 2^126
+and by the scale); the tables spend per 4 bytes 10 `prmt`, 5 other integer operations and, a pair,
+one scale product (+1 `prmt` to place the scale in both halves). Instruction counts and timings:
+docs/perf-notes.md; until the tables are timed (scripts/gpu_verify_next.sh, part `fp4_tables`)
+`bits` stays the default, and afterwards one of the two decoders goes.
 
 How (`_E2M1_SCALED_PTX`, one 32-bit word of packed codes, element 2k in byte k's low nibble): each
 nibble's 3 magnitude bits select a byte of the bf16 patterns of 0, 0.5, 1, 1.5, 2, 3, 4, 6 (0x0000,
