@@ -320,17 +320,21 @@ def _other_cases() -> list[Case]:
             out += _moe_cases(slots, label, w4=group)
         # KDASERVE_FP4_DECODER=tables (ops/fp4/byte_tables.py: PTX, NVIDIA only)
         out += _moe_cases(64, "decode BM=16 byte tables", w4=group, tables=True)
+        # the decoded tiles as the dots' left operands (ops/moe/fused.fp4_weights_left)
+        out += _moe_cases(64, "decode BM=16 left", w4=group, left=True)
+        out += _moe_cases(64, "decode BM=16 left byte tables", w4=group, tables=True, left=True)
     out += _fp4_linear_cases()
     return out + _fp8_cases()
 
 
-def _moe_cases(slots: int, label: str, shared: bool = False, w4: int = 0, tables: bool = False) -> list[Case]:
+def _moe_cases(slots: int, label: str, shared: bool = False, w4: int = 0, tables: bool = False,
+               left: bool = False) -> list[Case]:
     """The two bf16 expert GEMMs of a step of `slots` (token, expert) pairs over Kimi-Linear's 256
     experts (hidden 2304, width 1024), on each target as ops/moe/fused.moe_tiles launches them there;
     `shared`: with the shared expert run as expert 256 (decode); `w4`: 4-bit experts in groups of
     32 (MXFP4) or 16 (NVFP4), K steps of at least 32 as moe_experts_fused widens them (MXFP4 through
     tl.dot_scaled on sm_100 and gfx950)."""
-    from kdaserve.ops.fp4.tiles import scale_pair_pipelines
+    from kdaserve.ops.fp4.tiles import FP4_LEFT_TARGETS, scale_pair_pipelines
     from kdaserve.ops.moe.fused import _moe_down_kernel, _moe_gate_up_kernel, moe_tiles
     from kdaserve.ops.precision import native_fp4_dots
 
@@ -345,9 +349,13 @@ def _moe_cases(slots: int, label: str, shared: bool = False, w4: int = 0, tables
         return {"consts": dict(BM=tiles.block_m, BN=bn, BK=bk, **w4_opts), "warps": warps,
                 "stages": stages or (2 if t.startswith("gfx") else 3)}
 
-    common = dict(FP8=False, BLOCK_ROWS=1, EVEN_K=True, HAS_SHARED=shared, W4=w4, **({"W4_TABLES": True} if tables else {}))
-    # the tables decoder: PTX (no ROCm), and never beside tl.dot_scaled (MXFP4 on sm_100 takes that)
+    common = dict(FP8=False, BLOCK_ROWS=1, EVEN_K=True, HAS_SHARED=shared, W4=w4, **({"W4_TABLES": True} if tables else {}),
+                  **({"W4_LEFT": True} if left else {}))
+    # the tables decoder: PTX (no ROCm), never beside tl.dot_scaled (MXFP4 on sm_100 takes that); left operands only
+    # where fp4_weights_left puts them
     not_on = ("gfx",) + tuple(t for t in TARGETS if w4 == 32 and native_fp4_dots(t)) if tables else ()
+    if left:
+        not_on = tuple(t for t in TARGETS if t not in FP4_LEFT_TARGETS)
     W, WS = ("*u8", "*u8") if w4 else (BF, BF)
     name = f"moe {'mx' if w4 == 32 else 'nv' if w4 else ''}{'fp4 ' if w4 else ''}"
     return [
@@ -369,6 +377,7 @@ def _fp4_linear_cases() -> list[Case]:
     """The 4-bit linear layer (ops/fp4/linear.py) at each of its tile choices, MXFP4 and NVFP4 (MXFP4
     through tl.dot_scaled where the target multiplies fp4, as fp4_linear picks)."""
     from kdaserve.ops.fp4.linear import _fp4_linear_kernel, fp4_tiles
+    from kdaserve.ops.fp4.tiles import FP4_LEFT_TARGETS
     from kdaserve.ops.precision import native_fp4_dots
 
     out = []
@@ -380,6 +389,12 @@ def _fp4_linear_cases() -> list[Case]:
                             dict(x_ptr=BF, w_ptr="*u8", s_ptr="*u8", d_ptr=F32, bias_ptr=BF, y_ptr=BF),
                             dict(GROUP=group, HAS_BIAS=False, EVEN_K=True, BM=bm, BN=bn, BK=bk), warps,
                             quick=m == 1, precision={"PREC": "tc"}, no_spill=True, per_target=dots))
+            if m == 1:   # decode's tiles on the left of the dots, where tiles.fp4_weights_left puts them
+                out.append(Case(f"fp4 linear BM={bm} group={group} left", _fp4_linear_kernel,
+                                dict(x_ptr=BF, w_ptr="*u8", s_ptr="*u8", d_ptr=F32, bias_ptr=BF, y_ptr=BF),
+                                dict(GROUP=group, HAS_BIAS=False, EVEN_K=True, BM=bm, BN=bn, BK=bk, W4_LEFT=True), warps,
+                                precision={"PREC": "tc"}, no_spill=True,
+                                not_on=tuple(t for t in TARGETS if t not in FP4_LEFT_TARGETS)))
     return out
 
 

@@ -14,7 +14,14 @@ import triton
 import triton.language as tl
 
 from kdaserve.ops.fp4.reference import e2m1_values, quantize_mxfp4, quantize_nvfp4
-from kdaserve.ops.fp4.tiles import e2m1_bf16_pair, e2m1_pair, group_scale, group_scale_bf16
+from kdaserve.ops.fp4.tiles import (
+    e2m1_bf16_pair,
+    e2m1_pair,
+    fragment_order_k,
+    group_scale,
+    group_scale_bf16,
+    in_fragment_order,
+)
 from kdaserve.ops.fp4.weights import Fp4Weights
 from kdaserve.ops.moe import RouterConfig, moe_experts_reference, route_tokens
 from kdaserve.testing.compare import assert_rel_close
@@ -241,6 +248,49 @@ def test_fused_4bit_experts_at_every_launch_shape(scheme, tiles):
 
 
 @INTERP
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("tiles", [
+    (16, (16, 32, 4, 2), (16, 32, 4, 3)),     # K steps of 32: 4 bytes a thread's share of a row
+    (32, (32, 64, 4, 1), (32, 128, 4, 1)),    # 32 rows per program; the down kernel's K masked (128 > 64)
+    (16, (16, 128, 4, 2), (16, 64, 4, 2)),    # gate|up's K step past hidden (96): masked
+], ids=["even-k", "wide-rows", "masked-k"])
+def test_decoded_tiles_on_the_left_of_the_dots_in_fragment_order(scheme, tiles):
+    """W4_LEFT (acc^T = W x^T, K in fragment order on both sides: ops/fp4/tiles.in_fragment_order):
+    the reference's numbers at every launch shape, fp16 activations too; and the order itself, a
+    permutation of the K step that keeps each pair and gives each of 4 threads BK/8 adjacent pairs."""
+    from kdaserve.ops.moe.fused import MoeTiles, moe_experts_fused
+
+    w13, w2 = fp4_experts(6, 96, 64, scheme, seed=3)
+    weights, ids = _routing(11, 6, 3, "random", seed=6)
+    for dtype in (torch.float32, torch.float16):
+        x = torch.randn(11, 96, generator=torch.Generator().manual_seed(7)).to(dtype)
+        want = moe_experts_reference(x.float(), w13, w2, weights, ids, activation_limit=0.5)
+        got = moe_experts_fused(x, w13, w2, weights, ids, tiles=MoeTiles(*tiles), activation_limit=0.5, fp4_left=True)
+        assert_rel_close(got.float(), want, 1e-5 if dtype == torch.float32 else 2e-3, f"left operands at {tiles} {dtype}")
+    for BK in (32, 128):
+        offsets = _fragment_order(BK)
+        assert sorted(offsets) == list(range(BK)) and all(offsets[2 * q + 1] == offsets[2 * q] + 1 for q in range(BK // 2))
+        pairs = [offsets[2 * q] // 2 for q in range(BK // 2)]
+        for t in range(4):   # pairs q = t, t + 4, t + 8 ...: one thread's share of an operand row
+            assert pairs[t::4] == list(range(t * BK // 8, (t + 1) * BK // 8))
+
+
+@triton.jit
+def _fragment_orders(offsets_ptr, moved_ptr, BK: tl.constexpr):
+    tl.store(offsets_ptr + tl.arange(0, BK), fragment_order_k(BK))
+    rows = tl.arange(0, 2)[:, None] * 0 + tl.arange(0, BK)[None, :]
+    tl.store(moved_ptr + tl.arange(0, 2)[:, None] * BK + tl.arange(0, BK)[None, :], in_fragment_order(rows))
+
+
+def _fragment_order(BK: int) -> list[int]:
+    """fragment_order_k's offsets, checked to be in_fragment_order's order of a tile's K positions."""
+    offsets, moved = torch.empty(BK, dtype=torch.int32), torch.empty(2, BK, dtype=torch.int32)
+    _fragment_orders[(1,)](offsets, moved, BK=BK)
+    assert torch.equal(moved[0], offsets) and torch.equal(moved[1], offsets), "the tile's order is the offsets' order"
+    return offsets.tolist()
+
+
+@INTERP
 @pytest.mark.parametrize("scheme, tiles", [("mxfp4", (16, (64, 64, 2, 2), (32, 64, 2, 2))),
                                            ("nvfp4", (16, (32, 64, 2, 2), (32, 64, 2, 2)))])
 def test_gate_and_up_scales_in_one_load_and_scale_rows_16_bytes_apart(scheme, tiles):
@@ -371,8 +421,9 @@ def test_4bit_linear_matches_the_definition(scheme, M, N, K, bias):
     assert fp4_linear(x[:0], w).shape == (0, N)
     # bf16 activations take the bf16 decoding: the dequantized weight's bf16 GEMM
     xb = x.bfloat16()
-    assert_rel_close(fp4_linear(xb, w).float(), F.linear(xb.float(), w.dequantized(torch.float32)), 1e-2,
-                     f"4-bit linear {scheme} bf16 {M}x{N}x{K}")
+    for left in (False, True):   # the decoded tiles on either side of the dots (tiles.fp4_weights_left)
+        assert_rel_close(fp4_linear(xb, w, fp4_left=left).float(), F.linear(xb.float(), w.dequantized(torch.float32)),
+                         1e-2, f"4-bit linear {scheme} bf16 {M}x{N}x{K} left={left}")
 
 
 @pytest.mark.gpu
@@ -408,6 +459,29 @@ def test_gpu_fused_4bit_experts_at_kimi_linear_sizes(scheme, T):
     got = moe_experts_fused(x, w13, w2, weights, ids)
     want = moe_experts_reference(x.float(), w13, w2, weights, ids)
     assert_rel_close(got.float(), want, 1e-2, f"4-bit fused MoE {scheme} bf16 T={T}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("T", [8, 64, 2048])
+def test_gpu_decoded_tiles_on_either_side_of_the_dots(scheme, T):
+    """The 4-bit expert kernels with their decoded tiles on the left of the dots (W4_LEFT: wgmma
+    with the weights from registers on sm_90) and on the right, at Kimi-Linear's sizes: both
+    within bf16's rounding of the reference, and of each other (only the order of the sums differs)."""
+    from kdaserve.ops.moe.fused import moe_experts_fused
+
+    E, k, hidden, inter = 64, 8, 2304, 1024
+    w13, w2 = fp4_experts(E, hidden, inter, scheme, device="cuda", seed=T + 1)
+    w13, w2 = w13.with_aligned_scales(), w2.with_aligned_scales()
+    g = torch.Generator(device="cuda").manual_seed(T + 1)
+    x = torch.randn(T, hidden, device="cuda", generator=g).bfloat16()
+    gate = torch.randn(E, hidden, device="cuda", generator=g) * hidden**-0.5
+    weights, ids = route_tokens(x, gate, None, RouterConfig(E, k))
+    want = moe_experts_reference(x.float(), w13, w2, weights, ids)
+    sides = {left: moe_experts_fused(x, w13, w2, weights, ids, fp4_left=left).float() for left in (True, False)}
+    for left, got in sides.items():
+        assert_rel_close(got, want, 1e-2, f"4-bit fused MoE {scheme} T={T} left={left}")
+    assert_rel_close(sides[True], sides[False], 1e-2, f"left against right {scheme} T={T}")
 
 
 @pytest.mark.gpu

@@ -15,7 +15,13 @@ import triton.language as tl
 
 from kdaserve.ops import interpreter_compat
 from kdaserve.ops.fp4.byte_tables import decode_by_tables
-from kdaserve.ops.fp4.tiles import fp4_weight_tile, mxfp4_scaled_dot
+from kdaserve.ops.fp4.tiles import (
+    fp4_weight_tile,
+    fp4_weights_left,
+    fragment_order_k,
+    in_fragment_order,
+    mxfp4_scaled_dot,
+)
 from kdaserve.ops.fp4.weights import Fp4Weights
 from kdaserve.ops.precision import device_target, dot_precision, native_fp4_dots
 
@@ -27,21 +33,29 @@ def _fp4_linear_kernel(
     GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
     W4_DOT: tl.constexpr = False, A_FORMAT: tl.constexpr = "bf16", W4_TABLES: tl.constexpr = False,
+    W4_LEFT: tl.constexpr = False,
 ):
+    """W4_LEFT: the decoded tiles are the dots' left operands (acc^T = W x^T, K in fragment order:
+    tiles.in_fragment_order), as the fused MoE kernels take them (tiles.fp4_weights_left)."""
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     rows_in = (rows % M).to(tl.int64)
     cols_in = (cols % N).to(tl.int64)
-    acc = tl.zeros([BM, BN], tl.float32)
+    acc = tl.zeros([BN, BM] if W4_LEFT else [BM, BN], tl.float32)
     w_rows, s_rows = w_ptr + cols_in[:, None] * stride_w, s_ptr + cols_in[:, None] * stride_s
     for k0 in range(0, K, BK):
-        ks = k0 + tl.arange(0, BK)
+        ks = k0 + (fragment_order_k(BK) if W4_LEFT else tl.arange(0, BK))
         a = tl.load(x_ptr + rows_in[:, None] * stride_x + ks[None, :], mask=((ks < K) | EVEN_K)[None, :], other=0.0)
         if W4_DOT:
             acc = mxfp4_scaled_dot(a, w_rows, s_rows, True, k0, K, acc, BK, EVEN_K, A_FORMAT)
         else:
             w = fp4_weight_tile(w_rows, s_rows, True, k0, K, BK, GROUP, EVEN_K, a.dtype, W4_TABLES)
-            acc = tl.dot(a, tl.trans(w), acc, input_precision=PREC)
+            if W4_LEFT:
+                acc = tl.dot(in_fragment_order(w), tl.trans(a), acc, input_precision=PREC)
+            else:
+                acc = tl.dot(a, tl.trans(w), acc, input_precision=PREC)
+    if W4_LEFT:
+        acc = tl.trans(acc)
     if GROUP == 16:   # NVFP4's global scale divides, per output row of W
         acc = acc / tl.load(d_ptr + cols_in)[None, :]
     if HAS_BIAS:
@@ -60,9 +74,11 @@ def fp4_tiles(m: int) -> tuple[int, int, int, int]:
 
 
 def fp4_linear(x: torch.Tensor, w: Fp4Weights, bias: torch.Tensor | None = None,
-               fp4_dots: bool | None = None) -> torch.Tensor:
+               fp4_dots: bool | None = None, fp4_left: bool | None = None) -> torch.Tensor:
     """x [..., in] -> [..., out] in x's dtype; the definition is F.linear(x, w.dequantized(x.dtype), bias).
-    `fp4_dots`: force tl.dot_scaled (MXFP4, bf16 / fp16 x) on or off; None: where the target multiplies fp4."""
+    `fp4_dots`: force tl.dot_scaled (MXFP4, bf16 / fp16 x) on or off; None: where the target multiplies fp4.
+    `fp4_left`: force the decoded tiles on the left of the dots or the right; None: as
+    tiles.fp4_weights_left says for the target."""
     out_features, in_features = w.shape
     if x.shape[-1] != in_features or w.packed.dim() != 2:
         raise ValueError(f"a 4-bit linear layer of {in_features} inputs needs x [..., {in_features}], got {list(x.shape)}")
@@ -87,5 +103,7 @@ def fp4_linear(x: torch.Tensor, w: Fp4Weights, bias: torch.Tensor | None = None,
         w.scale.stride(0), y.stride(0), GROUP=w.group, HAS_BIAS=bias is not None, EVEN_K=in_features % BK == 0,
         BM=BM, BN=BN, BK=BK, PREC=prec, W4_DOT=dot, A_FORMAT="bf16" if x.dtype == torch.bfloat16 else "fp16",
         W4_TABLES=not dot and x.dtype == torch.bfloat16 and decode_by_tables(x.device),
+        W4_LEFT=not dot and x.dtype in (torch.bfloat16, torch.float16) and (
+            fp4_weights_left(device_target(x.device), BM) if fp4_left is None else fp4_left),
         num_warps=warps)
     return y.view(*lead, out_features)

@@ -152,6 +152,44 @@ def _per_value(g, BK: tl.constexpr, GROUP: tl.constexpr):
     return tl.reshape(tl.broadcast_to(g[:, :, None], (g.shape[0], BK // GROUP, GROUP)), (g.shape[0], BK))
 
 
+# Where the decoded tiles may go on the left of the dots: Hopper, whose wgmma takes its left operand
+# from registers (the weights as decoded, K in fragment order) and its right from shared memory (the
+# activations). Elsewhere (mma.sync, tcgen05, MFMA) the left side is untimed, and on sm_89 the byte
+# tables spill there (tools/compile_check).
+FP4_LEFT_TARGETS = ("sm_90",)
+
+
+def fp4_weights_left(target: str, block_m: int) -> bool:
+    """Whether the 4-bit GEMMs on `target` put their decoded weight tiles on the left of the dots
+    (acc^T = W x^T, K in fragment order) at `block_m` activation rows per program."""
+    return False
+
+
+@triton.jit
+def fragment_order_k(BK: tl.constexpr):
+    """The memory offsets, within a K step of BK, of the positions of `in_fragment_order`'s K order:
+    position 2q + r (value r of pair q) holds memory position 2 (BK/8 (q % 4) + q // 4) + r. An
+    operand beside a tile in fragment order loads its K positions from these offsets (runs of 2)."""
+    p = tl.arange(0, BK)
+    return 2 * ((BK // 8) * (p // 2 % 4) + p // 8) + p % 2
+
+
+@triton.jit
+def in_fragment_order(w):
+    """[R, BK] decoded weight values, K in memory order -> the same values, K in fragment order.
+
+    Why: a tensor-core operand held in registers (mma's and wgmma's left operand, 2 values a 32-bit
+    register) gives each of the 4 threads along a row every 4th pair of K positions: of a row of
+    4-bit bytes (a pair of values each), bytes t, t + 4, t + 8 ..., so each thread loads its bytes one
+    at a time. Pair q of fragment order is memory pair BK/8 (q % 4) + q // 4: a thread's pairs are
+    BK/8 bytes side by side, one vector load. A dot sums over K in any order both operands share, so
+    the other operand loads its K positions from `fragment_order_k`. The reordering is of registers
+    only: Triton lays the decoded tile out so that it moves no value."""
+    R: tl.constexpr = w.shape[0]
+    BK: tl.constexpr = w.shape[1]
+    return tl.reshape(tl.permute(tl.reshape(w, (R, 4, BK // 8, 2)), (0, 2, 1, 3)), (R, BK))
+
+
 @triton.jit
 def mxfp4_scaled_dot(a, w_rows, s_rows, row_ok, k0, K, acc, BK: tl.constexpr, EVEN_K: tl.constexpr,
                      A_FORMAT: tl.constexpr):

@@ -33,6 +33,9 @@ from kdaserve.ops.fp4.tiles import (
     fp4_packed,
     fp4_scale_pair,
     fp4_weight_tile,
+    fp4_weights_left,
+    fragment_order_k,
+    in_fragment_order,
     mxfp4_scaled_dot,
     scale_pair_pipelines,
 )
@@ -71,14 +74,16 @@ def _moe_gate_up_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
     FP8: tl.constexpr, BLOCK_ROWS: tl.constexpr, EVEN_K: tl.constexpr, HAS_SHARED: tl.constexpr = False,
     W4: tl.constexpr = 0, W4_DOT: tl.constexpr = False, A_FORMAT: tl.constexpr = "bf16", W4_PAIR: tl.constexpr = False,
-    W4_TABLES: tl.constexpr = False,
+    W4_TABLES: tl.constexpr = False, W4_LEFT: tl.constexpr = False,
 ):
     """HAS_SHARED: expert `num_routed` is the shared expert, its [2I, hidden] weight at
     shared_w_ptr with w13's row stride. W4 (4-bit experts, ops/fp4/tiles.py): the values per
     scale (32 MXFP4, 16 NVFP4); w_ptr holds packed bytes [E, 2I, hidden/2], ws_ptr the uint8 group
     scales [E, 2I, hidden/W4], wd_ptr (NVFP4) the fp32 divisors [E, 2I]. W4_DOT (MXFP4, x in
     A_FORMAT bf16 / fp16): the weights enter tl.dot_scaled as stored instead of decoded. W4_PAIR:
-    the decoded path loads gate's and up's scales as one tile (ops/fp4/tiles.scale_pair_pipelines)."""
+    the decoded path loads gate's and up's scales as one tile (ops/fp4/tiles.scale_pair_pipelines).
+    W4_LEFT: the decoded tiles are the dots' left operands (acc^T = W x^T, K in fragment order:
+    ops/fp4/tiles.in_fragment_order; moe_experts_fused says where)."""
     pid_m, pid_n = _block_of_program(tl.cdiv(INTER, BN))
     e = tl.load(experts_ptr + pid_m)
     if e < 0:
@@ -98,10 +103,14 @@ def _moe_gate_up_kernel(
         s_base = ws_ptr + e.to(tl.int64) * stride_wse
         gate_w, gate_s = w_base + cols[:, None] * stride_wn, s_base + cols[:, None] * stride_wsn
         up_w, up_s = w_base + (cols + INTER)[:, None] * stride_wn, s_base + (cols + INTER)[:, None] * stride_wsn
+        if W4_LEFT:
+            acc_g = tl.zeros([BN, BM], tl.float32)
+            acc_u = tl.zeros([BN, BM], tl.float32)
         for k0 in range(0, HIDDEN, BK):
-            ks = k0 + tl.arange(0, BK)
-            a = tl.load(x_ptr + tokens[:, None] * stride_x + ks[None, :],
-                        mask=valid[:, None] & ((ks < HIDDEN) | EVEN_K)[None, :], other=0.0)
+            ks = k0 + (fragment_order_k(BK) if W4_LEFT else tl.arange(0, BK))
+            # Unmasked rows: a slot past the block's reads token 0's row, its result never stored (a row
+            # mask costs a predicate a load, and fragment order loads 4 bytes at a time).
+            a = tl.load(x_ptr + tokens[:, None] * stride_x + ks[None, :], mask=((ks < HIDDEN) | EVEN_K)[None, :], other=0.0)
             if W4_DOT:
                 acc_g = mxfp4_scaled_dot(a, gate_w, gate_s, col_ok[:, None], k0, HIDDEN, acc_g, BK, EVEN_K, A_FORMAT)
                 acc_u = mxfp4_scaled_dot(a, up_w, up_s, col_ok[:, None], k0, HIDDEN, acc_u, BK, EVEN_K, A_FORMAT)
@@ -113,8 +122,16 @@ def _moe_gate_up_kernel(
                 else:
                     pg, sg = fp4_codes(gate_w, gate_s, col_ok[:, None], k0, HIDDEN, BK, W4, EVEN_K)
                     pu, su = fp4_codes(up_w, up_s, col_ok[:, None], k0, HIDDEN, BK, W4, EVEN_K)
-                acc_g = tl.dot(a, tl.trans(decode_fp4_tile(pg, sg, BK, W4, a.dtype, W4_TABLES)), acc_g, input_precision=PREC)
-                acc_u = tl.dot(a, tl.trans(decode_fp4_tile(pu, su, BK, W4, a.dtype, W4_TABLES)), acc_u, input_precision=PREC)
+                wg = decode_fp4_tile(pg, sg, BK, W4, a.dtype, W4_TABLES)
+                wu = decode_fp4_tile(pu, su, BK, W4, a.dtype, W4_TABLES)
+                if W4_LEFT:
+                    acc_g = tl.dot(in_fragment_order(wg), tl.trans(a), acc_g, input_precision=PREC)
+                    acc_u = tl.dot(in_fragment_order(wu), tl.trans(a), acc_u, input_precision=PREC)
+                else:
+                    acc_g = tl.dot(a, tl.trans(wg), acc_g, input_precision=PREC)
+                    acc_u = tl.dot(a, tl.trans(wu), acc_u, input_precision=PREC)
+        if W4_LEFT:
+            acc_g, acc_u = tl.trans(acc_g), tl.trans(acc_u)
         if W4 == 16:   # NVFP4's global scale divides, per output row
             divisors = wd_ptr + e.to(tl.int64) * stride_wde + cols
             acc_g = acc_g / tl.load(divisors, mask=col_ok, other=1.0)[None, :]
@@ -147,10 +164,11 @@ def _moe_down_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
     FP8: tl.constexpr, BLOCK_ROWS: tl.constexpr, EVEN_K: tl.constexpr, HAS_SHARED: tl.constexpr = False,
     W4: tl.constexpr = 0, W4_DOT: tl.constexpr = False, A_FORMAT: tl.constexpr = "bf16", W4_TABLES: tl.constexpr = False,
+    W4_LEFT: tl.constexpr = False,
 ):
     """HAS_SHARED: expert `num_routed` is the shared expert, its [hidden, I] weight at
-    shared_w_ptr with w2's row stride. W4, W4_DOT: 4-bit experts as in _moe_gate_up_kernel (packed
-    [E, hidden, I/2], scales [E, hidden, I/W4], divisors [E, hidden])."""
+    shared_w_ptr with w2's row stride. W4, W4_DOT, W4_LEFT: 4-bit experts as in _moe_gate_up_kernel
+    (packed [E, hidden, I/2], scales [E, hidden, I/W4], divisors [E, hidden])."""
     pid_m, pid_n = _block_of_program(tl.cdiv(HIDDEN, BN))
     e = tl.load(experts_ptr + pid_m)
     if e < 0:
@@ -167,15 +185,21 @@ def _moe_down_kernel(
     if W4:
         w_rows = w_base + cols[:, None] * stride_wn
         s_rows = ws_ptr + e.to(tl.int64) * stride_wse + cols[:, None] * stride_wsn
+        if W4_LEFT:
+            acc = tl.zeros([BN, BM], tl.float32)
         for k0 in range(0, INTER, BK):
-            ks = k0 + tl.arange(0, BK)
-            a = tl.load(h_ptr + rows[:, None] * stride_h + ks[None, :],
-                        mask=valid[:, None] & ((ks < INTER) | EVEN_K)[None, :], other=0.0)
+            ks = k0 + (fragment_order_k(BK) if W4_LEFT else tl.arange(0, BK))
+            a = tl.load(h_ptr + rows[:, None] * stride_h + ks[None, :], mask=((ks < INTER) | EVEN_K)[None, :], other=0.0)
             if W4_DOT:
                 acc = mxfp4_scaled_dot(a, w_rows, s_rows, col_ok[:, None], k0, INTER, acc, BK, EVEN_K, A_FORMAT)
             else:
                 w = fp4_weight_tile(w_rows, s_rows, col_ok[:, None], k0, INTER, BK, W4, EVEN_K, a.dtype, W4_TABLES)
-                acc = tl.dot(a, tl.trans(w), acc, input_precision=PREC)
+                if W4_LEFT:
+                    acc = tl.dot(in_fragment_order(w), tl.trans(a), acc, input_precision=PREC)
+                else:
+                    acc = tl.dot(a, tl.trans(w), acc, input_precision=PREC)
+        if W4_LEFT:
+            acc = tl.trans(acc)
         if W4 == 16:
             acc = acc / tl.load(wd_ptr + e.to(tl.int64) * stride_wde + cols, mask=col_ok, other=1.0)[None, :]
     else:
@@ -277,7 +301,7 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
                       block: tuple[int, int] | None = None, tiles: MoeTiles | None = None,
                       addend: torch.Tensor | None = None,
                       shared: tuple[torch.Tensor, torch.Tensor] | None = None, skip_expert: bool = False,
-                      fp4_dots: bool | None = None) -> torch.Tensor:
+                      fp4_dots: bool | None = None, fp4_left: bool | None = None) -> torch.Tensor:
     """Same contract as ops/moe/reference.moe_experts_reference: x [T, hidden] -> [T, hidden];
     `addend` [T, hidden] (the shared experts' output) is added before the result's one rounding.
     `shared` = (w13 [2I, hidden], w2 [hidden, I]) of a shared expert of the routed experts' width,
@@ -291,7 +315,9 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     inside both GEMMs, x and the SiLU product in their own dtype (W4A16); the definition is
     ops/moe/reference.moe_experts_reference over the dequantized weights. MXFP4 experts with bf16 /
     fp16 x go through `tl.dot_scaled` instead where the target multiplies fp4 natively
-    (ops/precision.native_fp4_dots; `fp4_dots` True / False forces either, for tests).
+    (ops/precision.native_fp4_dots; `fp4_dots` True / False forces either, for tests). Decoded 4-bit
+    tiles enter the dots as their left operands where ops/fp4/tiles.fp4_weights_left says (`fp4_left` forces
+    either, for tests and benchmarks).
     `skip_expert`: id E marks choices computed elsewhere (another rank's experts under expert
     parallelism): aligned as one more expert whose blocks no program runs, their rows zero."""
     T, hidden, E, inter = check_expert_shapes("fused MoE", x, w13, w2, weights, ids, addend)
@@ -348,8 +374,11 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     scaled = fp8 or w4
     w4_dot = (group == 32 and x.dtype in (torch.bfloat16, torch.float16)
               and (native_fp4_dots(device_target(x.device)) if fp4_dots is None else fp4_dots))
-    dots = dict(W4_DOT=w4_dot, A_FORMAT="bf16" if x.dtype == torch.bfloat16 else "fp16",
-                W4_TABLES=bool(w4) and not w4_dot and x.dtype == torch.bfloat16 and decode_by_tables(x.device))
+    decoded = bool(w4) and not w4_dot
+    left = decoded and x.dtype in (torch.bfloat16, torch.float16) and (
+        fp4_weights_left(device_target(x.device), BM) if fp4_left is None else fp4_left)
+    dots = dict(W4_DOT=w4_dot, A_FORMAT="bf16" if x.dtype == torch.bfloat16 else "fp16", W4_LEFT=left,
+                W4_TABLES=decoded and x.dtype == torch.bfloat16 and decode_by_tables(x.device))
     _moe_gate_up_kernel[(m_blocks * triton.cdiv(inter, BN1),)](
         a, w13, sorted_slots, block_experts, h, a_scale, ws13, shared_w13, wd13,
         S, hidden, inter, a.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
