@@ -133,12 +133,21 @@ def expert_formats(w13: torch.Tensor, w2: torch.Tensor) -> dict[str, tuple[tuple
             "nvfp4": ((fp4(w13, True), fp4(w2, True)), {}, 0.5 + 1 / 16)}
 
 
-def moe_formats(batches, prefill, bw) -> None:
+def moe_formats(batches, prefill, bw, fp4_sides: bool = False) -> None:
     """The fused MoE call with the experts (--moe-shape) in bf16, block FP8, MXFP4 and NVFP4, one table:
     decode graph-replayed against each format's own floor (its bytes of the touched experts), and
-    prefill eager with the fraction of the bf16 tensor rate."""
+    prefill eager with the fraction of the bf16 tensor rate. `fp4_sides`: each 4-bit format twice, its
+    decoded tiles on the right of the dots and on the left (ops/fp4/tiles.fp4_weights_left)."""
     g, w13, w2, gate, router = routed_experts()
     formats = expert_formats(w13, w2)
+    if fp4_sides:
+        sided = {}
+        for name, (w, kw, per) in formats.items():
+            for side in ("right", "left") if name.endswith("fp4") else ():
+                sided[f"{name} {side}"] = (w, {**kw, "fp4_left": side == "left"}, per)
+            if not name.endswith("fp4"):
+                sided[name] = (w, kw, per)
+        formats = sided
     rows = []
     for step, T in [("decode", b) for b in batches] + [("prefill", t) for t in prefill]:
         x = torch.randn(T, HIDDEN, device="cuda", generator=g).to(BF)
@@ -553,6 +562,8 @@ def main() -> None:
                     help="MXFP4 experts' launch shapes, each GEMM's varied apart (issue 63)")
     ap.add_argument("--moe-formats", action="store_true",
                     help="fused MoE with the experts in bf16, FP8, MXFP4 and NVFP4, each against its own floor")
+    ap.add_argument("--fp4-sides", action="store_true",
+                    help="with --moe-formats: the 4-bit experts' decoded tiles on the right of the dots and on the left")
     ap.add_argument("--moe-shape", choices=list(MOE_SHAPES), default="kimi",
                     help="the experts' shape for the MoE tables (the MLA tables stay Kimi-Linear's)")
     args = ap.parse_args()
@@ -567,7 +578,7 @@ def main() -> None:
                     "moe_prefill_paths": lambda: moe_prefill_paths(args.prefill),
                     "sweep_mla_prefill": lambda: mla_prefill_sweep(args.prefill, args.mla_heads),
                     "sweep_shared": lambda: shared_expert_sweep(args.batches),
-                    "moe_formats": lambda: moe_formats(args.batches, args.prefill, bw),
+                    "moe_formats": lambda: moe_formats(args.batches, args.prefill, bw, args.fp4_sides),
                     "sweep_moe_fp4": lambda: fp4_moe_sweep(args.batches, args.prefill, bw)}
     for flag, run in alternatives.items():
         if getattr(args, flag):

@@ -14,7 +14,8 @@
 # Add a part as `if [ "$PART" = name ]; then ... fi` below, with what it must show, and name it in
 # OWED; take it out of OWED once it ran (its numbers go to docs/perf-notes.md).
 OWED=(
-  fp4_tables      # any GPU (issue 63): the byte-table decoder (KDASERVE_FP4_DECODER=tables) against the bitwise one
+  fp4_tables      # any GPU (issue 63): byte tables against bits, decoded tiles left of the dots against right
+  fp4_tables_glm  # any GPU (issue 63): the same at GLM-5.3-Flash's experts; Kimi-Linear's 8 layers
   fp4_native      # a B200 / MI355X only (issue 63): MXFP4 experts through tl.dot_scaled, timed
   fp4_kimi_full   # an H200 (issue 63): the whole Kimi-Linear (27 layers) with MXFP4 experts against bf16
   house_speed     # on an H200 (issue 59 asks it there; the H100 ran it, thirty-third session: within A/A):
@@ -242,23 +243,40 @@ if [ "$PART" = fp4_bf16 ]; then
 fi
 
 if [ "$PART" = fp4_tables ]; then
-  # Must show (issue 63): with KDASERVE_FP4_DECODER=tables, test_fp4.py's GPU tests pass (the new one:
-  # both decoders' outputs equal bit for bit, experts and the 4-bit linear); then --moe-formats with
-  # bits, tables, bits, tables at Kimi-Linear's experts and bits, tables at GLM-5.3-Flash's: MXFP4 /
-  # NVFP4 decode at 8 / 64 / 256 faster with tables by more than bits-vs-bits' spread (sm_90 SASS:
-  # 686 / 710 instructions a K step against 712 / 744; but the down kernel's registers 112 -> 168,
-  # 3 programs an SM instead of 4), prefill not slower. If so, make tables the default on NVIDIA
-  # (and drop the bf16 bitwise path there); if not, remove ops/fp4/byte_tables.py (docs keep why).
-  # Then Kimi-Linear's first 8 layers with MXFP4 experts, bits then tables (graph step at 1 and 64).
-  KDASERVE_FP4_DECODER=tables group fp4_tables_gpu 150 tests/ops/test_fp4.py -k "gpu or decoders"
+  # Must show (issue 63): two choices of the 4-bit decode kernels, timed together. The decoder: bits
+  # (default) or byte tables (KDASERVE_FP4_DECODER=tables, ops/fp4/byte_tables.py); the side of the
+  # dots the decoded tiles take: right (acc = x W^T, default) or left (acc^T = W x^T, K in fragment
+  # order: ops/fp4/tiles.in_fragment_order; on sm_90 a wgmma with the weights from registers). sm_90
+  # SASS a K step (gate|up / down, MXFP4): bits right 710 / 736, tables right 705 / 718, bits left
+  # 644 / 703, tables left 581 / 646; gate|up registers 124 right, 99 left. First test_fp4.py's GPU
+  # tests with tables (both decoders bit for bit; left against right within bf16's rounding); then
+  # --moe-formats --fp4-sides with bits, tables, bits, tables at Kimi-Linear's experts: MXFP4 / NVFP4
+  # decode at 8 / 64 / 256 faster by more than bits-vs-bits' spread, prefill not slower (prefill stays
+  # right). Part fp4_tables_glm checks the winner at GLM-5.3-Flash's experts. Then: make the faster
+  # side fp4_weights_left's answer on sm_90 and the faster decoder the default on NVIDIA (dropping the
+  # other bf16 decoder there, or removing ops/fp4/byte_tables.py; docs keep why).
+  KDASERVE_FP4_DECODER=tables group fp4_tables_gpu 200 tests/ops/test_fp4.py -k "gpu or decoders"
   i=0
-  for run in kimi:bits kimi:tables kimi:bits kimi:tables glm:bits glm:tables; do
-    shape=${run%:*} dec=${run#*:} i=$((i + 1))
-    [ $(( $(date +%s) - START )) -gt $(( BUDGET - 60 )) ] && { echo "== $run NOT RUN (budget)"; continue; }
-    KDASERVE_FP4_DECODER=$dec timeout $(cap 100) python3 benchmarks/bench_moe_mla.py --moe-formats --moe-shape $shape \
-      --batches 8 64 256 --prefill 8192 > "$OUT/fp4_tables_${i}_${shape}_$dec.log" 2>&1
-    echo "== formats $run rc=$?"; grep "^|.*\(mxfp4\|nvfp4\)" "$OUT/fp4_tables_${i}_${shape}_$dec.log"
-    grep -m3 "Error\|Traceback" "$OUT/fp4_tables_${i}_${shape}_$dec.log"
+  for dec in bits tables bits tables; do
+    i=$((i + 1))
+    [ $(( $(date +%s) - START )) -gt $(( BUDGET - 60 )) ] && { echo "== kimi $dec NOT RUN (budget)"; continue; }
+    KDASERVE_FP4_DECODER=$dec timeout $(cap 100) python3 benchmarks/bench_moe_mla.py --moe-formats --fp4-sides \
+      --moe-shape kimi --batches 8 64 256 --prefill 8192 > "$OUT/fp4_tables_${i}_kimi_$dec.log" 2>&1
+    echo "== formats kimi:$dec rc=$?"; grep "^|.*\(mxfp4\|nvfp4\)" "$OUT/fp4_tables_${i}_kimi_$dec.log"
+    grep -m3 "Error\|Traceback" "$OUT/fp4_tables_${i}_kimi_$dec.log"
+  done
+fi
+
+if [ "$PART" = fp4_tables_glm ]; then
+  # Must show (issue 63): fp4_tables' choice at GLM-5.3-Flash's experts (--fp4-sides, bits then
+  # tables), then Kimi-Linear's first 8 layers with MXFP4 experts, bits then tables, at the defaults
+  # (graph step at 1 and 64; the last run: 910 / 3878 us against bf16's 961 / 7013).
+  for dec in bits tables; do
+    [ $(( $(date +%s) - START )) -gt $(( BUDGET - 60 )) ] && { echo "== glm $dec NOT RUN (budget)"; continue; }
+    KDASERVE_FP4_DECODER=$dec timeout $(cap 160) python3 benchmarks/bench_moe_mla.py --moe-formats --fp4-sides \
+      --moe-shape glm --batches 8 64 256 --prefill 8192 > "$OUT/fp4_tables_glm_$dec.log" 2>&1
+    echo "== formats glm:$dec rc=$?"; grep "^|.*\(mxfp4\|nvfp4\)" "$OUT/fp4_tables_glm_$dec.log"
+    grep -m3 "Error\|Traceback" "$OUT/fp4_tables_glm_$dec.log"
   done
   for dec in bits tables; do
     [ $(( $(date +%s) - START )) -gt $(( BUDGET - 100 )) ] && { echo "== kimi $dec NOT RUN (budget)"; continue; }
