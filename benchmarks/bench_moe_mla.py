@@ -137,7 +137,7 @@ def moe_formats(batches, prefill, bw, fp4_sides: bool = False) -> None:
     """The fused MoE call with the experts (--moe-shape) in bf16, block FP8, MXFP4 and NVFP4, one table:
     decode graph-replayed against each format's own floor (its bytes of the touched experts), and
     prefill eager with the fraction of the bf16 tensor rate. `fp4_sides`: each 4-bit format twice, its
-    decoded tiles on the right of the dots and on the left (ops/fp4/tiles.fp4_weights_left)."""
+    decoded tiles on the right of the dots and on the left (ops/fp4/tiles.fp4_weights_left; decode only)."""
     g, w13, w2, gate, router = routed_experts()
     formats = expert_formats(w13, w2)
     if fp4_sides:
@@ -154,6 +154,8 @@ def moe_formats(batches, prefill, bw, fp4_sides: bool = False) -> None:
         weights, ids = route_tokens(x, gate, None, router)
         touched = ids.unique().numel()
         for name, ((a, b), kw, per_param) in formats.items():
+            if step == "prefill" and name.endswith(" left"):   # served right (ops/fp4/tiles.fp4_weights_left)
+                continue
             call = lambda a=a, b=b, kw=kw: moe_experts_fused(x, a, b, weights, ids, **kw)   # noqa: E731
             ms = bench_graph(call) if step == "decode" else bench(call)
             floor = (touched * 3 * HIDDEN * WIDTH * per_param / bw * 1e3 if step == "decode"

@@ -14,8 +14,7 @@
 # Add a part as `if [ "$PART" = name ]; then ... fi` below, with what it must show, and name it in
 # OWED; take it out of OWED once it ran (its numbers go to docs/perf-notes.md).
 OWED=(
-  fp4_tables      # any GPU (issue 63): byte tables against bits, decoded tiles left of the dots against right
-  fp4_tables_glm  # any GPU (issue 63): the same at GLM-5.3-Flash's experts; Kimi-Linear's 8 layers
+  fp4_sides       # any GPU (issue 63): sm_90's decoded tiles left of the dots (byte tables) at GLM's experts; Kimi's 8 layers
   fp4_native      # a B200 / MI355X only (issue 63): MXFP4 experts through tl.dot_scaled, timed
   fp4_kimi_full   # an H200 (issue 63): the whole Kimi-Linear (27 layers) with MXFP4 experts against bf16
   house_speed     # on an H200 (issue 59 asks it there; the H100 ran it, thirty-third session: within A/A):
@@ -23,7 +22,7 @@ OWED=(
   tp_gpus         # two or more GPUs (kind nvidia-h100-x2 or larger; issue 61): tensor parallel over NCCL with
                   # CUDA graphs per rank, and its throughput against one GPU
 )
-# Done, kept to run again: fp4_pair (thirty-ninth session, H100), fp4_bf16, fp4_shapes, fp4_glm, fp4_moe (thirty-eighth session, H100), image_tower (thirty-seventh session, H100), fp4_variants, ling_routing, ling_real, kimi_ttft (thirty-sixth session, H200), ling_tests (thirty-fourth session, H100: all passed), after_removal, house_tests, house_tests2, house_server and house_speed
+# Done, kept to run again: fp4_pair (thirty-ninth session, H100; its KDASERVE_FP4_DECODER is gone, fortieth), fp4_bf16, fp4_shapes, fp4_glm, fp4_moe (thirty-eighth session, H100), image_tower (thirty-seventh session, H100), fp4_variants, ling_routing, ling_real, kimi_ttft (thirty-sixth session, H200), ling_tests (thirty-fourth session, H100: all passed), after_removal, house_tests, house_tests2, house_server and house_speed
 # (thirty-third session, H100: all passed, throughput within A/A), k1_models and k1_models2 (thirty-second session, H100: all passed),
 # k1_ncu (K1 under Nsight Compute), k1_defaults (the K1 GPU tests and
 # the new defaults against the old), k1_prefetch_ncu, k1_table, k1_order (issue 21 goal 3), by the thirtieth
@@ -242,49 +241,29 @@ if [ "$PART" = fp4_bf16 ]; then
   sed -n '/^| step/,$p' "$OUT/fp4_formats_new.log" | grep "| fp8 \|| bf16 "
 fi
 
-if [ "$PART" = fp4_tables ]; then
-  # Must show (issue 63): two choices of the 4-bit decode kernels, timed together. The decoder: bits
-  # (default) or byte tables (KDASERVE_FP4_DECODER=tables, ops/fp4/byte_tables.py); the side of the
-  # dots the decoded tiles take: right (acc = x W^T, default) or left (acc^T = W x^T, K in fragment
-  # order: ops/fp4/tiles.in_fragment_order; on sm_90 a wgmma with the weights from registers). sm_90
-  # SASS a K step (gate|up / down, MXFP4): bits right 710 / 736, tables right 705 / 718, bits left
-  # 644 / 703, tables left 581 / 646; gate|up registers 124 right, 99 left. First test_fp4.py's GPU
-  # tests with tables (both decoders bit for bit; left against right within bf16's rounding); then
-  # --moe-formats --fp4-sides with bits, tables, bits, tables at Kimi-Linear's experts: MXFP4 / NVFP4
-  # decode at 8 / 64 / 256 faster by more than bits-vs-bits' spread, prefill not slower (prefill stays
-  # right). Part fp4_tables_glm checks the winner at GLM-5.3-Flash's experts. Then: make the faster
-  # side fp4_weights_left's answer on sm_90 and the faster decoder the default on NVIDIA (dropping the
-  # other bf16 decoder there, or removing ops/fp4/byte_tables.py; docs keep why).
-  KDASERVE_FP4_DECODER=tables group fp4_tables_gpu 200 tests/ops/test_fp4.py -k "gpu or decoders"
-  i=0
-  for dec in bits tables bits tables; do
-    i=$((i + 1))
-    [ $(( $(date +%s) - START )) -gt $(( BUDGET - 60 )) ] && { echo "== kimi $dec NOT RUN (budget)"; continue; }
-    KDASERVE_FP4_DECODER=$dec timeout $(cap 100) python3 benchmarks/bench_moe_mla.py --moe-formats --fp4-sides \
-      --moe-shape kimi --batches 8 64 256 --prefill 8192 > "$OUT/fp4_tables_${i}_kimi_$dec.log" 2>&1
-    echo "== formats kimi:$dec rc=$?"; grep "^|.*\(mxfp4\|nvfp4\)" "$OUT/fp4_tables_${i}_kimi_$dec.log"
-    grep -m3 "Error\|Traceback" "$OUT/fp4_tables_${i}_kimi_$dec.log"
-  done
-fi
-
-if [ "$PART" = fp4_tables_glm ]; then
-  # Must show (issue 63): fp4_tables' choice at GLM-5.3-Flash's experts (--fp4-sides, bits then
-  # tables), then Kimi-Linear's first 8 layers with MXFP4 experts, bits then tables, at the defaults
-  # (graph step at 1 and 64; the last run: 910 / 3878 us against bf16's 961 / 7013).
-  for dec in bits tables; do
-    [ $(( $(date +%s) - START )) -gt $(( BUDGET - 60 )) ] && { echo "== glm $dec NOT RUN (budget)"; continue; }
-    KDASERVE_FP4_DECODER=$dec timeout $(cap 160) python3 benchmarks/bench_moe_mla.py --moe-formats --fp4-sides \
-      --moe-shape glm --batches 8 64 256 --prefill 8192 > "$OUT/fp4_tables_glm_$dec.log" 2>&1
-    echo "== formats glm:$dec rc=$?"; grep "^|.*\(mxfp4\|nvfp4\)" "$OUT/fp4_tables_glm_$dec.log"
-    grep -m3 "Error\|Traceback" "$OUT/fp4_tables_glm_$dec.log"
-  done
-  for dec in bits tables; do
-    [ $(( $(date +%s) - START )) -gt $(( BUDGET - 100 )) ] && { echo "== kimi $dec NOT RUN (budget)"; continue; }
-    KDASERVE_FP4_DECODER=$dec timeout $(cap 100) python3 benchmarks/bench_kimi_linear.py \
-      --model moonshotai/Kimi-Linear-48B-A3B-Instruct --quantization mxfp4 --num-hidden-layers 8 --batches 1 64 --ttft 2048 \
-      > "$OUT/fp4_tables_kimi_$dec.log" 2>&1
-    echo "== kimi 8 layers, decoder $dec rc=$?"; grep "^| 1 |\|^| 64 |" "$OUT/fp4_tables_kimi_$dec.log" | head -4
-    grep -m3 "Error\|Traceback" "$OUT/fp4_tables_kimi_$dec.log"
+if [ "$PART" = fp4_sides ]; then
+  # Must show (issue 63): sm_90's 4-bit decode with the decoded tiles left of the dots and byte tables
+  # (tiles.fp4_weights_left; the fortieth session timed it on an H100 at Kimi-Linear's experts only,
+  # 1.03-1.10x as fast as right and bitwise). test_fp4.py's GPU tests pass; --moe-formats --fp4-sides
+  # at GLM-5.3-Flash's experts: "left" faster than "right" at 8 / 64 / 256 for both formats (Kimi's
+  # run: batch 64 MXFP4 0.4232 against 0.4500 ms; prefill runs right only); then
+  # Kimi-Linear's first 8 layers with MXFP4 experts at the defaults: graph step at 1 and 64 at or
+  # under the last run's 910 / 3878 us (bf16 961 / 7013); then Kimi's --fp4-sides once more (spread).
+  group fp4_sides_gpu 150 tests/ops/test_fp4.py -k "gpu or decoders"
+  runs=("glm 200 --prefill 8192" "kimi8 120" "kimi 100 --prefill 8192")
+  for run in "${runs[@]}"; do
+    read -r shape secs extra <<< "$run"
+    [ $(( $(date +%s) - START )) -gt $(( BUDGET - 60 )) ] && { echo "== $shape NOT RUN (budget)"; continue; }
+    if [ "$shape" = kimi8 ]; then
+      timeout $(cap "$secs") python3 benchmarks/bench_kimi_linear.py --model moonshotai/Kimi-Linear-48B-A3B-Instruct \
+        --quantization mxfp4 --num-hidden-layers 8 --batches 1 64 --ttft 2048 > "$OUT/fp4_sides_$shape.log" 2>&1
+      echo "== kimi 8 layers rc=$?"; grep "^| 1 |\|^| 64 |" "$OUT/fp4_sides_$shape.log" | head -4
+    else
+      timeout $(cap "$secs") python3 benchmarks/bench_moe_mla.py --moe-formats --fp4-sides --moe-shape "$shape" \
+        --batches 8 64 256 $extra > "$OUT/fp4_sides_$shape.log" 2>&1
+      echo "== formats $shape rc=$?"; grep "^|.*\(mxfp4\|nvfp4\)" "$OUT/fp4_sides_$shape.log"
+    fi
+    grep -m3 "Error\|Traceback" "$OUT/fp4_sides_$shape.log"
   done
 fi
 

@@ -318,23 +318,21 @@ def _other_cases() -> list[Case]:
     for group in (32, 16):   # 4-bit experts (ops/fp4/tiles.py): MXFP4, NVFP4
         for slots, label in ((64, "decode BM=16"), (65536, "prefill")):
             out += _moe_cases(slots, label, w4=group)
-        # KDASERVE_FP4_DECODER=tables (ops/fp4/byte_tables.py: PTX, NVIDIA only)
-        out += _moe_cases(64, "decode BM=16 byte tables", w4=group, tables=True)
-        # the decoded tiles as the dots' left operands (ops/moe/fused.fp4_weights_left)
-        out += _moe_cases(64, "decode BM=16 left", w4=group, left=True)
-        out += _moe_cases(64, "decode BM=16 left byte tables", w4=group, tables=True, left=True)
+        # Hopper's decode as it was before its tiles went left of the dots (tools/sass_loop compares them)
+        out += _moe_cases(64, "decode BM=16 right", w4=group, right=True)
     out += _fp4_linear_cases()
     return out + _fp8_cases()
 
 
-def _moe_cases(slots: int, label: str, shared: bool = False, w4: int = 0, tables: bool = False,
-               left: bool = False) -> list[Case]:
+def _moe_cases(slots: int, label: str, shared: bool = False, w4: int = 0, right: bool = False) -> list[Case]:
     """The two bf16 expert GEMMs of a step of `slots` (token, expert) pairs over Kimi-Linear's 256
     experts (hidden 2304, width 1024), on each target as ops/moe/fused.moe_tiles launches them there;
     `shared`: with the shared expert run as expert 256 (decode); `w4`: 4-bit experts in groups of
     32 (MXFP4) or 16 (NVFP4), K steps of at least 32 as moe_experts_fused widens them (MXFP4 through
-    tl.dot_scaled on sm_100 and gfx950)."""
-    from kdaserve.ops.fp4.tiles import FP4_LEFT_TARGETS, scale_pair_pipelines
+    tl.dot_scaled on sm_100 and gfx950; on sm_90's decode the decoded tiles left of the dots, decoded
+    by byte tables: ops/fp4/tiles.fp4_weights_left); `right`: sm_90's decode with the tiles on the
+    right of the dots, decoded bitwise, as every other target has them."""
+    from kdaserve.ops.fp4.tiles import fp4_weights_left, scale_pair_pipelines
     from kdaserve.ops.moe.fused import _moe_down_kernel, _moe_gate_up_kernel, moe_tiles
     from kdaserve.ops.precision import native_fp4_dots
 
@@ -346,16 +344,13 @@ def _moe_cases(slots: int, label: str, shared: bool = False, w4: int = 0, tables
         bk = max(bk, 32) if w4 else bk
         if w4 and which == "gate_up" and not w4_opts:   # gate's and up's scales in one load where that pipelines them
             w4_opts["W4_PAIR"] = scale_pair_pipelines(bn, bk, w4, warps)
+        if w4 and not w4_opts.get("W4_DOT") and not right and fp4_weights_left(t, tiles.block_m):
+            w4_opts.update(W4_LEFT=True, W4_TABLES=True)   # bf16 x on an NVIDIA GPU: the byte tables
         return {"consts": dict(BM=tiles.block_m, BN=bn, BK=bk, **w4_opts), "warps": warps,
                 "stages": stages or (2 if t.startswith("gfx") else 3)}
 
-    common = dict(FP8=False, BLOCK_ROWS=1, EVEN_K=True, HAS_SHARED=shared, W4=w4, **({"W4_TABLES": True} if tables else {}),
-                  **({"W4_LEFT": True} if left else {}))
-    # the tables decoder: PTX (no ROCm), never beside tl.dot_scaled (MXFP4 on sm_100 takes that); left operands only
-    # where fp4_weights_left puts them
-    not_on = ("gfx",) + tuple(t for t in TARGETS if w4 == 32 and native_fp4_dots(t)) if tables else ()
-    if left:
-        not_on = tuple(t for t in TARGETS if t not in FP4_LEFT_TARGETS)
+    common = dict(FP8=False, BLOCK_ROWS=1, EVEN_K=True, HAS_SHARED=shared, W4=w4)
+    not_on = tuple(t for t in TARGETS if t != "sm_90") if right else ()
     W, WS = ("*u8", "*u8") if w4 else (BF, BF)
     name = f"moe {'mx' if w4 == 32 else 'nv' if w4 else ''}{'fp4 ' if w4 else ''}"
     return [
@@ -377,7 +372,6 @@ def _fp4_linear_cases() -> list[Case]:
     """The 4-bit linear layer (ops/fp4/linear.py) at each of its tile choices, MXFP4 and NVFP4 (MXFP4
     through tl.dot_scaled where the target multiplies fp4, as fp4_linear picks)."""
     from kdaserve.ops.fp4.linear import _fp4_linear_kernel, fp4_tiles
-    from kdaserve.ops.fp4.tiles import FP4_LEFT_TARGETS
     from kdaserve.ops.precision import native_fp4_dots
 
     out = []
@@ -389,12 +383,6 @@ def _fp4_linear_cases() -> list[Case]:
                             dict(x_ptr=BF, w_ptr="*u8", s_ptr="*u8", d_ptr=F32, bias_ptr=BF, y_ptr=BF),
                             dict(GROUP=group, HAS_BIAS=False, EVEN_K=True, BM=bm, BN=bn, BK=bk), warps,
                             quick=m == 1, precision={"PREC": "tc"}, no_spill=True, per_target=dots))
-            if m == 1:   # decode's tiles on the left of the dots, where tiles.fp4_weights_left puts them
-                out.append(Case(f"fp4 linear BM={bm} group={group} left", _fp4_linear_kernel,
-                                dict(x_ptr=BF, w_ptr="*u8", s_ptr="*u8", d_ptr=F32, bias_ptr=BF, y_ptr=BF),
-                                dict(GROUP=group, HAS_BIAS=False, EVEN_K=True, BM=bm, BN=bn, BK=bk, W4_LEFT=True), warps,
-                                precision={"PREC": "tc"}, no_spill=True,
-                                not_on=tuple(t for t in TARGETS if t not in FP4_LEFT_TARGETS)))
     return out
 
 

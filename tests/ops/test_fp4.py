@@ -173,7 +173,7 @@ def _run_ptx(program: str, args: list[int]) -> list[int]:
 
 
 def test_the_byte_table_decoder_gives_every_code_times_its_scale_exactly():
-    """The tables decoder's PTX (KDASERVE_FP4_DECODER=tables; no inline asm in the interpreter),
+    """The tables decoder's PTX (ops/fp4/byte_tables.py; no inline asm in the interpreter),
     executed over every byte in each of the four positions of a word, with scales of both formats'
     kinds (powers of two down to e8m0's subnormal 2^-127 and up to 2^127, e4m3 values): each byte's
     two values times its scale, exactly as the definition (ops/fp4/reference.py) has them."""
@@ -193,22 +193,16 @@ def test_the_byte_table_decoder_gives_every_code_times_its_scale_exactly():
             assert torch.equal(got, want), (hex(byte), float(scale), got, want)
 
 
-def test_the_decoder_choice_is_named_and_refused_when_unknown(monkeypatch):
-    from kdaserve.ops.fp4 import byte_tables
+def test_where_the_tiles_go_left_of_the_dots_and_decode_by_tables():
+    """Hopper's decode row blocks put the decoded tiles on the left (wgmma), nothing else does; the
+    tables decoder runs only on NVIDIA GPUs (PTX), never in the interpreter or on a CPU."""
+    from kdaserve.ops.fp4.byte_tables import tables_run_on
+    from kdaserve.ops.fp4.tiles import fp4_weights_left
 
-    for choice, want in ((None, False), ("bits", False), ("tables", True)):
-        byte_tables._tables_asked.cache_clear()
-        if choice is None:
-            monkeypatch.delenv(byte_tables.DECODER_ENV, raising=False)
-        else:
-            monkeypatch.setenv(byte_tables.DECODER_ENV, choice)
-        assert byte_tables._tables_asked() is want
-        assert not byte_tables.decode_by_tables(torch.device("cpu")), "PTX only on NVIDIA GPUs"
-    byte_tables._tables_asked.cache_clear()
-    monkeypatch.setenv(byte_tables.DECODER_ENV, "lut")
-    with pytest.raises(ValueError, match=r"KDASERVE_FP4_DECODER='lut': expected bits .* or tables"):
-        byte_tables.decode_by_tables(torch.device("cpu"))
-    byte_tables._tables_asked.cache_clear()
+    assert fp4_weights_left("sm_90", 16) and fp4_weights_left("sm_90", 32)
+    assert not fp4_weights_left("sm_90", 64) and not fp4_weights_left("sm_90", 128)   # prefill stays right
+    assert not any(fp4_weights_left(t, 16) for t in ("sm_89", "sm_100", "gfx942", "gfx950", "cpu"))
+    assert not tables_run_on(torch.device("cpu"))
 
 
 # ---- the fused GEMMs -----------------------------------------------------------------------------
@@ -487,10 +481,10 @@ def test_gpu_decoded_tiles_on_either_side_of_the_dots(scheme, T):
 @pytest.mark.gpu
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("T", [8, 64, 2048])
-def test_gpu_byte_table_decoding_equals_the_bitwise_decoding(scheme, T, monkeypatch):
-    """KDASERVE_FP4_DECODER=tables (ops/fp4/byte_tables.py): the experts and a 4-bit linear decode
-    to the very same bf16 weights, so the outputs equal the default decoding's bit for bit."""
-    from kdaserve.ops.fp4 import byte_tables
+def test_gpu_byte_table_decoding_equals_the_bitwise_decoding(scheme, T):
+    """The byte-table decoder (ops/fp4/byte_tables.py) and the bitwise one decode to the very same
+    bf16 weights, so the experts and a 4-bit linear layer give the same outputs bit for bit with
+    either, the tiles on either side of the dots."""
     from kdaserve.ops.fp4.linear import fp4_linear
     from kdaserve.ops.moe.fused import moe_experts_fused
 
@@ -501,15 +495,11 @@ def test_gpu_byte_table_decoding_equals_the_bitwise_decoding(scheme, T, monkeypa
     x = torch.randn(T, hidden, device="cuda", generator=g).bfloat16()
     gate = torch.randn(E, hidden, device="cuda", generator=g) * hidden**-0.5
     weights, ids = route_tokens(x, gate, None, RouterConfig(E, k))
-    outs = {}
-    for choice in ("bits", "tables"):
-        monkeypatch.setenv(byte_tables.DECODER_ENV, choice)
-        byte_tables._tables_asked.cache_clear()
-        assert byte_tables.decode_by_tables(x.device) == (choice == "tables")
-        outs[choice] = (moe_experts_fused(x, w13, w2, weights, ids), fp4_linear(x, w13[3]))
-    byte_tables._tables_asked.cache_clear()
-    assert torch.isfinite(outs["tables"][0]).all() and torch.isfinite(outs["tables"][1]).all()
-    assert torch.equal(outs["tables"][0], outs["bits"][0]) and torch.equal(outs["tables"][1], outs["bits"][1])
+    for left in (False, True):
+        outs = {tables: (moe_experts_fused(x, w13, w2, weights, ids, fp4_left=left, fp4_tables=tables),
+                         fp4_linear(x, w13[3], fp4_left=left, fp4_tables=tables)) for tables in (False, True)}
+        assert torch.isfinite(outs[True][0]).all() and torch.isfinite(outs[True][1]).all()
+        assert torch.equal(outs[True][0], outs[False][0]) and torch.equal(outs[True][1], outs[False][1]), left
 
 
 @pytest.mark.gpu

@@ -1,13 +1,16 @@
 """e2m1 codes decoded by byte tables (PTX `prmt`), the group scale applied in the same asm: the
-"tables" decoder, an opt-in alternative to tiles.py's bitwise decoding on NVIDIA GPUs
-(`KDASERVE_FP4_DECODER=tables`; default `bits`).
+"tables" decoder, which the 4-bit GEMMs take on NVIDIA GPUs with bf16 activations where their decoded
+tiles are the dots' left operands (tiles.fp4_weights_left: Hopper's decode); tiles.py's bitwise
+decoding everywhere else.
 
-Why: the 4-bit decode kernels are close to bound by instruction issue. The bitwise decoding spends
-per byte an extraction, two integer products and two masks, then two bf16 products a pair (by 2^126
-and by the scale); the tables spend per 4 bytes 10 `prmt`, 5 other integer operations and, a pair,
-one scale product (+1 `prmt` to place the scale in both halves). Instruction counts and timings:
-docs/perf-notes.md; until the tables are timed (scripts/gpu_verify_next.sh, part `fp4_tables`)
-`bits` stays the default, and afterwards one of the two decoders goes.
+Why: a 32-bit word of codes arrives whole where the tiles are left of the dots (fragment order: a
+thread's bytes side by side), and there the decode kernels come close to bound by instruction issue.
+The bitwise decoding spends per byte an extraction, two integer products and two masks, then two bf16
+products a pair (by 2^126 and by the scale); the tables spend per 4 bytes 10 `prmt`, 5 other integer
+operations and, a pair, one scale product (+1 `prmt` to place the scale in both halves). Measured on
+an H100 (docs/perf-notes.md, fortieth session): beside left tiles the tables make Kimi-Linear's MoE
+layer 1.03-1.10x as fast as the bitwise decoding beside right ones, and the bitwise decoding beside left tiles no
+faster at all; beside right tiles (mma.sync) the tables gain nothing.
 
 How (`_E2M1_SCALED_PTX`, one 32-bit word of packed codes, element 2k in byte k's low nibble): each
 nibble's 3 magnitude bits select a byte of the bf16 patterns of 0, 0.5, 1, 1.5, 2, 3, 4, 6 (0x0000,
@@ -21,14 +24,9 @@ over every byte in every position, and on a GPU compares both decoders bit for b
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import triton
 import triton.language as tl
-
-DECODER_ENV = "KDASERVE_FP4_DECODER"
 
 _E2M1_SCALED_PTX = tl.constexpr("""{
 .reg .b32 m, mh, ws, l0, l1, h0, h1, s0, s1, lo0, lo1, hi0, hi1, p0, p1, p2, p3, d0, d1, d2, d3, nz;
@@ -73,19 +71,6 @@ def e2m1_scaled_bf16(packed, scale):
                          (d >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True))
 
 
-def decode_by_tables(device: torch.device) -> bool:
-    """Whether the 4-bit kernels on `device` decode by byte tables: `KDASERVE_FP4_DECODER=tables`
-    on an NVIDIA GPU (PTX), never in the interpreter or on ROCm."""
-    if not _tables_asked():
-        return False
+def tables_run_on(device: torch.device) -> bool:
+    """Whether the tables decoder can run on `device`: an NVIDIA GPU (PTX), not the interpreter."""
     return device.type == "cuda" and not torch.version.hip and not triton.knobs.runtime.interpret
-
-
-@functools.cache
-def _tables_asked() -> bool:
-    # Cached: every MoE layer of every step asks, and the host time of a step matters.
-    choice = os.environ.get(DECODER_ENV, "bits")
-    if choice not in ("bits", "tables"):
-        raise ValueError(f"{DECODER_ENV}={choice!r}: expected bits (the default: integer operations, every target) "
-                         f"or tables (PTX byte tables, NVIDIA only)")
-    return choice == "tables"

@@ -14,10 +14,9 @@ import triton
 import triton.language as tl
 
 from kdaserve.ops import interpreter_compat
-from kdaserve.ops.fp4.byte_tables import decode_by_tables
+from kdaserve.ops.fp4.byte_tables import tables_run_on
 from kdaserve.ops.fp4.tiles import (
     fp4_weight_tile,
-    fp4_weights_left,
     fragment_order_k,
     in_fragment_order,
     mxfp4_scaled_dot,
@@ -36,7 +35,7 @@ def _fp4_linear_kernel(
     W4_LEFT: tl.constexpr = False,
 ):
     """W4_LEFT: the decoded tiles are the dots' left operands (acc^T = W x^T, K in fragment order:
-    tiles.in_fragment_order), as the fused MoE kernels take them (tiles.fp4_weights_left)."""
+    tiles.in_fragment_order), as the fused MoE kernels take them at decode on Hopper."""
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     rows_in = (rows % M).to(tl.int64)
@@ -74,11 +73,12 @@ def fp4_tiles(m: int) -> tuple[int, int, int, int]:
 
 
 def fp4_linear(x: torch.Tensor, w: Fp4Weights, bias: torch.Tensor | None = None,
-               fp4_dots: bool | None = None, fp4_left: bool | None = None) -> torch.Tensor:
+               fp4_dots: bool | None = None, fp4_left: bool = False, fp4_tables: bool | None = None) -> torch.Tensor:
     """x [..., in] -> [..., out] in x's dtype; the definition is F.linear(x, w.dequantized(x.dtype), bias).
     `fp4_dots`: force tl.dot_scaled (MXFP4, bf16 / fp16 x) on or off; None: where the target multiplies fp4.
-    `fp4_left`: force the decoded tiles on the left of the dots or the right; None: as
-    tiles.fp4_weights_left says for the target."""
+    `fp4_left`: the decoded tiles on the left of the dots (not the default: tiles.fp4_weights_left
+    says why), decoded there by byte tables as the MoE kernels do; `fp4_tables` forces the decoder
+    (tests; tables need an NVIDIA GPU and bf16 x)."""
     out_features, in_features = w.shape
     if x.shape[-1] != in_features or w.packed.dim() != 2:
         raise ValueError(f"a 4-bit linear layer of {in_features} inputs needs x [..., {in_features}], got {list(x.shape)}")
@@ -98,12 +98,11 @@ def fp4_linear(x: torch.Tensor, w: Fp4Weights, bias: torch.Tensor | None = None,
     b = bias if bias is not None else y
     dot = (w.group == 32 and x.dtype in (torch.bfloat16, torch.float16)
            and (native_fp4_dots(device_target(x.device)) if fp4_dots is None else fp4_dots))
+    left = not dot and x.dtype in (torch.bfloat16, torch.float16) and fp4_left
+    tables = (left and x.dtype == torch.bfloat16 and tables_run_on(x.device)) if fp4_tables is None else fp4_tables
     _fp4_linear_kernel[(triton.cdiv(M, BM), triton.cdiv(out_features, BN))](
         x2, w.packed, w.scale, div, b, y, M, out_features, in_features, x2.stride(0), w.packed.stride(0),
         w.scale.stride(0), y.stride(0), GROUP=w.group, HAS_BIAS=bias is not None, EVEN_K=in_features % BK == 0,
         BM=BM, BN=BN, BK=BK, PREC=prec, W4_DOT=dot, A_FORMAT="bf16" if x.dtype == torch.bfloat16 else "fp16",
-        W4_TABLES=not dot and x.dtype == torch.bfloat16 and decode_by_tables(x.device),
-        W4_LEFT=not dot and x.dtype in (torch.bfloat16, torch.float16) and (
-            fp4_weights_left(device_target(x.device), BM) if fp4_left is None else fp4_left),
-        num_warps=warps)
+        W4_LEFT=left, W4_TABLES=not dot and tables, num_warps=warps)
     return y.view(*lead, out_features)

@@ -134,7 +134,7 @@ def fp4_weight_tile(w_rows, s_rows, row_ok, k0, K, BK: tl.constexpr, GROUP: tl.c
 def decode_fp4_tile(packed, codes, BK: tl.constexpr, GROUP: tl.constexpr, dtype: tl.constexpr,
                     TABLES: tl.constexpr = False):
     """Packed bytes [BN, BK/2] and their scale codes [BN, BK/GROUP] -> [BN, BK] in `dtype`, K order.
-    TABLES (bf16, NVIDIA; ops/fp4/byte_tables.decode_by_tables): by byte tables, the scale inside."""
+    TABLES (bf16, NVIDIA: ops/fp4/byte_tables.py): by byte tables, the scale inside."""
     if dtype == tl.bfloat16 and TABLES:
         return e2m1_scaled_bf16(packed, _per_value(group_scale_bf16(codes, GROUP), BK // 2, GROUP // 2))
     if dtype == tl.bfloat16:
@@ -152,17 +152,22 @@ def _per_value(g, BK: tl.constexpr, GROUP: tl.constexpr):
     return tl.reshape(tl.broadcast_to(g[:, :, None], (g.shape[0], BK // GROUP, GROUP)), (g.shape[0], BK))
 
 
-# Where the decoded tiles may go on the left of the dots: Hopper, whose wgmma takes its left operand
-# from registers (the weights as decoded, K in fragment order) and its right from shared memory (the
-# activations). Elsewhere (mma.sync, tcgen05, MFMA) the left side is untimed, and on sm_89 the byte
-# tables spill there (tools/compile_check).
+# Where the decoded tiles go on the left of the dots at decode: Hopper, whose wgmma takes its left
+# operand from registers (the weights as decoded, K in fragment order) and its right from shared memory
+# (the activations). Elsewhere (mma.sync, tcgen05, MFMA) the left side is untimed, and on sm_89 the
+# byte tables spill there (tools/compile_check).
 FP4_LEFT_TARGETS = ("sm_90",)
 
 
 def fp4_weights_left(target: str, block_m: int) -> bool:
-    """Whether the 4-bit GEMMs on `target` put their decoded weight tiles on the left of the dots
-    (acc^T = W x^T, K in fragment order) at `block_m` activation rows per program."""
-    return False
+    """Whether the 4-bit expert GEMMs on `target` put their decoded weight tiles on the left of the
+    dots (acc^T = W x^T, K in fragment order) at `block_m` activation rows per program: on
+    FP4_LEFT_TARGETS at decode's row blocks (under 64: ops/moe/fused.moe_tiles), with the byte-table
+    decoder (ops/fp4/byte_tables.py). Measured on an H100 (docs/perf-notes.md, fortieth session):
+    Kimi-Linear's 4-bit MoE layer 1.03-1.10x as fast at batch 8 to 256; prefill's K steps of 64 would give a
+    thread 8 bytes a row and twice the loop's instructions (sm_90 SASS), so prefill stays right.
+    The 4-bit linear layer stays right (its M = 1 and 16 timings went either way)."""
+    return target in FP4_LEFT_TARGETS and block_m < 64
 
 
 @triton.jit

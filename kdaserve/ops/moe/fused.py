@@ -26,7 +26,7 @@ import triton.language as tl
 from kdaserve.ops import interpreter_compat
 from kdaserve.ops.activation.swiglu import silu_product
 from kdaserve.ops.compile_ahead import compiles_ahead
-from kdaserve.ops.fp4.byte_tables import decode_by_tables
+from kdaserve.ops.fp4.byte_tables import tables_run_on
 from kdaserve.ops.fp4.tiles import (
     decode_fp4_tile,
     fp4_codes,
@@ -301,7 +301,8 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
                       block: tuple[int, int] | None = None, tiles: MoeTiles | None = None,
                       addend: torch.Tensor | None = None,
                       shared: tuple[torch.Tensor, torch.Tensor] | None = None, skip_expert: bool = False,
-                      fp4_dots: bool | None = None, fp4_left: bool | None = None) -> torch.Tensor:
+                      fp4_dots: bool | None = None, fp4_left: bool | None = None,
+                      fp4_tables: bool | None = None) -> torch.Tensor:
     """Same contract as ops/moe/reference.moe_experts_reference: x [T, hidden] -> [T, hidden];
     `addend` [T, hidden] (the shared experts' output) is added before the result's one rounding.
     `shared` = (w13 [2I, hidden], w2 [hidden, I]) of a shared expert of the routed experts' width,
@@ -316,8 +317,9 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     ops/moe/reference.moe_experts_reference over the dequantized weights. MXFP4 experts with bf16 /
     fp16 x go through `tl.dot_scaled` instead where the target multiplies fp4 natively
     (ops/precision.native_fp4_dots; `fp4_dots` True / False forces either, for tests). Decoded 4-bit
-    tiles enter the dots as their left operands where ops/fp4/tiles.fp4_weights_left says (`fp4_left` forces
-    either, for tests and benchmarks).
+    tiles enter the dots as their left operands where ops/fp4/tiles.fp4_weights_left says, decoded
+    there by byte tables (ops/fp4/byte_tables.py) on NVIDIA GPUs with bf16 x; `fp4_left` and
+    `fp4_tables` force either choice (tests, benchmarks; tables need an NVIDIA GPU and bf16 x).
     `skip_expert`: id E marks choices computed elsewhere (another rank's experts under expert
     parallelism): aligned as one more expert whose blocks no program runs, their rows zero."""
     T, hidden, E, inter = check_expert_shapes("fused MoE", x, w13, w2, weights, ids, addend)
@@ -377,8 +379,9 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     decoded = bool(w4) and not w4_dot
     left = decoded and x.dtype in (torch.bfloat16, torch.float16) and (
         fp4_weights_left(device_target(x.device), BM) if fp4_left is None else fp4_left)
+    tables = (left and x.dtype == torch.bfloat16 and tables_run_on(x.device)) if fp4_tables is None else fp4_tables
     dots = dict(W4_DOT=w4_dot, A_FORMAT="bf16" if x.dtype == torch.bfloat16 else "fp16", W4_LEFT=left,
-                W4_TABLES=decoded and x.dtype == torch.bfloat16 and decode_by_tables(x.device))
+                W4_TABLES=decoded and tables)
     _moe_gate_up_kernel[(m_blocks * triton.cdiv(inter, BN1),)](
         a, w13, sorted_slots, block_experts, h, a_scale, ws13, shared_w13, wd13,
         S, hidden, inter, a.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
