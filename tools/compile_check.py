@@ -320,6 +320,7 @@ def _other_cases() -> list[Case]:
             out += _moe_cases(slots, label, w4=group)
         # Hopper's decode as it was before its tiles went left of the dots (tools/sass_loop compares them)
         out += _moe_cases(64, "decode BM=16 right", w4=group, right=True)
+        out += _moe_cases(576, "decode B=64 + shared expert", shared=True, w4=group)   # a 4-bit shared expert as E
     out += _fp4_linear_cases()
     return out + _fp8_cases()
 
@@ -344,8 +345,9 @@ def _moe_cases(slots: int, label: str, shared: bool = False, w4: int = 0, right:
         bk = max(bk, 32) if w4 else bk
         if w4 and which == "gate_up" and not w4_opts:   # gate's and up's scales in one load where that pipelines them
             w4_opts["W4_PAIR"] = scale_pair_pipelines(bn, bk, w4, warps)
-        if w4 and not w4_opts.get("W4_DOT") and not right and fp4_weights_left(t, tiles.block_m):
-            w4_opts.update(W4_LEFT=True, W4_TABLES=True)   # bf16 x on an NVIDIA GPU: the byte tables
+        if w4:   # each target's own choice (a per-target launch adds to sm_90's constants: say False too)
+            left = not w4_opts.get("W4_DOT") and not right and fp4_weights_left(t, tiles.block_m)
+            w4_opts.update(W4_LEFT=left, W4_TABLES=left)   # left: bf16 x on an NVIDIA GPU, the byte tables
         return {"consts": dict(BM=tiles.block_m, BN=bn, BK=bk, **w4_opts), "warps": warps,
                 "stages": stages or (2 if t.startswith("gfx") else 3)}
 
@@ -355,14 +357,14 @@ def _moe_cases(slots: int, label: str, shared: bool = False, w4: int = 0, right:
     name = f"moe {'mx' if w4 == 32 else 'nv' if w4 else ''}{'fp4 ' if w4 else ''}"
     return [
         Case(f"{name}gate_up {label}", _moe_gate_up_kernel,
-             dict(x_ptr=BF, w_ptr=W, sorted_ptr=I32, experts_ptr=I32, h_ptr=BF, xs_ptr=BF, ws_ptr=WS, shared_w_ptr=BF,
-                  wd_ptr=F32),
+             dict(x_ptr=BF, w_ptr=W, sorted_ptr=I32, experts_ptr=I32, h_ptr=BF, xs_ptr=BF, ws_ptr=WS, shared_w_ptr=W,
+                  wd_ptr=F32, shared_ws_ptr=WS, shared_wd_ptr=F32),
              dict(TOPK=8 + shared, LIMIT=0.0, HAS_LIMIT=False, **common, **launch("sm_90", "gate_up")["consts"]),
              quick=slots == 64, precision={"PREC": "tc"}, no_spill=True, not_on=not_on,
              per_target={t: launch(t, "gate_up") for t in TARGETS}),
         Case(f"{name}down {label}", _moe_down_kernel,
              dict(h_ptr=BF, w_ptr=W, sorted_ptr=I32, experts_ptr=I32, weights_ptr=F32, y_ptr=BF, hs_ptr=BF, ws_ptr=WS,
-                  shared_w_ptr=BF, wd_ptr=F32),
+                  shared_w_ptr=W, wd_ptr=F32, shared_ws_ptr=WS, shared_wd_ptr=F32),
              dict(**common, **launch("sm_90", "down")["consts"]), quick=slots == 64, precision={"PREC": "tc"},
              no_spill=True, not_on=not_on, per_target={t: launch(t, "down") for t in TARGETS}),
     ]

@@ -64,7 +64,8 @@ def _make_fp4_weight(module: nn.Module, out_features: int, in_features: int, sch
     module.weight_global_scale = param(out_features, dtype=torch.float32) if group == 16 else None
 
 
-def _fp4_weights(module: nn.Module) -> Fp4Weights:
+def fp4_weights_of(module: nn.Module) -> Fp4Weights:
+    """A 4-bit linear module's weight in ops/fp4/weights.py's form (views of its parameters)."""
     return Fp4Weights(module.weight, module.weight_scale, module.weight_global_scale, module.fp4_group)
 
 
@@ -119,7 +120,7 @@ class MergedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp4_group is not None:
-            return fp4_linear_any(x, _fp4_weights(self), self.bias, self.fp4_backend)
+            return fp4_linear_any(x, fp4_weights_of(self), self.bias, self.fp4_backend)
         if self.fp8_block is not None:
             return fp8_linear(x, self.weight, self.weight_scale_inv, self.fp8_block, self.bias)
         return F.linear(x, self.weight, self.bias)
@@ -154,7 +155,7 @@ class Fp4Linear(nn.Module):
         _make_fp4_weight(self, out_features, in_features, scheme, device, backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp4_linear_any(x, _fp4_weights(self), backend=self.fp4_backend)
+        return fp4_linear_any(x, fp4_weights_of(self), backend=self.fp4_backend)
 
     def extra_repr(self) -> str:
         out, half = self.weight.shape

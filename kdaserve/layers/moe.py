@@ -12,6 +12,7 @@ from torch import nn
 
 from kdaserve.layers.distributed import all_reduce, local_slice, split, tensor_parallel
 from kdaserve.layers.kernel_choice import resolve_kernel_choice
+from kdaserve.layers.linear import fp4_weights_of
 from kdaserve.layers.mlp import SwiGLUMLP
 from kdaserve.ops.fp4.reference import NV_GROUP
 from kdaserve.ops.fp4.weights import SCHEME_GROUP, Fp4Weights, scale_storage
@@ -158,20 +159,33 @@ class MoEMLP(nn.Module):
             raise ValueError(f"expert {expert} {which}.{piece} must be {list(target.shape)}, got {list(tensor.shape)}")
         target.copy_(tensor)
 
-    def shared_as_expert(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def shared_as_expert(self, num_tokens: int) -> tuple | None:
         """The shared expert's (gate|up, down) weights where the fused kernels run it as expert E:
-        one shared expert of the routed width in the routed dtype, the routing kernel (it appends
-        the column), a decode-sized step."""
+        one shared expert of the routed width in the routed dtype (or the routed experts' 4-bit
+        form), the routing kernel (it appends the column), a decode-sized step."""
         s = self.shared_experts
         if (s is None or self.backend != "triton" or num_tokens > SHARED_AS_EXPERT_MAX_TOKENS or self.expert_parallel
-                or self.fp8_block is not None or self.fp4_group is not None or s.activation_limit != self.activation_limit):
+                or self.fp8_block is not None or s.activation_limit != self.activation_limit):
             return None
+        if self.fp4_group is not None:
+            return self._fp4_shared_as_expert()
         w13, w2 = getattr(s.gate_up_proj, "weight", None), getattr(s.down_proj, "weight", None)
         if (w13 is None or w2 is None or w13.dtype != self.w13.dtype or tuple(w13.shape) != tuple(self.w13.shape[1:])
                 or tuple(w2.shape) != tuple(self.w2.shape[1:]) or s.gate_up_proj.bias is not None
                 or not (w13.is_contiguous() and w2.is_contiguous() and self.w13.is_contiguous() and self.w2.is_contiguous())):
             return None
         return w13, w2
+
+    def _fp4_shared_as_expert(self) -> tuple[Fp4Weights, Fp4Weights] | None:
+        """A shared expert in the routed experts' 4-bit form, width and row strides, or None."""
+        s = self.shared_experts
+        if any(getattr(proj, "fp4_group", None) != self.fp4_group for proj in (s.gate_up_proj, s.down_proj)):
+            return None
+        w13, w2 = self.experts()
+        shared = (fp4_weights_of(s.gate_up_proj), fp4_weights_of(s.down_proj))
+        same = all(a.shape == b.shape[1:] and a.packed.stride(-2) == b.packed.stride(-2) and a.packed.stride(-1) == 1
+                   and a.scale.stride(-2) == b.scale.stride(-2) for a, b in zip(shared, (w13, w2)))
+        return shared if same else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return all_reduce(self._experts(x), self.tp)   # the ranks' partial sums (tensor parallel)
@@ -194,7 +208,7 @@ class MoEMLP(nn.Module):
             from kdaserve.ops.moe.fused import moe_experts_fused
 
             if shared_expert is not None:
-                return moe_experts_fused(x, self.w13, self.w2, weights, ids, self.activation_limit, shared=shared_expert)
+                return moe_experts_fused(x, w13, w2, weights, ids, self.activation_limit, shared=shared_expert)
             # The shared experts first: the routed experts' final sum adds their output (one launch less).
             shared = self.shared_experts(x) if self.shared_experts is not None else None
             fp8 = {} if self.fp8_block is None else dict(w13_scale=self.w13_scale_inv, w2_scale=self.w2_scale_inv,

@@ -4,6 +4,8 @@ options (ops/moe/fused.py) and the KDASERVE_FP4_WEIGHTS policy (models/fp4.py)."
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -57,3 +59,40 @@ def test_the_fp4_policy_names_its_values(monkeypatch):
     monkeypatch.setenv("KDASERVE_FP4_WEIGHTS", "auto")
     with pytest.raises(ValueError, match=r"KDASERVE_FP4_WEIGHTS='auto': expected keep .* or dequantize"):
         fp4_policy()
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 on the CPU")
+@pytest.mark.parametrize("scheme", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("T", [10, 70], ids=["decode: shared as an expert", "prefill: shared in the sum"])
+def test_a_4bit_layer_runs_its_4bit_shared_expert_as_one_more_expert(scheme, T, monkeypatch):
+    """MoEMLP with 4-bit routed and shared experts on the Triton backend against the reference
+    backend: at decode sizes the shared expert joins the fused kernels as expert E (its own 4-bit
+    tensors), past them its output joins the routed experts' sum; a shared expert in full precision
+    beside 4-bit routed experts stays apart."""
+    import kdaserve.ops.moe.fused as fused
+    from kdaserve.layers.moe import SHARED_AS_EXPERT_MAX_TOKENS
+
+    router = RouterConfig(8, 2, routed_scaling_factor=2.5)
+    layers = [MoEMLP(64, router, 32, num_shared_experts=1, backend=b, dtype=torch.float32, fp4=scheme, shared_fp4=scheme)
+              for b in ("triton", "reference")]
+    g = torch.Generator().manual_seed(5)
+    for name, p in layers[0].named_parameters():
+        if p.dtype == torch.uint8 and "scale" in name:   # scale codes near 1: e8m0 around 127, e4m3 around 1.0
+            low, high = (122, 128) if scheme == "mxfp4" else (48, 64)
+            p.copy_(torch.randint(low, high, p.shape, generator=g).to(torch.uint8))
+        elif p.dtype == torch.uint8:
+            p.copy_(torch.randint(0, 256, p.shape, generator=g).to(torch.uint8))
+        else:
+            p.copy_(torch.rand(p.shape, generator=g) * 4 + 8 if "global" in name or "divisor" in name   # NVFP4's divisors
+                    else torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+    layers[1].load_state_dict(layers[0].state_dict())
+    calls = []
+    run = fused.moe_experts_fused
+    monkeypatch.setattr(fused, "moe_experts_fused", lambda *a, **kw: calls.append(kw) or run(*a, **kw))
+    x = torch.randn(T, 64, generator=g)
+    want = layers[1](x)
+    torch.testing.assert_close(layers[0](x), want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    as_expert = T <= SHARED_AS_EXPERT_MAX_TOKENS
+    assert [("shared" in kw, "addend" in kw) for kw in calls] == [(as_expert, not as_expert)]
+    apart = MoEMLP(64, router, 32, num_shared_experts=1, backend="triton", dtype=torch.float32, fp4=scheme)
+    assert apart.shared_as_expert(1) is None and layers[0].shared_as_expert(1) is not None

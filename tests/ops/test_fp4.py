@@ -243,6 +243,41 @@ def test_fused_4bit_experts_at_every_launch_shape(scheme, tiles):
 
 @INTERP
 @pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("T, left", [(1, False), (13, False), (13, True)])
+def test_a_4bit_shared_expert_runs_as_one_more_expert(scheme, T, left):
+    """`shared` with 4-bit routed experts: a shared expert in their form (its packed codes, scales and
+    divisors apart from theirs, scale rows 16 bytes apart as the layers store them) as expert E,
+    weight 1: the reference's routed output plus the shared MLP over its dequantized weights; one in
+    another form or layout is refused by name."""
+    from kdaserve.ops.activation.swiglu import swiglu_reference
+    from kdaserve.ops.moe.fused import moe_experts_fused
+
+    E, k, hidden, inter = 6, 3, 64, 96
+    w13, w2 = fp4_experts(E + 1, hidden, inter, scheme, seed=21)
+    w13, w2 = w13.with_aligned_scales(), w2.with_aligned_scales()
+    def apart(w):   # its own storage, as a layer holds the routed and the shared weights
+        divisor = None if w.divisor is None else w.divisor.clone()
+        return Fp4Weights(w.packed.clone(), w.scale.clone(), divisor, w.group).with_aligned_scales()
+
+    routed13, routed2, s13, s2 = apart(w13[:E]), apart(w2[:E]), apart(w13[E]), apart(w2[E])
+    weights, ids = _routing(T, E, k, "random", seed=T)
+    ext_w, ext_ids = torch.cat([weights, torch.ones(T, 1)], 1), torch.cat([ids, torch.full((T, 1), E)], 1)
+    for dtype in (torch.float32, torch.float16):
+        x = torch.randn(T, hidden, generator=torch.Generator().manual_seed(22)).to(dtype)
+        got = moe_experts_fused(x, routed13, routed2, ext_w, ext_ids, shared=(s13, s2), fp4_left=left)
+        xf = x.float()
+        want = (moe_experts_reference(xf, routed13, routed2, weights, ids)
+                + swiglu_reference(xf @ s13.dequantized(torch.float32).T) @ s2.dequantized(torch.float32).T)
+        assert_rel_close(got.float(), want, 1e-5 if dtype == torch.float32 else 2e-3, f"4-bit shared expert {dtype}")
+    unaligned = Fp4Weights(s13.packed, s13.scale.contiguous(), s13.divisor, s13.group)
+    other = fp4_stack(torch.randn(1, 2 * inter, hidden), "nvfp4" if scheme == "mxfp4" else "mxfp4")[0]
+    for bad in (unaligned, other, s13.dequantized(torch.float32)):
+        with pytest.raises(ValueError, match="shared expert run with 4-bit routed experts needs their form"):
+            moe_experts_fused(x, routed13, routed2, ext_w, ext_ids, shared=(bad, s2))
+
+
+@INTERP
+@pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("tiles", [
     (16, (16, 32, 4, 2), (16, 32, 4, 3)),     # K steps of 32: 4 bytes a thread's share of a row
     (32, (32, 64, 4, 1), (32, 128, 4, 1)),    # 32 rows per program; the down kernel's K masked (128 > 64)
@@ -392,7 +427,7 @@ def test_the_4bit_form_and_its_refusals():
     x, weights, ids = torch.randn(3, 64), torch.ones(3, 1), torch.zeros(3, 1, dtype=torch.long)
     with pytest.raises(ValueError, match="one 4-bit form"):
         moe_experts_fused(x, w13, fp4_experts(2, 64, 32, "mxfp4")[1], weights, ids)
-    with pytest.raises(ValueError, match="shared expert runs apart"):
+    with pytest.raises(ValueError, match=r"needs their form \(nvfp4\), width .* got torch.float32, torch.float32"):
         moe_experts_fused(x, w13, w2, weights, ids, shared=(torch.zeros(64, 64), torch.zeros(64, 32)))
 
 
@@ -453,6 +488,31 @@ def test_gpu_fused_4bit_experts_at_kimi_linear_sizes(scheme, T):
     got = moe_experts_fused(x, w13, w2, weights, ids)
     want = moe_experts_reference(x.float(), w13, w2, weights, ids)
     assert_rel_close(got.float(), want, 1e-2, f"4-bit fused MoE {scheme} bf16 T={T}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("T", [1, 64])
+def test_gpu_4bit_shared_expert_as_one_more_expert_at_kimi_linear_sizes(scheme, T):
+    """A 4-bit shared expert in the fused kernels (expert E, weight 1) at Kimi-Linear's sizes, bf16:
+    within bf16's rounding of the reference's routed output plus the shared MLP's."""
+    from kdaserve.ops.activation.swiglu import swiglu_reference
+    from kdaserve.ops.moe.fused import moe_experts_fused
+
+    E, k, hidden, inter = 64, 8, 2304, 1024
+    w13, w2 = fp4_experts(E + 1, hidden, inter, scheme, device="cuda", seed=T + 7)
+    w13, w2 = w13.with_aligned_scales(), w2.with_aligned_scales()
+    g = torch.Generator(device="cuda").manual_seed(T)
+    x = torch.randn(T, hidden, device="cuda", generator=g).bfloat16()
+    gate = torch.randn(E, hidden, device="cuda", generator=g) * hidden**-0.5
+    weights, ids = route_tokens(x, gate, None, RouterConfig(E, k))
+    ext_w = torch.cat([weights, torch.ones(T, 1, device="cuda")], 1)
+    ext_ids = torch.cat([ids, torch.full((T, 1), E, device="cuda", dtype=ids.dtype)], 1)
+    got = moe_experts_fused(x, w13[:E], w2[:E], ext_w, ext_ids, shared=(w13[E], w2[E])).float()
+    xf = x.float()
+    want = (moe_experts_reference(xf, w13[:E], w2[:E], weights, ids)
+            + swiglu_reference(xf @ w13[E].dequantized(torch.float32).T) @ w2[E].dequantized(torch.float32).T)
+    assert_rel_close(got, want, 1e-2, f"4-bit shared expert {scheme} T={T}")
 
 
 @pytest.mark.gpu

@@ -68,7 +68,7 @@ def _expert_weights(w_ptr, shared_w_ptr, e, stride_we, num_routed, HAS_SHARED: t
 
 @triton.jit
 def _moe_gate_up_kernel(
-    x_ptr, w_ptr, sorted_ptr, experts_ptr, h_ptr, xs_ptr, ws_ptr, shared_w_ptr, wd_ptr,
+    x_ptr, w_ptr, sorted_ptr, experts_ptr, h_ptr, xs_ptr, ws_ptr, shared_w_ptr, wd_ptr, shared_ws_ptr, shared_wd_ptr,
     S, HIDDEN, INTER, stride_x, stride_we, stride_wn, stride_h, stride_xs, stride_wse, stride_wsn, stride_wde, num_routed,
     TOPK: tl.constexpr, LIMIT: tl.constexpr, HAS_LIMIT: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
@@ -77,7 +77,8 @@ def _moe_gate_up_kernel(
     W4_TABLES: tl.constexpr = False, W4_LEFT: tl.constexpr = False,
 ):
     """HAS_SHARED: expert `num_routed` is the shared expert, its [2I, hidden] weight at
-    shared_w_ptr with w13's row stride. W4 (4-bit experts, ops/fp4/tiles.py): the values per
+    shared_w_ptr with w13's row stride (4-bit: its scales and divisors at shared_ws_ptr and
+    shared_wd_ptr, with the routed ones' strides). W4 (4-bit experts, ops/fp4/tiles.py): the values per
     scale (32 MXFP4, 16 NVFP4); w_ptr holds packed bytes [E, 2I, hidden/2], ws_ptr the uint8 group
     scales [E, 2I, hidden/W4], wd_ptr (NVFP4) the fp32 divisors [E, 2I]. W4_DOT (MXFP4, x in
     A_FORMAT bf16 / fp16): the weights enter tl.dot_scaled as stored instead of decoded. W4_PAIR:
@@ -100,7 +101,7 @@ def _moe_gate_up_kernel(
     acc_g = tl.zeros([BM, BN], tl.float32)
     acc_u = tl.zeros([BM, BN], tl.float32)
     if W4:
-        s_base = ws_ptr + e.to(tl.int64) * stride_wse
+        s_base = _expert_weights(ws_ptr, shared_ws_ptr, e, stride_wse, num_routed, HAS_SHARED)
         gate_w, gate_s = w_base + cols[:, None] * stride_wn, s_base + cols[:, None] * stride_wsn
         up_w, up_s = w_base + (cols + INTER)[:, None] * stride_wn, s_base + (cols + INTER)[:, None] * stride_wsn
         if W4_LEFT:
@@ -133,7 +134,7 @@ def _moe_gate_up_kernel(
         if W4_LEFT:
             acc_g, acc_u = tl.trans(acc_g), tl.trans(acc_u)
         if W4 == 16:   # NVFP4's global scale divides, per output row
-            divisors = wd_ptr + e.to(tl.int64) * stride_wde + cols
+            divisors = _expert_weights(wd_ptr, shared_wd_ptr, e, stride_wde, num_routed, HAS_SHARED) + cols
             acc_g = acc_g / tl.load(divisors, mask=col_ok, other=1.0)[None, :]
             acc_u = acc_u / tl.load(divisors + INTER, mask=col_ok, other=1.0)[None, :]
     else:
@@ -159,7 +160,8 @@ def _moe_gate_up_kernel(
 
 @triton.jit
 def _moe_down_kernel(
-    h_ptr, w_ptr, sorted_ptr, experts_ptr, weights_ptr, y_ptr, hs_ptr, ws_ptr, shared_w_ptr, wd_ptr,
+    h_ptr, w_ptr, sorted_ptr, experts_ptr, weights_ptr, y_ptr, hs_ptr, ws_ptr, shared_w_ptr, wd_ptr, shared_ws_ptr,
+    shared_wd_ptr,
     S, HIDDEN, INTER, stride_h, stride_we, stride_wn, stride_y, stride_hs, stride_wse, stride_wsn, stride_wde, num_routed,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
     FP8: tl.constexpr, BLOCK_ROWS: tl.constexpr, EVEN_K: tl.constexpr, HAS_SHARED: tl.constexpr = False,
@@ -167,8 +169,9 @@ def _moe_down_kernel(
     W4_LEFT: tl.constexpr = False,
 ):
     """HAS_SHARED: expert `num_routed` is the shared expert, its [hidden, I] weight at
-    shared_w_ptr with w2's row stride. W4, W4_DOT, W4_LEFT: 4-bit experts as in _moe_gate_up_kernel
-    (packed [E, hidden, I/2], scales [E, hidden, I/W4], divisors [E, hidden])."""
+    shared_w_ptr with w2's row stride (4-bit: as in _moe_gate_up_kernel). W4, W4_DOT, W4_LEFT: 4-bit
+    experts as in _moe_gate_up_kernel (packed [E, hidden, I/2], scales [E, hidden, I/W4], divisors
+    [E, hidden])."""
     pid_m, pid_n = _block_of_program(tl.cdiv(HIDDEN, BN))
     e = tl.load(experts_ptr + pid_m)
     if e < 0:
@@ -184,7 +187,8 @@ def _moe_down_kernel(
     acc = tl.zeros([BM, BN], tl.float32)
     if W4:
         w_rows = w_base + cols[:, None] * stride_wn
-        s_rows = ws_ptr + e.to(tl.int64) * stride_wse + cols[:, None] * stride_wsn
+        s_base = _expert_weights(ws_ptr, shared_ws_ptr, e, stride_wse, num_routed, HAS_SHARED)
+        s_rows = s_base + cols[:, None] * stride_wsn
         if W4_LEFT:
             acc = tl.zeros([BN, BM], tl.float32)
         for k0 in range(0, INTER, BK):
@@ -201,7 +205,8 @@ def _moe_down_kernel(
         if W4_LEFT:
             acc = tl.trans(acc)
         if W4 == 16:
-            acc = acc / tl.load(wd_ptr + e.to(tl.int64) * stride_wde + cols, mask=col_ok, other=1.0)[None, :]
+            divisors = _expert_weights(wd_ptr, shared_wd_ptr, e, stride_wde, num_routed, HAS_SHARED) + cols
+            acc = acc / tl.load(divisors, mask=col_ok, other=1.0)[None, :]
     else:
         for k0 in range(0, INTER, BK):
             ks = k0 + tl.arange(0, BK)
@@ -307,7 +312,8 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     `addend` [T, hidden] (the shared experts' output) is added before the result's one rounding.
     `shared` = (w13 [2I, hidden], w2 [hidden, I]) of a shared expert of the routed experts' width,
     run as expert E (the ids' extra column, router_kernel's extra_expert): its GEMMs in the same
-    launches as the routed experts' (bf16 / fp16 / fp32 weights, pointer loads).
+    launches as the routed experts' (bf16 / fp16 / fp32 weights, pointer loads; with 4-bit routed
+    experts, a shared expert in their form and row strides).
     FP8 experts (w13, w2 in float8_e4m3fn with their block scales [E, rows / br, cols / bc]) take
     x and the SiLU product quantized per token and group of bc columns (ops/fp8); the definition
     is ops/moe/reference.moe_experts_fp8_reference. `tiles`: a launch shape other than
@@ -329,8 +335,9 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
         _check_fp8_experts(w13, w2, w13_scale, w2_scale, block, x.device)
     if w4:
         _check_fp4_experts(w13, w2, shared)
-    if shared is not None:
+    elif shared is not None:
         _check_shared_expert(shared, w13, w2, fp8)
+    if shared is not None:
         if skip_expert:
             raise ValueError("a shared expert run as expert E and skipped choices (id E, expert parallelism) exclude each "
                              "other: pass the shared expert's output as `addend` instead")
@@ -341,6 +348,7 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     x = x if x.stride(1) == 1 else x.contiguous()
     if w4:
         w13, w2 = w13.dense_rows(), w2.dense_rows()
+        shared = None if shared is None else (shared[0].dense_rows(), shared[1].dense_rows())
     else:
         w13 = w13 if w13.stride(2) == 1 else w13.contiguous()
         w2 = w2 if w2.stride(2) == 1 else w2.contiguous()
@@ -361,7 +369,7 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     h = torch.empty(S, inter, dtype=x.dtype, device=x.device)
     # Arguments a kind of expert does not use get any tensor (their kernel branches are compiled out).
     shared_w13, shared_w2 = shared if shared is not None else (h, h)
-    wd13 = wd2 = h
+    wd13 = wd2 = shared_ws13 = shared_ws2 = shared_wd13 = shared_wd2 = h
     group = 0   # W4: values per 4-bit scale
     if fp8:
         a, a_scale = quantize_per_token_group(x, block[1])
@@ -371,6 +379,11 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
         if w13.divisor is not None:
             wd13, wd2 = w13.divisor, w2.divisor
         w13, w2 = w13.packed, w2.packed
+        if shared is not None:   # a 4-bit shared expert: its packed codes, scales and divisors apart
+            (s13, s2), shared_w13, shared_w2 = shared, shared[0].packed, shared[1].packed
+            shared_ws13, shared_ws2 = s13.scale, s2.scale
+            if s13.divisor is not None:
+                shared_wd13, shared_wd2 = s13.divisor, s2.divisor
     else:
         a, a_scale, ws13, ws2, br = x, h, h, h, 1
     scaled = fp8 or w4
@@ -383,7 +396,7 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     dots = dict(W4_DOT=w4_dot, A_FORMAT="bf16" if x.dtype == torch.bfloat16 else "fp16", W4_LEFT=left,
                 W4_TABLES=decoded and tables)
     _moe_gate_up_kernel[(m_blocks * triton.cdiv(inter, BN1),)](
-        a, w13, sorted_slots, block_experts, h, a_scale, ws13, shared_w13, wd13,
+        a, w13, sorted_slots, block_experts, h, a_scale, ws13, shared_w13, wd13, shared_ws13, shared_wd13,
         S, hidden, inter, a.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
         a_scale.stride(0), ws13.stride(0) if scaled else 0, ws13.stride(1) if scaled else 0, wd13.stride(0), E,
         TOPK=k, LIMIT=float(activation_limit or 0.0), HAS_LIMIT=activation_limit is not None,
@@ -398,7 +411,7 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
                                                       else x.dtype, device=x.device)
     _moe_down_kernel[(m_blocks * triton.cdiv(hidden, BN2),)](
         hq, w2, sorted_slots, block_experts, weights.reshape(-1).float().contiguous(), y, h_scale, ws2, shared_w2, wd2,
-        S, hidden, inter, hq.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+        shared_ws2, shared_wd2, S, hidden, inter, hq.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
         h_scale.stride(0), ws2.stride(0) if scaled else 0, ws2.stride(1) if scaled else 0, wd2.stride(0), E,
         BM=BM, BN=BN2, BK=BK2, PREC=prec, FP8=fp8, BLOCK_ROWS=br, EVEN_K=inter % BK2 == 0,
         HAS_SHARED=shared is not None, W4=group, **dots, num_warps=warps2, num_stages=stages2,
@@ -450,8 +463,17 @@ def _check_fp4_experts(w13: Fp4Weights, w2, shared) -> None:
     if not isinstance(w2, Fp4Weights) or w2.group != w13.group:
         raise ValueError(f"4-bit experts need w13 and w2 in one 4-bit form ({w13.scheme}); got w2 as "
                          f"{w2.scheme if isinstance(w2, Fp4Weights) else w2.dtype}")
-    if shared is not None:
-        raise ValueError("a shared expert runs apart from 4-bit routed experts (its weights are in another form)")
+    if shared is None:
+        return
+    ok = all(isinstance(s, Fp4Weights) and s.group == w.group and s.shape == w.shape[1:]
+             and s.packed.stride(-2) == w.packed.stride(-2) and s.scale.stride(-2) == w.scale.stride(-2)
+             for s, w in zip(shared, (w13, w2)))
+    if not ok:   # the kernels address the shared expert with the routed experts' row strides
+        raise ValueError(f"a shared expert run with 4-bit routed experts needs their form ({w13.scheme}), width and "
+                         f"row strides (packed, scales 16 bytes apart as the layers store them: w13 "
+                         f"{list(w13.shape[1:])}, w2 {list(w2.shape[1:])}); got "
+                         + ", ".join(f"{s.scheme} {list(s.shape)}" if isinstance(s, Fp4Weights) else str(s.dtype)
+                                     for s in shared))
 
 
 def _check_fp8_experts(w13, w2, w13_scale, w2_scale, block, device) -> None:
