@@ -244,13 +244,15 @@ fi
 if [ "$PART" = fp4_sides ]; then
   # Must show (issue 63): sm_90's 4-bit decode with the decoded tiles left of the dots and byte tables
   # (tiles.fp4_weights_left; the fortieth session timed it on an H100 at Kimi-Linear's experts only,
-  # 1.03-1.10x as fast as right and bitwise). test_fp4.py's GPU tests pass; --moe-formats --fp4-sides
+  # 1.03-1.10x as fast as right and bitwise) and a 4-bit shared expert run as one more expert (untimed).
+  # test_fp4.py's GPU tests pass (the 4-bit shared expert's among them); Kimi-Linear's first 8 layers
+  # with MXFP4 experts at the defaults: graph step at 1 and 64 under the last run's 910 / 3878 us (bf16
+  # 961 / 7013; the shared expert was three launches a layer more at batch 1); --moe-formats --fp4-sides
   # at GLM-5.3-Flash's experts: "left" faster than "right" at 8 / 64 / 256 for both formats (Kimi's
-  # run: batch 64 MXFP4 0.4232 against 0.4500 ms; prefill runs right only); then
-  # Kimi-Linear's first 8 layers with MXFP4 experts at the defaults: graph step at 1 and 64 at or
-  # under the last run's 910 / 3878 us (bf16 961 / 7013); then Kimi's --fp4-sides once more (spread).
+  # run: batch 64 MXFP4 0.4232 against 0.4500 ms; prefill runs right only); then Kimi's --fp4-sides
+  # once more (the spread between runs).
   group fp4_sides_gpu 150 tests/ops/test_fp4.py -k "gpu or decoders"
-  runs=("glm 200 --prefill 8192" "kimi8 120" "kimi 100 --prefill 8192")
+  runs=("kimi8 120" "glm 200 --prefill 8192" "kimi 100 --prefill 8192")
   for run in "${runs[@]}"; do
     read -r shape secs extra <<< "$run"
     [ $(( $(date +%s) - START )) -gt $(( BUDGET - 60 )) ] && { echo "== $shape NOT RUN (budget)"; continue; }
