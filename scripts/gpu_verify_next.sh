@@ -246,8 +246,9 @@ if [ "$PART" = fp4_sides ]; then
   # (tiles.fp4_weights_left; the fortieth session timed it on an H100 at Kimi-Linear's experts only,
   # 1.03-1.10x as fast as right and bitwise) and a 4-bit shared expert run as one more expert (untimed).
   # test_fp4.py's GPU tests pass (the 4-bit shared expert's among them); Kimi-Linear's first 8 layers
-  # with MXFP4 experts at the defaults: graph step at 1 and 64 under the last run's 910 / 3878 us (bf16
-  # 961 / 7013; the shared expert was three launches a layer more at batch 1); --moe-formats --fp4-sides
+  # with MXFP4 experts at the defaults: graph step at 64 under the last run's 3878 us (bf16 7013), at 1
+  # about its 910 (the dummy Quark config quantizes the routed experts only: its bf16 shared expert
+  # still runs apart); --moe-formats --fp4-sides
   # at GLM-5.3-Flash's experts: "left" faster than "right" at 8 / 64 / 256 for both formats (Kimi's
   # run: batch 64 MXFP4 0.4232 against 0.4500 ms; prefill runs right only); then Kimi's --fp4-sides
   # once more (the spread between runs).
