@@ -84,7 +84,10 @@ def _moe_gate_up_kernel(
     A_FORMAT bf16 / fp16): the weights enter tl.dot_scaled as stored instead of decoded. W4_PAIR:
     the decoded path loads gate's and up's scales as one tile (ops/fp4/tiles.scale_pair_pipelines).
     W4_LEFT: the decoded tiles are the dots' left operands (acc^T = W x^T, K in fragment order:
-    ops/fp4/tiles.in_fragment_order; moe_experts_fused says where)."""
+    ops/fp4/tiles.in_fragment_order; moe_experts_fused says where). Fragment order loads the
+    activations 4 bytes at a time, where a row mask costs three instructions a load: those loads
+    are unmasked, a slot past the block's reading the block's first slot's row (its results are
+    never stored; the first slot's row, not a fixed one, so that blocks do not all read one row)."""
     pid_m, pid_n = _block_of_program(tl.cdiv(INTER, BN))
     e = tl.load(experts_ptr + pid_m)
     if e < 0:
@@ -92,7 +95,8 @@ def _moe_gate_up_kernel(
     w_base = _expert_weights(w_ptr, shared_w_ptr, e, stride_we, num_routed, HAS_SHARED)
     slots = tl.load(sorted_ptr + pid_m * BM + tl.arange(0, BM))
     valid = slots < S
-    tokens = tl.where(valid, slots // TOPK, 0).to(tl.int64)
+    # A slot past the block's reads the block's first slot's row (always a slot of the expert): see W4_LEFT's load
+    tokens = tl.where(valid, slots // TOPK, tl.load(sorted_ptr + pid_m * BM) // TOPK).to(tl.int64)
     cols = pid_n * BN + tl.arange(0, BN)
     col_ok = cols < INTER
     if FP8:   # block scales: one per (token, K block) for x, per (row block, K block) for W
@@ -109,9 +113,8 @@ def _moe_gate_up_kernel(
             acc_u = tl.zeros([BN, BM], tl.float32)
         for k0 in range(0, HIDDEN, BK):
             ks = k0 + (fragment_order_k(BK) if W4_LEFT else tl.arange(0, BK))
-            # Unmasked rows: a slot past the block's reads token 0's row, its result never stored (a row
-            # mask costs a predicate a load, and fragment order loads 4 bytes at a time).
-            a = tl.load(x_ptr + tokens[:, None] * stride_x + ks[None, :], mask=((ks < HIDDEN) | EVEN_K)[None, :], other=0.0)
+            a = tl.load(x_ptr + tokens[:, None] * stride_x + ks[None, :],
+                        mask=(valid[:, None] | W4_LEFT) & ((ks < HIDDEN) | EVEN_K)[None, :], other=0.0)
             if W4_DOT:
                 acc_g = mxfp4_scaled_dot(a, gate_w, gate_s, col_ok[:, None], k0, HIDDEN, acc_g, BK, EVEN_K, A_FORMAT)
                 acc_u = mxfp4_scaled_dot(a, up_w, up_s, col_ok[:, None], k0, HIDDEN, acc_u, BK, EVEN_K, A_FORMAT)
@@ -179,7 +182,7 @@ def _moe_down_kernel(
     w_base = _expert_weights(w_ptr, shared_w_ptr, e, stride_we, num_routed, HAS_SHARED)
     slots = tl.load(sorted_ptr + pid_m * BM + tl.arange(0, BM))
     valid = slots < S
-    rows = tl.where(valid, slots, 0).to(tl.int64)
+    rows = tl.where(valid, slots, tl.load(sorted_ptr + pid_m * BM)).to(tl.int64)
     cols = pid_n * BN + tl.arange(0, BN)
     col_ok = cols < HIDDEN
     if FP8:
@@ -193,7 +196,8 @@ def _moe_down_kernel(
             acc = tl.zeros([BN, BM], tl.float32)
         for k0 in range(0, INTER, BK):
             ks = k0 + (fragment_order_k(BK) if W4_LEFT else tl.arange(0, BK))
-            a = tl.load(h_ptr + rows[:, None] * stride_h + ks[None, :], mask=((ks < INTER) | EVEN_K)[None, :], other=0.0)
+            a = tl.load(h_ptr + rows[:, None] * stride_h + ks[None, :],
+                        mask=(valid[:, None] | W4_LEFT) & ((ks < INTER) | EVEN_K)[None, :], other=0.0)
             if W4_DOT:
                 acc = mxfp4_scaled_dot(a, w_rows, s_rows, col_ok[:, None], k0, INTER, acc, BK, EVEN_K, A_FORMAT)
             else:
