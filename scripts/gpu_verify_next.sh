@@ -14,7 +14,7 @@
 # Add a part as `if [ "$PART" = name ]; then ... fi` below, with what it must show, and name it in
 # OWED; take it out of OWED once it ran (its numbers go to docs/perf-notes.md).
 OWED=(
-  fp4_sides       # any GPU (issue 63): sm_90's decoded tiles left of the dots (byte tables) at GLM's experts; Kimi's 8 layers
+  fp4_prefill     # an H100 (issue 63): 4-bit prefill after the row mask came back (TTFT 2048 29.2 ms in fp4_sides)
   fp4_native      # a B200 / MI355X only (issue 63): MXFP4 experts through tl.dot_scaled, timed
   fp4_kimi_full   # an H200 (issue 63): the whole Kimi-Linear (27 layers) with MXFP4 experts against bf16
   house_speed     # on an H200 (issue 59 asks it there; the H100 ran it, thirty-third session: within A/A):
@@ -22,7 +22,7 @@ OWED=(
   tp_gpus         # two or more GPUs (kind nvidia-h100-x2 or larger; issue 61): tensor parallel over NCCL with
                   # CUDA graphs per rank, and its throughput against one GPU
 )
-# Done, kept to run again: fp4_pair (thirty-ninth session, H100; its KDASERVE_FP4_DECODER is gone, fortieth), fp4_bf16, fp4_shapes, fp4_glm, fp4_moe (thirty-eighth session, H100), image_tower (thirty-seventh session, H100), fp4_variants, ling_routing, ling_real, kimi_ttft (thirty-sixth session, H200), ling_tests (thirty-fourth session, H100: all passed), after_removal, house_tests, house_tests2, house_server and house_speed
+# Done, kept to run again: fp4_sides (fortieth session, H100), fp4_pair (thirty-ninth session, H100; its KDASERVE_FP4_DECODER is gone, fortieth), fp4_bf16, fp4_shapes, fp4_glm, fp4_moe (thirty-eighth session, H100), image_tower (thirty-seventh session, H100), fp4_variants, ling_routing, ling_real, kimi_ttft (thirty-sixth session, H200), ling_tests (thirty-fourth session, H100: all passed), after_removal, house_tests, house_tests2, house_server and house_speed
 # (thirty-third session, H100: all passed, throughput within A/A), k1_models and k1_models2 (thirty-second session, H100: all passed),
 # k1_ncu (K1 under Nsight Compute), k1_defaults (the K1 GPU tests and
 # the new defaults against the old), k1_prefetch_ncu, k1_table, k1_order (issue 21 goal 3), by the thirtieth
@@ -239,6 +239,24 @@ if [ "$PART" = fp4_bf16 ]; then
     grep -m3 "Error\|Traceback" "$OUT/fp4_formats_$code.log"
   done
   sed -n '/^| step/,$p' "$OUT/fp4_formats_new.log" | grep "| fp8 \|| bf16 "
+fi
+
+if [ "$PART" = fp4_prefill ]; then
+  # Must show (issue 63): part fp4_sides (fortieth session, one H100) ran with the 4-bit kernels' activation
+  # rows unmasked, a padded slot reading token 0's row: Kimi-Linear's 8 layers (MXFP4) TTFT 2048 29.2 ms
+  # against the thirty-ninth session's 19.1 (bf16 17.7), MoE prefill 8K 3-9% slower. Now the right side
+  # (prefill) masks its rows again and the left side (sm_90 decode) reads the block's first slot's row.
+  # TTFT 2048 back near 19 ms (prefill by kind: MoE experts well under fp4_sides' 17.09 ms), graph step
+  # at 1 / 64 about fp4_sides' 923 / 3750 us; then --moe-formats --fp4-sides at Kimi's experts: prefill 8K
+  # MXFP4 about the thirty-ninth session's 3.49 ms (fp4_sides: 3.80), decode "left" rows about fp4_sides'
+  # (batch 64 MXFP4 0.4236, NVFP4 0.4448 ms).
+  timeout $(cap 150) python3 benchmarks/bench_kimi_linear.py --model moonshotai/Kimi-Linear-48B-A3B-Instruct \
+    --quantization mxfp4 --num-hidden-layers 8 --batches 1 64 --ttft 2048 > "$OUT/fp4_prefill_kimi8.log" 2>&1
+  echo "== kimi 8 layers rc=$?"; grep "TTFT\|^| 1 |\|^| 64 |\|^| MoE experts" "$OUT/fp4_prefill_kimi8.log" | head -8
+  timeout $(cap 120) python3 benchmarks/bench_moe_mla.py --moe-formats --fp4-sides --moe-shape kimi --batches 8 64 256 \
+    --prefill 2048 8192 > "$OUT/fp4_prefill_formats.log" 2>&1
+  echo "== formats kimi rc=$?"; grep "^|.*\(mxfp4\|nvfp4\)" "$OUT/fp4_prefill_formats.log"
+  grep -m3 "Error\|Traceback" "$OUT/fp4_prefill_kimi8.log" "$OUT/fp4_prefill_formats.log"
 fi
 
 if [ "$PART" = fp4_sides ]; then
