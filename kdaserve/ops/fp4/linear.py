@@ -16,9 +16,9 @@ import triton.language as tl
 from kdaserve.ops import interpreter_compat
 from kdaserve.ops.fp4.byte_tables import tables_run_on
 from kdaserve.ops.fp4.tiles import (
+    decoded_dot,
     fp4_weight_tile,
-    fragment_order_k,
-    in_fragment_order,
+    k_step_offsets,
     mxfp4_scaled_dot,
 )
 from kdaserve.ops.fp4.weights import Fp4Weights
@@ -43,16 +43,13 @@ def _fp4_linear_kernel(
     acc = tl.zeros([BN, BM] if W4_LEFT else [BM, BN], tl.float32)
     w_rows, s_rows = w_ptr + cols_in[:, None] * stride_w, s_ptr + cols_in[:, None] * stride_s
     for k0 in range(0, K, BK):
-        ks = k0 + (fragment_order_k(BK) if W4_LEFT else tl.arange(0, BK))
+        ks = k0 + k_step_offsets(BK, W4_LEFT)
         a = tl.load(x_ptr + rows_in[:, None] * stride_x + ks[None, :], mask=((ks < K) | EVEN_K)[None, :], other=0.0)
         if W4_DOT:
             acc = mxfp4_scaled_dot(a, w_rows, s_rows, True, k0, K, acc, BK, EVEN_K, A_FORMAT)
         else:
             w = fp4_weight_tile(w_rows, s_rows, True, k0, K, BK, GROUP, EVEN_K, a.dtype, W4_TABLES)
-            if W4_LEFT:
-                acc = tl.dot(in_fragment_order(w), tl.trans(a), acc, input_precision=PREC)
-            else:
-                acc = tl.dot(a, tl.trans(w), acc, input_precision=PREC)
+            acc = decoded_dot(a, w, acc, W4_LEFT, PREC)
     if W4_LEFT:
         acc = tl.trans(acc)
     if GROUP == 16:   # NVFP4's global scale divides, per output row of W

@@ -196,6 +196,28 @@ def in_fragment_order(w):
 
 
 @triton.jit
+def k_step_offsets(BK: tl.constexpr, LEFT: tl.constexpr):
+    """The K offsets a K step's activations load from: memory order, or with LEFT fragment order."""
+    if LEFT:
+        offsets = fragment_order_k(BK)
+    else:
+        offsets = tl.arange(0, BK)
+    return offsets
+
+
+@triton.jit
+def decoded_dot(a, w, acc, LEFT: tl.constexpr, PREC: tl.constexpr):
+    """One K step of a 4-bit GEMM: activations a [BM, BK] (from k_step_offsets) and a decoded weight
+    tile w [BN, BK] (memory order) into acc [BM, BN] (acc + a w^T), or with LEFT into acc^T [BN, BM]
+    (acc^T + W a^T, the tile the dot's left operand, K in fragment order on both sides)."""
+    if LEFT:
+        acc = tl.dot(in_fragment_order(w), tl.trans(a), acc, input_precision=PREC)
+    else:
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=PREC)
+    return acc
+
+
+@triton.jit
 def mxfp4_scaled_dot(a, w_rows, s_rows, row_ok, k0, K, acc, BK: tl.constexpr, EVEN_K: tl.constexpr,
                      A_FORMAT: tl.constexpr):
     """acc + a @ W^T for one K step of BN MXFP4 weight rows through `tl.dot_scaled`: the packed

@@ -29,13 +29,13 @@ from kdaserve.ops.compile_ahead import compiles_ahead
 from kdaserve.ops.fp4.byte_tables import tables_run_on
 from kdaserve.ops.fp4.tiles import (
     decode_fp4_tile,
+    decoded_dot,
     fp4_codes,
     fp4_packed,
     fp4_scale_pair,
     fp4_weight_tile,
     fp4_weights_left,
-    fragment_order_k,
-    in_fragment_order,
+    k_step_offsets,
     mxfp4_scaled_dot,
     scale_pair_pipelines,
 )
@@ -112,7 +112,7 @@ def _moe_gate_up_kernel(
             acc_g = tl.zeros([BN, BM], tl.float32)
             acc_u = tl.zeros([BN, BM], tl.float32)
         for k0 in range(0, HIDDEN, BK):
-            ks = k0 + (fragment_order_k(BK) if W4_LEFT else tl.arange(0, BK))
+            ks = k0 + k_step_offsets(BK, W4_LEFT)
             a = tl.load(x_ptr + tokens[:, None] * stride_x + ks[None, :],
                         mask=(valid[:, None] | W4_LEFT) & ((ks < HIDDEN) | EVEN_K)[None, :], other=0.0)
             if W4_DOT:
@@ -126,14 +126,8 @@ def _moe_gate_up_kernel(
                 else:
                     pg, sg = fp4_codes(gate_w, gate_s, col_ok[:, None], k0, HIDDEN, BK, W4, EVEN_K)
                     pu, su = fp4_codes(up_w, up_s, col_ok[:, None], k0, HIDDEN, BK, W4, EVEN_K)
-                wg = decode_fp4_tile(pg, sg, BK, W4, a.dtype, W4_TABLES)
-                wu = decode_fp4_tile(pu, su, BK, W4, a.dtype, W4_TABLES)
-                if W4_LEFT:
-                    acc_g = tl.dot(in_fragment_order(wg), tl.trans(a), acc_g, input_precision=PREC)
-                    acc_u = tl.dot(in_fragment_order(wu), tl.trans(a), acc_u, input_precision=PREC)
-                else:
-                    acc_g = tl.dot(a, tl.trans(wg), acc_g, input_precision=PREC)
-                    acc_u = tl.dot(a, tl.trans(wu), acc_u, input_precision=PREC)
+                acc_g = decoded_dot(a, decode_fp4_tile(pg, sg, BK, W4, a.dtype, W4_TABLES), acc_g, W4_LEFT, PREC)
+                acc_u = decoded_dot(a, decode_fp4_tile(pu, su, BK, W4, a.dtype, W4_TABLES), acc_u, W4_LEFT, PREC)
         if W4_LEFT:
             acc_g, acc_u = tl.trans(acc_g), tl.trans(acc_u)
         if W4 == 16:   # NVFP4's global scale divides, per output row
@@ -195,17 +189,14 @@ def _moe_down_kernel(
         if W4_LEFT:
             acc = tl.zeros([BN, BM], tl.float32)
         for k0 in range(0, INTER, BK):
-            ks = k0 + (fragment_order_k(BK) if W4_LEFT else tl.arange(0, BK))
+            ks = k0 + k_step_offsets(BK, W4_LEFT)
             a = tl.load(h_ptr + rows[:, None] * stride_h + ks[None, :],
                         mask=(valid[:, None] | W4_LEFT) & ((ks < INTER) | EVEN_K)[None, :], other=0.0)
             if W4_DOT:
                 acc = mxfp4_scaled_dot(a, w_rows, s_rows, col_ok[:, None], k0, INTER, acc, BK, EVEN_K, A_FORMAT)
             else:
                 w = fp4_weight_tile(w_rows, s_rows, col_ok[:, None], k0, INTER, BK, W4, EVEN_K, a.dtype, W4_TABLES)
-                if W4_LEFT:
-                    acc = tl.dot(in_fragment_order(w), tl.trans(a), acc, input_precision=PREC)
-                else:
-                    acc = tl.dot(a, tl.trans(w), acc, input_precision=PREC)
+                acc = decoded_dot(a, w, acc, W4_LEFT, PREC)
         if W4_LEFT:
             acc = tl.trans(acc)
         if W4 == 16:
