@@ -248,8 +248,9 @@ if [ "$PART" = fp4_prefill ]; then
   # (prefill) masks its rows again and the left side (sm_90 decode) reads the block's first slot's row.
   # TTFT 2048 back near 19 ms (prefill by kind: MoE experts well under fp4_sides' 17.09 ms), graph step
   # at 1 / 64 about fp4_sides' 923 / 3750 us; then --moe-formats --fp4-sides at Kimi's experts: prefill 8K
-  # MXFP4 about the thirty-ninth session's 3.49 ms (fp4_sides: 3.80), decode "left" rows about fp4_sides'
-  # (batch 64 MXFP4 0.4236, NVFP4 0.4448 ms).
+  # MXFP4 about the thirty-ninth session's 3.49 ms (fp4_sides: 3.80), decode "left" rows at or under
+  # fp4_sides' (batch 64 MXFP4 0.4236, NVFP4 0.4448 ms): since then ptxas no longer serializes the left
+  # kernels' wgmma (tl.assume of one K step at least; SASS: each HGMMA waits for 7 groups, not 0).
   timeout $(cap 150) python3 benchmarks/bench_kimi_linear.py --model moonshotai/Kimi-Linear-48B-A3B-Instruct \
     --quantization mxfp4 --num-hidden-layers 8 --batches 1 64 --ttft 2048 > "$OUT/fp4_prefill_kimi8.log" 2>&1
   echo "== kimi 8 layers rc=$?"; grep "TTFT\|^| 1 |\|^| 64 |\|^| MoE experts" "$OUT/fp4_prefill_kimi8.log" | head -8

@@ -464,6 +464,8 @@ def check(target: str, cases: list[Case], baseline: dict[str, int] | None = None
         notes = []
         if res.shared_bytes > SHARED_LIMIT[target]:
             notes.append(f"SHARED {res.shared_bytes} > {SHARED_LIMIT[target]}")
+        if res.wgmma_serialized:   # ptxas made every wgmma wait for the one before (ops/moe/fused.py: why and a cure)
+            notes.append("WGMMA SERIALIZED")
         if res.spill_bytes and c.no_spill:
             notes.append("SPILLS")
         elif res.spill_bytes and target != "sm_90" and baseline is not None and not baseline.get(c.name):

@@ -61,6 +61,8 @@ class Resources:
     spill_bytes: int        # NVIDIA: spill stores; AMD: VGPR + SGPR spills plus scratch
     shared_bytes: int       # shared memory / LDS per block
     sgprs: int | None = None
+    # NVIDIA: ptxas serialized the kernel's wgmma (its warning C7515: every wgmma waits for the last)
+    wgmma_serialized: bool = False
 
     def report(self, target: str) -> str:
         if target.startswith("sm_"):
@@ -83,7 +85,8 @@ def resources(kernel, target: str) -> Resources:
             raise RuntimeError(f"ptxas failed for {target}: {out[-500:]}")
         regs = re.search(r"Used (\d+) registers", out)
         spill = re.search(r"(\d+) bytes spill stores", out)
-        return Resources(int(regs.group(1)) if regs else -1, int(spill.group(1)) if spill else 0, kernel.metadata.shared)
+        return Resources(int(regs.group(1)) if regs else -1, int(spill.group(1)) if spill else 0, kernel.metadata.shared,
+                         wgmma_serialized="wgmma.mma_async instructions are serialized" in out)
     asm = kernel.asm["amdgcn"]
 
     def field(name: str) -> int:

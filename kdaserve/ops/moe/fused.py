@@ -111,6 +111,9 @@ def _moe_gate_up_kernel(
         if W4_LEFT:
             acc_g = tl.zeros([BN, BM], tl.float32)
             acc_u = tl.zeros([BN, BM], tl.float32)
+        # At least one K step (the wrapper checks): without it a zero-trip path zeroes the accumulators
+        # between the wgmmas and their wait, and ptxas serializes every wgmma (warning C7515).
+        tl.assume(HIDDEN > 0)
         for k0 in range(0, HIDDEN, BK):
             ks = k0 + k_step_offsets(BK, W4_LEFT)
             a = tl.load(x_ptr + tokens[:, None] * stride_x + ks[None, :],
@@ -188,6 +191,7 @@ def _moe_down_kernel(
         s_rows = s_base + cols[:, None] * stride_wsn
         if W4_LEFT:
             acc = tl.zeros([BN, BM], tl.float32)
+        tl.assume(INTER > 0)   # one K step at least: as in _moe_gate_up_kernel
         for k0 in range(0, INTER, BK):
             ks = k0 + k_step_offsets(BK, W4_LEFT)
             a = tl.load(h_ptr + rows[:, None] * stride_h + ks[None, :],
@@ -426,6 +430,8 @@ def check_expert_shapes(kind: str, x, w13, w2, weights, ids, addend) -> tuple[in
                          f"weights {tuple(weights.shape)}, ids {tuple(ids.shape)}")
     if addend is not None and addend.shape != (T, hidden):
         raise ValueError(f"the addend must be [T, hidden] = {[T, hidden]}, got {list(addend.shape)}")
+    if hidden < 1 or inter < 1:   # the kernels' K loops run at least once (_moe_gate_up_kernel says why)
+        raise ValueError(f"{kind} needs a hidden size and an expert width of at least 1, got {hidden} and {inter}")
     return T, hidden, E, inter
 
 
