@@ -358,6 +358,8 @@ def test_fused_refuses_mismatched_weights():
     w13, w2 = experts(4, 16, 16)
     with pytest.raises(ValueError, match=r"w2 \[E, hidden, I\]"):
         moe_experts_fused(torch.randn(3, 16), w13, w2[:, :, :8], torch.ones(3, 2), torch.zeros(3, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"a hidden size and an expert width of at least 1, got 16 and 0"):
+        moe_experts_fused(torch.randn(3, 16), w13[:, :0], w2[:, :, :0], torch.ones(3, 2), torch.zeros(3, 2, dtype=torch.long))
 
 
 def _kimi_linear_step(T: int, seed: int):
