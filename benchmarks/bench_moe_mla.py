@@ -143,10 +143,11 @@ def moe_formats(batches, prefill, bw, fp4_sides: bool = False) -> None:
     if fp4_sides:
         sided = {}
         for name, (w, kw, per) in formats.items():
-            for side in ("right", "left") if name.endswith("fp4") else ():
-                sided[f"{name} {side}"] = (w, {**kw, "fp4_left": side == "left"}, per)
             if not name.endswith("fp4"):
                 sided[name] = (w, kw, per)
+                continue
+            for side in ("right", "left"):
+                sided[f"{name} {side}"] = (w, {**kw, "fp4_left": side == "left"}, per)
         formats = sided
     rows = []
     for step, T in [("decode", b) for b in batches] + [("prefill", t) for t in prefill]:

@@ -318,7 +318,7 @@ def _other_cases() -> list[Case]:
     for group in (32, 16):   # 4-bit experts (ops/fp4/tiles.py): MXFP4, NVFP4
         for slots, label in ((64, "decode BM=16"), (65536, "prefill")):
             out += _moe_cases(slots, label, w4=group)
-        # Hopper's decode as it was before its tiles went left of the dots (tools/sass_loop compares them)
+        # sm_90's decode with the tiles right of the dots, as every other target has them (tools/sass_loop compares)
         out += _moe_cases(64, "decode BM=16 right", w4=group, right=True)
         out += _moe_cases(576, "decode B=64 + shared expert", shared=True, w4=group)   # a 4-bit shared expert as E
     out += _fp4_linear_cases()

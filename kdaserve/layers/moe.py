@@ -178,14 +178,13 @@ class MoEMLP(nn.Module):
 
     def _fp4_shared_as_expert(self) -> tuple[Fp4Weights, Fp4Weights] | None:
         """A shared expert in the routed experts' 4-bit form, width and row strides, or None."""
+        from kdaserve.ops.moe.fused import fp4_shared_expert_fits
+
         s = self.shared_experts
         if any(getattr(proj, "fp4_group", None) != self.fp4_group for proj in (s.gate_up_proj, s.down_proj)):
             return None
-        w13, w2 = self.experts()
         shared = (fp4_weights_of(s.gate_up_proj), fp4_weights_of(s.down_proj))
-        same = all(a.shape == b.shape[1:] and a.packed.stride(-2) == b.packed.stride(-2) and a.packed.stride(-1) == 1
-                   and a.scale.stride(-2) == b.scale.stride(-2) for a, b in zip(shared, (w13, w2)))
-        return shared if same else None
+        return shared if fp4_shared_expert_fits(shared, *self.experts()) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return all_reduce(self._experts(x), self.tp)   # the ranks' partial sums (tensor parallel)

@@ -255,6 +255,7 @@ def test_a_4bit_shared_expert_runs_as_one_more_expert(scheme, T, left):
     E, k, hidden, inter = 6, 3, 64, 96
     w13, w2 = fp4_experts(E + 1, hidden, inter, scheme, seed=21)
     w13, w2 = w13.with_aligned_scales(), w2.with_aligned_scales()
+
     def apart(w):   # its own storage, as a layer holds the routed and the shared weights
         divisor = None if w.divisor is None else w.divisor.clone()
         return Fp4Weights(w.packed.clone(), w.scale.clone(), divisor, w.group).with_aligned_scales()
@@ -490,6 +491,18 @@ def test_gpu_fused_4bit_experts_at_kimi_linear_sizes(scheme, T):
     assert_rel_close(got.float(), want, 1e-2, f"4-bit fused MoE {scheme} bf16 T={T}")
 
 
+def _gpu_step(scheme: str, T: int, E: int, seed_w: int, seed_x: int, extra: int = 0):
+    """E (+ extra) 4-bit experts at Kimi-Linear's sizes on the GPU, scale rows aligned as the layers
+    store them, T bf16 tokens and a top-8 router's choices among the first E: (x, w13, w2, weights, ids)."""
+    hidden, inter = 2304, 1024
+    w13, w2 = fp4_experts(E + extra, hidden, inter, scheme, device="cuda", seed=seed_w)
+    g = torch.Generator(device="cuda").manual_seed(seed_x)
+    x = torch.randn(T, hidden, device="cuda", generator=g).bfloat16()
+    gate = torch.randn(E, hidden, device="cuda", generator=g) * hidden**-0.5
+    weights, ids = route_tokens(x, gate, None, RouterConfig(E, 8))
+    return x, w13.with_aligned_scales(), w2.with_aligned_scales(), weights, ids
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("T", [1, 64])
@@ -499,13 +512,8 @@ def test_gpu_4bit_shared_expert_as_one_more_expert_at_kimi_linear_sizes(scheme, 
     from kdaserve.ops.activation.swiglu import swiglu_reference
     from kdaserve.ops.moe.fused import moe_experts_fused
 
-    E, k, hidden, inter = 64, 8, 2304, 1024
-    w13, w2 = fp4_experts(E + 1, hidden, inter, scheme, device="cuda", seed=T + 7)
-    w13, w2 = w13.with_aligned_scales(), w2.with_aligned_scales()
-    g = torch.Generator(device="cuda").manual_seed(T)
-    x = torch.randn(T, hidden, device="cuda", generator=g).bfloat16()
-    gate = torch.randn(E, hidden, device="cuda", generator=g) * hidden**-0.5
-    weights, ids = route_tokens(x, gate, None, RouterConfig(E, k))
+    E = 64
+    x, w13, w2, weights, ids = _gpu_step(scheme, T, E, seed_w=T + 7, seed_x=T, extra=1)
     ext_w = torch.cat([weights, torch.ones(T, 1, device="cuda")], 1)
     ext_ids = torch.cat([ids, torch.full((T, 1), E, device="cuda", dtype=ids.dtype)], 1)
     got = moe_experts_fused(x, w13[:E], w2[:E], ext_w, ext_ids, shared=(w13[E], w2[E])).float()
@@ -524,13 +532,7 @@ def test_gpu_decoded_tiles_on_either_side_of_the_dots(scheme, T):
     within bf16's rounding of the reference, and of each other (only the order of the sums differs)."""
     from kdaserve.ops.moe.fused import moe_experts_fused
 
-    E, k, hidden, inter = 64, 8, 2304, 1024
-    w13, w2 = fp4_experts(E, hidden, inter, scheme, device="cuda", seed=T + 1)
-    w13, w2 = w13.with_aligned_scales(), w2.with_aligned_scales()
-    g = torch.Generator(device="cuda").manual_seed(T + 1)
-    x = torch.randn(T, hidden, device="cuda", generator=g).bfloat16()
-    gate = torch.randn(E, hidden, device="cuda", generator=g) * hidden**-0.5
-    weights, ids = route_tokens(x, gate, None, RouterConfig(E, k))
+    x, w13, w2, weights, ids = _gpu_step(scheme, T, 64, seed_w=T + 1, seed_x=T + 1)
     want = moe_experts_reference(x.float(), w13, w2, weights, ids)
     sides = {left: moe_experts_fused(x, w13, w2, weights, ids, fp4_left=left).float() for left in (True, False)}
     for left, got in sides.items():
@@ -548,13 +550,7 @@ def test_gpu_byte_table_decoding_equals_the_bitwise_decoding(scheme, T):
     from kdaserve.ops.fp4.linear import fp4_linear
     from kdaserve.ops.moe.fused import moe_experts_fused
 
-    E, k, hidden, inter = 64, 8, 2304, 1024
-    w13, w2 = fp4_experts(E, hidden, inter, scheme, device="cuda", seed=T)
-    w13, w2 = w13.with_aligned_scales(), w2.with_aligned_scales()
-    g = torch.Generator(device="cuda").manual_seed(T)
-    x = torch.randn(T, hidden, device="cuda", generator=g).bfloat16()
-    gate = torch.randn(E, hidden, device="cuda", generator=g) * hidden**-0.5
-    weights, ids = route_tokens(x, gate, None, RouterConfig(E, k))
+    x, w13, w2, weights, ids = _gpu_step(scheme, T, 64, seed_w=T, seed_x=T)
     for left in (False, True):
         outs = {tables: (moe_experts_fused(x, w13, w2, weights, ids, fp4_left=left, fp4_tables=tables),
                          fp4_linear(x, w13[3], fp4_left=left, fp4_tables=tables)) for tables in (False, True)}

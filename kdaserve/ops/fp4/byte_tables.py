@@ -7,10 +7,9 @@ Why: a 32-bit word of codes arrives whole where the tiles are left of the dots (
 thread's bytes side by side), and there the decode kernels come close to bound by instruction issue.
 The bitwise decoding spends per byte an extraction, two integer products and two masks, then two bf16
 products a pair (by 2^126 and by the scale); the tables spend per 4 bytes 10 `prmt`, 5 other integer
-operations and, a pair, one scale product (+1 `prmt` to place the scale in both halves). Measured on
-an H100 (docs/perf-notes.md, fortieth session): beside left tiles the tables make Kimi-Linear's MoE
-layer 1.03-1.10x as fast as the bitwise decoding beside right ones, and the bitwise decoding beside
-left tiles no faster at all; beside right tiles (mma.sync) the tables gain nothing.
+operations and, a pair, one scale product (+1 `prmt` to place the scale in both halves). Beside left
+tiles that is what makes them faster; beside right tiles (mma.sync) the tables gain nothing
+(timings: docs/perf-notes.md, fortieth session).
 
 How (`_E2M1_SCALED_PTX`, one 32-bit word of packed codes, element 2k in byte k's low nibble): each
 nibble's 3 magnitude bits select a byte of the bf16 patterns of 0, 0.5, 1, 1.5, 2, 3, 4, 6 (0x0000,

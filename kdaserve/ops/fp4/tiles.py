@@ -163,11 +163,9 @@ def fp4_weights_left(target: str, block_m: int) -> bool:
     """Whether the 4-bit expert GEMMs on `target` put their decoded weight tiles on the left of the
     dots (acc^T = W x^T, K in fragment order) at `block_m` activation rows per program: on
     FP4_LEFT_TARGETS at decode's row blocks (under 64: ops/moe/fused.moe_tiles), with the byte-table
-    decoder (ops/fp4/byte_tables.py). Measured on an H100 (docs/perf-notes.md, fortieth session):
-    the MoE layer at Kimi-Linear's and GLM-5.3-Flash's experts faster at every batch from 8 to 256
-    (Kimi-Linear 1.03-1.10x). Prefill's K steps of 64 would give a thread 8 bytes a row and a loop
-    about 1.6x as long (sm_90 SASS), so prefill stays right; so does the 4-bit linear layer (its
-    M = 1 and 16 timings went either way)."""
+    decoder (ops/fp4/byte_tables.py). Prefill's K steps of 64 would give a thread 8 bytes a row and a
+    longer loop, so prefill stays right; so does the 4-bit linear layer, where neither side won
+    everywhere (timings and counts: docs/perf-notes.md, fortieth session)."""
     return target in FP4_LEFT_TARGETS and block_m < 64
 
 

@@ -354,7 +354,8 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     if S == 0:
         return torch.zeros_like(x) if addend is None else addend.to(out_dtype, copy=True)
     E_all = E + (shared is not None)   # the shared expert is one more for the alignment and the tiles
-    t = tiles or moe_tiles(S, E_all, hidden, inter, fp8, device_target(x.device), block[1] if fp8 else 128, w4)
+    target = device_target(x.device)
+    t = tiles or moe_tiles(S, E_all, hidden, inter, fp8, target, block[1] if fp8 else 128, w4)
     BM, (BN1, BK1, warps1, stages1), (BN2, BK2, warps2, stages2) = t.block_m, t.gate_up, t.down
     if fp8 and (BK1, BK2) != (block[1], block[1]):
         raise ValueError(f"FP8 experts step K by the scale block's {block[1]} columns; tiles asked {BK1} and {BK2}")
@@ -379,18 +380,18 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
             wd13, wd2 = w13.divisor, w2.divisor
         w13, w2 = w13.packed, w2.packed
         if shared is not None:   # a 4-bit shared expert: its packed codes, scales and divisors apart
-            (s13, s2), shared_w13, shared_w2 = shared, shared[0].packed, shared[1].packed
-            shared_ws13, shared_ws2 = s13.scale, s2.scale
+            s13, s2 = shared
+            shared_w13, shared_w2, shared_ws13, shared_ws2 = s13.packed, s2.packed, s13.scale, s2.scale
             if s13.divisor is not None:
                 shared_wd13, shared_wd2 = s13.divisor, s2.divisor
     else:
         a, a_scale, ws13, ws2, br = x, h, h, h, 1
     scaled = fp8 or w4
     w4_dot = (group == 32 and x.dtype in (torch.bfloat16, torch.float16)
-              and (native_fp4_dots(device_target(x.device)) if fp4_dots is None else fp4_dots))
+              and (native_fp4_dots(target) if fp4_dots is None else fp4_dots))
     decoded = bool(w4) and not w4_dot
     left = decoded and x.dtype in (torch.bfloat16, torch.float16) and (
-        fp4_weights_left(device_target(x.device), BM) if fp4_left is None else fp4_left)
+        fp4_weights_left(target, BM) if fp4_left is None else fp4_left)
     tables = (left and x.dtype == torch.bfloat16 and tables_run_on(x.device)) if fp4_tables is None else fp4_tables
     dots = dict(W4_DOT=w4_dot, A_FORMAT="bf16" if x.dtype == torch.bfloat16 else "fp16", W4_LEFT=left,
                 W4_TABLES=decoded and tables)
@@ -460,16 +461,20 @@ def _check_shared_expert(shared, w13: torch.Tensor, w2: torch.Tensor, fp8: bool)
                          f"it apart): got {list(s13.shape)} {s13.dtype} and {list(s2.shape)} {s2.dtype}")
 
 
+def fp4_shared_expert_fits(shared, w13: Fp4Weights, w2: Fp4Weights) -> bool:
+    """Whether `shared` (gate|up, down) can run as one more expert beside 4-bit routed experts w13,
+    w2: their 4-bit form and width, and their row strides (the kernels address the shared expert's
+    packed codes and scales with the routed experts' strides)."""
+    return all(isinstance(s, Fp4Weights) and s.group == w.group and s.shape == w.shape[1:]
+               and s.packed.stride(-2) == w.packed.stride(-2) and s.scale.stride(-2) == w.scale.stride(-2)
+               for s, w in zip(shared, (w13, w2)))
+
+
 def _check_fp4_experts(w13: Fp4Weights, w2, shared) -> None:
     if not isinstance(w2, Fp4Weights) or w2.group != w13.group:
         raise ValueError(f"4-bit experts need w13 and w2 in one 4-bit form ({w13.scheme}); got w2 as "
                          f"{w2.scheme if isinstance(w2, Fp4Weights) else w2.dtype}")
-    if shared is None:
-        return
-    ok = all(isinstance(s, Fp4Weights) and s.group == w.group and s.shape == w.shape[1:]
-             and s.packed.stride(-2) == w.packed.stride(-2) and s.scale.stride(-2) == w.scale.stride(-2)
-             for s, w in zip(shared, (w13, w2)))
-    if not ok:   # the kernels address the shared expert with the routed experts' row strides
+    if shared is not None and not fp4_shared_expert_fits(shared, w13, w2):
         raise ValueError(f"a shared expert run with 4-bit routed experts needs their form ({w13.scheme}), width and "
                          f"row strides (packed, scales 16 bytes apart as the layers store them: w13 "
                          f"{list(w13.shape[1:])}, w2 {list(w2.shape[1:])}); got "
