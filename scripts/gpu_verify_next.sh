@@ -251,6 +251,9 @@ if [ "$PART" = fp4_prefill ]; then
   # MXFP4 about the thirty-ninth session's 3.49 ms (fp4_sides: 3.80), decode "left" rows at or under
   # fp4_sides' (batch 64 MXFP4 0.4236, NVFP4 0.4448 ms): since then ptxas no longer serializes the left
   # kernels' wgmma (tl.assume of one K step at least; SASS: each HGMMA waits for 7 groups, not 0).
+  # First test_fp4.py's GPU tests: the kernels changed since fp4_sides (row masks, first-slot rows, the
+  # assume) against the reference, both decoders bit for bit, the 4-bit shared expert.
+  group fp4_prefill_gpu 150 tests/ops/test_fp4.py -k "gpu or decoders"
   timeout $(cap 150) python3 benchmarks/bench_kimi_linear.py --model moonshotai/Kimi-Linear-48B-A3B-Instruct \
     --quantization mxfp4 --num-hidden-layers 8 --batches 1 64 --ttft 2048 > "$OUT/fp4_prefill_kimi8.log" 2>&1
   echo "== kimi 8 layers rc=$?"; grep "TTFT\|^| 1 |\|^| 64 |\|^| MoE experts" "$OUT/fp4_prefill_kimi8.log" | head -8
