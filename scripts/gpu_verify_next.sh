@@ -15,6 +15,7 @@
 # OWED; take it out of OWED once it ran (its numbers go to docs/perf-notes.md).
 OWED=(
   fp4_prefill     # an H100 (issue 63): 4-bit prefill after the row mask came back (TTFT 2048 29.2 ms in fp4_sides)
+  fp4_sweep_left  # an H100 or H200 (issue 63): sm_90's 4-bit decode shapes swept as served now (left, tables)
   fp4_native      # a B200 / MI355X only (issue 63): MXFP4 experts through tl.dot_scaled, timed
   fp4_kimi_full   # an H200 (issue 63): the whole Kimi-Linear (27 layers) with MXFP4 experts against bf16
   house_speed     # on an H200 (issue 59 asks it there; the H100 ran it, thirty-third session: within A/A):
@@ -253,14 +254,33 @@ if [ "$PART" = fp4_prefill ]; then
   # kernels' wgmma (tl.assume of one K step at least; SASS: each HGMMA waits for 7 groups, not 0).
   # First test_fp4.py's GPU tests: the kernels changed since fp4_sides (row masks, first-slot rows, the
   # assume) against the reference, both decoders bit for bit, the 4-bit shared expert.
+  # With .old (`git archive 86651d5 kdaserve benchmarks | tar -x -C .old`: the thirty-ninth session's code,
+  # TTFT 19.1 there) Kimi's 8 layers run new, old, new in the same command (any card: compare within it);
+  # with .base (`git archive caccf39 ...`: the row masks back, the assume not yet) the formats table's
+  # decode rows once more from .base: the assume's own effect (it also took gate|up from 93 to 130
+  # registers, 5 programs an SM to 3).
   group fp4_prefill_gpu 150 tests/ops/test_fp4.py -k "gpu or decoders"
-  timeout $(cap 150) python3 benchmarks/bench_kimi_linear.py --model moonshotai/Kimi-Linear-48B-A3B-Instruct \
-    --quantization mxfp4 --num-hidden-layers 8 --batches 1 64 --ttft 2048 > "$OUT/fp4_prefill_kimi8.log" 2>&1
-  echo "== kimi 8 layers rc=$?"; grep "TTFT\|^| 1 |\|^| 64 |\|^| MoE experts" "$OUT/fp4_prefill_kimi8.log" | head -8
-  timeout $(cap 120) python3 benchmarks/bench_moe_mla.py --moe-formats --fp4-sides --moe-shape kimi --batches 8 64 256 \
-    --prefill 2048 8192 > "$OUT/fp4_prefill_formats.log" 2>&1
-  echo "== formats kimi rc=$?"; grep "^|.*\(mxfp4\|nvfp4\)" "$OUT/fp4_prefill_formats.log"
-  grep -m3 "Error\|Traceback" "$OUT/fp4_prefill_kimi8.log" "$OUT/fp4_prefill_formats.log"
+  runs=("kimi8 new"); [ -d .old/kdaserve ] && runs+=("kimi8 old")
+  runs+=("formats new"); [ -d .base/kdaserve ] && runs+=("formats base"); [ -d .old/kdaserve ] && runs+=("kimi8 new")
+  i=0
+  for run in "${runs[@]}"; do
+    read -r what tree <<< "$run"; i=$((i + 1))
+    [ $(( $(date +%s) - START )) -gt $(( BUDGET - 90 )) ] && { echo "== $what $tree NOT RUN (budget)"; continue; }
+    root=.; [ "$tree" = old ] && root=.old; [ "$tree" = base ] && root=.base
+    log="$OUT/fp4_prefill_${i}_${what}_$tree.log"
+    if [ "$what" = kimi8 ]; then
+      timeout $(cap 120) env PYTHONPATH="$PWD/$root:$PYTHONPATH" python3 $root/benchmarks/bench_kimi_linear.py \
+        --model moonshotai/Kimi-Linear-48B-A3B-Instruct --quantization mxfp4 --num-hidden-layers 8 --batches 1 64 \
+        --ttft 2048 > "$log" 2>&1
+      echo "== kimi 8 layers ($tree) rc=$?"; grep "TTFT\|^| 1 |\|^| 64 |\|^| MoE experts" "$log" | head -8
+    else
+      prefill="--prefill 2048 8192"; [ "$tree" = base ] && prefill="--prefill"
+      timeout $(cap 120) env PYTHONPATH="$PWD/$root:$PYTHONPATH" python3 $root/benchmarks/bench_moe_mla.py \
+        --moe-formats --fp4-sides --moe-shape kimi --batches 8 64 256 $prefill > "$log" 2>&1
+      echo "== formats kimi ($tree) rc=$?"; grep "^|.*\(mxfp4\|nvfp4\)" "$log"
+    fi
+    grep -m3 "Error\|Traceback" "$log"
+  done
 fi
 
 if [ "$PART" = fp4_sides ]; then
@@ -338,6 +358,18 @@ if [ "$PART" = fp4_glm ]; then
     echo "== formats $shape rc=$?"; sed -n '/^experts:/,$p' "$OUT/fp4_formats_$shape.log"
     grep -m3 "Error\|Traceback" "$OUT/fp4_formats_$shape.log"
   done
+fi
+
+if [ "$PART" = fp4_sweep_left ]; then
+  # Must show (issue 63): the --sweep-moe-fp4 table at decode 8 / 64 / 256 with sm_90's decode as served
+  # now (tiles left of the dots, byte tables, wgmma no longer serialized; never swept so: the shapes were
+  # chosen on the right side, thirty-eighth session): whether another gate|up or down shape brings batch
+  # 64 nearer 1.3x its floor (fp4_sides: 1.54x; gate_up 1.43x, down 1.64x of their own bytes). A shape
+  # more than a run's spread (~2%) faster than the default at 64 and 256 and not slower at 8 is a new default.
+  timeout $(cap 330) python3 benchmarks/bench_moe_mla.py --sweep-moe-fp4 --batches 8 64 256 --prefill \
+    > "$OUT/fp4_sweep_left.log" 2>&1
+  echo "== sweep rc=$?"; sed -n '/^| step/,$p' "$OUT/fp4_sweep_left.log"
+  grep -m3 "Error\|Traceback" "$OUT/fp4_sweep_left.log"
 fi
 
 if [ "$PART" = fp4_shapes ]; then
