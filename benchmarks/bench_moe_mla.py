@@ -137,7 +137,8 @@ def moe_formats(batches, prefill, bw, fp4_sides: bool = False) -> None:
     """The fused MoE call with the experts (--moe-shape) in bf16, block FP8, MXFP4 and NVFP4, one table:
     decode graph-replayed against each format's own floor (its bytes of the touched experts), and
     prefill eager with the fraction of the bf16 tensor rate. `fp4_sides`: each 4-bit format twice, its
-    decoded tiles on the right of the dots and on the left (ops/fp4/tiles.fp4_weights_left; decode only)."""
+    decoded tiles on the right of the dots and on the left (ops/fp4/tiles.fp4_weights_left; decode only),
+    and MXFP4 through tl.dot_scaled (native fp4 dots where the target has them, else Triton's decomposition)."""
     g, w13, w2, gate, router = routed_experts()
     formats = expert_formats(w13, w2)
     if fp4_sides:
@@ -148,6 +149,8 @@ def moe_formats(batches, prefill, bw, fp4_sides: bool = False) -> None:
                 continue
             for side in ("right", "left"):
                 sided[f"{name} {side}"] = (w, {**kw, "fp4_left": side == "left"}, per)
+            if name == "mxfp4":   # tl.dot_scaled, which Triton decomposes where the target has no fp4 dots
+                sided[f"{name} dot_scaled"] = (w, {**kw, "fp4_dots": True}, per)
         formats = sided
     rows = []
     for step, T in [("decode", b) for b in batches] + [("prefill", t) for t in prefill]:
