@@ -16,6 +16,7 @@
 OWED=(
   fp4_prefill     # an H100 (issue 63): 4-bit prefill after the row mask came back (TTFT 2048 29.2 ms in fp4_sides)
   fp4_sweep_left  # an H100 or H200 (issue 63): sm_90's 4-bit decode shapes swept as served now (left, tables)
+  fp4_ncu         # an H100 or H200 on Firecracker (issue 63): Nsight Compute on the 4-bit decode kernels at batch 64
   fp4_native      # a B200 / MI355X only (issue 63): MXFP4 experts through tl.dot_scaled, timed
   fp4_kimi_full   # an H200 (issue 63): the whole Kimi-Linear (27 layers) with MXFP4 experts against bf16
   house_speed     # on an H200 (issue 59 asks it there; the H100 ran it, thirty-third session: within A/A):
@@ -370,6 +371,21 @@ if [ "$PART" = fp4_sweep_left ]; then
     > "$OUT/fp4_sweep_left.log" 2>&1
   echo "== sweep rc=$?"; sed -n '/^| step/,$p' "$OUT/fp4_sweep_left.log"
   grep -m3 "Error\|Traceback" "$OUT/fp4_sweep_left.log"
+fi
+
+if [ "$PART" = fp4_ncu ]; then
+  # Must show (issue 63): what holds sm_90's 4-bit decode at batch 64 to 1.43x (gate|up) and 1.64x (down) of
+  # its bytes (fp4_sides), Kimi-Linear's experts in MXFP4, served as now (left, byte tables): per kernel
+  # the duration, DRAM throughput, issue slots busy, each pipe's activity (alu: prmt / lop3 / shifts;
+  # fma / fmaheavy: imad, hmul2), occupancy, and the stall reasons per issued instruction. If issue or
+  # the alu pipe sits near its peak, fewer decode instructions pay; if long-scoreboard / barrier stalls
+  # lead with DRAM well under peak, more loads in flight (stages, programs an SM) do.
+  timeout $(cap 240) ncu --clock-control none --kernel-name regex:"_moe_(gate_up|down)" --launch-skip 2 --launch-count 2 \
+    --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats --section LaunchStats \
+    --metrics "dram__bytes_read.sum,smsp__inst_executed.sum,regex:sm__pipe_.*_cycles_active\.avg\.pct_of_peak_sustained_active,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+    python3 benchmarks/profile_moe_prefill.py --tokens 64 --format mxfp4 > "$OUT/fp4_ncu.txt" 2>&1
+  echo "== ncu rc=$?"; grep -E "^  _moe|tokens,|Duration|DRAM Throughput|Issue Slots Busy|No Eligible|Achieved Occupancy|Theoretical Occupancy|Registers Per|Warp Cycles Per Issued|dram__bytes|inst_executed.sum|pipe_(alu|fma|fmaheavy|fmalite|lsu|tensor|uniform|shared)" "$OUT/fp4_ncu.txt" | head -70
+  grep -E "issue_stalled" "$OUT/fp4_ncu.txt" | awk '$NF+0 > 0.05' | head -40
 fi
 
 if [ "$PART" = fp4_shapes ]; then
