@@ -337,13 +337,38 @@ FP4_SWEEP = {
 }
 
 
-def fp4_moe_sweep(batches, prefill, bw) -> None:
-    """MXFP4 experts at Kimi-Linear's sizes: per step the default launch shape, then each
-    FP4_SWEEP shape for the gate|up GEMM (down at its default) and for the down GEMM (gate|up at
-    its default), with each kernel's device time; the floor is the 4-bit bytes of the touched
-    experts at decode. A shape that does not compile (or spills out of shared memory) is a row."""
+# Decode shapes of both GEMMs at once, each (columns, K step, warps, stages, register cap): for sm_90's
+# decode with the decoded tiles left of the dots, where one more program an SM (a cap of 128 registers
+# gives four of 4 warps) may pay more than the registers it takes.
+FP4_PAIRS = [
+    ((64, 128, 4, 3, 128), None),
+    (None, (128, 128, 4, 3, None)),
+    (None, (128, 128, 4, 3, 128)),
+    ((64, 256, 4, 3, None), (128, 128, 4, 3, None)),
+    ((64, 128, 4, 3, 128), (128, 128, 4, 3, None)),
+    ((64, 128, 4, 3, 128), (128, 128, 4, 3, 128)),
+    ((64, 128, 4, 4, 128), (128, 128, 4, 4, 128)),
+]
+
+
+def _paired_tiles(default, gate_up, down):
+    """MoeTiles from the default with either GEMM's (columns, K step, warps, stages, register cap) swapped in."""
     from kdaserve.ops.moe.fused import MoeTiles
 
+    gu, dn = gate_up or (*default.gate_up, default.gate_up_regs), down or (*default.down, default.down_regs)
+    return MoeTiles(default.block_m, gu[:4], dn[:4], gu[4], dn[4])
+
+
+def fp4_moe_sweep(batches, prefill, bw, pairs: bool = False) -> None:
+    """MXFP4 experts at Kimi-Linear's sizes (or --moe-shape's): per step the default launch shape, then each
+    FP4_SWEEP shape for the gate|up GEMM (down at its default) and for the down GEMM (gate|up at
+    its default), with each kernel's device time; the floor is the 4-bit bytes of the touched
+    experts at decode. A shape that does not compile (or spills out of shared memory) is a row.
+    `pairs`: at decode FP4_PAIRS instead (both GEMMs' shapes and register caps), prefill not run."""
+    from kdaserve.ops.moe.fused import MoeTiles
+
+    if pairs:
+        prefill = []
     g, w13, w2, gate, router = routed_experts()
     (q13, q2), _, per_param = expert_formats(w13, w2)["mxfp4"]
     rows = []
@@ -357,7 +382,10 @@ def fp4_moe_sweep(batches, prefill, bw) -> None:
         want = moe_experts_fused(x, q13, q2, weights, ids, tiles=default).float()
         timer = bench_graph if step == "decode" else bench
         variants = [("default", default)]
-        for shape in FP4_SWEEP[step]:
+        if pairs:
+            variants += [(f"gate_up {gu or 'default'}, down {dn or 'default'}", _paired_tiles(default, gu, dn))
+                         for gu, dn in FP4_PAIRS]
+        for shape in [] if pairs else FP4_SWEEP[step]:
             variants.append((f"gate_up {shape}", MoeTiles(default.block_m, shape, default.down)))
             variants.append((f"down {shape}", MoeTiles(default.block_m, default.gate_up, shape)))
         for name, tiles in variants:
@@ -567,6 +595,8 @@ def main() -> None:
                     help="the MoE layer with the shared expert apart or inside the fused kernels, per batch")
     ap.add_argument("--sweep-moe-fp4", action="store_true",
                     help="MXFP4 experts' launch shapes, each GEMM's varied apart (issue 63)")
+    ap.add_argument("--fp4-pairs", action="store_true",
+                    help="with --sweep-moe-fp4: decode only, both GEMMs' shapes and register caps together (FP4_PAIRS)")
     ap.add_argument("--moe-formats", action="store_true",
                     help="fused MoE with the experts in bf16, FP8, MXFP4 and NVFP4, each against its own floor")
     ap.add_argument("--fp4-sides", action="store_true",
@@ -586,7 +616,7 @@ def main() -> None:
                     "sweep_mla_prefill": lambda: mla_prefill_sweep(args.prefill, args.mla_heads),
                     "sweep_shared": lambda: shared_expert_sweep(args.batches),
                     "moe_formats": lambda: moe_formats(args.batches, args.prefill, bw, args.fp4_sides),
-                    "sweep_moe_fp4": lambda: fp4_moe_sweep(args.batches, args.prefill, bw)}
+                    "sweep_moe_fp4": lambda: fp4_moe_sweep(args.batches, args.prefill, bw, args.fp4_pairs)}
     for flag, run in alternatives.items():
         if getattr(args, flag):
             run()

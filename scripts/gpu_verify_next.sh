@@ -14,9 +14,7 @@
 # Add a part as `if [ "$PART" = name ]; then ... fi` below, with what it must show, and name it in
 # OWED; take it out of OWED once it ran (its numbers go to docs/perf-notes.md).
 OWED=(
-  fp4_prefill     # an H100 (issue 63): 4-bit prefill after the row mask came back (TTFT 2048 29.2 ms in fp4_sides)
-  fp4_sweep_left  # an H100 or H200 (issue 63): sm_90's 4-bit decode shapes swept as served now (left, tables)
-  fp4_ncu         # an H100 or H200 on Firecracker (issue 63): Nsight Compute on the 4-bit decode kernels at batch 64
+  fp4_pairs       # an H100 or H200 (issue 63): sm_90's 4-bit decode, both GEMMs' shapes and register caps together
   fp4_native      # a B200 / MI355X only (issue 63): MXFP4 experts through tl.dot_scaled, timed
   fp4_kimi_full   # an H200 (issue 63): the whole Kimi-Linear (27 layers) with MXFP4 experts against bf16
   house_speed     # on an H200 (issue 59 asks it there; the H100 ran it, thirty-third session: within A/A):
@@ -24,7 +22,7 @@ OWED=(
   tp_gpus         # two or more GPUs (kind nvidia-h100-x2 or larger; issue 61): tensor parallel over NCCL with
                   # CUDA graphs per rank, and its throughput against one GPU
 )
-# Done, kept to run again: fp4_sides (fortieth session, H100), fp4_pair (thirty-ninth session, H100; its KDASERVE_FP4_DECODER is gone, fortieth), fp4_bf16, fp4_shapes, fp4_glm, fp4_moe (thirty-eighth session, H100), image_tower (thirty-seventh session, H100), fp4_variants, ling_routing, ling_real, kimi_ttft (thirty-sixth session, H200), ling_tests (thirty-fourth session, H100: all passed), after_removal, house_tests, house_tests2, house_server and house_speed
+# Done, kept to run again: fp4_prefill, fp4_sweep_left, fp4_ncu (forty-first session, H100), fp4_sides (fortieth session, H100), fp4_pair (thirty-ninth session, H100; its KDASERVE_FP4_DECODER is gone, fortieth), fp4_bf16, fp4_shapes, fp4_glm, fp4_moe (thirty-eighth session, H100), image_tower (thirty-seventh session, H100), fp4_variants, ling_routing, ling_real, kimi_ttft (thirty-sixth session, H200), ling_tests (thirty-fourth session, H100: all passed), after_removal, house_tests, house_tests2, house_server and house_speed
 # (thirty-third session, H100: all passed, throughput within A/A), k1_models and k1_models2 (thirty-second session, H100: all passed),
 # k1_ncu (K1 under Nsight Compute), k1_defaults (the K1 GPU tests and
 # the new defaults against the old), k1_prefetch_ncu, k1_table, k1_order (issue 21 goal 3), by the thirtieth
@@ -371,6 +369,20 @@ if [ "$PART" = fp4_sweep_left ]; then
     > "$OUT/fp4_sweep_left.log" 2>&1
   echo "== sweep rc=$?"; sed -n '/^| step/,$p' "$OUT/fp4_sweep_left.log"
   grep -m3 "Error\|Traceback" "$OUT/fp4_sweep_left.log"
+fi
+
+if [ "$PART" = fp4_pairs ]; then
+  # Must show (issue 63): part fp4_sweep_left (forty-first session, H100) found down (128, 128, 4, 3) 15% faster
+  # than the default (64, 256) at batch 64 and gate|up (64, 256) 2-8%; fp4_ncu: gate|up 64% of issue slots,
+  # alu pipe 60%, 3 programs an SM (130 registers). --fp4-pairs: both GEMMs changed together and register
+  # caps of 128 (4 programs an SM), Kimi-Linear's experts then GLM-5.3-Flash's, decode 8 / 64 / 256: the
+  # fastest pair at 64 and 256, not slower at 8, becomes sm_90's left-side default (ops/moe/fused.moe_tiles).
+  for shape in kimi glm; do
+    timeout $(cap 200) python3 benchmarks/bench_moe_mla.py --sweep-moe-fp4 --fp4-pairs --moe-shape $shape \
+      --batches 8 64 256 > "$OUT/fp4_pairs_$shape.log" 2>&1
+    echo "== pairs $shape rc=$?"; sed -n '/^| step/,$p' "$OUT/fp4_pairs_$shape.log"
+    grep -m3 "Error\|Traceback" "$OUT/fp4_pairs_$shape.log"
+  done
 fi
 
 if [ "$PART" = fp4_ncu ]; then

@@ -283,7 +283,8 @@ def test_a_4bit_shared_expert_runs_as_one_more_expert(scheme, T, left):
     (16, (16, 32, 4, 2), (16, 32, 4, 3)),     # K steps of 32: 4 bytes a thread's share of a row
     (32, (32, 64, 4, 1), (32, 128, 4, 1)),    # 32 rows per program; the down kernel's K masked (128 > 64)
     (16, (16, 128, 4, 2), (16, 64, 4, 2)),    # gate|up's K step past hidden (96): masked
-], ids=["even-k", "wide-rows", "masked-k"])
+    (16, (16, 32, 4, 2), (64, 32, 4, 2), 128, 128),   # down's columns past hidden (96); register caps (GPU only)
+], ids=["even-k", "wide-rows", "masked-k", "wide-down-capped"])
 def test_decoded_tiles_on_the_left_of_the_dots_in_fragment_order(scheme, tiles):
     """W4_LEFT (acc^T = W x^T, K in fragment order on both sides: ops/fp4/tiles.in_fragment_order):
     the reference's numbers at every launch shape, fp16 activations too; and the order itself, a

@@ -263,10 +263,13 @@ def fp8_tiles(block_m: int) -> tuple[int, int]:
 class MoeTiles:
     """One launch shape of the two expert GEMMs: rows per program (each expert's run of sorted
     slots is padded to a multiple of it) and, per kernel, (columns, K step, warps, stages; None =
-    the backend's default)."""
+    the backend's default) and a cap on its registers a thread (NVIDIA's maxnreg; None: ptxas's
+    choice), where one more program an SM pays more than the registers it takes away."""
     block_m: int
     gate_up: tuple[int, int, int, int | None]
     down: tuple[int, int, int, int | None]
+    gate_up_regs: int | None = None
+    down_regs: int | None = None
 
 
 def moe_tiles(num_slots: int, num_experts: int, hidden: int, inter: int, fp8: bool, target: str,
@@ -403,7 +406,7 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
         BM=BM, BN=BN1, BK=BK1, PREC=prec, FP8=fp8, BLOCK_ROWS=br, EVEN_K=hidden % BK1 == 0,
         HAS_SHARED=shared is not None, W4=group, **dots,
         W4_PAIR=bool(group) and not w4_dot and scale_pair_pipelines(BN1, BK1, group, warps1),
-        num_warps=warps1, num_stages=stages1,
+        num_warps=warps1, num_stages=stages1, **_register_cap(t.gate_up_regs),
     )
     hq, h_scale = quantize_per_token_group(h, block[1]) if fp8 else (h, h)
     # Skipped choices' rows stay zero for the final sum (their weight is zero, their rows unwritten).
@@ -415,8 +418,14 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
         h_scale.stride(0), ws2.stride(0) if scaled else 0, ws2.stride(1) if scaled else 0, wd2.stride(0), E,
         BM=BM, BN=BN2, BK=BK2, PREC=prec, FP8=fp8, BLOCK_ROWS=br, EVEN_K=inter % BK2 == 0,
         HAS_SHARED=shared is not None, W4=group, **dots, num_warps=warps2, num_stages=stages2,
+        **_register_cap(t.down_regs),
     )
     return sum_over_choices(y, T, k, out_dtype, addend)
+
+
+def _register_cap(regs: int | None) -> dict:
+    """The launch option that caps a kernel's registers a thread, where a tile asks for one."""
+    return {} if regs is None else {"maxnreg": regs}
 
 
 def check_expert_shapes(kind: str, x, w13, w2, weights, ids, addend) -> tuple[int, int, int, int]:
