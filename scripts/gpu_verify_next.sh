@@ -372,16 +372,35 @@ if [ "$PART" = fp4_sweep_left ]; then
 fi
 
 if [ "$PART" = fp4_pairs ]; then
-  # Must show (issue 63): part fp4_sweep_left (forty-first session, H100) found down (128, 128, 4, 3) 15% faster
-  # than the default (64, 256) at batch 64 and gate|up (64, 256) 2-8%; fp4_ncu: gate|up 64% of issue slots,
-  # alu pipe 60%, 3 programs an SM (130 registers). --fp4-pairs: both GEMMs changed together and register
-  # caps of 128 (4 programs an SM), Kimi-Linear's experts then GLM-5.3-Flash's, decode 8 / 64 / 256: the
-  # fastest pair at 64 and 256, not slower at 8, becomes sm_90's left-side default (ops/moe/fused.moe_tiles).
-  for shape in kimi glm; do
-    timeout $(cap 200) python3 benchmarks/bench_moe_mla.py --sweep-moe-fp4 --fp4-pairs --moe-shape $shape \
-      --batches 8 64 256 > "$OUT/fp4_pairs_$shape.log" 2>&1
-    echo "== pairs $shape rc=$?"; sed -n '/^| step/,$p' "$OUT/fp4_pairs_$shape.log"
-    grep -m3 "Error\|Traceback" "$OUT/fp4_pairs_$shape.log"
+  # Must show (issue 63): part fp4_sweep_left (forty-first session, H100) found down (128, 128, 4, 3) 11-15%
+  # faster than the default then, (64, 256, 4, 3), at batch 8 / 64 / 256, and gate|up (64, 256) 2-8%; both
+  # are sm_90's left-side decode default now (ops/moe/fused.moe_tiles). fp4_ncu: gate|up 64% of issue slots,
+  # alu pipe 60%, 3 programs an SM. First test_fp4.py's GPU tests (the new default shapes against the
+  # reference); then --fp4-pairs at Kimi-Linear's experts (the old default's row first, register caps of
+  # 128: 4 programs an SM): the default at or under every other row at 64 and 256 (else the faster pair
+  # becomes the default); --moe-formats --fp4-sides at Kimi-Linear's and GLM-5.3-Flash's experts, decode
+  # only: "left" rows under the fp4_prefill / fp4_sides ones (Kimi b64 MXFP4 0.4193, GLM 1.5939 ms) with
+  # "right" as this run's baseline; Kimi-Linear's 8 layers (MXFP4) graph step at 1 / 64 (fp4_prefill: 906 / 3730 us).
+  group fp4_pairs_gpu 150 tests/ops/test_fp4.py -k "gpu or decoders"
+  runs=("pairs kimi" "formats kimi" "formats glm" "kimi8 -")
+  for run in "${runs[@]}"; do
+    read -r what shape <<< "$run"
+    [ $(( $(date +%s) - START )) -gt $(( BUDGET - 45 )) ] && { echo "== $what $shape NOT RUN (budget)"; continue; }
+    log="$OUT/fp4_pairs_${what}_$shape.log"
+    if [ "$what" = pairs ]; then
+      timeout $(cap 150) python3 benchmarks/bench_moe_mla.py --sweep-moe-fp4 --fp4-pairs --moe-shape $shape \
+        --batches 8 64 256 > "$log" 2>&1
+      echo "== pairs $shape rc=$?"; sed -n '/^| step/,$p' "$log"
+    elif [ "$what" = formats ]; then
+      timeout $(cap 150) python3 benchmarks/bench_moe_mla.py --moe-formats --fp4-sides --moe-shape $shape \
+        --batches 8 64 256 --prefill > "$log" 2>&1
+      echo "== formats $shape rc=$?"; grep "^|.*\(mxfp4\|nvfp4\|bf16\|fp8\)" "$log"
+    else
+      timeout $(cap 120) python3 benchmarks/bench_kimi_linear.py --model moonshotai/Kimi-Linear-48B-A3B-Instruct \
+        --quantization mxfp4 --num-hidden-layers 8 --batches 1 64 --ttft 2048 > "$log" 2>&1
+      echo "== kimi 8 layers rc=$?"; grep "TTFT\|^| 1 |\|^| 64 |\|^| MoE experts" "$log" | head -8
+    fi
+    grep -m3 "Error\|Traceback" "$log"
   done
 fi
 

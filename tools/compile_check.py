@@ -338,7 +338,7 @@ def _moe_cases(slots: int, label: str, shared: bool = False, w4: int = 0, right:
     from kdaserve.ops.precision import native_fp4_dots
 
     def launch(t: str, which: str) -> dict:
-        tiles = moe_tiles(slots, 256 + shared, 2304, 1024, False, t, four_bit=bool(w4))
+        tiles = moe_tiles(slots, 256 + shared, 2304, 1024, False, t, four_bit=bool(w4), fp4_left=False if right else None)
         bn, bk, warps, stages = getattr(tiles, which)
         # MXFP4 through tl.dot_scaled where the target multiplies fp4 itself, as moe_experts_fused picks
         w4_opts = dict(W4_DOT=True, A_FORMAT="bf16") if w4 == 32 and native_fp4_dots(t) else {}
