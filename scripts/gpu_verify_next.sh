@@ -382,7 +382,7 @@ if [ "$PART" = fp4_pairs ]; then
   # only: "left" rows under the fp4_prefill / fp4_sides ones (Kimi b64 MXFP4 0.4193, GLM 1.5939 ms) with
   # "right" as this run's baseline; Kimi-Linear's 8 layers (MXFP4) graph step at 1 / 64 (fp4_prefill: 906 / 3730 us).
   group fp4_pairs_gpu 150 tests/ops/test_fp4.py -k "gpu or decoders"
-  runs=("pairs kimi" "formats kimi" "formats glm" "kimi8 -")
+  runs=("pairs kimi" "formats glm" "formats kimi" "kimi8 -")
   for run in "${runs[@]}"; do
     read -r what shape <<< "$run"
     [ $(( $(date +%s) - START )) -gt $(( BUDGET - 45 )) ] && { echo "== $what $shape NOT RUN (budget)"; continue; }
