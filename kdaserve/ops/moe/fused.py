@@ -284,16 +284,17 @@ def moe_tiles(num_slots: int, num_experts: int, hidden: int, inter: int, fp8: bo
     tiles narrower (2 x 64 columns; down 128; K steps of 64, 3 stages; sm_100's down K 128:
     bench_moe_mla.py --sweep-moe-fp4), which spill on no target (tools/compile_check); K steps of
     at least 32. Where the decoded 4-bit tiles go left of the dots (`fp4_left`, by default
-    ops/fp4/tiles.fp4_weights_left: Hopper's decode), down takes 128 columns in K steps of 128 (two
-    wgmma row tiles a program, half the programs) and gate|up K steps of 256 where they divide hidden
-    (bench_moe_mla.py --sweep-moe-fp4 on an H100: docs/perf-notes.md, forty-first session)."""
+    ops/fp4/tiles.fp4_weights_left: Hopper's decode) in row blocks of 16, down takes 128 columns in
+    K steps of 128 (two wgmma row tiles a program, half the programs) and gate|up K steps of 256 where
+    they divide hidden (bench_moe_mla.py --sweep-moe-fp4 on an H100: docs/perf-notes.md, forty-first
+    session); at 32 rows that gate|up would take 255 registers (untimed: the shapes before stay)."""
     bm = moe_block_m(num_slots, num_experts)
     if fp8:
         bn, warps = fp8_tiles(bm)
         return MoeTiles(bm, (bn, fp8_k, warps, None), (bn, fp8_k, 4, None))
     if target not in WIDE_SHARED_MEMORY_TARGETS:
         return MoeTiles(bm, (_block(inter, 64), _block(hidden, 64), 4, None), (_block(hidden, 64), _block(inter, 64), 4, None))
-    if four_bit and bm < 64 and (fp4_weights_left(target, bm) if fp4_left is None else fp4_left):
+    if four_bit and bm <= 16 and (fp4_weights_left(target, bm) if fp4_left is None else fp4_left):
         gate_up_k = 256 if hidden % 256 == 0 else 128
         return MoeTiles(bm, (_block(inter, 64), _block(hidden, gate_up_k), 4, 3), (_block(hidden, 128), _block(inter, 128), 4, 3))
     if bm < 64:   # 4-bit down in K steps of 256 where they divide I (a K mask stops load pipelining): sm_100's
@@ -364,10 +365,11 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
         return torch.zeros_like(x) if addend is None else addend.to(out_dtype, copy=True)
     E_all = E + (shared is not None)   # the shared expert is one more for the alignment and the tiles
     target = device_target(x.device)
-    w4_dot = (w4 and w13.group == 32 and x.dtype in (torch.bfloat16, torch.float16)
-              and (native_fp4_dots(target) if fp4_dots is None else fp4_dots))
+    half_x = x.dtype in (torch.bfloat16, torch.float16)
+    w4_dot = w4 and w13.group == 32 and half_x and (native_fp4_dots(target) if fp4_dots is None else fp4_dots)
+    decoded_half = w4 and not w4_dot and half_x   # 4-bit tiles decoded beside bf16 / fp16 x: either side of the dots
     t = tiles or moe_tiles(S, E_all, hidden, inter, fp8, target, block[1] if fp8 else 128, w4,
-                           fp4_left=False if w4_dot or x.dtype not in (torch.bfloat16, torch.float16) else fp4_left)
+                           fp4_left=fp4_left if decoded_half else False)
     BM, (BN1, BK1, warps1, stages1), (BN2, BK2, warps2, stages2) = t.block_m, t.gate_up, t.down
     if fp8 and (BK1, BK2) != (block[1], block[1]):
         raise ValueError(f"FP8 experts step K by the scale block's {block[1]} columns; tiles asked {BK1} and {BK2}")
@@ -400,8 +402,7 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
         a, a_scale, ws13, ws2, br = x, h, h, h, 1
     scaled = fp8 or w4
     decoded = bool(w4) and not w4_dot
-    left = decoded and x.dtype in (torch.bfloat16, torch.float16) and (
-        fp4_weights_left(target, BM) if fp4_left is None else fp4_left)
+    left = decoded_half and (fp4_weights_left(target, BM) if fp4_left is None else fp4_left)
     tables = (left and x.dtype == torch.bfloat16 and tables_run_on(x.device)) if fp4_tables is None else fp4_tables
     dots = dict(W4_DOT=w4_dot, A_FORMAT="bf16" if x.dtype == torch.bfloat16 else "fp16", W4_LEFT=left,
                 W4_TABLES=decoded and tables)
