@@ -205,6 +205,25 @@ def test_where_the_tiles_go_left_of_the_dots_and_decode_by_tables():
     assert not tables_run_on(torch.device("cpu"))
 
 
+def test_hoppers_left_side_decode_takes_its_own_launch_shapes():
+    """sm_90's 4-bit decode with the tiles left of the dots in row blocks of 16 (swept there, forty-first
+    session): down in 128 columns, K steps of 128; gate|up K steps of 256 where they divide hidden.
+    The right side, 32-row blocks, prefill, bf16 experts and other targets keep the shapes before."""
+    from kdaserve.ops.moe.fused import moe_tiles
+
+    def shapes(slots, target, four_bit=True, fp4_left=None, hidden=2304):
+        t = moe_tiles(slots, 256, hidden, 1024, False, target, four_bit=four_bit, fp4_left=fp4_left)
+        return t.block_m, t.gate_up, t.down
+
+    assert shapes(512, "sm_90") == (16, (64, 256, 4, 3), (128, 128, 4, 3))
+    assert shapes(512, "sm_90", hidden=2112)[1] == (64, 128, 4, 3)   # 256 does not divide hidden: no K mask
+    before = (16, (64, 128, 4, 3), (64, 256, 4, 3))
+    assert shapes(512, "sm_90", fp4_left=False) == before == shapes(512, "sm_100")
+    assert shapes(512, "sm_90", four_bit=False)[1:] == ((64, 128, 4, 3), (64, 128, 4, 3))
+    assert shapes(6144, "sm_90")[2] == (64, 256, 4, 3)               # 32-row blocks: untimed, as before
+    assert shapes(32768, "sm_90")[0] == 128                           # prefill: its own shapes
+
+
 # ---- the fused GEMMs -----------------------------------------------------------------------------
 
 @INTERP
