@@ -95,7 +95,9 @@ def _rank_slice(name: str, t: torch.Tensor, rank: int, tp: int, H: int, D: int) 
         return torch.cat([t.narrow(dim, part * P + h0 * D, (h1 - h0) * D) for part in range(3)], dim=dim)
     if name == "norm_weight":
         return t
-    return t[:, h0:h1] if name in ("forget", "beta", "gate") else t[h0:h1]
+    if name in ("forget", "gate"):   # [T, H * D] (layers/kda.project): the rank's heads, [T, heads, D]
+        return t.reshape(t.shape[0], H, D)[:, h0:h1]
+    return t[:, h0:h1] if name == "beta" else t[h0:h1]
 
 
 @pytest.mark.parametrize("tp", [1, 2])
