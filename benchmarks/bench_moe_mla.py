@@ -341,7 +341,7 @@ FP4_SWEEP = {
 # default's): for sm_90's decode with the decoded tiles left of the dots, where one more program an SM
 # (a cap of 128 registers gives four of 4 warps) may pay more than the registers it takes.
 FP4_PAIRS = [
-    ((64, 128, 4, 3, None), (64, 256, 4, 3, None)),   # the default before the forty-first session
+    ((64, 128, 4, 3, None), (64, 256, 4, 3, None)),   # the right side's decode shapes (every other target's)
     ((64, 128, 4, 3, 128), None),
     (None, (128, 128, 4, 3, None)),
     (None, (128, 128, 4, 3, 128)),
