@@ -342,14 +342,11 @@ FP4_SWEEP = {
 # (a cap of 128 registers gives four of 4 warps) may pay more than the registers it takes.
 FP4_PAIRS = [
     ((64, 128, 4, 3, None), (64, 256, 4, 3, None)),   # the right side's decode shapes (every other target's)
+    ((64, 128, 4, 3, None), None),
     ((64, 128, 4, 3, 128), None),
-    (None, (128, 128, 4, 3, None)),
     (None, (128, 128, 4, 3, 128)),
-    ((64, 256, 4, 3, None), (128, 128, 4, 3, None)),
-    ((64, 128, 4, 3, 128), (128, 128, 4, 3, None)),
     ((64, 128, 4, 3, 128), (128, 128, 4, 3, 128)),
     ((64, 128, 4, 4, 128), (128, 128, 4, 4, 128)),
-    ((64, 256, 4, 3, None), (128, 128, 4, 3, 128)),
     (None, (128, 64, 4, 4, None)),
     (None, (256, 128, 8, 3, None)),
 ]

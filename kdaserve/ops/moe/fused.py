@@ -367,7 +367,8 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     target = device_target(x.device)
     half_x = x.dtype in (torch.bfloat16, torch.float16)
     w4_dot = w4 and w13.group == 32 and half_x and (native_fp4_dots(target) if fp4_dots is None else fp4_dots)
-    decoded_half = w4 and not w4_dot and half_x   # 4-bit tiles decoded beside bf16 / fp16 x: either side of the dots
+    decoded = w4 and not w4_dot
+    decoded_half = decoded and half_x   # 4-bit tiles decoded beside bf16 / fp16 x: either side of the dots
     t = tiles or moe_tiles(S, E_all, hidden, inter, fp8, target, block[1] if fp8 else 128, w4,
                            fp4_left=fp4_left if decoded_half else False)
     BM, (BN1, BK1, warps1, stages1), (BN2, BK2, warps2, stages2) = t.block_m, t.gate_up, t.down
@@ -401,7 +402,6 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     else:
         a, a_scale, ws13, ws2, br = x, h, h, h, 1
     scaled = fp8 or w4
-    decoded = bool(w4) and not w4_dot
     left = decoded_half and (fp4_weights_left(target, BM) if fp4_left is None else fp4_left)
     tables = (left and x.dtype == torch.bfloat16 and tables_run_on(x.device)) if fp4_tables is None else fp4_tables
     dots = dict(W4_DOT=w4_dot, A_FORMAT="bf16" if x.dtype == torch.bfloat16 else "fp16", W4_LEFT=left,
@@ -413,7 +413,7 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
         TOPK=k, LIMIT=float(activation_limit or 0.0), HAS_LIMIT=activation_limit is not None,
         BM=BM, BN=BN1, BK=BK1, PREC=prec, FP8=fp8, BLOCK_ROWS=br, EVEN_K=hidden % BK1 == 0,
         HAS_SHARED=shared is not None, W4=group, **dots,
-        W4_PAIR=bool(group) and not w4_dot and scale_pair_pipelines(BN1, BK1, group, warps1),
+        W4_PAIR=decoded and scale_pair_pipelines(BN1, BK1, group, warps1),
         num_warps=warps1, num_stages=stages1, **_register_cap(t.gate_up_regs),
     )
     hq, h_scale = quantize_per_token_group(h, block[1]) if fp8 else (h, h)
