@@ -14,7 +14,7 @@
 # Add a part as `if [ "$PART" = name ]; then ... fi` below, with what it must show, and name it in
 # OWED; take it out of OWED once it ran (its numbers go to docs/perf-notes.md).
 OWED=(
-  fp4_pairs       # an H100 or H200 (issue 63): sm_90's 4-bit decode, both GEMMs' shapes and register caps together
+  fp4_words       # an H100 or H200 (issue 63): the tables decoder's codes loaded as words, old beside new
   fp4_native      # a B200 / MI355X only (issue 63): MXFP4 experts through tl.dot_scaled, timed
   fp4_kimi_full   # an H200 (issue 63): the whole Kimi-Linear (27 layers) with MXFP4 experts against bf16
   house_speed     # on an H200 (issue 59 asks it there; the H100 ran it, thirty-third session: within A/A):
@@ -22,7 +22,7 @@ OWED=(
   tp_gpus         # two or more GPUs (kind nvidia-h100-x2 or larger; issue 61): tensor parallel over NCCL with
                   # CUDA graphs per rank, and its throughput against one GPU
 )
-# Done, kept to run again: fp4_prefill, fp4_sweep_left, fp4_ncu (forty-first session, H100), fp4_sides (fortieth session, H100), fp4_pair (thirty-ninth session, H100; its KDASERVE_FP4_DECODER is gone, fortieth), fp4_bf16, fp4_shapes, fp4_glm, fp4_moe (thirty-eighth session, H100), image_tower (thirty-seventh session, H100), fp4_variants, ling_routing, ling_real, kimi_ttft (thirty-sixth session, H200), ling_tests (thirty-fourth session, H100: all passed), after_removal, house_tests, house_tests2, house_server and house_speed
+# Done, kept to run again: fp4_pairs (forty-second session, H100), fp4_prefill, fp4_sweep_left, fp4_ncu (forty-first session, H100), fp4_sides (fortieth session, H100), fp4_pair (thirty-ninth session, H100; its KDASERVE_FP4_DECODER is gone, fortieth), fp4_bf16, fp4_shapes, fp4_glm, fp4_moe (thirty-eighth session, H100), image_tower (thirty-seventh session, H100), fp4_variants, ling_routing, ling_real, kimi_ttft (thirty-sixth session, H200), ling_tests (thirty-fourth session, H100: all passed), after_removal, house_tests, house_tests2, house_server and house_speed
 # (thirty-third session, H100: all passed, throughput within A/A), k1_models and k1_models2 (thirty-second session, H100: all passed),
 # k1_ncu (K1 under Nsight Compute), k1_defaults (the K1 GPU tests and
 # the new defaults against the old), k1_prefetch_ncu, k1_table, k1_order (issue 21 goal 3), by the thirtieth
@@ -369,6 +369,30 @@ if [ "$PART" = fp4_sweep_left ]; then
     > "$OUT/fp4_sweep_left.log" 2>&1
   echo "== sweep rc=$?"; sed -n '/^| step/,$p' "$OUT/fp4_sweep_left.log"
   grep -m3 "Error\|Traceback" "$OUT/fp4_sweep_left.log"
+fi
+
+if [ "$PART" = fp4_words ]; then
+  # Must show (issue 63): the tables decoder with the codes loaded as 32-bit words instead of bytes
+  # (forty-second session: sm_90's decode loop 1151 -> 1098 instructions a trip for gate|up, 553 -> 512
+  # for down, tools/sass_loop; registers 159 / 135 -> 163 / 155, still 3 programs an SM). First
+  # test_fp4.py's GPU tests (the tables bit for bit the bitwise decoding, both sides), then
+  # --moe-formats --fp4-sides, decode only, at Kimi-Linear's and GLM-5.3-Flash's experts, new / old /
+  # new code (.old = `git archive 2162f0b kdaserve benchmarks`): the "left" rows (the tables) under the
+  # old code's at batch 8 / 64 / 256 by more than the two new runs differ; "right" (bitwise, bytes)
+  # the A/A check. fp4_pairs (H100): Kimi b64 MXFP4 left 0.3767-0.3779 ms, GLM 1.4801.
+  [ -d .old/kdaserve ] || { echo "carry .old (git archive 2162f0b kdaserve benchmarks | tar -x -C .old)"; exit 1; }
+  group fp4_words_gpu 150 tests/ops/test_fp4.py -k "gpu or decoders"
+  for shape in kimi glm; do
+    for code in new old new2; do
+      [ $(( $(date +%s) - START )) -gt $(( BUDGET - 40 )) ] && { echo "== $shape $code NOT RUN (budget)"; continue; }
+      dir=.; [ $code = old ] && dir=.old
+      log="$OUT/fp4_words_${shape}_$code.log"
+      (cd $dir && timeout $(cap 100) python3 benchmarks/bench_moe_mla.py --moe-formats --fp4-sides --moe-shape $shape \
+        --batches 8 64 256 --prefill) > "$log" 2>&1
+      echo "== $shape $code rc=$?"; grep "^|.*\(mxfp4\|nvfp4\) \(left\|right\)" "$log"
+      grep -m3 "Error\|Traceback" "$log"
+    done
+  done
 fi
 
 if [ "$PART" = fp4_pairs ]; then

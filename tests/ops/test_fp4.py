@@ -6,6 +6,7 @@ interpreter in fp32, fp16 and bf16; GPU: bf16 at Kimi-Linear's sizes)."""
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kdaserve.ops.fp4.byte_tables import bytes_in_order
 from kdaserve.ops.fp4.reference import e2m1_values, quantize_mxfp4, quantize_nvfp4
 from kdaserve.ops.fp4.tiles import (
     e2m1_bf16_pair,
@@ -175,19 +177,19 @@ def _run_ptx(program: str, args: list[int]) -> list[int]:
 def test_the_byte_table_decoder_gives_every_code_times_its_scale_exactly():
     """The tables decoder's PTX (ops/fp4/byte_tables.py; no inline asm in the interpreter),
     executed over every byte in each of the four positions of a word, with scales of both formats'
-    kinds (powers of two down to e8m0's subnormal 2^-127 and up to 2^127, e4m3 values): each byte's
-    two values times its scale, exactly as the definition (ops/fp4/reference.py) has them."""
+    kinds (powers of two down to e8m0's subnormal 2^-127 and up to 2^127, e4m3 values), one a word
+    as a bf16 pair: each byte's two values times the scale, exactly as the definition
+    (ops/fp4/reference.py) has them."""
     from kdaserve.ops.fp4.byte_tables import _E2M1_SCALED_PTX
 
     values = e2m1_values()
     scales = torch.tensor([1.0, 2.0**-127, 2.0**127, 2.0**-9, 0.875, 448.0, 0.001953125, 3.0]).bfloat16()
     scale_bits = [int(b) & 0xFFFF for b in scales.view(torch.int16)]
-    for first in range(0, 256, 4):
+    for first, sc in itertools.product(range(0, 256, 4), range(len(scale_bits))):
         word = sum(((first + i * 67) % 256) << 8 * i for i in range(4))   # every byte in every position
-        sc = [scale_bits[(first // 4 + i) % len(scale_bits)] for i in range(4)]
-        out = _run_ptx(_E2M1_SCALED_PTX.value, [word, sc[0] | sc[1] << 16, sc[2] | sc[3] << 16])
+        out = _run_ptx(_E2M1_SCALED_PTX.value, [word, scale_bits[sc] | scale_bits[sc] << 16])
         for k, pair in enumerate(out):
-            byte, scale = word >> 8 * k & 0xFF, scales[(first // 4 + k) % len(scale_bits)].float()
+            byte, scale = word >> 8 * k & 0xFF, scales[sc].float()
             got = torch.tensor([pair & 0xFFFF, pair >> 16], dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
             want = values[[byte & 0xF, byte >> 4]] * scale
             assert torch.equal(got, want), (hex(byte), float(scale), got, want)
@@ -203,6 +205,35 @@ def test_where_the_tiles_go_left_of_the_dots_and_decode_by_tables():
     assert not fp4_weights_left("sm_90", 64) and not fp4_weights_left("sm_90", 128)   # prefill stays right
     assert not any(fp4_weights_left(t, 16) for t in ("sm_89", "sm_100", "gfx942", "gfx950", "cpu"))
     assert not tables_run_on(torch.device("cpu"))
+
+
+@triton.jit
+def _bytes_in_order_kernel(out_ptr, R: tl.constexpr, W: tl.constexpr):
+    word = tl.arange(0, R)[:, None] * W + tl.arange(0, W)[None, :]
+    d = bytes_in_order(4 * word, 4 * word + 1, 4 * word + 2, 4 * word + 3)
+    tl.store(out_ptr + tl.arange(0, R)[:, None] * 4 * W + tl.arange(0, 4 * W)[None, :], d)
+
+
+@INTERP
+def test_the_tables_put_each_words_four_bytes_back_in_k_order():
+    """The tables decode a word into four registers, one a byte; they go back as bytes 4w..4w+3."""
+    out = torch.empty(4, 32, dtype=torch.int32)
+    _bytes_in_order_kernel[(1,)](out, R=4, W=8)
+    assert torch.equal(out.flatten(), torch.arange(128, dtype=torch.int32))
+
+
+def test_the_tables_decode_where_they_can_and_refuse_a_forced_misfit():
+    """The tables load a weight's rows as 32-bit words: rows of a multiple of 8 values only. By
+    default they decode where the tiles are left of the dots, with bf16 x on an NVIDIA GPU; forced on
+    where they cannot run (the CPU, fp16 x, rows of 8k + 4 values) a clear error, never a misread."""
+    from kdaserve.ops.fp4.byte_tables import tables_decode, words_fit
+
+    assert words_fit(2304, 1024) and words_fit(8) and not words_fit(2304, 12) and not words_fit(4)
+    x = torch.zeros(2, 16, dtype=torch.bfloat16)
+    assert not tables_decode(x, True, None, 16) and not tables_decode(x, True, False, 16)
+    for bad in (x, x.half()):
+        with pytest.raises(ValueError, match="byte-table decoder needs bf16 activations on an NVIDIA GPU"):
+            tables_decode(bad, True, True, 16)
 
 
 def test_hoppers_left_side_decode_takes_its_own_launch_shapes():

@@ -7,9 +7,11 @@ Why: a 32-bit word of codes arrives whole where the tiles are left of the dots (
 thread's bytes side by side), and there the decode kernels come close to bound by instruction issue.
 The bitwise decoding spends per byte an extraction, two integer products and two masks, then two bf16
 products a pair (by 2^126 and by the scale); the tables spend per 4 bytes 10 `prmt`, 5 other integer
-operations and, a pair, one scale product (+1 `prmt` to place the scale in both halves). Beside left
-tiles that is what makes them faster; beside right tiles (mma.sync) the tables gain nothing
-(timings: docs/perf-notes.md, fortieth session).
+operations and, a pair, one scale product (the scale arrives as a bf16 pair, one register a word).
+Beside left tiles that is what makes them faster; beside right tiles (mma.sync) the tables gain
+nothing (timings: docs/perf-notes.md, fortieth session). The codes load as 32-bit words, not bytes:
+bytes reach the asm packed in the register order of the wgmma operand, which alternates rows, and
+gathering them cost two more `prmt` a word (forty-second session).
 
 How (`_E2M1_SCALED_PTX`, one 32-bit word of packed codes, element 2k in byte k's low nibble): each
 nibble's 3 magnitude bits select a byte of the bf16 patterns of 0, 0.5, 1, 1.5, 2, 3, 4, 6 (0x0000,
@@ -28,7 +30,7 @@ import triton
 import triton.language as tl
 
 _E2M1_SCALED_PTX = tl.constexpr("""{
-.reg .b32 m, mh, ws, l0, l1, h0, h1, s0, s1, lo0, lo1, hi0, hi1, p0, p1, p2, p3, d0, d1, d2, d3, nz;
+.reg .b32 m, mh, ws, l0, l1, h0, h1, s0, s1, lo0, lo1, hi0, hi1, p0, p1, p2, p3, nz;
 mov.b32 nz, 0x80008000;
 mov.b32 lo0, 0xC0800000;
 mov.b32 lo1, 0xC0804000;
@@ -49,25 +51,61 @@ prmt.b32 p0, l0, h0, 0x5140;
 prmt.b32 p1, l0, h0, 0x7362;
 prmt.b32 p2, l1, h1, 0x5140;
 prmt.b32 p3, l1, h1, 0x7362;
-prmt.b32 d0, $5, $5, 0x1010;
-prmt.b32 d1, $5, $5, 0x3232;
-prmt.b32 d2, $6, $6, 0x1010;
-prmt.b32 d3, $6, $6, 0x3232;
-fma.rn.bf16x2 $0, p0, d0, nz;
-fma.rn.bf16x2 $1, p1, d1, nz;
-fma.rn.bf16x2 $2, p2, d2, nz;
-fma.rn.bf16x2 $3, p3, d3, nz;
+fma.rn.bf16x2 $0, p0, $5, nz;
+fma.rn.bf16x2 $1, p1, $5, nz;
+fma.rn.bf16x2 $2, p2, $5, nz;
+fma.rn.bf16x2 $3, p3, $5, nz;
 }""")
 
 
 @triton.jit
-def e2m1_scaled_bf16(packed, scale):
-    """Packed codes [BN, BK/2] (uint8) and each byte's scale [BN, BK/2] (bf16) -> the values [BN, BK]
-    in bf16, K order (element 2j, 2j+1 from byte j)."""
-    d = tl.inline_asm_elementwise(_E2M1_SCALED_PTX, "=r,=r,=r,=r,r,r,r", [packed, scale], dtype=tl.uint32,
-                                  is_pure=True, pack=4)
+def e2m1_scaled_bf16(words, scale_pair):
+    """Packed codes as 32-bit words [BN, BK/8] (4 bytes of a row each, as stored) and each word's
+    scale as a bf16 pair [BN, BK/8] (uint32: the scale's bits in both halves, scale_pair_bits) -> the
+    values [BN, BK] in bf16, K order (element 2j, 2j+1 from byte j). A word's 8 values share one
+    scale group (groups of 16 or 32, words at multiples of 8).
+
+    Why words: 8-bit elements reach inline asm packed 4 to a register in the order the consumer's
+    layout gives a thread's elements, which for a wgmma left operand alternates rows r and r + 8;
+    bytes would cost two prmt a word to gather, a word loaded whole costs none."""
+    d0, d1, d2, d3 = tl.inline_asm_elementwise(_E2M1_SCALED_PTX, "=r,=r,=r,=r,r,r", [words, scale_pair],
+                                               dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=True, pack=1)
+    d = bytes_in_order(d0, d1, d2, d3)
     return tl.interleave(d.to(tl.uint16).to(tl.bfloat16, bitcast=True),
                          (d >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True))
+
+
+@triton.jit
+def bytes_in_order(d0, d1, d2, d3):
+    """Four [R, W] tensors, d<b>[r, w] of byte b of word w -> [R, 4 W], byte 4 w + b at 4 w + b:
+    join(join(d0, d2), join(d1, d3))[r, w, i, o] is byte 2 i + o."""
+    return tl.reshape(tl.join(tl.join(d0, d2), tl.join(d1, d3)), (d0.shape[0], 4 * d0.shape[1]))
+
+
+@triton.jit
+def scale_pair_bits(scale):
+    """bf16 scales -> uint32 words holding each scale's bits in both halves (e2m1_scaled_bf16's form)."""
+    bits = scale.to(tl.uint16, bitcast=True).to(tl.uint32)
+    return bits | (bits << 16)
+
+
+def words_fit(*row_lengths: int) -> bool:
+    """Whether 4-bit weights of these row lengths (values) load as 32-bit words (tiles.fp4_packed's
+    WORDS): each row a whole number of words, so rows start 4-byte aligned (the tensors' own starts are)."""
+    return all(n % 8 == 0 for n in row_lengths)
+
+
+def tables_decode(x: torch.Tensor, left: bool, forced: bool | None, *row_lengths: int) -> bool:
+    """Whether 4-bit GEMMs beside activations `x` decode their weights by the tables: by default
+    where the tiles are left of the dots (`left`), x is bf16 on an NVIDIA GPU and the weights' rows
+    (`row_lengths`, values) load as whole 32-bit words; `forced` True / False decides instead (tests,
+    benchmarks), True refused where the tables cannot run."""
+    fits = x.dtype == torch.bfloat16 and tables_run_on(x.device) and words_fit(*row_lengths)
+    if forced and not fits:
+        raise ValueError(f"the 4-bit byte-table decoder needs bf16 activations on an NVIDIA GPU (not the interpreter) "
+                         f"and weight rows of a multiple of 8 values; got {x.dtype} on {x.device}, rows of "
+                         f"{list(row_lengths)}")
+    return fits and left if forced is None else forced
 
 
 def tables_run_on(device: torch.device) -> bool:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kdaserve.ops.fp4.byte_tables import e2m1_scaled_bf16
+from kdaserve.ops.fp4.byte_tables import e2m1_scaled_bf16, scale_pair_bits
 
 
 @triton.jit
@@ -78,21 +78,29 @@ def group_scale(s, GROUP: tl.constexpr):
 
 
 @triton.jit
-def fp4_packed(w_rows, row_ok, k0, K, BK: tl.constexpr, EVEN_K: tl.constexpr):
+def fp4_packed(w_rows, row_ok, k0, K, BK: tl.constexpr, EVEN_K: tl.constexpr, WORDS: tl.constexpr = False):
     """One K step of BN weight rows' packed bytes: `w_rows` [BN, 1] pointers to the rows, `row_ok`
-    [BN, 1] -> uint8 [BN, BK/2]. Rows and K steps past the weight (where BK does not divide K) read
-    as zero codes."""
-    kq = k0 // 2 + tl.arange(0, BK // 2)
-    return tl.load(w_rows + kq[None, :], mask=row_ok & ((kq < K // 2) | EVEN_K)[None, :], other=0)
+    [BN, 1] -> uint8 [BN, BK/2], or with WORDS uint32 [BN, BK/8] (4 bytes of a row a word, in the
+    order stored: K % 8 == 0 and rows 4-byte aligned, as byte_tables.words_fit checks). Rows and K steps past
+    the weight (where BK does not divide K) read as zero codes."""
+    if WORDS:
+        kw = k0 // 8 + tl.arange(0, BK // 8)
+        words = w_rows.to(tl.pointer_type(tl.uint32))
+        tile = tl.load(words + kw[None, :], mask=row_ok & ((kw < K // 8) | EVEN_K)[None, :], other=0)
+    else:
+        kq = k0 // 2 + tl.arange(0, BK // 2)
+        tile = tl.load(w_rows + kq[None, :], mask=row_ok & ((kq < K // 2) | EVEN_K)[None, :], other=0)
+    return tile
 
 
 @triton.jit
-def fp4_codes(w_rows, s_rows, row_ok, k0, K, BK: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr):
-    """One K step of BN weight rows as stored: fp4_packed's bytes, and from `s_rows` [BN, 1] (pointers
-    to the rows' group scales) their scale codes [BN, BK/GROUP], uint8."""
+def fp4_codes(w_rows, s_rows, row_ok, k0, K, BK: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr,
+              WORDS: tl.constexpr = False):
+    """One K step of BN weight rows as stored: fp4_packed's bytes (or WORDS), and from `s_rows` [BN, 1]
+    (pointers to the rows' group scales) their scale codes [BN, BK/GROUP], uint8."""
     kg = k0 // GROUP + tl.arange(0, BK // GROUP)
     scales = tl.load(s_rows + kg[None, :], mask=row_ok & ((kg < K // GROUP) | EVEN_K)[None, :], other=0)
-    return fp4_packed(w_rows, row_ok, k0, K, BK, EVEN_K), scales
+    return fp4_packed(w_rows, row_ok, k0, K, BK, EVEN_K, WORDS), scales
 
 
 @triton.jit
@@ -126,7 +134,7 @@ def scale_pair_pipelines(bn: int, bk: int, group: int, warps: int) -> bool:
 def fp4_weight_tile(w_rows, s_rows, row_ok, k0, K, BK: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr,
                     dtype: tl.constexpr, TABLES: tl.constexpr = False):
     """One K step of BN weight rows (fp4_codes' arguments), decoded: [BN, BK] in `dtype`, K order."""
-    packed, codes = fp4_codes(w_rows, s_rows, row_ok, k0, K, BK, GROUP, EVEN_K)
+    packed, codes = fp4_codes(w_rows, s_rows, row_ok, k0, K, BK, GROUP, EVEN_K, dtype == tl.bfloat16 and TABLES)
     return decode_fp4_tile(packed, codes, BK, GROUP, dtype, TABLES)
 
 
@@ -134,16 +142,19 @@ def fp4_weight_tile(w_rows, s_rows, row_ok, k0, K, BK: tl.constexpr, GROUP: tl.c
 def decode_fp4_tile(packed, codes, BK: tl.constexpr, GROUP: tl.constexpr, dtype: tl.constexpr,
                     TABLES: tl.constexpr = False):
     """Packed bytes [BN, BK/2] and their scale codes [BN, BK/GROUP] -> [BN, BK] in `dtype`, K order.
-    TABLES (bf16, NVIDIA: ops/fp4/byte_tables.py): by byte tables, the scale inside."""
+    TABLES (bf16, NVIDIA: ops/fp4/byte_tables.py): by byte tables, the scale inside; `packed` then
+    holds words [BN, BK/8] (fp4_packed's WORDS)."""
     if dtype == tl.bfloat16 and TABLES:
-        return e2m1_scaled_bf16(packed, _per_value(group_scale_bf16(codes, GROUP), BK // 2, GROUP // 2))
-    if dtype == tl.bfloat16:
+        w = e2m1_scaled_bf16(packed, _per_value(scale_pair_bits(group_scale_bf16(codes, GROUP)), BK // 8, GROUP // 8))
+    elif dtype == tl.bfloat16:
         # Two bf16 products per value pair, each exact: by 2^126 (the bit placement's), then by the
         # scale. One product by the two factors' product would overflow for e8m0 codes above 128.
         lo, hi = e2m1_bf16_pair(packed)
-        return tl.interleave(lo, hi) * (2.0 ** 126) * _per_value(group_scale_bf16(codes, GROUP), BK, GROUP)
-    lo, hi = e2m1_pair(packed)
-    return (tl.interleave(lo, hi) * _per_value(group_scale(codes, GROUP), BK, GROUP)).to(dtype)
+        w = tl.interleave(lo, hi) * (2.0 ** 126) * _per_value(group_scale_bf16(codes, GROUP), BK, GROUP)
+    else:
+        lo, hi = e2m1_pair(packed)
+        w = (tl.interleave(lo, hi) * _per_value(group_scale(codes, GROUP), BK, GROUP)).to(dtype)
+    return w
 
 
 @triton.jit

@@ -26,7 +26,7 @@ import triton.language as tl
 from kdaserve.ops import interpreter_compat
 from kdaserve.ops.activation.swiglu import silu_product
 from kdaserve.ops.compile_ahead import compiles_ahead
-from kdaserve.ops.fp4.byte_tables import tables_run_on
+from kdaserve.ops.fp4.byte_tables import tables_decode
 from kdaserve.ops.fp4.tiles import (
     decode_fp4_tile,
     decoded_dot,
@@ -124,11 +124,11 @@ def _moe_gate_up_kernel(
             else:
                 if W4_PAIR:   # gate's and up's scales in one load (why: ops/fp4/tiles.fp4_scale_pair)
                     sg, su = fp4_scale_pair(s_base, cols, INTER, stride_wsn, col_ok, k0, HIDDEN, BK, W4, EVEN_K)
-                    pg = fp4_packed(gate_w, col_ok[:, None], k0, HIDDEN, BK, EVEN_K)
-                    pu = fp4_packed(up_w, col_ok[:, None], k0, HIDDEN, BK, EVEN_K)
+                    pg = fp4_packed(gate_w, col_ok[:, None], k0, HIDDEN, BK, EVEN_K, W4_TABLES)
+                    pu = fp4_packed(up_w, col_ok[:, None], k0, HIDDEN, BK, EVEN_K, W4_TABLES)
                 else:
-                    pg, sg = fp4_codes(gate_w, gate_s, col_ok[:, None], k0, HIDDEN, BK, W4, EVEN_K)
-                    pu, su = fp4_codes(up_w, up_s, col_ok[:, None], k0, HIDDEN, BK, W4, EVEN_K)
+                    pg, sg = fp4_codes(gate_w, gate_s, col_ok[:, None], k0, HIDDEN, BK, W4, EVEN_K, W4_TABLES)
+                    pu, su = fp4_codes(up_w, up_s, col_ok[:, None], k0, HIDDEN, BK, W4, EVEN_K, W4_TABLES)
                 acc_g = decoded_dot(a, decode_fp4_tile(pg, sg, BK, W4, a.dtype, W4_TABLES), acc_g, W4_LEFT, PREC)
                 acc_u = decoded_dot(a, decode_fp4_tile(pu, su, BK, W4, a.dtype, W4_TABLES), acc_u, W4_LEFT, PREC)
         if W4_LEFT:
@@ -334,7 +334,8 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     (ops/precision.native_fp4_dots; `fp4_dots` True / False forces either, for tests). Decoded 4-bit
     tiles enter the dots as their left operands where ops/fp4/tiles.fp4_weights_left says, decoded
     there by byte tables (ops/fp4/byte_tables.py) on NVIDIA GPUs with bf16 x; `fp4_left` and
-    `fp4_tables` force either choice (tests, benchmarks; tables need an NVIDIA GPU and bf16 x).
+    `fp4_tables` force either choice (tests, benchmarks; tables need an NVIDIA GPU, bf16 x and rows
+    of whole 32-bit words: byte_tables.tables_decode).
     `skip_expert`: id E marks choices computed elsewhere (another rank's experts under expert
     parallelism): aligned as one more expert whose blocks no program runs, their rows zero."""
     T, hidden, E, inter = check_expert_shapes("fused MoE", x, w13, w2, weights, ids, addend)
@@ -403,9 +404,9 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
         a, a_scale, ws13, ws2, br = x, h, h, h, 1
     scaled = fp8 or w4
     left = decoded_half and (fp4_weights_left(target, BM) if fp4_left is None else fp4_left)
-    tables = (left and x.dtype == torch.bfloat16 and tables_run_on(x.device)) if fp4_tables is None else fp4_tables
+    tables = decoded and tables_decode(x, left, fp4_tables, hidden, inter)
     dots = dict(W4_DOT=w4_dot, A_FORMAT="bf16" if x.dtype == torch.bfloat16 else "fp16", W4_LEFT=left,
-                W4_TABLES=decoded and tables)
+                W4_TABLES=tables)
     _moe_gate_up_kernel[(m_blocks * triton.cdiv(inter, BN1),)](
         a, w13, sorted_slots, block_experts, h, a_scale, ws13, shared_w13, wd13, shared_ws13, shared_wd13,
         S, hidden, inter, a.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
