@@ -19,6 +19,7 @@ from kdaserve.ops.fp4.reference import e2m1_values, quantize_mxfp4, quantize_nvf
 from kdaserve.ops.fp4.tiles import (
     e2m1_bf16_pair,
     e2m1_pair,
+    fp4_packed,
     fragment_order_k,
     group_scale,
     group_scale_bf16,
@@ -212,6 +213,36 @@ def _bytes_in_order_kernel(out_ptr, R: tl.constexpr, W: tl.constexpr):
     word = tl.arange(0, R)[:, None] * W + tl.arange(0, W)[None, :]
     d = bytes_in_order(4 * word, 4 * word + 1, 4 * word + 2, 4 * word + 3)
     tl.store(out_ptr + tl.arange(0, R)[:, None] * 4 * W + tl.arange(0, 4 * W)[None, :], d)
+
+
+@triton.jit
+def _packed_kernel(w_ptr, out_ptr, rows, K, stride_w, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+                   WORDS: tl.constexpr):
+    r = tl.arange(0, BN)
+    w_rows = w_ptr + r[:, None] * stride_w
+    for k0 in range(0, K, BK):
+        tile = fp4_packed(w_rows, (r < rows)[:, None], k0, K, BK, EVEN_K, WORDS)
+        cols = k0 // (8 if WORDS else 2) + tl.arange(0, BK // (8 if WORDS else 2))
+        n = K // (8 if WORDS else 2)
+        tl.store(out_ptr + r[:, None] * n + cols[None, :], tile, mask=(cols < n)[None, :])
+
+
+@INTERP
+@pytest.mark.parametrize("K, BK", [(96, 32), (80, 32), (128, 128)], ids=["even", "masked-k", "one-step"])
+def test_the_tables_load_a_rows_codes_as_the_words_stored(K, BK):
+    """fp4_packed's WORDS (the tables' loads): each word the 4 bytes of a row as stored, K steps past
+    the row's end and rows past the tile's read as zero codes, exactly where the byte loads read."""
+    from kdaserve.ops import interpreter_compat
+
+    interpreter_compat.install()
+    rows, BN = 5, 8   # rows 5..7 exist in memory (codes 1..255) and are past the tile's rows: zero codes
+    packed = torch.randint(1, 256, (BN, K // 2), dtype=torch.uint8, generator=torch.Generator().manual_seed(K))
+    want = torch.cat([packed[:rows], torch.zeros_like(packed[rows:])])
+    for words in (False, True):
+        out = torch.full((BN, K // (8 if words else 2)), -1, dtype=torch.int32 if words else torch.int16)
+        out = out if words else out.to(torch.uint8)
+        _packed_kernel[(1,)](packed, out, rows, K, packed.stride(0), BN=BN, BK=BK, EVEN_K=K % BK == 0, WORDS=words)
+        assert torch.equal(out.view(torch.uint8) if words else out, want), words
 
 
 @INTERP
