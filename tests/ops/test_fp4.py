@@ -254,17 +254,21 @@ def test_the_tables_put_each_words_four_bytes_back_in_k_order():
 
 
 def test_the_tables_decode_where_they_can_and_refuse_a_forced_misfit():
-    """The tables load a weight's rows as 32-bit words: rows of a multiple of 8 values only. By
-    default they decode where the tiles are left of the dots, with bf16 x on an NVIDIA GPU; forced on
-    where they cannot run (the CPU, fp16 x, rows of 8k + 4 values) a clear error, never a misread."""
+    """The tables load packed codes as 32-bit words: a tensor's start, its rows (and expert slices)
+    and its row length whole words apart. By default they decode where the tiles are left of the
+    dots, with bf16 x on an NVIDIA GPU; forced on where they cannot run (the CPU, fp16 x, codes off
+    a word boundary) a clear error, never a misread."""
     from kdaserve.ops.fp4.byte_tables import tables_decode, words_fit
 
-    assert words_fit(2304, 1024) and words_fit(8) and not words_fit(2304, 12) and not words_fit(4)
-    x = torch.zeros(2, 16, dtype=torch.bfloat16)
-    assert not tables_decode(x, True, None, 16) and not tables_decode(x, True, False, 16)
+    codes = torch.zeros(3, 8, 1152, dtype=torch.uint8)
+    assert words_fit(codes, codes[1], codes[:, :, 4:]) and words_fit(codes[..., :1148])
+    for off_word in (codes[:, :, 1:], codes[..., :1150], torch.zeros(8, 1150, dtype=torch.uint8)[:, :1148]):
+        assert not words_fit(off_word)
+    x = torch.zeros(2, 2304, dtype=torch.bfloat16)
+    assert not tables_decode(x, True, None, codes) and not tables_decode(x, True, False, codes)
     for bad in (x, x.half()):
         with pytest.raises(ValueError, match="byte-table decoder needs bf16 activations on an NVIDIA GPU"):
-            tables_decode(bad, True, True, 16)
+            tables_decode(bad, True, True, codes)
 
 
 def test_hoppers_left_side_decode_takes_its_own_launch_shapes():

@@ -89,22 +89,24 @@ def scale_pair_bits(scale):
     return bits | (bits << 16)
 
 
-def words_fit(*row_lengths: int) -> bool:
-    """Whether 4-bit weights of these row lengths (values) load as 32-bit words (tiles.fp4_packed's
-    WORDS): each row a whole number of words, so rows start 4-byte aligned (the tensors' own starts are)."""
-    return all(n % 8 == 0 for n in row_lengths)
+def words_fit(*packed: torch.Tensor) -> bool:
+    """Whether packed 4-bit codes (uint8, the last dimension contiguous) load as 32-bit words
+    (tiles.fp4_packed's WORDS): each tensor's start, its rows (and expert slices) and its row length
+    whole words apart, so every word the kernels read is 4-byte aligned and inside one row."""
+    return all(t.data_ptr() % 4 == 0 and t.shape[-1] % 4 == 0 and all(st % 4 == 0 for st in t.stride()[:-1])
+               for t in packed)
 
 
-def tables_decode(x: torch.Tensor, left: bool, forced: bool | None, *row_lengths: int) -> bool:
+def tables_decode(x: torch.Tensor, left: bool, forced: bool | None, *packed: torch.Tensor) -> bool:
     """Whether 4-bit GEMMs beside activations `x` decode their weights by the tables: by default
-    where the tiles are left of the dots (`left`), x is bf16 on an NVIDIA GPU and the weights' rows
-    (`row_lengths`, values) load as whole 32-bit words; `forced` True / False decides instead (tests,
+    where the tiles are left of the dots (`left`), x is bf16 on an NVIDIA GPU and the weights' packed
+    codes (`packed`) load as whole 32-bit words; `forced` True / False decides instead (tests,
     benchmarks), True refused where the tables cannot run."""
-    fits = x.dtype == torch.bfloat16 and tables_run_on(x.device) and words_fit(*row_lengths)
+    fits = x.dtype == torch.bfloat16 and tables_run_on(x.device) and words_fit(*packed)
     if forced and not fits:
         raise ValueError(f"the 4-bit byte-table decoder needs bf16 activations on an NVIDIA GPU (not the interpreter) "
-                         f"and weight rows of a multiple of 8 values; got {x.dtype} on {x.device}, rows of "
-                         f"{list(row_lengths)}")
+                         f"and packed codes in whole 4-byte words (start, rows and row length); got {x.dtype} on "
+                         f"{x.device}, codes {[(list(t.shape), t.stride(), t.data_ptr() % 4) for t in packed]}")
     return fits and left if forced is None else forced
 
 

@@ -75,7 +75,7 @@ def fp4_linear(x: torch.Tensor, w: Fp4Weights, bias: torch.Tensor | None = None,
     `fp4_dots`: force tl.dot_scaled (MXFP4, bf16 / fp16 x) on or off; None: where the target multiplies fp4.
     `fp4_left`: the decoded tiles on the left of the dots (not the default: tiles.fp4_weights_left
     says why), decoded there by byte tables as the MoE kernels do; `fp4_tables` forces the decoder
-    (tests; tables need an NVIDIA GPU, bf16 x and rows of whole words: byte_tables.tables_decode)."""
+    (tests; tables need an NVIDIA GPU, bf16 x and codes in whole words: byte_tables.tables_decode)."""
     out_features, in_features = w.shape
     if x.shape[-1] != in_features or w.packed.dim() != 2:
         raise ValueError(f"a 4-bit linear layer of {in_features} inputs needs x [..., {in_features}], got {list(x.shape)}")
@@ -96,7 +96,7 @@ def fp4_linear(x: torch.Tensor, w: Fp4Weights, bias: torch.Tensor | None = None,
     dot = (w.group == 32 and x.dtype in (torch.bfloat16, torch.float16)
            and (native_fp4_dots(device_target(x.device)) if fp4_dots is None else fp4_dots))
     left = not dot and x.dtype in (torch.bfloat16, torch.float16) and fp4_left
-    tables = not dot and tables_decode(x, left, fp4_tables, in_features)
+    tables = not dot and tables_decode(x, left, fp4_tables, w.packed)
     _fp4_linear_kernel[(triton.cdiv(M, BM), triton.cdiv(out_features, BN))](
         x2, w.packed, w.scale, div, b, y, M, out_features, in_features, x2.stride(0), w.packed.stride(0),
         w.scale.stride(0), y.stride(0), GROUP=w.group, HAS_BIAS=bias is not None, EVEN_K=in_features % BK == 0,

@@ -81,7 +81,7 @@ def group_scale(s, GROUP: tl.constexpr):
 def fp4_packed(w_rows, row_ok, k0, K, BK: tl.constexpr, EVEN_K: tl.constexpr, WORDS: tl.constexpr = False):
     """One K step of BN weight rows' packed bytes: `w_rows` [BN, 1] pointers to the rows, `row_ok`
     [BN, 1] -> uint8 [BN, BK/2], or with WORDS uint32 [BN, BK/8] (4 bytes of a row a word, in the
-    order stored: K % 8 == 0 and rows 4-byte aligned, as byte_tables.words_fit checks). Rows and K steps past
+    order stored: rows and their starts in whole words, as byte_tables.words_fit checks). Rows and K steps past
     the weight (where BK does not divide K) read as zero codes."""
     if WORDS:
         kw = k0 // 8 + tl.arange(0, BK // 8)

@@ -334,8 +334,8 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     (ops/precision.native_fp4_dots; `fp4_dots` True / False forces either, for tests). Decoded 4-bit
     tiles enter the dots as their left operands where ops/fp4/tiles.fp4_weights_left says, decoded
     there by byte tables (ops/fp4/byte_tables.py) on NVIDIA GPUs with bf16 x; `fp4_left` and
-    `fp4_tables` force either choice (tests, benchmarks; tables need an NVIDIA GPU, bf16 x and rows
-    of whole 32-bit words: byte_tables.tables_decode).
+    `fp4_tables` force either choice (tests, benchmarks; tables need an NVIDIA GPU, bf16 x and codes
+    in whole 32-bit words: byte_tables.tables_decode).
     `skip_expert`: id E marks choices computed elsewhere (another rank's experts under expert
     parallelism): aligned as one more expert whose blocks no program runs, their rows zero."""
     T, hidden, E, inter = check_expert_shapes("fused MoE", x, w13, w2, weights, ids, addend)
@@ -404,7 +404,7 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
         a, a_scale, ws13, ws2, br = x, h, h, h, 1
     scaled = fp8 or w4
     left = decoded_half and (fp4_weights_left(target, BM) if fp4_left is None else fp4_left)
-    tables = decoded and tables_decode(x, left, fp4_tables, hidden, inter)
+    tables = decoded and tables_decode(x, left, fp4_tables, w13, w2, *(() if shared is None else (shared_w13, shared_w2)))
     dots = dict(W4_DOT=w4_dot, A_FORMAT="bf16" if x.dtype == torch.bfloat16 else "fp16", W4_LEFT=left,
                 W4_TABLES=tables)
     _moe_gate_up_kernel[(m_blocks * triton.cdiv(inter, BN1),)](
