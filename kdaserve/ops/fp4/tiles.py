@@ -81,8 +81,8 @@ def group_scale(s, GROUP: tl.constexpr):
 def fp4_packed(w_rows, row_ok, k0, K, BK: tl.constexpr, EVEN_K: tl.constexpr, WORDS: tl.constexpr = False):
     """One K step of BN weight rows' packed bytes: `w_rows` [BN, 1] pointers to the rows, `row_ok`
     [BN, 1] -> uint8 [BN, BK/2], or with WORDS uint32 [BN, BK/8] (4 bytes of a row a word, in the
-    order stored: rows and their starts in whole words, as byte_tables.words_fit checks). Rows and K steps past
-    the weight (where BK does not divide K) read as zero codes."""
+    order stored: rows and their starts in whole words, as byte_tables.words_fit checks). Rows and K
+    steps past the weight (where BK does not divide K) read as zero codes."""
     if WORDS:
         kw = k0 // 8 + tl.arange(0, BK // 8)
         words = w_rows.to(tl.pointer_type(tl.uint32))
@@ -134,7 +134,7 @@ def scale_pair_pipelines(bn: int, bk: int, group: int, warps: int) -> bool:
 def fp4_weight_tile(w_rows, s_rows, row_ok, k0, K, BK: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr,
                     dtype: tl.constexpr, TABLES: tl.constexpr = False):
     """One K step of BN weight rows (fp4_codes' arguments), decoded: [BN, BK] in `dtype`, K order."""
-    packed, codes = fp4_codes(w_rows, s_rows, row_ok, k0, K, BK, GROUP, EVEN_K, dtype == tl.bfloat16 and TABLES)
+    packed, codes = fp4_codes(w_rows, s_rows, row_ok, k0, K, BK, GROUP, EVEN_K, TABLES)
     return decode_fp4_tile(packed, codes, BK, GROUP, dtype, TABLES)
 
 
@@ -142,9 +142,10 @@ def fp4_weight_tile(w_rows, s_rows, row_ok, k0, K, BK: tl.constexpr, GROUP: tl.c
 def decode_fp4_tile(packed, codes, BK: tl.constexpr, GROUP: tl.constexpr, dtype: tl.constexpr,
                     TABLES: tl.constexpr = False):
     """Packed bytes [BN, BK/2] and their scale codes [BN, BK/GROUP] -> [BN, BK] in `dtype`, K order.
-    TABLES (bf16, NVIDIA: ops/fp4/byte_tables.py): by byte tables, the scale inside; `packed` then
-    holds words [BN, BK/8] (fp4_packed's WORDS)."""
-    if dtype == tl.bfloat16 and TABLES:
+    TABLES (bf16 only, NVIDIA: ops/fp4/byte_tables.py; its tables_decode says where): by byte tables,
+    the scale inside; `packed` then holds words [BN, BK/8] (fp4_packed's WORDS)."""
+    tl.static_assert(dtype == tl.bfloat16 or not TABLES, "the byte tables decode into bf16 only")
+    if TABLES:
         w = e2m1_scaled_bf16(packed, _per_value(scale_pair_bits(group_scale_bf16(codes, GROUP)), BK // 8, GROUP // 8))
     elif dtype == tl.bfloat16:
         # Two bf16 products per value pair, each exact: by 2^126 (the bit placement's), then by the
