@@ -385,10 +385,10 @@ if [ "$PART" = fp4_words ]; then
   for shape in kimi glm; do
     for code in new old new2; do
       [ $(( $(date +%s) - START )) -gt $(( BUDGET - 40 )) ] && { echo "== $shape $code NOT RUN (budget)"; continue; }
-      dir=.; [ $code = old ] && dir=.old
+      root=.; [ $code = old ] && root=.old
       log="$OUT/fp4_words_${shape}_$code.log"
-      (cd $dir && timeout $(cap 100) python3 benchmarks/bench_moe_mla.py --moe-formats --fp4-sides --moe-shape $shape \
-        --batches 8 64 256 --prefill) > "$log" 2>&1
+      timeout $(cap 100) env PYTHONPATH="$PWD/$root:$PYTHONPATH" python3 $root/benchmarks/bench_moe_mla.py --moe-formats \
+        --fp4-sides --moe-shape $shape --batches 8 64 256 --prefill > "$log" 2>&1
       echo "== $shape $code rc=$?"; grep "^|.*\(mxfp4\|nvfp4\) \(left\|right\)" "$log"
       grep -m3 "Error\|Traceback" "$log"
     done
