@@ -373,8 +373,9 @@ fi
 
 if [ "$PART" = fp4_words ]; then
   # Must show (issue 63): the tables decoder with the codes loaded as 32-bit words instead of bytes
-  # (forty-second session: sm_90's decode loop 1151 -> 1098 instructions a trip for gate|up, 553 -> 512
-  # for down, tools/sass_loop; registers 159 / 135 -> 163 / 155, still 3 programs an SM). First
+  # and MXFP4's scale pairs in two operations (forty-second session: sm_90's decode loop 1151 -> 1090
+  # instructions a trip for gate|up, 553 -> 510 for down, tools/sass_loop; registers 159 / 135 -> 163 /
+  # 138, still 3 programs an SM). First
   # test_fp4.py's GPU tests (the tables bit for bit the bitwise decoding, both sides), then
   # --moe-formats --fp4-sides, decode only, at Kimi-Linear's and GLM-5.3-Flash's experts, new / old /
   # new code (.old = `git archive 2162f0b kdaserve benchmarks`): the "left" rows (the tables) under the

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kdaserve.ops.fp4.byte_tables import bytes_in_order
+from kdaserve.ops.fp4.byte_tables import bytes_in_order, mxfp4_scale_pair, scale_pair_bits
 from kdaserve.ops.fp4.reference import e2m1_values, quantize_mxfp4, quantize_nvfp4
 from kdaserve.ops.fp4.tiles import (
     e2m1_bf16_pair,
@@ -206,6 +206,27 @@ def test_where_the_tiles_go_left_of_the_dots_and_decode_by_tables():
     assert not fp4_weights_left("sm_90", 64) and not fp4_weights_left("sm_90", 128)   # prefill stays right
     assert not any(fp4_weights_left(t, 16) for t in ("sm_89", "sm_100", "gfx942", "gfx950", "cpu"))
     assert not tables_run_on(torch.device("cpu"))
+
+
+@triton.jit
+def _scale_pairs_kernel(codes_ptr, out_ptr):
+    s = tl.load(codes_ptr + tl.arange(0, 256))
+    tl.store(out_ptr + tl.arange(0, 256), mxfp4_scale_pair(s))
+    tl.store(out_ptr + 256 + tl.arange(0, 256), scale_pair_bits(group_scale_bf16(s, 32)))
+
+
+@INTERP
+def test_the_tables_mxfp4_scale_pairs_are_the_e8m0_values_in_both_halves():
+    """mxfp4_scale_pair's two operations give every e8m0 code's bf16 bits in both halves of a word,
+    2^-127's subnormal (code 0) included: the same words as group_scale_bf16 then scale_pair_bits."""
+    from kdaserve.ops import interpreter_compat
+
+    interpreter_compat.install()
+    codes = torch.arange(256, dtype=torch.uint8)
+    out = torch.zeros(512, dtype=torch.int32)
+    _scale_pairs_kernel[(1,)](codes, out)
+    want = torch.exp2(codes[:255].double() - 127).bfloat16().view(torch.int16).int() & 0xFFFF
+    assert torch.equal(out[:255], want | want << 16) and torch.equal(out[:256], out[256:])
 
 
 @triton.jit

@@ -89,6 +89,14 @@ def scale_pair_bits(scale):
     return bits | (bits << 16)
 
 
+@triton.jit
+def mxfp4_scale_pair(codes):
+    """e8m0 scale codes (uint8) -> scale_pair_bits' words of their bf16 values, in two operations: code
+    s >= 1 is bf16's exponent field (s << 7, both halves by one product), code 0 (2^-127) bf16's
+    subnormal 0x0040, which the unsigned maximum picks exactly there (every other pair is above it)."""
+    return tl.maximum(codes.to(tl.uint32) * 0x00800080, 0x00400040)
+
+
 def words_fit(*packed: torch.Tensor) -> bool:
     """Whether packed 4-bit codes (uint8, the last dimension contiguous) load as 32-bit words
     (tiles.fp4_packed's WORDS): each tensor's start, its rows (and expert slices) and its row length
