@@ -251,8 +251,8 @@ def _packed_kernel(w_ptr, out_ptr, rows, K, stride_w, BN: tl.constexpr, BK: tl.c
 @INTERP
 @pytest.mark.parametrize("K, BK", [(96, 32), (80, 32), (128, 128)], ids=["even", "masked-k", "one-step"])
 def test_the_tables_load_a_rows_codes_as_the_words_stored(K, BK):
-    """fp4_packed's WORDS (the tables' loads): each word the 4 bytes of a row as stored, K steps past
-    the row's end and rows past the tile's read as zero codes, exactly where the byte loads read."""
+    """fp4_packed's WORDS (the tables' loads): each word the 4 bytes of a row as stored and rows past
+    the tile's rows zero codes, as the byte loads give them, K steps past the row's end included."""
     from kdaserve.ops import interpreter_compat
 
     interpreter_compat.install()
@@ -260,8 +260,8 @@ def test_the_tables_load_a_rows_codes_as_the_words_stored(K, BK):
     packed = torch.randint(1, 256, (BN, K // 2), dtype=torch.uint8, generator=torch.Generator().manual_seed(K))
     want = torch.cat([packed[:rows], torch.zeros_like(packed[rows:])])
     for words in (False, True):
-        out = torch.full((BN, K // (8 if words else 2)), -1, dtype=torch.int32 if words else torch.int16)
-        out = out if words else out.to(torch.uint8)
+        out = (torch.full((BN, K // 8), -1, dtype=torch.int32) if words
+               else torch.full((BN, K // 2), 255, dtype=torch.uint8))
         _packed_kernel[(1,)](packed, out, rows, K, packed.stride(0), BN=BN, BK=BK, EVEN_K=K % BK == 0, WORDS=words)
         assert torch.equal(out.view(torch.uint8) if words else out, want), words
 
