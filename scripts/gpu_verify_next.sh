@@ -15,6 +15,7 @@
 # OWED; take it out of OWED once it ran (its numbers go to docs/perf-notes.md).
 OWED=(
   fp4_words       # an H100 or H200 (issue 63): the tables decoder's codes loaded as words, old beside new
+  fp4_split       # an H100 or H200 (issue 63): split K at small decode batches (MoeTiles.split_k), timed
   fp4_native      # a B200 / MI355X only (issue 63): MXFP4 experts through tl.dot_scaled, timed
   fp4_kimi_full   # an H200 (issue 63): the whole Kimi-Linear (27 layers) with MXFP4 experts against bf16
   house_speed     # on an H200 (issue 59 asks it there; the H100 ran it, thirty-third session: within A/A):
@@ -393,6 +394,25 @@ if [ "$PART" = fp4_words ]; then
       echo "== $shape $code rc=$?"; grep "^|.*\(mxfp4\|nvfp4\) \(left\|right\)" "$log"
       grep -m3 "Error\|Traceback" "$log"
     done
+  done
+fi
+
+if [ "$PART" = fp4_split ]; then
+  # Must show (issue 63): whether split K (MoeTiles.split_k, off by default) pays at small decode batches,
+  # where the expert GEMMs launch fewer programs than the GPU holds (batch 1 at Kimi-Linear's experts:
+  # 8 experts x 16 column blocks for gate|up, x 18 for down, one program of 4 warps an SM; the 8-layer
+  # model's MoE kind at batch 1 was 3.36x its floor, fp4_pairs). --sweep-moe-fp4 --fp4-pairs at batch
+  # 1 / 2 / 4 / 8, Kimi-Linear's and GLM-5.3-Flash's experts: the "split K 2 / 3 / 4" rows against the
+  # default's (each row's output compared with the default's in the last column). If a split wins at a
+  # batch, moe_tiles takes it there (split_k by the step's programs against the SMs), and the engine's
+  # batch-1 step is timed with it (bench_kimi_linear.py, 8 layers).
+  for shape in kimi glm; do
+    [ $(( $(date +%s) - START )) -gt $(( BUDGET - 60 )) ] && { echo "== $shape NOT RUN (budget)"; continue; }
+    log="$OUT/fp4_split_$shape.log"
+    timeout $(cap 200) python3 benchmarks/bench_moe_mla.py --sweep-moe-fp4 --fp4-pairs --moe-shape $shape \
+      --batches 1 2 4 8 > "$log" 2>&1
+    echo "== split $shape rc=$?"; grep "| default \|split K" "$log"
+    grep -m3 "Error\|Traceback" "$log"
   done
 fi
 
