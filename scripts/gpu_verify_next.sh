@@ -405,7 +405,10 @@ if [ "$PART" = fp4_split ]; then
   # 1 / 2 / 4 / 8, Kimi-Linear's and GLM-5.3-Flash's experts: the "split K 2 / 3 / 4" rows against the
   # default's (each row's output compared with the default's in the last column). If a split wins at a
   # batch, moe_tiles takes it there (split_k by the step's programs against the SMs), and the engine's
-  # batch-1 step is timed with it (bench_kimi_linear.py, 8 layers).
+  # batch-1 step is timed with it (bench_kimi_linear.py, 8 layers). First the split GPU tests (bf16 and
+  # both 4-bit formats against the reference / the unsplit path).
+  group fp4_split_gpu 120 tests/ops/test_moe.py -k "gpu_split_k"
+  group fp4_split_gpu4 120 tests/ops/test_fp4.py -k "gpu_split_k"
   for shape in kimi glm; do
     [ $(( $(date +%s) - START )) -gt $(( BUDGET - 60 )) ] && { echo "== $shape NOT RUN (budget)"; continue; }
     log="$OUT/fp4_split_$shape.log"

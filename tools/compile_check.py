@@ -348,10 +348,10 @@ def _moe_cases(slots: int, label: str, shared: bool = False, w4: int = 0, right:
     def launch(t: str, which: str) -> dict:
         tiles = moe_tiles(slots, 256 + shared, 2304, 1024, False, t, four_bit=bool(w4), fp4_left=False if right else None)
         bn, bk, warps, stages = getattr(tiles, which)
-        split, k_split = _k_splits(2304 if which == "gate_up" else 1024, max(bk, 32) if w4 else bk, split_k)
         # MXFP4 through tl.dot_scaled where the target multiplies fp4 itself, as moe_experts_fused picks
         w4_opts = dict(W4_DOT=True, A_FORMAT="bf16") if w4 == 32 and native_fp4_dots(t) else {}
         bk = max(bk, 32) if w4 else bk
+        split, k_split = _k_splits(2304 if which == "gate_up" else 1024, bk, split_k)
         if w4 and which == "gate_up" and not w4_opts:   # gate's and up's scales in one load where that pipelines them
             w4_opts["W4_PAIR"] = scale_pair_pipelines(bn, bk, w4, warps)
         if w4:   # each target's own choice (a per-target launch adds to sm_90's constants: say False too)

@@ -457,6 +457,23 @@ def test_gpu_fused_at_kimi_linear_sizes(T):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 8])
+def test_gpu_split_k_at_kimi_linear_sizes(T):
+    """MoeTiles.split_k compiled, bf16 experts at Kimi-Linear's sizes (decode's K steps: up to 3 and
+    4 slices of hidden and I): the fp32 reference's result within bf16's rounding."""
+    from kdaserve.ops.moe.fused import MoeTiles, moe_experts_fused, moe_tiles
+    from kdaserve.ops.precision import device_target
+
+    x, w13, w2, weights, ids = _kimi_linear_step(T, seed=9)
+    want = moe_experts_reference(x.float(), w13.float(), w2.float(), weights, ids)
+    default = moe_tiles(ids.numel(), 256, 2304, 1024, False, device_target(x.device))
+    for split in (2, 3, 4):
+        tiles = MoeTiles(default.block_m, default.gate_up, default.down, split_k=split)
+        got = moe_experts_fused(x, w13, w2, weights, ids, tiles=tiles)
+        assert_rel_close(got.float(), want, 1e-2, f"split K {split} bf16 T={T}")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 8, 64, 256, 512, 1000, 8192])
 def test_gpu_triton_alignments_equal_the_torch_path(T):
     """Compiled (not the interpreter): the kernels' tables equal the torch path's (the per-expert

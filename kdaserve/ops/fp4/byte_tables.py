@@ -11,7 +11,7 @@ operations and, a pair, one scale product (the scale arrives as a bf16 pair, one
 Beside left tiles that is what makes them faster; beside right tiles (mma.sync) the tables gain
 nothing (timings: docs/perf-notes.md, fortieth session). The codes load as 32-bit words, not bytes:
 bytes reach the asm packed in the register order of the wgmma operand, which alternates rows, and
-gathering them cost two more `prmt` a word (forty-second session).
+gathering them cost two more `prmt` a word (docs/perf-notes.md).
 
 How (`_E2M1_SCALED_PTX`, one 32-bit word of packed codes, element 2k in byte k's low nibble): each
 nibble's 3 magnitude bits select a byte of the bf16 patterns of 0, 0.5, 1, 1.5, 2, 3, 4, 6 (0x0000,

@@ -58,8 +58,8 @@ def _block_of_program(n_blocks):
 @triton.jit
 def _k_range(K, K_SPLIT: tl.constexpr, SPLIT: tl.constexpr):
     """[k_lo, k_hi) of K this program reduces: all of it, or with SPLIT > 1 the K_SPLIT-long slice
-    (whole K steps, the same count for every split: a trip count known when compiling keeps the
-    loop's registers; a runtime bound took them to 255) of its split, program_id(1)."""
+    of its split, program_id(1): whole K steps, the same count for every split, so that the trip
+    count is known when compiling (a runtime bound costs the loop its registers: docs/perf-notes.md)."""
     if SPLIT == 1:
         k_lo, k_hi = 0, K
     else:
@@ -473,8 +473,9 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
         num_warps=warps1, num_stages=stages1, **_register_cap(t.gate_up_regs),
     )
     if split1 > 1:
-        _moe_split_silu_kernel[(triton.cdiv(S, 4), triton.cdiv(inter, 256))](
-            part, h, S, inter, **limit, SPLIT=split1, BS=4, BI=256, num_warps=4)
+        BI = _block(inter, 256)
+        _moe_split_silu_kernel[(triton.cdiv(S, 4), triton.cdiv(inter, BI))](
+            part, h, S, inter, **limit, SPLIT=split1, BS=4, BI=BI, num_warps=4)
     hq, h_scale = quantize_per_token_group(h, block[1]) if fp8 else (h, h)
     # Skipped choices' rows stay zero for the final sum (their weight is zero, their rows unwritten).
     # Split K: each split's rows apart, in fp32 (the final sum adds them).
