@@ -350,23 +350,25 @@ FP4_PAIRS = [
     ((64, 128, 4, 4, 128), (128, 128, 4, 4, 128)),
     (None, (128, 64, 4, 4, None)),
     (None, (256, 128, 8, 3, None)),
-    (None, None, 2),   # split K (MoeTiles.split_k): for batches whose programs leave SMs idle (batch 1: 128 + 144)
-    (None, None, 3),
-    (None, None, 4),
+    (None, None, (2, 2)),   # split K (MoeTiles.split_k): for batches whose programs leave SMs idle (batch 1: 128 + 144)
+    (None, None, (1, 2)),   # down's alone (no SwiGLU launch): fp4_split (H100) saw down's time drop at batch 1-4
+    (None, None, (1, 3)),   # at Kimi-Linear's experts, gate|up's not, and the split SwiGLU cost what down saved
+    (None, None, (1, 4)),
 ]
 
 
-def _paired_tiles(default, gate_up, down, split_k: int = 1):
+def _paired_tiles(default, gate_up, down, split_k: tuple[int, int] = (1, 1)):
     """MoeTiles from the default with either GEMM's (columns, K step, warps, stages, register cap) swapped in,
-    K split into up to `split_k` slices."""
+    each GEMM's K split into up to `split_k`'s (gate|up, down) slices."""
     from kdaserve.ops.moe.fused import MoeTiles
 
     gu, dn = gate_up or (*default.gate_up, default.gate_up_regs), down or (*default.down, default.down_regs)
     return MoeTiles(default.block_m, gu[:4], dn[:4], gu[4], dn[4], split_k)
 
 
-def _pair_name(gate_up, down, split_k: int = 1) -> str:
-    return f"gate_up {gate_up or 'default'}, down {down or 'default'}" + (f", split K {split_k}" if split_k > 1 else "")
+def _pair_name(gate_up, down, split_k: tuple[int, int] = (1, 1)) -> str:
+    split = f", split K {split_k[0]} / {split_k[1]}" if max(split_k) > 1 else ""
+    return f"gate_up {gate_up or 'default'}, down {down or 'default'}{split}"
 
 
 def fp4_moe_sweep(batches, prefill, bw, pairs: bool = False) -> None:

@@ -406,7 +406,10 @@ if [ "$PART" = fp4_split ]; then
   # default's (each row's output compared with the default's in the last column). If a split wins at a
   # batch, moe_tiles takes it there (split_k by the step's programs against the SMs), and the engine's
   # batch-1 step is timed with it (bench_kimi_linear.py, 8 layers). First the split GPU tests (bf16 and
-  # both 4-bit formats against the reference / the unsplit path).
+  # both 4-bit formats against the reference / the unsplit path). Its first run (forty-third session, H100):
+  # splitting both GEMMs won nowhere (Kimi b1 0.0298 against 0.0302 ms, GLM slower everywhere), but down's
+  # own time fell 17% at Kimi's batch 1 (0.0086 against 0.0103) while the split SwiGLU launch cost as much;
+  # the rows "split K 1 / 2|3|4" split down's K alone (no added launch).
   group fp4_split_gpu 120 tests/ops/test_moe.py -k "gpu_split_k"
   group fp4_split_gpu4 120 tests/ops/test_fp4.py -k "gpu_split_k"
   for shape in kimi glm; do

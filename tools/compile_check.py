@@ -319,20 +319,20 @@ def _other_cases() -> list[Case]:
     for slots, label in ((64, "decode BM=16"), (8192, "BM=32"), (65536, "prefill")):   # moe_tiles' regimes at E = 256
         out += _moe_cases(slots, label)
     out += _moe_cases(576, "decode B=64 + shared expert", shared=True)   # layers/moe: the shared expert as expert 256
-    out += _moe_cases(8, "decode B=1 split K 3", split_k=3)
+    out += _moe_cases(8, "decode B=1 split K 3", split_k=(3, 3))
     for group in (32, 16):   # 4-bit experts (ops/fp4/tiles.py): MXFP4, NVFP4
         for slots, label in ((64, "decode BM=16"), (65536, "prefill")):
             out += _moe_cases(slots, label, w4=group)
         # sm_90's decode with the tiles right of the dots, as every other target has them (tools/sass_loop compares)
         out += _moe_cases(64, "decode BM=16 right", w4=group, right=True)
-        out += _moe_cases(8, "decode B=1 split K 3", w4=group, split_k=3)
+        out += _moe_cases(8, "decode B=1 split K 3", w4=group, split_k=(3, 3))
         out += _moe_cases(576, "decode B=64 + shared expert", shared=True, w4=group)   # a 4-bit shared expert as E
     out += _fp4_linear_cases()
     return out + _fp8_cases()
 
 
 def _moe_cases(slots: int, label: str, shared: bool = False, w4: int = 0, right: bool = False,
-               split_k: int = 1) -> list[Case]:
+               split_k: tuple[int, int] = (1, 1)) -> list[Case]:
     """The two bf16 expert GEMMs of a step of `slots` (token, expert) pairs over Kimi-Linear's 256
     experts (hidden 2304, width 1024), on each target as ops/moe/fused.moe_tiles launches them there;
     `shared`: with the shared expert run as expert 256 (decode); `w4`: 4-bit experts in groups of
@@ -351,7 +351,7 @@ def _moe_cases(slots: int, label: str, shared: bool = False, w4: int = 0, right:
         # MXFP4 through tl.dot_scaled where the target multiplies fp4 itself, as moe_experts_fused picks
         w4_opts = dict(W4_DOT=True, A_FORMAT="bf16") if w4 == 32 and native_fp4_dots(t) else {}
         bk = max(bk, 32) if w4 else bk
-        split, k_split = _k_splits(2304 if which == "gate_up" else 1024, bk, split_k)
+        split, k_split = _k_splits(2304 if which == "gate_up" else 1024, bk, split_k[which == "down"])
         if w4 and which == "gate_up" and not w4_opts:   # gate's and up's scales in one load where that pipelines them
             w4_opts["W4_PAIR"] = scale_pair_pipelines(bn, bk, w4, warps)
         if w4:   # each target's own choice (a per-target launch adds to sm_90's constants: say False too)

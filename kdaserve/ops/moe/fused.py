@@ -102,7 +102,7 @@ def _moe_gate_up_kernel(
     activations 4 bytes at a time, where a row mask costs three instructions a load: those loads
     are unmasked, a slot past the block's reading the block's first slot's row (its results are
     never stored; the first slot's row, not a fixed one, so that blocks do not all read one row).
-    SPLIT > 1 (split K, MoeTiles.split_k): program_id(1) reduces a K_SPLIT slice of hidden, and h_ptr
+    SPLIT > 1 (split K, MoeTiles.split_k[0]): program_id(1) reduces a K_SPLIT slice of hidden, and h_ptr
     is fp32 partials [SPLIT, S, 2I] (gate, then up), summed and multiplied by _moe_split_silu_kernel."""
     pid_m, pid_n = _block_of_program(tl.cdiv(INTER, BN))
     k_lo, k_hi = _k_range(HIDDEN, K_SPLIT, SPLIT)
@@ -312,17 +312,18 @@ class MoeTiles:
     """One launch shape of the two expert GEMMs: rows per program (each expert's run of sorted
     slots is padded to a multiple of it) and, per kernel, (columns, K step, warps, stages; None =
     the backend's default) and a cap on its registers a thread (NVIDIA's maxnreg; None: ptxas's
-    choice), where one more program an SM pays more than the registers it takes away. `split_k`: each
-    GEMM's K (hidden, I) cut into up to that many slices of whole K steps, a program each (their sums
-    added after: gate|up's fp32 partials by _moe_split_silu_kernel, down's rows by the final sum), for
-    steps with fewer programs than the GPU holds (batch 1: 8 experts x 16 column blocks on 132 SMs);
-    the most slices up to it that share the K steps evenly (moe_experts_fused._k_splits)."""
+    choice), where one more program an SM pays more than the registers it takes away. `split_k`:
+    (gate|up's, down's) K (hidden, I) cut into up to that many slices of whole K steps, a program each
+    (their sums added after: gate|up's fp32 partials by _moe_split_silu_kernel, down's rows by the
+    final sum), for steps with fewer programs than the GPU holds (batch 1: 8 experts x 16 column
+    blocks on 132 SMs); the most slices up to it that share the K steps evenly (_k_splits). Apart
+    per GEMM because only gate|up's split adds a launch (the SwiGLU of the summed partials)."""
     block_m: int
     gate_up: tuple[int, int, int, int | None]
     down: tuple[int, int, int, int | None]
     gate_up_regs: int | None = None
     down_regs: int | None = None
-    split_k: int = 1
+    split_k: tuple[int, int] = (1, 1)
 
 
 def moe_tiles(num_slots: int, num_experts: int, hidden: int, inter: int, fp8: bool, target: str,
@@ -460,7 +461,7 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     tables = decoded and tables_decode(x, left, fp4_tables, w13, w2, *(() if shared is None else (shared_w13, shared_w2)))
     dots = dict(W4_DOT=w4_dot, A_FORMAT="bf16" if x.dtype == torch.bfloat16 else "fp16", W4_LEFT=left,
                 W4_TABLES=tables)
-    split1, k_split1 = _k_splits(hidden, BK1, t.split_k)
+    split1, k_split1 = _k_splits(hidden, BK1, t.split_k[0])
     part = h if split1 == 1 else torch.empty(split1, S, 2 * inter, dtype=torch.float32, device=x.device)
     limit = dict(LIMIT=float(activation_limit or 0.0), HAS_LIMIT=activation_limit is not None)
     _moe_gate_up_kernel[(m_blocks * triton.cdiv(inter, BN1), split1)](
@@ -479,7 +480,7 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     hq, h_scale = quantize_per_token_group(h, block[1]) if fp8 else (h, h)
     # Skipped choices' rows stay zero for the final sum (their weight is zero, their rows unwritten).
     # Split K: each split's rows apart, in fp32 (the final sum adds them).
-    split2, k_split2 = _k_splits(inter, BK2, t.split_k)
+    split2, k_split2 = _k_splits(inter, BK2, t.split_k[1])
     y = (torch.zeros if skip_expert else torch.empty)(
         split2 * S, hidden, dtype=torch.float32 if x.dtype == torch.float32 or split2 > 1 else x.dtype, device=x.device)
     _moe_down_kernel[(m_blocks * triton.cdiv(hidden, BN2), split2)](
