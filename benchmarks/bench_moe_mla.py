@@ -338,9 +338,8 @@ FP4_SWEEP = {
 
 
 # Decode shapes of both GEMMs at once, each (columns, K step, warps, stages, register cap; None: the
-# default's), and optionally a split of K: for sm_90's decode with the decoded tiles left of the dots,
-# where one more program an SM (a cap of 128 registers gives four of 4 warps) may pay more than the
-# registers it takes, and at small batches more programs (split K) more than the sums they add.
+# default's): for sm_90's decode with the decoded tiles left of the dots, where one more program an SM
+# (a cap of 128 registers gives four of 4 warps) may pay more than the registers it takes.
 FP4_PAIRS = [
     ((64, 128, 4, 3, None), (64, 256, 4, 3, None)),   # the right side's decode shapes (every other target's)
     ((64, 128, 4, 3, None), None),
@@ -350,25 +349,15 @@ FP4_PAIRS = [
     ((64, 128, 4, 4, 128), (128, 128, 4, 4, 128)),
     (None, (128, 64, 4, 4, None)),
     (None, (256, 128, 8, 3, None)),
-    (None, None, (2, 2)),   # split K (MoeTiles.split_k): for batches whose programs leave SMs idle (batch 1: 128 + 144)
-    (None, None, (1, 2)),   # down's alone (no SwiGLU launch): fp4_split (H100) saw down's time drop at batch 1-4
-    (None, None, (1, 3)),   # at Kimi-Linear's experts, gate|up's not, and the split SwiGLU cost what down saved
-    (None, None, (1, 4)),
 ]
 
 
-def _paired_tiles(default, gate_up, down, split_k: tuple[int, int] = (1, 1)):
-    """MoeTiles from the default with either GEMM's (columns, K step, warps, stages, register cap) swapped in,
-    each GEMM's K split into up to `split_k`'s (gate|up, down) slices."""
+def _paired_tiles(default, gate_up, down):
+    """MoeTiles from the default with either GEMM's (columns, K step, warps, stages, register cap) swapped in."""
     from kdaserve.ops.moe.fused import MoeTiles
 
     gu, dn = gate_up or (*default.gate_up, default.gate_up_regs), down or (*default.down, default.down_regs)
-    return MoeTiles(default.block_m, gu[:4], dn[:4], gu[4], dn[4], split_k)
-
-
-def _pair_name(gate_up, down, split_k: tuple[int, int] = (1, 1)) -> str:
-    split = f", split K {split_k[0]} / {split_k[1]}" if max(split_k) > 1 else ""
-    return f"gate_up {gate_up or 'default'}, down {down or 'default'}{split}"
+    return MoeTiles(default.block_m, gu[:4], dn[:4], gu[4], dn[4])
 
 
 def fp4_moe_sweep(batches, prefill, bw, pairs: bool = False) -> None:
@@ -395,7 +384,8 @@ def fp4_moe_sweep(batches, prefill, bw, pairs: bool = False) -> None:
         timer = bench_graph if step == "decode" else bench
         variants = [("default", default)]
         if pairs:
-            variants += [(_pair_name(*pair), _paired_tiles(default, *pair)) for pair in FP4_PAIRS]
+            variants += [(f"gate_up {gu or 'default'}, down {dn or 'default'}", _paired_tiles(default, gu, dn))
+                         for gu, dn in FP4_PAIRS]
         for shape in [] if pairs else FP4_SWEEP[step]:
             variants.append((f"gate_up {shape}", MoeTiles(default.block_m, shape, default.down)))
             variants.append((f"down {shape}", MoeTiles(default.block_m, default.gate_up, shape)))

@@ -14,16 +14,15 @@
 # Add a part as `if [ "$PART" = name ]; then ... fi` below, with what it must show, and name it in
 # OWED; take it out of OWED once it ran (its numbers go to docs/perf-notes.md).
 OWED=(
-  fp4_words       # an H100 or H200 (issue 63): the tables decoder's codes loaded as words, old beside new
-  fp4_split       # an H100 or H200 (issue 63): split K at small decode batches (MoeTiles.split_k), timed
   fp4_native      # a B200 / MI355X only (issue 63): MXFP4 experts through tl.dot_scaled, timed
   fp4_kimi_full   # an H200 (issue 63): the whole Kimi-Linear (27 layers) with MXFP4 experts against bf16
+                  # (an H100 ran MXFP4 against FP8, forty-third session: bf16 does not fit it)
   house_speed     # on an H200 (issue 59 asks it there; the H100 ran it, thirty-third session: within A/A):
                   # .old = `git archive 6eb0c8b kdaserve benchmarks`
   tp_gpus         # two or more GPUs (kind nvidia-h100-x2 or larger; issue 61): tensor parallel over NCCL with
                   # CUDA graphs per rank, and its throughput against one GPU
 )
-# Done, kept to run again: fp4_pairs (forty-second session, H100), fp4_prefill, fp4_sweep_left, fp4_ncu (forty-first session, H100), fp4_sides (fortieth session, H100), fp4_pair (thirty-ninth session, H100; its KDASERVE_FP4_DECODER is gone, fortieth), fp4_bf16, fp4_shapes, fp4_glm, fp4_moe (thirty-eighth session, H100), image_tower (thirty-seventh session, H100), fp4_variants, ling_routing, ling_real, kimi_ttft (thirty-sixth session, H200), ling_tests (thirty-fourth session, H100: all passed), after_removal, house_tests, house_tests2, house_server and house_speed
+# Done, kept to run again: fp4_words (forty-third session, H100), fp4_pairs (forty-second session, H100), fp4_prefill, fp4_sweep_left, fp4_ncu (forty-first session, H100), fp4_sides (fortieth session, H100), fp4_pair (thirty-ninth session, H100; its KDASERVE_FP4_DECODER is gone, fortieth), fp4_bf16, fp4_shapes, fp4_glm, fp4_moe (thirty-eighth session, H100), image_tower (thirty-seventh session, H100), fp4_variants, ling_routing, ling_real, kimi_ttft (thirty-sixth session, H200), ling_tests (thirty-fourth session, H100: all passed), after_removal, house_tests, house_tests2, house_server and house_speed
 # (thirty-third session, H100: all passed, throughput within A/A), k1_models and k1_models2 (thirty-second session, H100: all passed),
 # k1_ncu (K1 under Nsight Compute), k1_defaults (the K1 GPU tests and
 # the new defaults against the old), k1_prefetch_ncu, k1_table, k1_order (issue 21 goal 3), by the thirtieth
@@ -33,7 +32,8 @@ OWED=(
 # (goal 2, the OpenAI SDK as the client), by the twenty-eighth session; kimi_decode_kinds,
 # kimi_fusions (.base = `git archive c04ce36 kdaserve benchmarks`), host_split (.old = `git archive
 # 272aacf kdaserve benchmarks`), by the twenty-seventh (docs/perf-notes.md). Removed after they ran
-# (thirty-second session): k1_l2_ahead and k1_caps, with the variants they timed.
+# (thirty-second session): k1_l2_ahead and k1_caps, with the variants they timed; (forty-third session)
+# fp4_split, with split K (MoeTiles.split_k: no batch or shape won, docs/perf-notes.md).
 if [ "${1:-}" = --owed ]; then
   for part in "${OWED[@]}"; do echo "$part"; done
   exit 0
@@ -395,31 +395,6 @@ if [ "$PART" = fp4_words ]; then
       echo "== $shape $code rc=$?"; grep "^|.*\(mxfp4\|nvfp4\) \(left\|right\)" "$log"
       grep -m3 "Error\|Traceback" "$log"
     done
-  done
-fi
-
-if [ "$PART" = fp4_split ]; then
-  # Must show (issue 63): whether split K (MoeTiles.split_k, off by default) pays at small decode batches,
-  # where the expert GEMMs launch fewer programs than the GPU holds (batch 1 at Kimi-Linear's experts:
-  # 8 experts x 16 column blocks for gate|up, x 18 for down, one program of 4 warps an SM; the 8-layer
-  # model's MoE kind at batch 1 was 3.36x its floor, fp4_pairs). --sweep-moe-fp4 --fp4-pairs at batch
-  # 1 / 2 / 4 / 8, Kimi-Linear's and GLM-5.3-Flash's experts: the "split K 2 / 3 / 4" rows against the
-  # default's (each row's output compared with the default's in the last column). If a split wins at a
-  # batch, moe_tiles takes it there (split_k by the step's programs against the SMs), and the engine's
-  # batch-1 step is timed with it (bench_kimi_linear.py, 8 layers). First the split GPU tests (bf16 and
-  # both 4-bit formats against the reference / the unsplit path). Its first run (forty-third session, H100):
-  # splitting both GEMMs won nowhere (Kimi b1 0.0298 against 0.0302 ms, GLM slower everywhere), but down's
-  # own time fell 17% at Kimi's batch 1 (0.0086 against 0.0103) while the split SwiGLU launch cost as much;
-  # the rows "split K 1 / 2|3|4" split down's K alone (no added launch).
-  group fp4_split_gpu 120 tests/ops/test_moe.py -k "gpu_split_k"
-  group fp4_split_gpu4 120 tests/ops/test_fp4.py -k "gpu_split_k"
-  for shape in kimi glm; do
-    [ $(( $(date +%s) - START )) -gt $(( BUDGET - 60 )) ] && { echo "== $shape NOT RUN (budget)"; continue; }
-    log="$OUT/fp4_split_$shape.log"
-    timeout $(cap 200) python3 benchmarks/bench_moe_mla.py --sweep-moe-fp4 --fp4-pairs --moe-shape $shape \
-      --batches 1 2 4 8 > "$log" 2>&1
-    echo "== split $shape rc=$?"; grep "| default \|split K" "$log"
-    grep -m3 "Error\|Traceback" "$log"
   done
 fi
 

@@ -205,7 +205,7 @@ def _other_cases() -> list[Case]:
     from kdaserve.ops.mla.prefill import launch_shape as mla_prefill_shape
     from kdaserve.ops.mla.sparse_decode import _mla_sparse_decode_kernel
     from kdaserve.ops.moe.align import _align_count_kernel, _align_offsets_kernel, _align_per_expert_kernel, _align_place_kernel
-    from kdaserve.ops.moe.fused import _moe_split_silu_kernel, _moe_sum_kernel
+    from kdaserve.ops.moe.fused import _moe_sum_kernel
     from kdaserve.ops.moe.router_kernel import _route_kernel
     from kdaserve.ops.norm.gated_rms_norm import gated_rms_norm_kernel
     from kdaserve.ops.norm.rms_norm import launch_shape as rms_norm_shape
@@ -296,10 +296,6 @@ def _other_cases() -> list[Case]:
     out.append(Case("moe sum over k=8 + shared experts", _moe_sum_kernel, dict(y_ptr=BF, out_ptr=BF, add_ptr=BF),
                     dict(TOPK=8, BT=4, BH=256, HAS_ADD=True), 4,
                     quick=True, no_spill=True))
-    out.append(Case("moe sum over k=8 of 2 K splits", _moe_sum_kernel, dict(y_ptr=F32, out_ptr=BF, add_ptr=BF),
-                    dict(TOPK=8, BT=4, BH=256, HAS_ADD=False, SPLIT=2), 4, no_spill=True))
-    out.append(Case("moe split-K SwiGLU of 3 partials", _moe_split_silu_kernel, dict(part_ptr=F32, h_ptr=BF),
-                    dict(LIMIT=0.0, HAS_LIMIT=False, SPLIT=3, BS=4, BI=256), 4, no_spill=True))
     out.append(Case("moe align per expert E=256 + shared expert, 576 slots", _align_per_expert_kernel,
                     dict(ids_ptr="*i64", sorted_ptr=I32, block_experts_ptr=I32),
                     dict(E_P=512, S_P=1024, FILL=256), 4, 1, quick=True, no_spill=True))
@@ -319,30 +315,26 @@ def _other_cases() -> list[Case]:
     for slots, label in ((64, "decode BM=16"), (8192, "BM=32"), (65536, "prefill")):   # moe_tiles' regimes at E = 256
         out += _moe_cases(slots, label)
     out += _moe_cases(576, "decode B=64 + shared expert", shared=True)   # layers/moe: the shared expert as expert 256
-    out += _moe_cases(8, "decode B=1 split K 3", split_k=(3, 3))
     for group in (32, 16):   # 4-bit experts (ops/fp4/tiles.py): MXFP4, NVFP4
         for slots, label in ((64, "decode BM=16"), (65536, "prefill")):
             out += _moe_cases(slots, label, w4=group)
         # sm_90's decode with the tiles right of the dots, as every other target has them (tools/sass_loop compares)
         out += _moe_cases(64, "decode BM=16 right", w4=group, right=True)
-        out += _moe_cases(8, "decode B=1 split K 3", w4=group, split_k=(3, 3))
         out += _moe_cases(576, "decode B=64 + shared expert", shared=True, w4=group)   # a 4-bit shared expert as E
     out += _fp4_linear_cases()
     return out + _fp8_cases()
 
 
-def _moe_cases(slots: int, label: str, shared: bool = False, w4: int = 0, right: bool = False,
-               split_k: tuple[int, int] = (1, 1)) -> list[Case]:
+def _moe_cases(slots: int, label: str, shared: bool = False, w4: int = 0, right: bool = False) -> list[Case]:
     """The two bf16 expert GEMMs of a step of `slots` (token, expert) pairs over Kimi-Linear's 256
     experts (hidden 2304, width 1024), on each target as ops/moe/fused.moe_tiles launches them there;
     `shared`: with the shared expert run as expert 256 (decode); `w4`: 4-bit experts in groups of
     32 (MXFP4) or 16 (NVFP4), K steps of at least 32 as moe_experts_fused widens them (MXFP4 through
     tl.dot_scaled on sm_100 and gfx950; on sm_90's decode the decoded tiles left of the dots, decoded
     by byte tables: ops/fp4/tiles.fp4_weights_left); `right`: sm_90's decode with the tiles on the
-    right of the dots, decoded bitwise, as every other target has them; `split_k`: MoeTiles.split_k
-    (each GEMM's K in slices, a program each)."""
+    right of the dots, decoded bitwise, as every other target has them."""
     from kdaserve.ops.fp4.tiles import fp4_weights_left, scale_pair_pipelines
-    from kdaserve.ops.moe.fused import _k_splits, _moe_down_kernel, _moe_gate_up_kernel, moe_tiles
+    from kdaserve.ops.moe.fused import _moe_down_kernel, _moe_gate_up_kernel, moe_tiles
     from kdaserve.ops.precision import native_fp4_dots
 
     def launch(t: str, which: str) -> dict:
@@ -351,13 +343,12 @@ def _moe_cases(slots: int, label: str, shared: bool = False, w4: int = 0, right:
         # MXFP4 through tl.dot_scaled where the target multiplies fp4 itself, as moe_experts_fused picks
         w4_opts = dict(W4_DOT=True, A_FORMAT="bf16") if w4 == 32 and native_fp4_dots(t) else {}
         bk = max(bk, 32) if w4 else bk
-        split, k_split = _k_splits(2304 if which == "gate_up" else 1024, bk, split_k[which == "down"])
         if w4 and which == "gate_up" and not w4_opts:   # gate's and up's scales in one load where that pipelines them
             w4_opts["W4_PAIR"] = scale_pair_pipelines(bn, bk, w4, warps)
         if w4:   # each target's own choice (a per-target launch adds to sm_90's constants: say False too)
             left = not w4_opts.get("W4_DOT") and not right and fp4_weights_left(t, tiles.block_m)
             w4_opts.update(W4_LEFT=left, W4_TABLES=left)   # left: bf16 x on an NVIDIA GPU, the byte tables
-        return {"consts": dict(BM=tiles.block_m, BN=bn, BK=bk, SPLIT=split, K_SPLIT=k_split, **w4_opts), "warps": warps,
+        return {"consts": dict(BM=tiles.block_m, BN=bn, BK=bk, **w4_opts), "warps": warps,
                 "stages": stages or (2 if t.startswith("gfx") else 3)}
 
     common = dict(FP8=False, BLOCK_ROWS=1, EVEN_K=True, HAS_SHARED=shared, W4=w4)

@@ -352,48 +352,6 @@ def test_skipped_choices_add_nothing(T):
     assert_rel_close(moe_experts_fused(x, w13, w2, local_w, local_ids, skip_expert=True), want, 1e-5, "skipped choices")
 
 
-@INTERP
-@pytest.mark.parametrize("split", [(2, 2), (4, 4), (1, 3), (3, 1)])
-def test_split_k_sums_its_slices_to_the_reference(split):
-    """MoeTiles.split_k: each GEMM's K steps shared evenly among up to its (gate|up, down) count of
-    programs, gate|up's fp32 partials summed before the SwiGLU (with its clamp), down's rows added by
-    the final sum, with the shared expert as expert E and with skipped choices: the reference's
-    result (hidden 48 and I 96 in K steps of 16: 3 and 6 steps; either GEMM split alone too)."""
-    from kdaserve.ops.activation.swiglu import swiglu_reference
-    from kdaserve.ops.moe.fused import MoeTiles, moe_experts_fused
-
-    E, k, hidden, inter, T = 6, 3, 48, 96, 5
-    tiles = MoeTiles(16, (16, 16, 4, 2), (16, 16, 4, 2), split_k=split)
-    w13, w2 = experts(E + 1, hidden, inter, seed=8)
-    routed13, routed2, s13, s2 = w13[:E].clone(), w2[:E].clone(), w13[E].clone(), w2[E].clone()
-    x = torch.randn(T, hidden, generator=torch.Generator().manual_seed(sum(split))) * 3
-    weights, ids = _routing(T, E, k, "random", seed=split[0])
-    want = moe_experts_reference(x, routed13, routed2, weights, ids, activation_limit=1.5)
-    got = moe_experts_fused(x, routed13, routed2, weights, ids, tiles=tiles, activation_limit=1.5)
-    assert_rel_close(got, want, 1e-5, f"split K {split}")
-    ext_w, ext_ids = torch.cat([weights, torch.ones(T, 1)], 1), torch.cat([ids, torch.full((T, 1), E)], 1)
-    got = moe_experts_fused(x, routed13, routed2, ext_w, ext_ids, tiles=tiles, shared=(s13, s2))
-    want = moe_experts_reference(x, routed13, routed2, weights, ids) + swiglu_reference(x @ s13.T) @ s2.T
-    assert_rel_close(got, want, 1e-5, f"split K {split} with the shared expert as expert E")
-    mine = ids < E // 2
-    local_w, local_ids = torch.where(mine, weights, 0.0), torch.where(mine, ids, E)
-    got = moe_experts_fused(x, routed13, routed2, local_w, local_ids, tiles=tiles, skip_expert=True)
-    want = moe_experts_reference(x, routed13, routed2, local_w, torch.where(mine, ids, 0))
-    assert_rel_close(got, want, 1e-5, f"split K {split} with skipped choices")
-
-
-def test_k_splits_share_the_k_steps_evenly():
-    """_k_splits: the most slices up to the count asked that divide the K steps (the kernels' trip
-    count is a compile-time constant), (1, 0) unsplit; fewer than one slice refused."""
-    from kdaserve.ops.moe.fused import _k_splits
-
-    assert [_k_splits(48, 16, n) for n in (1, 2, 3, 4)] == [(1, 0), (1, 0), (3, 16), (3, 16)]
-    assert [_k_splits(96, 16, n) for n in (2, 3, 4)] == [(2, 48), (3, 32), (3, 32)]
-    assert _k_splits(2304, 256, 4) == (3, 768) and _k_splits(1024, 128, 3) == (2, 512)
-    with pytest.raises(ValueError, match="split_k must be at least 1"):
-        _k_splits(48, 16, 0)
-
-
 def test_fused_refuses_mismatched_weights():
     from kdaserve.ops.moe.fused import moe_experts_fused
 
@@ -461,23 +419,6 @@ def test_gpu_fused_at_kimi_linear_sizes(T):
     got = moe_experts_fused(x, w13, w2, weights, ids)
     want = moe_experts_reference(x.float(), w13.float(), w2.float(), weights, ids)
     assert_rel_close(got.float(), want, 1e-2, f"fused MoE bf16 T={T}")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 8])
-def test_gpu_split_k_at_kimi_linear_sizes(T):
-    """MoeTiles.split_k compiled, bf16 experts at Kimi-Linear's sizes (decode's K steps: up to 3 and
-    4 slices of hidden and I; down's alone too): the fp32 reference's result within bf16's rounding."""
-    from kdaserve.ops.moe.fused import MoeTiles, moe_experts_fused, moe_tiles
-    from kdaserve.ops.precision import device_target
-
-    x, w13, w2, weights, ids = _kimi_linear_step(T, seed=9)
-    want = moe_experts_reference(x.float(), w13.float(), w2.float(), weights, ids)
-    default = moe_tiles(ids.numel(), 256, 2304, 1024, False, device_target(x.device))
-    for split in ((2, 2), (3, 3), (4, 4), (1, 2), (1, 3)):
-        tiles = MoeTiles(default.block_m, default.gate_up, default.down, split_k=split)
-        got = moe_experts_fused(x, w13, w2, weights, ids, tiles=tiles)
-        assert_rel_close(got.float(), want, 1e-2, f"split K {split} bf16 T={T}")
 
 
 @pytest.mark.gpu

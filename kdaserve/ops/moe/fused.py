@@ -56,19 +56,6 @@ def _block_of_program(n_blocks):
 
 
 @triton.jit
-def _k_range(K, K_SPLIT: tl.constexpr, SPLIT: tl.constexpr):
-    """[k_lo, k_hi) of K this program reduces: all of it, or with SPLIT > 1 the K_SPLIT-long slice
-    of its split, program_id(1): whole K steps, the same count for every split, so that the trip
-    count is known when compiling (a runtime bound costs the loop its registers: docs/perf-notes.md)."""
-    if SPLIT == 1:
-        k_lo, k_hi = 0, K
-    else:
-        k_lo = tl.program_id(1) * K_SPLIT
-        k_hi = k_lo + K_SPLIT
-    return k_lo, k_hi
-
-
-@triton.jit
 def _expert_weights(w_ptr, shared_w_ptr, e, stride_we, num_routed, HAS_SHARED: tl.constexpr):
     """Expert e's weight in the stacked tensor, or with HAS_SHARED the shared expert's own tensor
     for e == num_routed (the shared expert run as one more expert)."""
@@ -83,12 +70,11 @@ def _expert_weights(w_ptr, shared_w_ptr, e, stride_we, num_routed, HAS_SHARED: t
 def _moe_gate_up_kernel(
     x_ptr, w_ptr, sorted_ptr, experts_ptr, h_ptr, xs_ptr, ws_ptr, shared_w_ptr, wd_ptr, shared_ws_ptr, shared_wd_ptr,
     S, HIDDEN, INTER, stride_x, stride_we, stride_wn, stride_h, stride_xs, stride_wse, stride_wsn, stride_wde, num_routed,
-    K_SPLIT: tl.constexpr,
     TOPK: tl.constexpr, LIMIT: tl.constexpr, HAS_LIMIT: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
     FP8: tl.constexpr, BLOCK_ROWS: tl.constexpr, EVEN_K: tl.constexpr, HAS_SHARED: tl.constexpr = False,
     W4: tl.constexpr = 0, W4_DOT: tl.constexpr = False, A_FORMAT: tl.constexpr = "bf16", W4_PAIR: tl.constexpr = False,
-    W4_TABLES: tl.constexpr = False, W4_LEFT: tl.constexpr = False, SPLIT: tl.constexpr = 1,
+    W4_TABLES: tl.constexpr = False, W4_LEFT: tl.constexpr = False,
 ):
     """HAS_SHARED: expert `num_routed` is the shared expert, its [2I, hidden] weight at
     shared_w_ptr with w13's row stride (4-bit: its scales and divisors at shared_ws_ptr and
@@ -101,11 +87,8 @@ def _moe_gate_up_kernel(
     ops/fp4/tiles.in_fragment_order; moe_experts_fused says where). Fragment order loads the
     activations 4 bytes at a time, where a row mask costs three instructions a load: those loads
     are unmasked, a slot past the block's reading the block's first slot's row (its results are
-    never stored; the first slot's row, not a fixed one, so that blocks do not all read one row).
-    SPLIT > 1 (split K, MoeTiles.split_k[0]): program_id(1) reduces a K_SPLIT slice of hidden, and h_ptr
-    is fp32 partials [SPLIT, S, 2I] (gate, then up), summed and multiplied by _moe_split_silu_kernel."""
+    never stored; the first slot's row, not a fixed one, so that blocks do not all read one row)."""
     pid_m, pid_n = _block_of_program(tl.cdiv(INTER, BN))
-    k_lo, k_hi = _k_range(HIDDEN, K_SPLIT, SPLIT)
     e = tl.load(experts_ptr + pid_m)
     if e < 0:
         return
@@ -130,8 +113,8 @@ def _moe_gate_up_kernel(
             acc_u = tl.zeros([BN, BM], tl.float32)
         # At least one K step (the wrapper checks): without it a zero-trip path zeroes the accumulators
         # between the wgmmas and their wait, and ptxas serializes every wgmma (warning C7515).
-        tl.assume(k_hi > k_lo)
-        for k0 in range(k_lo, k_hi, BK):
+        tl.assume(HIDDEN > 0)
+        for k0 in range(0, HIDDEN, BK):
             ks = k0 + k_step_offsets(BK, W4_LEFT)
             a = tl.load(x_ptr + tokens[:, None] * stride_x + ks[None, :],
                         mask=(valid[:, None] | W4_LEFT) & ((ks < HIDDEN) | EVEN_K)[None, :], other=0.0)
@@ -155,7 +138,7 @@ def _moe_gate_up_kernel(
             acc_g = acc_g / tl.load(divisors, mask=col_ok, other=1.0)[None, :]
             acc_u = acc_u / tl.load(divisors + INTER, mask=col_ok, other=1.0)[None, :]
     else:
-        for k0 in range(k_lo, k_hi, BK):
+        for k0 in range(0, HIDDEN, BK):
             ks = k0 + tl.arange(0, BK)
             k_ok = (ks < HIDDEN) | EVEN_K   # no K mask where BK divides K: a mask on K stops Triton's load pipelining
             a = tl.load(x_ptr + tokens[:, None] * stride_x + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
@@ -170,14 +153,9 @@ def _moe_gate_up_kernel(
             else:
                 acc_g = tl.dot(a, wg, acc_g, input_precision=PREC)
                 acc_u = tl.dot(a, wu, acc_u, input_precision=PREC)
-    if SPLIT == 1:
-        h = silu_product(acc_g, acc_u, LIMIT, HAS_LIMIT)
-        out = h_ptr + slots.to(tl.int64)[:, None] * stride_h + cols[None, :]
-        tl.store(out, h.to(h_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
-    else:   # this split's partial sums, fp32
-        out = h_ptr + (tl.program_id(1) * S + slots.to(tl.int64))[:, None] * stride_h + cols[None, :]
-        tl.store(out, acc_g, mask=valid[:, None] & col_ok[None, :])
-        tl.store(out + INTER, acc_u, mask=valid[:, None] & col_ok[None, :])
+    h = silu_product(acc_g, acc_u, LIMIT, HAS_LIMIT)
+    out = h_ptr + slots.to(tl.int64)[:, None] * stride_h + cols[None, :]
+    tl.store(out, h.to(h_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -185,19 +163,16 @@ def _moe_down_kernel(
     h_ptr, w_ptr, sorted_ptr, experts_ptr, weights_ptr, y_ptr, hs_ptr, ws_ptr, shared_w_ptr, wd_ptr, shared_ws_ptr,
     shared_wd_ptr,
     S, HIDDEN, INTER, stride_h, stride_we, stride_wn, stride_y, stride_hs, stride_wse, stride_wsn, stride_wde, num_routed,
-    K_SPLIT: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
     FP8: tl.constexpr, BLOCK_ROWS: tl.constexpr, EVEN_K: tl.constexpr, HAS_SHARED: tl.constexpr = False,
     W4: tl.constexpr = 0, W4_DOT: tl.constexpr = False, A_FORMAT: tl.constexpr = "bf16", W4_TABLES: tl.constexpr = False,
-    W4_LEFT: tl.constexpr = False, SPLIT: tl.constexpr = 1,
+    W4_LEFT: tl.constexpr = False,
 ):
     """HAS_SHARED: expert `num_routed` is the shared expert, its [hidden, I] weight at
     shared_w_ptr with w2's row stride (4-bit: as in _moe_gate_up_kernel). W4, W4_DOT, W4_LEFT: 4-bit
     experts as in _moe_gate_up_kernel (packed [E, hidden, I/2], scales [E, hidden, I/W4], divisors
-    [E, hidden]). SPLIT > 1: program_id(1) reduces a K_SPLIT slice of I into its own S rows of y
-    ([SPLIT * S, hidden]), which the final sum adds up."""
+    [E, hidden])."""
     pid_m, pid_n = _block_of_program(tl.cdiv(HIDDEN, BN))
-    k_lo, k_hi = _k_range(INTER, K_SPLIT, SPLIT)
     e = tl.load(experts_ptr + pid_m)
     if e < 0:
         return
@@ -216,8 +191,8 @@ def _moe_down_kernel(
         s_rows = s_base + cols[:, None] * stride_wsn
         if W4_LEFT:
             acc = tl.zeros([BN, BM], tl.float32)
-        tl.assume(k_hi > k_lo)   # one K step at least: as in _moe_gate_up_kernel
-        for k0 in range(k_lo, k_hi, BK):
+        tl.assume(INTER > 0)   # one K step at least: as in _moe_gate_up_kernel
+        for k0 in range(0, INTER, BK):
             ks = k0 + k_step_offsets(BK, W4_LEFT)
             a = tl.load(h_ptr + rows[:, None] * stride_h + ks[None, :],
                         mask=(valid[:, None] | W4_LEFT) & ((ks < INTER) | EVEN_K)[None, :], other=0.0)
@@ -232,7 +207,7 @@ def _moe_down_kernel(
             divisors = _expert_weights(wd_ptr, shared_wd_ptr, e, stride_wde, num_routed, HAS_SHARED) + cols
             acc = acc / tl.load(divisors, mask=col_ok, other=1.0)[None, :]
     else:
-        for k0 in range(k_lo, k_hi, BK):
+        for k0 in range(0, INTER, BK):
             ks = k0 + tl.arange(0, BK)
             k_ok = (ks < INTER) | EVEN_K
             a = tl.load(h_ptr + rows[:, None] * stride_h + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
@@ -244,49 +219,26 @@ def _moe_down_kernel(
             else:
                 acc = tl.dot(a, w, acc, input_precision=PREC)
     acc *= tl.load(weights_ptr + rows, mask=valid, other=0.0)[:, None]
-    if SPLIT > 1:
-        rows += tl.program_id(1) * S
     tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=valid[:, None] & col_ok[None, :])
 
 
 @triton.jit
 def _moe_sum_kernel(y_ptr, out_ptr, add_ptr, T, HIDDEN, stride_y, stride_out, stride_add,
-                    TOPK: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, HAS_ADD: tl.constexpr = False,
-                    SPLIT: tl.constexpr = 1):
+                    TOPK: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, HAS_ADD: tl.constexpr = False):
     """out[t] = sum_j y[t*k + j] (+ add[t]) in fp32, in choice order, rounded once to out's dtype:
-    one pass instead of torch's fp32 sum, its cast and the shared experts' add (three kernels).
-    SPLIT > 1: y holds SPLIT blocks of T*k rows (the down GEMM's K splits), each added in turn."""
+    one pass instead of torch's fp32 sum, its cast and the shared experts' add (three kernels)."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     cols = tl.program_id(1) * BH + tl.arange(0, BH)
     t_ok = t < T
     mask = t_ok[:, None] & (cols < HIDDEN)[None, :]
     acc = tl.zeros([BT, BH], tl.float32)
     for j in tl.static_range(TOPK):
-        for part in tl.static_range(SPLIT):
-            slot = (part * T + t.to(tl.int64)) * TOPK + j
-            acc += tl.load(y_ptr + slot[:, None] * stride_y + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        slot = t.to(tl.int64) * TOPK + j
+        acc += tl.load(y_ptr + slot[:, None] * stride_y + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_ADD:
         acc += tl.load(add_ptr + t.to(tl.int64)[:, None] * stride_add + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + t.to(tl.int64)[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _moe_split_silu_kernel(part_ptr, h_ptr, S, INTER, LIMIT: tl.constexpr, HAS_LIMIT: tl.constexpr,
-                           SPLIT: tl.constexpr, BS: tl.constexpr, BI: tl.constexpr):
-    """h[s] = silu(sum_p gate[p, s]) * sum_p up[p, s] from the gate|up kernel's split-K partials
-    (part [SPLIT, S, 2I] fp32: gate, then up), in split order."""
-    s = tl.program_id(0) * BS + tl.arange(0, BS)
-    cols = tl.program_id(1) * BI + tl.arange(0, BI)
-    mask = (s < S)[:, None] & (cols < INTER)[None, :]
-    gate = tl.zeros([BS, BI], tl.float32)
-    up = tl.zeros([BS, BI], tl.float32)
-    for part in tl.static_range(SPLIT):
-        src = part_ptr + (part * S + s.to(tl.int64))[:, None] * (2 * INTER) + cols[None, :]
-        gate += tl.load(src, mask=mask, other=0.0)
-        up += tl.load(src + INTER, mask=mask, other=0.0)
-    h = silu_product(gate, up, LIMIT, HAS_LIMIT)
-    tl.store(h_ptr + s.to(tl.int64)[:, None] * INTER + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
 
 
 def _block(n: int, cap: int) -> int:
@@ -312,18 +264,12 @@ class MoeTiles:
     """One launch shape of the two expert GEMMs: rows per program (each expert's run of sorted
     slots is padded to a multiple of it) and, per kernel, (columns, K step, warps, stages; None =
     the backend's default) and a cap on its registers a thread (NVIDIA's maxnreg; None: ptxas's
-    choice), where one more program an SM pays more than the registers it takes away. `split_k`:
-    (gate|up's, down's) K (hidden, I) cut into up to that many slices of whole K steps, a program each
-    (their sums added after: gate|up's fp32 partials by _moe_split_silu_kernel, down's rows by the
-    final sum), for steps with fewer programs than the GPU holds (batch 1: 8 experts x 16 column
-    blocks on 132 SMs); the most slices up to it that share the K steps evenly (_k_splits). Apart
-    per GEMM because only gate|up's split adds a launch (the SwiGLU of the summed partials)."""
+    choice), where one more program an SM pays more than the registers it takes away."""
     block_m: int
     gate_up: tuple[int, int, int, int | None]
     down: tuple[int, int, int, int | None]
     gate_up_regs: int | None = None
     down_regs: int | None = None
-    split_k: tuple[int, int] = (1, 1)
 
 
 def moe_tiles(num_slots: int, num_experts: int, hidden: int, inter: int, fp8: bool, target: str,
@@ -461,47 +407,29 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     tables = decoded and tables_decode(x, left, fp4_tables, w13, w2, *(() if shared is None else (shared_w13, shared_w2)))
     dots = dict(W4_DOT=w4_dot, A_FORMAT="bf16" if x.dtype == torch.bfloat16 else "fp16", W4_LEFT=left,
                 W4_TABLES=tables)
-    split1, k_split1 = _k_splits(hidden, BK1, t.split_k[0])
-    part = h if split1 == 1 else torch.empty(split1, S, 2 * inter, dtype=torch.float32, device=x.device)
-    limit = dict(LIMIT=float(activation_limit or 0.0), HAS_LIMIT=activation_limit is not None)
-    _moe_gate_up_kernel[(m_blocks * triton.cdiv(inter, BN1), split1)](
-        a, w13, sorted_slots, block_experts, part, a_scale, ws13, shared_w13, wd13, shared_ws13, shared_wd13,
-        S, hidden, inter, a.stride(0), w13.stride(0), w13.stride(1), part.stride(-2),
-        a_scale.stride(0), ws13.stride(0) if scaled else 0, ws13.stride(1) if scaled else 0, wd13.stride(0), E, k_split1,
-        TOPK=k, **limit, BM=BM, BN=BN1, BK=BK1, PREC=prec, FP8=fp8, BLOCK_ROWS=br, EVEN_K=hidden % BK1 == 0,
+    _moe_gate_up_kernel[(m_blocks * triton.cdiv(inter, BN1),)](
+        a, w13, sorted_slots, block_experts, h, a_scale, ws13, shared_w13, wd13, shared_ws13, shared_wd13,
+        S, hidden, inter, a.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
+        a_scale.stride(0), ws13.stride(0) if scaled else 0, ws13.stride(1) if scaled else 0, wd13.stride(0), E,
+        TOPK=k, LIMIT=float(activation_limit or 0.0), HAS_LIMIT=activation_limit is not None,
+        BM=BM, BN=BN1, BK=BK1, PREC=prec, FP8=fp8, BLOCK_ROWS=br, EVEN_K=hidden % BK1 == 0,
         HAS_SHARED=shared is not None, W4=group, **dots,
-        W4_PAIR=decoded and scale_pair_pipelines(BN1, BK1, group, warps1), SPLIT=split1,
+        W4_PAIR=decoded and scale_pair_pipelines(BN1, BK1, group, warps1),
         num_warps=warps1, num_stages=stages1, **_register_cap(t.gate_up_regs),
     )
-    if split1 > 1:
-        BI = _block(inter, 256)
-        _moe_split_silu_kernel[(triton.cdiv(S, 4), triton.cdiv(inter, BI))](
-            part, h, S, inter, **limit, SPLIT=split1, BS=4, BI=BI, num_warps=4)
     hq, h_scale = quantize_per_token_group(h, block[1]) if fp8 else (h, h)
     # Skipped choices' rows stay zero for the final sum (their weight is zero, their rows unwritten).
-    # Split K: each split's rows apart, in fp32 (the final sum adds them).
-    split2, k_split2 = _k_splits(inter, BK2, t.split_k[1])
-    y = (torch.zeros if skip_expert else torch.empty)(
-        split2 * S, hidden, dtype=torch.float32 if x.dtype == torch.float32 or split2 > 1 else x.dtype, device=x.device)
-    _moe_down_kernel[(m_blocks * triton.cdiv(hidden, BN2), split2)](
+    y = (torch.zeros if skip_expert else torch.empty)(S, hidden, dtype=torch.float32 if x.dtype == torch.float32
+                                                      else x.dtype, device=x.device)
+    _moe_down_kernel[(m_blocks * triton.cdiv(hidden, BN2),)](
         hq, w2, sorted_slots, block_experts, weights.reshape(-1).float().contiguous(), y, h_scale, ws2, shared_w2, wd2,
         shared_ws2, shared_wd2, S, hidden, inter, hq.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        h_scale.stride(0), ws2.stride(0) if scaled else 0, ws2.stride(1) if scaled else 0, wd2.stride(0), E, k_split2,
+        h_scale.stride(0), ws2.stride(0) if scaled else 0, ws2.stride(1) if scaled else 0, wd2.stride(0), E,
         BM=BM, BN=BN2, BK=BK2, PREC=prec, FP8=fp8, BLOCK_ROWS=br, EVEN_K=inter % BK2 == 0,
-        HAS_SHARED=shared is not None, W4=group, **dots, SPLIT=split2, num_warps=warps2, num_stages=stages2,
+        HAS_SHARED=shared is not None, W4=group, **dots, num_warps=warps2, num_stages=stages2,
         **_register_cap(t.down_regs),
     )
-    return sum_over_choices(y, T, k, out_dtype, addend, split2)
-
-
-def _k_splits(K: int, BK: int, wanted: int) -> tuple[int, int]:
-    """(splits, K per split; 0 unsplit) for a K of `K` in steps of BK: the most slices, at most
-    `wanted`, that share its steps evenly (the kernels' K_SPLIT is a compile-time trip count)."""
-    if wanted < 1:
-        raise ValueError(f"split_k must be at least 1, got {wanted}")
-    steps = triton.cdiv(K, BK)
-    splits = max(d for d in range(1, min(wanted, steps) + 1) if steps % d == 0)
-    return splits, (steps // splits * BK if splits > 1 else 0)
+    return sum_over_choices(y, T, k, out_dtype, addend)
 
 
 def _register_cap(regs: int | None) -> dict:
@@ -526,17 +454,15 @@ def check_expert_shapes(kind: str, x, w13, w2, weights, ids, addend) -> tuple[in
     return T, hidden, E, inter
 
 
-def sum_over_choices(y: torch.Tensor, T: int, k: int, out_dtype: torch.dtype, addend: torch.Tensor | None,
-                     split: int = 1) -> torch.Tensor:
-    """out [T, hidden] = sum over each token's k rows of y (+ addend), one launch (_moe_sum_kernel);
-    y holds `split` blocks of T*k rows where the down GEMM split K."""
+def sum_over_choices(y: torch.Tensor, T: int, k: int, out_dtype: torch.dtype, addend: torch.Tensor | None) -> torch.Tensor:
+    """out [T, hidden] = sum over each token's k rows of y (+ addend), one launch (_moe_sum_kernel)."""
     hidden = y.shape[1]
     out = torch.empty(T, hidden, dtype=out_dtype, device=y.device)
     BH = _block(hidden, 256)
     add = y if addend is None else addend if addend.stride(1) == 1 else addend.contiguous()   # y: unused pointer
     _moe_sum_kernel[(triton.cdiv(T, 4), triton.cdiv(hidden, BH))](
         y, out, add, T, hidden, y.stride(0), out.stride(0), add.stride(0), TOPK=k, BT=4, BH=BH,
-        HAS_ADD=addend is not None, SPLIT=split, num_warps=4)
+        HAS_ADD=addend is not None, num_warps=4)
     return out
 
 
