@@ -218,6 +218,13 @@ def _pop(suffix):
     return mutate
 
 
+def _negate(suffix):
+    def mutate(t):   # e4m3 block scales made negative (their sign bit set)
+        name = next(k for k in sorted(t) if k.endswith(suffix))
+        t[name] = (-t[name].float().abs().clamp_min(2.0**-9)).to(torch.float8_e4m3fn)
+    return mutate
+
+
 @pytest.mark.parametrize("policy", ["keep", "dequantize"])
 @pytest.mark.parametrize("case, mutate, match", [
     ("kimi-quark", _pop(".w1.weight_scale"), r"(4-bit layers lack tensors of their scheme.*w1': \['weight_scale'\]|"
@@ -231,6 +238,7 @@ def _pop(suffix):
                                            torch.full_like(t[next(k for k in sorted(t) if k.endswith(".w3.weight_scale"))],
                                                            255)),
      r"MXFP4 scale is NaN \(e8m0 code 255\)"),
+    ("kimi-nvfp4", _negate(".w1.weight_scale"), r"NVFP4 block scale has its sign bit set .* unsigned e4m3 \(UE4M3\)"),
 ])
 def test_bad_and_partial_checkpoints_are_named(tmp_path, monkeypatch, case, mutate, match, policy):
     monkeypatch.setenv("KDASERVE_FP4_WEIGHTS", policy)
@@ -279,6 +287,9 @@ def test_scales_at_their_edges():
     p, s, g = quantize_nvfp4(w)
     with pytest.raises(ValueError, match="global scale must be finite and non-zero"):
         dequantize_nvfp4(p, s, torch.zeros(1))
+    for signed in (-s.float().abs().clamp_min(2.0**-9), torch.full_like(s.float(), -0.0)):   # negative, -0.0
+        with pytest.raises(ValueError, match="sign bit set"):
+            dequantize_nvfp4(p, signed.to(torch.float8_e4m3fn), g)
     with pytest.raises(ValueError, match="scales must be uint8 e8m0"):
         dequantize_mxfp4(p, torch.zeros(4, 3, dtype=torch.uint8))
     # Quantization error: at most half the largest gap between neighbouring e2m1 values (4 to 6), times

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kdaserve.ops.fp4.byte_tables import bytes_in_order, mxfp4_scale_pair, scale_pair_bits
+from kdaserve.ops.fp4.byte_tables import bytes_in_order, mxfp4_scale_pair, nvfp4_scale_pair, scale_pair_bits
 from kdaserve.ops.fp4.reference import e2m1_values, quantize_mxfp4, quantize_nvfp4
 from kdaserve.ops.fp4.tiles import (
     e2m1_bf16_pair,
@@ -196,6 +196,34 @@ def test_the_byte_table_decoder_gives_every_code_times_its_scale_exactly():
             assert torch.equal(got, want), (hex(byte), float(scale), got, want)
 
 
+def _e4m3_times_2_to_minus_120_bits(codes: torch.Tensor) -> torch.Tensor:
+    """bf16 bits of each e4m3 code's value times 2^-120 (exact: bf16 holds e4m3's 4 significant bits
+    at every exponent it reaches, e4m3's subnormals in bf16's), int32."""
+    scaled = codes.view(torch.float8_e4m3fn).double() * 2.0**-120
+    return scaled.float().bfloat16().view(torch.int16).int() & 0xFFFF
+
+
+def test_the_e4m3_byte_tables_give_every_code_times_every_nvfp4_scale_exactly():
+    """NVFP4's tables program (the e2m1 values times 2^120 in its tables) with nvfp4_scale_pair's words
+    (each e4m3 scale times 2^-120), executed over every unsigned e4m3 scale code but NaN, each with a
+    word whose 4 bytes cover every byte in every position over the codes: each byte's two values times
+    the scale, exactly as the definition has them (e4m3's subnormal scales included)."""
+    from kdaserve.ops.fp4.byte_tables import _E2M1_SCALED_PTX_E4M3
+
+    values = e2m1_values()
+    codes = torch.arange(0x7F, dtype=torch.uint8)   # 0x7F is NaN; signed codes are refused at load
+    pairs = _e4m3_times_2_to_minus_120_bits(codes)
+    for code in range(0x7F):
+        for first in (code, code + 128):   # bytes code + 67 i and code + 128 + 67 i: all 256 in each position
+            word = sum(((first + i * 67) % 256) << 8 * i for i in range(4))
+            out = _run_ptx(_E2M1_SCALED_PTX_E4M3.value, [word, int(pairs[code]) | int(pairs[code]) << 16])
+            scale = torch.tensor([code], dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+            for k, pair in enumerate(out):
+                byte = word >> 8 * k & 0xFF
+                got = torch.tensor([pair & 0xFFFF, pair >> 16], dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+                assert torch.equal(got, values[[byte & 0xF, byte >> 4]] * scale), (hex(byte), code, got)
+
+
 def test_where_the_tiles_go_left_of_the_dots_and_decode_by_tables():
     """Hopper's decode row blocks put the decoded tiles on the left (wgmma), nothing else does; the
     tables decoder runs only on NVIDIA GPUs (PTX), never in the interpreter or on a CPU."""
@@ -213,6 +241,7 @@ def _scale_pairs_kernel(codes_ptr, out_ptr):
     s = tl.load(codes_ptr + tl.arange(0, 256))
     tl.store(out_ptr + tl.arange(0, 256), mxfp4_scale_pair(s))
     tl.store(out_ptr + 256 + tl.arange(0, 256), scale_pair_bits(group_scale_bf16(s, 32)))
+    tl.store(out_ptr + 512 + tl.arange(0, 256), nvfp4_scale_pair(s))
 
 
 @INTERP
@@ -223,10 +252,24 @@ def test_the_tables_mxfp4_scale_pairs_are_the_e8m0_values_in_both_halves():
 
     interpreter_compat.install()
     codes = torch.arange(256, dtype=torch.uint8)
-    out = torch.zeros(512, dtype=torch.int32)
+    out = torch.zeros(768, dtype=torch.int32)
     _scale_pairs_kernel[(1,)](codes, out)
     want = torch.exp2(codes[:255].double() - 127).bfloat16().view(torch.int16).int() & 0xFFFF
-    assert torch.equal(out[:255], want | want << 16) and torch.equal(out[:256], out[256:])
+    assert torch.equal(out[:255], want | want << 16) and torch.equal(out[:256], out[256:512])
+
+
+@INTERP
+def test_the_tables_nvfp4_scale_pairs_are_the_e4m3_values_times_2_to_minus_120_in_both_halves():
+    """nvfp4_scale_pair's one product gives every unsigned e4m3 code but NaN the bf16 bits of its value
+    times 2^-120 in both halves (the e4m3 tables take the 2^-120 back), subnormal codes included."""
+    from kdaserve.ops import interpreter_compat
+
+    interpreter_compat.install()
+    codes = torch.arange(256, dtype=torch.uint8)
+    out = torch.zeros(768, dtype=torch.int32)
+    _scale_pairs_kernel[(1,)](codes, out)
+    want = _e4m3_times_2_to_minus_120_bits(codes[:0x7F])
+    assert torch.equal(out[512:512 + 0x7F], want | want << 16)
 
 
 @triton.jit

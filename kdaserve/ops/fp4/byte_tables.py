@@ -20,6 +20,10 @@ nibble's 3 magnitude bits select a byte of the bf16 patterns of 0, 0.5, 1, 1.5, 
 left by 4 element 2k's; a prmt gathers those bytes and their bit 7 joins the high bytes. Then byte
 k's two values are one bf16 pair, multiplied by its scale, exactly (an e2m1 value times a power of
 two or an e4m3 value fits bf16), as an fma adding -0: sm_80 and sm_89 have no bf16x2 product.
+NVFP4's program (`_E2M1_SCALED_PTX_E4M3`) tables the values times 2^120 and takes each e4m3 scale as
+its code shifted by 4, the value times 2^-120 (nvfp4_scale_pair: one product a scale, where a
+conversion through fp16 and fp32 took ten; sm_90's decode loop 1204 / 594 -> 1092 / 541 instructions
+a trip, gate|up / down).
 The interpreter runs no inline asm: tests/ops/test_fp4.py executes this very program in Python
 over every byte in every position, and on a GPU compares both decoders bit for bit."""
 
@@ -29,13 +33,13 @@ import torch
 import triton
 import triton.language as tl
 
-_E2M1_SCALED_PTX = tl.constexpr("""{
+_E2M1_SCALED_PTX_TEMPLATE = """{
 .reg .b32 m, mh, ws, l0, l1, h0, h1, s0, s1, lo0, lo1, hi0, hi1, p0, p1, p2, p3, nz;
 mov.b32 nz, 0x80008000;
 mov.b32 lo0, 0xC0800000;
 mov.b32 lo1, 0xC0804000;
-mov.b32 hi0, 0x3F3F3F00;
-mov.b32 hi1, 0x40404040;
+mov.b32 hi0, HI0;
+mov.b32 hi1, HI1;
 and.b32 m, $4, 0x77777777;
 shr.u32 mh, m, 16;
 prmt.b32 l0, lo0, lo1, m;
@@ -55,21 +59,32 @@ fma.rn.bf16x2 $0, p0, $5, nz;
 fma.rn.bf16x2 $1, p1, $5, nz;
 fma.rn.bf16x2 $2, p2, $5, nz;
 fma.rn.bf16x2 $3, p3, $5, nz;
-}""")
+}"""
+# The high bytes of 0, 0.5, ..., 6 in bf16; for e4m3 scales (NVFP4) those of the values times 2^120
+# (exponent field + 120), which nvfp4_scale_pair's scales times 2^-120 take back exactly.
+_E2M1_SCALED_PTX = tl.constexpr(_E2M1_SCALED_PTX_TEMPLATE.replace("HI0", "0x3F3F3F00").replace("HI1", "0x40404040"))
+_E2M1_SCALED_PTX_E4M3 = tl.constexpr(_E2M1_SCALED_PTX_TEMPLATE.replace("HI0", "0x7B7B7B00").replace("HI1", "0x7C7C7C7C"))
 
 
 @triton.jit
-def e2m1_scaled_bf16(words, scale_pair):
+def e2m1_scaled_bf16(words, scale_pair, GROUP: tl.constexpr):
     """Packed codes as 32-bit words [BN, BK/8] (4 bytes of a row each, as stored) and each word's
-    scale as a bf16 pair [BN, BK/8] (uint32: the scale's bits in both halves, scale_pair_bits) -> the
-    values [BN, BK] in bf16, K order (element 2j, 2j+1 from byte j). A word's 8 values share one
-    scale group (groups of 16 or 32, words at multiples of 8).
+    scale as a bf16 pair [BN, BK/8] (uint32, both halves: mxfp4_scale_pair's, or for GROUP 16
+    nvfp4_scale_pair's, the e4m3 value times 2^-120) -> the values [BN, BK] in bf16, K order (element
+    2j, 2j+1 from byte j). A word's 8 values share one scale group (groups of 16 or 32, words at
+    multiples of 8).
 
     Why words: 8-bit elements reach inline asm packed 4 to a register in the order the consumer's
     layout gives a thread's elements, which for a wgmma left operand alternates rows r and r + 8;
     bytes would cost two prmt a word to gather, a word loaded whole costs none."""
-    d0, d1, d2, d3 = tl.inline_asm_elementwise(_E2M1_SCALED_PTX, "=r,=r,=r,=r,r,r", [words, scale_pair],
-                                               dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=True, pack=1)
+    if GROUP == 16:
+        d0, d1, d2, d3 = tl.inline_asm_elementwise(_E2M1_SCALED_PTX_E4M3, "=r,=r,=r,=r,r,r", [words, scale_pair],
+                                                   dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=True,
+                                                   pack=1)
+    else:
+        d0, d1, d2, d3 = tl.inline_asm_elementwise(_E2M1_SCALED_PTX, "=r,=r,=r,=r,r,r", [words, scale_pair],
+                                                   dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=True,
+                                                   pack=1)
     d = bytes_in_order(d0, d1, d2, d3)
     return tl.interleave(d.to(tl.uint16).to(tl.bfloat16, bitcast=True),
                          (d >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True))
@@ -87,6 +102,16 @@ def scale_pair_bits(scale):
     """bf16 scales -> uint32 words holding each scale's bits in both halves (e2m1_scaled_bf16's form)."""
     bits = scale.to(tl.uint16, bitcast=True).to(tl.uint32)
     return bits | (bits << 16)
+
+
+@triton.jit
+def nvfp4_scale_pair(codes):
+    """Unsigned e4m3 scale codes (uint8, UE4M3: a sign or NaN is refused at load, reference.
+    check_nvfp4_scales) -> words holding each scale times 2^-120 in both bf16 halves (the e4m3 tables'
+    form), in one product: the code shifted by 4 is bf16's exponent field (e4m3's, whose bias is 120
+    less) and mantissa, exactly, e4m3's subnormals bf16's. A sign would cost the product three more
+    operations a scale (64 instructions a trip of sm_90's gate|up decode loop)."""
+    return codes.to(tl.uint32) * 0x00100010
 
 
 @triton.jit

@@ -82,13 +82,21 @@ def check_mxfp4_scales(scale: torch.Tensor, name: str) -> None:
 
 
 def check_nvfp4_scales(scale: torch.Tensor | None, global_scale: torch.Tensor | None, name: str) -> None:
-    """Block scales finite, the global scale finite and non-zero (either may be absent)."""
+    """Block scales finite and without a sign (NVFP4's block scales are unsigned e4m3, UE4M3, as
+    NVIDIA's block-scaled MMA reads them; quantizers write amax / 6, never negative: the tables
+    decoder places the bits without one), the global scale finite and non-zero (either may be absent)."""
     if global_scale is not None:
         g = global_scale.float()
         if not torch.isfinite(g).all() or (g == 0).any():
             raise ValueError(f"{name}: the NVFP4 global scale must be finite and non-zero, got {g.flatten()[:4].tolist()}")
-    if scale is not None and not torch.isfinite(scale.float()).all():
+    if scale is None:
+        return
+    if not torch.isfinite(scale.float()).all():
         raise ValueError(f"{name}: an NVFP4 block scale is not finite: the checkpoint is damaged")
+    bits = scale.view(torch.uint8) if scale.dtype == torch.float8_e4m3fn else scale
+    if (bits & 0x80).any():
+        raise ValueError(f"{name}: an NVFP4 block scale has its sign bit set (-0.0 or negative); block scales are unsigned "
+                         f"e4m3 (UE4M3), each block's amax / 6 times the global scale: the checkpoint is damaged")
 
 
 def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

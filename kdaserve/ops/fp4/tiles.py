@@ -26,7 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kdaserve.ops.fp4.byte_tables import e2m1_scaled_bf16, mxfp4_scale_pair, scale_pair_bits
+from kdaserve.ops.fp4.byte_tables import e2m1_scaled_bf16, mxfp4_scale_pair, nvfp4_scale_pair
 
 
 @triton.jit
@@ -146,11 +146,8 @@ def decode_fp4_tile(packed, codes, BK: tl.constexpr, GROUP: tl.constexpr, dtype:
     the scale inside; `packed` then holds words [BN, BK/8] (fp4_packed's WORDS)."""
     tl.static_assert(dtype == tl.bfloat16 or not TABLES, "the byte tables decode into bf16 only")
     if TABLES:
-        if GROUP == 32:
-            pairs = mxfp4_scale_pair(codes)
-        else:
-            pairs = scale_pair_bits(group_scale_bf16(codes, GROUP))
-        w = e2m1_scaled_bf16(packed, _per_value(pairs, BK // 8, GROUP // 8))
+        pairs = mxfp4_scale_pair(codes) if GROUP == 32 else nvfp4_scale_pair(codes)
+        w = e2m1_scaled_bf16(packed, _per_value(pairs, BK // 8, GROUP // 8), GROUP)
     elif dtype == tl.bfloat16:
         # Two bf16 products per value pair, each exact: by 2^126 (the bit placement's), then by the
         # scale. One product by the two factors' product would overflow for e8m0 codes above 128.
