@@ -15,6 +15,7 @@
 # OWED; take it out of OWED once it ran (its numbers go to docs/perf-notes.md).
 OWED=(
   fp4_e4m3        # an H100 or H200 (issue 63): NVFP4's tables with e4m3 scales placed by one product, old beside new
+  fp4_glm_pairs   # an H100 or H200 (issue 63): sm_90's left-side decode shapes swept at GLM-5.3-Flash's experts
   fp4_native      # a B200 / MI355X only (issue 63): MXFP4 experts through tl.dot_scaled, timed
   fp4_kimi_full   # an H200 (issue 63): the whole Kimi-Linear (27 layers) with MXFP4 experts against bf16
                   # (an H100 ran MXFP4 against FP8, forty-third session: bf16 does not fit it)
@@ -421,6 +422,23 @@ if [ "$PART" = fp4_e4m3 ]; then
       echo "== $shape $code rc=$?"; grep "^|.*\(mxfp4\|nvfp4\) left" "$log"
       grep -m3 "Error\|Traceback" "$log"
     done
+  done
+fi
+
+if [ "$PART" = fp4_glm_pairs ]; then
+  # Must show (issue 63): whether GLM-5.3-Flash's experts (288 of width 2048 on hidden 4096: K steps 16 /
+  # 8 of 256, twice Kimi-Linear's) want other decode shapes than the ones swept at Kimi-Linear's
+  # (fp4_sweep_left, fp4_pairs): --sweep-moe-fp4 --fp4-pairs at batch 8 / 64 / 256, MXFP4, then the
+  # single-GEMM sweep (--sweep-moe-fp4, decode only). GLM's b64 stood at 1.40x its floor (fp4_words,
+  # H100), Kimi-Linear's at 1.32x. A pair faster than the default by more than ~2% at 64 and 256 and
+  # not slower at 8 becomes moe_tiles' choice for such shapes (by hidden and width, not by model).
+  for mode in "--fp4-pairs" ""; do
+    [ $(( $(date +%s) - START )) -gt $(( BUDGET - 60 )) ] && { echo "== glm sweep $mode NOT RUN (budget)"; continue; }
+    log="$OUT/fp4_glm_pairs${mode:+_pairs}.log"
+    timeout $(cap 240) python3 benchmarks/bench_moe_mla.py --sweep-moe-fp4 $mode --moe-shape glm --batches 8 64 256 --prefill \
+      > "$log" 2>&1
+    echo "== glm sweep $mode rc=$?"; grep "^| decode" "$log"
+    grep -m3 "Error\|Traceback" "$log"
   done
 fi
 
