@@ -16,6 +16,7 @@
 OWED=(
   fp4_e4m3        # an H100 or H200 (issue 63): NVFP4's tables with e4m3 scales placed by one product, old beside new
   fp4_glm_pairs   # an H100 or H200 (issue 63): sm_90's left-side decode shapes swept at GLM-5.3-Flash's experts
+  fp4_small       # an H100 or H200 (issue 63): the decode shapes swept at batch 1 / 2 / 4 (never swept there)
   fp4_native      # a B200 / MI355X only (issue 63): MXFP4 experts through tl.dot_scaled, timed
   fp4_kimi_full   # an H200 (issue 63): the whole Kimi-Linear (27 layers) with MXFP4 experts against bf16
                   # (an H100 ran MXFP4 against FP8, forty-third session: bf16 does not fit it)
@@ -438,6 +439,24 @@ if [ "$PART" = fp4_glm_pairs ]; then
     timeout $(cap 240) python3 benchmarks/bench_moe_mla.py --sweep-moe-fp4 $mode --moe-shape glm --batches 8 64 256 --prefill \
       > "$log" 2>&1
     echo "== glm sweep $mode rc=$?"; grep "^| decode" "$log"
+    grep -m3 "Error\|Traceback" "$log"
+  done
+fi
+
+if [ "$PART" = fp4_small ]; then
+  # Must show (issue 63): whether batches 1 / 2 / 4 want other decode shapes than those chosen at 8 / 64 /
+  # 256 (fp4_sweep_left, fp4_pairs). At batch 1 Kimi-Linear's MoE layer ran 3.0x its floor (fp4_split,
+  # H100: gate|up 0.0148, down 0.0103, the rest 0.0048 ms; 8 experts give gate|up 128 and down 144
+  # programs of 4 warps on 132 SMs) and the MoE kind 3.24x in the whole model (fp4_kimi_full); split K
+  # lost (removed). --sweep-moe-fp4 (each GEMM's shapes with the other at its default, FP4_SWEEP: BN 32
+  # gives twice the programs) at Kimi-Linear's and GLM-5.3-Flash's experts. A shape faster than the
+  # default by more than ~3% at every small batch becomes moe_tiles' choice there (by slots per expert).
+  for shape in kimi glm; do
+    [ $(( $(date +%s) - START )) -gt $(( BUDGET - 60 )) ] && { echo "== small $shape NOT RUN (budget)"; continue; }
+    log="$OUT/fp4_small_$shape.log"
+    timeout $(cap 240) python3 benchmarks/bench_moe_mla.py --sweep-moe-fp4 --moe-shape $shape --batches 1 2 4 --prefill \
+      > "$log" 2>&1
+    echo "== small $shape rc=$?"; grep "^| decode" "$log"
     grep -m3 "Error\|Traceback" "$log"
   done
 fi
