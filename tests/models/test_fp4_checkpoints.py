@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 from kdaserve.engine import LLM, SamplingParams
 from kdaserve.models.builtin import builtin_config
 from kdaserve.ops.fp4.reference import (
+    check_nvfp4_scales,
     dequantize_mxfp4,
     dequantize_nvfp4,
     e2m1_codes,
@@ -290,6 +291,10 @@ def test_scales_at_their_edges():
     for signed in (-s.float().abs().clamp_min(2.0**-9), torch.full_like(s.float(), -0.0)):   # negative, -0.0
         with pytest.raises(ValueError, match="sign bit set"):
             dequantize_nvfp4(p, signed.to(torch.float8_e4m3fn), g)
+    for code, match in ((0x7F, "not finite"), (0xFF, "not finite"), (0x80, "sign bit set"), (0xB8, "sign bit set")):
+        with pytest.raises(ValueError, match=match):   # the kept form: e4m3's bits as uint8
+            check_nvfp4_scales(torch.tensor([0x38, code], dtype=torch.uint8), None, "w")
+    check_nvfp4_scales(torch.arange(0x7F, dtype=torch.uint8), None, "w")   # every unsigned finite code passes
     with pytest.raises(ValueError, match="scales must be uint8 e8m0"):
         dequantize_mxfp4(p, torch.zeros(4, 3, dtype=torch.uint8))
     # Quantization error: at most half the largest gap between neighbouring e2m1 values (4 to 6), times

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kdaserve.ops.fp4.byte_tables import bytes_in_order, mxfp4_scale_pair, nvfp4_scale_pair, scale_pair_bits
+from kdaserve.ops.fp4.byte_tables import bytes_in_order, mxfp4_scale_pair, nvfp4_scale_pair
 from kdaserve.ops.fp4.reference import e2m1_values, quantize_mxfp4, quantize_nvfp4
 from kdaserve.ops.fp4.tiles import (
     e2m1_bf16_pair,
@@ -237,17 +237,24 @@ def test_where_the_tiles_go_left_of_the_dots_and_decode_by_tables():
 
 
 @triton.jit
+def _bits_in_both_halves(scale):
+    """bf16 values -> uint32 words holding each one's bits in both halves (the tables' scale form)."""
+    bits = scale.to(tl.uint16, bitcast=True).to(tl.uint32)
+    return bits | (bits << 16)
+
+
+@triton.jit
 def _scale_pairs_kernel(codes_ptr, out_ptr):
     s = tl.load(codes_ptr + tl.arange(0, 256))
     tl.store(out_ptr + tl.arange(0, 256), mxfp4_scale_pair(s))
-    tl.store(out_ptr + 256 + tl.arange(0, 256), scale_pair_bits(group_scale_bf16(s, 32)))
+    tl.store(out_ptr + 256 + tl.arange(0, 256), _bits_in_both_halves(group_scale_bf16(s, 32)))
     tl.store(out_ptr + 512 + tl.arange(0, 256), nvfp4_scale_pair(s))
 
 
 @INTERP
 def test_the_tables_mxfp4_scale_pairs_are_the_e8m0_values_in_both_halves():
     """mxfp4_scale_pair's two operations give every e8m0 code's bf16 bits in both halves of a word,
-    2^-127's subnormal (code 0) included: the same words as group_scale_bf16 then scale_pair_bits."""
+    2^-127's subnormal (code 0) included: group_scale_bf16's values in both halves."""
     from kdaserve.ops import interpreter_compat
 
     interpreter_compat.install()

@@ -98,13 +98,6 @@ def bytes_in_order(d0, d1, d2, d3):
 
 
 @triton.jit
-def scale_pair_bits(scale):
-    """bf16 scales -> uint32 words holding each scale's bits in both halves (e2m1_scaled_bf16's form)."""
-    bits = scale.to(tl.uint16, bitcast=True).to(tl.uint32)
-    return bits | (bits << 16)
-
-
-@triton.jit
 def nvfp4_scale_pair(codes):
     """Unsigned e4m3 scale codes (uint8, UE4M3: a sign or NaN is refused at load, reference.
     check_nvfp4_scales) -> words holding each scale times 2^-120 in both bf16 halves (the e4m3 tables'
@@ -116,7 +109,7 @@ def nvfp4_scale_pair(codes):
 
 @triton.jit
 def mxfp4_scale_pair(codes):
-    """e8m0 scale codes (uint8) -> scale_pair_bits' words of their bf16 values, in two operations: code
+    """e8m0 scale codes (uint8) -> words holding their bf16 values in both halves, in two operations: code
     s >= 1 is bf16's exponent field (s << 7, both halves by one product), code 0 (2^-127) bf16's
     subnormal 0x0040, which the unsigned maximum picks exactly there (every other pair is above it)."""
     return tl.maximum(codes.to(tl.uint32) * 0x00800080, 0x00400040)

@@ -91,10 +91,10 @@ def check_nvfp4_scales(scale: torch.Tensor | None, global_scale: torch.Tensor | 
             raise ValueError(f"{name}: the NVFP4 global scale must be finite and non-zero, got {g.flatten()[:4].tolist()}")
     if scale is None:
         return
-    if not torch.isfinite(scale.float()).all():
+    values = (scale.view(torch.float8_e4m3fn) if scale.dtype == torch.uint8 else scale).float()   # uint8: e4m3's bits
+    if not torch.isfinite(values).all():
         raise ValueError(f"{name}: an NVFP4 block scale is not finite: the checkpoint is damaged")
-    bits = scale.view(torch.uint8) if scale.dtype == torch.float8_e4m3fn else scale
-    if (bits & 0x80).any():
+    if torch.signbit(values).any():
         raise ValueError(f"{name}: an NVFP4 block scale has its sign bit set (-0.0 or negative); block scales are unsigned "
                          f"e4m3 (UE4M3), each block's amax / 6 times the global scale: the checkpoint is damaged")
 
