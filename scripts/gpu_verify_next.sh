@@ -406,8 +406,11 @@ if [ "$PART" = fp4_e4m3 ]; then
   # placed as its code times 0x00100010 (the value times 2^-120) instead of converted through fp16
   # and fp32, and signed block scales refused at load (forty-third session: sm_90's decode loop 1204 /
   # 594 -> 1092 / 541 instructions a trip for gate|up / down, tools/sass_loop; MXFP4's 1090 / 510).
-  # First test_fp4.py's GPU tests: test_gpu_byte_table_decoding_equals_the_bitwise_decoding[*-nvfp4]
-  # is the check that the new program decodes bit for bit as the bitwise decoder. Then --moe-formats
+  # First test_fp4.py's GPU tests: test_gpu_the_tables_give_every_code_times_every_scale_exactly (the
+  # program on the hardware over every scale code the loaders take, e4m3's subnormals included) and
+  # test_gpu_byte_table_decoding_equals_the_bitwise_decoding[*-nvfp4] (the GEMMs bit for bit either
+  # decoder) check the new program. If either fails, revert b59eff7 (the NVFP4 program and scale
+  # pairs; its refusal of signed scales may stay). Then --moe-formats
   # --fp4-sides, decode only, new / old / new (.old = `git archive 686f449 kdaserve benchmarks`): the
   # "nvfp4 left" rows under the old code's by more than the two new runs differ (fp4_words, H100: Kimi
   # b64 0.4052 ms, 1.39x its floor; GLM 1.5355-1.5492, 1.41x); the MXFP4 rows (unchanged) the A/A.

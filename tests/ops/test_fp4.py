@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kdaserve.ops.fp4.byte_tables import bytes_in_order, mxfp4_scale_pair, nvfp4_scale_pair
+from kdaserve.ops.fp4.byte_tables import bytes_in_order, e2m1_scaled_bf16, mxfp4_scale_pair, nvfp4_scale_pair
 from kdaserve.ops.fp4.reference import e2m1_values, quantize_mxfp4, quantize_nvfp4
 from kdaserve.ops.fp4.tiles import (
     e2m1_bf16_pair,
@@ -713,6 +713,48 @@ def test_gpu_byte_table_decoding_equals_the_bitwise_decoding(scheme, T):
                          fp4_linear(x, w13[3], fp4_left=left, fp4_tables=tables)) for tables in (False, True)}
         assert torch.isfinite(outs[True][0]).all() and torch.isfinite(outs[True][1]).all()
         assert torch.equal(outs[True][0], outs[False][0]) and torch.equal(outs[True][1], outs[False][1]), left
+
+
+@triton.jit
+def _tables_every_code_kernel(words_ptr, codes_ptr, out_ptr, GROUP: tl.constexpr, R: tl.constexpr, W: tl.constexpr):
+    """out[c, 8 w + 2 b + h] = nibble h of byte b of word w times scale code c, by the tables (R codes
+    a program, the same W words for each)."""
+    c = tl.program_id(0) * R + tl.arange(0, R)
+    codes = tl.load(codes_ptr + c)
+    pairs = mxfp4_scale_pair(codes) if GROUP == 32 else nvfp4_scale_pair(codes)
+    words = tl.load(words_ptr.to(tl.pointer_type(tl.uint32)) + tl.arange(0, W))
+    tile_words = tl.broadcast_to(words[None, :], (R, W))
+    tile_pairs = tl.broadcast_to(pairs[:, None], (R, W))
+    out = e2m1_scaled_bf16(tile_words, tile_pairs, GROUP)
+    tl.store(out_ptr + c[:, None] * (8 * W) + tl.arange(0, 8 * W)[None, :], out)
+
+
+def _every_byte_in_every_position() -> torch.Tensor:
+    """64 words (uint8 [64, 4], little-endian) whose bytes are every byte in each of the 4 positions."""
+    return torch.tensor([[(first + i * 67) % 256 for i in range(4)] for first in range(0, 256, 4)], dtype=torch.uint8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_gpu_the_tables_give_every_code_times_every_scale_exactly(scheme):
+    """The tables program on the GPU itself (prmt, lop3 and fma.rn.bf16x2 as the hardware runs them,
+    bf16 subnormal scales included: e8m0's 2^-127, e4m3's subnormals times 2^-120), over every scale
+    code the loaders take (MXFP4 every code but NaN's 255, NVFP4 every unsigned e4m3 code but NaN)
+    and every byte in each position of a word: each byte's two values times the scale, exactly."""
+    group = 32 if scheme == "mxfp4" else 16
+    words = _every_byte_in_every_position()
+    codes = torch.arange(256, dtype=torch.uint8)
+    out = torch.full((256, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    _tables_every_code_kernel[(16,)](words.view(torch.int32).cuda(), codes.cuda(), out, GROUP=group, R=16, W=64)
+    bytes_k = words.reshape(-1).long()   # byte b of word w at 4 w + b: values 8 w + 2 b (low nibble), + 1 (high)
+    values = e2m1_values()[torch.stack([bytes_k & 0xF, bytes_k >> 4], -1)].reshape(-1)
+    if scheme == "mxfp4":   # 255 is NaN; the top codes overflow to inf times 4 and 6, in fp32 and bf16 alike
+        usable, factors = codes < 255, torch.exp2(codes.double() - 127).float()
+    else:
+        usable, factors = codes < 0x7F, codes.view(torch.float8_e4m3fn).float()
+    want = (factors[:, None] * values[None, :])[usable]
+    assert torch.equal(want.bfloat16().float(), want), "every product is exact in bf16 (or inf in both)"
+    assert torch.equal(out.cpu()[usable].float(), want)
 
 
 @pytest.mark.gpu
