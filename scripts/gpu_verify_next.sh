@@ -66,6 +66,20 @@ cap() {  # seconds: the smaller of $1 and what is left of the budget (at least 1
   local left=$(( BUDGET - ($(date +%s) - START) )); [ "$left" -lt 1 ] && left=1
   [ "$1" -lt "$left" ] && echo "$1" || echo "$left"
 }
+fp4_sides_new_old_new() {  # log prefix: --moe-formats --fp4-sides, decode at batch 8 / 64 / 256 at Kimi-Linear's
+  # and GLM-5.3-Flash's experts: the new code, the old (.old), the new again, each a process of its own
+  for shape in kimi glm; do
+    for code in new old new2; do
+      [ $(( $(date +%s) - START )) -gt $(( BUDGET - 40 )) ] && { echo "== $shape $code NOT RUN (budget)"; continue; }
+      local root=.; [ $code = old ] && root=.old
+      local log="$OUT/$1_${shape}_$code.log"
+      timeout $(cap 100) env PYTHONPATH="$PWD/$root:$PYTHONPATH" python3 $root/benchmarks/bench_moe_mla.py --moe-formats \
+        --fp4-sides --moe-shape $shape --batches 8 64 256 --prefill > "$log" 2>&1
+      echo "== $shape $code rc=$?"; grep "^|.*\(mxfp4\|nvfp4\) \(left\|right\)" "$log"
+      grep -m3 "Error\|Traceback" "$log"
+    done
+  done
+}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 [ $# -eq 0 ] && echo "name a part (or several: they run in order and share the budget)"
 for PART in "$@"; do
@@ -388,17 +402,7 @@ if [ "$PART" = fp4_words ]; then
   # the A/A check. fp4_pairs (H100): Kimi b64 MXFP4 left 0.3767-0.3779 ms, GLM 1.4801.
   [ -d .old/kdaserve ] || { echo "carry .old (git archive 2162f0b kdaserve benchmarks | tar -x -C .old)"; exit 1; }
   group fp4_words_gpu 150 tests/ops/test_fp4.py -k "gpu or decoders"
-  for shape in kimi glm; do
-    for code in new old new2; do
-      [ $(( $(date +%s) - START )) -gt $(( BUDGET - 40 )) ] && { echo "== $shape $code NOT RUN (budget)"; continue; }
-      root=.; [ $code = old ] && root=.old
-      log="$OUT/fp4_words_${shape}_$code.log"
-      timeout $(cap 100) env PYTHONPATH="$PWD/$root:$PYTHONPATH" python3 $root/benchmarks/bench_moe_mla.py --moe-formats \
-        --fp4-sides --moe-shape $shape --batches 8 64 256 --prefill > "$log" 2>&1
-      echo "== $shape $code rc=$?"; grep "^|.*\(mxfp4\|nvfp4\) \(left\|right\)" "$log"
-      grep -m3 "Error\|Traceback" "$log"
-    done
-  done
+  fp4_sides_new_old_new fp4_words
 fi
 
 if [ "$PART" = fp4_e4m3 ]; then
@@ -416,17 +420,7 @@ if [ "$PART" = fp4_e4m3 ]; then
   # b64 0.4052 ms, 1.39x its floor; GLM 1.5355-1.5492, 1.41x); the MXFP4 rows (unchanged) the A/A.
   [ -d .old/kdaserve ] || { echo "carry .old (git archive 686f449 kdaserve benchmarks | tar -x -C .old)"; exit 1; }
   group fp4_e4m3_gpu 150 tests/ops/test_fp4.py -k "gpu or decoders"
-  for shape in kimi glm; do
-    for code in new old new2; do
-      [ $(( $(date +%s) - START )) -gt $(( BUDGET - 40 )) ] && { echo "== $shape $code NOT RUN (budget)"; continue; }
-      root=.; [ $code = old ] && root=.old
-      log="$OUT/fp4_e4m3_${shape}_$code.log"
-      timeout $(cap 100) env PYTHONPATH="$PWD/$root:$PYTHONPATH" python3 $root/benchmarks/bench_moe_mla.py --moe-formats \
-        --fp4-sides --moe-shape $shape --batches 8 64 256 --prefill > "$log" 2>&1
-      echo "== $shape $code rc=$?"; grep "^|.*\(mxfp4\|nvfp4\) left" "$log"
-      grep -m3 "Error\|Traceback" "$log"
-    done
-  done
+  fp4_sides_new_old_new fp4_e4m3
 fi
 
 if [ "$PART" = fp4_glm_pairs ]; then
