@@ -77,14 +77,9 @@ def e2m1_scaled_bf16(words, scale_pair, GROUP: tl.constexpr):
     Why words: 8-bit elements reach inline asm packed 4 to a register in the order the consumer's
     layout gives a thread's elements, which for a wgmma left operand alternates rows r and r + 8;
     bytes would cost two prmt a word to gather, a word loaded whole costs none."""
-    if GROUP == 16:
-        d0, d1, d2, d3 = tl.inline_asm_elementwise(_E2M1_SCALED_PTX_E4M3, "=r,=r,=r,=r,r,r", [words, scale_pair],
-                                                   dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=True,
-                                                   pack=1)
-    else:
-        d0, d1, d2, d3 = tl.inline_asm_elementwise(_E2M1_SCALED_PTX, "=r,=r,=r,=r,r,r", [words, scale_pair],
-                                                   dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=True,
-                                                   pack=1)
+    d0, d1, d2, d3 = tl.inline_asm_elementwise(_E2M1_SCALED_PTX_E4M3 if GROUP == 16 else _E2M1_SCALED_PTX,
+                                               "=r,=r,=r,=r,r,r", [words, scale_pair],
+                                               dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=True, pack=1)
     d = bytes_in_order(d0, d1, d2, d3)
     return tl.interleave(d.to(tl.uint16).to(tl.bfloat16, bitcast=True),
                          (d >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True))
