@@ -175,6 +175,27 @@ def _run_ptx(program: str, args: list[int]) -> list[int]:
     return [regs[f"${i}"] for i in range(4)]
 
 
+def _word_bytes(first: int) -> list[int]:
+    """The 4 bytes first + 67 i of a word: as first runs over all 256 values, every byte lands in each
+    of the 4 positions."""
+    return [(first + i * 67) % 256 for i in range(4)]
+
+
+def _word(first: int) -> int:
+    return sum(b << 8 * i for i, b in enumerate(_word_bytes(first)))
+
+
+def _assert_program_decodes(program: str, word: int, scale_word: int, scale: torch.Tensor) -> None:
+    """The tables program (executed by _run_ptx) on `word` with `scale_word`: each byte's two values
+    times `scale`, exactly as the definition (ops/fp4/reference.py) has them."""
+    values = e2m1_values()
+    for k, pair in enumerate(_run_ptx(program, [word, scale_word])):
+        byte = word >> 8 * k & 0xFF
+        got = torch.tensor([pair & 0xFFFF, pair >> 16], dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+        want = values[[byte & 0xF, byte >> 4]] * scale
+        assert torch.equal(got, want), (hex(byte), float(scale), got, want)
+
+
 def test_the_byte_table_decoder_gives_every_code_times_its_scale_exactly():
     """The tables decoder's PTX (ops/fp4/byte_tables.py; no inline asm in the interpreter),
     executed over every byte in each of the four positions of a word, with scales of both formats'
@@ -183,17 +204,11 @@ def test_the_byte_table_decoder_gives_every_code_times_its_scale_exactly():
     (ops/fp4/reference.py) has them."""
     from kdaserve.ops.fp4.byte_tables import _E2M1_SCALED_PTX
 
-    values = e2m1_values()
     scales = torch.tensor([1.0, 2.0**-127, 2.0**127, 2.0**-9, 0.875, 448.0, 0.001953125, 3.0]).bfloat16()
     scale_bits = [int(b) & 0xFFFF for b in scales.view(torch.int16)]
-    for first, sc in itertools.product(range(0, 256, 4), range(len(scale_bits))):
-        word = sum(((first + i * 67) % 256) << 8 * i for i in range(4))   # every byte in every position
-        out = _run_ptx(_E2M1_SCALED_PTX.value, [word, scale_bits[sc] | scale_bits[sc] << 16])
-        for k, pair in enumerate(out):
-            byte, scale = word >> 8 * k & 0xFF, scales[sc].float()
-            got = torch.tensor([pair & 0xFFFF, pair >> 16], dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
-            want = values[[byte & 0xF, byte >> 4]] * scale
-            assert torch.equal(got, want), (hex(byte), float(scale), got, want)
+    for first, sc in itertools.product(range(256), range(len(scale_bits))):
+        _assert_program_decodes(_E2M1_SCALED_PTX.value, _word(first), scale_bits[sc] | scale_bits[sc] << 16,
+                                scales[sc].float())
 
 
 def _e4m3_times_2_to_minus_120_bits(codes: torch.Tensor) -> torch.Tensor:
@@ -206,22 +221,17 @@ def _e4m3_times_2_to_minus_120_bits(codes: torch.Tensor) -> torch.Tensor:
 def test_the_e4m3_byte_tables_give_every_code_times_every_nvfp4_scale_exactly():
     """NVFP4's tables program (the e2m1 values times 2^120 in its tables) with nvfp4_scale_pair's words
     (each e4m3 scale times 2^-120), executed over every unsigned e4m3 scale code but NaN, each with a
-    word whose 4 bytes cover every byte in every position over the codes: each byte's two values times
+    word or more, every byte in every position over the codes: each byte's two values times
     the scale, exactly as the definition has them (e4m3's subnormal scales included)."""
     from kdaserve.ops.fp4.byte_tables import _E2M1_SCALED_PTX_E4M3
 
-    values = e2m1_values()
     codes = torch.arange(0x7F, dtype=torch.uint8)   # 0x7F is NaN; signed codes are refused at load
     pairs = _e4m3_times_2_to_minus_120_bits(codes)
+    scales = codes.view(torch.float8_e4m3fn).float()
     for code in range(0x7F):
-        for first in (code, code + 128):   # bytes code + 67 i and code + 128 + 67 i: all 256 in each position
-            word = sum(((first + i * 67) % 256) << 8 * i for i in range(4))
-            out = _run_ptx(_E2M1_SCALED_PTX_E4M3.value, [word, int(pairs[code]) | int(pairs[code]) << 16])
-            scale = torch.tensor([code], dtype=torch.uint8).view(torch.float8_e4m3fn).float()
-            for k, pair in enumerate(out):
-                byte = word >> 8 * k & 0xFF
-                got = torch.tensor([pair & 0xFFFF, pair >> 16], dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
-                assert torch.equal(got, values[[byte & 0xF, byte >> 4]] * scale), (hex(byte), code, got)
+        for first in range(code, 256, 127):   # over the codes, every first: every byte in every position
+            _assert_program_decodes(_E2M1_SCALED_PTX_E4M3.value, _word(first), int(pairs[code]) | int(pairs[code]) << 16,
+                                    scales[code])
 
 
 def test_where_the_tiles_go_left_of_the_dots_and_decode_by_tables():
@@ -730,8 +740,8 @@ def _tables_every_code_kernel(words_ptr, codes_ptr, out_ptr, GROUP: tl.constexpr
 
 
 def _every_byte_in_every_position() -> torch.Tensor:
-    """64 words (uint8 [64, 4], little-endian) whose bytes are every byte in each of the 4 positions."""
-    return torch.tensor([[(first + i * 67) % 256 for i in range(4)] for first in range(0, 256, 4)], dtype=torch.uint8)
+    """256 words (uint8 [256, 4], little-endian) whose bytes are every byte in each of the 4 positions."""
+    return torch.tensor([_word_bytes(first) for first in range(256)], dtype=torch.uint8)
 
 
 @pytest.mark.gpu
@@ -744,8 +754,8 @@ def test_gpu_the_tables_give_every_code_times_every_scale_exactly(scheme):
     group = 32 if scheme == "mxfp4" else 16
     words = _every_byte_in_every_position()
     codes = torch.arange(256, dtype=torch.uint8)
-    out = torch.full((256, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
-    _tables_every_code_kernel[(16,)](words.view(torch.int32).cuda(), codes.cuda(), out, GROUP=group, R=16, W=64)
+    out = torch.full((256, 2048), float("nan"), dtype=torch.bfloat16, device="cuda")
+    _tables_every_code_kernel[(64,)](words.view(torch.int32).cuda(), codes.cuda(), out, GROUP=group, R=4, W=256)
     bytes_k = words.reshape(-1).long()   # byte b of word w at 4 w + b: values 8 w + 2 b (low nibble), + 1 (high)
     values = e2m1_values()[torch.stack([bytes_k & 0xF, bytes_k >> 4], -1)].reshape(-1)
     if scheme == "mxfp4":   # 255 is NaN; the top codes overflow to inf times 4 and 6, in fp32 and bf16 alike
