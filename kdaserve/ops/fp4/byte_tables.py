@@ -22,8 +22,7 @@ k's two values are one bf16 pair, multiplied by its scale, exactly (an e2m1 valu
 two or an e4m3 value fits bf16), as an fma adding -0: sm_80 and sm_89 have no bf16x2 product.
 NVFP4's program (`_E2M1_SCALED_PTX_E4M3`) tables the values times 2^120 and takes each e4m3 scale as
 its code shifted by 4, the value times 2^-120 (nvfp4_scale_pair: one product a scale, where a
-conversion through fp16 and fp32 took ten; sm_90's decode loop 1204 / 594 -> 1092 / 541 instructions
-a trip, gate|up / down).
+conversion through fp16 and fp32 takes about ten; counts in docs/perf-notes.md).
 The interpreter runs no inline asm: tests/ops/test_fp4.py executes this very program in Python
 over every byte in every position, and on a GPU compares both decoders bit for bit."""
 
@@ -98,7 +97,7 @@ def nvfp4_scale_pair(codes):
     check_nvfp4_scales) -> words holding each scale times 2^-120 in both bf16 halves (the e4m3 tables'
     form), in one product: the code shifted by 4 is bf16's exponent field (e4m3's, whose bias is 120
     less) and mantissa, exactly, e4m3's subnormals bf16's. A sign would cost the product three more
-    operations a scale (64 instructions a trip of sm_90's gate|up decode loop)."""
+    operations a scale, hence unsigned scales only."""
     return codes.to(tl.uint32) * 0x00100010
 
 
