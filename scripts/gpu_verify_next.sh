@@ -413,7 +413,7 @@ if [ "$PART" = fp4_e4m3 ]; then
   # First test_fp4.py's GPU tests: test_gpu_the_tables_give_every_code_times_every_scale_exactly (the
   # program on the hardware over every scale code the loaders take, e4m3's subnormals included) and
   # test_gpu_byte_table_decoding_equals_the_bitwise_decoding[*-nvfp4] (the GEMMs bit for bit either
-  # decoder) check the new program. If either fails, revert b59eff7 (the NVFP4 program and scale
+  # decoder) check the new program. If either fails, revert 8ec85bc then b59eff7 (the NVFP4 program and scale
   # pairs; its refusal of signed scales may stay). Then --moe-formats
   # --fp4-sides, decode only, new / old / new (.old = `git archive 686f449 kdaserve benchmarks`): the
   # "nvfp4 left" rows under the old code's by more than the two new runs differ (fp4_words, H100: Kimi
