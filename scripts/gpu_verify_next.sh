@@ -14,7 +14,8 @@
 # Add a part as `if [ "$PART" = name ]; then ... fi` below, with what it must show, and name it in
 # OWED; take it out of OWED once it ran (its numbers go to docs/perf-notes.md).
 OWED=(
-  fp4_e4m3        # an H100 or H200 (issue 63): NVFP4's tables with e4m3 scales placed by one product, old beside new
+  fp4_placed      # an H100 or H200 (issue 63): the words program (values' bits placed, one product a pair)
+                  # against the byte tables it replaced, old beside new
   fp4_glm_pairs   # an H100 or H200 (issue 63): sm_90's left-side decode shapes swept at GLM-5.3-Flash's experts
   fp4_small       # an H100 or H200 (issue 63): the decode shapes swept at batch 1 / 2 / 4 (never swept there)
   fp4_native      # a B200 / MI355X only (issue 63): MXFP4 experts through tl.dot_scaled, timed
@@ -36,7 +37,8 @@ OWED=(
 # kimi_fusions (.base = `git archive c04ce36 kdaserve benchmarks`), host_split (.old = `git archive
 # 272aacf kdaserve benchmarks`), by the twenty-seventh (docs/perf-notes.md). Removed after they ran
 # (thirty-second session): k1_l2_ahead and k1_caps, with the variants they timed; (forty-third session)
-# fp4_split, with split K (MoeTiles.split_k: no batch or shape won, docs/perf-notes.md).
+# fp4_split, with split K (MoeTiles.split_k: no batch or shape won, docs/perf-notes.md); (forty-fourth session,
+# never run) fp4_e4m3, with the byte tables it was to time (the words program replaced them: part fp4_placed).
 if [ "${1:-}" = --owed ]; then
   for part in "${OWED[@]}"; do echo "$part"; done
   exit 0
@@ -405,22 +407,25 @@ if [ "$PART" = fp4_words ]; then
   fp4_sides_new_old_new fp4_words
 fi
 
-if [ "$PART" = fp4_e4m3 ]; then
-  # Must show (issue 63): NVFP4's byte tables holding the values times 2^120, each e4m3 block scale
-  # placed as its code times 0x00100010 (the value times 2^-120) instead of converted through fp16
-  # and fp32, and signed block scales refused at load (forty-third session: sm_90's decode loop 1204 /
-  # 594 -> 1092 / 541 instructions a trip for gate|up / down, tools/sass_loop; MXFP4's 1090 / 510).
-  # First test_fp4.py's GPU tests: test_gpu_the_tables_give_every_code_times_every_scale_exactly (the
-  # program on the hardware over every scale code the loaders take, e4m3's subnormals included) and
-  # test_gpu_byte_table_decoding_equals_the_bitwise_decoding[*-nvfp4] (the GEMMs bit for bit either
-  # decoder) check the new program. If either fails, revert 8ec85bc then b59eff7 (the NVFP4 program and scale
-  # pairs; its refusal of signed scales may stay). Then --moe-formats
-  # --fp4-sides, decode only, new / old / new (.old = `git archive 686f449 kdaserve benchmarks`): the
-  # "nvfp4 left" rows under the old code's by more than the two new runs differ (fp4_words, H100: Kimi
-  # b64 0.4052 ms, 1.39x its floor; GLM 1.5355-1.5492, 1.41x); the MXFP4 rows (unchanged) the A/A.
-  [ -d .old/kdaserve ] || { echo "carry .old (git archive 686f449 kdaserve benchmarks | tar -x -C .old)"; exit 1; }
-  group fp4_e4m3_gpu 150 tests/ops/test_fp4.py -k "gpu or decoders"
-  fp4_sides_new_old_new fp4_e4m3
+if [ "$PART" = fp4_placed ]; then
+  # Must show (issue 63): the words program (ops/fp4/word_decode.py: per byte a prmt, a shift and an and
+  # place each value's bits where bf16 has them, its constants all immediates; one product a pair, MXFP4's
+  # factor 2^(s - 1) with the placement's 2^126 folded in where every scale code is at most 128, NVFP4's
+  # values times 2^-16 that the accumulators take back) in place of the byte tables (forty-fourth session,
+  # tools/sass_loop, sm_90's decode loop a trip, gate|up / down: MXFP4 1090 / 510 -> 896 / 432, the WIDE
+  # program 1031 / 499; NVFP4 1092 / 541 -> 937 / 459). First test_fp4.py's GPU tests:
+  # test_gpu_the_words_program_gives_every_code_times_every_scale_exactly (the programs on the hardware
+  # over every scale code each takes, bf16 subnormals included) and
+  # test_gpu_words_decoding_equals_the_bitwise_decoding[*] (the GEMMs bit for bit either decoder, the
+  # WIDE program at scale codes past 128 too). If either fails, revert the commit that brought
+  # ops/fp4/word_decode.py (the byte tables come back). Then --moe-formats --fp4-sides, decode only,
+  # new / old / new (.old = `git archive 36ff8eb kdaserve benchmarks`: the byte tables): the "left" rows
+  # under the old code's by more than the two new runs differ (fp4_words, H100: Kimi-Linear b64 MXFP4
+  # 0.3631 ms, 1.32x its floor, NVFP4 0.4052, 1.39x; GLM-5.3-Flash 1.4420 / 1.5355, 1.40x / 1.41x); the
+  # right rows (bitwise, unchanged) the A/A check.
+  [ -d .old/kdaserve ] || { echo "carry .old (git archive 36ff8eb kdaserve benchmarks | tar -x -C .old)"; exit 1; }
+  group fp4_placed_gpu 150 tests/ops/test_fp4.py -k "gpu or decoders"
+  fp4_sides_new_old_new fp4_placed
 fi
 
 if [ "$PART" = fp4_glm_pairs ]; then

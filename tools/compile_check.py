@@ -320,19 +320,23 @@ def _other_cases() -> list[Case]:
             out += _moe_cases(slots, label, w4=group)
         # sm_90's decode with the tiles right of the dots, as every other target has them (tools/sass_loop compares)
         out += _moe_cases(64, "decode BM=16 right", w4=group, right=True)
+        if group == 32:   # the words program for scale codes past 128
+            out += _moe_cases(64, "decode BM=16 wide", w4=group, wide=True)
         out += _moe_cases(576, "decode B=64 + shared expert", shared=True, w4=group)   # a 4-bit shared expert as E
     out += _fp4_linear_cases()
     return out + _fp8_cases()
 
 
-def _moe_cases(slots: int, label: str, shared: bool = False, w4: int = 0, right: bool = False) -> list[Case]:
+def _moe_cases(slots: int, label: str, shared: bool = False, w4: int = 0, right: bool = False,
+               wide: bool = False) -> list[Case]:
     """The two bf16 expert GEMMs of a step of `slots` (token, expert) pairs over Kimi-Linear's 256
     experts (hidden 2304, width 1024), on each target as ops/moe/fused.moe_tiles launches them there;
     `shared`: with the shared expert run as expert 256 (decode); `w4`: 4-bit experts in groups of
     32 (MXFP4) or 16 (NVFP4), K steps of at least 32 as moe_experts_fused widens them (MXFP4 through
     tl.dot_scaled on sm_100 and gfx950; on sm_90's decode the decoded tiles left of the dots, decoded
-    by byte tables: ops/fp4/tiles.fp4_weights_left); `right`: sm_90's decode with the tiles on the
-    right of the dots, decoded bitwise, as every other target has them."""
+    by the words program: ops/fp4/tiles.fp4_weights_left); `right`: sm_90's decode with the tiles on
+    the right of the dots, decoded bitwise, as every other target has them; `wide`: the words
+    program for MXFP4 scale codes past 128 (ops/fp4/word_decode.py), sm_90 only."""
     from kdaserve.ops.fp4.tiles import fp4_weights_left, scale_pair_pipelines
     from kdaserve.ops.moe.fused import _moe_down_kernel, _moe_gate_up_kernel, moe_tiles
     from kdaserve.ops.precision import native_fp4_dots
@@ -347,12 +351,13 @@ def _moe_cases(slots: int, label: str, shared: bool = False, w4: int = 0, right:
             w4_opts["W4_PAIR"] = scale_pair_pipelines(bn, bk, w4, warps)
         if w4:   # each target's own choice (a per-target launch adds to sm_90's constants: say False too)
             left = not w4_opts.get("W4_DOT") and not right and fp4_weights_left(t, tiles.block_m)
-            w4_opts.update(W4_LEFT=left, W4_TABLES=left)   # left: bf16 x on an NVIDIA GPU, the byte tables
+            # left: bf16 x on an NVIDIA GPU, the words program (WIDE: MXFP4 scale codes past 128)
+            w4_opts.update(W4_LEFT=left, W4_WORDS=left, W4_WIDE=left and wide)
         return {"consts": dict(BM=tiles.block_m, BN=bn, BK=bk, **w4_opts), "warps": warps,
                 "stages": stages or (2 if t.startswith("gfx") else 3)}
 
     common = dict(FP8=False, BLOCK_ROWS=1, EVEN_K=True, HAS_SHARED=shared, W4=w4)
-    not_on = tuple(t for t in TARGETS if t != "sm_90") if right else ()
+    not_on = tuple(t for t in TARGETS if t != "sm_90") if right or wide else ()
     W, WS = ("*u8", "*u8") if w4 else (BF, BF)
     name = f"moe {'mx' if w4 == 32 else 'nv' if w4 else ''}{'fp4 ' if w4 else ''}"
     return [

@@ -6,7 +6,6 @@ interpreter in fp32, fp16 and bf16; GPU: bf16 at Kimi-Linear's sizes)."""
 
 from __future__ import annotations
 
-import itertools
 import os
 
 import pytest
@@ -14,7 +13,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kdaserve.ops.fp4.byte_tables import bytes_in_order, e2m1_scaled_bf16, mxfp4_scale_pair, nvfp4_scale_pair
 from kdaserve.ops.fp4.reference import e2m1_values, quantize_mxfp4, quantize_nvfp4
 from kdaserve.ops.fp4.tiles import (
     e2m1_bf16_pair,
@@ -26,6 +24,7 @@ from kdaserve.ops.fp4.tiles import (
     in_fragment_order,
 )
 from kdaserve.ops.fp4.weights import Fp4Weights
+from kdaserve.ops.fp4.word_decode import bytes_in_order, e2m1_words_bf16, mxfp4_scale_pair, nvfp4_scale_pair
 from kdaserve.ops.moe import RouterConfig, moe_experts_reference, route_tokens
 from kdaserve.testing.compare import assert_rel_close
 
@@ -136,10 +135,11 @@ def test_the_bf16_decoders_give_every_code_times_every_scale_exactly(scheme):
     assert torch.equal(out[usable].float(), want)
 
 
-def _run_ptx(program: str, args: list[int]) -> list[int]:
-    """Execute the byte-table decoder's PTX (ops/fp4/byte_tables.py) in Python: 32-bit registers,
-    $0..$3 out, $4.. in; mov, and, shr, shl, prmt, lop3 and fma.rn.bf16x2 as the PTX ISA defines them."""
-    regs = {f"${i + 4}": v for i, v in enumerate(args)}
+def _run_ptx(program: str, args: list[int], outs: int = 4) -> list[int]:
+    """Execute a words-decoder PTX program (ops/fp4/word_decode.py) in Python: 32-bit registers,
+    $0..$<outs - 1> out, the inputs after; mov, and, shl, mul.lo, prmt and fma.rn.bf16x2 as the PTX
+    ISA defines them."""
+    regs = {f"${i + outs}": v for i, v in enumerate(args)}
 
     def val(op):
         return regs[op] if op in regs else int(op, 0)
@@ -164,15 +164,13 @@ def _run_ptx(program: str, args: list[int]) -> list[int]:
                 sel = x[2] >> 4 * i & 0xF
                 byte = pool[sel & 7]
                 out |= ((0xFF if byte & 0x80 else 0) if sel & 8 else byte) << 8 * i
-        elif op == "lop3.b32":
-            out = sum(((x[3] >> ((x[0] >> i & 1) * 4 + (x[1] >> i & 1) * 2 + (x[2] >> i & 1))) & 1) << i for i in range(32))
         elif op == "fma.rn.bf16x2":
             out = fma_bf16(x[0] & 0xFFFF, x[1] & 0xFFFF, x[2] & 0xFFFF) | fma_bf16(x[0] >> 16, x[1] >> 16, x[2] >> 16) << 16
         else:
-            out = {"mov.b32": lambda: x[0], "and.b32": lambda: x[0] & x[1], "shr.u32": lambda: x[0] >> x[1],
-                   "shl.b32": lambda: x[0] << x[1]}[op]()
+            out = {"mov.b32": lambda: x[0], "and.b32": lambda: x[0] & x[1], "shl.b32": lambda: x[0] << x[1],
+                   "mul.lo.u32": lambda: x[0] * x[1]}[op]()
         regs[d] = out & 0xFFFFFFFF
-    return [regs[f"${i}"] for i in range(4)]
+    return [regs[f"${i}"] for i in range(outs)]
 
 
 def _word_bytes(first: int) -> list[int]:
@@ -185,108 +183,98 @@ def _word(first: int) -> int:
     return sum(b << 8 * i for i, b in enumerate(_word_bytes(first)))
 
 
-def _assert_program_decodes(program: str, word: int, scale_word: int, scale: torch.Tensor) -> None:
-    """The tables program (executed by _run_ptx) on `word` with `scale_word`: each byte's two values
-    times `scale`, exactly as the definition (ops/fp4/reference.py) has them."""
-    values = e2m1_values()
-    for k, pair in enumerate(_run_ptx(program, [word, scale_word])):
+def _bf16_bits(values: torch.Tensor) -> torch.Tensor:
+    """Exact bf16 values (float64) -> their bits, int32."""
+    bf = values.bfloat16()
+    assert torch.equal(bf.double(), values.double()), "exact in bf16"
+    return bf.view(torch.int16).int() & 0xFFFF
+
+
+def _assert_program_decodes(program: str, word: int, factor_bits: int, scale: float) -> None:
+    """A words program (executed by _run_ptx) on `word` with the factor `factor_bits` (bf16) in both
+    halves: each byte's two values times `scale`, exactly as the definition (ops/fp4/reference.py)
+    has them (every product bf16 holds is exact there; past bf16's largest, inf)."""
+    values = e2m1_values().double()
+    for k, pair in enumerate(_run_ptx(program, [word, factor_bits | factor_bits << 16])):
         byte = word >> 8 * k & 0xFF
-        got = torch.tensor([pair & 0xFFFF, pair >> 16], dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
-        want = values[[byte & 0xF, byte >> 4]] * scale
-        assert torch.equal(got, want), (hex(byte), float(scale), got, want)
+        got = torch.tensor([pair & 0xFFFF, pair >> 16], dtype=torch.int32).to(torch.int16).view(torch.bfloat16).double()
+        want = (values[[byte & 0xF, byte >> 4]] * scale).bfloat16().double()
+        assert torch.equal(got, want), (hex(word), hex(byte), scale, got, want)
 
 
-def test_the_byte_table_decoder_gives_every_code_times_its_scale_exactly():
-    """The tables decoder's PTX (ops/fp4/byte_tables.py; no inline asm in the interpreter),
-    executed over every byte in each of the four positions of a word, with scales of both formats'
-    kinds (powers of two down to e8m0's subnormal 2^-127 and up to 2^127, e4m3 values), one a word
-    as a bf16 pair: each byte's two values times the scale, exactly as the definition
-    (ops/fp4/reference.py) has them."""
-    from kdaserve.ops.fp4.byte_tables import _E2M1_SCALED_PTX
+def test_the_words_program_gives_every_code_times_every_mxfp4_scale_exactly():
+    """The words program (ops/fp4/word_decode.py; no inline asm in the interpreter), executed over
+    every byte in each of the four positions of a word, with every e8m0 scale code but NaN's 255,
+    each a factor in both halves of a word as mxfp4_scale_pair makes it: each byte's two values times
+    the scale, exactly as the definition has them. Codes up to 128 through the program that folds
+    2^126 into the factor (2^(s - 1)), every code through the WIDE one (the scale itself)."""
+    from kdaserve.ops.fp4.word_decode import _E2M1_WORD_PTX, _E2M1_WORD_PTX_WIDE, MXFP4_FOLDED_MAX_CODE
 
-    scales = torch.tensor([1.0, 2.0**-127, 2.0**127, 2.0**-9, 0.875, 448.0, 0.001953125, 3.0]).bfloat16()
-    scale_bits = [int(b) & 0xFFFF for b in scales.view(torch.int16)]
-    for first, sc in itertools.product(range(256), range(len(scale_bits))):
-        _assert_program_decodes(_E2M1_SCALED_PTX.value, _word(first), scale_bits[sc] | scale_bits[sc] << 16,
-                                scales[sc].float())
-
-
-def _e4m3_times_2_to_minus_120_bits(codes: torch.Tensor) -> torch.Tensor:
-    """bf16 bits of each e4m3 code's value times 2^-120 (exact: bf16 holds e4m3's 4 significant bits
-    at every exponent it reaches, e4m3's subnormals in bf16's), int32."""
-    scaled = codes.view(torch.float8_e4m3fn).double() * 2.0**-120
-    return scaled.float().bfloat16().view(torch.int16).int() & 0xFFFF
+    assert MXFP4_FOLDED_MAX_CODE == 128
+    for code in range(255):
+        scale = 2.0 ** (code - 127)
+        for first in range(code % 4, 256, 4):   # over the codes, every first: every byte in every position
+            word = _word(first)
+            if code <= MXFP4_FOLDED_MAX_CODE:
+                _assert_program_decodes(_E2M1_WORD_PTX.value, word, int(_bf16_bits(torch.tensor(2.0 ** (code - 1)))),
+                                        scale)
+            _assert_program_decodes(_E2M1_WORD_PTX_WIDE.value, word, int(_bf16_bits(torch.tensor(scale))), scale)
 
 
-def test_the_e4m3_byte_tables_give_every_code_times_every_nvfp4_scale_exactly():
-    """NVFP4's tables program (the e2m1 values times 2^120 in its tables) with nvfp4_scale_pair's words
-    (each e4m3 scale times 2^-120), executed over every unsigned e4m3 scale code but NaN, each with a
-    word or more, every byte in every position over the codes: each byte's two values times
-    the scale, exactly as the definition has them (e4m3's subnormal scales included)."""
-    from kdaserve.ops.fp4.byte_tables import _E2M1_SCALED_PTX_E4M3
+def _e4m3_values(codes: torch.Tensor) -> torch.Tensor:
+    return codes.view(torch.float8_e4m3fn).double()
+
+
+def test_the_words_program_gives_every_code_times_every_nvfp4_scale_exactly():
+    """NVFP4 through the words program: nvfp4_scale_pair's program (executed here) gives every unsigned
+    e4m3 code but NaN its value times 2^110 in both bf16 halves (subnormal codes included), and the
+    words program with it each byte's two values times the scale times 2^-16, exactly (every byte in
+    every position over the codes): the kernels multiply the accumulators by 2^16."""
+    from kdaserve.ops.fp4.word_decode import _E2M1_WORD_PTX, _NVFP4_SCALE_PAIR_PTX, NVFP4_WORD_SHIFT
 
     codes = torch.arange(0x7F, dtype=torch.uint8)   # 0x7F is NaN; signed codes are refused at load
-    pairs = _e4m3_times_2_to_minus_120_bits(codes)
-    scales = codes.view(torch.float8_e4m3fn).float()
+    factors = _bf16_bits(_e4m3_values(codes) * 2.0**110)
     for code in range(0x7F):
-        for first in range(code, 256, 127):   # over the codes, every first: every byte in every position
-            _assert_program_decodes(_E2M1_SCALED_PTX_E4M3.value, _word(first), int(pairs[code]) | int(pairs[code]) << 16,
-                                    scales[code])
+        (pair,) = _run_ptx(_NVFP4_SCALE_PAIR_PTX.value, [code], outs=1)
+        assert pair == int(factors[code]) | int(factors[code]) << 16, hex(code)
+        for first in range(code, 256, 127):
+            _assert_program_decodes(_E2M1_WORD_PTX.value, _word(first), int(factors[code]),
+                                    float(_e4m3_values(codes)[code]) * 2.0**-NVFP4_WORD_SHIFT)
 
 
-def test_where_the_tiles_go_left_of_the_dots_and_decode_by_tables():
+def test_where_the_tiles_go_left_of_the_dots_and_decode_by_words():
     """Hopper's decode row blocks put the decoded tiles on the left (wgmma), nothing else does; the
-    tables decoder runs only on NVIDIA GPUs (PTX), never in the interpreter or on a CPU."""
-    from kdaserve.ops.fp4.byte_tables import tables_run_on
+    words decoder runs only on NVIDIA GPUs (PTX), never in the interpreter or on a CPU."""
     from kdaserve.ops.fp4.tiles import fp4_weights_left
+    from kdaserve.ops.fp4.word_decode import words_run_on
 
     assert fp4_weights_left("sm_90", 16) and fp4_weights_left("sm_90", 32)
     assert not fp4_weights_left("sm_90", 64) and not fp4_weights_left("sm_90", 128)   # prefill stays right
     assert not any(fp4_weights_left(t, 16) for t in ("sm_89", "sm_100", "gfx942", "gfx950", "cpu"))
-    assert not tables_run_on(torch.device("cpu"))
-
-
-@triton.jit
-def _bits_in_both_halves(scale):
-    """bf16 values -> uint32 words holding each one's bits in both halves (the tables' scale form)."""
-    bits = scale.to(tl.uint16, bitcast=True).to(tl.uint32)
-    return bits | (bits << 16)
+    assert not words_run_on(torch.device("cpu"))
 
 
 @triton.jit
 def _scale_pairs_kernel(codes_ptr, out_ptr):
     s = tl.load(codes_ptr + tl.arange(0, 256))
-    tl.store(out_ptr + tl.arange(0, 256), mxfp4_scale_pair(s))
-    tl.store(out_ptr + 256 + tl.arange(0, 256), _bits_in_both_halves(group_scale_bf16(s, 32)))
-    tl.store(out_ptr + 512 + tl.arange(0, 256), nvfp4_scale_pair(s))
+    tl.store(out_ptr + tl.arange(0, 256), mxfp4_scale_pair(s, False))
+    tl.store(out_ptr + 256 + tl.arange(0, 256), mxfp4_scale_pair(s, True))
 
 
 @INTERP
-def test_the_tables_mxfp4_scale_pairs_are_the_e8m0_values_in_both_halves():
-    """mxfp4_scale_pair's two operations give every e8m0 code's bf16 bits in both halves of a word,
-    2^-127's subnormal (code 0) included: group_scale_bf16's values in both halves."""
+def test_the_mxfp4_scale_pairs_are_the_factors_in_both_halves():
+    """mxfp4_scale_pair gives every e8m0 code its factor's bf16 bits in both halves of a word: 2^(s - 1)
+    in one multiply-add for codes up to 128, the value 2^(s - 127) itself (WIDE) for every code but
+    NaN's 255, 2^-127's subnormal (code 0) included: group_scale_bf16's values."""
     from kdaserve.ops import interpreter_compat
 
     interpreter_compat.install()
     codes = torch.arange(256, dtype=torch.uint8)
-    out = torch.zeros(768, dtype=torch.int32)
+    out = torch.zeros(512, dtype=torch.int32)
     _scale_pairs_kernel[(1,)](codes, out)
-    want = torch.exp2(codes[:255].double() - 127).bfloat16().view(torch.int16).int() & 0xFFFF
-    assert torch.equal(out[:255], want | want << 16) and torch.equal(out[:256], out[256:512])
-
-
-@INTERP
-def test_the_tables_nvfp4_scale_pairs_are_the_e4m3_values_times_2_to_minus_120_in_both_halves():
-    """nvfp4_scale_pair's one product gives every unsigned e4m3 code but NaN the bf16 bits of its value
-    times 2^-120 in both halves (the e4m3 tables take the 2^-120 back), subnormal codes included."""
-    from kdaserve.ops import interpreter_compat
-
-    interpreter_compat.install()
-    codes = torch.arange(256, dtype=torch.uint8)
-    out = torch.zeros(768, dtype=torch.int32)
-    _scale_pairs_kernel[(1,)](codes, out)
-    want = _e4m3_times_2_to_minus_120_bits(codes[:0x7F])
-    assert torch.equal(out[512:512 + 0x7F], want | want << 16)
+    folded = _bf16_bits(torch.exp2(codes[:129].double() - 1))
+    wide = _bf16_bits(torch.exp2(codes[:255].double() - 127))
+    assert torch.equal(out[:129], folded | folded << 16) and torch.equal(out[256:511], wide | wide << 16)
 
 
 @triton.jit
@@ -310,9 +298,10 @@ def _packed_kernel(w_ptr, out_ptr, rows, K, stride_w, BN: tl.constexpr, BK: tl.c
 
 @INTERP
 @pytest.mark.parametrize("K, BK", [(96, 32), (80, 32), (128, 128)], ids=["even", "masked-k", "one-step"])
-def test_the_tables_load_a_rows_codes_as_the_words_stored(K, BK):
-    """fp4_packed's WORDS (the tables' loads): each word the 4 bytes of a row as stored and rows past
-    the tile's rows zero codes, as the byte loads give them, K steps past the row's end included."""
+def test_the_words_decoder_loads_a_rows_codes_as_the_words_stored(K, BK):
+    """fp4_packed's WORDS (the words decoder's loads): each word the 4 bytes of a row as stored and
+    rows past the tile's rows zero codes, as the byte loads give them, K steps past the row's end
+    included."""
     from kdaserve.ops import interpreter_compat
 
     interpreter_compat.install()
@@ -327,29 +316,59 @@ def test_the_tables_load_a_rows_codes_as_the_words_stored(K, BK):
 
 
 @INTERP
-def test_the_tables_put_each_words_four_bytes_back_in_k_order():
-    """The tables decode a word into four registers, one a byte; they go back as bytes 4w..4w+3."""
+def test_the_words_decoder_puts_each_words_four_bytes_back_in_k_order():
+    """The words program decodes a word into four registers, one a byte; they go back as bytes 4w..4w+3."""
     out = torch.empty(4, 32, dtype=torch.int32)
     _bytes_in_order_kernel[(1,)](out, R=4, W=8)
     assert torch.equal(out.flatten(), torch.arange(128, dtype=torch.int32))
 
 
-def test_the_tables_decode_where_they_can_and_refuse_a_forced_misfit():
-    """The tables load packed codes as 32-bit words: a tensor's start, its rows (and expert slices)
-    and its row length whole words apart. By default they decode where the tiles are left of the
-    dots, with bf16 x on an NVIDIA GPU; forced on where they cannot run (the CPU, fp16 x, codes off
+def test_the_words_decoder_runs_where_it_can_and_refuses_a_forced_misfit():
+    """The words decoder loads packed codes as 32-bit words: a tensor's start, its rows (and expert
+    slices) and its row length whole words apart. By default it decodes where the tiles are left of
+    the dots, with bf16 x on an NVIDIA GPU; forced on where it cannot run (the CPU, fp16 x, codes off
     a word boundary) a clear error, never a misread."""
-    from kdaserve.ops.fp4.byte_tables import tables_decode, words_fit
+    from kdaserve.ops.fp4.word_decode import words_decode, words_fit
 
     codes = torch.zeros(3, 8, 1152, dtype=torch.uint8)
     assert words_fit(codes, codes[1], codes[:, :, 4:]) and words_fit(codes[..., :1148])
     for off_word in (codes[:, :, 1:], codes[..., :1150], torch.zeros(8, 1150, dtype=torch.uint8)[:, :1148]):
         assert not words_fit(off_word)
     x = torch.zeros(2, 2304, dtype=torch.bfloat16)
-    assert not tables_decode(x, True, None, codes) and not tables_decode(x, True, False, codes)
+    assert not words_decode(x, True, None, codes) and not words_decode(x, True, False, codes)
     for bad in (x, x.half()):
-        with pytest.raises(ValueError, match="byte-table decoder needs bf16 activations on an NVIDIA GPU"):
-            tables_decode(bad, True, True, codes)
+        with pytest.raises(ValueError, match="words decoder needs bf16 activations on an NVIDIA GPU"):
+            words_decode(bad, True, True, codes)
+
+
+def test_the_largest_scale_code_is_read_once_after_each_write():
+    """largest_code reads a scale tensor's largest code from the device once after each write (kept
+    with the tensor's version counter), so the kernels' choice of program costs no sync a step; a
+    write of any kind, through any view, makes it read again. MXFP4 folds 2^126 into the factor only
+    where every scale's largest code is known and at most 128."""
+    from kdaserve.ops.fp4.word_decode import largest_code, mxfp4_scales_fold
+
+    scale = torch.full((4, 8), 120, dtype=torch.uint8)
+    reads = []
+    real_max = torch.Tensor.max
+
+    def counting_max(t, *a, **k):
+        reads.append(1)
+        return real_max(t, *a, **k)
+
+    torch.Tensor.max = counting_max
+    try:
+        assert largest_code(scale) == 120 and largest_code(scale) == 120 and len(reads) == 1
+        scale[2, 3] = 128   # a write through an index: read again
+        assert largest_code(scale) == 128 and len(reads) == 2 and mxfp4_scales_fold(scale)
+        scale[1].copy_(torch.full((8,), 129, dtype=torch.uint8))   # through a view, by copy_
+        assert largest_code(scale) == 129 and not mxfp4_scales_fold(scale) and len(reads) == 3
+        assert mxfp4_scales_fold(scale[0]) and not mxfp4_scales_fold(scale[0], scale)
+    finally:
+        torch.Tensor.max = real_max
+    with torch.inference_mode():   # an inference tensor has no version counter: never taken as known
+        made_there = torch.zeros(4, dtype=torch.uint8)
+    assert largest_code(made_there) is None and not mxfp4_scales_fold(made_there)
 
 
 def test_hoppers_left_side_decode_takes_its_own_launch_shapes():
@@ -708,34 +727,43 @@ def test_gpu_decoded_tiles_on_either_side_of_the_dots(scheme, T):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("scheme", SCHEMES + ["mxfp4-wide"])
 @pytest.mark.parametrize("T", [8, 64, 2048])
-def test_gpu_byte_table_decoding_equals_the_bitwise_decoding(scheme, T):
-    """The byte-table decoder (ops/fp4/byte_tables.py) and the bitwise one decode to the very same
-    bf16 weights, so the experts and a 4-bit linear layer give the same outputs bit for bit with
-    either, the tiles on either side of the dots."""
+def test_gpu_words_decoding_equals_the_bitwise_decoding(scheme, T):
+    """The words decoder (ops/fp4/word_decode.py) and the bitwise one decode to the very same bf16
+    weights (NVFP4's times 2^-16, which the accumulators take back exactly), so the experts and a
+    4-bit linear layer give the same outputs bit for bit with either, the tiles on either side of
+    the dots. mxfp4-wide: weights whose scale codes reach past 128 (blocks times 64: their words
+    program is the WIDE one), at layer inputs small enough to stay finite."""
     from kdaserve.ops.fp4.linear import fp4_linear
+    from kdaserve.ops.fp4.word_decode import mxfp4_scales_fold
     from kdaserve.ops.moe.fused import moe_experts_fused
 
-    x, w13, w2, weights, ids = _gpu_step(scheme, T, 64, seed_w=T, seed_x=T)
+    x, w13, w2, weights, ids = _gpu_step(scheme.removesuffix("-wide"), T, 64, seed_w=T, seed_x=T)
+    if scheme.endswith("wide"):
+        w13, w2 = (Fp4Weights(w.packed, (w.scale + 6).contiguous(), None, 32).with_aligned_scales() for w in (w13, w2))
+        x = x * 2.0**-12
+    if scheme.startswith("mxfp4"):
+        assert mxfp4_scales_fold(w13.scale, w2.scale) == (scheme == "mxfp4")
     for left in (False, True):
-        outs = {tables: (moe_experts_fused(x, w13, w2, weights, ids, fp4_left=left, fp4_tables=tables),
-                         fp4_linear(x, w13[3], fp4_left=left, fp4_tables=tables)) for tables in (False, True)}
+        outs = {words: (moe_experts_fused(x, w13, w2, weights, ids, fp4_left=left, fp4_words=words),
+                        fp4_linear(x, w13[3], fp4_left=left, fp4_words=words)) for words in (False, True)}
         assert torch.isfinite(outs[True][0]).all() and torch.isfinite(outs[True][1]).all()
         assert torch.equal(outs[True][0], outs[False][0]) and torch.equal(outs[True][1], outs[False][1]), left
 
 
 @triton.jit
-def _tables_every_code_kernel(words_ptr, codes_ptr, out_ptr, GROUP: tl.constexpr, R: tl.constexpr, W: tl.constexpr):
-    """out[c, 8 w + 2 b + h] = nibble h of byte b of word w times scale code c, by the tables (R codes
-    a program, the same W words for each)."""
+def _words_every_code_kernel(words_ptr, codes_ptr, out_ptr, GROUP: tl.constexpr, WIDE: tl.constexpr,
+                             R: tl.constexpr, W: tl.constexpr):
+    """out[c, 8 w + 2 b + h] = nibble h of byte b of word w times scale code c's factor, by the words
+    program (R codes a program, the same W words for each)."""
     c = tl.program_id(0) * R + tl.arange(0, R)
     codes = tl.load(codes_ptr + c)
-    pairs = mxfp4_scale_pair(codes) if GROUP == 32 else nvfp4_scale_pair(codes)
+    pairs = mxfp4_scale_pair(codes, WIDE) if GROUP == 32 else nvfp4_scale_pair(codes)
     words = tl.load(words_ptr.to(tl.pointer_type(tl.uint32)) + tl.arange(0, W))
     tile_words = tl.broadcast_to(words[None, :], (R, W))
     tile_pairs = tl.broadcast_to(pairs[:, None], (R, W))
-    out = e2m1_scaled_bf16(tile_words, tile_pairs, GROUP)
+    out = e2m1_words_bf16(tile_words, tile_pairs, WIDE)
     tl.store(out_ptr + c[:, None] * (8 * W) + tl.arange(0, 8 * W)[None, :], out)
 
 
@@ -745,23 +773,28 @@ def _every_byte_in_every_position() -> torch.Tensor:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("scheme", SCHEMES)
-def test_gpu_the_tables_give_every_code_times_every_scale_exactly(scheme):
-    """The tables program on the GPU itself (prmt, lop3 and fma.rn.bf16x2 as the hardware runs them,
-    bf16 subnormal scales included: e8m0's 2^-127, e4m3's subnormals times 2^-120), over every scale
-    code the loaders take (MXFP4 every code but NaN's 255, NVFP4 every unsigned e4m3 code but NaN)
-    and every byte in each position of a word: each byte's two values times the scale, exactly."""
-    group = 32 if scheme == "mxfp4" else 16
+@pytest.mark.parametrize("scheme", ["mxfp4", "mxfp4-wide", "nvfp4"])
+def test_gpu_the_words_program_gives_every_code_times_every_scale_exactly(scheme):
+    """The words programs on the GPU itself (prmt, and, mul.lo and fma.rn.bf16x2 as the hardware runs
+    them, bf16 subnormals included: code 1's 2^-127 placement, e8m0's 2^-127, e4m3's subnormals), over
+    every scale code each program takes (MXFP4 codes up to 128 folded, every code but NaN's 255 WIDE;
+    NVFP4 every unsigned e4m3 code but NaN) and every byte in each position of a word: each byte's two
+    values times the scale (NVFP4's times 2^-16), exactly."""
+    from kdaserve.ops.fp4.word_decode import MXFP4_FOLDED_MAX_CODE, NVFP4_WORD_SHIFT
+
+    group, wide = (16, False) if scheme == "nvfp4" else (32, scheme.endswith("wide"))
     words = _every_byte_in_every_position()
     codes = torch.arange(256, dtype=torch.uint8)
     out = torch.full((256, 2048), float("nan"), dtype=torch.bfloat16, device="cuda")
-    _tables_every_code_kernel[(64,)](words.view(torch.int32).cuda(), codes.cuda(), out, GROUP=group, R=4, W=256)
+    _words_every_code_kernel[(64,)](words.view(torch.int32).cuda(), codes.cuda(), out, GROUP=group, WIDE=wide, R=4,
+                                    W=256)
     bytes_k = words.reshape(-1).long()   # byte b of word w at 4 w + b: values 8 w + 2 b (low nibble), + 1 (high)
     values = e2m1_values()[torch.stack([bytes_k & 0xF, bytes_k >> 4], -1)].reshape(-1)
-    if scheme == "mxfp4":   # 255 is NaN; the top codes overflow to inf times 4 and 6, in fp32 and bf16 alike
-        usable, factors = codes < 255, torch.exp2(codes.double() - 127).float()
+    if group == 32:   # 255 is NaN; the top codes overflow to inf times 4 and 6, in fp32 and bf16 alike
+        usable = codes <= (254 if wide else MXFP4_FOLDED_MAX_CODE)
+        factors = torch.exp2(codes.double() - 127).float()
     else:
-        usable, factors = codes < 0x7F, codes.view(torch.float8_e4m3fn).float()
+        usable, factors = codes < 0x7F, (_e4m3_values(codes) * 2.0**-NVFP4_WORD_SHIFT).float()
     want = (factors[:, None] * values[None, :])[usable]
     assert torch.equal(want.bfloat16().float(), want), "every product is exact in bf16 (or inf in both)"
     assert torch.equal(out.cpu()[usable].float(), want)

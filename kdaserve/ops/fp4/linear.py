@@ -14,7 +14,6 @@ import triton
 import triton.language as tl
 
 from kdaserve.ops import interpreter_compat
-from kdaserve.ops.fp4.byte_tables import tables_decode
 from kdaserve.ops.fp4.tiles import (
     decoded_dot,
     fp4_weight_tile,
@@ -22,6 +21,7 @@ from kdaserve.ops.fp4.tiles import (
     mxfp4_scaled_dot,
 )
 from kdaserve.ops.fp4.weights import Fp4Weights
+from kdaserve.ops.fp4.word_decode import mxfp4_scales_fold, nvfp4_words_restored, words_decode
 from kdaserve.ops.precision import device_target, dot_precision, native_fp4_dots
 
 
@@ -31,11 +31,12 @@ def _fp4_linear_kernel(
     M, N, K, stride_x, stride_w, stride_s, stride_y,
     GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
-    W4_DOT: tl.constexpr = False, A_FORMAT: tl.constexpr = "bf16", W4_TABLES: tl.constexpr = False,
-    W4_LEFT: tl.constexpr = False,
+    W4_DOT: tl.constexpr = False, A_FORMAT: tl.constexpr = "bf16", W4_WORDS: tl.constexpr = False,
+    W4_LEFT: tl.constexpr = False, W4_WIDE: tl.constexpr = False,
 ):
     """W4_LEFT: the decoded tiles are the dots' left operands (acc^T = W x^T, K in fragment order:
-    tiles.in_fragment_order), as the fused MoE kernels take them at decode on Hopper."""
+    tiles.in_fragment_order), as the fused MoE kernels take them at decode on Hopper. W4_WORDS,
+    W4_WIDE: decoded by the words program (ops/fp4/word_decode.py), the WIDE one."""
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     rows_in = (rows % M).to(tl.int64)
@@ -48,11 +49,13 @@ def _fp4_linear_kernel(
         if W4_DOT:
             acc = mxfp4_scaled_dot(a, w_rows, s_rows, True, k0, K, acc, BK, EVEN_K, A_FORMAT)
         else:
-            w = fp4_weight_tile(w_rows, s_rows, True, k0, K, BK, GROUP, EVEN_K, a.dtype, W4_TABLES)
+            w = fp4_weight_tile(w_rows, s_rows, True, k0, K, BK, GROUP, EVEN_K, a.dtype, W4_WORDS, W4_WIDE)
             acc = decoded_dot(a, w, acc, W4_LEFT, PREC)
     if W4_LEFT:
         acc = tl.trans(acc)
     if GROUP == 16:   # NVFP4's global scale divides, per output row of W
+        if W4_WORDS:
+            acc = nvfp4_words_restored(acc)
         acc = acc / tl.load(d_ptr + cols_in)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols_in).to(tl.float32)[None, :]
@@ -70,12 +73,12 @@ def fp4_tiles(m: int) -> tuple[int, int, int, int]:
 
 
 def fp4_linear(x: torch.Tensor, w: Fp4Weights, bias: torch.Tensor | None = None,
-               fp4_dots: bool | None = None, fp4_left: bool = False, fp4_tables: bool | None = None) -> torch.Tensor:
+               fp4_dots: bool | None = None, fp4_left: bool = False, fp4_words: bool | None = None) -> torch.Tensor:
     """x [..., in] -> [..., out] in x's dtype; the definition is F.linear(x, w.dequantized(x.dtype), bias).
     `fp4_dots`: force tl.dot_scaled (MXFP4, bf16 / fp16 x) on or off; None: where the target multiplies fp4.
     `fp4_left`: the decoded tiles on the left of the dots (not the default: tiles.fp4_weights_left
-    says why), decoded there by byte tables as the MoE kernels do; `fp4_tables` forces the decoder
-    (tests; tables need an NVIDIA GPU, bf16 x and codes in whole words: byte_tables.tables_decode)."""
+    says why), decoded there by the words program as the MoE kernels do; `fp4_words` forces the decoder
+    (tests; it needs an NVIDIA GPU, bf16 x and codes in whole words: word_decode.words_decode)."""
     out_features, in_features = w.shape
     if x.shape[-1] != in_features or w.packed.dim() != 2:
         raise ValueError(f"a 4-bit linear layer of {in_features} inputs needs x [..., {in_features}], got {list(x.shape)}")
@@ -96,10 +99,11 @@ def fp4_linear(x: torch.Tensor, w: Fp4Weights, bias: torch.Tensor | None = None,
     dot = (w.group == 32 and x.dtype in (torch.bfloat16, torch.float16)
            and (native_fp4_dots(device_target(x.device)) if fp4_dots is None else fp4_dots))
     left = not dot and x.dtype in (torch.bfloat16, torch.float16) and fp4_left
-    tables = not dot and tables_decode(x, left, fp4_tables, w.packed)
+    words = not dot and words_decode(x, left, fp4_words, w.packed)
     _fp4_linear_kernel[(triton.cdiv(M, BM), triton.cdiv(out_features, BN))](
         x2, w.packed, w.scale, div, b, y, M, out_features, in_features, x2.stride(0), w.packed.stride(0),
         w.scale.stride(0), y.stride(0), GROUP=w.group, HAS_BIAS=bias is not None, EVEN_K=in_features % BK == 0,
         BM=BM, BN=BN, BK=BK, PREC=prec, W4_DOT=dot, A_FORMAT="bf16" if x.dtype == torch.bfloat16 else "fp16",
-        W4_LEFT=left, W4_TABLES=tables, num_warps=warps)
+        W4_LEFT=left, W4_WORDS=words, W4_WIDE=words and w.group == 32 and not mxfp4_scales_fold(w.scale),
+        num_warps=warps)
     return y.view(*lead, out_features)

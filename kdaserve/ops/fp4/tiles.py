@@ -26,7 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kdaserve.ops.fp4.byte_tables import e2m1_scaled_bf16, mxfp4_scale_pair, nvfp4_scale_pair
+from kdaserve.ops.fp4.word_decode import e2m1_words_bf16, mxfp4_scale_pair, nvfp4_scale_pair
 
 
 @triton.jit
@@ -81,7 +81,7 @@ def group_scale(s, GROUP: tl.constexpr):
 def fp4_packed(w_rows, row_ok, k0, K, BK: tl.constexpr, EVEN_K: tl.constexpr, WORDS: tl.constexpr = False):
     """One K step of BN weight rows' packed bytes: `w_rows` [BN, 1] pointers to the rows, `row_ok`
     [BN, 1] -> uint8 [BN, BK/2], or with WORDS uint32 [BN, BK/8] (4 bytes of a row a word, in the
-    order stored: rows and their starts in whole words, as byte_tables.words_fit checks). Rows and K
+    order stored: rows and their starts in whole words, as word_decode.words_fit checks). Rows and K
     steps past the weight (where BK does not divide K) read as zero codes."""
     if WORDS:
         kw = k0 // 8 + tl.arange(0, BK // 8)
@@ -132,22 +132,24 @@ def scale_pair_pipelines(bn: int, bk: int, group: int, warps: int) -> bool:
 
 @triton.jit
 def fp4_weight_tile(w_rows, s_rows, row_ok, k0, K, BK: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr,
-                    dtype: tl.constexpr, TABLES: tl.constexpr = False):
+                    dtype: tl.constexpr, WORDS: tl.constexpr = False, WIDE: tl.constexpr = False):
     """One K step of BN weight rows (fp4_codes' arguments), decoded: [BN, BK] in `dtype`, K order."""
-    packed, codes = fp4_codes(w_rows, s_rows, row_ok, k0, K, BK, GROUP, EVEN_K, TABLES)
-    return decode_fp4_tile(packed, codes, BK, GROUP, dtype, TABLES)
+    packed, codes = fp4_codes(w_rows, s_rows, row_ok, k0, K, BK, GROUP, EVEN_K, WORDS)
+    return decode_fp4_tile(packed, codes, BK, GROUP, dtype, WORDS, WIDE)
 
 
 @triton.jit
 def decode_fp4_tile(packed, codes, BK: tl.constexpr, GROUP: tl.constexpr, dtype: tl.constexpr,
-                    TABLES: tl.constexpr = False):
+                    WORDS: tl.constexpr = False, WIDE: tl.constexpr = False):
     """Packed bytes [BN, BK/2] and their scale codes [BN, BK/GROUP] -> [BN, BK] in `dtype`, K order.
-    TABLES (bf16 only, NVIDIA: ops/fp4/byte_tables.py; its tables_decode says where): by byte tables,
-    the scale inside; `packed` then holds words [BN, BK/8] (fp4_packed's WORDS)."""
-    tl.static_assert(dtype == tl.bfloat16 or not TABLES, "the byte tables decode into bf16 only")
-    if TABLES:
-        pairs = mxfp4_scale_pair(codes) if GROUP == 32 else nvfp4_scale_pair(codes)
-        w = e2m1_scaled_bf16(packed, _per_value(pairs, BK // 8, GROUP // 8), GROUP)
+    WORDS (bf16 only, NVIDIA: ops/fp4/word_decode.py; its words_decode says where): by the words
+    program, the scale inside; `packed` then holds words [BN, BK/8] (fp4_packed's WORDS), and NVFP4's
+    values come out times 2^-16 (the kernels take it back: word_decode.nvfp4_words_restored). WIDE:
+    MXFP4 scale codes past word_decode.MXFP4_FOLDED_MAX_CODE (or not known)."""
+    tl.static_assert(dtype == tl.bfloat16 or not WORDS, "the words program decodes into bf16 only")
+    if WORDS:
+        pairs = mxfp4_scale_pair(codes, WIDE) if GROUP == 32 else nvfp4_scale_pair(codes)
+        w = e2m1_words_bf16(packed, _per_value(pairs, BK // 8, GROUP // 8), GROUP == 32 and WIDE)
     elif dtype == tl.bfloat16:
         # Two bf16 products per value pair, each exact: by 2^126 (the bit placement's), then by the
         # scale. One product by the two factors' product would overflow for e8m0 codes above 128.
@@ -167,16 +169,15 @@ def _per_value(g, BK: tl.constexpr, GROUP: tl.constexpr):
 
 # Where the decoded tiles go on the left of the dots at decode: Hopper, whose wgmma takes its left
 # operand from registers (the weights as decoded, K in fragment order) and its right from shared memory
-# (the activations). Elsewhere (mma.sync, tcgen05, MFMA) the left side is untimed, and on sm_89 the
-# byte tables spill there (tools/compile_check).
+# (the activations). Elsewhere (mma.sync, tcgen05, MFMA) the left side is untimed.
 FP4_LEFT_TARGETS = ("sm_90",)
 
 
 def fp4_weights_left(target: str, block_m: int) -> bool:
     """Whether the 4-bit expert GEMMs on `target` put their decoded weight tiles on the left of the
     dots (acc^T = W x^T, K in fragment order) at `block_m` activation rows per program: on
-    FP4_LEFT_TARGETS at decode's row blocks (under 64: ops/moe/fused.moe_tiles), with the byte-table
-    decoder (ops/fp4/byte_tables.py). Prefill's K steps of 64 would give a thread 8 bytes a row and a
+    FP4_LEFT_TARGETS at decode's row blocks (under 64: ops/moe/fused.moe_tiles), with the words
+    decoder (ops/fp4/word_decode.py). Prefill's K steps of 64 would give a thread 8 bytes a row and a
     longer loop, so prefill stays right; so does the 4-bit linear layer, where neither side won
     everywhere (timings and counts: docs/perf-notes.md, fortieth session)."""
     return target in FP4_LEFT_TARGETS and block_m < 64

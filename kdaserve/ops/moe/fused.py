@@ -26,7 +26,6 @@ import triton.language as tl
 from kdaserve.ops import interpreter_compat
 from kdaserve.ops.activation.swiglu import silu_product
 from kdaserve.ops.compile_ahead import compiles_ahead
-from kdaserve.ops.fp4.byte_tables import tables_decode
 from kdaserve.ops.fp4.tiles import (
     decode_fp4_tile,
     decoded_dot,
@@ -40,6 +39,7 @@ from kdaserve.ops.fp4.tiles import (
     scale_pair_pipelines,
 )
 from kdaserve.ops.fp4.weights import Fp4Weights
+from kdaserve.ops.fp4.word_decode import mxfp4_scales_fold, nvfp4_words_restored, words_decode
 from kdaserve.ops.fp8.quant import quantize_per_token_group
 from kdaserve.ops.fp8.reference import FP8
 from kdaserve.ops.moe.align import align_to_experts
@@ -74,7 +74,7 @@ def _moe_gate_up_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
     FP8: tl.constexpr, BLOCK_ROWS: tl.constexpr, EVEN_K: tl.constexpr, HAS_SHARED: tl.constexpr = False,
     W4: tl.constexpr = 0, W4_DOT: tl.constexpr = False, A_FORMAT: tl.constexpr = "bf16", W4_PAIR: tl.constexpr = False,
-    W4_TABLES: tl.constexpr = False, W4_LEFT: tl.constexpr = False,
+    W4_WORDS: tl.constexpr = False, W4_LEFT: tl.constexpr = False, W4_WIDE: tl.constexpr = False,
 ):
     """HAS_SHARED: expert `num_routed` is the shared expert, its [2I, hidden] weight at
     shared_w_ptr with w13's row stride (4-bit: its scales and divisors at shared_ws_ptr and
@@ -87,7 +87,9 @@ def _moe_gate_up_kernel(
     ops/fp4/tiles.in_fragment_order; moe_experts_fused says where). Fragment order loads the
     activations 4 bytes at a time, where a row mask costs three instructions a load: those loads
     are unmasked, a slot past the block's reading the block's first slot's row (its results are
-    never stored; the first slot's row, not a fixed one, so that blocks do not all read one row)."""
+    never stored; the first slot's row, not a fixed one, so that blocks do not all read one row).
+    W4_WORDS: the codes load as 32-bit words, decoded by ops/fp4/word_decode.py's program (W4_WIDE:
+    its program for MXFP4 scale codes past 128); NVFP4's accumulators then take back 2^16."""
     pid_m, pid_n = _block_of_program(tl.cdiv(INTER, BN))
     e = tl.load(experts_ptr + pid_m)
     if e < 0:
@@ -124,17 +126,19 @@ def _moe_gate_up_kernel(
             else:
                 if W4_PAIR:   # gate's and up's scales in one load (why: ops/fp4/tiles.fp4_scale_pair)
                     sg, su = fp4_scale_pair(s_base, cols, INTER, stride_wsn, col_ok, k0, HIDDEN, BK, W4, EVEN_K)
-                    pg = fp4_packed(gate_w, col_ok[:, None], k0, HIDDEN, BK, EVEN_K, W4_TABLES)
-                    pu = fp4_packed(up_w, col_ok[:, None], k0, HIDDEN, BK, EVEN_K, W4_TABLES)
+                    pg = fp4_packed(gate_w, col_ok[:, None], k0, HIDDEN, BK, EVEN_K, W4_WORDS)
+                    pu = fp4_packed(up_w, col_ok[:, None], k0, HIDDEN, BK, EVEN_K, W4_WORDS)
                 else:
-                    pg, sg = fp4_codes(gate_w, gate_s, col_ok[:, None], k0, HIDDEN, BK, W4, EVEN_K, W4_TABLES)
-                    pu, su = fp4_codes(up_w, up_s, col_ok[:, None], k0, HIDDEN, BK, W4, EVEN_K, W4_TABLES)
-                acc_g = decoded_dot(a, decode_fp4_tile(pg, sg, BK, W4, a.dtype, W4_TABLES), acc_g, W4_LEFT, PREC)
-                acc_u = decoded_dot(a, decode_fp4_tile(pu, su, BK, W4, a.dtype, W4_TABLES), acc_u, W4_LEFT, PREC)
+                    pg, sg = fp4_codes(gate_w, gate_s, col_ok[:, None], k0, HIDDEN, BK, W4, EVEN_K, W4_WORDS)
+                    pu, su = fp4_codes(up_w, up_s, col_ok[:, None], k0, HIDDEN, BK, W4, EVEN_K, W4_WORDS)
+                acc_g = decoded_dot(a, decode_fp4_tile(pg, sg, BK, W4, a.dtype, W4_WORDS, W4_WIDE), acc_g, W4_LEFT, PREC)
+                acc_u = decoded_dot(a, decode_fp4_tile(pu, su, BK, W4, a.dtype, W4_WORDS, W4_WIDE), acc_u, W4_LEFT, PREC)
         if W4_LEFT:
             acc_g, acc_u = tl.trans(acc_g), tl.trans(acc_u)
         if W4 == 16:   # NVFP4's global scale divides, per output row
             divisors = _expert_weights(wd_ptr, shared_wd_ptr, e, stride_wde, num_routed, HAS_SHARED) + cols
+            if W4_WORDS:
+                acc_g, acc_u = nvfp4_words_restored(acc_g), nvfp4_words_restored(acc_u)
             acc_g = acc_g / tl.load(divisors, mask=col_ok, other=1.0)[None, :]
             acc_u = acc_u / tl.load(divisors + INTER, mask=col_ok, other=1.0)[None, :]
     else:
@@ -165,11 +169,11 @@ def _moe_down_kernel(
     S, HIDDEN, INTER, stride_h, stride_we, stride_wn, stride_y, stride_hs, stride_wse, stride_wsn, stride_wde, num_routed,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
     FP8: tl.constexpr, BLOCK_ROWS: tl.constexpr, EVEN_K: tl.constexpr, HAS_SHARED: tl.constexpr = False,
-    W4: tl.constexpr = 0, W4_DOT: tl.constexpr = False, A_FORMAT: tl.constexpr = "bf16", W4_TABLES: tl.constexpr = False,
-    W4_LEFT: tl.constexpr = False,
+    W4: tl.constexpr = 0, W4_DOT: tl.constexpr = False, A_FORMAT: tl.constexpr = "bf16", W4_WORDS: tl.constexpr = False,
+    W4_LEFT: tl.constexpr = False, W4_WIDE: tl.constexpr = False,
 ):
     """HAS_SHARED: expert `num_routed` is the shared expert, its [hidden, I] weight at
-    shared_w_ptr with w2's row stride (4-bit: as in _moe_gate_up_kernel). W4, W4_DOT, W4_LEFT: 4-bit
+    shared_w_ptr with w2's row stride (4-bit: as in _moe_gate_up_kernel). W4, W4_DOT, W4_LEFT, W4_WORDS, W4_WIDE: 4-bit
     experts as in _moe_gate_up_kernel (packed [E, hidden, I/2], scales [E, hidden, I/W4], divisors
     [E, hidden])."""
     pid_m, pid_n = _block_of_program(tl.cdiv(HIDDEN, BN))
@@ -199,12 +203,14 @@ def _moe_down_kernel(
             if W4_DOT:
                 acc = mxfp4_scaled_dot(a, w_rows, s_rows, col_ok[:, None], k0, INTER, acc, BK, EVEN_K, A_FORMAT)
             else:
-                w = fp4_weight_tile(w_rows, s_rows, col_ok[:, None], k0, INTER, BK, W4, EVEN_K, a.dtype, W4_TABLES)
+                w = fp4_weight_tile(w_rows, s_rows, col_ok[:, None], k0, INTER, BK, W4, EVEN_K, a.dtype, W4_WORDS, W4_WIDE)
                 acc = decoded_dot(a, w, acc, W4_LEFT, PREC)
         if W4_LEFT:
             acc = tl.trans(acc)
         if W4 == 16:
             divisors = _expert_weights(wd_ptr, shared_wd_ptr, e, stride_wde, num_routed, HAS_SHARED) + cols
+            if W4_WORDS:
+                acc = nvfp4_words_restored(acc)
             acc = acc / tl.load(divisors, mask=col_ok, other=1.0)[None, :]
     else:
         for k0 in range(0, INTER, BK):
@@ -316,7 +322,7 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
                       addend: torch.Tensor | None = None,
                       shared: tuple[torch.Tensor, torch.Tensor] | None = None, skip_expert: bool = False,
                       fp4_dots: bool | None = None, fp4_left: bool | None = None,
-                      fp4_tables: bool | None = None) -> torch.Tensor:
+                      fp4_words: bool | None = None) -> torch.Tensor:
     """Same contract as ops/moe/reference.moe_experts_reference: x [T, hidden] -> [T, hidden];
     `addend` [T, hidden] (the shared experts' output) is added before the result's one rounding.
     `shared` = (w13 [2I, hidden], w2 [hidden, I]) of a shared expert of the routed experts' width,
@@ -333,9 +339,9 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     fp16 x go through `tl.dot_scaled` instead where the target multiplies fp4 natively
     (ops/precision.native_fp4_dots; `fp4_dots` True / False forces either, for tests). Decoded 4-bit
     tiles enter the dots as their left operands where ops/fp4/tiles.fp4_weights_left says, decoded
-    there by byte tables (ops/fp4/byte_tables.py) on NVIDIA GPUs with bf16 x; `fp4_left` and
-    `fp4_tables` force either choice (tests, benchmarks; tables need an NVIDIA GPU, bf16 x and codes
-    in whole 32-bit words: byte_tables.tables_decode).
+    there by the words program (ops/fp4/word_decode.py) on NVIDIA GPUs with bf16 x; `fp4_left` and
+    `fp4_words` force either choice (tests, benchmarks; words need an NVIDIA GPU, bf16 x and codes
+    in whole 32-bit words: word_decode.words_decode).
     `skip_expert`: id E marks choices computed elsewhere (another rank's experts under expert
     parallelism): aligned as one more expert whose blocks no program runs, their rows zero."""
     T, hidden, E, inter = check_expert_shapes("fused MoE", x, w13, w2, weights, ids, addend)
@@ -404,16 +410,18 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
         a, a_scale, ws13, ws2, br = x, h, h, h, 1
     scaled = fp8 or w4
     left = decoded_half and (fp4_weights_left(target, BM) if fp4_left is None else fp4_left)
-    tables = decoded and tables_decode(x, left, fp4_tables, w13, w2, *(() if shared is None else (shared_w13, shared_w2)))
-    dots = dict(W4_DOT=w4_dot, A_FORMAT="bf16" if x.dtype == torch.bfloat16 else "fp16", W4_LEFT=left,
-                W4_TABLES=tables)
+    words = decoded and words_decode(x, left, fp4_words, w13, w2, *(() if shared is None else (shared_w13, shared_w2)))
+    dots = dict(W4_DOT=w4_dot, A_FORMAT="bf16" if x.dtype == torch.bfloat16 else "fp16", W4_LEFT=left, W4_WORDS=words)
+
+    def wide(*scales):   # MXFP4 through the words program: the WIDE one unless every scale code is known to fold
+        return words and group == 32 and not mxfp4_scales_fold(*scales)
     _moe_gate_up_kernel[(m_blocks * triton.cdiv(inter, BN1),)](
         a, w13, sorted_slots, block_experts, h, a_scale, ws13, shared_w13, wd13, shared_ws13, shared_wd13,
         S, hidden, inter, a.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
         a_scale.stride(0), ws13.stride(0) if scaled else 0, ws13.stride(1) if scaled else 0, wd13.stride(0), E,
         TOPK=k, LIMIT=float(activation_limit or 0.0), HAS_LIMIT=activation_limit is not None,
         BM=BM, BN=BN1, BK=BK1, PREC=prec, FP8=fp8, BLOCK_ROWS=br, EVEN_K=hidden % BK1 == 0,
-        HAS_SHARED=shared is not None, W4=group, **dots,
+        HAS_SHARED=shared is not None, W4=group, **dots, W4_WIDE=wide(ws13, *([shared_ws13] if shared else [])),
         W4_PAIR=decoded and scale_pair_pipelines(BN1, BK1, group, warps1),
         num_warps=warps1, num_stages=stages1, **_register_cap(t.gate_up_regs),
     )
@@ -426,7 +434,8 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
         shared_ws2, shared_wd2, S, hidden, inter, hq.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
         h_scale.stride(0), ws2.stride(0) if scaled else 0, ws2.stride(1) if scaled else 0, wd2.stride(0), E,
         BM=BM, BN=BN2, BK=BK2, PREC=prec, FP8=fp8, BLOCK_ROWS=br, EVEN_K=inter % BK2 == 0,
-        HAS_SHARED=shared is not None, W4=group, **dots, num_warps=warps2, num_stages=stages2,
+        HAS_SHARED=shared is not None, W4=group, **dots, W4_WIDE=wide(ws2, *([shared_ws2] if shared else [])),
+        num_warps=warps2, num_stages=stages2,
         **_register_cap(t.down_regs),
     )
     return sum_over_choices(y, T, k, out_dtype, addend)
