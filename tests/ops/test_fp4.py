@@ -733,16 +733,17 @@ def test_gpu_words_decoding_equals_the_bitwise_decoding(scheme, T):
     """The words decoder (ops/fp4/word_decode.py) and the bitwise one decode to the very same bf16
     weights (NVFP4's times 2^-16, which the accumulators take back exactly), so the experts and a
     4-bit linear layer give the same outputs bit for bit with either, the tiles on either side of
-    the dots. mxfp4-wide: weights whose scale codes reach past 128 (blocks times 64: their words
-    program is the WIDE one), at layer inputs small enough to stay finite."""
+    the dots. mxfp4-wide: weights whose scale codes all lie past 128 (each block times one power of
+    two: their words program is the WIDE one), the layer's input smaller by as much."""
     from kdaserve.ops.fp4.linear import fp4_linear
     from kdaserve.ops.fp4.word_decode import mxfp4_scales_fold
     from kdaserve.ops.moe.fused import moe_experts_fused
 
     x, w13, w2, weights, ids = _gpu_step(scheme.removesuffix("-wide"), T, 64, seed_w=T, seed_x=T)
     if scheme.endswith("wide"):
-        w13, w2 = (Fp4Weights(w.packed, (w.scale + 6).contiguous(), None, 32).with_aligned_scales() for w in (w13, w2))
-        x = x * 2.0**-12
+        shift = 130 - min(int(w13.scale.min()), int(w2.scale.min()))
+        w13, w2 = (Fp4Weights(w.packed, (w.scale + shift).contiguous(), None, 32).with_aligned_scales() for w in (w13, w2))
+        x = x * 2.0**-shift
     if scheme.startswith("mxfp4"):
         assert mxfp4_scales_fold(w13.scale, w2.scale) == (scheme == "mxfp4")
     for left in (False, True):
