@@ -14,9 +14,6 @@
 # Add a part as `if [ "$PART" = name ]; then ... fi` below, with what it must show, and name it in
 # OWED; take it out of OWED once it ran (its numbers go to docs/perf-notes.md).
 OWED=(
-  fp4_placed      # an H100 or H200 (issue 63): the words program (values' bits placed, one product a pair)
-                  # against the byte tables it replaced, old beside new
-  fp4_glm_pairs   # an H100 or H200 (issue 63): sm_90's left-side decode shapes swept at GLM-5.3-Flash's experts
   fp4_small       # an H100 or H200 (issue 63): the decode shapes swept at batch 1 / 2 / 4 (never swept there)
   fp4_native      # a B200 / MI355X only (issue 63): MXFP4 experts through tl.dot_scaled, timed
   fp4_kimi_full   # an H200 (issue 63): the whole Kimi-Linear (27 layers) with MXFP4 experts against bf16
@@ -26,7 +23,7 @@ OWED=(
   tp_gpus         # two or more GPUs (kind nvidia-h100-x2 or larger; issue 61): tensor parallel over NCCL with
                   # CUDA graphs per rank, and its throughput against one GPU
 )
-# Done, kept to run again: fp4_words (forty-third session, H100), fp4_pairs (forty-second session, H100), fp4_prefill, fp4_sweep_left, fp4_ncu (forty-first session, H100), fp4_sides (fortieth session, H100), fp4_pair (thirty-ninth session, H100; its KDASERVE_FP4_DECODER is gone, fortieth), fp4_bf16, fp4_shapes, fp4_glm, fp4_moe (thirty-eighth session, H100), image_tower (thirty-seventh session, H100), fp4_variants, ling_routing, ling_real, kimi_ttft (thirty-sixth session, H200), ling_tests (thirty-fourth session, H100: all passed), after_removal, house_tests, house_tests2, house_server and house_speed
+# Done, kept to run again: fp4_placed, fp4_glm_pairs (forty-fourth session, H100), fp4_words (forty-third session, H100), fp4_pairs (forty-second session, H100), fp4_prefill, fp4_sweep_left, fp4_ncu (forty-first session, H100), fp4_sides (fortieth session, H100), fp4_pair (thirty-ninth session, H100; its KDASERVE_FP4_DECODER is gone, fortieth), fp4_bf16, fp4_shapes, fp4_glm, fp4_moe (thirty-eighth session, H100), image_tower (thirty-seventh session, H100), fp4_variants, ling_routing, ling_real, kimi_ttft (thirty-sixth session, H200), ling_tests (thirty-fourth session, H100: all passed), after_removal, house_tests, house_tests2, house_server and house_speed
 # (thirty-third session, H100: all passed, throughput within A/A), k1_models and k1_models2 (thirty-second session, H100: all passed),
 # k1_ncu (K1 under Nsight Compute), k1_defaults (the K1 GPU tests and
 # the new defaults against the old), k1_prefetch_ncu, k1_table, k1_order (issue 21 goal 3), by the thirtieth
