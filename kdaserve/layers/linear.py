@@ -102,7 +102,8 @@ class MergedLinear(nn.Module):
         if param_name == "weight_global_scale":   # one value for the shard: each of its rows divides by it
             if tensor.numel() != 1:
                 raise ValueError(f"shard {shard}'s weight_global_scale must be one value, got {list(tensor.shape)}")
-            param.data[lo:hi] = tensor.reshape(()).float()
+            with torch.no_grad():   # through the parameter: the write moves its version counter (load_named_tensor)
+                param[lo:hi] = tensor.reshape(()).float()
             return
         if param_name == "weight_scale_inv":
             lo, hi = lo // self.fp8_block[0], hi // self.fp8_block[0]
@@ -116,7 +117,8 @@ class MergedLinear(nn.Module):
         if param.dtype == FP8 and tensor.dtype != FP8:
             raise ValueError(f"shard {shard} of an FP8 weight arrived as {tensor.dtype}; it must come quantized with its "
                              f"weight_scale_inv")
-        param.data[lo:hi].copy_(tensor)
+        with torch.no_grad():
+            param[lo:hi].copy_(tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp4_group is not None:

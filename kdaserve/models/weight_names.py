@@ -84,7 +84,10 @@ def load_named_tensor(root, name: str, tensor: torch.Tensor, params: dict | None
     if name not in params:
         return False
     param = params[name]
-    param.data.copy_(local_slice(tensor, param.shape))   # tensor parallel: this rank's slice of a sharded weight
+    # Through the parameter, not .data: the write moves its version counter, which what is derived
+    # from it keys on (ops/fp4/word_decode.largest_code). Tensor parallel: this rank's slice.
+    with torch.no_grad():
+        param.copy_(local_slice(tensor, param.shape))
     return True
 
 
@@ -109,7 +112,8 @@ def route_weights(model, weights: Iterable[tuple[str, torch.Tensor]], *, strict:
             continue
         if name == "lm_head.weight" and config.tie_word_embeddings:
             embed = params["model.embed_tokens.weight"]
-            embed.data.copy_(local_slice(tensor, embed.shape))
+            with torch.no_grad():
+                embed.copy_(local_slice(tensor, embed.shape))
         elif not load_named_tensor(model, name, tensor, params):
             unexpected.append(raw_name)
             continue

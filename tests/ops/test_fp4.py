@@ -371,6 +371,26 @@ def test_the_largest_scale_code_is_read_once_after_each_write():
     assert largest_code(made_there) is None and not mxfp4_scales_fold(made_there)
 
 
+def test_the_loaders_writes_of_4bit_scales_are_seen_by_the_largest_code():
+    """A scale written again after the kernels read its largest code (weights reloaded in place)
+    is read again: the loaders write through the parameters, whose version counters move (a write
+    through `.data` would not), a merged layer's shard and a named parameter alike."""
+    from kdaserve.layers.linear import Fp4Linear, MergedLinear
+    from kdaserve.models.weight_names import load_named_tensor
+    from kdaserve.ops.fp4.word_decode import largest_code
+
+    merged = MergedLinear(64, [32, 32], fp4="mxfp4")
+    merged.packed_modules = {}
+    assert largest_code(merged.weight_scale) == 0
+    merged.load_shard("weight_scale", 1, torch.full((32, 2), 131, dtype=torch.uint8))
+    assert largest_code(merged.weight_scale) == 131
+    root = torch.nn.Module()
+    root.proj = Fp4Linear(64, 32, "mxfp4")
+    assert largest_code(root.proj.weight_scale) == 0
+    assert load_named_tensor(root, "proj.weight_scale", torch.full((32, 2), 140, dtype=torch.uint8))
+    assert largest_code(root.proj.weight_scale) == 140
+
+
 def test_hoppers_left_side_decode_takes_its_own_launch_shapes():
     """sm_90's 4-bit decode with the tiles left of the dots in row blocks of 16 (swept there, forty-first
     session): down in 128 columns, K steps of 128; gate|up K steps of 256 where they divide hidden.

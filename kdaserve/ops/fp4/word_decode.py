@@ -7,11 +7,11 @@ Hopper's decode); tiles.py's bitwise decoding everywhere else.
 Why: a 32-bit word of codes arrives whole where the tiles are left of the dots (fragment order: a
 thread's bytes side by side), and there the decode kernels come close to bound by instruction issue.
 Per word the program spends one shift, per byte a `prmt`, a shift and an `and` whose constants are
-all immediates, and per byte one product: fewer than the byte tables it replaced (10 `prmt`, 5 other
-integer operations, and 4 copies of their table constants into registers that ptxas made for every
-word) and than tiles.py's bitwise decoding (two products a pair). Counts: docs/perf-notes.md. The
-codes load as 32-bit words, not bytes: bytes reach the asm packed in the register order of the wgmma
-operand, which alternates rows, and gathering them cost two more `prmt` a word.
+all immediates (nothing for ptxas to hold or copy into registers), and per byte one product; tiles.py's
+bitwise decoding spends two products a pair (counts, and the byte tables this replaced:
+docs/perf-notes.md). The codes load as 32-bit words, not bytes: bytes reach the asm packed in the
+register order of the wgmma operand, which alternates rows, and gathering them costs two more `prmt`
+a word.
 
 How (`_E2M1_WORD_PTX`; a word w holds elements 2k (low nibble) and 2k+1 (high) in byte k, a
 nibble's bit 3 its sign): `prmt` picks from w and w << 4, for byte k, the register [byte k of
@@ -136,16 +136,18 @@ def nvfp4_scale_pair(codes):
 
 @triton.jit
 def nvfp4_words_restored(acc):
-    """An accumulator over NVFP4 weights decoded by the words program (their values times 2^-16)
-    times 2^16: the sums over the weights as they are, exactly (a power of two)."""
+    """An accumulator over NVFP4 weights decoded by the words program (their values times
+    2^-NVFP4_WORD_SHIFT) times 2^16: the sums over the weights as they are, exactly (a power of two)."""
     return acc * 65536.0
 
 
 def largest_code(scale: torch.Tensor) -> int | None:
     """The largest code in `scale` (uint8), read from the device once after each write: kept on the
-    tensor with its version counter, which every in-place write moves. None where it cannot be
-    read without a device sync the caller must not make (a CUDA graph capturing; the engine runs
-    each batch size once before capturing it) or an inference tensor (no version counter)."""
+    tensor with its version counter, which every in-place write through it or its views moves (not
+    one through `.data`, an alias with a counter of its own: kdaserve's loaders write through the
+    parameters, models/weight_names.load_named_tensor). None where it cannot be read without a
+    device sync the caller must not make (a CUDA graph capturing; the engine runs each batch size
+    once before capturing it) or an inference tensor (no version counter)."""
     if scale.is_inference():
         return None
     kept = getattr(scale, "_kdaserve_largest_code", None)
