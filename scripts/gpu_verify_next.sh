@@ -17,7 +17,8 @@ OWED=(
   fp4_small       # an H100 or H200 (issue 63): the decode shapes swept at batch 1 / 2 / 4 (never swept there)
   fp4_native      # a B200 / MI355X only (issue 63): MXFP4 experts through tl.dot_scaled, timed
   fp4_kimi_full   # an H200 (issue 63): the whole Kimi-Linear (27 layers) with MXFP4 experts against bf16
-                  # (an H100 ran MXFP4 against FP8, forty-third session: bf16 does not fit it)
+                  # (an H100 ran MXFP4 against FP8 with the byte tables, forty-third session: bf16 does not
+                  # fit it; KIMI_FORMATS="mxfp4 fp8" on an H100 times the words program's whole model)
   house_speed     # on an H200 (issue 59 asks it there; the H100 ran it, thirty-third session: within A/A):
                   # .old = `git archive 6eb0c8b kdaserve benchmarks`
   tp_gpus         # two or more GPUs (kind nvidia-h100-x2 or larger; issue 61): tensor parallel over NCCL with
