@@ -138,7 +138,10 @@ def moe_formats(batches, prefill, bw, fp4_sides: bool = False) -> None:
     decode graph-replayed against each format's own floor (its bytes of the touched experts), and
     prefill eager with the fraction of the bf16 tensor rate. `fp4_sides`: each 4-bit format twice, its
     decoded tiles on the right of the dots and on the left (ops/fp4/tiles.fp4_weights_left; decode only),
-    and MXFP4 through tl.dot_scaled (native fp4 dots where the target has them, else Triton's decomposition)."""
+    MXFP4 through tl.dot_scaled (native fp4 dots where the target has them, else Triton's decomposition)
+    and MXFP4 on the left with scale codes past 128 (the words decoder's WIDE program)."""
+    from kdaserve.ops.fp4.weights import Fp4Weights
+
     g, w13, w2, gate, router = routed_experts()
     formats = expert_formats(w13, w2)
     if fp4_sides:
@@ -151,6 +154,11 @@ def moe_formats(batches, prefill, bw, fp4_sides: bool = False) -> None:
                 sided[f"{name} {side}"] = (w, {**kw, "fp4_left": side == "left"}, per)
             if name == "mxfp4":   # tl.dot_scaled, which Triton decomposes where the target has no fp4 dots
                 sided[f"{name} dot_scaled"] = (w, {**kw, "fp4_dots": True}, per)
+                # Scale codes past 128 (ops/fp4/word_decode.py: the WIDE words program); the values are
+                # those weights times a power of two (the time, not the output, is what this row is for)
+                wide = tuple(Fp4Weights(q.packed, q.scale + (130 - int(q.scale.min())), None, 32).with_aligned_scales()
+                             for q in w)
+                sided[f"{name} left wide"] = (wide, {**kw, "fp4_left": True}, per)
         formats = sided
     rows = []
     for step, T in [("decode", b) for b in batches] + [("prefill", t) for t in prefill]:

@@ -15,6 +15,7 @@
 # OWED; take it out of OWED once it ran (its numbers go to docs/perf-notes.md).
 OWED=(
   fp4_small       # an H100 or H200 (issue 63): the decode shapes swept at batch 1 / 2 / 4 (never swept there)
+  fp4_wide        # an H100 or H200 (issue 63): MXFP4 with scale codes past 128 (the words decoder's WIDE program)
   fp4_native      # a B200 / MI355X only (issue 63): MXFP4 experts through tl.dot_scaled, timed
   fp4_kimi_full   # an H200 (issue 63): the whole Kimi-Linear (27 layers) with MXFP4 experts against bf16
                   # (an H100 ran MXFP4 against FP8 with the byte tables, forty-third session: bf16 does not
@@ -457,6 +458,22 @@ if [ "$PART" = fp4_small ]; then
     timeout $(cap 240) python3 benchmarks/bench_moe_mla.py --sweep-moe-fp4 --moe-shape $shape --batches 1 2 4 --prefill \
       > "$log" 2>&1
     echo "== small $shape rc=$?"; grep "^| decode" "$log"
+    grep -m3 "Error\|Traceback" "$log"
+  done
+fi
+
+if [ "$PART" = fp4_wide ]; then
+  # Must show (issue 63): the words decoder's WIDE program (MXFP4 weights whose scale codes pass 128: a
+  # second product a pair, sm_90's loop 1031 / 499 instructions a trip against the folded program's
+  # 896 / 432) timed beside the folded one: --moe-formats --fp4-sides' "mxfp4 left wide" row (the same
+  # experts, every scale code moved past 128) within ~10% of "mxfp4 left", and under the byte tables'
+  # time (fp4_placed, H100: Kimi-Linear b64 0.3795 ms old against 0.3419-0.3473 new) at both shapes.
+  for shape in kimi glm; do
+    [ $(( $(date +%s) - START )) -gt $(( BUDGET - 45 )) ] && { echo "== wide $shape NOT RUN (budget)"; continue; }
+    log="$OUT/fp4_wide_$shape.log"
+    timeout $(cap 100) python3 benchmarks/bench_moe_mla.py --moe-formats --fp4-sides --moe-shape $shape \
+      --batches 8 64 256 --prefill > "$log" 2>&1
+    echo "== wide $shape rc=$?"; grep "^|.*mxfp4 \(left\|right\)" "$log"
     grep -m3 "Error\|Traceback" "$log"
   done
 fi
