@@ -83,8 +83,9 @@ def check_mxfp4_scales(scale: torch.Tensor, name: str) -> None:
 
 def check_nvfp4_scales(scale: torch.Tensor | None, global_scale: torch.Tensor | None, name: str) -> None:
     """Block scales finite and without a sign (NVFP4's block scales are unsigned e4m3, UE4M3, as
-    NVIDIA's block-scaled MMA reads them; quantizers write amax / 6, never negative: the tables
-    decoder places the bits without one), the global scale finite and non-zero (either may be absent)."""
+    NVIDIA's block-scaled MMA reads them; quantizers write amax / 6, never negative: the words
+    decoder builds its factors from the bits without one, word_decode.nvfp4_scale_pair), the global
+    scale finite and non-zero (either may be absent)."""
     if global_scale is not None:
         g = global_scale.float()
         if not torch.isfinite(g).all() or (g == 0).any():
