@@ -346,7 +346,7 @@ def test_the_largest_scale_code_is_read_once_after_each_write():
     with the tensor's version counter), so the kernels' choice of program costs no sync a step; a
     write of any kind, through any view, makes it read again. MXFP4 folds 2^126 into the factor only
     where every scale's largest code is known and at most 128."""
-    from kdaserve.ops.fp4.word_decode import largest_code, mxfp4_scales_fold
+    from kdaserve.ops.fp4.word_decode import largest_code, mxfp4_scales_fold, words_wide
 
     scale = torch.full((4, 8), 120, dtype=torch.uint8)
     reads = []
@@ -364,6 +364,9 @@ def test_the_largest_scale_code_is_read_once_after_each_write():
         scale[1].copy_(torch.full((8,), 129, dtype=torch.uint8))   # through a view, by copy_
         assert largest_code(scale) == 129 and not mxfp4_scales_fold(scale) and len(reads) == 3
         assert mxfp4_scales_fold(scale[0]) and not mxfp4_scales_fold(scale[0], scale)
+        # the kernels' choice: WIDE only for MXFP4 through the words program with a scale that does not fold
+        assert words_wide(True, 32, scale) and not words_wide(True, 32, scale[0])
+        assert not words_wide(False, 32, scale) and not words_wide(True, 16, scale)
     finally:
         torch.Tensor.max = real_max
     with torch.inference_mode():   # an inference tensor has no version counter: never taken as known

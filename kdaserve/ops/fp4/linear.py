@@ -21,7 +21,7 @@ from kdaserve.ops.fp4.tiles import (
     mxfp4_scaled_dot,
 )
 from kdaserve.ops.fp4.weights import Fp4Weights
-from kdaserve.ops.fp4.word_decode import mxfp4_scales_fold, nvfp4_words_restored, words_decode
+from kdaserve.ops.fp4.word_decode import nvfp4_words_restored, words_decode, words_wide
 from kdaserve.ops.precision import device_target, dot_precision, native_fp4_dots
 
 
@@ -104,6 +104,6 @@ def fp4_linear(x: torch.Tensor, w: Fp4Weights, bias: torch.Tensor | None = None,
         x2, w.packed, w.scale, div, b, y, M, out_features, in_features, x2.stride(0), w.packed.stride(0),
         w.scale.stride(0), y.stride(0), GROUP=w.group, HAS_BIAS=bias is not None, EVEN_K=in_features % BK == 0,
         BM=BM, BN=BN, BK=BK, PREC=prec, W4_DOT=dot, A_FORMAT="bf16" if x.dtype == torch.bfloat16 else "fp16",
-        W4_LEFT=left, W4_WORDS=words, W4_WIDE=words and w.group == 32 and not mxfp4_scales_fold(w.scale),
+        W4_LEFT=left, W4_WORDS=words, W4_WIDE=words_wide(words, w.group, w.scale),
         num_warps=warps)
     return y.view(*lead, out_features)

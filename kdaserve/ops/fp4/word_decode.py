@@ -166,6 +166,12 @@ def mxfp4_scales_fold(*scales: torch.Tensor) -> bool:
     return all((c := largest_code(s)) is not None and c <= MXFP4_FOLDED_MAX_CODE for s in scales)
 
 
+def words_wide(words: bool, group: int, *scales: torch.Tensor) -> bool:
+    """Whether 4-bit weights decoded by the words program (`words`) in groups of `group` take its WIDE
+    program: MXFP4 whose scales (`scales`, every tensor the launch reads) do not all fold."""
+    return words and group == 32 and not mxfp4_scales_fold(*scales)
+
+
 def words_fit(*packed: torch.Tensor) -> bool:
     """Whether packed 4-bit codes (uint8, the last dimension contiguous) load as 32-bit words
     (tiles.fp4_packed's WORDS): each tensor's start, its rows (and expert slices) and its row length

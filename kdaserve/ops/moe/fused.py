@@ -39,7 +39,7 @@ from kdaserve.ops.fp4.tiles import (
     scale_pair_pipelines,
 )
 from kdaserve.ops.fp4.weights import Fp4Weights
-from kdaserve.ops.fp4.word_decode import mxfp4_scales_fold, nvfp4_words_restored, words_decode
+from kdaserve.ops.fp4.word_decode import nvfp4_words_restored, words_decode, words_wide
 from kdaserve.ops.fp8.quant import quantize_per_token_group
 from kdaserve.ops.fp8.reference import FP8
 from kdaserve.ops.moe.align import align_to_experts
@@ -412,16 +412,14 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     left = decoded_half and (fp4_weights_left(target, BM) if fp4_left is None else fp4_left)
     words = decoded and words_decode(x, left, fp4_words, w13, w2, *(() if shared is None else (shared_w13, shared_w2)))
     dots = dict(W4_DOT=w4_dot, A_FORMAT="bf16" if x.dtype == torch.bfloat16 else "fp16", W4_LEFT=left, W4_WORDS=words)
-
-    def wide(*scales):   # MXFP4 through the words program: the WIDE one unless every scale code is known to fold
-        return words and group == 32 and not mxfp4_scales_fold(*scales)
     _moe_gate_up_kernel[(m_blocks * triton.cdiv(inter, BN1),)](
         a, w13, sorted_slots, block_experts, h, a_scale, ws13, shared_w13, wd13, shared_ws13, shared_wd13,
         S, hidden, inter, a.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
         a_scale.stride(0), ws13.stride(0) if scaled else 0, ws13.stride(1) if scaled else 0, wd13.stride(0), E,
         TOPK=k, LIMIT=float(activation_limit or 0.0), HAS_LIMIT=activation_limit is not None,
         BM=BM, BN=BN1, BK=BK1, PREC=prec, FP8=fp8, BLOCK_ROWS=br, EVEN_K=hidden % BK1 == 0,
-        HAS_SHARED=shared is not None, W4=group, **dots, W4_WIDE=wide(ws13, *([shared_ws13] if shared else [])),
+        HAS_SHARED=shared is not None, W4=group, **dots,
+        W4_WIDE=words_wide(words, group, ws13, *([shared_ws13] if shared else [])),
         W4_PAIR=decoded and scale_pair_pipelines(BN1, BK1, group, warps1),
         num_warps=warps1, num_stages=stages1, **_register_cap(t.gate_up_regs),
     )
@@ -434,7 +432,8 @@ def moe_experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
         shared_ws2, shared_wd2, S, hidden, inter, hq.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
         h_scale.stride(0), ws2.stride(0) if scaled else 0, ws2.stride(1) if scaled else 0, wd2.stride(0), E,
         BM=BM, BN=BN2, BK=BK2, PREC=prec, FP8=fp8, BLOCK_ROWS=br, EVEN_K=inter % BK2 == 0,
-        HAS_SHARED=shared is not None, W4=group, **dots, W4_WIDE=wide(ws2, *([shared_ws2] if shared else [])),
+        HAS_SHARED=shared is not None, W4=group, **dots,
+        W4_WIDE=words_wide(words, group, ws2, *([shared_ws2] if shared else [])),
         num_warps=warps2, num_stages=stages2,
         **_register_cap(t.down_regs),
     )
